@@ -1,0 +1,258 @@
+"""Lesson 01 as a specification: the reference model, the comm meter, and data parallelism that
+computes exactly what one device computes.
+
+Tolerances (fp32 on CPU), measured then widened with margin:
+- loss per step: atol 1e-5. The data-parallel loss is the mean of N rank means, the reference the
+  mean of one batch: the same sum in another order, error ~1e-7 on losses of ~5; later steps also
+  carry the parameter differences below.
+- gradients of the first step: atol 1e-6 + rtol 1e-4. Each element is a sum over the global batch
+  in a different order; we measured <= 1.2e-8 absolute on gradients up to 0.05. A real bug
+  (a missed bucket, a missing / N) is off by the gradient itself, >= 25% relative.
+- parameters after 3 AdamW steps at lr 1e-3: atol 5e-5. Adam divides each gradient by its own
+  running magnitude, so for gradients near 1e-9 the rounding noise above becomes a visible change
+  of the update (we measured 3e-6 after 5 steps); any sync bug changes updates by ~lr = 1e-3.
+  Adam is blind to a uniform gradient scale, which is why gradients are compared directly.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import re
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import ROOT, RankFailure
+
+ddp = importlib.import_module("01_ddp")
+
+LOSS_ATOL, GRAD_ATOL, GRAD_RTOL, PARAM_ATOL = 1e-5, 1e-6, 1e-4, 5e-5
+
+
+@st.composite
+def model_configs(draw) -> "ddp.ModelConfig":
+    n_heads = draw(st.sampled_from([1, 2, 4]))
+    head_dim = draw(st.sampled_from([4, 8]))
+    return ddp.ModelConfig(vocab_size=draw(st.sampled_from([16, 50, 64])), dim=n_heads * head_dim,
+                           n_layers=draw(st.integers(1, 2)), n_heads=n_heads,
+                           ffn_dim=draw(st.sampled_from([16, 24])), seed=draw(st.integers(0, 99)))
+
+
+# --- the reference model ----------------------------------------------------------------------
+
+@given(cfg=model_configs(), seq_len=st.integers(2, 12), data=st.data())
+def test_logits_are_causal(cfg, seq_len, data):
+    t = data.draw(st.integers(0, seq_len - 2), label="position")
+    model = ddp.GPT(cfg)
+    tokens, _ = ddp.synthetic_batch(cfg, 2, seq_len, step=0)
+    changed = tokens.clone()
+    changed[:, t + 1:] = (changed[:, t + 1:] + 1) % cfg.vocab_size
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    assert torch.equal(before[:, :t + 1], after[:, :t + 1]), "a logit saw a future token"
+    assert not torch.allclose(before[:, t + 1:], after[:, t + 1:]), "changed tokens had no effect"
+
+
+@given(cfg=model_configs())
+def test_initial_loss_is_near_ln_vocab(cfg):
+    # logits = lm_head(rmsnorm(h)) with lm_head ~ N(0, init_std^2) and |rmsnorm(h)|^2 = dim, so the
+    # logits have std s = init_std sqrt(dim) and E[loss] ~ ln V + s^2 / 2: allow s^2 + 0.05.
+    tokens, targets = ddp.synthetic_batch(cfg, 8, 16, step=0)
+    loss = ddp.GPT(cfg)(tokens, targets).item()
+    s2 = cfg.init_std ** 2 * cfg.dim
+    assert abs(loss - math.log(cfg.vocab_size)) < s2 + 0.05
+
+
+def test_init_is_deterministic_and_seeded():
+    cfg = ddp.ModelConfig(seed=3)
+    a, b, c = ddp.GPT(cfg), ddp.GPT(cfg), ddp.GPT(ddp.ModelConfig(seed=4))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+
+
+@given(world=st.integers(1, 4), per_rank=st.integers(1, 3), step=st.integers(0, 5))
+def test_rank_slices_tile_the_global_batch(world, per_rank, step):
+    cfg = ddp.ModelConfig()
+    whole = ddp.synthetic_batch(cfg, world * per_rank, 8, step)
+    slices = [ddp.synthetic_batch(cfg, world * per_rank, 8, step, r, world) for r in range(world)]
+    for i in range(2):
+        assert torch.equal(torch.cat([s[i] for s in slices]), whole[i])
+    assert torch.equal(whole[0][:, 1:], whole[1][:, :-1]), "targets are the next tokens"
+
+
+def test_bad_model_config_names_the_constraint():
+    with pytest.raises(ValueError, match="dim=30 is not divisible by n_heads=4"):
+        ddp.ModelConfig(dim=30, n_heads=4)
+
+
+# --- the comm meter ---------------------------------------------------------------------------
+
+def exercise_collectives() -> dict:
+    """On 3 ranks: every wrapper, on the world group and on the subgroup of ranks {1, 2}."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    sub = dist.new_group([1, 2])
+    out = {}
+    with ddp.comm_meter() as meter:
+        t = torch.full((4,), float(rank + 1))
+        ddp.all_reduce(t)
+        out["all_reduce"] = t
+        gathered = torch.empty(2 * n)
+        ddp.all_gather(gathered, torch.tensor([rank, 10.0 * rank]))
+        out["all_gather"] = gathered
+        shard = torch.empty(2)
+        ddp.reduce_scatter(shard, torch.arange(2.0 * n) * (rank + 1))
+        out["reduce_scatter"] = shard
+        # uneven all-to-all: rank r sends j + 1 rows to rank j, each row filled with 100 r + j
+        send_splits = [j + 1 for j in range(n)]
+        recv_splits = [rank + 1] * n
+        inp = torch.cat([torch.full((j + 1, 2), 100.0 * rank + j) for j in range(n)])
+        received = torch.empty(sum(recv_splits), 2)
+        ddp.all_to_all(received, inp, recv_splits, send_splits)
+        out["all_to_all"] = received
+        if rank in (1, 2):
+            b = torch.full((3,), float(rank))
+            ddp.broadcast(b, src=1, group=sub)  # group rank 1 = global rank 2
+            out["broadcast"] = b
+        # a ring shift with batched p2p: send to the right, receive from the left
+        from_left = torch.empty(2)
+        for work in ddp.batch_p2p([("send", torch.full((2,), float(rank)), (rank + 1) % n),
+                                   ("recv", from_left, (rank - 1) % n)]):
+            work.wait()
+        out["ring"] = from_left
+        if rank in (1, 2):
+            msg = torch.full((5,), 7.0) if rank == 1 else torch.empty(5)
+            if rank == 1:
+                ddp.send(msg, dst=1, group=sub)
+            else:
+                ddp.recv(msg, src=0, group=sub)
+            out["send_recv"] = msg
+    out["meter"] = meter
+    return out
+
+
+def test_collective_wrappers_compute_and_count(rank_pool):
+    n = 3
+    results = rank_pool.run(n, exercise_collectives)
+    for rank, out in enumerate(results):
+        assert torch.equal(out["all_reduce"], torch.full((4,), float(sum(range(1, n + 1)))))
+        assert torch.equal(out["all_gather"], torch.tensor([0.0, 0, 1, 10, 2, 20]))
+        total = sum(r + 1 for r in range(n))
+        assert torch.equal(out["reduce_scatter"], torch.tensor([2.0 * rank, 2.0 * rank + 1]) * total)
+        expected = torch.cat([torch.full((rank + 1, 2), 100.0 * src + rank) for src in range(n)])
+        assert torch.equal(out["all_to_all"], expected)
+        assert torch.equal(out["ring"], torch.full((2,), float((rank - 1) % n)))
+        if rank in (1, 2):
+            assert torch.equal(out["broadcast"], torch.full((3,), 2.0))
+            assert torch.equal(out["send_recv"], torch.full((5,), 7.0))
+        m, world = out["meter"], (0, 1, 2)
+        f = 4  # bytes per fp32 element
+        assert (m.calls("all_reduce"), m.payload("all_reduce")) == (1, 4 * f)
+        assert m.traffic("all_reduce") == Fraction(2 * (n - 1), n) * 4 * f
+        assert m.traffic("all_gather") == Fraction(n - 1, n) * 2 * n * f
+        assert m.traffic("reduce_scatter") == Fraction(n - 1, n) * 2 * n * f
+        sent_rows = sum(j + 1 for j in range(n)) - (rank + 1)
+        assert m.traffic("all_to_all") == sent_rows * 2 * f
+        assert m.payload("send") == 2 * f + (5 * f if rank == 1 else 0)
+        assert m.traffic("recv") == 0
+        assert m.calls(group=None) == m.calls()  # group=None selects every group
+        sub_calls = 2 if rank in (1, 2) else 0   # broadcast + (send or recv) on the subgroup
+        assert sum(s.calls for (op, ranks), s in m.stats.items() if ranks == (1, 2)) == sub_calls
+        assert all(ranks in (world, (1, 2)) for _, ranks in m.stats)
+
+
+# --- data parallelism equals one device --------------------------------------------------------
+
+def assert_matches_reference(result, reference) -> None:
+    assert result.losses == pytest.approx(reference.losses, abs=LOSS_ATOL)
+    assert result.first_grads.keys() == reference.first_grads.keys()
+    for name, grad in reference.first_grads.items():
+        torch.testing.assert_close(result.first_grads[name], grad, atol=GRAD_ATOL, rtol=GRAD_RTOL,
+                                   msg=lambda m: f"gradient of {name}: {m}")
+    for name, param in reference.params.items():
+        torch.testing.assert_close(result.params[name], param, atol=PARAM_ATOL, rtol=0,
+                                   msg=lambda m: f"parameter {name} after training: {m}")
+
+
+@given(cfg=model_configs(), world=st.integers(1, 4), mode=st.sampled_from(ddp.DP_MODES),
+       accum=st.integers(1, 3), per_micro=st.integers(1, 2), seq_len=st.integers(1, 10),
+       bucket_bytes=st.sampled_from([64, 1000, 4096, 1 << 20]))
+@settings(max_examples=8)
+def test_data_parallel_equals_single_device(rank_pool, cfg, world, mode, accum, per_micro, seq_len,
+                                            bucket_bytes):
+    steps, global_batch = 3, world * accum * per_micro
+    runs = rank_pool.run(world, ddp.train_data_parallel, cfg, steps, global_batch, seq_len, mode=mode,
+                         accum_steps=accum, bucket_bytes=bucket_bytes)
+    reference = ddp.train_single_device(cfg, steps, global_batch, seq_len)
+    assert_matches_reference(runs[0][0], reference)
+    for rank, (result, _) in enumerate(runs[1:], start=1):
+        for name, param in runs[0][0].params.items():
+            assert torch.equal(result.params[name], param), f"rank {rank} drifted on {name}"
+
+    # The meter: each gradient element is all-reduced exactly once per optimizer step, whatever the
+    # accumulation, and the ring traffic is 2(N-1)/N of that.
+    grad_bytes = sum(p.numel() * p.element_size() for p in reference.params.values())
+    tensors = len(reference.params)
+    for result, meter in runs:
+        assert meter.payload("all_reduce") == steps * grad_bytes
+        assert meter.traffic("all_reduce") == Fraction(2 * (world - 1), world) * steps * grad_bytes
+        assert meter.calls() == meter.calls("all_reduce"), "only all-reduces during training"
+        if mode == "naive":
+            assert meter.calls("all_reduce") == steps * tensors
+        else:
+            buckets = result.stats["buckets"]
+            largest = max(p.numel() * p.element_size() for p in reference.params.values())
+            assert math.ceil(grad_bytes / max(bucket_bytes, largest)) <= buckets <= tensors
+            assert meter.calls("all_reduce") == steps * buckets
+
+
+def train_on_strided_subgroups(cfg, steps, global_batch, seq_len):
+    """4 ranks, two data-parallel groups {0, 2} and {1, 3}: nothing may assume the world group."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+    group = groups[dist.get_rank() % 2]
+    return ddp.train_data_parallel(cfg, steps, global_batch, seq_len, mode="bucketed",
+                                   accum_steps=2, bucket_bytes=2048, group=group)
+
+
+def test_data_parallel_on_a_subgroup(rank_pool):
+    cfg, steps, global_batch, seq_len = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32, seed=5), 3, 4, 6
+    runs = rank_pool.run(4, train_on_strided_subgroups, cfg, steps, global_batch, seq_len)
+    reference = ddp.train_single_device(cfg, steps, global_batch, seq_len)
+    for rank, (result, meter) in enumerate(runs):
+        assert_matches_reference(result, reference)
+        group = (0, 2) if rank % 2 == 0 else (1, 3)
+        assert {ranks for _, ranks in meter.stats} == {group}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(global_batch=10, accum_steps=2), r"global_batch=10 is not divisible by world_size x "
+                                           r"accum_steps = 2 x 2 = 4"),
+    (dict(global_batch=4, accum_steps=0), r"accum_steps=0 must be >= 1"),
+    (dict(global_batch=4, mode="ring"), r"mode='ring' must be one of"),
+    (dict(global_batch=4, bucket_bytes=0), r"bucket_bytes=0 must be positive"),
+])
+def test_bad_configuration_fails_on_every_rank_without_hanging(rank_pool, kwargs, message):
+    cfg = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32)
+    global_batch = kwargs.pop("global_batch")
+    with pytest.raises(RankFailure) as failure:
+        rank_pool.run(2, ddp.train_data_parallel, cfg, 1, global_batch, 4, timeout=30, **kwargs)
+    assert sorted(failure.value.errors) == [0, 1]
+    for tb in failure.value.errors.values():
+        assert "ValueError" in tb
+        assert re.search(message, tb), tb
+
+
+# --- the script itself ------------------------------------------------------------------------
+
+def test_script_runs_as_plain_python():
+    proc = subprocess.run([sys.executable, "01_ddp.py", "--nproc", "2", "--steps", "2",
+                           "--global-batch", "4", "--seq-len", "8"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert "ring formula 2(N-1)/N x gradient bytes" in proc.stdout
+    assert "max |parameter - single device|" in proc.stdout
