@@ -163,13 +163,6 @@ class CommMeter:
     def traffic(self, op: str | None = None, group=None) -> Fraction:
         return sum((s.traffic_bytes for s in self._select(op, group)), Fraction(0))
 
-    def table(self) -> str:
-        rows = [f"{'op':<15}{'group ranks':<18}{'calls':>7}{'payload B':>14}{'traffic/rank B':>16}"]
-        for (op, ranks), s in sorted(self.stats.items()):
-            rows.append(f"{op:<15}{str(list(ranks)):<18}{s.calls:>7}{s.payload_bytes:>14}"
-                        f"{float(s.traffic_bytes):>16.0f}")
-        return "\n".join(rows)
-
 
 _active_meters: list[CommMeter] = []
 
@@ -321,7 +314,8 @@ class RMSNorm(nn.Module):
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position x frequency, (seq, head_dim/2). Positions are explicit so that a
     context-parallel rank holding tokens 96..127 (or a zigzag of chunks) rotates them correctly."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    inv_freq = theta ** -exponents
     angles = positions.float()[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
@@ -547,7 +541,8 @@ class BucketedDataParallel:
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self.sync_gradients:
             return
-        self.bucket_of[param].add(param)        # Collectives are matched by call order, so every rank must launch buckets in the same
+        self.bucket_of[param].add(param)
+        # Collectives are matched by call order, so every rank must launch buckets in the same
         # order: launch bucket i only after buckets 0..i-1, even if it happened to fill first.
         while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].full:
             bucket = self.buckets[self.next_to_launch]
@@ -592,7 +587,7 @@ def cpu_copy(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tenso
 
 
 def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int,
-                        lr: float = 1e-3, device: torch.device = torch.device("cpu"),
+                        lr: float = 1e-3, device: torch.device | str = "cpu",
                         data_seed: int = 0) -> TrainResult:
     model = GPT(cfg).to(device)
     optimizer = make_optimizer(model, lr)
@@ -623,7 +618,7 @@ def validate_data_parallel(global_batch: int, world: int, accum_steps: int, mode
 
 def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int, *,
                         mode: str = "bucketed", accum_steps: int = 1, bucket_bytes: int = 1 << 20,
-                        lr: float = 1e-3, group=None, device: torch.device = torch.device("cpu"),
+                        lr: float = 1e-3, group=None, device: torch.device | str = "cpu",
                         data_seed: int = 0) -> tuple[TrainResult, CommMeter]:
     """Train on this rank's share of the same global batches train_single_device sees.
 
@@ -645,10 +640,10 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
         for step in range(steps):
             tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step, rank, world, data_seed)
             step_loss = 0.0
-            for micro, (x, y) in enumerate(zip(tokens.chunk(accum_steps), targets.chunk(accum_steps))):
-                last_micro = micro == accum_steps - 1
-                no_sync = ddp.no_sync() if mode == "bucketed" and not last_micro else contextlib.nullcontext()
-                with no_sync:
+            micro_batches = zip(tokens.chunk(accum_steps), targets.chunk(accum_steps), strict=True)
+            for micro, (x, y) in enumerate(micro_batches):
+                accumulate_only = mode == "bucketed" and micro < accum_steps - 1
+                with ddp.no_sync() if accumulate_only else contextlib.nullcontext():
                     loss = model(x.to(device), y.to(device)) / accum_steps
                     loss.backward()
                 step_loss += loss.item()
@@ -703,12 +698,16 @@ def demo(args: argparse.Namespace) -> None:
         for step in range(args.steps):
             print(f"{step:<6}" + "".join(f"{r.losses[step]:>24.6f}" for r, _ in results.values())
                   + f"{reference.losses[step]:>16.6f}")
-        print("\nmax |parameter - single device| after training:")
+        print(f"\nmax |difference| from the single device:  {'step-0 gradients':>18}"
+              f"{'parameters at the end':>24}")
         for name, (result, _) in results.items():
-            print(f"  {name:<24} {max_abs_diff(result.params, reference.params):.2e}")
+            print(f"  {name:<40}{max_abs_diff(result.first_grads, reference.first_grads):>18.2e}"
+                  f"{max_abs_diff(result.params, reference.params):>24.2e}")
+        print("  (the sums run in another order: rounding. Adam divides each gradient by its own size,"
+              "\n   so rounding on gradients near 1e-9 shows up larger in the parameters.)")
         formula = Fraction(2 * (world - 1), world) * grad_bytes
         print("\nall-reduced per optimizer step (gradient sync only):")
-        for name, (result, meter) in results.items():
+        for name, (_, meter) in results.items():
             print(f"  {name:<24} {meter.calls('all_reduce') // args.steps:>4} calls, payload "
                   f"{meter.payload('all_reduce') // args.steps:,} B, traffic per rank "
                   f"{float(meter.traffic('all_reduce') / args.steps):,.0f} B")
@@ -718,12 +717,12 @@ def demo(args: argparse.Namespace) -> None:
         print(f"\nbucketed: {stats['buckets']} buckets of <= {args.bucket_kib} KiB, all launched from "
               f"backward hooks; up to {stats['max_in_flight']} all-reduces in flight at once during "
               f"backward, {stats['finished_before_wait']} already finished when backward returned.")
-        print("Notice: the losses agree to ~1e-6, the parameters to rounding, and the bytes moved do "
-              "not depend on batch size or accumulation.")
+        print("Notice: every version computes the single-device step, and the bytes moved per step "
+              "depend on the parameter count only, not on batch size or accumulation.")
     dist.destroy_process_group()
 
 
-def timed_steps(model: nn.Module, step_fn: Callable[[], None], n: int, device: torch.device,
+def timed_steps(step_fn: Callable[[], None], n: int, device: torch.device,
                 group=None) -> list[float]:
     times = []
     for _ in range(n):
@@ -762,7 +761,7 @@ def bench(args: argparse.Namespace) -> None:
     times = {"ours": [], "torch DDP": []}
     for round_ in range(args.bench_rounds):
         for name, fn in (("ours", ours_step), ("torch DDP", torch_step)):
-            t = timed_steps(ours_model, fn, args.bench_steps, device)
+            t = timed_steps(fn, args.bench_steps, device)
             if round_ > 0:  # the first round is warm-up
                 times[name] += t
     if rank == 0:

@@ -117,10 +117,9 @@ class RankPool:
                               f" (timeout {timeout}s):\n{detail}", errors)
         return [answers[r][1] for r in range(self.world_size)]
 
-    def close(self) -> None:
+    def close(self, deadline: float) -> None:
         for q in self.tasks:
             q.put(None)
-        deadline = time.monotonic() + 2
         for p in self.procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():  # e.g. stuck in a collective that timed out on a peer
@@ -133,7 +132,8 @@ class RankPools:
     def __init__(self) -> None:
         self.pools: dict[int, RankPool] = {}
 
-    def run(self, world_size: int, fn: Callable, *args: Any, timeout: float = 120, **kwargs: Any) -> list[Any]:
+    def run(self, world_size: int, fn: Callable, *args: Any, timeout: float = 120,
+            **kwargs: Any) -> list[Any]:
         pool = self.pools.get(world_size)
         if pool is None:
             pool = self.pools[world_size] = RankPool(world_size)
@@ -143,13 +143,14 @@ class RankPools:
             # Validation errors raised by every rank before any collective leave the group usable;
             # anything else (a timeout, a rank stuck in a collective) may not.
             if not pool.healthy:
-                pool.close()
+                pool.close(deadline=time.monotonic() + 1)
                 del self.pools[world_size]
             raise
 
     def close(self) -> None:
+        deadline = time.monotonic() + 1
         for pool in self.pools.values():
-            pool.close()
+            pool.close(deadline)
 
 
 @pytest.fixture(scope="session")

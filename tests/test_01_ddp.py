@@ -72,7 +72,7 @@ def test_initial_loss_is_near_ln_vocab(cfg):
 def test_init_is_deterministic_and_seeded():
     cfg = ddp.ModelConfig(seed=3)
     a, b, c = ddp.GPT(cfg), ddp.GPT(cfg), ddp.GPT(ddp.ModelConfig(seed=4))
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
 
 
@@ -173,10 +173,10 @@ def assert_matches_reference(result, reference) -> None:
     assert result.first_grads.keys() == reference.first_grads.keys()
     for name, grad in reference.first_grads.items():
         torch.testing.assert_close(result.first_grads[name], grad, atol=GRAD_ATOL, rtol=GRAD_RTOL,
-                                   msg=lambda m: f"gradient of {name}: {m}")
+                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
     for name, param in reference.params.items():
         torch.testing.assert_close(result.params[name], param, atol=PARAM_ATOL, rtol=0,
-                                   msg=lambda m: f"parameter {name} after training: {m}")
+                                   msg=lambda m, name=name: f"parameter {name} after training: {m}")
 
 
 @given(cfg=model_configs(), world=st.integers(1, 4), mode=st.sampled_from(ddp.DP_MODES),
@@ -209,6 +209,31 @@ def test_data_parallel_equals_single_device(rank_pool, cfg, world, mode, accum, 
             largest = max(p.numel() * p.element_size() for p in reference.params.values())
             assert math.ceil(grad_bytes / max(bucket_bytes, largest)) <= buckets <= tensors
             assert meter.calls("all_reduce") == steps * buckets
+
+
+def bucket_layout_after_one_backward(cfg, bucket_bytes):
+    model = ddp.GPT(cfg)
+    wrapper = ddp.BucketedDataParallel(model, bucket_bytes=bucket_bytes)
+    tokens, targets = ddp.synthetic_batch(cfg, 2, 8, 0, dist.get_rank(), dist.get_world_size())
+    model(tokens, targets).backward()
+    launched_by_hooks = [bucket.work is not None for bucket in wrapper.buckets]
+    wrapper.finish_gradient_sync()
+    names = {p: n for n, p in model.named_parameters()}
+    return launched_by_hooks, [[names[p] for p in bucket.params] for bucket in wrapper.buckets]
+
+
+@given(bucket_bytes=st.sampled_from([1, 3000, 20_000, 1 << 30]))
+def test_buckets_fill_in_reverse_order_and_launch_during_backward(rank_pool, bucket_bytes):
+    cfg = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=64)
+    launched, buckets = rank_pool.run(2, bucket_layout_after_one_backward, cfg, bucket_bytes)[0]
+    assert all(launched), "every all-reduce must start inside backward, before anyone waits"
+    reference = ddp.GPT(cfg)
+    sizes = {n: p.numel() * 4 for n, p in reference.named_parameters()}
+    assert [n for bucket in buckets for n in bucket] == list(reversed(sizes))
+    for bucket in buckets:
+        assert len(bucket) == 1 or sum(sizes[n] for n in bucket) <= bucket_bytes
+    for this, following in zip(buckets, buckets[1:], strict=False):  # greedy: the next tensor did not fit
+        assert sum(sizes[n] for n in this) + sizes[following[0]] > bucket_bytes
 
 
 def train_on_strided_subgroups(cfg, steps, global_batch, seq_len):
@@ -255,4 +280,4 @@ def test_script_runs_as_plain_python():
                           cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     assert "ring formula 2(N-1)/N x gradient bytes" in proc.stdout
-    assert "max |parameter - single device|" in proc.stdout
+    assert "max |difference| from the single device" in proc.stdout
