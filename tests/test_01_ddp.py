@@ -281,3 +281,19 @@ def test_script_runs_as_plain_python():
     assert proc.returncode == 0, proc.stderr
     assert "ring formula 2(N-1)/N x gradient bytes" in proc.stdout
     assert "max |difference| from the single device" in proc.stdout
+
+
+# --- the harness itself -----------------------------------------------------------------------
+
+def rank_one_raises_while_rank_zero_waits():
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 broke before the all-reduce")
+    ddp.all_reduce(torch.ones(1))  # never joined by rank 1: rank 0 waits in it
+
+
+def test_harness_names_the_failing_and_the_silent_rank(rank_pool):
+    with pytest.raises(RankFailure) as failure:
+        rank_pool.run(2, rank_one_raises_while_rank_zero_waits, timeout=5)
+    assert "rank 1 broke before the all-reduce" in failure.value.errors[1]
+    assert failure.value.errors[0].startswith("no answer")
+    assert rank_pool.run(2, dist.get_rank) == [0, 1], "a fresh pool replaces the broken one"
