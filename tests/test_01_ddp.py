@@ -25,7 +25,7 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import ROOT, RankFailure
@@ -182,7 +182,6 @@ def assert_matches_reference(result, reference) -> None:
 @given(cfg=model_configs(), world=st.integers(1, 4), mode=st.sampled_from(ddp.DP_MODES),
        accum=st.integers(1, 3), per_micro=st.integers(1, 2), seq_len=st.integers(1, 10),
        bucket_bytes=st.sampled_from([64, 1000, 4096, 1 << 20]))
-@settings(max_examples=8)
 def test_data_parallel_equals_single_device(rank_pool, cfg, world, mode, accum, per_micro, seq_len,
                                             bucket_bytes):
     steps, global_batch = 3, world * accum * per_micro

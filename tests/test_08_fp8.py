@@ -1,0 +1,315 @@
+"""Lesson 08: FP8 formats, scaling recipes, the fused Triton cast, Float8Linear.
+
+Bounds used below. An FP8 format with m mantissa bits and smallest normal exponent e_min rounds a
+scaled value y to the nearest point of a grid whose spacing is 2^-m relative (normal range) and
+2^(e_min - m) absolute (subnormal range), so |x - dequant(quant(x))| <= 2^-(m+1) |x| + 2^(e_min-m-1) / s.
+SQNR thresholds follow torchao's tests (cast and GEMM >= 25 dB, Float8Linear output >= 18 dB, weight
+gradient >= 17 dB); e5m2 has one mantissa bit less than e4m3, i.e. ~6 dB less, so its cast gets 19 dB.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+fp8 = importlib.import_module("08_fp8")
+ddp = importlib.import_module("01_ddp")
+
+E4M3, E5M2 = fp8.E4M3, fp8.E5M2
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with FP8 (sm_89+)")
+
+
+def grid_params(dtype: torch.dtype) -> tuple[int, int]:
+    finfo = torch.finfo(dtype)
+    return int(-math.log2(finfo.eps)), int(math.log2(finfo.smallest_normal))
+
+
+def sample(shape: tuple[int, int], seed: int, log10_magnitude: float, zero_fraction: float,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Gaussian x 10^log10_magnitude with a random fraction of exact zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 10.0 ** log10_magnitude
+    x[torch.rand(shape, generator=gen) < zero_fraction] = 0.0
+    return x.to(dtype)
+
+
+@st.composite
+def tiled_tensors(draw):
+    """(x, tile) for the four recipes: tensorwise, rowwise, 1x128 activation tiles, 128x128 blocks."""
+    recipe = draw(st.sampled_from(["tensorwise", "rowwise", "act_1x128", "weight_128x128"]))
+    if recipe == "act_1x128":
+        shape, tile = (draw(st.integers(1, 12)), 128 * draw(st.integers(1, 3))), (1, 128)
+    elif recipe == "weight_128x128":
+        shape, tile = (128 * draw(st.integers(1, 2)), 128 * draw(st.integers(1, 2))), (128, 128)
+    else:
+        shape = (draw(st.integers(1, 40)), draw(st.integers(1, 40)))
+        tile = shape if recipe == "tensorwise" else (1, shape[1])
+    # 1e-40: fp32 subnormals, under AMAX_EPS; 1e36: near fp32's max (x randn stays finite).
+    magnitude = draw(st.sampled_from([-40.0, -20.0, -5.0, 0.0, 3.0, 20.0, 36.0]))
+    zeros = draw(st.sampled_from([0.0, 0.5, 1.0]))
+    return sample(shape, draw(st.integers(0, 2**31 - 1)), magnitude, zeros), tile
+
+
+# ----------------------------------------------------------------------------------------------
+# Formats, the scale rule, the recipes
+# ----------------------------------------------------------------------------------------------
+
+
+def test_format_limits_and_saturating_cast():
+    assert fp8.fp8_max(E4M3) == 448 and fp8.fp8_max(E5M2) == 57344
+    huge = torch.tensor([1e6, -1e6, 500.0])
+    assert torch.isinf((huge * 1e3).to(E5M2).float()).all(), "a plain e5m2 cast overflows to inf"
+    assert fp8.cast_to_fp8(huge, torch.tensor(1.0), E4M3).float().tolist() == [448, -448, 448]
+    assert fp8.cast_to_fp8(huge * 1e3, torch.tensor(1.0), E5M2).float().tolist() == [57344, -57344, 57344]
+
+
+@given(amax=st.one_of(st.just(0.0), st.floats(0, 3e38, allow_subnormal=True)),
+       dtype=st.sampled_from([E4M3, E5M2]))
+def test_scale_is_finite_and_maps_amax_to_fp8_max(amax, dtype):
+    scale = fp8.amax_to_scale(torch.tensor(amax), dtype)
+    assert torch.isfinite(scale) and scale > 0
+    if amax >= fp8.AMAX_EPS:
+        assert abs((scale.double() * amax).item() / fp8.fp8_max(dtype) - 1) < 1e-6
+
+
+def test_sqnr():
+    x = torch.randn(1000)
+    assert fp8.sqnr(x, x) == math.inf
+    assert fp8.sqnr(x, torch.zeros_like(x)) == pytest.approx(0.0)
+    assert fp8.sqnr(x, x * 1.001) == pytest.approx(60.0, abs=1e-3)  # 1.001 is not exact in fp32
+
+
+@given(case=tiled_tensors(), dtype=st.sampled_from([E4M3, E5M2]))
+def test_round_trip_and_saturation_of_every_recipe(case, dtype):
+    x, tile = case
+    q, scale = fp8.quantize_tiles(x, tile, dtype)
+    assert q.dtype == dtype and q.shape == x.shape
+    assert scale.shape == (x.shape[0] // tile[0], x.shape[1] // tile[1]) and torch.isfinite(scale).all()
+    values = q.float()
+    assert not torch.isnan(values).any() and values.abs().max() <= fp8.fp8_max(dtype)
+    mantissa, e_min = grid_params(dtype)
+    expanded = scale.repeat_interleave(tile[0], 0).repeat_interleave(tile[1], 1).double()
+    bound = 2.0 ** -(mantissa + 1) * x.double().abs() + 2.0 ** (e_min - mantissa - 1) / expanded
+    error = (x.double() - fp8.dequantize_tiles(q, scale).double()).abs()
+    assert (error <= bound * (1 + 1e-5)).all(), f"worst error / bound {(error / bound).max():.3f}"
+    # Every tile with a usable amax uses the top of the range; an all-zero tile casts to zeros.
+    tiles = values.reshape(scale.shape[0], tile[0], scale.shape[1], tile[1]).abs().amax(dim=(1, 3))
+    amax = x.reshape(scale.shape[0], tile[0], scale.shape[1], tile[1]).abs().amax(dim=(1, 3))
+    assert torch.equal(tiles[amax >= fp8.AMAX_EPS], torch.full_like(tiles[amax >= fp8.AMAX_EPS], fp8.fp8_max(dtype)))
+    assert (tiles[amax == 0] == 0).all()
+
+
+@given(seed=st.integers(0, 1000), stale=st.floats(1.5, 1e4), dtype=st.sampled_from([E4M3, E5M2]))
+def test_stale_scale_saturates_to_fp8_max_with_the_sign_kept(seed, stale, dtype):
+    x = sample((16, 32), seed, 0.0, 0.0)
+    _, scale = fp8.quantize_tensorwise(x, dtype)
+    values = fp8.cast_to_fp8(x, scale * stale, dtype).float()  # as if amax had been 1/stale as large
+    limit = fp8.fp8_max(dtype)
+    overflowed = (x * scale * stale).abs() > limit
+    assert overflowed.any()
+    assert torch.equal(values[overflowed], torch.sign(x[overflowed]) * limit)
+
+
+def test_recipe_shapes_and_bad_tiles():
+    x = torch.randn(256, 384)
+    assert fp8.quantize_tensorwise(x)[1].shape == (1, 1)
+    assert fp8.quantize_rowwise(x)[1].shape == (256, 1)
+    assert fp8.quantize_blockwise(x, (1, 128))[1].shape == (256, 3)
+    assert fp8.quantize_blockwise(x, (128, 128))[1].shape == (2, 3)
+    with pytest.raises(ValueError, match=r"shape \(256, 384\) is not divisible by the tile \(1, 100\)"):
+        fp8.quantize_blockwise(x, (1, 100))
+
+
+# ----------------------------------------------------------------------------------------------
+# Delayed scaling
+# ----------------------------------------------------------------------------------------------
+
+
+def constant(amax: float) -> torch.Tensor:
+    return torch.tensor([[amax, -amax / 2], [0.0, amax / 4]])
+
+
+def test_delayed_scaling_history_window_and_margin():
+    history_len, margin = 4, 1
+    delayed = fp8.DelayedScaling(E4M3, history_len, margin)
+    amaxes = [2.0, 8.0, 1.0, 3.0, 0.5, 0.25, 0.125]
+    for i, amax in enumerate(amaxes):
+        # The scale used is decided before the tensor is seen: from its own amax on the first call
+        # only, then from the window of the previous history_len amaxes, with the margin.
+        expected_amax = amax if i == 0 else max(amaxes[max(0, i - history_len):i])
+        _, scale = delayed.quantize(constant(amax))
+        assert scale.item() == pytest.approx(448 / (expected_amax * 2 ** margin), rel=1e-6)
+        newest_first = amaxes[max(0, i + 1 - history_len):i + 1][::-1]
+        assert delayed.amax_history.tolist() == newest_first + [0.0] * (history_len - len(newest_first))
+    assert delayed.calls == len(amaxes)
+
+
+def test_delayed_scaling_clips_a_spike_until_it_enters_the_history():
+    history_len = 3
+    delayed = fp8.DelayedScaling(E4M3, history_len)
+    for _ in range(history_len):
+        delayed.quantize(constant(1.0))
+    q, scale = delayed.quantize(constant(100.0))
+    assert q.float()[0, 0] == 448, "the spike is clipped to fp8_max"
+    assert fp8.dequantize_tiles(q, scale.view(1, 1))[0, 0] == pytest.approx(1.0), "and reads back as 1"
+    q, scale = delayed.quantize(constant(100.0))  # now the history knows it
+    assert scale.item() == pytest.approx(4.48) and q.float()[0, 0] == 448
+    for _ in range(history_len):
+        delayed.quantize(constant(1.0))
+    assert delayed.scale().item() == pytest.approx(448.0), "the spike has left the window"
+
+
+def test_spike_breaks_delayed_scaling_but_not_current_scaling():
+    result = fp8.spike_demo()
+    assert result["clipped"] > 0.005
+    assert result["delayed SQNR"] < 10.0
+    assert result["current SQNR"] >= 25.0
+
+
+# ----------------------------------------------------------------------------------------------
+# SQNR on realistic activations (x: outlier channels; W: Gaussian, 0.02 std like the GPT's init)
+# ----------------------------------------------------------------------------------------------
+
+
+@given(seed=st.integers(0, 10_000))
+def test_sqnr_thresholds(seed):
+    x = fp8.realistic_activations(256, 512, seed)
+    w = torch.randn(384, 512, generator=torch.Generator().manual_seed(seed)) * 0.02
+    for format_name, values in fp8.cast_sqnrs(x).items():
+        assert min(values.values()) >= (25.0 if format_name == "e4m3fn" else 19.0), (format_name, values)
+    for name, value in fp8.gemm_sqnrs(x, w).items():
+        assert value >= 25.0, (name, value)
+    linear = fp8.float8_linear_sqnrs(x, 384, seed)
+    assert linear["output"] >= 18.0 and linear["grad_input"] >= 17.0 and linear["grad_weight"] >= 17.0, linear
+
+
+# ----------------------------------------------------------------------------------------------
+# The Triton kernel (interpreter on CPU) against the torch path
+# ----------------------------------------------------------------------------------------------
+
+
+def assert_same_quantisation(x: torch.Tensor, tile_cols: int | None, dtype: torch.dtype) -> None:
+    q, scale, amax = fp8.fused_amax_cast(x, tile_cols, dtype)
+    ref_q, ref_scale = fp8.quantize_tiles(x, (1, tile_cols or x.shape[1]), dtype)
+    assert q.dtype == dtype
+    assert torch.equal(q.float(), ref_q.float()), (q.float() - ref_q.float()).abs().max()
+    assert torch.equal(scale, ref_scale)
+    assert amax.item() == x.float().abs().max().item()
+
+
+@given(rows=st.integers(1, 70), tile_cols=st.sampled_from([None, 128]), cols_tiles=st.integers(1, 3),
+       odd_cols=st.integers(1, 300), dtype=st.sampled_from([E4M3, E5M2]),
+       source=st.sampled_from([torch.float32, torch.float16]), magnitude=st.sampled_from([-6.0, 0.0, 3.0]),
+       zeros=st.sampled_from([0.0, 0.3, 1.0]), seed=st.integers(0, 2**31 - 1))
+@settings(deadline=None)
+def test_triton_fused_amax_cast_equals_torch(rows, tile_cols, cols_tiles, odd_cols, dtype, source,
+                                              magnitude, zeros, seed):
+    cols = 128 * cols_tiles if tile_cols else odd_cols  # rowwise: any width, padded to a power of 2
+    assert_same_quantisation(sample((rows, cols), seed, magnitude, zeros, source), tile_cols, dtype)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_triton_rounds_ties_to_even_and_subnormals_exactly(dtype):
+    """Every finite FP8 value and every midpoint between neighbours, in a row whose amax is exactly
+    fp8_max (so the scale is exactly 1): the kernel must match torch's round-to-nearest-even cast."""
+    bits = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    grid = bits[torch.isfinite(bits) & (bits >= 0)].unique()
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    row = torch.cat([grid, midpoints, -grid, -midpoints])[None, :]
+    assert row.abs().max() == fp8.fp8_max(dtype)
+    assert_same_quantisation(row, None, dtype)
+
+
+def test_triton_rejects_a_tile_that_does_not_divide_the_row():
+    with pytest.raises(ValueError, match="cols=200 is not divisible by tile_cols=128"):
+        fp8.fused_amax_cast(torch.randn(4, 200), 128)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 GEMM and Float8Linear
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_scaled_mm_applies_dequantisation_scales(recipe):
+    """torch._scaled_mm must compute dequant(a) @ dequant(b)^T: a wrong-way scale is off by s^2."""
+    quantize = fp8.quantize_tensorwise if recipe == "tensorwise" else fp8.quantize_rowwise
+    (a_q, a_s), (b_q, b_s) = quantize(torch.randn(24, 40) * 7), quantize(torch.randn(8, 40) * 0.01)
+    expected = fp8.dequantize_tiles(a_q, a_s) @ fp8.dequantize_tiles(b_q, b_s).t()
+    torch.testing.assert_close(fp8.scaled_mm(a_q, a_s, b_q, b_s, torch.float32), expected,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_float8_linear_backward_is_the_hybrid_recipe():
+    """Gradients equal the GEMMs of the dequantised casts: e5m2 output gradient, e4m3 x and W."""
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 32, bias=True)
+    layer = fp8.Float8Linear.from_linear(copy.deepcopy(linear))
+    x = torch.randn(2, 5, 48, requires_grad=True)
+    grad_out = torch.randn(2, 5, 32) * 1e-3
+    out = layer(x)
+    out.backward(grad_out)
+    deq = {name: fp8.dequantize_tiles(*fp8.quantize_tensorwise(t.reshape(-1, t.shape[-1]), dtype))
+           for name, t, dtype in (("x", x.detach(), E4M3), ("w", linear.weight.detach(), E4M3),
+                                  ("g", grad_out, E5M2))}
+    torch.testing.assert_close(out, (deq["x"] @ deq["w"].t()).view(2, 5, 32) + linear.bias, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, (deq["g"] @ deq["w"]).view(2, 5, 48), rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(layer.weight.grad, deq["g"].t() @ deq["x"], rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(layer.bias.grad, grad_out.sum((0, 1)))
+
+
+def test_convert_to_float8_swaps_the_blocks_linears_only():
+    model = ddp.GPT(ddp.ModelConfig())
+    params_before = dict(model.named_parameters())
+    fp8.convert_to_float8(model)
+    kinds = {name: type(m) for name, m in model.named_modules()}
+    converted = [name for name, kind in kinds.items() if kind is fp8.Float8Linear]
+    assert len(converted) == 7 * model.cfg.n_layers  # q, k, v, out, gate, up, down per block
+    assert kinds["lm_head"] is nn.Linear and kinds["embed"] is nn.Embedding
+    params_after = dict(model.named_parameters())
+    assert params_after.keys() == params_before.keys()
+    assert all(params_after[n] is p for n, p in params_before.items()), "parameters are shared, not copied"
+
+
+def test_short_fp8_training_stays_close_to_full_precision():
+    """30 steps of the tiny GPT. Margin: 0.03 nats on the mean of the last 5 losses (~1% of a loss
+    that falls by > 1 nat over the run); measured differences are ~1e-3. Broken FP8 gradients
+    (a wrong scale or transpose) move it by far more, and identical curves would mean FP8 never ran."""
+    cfg = ddp.ModelConfig()
+    full, float8 = (fp8.train_losses(cfg, 30, 8, 32, use_fp8) for use_fp8 in (False, True))
+    assert full[0] - full[-1] > 1.0
+    assert full != float8
+    tail = sum(float8[-5:]) / 5 - sum(full[-5:]) / 5
+    assert abs(tail) < 0.03, tail
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU only: bf16 and the CUDA layout rules (skipped without CUDA)
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_cuda
+def test_cuda_float8_linear_bf16_sqnr_and_layout_errors():
+    dev = torch.device("cuda")
+    x = fp8.realistic_activations(256, 512).to(dev, torch.bfloat16)
+    linear = nn.Linear(512, 384, bias=False).to(dev, torch.bfloat16)
+    layer = fp8.Float8Linear.from_linear(copy.deepcopy(linear))
+    assert fp8.sqnr(linear(x), layer(x)) >= 18.0
+    with pytest.raises(ValueError, match="divisible by 16, got M=10"):
+        layer(x[:10])
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cuda_triton_kernel_equals_torch_on_bf16(dtype):
+    x = fp8.realistic_activations(96, 512).to("cuda", torch.bfloat16)
+    for tile_cols in (None, 128):
+        assert_same_quantisation(x, tile_cols, dtype)
