@@ -587,9 +587,12 @@ def cpu_copy(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tenso
 
 
 def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int,
-                        lr: float = 1e-3, device: torch.device | str = "cpu",
-                        data_seed: int = 0) -> TrainResult:
-    model = GPT(cfg).to(device)
+                        lr: float = 1e-3, device: torch.device | str = "cpu", data_seed: int = 0,
+                        transform: Callable[[nn.Module], nn.Module] | None = None) -> TrainResult:
+    """The reference: one process, the whole global batch per step. `transform` rewrites the model
+    before training (lesson 08 swaps in FP8 linears, for instance)."""
+    model = GPT(cfg)
+    model = (transform(model) if transform else model).to(device)
     optimizer = make_optimizer(model, lr)
     result = TrainResult([], {}, {})
     for step in range(steps):

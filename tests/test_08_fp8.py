@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 fp8 = importlib.import_module("08_fp8")
@@ -33,10 +33,12 @@ def grid_params(dtype: torch.dtype) -> tuple[int, int]:
 
 
 def sample(shape: tuple[int, int], seed: int, log10_magnitude: float, zero_fraction: float,
-           dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Gaussian x 10^log10_magnitude with a random fraction of exact zeros."""
+           dtype: torch.dtype = torch.float32, spread: float = 0.0) -> torch.Tensor:
+    """Gaussian x 10^(log10_magnitude +- up to spread decades, per element), with a random fraction
+    of exact zeros."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 10.0 ** log10_magnitude
+    decades = log10_magnitude + spread * (2 * torch.rand(shape, generator=gen, dtype=torch.float64) - 1)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 10.0 ** decades
     x[torch.rand(shape, generator=gen) < zero_fraction] = 0.0
     return x.to(dtype)
 
@@ -52,10 +54,12 @@ def tiled_tensors(draw):
     else:
         shape = (draw(st.integers(1, 40)), draw(st.integers(1, 40)))
         tile = shape if recipe == "tensorwise" else (1, shape[1])
-    # 1e-40: fp32 subnormals, under AMAX_EPS; 1e36: near fp32's max (x randn stays finite).
-    magnitude = draw(st.sampled_from([-40.0, -20.0, -5.0, 0.0, 3.0, 20.0, 36.0]))
+    # 1e-40: fp32 subnormals, under AMAX_EPS; up to 1e36: near fp32's max (x randn stays finite).
+    # A spread of 10 decades within one tile sends its small values into FP8's subnormals and to 0.
+    magnitude = draw(st.sampled_from([-40.0, -20.0, -5.0, 0.0, 3.0, 20.0, 26.0]))
+    spread = draw(st.sampled_from([0.0, 3.0, 10.0]))
     zeros = draw(st.sampled_from([0.0, 0.5, 1.0]))
-    return sample(shape, draw(st.integers(0, 2**31 - 1)), magnitude, zeros), tile
+    return sample(shape, draw(st.integers(0, 2**31 - 1)), magnitude, zeros, spread=spread), tile
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,7 +107,7 @@ def test_round_trip_and_saturation_of_every_recipe(case, dtype):
     # Every tile with a usable amax uses the top of the range; an all-zero tile casts to zeros.
     tiles = values.reshape(scale.shape[0], tile[0], scale.shape[1], tile[1]).abs().amax(dim=(1, 3))
     amax = x.reshape(scale.shape[0], tile[0], scale.shape[1], tile[1]).abs().amax(dim=(1, 3))
-    assert torch.equal(tiles[amax >= fp8.AMAX_EPS], torch.full_like(tiles[amax >= fp8.AMAX_EPS], fp8.fp8_max(dtype)))
+    assert (tiles[amax >= fp8.AMAX_EPS] == fp8.fp8_max(dtype)).all()
     assert (tiles[amax == 0] == 0).all()
 
 
@@ -126,6 +130,8 @@ def test_recipe_shapes_and_bad_tiles():
     assert fp8.quantize_blockwise(x, (128, 128))[1].shape == (2, 3)
     with pytest.raises(ValueError, match=r"shape \(256, 384\) is not divisible by the tile \(1, 100\)"):
         fp8.quantize_blockwise(x, (1, 100))
+    with pytest.raises(ValueError, match="history_len=0 must be >= 1"):
+        fp8.DelayedScaling(E4M3, history_len=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,7 +165,7 @@ def test_delayed_scaling_clips_a_spike_until_it_enters_the_history():
         delayed.quantize(constant(1.0))
     q, scale = delayed.quantize(constant(100.0))
     assert q.float()[0, 0] == 448, "the spike is clipped to fp8_max"
-    assert fp8.dequantize_tiles(q, scale.view(1, 1))[0, 0] == pytest.approx(1.0), "and reads back as 1"
+    assert fp8.dequantize_tiles(q, scale)[0, 0] == pytest.approx(1.0), "and reads back as 1"
     q, scale = delayed.quantize(constant(100.0))  # now the history knows it
     assert scale.item() == pytest.approx(4.48) and q.float()[0, 0] == 448
     for _ in range(history_len):
@@ -209,7 +215,6 @@ def assert_same_quantisation(x: torch.Tensor, tile_cols: int | None, dtype: torc
        odd_cols=st.integers(1, 300), dtype=st.sampled_from([E4M3, E5M2]),
        source=st.sampled_from([torch.float32, torch.float16]), magnitude=st.sampled_from([-6.0, 0.0, 3.0]),
        zeros=st.sampled_from([0.0, 0.3, 1.0]), seed=st.integers(0, 2**31 - 1))
-@settings(deadline=None)
 def test_triton_fused_amax_cast_equals_torch(rows, tile_cols, cols_tiles, odd_cols, dtype, source,
                                               magnitude, zeros, seed):
     cols = 128 * cols_tiles if tile_cols else odd_cols  # rowwise: any width, padded to a power of 2
@@ -260,7 +265,8 @@ def test_float8_linear_backward_is_the_hybrid_recipe():
     deq = {name: fp8.dequantize_tiles(*fp8.quantize_tensorwise(t.reshape(-1, t.shape[-1]), dtype))
            for name, t, dtype in (("x", x.detach(), E4M3), ("w", linear.weight.detach(), E4M3),
                                   ("g", grad_out, E5M2))}
-    torch.testing.assert_close(out, (deq["x"] @ deq["w"].t()).view(2, 5, 32) + linear.bias, rtol=1e-5, atol=1e-6)
+    expected_out = (deq["x"] @ deq["w"].t()).view(2, 5, 32) + linear.bias
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.grad, (deq["g"] @ deq["w"]).view(2, 5, 48), rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(layer.weight.grad, deq["g"].t() @ deq["x"], rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(layer.bias.grad, grad_out.sum((0, 1)))
@@ -281,8 +287,9 @@ def test_convert_to_float8_swaps_the_blocks_linears_only():
 
 def test_short_fp8_training_stays_close_to_full_precision():
     """30 steps of the tiny GPT. Margin: 0.03 nats on the mean of the last 5 losses (~1% of a loss
-    that falls by > 1 nat over the run); measured differences are ~1e-3. Broken FP8 gradients
-    (a wrong scale or transpose) move it by far more, and identical curves would mean FP8 never ran."""
+    that falls by > 1 nat over the run); measured differences are ~1e-3, and a wrongly scaled input
+    gradient moves it by ~0.5. AdamW is blind to a uniformly mis-scaled weight gradient, which is why
+    the backward's values are checked on their own above. Identical curves would mean FP8 never ran."""
     cfg = ddp.ModelConfig()
     full, float8 = (fp8.train_losses(cfg, 30, 8, 32, use_fp8) for use_fp8 in (False, True))
     assert full[0] - full[-1] > 1.0
