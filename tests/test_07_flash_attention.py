@@ -1,0 +1,227 @@
+"""Lesson 07's proof: the Triton FlashAttention kernels compute attention, forward and backward.
+
+Every test compares all five results, out, lse, dq, dk and dv, against naive attention computed in
+float64 on the same (already rounded) inputs, so the reference's own error is negligible and the
+whole difference is the kernel's. Inputs are standard normal, so out, lse and the gradients are of
+order 1 to 10 and absolute tolerances are meaningful.
+
+On CPU the kernels run in Triton's interpreter (fp32 and fp16, tiny hypothesis-drawn shapes, odd
+lengths, causal or not, arbitrary position offsets). On a GPU they are compiled and autotuned, and
+every new shape costs compilations, so the GPU tests use a few fixed shapes: bf16 and fp16 must be
+at most twice as far from float64 as PyTorch's own attention in the same dtype, plus a small
+floor; fp32 must match to the CPU tolerance; two runs must be bit-identical.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+fa = importlib.import_module("07_flash_attention")
+ddp = importlib.import_module("01_ddp")
+
+DEVICE = torch.device("cpu" if fa.INTERPRETED else "cuda")
+NAMES = ("out", "lse", "dq", "dk", "dv")
+# Absolute tolerances per result. fp32: the kernel sums at most 40 products of order-1 numbers per
+# element; rounding measured at ~1e-6 (fp32 eps 1.2e-7), so 2e-5 leaves 10x headroom while a wrong
+# mask, scale or offset is off by 1e-2 or more. fp16: P and dS are rounded to fp16 (relative
+# 2^-11 = 4.9e-4) before their matmuls and the outputs are stored in fp16, on values up to ~4:
+# measured up to 1.7e-3, tolerance 1e-2. The lse is accumulated in fp32 from exact products of fp16
+# numbers and stored in fp32, so it keeps the fp32 tolerance even for fp16 inputs.
+TOLERANCE = {torch.float32: dict(out=2e-5, lse=2e-5, grad=2e-5),
+             torch.float16: dict(out=1e-2, lse=2e-5, grad=1e-2)}
+# The CI profile's example count scaled up: one example costs about 0.2 s in the interpreter.
+EXAMPLES = 4 * settings.default.max_examples
+
+cpu_only = pytest.mark.skipif(not fa.INTERPRETED, reason="interpreter tests: tiny drawn shapes would "
+                              "make a GPU compile and autotune for every example; the GPU tests below apply")
+gpu_only = pytest.mark.skipif(fa.INTERPRETED, reason="needs CUDA (compiled Triton, bf16)")
+
+
+def random_inputs(batch, heads, seq_q, seq_k, head_dim, dtype, seed, lse_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(batch, heads, seq_q, head_dim, generator=gen) for _ in range(2))
+    k, v = (torch.randn(batch, heads, seq_k, head_dim, generator=gen) for _ in range(2))
+    dlse = torch.randn(batch, heads, seq_q, generator=gen).to(DEVICE) if lse_grad else None
+    return [t.to(DEVICE, dtype) for t in (q, k, v, dout)] + [dlse]
+
+
+def float64_reference(q, k, v, dout, dlse, causal, q_offset=0, k_offset=0):
+    q, k, v, dout = (t.double() for t in (q, k, v, dout))
+    return fa.outputs_and_grads(lambda *x: fa.naive_attention(*x, causal, None, q_offset, k_offset),
+                                q, k, v, dout, None if dlse is None else dlse.double())
+
+
+def assert_close_to_reference(results, reference, dtype, tol: dict | None = None) -> None:
+    tol = tol or TOLERANCE[dtype]
+    for name, got, want in zip(NAMES, results, reference):
+        assert got.shape == want.shape and got.dtype == (torch.float32 if name == "lse" else dtype)
+        assert not got.isnan().any(), f"{name} has NaNs"
+        error = fa.max_diff(got, want)
+        assert error <= tol.get(name, tol["grad"]), f"{name}: max |error| {error:.2e} > {tol}"
+
+
+@cpu_only
+@given(batch=st.integers(1, 2), heads=st.integers(1, 2), seq=st.integers(1, 40),
+       head_dim=st.sampled_from([16, 24, 32]), causal=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2 ** 16))
+@example(batch=2, heads=2, seq=32, head_dim=32, causal=True, dtype=torch.float32, seed=0)  # whole blocks
+@example(batch=1, heads=1, seq=1, head_dim=16, causal=True, dtype=torch.float16, seed=1)
+@example(batch=1, heads=2, seq=37, head_dim=24, causal=False, dtype=torch.float16, seed=2)
+@settings(max_examples=EXAMPLES, deadline=None)
+def test_attention_matches_float64(batch, heads, seq, head_dim, causal, dtype, seed):
+    q, k, v, dout, _ = random_inputs(batch, heads, seq, seq, head_dim, dtype, seed)
+    ours = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 0, 0, causal), q, k, v, dout)
+    assert_close_to_reference(ours, float64_reference(q, k, v, dout, None, causal), dtype)
+    # The GPT-facing function is the same kernel: bit-identical output.
+    assert torch.equal(fa.flash_attention(q, k, v, causal=causal), ours[0])
+
+
+@cpu_only
+@given(seq_q=st.integers(1, 40), seq_k=st.integers(1, 40), q_offset=st.integers(0, 64),
+       k_offset=st.integers(0, 64), causal=st.sampled_from([True, True, False]),
+       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2 ** 16))
+@example(seq_q=8, seq_k=20, q_offset=0, k_offset=40, causal=True, dtype=torch.float32, seed=0)  # no row sees a key
+@example(seq_q=40, seq_k=33, q_offset=3, k_offset=20, causal=True, dtype=torch.float32, seed=1)  # some rows see none
+@example(seq_q=17, seq_k=40, q_offset=64, k_offset=0, causal=True, dtype=torch.float16, seed=2)  # keys all in the past
+@settings(max_examples=EXAMPLES, deadline=None)
+def test_block_entry_with_offsets_and_lse_gradient(seq_q, seq_k, q_offset, k_offset, causal, dtype, seed):
+    """The ring's entry: absolute positions, gradients into out and lse, rows with no visible key."""
+    q, k, v, dout, dlse = random_inputs(2, 2, seq_q, seq_k, 16, dtype, seed, lse_grad=True)
+    ours = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, q_offset, k_offset, causal),
+                                q, k, v, dout, dlse)
+    reference = float64_reference(q, k, v, dout, dlse, causal, q_offset, k_offset)
+    assert_close_to_reference(ours, reference, dtype)
+    no_key = reference[1] == float("-inf")
+    assert torch.equal(ours[1] == float("-inf"), no_key)
+    assert (ours[0][no_key] == 0).all()
+
+
+@cpu_only
+def test_causal_diagonal_at_every_block_alignment():
+    """Shifts q_offset - k_offset from -48 to 48 put the diagonal at every position relative to the
+    interpreter's blocks (32 x 16 for the forward and dQ, 16 x 32 for dK/dV), both ends of every
+    masked range included; negative shifts leave the first rows with no key at all."""
+    q, k, v, dout, dlse = random_inputs(1, 1, 40, 40, 16, torch.float32, seed=4, lse_grad=True)
+    for shift in range(-48, 49):
+        ours = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 48 + shift, 48, True),
+                                    q, k, v, dout, dlse)
+        assert_close_to_reference(ours, float64_reference(q, k, v, dout, dlse, True, 48 + shift, 48),
+                                  torch.float32)
+
+
+@cpu_only
+def test_raw_launchers_with_merged_lse_gradient():
+    """Lesson 05 calls the launchers from its own autograd.Function: forward -> (out, lse), and
+    backward(q, k, v, out, lse, dout, dlse, causal, sm_scale, q_offset, k_offset)."""
+    q, k, v, dout, dlse = random_inputs(1, 2, 29, 35, 32, torch.float32, seed=3, lse_grad=True)
+    out, lse = fa.flash_attention_forward(q, k, v, True, 0.3, 10, 5)
+    grads = fa.flash_attention_backward(q, k, v, out, lse, dout, dlse, True, 0.3, 10, 5)
+    reference = fa.outputs_and_grads(lambda *x: fa.naive_attention(*x, True, 0.3, 10, 5),
+                                     q.double(), k.double(), v.double(), dout.double(), dlse.double())
+    assert_close_to_reference([out, lse, *grads], reference, torch.float32)
+
+
+@pytest.mark.parametrize("seq_len", [24, 33])
+def test_gpt_with_flash_attention_equals_reference(seq_len):
+    """GPT(cfg, attn_fn=flash_attention) = the reference GPT: loss and every parameter's gradient.
+    Tolerances: measured 5e-7 (loss) and 2e-8 (gradients of size <= 0.1); a non-causal kernel would
+    be off by 3e-3 and 6e-2."""
+    cfg = ddp.ModelConfig()
+    tokens, targets = (t.to(DEVICE) for t in ddp.synthetic_batch(cfg, 2, seq_len, step=0))
+    losses, grads = [], []
+    for attn_fn in (ddp.causal_attention, fa.flash_attention):
+        model = ddp.GPT(cfg, attn_fn=attn_fn).to(DEVICE)
+        losses.append(model(tokens, targets))
+        grads.append(dict(zip(dict(model.named_parameters()),
+                              torch.autograd.grad(losses[-1], list(model.parameters())))))
+    assert abs(losses[0].item() - losses[1].item()) <= 1e-5
+    assert ddp.max_abs_diff(grads[0], grads[1]) <= 1e-6
+
+
+def test_rejects_bad_input():
+    q = torch.randn(1, 2, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="16 <= head_dim <= 128"):
+        fa.flash_attention(q[..., :8], q[..., :8], q[..., :8])
+    with pytest.raises(ValueError, match="expected q"):
+        fa.flash_attention(q, q[:, :1], q[:, :1])
+    with pytest.raises(ValueError, match="must share one"):
+        fa.flash_attention(q, q.half(), q)
+    if fa.INTERPRETED:
+        with pytest.raises(ValueError, match="bf16 needs a GPU"):
+            fa.flash_attention(*[q.bfloat16()] * 3)
+
+
+@cpu_only
+@pytest.mark.parametrize("triton_first", [False, True])
+def test_interpreter_switch_in_a_fresh_process(triton_first):
+    """Without a GPU, importing the module turns the interpreter on even if the environment says
+    TRITON_INTERPRET=0; if triton was imported earlier (too late to switch), the import fails and
+    says why, instead of failing later inside a kernel."""
+    code = ("import importlib, torch\n" + ("import triton\n" if triton_first else "") +
+            "fa = importlib.import_module('07_flash_attention')\n"
+            "q = torch.randn(1, 1, 20, 16)\n"
+            "print(fa.max_diff(fa.flash_attention(q, q, q), fa.naive_attention(q, q, q)[0]))\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, TRITON_INTERPRET="0"), timeout=120)
+    if triton_first:
+        assert run.returncode != 0 and "import this module before triton" in run.stderr
+    else:
+        assert run.returncode == 0, run.stderr
+        assert float(run.stdout) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: compiled and autotuned kernels, bf16 included
+# ----------------------------------------------------------------------------------------------
+
+GPU_SHAPE = (2, 4, 777)  # batch, heads, seq: 777 is not a multiple of any block size
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype, causal, head_dim", [(torch.bfloat16, True, 128), (torch.bfloat16, False, 64),
+                                                     (torch.float16, True, 64), (torch.float16, False, 128)])
+def test_gpu_16bit_error_at_most_twice_pytorch(dtype, causal, head_dim):
+    """|ours - float64| <= 2 |torch SDPA in the same dtype - float64| + 1e-4, on out and every
+    gradient (FlashAttention's own test rule); the lse, accumulated in fp32 from exact products of
+    16-bit inputs, within 1e-4 of float64 (values ~10, fp32 rounding ~1e-6)."""
+    q, k, v, dout, _ = random_inputs(*GPU_SHAPE, GPU_SHAPE[2], head_dim, dtype, seed=0)
+    reference = float64_reference(q, k, v, dout, None, causal)
+    ours = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 0, 0, causal), q, k, v, dout)
+    torch_sdpa = fa.outputs_and_grads(lambda *x: (torch.nn.functional.scaled_dot_product_attention(
+        *x, is_causal=causal), None), q, k, v, dout)
+    assert fa.max_diff(ours[1], reference[1]) <= 1e-4
+    for name, got, theirs, want in zip(NAMES, ours, torch_sdpa, reference):
+        if name != "lse":
+            ours_error, torch_error = fa.max_diff(got, want), fa.max_diff(theirs, want)
+            assert ours_error <= 2 * torch_error + 1e-4, f"{name}: {ours_error:.2e} vs torch {torch_error:.2e}"
+
+
+@gpu_only
+def test_gpu_fp32_block_entry_with_offsets():
+    """fp32 on the GPU uses exact fp32 dots (not TF32). Rows 0..199 see no key (keys start at
+    position 200). Sums run over up to 500 terms here, not 40: tolerance 1e-4 (TF32 would be ~1e-2)."""
+    q, k, v, dout, dlse = random_inputs(2, 3, 300, 500, 64, torch.float32, seed=1, lse_grad=True)
+    ours = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 0, 200, True), q, k, v, dout, dlse)
+    assert_close_to_reference(ours, float64_reference(q, k, v, dout, dlse, True, 0, 200), torch.float32,
+                              tol=dict(out=1e-4, lse=1e-4, grad=1e-4))
+
+
+@gpu_only
+def test_gpu_deterministic():
+    """No atomics: two forward + backward passes are bit-identical."""
+    q, k, v, dout, _ = random_inputs(*GPU_SHAPE, GPU_SHAPE[2], 128, torch.bfloat16, seed=2)
+    runs = [fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 0, 0, True), q, k, v, dout)
+            for _ in range(2)]
+    for name, first, second in zip(NAMES, *runs):
+        assert torch.equal(first, second), name
