@@ -37,7 +37,7 @@ for path in (str(TESTS), str(ROOT)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, print_blob=True,
+settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", max_examples=60, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
