@@ -40,9 +40,10 @@ RUN IT
     python 01_ddp.py                       # 4 local CPU processes (one per GPU on a GPU node)
     torchrun --nproc_per_node=4 01_ddp.py  # the same under torchrun
     python 01_ddp.py --bench               # step time against torch.nn.parallel.DistributedDataParallel
-Look at: the per-step loss, the max |parameter difference| against one process training on the
-whole batch (rounding level, ~1e-6 in fp32), and the all-reduced bytes per step beside 2(N-1)/N x
-gradient bytes.
+Look at: the per-step loss; the max |difference| against one process training on the whole batch:
+~1e-8 on gradients (the same sums in another order) and a few 1e-6 on parameters (Adam divides each
+gradient by its own magnitude, which magnifies rounding on gradients near 1e-9); and the all-reduced
+bytes per step beside 2(N-1)/N x gradient bytes.
 """
 from __future__ import annotations
 
@@ -77,14 +78,19 @@ def init_distributed(timeout_s: float = 120.0) -> torch.device:
     that some rank never joins into an error instead of a silent hang.
     """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"local rank {local_rank} needs GPU {local_rank}, but only "
+                             f"{torch.cuda.device_count()} are visible: use at most that many ranks "
+                             f"per node, or CUDA_VISIBLE_DEVICES= to run on the CPU")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend, device_id = "nccl", device  # device_id: NCCL communicators are created eagerly
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        device, backend, device_id = torch.device("cpu"), "gloo", None
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device_id,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return device
 
@@ -132,6 +138,9 @@ def launch(fn: Callable, *args, nproc: int) -> None:
 #     meter.traffic("all_reduce")
 
 
+ANY_GROUP = object()
+
+
 @dataclass
 class OpStats:
     calls: int = 0
@@ -149,18 +158,20 @@ class CommMeter:
         entry.payload_bytes += payload
         entry.traffic_bytes += traffic
 
+    # Queries: op=None sums over operations, group=ANY_GROUP over groups. A group is a process group
+    # (None: the world, as in the wrappers) or a tuple of global ranks (usable off the ranks, too).
     def _select(self, op: str | None, group) -> list[OpStats]:
-        ranks = None if group is None else group_ranks(group)
+        ranks = None if group is ANY_GROUP else group if isinstance(group, tuple) else group_ranks(group)
         return [s for (o, r), s in self.stats.items()
                 if (op is None or o == op) and (ranks is None or r == ranks)]
 
-    def calls(self, op: str | None = None, group=None) -> int:
+    def calls(self, op: str | None = None, group=ANY_GROUP) -> int:
         return sum(s.calls for s in self._select(op, group))
 
-    def payload(self, op: str | None = None, group=None) -> int:
+    def payload(self, op: str | None = None, group=ANY_GROUP) -> int:
         return sum(s.payload_bytes for s in self._select(op, group))
 
-    def traffic(self, op: str | None = None, group=None) -> Fraction:
+    def traffic(self, op: str | None = None, group=ANY_GROUP) -> Fraction:
         return sum((s.traffic_bytes for s in self._select(op, group)), Fraction(0))
 
 
@@ -190,28 +201,37 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def group_size(group) -> int:
+    """The group's size, after checking that this rank belongs to it (torch would silently skip)."""
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"rank {dist.get_rank()} is not in the group of ranks {list(group_ranks(group))}")
+    return dist.get_world_size(group)
+
+
 def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op: bool = False):
     """In place. Ring cost: reduce-scatter then all-gather, 2(N-1)/N x size per rank."""
-    n = dist.get_world_size(group)
+    n = group_size(group)
     _record("all_reduce", group, _nbytes(tensor), Fraction(2 * (n - 1), n) * _nbytes(tensor))
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and deprecated the
+# old names, which torch 2.11 still needs.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """output = the N inputs concatenated along dim 0. Ring cost: (N-1)/N x output size per rank."""
-    n = dist.get_world_size(group)
+    n = group_size(group)
     _record("all_gather", group, _nbytes(output), Fraction(n - 1, n) * _nbytes(output))
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
-
-
-# torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single and deprecated the old name.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
                    async_op: bool = False):
     """output = this rank's 1/N chunk (dim 0) of the sum of inputs. Ring: (N-1)/N x input size."""
-    n = dist.get_world_size(group)
+    n = group_size(group)
     _record("reduce_scatter", group, _nbytes(input), Fraction(n - 1, n) * _nbytes(input))
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
@@ -219,7 +239,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=dis
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int] | None = None,
                input_splits: list[int] | None = None, group=None, async_op: bool = False):
     """Rank i sends input rows input_splits[j] to rank j. Traffic: what leaves this rank."""
-    n, me = dist.get_world_size(group), dist.get_rank(group)
+    n, me = group_size(group), dist.get_rank(group)
     row_bytes = _nbytes(input) // max(input.shape[0], 1)
     kept_rows = input_splits[me] if input_splits is not None else input.shape[0] // n
     _record("all_to_all", group, _nbytes(input), Fraction(_nbytes(input) - kept_rows * row_bytes))
@@ -228,7 +248,9 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
-    """src is the rank *within the group* (translated here, so callers never need global ranks)."""
+    """src is the rank *within the group* (translated here, so callers never need global ranks).
+    Traffic: S per rank, as in a pipelined chain where each rank forwards what it receives."""
+    group_size(group)
     _record("broadcast", group, _nbytes(tensor), Fraction(_nbytes(tensor)))
     return dist.broadcast(tensor, src=global_rank(group, src), group=group, async_op=async_op)
 
@@ -238,11 +260,13 @@ def global_rank(group, group_rank: int) -> int:
 
 
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+    group_size(group)
     _record("send", group, _nbytes(tensor), Fraction(_nbytes(tensor)))
     dist.send(tensor, dst=global_rank(group, dst), group=group)
 
 
 def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+    group_size(group)
     _record("recv", group, _nbytes(tensor), Fraction(0))
     dist.recv(tensor, src=global_rank(group, src), group=group)
 
@@ -253,6 +277,7 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
     Launching sends and receives together lets a ring exchange proceed without the deadlock that
     blocking send-then-recv on every rank would cause.
     """
+    group_size(group)
     p2p_ops = []
     for kind, tensor, peer in ops:
         if kind not in ("send", "recv"):
@@ -445,19 +470,22 @@ def synthetic_batch(cfg: ModelConfig, global_batch: int, seq_len: int, step: int
 
 
 def broadcast_parameters(model: nn.Module, group=None) -> None:
-    """Start every rank from rank 0's weights (the rank 0 of `group`, whatever its global rank)."""
+    """Start every rank from rank 0's weights and buffers (rank 0 of `group`, whatever its global
+    rank). GPT's seeded init already agrees everywhere; a restored checkpoint or a random init
+    might not."""
     with torch.no_grad():
-        for param in model.parameters():
-            broadcast(param, src=0, group=group)
+        for tensor in [*model.parameters(), *model.buffers()]:
+            broadcast(tensor, src=0, group=group)
 
 
 def all_reduce_gradients(model: nn.Module, group=None) -> None:
     """(a) Naive DDP: one blocking all-reduce per parameter, after backward has finished."""
     world = dist.get_world_size(group)
-    for param in model.parameters():
-        if param.grad is not None:
-            all_reduce(param.grad, group=group)
-            param.grad.div_(world)
+    for name, param in model.named_parameters():
+        if param.grad is None:  # skipping it would pair different tensors across ranks
+            raise RuntimeError(f"{name} got no gradient: unused parameters are not supported")
+        all_reduce(param.grad, group=group)
+        param.grad.div_(world)
 
 
 class GradBucket:
@@ -475,6 +503,9 @@ class GradBucket:
 
     def add(self, param: nn.Parameter) -> None:
         """Copy param's finished gradient into its slot of the buffer."""
+        if self.work is not None:
+            raise RuntimeError("a second backward outside no_sync() before finish_gradient_sync() "
+                               "would overwrite a bucket that is still being all-reduced")
         i = self.slot[param]
         self.buffer[self.offsets[i]:self.offsets[i + 1]].copy_(param.grad.flatten())
         self.ready.add(i)
@@ -575,7 +606,7 @@ class TrainResult:
     losses: list[float]                   # mean loss over the global batch, per optimizer step
     first_grads: dict[str, torch.Tensor]  # averaged gradients of step 0, before the update
     params: dict[str, torch.Tensor]       # parameters after the last step
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, int] = field(default_factory=dict)
 
 
 def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -630,27 +661,26 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
     gradient of the rank's mean loss, and the all-reduce / N makes it the global mean's gradient.
     Returns the result and a meter of the communication inside the training loop.
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = group_size(group), dist.get_rank(group)
     validate_data_parallel(global_batch, world, accum_steps, mode)
     model = GPT(cfg).to(device)
-    if mode == "bucketed":
-        ddp = BucketedDataParallel(model, group, bucket_bytes)
-    else:
+    ddp = BucketedDataParallel(model, group, bucket_bytes) if mode == "bucketed" else None
+    if ddp is None:
         broadcast_parameters(model, group)
     optimizer = make_optimizer(model, lr)
     result, local_losses = TrainResult([], {}, {}), []
     with comm_meter() as meter:
         for step in range(steps):
             tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step, rank, world, data_seed)
-            step_loss = 0.0
+            step_loss = torch.zeros((), device=device)
             micro_batches = zip(tokens.chunk(accum_steps), targets.chunk(accum_steps), strict=True)
             for micro, (x, y) in enumerate(micro_batches):
-                accumulate_only = mode == "bucketed" and micro < accum_steps - 1
+                accumulate_only = ddp is not None and micro < accum_steps - 1
                 with ddp.no_sync() if accumulate_only else contextlib.nullcontext():
                     loss = model(x.to(device), y.to(device)) / accum_steps
                     loss.backward()
-                step_loss += loss.item()
-            if mode == "bucketed":
+                step_loss += loss.detach()  # no .item(): it would stall a GPU every micro-step
+            if ddp is not None:
                 ddp.finish_gradient_sync()
             else:
                 all_reduce_gradients(model, group)
@@ -660,11 +690,11 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     # Outside the meter: the per-step losses averaged over ranks = the global-batch mean loss.
-    losses = torch.tensor(local_losses, dtype=torch.float64, device=device)
+    losses = torch.stack(local_losses).double()
     all_reduce(losses, group=group)
     result.losses = (losses / world).tolist()
     result.params = cpu_copy(model.named_parameters())
-    if mode == "bucketed":
+    if ddp is not None:
         result.stats = dict(buckets=len(ddp.buckets), max_in_flight=ddp.max_in_flight,
                             finished_before_wait=ddp.finished_before_wait)
     return result, meter
@@ -792,6 +822,11 @@ def main() -> None:
     parser.add_argument("--bench-rounds", type=int, default=3)
     parser.add_argument("--bench-bucket-mb", type=int, default=25)
     args = parser.parse_args()
+    for name in ("nproc", "steps", "global_batch", "seq_len", "accum", "bucket_kib", "bench_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.bench_rounds < 2:
+        parser.error("--bench-rounds must be >= 2 (the first round is warm-up)")
     launch(bench if args.bench else demo, args, nproc=args.nproc)
 
 

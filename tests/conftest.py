@@ -21,6 +21,7 @@ import datetime
 import importlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import sys
 import time
@@ -65,18 +66,23 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    results.put(("ready", rank, "ok", b""))
     while (task := tasks.get()) is not None:
-        call_id, fn, args, kwargs = task
+        call_id, payload = task
         try:
-            results.put((call_id, rank, True, fn(*args, **kwargs)))
-        except BaseException:  # noqa: BLE001 - every failure must reach the test process
-            results.put((call_id, rank, False, traceback.format_exc()))
+            fn, args, kwargs = pickle.loads(payload)
+            # Pickled here, not in the queue's feeder thread, where a failure would vanish silently.
+            results.put((call_id, rank, "ok", pickle.dumps(fn(*args, **kwargs))))
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the test process
+            # A ValueError is a validation error raised before any collective: the group is intact.
+            status = "invalid" if isinstance(exc, ValueError) else "error"
+            results.put((call_id, rank, status, traceback.format_exc()))
 
 
 class RankPool:
     """world_size gloo worker processes that run functions on request."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, startup_timeout: float = 180) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.healthy = True
@@ -89,33 +95,50 @@ class RankPool:
         for p in self.procs:
             p.start()
         self.calls = 0
+        # Start-up (spawn, import torch, rendezvous) must not eat into the first call's timeout.
+        ready = self._collect("ready", startup_timeout)
+        if len(ready) < world_size:
+            self.close(deadline=time.monotonic() + 1)
+            raise RankFailure(f"a pool of {world_size} ranks did not start in {startup_timeout}s: "
+                              f"{self._silent(ready)}", {})
 
-    def run(self, fn: Callable, *args: Any, timeout: float = 120, **kwargs: Any) -> list[Any]:
-        self.calls += 1
-        call_id = self.calls
-        for q in self.tasks:
-            q.put((call_id, fn, args, kwargs))
-        answers: dict[int, tuple[bool, Any]] = {}
+    def _collect(self, call_id, timeout: float) -> dict[int, tuple[str, Any]]:
+        """rank -> (status "ok" | "invalid" | "error", pickled result or traceback)."""
+        answers: dict[int, tuple[str, Any]] = {}
         deadline = time.monotonic() + timeout
         while len(answers) < self.world_size and time.monotonic() < deadline:
             try:
-                cid, rank, ok, value = self.results.get(timeout=0.5)
+                cid, rank, status, value = self.results.get(timeout=0.5)
             except queue.Empty:
                 if any(not p.is_alive() for p in self.procs):
                     break
                 continue
             if cid == call_id:
-                answers[rank] = (ok, value)
-        errors = {r: v for r, (ok, v) in answers.items() if not ok}
-        errors.update({r: "no answer (dead, or waiting in a collective)"
-                       for r in range(self.world_size) if r not in answers})
-        if errors:
-            self.healthy = len(answers) == self.world_size and all(
-                "ValueError" in tb for tb in errors.values())
+                answers[rank] = (status, value)
+        return answers
+
+    def _silent(self, answers: dict) -> dict[int, str]:
+        return {r: ("no answer (waiting, e.g. in a collective that a peer never joined)"
+                    if p.is_alive() else f"no answer (process died, exit code {p.exitcode})")
+                for r, p in enumerate(self.procs) if r not in answers}
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 120, **kwargs: Any) -> list[Any]:
+        payload = pickle.dumps((fn, args, kwargs))  # an unpicklable argument fails here, loudly
+        self.calls += 1
+        for q in self.tasks:
+            q.put((self.calls, payload))
+        answers = self._collect(self.calls, timeout)
+        silent = self._silent(answers)
+        failed = {r: tb for r, (status, tb) in answers.items() if status != "ok"}
+        if silent or failed:
+            # Reusable only if every failing rank raised a validation error before any collective;
+            # anything else (a timeout, a rank stuck in a collective) may leave the group broken.
+            self.healthy = not silent and all(status != "error" for status, _ in answers.values())
+            errors = {**failed, **silent}
             detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
             raise RankFailure(f"{fn.__name__} failed on ranks {sorted(errors)} of {self.world_size}"
                               f" (timeout {timeout}s):\n{detail}", errors)
-        return [answers[r][1] for r in range(self.world_size)]
+        return [pickle.loads(answers[r][1]) for r in range(self.world_size)]
 
     def close(self, deadline: float) -> None:
         for q in self.tasks:
@@ -124,6 +147,9 @@ class RankPool:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():  # e.g. stuck in a collective that timed out on a peer
                 p.kill()
+                p.join()
+        for q in [*self.tasks, self.results]:
+            q.cancel_join_thread()  # never block the test process on data for a dead worker
 
 
 class RankPools:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import re
+import signal
 import subprocess
 import sys
 from fractions import Fraction
@@ -62,11 +64,13 @@ def test_logits_are_causal(cfg, seq_len, data):
 @given(cfg=model_configs())
 def test_initial_loss_is_near_ln_vocab(cfg):
     # logits = lm_head(rmsnorm(h)) with lm_head ~ N(0, init_std^2) and |rmsnorm(h)|^2 = dim, so the
-    # logits have std s = init_std sqrt(dim) and E[loss] ~ ln V + s^2 / 2: allow s^2 + 0.05.
+    # logits have std s = init_std sqrt(dim), E[loss] ~ ln V + s^2 / 2, and each token's loss
+    # deviates from that by ~s. Tokens repeat within a batch, so the n token losses are not
+    # independent: we measured at most 5.4 s / sqrt(n) over 540 configurations; allow 10.
     tokens, targets = ddp.synthetic_batch(cfg, 8, 16, step=0)
     loss = ddp.GPT(cfg)(tokens, targets).item()
-    s2 = cfg.init_std ** 2 * cfg.dim
-    assert abs(loss - math.log(cfg.vocab_size)) < s2 + 0.05
+    s = cfg.init_std * math.sqrt(cfg.dim)
+    assert abs(loss - (math.log(cfg.vocab_size) + s ** 2 / 2)) < 10 * s / math.sqrt(tokens.numel())
 
 
 def test_init_is_deterministic_and_seeded():
@@ -94,13 +98,14 @@ def test_bad_model_config_names_the_constraint():
 # --- the comm meter ---------------------------------------------------------------------------
 
 def exercise_collectives() -> dict:
-    """On 3 ranks: every wrapper, on the world group and on the subgroup of ranks {1, 2}."""
+    """Every wrapper, on the world group and on the subgroup of the last two ranks."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    sub = dist.new_group([1, 2])
+    pair = (n - 2, n - 1)
+    sub = dist.new_group(list(pair))
     out = {}
     with ddp.comm_meter() as meter:
         t = torch.full((4,), float(rank + 1))
-        ddp.all_reduce(t)
+        ddp.all_reduce(t, async_op=True).wait()
         out["all_reduce"] = t
         gathered = torch.empty(2 * n)
         ddp.all_gather(gathered, torch.tensor([rank, 10.0 * rank]))
@@ -109,25 +114,25 @@ def exercise_collectives() -> dict:
         ddp.reduce_scatter(shard, torch.arange(2.0 * n) * (rank + 1))
         out["reduce_scatter"] = shard
         # uneven all-to-all: rank r sends j + 1 rows to rank j, each row filled with 100 r + j
-        send_splits = [j + 1 for j in range(n)]
-        recv_splits = [rank + 1] * n
         inp = torch.cat([torch.full((j + 1, 2), 100.0 * rank + j) for j in range(n)])
-        received = torch.empty(sum(recv_splits), 2)
-        ddp.all_to_all(received, inp, recv_splits, send_splits)
+        received = torch.empty(n * (rank + 1), 2)
+        ddp.all_to_all(received, inp, [rank + 1] * n, [j + 1 for j in range(n)])
         out["all_to_all"] = received
-        if rank in (1, 2):
-            b = torch.full((3,), float(rank))
-            ddp.broadcast(b, src=1, group=sub)  # group rank 1 = global rank 2
-            out["broadcast"] = b
+        even = torch.empty(n)  # even splits: one element to each rank
+        ddp.all_to_all(even, torch.arange(n) + 10.0 * rank)
+        out["all_to_all_even"] = even
         # a ring shift with batched p2p: send to the right, receive from the left
         from_left = torch.empty(2)
         for work in ddp.batch_p2p([("send", torch.full((2,), float(rank)), (rank + 1) % n),
                                    ("recv", from_left, (rank - 1) % n)]):
             work.wait()
         out["ring"] = from_left
-        if rank in (1, 2):
-            msg = torch.full((5,), 7.0) if rank == 1 else torch.empty(5)
-            if rank == 1:
+        if rank in pair:
+            b = torch.full((3,), float(rank))
+            ddp.broadcast(b, src=1, group=sub)  # group rank 1 = global rank n - 1
+            out["broadcast"] = b
+            msg = torch.full((5,), 7.0) if rank == pair[0] else torch.empty(5)
+            if rank == pair[0]:
                 ddp.send(msg, dst=1, group=sub)
             else:
                 ddp.recv(msg, src=0, group=sub)
@@ -136,34 +141,38 @@ def exercise_collectives() -> dict:
     return out
 
 
-def test_collective_wrappers_compute_and_count(rank_pool):
-    n = 3
-    results = rank_pool.run(n, exercise_collectives)
-    for rank, out in enumerate(results):
-        assert torch.equal(out["all_reduce"], torch.full((4,), float(sum(range(1, n + 1)))))
-        assert torch.equal(out["all_gather"], torch.tensor([0.0, 0, 1, 10, 2, 20]))
-        total = sum(r + 1 for r in range(n))
-        assert torch.equal(out["reduce_scatter"], torch.tensor([2.0 * rank, 2.0 * rank + 1]) * total)
-        expected = torch.cat([torch.full((rank + 1, 2), 100.0 * src + rank) for src in range(n)])
+@pytest.mark.parametrize("n", [3, 4])
+def test_collective_wrappers_compute_and_count(rank_pool, n):
+    world, pair, f = tuple(range(n)), (n - 2, n - 1), 4  # f: bytes per fp32 element
+    for rank, out in enumerate(rank_pool.run(n, exercise_collectives)):
+        assert torch.equal(out["all_reduce"], torch.full((4,), n * (n + 1) / 2))  # sum of rank + 1
+        assert torch.equal(out["all_gather"], torch.tensor([[r, 10.0 * r] for r in world]).flatten())
+        rank_sum = n * (n + 1) / 2  # sum over ranks of (rank + 1)
+        assert torch.equal(out["reduce_scatter"], torch.tensor([2.0 * rank, 2.0 * rank + 1]) * rank_sum)
+        expected = torch.cat([torch.full((rank + 1, 2), 100.0 * src + rank) for src in world])
         assert torch.equal(out["all_to_all"], expected)
+        assert torch.equal(out["all_to_all_even"], torch.tensor([10.0 * src + rank for src in world]))
         assert torch.equal(out["ring"], torch.full((2,), float((rank - 1) % n)))
-        if rank in (1, 2):
-            assert torch.equal(out["broadcast"], torch.full((3,), 2.0))
+        if rank in pair:
+            assert torch.equal(out["broadcast"], torch.full((3,), float(pair[1])))
             assert torch.equal(out["send_recv"], torch.full((5,), 7.0))
-        m, world = out["meter"], (0, 1, 2)
-        f = 4  # bytes per fp32 element
+        m = out["meter"]
         assert (m.calls("all_reduce"), m.payload("all_reduce")) == (1, 4 * f)
         assert m.traffic("all_reduce") == Fraction(2 * (n - 1), n) * 4 * f
+        assert m.payload("all_gather") == 2 * n * f
         assert m.traffic("all_gather") == Fraction(n - 1, n) * 2 * n * f
         assert m.traffic("reduce_scatter") == Fraction(n - 1, n) * 2 * n * f
-        sent_rows = sum(j + 1 for j in range(n)) - (rank + 1)
-        assert m.traffic("all_to_all") == sent_rows * 2 * f
-        assert m.payload("send") == 2 * f + (5 * f if rank == 1 else 0)
-        assert m.traffic("recv") == 0
-        assert m.calls(group=None) == m.calls()  # group=None selects every group
-        sub_calls = 2 if rank in (1, 2) else 0   # broadcast + (send or recv) on the subgroup
-        assert sum(s.calls for (op, ranks), s in m.stats.items() if ranks == (1, 2)) == sub_calls
-        assert all(ranks in (world, (1, 2)) for _, ranks in m.stats)
+        uneven_rows, kept_rows = n * (n + 1) // 2, rank + 1
+        assert m.payload("all_to_all") == (2 * uneven_rows + n) * f
+        assert m.traffic("all_to_all") == (2 * (uneven_rows - kept_rows) + (n - 1)) * f
+        on_pair = rank in pair
+        assert (m.payload("broadcast"), m.traffic("broadcast")) == ((3 * f, 3 * f) if on_pair else (0, 0))
+        assert m.traffic("send") == 2 * f + (5 * f if rank == pair[0] else 0)
+        assert m.payload("recv") == 2 * f + (5 * f if rank == pair[1] else 0)
+        assert m.traffic("recv") == 0, "traffic counts what a rank sends"
+        assert m.calls(group=world) == 7, "all_reduce, all_gather, reduce_scatter, 2 all_to_all, send, recv"
+        assert m.calls(group=pair) == (2 if on_pair else 0)
+        assert {ranks for _, ranks in m.stats} == ({world, pair} if on_pair else {world})
 
 
 # --- data parallelism equals one device --------------------------------------------------------
@@ -235,6 +244,28 @@ def test_buckets_fill_in_reverse_order_and_launch_during_backward(rank_pool, buc
         assert sum(sizes[n] for n in this) + sizes[following[0]] > bucket_bytes
 
 
+def broadcast_after_perturbing(cfg):
+    """Every rank's weights differ; then the group {1, 2} (of 3 ranks) syncs from its rank 0."""
+    model = ddp.GPT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(dist.get_rank())
+    group = dist.new_group([1, 2])
+    if dist.get_rank() in (1, 2):
+        ddp.BucketedDataParallel(model, group, bucket_bytes=4096)
+    return ddp.cpu_copy(model.named_parameters())
+
+
+def test_wrapping_broadcasts_from_the_groups_first_rank(rank_pool):
+    cfg = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32)
+    params = rank_pool.run(3, broadcast_after_perturbing, cfg)
+    initial = ddp.cpu_copy(ddp.GPT(cfg).named_parameters())
+    for name, value in initial.items():
+        assert torch.equal(params[0][name], value), "rank 0 is outside the group: untouched"
+        assert torch.equal(params[1][name], value + 1), "rank 1 is the group's rank 0: the source"
+        assert torch.equal(params[2][name], value + 1), f"rank 2 did not receive {name}"
+
+
 def train_on_strided_subgroups(cfg, steps, global_batch, seq_len):
     """4 ranks, two data-parallel groups {0, 2} and {1, 3}: nothing may assume the world group."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
@@ -262,6 +293,7 @@ def test_data_parallel_on_a_subgroup(rank_pool):
 ])
 def test_bad_configuration_fails_on_every_rank_without_hanging(rank_pool, kwargs, message):
     cfg = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32)
+    kwargs = dict(kwargs)  # parametrize shares the dict between reruns
     global_batch = kwargs.pop("global_batch")
     with pytest.raises(RankFailure) as failure:
         rank_pool.run(2, ddp.train_data_parallel, cfg, 1, global_batch, 4, timeout=30, **kwargs)
@@ -274,12 +306,25 @@ def test_bad_configuration_fails_on_every_rank_without_hanging(rank_pool, kwargs
 # --- the script itself ------------------------------------------------------------------------
 
 def test_script_runs_as_plain_python():
-    proc = subprocess.run([sys.executable, "01_ddp.py", "--nproc", "2", "--steps", "2",
-                           "--global-batch", "4", "--seq-len", "8"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr
-    assert "ring formula 2(N-1)/N x gradient bytes" in proc.stdout
-    assert "max |difference| from the single device" in proc.stdout
+    """The launcher end to end, on the CPU even on a GPU machine; its printed figures are checked."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen([sys.executable, "01_ddp.py", "--nproc", "2", "--steps", "2",
+                             "--global-batch", "4", "--seq-len", "8"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: killable with its ranks
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr
+    formula = re.search(r"= ([\d,]+) B\n", stdout)
+    traffic = re.findall(r"traffic per rank ([\d,]+) B", stdout)
+    assert formula and len(traffic) == 3 and set(traffic) == {formula.group(1)}, stdout
+    diff_rows = re.findall(r"^  (?:naive|bucketed)[^\n]*?([\d.]+e[-+]\d+)\s+([\d.]+e[-+]\d+)$", stdout, re.M)
+    assert len(diff_rows) == 3, stdout
+    for grad_diff, param_diff in diff_rows:
+        assert float(grad_diff) <= GRAD_ATOL and float(param_diff) <= PARAM_ATOL, stdout
 
 
 # --- the harness itself -----------------------------------------------------------------------
