@@ -609,8 +609,10 @@ class TrainResult:
     stats: dict[str, int] = field(default_factory=dict)
 
 
-def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+def make_optimizer(model: nn.Module, lr: float, eps: float = 1e-8) -> torch.optim.Optimizer:
+    """AdamW. Its update g / (sqrt(v) + eps) magnifies a gradient's rounding error by up to 1/eps:
+    the tests raise eps so that rounding stays small in the parameters as well."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, eps=eps, weight_decay=0.1)
 
 
 def cpu_copy(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -618,13 +620,13 @@ def cpu_copy(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tenso
 
 
 def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int,
-                        lr: float = 1e-3, device: torch.device | str = "cpu", data_seed: int = 0,
-                        transform: Callable[[nn.Module], nn.Module] | None = None) -> TrainResult:
+                        lr: float = 1e-3, adam_eps: float = 1e-8, device: torch.device | str = "cpu",
+                        data_seed: int = 0, transform: Callable[[nn.Module], nn.Module] | None = None) -> TrainResult:
     """The reference: one process, the whole global batch per step. `transform` rewrites the model
     before training (lesson 08 swaps in FP8 linears, for instance)."""
     model = GPT(cfg)
     model = (transform(model) if transform else model).to(device)
-    optimizer = make_optimizer(model, lr)
+    optimizer = make_optimizer(model, lr, adam_eps)
     result = TrainResult([], {}, {})
     for step in range(steps):
         tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
@@ -652,7 +654,8 @@ def validate_data_parallel(global_batch: int, world: int, accum_steps: int, mode
 
 def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int, *,
                         mode: str = "bucketed", accum_steps: int = 1, bucket_bytes: int = 1 << 20,
-                        lr: float = 1e-3, group=None, device: torch.device | str = "cpu",
+                        lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
+                        device: torch.device | str = "cpu",
                         data_seed: int = 0) -> tuple[TrainResult, CommMeter]:
     """Train on this rank's share of the same global batches train_single_device sees.
 
@@ -667,7 +670,7 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
     ddp = BucketedDataParallel(model, group, bucket_bytes) if mode == "bucketed" else None
     if ddp is None:
         broadcast_parameters(model, group)
-    optimizer = make_optimizer(model, lr)
+    optimizer = make_optimizer(model, lr, adam_eps)
     result, local_losses = TrainResult([], {}, {}), []
     with comm_meter() as meter:
         for step in range(steps):
