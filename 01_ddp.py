@@ -621,7 +621,8 @@ def cpu_copy(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tenso
 
 def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int,
                         lr: float = 1e-3, adam_eps: float = 1e-8, device: torch.device | str = "cpu",
-                        data_seed: int = 0, transform: Callable[[nn.Module], nn.Module] | None = None) -> TrainResult:
+                        data_seed: int = 0,
+                        transform: Callable[[nn.Module], nn.Module] | None = None) -> TrainResult:
     """The reference: one process, the whole global batch per step. `transform` rewrites the model
     before training (lesson 08 swaps in FP8 linears, for instance)."""
     model = GPT(cfg)
