@@ -1,68 +1,67 @@
 """Lesson 07: FlashAttention-2 in Triton, forward and backward, that runs on a laptop.
 
-THE PROBLEM
-out = softmax(scale Q K^T) V per (batch, head), for N queries and keys of head dim d. Done naively,
-the N x N scores and probabilities are written to GPU memory (HBM) and read back: O(N^2) memory
-(16 heads at N = 16k in bf16: 8 GiB per sequence) and O(N^2) slow traffic for O(N^2 d) flops.
+THE PROBLEM. out = softmax(scale Q K^T) V per (batch, head), for N queries and keys of head dim d.
+Done naively, the N x N scores S and probabilities P are written to GPU memory (HBM) and read back:
+O(N^2) memory (16 heads at N = 16k in bf16: 8 GiB per sequence) and O(N^2) slow traffic.
 
 THE RECURRENCE (online softmax). A program takes a block of query rows and streams over the keys in
 blocks, keeping per row a running max m, a running sum l and an unnormalised fp32 accumulator:
     m_new = max(m, rowmax(s))               s: the scores against this key block
     alpha = exp(m - m_new)                  rescales what was summed against the old max
     p = exp(s - m_new)    l = alpha l + rowsum(p)    acc = alpha acc + p V_block
-and once, at the end, out = acc / l (FlashAttention-2 divides once, not per block) and
-lse = m + log l, each row's natural-log log-sum-exp, which is returned. This is the merge lesson
-05's ring applies to two partial attentions: lse = log(e^lse1 + e^lse2),
-out = e^(lse1 - lse) out1 + e^(lse2 - lse) out2. The kernel works in base 2, exp(x) = 2^(x log2 e):
-the scores are multiplied once by scale * log2(e) and each element costs one exp2 instruction.
+and at the end, once, out = acc / l (FlashAttention-2 divides once, not per block) and lse = m + log l,
+each row's natural-log log-sum-exp, which is returned: lesson 05's ring merges two partial attentions
+with it, lse = log(e^lse1 + e^lse2), out = e^(lse1 - lse) out1 + e^(lse2 - lse) out2. The kernel works
+in base 2, exp(x) = 2^(x log2 e): scores are scaled once by scale * log2(e), then one exp2 each.
 
 CAUSAL masking without waste: key blocks wholly in a query block's future are never visited (half
 the work), blocks wholly in its past run without a mask, only blocks on the diagonal are masked.
 Positions are absolute, key j is visible to query i iff q_offset + i >= k_offset + j, so a ring
 rank can attend to another rank's keys; a row that sees no key gets out = 0 and lse = -inf.
 
-THE IO ARGUMENT. A program keeps its BLOCK_M x d queries on chip and reads K and V once: N/BLOCK_M
-passes over K and V instead of N^2 scores written and read back, and O(N) extra memory (the lse,
-and delta in the backward) instead of O(N^2).
+THE IO ARGUMENT, per (batch, head), in elements. Naive attention writes S, reads it for the softmax,
+writes P and reads it for P V: ~4 N^2 of HBM traffic (more in the backward), N^2 of memory. A program
+here keeps its BLOCK_M x d queries on chip and streams K and V past them: K and V are read N / BLOCK_M
+times, ~2 N^2 d / BLOCK_M. BLOCK_M x d must fit the on-chip SRAM of M elements, BLOCK_M ~ M / d: the
+paper's Theta(N^2 d^2 / M). At d = BLOCK_M = 128 that is 2 N^2, only half of naive's 4 N^2; the
+decisive gains are O(N) extra memory (the lse, and delta in the backward) instead of O(N^2), and no
+N^2 round trips through HBM: S and P only ever exist in registers.
 
 THE BACKWARD recomputes P from the saved lse instead of storing it:
     P = exp(scale Q K^T - lse)    dV = P^T dO    dP = dO V^T    dS = P * (dP - delta)
     dQ = scale dS K               dK = scale dS^T Q             delta_i = rowsum(O_i * dO_i)
-with delta computed first by a small kernel. A gradient dlse into the lse (a ring merges through
-it) adds dlse_i P_ij to dS, since d lse_i / d s_ij = P_ij: the same formula with delta - dlse.
-No atomics: one program per key block accumulates its dK, dV over the query blocks, one program per
-query block its dQ over the key blocks; every output has one writer summing in a fixed order, so
-runs are bit-identical. The price: Q K^T and dO V^T are computed in both (7 matmuls, not 5).
+(delta first, by a small kernel: O(N d)). A gradient dlse into the lse (a ring merges through it) adds
+dlse_i P_ij to dS, as d lse_i / d s_ij = P_ij: the same formula with delta - dlse. No atomics: one
+program per key block accumulates its dK, dV over the query blocks, one per query block its dQ over
+the key blocks, so each output has one writer summing in a fixed order: runs with the same block
+sizes are bit-identical (the autotuner picks them by timing, anew in each process; another pick sums
+in another order and differs in the last bits). The price: Q K^T and dO V^T are computed twice (7
+matmuls, not 5).
 
-FLOPs, counted as the FlashAttention papers do for TFLOP/s: forward 4 N^2 d per (batch, head) (two
-N x N x d matmuls), half that when causal; backward 2.5 x forward (five matmuls, recomputation not
-counted); forward + backward 3.5 x forward.
+PRECISION. Dots accumulate in fp32, the recurrence runs in fp32; P and dS are rounded to the input
+dtype for their matmuls (as in FlashAttention-2: where 16-bit error enters); fp32 inputs get exact
+fp32 dots, not TF32. Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, one
+program at a time, in numpy), which cannot do bf16 dots or exp: CPU runs use fp32 or fp16.
 
-PRECISION. Dots accumulate in fp32 and the recurrence runs in fp32; P and dS are rounded to the
-input dtype for their matmuls (as in FlashAttention-2; that is where 16-bit error enters). fp32
-inputs get exact fp32 dots, not TF32. Without a GPU the kernels run in Triton's interpreter
-(TRITON_INTERPRET=1: one program at a time, in numpy), which cannot do bf16 dots or exp, so CPU
-runs use fp32 or fp16; a GPU runs bf16 and fp16 with autotuned block sizes.
-
-USE: GPT(cfg, attn_fn=flash_attention). Lesson 05's ring calls flash_block_attention, or the raw
-flash_attention_forward / flash_attention_backward from its own autograd.Function.
-
-RUN IT: python 07_flash_attention.py [--bench] (--bench, GPU only: TFLOP/s against SDPA's flash
-backend in bf16). Look at the max differences against float64 attention beside PyTorch's own
-attention in the same dtype, the lse exact to fp32 even from fp16 inputs, and the memory never used.
+USE: GPT(cfg, attn_fn=flash_attention); lesson 05's ring calls flash_block_attention, or the raw
+flash_attention_forward / flash_attention_backward from its own autograd.Function. RUN IT: python
+07_flash_attention.py [--bench] (GPU only: TFLOP/s against SDPA's flash backend, bf16). Look at the
+max differences against float64 beside PyTorch's attention in the same dtype, the lse exact to fp32
+even from fp16 inputs, and the memory never used.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 if not torch.cuda.is_available():
-    # Triton picks interpreted or compiled as each @triton.jit function is defined, its own library
-    # (tl.zeros, tl.sum, ...) included: this must happen before anything imports triton. `import
-    # torch` does not; lesson 08 sets the same flag the same way, so either may come first.
+    # Triton picks interpreted or compiled as each @triton.jit function is defined, tl.zeros, tl.sum, ...
+    # included: set it before anything imports triton (torch does not; lesson 08 does the same).
     os.environ["TRITON_INTERPRET"] = "1"
 
 import triton
@@ -77,9 +76,8 @@ LOG2E, LN2 = tl.constexpr(1.4426950408889634), tl.constexpr(0.6931471805599453)
 
 
 def _configs(gpu: list[tuple[int, int, int, int]], cpu: tuple[int, int]) -> list[triton.Config]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) to autotune over on a GPU: a few shapes that suit
-    Hopper, since every config is compiled and timed per new (seq, head_dim, causal, dtype). The
-    interpreter runs one config; M != N there too, so the CPU tests meet unequal blocks."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) to autotune over on a GPU, a few that suit Hopper;
+    the interpreter runs one, with M != N too."""
     if INTERPRETED:
         return [triton.Config({"BLOCK_M": cpu[0], "BLOCK_N": cpu[1]})]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu]
@@ -90,15 +88,15 @@ FWD_CONFIGS = _configs([(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 4, 3), (128, 
 # dK/dV programs own BLOCK_N keys and step over queries BLOCK_M at a time; dQ programs the reverse.
 DKDV_CONFIGS = _configs([(32, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)], cpu=(16, 32))
 DQ_CONFIGS = _configs([(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3)], cpu=(32, 16))
-TUNING_KEY = ["seq_q", "seq_k", "HEAD_DIM", "CAUSAL"]
-# Lengths and offsets stay runtime values: no recompilation for each new length, offset or seq = 1.
-jit_kernel = triton.jit(do_not_specialize=["seq_q", "seq_k", "shift"])
+# Tuned per bucket of lengths (next power of two; the kernels ignore the bucket arguments), not per
+# exact length, which varies (ring chunks, evaluation), since each new key compiles and times every
+# config. Lengths, buckets, offsets are not specialised: no recompilation per length, offset, seq = 1.
+TUNING_KEY = ["seq_q_bucket", "seq_k_bucket", "HEAD_DIM", "CAUSAL"]
+jit_kernel = triton.jit(do_not_specialize=["seq_q", "seq_k", "seq_q_bucket", "seq_k_bucket", "shift"])
 
-# ----------------------------------------------------------------------------------------------
 # Kernels. Tensors are contiguous (batch, heads, seq, head_dim): the head of program bh starts at
 # bh x seq x head_dim. One program per (block of rows, batch x head). head_dim is padded to a power
-# of two, BLOCK_D, for tl.arange; the padding lanes load zeros and are never stored.
-# ----------------------------------------------------------------------------------------------
+# of two, BLOCK_D, for tl.arange; the padding lanes load zeros and are never stored. -------------
 
 
 @triton.jit
@@ -119,83 +117,88 @@ def _visible(rows, cols, seq_k, shift, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _key_range(start_m, seq_k, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr):
-    """Keys [0, full_end) are visible to every row of the query block: no mask. Keys
-    [full_end, hi) cross the diagonal or the end of the sequence: masked. Keys >= hi: skipped."""
+def _key_range(start_m, seq_k, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """For the query block at start_m: keys [0, full_end) are visible to every row, no mask; keys
+    [full_end, hi) cross the diagonal or the end of the sequence: masked; keys >= hi: skipped."""
+    full_end, hi = seq_k // BLOCK_N * BLOCK_N, seq_k
     if CAUSAL:
-        hi = tl.minimum(seq_k, tl.maximum(0, start_m + BLOCK_M + shift))
         full_end = tl.minimum(seq_k, tl.maximum(0, start_m + shift + 1)) // BLOCK_N * BLOCK_N
-    else:
-        hi = seq_k
-        full_end = seq_k // BLOCK_N * BLOCK_N
+        hi = tl.minimum(seq_k, tl.maximum(0, start_m + BLOCK_M + shift))
     return full_end, hi
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, lo, hi, rows, seq_k, shift, qk_scale, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        kv, kv_ok = _tile(cols, seq_k, HEAD_DIM, BLOCK_D)
-        k = tl.load(K + kv, mask=kv_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
-        if MASKED:
-            s = tl.where(_visible(rows, cols, seq_k, shift, CAUSAL), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = m_new
-        if MASKED:
-            # A row that has seen no key yet has m = -inf: subtract 0 instead of -inf so that
-            # exp2 sees -inf - 0 (= 0), never -inf - (-inf) (= NaN).
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_sub)
-        p = tl.exp2(s - m_sub[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kv, mask=kv_ok, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    return acc, l_i, m_i
+def _query_range(start_n, seq_q, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """For the key block at start_n: queries [0, lo) see none of its keys: skipped; [lo, full_start)
+    cross the diagonal: masked; [full_start, q_end) see all: no mask. The sequences' ends need none:
+    padding queries get P = 0 (lse = +inf), padding keys' dK, dV are never stored."""
+    q_end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
+    lo, full_start = 0, 0
+    if CAUSAL:
+        lo = tl.minimum(q_end, tl.maximum(0, start_n - shift) // BLOCK_M * BLOCK_M)
+        full_start = tl.cdiv(tl.maximum(0, start_n + BLOCK_N - 1 - shift), BLOCK_M) * BLOCK_M
+        full_start = tl.minimum(q_end, full_start)
+    return lo, full_start, q_end
 
 
 @triton.autotune(configs=FWD_CONFIGS, key=TUNING_KEY)
 @jit_kernel
-def _fwd_kernel(Q, K, V, O, LSE, seq_q, seq_k, shift, sm_scale, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift, sm_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Last query blocks first: with a causal mask they see the most keys, so the longest programs
     # start earliest instead of straggling at the end of the launch.
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x heads x seq x dim can pass 2^31
     rows = start_m + tl.arange(0, BLOCK_M)
-    Q, O, LSE = Q + bh * seq_q * HEAD_DIM, O + bh * seq_q * HEAD_DIM, LSE + bh * seq_q
+    Q, OUT, LSE = Q + bh * seq_q * HEAD_DIM, OUT + bh * seq_q * HEAD_DIM, LSE + bh * seq_q
     K, V = K + bh * seq_k * HEAD_DIM, V + bh * seq_k * HEAD_DIM
     qo, q_ok = _tile(rows, seq_q, HEAD_DIM, BLOCK_D)
     q = tl.load(Q + qo, mask=q_ok, other=0.0)
     qk_scale = sm_scale * LOG2E  # the softmax scale and log2(e) folded into one multiply
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full_end, hi = _key_range(start_m, seq_k, shift, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, 0, full_end, rows, seq_k, shift, qk_scale,
-                               False, CAUSAL, PRECISION, HEAD_DIM, BLOCK_D, BLOCK_N)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, full_end, hi, rows, seq_k, shift, qk_scale,
-                               True, CAUSAL, PRECISION, HEAD_DIM, BLOCK_D, BLOCK_N)
+    for masked in tl.static_range(2):  # unrolled at compile time: [0, full_end) unmasked, then [full_end, hi)
+        for start_n in range(full_end if masked else 0, hi if masked else full_end, BLOCK_N):
+            cols = start_n + tl.arange(0, BLOCK_N)
+            kv, kv_ok = _tile(cols, seq_k, HEAD_DIM, BLOCK_D)
+            k = tl.load(K + kv, mask=kv_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
+            if masked:
+                s = tl.where(_visible(rows, cols, seq_k, shift, CAUSAL), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_sub = m_new
+            if masked:
+                # A row that has seen no key yet has m = -inf: subtract 0 instead of -inf so that
+                # exp2 sees -inf - 0 (= 0), never -inf - (-inf) (= NaN).
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(s - m_sub[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + kv, mask=kv_ok, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
     # Rows that saw no key have acc = 0, l = 0, m = -inf: out = 0 / 1 = 0, lse = -inf + log2(1).
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    tl.store(O + qo, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=q_ok)
+    tl.store(OUT + qo, (acc / l_safe[:, None]).to(OUT.dtype.element_ty), mask=q_ok)
     tl.store(LSE + rows, (m_i + tl.log2(l_safe)) * LN2, mask=rows < seq_q)
 
 
-@triton.jit(do_not_specialize=["seq_q"])
-def _bwd_delta_kernel(O, DO, DELTA, seq_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
+@triton.jit
+def _bwd_delta_kernel(OUT, DO, DLSE, DELTA, seq_q, HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The backward's preprocessing: delta = rowsum(O * dO) - dlse, one fp32 number per row, read
+    by both backward kernels instead of each recomputing it from O and dO."""
     bh = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    qo, ok = _tile(rows, seq_q, HEAD_DIM, BLOCK_D)
-    o = tl.load(O + bh * seq_q * HEAD_DIM + qo, mask=ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + bh * seq_q * HEAD_DIM + qo, mask=ok, other=0.0).to(tl.float32)
-    tl.store(DELTA + bh * seq_q + rows, tl.sum(o * do, 1), mask=rows < seq_q)
+    offsets, ok = _tile(rows, seq_q, HEAD_DIM, BLOCK_D)
+    o = tl.load(OUT + bh * seq_q * HEAD_DIM + offsets, mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + bh * seq_q * HEAD_DIM + offsets, mask=ok, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
+    tl.store(DELTA + bh * seq_q + rows, delta, mask=rows < seq_q)
 
 
 @triton.jit
@@ -207,31 +210,10 @@ def _load_row_stats(LSE, DELTA, rows, seq_q):
     return lse, tl.load(DELTA + rows, mask=rows < seq_q, other=0.0)
 
 
-@triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, hi, cols, seq_q, shift, qk_scale,
-                MASKED: tl.constexpr, PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    for start_m in range(lo, hi, BLOCK_M):
-        rows = start_m + tl.arange(0, BLOCK_M)
-        qo, q_ok = _tile(rows, seq_q, HEAD_DIM, BLOCK_D)
-        q = tl.load(Q + qo, mask=q_ok, other=0.0)
-        do = tl.load(DO + qo, mask=q_ok, other=0.0)
-        lse, delta = _load_row_stats(LSE, DELTA, rows, seq_q)
-        # Transposed tiles (keys x queries), so dK and dV accumulate as plain matmuls.
-        p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
-        if MASKED:
-            p_t = tl.where(rows[None, :] + shift >= cols[:, None], p_t, 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
-    return dk, dv
-
-
 @triton.autotune(configs=DKDV_CONFIGS, key=TUNING_KEY)
 @jit_kernel
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, seq_q, seq_k, shift, sm_scale,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift,
+                     sm_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
@@ -243,44 +225,30 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, seq_q, seq_k, shift, sm_sc
     Q, DO = Q + bh * seq_q * HEAD_DIM, DO + bh * seq_q * HEAD_DIM
     LSE, DELTA = LSE + bh * seq_q, DELTA + bh * seq_q
     qk_scale = sm_scale * LOG2E
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    q_end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
-    full_start = 0
-    if CAUSAL:
-        # Query blocks before lo see none of these keys; from full_start on they see all of them.
-        lo = tl.minimum(q_end, tl.maximum(0, start_n - shift) // BLOCK_M * BLOCK_M)
-        full_start = tl.minimum(q_end, tl.cdiv(tl.maximum(0, start_n + BLOCK_N - 1 - shift),
-                                               BLOCK_M) * BLOCK_M)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lo, full_start, cols, seq_q, shift,
-                             qk_scale, True, PRECISION, HEAD_DIM, BLOCK_D, BLOCK_M)
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, full_start, q_end, cols, seq_q, shift,
-                         qk_scale, False, PRECISION, HEAD_DIM, BLOCK_D, BLOCK_M)
+    dk, dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    lo, full_start, q_end = _query_range(start_n, seq_q, shift, BLOCK_M, BLOCK_N, CAUSAL)
+    for unmasked in tl.static_range(2):  # [lo, full_start) masked (empty unless causal), then the rest
+        for start_m in range(full_start if unmasked else lo, q_end if unmasked else full_start, BLOCK_M):
+            rows = start_m + tl.arange(0, BLOCK_M)
+            qo, q_ok = _tile(rows, seq_q, HEAD_DIM, BLOCK_D)
+            q = tl.load(Q + qo, mask=q_ok, other=0.0)
+            do = tl.load(DO + qo, mask=q_ok, other=0.0)
+            lse, delta = _load_row_stats(LSE, DELTA, rows, seq_q)
+            # Transposed tiles (keys x queries), so dK and dV accumulate as plain matmuls.
+            p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
+            if not unmasked:
+                p_t = tl.where(rows[None, :] + shift >= cols[:, None], p_t, 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     tl.store(DK + kv_head + kv, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_ok)
     tl.store(DV + kv_head + kv, dv.to(DV.dtype.element_ty), mask=kv_ok)
 
 
-@triton.jit
-def _dq_inner(dq, q, do, lse, delta, K, V, lo, hi, rows, seq_k, shift, qk_scale,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        kv, kv_ok = _tile(cols, seq_k, HEAD_DIM, BLOCK_D)
-        k = tl.load(K + kv, mask=kv_ok, other=0.0)
-        v = tl.load(V + kv, mask=kv_ok, other=0.0)
-        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
-        if MASKED:
-            p = tl.where(_visible(rows, cols, seq_k, shift, CAUSAL), p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    return dq
-
-
 @triton.autotune(configs=DQ_CONFIGS, key=TUNING_KEY)
 @jit_kernel
-def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, seq_q, seq_k, shift, sm_scale,
+def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -295,16 +263,22 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, seq_q, seq_k, shift, sm_scale,
     qk_scale = sm_scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full_end, hi = _key_range(start_m, seq_k, shift, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, 0, full_end, rows, seq_k, shift, qk_scale,
-                   False, CAUSAL, PRECISION, HEAD_DIM, BLOCK_D, BLOCK_N)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, full_end, hi, rows, seq_k, shift, qk_scale,
-                   True, CAUSAL, PRECISION, HEAD_DIM, BLOCK_D, BLOCK_N)
+    for masked in tl.static_range(2):  # as in the forward: [0, full_end) unmasked, then [full_end, hi)
+        for start_n in range(full_end if masked else 0, hi if masked else full_end, BLOCK_N):
+            cols = start_n + tl.arange(0, BLOCK_N)
+            kv, kv_ok = _tile(cols, seq_k, HEAD_DIM, BLOCK_D)
+            k = tl.load(K + kv, mask=kv_ok, other=0.0)
+            v = tl.load(V + kv, mask=kv_ok, other=0.0)
+            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
+            if masked:
+                p = tl.where(_visible(rows, cols, seq_k, shift, CAUSAL), p, 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(DQ + q_head + qo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_ok)
 
 
-# ----------------------------------------------------------------------------------------------
-# Launchers: the raw kernels, for callers with their own autograd (lesson 05's ring)
-# ----------------------------------------------------------------------------------------------
+# Launchers: the raw kernels, for callers with their own autograd (lesson 05's ring) -------------
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -316,13 +290,24 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k, v must share one of fp16, bf16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
     if INTERPRETED and q.dtype == torch.bfloat16:
         raise ValueError("bf16 needs a GPU: the Triton interpreter's bf16 dot is wrong; use fp32 or fp16")
-    if not INTERPRETED and not (q.is_cuda and k.is_cuda and v.is_cuda):
-        raise ValueError("the compiled Triton kernels need CUDA tensors")
+    if not q.device == k.device == v.device or not (INTERPRETED or q.is_cuda):
+        raise ValueError(f"q, k, v must be on one CUDA device; got {q.device}, {k.device}, {v.device}")
 
 
-def _meta(q: torch.Tensor, causal: bool) -> dict:
-    return dict(HEAD_DIM=q.shape[3], BLOCK_D=triton.next_power_of_2(q.shape[3]), CAUSAL=causal,
-                PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 operands only
+def _launch_args(q: torch.Tensor, k: torch.Tensor, q_offset: int, k_offset: int, causal: bool,
+                 sm_scale: float | None) -> tuple[list, dict]:
+    """An autotuned kernel's arguments after its tensors: lengths, buckets, shift, scale; constexprs."""
+    seq_q, seq_k, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    # "ieee": exact fp32 products for fp32 operands (Triton's default is TF32). For 16-bit operands
+    # the products are exact anyway and Triton ignores the setting: None leaves its default.
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
+                PRECISION="ieee" if q.dtype == torch.float32 else None)
+    return [seq_q, seq_k, triton.next_power_of_2(seq_q), triton.next_power_of_2(seq_k), q_offset - k_offset,
+            head_dim ** -0.5 if sm_scale is None else sm_scale], meta
+
+
+def _grid(seq: int, block: str, q: torch.Tensor):  # block: "BLOCK_M" or "BLOCK_N", the autotuner's pick
+    return lambda meta: (triton.cdiv(seq, meta[block]), q.shape[0] * q.shape[1])
 
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -332,12 +317,9 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     where a row sees no key. Inputs are made contiguous (a copy, O(N d), only if they are not)."""
     _validate(q, k, v)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    batch, heads, seq_q, head_dim = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
-    grid = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads)
-    _fwd_kernel[grid](q, k, v, out, lse, seq_q, k.shape[2], q_offset - k_offset,
-                      head_dim ** -0.5 if sm_scale is None else sm_scale, **_meta(q, causal))
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    args, meta = _launch_args(q, k, q_offset, k_offset, causal, sm_scale)
+    _fwd_kernel[_grid(q.shape[2], "BLOCK_M", q)](q, k, v, out, lse, *args, **meta)
     return out, lse
 
 
@@ -345,24 +327,26 @@ def flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,
                              causal: bool = True, sm_scale: float | None = None, q_offset: int = 0,
                              k_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dq, dk, dv, given the forward's out and lse (or a ring's merged global out and lse)."""
+    """-> dq, dk, dv, given the forward's out and lse (or a ring's merged global out and lse).
+    out and dout have q's shape, lse and dlse q.shape[:3]; dout is cast to q's dtype (the dots need
+    it), out and dlse may be in any float dtype (they enter fp32 arithmetic)."""
     _validate(q, k, v)
-    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
-    batch, heads, seq_q, head_dim = q.shape
-    seq_k, shift = k.shape[2], q_offset - k_offset
-    sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-    meta = _meta(q, causal)
-    lse = lse.float().contiguous()
-    delta = torch.empty_like(lse)
-    _bwd_delta_kernel[(triton.cdiv(seq_q, 64), batch * heads)](
-        out, dout, delta, seq_q, HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], BLOCK_M=64)
-    if dlse is not None:  # a gradient into lse adds dlse * P to dS: the same formula, delta - dlse
-        delta -= dlse.float()
+    for name, t, shape in (("out", out, q.shape), ("dout", dout, q.shape), ("lse", lse, q.shape[:3]),
+                           ("dlse", dlse, q.shape[:3])):
+        if t is not None and (t.shape != shape or t.device != q.device or not t.is_floating_point()):
+            raise ValueError(f"{name} must be a float tensor of shape {tuple(shape)} on {q.device}, to match "
+                             f"q {tuple(q.shape)}; got {t.dtype} {tuple(t.shape)} on {t.device}")
+    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout.to(q.dtype)))
+    lse, delta = lse.float().contiguous(), torch.empty_like(lse, dtype=torch.float32)
+    args, meta = _launch_args(q, k, q_offset, k_offset, causal, sm_scale)
+    # A gradient into lse adds dlse * P to dS: the same formula with delta - dlse.
+    dlse_or_lse = lse if dlse is None else dlse.float().contiguous()  # unread when dlse is None
+    _bwd_delta_kernel[(triton.cdiv(q.shape[2], 64), q.shape[0] * q.shape[1])](
+        out, dout, dlse_or_lse, delta, q.shape[2], HAS_DLSE=dlse is not None, HEAD_DIM=q.shape[3],
+        BLOCK_D=meta["BLOCK_D"], BLOCK_M=64)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    grid_keys = lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]), batch * heads)
-    _bwd_dkdv_kernel[grid_keys](q, k, v, dout, dk, dv, lse, delta, seq_q, seq_k, shift, sm_scale, **meta)
-    grid_queries = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads)
-    _bwd_dq_kernel[grid_queries](q, k, v, dout, dq, lse, delta, seq_q, seq_k, shift, sm_scale, **meta)
+    _bwd_dkdv_kernel[_grid(k.shape[2], "BLOCK_N", q)](q, k, v, dout, dk, dv, lse, delta, *args, **meta)
+    _bwd_dq_kernel[_grid(q.shape[2], "BLOCK_M", q)](q, k, v, dout, dq, lse, delta, *args, **meta)
     return dq, dk, dv
 
 
@@ -406,7 +390,8 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     rows = q_offset + torch.arange(q.shape[2], device=q.device)
     cols = k_offset + torch.arange(k.shape[2], device=q.device)
-    visible = rows[:, None] >= cols[None, :] if causal else torch.ones_like(rows[:, None] >= cols)
+    visible = rows[:, None] >= cols if causal else torch.ones(len(rows), len(cols), dtype=torch.bool,
+                                                              device=q.device)
     has_key = visible.any(-1)
     scores = (scale * q @ k.transpose(-2, -1)).masked_fill(~visible, float("-inf"))
     # logsumexp of an all -inf row has a NaN gradient: give such rows zeros, then mask them out.
@@ -415,20 +400,18 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return out, lse.masked_fill(~has_key, float("-inf"))
 
 
-# ----------------------------------------------------------------------------------------------
-# Demo and benchmark
-# ----------------------------------------------------------------------------------------------
+# Demo and benchmark -----------------------------------------------------------------------------
 
 
 def outputs_and_grads(attn, q, k, v, dout, dlse=None) -> list[torch.Tensor | None]:
     """[out, lse, dq, dk, dv] of attn(q, k, v) -> (out, lse or None) under the loss
-    sum(out * dout) + sum(lse * dlse) (rows with lse = -inf excluded)."""
+    sum(out * dout) + sum(lse * dlse) (rows with lse = -inf excluded; dout None: no out term)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out, lse = attn(q, k, v)
-    loss = (out * dout).sum()
+    loss = 0.0 if dout is None else (out * dout).sum()
     if dlse is not None:
         loss = loss + (lse.masked_fill(lse.isinf(), 0.0) * dlse).sum()
-    return [out, lse, *torch.autograd.grad(loss, (q, k, v))]
+    return [out, lse, *torch.autograd.grad(loss, (q, k, v), materialize_grads=True)]  # zeros, not None
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -436,77 +419,85 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.where(a == b, 0.0, (a.double() - b.double()).abs()).max().item()
 
 
+def _sdpa(q, k, v, causal: bool) -> tuple[torch.Tensor, None]:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal), None
+
+
+def _diffs(got: list, ref: list) -> str:
+    """The row of max |differences| the demo prints, '-' where attention gives no lse (SDPA)."""
+    return "".join(f"{'-' if a is None else f'{max_diff(a, b):.1e}':>9}"
+                   for a, b in zip(got, ref, strict=True))
+
+
 def demo(args: argparse.Namespace) -> None:
     device = torch.device("cpu" if INTERPRETED else "cuda")
-    shape = (args.batch, args.heads, args.seq, args.head_dim)
-    gen = torch.Generator().manual_seed(0)
-    print(f"FlashAttention-2 in Triton ({'interpreter on CPU' if INTERPRETED else 'GPU'}), (batch, "
-          f"heads, seq, head_dim) = {shape}.\nmax |difference| against float64 attention on the same "
-          f"inputs:\n{'':<24}" + "".join(f"{name:>9}" for name in ("out", "lse", "dq", "dk", "dv")))
+    shape, gen = (args.batch, args.heads, args.seq, args.head_dim), torch.Generator().manual_seed(0)
+    print(f"FlashAttention-2 in Triton ({'interpreter on CPU' if INTERPRETED else 'GPU'}), (batch, heads, "
+          f"seq, head_dim) = {shape}.\nmax |difference| against float64 attention on the same inputs:\n"
+          + " " * 24 + "".join(f"{name:>9}" for name in ("out", "lse", "dq", "dk", "dv")))
     for dtype in [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16]):
         q, k, v, dout = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(4))
         for causal in (False, True):
-            ref = outputs_and_grads(lambda *x: naive_attention(*x, causal), q.double(), k.double(),
-                                    v.double(), dout.double())
-            runs = {"ours": lambda *x: flash_block_attention(*x, 0, 0, causal),
-                    "torch": lambda *x: (F.scaled_dot_product_attention(*x, is_causal=causal), None)}
-            for name, attn in runs.items():
+            exact = partial(naive_attention, causal=causal)
+            ref = outputs_and_grads(exact, *(t.double() for t in (q, k, v, dout)))
+            ours = partial(flash_block_attention, q_offset=0, k_offset=0)
+            for name, attn in (("ours", ours), ("torch", _sdpa)):
+                results = outputs_and_grads(partial(attn, causal=causal), q, k, v, dout)
                 label = f"{str(dtype)[6:]} {'causal' if causal else 'full'} {name}"
-                print(f"{label:<24}" + "".join(f"{'-' if t is None else f'{max_diff(t, r):.1e}':>9}"
-                                               for t, r in zip(outputs_and_grads(attn, q, k, v, dout), ref)))
-    # One ring step: queries at positions 64.. attend to keys at 96..; the first 32 rows see none.
+                print(f"{label:<24}{_diffs(results, ref)}")
+    # One ring step: queries at positions 64.. attend to keys at 96..: in each (batch, head) the first
+    # 32 query rows see no key.
     q, k, v, dout = (torch.randn(shape, generator=gen).to(device) for _ in range(4))
     dlse = torch.randn(shape[:3], generator=gen).to(device)
-    ours = outputs_and_grads(lambda *x: flash_block_attention(*x, 64, 96, True), q, k, v, dout, dlse)
-    ref = outputs_and_grads(lambda *x: naive_attention(*x, True, None, 64, 96),
-                            *(t.double() for t in (q, k, v, dout, dlse)))
-    print(f"\nblock entry, queries at 64.., keys at 96.., causal, gradients into out and lse, fp32: max "
-          f"|differences| {' '.join(f'{max_diff(a, b):.1e}' for a, b in zip(ours, ref))};\n"
-          f"{int(ours[1].isinf().sum())} rows see no key: out 0 and lse -inf there, no NaN anywhere: "
-          f"{bool((ours[0][ours[1].isinf()] == 0).all()) and not any(t.isnan().any() for t in ours)}")
-    scores, stats = args.batch * args.heads * args.seq ** 2 * 4, args.batch * args.heads * args.seq * 8
-    print(f"\nmemory: the fp32 score matrix naive attention builds, batch x heads x seq^2 x 4 B = "
-          f"{scores:,} B here, is never built;\nthe kernels keep lse and delta, batch x heads x seq x "
-          f"8 B = {stats:,} B. For 16 heads at seq 16384 in bf16: {16 * 16384 ** 2 * 2 / 2 ** 30:.0f} GiB "
-          f"of scores against {16 * 16384 * 8 / 2 ** 20:.0f} MiB.\nNotice: fp32 agrees to rounding; in "
+    where = dict(q_offset=64, k_offset=96, causal=True)
+    ours = outputs_and_grads(partial(flash_block_attention, **where), q, k, v, dout, dlse)
+    ref = outputs_and_grads(partial(naive_attention, **where), *(t.double() for t in (q, k, v, dout, dlse)))
+    no_key, heads = ours[1].isinf(), args.batch * args.heads
+    print(f"\nblock entry, queries at 64.., keys at 96.., causal, gradients into out and lse, fp32:\n"
+          f"{'':<24}{_diffs(ours, ref)}\n{int(no_key[0, 0].sum())} rows of each (batch, head) see no key "
+          f"({int(no_key.sum())} over the {heads}): out 0 and lse -inf there, no NaN anywhere: "
+          f"{bool((ours[0][no_key] == 0).all()) and not any(t.isnan().any() for t in ours)}")
+    scores, stats = heads * args.seq ** 2 * 4, heads * args.seq * 8
+    print(f"\nmemory: naive attention's fp32 scores, batch x heads x seq^2 x 4 B = {scores:,} B here, are "
+          f"never built;\nthe kernels keep lse and delta, batch x heads x seq x 8 B = {stats:,} B. At 16 "
+          f"heads, seq 16384, bf16: 8 GiB of scores against 2 MiB.\nNotice: fp32 agrees to rounding; in "
           f"fp16 our errors are PyTorch's own (P and dS are rounded to fp16); the lse stays exact to fp32.")
 
 
 def bench() -> None:
-    """TFLOP/s of forward, backward and both, ours against SDPA's flash backend, bf16, 16k tokens
-    per batch at model width 2048 (the FlashAttention-2 paper's setting)."""
+    """TFLOP/s of forward, backward and both, ours against SDPA's flash backend, bf16, 16k tokens per
+    batch at model width 2048 (the FlashAttention-2 paper's setting). FLOPs as the papers count them:
+    forward 4 N^2 d per (batch, head) (two N x N x d matmuls), half that when causal; backward 2.5 x
+    forward (five matmuls; recomputation not counted); forward + backward 3.5 x forward."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
+    def tflops(attn, q, k, v, dout, causal: bool, fwd_flops: float) -> list[float]:
+        out = attn(q, k, v, causal)
+        ms = [do_bench(lambda: attn(q, k, v, causal)),
+              do_bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=(q, k, v)),
+              do_bench(lambda: attn(q, k, v, causal).backward(dout), grad_to_none=(q, k, v))]
+        return [f * fwd_flops / (t * 1e-3) / 1e12 for f, t in zip((1, 2.5, 3.5), ms, strict=True)]
+
     print(f"{'head_dim':>8}{'seq':>7}{'causal':>8}" + "".join(
         f"{p + ' ' + n:>14}" for p in ("fwd", "bwd", "fwd+bwd") for n in ("ours", "SDPA", "ratio")))
-    for head_dim in (64, 128):
-        for seq in (1024, 2048, 4096, 8192, 16384):
-            for causal in (False, True):
-                batch, heads = 16384 // seq, 2048 // head_dim
-                q, k, v, dout = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
-                                 for _ in range(4))
-                q, k, v = (t.requires_grad_() for t in (q, k, v))
-                fwd_flops = 4 * batch * heads * seq ** 2 * head_dim / (2 if causal else 1)
-                tflops = []
-                for attn in (flash_attention, lambda *x, causal: F.scaled_dot_product_attention(
-                        *x, is_causal=causal)):
-                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                        out = attn(q, k, v, causal=causal)
-                        ms = [do_bench(lambda: attn(q, k, v, causal=causal)),
-                              do_bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=(q, k, v)),
-                              do_bench(lambda: attn(q, k, v, causal=causal).backward(dout), grad_to_none=(q, k, v))]
-                    tflops.append([f * fwd_flops / (t * 1e-3) / 1e12 for f, t in zip((1, 2.5, 3.5), ms)])
-                print(f"{head_dim:>8}{seq:>7}{causal!s:>8}" + "".join(
-                    f"{ours:>14.1f}{sdpa:>14.1f}{ours / sdpa:>14.2f}" for ours, sdpa in zip(*tflops)))
+    for head_dim, seq, causal in itertools.product((64, 128), (1024, 2048, 4096, 8192, 16384), (False, True)):
+        batch, heads = 16384 // seq, 2048 // head_dim
+        q, k, v, dout = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
+                         for _ in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        fwd_flops = 4 * batch * heads * seq ** 2 * head_dim / (2 if causal else 1)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ours, sdpa = (tflops(attn, q, k, v, dout, causal, fwd_flops)
+                          for attn in (flash_attention, lambda *x: _sdpa(*x)[0]))
+        print(f"{head_dim:>8}{seq:>7}{causal!s:>8}" + "".join(
+            f"{o:>14.1f}{s:>14.1f}{o / s:>14.2f}" for o, s in zip(ours, sdpa, strict=True)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=100, help="not a multiple of the block sizes")
-    parser.add_argument("--head-dim", type=int, default=32)
+    for name, default in (("--batch", 2), ("--heads", 2), ("--seq", 100), ("--head-dim", 32)):
+        parser.add_argument(name, type=int, default=default)  # seq 100: a multiple of no block size
     parser.add_argument("--bench", action="store_true", help="GPU: TFLOP/s against SDPA (flash), bf16")
     args = parser.parse_args()
     if args.bench and INTERPRETED:

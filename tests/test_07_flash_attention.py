@@ -1,6 +1,6 @@
 """Lesson 07's proof: the Triton FlashAttention kernels compute attention, forward and backward.
 
-Every test compares all five results, out, lse, dq, dk and dv, against naive attention computed in
+Every kernel test compares all five results, out, lse, dq, dk and dv, against naive attention computed in
 float64 on the same (already rounded) inputs, so the reference's own error is negligible and the
 whole difference is the kernel's. Inputs are standard normal, so out, lse and the gradients are of
 order 1 to 10 and absolute tolerances are meaningful.
@@ -9,7 +9,8 @@ On CPU the kernels run in Triton's interpreter (fp32 and fp16, tiny hypothesis-d
 lengths, causal or not, arbitrary position offsets). On a GPU they are compiled and autotuned, and
 every new shape costs compilations, so the GPU tests use a few fixed shapes: bf16 and fp16 must be
 at most twice as far from float64 as PyTorch's own attention in the same dtype, plus a small
-floor; fp32 must match to the CPU tolerance; two runs must be bit-identical.
+floor; fp32 must match to the CPU tolerance; two runs must be bit-identical. The block-skipping
+test runs the kernels' own range helpers on either.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import importlib
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -27,8 +29,10 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-fa = importlib.import_module("07_flash_attention")
+fa = importlib.import_module("07_flash_attention")  # first: without a GPU it turns the interpreter on
 ddp = importlib.import_module("01_ddp")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 DEVICE = torch.device("cpu" if fa.INTERPRETED else "cuda")
 NAMES = ("out", "lse", "dq", "dk", "dv")
@@ -57,14 +61,14 @@ def random_inputs(batch, heads, seq_q, seq_k, head_dim, dtype, seed, lse_grad=Fa
 
 
 def float64_reference(q, k, v, dout, dlse, causal, q_offset=0, k_offset=0):
-    q, k, v, dout = (t.double() for t in (q, k, v, dout))
-    return fa.outputs_and_grads(lambda *x: fa.naive_attention(*x, causal, None, q_offset, k_offset),
-                                q, k, v, dout, None if dlse is None else dlse.double())
+    q, k, v, dout, dlse = (None if t is None else t.double() for t in (q, k, v, dout, dlse))
+    return fa.outputs_and_grads(partial(fa.naive_attention, causal=causal, q_offset=q_offset,
+                                        k_offset=k_offset), q, k, v, dout, dlse)
 
 
 def assert_close_to_reference(results, reference, dtype, tol: dict | None = None) -> None:
     tol = tol or TOLERANCE[dtype]
-    for name, got, want in zip(NAMES, results, reference):
+    for name, got, want in zip(NAMES, results, reference, strict=True):
         assert got.shape == want.shape and got.dtype == (torch.float32 if name == "lse" else dtype)
         assert not got.isnan().any(), f"{name} has NaNs"
         error = fa.max_diff(got, want)
@@ -91,9 +95,10 @@ def test_attention_matches_float64(batch, heads, seq, head_dim, causal, dtype, s
 @given(seq_q=st.integers(1, 40), seq_k=st.integers(1, 40), q_offset=st.integers(0, 64),
        k_offset=st.integers(0, 64), causal=st.sampled_from([True, True, False]),
        dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2 ** 16))
-@example(seq_q=8, seq_k=20, q_offset=0, k_offset=40, causal=True, dtype=torch.float32, seed=0)  # no row sees a key
-@example(seq_q=40, seq_k=33, q_offset=3, k_offset=20, causal=True, dtype=torch.float32, seed=1)  # some rows see none
-@example(seq_q=17, seq_k=40, q_offset=64, k_offset=0, causal=True, dtype=torch.float16, seed=2)  # keys all in the past
+# No row sees a key; some rows see none; all keys lie in the past.
+@example(seq_q=8, seq_k=20, q_offset=0, k_offset=40, causal=True, dtype=torch.float32, seed=0)
+@example(seq_q=40, seq_k=33, q_offset=3, k_offset=20, causal=True, dtype=torch.float32, seed=1)
+@example(seq_q=17, seq_k=40, q_offset=64, k_offset=0, causal=True, dtype=torch.float16, seed=2)
 @settings(max_examples=EXAMPLES, deadline=None)
 def test_block_entry_with_offsets_and_lse_gradient(seq_q, seq_k, q_offset, k_offset, causal, dtype, seed):
     """The ring's entry: absolute positions, gradients into out and lse, rows with no visible key."""
@@ -114,8 +119,8 @@ def test_causal_diagonal_at_every_block_alignment():
     masked range included; negative shifts leave the first rows with no key at all."""
     q, k, v, dout, dlse = random_inputs(1, 1, 40, 40, 16, torch.float32, seed=4, lse_grad=True)
     for shift in range(-48, 49):
-        ours = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 48 + shift, 48, True),
-                                    q, k, v, dout, dlse)
+        ours = fa.outputs_and_grads(partial(fa.flash_block_attention, q_offset=48 + shift, k_offset=48,
+                                            causal=True), q, k, v, dout, dlse)
         assert_close_to_reference(ours, float64_reference(q, k, v, dout, dlse, True, 48 + shift, 48),
                                   torch.float32)
 
@@ -132,6 +137,99 @@ def test_raw_launchers_with_merged_lse_gradient():
     assert_close_to_reference([out, lse, *grads], reference, torch.float32)
 
 
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gradient_into_lse_only(dtype):
+    """A loss on the lse alone: out gets no gradient, so autograd hands FlashAttention.backward
+    dout = None (the branch that substitutes zeros). Keys start at position 10: rows 0..9 see none."""
+    q, k, v, _, dlse = random_inputs(2, 2, 29, 35, 16, dtype, seed=6, lse_grad=True)
+    ours = fa.outputs_and_grads(partial(fa.flash_block_attention, q_offset=0, k_offset=10, causal=True),
+                                q, k, v, None, dlse)
+    assert_close_to_reference(ours, float64_reference(q, k, v, None, dlse, True, 0, 10), dtype)
+
+
+def test_backward_checks_its_inputs_and_casts_dout():
+    """flash_attention_backward, which lesson 05 calls directly: a wrongly shaped or placed out,
+    dout, lse or dlse is refused before any kernel reads out of bounds; an fp32 dout for fp16
+    attention (a loss computed in fp32) is cast to fp16, as autograd would, not refused by Triton."""
+    q, k, v, dout, dlse = random_inputs(1, 2, 20, 24, 16, torch.float16, seed=7, lse_grad=True)
+    good = dict(out=torch.randn_like(q), lse=torch.randn_like(dlse), dout=dout, dlse=dlse)
+    for name, bad in [("out", good["out"][:, :, :-1]), ("dout", dout[..., :8]), ("lse", good["lse"][0]),
+                      ("dlse", dlse[..., None]), ("lse", good["lse"].long()), ("dlse", dlse.to("meta"))]:
+        with pytest.raises(ValueError, match=f"{name} must be a float tensor of shape"):
+            fa.flash_attention_backward(q, k, v, **(good | {name: bad}))
+    if fa.INTERPRETED:  # on a GPU, this tiny shape would autotune every config: the checks suffice
+        out, lse = fa.flash_attention_forward(q, k, v)
+        grads = fa.flash_attention_backward(q, k, v, out, lse, dout.float(), dlse)
+        for got, want in zip(grads, fa.flash_attention_backward(q, k, v, out, lse, dout, dlse), strict=True):
+            assert got.dtype == torch.float16 and torch.equal(got, want)
+
+
+@triton.jit
+def _ranges_kernel(BLOCK_INDEX, SEQ_Q, SEQ_K, SHIFT, OUT, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
+    """The kernels' own range helpers on n cases at once: block b's (full_end, hi) as a forward or
+    dQ program (query block b) and (lo, full_start, q_end) as a dK/dV program (key block b)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    b, shift = tl.load(BLOCK_INDEX + i, mask=ok), tl.load(SHIFT + i, mask=ok)
+    full_end, hi = fa._key_range(b * BLOCK_M, tl.load(SEQ_K + i, mask=ok), shift, BLOCK_M, BLOCK_N, CAUSAL)
+    lo, full_start, q_end = fa._query_range(b * BLOCK_N, tl.load(SEQ_Q + i, mask=ok), shift, BLOCK_M,
+                                            BLOCK_N, CAUSAL)
+    zero = b * 0  # makes the values that are plain integers (non-causal) into vectors
+    tl.store(OUT + i, full_end + zero, mask=ok)
+    tl.store(OUT + n + i, hi + zero, mask=ok)
+    tl.store(OUT + 2 * n + i, lo + zero, mask=ok)
+    tl.store(OUT + 3 * n + i, full_start + zero, mask=ok)
+    tl.store(OUT + 4 * n + i, q_end + zero, mask=ok)
+
+
+def tile_visibility(n_row_tiles, block_m, n_col_tiles, block_n, shifts, seq_k, causal):
+    """Brute force, element by element: (shift, row tile, column tile) -> any / all of the tile's
+    (query, key) pairs visible. Tiles count every position, padding rows past seq_q included."""
+    rows = torch.arange(n_row_tiles * block_m)[None, :, None]
+    cols = torch.arange(n_col_tiles * block_n)[None, None, :]
+    visible = (cols < seq_k) & ((rows + shifts[:, None, None] >= cols) if causal else True)
+    visible = visible.expand(len(shifts), rows.shape[1], cols.shape[2])
+    tiles = visible.reshape(len(shifts), n_row_tiles, block_m, n_col_tiles, block_n)
+    return tiles.any(4).any(2), tiles.all(4).all(2)
+
+
+@pytest.mark.parametrize("block_m, block_n", [(16, 32), (32, 16), (32, 128), (128, 32), (64, 64)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_skipping_matches_brute_force_visibility(block_m, block_n, causal):
+    """The work saving, checked directly: for every block (forward and dQ programs over key blocks,
+    dK/dV programs over query blocks), lengths 1, 40, 130 and every shift from -150 to 150, a tile
+    is visited iff some (query, key) pair in it is visible, and runs unmasked iff all are. The
+    forward's tiles must mask keys past seq_k (a zero-loaded key scores 0, not -inf); the dK/dV
+    tiles need not (padding queries have P = 0, padding keys' dK, dV are never stored), so there
+    only positions count."""
+    seqs, shifts = (1, 40, 130), torch.arange(-150, 151)
+    cases = [(seq_q, seq_k) for seq_q in seqs for seq_k in seqs]
+    blocks = [max(triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n)) for seq_q, seq_k in cases]
+    table = []  # rows (block index, seq_q, seq_k, shift): per case, every shift x every block
+    for (seq_q, seq_k), n in zip(cases, blocks, strict=True):
+        shift, block = torch.cartesian_prod(shifts, torch.arange(n)).T
+        table.append(torch.stack([block, block * 0 + seq_q, block * 0 + seq_k, shift]))
+    table = torch.cat(table, dim=1).to(DEVICE, torch.int32)
+    out = torch.empty(5, table.shape[1], dtype=torch.int32, device=DEVICE)
+    _ranges_kernel[(triton.cdiv(table.shape[1], 1024),)](*table, out, table.shape[1], BLOCK_M=block_m,
+                                                         BLOCK_N=block_n, CAUSAL=causal, BLOCK=1024)
+    ranges = out.cpu().split([len(shifts) * n for n in blocks], dim=1)
+    for (seq_q, seq_k), n, got in zip(cases, blocks, ranges, strict=True):
+        full_end, hi, lo, full_start, q_end = got.reshape(5, len(shifts), n, 1)
+        n_q, n_k = triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n)
+        key_starts, query_starts = torch.arange(n_k) * block_n, torch.arange(n_q) * block_m
+        fwd_any, fwd_all = tile_visibility(n_q, block_m, n_k, block_n, shifts, seq_k, causal)
+        assert torch.equal(key_starts < hi[:, :n_q], fwd_any)  # visited: some pair visible
+        assert torch.equal(key_starts < full_end[:, :n_q], fwd_all)  # unmasked: all pairs visible
+        bwd_any, bwd_all = tile_visibility(n_q, block_m, n_k, block_n, shifts, float("inf"), causal)
+        visited = (query_starts >= lo[:, :n_k]) & (query_starts < q_end[:, :n_k])
+        unmasked = (query_starts >= full_start[:, :n_k]) & (query_starts < q_end[:, :n_k])
+        assert torch.equal(visited, bwd_any.transpose(1, 2))
+        assert torch.equal(unmasked, bwd_all.transpose(1, 2))
+
+
 @pytest.mark.parametrize("seq_len", [24, 33])
 def test_gpt_with_flash_attention_equals_reference(seq_len):
     """GPT(cfg, attn_fn=flash_attention) = the reference GPT: loss and every parameter's gradient.
@@ -144,7 +242,7 @@ def test_gpt_with_flash_attention_equals_reference(seq_len):
         model = ddp.GPT(cfg, attn_fn=attn_fn).to(DEVICE)
         losses.append(model(tokens, targets))
         grads.append(dict(zip(dict(model.named_parameters()),
-                              torch.autograd.grad(losses[-1], list(model.parameters())))))
+                              torch.autograd.grad(losses[-1], list(model.parameters())), strict=True)))
     assert abs(losses[0].item() - losses[1].item()) <= 1e-5
     assert ddp.max_abs_diff(grads[0], grads[1]) <= 1e-6
 
@@ -201,10 +299,11 @@ def test_gpu_16bit_error_at_most_twice_pytorch(dtype, causal, head_dim):
     torch_sdpa = fa.outputs_and_grads(lambda *x: (torch.nn.functional.scaled_dot_product_attention(
         *x, is_causal=causal), None), q, k, v, dout)
     assert fa.max_diff(ours[1], reference[1]) <= 1e-4
-    for name, got, theirs, want in zip(NAMES, ours, torch_sdpa, reference):
+    for name, got, theirs, want in zip(NAMES, ours, torch_sdpa, reference, strict=True):
         if name != "lse":
             ours_error, torch_error = fa.max_diff(got, want), fa.max_diff(theirs, want)
-            assert ours_error <= 2 * torch_error + 1e-4, f"{name}: {ours_error:.2e} vs torch {torch_error:.2e}"
+            assert ours_error <= 2 * torch_error + 1e-4, \
+                f"{name}: {ours_error:.2e} vs torch {torch_error:.2e}"
 
 
 @gpu_only
@@ -218,10 +317,25 @@ def test_gpu_fp32_block_entry_with_offsets():
 
 
 @gpu_only
+def test_gpu_causal_diagonal_at_block_boundaries():
+    """The GPU's blocks (32 to 128 rows or keys, per kernel and autotuned pick) differ from the
+    interpreter's: shifts q_offset - k_offset at and beside 0, +-32, +-64, +-128 put the diagonal on,
+    just inside and just outside every block edge, negative shifts leave rows with no key. One fp32
+    shape, so one compile: the shift is neither specialised nor in the tuning key."""
+    q, k, v, dout, dlse = random_inputs(1, 2, 300, 300, 64, torch.float32, seed=5, lse_grad=True)
+    for shift in sorted({edge + d for edge in (-128, -64, -32, 0, 32, 64, 128) for d in (-1, 0, 1)}):
+        attn = partial(fa.flash_block_attention, q_offset=200 + shift, k_offset=200, causal=True)
+        ours = fa.outputs_and_grads(attn, q, k, v, dout, dlse)
+        assert_close_to_reference(ours, float64_reference(q, k, v, dout, dlse, True, 200 + shift, 200),
+                                  torch.float32, tol=dict(out=1e-4, lse=1e-4, grad=1e-4))
+
+
+@gpu_only
 def test_gpu_deterministic():
-    """No atomics: two forward + backward passes are bit-identical."""
+    """No atomics: two forward + backward passes in one process (so with the same autotuned block
+    sizes) are bit-identical."""
     q, k, v, dout, _ = random_inputs(*GPU_SHAPE, GPU_SHAPE[2], 128, torch.bfloat16, seed=2)
     runs = [fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 0, 0, True), q, k, v, dout)
             for _ in range(2)]
-    for name, first, second in zip(NAMES, *runs):
+    for name, first, second in zip(NAMES, *runs, strict=True):
         assert torch.equal(first, second), name
