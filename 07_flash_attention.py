@@ -61,7 +61,7 @@ import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     # Triton picks interpreted or compiled as each @triton.jit function is defined, tl.zeros, tl.sum, ...
-    # included: set it before anything imports triton (torch does not; lesson 08 does the same).
+    # included: set it before anything imports triton (torch does not; lesson 08 imports this first).
     os.environ["TRITON_INTERPRET"] = "1"
 
 import triton

@@ -51,24 +51,17 @@ import argparse
 import copy
 import importlib
 import math
-import os
 
 import torch
 import torch.nn as nn
 
-# Without a GPU the interpreter is the only way to run the kernel. Triton reads the flag when its
-# own library (tl.max, ...) is decorated, so it must be set before triton is first imported (`import
-# torch` does not import it); lesson 07 sets it the same way, so either lesson may come first.
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+# Without a GPU the kernel runs in Triton's interpreter, which must be switched on before triton is
+# first imported: lesson 07 does that (and says so if it is too late), so it is imported first.
+fa = importlib.import_module("07_flash_attention")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-if not torch.cuda.is_available() and not isinstance(tl.max, InterpretedFunction):
-    raise ImportError("triton was imported before TRITON_INTERPRET=1 was set, so its library is "
-                      "compiled-only: without a GPU, import this module before triton")
-INTERPRETED = triton.knobs.runtime.interpret  # else the kernel is compiled and needs CUDA tensors
+INTERPRETED = fa.INTERPRETED  # else the kernel is compiled and needs CUDA tensors
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 ddp = importlib.import_module("01_ddp")
