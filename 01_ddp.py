@@ -54,6 +54,7 @@ import math
 import os
 import socket
 import statistics
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -124,6 +125,21 @@ def launch(fn: Callable, *args, nproc: int) -> None:
         return
     mp.start_processes(_launched_rank, args=(fn, args, nproc, free_port()), nprocs=nproc,
                        start_method="spawn")
+
+
+def exit_distributed() -> None:
+    """The last call of a rank: wait for every rank, leave the group, exit the process at once.
+
+    gloo runs collectives on its own threads, which may still be releasing the last collective's
+    tensors when Python tears the interpreter down; such a thread then needs the interpreter lock and
+    aborts the process ("terminate called without an active exception", pytorch PR #179291). We saw
+    that in about 1 run in 5. Exiting with os._exit after flushing skips the teardown and the race.
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -756,7 +772,7 @@ def demo(args: argparse.Namespace) -> None:
               f"backward, {stats['finished_before_wait']} already finished when backward returned.")
         print("Notice: every version computes the single-device step, and the bytes moved per step "
               "depend on the parameter count only, not on batch size or accumulation.")
-    dist.destroy_process_group()
+    exit_distributed()
 
 
 def timed_steps(step_fn: Callable[[], None], n: int, device: torch.device,
@@ -810,11 +826,12 @@ def bench(args: argparse.Namespace) -> None:
         for name, t in med.items():
             print(f"  {name:<10} {t * 1e3:8.1f} ms")
         print(f"  ratio ours / torch DDP = {med['ours'] / med['torch DDP']:.3f}")
-    dist.destroy_process_group()
+    exit_distributed()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--nproc", type=int, default=default_nproc(), help="ranks when not under torchrun")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=16)
@@ -831,6 +848,12 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.bench_rounds < 2:
         parser.error("--bench-rounds must be >= 2 (the first round is warm-up)")
+    try:  # the sizes the ranks would reject, caught before any process starts
+        if not args.bench:
+            validate_data_parallel(args.global_batch, int(os.environ.get("WORLD_SIZE", args.nproc)),
+                                   args.accum, "bucketed")
+    except ValueError as error:
+        parser.error(str(error))
     launch(bench if args.bench else demo, args, nproc=args.nproc)
 
 

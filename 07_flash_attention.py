@@ -495,11 +495,17 @@ def bench() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for name, default in (("--batch", 2), ("--heads", 2), ("--seq", 100), ("--head-dim", 32)):
         parser.add_argument(name, type=int, default=default)  # seq 100: a multiple of no block size
     parser.add_argument("--bench", action="store_true", help="GPU: TFLOP/s against SDPA (flash), bf16")
     args = parser.parse_args()
+    for name in ("batch", "heads", "seq"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    if not 16 <= args.head_dim <= 128:
+        parser.error("--head-dim must be between 16 and 128")
     if args.bench and INTERPRETED:
         parser.error("--bench needs a CUDA GPU (on CPU the kernels run in Triton's interpreter)")
     bench() if args.bench else demo(args)

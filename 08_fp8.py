@@ -386,7 +386,7 @@ def demo(args: argparse.Namespace) -> None:
     print(f"\nTraining the tiny GPT for {args.steps} AdamW steps (batch {args.batch} x {args.seq_len}):")
     curves = {name: train_losses(ddp.ModelConfig(), args.steps, args.batch, args.seq_len, float8)
               for name, float8 in (("fp32", False), ("float8", True))}
-    final = {name: sum(losses[-10:]) / 10 for name, losses in curves.items()}
+    final = {name: sum(losses[-10:]) / len(losses[-10:]) for name, losses in curves.items()}
     for name, losses in curves.items():
         print(f"  {name:<8} first loss {losses[0]:.4f}   final loss (mean of last 10) {final[name]:.4f}")
     print(f"  difference of final losses: {final['float8'] - final['fp32']:+.4f}")
@@ -428,7 +428,8 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -436,6 +437,9 @@ def main() -> None:
     parser.add_argument("--bench-tokens", type=int, default=16384)
     parser.add_argument("--eager", action="store_true", help="bench without torch.compile")
     args = parser.parse_args()
+    for name in ("steps", "batch", "seq_len", "bench_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     (bench if args.bench else demo)(args)
 
 
