@@ -268,6 +268,32 @@ def test_wrapping_broadcasts_from_the_groups_first_rank(rank_pool):
         assert torch.equal(params[2][name], value + 1), f"rank 2 did not receive {name}"
 
 
+def launches_when_gradients_arrive_out_of_order(cfg):
+    """Feed gradients to the hooks by hand, the second bucket's first: nothing may launch until the
+    first bucket is full (ranks must issue collectives in the same order), then both launch."""
+    model = ddp.GPT(cfg)
+    wrapper = ddp.BucketedDataParallel(model, bucket_bytes=1)  # one parameter per bucket
+    first, second = wrapper.buckets[0].params[0], wrapper.buckets[1].params[0]
+    launched = []
+    for param in (second, first):
+        param.grad = torch.ones_like(param)
+        wrapper._on_grad_ready(param)
+        launched.append(wrapper.next_to_launch)
+    for param in model.parameters():  # the rest, so that finish_gradient_sync can wait on all
+        if param.grad is None:
+            param.grad = torch.ones_like(param)
+            wrapper._on_grad_ready(param)
+    wrapper.finish_gradient_sync()
+    return launched, first.grad.unique().tolist()
+
+
+def test_buckets_launch_in_order_even_if_a_later_one_fills_first(rank_pool):
+    cfg = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32)
+    for launched, averaged in rank_pool.run(2, launches_when_gradients_arrive_out_of_order, cfg):
+        assert launched == [0, 2], "bucket 1 launched before bucket 0, or bucket 0 did not release it"
+        assert averaged == [1.0], "ones on both ranks average to ones"
+
+
 def train_on_strided_subgroups(cfg, steps, global_batch, seq_len):
     """4 ranks, two data-parallel groups {0, 2} and {1, 3}: nothing may assume the world group."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
