@@ -599,6 +599,9 @@ class BucketedDataParallel:
             self.max_in_flight = max(self.max_in_flight, in_flight)
 
     def finish_gradient_sync(self) -> None:
+        if not any(b.ready for b in self.buckets):
+            raise RuntimeError("no gradient reached the buckets: the last backward of a step must "
+                               "run outside no_sync()")
         if self.next_to_launch != len(self.buckets):
             missing = [name for name, p in self.model.named_parameters() if p in self.bucket_of
                        and self.bucket_of[p].slot[p] not in self.bucket_of[p].ready]
