@@ -315,6 +315,7 @@ class ModelConfig:
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention (Llama 3); None means n_heads
     ffn_dim: int = 176  # SwiGLU hidden size, ~8/3 x dim
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -324,6 +325,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)  # frozen: set once, here
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
@@ -373,8 +378,8 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.out_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.attn_fn = attn_fn
 
@@ -384,6 +389,10 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).view(batch, seq, -1, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(batch, seq, -1, self.head_dim), cos, sin)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
+        # Grouped-query attention: query head i reads key/value head i // group. Repeating them
+        # keeps every attention function (SDPA, ring, the Triton kernel) unaware of the grouping.
+        queries_per_kv = q.shape[2] // k.shape[2]
+        k, v = (t.repeat_interleave(queries_per_kv, dim=2) for t in (k, v))
         out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -412,16 +421,27 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class GPT(nn.Module):
-    """embed -> n_layers x Block -> norm -> lm_head (untied) -> mean cross-entropy.
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The reference loss: mean cross-entropy over every token, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
-    layers is a ModuleDict keyed "0", "1", ... so a pipeline stage that keeps only some layers keeps
-    their names, and its parameters still line up with the reference model's by name.
+
+class GPT(nn.Module):
+    """embed -> n_layers x Block -> norm -> lm_head (untied) -> loss_fn (mean cross-entropy).
+
+    Hooks for the transformations of later lessons, each a no-op on the reference model:
+    - layers is a ModuleDict keyed "0", "1", ... so a pipeline stage that keeps only some layers
+      keeps their names, and its parameters still line up with the reference model's by name;
+    - a model whose embed is None starts from hidden states, one whose lm_head is None returns them
+      (a pipeline stage sets the modules it does not own to None);
+    - loss_fn(logits, targets) is an attribute: vocab-parallel cross-entropy replaces it.
     """
 
-    def __init__(self, cfg: ModelConfig, attn_fn: Callable = causal_attention) -> None:
+    def __init__(self, cfg: ModelConfig, attn_fn: Callable = causal_attention,
+                 loss_fn: Callable = cross_entropy_loss) -> None:
         super().__init__()
         self.cfg = cfg
+        self.loss_fn = loss_fn
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg, attn_fn) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -444,18 +464,19 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (batch, seq) -> logits (batch, seq, vocab), or the mean loss if targets are given.
-        positions (seq,) default to 0..seq-1."""
-        h = self.embed(tokens)
+        """tokens (batch, seq) -> logits (batch, seq, vocab), or the loss if targets are given.
+        Without an embed, tokens are hidden states (batch, seq, dim); without an lm_head, the hidden
+        states are returned. positions (seq,) default to 0..seq-1."""
+        h = self.embed(tokens) if self.embed is not None else tokens
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
+        if self.lm_head is None:
+            return h
         logits = self.lm_head(self.norm(h))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return logits if targets is None else self.loss_fn(logits, targets)
 
 
 def synthetic_batch(cfg: ModelConfig, global_batch: int, seq_len: int, step: int, rank: int = 0,
@@ -540,6 +561,17 @@ class GradBucket:
         self.work = None
 
 
+def claim_gradient_sync(model: nn.Module, owner: str) -> None:
+    """Mark `model` as having its gradients synchronised by `owner`. A second wrapper (a re-run
+    notebook cell, a ZeRO optimizer over a DDP-wrapped model) would reduce every gradient twice, so
+    it is refused here, when it is built, before any collective."""
+    current = getattr(model, "gradient_sync_owner", None)
+    if current is not None:
+        raise ValueError(f"cannot wrap with {owner}: this model's gradients are already "
+                         f"synchronised by {current}; build one wrapper per model")
+    model.gradient_sync_owner = owner
+
+
 class BucketedDataParallel:
     """(b) + (c): bucketed, overlapped gradient all-reduce, with no_sync() for accumulation.
 
@@ -553,6 +585,7 @@ class BucketedDataParallel:
     def __init__(self, model: nn.Module, group=None, bucket_bytes: int = 25 << 20) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
+        claim_gradient_sync(model, type(self).__name__)
         self.model, self.group = model, group
         self.world = dist.get_world_size(group)
         broadcast_parameters(model, group)

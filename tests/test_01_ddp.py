@@ -97,6 +97,62 @@ def test_bad_model_config_names_the_constraint():
         ddp.ModelConfig(dim=30, n_heads=4)
 
 
+@given(n_heads=st.sampled_from([2, 4]), kv_divisor=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
+def test_grouped_query_attention_equals_attention_with_repeated_kv_heads(n_heads, kv_divisor, seed):
+    # GQA with n_kv_heads = H / g is, by definition, multi-head attention in which query head i uses
+    # key/value head i // g: build that multi-head model from the GQA weights and compare logits.
+    n_kv = max(1, n_heads // kv_divisor)
+    cfg = ddp.ModelConfig(vocab_size=32, dim=8 * n_heads, n_heads=n_heads, n_kv_heads=n_kv,
+                          ffn_dim=16, seed=seed)
+    gqa, mha = ddp.GPT(cfg), ddp.GPT(ddp.ModelConfig(**{**vars(cfg), "n_kv_heads": n_heads}))
+    state = gqa.state_dict()
+    for name, w in state.items():
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            state[name] = w.view(n_kv, cfg.head_dim, cfg.dim).repeat_interleave(n_heads // n_kv, 0)
+            state[name] = state[name].reshape(cfg.dim, cfg.dim)
+    mha.load_state_dict(state)
+    tokens, _ = ddp.synthetic_batch(cfg, 2, 9, step=0)
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(tokens), mha(tokens), rtol=0, atol=1e-6)
+    assert gqa.layers["0"].attn.k_proj.weight.shape == (n_kv * cfg.head_dim, cfg.dim)
+
+
+def test_default_kv_heads_and_bad_kv_heads():
+    assert ddp.ModelConfig(n_heads=4).n_kv_heads == 4
+    with pytest.raises(ValueError, match="n_heads=4 is not divisible by n_kv_heads=3"):
+        ddp.ModelConfig(n_heads=4, n_kv_heads=3)
+
+
+def test_default_loss_is_mean_cross_entropy_and_is_pluggable():
+    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=16)
+    model = ddp.GPT(cfg)
+    tokens, targets = ddp.synthetic_batch(cfg, 2, 7, step=0)
+    with torch.no_grad():
+        logits = model(tokens)
+        expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), targets.reshape(-1))
+        assert torch.equal(model(tokens, targets), expected)
+        model.loss_fn = lambda lg, tg: (lg.sum(), tg.shape)
+        assert model(tokens, targets) == (logits.sum(), targets.shape)
+
+
+def test_stages_without_embed_or_head_compose_to_the_whole_model():
+    # A pipeline stage is the model with the modules it does not own set to None: the first stage
+    # (embed, layer 0) returns hidden states, the last (layer 1, norm, head) starts from them.
+    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=16, n_layers=2)
+    whole = ddp.GPT(cfg)
+    first, last = ddp.GPT(cfg), ddp.GPT(cfg)
+    first.lm_head = first.norm = None
+    del first.layers["1"]
+    last.embed = None
+    del last.layers["0"]
+    tokens, targets = ddp.synthetic_batch(cfg, 2, 7, step=0)
+    hidden = first(tokens)
+    assert hidden.shape == (2, 7, cfg.dim)
+    assert torch.equal(last(hidden, targets), whole(tokens, targets))
+    assert {n for n, _ in first.named_parameters()} | {n for n, _ in last.named_parameters()} == \
+        {n for n, _ in whole.named_parameters()}
+
+
 # --- the comm meter ---------------------------------------------------------------------------
 
 def exercise_collectives() -> dict:
