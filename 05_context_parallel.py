@@ -1,0 +1,568 @@
+"""Lesson 05: context parallelism: ring attention, zigzag load balancing, Ulysses.
+
+THE IDEA. A long sequence does not fit one device's activation memory, so the cp ranks of a group
+each hold S / P of its tokens. Everything except attention is per token (embedding, norms, MLP, the
+loss) and just runs on the local shard, RoPE included as long as each rank rotates its tokens by
+their *global* positions (the reference GPT takes them explicitly). Attention needs every query
+to see every (earlier) key: that is what this lesson distributes, in two designs.
+
+THE MERGE RULE. Attention of a query row over the keys split into two blocks A and B: each block
+alone gives a normalised partial output o_A and its log-sum-exp l_A = log sum_j exp(s_j) (lesson
+07's kernel returns both). The whole row is
+    o = (e^l_A o_A + e^l_B o_B) / (e^l_A + e^l_B) = sigmoid(l_A - l_B) o_A + sigmoid(l_B - l_A) o_B
+    l = log(e^l_A + e^l_B)                       = l_A - logsigmoid(l_A - l_B)
+which never overflows (sigmoid and logsigmoid are stable for any difference), and is lesson 07's
+online-softmax recurrence (rescale by exp(m - m_new)) one level up, over whole blocks. A block in a
+row's future has l = -inf and weight 0; a row whose first blocks all are masked must not become
+NaN (-inf - -inf), so empty blocks are selected out before any difference is taken.
+
+RING ATTENTION (forward). Rank r keeps its queries and starts with its own keys/values. P steps:
+in each, send the K/V block it holds to rank r+1 and receive the next from rank r-1 (batched
+isend/irecv, in flight while the current block is computed), and merge the block's partial
+attention into the running (o, l). Causal masking uses global positions, so blocks wholly in a
+query chunk's future are skipped, wholly past ones run unmasked and only diagonal ones are masked.
+THE BACKWARD RING recomputes each block's probabilities P = exp(s - l) with the *final* l (so they
+are the global softmax's entries, no merging needed), accumulates dQ locally and sends dK/dV
+accumulators around the ring, which end at the rank that owns those keys.
+
+LOAD BALANCE. Causally, contiguous shards are unfair: rank 0's queries see one block, rank P-1's
+see P. Zigzag cuts the sequence into 2P chunks and gives rank r chunks r and 2P-1-r (one early, one
+late): every rank computes 2P+1 chunk pairs, 2 of them diagonal, the same work.
+
+ULYSSES (DeepSpeed). Two all-to-alls turn sequence shards into head shards: each rank then holds
+all S tokens of H / P heads, runs ordinary attention, and a third all-to-all turns the output back.
+It needs H divisible by P and moves a constant amount per rank whatever P is.
+
+COST per attention call, one rank, shard of b x h x S/P x d elements of e bytes (= A):
+    ring forward    (P-1) hops of K and V                          2 (P-1) A
+    ring backward   (P-1) hops of K, V and (P-1) of dK, dV (fp32)  2 (P-1) A + 2 (P-1) A_fp32
+    Ulysses         q, k, v, out forward; dout, dq, dk, dv back    8 (P-1)/P A (+ the lse if asked)
+The ring's traffic grows with P but hides behind block compute; Ulysses' stays flat but cannot hide
+and caps P at the head count. The model's replicated weights see P shards of the loss: their
+gradients are summed over the cp group, and each rank's loss is its tokens' share of the global
+mean (sum of token losses / all tokens in the group), so the summed loss is neither halved nor
+doubled.
+
+RUN IT: python 05_context_parallel.py [--nproc 4]. Look at the max differences against full
+attention and the single-device model, the per-rank work of zigzag beside contiguous, and the bytes
+moved per layer beside the formulas.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import time
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# Without a GPU lesson 07's kernels run in Triton's interpreter, switched on by importing it first.
+fa = importlib.import_module("07_flash_attention")
+ddp = importlib.import_module("01_ddp")
+
+METHODS = ("ring", "ulysses")
+
+
+# ----------------------------------------------------------------------------------------------
+# Merging partial attention, and the block attention functions
+# ----------------------------------------------------------------------------------------------
+
+
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                   lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the keys of A and B from the two partial results; lse -inf means no key."""
+    empty_a, empty_b = lse_a == float("-inf"), lse_b == float("-inf")
+    diff = torch.where(empty_a | empty_b, 0.0, lse_a - lse_b)  # never -inf - -inf, even in backward
+    lse = torch.where(empty_a, lse_b, torch.where(empty_b, lse_a, lse_a - F.logsigmoid(diff)))
+    weight_a = torch.where(empty_a, 0.0, torch.where(empty_b, 1.0, torch.sigmoid(diff)))[..., None]
+    return weight_a * out_a + (1 - weight_a) * out_b, lse
+
+
+def torch_block_forward(q, k, v, q_offset: int, k_offset: int, causal: bool):
+    """(out fp32, lse) of queries at q_offset.. against keys at k_offset..: lesson 07's reference
+    attention, in fp32 whatever the input dtype (the ring accumulates in fp32)."""
+    return fa.naive_attention(q.float(), k.float(), v.float(), causal, None, q_offset, k_offset)
+
+
+def torch_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
+    """dq, dk, dv of one block given the *global* out and lse (lesson 07's backward, in torch):
+    P = exp(s - lse) is already the full softmax restricted to this block's keys."""
+    q, k, v, out, dout = (t.float() for t in (q, k, v, out, dout))
+    scale = q.shape[-1] ** -0.5
+    scores = scale * q @ k.transpose(-2, -1)
+    if causal:
+        rows = q_offset + torch.arange(q.shape[2], device=q.device)
+        cols = k_offset + torch.arange(k.shape[2], device=q.device)
+        scores = scores.masked_fill(rows[:, None] < cols, float("-inf"))
+    probs = torch.exp(scores - lse[..., None])
+    delta = (out * dout).sum(-1) - (0.0 if dlse is None else dlse)  # d lse_i / d s_ij = P_ij
+    dscores = probs * (dout @ v.transpose(-2, -1) - delta[..., None])
+    return scale * dscores @ k, scale * dscores.transpose(-2, -1) @ q, probs.transpose(-2, -1) @ dout
+
+
+def flash_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
+    return fa.flash_attention_backward(q, k, v, out.to(q.dtype), lse, dout, dlse, causal=causal,
+                                       q_offset=q_offset, k_offset=k_offset)
+
+
+@dataclass(frozen=True)
+class BlockAttention:
+    """forward(q, k, v, q_offset, k_offset, causal) -> (out, lse), differentiable (Ulysses uses
+    autograd); backward(q, k, v, out, lse, dout, dlse, offsets, causal) -> dq, dk, dv (the ring)."""
+    name: str
+    forward: Callable
+    backward: Callable
+
+
+TORCH_BLOCK = BlockAttention("torch", torch_block_forward, torch_block_backward)
+FLASH_BLOCK = BlockAttention("triton (lesson 07)", fa.flash_block_attention, flash_block_backward)
+
+
+@dataclass
+class BlockWork:
+    """What one rank's ring computed: block calls, query x key score entries, seconds in them."""
+    blocks: int = 0
+    scores: int = 0
+    seconds: float = 0.0
+
+    def timed(self, fn: Callable, q: torch.Tensor, k: torch.Tensor, *args):
+        start = time.perf_counter()
+        result = fn(q, k, *args)
+        if q.is_cuda:
+            torch.cuda.synchronize(q.device)
+        self.blocks, self.scores = self.blocks + 1, self.scores + q.shape[2] * k.shape[2]
+        self.seconds += time.perf_counter() - start
+        return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharding the sequence: contiguous or zigzag
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """The sequence cut into equal chunks; contiguous: rank r holds chunk r of P; zigzag: chunks r
+    and 2P-1-r of 2P. A rank's shard is its chunks concatenated, in this order."""
+    seq_len: int
+    cp: int
+    zigzag: bool
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.seq_len % self.n_chunks:
+            what = "2 x cp" if self.zigzag else "cp"
+            raise ValueError(f"seq_len={self.seq_len} is not divisible by {what} = {self.n_chunks}"
+                             + (" (zigzag gives each rank two chunks)" if self.zigzag else ""))
+
+    @property
+    def n_chunks(self) -> int:
+        return 2 * self.cp if self.zigzag else self.cp
+
+    @property
+    def chunk_len(self) -> int:
+        return self.seq_len // self.n_chunks
+
+    def chunks(self, rank: int) -> tuple[int, ...]:
+        return (rank, 2 * self.cp - 1 - rank) if self.zigzag else (rank,)
+
+    def positions(self, rank: int, device=None) -> torch.Tensor:
+        n = self.chunk_len
+        return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in self.chunks(rank)])
+
+    def shard(self, x: torch.Tensor, rank: int, dim: int) -> torch.Tensor:
+        return torch.cat([x.narrow(dim, c * self.chunk_len, self.chunk_len) for c in self.chunks(rank)], dim)
+
+    def unshard(self, shards: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """The inverse: the whole sequence from every rank's shard, in rank order."""
+        pieces = {c: shard.narrow(dim, i * self.chunk_len, self.chunk_len)
+                  for rank, shard in enumerate(shards) for i, c in enumerate(self.chunks(rank))}
+        return torch.cat([pieces[c] for c in range(self.n_chunks)], dim)
+
+
+def validate_context_parallel(seq_len: int, n_heads: int, cp: int, method: str, zigzag: bool) -> None:
+    """Raised identically on every rank before any collective."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} must be one of {METHODS}")
+    SequenceLayout(seq_len, cp, zigzag)
+    if method == "ulysses" and n_heads % cp:
+        raise ValueError(f"n_heads={n_heads} is not divisible by cp={cp} (Ulysses gives each rank "
+                         f"n_heads / cp whole heads)")
+
+
+def local_layout(q: torch.Tensor, group, zigzag: bool) -> SequenceLayout:
+    """The layout of the whole sequence, from this rank's shard of it (every shard is equal)."""
+    cp = ddp.group_size(group)
+    if zigzag and q.shape[2] % 2:
+        raise ValueError(f"seq_len={q.shape[2] * cp} is not divisible by 2 x cp = {2 * cp} "
+                         f"(zigzag gives each rank two chunks): the local shard has {q.shape[2]}")
+    return SequenceLayout(q.shape[2] * cp, cp, zigzag)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ring attention
+# ----------------------------------------------------------------------------------------------
+
+
+def _block_pairs(layout: SequenceLayout, me: int, owner: int, causal: bool):
+    """(index of my query chunk, index of the owner's key chunk, offsets, masked) to compute; a
+    pair whose keys all lie in the queries' future is skipped, only the diagonal is masked."""
+    n = layout.chunk_len
+    for i, qc in enumerate(layout.chunks(me)):
+        for j, kc in enumerate(layout.chunks(owner)):
+            if not (causal and kc > qc):
+                yield slice(i * n, (i + 1) * n), slice(j * n, (j + 1) * n), qc * n, kc * n, causal and kc == qc
+
+
+def _pass_right(tensor: torch.Tensor, group, me: int, cp: int) -> tuple[torch.Tensor, list]:
+    """Send tensor to the next rank and receive the previous rank's into a new buffer (async)."""
+    received = torch.empty_like(tensor)
+    works = ddp.batch_p2p([("send", tensor, (me + 1) % cp), ("recv", received, (me - 1) % cp)], group)
+    return received, works
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout: SequenceLayout, causal: bool, block: BlockAttention,
+                work: BlockWork | None):
+        cp, me = layout.cp, dist.get_rank(group)
+        compute = work.timed if work is not None else (lambda fn, *args: fn(*args))
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
+        kv = torch.stack([k, v])  # one message per hop
+        for step in range(cp):
+            owner = (me - step) % cp  # whose keys this rank holds now
+            if step < cp - 1:  # the next block travels while this one is computed
+                next_kv, works = _pass_right(kv, group, me, cp)
+            for rows, cols, q_off, k_off, masked in _block_pairs(layout, me, owner, causal):
+                part_out, part_lse = compute(block.forward, q[:, :, rows], kv[0][:, :, cols],
+                                             kv[1][:, :, cols], q_off, k_off, masked)
+                out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows],
+                                                                  part_out.float(), part_lse)
+            if step < cp - 1:
+                _wait(works)
+                kv = next_kv
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, layout, causal, block, compute)
+        ctx.set_materialize_grads(False)  # an unused out or lse gets None, not zeros
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, layout, causal, block, compute = ctx.args
+        cp, me = layout.cp, dist.get_rank(group)
+        dout = torch.zeros_like(q) if dout is None else dout
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(cp):
+            owner = (me - step) % cp
+            if step < cp - 1:
+                next_kv, kv_works = _pass_right(kv, group, me, cp)
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            for rows, cols, q_off, k_off, masked in _block_pairs(layout, me, owner, causal):
+                grads = compute(block.backward, q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                out[:, :, rows], lse[:, :, rows], dout[:, :, rows],
+                                None if dlse is None else dlse[:, :, rows], q_off, k_off, masked)
+                dq[:, :, rows] += grads[0].float()
+                dkv[0][:, :, cols] += grads[1].float()
+                dkv[1][:, :, cols] += grads[2].float()
+            # The owner's own contribution stays home; an accumulator starts one rank later, picks
+            # up every other rank's share along the ring and reaches its owner after P-1 hops.
+            if step == 0:
+                own_dkv = dkv
+            else:
+                if step > 1:
+                    _wait(dkv_works)
+                    dkv += travelling
+                travelling, dkv_works = _pass_right(dkv, group, me, cp)
+            if step < cp - 1:
+                _wait(kv_works)
+                kv = next_kv
+        if cp > 1:
+            _wait(dkv_works)
+            own_dkv += travelling
+        return dq.to(q.dtype), own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, zigzag: bool = True,
+                   causal: bool = True, block: BlockAttention = TORCH_BLOCK,
+                   work: BlockWork | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of this rank's queries against the whole sequence; q, k, v are this rank's shard
+    (batch, heads, S / P, head_dim) of the layout (zigzag or contiguous)."""
+    return RingAttention.apply(q, k, v, group, local_layout(q, group, zigzag), causal, block, work)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ulysses: all-to-all from sequence shards to head shards and back
+# ----------------------------------------------------------------------------------------------
+
+
+def seq_to_heads(x: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
+    """(batch, heads, S / P, ...) sequence shard -> (batch, heads / P, S, ...) head shard."""
+    cp = layout.cp
+    send = x.unflatten(1, (cp, x.shape[1] // cp)).movedim(1, 0).contiguous()  # row j: heads of rank j
+    received = torch.empty_like(send)
+    ddp.all_to_all(received, send, group=group)
+    return layout.unshard(list(received.unbind(0)), dim=2)  # row i: rank i's tokens of my heads
+
+
+def heads_to_seq(x: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
+    """The inverse: (batch, heads / P, S, ...) -> (batch, heads, S / P, ...)."""
+    send = torch.stack([layout.shard(x, rank, dim=2) for rank in range(layout.cp)]).contiguous()
+    received = torch.empty_like(send)
+    ddp.all_to_all(received, send, group=group)
+    return received.movedim(0, 1).flatten(1, 2)
+
+
+class _Relayout(torch.autograd.Function):
+    """seq_to_heads (to_heads) or heads_to_seq; the gradient goes back the other way."""
+
+    @staticmethod
+    def forward(ctx, x, group, layout: SequenceLayout, to_heads: bool):
+        ctx.args = (group, layout, to_heads)
+        return (seq_to_heads if to_heads else heads_to_seq)(x, group, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, layout, to_heads = ctx.args
+        return (heads_to_seq if to_heads else seq_to_heads)(grad.contiguous(), group, layout), None, None, None
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, zigzag: bool = True,
+                      causal: bool = True, block: BlockAttention = TORCH_BLOCK,
+                      with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, lse or None): the same contract as ring_attention; the lse costs one more all-to-all."""
+    layout = local_layout(q, group, zigzag)
+    if q.shape[1] % layout.cp:
+        raise ValueError(f"n_heads={q.shape[1]} is not divisible by cp={layout.cp} (Ulysses gives "
+                         f"each rank n_heads / cp whole heads)")
+    q, k, v = (_Relayout.apply(t, group, layout, True) for t in (q, k, v))
+    out, lse = block.forward(q, k, v, 0, 0, causal)
+    out = _Relayout.apply(out.to(q.dtype), group, layout, False)
+    return out, _Relayout.apply(lse, group, layout, False) if with_lse else None
+
+
+@dataclass
+class ContextParallelAttention:
+    """The GPT's attention function under context parallelism: q, k, v are this rank's shard."""
+    group: dist.ProcessGroup | None = None
+    method: str = "ring"
+    zigzag: bool = True
+    block: BlockAttention = TORCH_BLOCK
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        attend = ring_attention if self.method == "ring" else ulysses_attention
+        return attend(q, k, v, self.group, self.zigzag, True, self.block)[0]
+
+
+def attention_bytes(method: str, shard_elems: int, cp: int, elem_bytes: int = 4,
+                    with_lse_elems: int = 0) -> dict[str, Fraction]:
+    """The formula: bytes one rank sends per attention call, forward and backward, for a shard of
+    shard_elems elements in each of q, k, v (with_lse_elems: Ulysses also returns the lse)."""
+    a = shard_elems * elem_bytes
+    if method == "ring":
+        return dict(forward=Fraction(2 * (cp - 1) * a),
+                    backward=Fraction(2 * (cp - 1) * a + 2 * (cp - 1) * shard_elems * 4))
+    per_call = Fraction(cp - 1, cp)
+    lse = per_call * with_lse_elems * 4
+    return dict(forward=4 * per_call * a + lse, backward=4 * per_call * a + lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole model under context parallelism
+# ----------------------------------------------------------------------------------------------
+
+
+def loss_share(logits: torch.Tensor, targets: torch.Tensor, cp: int) -> torch.Tensor:
+    """This rank's share of the mean over the whole sequence: (sum of its token losses) / (all
+    tokens) = local mean / cp, as every shard has the same number of tokens. Summed over the cp
+    group it is the global mean loss, and its gradients summed over the group are the global ones."""
+    return ddp.cross_entropy_loss(logits, targets) / cp
+
+
+def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, method: str = "ring",
+                           zigzag: bool = True, block: BlockAttention = TORCH_BLOCK, lr: float = 1e-3,
+                           adam_eps: float = 1e-8, group=None, device: torch.device | str = "cpu",
+                           data_seed: int = 0) -> tuple["ddp.TrainResult", "ddp.CommMeter"]:
+    """The same training as ddp.train_single_device, each rank holding seq_len / cp tokens of every
+    row. Returns the result (global losses, summed gradients) and a meter of the training loop."""
+    cp, rank = ddp.group_size(group), dist.get_rank(group)
+    validate_context_parallel(seq_len, cfg.n_heads, cp, method, zigzag)
+    layout = SequenceLayout(seq_len, cp, zigzag)
+    model = ddp.GPT(cfg, attn_fn=ContextParallelAttention(group, method, zigzag, block),
+                    loss_fn=lambda logits, targets: loss_share(logits, targets, cp)).to(device)
+    ddp.broadcast_parameters(model, group)
+    optimizer = ddp.make_optimizer(model, lr, adam_eps)
+    positions = layout.positions(rank, device)
+    result, losses = ddp.TrainResult([], {}, {}), []
+    with ddp.comm_meter() as meter:
+        for step in range(steps):
+            tokens, targets = (layout.shard(t, rank, dim=1).to(device) for t in
+                               ddp.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed))
+            loss = model(tokens, targets, positions=positions)
+            loss.backward()
+            for param in model.parameters():  # replicated weights: sum the per-shard gradients
+                ddp.all_reduce(param.grad, group=group)
+            losses.append(loss.detach())
+            if step == 0:
+                result.first_grads = ddp.cpu_copy((n, p.grad) for n, p in model.named_parameters())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    summed = torch.stack(losses).double()
+    ddp.all_reduce(summed, group=group)  # shares of the mean add up to the mean
+    result.losses, result.params = summed.tolist(), ddp.cpu_copy(model.named_parameters())
+    return result, meter
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo
+# ----------------------------------------------------------------------------------------------
+
+
+def attention_inputs(batch: int, heads: int, seq_len: int, head_dim: int, seed: int,
+                     dtype: torch.dtype = torch.float32, device=None) -> list[torch.Tensor]:
+    """q, k, v, dout (batch, heads, seq, head_dim) and dlse (batch, heads, seq): the whole sequence,
+    identical on every rank (drawn on the CPU from the seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, heads, seq_len, head_dim)
+    tensors = [torch.randn(shape, generator=gen) for _ in range(4)] + [torch.randn(shape[:3], generator=gen)]
+    return [t.to(device=device, dtype=dtype if t.dim() == 4 else torch.float32) for t in tensors]
+
+
+def sharded_attention(batch: int, heads: int, seq_len: int, head_dim: int, *, method: str, zigzag: bool,
+                      causal: bool, block: BlockAttention = TORCH_BLOCK, seed: int = 0,
+                      dtype: torch.dtype = torch.float32, group=None, device=None):
+    """On every rank: [out, lse, dq, dk, dv] of this rank's shard under the loss
+    sum(out dout) + sum(lse dlse), the meter of that forward + backward, and the ring's work."""
+    cp, rank = ddp.group_size(group), dist.get_rank(group)
+    validate_context_parallel(seq_len, heads, cp, method, zigzag)
+    layout = SequenceLayout(seq_len, cp, zigzag)
+    shards = [layout.shard(t, rank, dim=2) for t in attention_inputs(batch, heads, seq_len, head_dim,
+                                                                     seed, dtype, device)]
+    work = BlockWork()
+    if method == "ring":
+        def attend(q, k, v):
+            return ring_attention(q, k, v, group, zigzag, causal, block, work)
+    else:
+        def attend(q, k, v):
+            return ulysses_attention(q, k, v, group, zigzag, causal, block, with_lse=True)
+    with ddp.comm_meter() as meter:
+        results = fa.outputs_and_grads(attend, *shards)
+    return [t.detach() for t in results], meter, work
+
+
+def _max_over_group(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    ddp.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _gather_rows(values: list[float], device) -> list[list[float]]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    out = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)
+    ddp.all_gather(out, t)
+    return out.view(dist.get_world_size(), -1).tolist()
+
+
+def demo(args: argparse.Namespace) -> None:
+    device = ddp.init_distributed()
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    block = FLASH_BLOCK if args.block == "triton" else TORCH_BLOCK
+    say = print if rank == 0 else (lambda *a, **k: None)
+    b, h, s, d = 2, args.heads, args.seq_len, args.head_dim
+    variants = [("ring, contiguous", "ring", False), ("ring, zigzag", "ring", True),
+                ("Ulysses", "ulysses", True)]
+    variants = [v for v in variants if v[1] == "ring" or h % cp == 0]
+    say(f"Context parallelism on {cp} ranks ({dist.get_backend()}, {device.type}), block attention: "
+        f"{block.name}.\n\nmax |difference| from full attention in float64 (fp32, causal; batch {b}, "
+        f"{h} heads, seq {s}, head dim {d}):")
+    say(f"  {'':<20}" + "".join(f"{n:>10}" for n in ("out", "lse", "dq", "dk", "dv")))
+    reference = fa.outputs_and_grads(lambda q, k, v: fa.naive_attention(q, k, v, True),
+                                     *attention_inputs(b, h, s, d, seed=0, dtype=torch.float64, device=device))
+    byte_rows = []
+    for name, method, zigzag in variants:
+        got, meter, _ = sharded_attention(b, h, s, d, method=method, zigzag=zigzag, causal=True,
+                                          block=block, device=device)
+        layout = SequenceLayout(s, cp, zigzag)
+        diffs = [fa.max_diff(g, layout.shard(r, rank, dim=2)) for g, r in zip(got, reference, strict=True)]
+        say(f"  {name:<20}" + "".join(f"{x:>10.1e}" for x in _max_over_group(diffs, device)))
+        formula = attention_bytes(method, b * h * s // cp * d, cp, with_lse_elems=b * h * s // cp)
+        op = "send" if method == "ring" else "all_to_all"
+        byte_rows.append((name, meter.traffic(op), sum(formula.values())))
+
+    say(f"\nper-rank work of causal ring attention, forward + backward (seq {args.work_seq_len}, "
+        f"{h} heads, head dim {d}): block calls, query x key scores, seconds computing")
+    for name, zigzag in (("contiguous", False), ("zigzag", True)):
+        _, _, work = sharded_attention(1, h, args.work_seq_len, d, method="ring", zigzag=zigzag,
+                                       causal=True, block=block, device=device)
+        rows = _gather_rows([work.blocks, work.scores, work.seconds], device)
+        say(f"  {name:<11}" + "  ".join(f"r{r}: {int(bl):>2} / {int(sc):>8,} / {sec:.3f}s"
+                                        for r, (bl, sc, sec) in enumerate(rows)))
+        say(f"  {'':<11}slowest / mean scores = {max(r[1] for r in rows) / (sum(r[1] for r in rows) / cp):.2f}")
+
+    say(f"\nbytes one rank sends per attention call, forward + backward (fp32, with the lse):")
+    for name, measured, formula in byte_rows:
+        say(f"  {name:<20}{float(measured):>12,.0f} B   formula {float(formula):>12,.0f} B")
+    say(f"  ring: 2(P-1) A forward + 4(P-1) A backward; Ulysses: 8(P-1)/P A + lse; A = one shard of "
+        f"q = {b * h * s // cp * d * 4:,} B")
+
+    cfg = ddp.ModelConfig(n_heads=h, seed=1)
+    say(f"\nthe whole GPT ({cfg.n_layers} layers, {h} heads), batch {args.global_batch} x seq {s}, "
+        f"{args.steps} AdamW steps, against one device:")
+    ref = ddp.train_single_device(cfg, args.steps, args.global_batch, s, device=device) if rank == 0 else None
+    for name, method, zigzag in variants:
+        result, meter = train_context_parallel(cfg, args.steps, args.global_batch, s, method=method,
+                                               zigzag=zigzag, block=block, device=device)
+        if rank == 0:
+            loss_diff = max(abs(a - r) for a, r in zip(result.losses, ref.losses, strict=True))
+            say(f"  {name:<20} loss {result.losses[0]:.6f} (one device {ref.losses[0]:.6f}), max |diff|: "
+                f"losses {loss_diff:.1e}, step-0 gradients "
+                f"{ddp.max_abs_diff(result.first_grads, ref.first_grads):.1e}, parameters "
+                f"{ddp.max_abs_diff(result.params, ref.params):.1e}")
+        op = "send" if method == "ring" else "all_to_all"
+        layer = float(meter.traffic(op)) / (args.steps * cfg.n_layers)
+        formula = sum(attention_bytes(method, args.global_batch * s // cp * cfg.dim, cp).values())
+        say(f"  {'':<20} {op} per layer per step {layer:,.0f} B, formula {float(formula):,.0f} B")
+    say("\nNotice: every variant computes full attention and the one-device model; zigzag evens out "
+        "the work that contiguous piles on the last rank; the ring's bytes grow with P, Ulysses' do not.")
+    ddp.exit_distributed()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(), help="ranks when not under torchrun")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=16)
+    parser.add_argument("--work-seq-len", type=int, default=1024, help="sequence of the work comparison")
+    parser.add_argument("--global-batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--block", choices=("torch", "triton"), default="torch",
+                        help="block attention: plain torch, or lesson 07's kernel (interpreted on a CPU: slow)")
+    args = parser.parse_args()
+    for name in ("nproc", "seq_len", "heads", "head_dim", "work_seq_len", "global_batch", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    cp = int(os.environ.get("WORLD_SIZE", args.nproc))
+    try:  # the sizes the ranks would reject, caught before any process starts
+        for seq_len in (args.seq_len, args.work_seq_len):
+            validate_context_parallel(seq_len, args.heads, cp, "ring", zigzag=True)
+        ddp.ModelConfig(n_heads=args.heads)
+    except ValueError as error:
+        parser.error(str(error))
+    ddp.launch(demo, args, nproc=args.nproc)
+
+
+if __name__ == "__main__":
+    main()
