@@ -401,8 +401,7 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
     layout = SequenceLayout(seq_len, cp, zigzag)
     model = ddp.GPT(cfg, attn_fn=ContextParallelAttention(group, method, zigzag, block),
                     loss_fn=lambda logits, targets: loss_share(logits, targets, cp)).to(device)
-    ddp.broadcast_parameters(model, group)
-    optimizer = ddp.make_optimizer(model, lr, adam_eps)
+    optimizer = ddp.make_optimizer(model, lr, adam_eps)  # GPT's seeded init agrees on every rank
     positions = layout.positions(rank, device)
     result, losses = ddp.TrainResult([], {}, {}), []
     with ddp.comm_meter() as meter:
@@ -411,8 +410,11 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
                                ddp.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed))
             loss = model(tokens, targets, positions=positions)
             loss.backward()
-            for param in model.parameters():  # replicated weights: sum the per-shard gradients
-                ddp.all_reduce(param.grad, group=group)
+            grads = [p.grad for p in model.parameters()]  # replicated weights: sum the shards' parts
+            flat = torch.cat([g.flatten() for g in grads])  # in one call, not one per parameter
+            ddp.all_reduce(flat, group=group)
+            for grad, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                grad.copy_(summed.view_as(grad))
             losses.append(loss.detach())
             if step == 0:
                 result.first_grads = ddp.cpu_copy((n, p.grad) for n, p in model.named_parameters())
@@ -503,8 +505,9 @@ def demo(args: argparse.Namespace) -> None:
     say(f"\nper-rank work of causal ring attention, forward + backward (seq {args.work_seq_len}, "
         f"{h} heads, head dim {d}): block calls, query x key scores, seconds computing")
     for name, zigzag in (("contiguous", False), ("zigzag", True)):
-        _, _, work = sharded_attention(1, h, args.work_seq_len, d, method="ring", zigzag=zigzag,
-                                       causal=True, block=block, device=device)
+        for _ in range(2):  # the first run warms up (allocator, kernel compilation): time the second
+            _, _, work = sharded_attention(1, h, args.work_seq_len, d, method="ring", zigzag=zigzag,
+                                           causal=True, block=block, device=device)
         rows = _gather_rows([work.blocks, work.scores, work.seconds], device)
         say(f"  {name:<11}" + "  ".join(f"r{r}: {int(bl):>2} / {int(sc):>8,} / {sec:.3f}s"
                                         for r, (bl, sc, sec) in enumerate(rows)))

@@ -1,0 +1,240 @@
+"""Lesson 05 as a specification: ring attention (contiguous and zigzag) and Ulysses compute full
+attention, and the GPT under context parallelism computes what one device computes.
+
+Tolerances, measured then widened with margin:
+- the merge rule, in float64 against the unsplit softmax: 1e-12. It is exact algebra; float64
+  rounding over a handful of blocks is ~1e-15. A wrong weight (say exp instead of sigmoid) is
+  off by O(1).
+- sharded attention in fp32 against full attention in float64, every element of out, lse, dq, dk,
+  dv: atol 1e-5 + rtol 1e-4. The ring sums over blocks in another order; over 60 random
+  configurations (sequences up to 40, unit-normal inputs and upstream gradients) we measured
+  <= 1.4e-6, where PyTorch's own fp32 attention was up to 1.9e-6 from float64. A missing block, a wrong mask
+  or a dK/dV accumulator delivered to the wrong owner changes results by O(0.1-1).
+- ring with lesson 07's kernel against ring with the torch block (both fp32): 2e-5, the kernel's
+  own fp32 error against float64 (lesson 07) twice over.
+- the whole model: lesson 01's loss, gradient and parameter tolerances (see tests/test_01_ddp.py);
+  the sums run in another order. A halved or doubled loss or gradient is off by 50-100%.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import ROOT, RankFailure
+from test_01_ddp import ADAM_EPS, assert_matches_reference
+
+cpmod = importlib.import_module("05_context_parallel")  # first: imports lesson 07 (interpreter switch)
+fa = importlib.import_module("07_flash_attention")
+ddp = importlib.import_module("01_ddp")
+
+ATTN_ATOL, ATTN_RTOL, MERGE_ATOL, KERNEL_ATOL = 1e-5, 1e-4, 1e-12, 2e-5
+VARIANTS = [("ring", False), ("ring", True), ("ulysses", False), ("ulysses", True)]  # (method, zigzag)
+
+
+# --- the merge rule ---------------------------------------------------------------------------
+
+def masked_partial(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor):
+    """(out, lse) of one block straight from the definition; out 0 and lse -inf where no key."""
+    lse = torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    probs = torch.exp(scores - lse[:, None]).masked_fill(~visible, 0.0).nan_to_num(0.0)
+    return probs @ v, lse
+
+
+@given(block_lens=st.lists(st.integers(1, 5), min_size=1, max_size=4), rows=st.integers(3, 8),
+       density=st.floats(0.0, 1.0), seed=st.integers(0, 10_000))
+def test_merge_rule_equals_the_unsplit_softmax(block_lens, rows, density, seed):
+    gen = torch.Generator().manual_seed(seed)
+    n_keys = sum(block_lens)
+    scores = 5 * torch.randn(rows, n_keys, generator=gen, dtype=torch.float64)
+    v = torch.randn(n_keys, 3, generator=gen, dtype=torch.float64)
+    visible = torch.rand(rows, n_keys, generator=gen) < density
+    visible[0, :-block_lens[-1]] = False  # row 0: every block but the last fully masked
+    visible[0, -1] = True
+    visible[1] = False                     # row 1: sees no key at all
+    bounds = torch.tensor([0, *block_lens]).cumsum(0).tolist()
+    partials = [masked_partial(scores[:, a:b], visible[:, a:b], v[a:b])
+                for a, b in zip(bounds, bounds[1:], strict=False)]
+    partials = [(o.requires_grad_(), lse.requires_grad_()) for o, lse in partials]
+    out, lse = partials[0]
+    for part in partials[1:]:
+        out, lse = cpmod.merge_partials(out, lse, *part)
+    expected_out, expected_lse = masked_partial(scores, visible, v)
+    torch.testing.assert_close(out, expected_out, atol=MERGE_ATOL, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=MERGE_ATOL, rtol=0)
+    assert lse[1] == float("-inf") and torch.equal(out[1], torch.zeros(3, dtype=torch.float64))
+    # Gradients through the merge stay finite for masked rows, too (no -inf - -inf anywhere).
+    loss = out.sum() + lse.masked_fill(lse.isinf(), 0.0).sum()
+    grads = torch.autograd.grad(loss, [t for part in partials for t in part], allow_unused=True)
+    assert all(g is None or g.isfinite().all() for g in grads)
+
+
+def test_merge_propagates_nan():
+    out, lse, nan = torch.zeros(1, 2), torch.zeros(1), float("nan")
+    merged_out, merged_lse = cpmod.merge_partials(out, lse, out, torch.tensor([nan]))
+    assert merged_out.isnan().all() and merged_lse.isnan().all()
+    merged_out, merged_lse = cpmod.merge_partials(torch.full((1, 2), nan), lse, out, lse)
+    assert merged_out.isnan().all() and merged_lse.isfinite().all()
+
+
+# --- layouts ----------------------------------------------------------------------------------
+
+@given(cp=st.integers(1, 4), chunk=st.integers(1, 3), zigzag=st.booleans())
+def test_layout_shards_tile_the_sequence(cp, chunk, zigzag):
+    seq = (2 * cp if zigzag else cp) * chunk
+    layout = cpmod.SequenceLayout(seq, cp, zigzag)
+    x = torch.arange(seq * 2).view(2, seq)
+    shards = [layout.shard(x, r, dim=1) for r in range(cp)]
+    assert torch.equal(layout.unshard(shards, dim=1), x)
+    assert sorted(torch.cat([layout.positions(r) for r in range(cp)]).tolist()) == list(range(seq))
+    for r in range(cp):
+        assert torch.equal(shards[r][0], layout.positions(r)), "positions are the tokens' global indices"
+    if zigzag:  # rank r holds chunks r and 2P-1-r: first chunks of rank 0 and last of rank 0 pair up
+        assert layout.positions(0)[-1].item() == seq - 1
+
+
+# --- sharded attention equals full attention --------------------------------------------------
+
+def expected_blocks(cp: int, rank: int, zigzag: bool, causal: bool) -> int:
+    """Chunk pairs computed forward + backward: contiguous, rank r's chunk sees chunks 0..r
+    causally (all P otherwise); zigzag, chunks r and 2P-1-r see r+1 and 2P-r (all 2P each)."""
+    per_pass = (2 * cp + 1 if causal else 4 * cp) if zigzag else (rank + 1 if causal else cp)
+    return 2 * per_pass
+
+
+@given(cp=st.sampled_from([1, 2, 4]), variant=st.sampled_from(VARIANTS), causal=st.booleans(),
+       chunk=st.integers(1, 5), head_dim=st.integers(1, 12), batch=st.integers(1, 2),
+       heads_per_rank=st.integers(1, 2), seed=st.integers(0, 999))
+def test_sharded_attention_equals_full_attention(rank_pool, cp, variant, causal, chunk, head_dim, batch,
+                                                 heads_per_rank, seed):
+    method, zigzag = variant
+    heads = heads_per_rank * cp if method == "ulysses" else heads_per_rank
+    seq = (2 * cp if zigzag else cp) * chunk
+    runs = rank_pool.run(cp, cpmod.sharded_attention, batch, heads, seq, head_dim, method=method,
+                         zigzag=zigzag, causal=causal, seed=seed)
+    layout = cpmod.SequenceLayout(seq, cp, zigzag)
+    inputs = cpmod.attention_inputs(batch, heads, seq, head_dim, seed, dtype=torch.float64)
+    reference = fa.outputs_and_grads(lambda q, k, v: fa.naive_attention(q, k, v, causal), *inputs)
+    for name, i in zip(("out", "lse", "dq", "dk", "dv"), range(5), strict=True):
+        got = layout.unshard([results[i] for results, _, _ in runs], dim=2)
+        torch.testing.assert_close(got.double(), reference[i], atol=ATTN_ATOL, rtol=ATTN_RTOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+    shard_elems, lse_elems = batch * heads * seq // cp * head_dim, batch * heads * seq // cp
+    formula = sum(cpmod.attention_bytes(method, shard_elems, cp, with_lse_elems=lse_elems).values())
+    for rank, (_, meter, work) in enumerate(runs):
+        if method == "ring":
+            assert meter.traffic("send") == formula
+            assert meter.payload("recv") == meter.payload("send"), "every hop is received"
+            assert meter.calls() == meter.calls("send") + meter.calls("recv")
+            assert work.blocks == expected_blocks(cp, rank, zigzag, causal)
+        else:
+            assert meter.traffic("all_to_all") == formula
+            assert meter.calls() == meter.calls("all_to_all") == 10, "q, k, v, out, lse; and back"
+
+
+def test_zigzag_balances_causal_work_and_contiguous_does_not():
+    # Spelled out for P = 4 from expected_blocks' rule, in score entries (block calls x chunk^2):
+    # contiguous rank r computes r + 1 blocks of (S/4)^2, zigzag every rank 9 of (S/8)^2.
+    cp, seq = 4, 64
+    contiguous = [expected_blocks(cp, r, False, True) * (seq // cp) ** 2 for r in range(cp)]
+    zigzag = [expected_blocks(cp, r, True, True) * (seq // (2 * cp)) ** 2 for r in range(cp)]
+    assert contiguous == [512, 1024, 1536, 2048] and zigzag == [1152] * 4
+    assert max(zigzag) / max(contiguous) == Fraction(9, 16)
+
+
+def ring_with_both_blocks(causal: bool):
+    results = {}
+    for block in (cpmod.TORCH_BLOCK, cpmod.FLASH_BLOCK):
+        results[block.name], _, _ = cpmod.sharded_attention(1, 1, 8, 16, method="ring", zigzag=True,
+                                                            causal=causal, block=block, seed=3)
+    return results
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_with_the_triton_kernel_equals_ring_with_torch(rank_pool, causal):
+    for results in rank_pool.run(2, ring_with_both_blocks, causal, timeout=300):
+        torch_results, flash_results = results.values()
+        for a, b in zip(flash_results, torch_results, strict=True):
+            torch.testing.assert_close(a, b, atol=KERNEL_ATOL, rtol=0)
+
+
+# --- the whole model --------------------------------------------------------------------------
+
+@st.composite
+def cp_model_setups(draw):
+    cp = draw(st.sampled_from([1, 2, 4]))
+    method, zigzag = draw(st.sampled_from(VARIANTS))
+    n_heads = draw(st.sampled_from([cp, 2 * cp] if method == "ulysses" else [1, 2, 4]))
+    n_kv_heads = draw(st.sampled_from([d for d in (1, 2, 4) if n_heads % d == 0]))
+    head_dim = draw(st.sampled_from([4, 8]))
+    cfg = ddp.ModelConfig(vocab_size=draw(st.sampled_from([16, 50])), dim=n_heads * head_dim,
+                          n_layers=draw(st.integers(1, 2)), n_heads=n_heads, n_kv_heads=n_kv_heads,
+                          ffn_dim=16, seed=draw(st.integers(0, 99)))
+    seq = (2 * cp if zigzag else cp) * draw(st.integers(1, 3))
+    return cfg, cp, method, zigzag, seq, draw(st.integers(1, 2))
+
+
+@given(setup=cp_model_setups())
+def test_model_under_context_parallelism_equals_single_device(rank_pool, setup):
+    cfg, cp, method, zigzag, seq, batch = setup
+    steps = 3
+    runs = rank_pool.run(cp, cpmod.train_context_parallel, cfg, steps, batch, seq, method=method,
+                         zigzag=zigzag, adam_eps=ADAM_EPS)
+    reference = ddp.train_single_device(cfg, steps, batch, seq, adam_eps=ADAM_EPS)
+    grad_bytes = sum(p.numel() * 4 for p in reference.params.values())
+    formula = cpmod.attention_bytes(method, batch * seq // cp * cfg.dim, cp)
+    for result, meter in runs:
+        assert_matches_reference(result, reference)
+        op = "send" if method == "ring" else "all_to_all"
+        assert meter.traffic(op) == steps * cfg.n_layers * sum(formula.values())
+        assert meter.payload("all_reduce") == steps * grad_bytes, "each gradient summed once a step"
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+def attention_on_odd_shard():
+    q = torch.zeros(1, 2, 3, 4)  # 3 local tokens cannot be two zigzag chunks
+    return cpmod.ring_attention(q, q, q, zigzag=True)
+
+
+@pytest.mark.parametrize("fn, args, kwargs, message", [
+    (cpmod.train_context_parallel, (ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=16), 1, 1, 6),
+     dict(zigzag=True), r"seq_len=6 is not divisible by 2 x cp = 4"),
+    (cpmod.train_context_parallel, (ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=16), 1, 1, 5),
+     dict(zigzag=False), r"seq_len=5 is not divisible by cp = 2"),
+    (cpmod.train_context_parallel, (ddp.ModelConfig(dim=16, n_heads=1, ffn_dim=16), 1, 1, 8),
+     dict(method="ulysses"), r"n_heads=1 is not divisible by cp=2"),
+    (cpmod.train_context_parallel, (ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=16), 1, 1, 8),
+     dict(method="tree"), r"method='tree' must be one of"),
+    (cpmod.sharded_attention, (1, 3, 8, 4), dict(method="ulysses", zigzag=True, causal=True),
+     r"n_heads=3 is not divisible by cp=2"),
+    (attention_on_odd_shard, (), {}, r"seq_len=6 is not divisible by 2 x cp = 4"),
+])
+def test_bad_sizes_fail_on_every_rank_before_any_collective(rank_pool, fn, args, kwargs, message):
+    with pytest.raises(RankFailure) as failure:
+        rank_pool.run(2, fn, *args, timeout=30, **kwargs)
+    assert sorted(failure.value.errors) == [0, 1]
+    for tb in failure.value.errors.values():
+        assert "ValueError" in tb and re.search(message, tb), tb
+
+
+# --- the script itself ------------------------------------------------------------------------
+
+def test_script_runs_as_plain_python():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "05_context_parallel.py", "--nproc", "2", "--seq-len", "16",
+                          "--work-seq-len", "32", "--steps", "1"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    for line in ("ring, zigzag", "Ulysses", "slowest / mean scores = 1.00", "formula"):
+        assert line in run.stdout
