@@ -38,7 +38,8 @@ COST per attention call, one rank, shard of b x h x S/P x d elements of e bytes 
     ring backward   (P-1) hops of K, V and (P-1) of dK, dV (fp32)  2 (P-1) A + 2 (P-1) A_fp32
     Ulysses         q, k, v, out forward; dout, dq, dk, dv back    8 (P-1)/P A (+ the lse if asked)
 The ring's traffic grows with P but hides behind block compute; Ulysses' stays flat but cannot hide
-and caps P at the head count. The model's replicated weights see P shards of the loss: their
+and caps P at the head count. (The reference model repeats grouped-query K/V heads before calling
+attention, so here both move n_heads K/V heads; a production ring circulates the n_kv_heads.) The model's replicated weights see P shards of the loss: their
 gradients are summed over the cp group, and each rank's loss is its tokens' share of the global
 mean (sum of token losses / all tokens in the group), so the summed loss is neither halved nor
 doubled.
@@ -106,8 +107,8 @@ def torch_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset:
 
 
 def flash_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
-    return fa.flash_attention_backward(q, k, v, out.to(q.dtype), lse, dout, dlse, causal=causal,
-                                       q_offset=q_offset, k_offset=k_offset)
+    return fa.flash_attention_backward(q, k, v, out, lse, dout, dlse, causal=causal, q_offset=q_offset,
+                                       k_offset=k_offset)  # out in fp32: its delta stays exact
 
 
 @dataclass(frozen=True)
@@ -131,12 +132,15 @@ class BlockWork:
     seconds: float = 0.0
 
     def timed(self, fn: Callable, q: torch.Tensor, k: torch.Tensor, *args):
-        start = time.perf_counter()
+        # On a CPU, the computing thread's CPU time: ranks that share cores would otherwise be
+        # charged for each other's work (one torch thread per rank, as launch and torchrun set).
+        clock = time.perf_counter if q.is_cuda else time.thread_time
+        start = clock()
         result = fn(q, k, *args)
         if q.is_cuda:
             torch.cuda.synchronize(q.device)
         self.blocks, self.scores = self.blocks + 1, self.scores + q.shape[2] * k.shape[2]
-        self.seconds += time.perf_counter() - start
+        self.seconds += clock() - start
         return result
 
 
@@ -360,6 +364,10 @@ class ContextParallelAttention:
     zigzag: bool = True
     block: BlockAttention = TORCH_BLOCK
 
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r} must be one of {METHODS}")
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         attend = ring_attention if self.method == "ring" else ulysses_attention
         return attend(q, k, v, self.group, self.zigzag, True, self.block)[0]
@@ -484,7 +492,9 @@ def demo(args: argparse.Namespace) -> None:
     b, h, s, d = 2, args.heads, args.seq_len, args.head_dim
     variants = [("ring, contiguous", "ring", False), ("ring, zigzag", "ring", True),
                 ("Ulysses", "ulysses", True)]
-    variants = [v for v in variants if v[1] == "ring" or h % cp == 0]
+    if h % cp:
+        variants.pop()
+        say(f"(Ulysses left out: --heads {h} is not divisible by {cp} ranks)")
     say(f"Context parallelism on {cp} ranks ({dist.get_backend()}, {device.type}), block attention: "
         f"{block.name}.\n\nmax |difference| from full attention in float64 (fp32, causal; batch {b}, "
         f"{h} heads, seq {s}, head dim {d}):")
@@ -503,7 +513,7 @@ def demo(args: argparse.Namespace) -> None:
         byte_rows.append((name, meter.traffic(op), sum(formula.values())))
 
     say(f"\nper-rank work of causal ring attention, forward + backward (seq {args.work_seq_len}, "
-        f"{h} heads, head dim {d}): block calls, query x key scores, seconds computing")
+        f"{h} heads, head dim {d}): block calls / query x key scores / seconds computing (CPU time on a CPU)")
     for name, zigzag in (("contiguous", False), ("zigzag", True)):
         for _ in range(2):  # the first run warms up (allocator, kernel compilation): time the second
             _, _, work = sharded_attention(1, h, args.work_seq_len, d, method="ring", zigzag=zigzag,
@@ -511,7 +521,8 @@ def demo(args: argparse.Namespace) -> None:
         rows = _gather_rows([work.blocks, work.scores, work.seconds], device)
         say(f"  {name:<11}" + "  ".join(f"r{r}: {int(bl):>2} / {int(sc):>8,} / {sec:.3f}s"
                                         for r, (bl, sc, sec) in enumerate(rows)))
-        say(f"  {'':<11}slowest / mean scores = {max(r[1] for r in rows) / (sum(r[1] for r in rows) / cp):.2f}")
+        imbalance = [max(col) / (sum(col) / cp) for col in list(zip(*rows))[1:]]
+        say(f"  {'':<11}slowest / mean: scores {imbalance[0]:.2f}, seconds {imbalance[1]:.2f}")
 
     say(f"\nbytes one rank sends per attention call, forward + backward (fp32, with the lse):")
     for name, measured, formula in byte_rows:
@@ -548,7 +559,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=16)
-    parser.add_argument("--work-seq-len", type=int, default=1024, help="sequence of the work comparison")
+    parser.add_argument("--work-seq-len", type=int, default=2048, help="sequence of the work comparison")
     parser.add_argument("--global-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--block", choices=("torch", "triton"), default="torch",

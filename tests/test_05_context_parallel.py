@@ -236,5 +236,5 @@ def test_script_runs_as_plain_python():
                           "--work-seq-len", "32", "--steps", "1"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr
-    for line in ("ring, zigzag", "Ulysses", "slowest / mean scores = 1.00", "formula"):
+    for line in ("ring, zigzag", "Ulysses", "slowest / mean: scores 1.00", "formula"):
         assert line in run.stdout
