@@ -200,6 +200,23 @@ def test_model_under_context_parallelism_equals_single_device(rank_pool, setup):
         assert meter.payload("all_reduce") == steps * grad_bytes, "each gradient summed once a step"
 
 
+def train_on_strided_subgroups(cfg, steps, batch, seq, method):
+    """4 ranks, two cp groups {0, 2} and {1, 3}: ring peers are group ranks, not global ones."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+    return cpmod.train_context_parallel(cfg, steps, batch, seq, method=method, zigzag=True,
+                                        adam_eps=ADAM_EPS, group=groups[dist.get_rank() % 2])
+
+
+@pytest.mark.parametrize("method", cpmod.METHODS)
+def test_context_parallel_on_a_subgroup(rank_pool, method):
+    cfg, steps, batch, seq = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=16, vocab_size=32, seed=4), 2, 2, 8
+    reference = ddp.train_single_device(cfg, steps, batch, seq, adam_eps=ADAM_EPS)
+    for rank, (result, meter) in enumerate(rank_pool.run(4, train_on_strided_subgroups, cfg, steps,
+                                                         batch, seq, method)):
+        assert_matches_reference(result, reference)
+        assert {ranks for _, ranks in meter.stats} == {(0, 2) if rank % 2 == 0 else (1, 3)}
+
+
 # --- bad input --------------------------------------------------------------------------------
 
 def attention_on_odd_shard():
