@@ -29,9 +29,9 @@ LOAD BALANCE. Causally, contiguous shards are unfair: rank 0's queries see one b
 see P. Zigzag cuts the sequence into 2P chunks and gives rank r chunks r and 2P-1-r (one early, one
 late): every rank computes 2P+1 chunk pairs, 2 of them diagonal, the same work.
 
-ULYSSES (DeepSpeed). Two all-to-alls turn sequence shards into head shards: each rank then holds
-all S tokens of H / P heads, runs ordinary attention, and a third all-to-all turns the output back.
-It needs H divisible by P and moves a constant amount per rank whatever P is.
+ULYSSES (DeepSpeed). An all-to-all each turns the q, k, v sequence shards into head shards: each
+rank then holds all S tokens of H / P heads, runs ordinary attention, and a fourth all-to-all turns
+the output back. It needs H divisible by P and moves a constant amount per rank whatever P is.
 
 COST per attention call, one rank, shard of b x h x S/P x d elements of e bytes (= A):
     ring forward    (P-1) hops of K and V                          2 (P-1) A
@@ -39,10 +39,13 @@ COST per attention call, one rank, shard of b x h x S/P x d elements of e bytes 
     Ulysses         q, k, v, out forward; dout, dq, dk, dv back    8 (P-1)/P A (+ the lse if asked)
 The ring's traffic grows with P but hides behind block compute; Ulysses' stays flat but cannot hide
 and caps P at the head count. (The reference model repeats grouped-query K/V heads before calling
-attention, so here both move n_heads K/V heads; a production ring circulates the n_kv_heads.) The model's replicated weights see P shards of the loss: their
-gradients are summed over the cp group, and each rank's loss is its tokens' share of the global
-mean (sum of token losses / all tokens in the group), so the summed loss is neither halved nor
-doubled.
+attention, so here both move n_heads K/V heads; a production ring circulates the n_kv_heads.)
+
+THE MODEL. Each rank's loss is its tokens' share of the global mean: (sum of its token losses) /
+(all tokens of the group) = local mean / P. The shares sum to the global mean loss; after the ring
+has delivered every dK/dV to its owner, the replicated weights' gradients on each rank are that
+rank's part of the global gradient, so they are summed over the cp group. Averaging local means
+while also summing gradients (or halving twice) is how a CP loss ends up halved or doubled.
 
 RUN IT: python 05_context_parallel.py [--nproc 4]. Look at the max differences against full
 attention and the single-device model, the per-rank work of zigzag beside contiguous, and the bytes
@@ -198,12 +201,10 @@ def validate_context_parallel(seq_len: int, n_heads: int, cp: int, method: str, 
                          f"n_heads / cp whole heads)")
 
 
-def local_layout(q: torch.Tensor, group, zigzag: bool) -> SequenceLayout:
+def local_layout(q: torch.Tensor, group, zigzag: bool, method: str = "ring") -> SequenceLayout:
     """The layout of the whole sequence, from this rank's shard of it (every shard is equal)."""
     cp = ddp.group_size(group)
-    if zigzag and q.shape[2] % 2:
-        raise ValueError(f"seq_len={q.shape[2] * cp} is not divisible by 2 x cp = {2 * cp} "
-                         f"(zigzag gives each rank two chunks): the local shard has {q.shape[2]}")
+    validate_context_parallel(q.shape[2] * cp, q.shape[1], cp, method, zigzag)
     return SequenceLayout(q.shape[2] * cp, cp, zigzag)
 
 
@@ -219,7 +220,8 @@ def _block_pairs(layout: SequenceLayout, me: int, owner: int, causal: bool):
     for i, qc in enumerate(layout.chunks(me)):
         for j, kc in enumerate(layout.chunks(owner)):
             if not (causal and kc > qc):
-                yield slice(i * n, (i + 1) * n), slice(j * n, (j + 1) * n), qc * n, kc * n, causal and kc == qc
+                rows, cols = slice(i * n, (i + 1) * n), slice(j * n, (j + 1) * n)
+                yield rows, cols, qc * n, kc * n, causal and kc == qc
 
 
 def _pass_right(tensor: torch.Tensor, group, me: int, cp: int) -> tuple[torch.Tensor, list]:
@@ -339,17 +341,15 @@ class _Relayout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         group, layout, to_heads = ctx.args
-        return (heads_to_seq if to_heads else seq_to_heads)(grad.contiguous(), group, layout), None, None, None
+        back = heads_to_seq if to_heads else seq_to_heads
+        return back(grad.contiguous(), group, layout), None, None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, zigzag: bool = True,
                       causal: bool = True, block: BlockAttention = TORCH_BLOCK,
                       with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, lse or None): the same contract as ring_attention; the lse costs one more all-to-all."""
-    layout = local_layout(q, group, zigzag)
-    if q.shape[1] % layout.cp:
-        raise ValueError(f"n_heads={q.shape[1]} is not divisible by cp={layout.cp} (Ulysses gives "
-                         f"each rank n_heads / cp whole heads)")
+    layout = local_layout(q, group, zigzag, "ulysses")
     q, k, v = (_Relayout.apply(t, group, layout, True) for t in (q, k, v))
     out, lse = block.forward(q, k, v, 0, 0, causal)
     out = _Relayout.apply(out.to(q.dtype), group, layout, False)
@@ -418,7 +418,7 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
                                ddp.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed))
             loss = model(tokens, targets, positions=positions)
             loss.backward()
-            grads = [p.grad for p in model.parameters()]  # replicated weights: sum the shards' parts
+            grads = [p.grad for p in model.parameters() if p.requires_grad]  # replicated: sum the parts
             flat = torch.cat([g.flatten() for g in grads])  # in one call, not one per parameter
             ddp.all_reduce(flat, group=group)
             for grad, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
@@ -499,8 +499,8 @@ def demo(args: argparse.Namespace) -> None:
         f"{block.name}.\n\nmax |difference| from full attention in float64 (fp32, causal; batch {b}, "
         f"{h} heads, seq {s}, head dim {d}):")
     say(f"  {'':<20}" + "".join(f"{n:>10}" for n in ("out", "lse", "dq", "dk", "dv")))
-    reference = fa.outputs_and_grads(lambda q, k, v: fa.naive_attention(q, k, v, True),
-                                     *attention_inputs(b, h, s, d, seed=0, dtype=torch.float64, device=device))
+    inputs = attention_inputs(b, h, s, d, seed=0, dtype=torch.float64, device=device)
+    reference = fa.outputs_and_grads(lambda q, k, v: fa.naive_attention(q, k, v, True), *inputs)
     byte_rows = []
     for name, method, zigzag in variants:
         got, meter, _ = sharded_attention(b, h, s, d, method=method, zigzag=zigzag, causal=True,
@@ -555,7 +555,8 @@ def demo(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(), help="ranks when not under torchrun")
+    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(),
+                        help="ranks when not under torchrun")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=16)
@@ -563,7 +564,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--block", choices=("torch", "triton"), default="torch",
-                        help="block attention: plain torch, or lesson 07's kernel (interpreted on a CPU: slow)")
+                        help="block attention: torch, or lesson 07's kernel (interpreted on a CPU: slow)")
     args = parser.parse_args()
     for name in ("nproc", "seq_len", "heads", "head_dim", "work_seq_len", "global_batch", "steps"):
         if getattr(args, name) < 1:
