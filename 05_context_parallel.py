@@ -44,8 +44,9 @@ attention, so here both move n_heads K/V heads; a production ring circulates the
 THE MODEL. Each rank's loss is its tokens' share of the global mean: (sum of its token losses) /
 (all tokens of the group) = local mean / P. The shares sum to the global mean loss; after the ring
 has delivered every dK/dV to its owner, the replicated weights' gradients on each rank are that
-rank's part of the global gradient, so they are summed over the cp group. Averaging local means
-while also summing gradients (or halving twice) is how a CP loss ends up halved or doubled.
+rank's part of the global gradient, so they are summed over the cp group. Dividing by P twice
+(shares, then an average over ranks) halves the loss at cp = 2; local means with summed gradients
+double the gradients.
 
 RUN IT: python 05_context_parallel.py [--nproc 4]. Look at the max differences against full
 attention and the single-device model, the per-rank work of zigzag beside contiguous, and the bytes

@@ -98,7 +98,7 @@ def test_layout_shards_tile_the_sequence(cp, chunk, zigzag):
     assert sorted(torch.cat([layout.positions(r) for r in range(cp)]).tolist()) == list(range(seq))
     for r in range(cp):
         assert torch.equal(shards[r][0], layout.positions(r)), "positions are the tokens' global indices"
-    if zigzag:  # rank r holds chunks r and 2P-1-r: first chunks of rank 0 and last of rank 0 pair up
+    if zigzag:  # rank r holds chunks r and 2P-1-r: rank 0 the first and the last
         assert layout.positions(0)[-1].item() == seq - 1
 
 
