@@ -136,8 +136,9 @@ class BlockWork:
     seconds: float = 0.0
 
     def timed(self, fn: Callable, q: torch.Tensor, k: torch.Tensor, *args):
-        # On a CPU, the computing thread's CPU time: ranks that share cores would otherwise be
-        # charged for each other's work (one torch thread per rank, as launch and torchrun set).
+        # On a CPU, the computing thread's CPU time, not wall time: ranks that share cores would
+        # otherwise be charged for each other's work. It is all of the compute when torch runs one
+        # thread per rank (torchrun's default; launch's when ranks >= cores).
         clock = time.perf_counter if q.is_cuda else time.thread_time
         start = clock()
         result = fn(q, k, *args)
