@@ -93,12 +93,12 @@ def validate_stage(stage: int) -> None:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
-    """Bytes of the storages behind tensors, each storage once (views and aliases share one)."""
+    """Bytes of the storages behind tensors, each once (views and aliases share a storage)."""
     total = 0
     for t in tensors:
         if t is None:
             continue
-        storage = t.untyped_storage()
+        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()  # DTensor: its shard
         if storage.nbytes() and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
@@ -114,7 +114,8 @@ def zero_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules whose parameters are flattened together, in the order forward runs them. In
     stage 3 each is gathered as one piece: gathering per block keeps one block's full weights alive."""
     names = ["embed", *(f"layers.{i}" for i in model.layers), "norm", "lm_head"]
-    return [(name, model.get_submodule(name)) for name in names if getattr(model, name.split(".")[0]) is not None]
+    present = [name for name in names if getattr(model, name.split(".")[0]) is not None]
+    return [(name, model.get_submodule(name)) for name in present]
 
 
 class FlatUnit:
@@ -235,7 +236,8 @@ class ZeRO:
         if unit.gathered is None:
             unit.gathered = torch.empty(unit.padded, dtype=self.dtype, device=self.device)
             unit.gather_work = ddp.all_gather(unit.gathered, unit.shard, group=self.group, async_op=True)
-            in_flight = sum(u.gather_work is not None and not u.gather_work.is_completed() for u in self.units)
+            works = [u.gather_work for u in self.units if u.gather_work is not None]
+            in_flight = sum(not work.is_completed() for work in works)
             self.max_gathers_in_flight = max(self.max_gathers_in_flight, in_flight)
 
     def _gather(self, index: int, next_index: int) -> None:
@@ -334,7 +336,7 @@ class ZeRO:
         """Bytes this rank holds now, summed over live tensors' storages, each storage once (an
         fp32 master that aliases the parameters counts as parameters)."""
         seen: set[int] = set()
-        params = [*self.model.parameters(), *(u.flat_param for u in self.units), *(u.shard for u in self.units)]
+        params = [*self.model.parameters(), *(t for u in self.units for t in (u.flat_param, u.shard))]
         grads = [*(p.grad for p in self.model.parameters()),
                  *(t for u in self.units for t in (u.flat_grad, u.grad_shard))]
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
@@ -378,7 +380,8 @@ class ZeRO:
         """Cut a full_state_dict into this rank's shards (no communication but the stage-1/2 gather)."""
         for unit in self.units:
             def shard_of(key: str) -> torch.Tensor:
-                return unit.flatten([state[key][n].to(self.device) for n in unit.names], torch.float32)[unit.owned]
+                full = unit.flatten([state[key][n].to(self.device) for n in unit.names], torch.float32)
+                return full[unit.owned]
             unit.master.copy_(shard_of("params"))
             self.optimizer.state[unit.master] = {
                 "step": torch.tensor(float(state["step"])),
@@ -506,118 +509,99 @@ def train_zero(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: i
 # Demo and benchmark
 # ----------------------------------------------------------------------------------------------
 
-PAPER = dict(psi=7_500_000_000, n=64)  # the ZeRO paper's Figure 1: 7.5B parameters, 64 GPUs, K = 12
-
-
-def demo_config() -> "ddp.ModelConfig":
-    """The tiny model, with module sizes (8,250 embedding, 66 norm weights) not divisible by 4."""
-    return ddp.ModelConfig(vocab_size=125, dim=66, n_heads=3, ffn_dim=177)
-
 
 def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
-    print(f"max |difference| from one device (AdamW + clip_grad_norm_), {steps} steps:")
-    print(f"  {'run':<22}{'loss':>10}{'step-0 grads':>14}{'params':>10}{'exp_avg':>10}{'exp_avg_sq':>12}")
+    label = {False: "fp32     ", True: "bf16+fp32"}
+    print(f"max |difference| from one device (AdamW + clip_grad_norm_), {steps} steps:\n"
+          f"  {'run':<18}{'loss':>9}{'grads':>9}{'params':>9}{'exp_avg':>9}{'exp_avg_sq':>11}")
     for (mixed, stage), (result, _) in runs.items():
         ref = references[mixed]
-        loss = max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True))
-        print(f"  {'bf16+fp32' if mixed else 'fp32':<10}ZeRO-{stage:<7}{loss:>10.1e}"
-              f"{ddp.max_abs_diff(result.first_grads, ref.first_grads):>14.1e}"
-              f"{ddp.max_abs_diff(result.params, ref.params):>10.1e}"
-              + "".join(f"{ddp.max_abs_diff(result.state[k], ref.state[k]):>{w}.1e}"
-                        for k, w in (("exp_avg", 10), ("exp_avg_sq", 12))))
-    print("  (fp32: the same sums in another order. bf16: gradients are rounded to 8 bits after "
-          "differently ordered sums;\n   Adam turns that into lr-sized moves for the few elements "
-          "whose gradient is near 0.)")
+        diffs = [max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True)),
+                 *(ddp.max_abs_diff(ours, theirs) for ours, theirs in (
+                     (result.first_grads, ref.first_grads), (result.params, ref.params),
+                     (result.state["exp_avg"], ref.state["exp_avg"]))),
+                 ddp.max_abs_diff(result.state["exp_avg_sq"], ref.state["exp_avg_sq"])]
+        print(f"  {label[mixed]} ZeRO-{stage}" + "".join(f"{d:>9.1e}" for d in diffs[:-1])
+              + f"{diffs[-1]:>11.1e}")
+    print("  (fp32: the same sums in another order. bf16: gradients rounded to 8 bits after sums in\n"
+          "   another order; Adam turns that into lr-sized moves of the few elements whose gradient is ~0)")
 
-    print(f"\nThe paper's table: GB per rank, Psi = 7.5B, N = 64, bf16 (P = G = 2), K = 12:")
+    print("\nThe paper's table, GB per rank: Psi = 7.5B, N = 64, P = G = 2 (fp16), K = 12:")
     for stage in STAGES:
-        mem = zero_memory_per_rank(PAPER["psi"], PAPER["n"], stage)
-        print(f"  ZeRO-{stage}  {float(sum(mem.values())) / 1e9:7.2f} GB   "
-              + "  ".join(f"{k} {float(v) / 1e9:6.2f}" for k, v in mem.items()))
+        mem = zero_memory_per_rank(7_500_000_000, 64, stage)
+        print(f"  ZeRO-{stage} {float(sum(mem.values())) / 1e9:7.2f} GB = "
+              + " + ".join(f"{float(v) / 1e9:.2f} {k}" for k, v in mem.items()))
 
-    psi, padded = sum(t.numel() for t in references[False].params.values()), runs[False, 0][0].stats["padded_params"]
-    print(f"\nThe tiny model on {world} ranks: {psi:,} parameters, padded to {padded:,} (module by module "
-          f"to multiples of {world}).\nBytes one rank holds after a step (live tensors' storages) "
-          f"| formula on the padded count (+ 4 B per module: AdamW's step counter):")
+    psi = sum(t.numel() for t in references[False].params.values())
+    padded = runs[False, 0][0].stats["padded_params"]
+    print(f"\nThe tiny model on {world} ranks: {psi:,} parameters, padded module by module to {padded:,}.\n"
+          f"Bytes one rank holds after a step, live tensors' storages | formula on the padded count "
+          f"(+ {STEP_COUNTER_BYTES} B per module: AdamW's step):")
     for (mixed, stage), (result, _) in runs.items():
-        cells = "  ".join(f"{k} {result.held[k]:>7,}|{int(result.formula[k]):<7,}" for k in result.held)
+        cells = "  ".join(f"{k} {result.held[k]:>9,}|{int(result.formula[k]):<9,}" for k in result.held)
         same = all(result.held[k] == result.formula[k] for k in result.held)
-        print(f"  {'bf16+fp32' if mixed else 'fp32':<10}ZeRO-{stage}  {cells}  {'equal' if same else 'DIFFERENT'}")
+        print(f"  {label[mixed]} ZeRO-{stage}  {cells} {'equal' if same else 'DIFFERENT'}")
 
     ddp_bytes = Fraction(2 * (world - 1), world) * 4 * psi
-    print(f"\nTraffic per rank per step, fp32 (ring; DDP = 2(N-1)/N x 4 B x Psi = {float(ddp_bytes):,.0f} B):")
-    for (mixed, stage), (_, meter) in runs.items():
-        if mixed:
-            continue
-        formula = zero_traffic_per_step(padded, world, stage, 4, 4)
+    print(f"\nTraffic per rank per step, fp32, ring (DDP: 2(N-1)/N x 4 B x Psi = {float(ddp_bytes):,.0f} B):")
+    for stage in STAGES:
+        meter, formula = runs[False, stage][1], zero_traffic_per_step(padded, world, stage, 4, 4)
         measured = {op: meter.traffic(op) / steps for op in formula}
-        norm = (meter.traffic("all_reduce") / steps - formula.get("all_reduce", 0))
-        total = sum(measured.values())
+        norm = meter.traffic("all_reduce") / steps - formula.get("all_reduce", 0)
+        ratio = float(sum(measured.values()) / ddp_bytes)
         print(f"  ZeRO-{stage}  " + ", ".join(f"{op} {float(v):,.0f} B" for op, v in measured.items())
-              + f" {'=' if measured == formula else '!='} formula; {float(total / ddp_bytes):.3f} x DDP"
-              + (f"; + {float(norm):.0f} B gradient-norm all-reduce" if stage else ""))
+              + f" {'=' if measured == formula else '!='} formula = {ratio:.3f} x DDP"
+              + (f"; + {float(norm):.0f} B all-reduced for the gradient norm" if stage else ""))
     stats = runs[False, 3][0].stats
-    print(f"\nZeRO-3: {stats['units']} modules gathered one at a time; up to "
-          f"{stats['max_gathers_in_flight']} gather(s) in flight while a module computes; "
-          f"{stats['prefetched_gathers']} of {2 * stats['units'] * steps} gathers were prefetched "
-          f"(issued while the previous module computed).")
+    print(f"\nZeRO-3 gathers {stats['units']} modules one at a time: {stats['prefetched_gathers']} of "
+          f"{2 * stats['units'] * steps} gathers were prefetched (launched while the module before computed);"
+          f"\nup to {stats['max_gathers_in_flight']} in flight at once.")
 
 
 def demo(args: argparse.Namespace) -> None:
     device = ddp.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = demo_config()
+    # Module sizes (8,250 embedding, 66 norm weights) not divisible by 4: the padding shows.
+    cfg = ddp.ModelConfig(vocab_size=125, dim=66, n_heads=3, ffn_dim=177)
+    shape = (cfg, args.steps, args.global_batch, args.seq_len)
     kwargs = dict(max_grad_norm=args.max_grad_norm, device=device)
-    runs = {(mixed, stage): train_zero(cfg, args.steps, args.global_batch, args.seq_len, stage=stage,
-                                       mixed_precision=mixed, **kwargs)
+    runs = {(mixed, stage): train_zero(*shape, stage=stage, mixed_precision=mixed, **kwargs)
             for mixed in (False, True) for stage in STAGES}
     if rank == 0:
-        references = {mixed: train_reference(cfg, args.steps, args.global_batch, args.seq_len,
-                                             mixed_precision=mixed, **kwargs) for mixed in (False, True)}
+        references = {mixed: train_reference(*shape, mixed_precision=mixed, **kwargs)
+                      for mixed in (False, True)}
         print(f"ZeRO on {world} ranks ({dist.get_backend()}, {device.type}); global batch "
               f"{args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")
         print_tables(runs, references, world, args.steps)
     ddp.exit_distributed()
 
 
-def fsdp2_fully_shard():
+def bench(args: argparse.Namespace) -> None:
+    """ZeRO-3 against FSDP2 fully_shard on the same modules, model, batch and clipping, in
+    interleaved rounds so that both see the same machine load."""
     try:
         from torch.distributed.fsdp import fully_shard
-    except ImportError:  # the older home of FSDP2
+    except ImportError:  # FSDP2's older home
         from torch.distributed._composable.fsdp import fully_shard
-    return fully_shard
-
-
-def local_tensors(tensors: Iterable) -> list[torch.Tensor]:
-    """A DTensor's local shard (FSDP2 holds DTensors), a plain tensor as it is."""
-    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
-
-
-def bench(args: argparse.Namespace) -> None:
-    """ZeRO-3 against FSDP2 fully_shard (the same modules as units), same model, batch, clipping;
-    interleaved rounds so both see the same machine load."""
     device = ddp.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = ddp.ModelConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=8, ffn_dim=688)
     tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, 4 * world, 128, 0, rank, world))
     ours_model, torch_model = ddp.GPT(cfg).to(device), ddp.GPT(cfg).to(device)
     zero = ZeRO(ours_model, 3, max_grad_norm=1.0)
-    fully_shard = fsdp2_fully_shard()
-    for _, module in zero_units(torch_model):
+    for _, module in [*zero_units(torch_model), ("", torch_model)]:
         fully_shard(module)
-    fully_shard(torch_model)
     torch_opt = ddp.make_optimizer(torch_model, 1e-3)
 
-    def ours_step(clear: bool = True) -> None:
+    def ours_step() -> None:
         ours_model(tokens, targets).backward()
         zero.step()
 
-    def torch_step(clear: bool = True) -> None:
+    def torch_step() -> None:
+        torch_opt.zero_grad(set_to_none=True)  # first: the bytes below are counted with gradients
         torch_model(tokens, targets).backward()
         torch.nn.utils.clip_grad_norm_(torch_model.parameters(), 1.0)
         torch_opt.step()
-        if clear:
-            torch_opt.zero_grad(set_to_none=True)
 
     times = {"ZeRO-3": [], "FSDP2": []}
     for round_ in range(args.bench_rounds):
@@ -625,12 +609,10 @@ def bench(args: argparse.Namespace) -> None:
             t = ddp.timed_steps(fn, args.bench_steps, device)
             if round_ > 0:  # the first round is warm-up
                 times[name] += t
-    torch_step(clear=False)  # held bytes after a step, gradients still there (ours keep shards)
-    seen: set[int] = set()
-    theirs = (storage_bytes(local_tensors(torch_model.parameters()), seen)
-              + storage_bytes(local_tensors(p.grad for p in torch_model.parameters()), seen)
-              + storage_bytes(local_tensors(t for s in torch_opt.state.values() for t in s.values()
-                                            if torch.is_tensor(t)), seen))
+    seen: set[int] = set()  # after a step, as ours: sharded parameters, gradients, AdamW state
+    theirs = sum(storage_bytes(tensors, seen) for tensors in (
+        torch_model.parameters(), (p.grad for p in torch_model.parameters()),
+        (t for s in torch_opt.state.values() for t in s.values() if torch.is_tensor(t))))
     ours = sum(zero.held_bytes().values())
     if rank == 0:
         n_params = sum(p.numel() for p in ddp.GPT(cfg).parameters())
@@ -639,8 +621,8 @@ def bench(args: argparse.Namespace) -> None:
               f"{n_params / 1e6:.1f}M parameters, fp32, clipping, median of {len(times['FSDP2'])} steps:")
         for name, t in med.items():
             print(f"  {name:<8} {t * 1e3:8.1f} ms per step")
-        print(f"  step time ratio ZeRO-3 / FSDP2 = {med['ZeRO-3'] / med['FSDP2']:.3f}")
-        print(f"  bytes held per rank after a step: ZeRO-3 {ours:,}, FSDP2 {theirs:,}, "
+        print(f"  step time ratio ZeRO-3 / FSDP2 = {med['ZeRO-3'] / med['FSDP2']:.3f}\n"
+              f"  bytes held per rank after a step: ZeRO-3 {ours:,}, FSDP2 {theirs:,}, "
               f"ratio {ours / theirs:.3f}")
     ddp.exit_distributed()
 
@@ -648,7 +630,8 @@ def bench(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(), help="ranks when not under torchrun")
+    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(),
+                        help="ranks when not under torchrun")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=32)
@@ -667,8 +650,7 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
     if not args.bench and args.global_batch % world:
         parser.error(f"global_batch={args.global_batch} is not divisible by the group size {world}")
-    launch_fn = bench if args.bench else demo
-    ddp.launch(launch_fn, args, nproc=args.nproc)
+    ddp.launch(bench if args.bench else demo, args, nproc=args.nproc)
 
 
 if __name__ == "__main__":

@@ -204,11 +204,51 @@ def materialised_units_during_forward(cfg, prefetch):
 def test_zero3_gathers_one_module_at_a_time_and_prefetches(rank_pool, prefetch):
     cfg = ddp.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20, n_layers=3)
     units = 3 + 3  # embed, 3 blocks, norm, lm_head
-    for seen, after, prefetched, in_flight in rank_pool.run(2, materialised_units_during_forward, cfg, prefetch):
+    runs = rank_pool.run(2, materialised_units_during_forward, cfg, prefetch)
+    for seen, after, prefetched, in_flight in runs:
         assert seen == [1] * units, "only the computing module has full parameters"
         assert after == 0, "every full parameter is freed after backward"
         assert prefetched == (2 * (units - 1) if prefetch else 0), "forward and backward prefetch"
         assert in_flight <= (2 if prefetch else 1)
+
+
+# --- misuse and non-finite values ---------------------------------------------------------------
+
+def misuse(cfg, case):
+    model = ddp.GPT(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, targets = ddp.synthetic_batch(cfg, 2 * world, 6, 0, rank, world)
+    optimizer = zero.ZeRO(model, 1 if case == "nan" else 2)
+    if case == "nan":  # one rank's gradient goes bad: every rank must see it, none may hide it
+        model(tokens, targets).backward()
+        if rank == 1:
+            model.layers["0"].mlp.up_proj.weight.grad[0, 0] = float("nan")
+        norm = optimizer.step()
+        return norm.item(), all(not p.isfinite().all() for p in model.parameters())
+    if case == "unused":  # backward reaches the embedding only
+        model.embed(tokens).sum().backward()
+    else:  # "twice": gradient accumulation is not what these stages do
+        model(tokens, targets).backward()
+        try:
+            model(tokens, targets).backward()
+        except RuntimeError as error:
+            optimizer.finish_gradient_sync()  # the first backward's reduce-scatters are in flight
+            return str(error)
+    try:
+        optimizer.finish_gradient_sync()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_misuse_is_refused_and_nan_propagates(rank_pool):
+    cfg = ddp.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
+    for message in rank_pool.run(2, misuse, cfg, "twice"):
+        assert "a second backward before step()" in message
+    for message in rank_pool.run(2, misuse, cfg, "unused"):
+        assert "parameters got no gradient this step" in message and "layers.0.attn_norm.weight" in message
+    for norm, all_non_finite in rank_pool.run(2, misuse, cfg, "nan"):
+        assert math.isnan(norm) and all_non_finite, "a NaN gradient must not come out finite"
 
 
 # --- bad input: one clear error on every rank, before any collective ----------------------------
@@ -254,7 +294,8 @@ def test_batch_not_divisible_by_the_group_fails_on_every_rank(rank_pool):
 def test_memory_model_reproduces_the_papers_table():
     """ZeRO paper, Figure 1: Psi = 7.5B, N = 64, K = 12, fp16 parameters and gradients."""
     totals = [float(sum(zero.zero_memory_per_rank(7_500_000_000, 64, s).values())) / 1e9 for s in zero.STAGES]
-    assert [round(totals[0]), round(totals[1], 1), round(totals[2], 1), round(totals[3], 2)] == [120, 31.4, 16.6, 1.88]
+    printed = [round(totals[0]), round(totals[1], 1), round(totals[2], 1), round(totals[3], 2)]
+    assert printed == [120, 31.4, 16.6, 1.88]
 
 
 @given(psi=st.integers(1, 10**6), n=st.integers(1, 64))
@@ -280,6 +321,6 @@ def test_script_runs_as_plain_python():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stderr
-    assert stdout.count("  equal") == 8 and "DIFFERENT" not in stdout, stdout
+    assert len(re.findall(r"ZeRO-\d .* equal$", stdout, re.M)) == 8 and "DIFFERENT" not in stdout, stdout
     assert stdout.count("= formula") == 4 and "1.500 x DDP" in stdout, stdout
     assert "120.00 GB" in stdout and "1.88 GB" in stdout, stdout
