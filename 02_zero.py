@@ -197,7 +197,7 @@ class ZeRO:
                         lambda p, unit=unit, i=i: self._on_grad_ready(unit, i))
         if stage == 3:
             for index, (_, module) in enumerate(zero_units(model)):
-                module.register_forward_pre_hook(lambda m, args, i=index: self._before_forward(i))
+                module.register_forward_pre_hook(lambda m, args, i=index: self._gather(i, i + 1))
                 module.register_forward_hook(lambda m, args, out, i=index: self._after_forward(i, out))
 
     def _shard(self, unit: FlatUnit) -> None:
@@ -250,9 +250,6 @@ class ZeRO:
         self._bind(unit, unit.gathered)
         if self.prefetch and 0 <= next_index < len(self.units):
             self._launch_gather(self.units[next_index])
-
-    def _before_forward(self, index: int) -> None:
-        self._gather(index, index + 1)
 
     def _after_forward(self, index: int, output: torch.Tensor) -> None:
         self._release(self.units[index])
@@ -313,13 +310,17 @@ class ZeRO:
         self.optimizer.step()
         for unit in self.units:
             unit.master.grad = None
-            if unit.master.data_ptr() != unit.shard.data_ptr():
-                unit.shard.copy_(unit.master)  # mixed precision: round the fp32 master to bf16
-            if self.stage in (1, 2):  # in place of the old full parameters; stage 3 gathers later
-                ddp.all_gather(unit.flat_param, unit.shard.clone(), group=self.group)
             if self.stage < 2:
                 unit.grad_shard = None  # stage 1's reduce-scatter output; stage 0's is flat_grad
+            self._refresh_compute_params(unit)
         return norm
+
+    def _refresh_compute_params(self, unit: FlatUnit) -> None:
+        """After the master shard changed: its compute copy, and (stages 1-2) the full parameters."""
+        if unit.master.data_ptr() != unit.shard.data_ptr():
+            unit.shard.copy_(unit.master)  # mixed precision: round the fp32 master to bf16
+        if self.stage in (1, 2):  # in place of the old full parameters; stage 3 gathers later
+            ddp.all_gather(unit.flat_param, unit.shard.clone(), group=self.group)
 
     def step(self) -> torch.Tensor:
         self.finish_gradient_sync()
@@ -377,7 +378,7 @@ class ZeRO:
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
-        """Cut a full_state_dict into this rank's shards (no communication but the stage-1/2 gather)."""
+        """Cut a full_state_dict (from any stage and group size) into this rank's shards."""
         for unit in self.units:
             def shard_of(key: str) -> torch.Tensor:
                 full = unit.flatten([state[key][n].to(self.device) for n in unit.names], torch.float32)
@@ -386,10 +387,7 @@ class ZeRO:
             self.optimizer.state[unit.master] = {
                 "step": torch.tensor(float(state["step"])),
                 "exp_avg": shard_of("exp_avg").clone(), "exp_avg_sq": shard_of("exp_avg_sq").clone()}
-            if unit.master.data_ptr() != unit.shard.data_ptr():
-                unit.shard.copy_(unit.master)
-            if self.stage in (1, 2):
-                ddp.all_gather(unit.flat_param, unit.shard.clone(), group=self.group)
+            self._refresh_compute_params(unit)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -133,6 +133,32 @@ def test_reference_is_lesson_01s_without_clipping():
         assert torch.equal(ours.params[name], theirs.params[name])
 
 
+def load_then_gather(cfg, stage, state):
+    model = ddp.GPT(cfg)
+    optimizer = zero.ZeRO(model, stage)
+    optimizer.load_full_state_dict(state)
+    with torch.no_grad():
+        tokens, _ = ddp.synthetic_batch(cfg, 1, 5, 0)
+        logits = model(tokens)  # the compute parameters were refreshed too (stage 3: gathered)
+    return optimizer.full_state_dict(), logits
+
+
+def test_a_checkpoint_moves_between_stages_and_group_sizes(rank_pool):
+    cfg = ddp.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=3)
+    saved = rank_pool.run(2, zero.train_zero, cfg, 2, 4, 5, stage=3)[0][0].state
+    reference = ddp.GPT(cfg)
+    reference.load_state_dict(saved["params"])
+    with torch.no_grad():
+        expected_logits = reference(ddp.synthetic_batch(cfg, 1, 5, 0)[0])
+    for world, stage in ((3, 1), (1, 0), (3, 3)):
+        for state, logits in rank_pool.run(world, load_then_gather, cfg, stage, saved):
+            assert state["step"] == saved["step"] == 2
+            for key in ("params", "exp_avg", "exp_avg_sq"):
+                assert state[key].keys() == saved[key].keys()
+                assert all(torch.equal(state[key][n], saved[key][n]) for n in saved[key]), (key, world)
+            torch.testing.assert_close(logits, expected_logits, atol=1e-6, rtol=0)
+
+
 # --- mixed precision ---------------------------------------------------------------------------
 
 def relative_error(ours: dict, reference: dict) -> float:
