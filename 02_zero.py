@@ -1,0 +1,655 @@
+"""Lesson 02: ZeRO, stages 1, 2 and 3, from reduce-scatter and all-gather.
+
+THE IDEA
+Data parallelism (lesson 01) keeps N identical copies of everything: parameters, gradients and the
+optimizer state. But AdamW is elementwise: element i of the update needs element i of the parameter,
+gradient and moments only. So the N ranks can split the flattened model into N shards, each rank
+keeping the optimizer state of its own 1/N (Rajbhandari et al., "ZeRO", 2020):
+- stage 1 shards the optimizer state. After backward, a reduce-scatter (the first half of an
+  all-reduce) leaves each rank the averaged gradient of its shard only; it updates its shard; an
+  all-gather (the second half) gives every rank the whole updated model.
+- stage 2 also shards the gradients: each module's gradient is reduce-scattered from a backward hook
+  the moment it is complete (lesson 01's buckets, with reduce-scatter), and the full gradient is
+  freed as soon as it is sent. A rank keeps only its gradient shard.
+- stage 3 also shards the parameters: a module's full parameters exist only while it computes.
+  They are all-gathered just before its forward, freed after it, gathered again before its
+  backward and freed after it; meanwhile the next module's gather is already in flight (prefetch).
+Stage 0 is plain data parallelism (an all-reduce of the gradients), the baseline of the tables.
+
+UNEVEN SIZES. Each module's parameters are flattened into one vector padded with zeros to a
+multiple of N, so that rank r owns elements [r s, (r+1) s), s = padded / N. Padding has zero
+gradient, zero value and zero moments, so AdamW keeps it zero and it never changes the result.
+
+GRADIENT CLIPPING has to see the whole gradient: ||g||^2 is the sum over ranks of the squared norms
+of their shards (one scalar all-reduce). Clipping each shard by its own norm is the classic bug.
+
+MEMORY per rank, Psi parameters, with P, G bytes per parameter and gradient element and K bytes of
+optimizer state per parameter (mixed precision: bf16 P = G = 2, and fp32 master weights, momentum and
+variance K = 12; plain fp32: P = G = 4, K = 8 because the fp32 parameters are their own master):
+    stage 0: (P + G + K) Psi     stage 1: (P + G) Psi + K Psi / N
+    stage 2: P Psi + (G + K) Psi / N     stage 3: (P + G + K) Psi / N
+The paper's example, Psi = 7.5B, N = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.88 GB.
+COMMUNICATION per step per rank (ring): DDP's all-reduce moves 2 (N-1)/N G Psi. Stages 1 and 2 move
+a reduce-scatter plus an all-gather, (N-1)/N (G + P) Psi: the same. Stage 3 gathers the parameters
+twice (forward and backward): (N-1)/N (G + 2P) Psi = 1.5x DDP.
+
+RUN IT
+    python 02_zero.py                       # 4 local CPU ranks (one per GPU on a GPU node)
+    torchrun --nproc_per_node=4 02_zero.py
+    python 02_zero.py --bench               # ZeRO-3 against PyTorch's FSDP2 (fully_shard)
+Look at: the max |difference| from one device running AdamW with the same clipping (rounding only);
+the paper's table; the bytes each rank actually holds (live tensors' storages) beside the formula,
+stage by stage; the traffic per step beside 1x and 1.5x DDP; the gathers in flight in stage 3.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+ddp = importlib.import_module("01_ddp")
+
+STAGES = (0, 1, 2, 3)
+ADAM_MOMENT_BYTES = 8  # exp_avg and exp_avg_sq, fp32
+STEP_COUNTER_BYTES = 4  # torch's AdamW keeps `step` as one fp32 scalar tensor per parameter tensor
+
+# ----------------------------------------------------------------------------------------------
+# The cost models
+# ----------------------------------------------------------------------------------------------
+
+
+def zero_memory_per_rank(psi: int, n: int, stage: int, param_bytes: int = 2, grad_bytes: int = 2,
+                         optim_bytes: int = 12) -> dict[str, Fraction]:
+    """Bytes one of n ranks holds for psi parameters: (parameters, gradients, optimizer state)."""
+    validate_stage(stage)
+    return {"params": Fraction(param_bytes * psi, n if stage >= 3 else 1),
+            "grads": Fraction(grad_bytes * psi, n if stage >= 2 else 1),
+            "optimizer": Fraction(optim_bytes * psi, n if stage >= 1 else 1)}
+
+
+def zero_traffic_per_step(psi: int, n: int, stage: int, param_bytes: int,
+                          grad_bytes: int) -> dict[str, Fraction]:
+    """Ring traffic per rank per step, by collective (the scalar norm all-reduce aside)."""
+    validate_stage(stage)
+    ring = Fraction(n - 1, n)
+    if stage == 0:
+        return {"all_reduce": 2 * ring * grad_bytes * psi}
+    gathers = 2 if stage == 3 else 1  # stage 3 gathers before forward and again before backward
+    return {"reduce_scatter": ring * grad_bytes * psi, "all_gather": gathers * ring * param_bytes * psi}
+
+
+def validate_stage(stage: int) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r} must be one of {STAGES}")
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
+    """Bytes of the storages behind tensors, each once (views and aliases share a storage)."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()  # DTensor: its shard
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+# ----------------------------------------------------------------------------------------------
+# Flat, padded, sharded modules
+# ----------------------------------------------------------------------------------------------
+
+
+def zero_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules whose parameters are flattened together, in the order forward runs them. In
+    stage 3 each is gathered as one piece: gathering per block keeps one block's full weights alive."""
+    names = ["embed", *(f"layers.{i}" for i in model.layers), "norm", "lm_head"]
+    present = [name for name in names if getattr(model, name.split(".")[0]) is not None]
+    return [(name, model.get_submodule(name)) for name in present]
+
+
+class FlatUnit:
+    """One module's parameters as one flat vector padded to a multiple of N; rank r owns [r s, (r+1) s)."""
+
+    def __init__(self, prefix: str, module: nn.Module, world: int, rank: int, stage: int) -> None:
+        named = list(module.named_parameters())
+        self.names = [f"{prefix}.{name}" for name, _ in named]
+        self.params = [p for _, p in named]
+        self.shapes = [p.shape for p in self.params]
+        self.offsets = [0]
+        for p in self.params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.padded = math.ceil(self.offsets[-1] / world) * world
+        self.owned = slice(0, self.padded) if stage == 0 else slice(rank * self.padded // world,
+                                                                    (rank + 1) * self.padded // world)
+        self.flat_param: torch.Tensor | None = None   # stages 0-2: the full parameters, persistent
+        self.shard: torch.Tensor                      # this rank's parameters, compute dtype
+        self.master: nn.Parameter                     # this rank's fp32 parameters, updated by AdamW
+        self.flat_grad: torch.Tensor | None = None    # stages 0-1: the full gradients, persistent
+        self.grad_shard: torch.Tensor | None = None   # this rank's averaged gradient
+        self.gathered: torch.Tensor | None = None     # stage 3: full parameters while in use
+        self.gather_work = None
+        self.scatter: tuple | None = None             # stages 2-3: (work, send buffer) in flight
+        self.ready: set[int] = set()
+
+    def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        flat = torch.zeros(self.padded, dtype=dtype, device=tensors[0].device)
+        for i, t in enumerate(tensors):
+            flat[self.offsets[i]:self.offsets[i + 1]].copy_(t.flatten())
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[self.offsets[i]:self.offsets[i + 1]].view(shape) for i, shape in enumerate(self.shapes)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The ZeRO optimizer
+# ----------------------------------------------------------------------------------------------
+
+
+class ZeRO:
+    """Shards AdamW (stage 1), gradients (2) and parameters (3) of `model` over `group`.
+
+        zero = ZeRO(model, stage=3, max_grad_norm=1.0)
+        model(x, y).backward()         # stages 2-3: reduce-scatters launch from backward hooks
+        grad_norm = zero.step()        # sync, clip by the global norm, AdamW on the shard, gather
+        zero.zero_grad()
+    """
+
+    def __init__(self, model: nn.Module, stage: int, group=None, *, lr: float = 1e-3,
+                 adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
+                 mixed_precision: bool = False, prefetch: bool = True) -> None:
+        validate_stage(stage)  # every check before the first collective: no rank is left waiting
+        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            raise ValueError(f"ZeRO shards trainable parameters only; frozen: {frozen[:5]}")
+        if not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0")
+        self.world, rank = ddp.group_size(group), dist.get_rank(group)
+        ddp.claim_gradient_sync(model, f"ZeRO-{stage}")
+        self.model, self.stage, self.group, self.prefetch = model, stage, group, prefetch
+        self.max_grad_norm = max_grad_norm
+        self.dtype = torch.bfloat16 if mixed_precision else torch.float32
+        ddp.broadcast_parameters(model, group)
+        self.units = [FlatUnit(name, module, self.world, rank, stage) for name, module in zero_units(model)]
+        self.device = self.units[0].params[0].device
+        self.released = torch.empty(0, dtype=self.dtype, device=self.device)
+        for unit in self.units:
+            self._shard(unit)
+        # AdamW is elementwise: torch's own, run on the shards, is the unsharded update restricted
+        # to this rank's elements (lesson 01's settings: one place to change them).
+        self.optimizer = ddp.make_optimizer(nn.ParameterList(u.master for u in self.units), lr, adam_eps)
+        self.max_gathers_in_flight = self.prefetched_gathers = 0
+        if stage >= 2:
+            for unit in self.units:
+                for i, p in enumerate(unit.params):
+                    p.register_post_accumulate_grad_hook(
+                        lambda p, unit=unit, i=i: self._on_grad_ready(unit, i))
+        if stage == 3:
+            for index, (_, module) in enumerate(zero_units(model)):
+                module.register_forward_pre_hook(lambda m, args, i=index: self._gather(i, i + 1))
+                module.register_forward_hook(lambda m, args, out, i=index: self._after_forward(i, out))
+
+    def _shard(self, unit: FlatUnit) -> None:
+        full = unit.flatten([p.detach() for p in unit.params], torch.float32)
+        if self.stage < 3:
+            unit.flat_param = full.to(self.dtype, copy=True)
+            self._bind(unit, unit.flat_param)
+            unit.shard = unit.flat_param[unit.owned]
+        else:
+            unit.shard = full[unit.owned].to(self.dtype, copy=True)
+            self._release(unit)
+        # fp32: the parameters are their own master (an alias, no copy). Mixed precision: an fp32
+        # copy of the shard, taken from the fp32 initial values, never from their bf16 rounding.
+        unit.master = nn.Parameter(unit.shard if self.dtype == torch.float32 else full[unit.owned].clone())
+        if self.stage < 2:  # gradients accumulate in place into views of one flat buffer
+            unit.flat_grad = torch.zeros(unit.padded, dtype=self.dtype, device=self.device)
+            for p, view in zip(unit.params, unit.views(unit.flat_grad), strict=True):
+                p.grad = view
+        else:
+            unit.grad_shard = torch.zeros_like(unit.shard)
+
+    @staticmethod
+    def _bind(unit: FlatUnit, flat: torch.Tensor) -> None:
+        """Point the module's parameters at views of flat (autograd keeps the same leaf tensors)."""
+        for p, view in zip(unit.params, unit.views(flat), strict=True):
+            p.data = view
+
+    def _release(self, unit: FlatUnit) -> None:
+        for p in unit.params:
+            p.data = self.released
+        unit.gathered = None
+
+    # --- stage 3: parameters exist only around their module's forward and backward -------------
+
+    def _launch_gather(self, unit: FlatUnit) -> None:
+        if unit.gathered is None:
+            unit.gathered = torch.empty(unit.padded, dtype=self.dtype, device=self.device)
+            unit.gather_work = ddp.all_gather(unit.gathered, unit.shard, group=self.group, async_op=True)
+            works = [u.gather_work for u in self.units if u.gather_work is not None]
+            in_flight = sum(not work.is_completed() for work in works)
+            self.max_gathers_in_flight = max(self.max_gathers_in_flight, in_flight)
+
+    def _gather(self, index: int, next_index: int) -> None:
+        """Wait for unit index's parameters (prefetched, or gathered now); prefetch next_index's."""
+        unit = self.units[index]
+        self.prefetched_gathers += unit.gathered is not None
+        self._launch_gather(unit)
+        unit.gather_work.wait()
+        unit.gather_work = None
+        self._bind(unit, unit.gathered)
+        if self.prefetch and 0 <= next_index < len(self.units):
+            self._launch_gather(self.units[next_index])
+
+    def _after_forward(self, index: int, output: torch.Tensor) -> None:
+        self._release(self.units[index])
+        if output.requires_grad:  # backward reaches this module when output's gradient is ready
+            output.register_hook(lambda grad: self._gather(index, index - 1))
+
+    # --- stages 2-3: reduce-scatter each module's gradient as soon as backward completes it -------
+
+    def _on_grad_ready(self, unit: FlatUnit, i: int) -> None:
+        if unit.scatter is not None:
+            raise RuntimeError("a second backward before step(): ZeRO-2/3 here reduce-scatter every "
+                               "backward's gradients; call step() after each backward")
+        unit.ready.add(i)
+        if len(unit.ready) < len(unit.params):
+            return
+        send = unit.flatten([p.grad for p in unit.params], self.dtype)
+        for p in unit.params:
+            p.grad = None  # the full gradient is freed: only the send buffer lives until the wait
+        if self.stage == 3:
+            self._release(unit)  # every use of these parameters in backward is done
+        work = ddp.reduce_scatter(unit.grad_shard, send, group=self.group, async_op=True)
+        unit.scatter = (work, send)
+        unit.ready.clear()
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def finish_gradient_sync(self) -> None:
+        """Leave every unit's grad_shard holding the gradient of the global mean loss."""
+        for unit in self.units:
+            if self.stage == 0:
+                ddp.all_reduce(unit.flat_grad, group=self.group)
+                unit.grad_shard = unit.flat_grad
+            elif self.stage == 1:
+                unit.grad_shard = torch.empty_like(unit.shard)
+                ddp.reduce_scatter(unit.grad_shard, unit.flat_grad, group=self.group)
+            elif unit.scatter is None:
+                missing = [n for j, n in enumerate(unit.names) if j not in unit.ready]
+                raise RuntimeError(f"parameters got no gradient this step (unused parameters are "
+                                   f"not supported): {missing[:5]}")
+            else:
+                unit.scatter[0].wait()
+                unit.scatter = None
+            unit.grad_shard.div_(self.world)
+
+    @torch.no_grad()
+    def clip_and_update(self) -> torch.Tensor:
+        """Clip by the global gradient norm, AdamW on the shards, refresh the compute parameters.
+        Returns the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
+        for unit in self.units:
+            unit.master.grad = unit.grad_shard.float()  # fp32: the same tensor, no copy
+        squares = sum(u.master.grad.pow(2).sum() for u in self.units)
+        if self.stage > 0:  # each rank has its shard's share of the sum
+            ddp.all_reduce(squares, group=self.group)
+        norm = squares.sqrt()
+        scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s rule
+        for unit in self.units:
+            unit.master.grad.mul_(scale)
+        self.optimizer.step()
+        for unit in self.units:
+            unit.master.grad = None
+            if self.stage < 2:
+                unit.grad_shard = None  # stage 1's reduce-scatter output; stage 0's is flat_grad
+            self._refresh_compute_params(unit)
+        return norm
+
+    def _refresh_compute_params(self, unit: FlatUnit) -> None:
+        """After the master shard changed: its compute copy, and (stages 1-2) the full parameters."""
+        if unit.master.data_ptr() != unit.shard.data_ptr():
+            unit.shard.copy_(unit.master)  # mixed precision: round the fp32 master to bf16
+        if self.stage in (1, 2):  # in place of the old full parameters; stage 3 gathers later
+            ddp.all_gather(unit.flat_param, unit.shard.clone(), group=self.group)
+
+    def step(self) -> torch.Tensor:
+        self.finish_gradient_sync()
+        return self.clip_and_update()
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            if unit.flat_grad is not None:
+                unit.flat_grad.zero_()
+
+    # --- measurement and checkpoints ---------------------------------------------------------
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now, summed over live tensors' storages, each storage once (an
+        fp32 master that aliases the parameters counts as parameters)."""
+        seen: set[int] = set()
+        params = [*self.model.parameters(), *(t for u in self.units for t in (u.flat_param, u.shard))]
+        grads = [*(p.grad for p in self.model.parameters()),
+                 *(t for u in self.units for t in (u.flat_grad, u.grad_shard))]
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        return {"params": storage_bytes(params, seen), "grads": storage_bytes(grads, seen),
+                "optimizer": storage_bytes([*(u.master for u in self.units), *state], seen)}
+
+    def memory_formula(self) -> dict[str, Fraction]:
+        """The paper's formula on the padded parameter count, plus AdamW's step counters."""
+        psi = sum(u.padded for u in self.units)
+        master = 0 if self.dtype == torch.float32 else 4
+        size = self.released.element_size()
+        formula = zero_memory_per_rank(psi, self.world, self.stage, size, size, master + ADAM_MOMENT_BYTES)
+        formula["optimizer"] += STEP_COUNTER_BYTES * len(self.units)
+        return formula
+
+    def _full(self, unit: FlatUnit, shard: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.stage == 0:
+            flat = shard
+        else:
+            flat = torch.empty(unit.padded, dtype=shard.dtype, device=shard.device)
+            ddp.all_gather(flat, shard.detach().contiguous(), group=self.group)
+        return ddp.cpu_copy(zip(unit.names, unit.views(flat), strict=True))
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """The averaged gradient of every parameter, reassembled from the shards (for tests)."""
+        return {n: g for unit in self.units for n, g in self._full(unit, unit.grad_shard).items()}
+
+    def full_state_dict(self) -> dict:
+        """Unsharded fp32 parameters and AdamW state by parameter name (gathered on every rank)."""
+        state: dict = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "step": 0}
+        for unit in self.units:
+            state["params"].update(self._full(unit, unit.master))
+            adam = self.optimizer.state.get(unit.master)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key].update(self._full(unit, adam[key] if adam else torch.zeros_like(unit.master)))
+            state["step"] = int(adam["step"]) if adam else 0
+        return state
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict) -> None:
+        """Cut a full_state_dict (from any stage and group size) into this rank's shards."""
+        for unit in self.units:
+            def shard_of(key: str) -> torch.Tensor:
+                full = unit.flatten([state[key][n].to(self.device) for n in unit.names], torch.float32)
+                return full[unit.owned]
+            unit.master.copy_(shard_of("params"))
+            self.optimizer.state[unit.master] = {
+                "step": torch.tensor(float(state["step"])),
+                "exp_avg": shard_of("exp_avg").clone(), "exp_avg_sq": shard_of("exp_avg_sq").clone()}
+            self._refresh_compute_params(unit)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: ZeRO on N ranks, and one device with the same clipping and rounding
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ZeroResult(ddp.TrainResult):
+    grad_norms: list[float] = field(default_factory=list)  # global norm before clipping, per step
+    state: dict = field(default_factory=dict)               # full params and AdamW state at the end
+    held: dict[str, int] = field(default_factory=dict)      # bytes held per rank after the last step
+    formula: dict[str, Fraction] = field(default_factory=dict)
+
+
+def train_reference(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: int, *,
+                    lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
+                    mixed_precision: bool = False, device: torch.device | str = "cpu",
+                    data_seed: int = 0) -> ZeroResult:
+    """One device, the whole batch, torch's clip_grad_norm_ and AdamW: what every stage must equal.
+    Mixed precision is the twin of ZeRO's: a bf16 model computes, AdamW updates fp32 master copies
+    (taken from the fp32 initial values), which are rounded back into the model after each step."""
+    model = ddp.GPT(cfg).to(device)
+    names = [name for name, _ in model.named_parameters()]
+    masters = [nn.Parameter(p.detach().clone()) if mixed_precision else p for p in model.parameters()]
+    model.to(torch.bfloat16 if mixed_precision else torch.float32)
+    optimizer = ddp.make_optimizer(nn.ParameterList(masters), lr, adam_eps)
+    result = ZeroResult([], {}, {})
+    for step in range(steps):
+        tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
+        loss = model(tokens.to(device), targets.to(device))
+        loss.backward()
+        result.losses.append(loss.item())
+        if step == 0:
+            result.first_grads = ddp.cpu_copy((n, p.grad) for n, p in model.named_parameters())
+        for master, p in zip(masters, model.parameters(), strict=True):
+            master.grad = p.grad.float()
+        result.grad_norms.append(torch.nn.utils.clip_grad_norm_(masters, max_grad_norm).item())
+        optimizer.step()
+        with torch.no_grad():
+            for master, p in zip(masters, model.parameters(), strict=True):
+                if master is not p:
+                    p.copy_(master)
+        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+    result.params = ddp.cpu_copy(zip(names, masters))
+    adam = [optimizer.state[m] for m in masters]
+    result.state = {"params": result.params, "step": int(adam[0]["step"]) if steps else 0,
+                    **{key: ddp.cpu_copy((n, s[key]) for n, s in zip(names, adam)) if steps else {}
+                       for key in ("exp_avg", "exp_avg_sq")}}
+    return result
+
+
+def merge_meters(meters: list["ddp.CommMeter"]) -> "ddp.CommMeter":
+    total = ddp.CommMeter()
+    for meter in meters:
+        for key, stats in meter.stats.items():
+            total.stats[key].calls += stats.calls
+            total.stats[key].payload_bytes += stats.payload_bytes
+            total.stats[key].traffic_bytes += stats.traffic_bytes
+    return total
+
+
+def train_zero(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: int, *, stage: int,
+               lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
+               mixed_precision: bool = False, prefetch: bool = True, resume_after: int | None = None,
+               group=None, device: torch.device | str = "cpu",
+               data_seed: int = 0) -> tuple[ZeroResult, "ddp.CommMeter"]:
+    """Train on this rank's slice of the global batches train_reference sees. resume_after=k: after
+    k steps, gather the full state, build a fresh model and ZeRO optimizer, load it and go on.
+    Returns the result and a meter of the training steps' communication (not of the test probes:
+    the reassembled step-0 gradients, the checkpoint)."""
+    world, rank = ddp.group_size(group), dist.get_rank(group)
+    validate_stage(stage)
+    if global_batch % world:
+        raise ValueError(f"global_batch={global_batch} is not divisible by the group size {world}")
+
+    def build() -> tuple[nn.Module, ZeRO]:
+        model = ddp.GPT(cfg).to(device)
+        return model, ZeRO(model, stage, group, lr=lr, adam_eps=adam_eps, max_grad_norm=max_grad_norm,
+                           mixed_precision=mixed_precision, prefetch=prefetch)
+
+    model, zero = build()
+    result, meters, local_losses = ZeroResult([], {}, {}), [], []
+    for step in range(steps):
+        if step == resume_after:
+            state = zero.full_state_dict()
+            model, zero = build()
+            zero.load_full_state_dict(state)
+        tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, rank, world, data_seed)
+        with ddp.comm_meter() as meter:
+            loss = model(tokens.to(device), targets.to(device))
+            loss.backward()
+            zero.finish_gradient_sync()
+        meters.append(meter)
+        if step == 0:
+            result.first_grads = zero.full_gradients()
+        with ddp.comm_meter() as meter:
+            result.grad_norms.append(zero.clip_and_update().item())
+        meters.append(meter)
+        local_losses.append(loss.detach())
+        if step == steps - 1:
+            result.held, result.formula = zero.held_bytes(), zero.memory_formula()
+        zero.zero_grad()
+    losses = torch.stack(local_losses).double()
+    ddp.all_reduce(losses, group=group)
+    result.losses = (losses / world).tolist()
+    result.state = zero.full_state_dict()
+    result.params = result.state["params"]
+    result.stats = dict(units=len(zero.units), padded_params=sum(u.padded for u in zero.units),
+                        max_gathers_in_flight=zero.max_gathers_in_flight,
+                        prefetched_gathers=zero.prefetched_gathers)
+    return result, merge_meters(meters)
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo and benchmark
+# ----------------------------------------------------------------------------------------------
+
+
+def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
+    label = {False: "fp32     ", True: "bf16+fp32"}
+    print(f"max |difference| from one device (AdamW + clip_grad_norm_), {steps} steps:\n"
+          f"  {'run':<18}{'loss':>9}{'grads':>9}{'params':>9}{'exp_avg':>9}{'exp_avg_sq':>11}")
+    for (mixed, stage), (result, _) in runs.items():
+        ref = references[mixed]
+        diffs = [max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True)),
+                 *(ddp.max_abs_diff(ours, theirs) for ours, theirs in (
+                     (result.first_grads, ref.first_grads), (result.params, ref.params),
+                     (result.state["exp_avg"], ref.state["exp_avg"]))),
+                 ddp.max_abs_diff(result.state["exp_avg_sq"], ref.state["exp_avg_sq"])]
+        print(f"  {label[mixed]} ZeRO-{stage}" + "".join(f"{d:>9.1e}" for d in diffs[:-1])
+              + f"{diffs[-1]:>11.1e}")
+    print("  (fp32: the same sums in another order. bf16: gradients rounded to 8 bits after sums in\n"
+          "   another order; Adam turns that into lr-sized moves of the few elements whose gradient is ~0)")
+
+    print("\nThe paper's table, GB per rank: Psi = 7.5B, N = 64, P = G = 2 (fp16), K = 12:")
+    for stage in STAGES:
+        mem = zero_memory_per_rank(7_500_000_000, 64, stage)
+        print(f"  ZeRO-{stage} {float(sum(mem.values())) / 1e9:7.2f} GB = "
+              + " + ".join(f"{float(v) / 1e9:.2f} {k}" for k, v in mem.items()))
+
+    psi = sum(t.numel() for t in references[False].params.values())
+    padded = runs[False, 0][0].stats["padded_params"]
+    print(f"\nThe tiny model on {world} ranks: {psi:,} parameters, padded module by module to {padded:,}.\n"
+          f"Bytes one rank holds after a step, live tensors' storages | formula on the padded count "
+          f"(+ {STEP_COUNTER_BYTES} B per module: AdamW's step):")
+    for (mixed, stage), (result, _) in runs.items():
+        cells = "  ".join(f"{k} {result.held[k]:>9,}|{int(result.formula[k]):<9,}" for k in result.held)
+        same = all(result.held[k] == result.formula[k] for k in result.held)
+        print(f"  {label[mixed]} ZeRO-{stage}  {cells} {'equal' if same else 'DIFFERENT'}")
+
+    ddp_bytes = Fraction(2 * (world - 1), world) * 4 * psi
+    print(f"\nTraffic per rank per step, fp32, ring (DDP: 2(N-1)/N x 4 B x Psi = {float(ddp_bytes):,.0f} B):")
+    for stage in STAGES:
+        meter, formula = runs[False, stage][1], zero_traffic_per_step(padded, world, stage, 4, 4)
+        measured = {op: meter.traffic(op) / steps for op in formula}
+        norm = meter.traffic("all_reduce") / steps - formula.get("all_reduce", 0)
+        ratio = float(sum(measured.values()) / ddp_bytes)
+        print(f"  ZeRO-{stage}  " + ", ".join(f"{op} {float(v):,.0f} B" for op, v in measured.items())
+              + f" {'=' if measured == formula else '!='} formula = {ratio:.3f} x DDP"
+              + (f"; + {float(norm):.0f} B all-reduced for the gradient norm" if stage else ""))
+    stats = runs[False, 3][0].stats
+    print(f"\nZeRO-3 gathers {stats['units']} modules one at a time: {stats['prefetched_gathers']} of "
+          f"{2 * stats['units'] * steps} gathers were prefetched (launched while the module before computed);"
+          f"\nup to {stats['max_gathers_in_flight']} in flight at once.")
+
+
+def demo(args: argparse.Namespace) -> None:
+    device = ddp.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Module sizes (8,250 embedding, 66 norm weights) not divisible by 4: the padding shows.
+    cfg = ddp.ModelConfig(vocab_size=125, dim=66, n_heads=3, ffn_dim=177)
+    shape = (cfg, args.steps, args.global_batch, args.seq_len)
+    kwargs = dict(max_grad_norm=args.max_grad_norm, device=device)
+    runs = {(mixed, stage): train_zero(*shape, stage=stage, mixed_precision=mixed, **kwargs)
+            for mixed in (False, True) for stage in STAGES}
+    if rank == 0:
+        references = {mixed: train_reference(*shape, mixed_precision=mixed, **kwargs)
+                      for mixed in (False, True)}
+        print(f"ZeRO on {world} ranks ({dist.get_backend()}, {device.type}); global batch "
+              f"{args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")
+        print_tables(runs, references, world, args.steps)
+    ddp.exit_distributed()
+
+
+def bench(args: argparse.Namespace) -> None:
+    """ZeRO-3 against FSDP2 fully_shard on the same modules, model, batch and clipping, in
+    interleaved rounds so that both see the same machine load."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # FSDP2's older home
+        from torch.distributed._composable.fsdp import fully_shard
+    device = ddp.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = ddp.ModelConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=8, ffn_dim=688)
+    tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, 4 * world, 128, 0, rank, world))
+    ours_model, torch_model = ddp.GPT(cfg).to(device), ddp.GPT(cfg).to(device)
+    zero = ZeRO(ours_model, 3, max_grad_norm=1.0)
+    for _, module in [*zero_units(torch_model), ("", torch_model)]:
+        fully_shard(module)
+    torch_opt = ddp.make_optimizer(torch_model, 1e-3)
+
+    def ours_step() -> None:
+        ours_model(tokens, targets).backward()
+        zero.step()
+
+    def torch_step() -> None:
+        torch_opt.zero_grad(set_to_none=True)  # first: the bytes below are counted with gradients
+        torch_model(tokens, targets).backward()
+        torch.nn.utils.clip_grad_norm_(torch_model.parameters(), 1.0)
+        torch_opt.step()
+
+    times = {"ZeRO-3": [], "FSDP2": []}
+    for round_ in range(args.bench_rounds):
+        for name, fn in (("ZeRO-3", ours_step), ("FSDP2", torch_step)):
+            t = ddp.timed_steps(fn, args.bench_steps, device)
+            if round_ > 0:  # the first round is warm-up
+                times[name] += t
+    seen: set[int] = set()  # after a step, as ours: sharded parameters, gradients, AdamW state
+    theirs = sum(storage_bytes(tensors, seen) for tensors in (
+        torch_model.parameters(), (p.grad for p in torch_model.parameters()),
+        (t for s in torch_opt.state.values() for t in s.values() if torch.is_tensor(t))))
+    ours = sum(zero.held_bytes().values())
+    if rank == 0:
+        n_params = sum(p.numel() for p in ddp.GPT(cfg).parameters())
+        med = {name: statistics.median(t) for name, t in times.items()}
+        print(f"ZeRO-3 vs FSDP2 fully_shard on {world} ranks ({dist.get_backend()}, {device.type}), "
+              f"{n_params / 1e6:.1f}M parameters, fp32, clipping, median of {len(times['FSDP2'])} steps:")
+        for name, t in med.items():
+            print(f"  {name:<8} {t * 1e3:8.1f} ms per step")
+        print(f"  step time ratio ZeRO-3 / FSDP2 = {med['ZeRO-3'] / med['FSDP2']:.3f}\n"
+              f"  bytes held per rank after a step: ZeRO-3 {ours:,}, FSDP2 {theirs:,}, "
+              f"ratio {ours / theirs:.3f}")
+    ddp.exit_distributed()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(),
+                        help="ranks when not under torchrun")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--bench", action="store_true", help="ZeRO-3 against FSDP2 fully_shard")
+    parser.add_argument("--bench-steps", type=int, default=5)
+    parser.add_argument("--bench-rounds", type=int, default=3)
+    args = parser.parse_args()
+    for name in ("nproc", "steps", "global_batch", "seq_len", "bench_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.bench_rounds < 2:
+        parser.error("--bench-rounds must be >= 2 (the first round is warm-up)")
+    if not args.max_grad_norm > 0:
+        parser.error("--max-grad-norm must be > 0")
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    if not args.bench and args.global_batch % world:
+        parser.error(f"global_batch={args.global_batch} is not divisible by the group size {world}")
+    ddp.launch(bench if args.bench else demo, args, nproc=args.nproc)
+
+
+if __name__ == "__main__":
+    main()
