@@ -427,7 +427,7 @@ def train_moe(cfg, moe_cfg: MoEConfig, steps: int, global_batch: int, seq_len: i
 # Demo and benchmark
 # ----------------------------------------------------------------------------------------------
 
-BALANCING = {"aux loss": dict(aux_loss_coef=0.01, bias_update_rate=0.0),
+BALANCING = {"aux loss": dict(aux_loss_coef=0.1, bias_update_rate=0.0),
              "selection bias": dict(aux_loss_coef=0.0, bias_update_rate=0.01),
              "neither": dict(aux_loss_coef=0.0, bias_update_rate=0.0)}
 
@@ -435,6 +435,10 @@ BALANCING = {"aux loss": dict(aux_loss_coef=0.01, bias_update_rate=0.0),
 def imbalance(load: list[int]) -> float:
     """max / mean tokens per expert: 1 is perfect balance, E means one expert took everything."""
     return max(load) / max(statistics.mean(load), 1e-9)
+
+
+def window_load(result: MoETrainResult, steps: range, layer: int) -> list[int]:
+    return [sum(col) for col in zip(*(result.load[s][layer] for s in steps))]
 
 
 def demo(args: argparse.Namespace) -> None:
@@ -448,43 +452,47 @@ def demo(args: argparse.Namespace) -> None:
         train = dict(cfg=cfg, moe_cfg=moe_cfg, steps=args.steps, global_batch=args.global_batch,
                      seq_len=args.seq_len, lr=args.lr, device=device)
         parallel, meter = train_moe(**train, expert_parallel=True)
-        runs[name] = (parallel, meter, train_moe(**train)[0] if rank == 0 else None)
+        runs[name] = (moe_cfg, parallel, meter, train_moe(**train)[0] if rank == 0 else None)
     if rank == 0:
-        assignments = args.global_batch * args.seq_len * args.top_k
         print(f"Expert parallelism over {world} ranks ({dist.get_backend()}, {device.type}): "
               f"{args.experts} experts ({args.experts // world} per rank), top-{args.top_k}, "
               f"capacity factor {capacity or 'none (dropless)'}; {cfg.n_layers} MoE layers, "
               f"{args.global_batch} x {args.seq_len} tokens per step, {args.steps} AdamW steps.\n")
-        print(f"{'balancing':<16}{'loss: first':>12}{'last':>9}{'max |EP - one device|: loss':>30}"
+        print(f"{'balancing':<16}{'cross-entropy: first':>21}{'last':>7}{'max |EP - one device|: loss':>30}"
               f"{'step-0 grads':>14}{'params':>10}")
-        for name, (parallel, _, single) in runs.items():
-            print(f"{name:<16}{parallel.losses[0]:>12.4f}{parallel.losses[-1]:>9.4f}"
+        for name, (moe_cfg, parallel, _, single) in runs.items():
+            entropy = [loss - moe_cfg.aux_loss_coef * sum(aux) for loss, aux in zip(parallel.losses, parallel.aux)]
+            print(f"{name:<16}{entropy[0]:>21.4f}{entropy[-1]:>7.4f}"
                   f"{max(abs(a - b) for a, b in zip(parallel.losses, single.losses)):>30.2e}"
                   f"{ddp.max_abs_diff(parallel.first_grads, single.first_grads):>14.2e}"
                   f"{ddp.max_abs_diff(parallel.params, single.params):>10.2e}")
-        last = max(1, args.steps // 5)
-        print(f"\nLoad of the {assignments} assignments per layer and step: tokens per expert (layer 0, "
-              f"last step); imbalance max/mean and dropped, mean over the last {last} steps and the "
-              f"layers; aux loss (mean over layers) first -> last step.")
-        for name, (parallel, _, single) in runs.items():
-            recent = [layer for step in parallel.load[-last:] for layer in step]
-            dropped = statistics.mean(d for step in parallel.dropped[-last:] for d in step)
+        width = max(1, args.steps // 5)
+        first, last = range(width), range(args.steps - width, args.steps)
+        print(f"\nLoad over the first and the last {width} steps: imbalance (max/mean tokens per expert, "
+              f"layer 0 and 1), tokens per expert of layer 0 over the last steps, dropped assignments "
+              f"per step (of {args.global_batch * args.seq_len * args.top_k} per layer), aux loss:")
+        for name, (_, parallel, _, single) in runs.items():
+            layers = range(len(parallel.load[0]))
+            before, after = ([f"{imbalance(window_load(parallel, w, i)):.2f}" for i in layers]
+                             for w in (first, last))
+            dropped = [statistics.mean(sum(parallel.dropped[s]) / len(layers) for s in w) for w in (first, last)]
             same = parallel.load == single.load and parallel.dropped == single.dropped
-            print(f"  {name:<16}{str(parallel.load[-1][0]):<36} imbalance "
-                  f"{statistics.mean(map(imbalance, recent)):5.2f}   dropped {dropped:6.1f}   aux "
-                  f"{statistics.mean(parallel.aux[0]):.3f} -> {statistics.mean(parallel.aux[-1]):.3f}"
+            print(f"  {name:<15} imbalance {'/'.join(before)} -> {'/'.join(after)}   "
+                  f"{window_load(parallel, last, 0)}   dropped {dropped[0]:.1f} -> {dropped[1]:.1f}"
+                  f"   aux {statistics.mean(parallel.aux[0]):.3f} -> {statistics.mean(parallel.aux[-1]):.3f}"
                   f"   {'same' if same else 'NOT the same'} loads and drops as one device")
         tokens_rank = args.global_batch // world * args.seq_len
         uniform = 4 * cfg.n_layers * tokens_rank * args.top_k * (world - 1) // world * cfg.dim * 4
         print(f"\nall-to-all bytes leaving rank 0 per step (dispatch + combine, forward + backward, "
               f"{cfg.n_layers} layers): measured / formula from the exchanged counts:")
-        for name, (parallel, meter, _) in runs.items():
+        for name, (_, parallel, meter, _) in runs.items():
             print(f"  {name:<16}{float(meter.traffic('all_to_all')) / args.steps:>12,.0f} B"
                   f"{parallel.formula_traffic / args.steps:>12,.0f} B")
         print(f"  uniform routing, no drops: 4 x layers x T_rank k (ep-1)/ep x D x 4 B = {uniform:,} B;"
               f" counts all-gather: {float(meter.traffic('all_gather')) / args.steps:,.0f} B per step")
-        print("Notice: EP computes the one-device model (same drops, same loads); without balancing "
-              "the load drifts apart, the aux loss and the selection bias pull it back.")
+        print("Notice: EP computes the one-device model (same drops, same loads). Without balancing "
+              "the load drifts apart; the selection bias evens it without touching the loss, the aux "
+              "loss through the gradient.")
     ddp.exit_distributed()
 
 
@@ -545,10 +553,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--nproc", type=int, default=ddp.default_nproc(), help="ranks when not under torchrun")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--expert-ffn-dim", type=int, default=64)
