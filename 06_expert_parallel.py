@@ -63,7 +63,6 @@ import math
 import os
 import statistics
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 import torch
 import torch.distributed as dist
