@@ -146,8 +146,8 @@ def kept_per_source(counts: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
 
 @dataclass
 class DispatchPlan:
-    kept_slots: torch.Tensor     # indices into the T x k assignments, kept ones only, by expert
-    n_slots: int                 # T x k
+    kept_slots: torch.Tensor     # indices into the T x k assignments: the kept ones, by expert
+    top_k: int
     send_splits: list[int]       # rows to each rank of the group
     recv_splits: list[int]       # rows from each rank
     by_expert: torch.Tensor      # received rows -> (local expert, source) order
@@ -160,30 +160,31 @@ def plan_dispatch(experts: torch.Tensor, kept: torch.Tensor, rank: int,
     """experts (T, k) of this rank; kept (ep, E) from kept_per_source. Nothing is communicated."""
     ep, n_experts = kept.shape
     local = n_experts // ep
-    flat = experts.flatten()
-    order = torch.argsort(flat, stable=True)  # by expert, then by token: the queue order
-    starts = torch.bincount(flat, minlength=n_experts).cumsum(0) - torch.bincount(flat, minlength=n_experts)
-    position = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-    kept_slots = order[position < kept[rank][flat[order]]]
+    flat = experts.flatten()  # token-major: the queue order within an expert is the token order
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts)
+    position = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[flat[order]]
+    kept_slots = order[position < kept[rank][flat[order]]]  # this rank's first kept[rank, e] of e
+    # The owner receives, from each source in turn, that source's rows for its experts in order.
     from_sources = kept[:, rank * local:(rank + 1) * local]  # (ep sources, local experts)
     expert_of_row = torch.repeat_interleave(torch.arange(local, device=kept.device).repeat(ep),
                                             from_sources.flatten())
-    return DispatchPlan(kept_slots, flat.numel(), kept[rank].view(ep, local).sum(1).tolist(),
+    return DispatchPlan(kept_slots, experts.shape[1], kept[rank].view(ep, local).sum(1).tolist(),
                         from_sources.sum(1).tolist(), torch.argsort(expert_of_row, stable=True),
                         from_sources.sum(0).tolist(), group)
 
 
-def dispatch(x: torch.Tensor, plan: DispatchPlan, top_k: int) -> torch.Tensor:
+def dispatch(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """x (T, D) -> the rows this rank's experts must process, grouped by local expert."""
-    rows = exchange(x[plan.kept_slots // top_k], plan.recv_splits, plan.send_splits, plan.group)
+    rows = exchange(x[plan.kept_slots // plan.top_k], plan.recv_splits, plan.send_splits, plan.group)
     return rows[plan.by_expert]
 
 
-def combine(y: torch.Tensor, plan: DispatchPlan, top_k: int) -> torch.Tensor:
+def combine(y: torch.Tensor, plan: DispatchPlan, n_tokens: int) -> torch.Tensor:
     """The experts' outputs (grouped as dispatch left them) -> (T, k, D), zero for dropped slots."""
     back = exchange(y[torch.argsort(plan.by_expert)], plan.send_splits, plan.recv_splits, plan.group)
-    slots = y.new_zeros(plan.n_slots, y.shape[-1]).index_copy(0, plan.kept_slots, back)
-    return slots.view(-1, top_k, y.shape[-1])
+    slots = y.new_zeros(n_tokens * plan.top_k, y.shape[-1]).index_copy(0, plan.kept_slots, back)
+    return slots.view(n_tokens, plan.top_k, y.shape[-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,8 +248,8 @@ class MoE(nn.Module):
         counts = self.gather_counts(routing.experts)
         kept = kept_per_source(counts, self.cfg)
         plan = plan_dispatch(routing.experts, kept, self.rank, self.group)
-        y = self.run_experts(dispatch(flat, plan, self.cfg.top_k), plan.rows_per_expert)
-        slots = combine(y, plan, self.cfg.top_k)
+        y = self.run_experts(dispatch(flat, plan), plan.rows_per_expert)
+        slots = combine(y, plan, flat.shape[0])
         out = (slots * routing.weights.unsqueeze(-1).to(slots.dtype)).sum(1)
         self.record(routing.probs, counts, kept)
         return out.view_as(x)
@@ -486,9 +487,9 @@ def demo(args: argparse.Namespace) -> None:
               f"{cfg.n_layers} layers): measured / formula from the exchanged counts:")
         for name, (_, parallel, meter, _) in runs.items():
             print(f"  {name:<16}{float(meter.traffic('all_to_all')) / args.steps:>12,.0f} B"
-                  f"{parallel.formula_traffic / args.steps:>12,.0f} B")
-        print(f"  uniform routing, no drops: 4 x layers x T_rank k (ep-1)/ep x D x 4 B = {uniform:,} B;"
-              f" counts all-gather: {float(meter.traffic('all_gather')) / args.steps:,.0f} B per step")
+                  f"{parallel.formula_traffic / args.steps:>12,.0f} B   (+ counts all-gather "
+                  f"{float(meter.traffic('all_gather')) / args.steps:,.0f} B)")
+        print(f"  uniform routing, no drops: 4 x layers x T_rank k (ep-1)/ep x D x 4 B = {uniform:,} B")
         print("Notice: EP computes the one-device model (same drops, same loads). Without balancing "
               "the load drifts apart; the selection bias evens it without touching the loss, the aux "
               "loss through the gradient.")
