@@ -377,9 +377,10 @@ class MoETrainResult(ddp.TrainResult):
     formula_traffic: int = 0                                   # all-to-all bytes, by the formula
 
 
-def train_moe(cfg, moe_cfg: MoEConfig, steps: int, global_batch: int, seq_len: int, *,
-              expert_parallel: bool = False, group=None, lr: float = 1e-3, adam_eps: float = 1e-8,
-              device: torch.device | str = "cpu", data_seed: int = 0):
+def train_moe(cfg: "ddp.ModelConfig", moe_cfg: MoEConfig, steps: int, global_batch: int,
+              seq_len: int, *, expert_parallel: bool = False, group=None, lr: float = 1e-3,
+              adam_eps: float = 1e-8, device: torch.device | str = "cpu",
+              data_seed: int = 0) -> tuple[MoETrainResult, "ddp.CommMeter"]:
     """One device on the whole batch, or (expert_parallel) this rank's rows of it with the experts
     sharded over `group`. Returns the result (gradients and parameters reassembled) and a meter of
     the training loop's communication."""
