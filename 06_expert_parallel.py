@@ -462,7 +462,8 @@ def demo(args: argparse.Namespace) -> None:
         print(f"{'balancing':<16}{'cross-entropy: first':>21}{'last':>7}{'max |EP - one device|: loss':>30}"
               f"{'step-0 grads':>14}{'params':>10}")
         for name, (moe_cfg, parallel, _, single) in runs.items():
-            entropy = [loss - moe_cfg.aux_loss_coef * sum(aux) for loss, aux in zip(parallel.losses, parallel.aux)]
+            entropy = [loss - moe_cfg.aux_loss_coef * sum(aux)
+                       for loss, aux in zip(parallel.losses, parallel.aux)]
             print(f"{name:<16}{entropy[0]:>21.4f}{entropy[-1]:>7.4f}"
                   f"{max(abs(a - b) for a, b in zip(parallel.losses, single.losses)):>30.2e}"
                   f"{ddp.max_abs_diff(parallel.first_grads, single.first_grads):>14.2e}"
@@ -476,7 +477,8 @@ def demo(args: argparse.Namespace) -> None:
             layers = range(len(parallel.load[0]))
             before, after = ([f"{imbalance(window_load(parallel, w, i)):.2f}" for i in layers]
                              for w in (first, last))
-            dropped = [statistics.mean(sum(parallel.dropped[s]) / len(layers) for s in w) for w in (first, last)]
+            dropped = [statistics.mean(sum(parallel.dropped[s]) / len(layers) for s in w)
+                       for w in (first, last)]
             same = parallel.load == single.load and parallel.dropped == single.dropped
             print(f"  {name:<15} imbalance {'/'.join(before)} -> {'/'.join(after)}   "
                   f"{window_load(parallel, last, 0)}   dropped {dropped[0]:.1f} -> {dropped[1]:.1f}"
@@ -544,7 +546,8 @@ def bench(args: argparse.Namespace) -> None:
         for name in dispatchers:
             print(f"  {name:<11} bytes leaving rank 0 {float(traffic[name]):>14,.0f}   "
                   f"time {med[name] * 1e3:8.2f} ms")
-        print(f"  ratio all-to-all / all-gather: bytes {float(traffic['all-to-all'] / traffic['all-gather']):.3f}"
+        bytes_ratio = float(traffic["all-to-all"] / traffic["all-gather"])
+        print(f"  ratio all-to-all / all-gather: bytes {bytes_ratio:.3f}"
               f" (k/ep = {args.top_k / world:.3f} plus the counts), time "
               f"{med['all-to-all'] / med['all-gather']:.3f}")
     ddp.exit_distributed()
@@ -553,7 +556,8 @@ def bench(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(), help="ranks when not under torchrun")
+    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(),
+                        help="ranks when not under torchrun")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=32)
