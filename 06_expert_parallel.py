@@ -332,6 +332,8 @@ def sync_gradients(model: nn.Module, group=None) -> None:
     ep = ddp.group_size(group)
     experts = {p for layer in moe_layers(model) for p in layer.expert_parameters()}
     for name, param in model.named_parameters():
+        if not param.requires_grad:  # frozen on every rank alike: nothing to sync
+            continue
         if param.grad is None:  # skipping it would pair different tensors across ranks
             raise RuntimeError(f"{name} got no gradient")
         if param not in experts:
@@ -341,11 +343,14 @@ def sync_gradients(model: nn.Module, group=None) -> None:
 
 def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """CPU copies of name -> tensor (parameters or gradients), expert shards all-gathered over
-    their group into whole tensors: named and shaped like the single-device model's."""
+    their group into whole tensors: named and shaped like the single-device model's. Every rank
+    must pass the same names."""
     sharded = {id(p): layer for layer in moe_layers(model) if layer.group is not None
                for p in layer.expert_parameters()}
     out = {}
     for name, param in model.named_parameters():
+        if name not in tensors:  # e.g. the gradient of a frozen parameter
+            continue
         t = tensors[name].detach()
         if (layer := sharded.get(id(param))) is not None:
             whole = t.new_empty((layer.ep * t.shape[0], *t.shape[1:]))

@@ -288,6 +288,33 @@ def test_moe_gpt_under_expert_parallel_equals_one_device(rank_pool, ep, data, n_
         assert meter.traffic("all_to_all") == Fraction(result.formula_traffic)
 
 
+def step_with_frozen_router_and_embedding(cfg, moe_cfg):
+    model = moe.apply_expert_parallel(moe.convert_to_moe(ddp.GPT(cfg), moe_cfg))
+    frozen = [model.embed.weight, *(layer.router.weight for layer in moe.moe_layers(model))]
+    for param in frozen:
+        param.requires_grad_(False)
+    tokens, targets = ddp.synthetic_batch(cfg, 4, 5, 0, dist.get_rank(), dist.get_world_size())
+    model(tokens, targets).backward()
+    moe.sync_gradients(model)
+    return [p.grad is None for p in frozen], moe.gather_full(
+        model, {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+
+
+def test_frozen_parameters_are_skipped_and_the_rest_still_matches(rank_pool):
+    cfg = ddp.ModelConfig(vocab_size=32, dim=8, n_heads=2, ffn_dim=8, seed=3)
+    moe_cfg = moe.MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=8, capacity_factor=1.0)
+    reference = moe.convert_to_moe(ddp.GPT(cfg), moe_cfg)
+    frozen = [reference.embed.weight, *(layer.router.weight for layer in moe.moe_layers(reference))]
+    for param in frozen:
+        param.requires_grad_(False)
+    reference(*ddp.synthetic_batch(cfg, 4, 5, 0)).backward()
+    for no_grad, grads in rank_pool.run(2, step_with_frozen_router_and_embedding, cfg, moe_cfg):
+        assert all(no_grad)
+        for name, param in reference.named_parameters():
+            if param.requires_grad:
+                torch.testing.assert_close(grads[name], param.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+
+
 # --- bad input --------------------------------------------------------------------------------
 
 def shard_twice(cfg):
