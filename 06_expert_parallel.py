@@ -8,11 +8,13 @@ mixes their outputs with the chosen probabilities renormalised to sum to 1. (Wit
 make every weight 1 and cut the router off from the loss, so k = 1 keeps the raw p, as Switch does.)
 
 BALANCE
-Left alone, a router collapses onto a few experts. Two remedies, both here:
+Left alone, the load drifts apart (in large models a router can collapse onto a few experts), and
+an overloaded expert drops tokens or, dropless, makes its rank the straggler. Two remedies:
 - the Switch/GShard auxiliary loss  aux = E x sum_i f_i P_i,  f_i = the fraction of assignments
   that went to expert i (counted, no gradient), P_i = the mean router probability of expert i
-  (differentiable). It is 1 when the load is uniform and grows as the router concentrates; the
-  model's loss adds aux_loss_coef x aux for every MoE layer.
+  (differentiable). It is 1 when f or P is uniform and grows when both concentrate on the same
+  experts; its gradient lowers P_i in proportion to f_i. The model's loss adds aux_loss_coef x aux
+  for every MoE layer.
 - auxiliary-loss-free balancing (DeepSeek-V3): a per-expert selection bias b is added to p only to
   CHOOSE the top-k, never to weight the outputs; after each step b_i += rate x sign(mean load -
   load_i), so under-loaded experts become easier to pick. The gradient never sees it.
