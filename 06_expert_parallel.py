@@ -1,0 +1,602 @@
+"""Lesson 06: mixture of experts (MoE), and expert parallelism over all-to-all.
+
+THE IDEA
+An MoE layer replaces the MLP of a block by E small MLPs ("experts") and a router. Each token goes
+to only k of them, so parameters grow E-fold while compute per token grows k-fold. The router is a
+linear map to E logits, softmax -> probabilities p (T, E); each token picks its top-k experts and
+mixes their outputs with the chosen probabilities renormalised to sum to 1. (With k = 1 that would
+make every weight 1 and cut the router off from the loss, so k = 1 keeps the raw p, as Switch does.)
+
+BALANCE
+Left alone, the load drifts apart (in large models a router can collapse onto a few experts), and
+an overloaded expert drops tokens or, dropless, makes its rank the straggler. Two remedies:
+- the Switch/GShard auxiliary loss  aux = E x sum_i f_i P_i,  f_i = the fraction of assignments
+  that went to expert i (counted, no gradient), P_i = the mean router probability of expert i
+  (differentiable). It is 1 when f or P is uniform and grows when both concentrate on the same
+  experts; its gradient lowers P_i in proportion to f_i. The model's loss adds aux_loss_coef x aux
+  for every MoE layer.
+- auxiliary-loss-free balancing (DeepSeek-V3): a per-expert selection bias b is added to p only to
+  CHOOSE the top-k, never to weight the outputs; after each step b_i += rate x sign(mean load -
+  load_i), so under-loaded experts become easier to pick. The gradient never sees it.
+
+CAPACITY
+With a capacity factor c, expert i takes at most C = ceil(c x T x k / E) of the T x k assignments
+of the step, T counting every token of the expert-parallel group (not of one rank). Assignments
+queue in global token order (rank 0's tokens first, as rows of the global batch); the ones past C
+are dropped: that slot contributes 0, and the token still flows on through the block's residual.
+Because the queue is global and ordered like the single-device batch, expert parallelism drops
+exactly the tokens one device would. capacity_factor=None is dropless.
+
+EXPERT PARALLELISM
+The ep ranks of a group each hold E/ep experts and their own slice of the batch (the group doubles
+as a data-parallel group: ep borrows ranks from dp x cp). A forward is
+  1. route locally; count the assignments per expert; all-gather the (ep, E) count matrix (every
+     rank then knows its queue positions for the capacity, what it will receive from whom, and the
+     global load, with no further collective; Megatron's dispatcher gathers counts the same way);
+  2. sort the kept assignments by expert (= by owner rank), all-to-all the token rows with uneven
+     splits; the owner regroups what it received by expert and runs its experts;
+  3. all-to-all the results back (the reverse splits), put them back in assignment order, and mix.
+Both exchanges are autograd functions whose backward is the reverse all-to-all.
+Gradients: non-expert weights are replicated, so their gradients are all-reduced and divided by ep
+(data parallelism). An expert's gradient already arrives summed over the ep ranks' tokens through
+the backward all-to-all, so it is only divided by ep. All-reducing it as well, or forgetting the
+division, is the "gradients doubled at EP=2" bug; the tests compare every gradient with one device.
+
+COST (per MoE layer, per rank, element size s, model dim D)
+dispatch all-to-all: (assignments this rank sends to other ranks' experts) x D x s; the combine
+sends back what it received. With uniform routing and no drops that is T_rank x k x (ep-1)/ep x D
+x s each way, and as much again in backward. An all-gather dispatcher (every rank gathers all
+tokens, keeps its experts' share, reduce-scatters the results) moves (ep-1) x T_rank x D x s each
+way: ep / k times more.
+
+RUN IT
+    python 06_expert_parallel.py                       # 4 local CPU ranks
+    torchrun --nproc_per_node=4 06_expert_parallel.py
+    python 06_expert_parallel.py --bench               # all-to-all vs all-gather dispatcher
+Look at: max |difference| from one device (rounding only); tokens per expert and the imbalance
+max/mean under the aux loss, the selection bias and neither; dropped tokens; all-to-all bytes
+beside the formula.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+ddp = importlib.import_module("01_ddp")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    n_experts: int = 8
+    top_k: int = 2
+    expert_ffn_dim: int = 64
+    capacity_factor: float | None = None  # None: dropless
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 0.0  # auxiliary-loss-free balancing; 0 turns it off
+
+    def __post_init__(self) -> None:
+        if self.n_experts < 1 or self.expert_ffn_dim < 1:
+            raise ValueError(f"n_experts={self.n_experts} and expert_ffn_dim={self.expert_ffn_dim} "
+                             f"must be >= 1")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be positive "
+                             f"(or None for dropless)")
+        if self.aux_loss_coef < 0 or self.bias_update_rate < 0:
+            raise ValueError(f"aux_loss_coef={self.aux_loss_coef} and bias_update_rate="
+                             f"{self.bias_update_rate} must be >= 0")
+
+
+# ----------------------------------------------------------------------------------------------
+# The exchange: an all-to-all that autograd can run backwards
+# ----------------------------------------------------------------------------------------------
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows input_splits[j] go to rank j; backward sends the gradient rows back where they came from."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        ddp.all_to_all(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        grad_in = grad.new_empty((sum(input_splits), *grad.shape[1:]))
+        ddp.all_to_all(grad_in, grad.contiguous(), input_splits, output_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    return x if group is None else AllToAll.apply(x, output_splits, input_splits, group)
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing, capacity and the dispatch plan
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Routing:
+    experts: torch.Tensor  # (T, k) chosen experts
+    weights: torch.Tensor  # (T, k) mixing weights (differentiable)
+    probs: torch.Tensor    # (T, E) router probabilities (differentiable)
+
+
+def kept_per_source(counts: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """counts (ep, E): assignments of each source rank to each expert -> how many of them are kept.
+    The queue of expert i is rank 0's assignments, then rank 1's, ...; the first C are kept."""
+    if cfg.capacity_factor is None:
+        return counts
+    capacity = math.ceil(cfg.capacity_factor * int(counts.sum()) / cfg.n_experts)  # T k = sum
+    queued_before = counts.cumsum(0) - counts
+    return torch.minimum(counts, (capacity - queued_before).clamp(min=0))
+
+
+@dataclass
+class DispatchPlan:
+    kept_slots: torch.Tensor     # indices into the T x k assignments: the kept ones, by expert
+    top_k: int
+    send_splits: list[int]       # rows to each rank of the group
+    recv_splits: list[int]       # rows from each rank
+    by_expert: torch.Tensor      # received rows -> (local expert, source) order
+    rows_per_expert: list[int]   # rows of each local expert, in that order
+    group: dist.ProcessGroup | None
+
+
+def plan_dispatch(experts: torch.Tensor, kept: torch.Tensor, rank: int,
+                  group: dist.ProcessGroup | None) -> DispatchPlan:
+    """experts (T, k) of this rank; kept (ep, E) from kept_per_source. Nothing is communicated."""
+    ep, n_experts = kept.shape
+    local = n_experts // ep
+    flat = experts.flatten()  # token-major: the queue order within an expert is the token order
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts)
+    position = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[flat[order]]
+    kept_slots = order[position < kept[rank][flat[order]]]  # this rank's first kept[rank, e] of e
+    # The owner receives, from each source in turn, that source's rows for its experts in order.
+    from_sources = kept[:, rank * local:(rank + 1) * local]  # (ep sources, local experts)
+    expert_of_row = torch.repeat_interleave(torch.arange(local, device=kept.device).repeat(ep),
+                                            from_sources.flatten())
+    return DispatchPlan(kept_slots, experts.shape[1], kept[rank].view(ep, local).sum(1).tolist(),
+                        from_sources.sum(1).tolist(), torch.argsort(expert_of_row, stable=True),
+                        from_sources.sum(0).tolist(), group)
+
+
+def dispatch(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """x (T, D) -> the rows this rank's experts must process, grouped by local expert."""
+    rows = exchange(x[plan.kept_slots // plan.top_k], plan.recv_splits, plan.send_splits, plan.group)
+    return rows[plan.by_expert]
+
+
+def combine(y: torch.Tensor, plan: DispatchPlan, n_tokens: int) -> torch.Tensor:
+    """The experts' outputs (grouped as dispatch left them) -> (T, k, D), zero for dropped slots."""
+    back = exchange(y[torch.argsort(plan.by_expert)], plan.send_splits, plan.recv_splits, plan.group)
+    slots = y.new_zeros(n_tokens * plan.top_k, y.shape[-1]).index_copy(0, plan.kept_slots, back)
+    return slots.view(n_tokens, plan.top_k, y.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# The MoE layer
+# ----------------------------------------------------------------------------------------------
+
+
+class MoE(nn.Module):
+    """Router + E SwiGLU experts, stacked as (E, ...) tensors so that a rank can hold a slice.
+
+    After each forward it records aux_loss (this rank's share: the group mean is the aux loss of
+    the whole batch), load (assignments per expert over the group), dropped, and kept (ep, E)."""
+
+    expert_names = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, dim: int, cfg: MoEConfig, seed: int, init_std: float = 0.02,
+                 n_layers: int = 1) -> None:
+        super().__init__()
+        self.cfg, self.group, self.rank, self.ep = cfg, None, 0, 1
+        gen = torch.Generator().manual_seed(seed)
+        e, f = cfg.n_experts, cfg.expert_ffn_dim
+        self.router = nn.Linear(dim, e, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(torch.randn(e, dim, generator=gen) * init_std)
+        self.gate_proj = nn.Parameter(torch.randn(e, f, dim, generator=gen) * init_std)
+        self.up_proj = nn.Parameter(torch.randn(e, f, dim, generator=gen) * init_std)
+        self.down_proj = nn.Parameter(torch.randn(e, dim, f, generator=gen) * init_std
+                                      / math.sqrt(2 * n_layers))  # a residual branch, as in GPT
+        self.register_buffer("selection_bias", torch.zeros(e))
+        self.register_buffer("load_since_update", torch.zeros(e, dtype=torch.long))
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        return [getattr(self, name) for name in self.expert_names]
+
+    def route(self, x: torch.Tensor) -> Routing:
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        experts = torch.topk(probs.detach() + self.selection_bias, self.cfg.top_k, dim=-1).indices
+        weights = probs.gather(1, experts)  # the bias chose, the probabilities weigh
+        if self.cfg.top_k > 1:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return Routing(experts, weights, probs)
+
+    def gather_counts(self, experts: torch.Tensor) -> torch.Tensor:
+        counts = torch.bincount(experts.flatten(), minlength=self.cfg.n_experts)
+        if self.group is None:
+            return counts[None]
+        everyone = counts.new_empty(self.ep * self.cfg.n_experts)
+        ddp.all_gather(everyone, counts, group=self.group)
+        return everyone.view(self.ep, -1)
+
+    def expert(self, j: int, h: torch.Tensor) -> torch.Tensor:
+        """Local expert j (a SwiGLU) on rows h."""
+        return (F.silu(h @ self.gate_proj[j].T) * (h @ self.up_proj[j].T)) @ self.down_proj[j].T
+
+    def run_experts(self, rows: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
+        return torch.cat([self.expert(j, h) for j, h in enumerate(rows.split(rows_per_expert))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        routing = self.route(flat)
+        counts = self.gather_counts(routing.experts)
+        kept = kept_per_source(counts, self.cfg)
+        plan = plan_dispatch(routing.experts, kept, self.rank, self.group)
+        y = self.run_experts(dispatch(flat, plan), plan.rows_per_expert)
+        slots = combine(y, plan, flat.shape[0])
+        out = (slots * routing.weights.unsqueeze(-1).to(slots.dtype)).sum(1)
+        self.record(routing.probs, counts, kept)
+        return out.view_as(x)
+
+    def record(self, probs: torch.Tensor, counts: torch.Tensor, kept: torch.Tensor) -> None:
+        self.load, self.kept = counts.sum(0), kept
+        self.dropped = counts.sum() - kept.sum()
+        self.load_since_update += self.load
+        total = counts.sum().clamp(min=1)  # T x k over the group; 0 only if the group has no token
+        fraction = self.load.float() / total
+        # E sum_i f_i P_i with P_i = (sum over the group's tokens of p_i) / T: this rank contributes
+        # its tokens' sum, scaled so that the mean over the ep ranks is the whole-batch value.
+        tokens = total / self.cfg.top_k
+        self.aux_loss = self.cfg.n_experts * self.ep / tokens * (fraction * probs.sum(0)).sum()
+
+    @torch.no_grad()
+    def update_selection_bias(self) -> None:
+        """After the optimizer step: nudge under-loaded experts up, over-loaded ones down. The load
+        is the group's, so every rank of the group makes the same update."""
+        load = self.load_since_update.float()
+        self.selection_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+        self.load_since_update.zero_()
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@dataclass
+class LossWithAux:
+    """GPT's loss_fn for an MoE model: cross-entropy + aux_loss_coef x each layer's aux loss."""
+    layers: list[MoE]
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = ddp.cross_entropy_loss(logits, targets)
+        return loss + sum(layer.cfg.aux_loss_coef * layer.aux_loss for layer in self.layers)
+
+
+def convert_to_moe(model: nn.Module, cfg: MoEConfig) -> nn.Module:
+    """Replace every block's MLP of a reference GPT by an MoE layer, seeded from the model's seed
+    and the layer index, so that every rank (and every run) builds the same weights."""
+    gpt_cfg = model.cfg
+    for index, block in model.layers.items():
+        block.mlp = MoE(gpt_cfg.dim, cfg, seed=gpt_cfg.seed * 1009 + int(index) + 1,
+                        init_std=gpt_cfg.init_std, n_layers=gpt_cfg.n_layers)
+    model.loss_fn = LossWithAux(moe_layers(model))
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert parallelism
+# ----------------------------------------------------------------------------------------------
+
+
+def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
+    """Keep this rank's E/ep experts of every MoE layer and route through the group. The experts
+    are sliced from the existing (identical on every rank) weights. Build the optimizer after."""
+    ep, rank = ddp.group_size(group), dist.get_rank(group)
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError("the model has no MoE layer: convert_to_moe(model, cfg) first")
+    for layer in layers:
+        if layer.cfg.n_experts % ep:
+            raise ValueError(f"n_experts={layer.cfg.n_experts} is not divisible by the expert-"
+                             f"parallel group size ep={ep}")
+    ddp.claim_gradient_sync(model, "expert parallelism")
+    for layer in layers:
+        local = layer.cfg.n_experts // ep
+        for name in layer.expert_names:
+            shard = getattr(layer, name).detach()[rank * local:(rank + 1) * local].clone()
+            setattr(layer, name, nn.Parameter(shard))
+        layer.group, layer.rank, layer.ep = group or dist.group.WORLD, rank, ep
+    return model
+
+
+def sync_gradients(model: nn.Module, group=None) -> None:
+    """Each rank's loss is the mean over its own tokens; the model's loss is the mean over ranks.
+    Replicated weights: all-reduce, / ep. Experts: already summed over the group's tokens by the
+    backward all-to-all, so only / ep."""
+    ep = ddp.group_size(group)
+    experts = {p for layer in moe_layers(model) for p in layer.expert_parameters()}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:  # frozen on every rank alike: nothing to sync
+            continue
+        if param.grad is None:  # skipping it would pair different tensors across ranks
+            raise RuntimeError(f"{name} got no gradient")
+        if param not in experts:
+            ddp.all_reduce(param.grad, group=group)
+        param.grad.div_(ep)
+
+
+def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU copies of name -> tensor (parameters or gradients), expert shards all-gathered over
+    their group into whole tensors: named and shaped like the single-device model's. Every rank
+    must pass the same names."""
+    sharded = {id(p): layer for layer in moe_layers(model) if layer.group is not None
+               for p in layer.expert_parameters()}
+    out = {}
+    for name, param in model.named_parameters():
+        if name not in tensors:  # e.g. the gradient of a frozen parameter
+            continue
+        t = tensors[name].detach()
+        if (layer := sharded.get(id(param))) is not None:
+            whole = t.new_empty((layer.ep * t.shape[0], *t.shape[1:]))
+            ddp.all_gather(whole, t.contiguous(), group=layer.group)
+            t = whole
+        out[name] = t.float().cpu().clone()
+    return out
+
+
+def all_to_all_traffic(kept: torch.Tensor, rank: int, dim: int, element_size: int) -> tuple[int, int]:
+    """The formula: bytes leaving `rank` in one forward's (dispatch, combine) all-to-alls."""
+    ep, n_experts = kept.shape
+    mine = slice(rank * n_experts // ep, (rank + 1) * n_experts // ep)
+    sent = int(kept[rank].sum() - kept[rank, mine].sum())
+    returned = int(kept[:, mine].sum() - kept[rank, mine].sum())
+    return sent * dim * element_size, returned * dim * element_size
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: one device, or expert parallel over a group, on the same global batches
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoETrainResult(ddp.TrainResult):
+    load: list[list[list[int]]] = field(default_factory=list)  # step -> layer -> tokens per expert
+    dropped: list[list[int]] = field(default_factory=list)     # step -> layer
+    aux: list[list[float]] = field(default_factory=list)       # step -> layer (group mean)
+    formula_traffic: int = 0                                   # all-to-all bytes, by the formula
+
+
+def train_moe(cfg: "ddp.ModelConfig", moe_cfg: MoEConfig, steps: int, global_batch: int,
+              seq_len: int, *, expert_parallel: bool = False, group=None, lr: float = 1e-3,
+              adam_eps: float = 1e-8, device: torch.device | str = "cpu",
+              data_seed: int = 0) -> tuple[MoETrainResult, "ddp.CommMeter"]:
+    """One device on the whole batch, or (expert_parallel) this rank's rows of it with the experts
+    sharded over `group`. Returns the result (gradients and parameters reassembled) and a meter of
+    the training loop's communication."""
+    ep, rank = (ddp.group_size(group), dist.get_rank(group)) if expert_parallel else (1, 0)
+    if global_batch % ep:
+        raise ValueError(f"global_batch={global_batch} is not divisible by ep={ep}")
+    model = convert_to_moe(ddp.GPT(cfg), moe_cfg)
+    if expert_parallel:
+        apply_expert_parallel(model, group)
+    model.to(device)
+    optimizer = ddp.make_optimizer(model, lr, adam_eps)
+    result, grads, local_losses = MoETrainResult([], {}, {}), {}, []
+    with ddp.comm_meter() as meter:
+        for step in range(steps):
+            tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, rank, ep, data_seed)
+            loss = model(tokens.to(device), targets.to(device))
+            loss.backward()
+            if expert_parallel:
+                sync_gradients(model, group)
+            local_losses.append(loss.detach())
+            layers = moe_layers(model)
+            result.load.append([layer.load.tolist() for layer in layers])
+            result.dropped.append([int(layer.dropped) for layer in layers])
+            result.aux.append([layer.aux_loss.detach() for layer in layers])
+            result.formula_traffic += sum(2 * sum(all_to_all_traffic(layer.kept, rank, cfg.dim, 4))
+                                          for layer in layers)  # x2: backward sends as much
+            if step == 0:
+                grads = {n: p.grad for n, p in model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            for layer in layers:
+                layer.update_selection_bias()
+    # Outside the meter: group means of the losses and aux losses, whole tensors from the shards.
+    stacked = torch.stack([torch.stack(local_losses), *map(torch.stack, zip(*result.aux))]).double()
+    if expert_parallel:
+        ddp.all_reduce(stacked, group=group)
+    stacked = (stacked / ep).cpu()
+    result.losses, result.aux = stacked[0].tolist(), stacked[1:].T.tolist()
+    result.first_grads = gather_full(model, grads)
+    result.params = gather_full(model, dict(model.named_parameters()))
+    return result, meter
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo and benchmark
+# ----------------------------------------------------------------------------------------------
+
+BALANCING = {"aux loss": dict(aux_loss_coef=0.1, bias_update_rate=0.0),
+             "selection bias": dict(aux_loss_coef=0.0, bias_update_rate=0.01),
+             "neither": dict(aux_loss_coef=0.0, bias_update_rate=0.0)}
+
+
+def imbalance(load: list[int]) -> float:
+    """max / mean tokens per expert: 1 is perfect balance, E means one expert took everything."""
+    return max(load) / max(statistics.mean(load), 1e-9)
+
+
+def window_load(result: MoETrainResult, steps: range, layer: int) -> list[int]:
+    return [sum(col) for col in zip(*(result.load[s][layer] for s in steps))]
+
+
+def demo(args: argparse.Namespace) -> None:
+    device = ddp.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = ddp.ModelConfig()
+    capacity = None if args.dropless else args.capacity_factor
+    runs = {}
+    for name, balancing in BALANCING.items():
+        moe_cfg = MoEConfig(args.experts, args.top_k, args.expert_ffn_dim, capacity, **balancing)
+        train = dict(cfg=cfg, moe_cfg=moe_cfg, steps=args.steps, global_batch=args.global_batch,
+                     seq_len=args.seq_len, lr=args.lr, device=device)
+        parallel, meter = train_moe(**train, expert_parallel=True)
+        runs[name] = (moe_cfg, parallel, meter, train_moe(**train)[0] if rank == 0 else None)
+    if rank == 0:
+        print(f"Expert parallelism over {world} ranks ({dist.get_backend()}, {device.type}): "
+              f"{args.experts} experts ({args.experts // world} per rank), top-{args.top_k}, "
+              f"capacity factor {capacity or 'none (dropless)'}; {cfg.n_layers} MoE layers, "
+              f"{args.global_batch} x {args.seq_len} tokens per step, {args.steps} AdamW steps.\n")
+        print(f"{'balancing':<16}{'cross-entropy: first':>21}{'last':>7}{'max |EP - one device|: loss':>30}"
+              f"{'step-0 grads':>14}{'params':>10}")
+        for name, (moe_cfg, parallel, _, single) in runs.items():
+            entropy = [loss - moe_cfg.aux_loss_coef * sum(aux)
+                       for loss, aux in zip(parallel.losses, parallel.aux)]
+            print(f"{name:<16}{entropy[0]:>21.4f}{entropy[-1]:>7.4f}"
+                  f"{max(abs(a - b) for a, b in zip(parallel.losses, single.losses)):>30.2e}"
+                  f"{ddp.max_abs_diff(parallel.first_grads, single.first_grads):>14.2e}"
+                  f"{ddp.max_abs_diff(parallel.params, single.params):>10.2e}")
+        width = max(1, args.steps // 5)
+        first, last = range(width), range(args.steps - width, args.steps)
+        print(f"\nLoad over the first and the last {width} steps: imbalance (max/mean tokens per expert, "
+              f"layer 0 and 1), tokens per expert of layer 0 over the last steps, dropped assignments "
+              f"per step (of {args.global_batch * args.seq_len * args.top_k} per layer), aux loss:")
+        for name, (_, parallel, _, single) in runs.items():
+            layers = range(len(parallel.load[0]))
+            before, after = ([f"{imbalance(window_load(parallel, w, i)):.2f}" for i in layers]
+                             for w in (first, last))
+            dropped = [statistics.mean(sum(parallel.dropped[s]) / len(layers) for s in w)
+                       for w in (first, last)]
+            same = parallel.load == single.load and parallel.dropped == single.dropped
+            print(f"  {name:<15} imbalance {'/'.join(before)} -> {'/'.join(after)}   "
+                  f"{window_load(parallel, last, 0)}   dropped {dropped[0]:.1f} -> {dropped[1]:.1f}"
+                  f"   aux {statistics.mean(parallel.aux[0]):.3f} -> {statistics.mean(parallel.aux[-1]):.3f}"
+                  f"   {'same' if same else 'NOT the same'} loads and drops as one device")
+        tokens_rank = args.global_batch // world * args.seq_len
+        uniform = 4 * cfg.n_layers * tokens_rank * args.top_k * (world - 1) // world * cfg.dim * 4
+        print(f"\nall-to-all bytes leaving rank 0 per step (dispatch + combine, forward + backward, "
+              f"{cfg.n_layers} layers): measured / formula from the exchanged counts:")
+        for name, (_, parallel, meter, _) in runs.items():
+            print(f"  {name:<16}{float(meter.traffic('all_to_all')) / args.steps:>12,.0f} B"
+                  f"{parallel.formula_traffic / args.steps:>12,.0f} B   (+ counts all-gather "
+                  f"{float(meter.traffic('all_gather')) / args.steps:,.0f} B)")
+        print(f"  uniform routing, no drops: 4 x layers x T_rank k (ep-1)/ep x D x 4 B = {uniform:,} B")
+        print("Notice: EP computes the one-device model (same drops, same loads). Without balancing "
+              "the load drifts apart; the selection bias evens it without touching the loss, the aux "
+              "loss through the gradient.")
+    ddp.exit_distributed()
+
+
+@torch.no_grad()
+def all_gather_moe_forward(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The alternative dispatcher (dropless): every rank gathers every token, routes all of them,
+    runs its own experts on its share, and a reduce-scatter sums the shares back to their ranks."""
+    everyone = x.new_empty(layer.ep * x.shape[0], x.shape[1])
+    ddp.all_gather(everyone, x, group=layer.group)
+    routing = layer.route(everyone)
+    out = torch.zeros_like(everyone)
+    local = layer.cfg.n_experts // layer.ep
+    for j in range(local):
+        token, slot = (routing.experts == layer.rank * local + j).nonzero(as_tuple=True)
+        out.index_add_(0, token, layer.expert(j, everyone[token]) * routing.weights[token, slot, None])
+    mine = torch.empty_like(x)
+    ddp.reduce_scatter(mine, out, group=layer.group)
+    return mine
+
+
+def bench(args: argparse.Namespace) -> None:
+    """The same expert-parallel layer, forward only, through both dispatchers, interleaved."""
+    device = ddp.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = MoEConfig(args.experts, args.top_k, 4 * args.bench_dim)
+    layer = apply_expert_parallel(MoE(args.bench_dim, cfg, seed=0)).to(device)
+    gen = torch.Generator().manual_seed(rank + 1)
+    x = torch.randn(args.bench_tokens, args.bench_dim, generator=gen).to(device)
+    dispatchers = {"all-to-all": lambda: layer(x), "all-gather": lambda: all_gather_moe_forward(layer, x)}
+    traffic, times = {}, {name: [] for name in dispatchers}
+    with torch.no_grad():
+        outputs = {}
+        for name, fn in dispatchers.items():
+            with ddp.comm_meter() as meter:
+                outputs[name] = fn()
+            traffic[name] = meter.traffic()
+        for round_ in range(args.bench_rounds):
+            for name, fn in dispatchers.items():
+                t = ddp.timed_steps(fn, args.bench_steps, device)
+                if round_ > 0:  # the first round is warm-up
+                    times[name] += t
+    if rank == 0:
+        med = {name: statistics.median(t) for name, t in times.items()}
+        diff = (outputs["all-to-all"] - outputs["all-gather"]).abs().max().item()
+        print(f"MoE layer forward on {world} ranks ({dist.get_backend()}, {device.type}): dim "
+              f"{args.bench_dim}, {args.experts} experts, top-{args.top_k}, {args.bench_tokens} tokens "
+              f"per rank, median of {len(times['all-to-all'])} calls; outputs differ by {diff:.1e}.")
+        for name in dispatchers:
+            print(f"  {name:<11} bytes leaving rank 0 {float(traffic[name]):>14,.0f}   "
+                  f"time {med[name] * 1e3:8.2f} ms")
+        bytes_ratio = float(traffic["all-to-all"] / traffic["all-gather"])
+        print(f"  ratio all-to-all / all-gather: bytes {bytes_ratio:.3f}"
+              f" (k/ep = {args.top_k / world:.3f} plus the counts), time "
+              f"{med['all-to-all'] / med['all-gather']:.3f}")
+    ddp.exit_distributed()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(),
+                        help="ranks when not under torchrun")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--expert-ffn-dim", type=int, default=64)
+    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--dropless", action="store_true", help="no capacity limit")
+    parser.add_argument("--bench", action="store_true", help="all-to-all vs all-gather dispatcher")
+    parser.add_argument("--bench-tokens", type=int, default=2048, help="tokens per rank")
+    parser.add_argument("--bench-dim", type=int, default=256)
+    parser.add_argument("--bench-steps", type=int, default=5)
+    parser.add_argument("--bench-rounds", type=int, default=3)
+    args = parser.parse_args()
+    for name in ("nproc", "steps", "global_batch", "seq_len", "bench_tokens", "bench_dim", "bench_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.bench_rounds < 2:
+        parser.error("--bench-rounds must be >= 2 (the first round is warm-up)")
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    try:  # what the ranks would reject, caught before any process starts
+        MoEConfig(args.experts, args.top_k, args.expert_ffn_dim,
+                  None if args.dropless else args.capacity_factor)
+        if args.experts % world:
+            raise ValueError(f"n_experts={args.experts} is not divisible by ep={world}")
+        if args.global_batch % world:
+            raise ValueError(f"global_batch={args.global_batch} is not divisible by ep={world}")
+    except ValueError as error:
+        parser.error(str(error))
+    ddp.launch(bench if args.bench else demo, args, nproc=args.nproc)
+
+
+if __name__ == "__main__":
+    main()
