@@ -387,6 +387,96 @@ def test_bad_configuration_fails_on_every_rank_without_hanging(rank_pool, kwargs
         assert re.search(message, tb), tb
 
 
+def grads_with_a_frozen_embedding(cfg, mode, unused_trainable=False):
+    """One synced step with embed.weight frozen (and, if asked, a trainable parameter that gets no
+    gradient): the gradients, or the error message."""
+    model = ddp.GPT(cfg)
+    model.embed.weight.requires_grad_(False)
+    if unused_trainable:
+        model.unused = torch.nn.Parameter(torch.zeros(3))
+    wrapper = ddp.BucketedDataParallel(model, bucket_bytes=2048) if mode == "bucketed" else None
+    tokens, targets = ddp.synthetic_batch(cfg, 4, 6, 0, dist.get_rank(), dist.get_world_size())
+    model(tokens, targets).backward()
+    try:  # every rank fails at the same parameter, after the same collectives: the group stays usable
+        wrapper.finish_gradient_sync() if wrapper else ddp.all_reduce_gradients(model)
+    except RuntimeError as error:
+        return str(error)
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ddp.DP_MODES)
+def test_frozen_parameters_are_skipped_and_unused_trainable_ones_refused(rank_pool, mode):
+    cfg = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32)
+    model = ddp.GPT(cfg)
+    model.embed.weight.requires_grad_(False)
+    tokens, targets = ddp.synthetic_batch(cfg, 4, 6, 0)
+    model(tokens, targets).backward()
+    for grads in rank_pool.run(2, grads_with_a_frozen_embedding, cfg, mode):
+        assert grads["embed.weight"] is None
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(grads[name], p.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+    for message in rank_pool.run(2, grads_with_a_frozen_embedding, cfg, mode, unused_trainable=True):
+        assert "got no gradient" in message and "unused" in message
+
+
+def wrap_twice(cfg):
+    model = ddp.GPT(cfg)
+    ddp.BucketedDataParallel(model)
+    ddp.BucketedDataParallel(model)  # a re-run notebook cell
+
+
+def test_wrapping_a_model_twice_fails_when_built(rank_pool):
+    with pytest.raises(RankFailure) as failure:
+        rank_pool.run(2, wrap_twice, ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32), timeout=30)
+    for tb in failure.value.errors.values():
+        assert "ValueError: cannot wrap with BucketedDataParallel: this model's gradients are already " \
+               "synchronised by BucketedDataParallel" in tb
+
+
+def test_wrapping_a_model_without_trainable_parameters_fails_and_claims_nothing():
+    model = ddp.GPT(ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32)).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"^the model has no trainable parameter \(requires_grad=True\)"):
+        ddp.BucketedDataParallel(model)  # before any collective: no process group is needed
+    assert not hasattr(model, "gradient_sync_owner"), "a failed build must not claim the model"
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+@pytest.mark.parametrize("env, nproc, message", [
+    ({"WORLD_SIZE": "1"}, 3, "global_batch=16 is not divisible by world_size x accum_steps = 3 x 2 = 6"),
+    ({"RANK": "0"}, 2, "RANK is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT not: a partial torchrun "
+                       "environment (run under torchrun, or unset RANK to launch 2 local processes)"),
+], ids=["stray WORLD_SIZE", "partial torchrun environment"])
+def test_launcher_checks_the_world_that_will_run_in_one_line(monkeypatch, capsys, env, nproc, message):
+    """The defaults (global batch 16, accum 2) are checked against the ranks that would really start,
+    before any starts: a stray WORLD_SIZE is not what local processes get; RANK alone is no torchrun."""
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["01_ddp.py", "--nproc", str(nproc)])
+    monkeypatch.setattr(ddp, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    with pytest.raises(SystemExit) as exit_:
+        ddp.main()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"01_ddp.py: error: {message}\n"
+
+
+def test_launch_world_size(monkeypatch):
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert ddp.launch_world_size(3) == 3, "local processes get their own WORLD_SIZE"
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="RANK is set but MASTER_ADDR, MASTER_PORT not"):
+        ddp.launch(print, "a rank ran", nproc=3)  # before fn runs, in one process or in many
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert ddp.launch_world_size(3) == 1, "under torchrun, torchrun's world size"
+
+
 # --- the script itself ------------------------------------------------------------------------
 
 def test_script_runs_as_plain_python():
