@@ -679,9 +679,9 @@ class TrainResult:
 
 
 def make_optimizer(model: nn.Module, lr: float, eps: float = 1e-8) -> torch.optim.Optimizer:
-    """AdamW. Its update g / (sqrt(v) + eps) magnifies a gradient's rounding error by up to 1/eps:
-    the tests raise eps so that rounding stays small in the parameters as well."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, eps=eps, weight_decay=0.1)
+    """AdamW, betas (0.9, 0.999), weight decay 0.1 on every parameter. Its update g / (sqrt(v) + eps)
+    magnifies a gradient's rounding error by up to 1/eps: the tests raise eps to keep it small."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.1)
 
 
 def cpu_copy(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
