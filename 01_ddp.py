@@ -117,13 +117,11 @@ def _launched_rank(local_rank: int, fn: Callable, args: tuple, nproc: int, port:
 def launch_world_size(nproc: int) -> int:
     """The ranks launch() runs: torchrun's WORLD_SIZE if RANK is set, else nproc (the local processes
     get their own environment, so a stray WORLD_SIZE does not count). Validate sizes against it."""
-    if "RANK" not in os.environ:
-        return nproc
     missing = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if missing:
+    if "RANK" in os.environ and missing:
         raise ValueError(f"RANK is set but {', '.join(missing)} not: a partial torchrun environment "
                          f"(run under torchrun, or unset RANK to launch {nproc} local processes)")
-    return int(os.environ["WORLD_SIZE"])
+    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else nproc
 
 
 def launch(fn: Callable, *args, nproc: int) -> None:
@@ -143,11 +141,9 @@ def launch(fn: Callable, *args, nproc: int) -> None:
 def exit_distributed() -> None:
     """The last call of a rank: wait for every rank, leave the group, exit the process at once.
 
-    gloo runs collectives on its own threads, which may still be releasing the last collective's
-    tensors when Python tears the interpreter down; such a thread then needs the interpreter lock and
-    aborts the process ("terminate called without an active exception", pytorch PR #179291). We saw
-    that in about 1 run in 5. Exiting with os._exit after flushing skips the teardown and the race.
-    """
+    gloo's threads may still be releasing the last collective's tensors while Python tears the
+    interpreter down, and then abort the process ("terminate called without an active exception",
+    pytorch PR #179291; about 1 run in 5 here). os._exit after flushing skips the teardown."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -619,10 +615,8 @@ class BucketedDataParallel:
             current.append(p)
         self.buckets.append(GradBucket(current))
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.sync_gradients = True
-        self.next_to_launch = 0
-        self.max_in_flight = 0
-        self.finished_before_wait = 0
+        self.sync_gradients, self.next_to_launch = True, 0
+        self.max_in_flight = self.finished_before_wait = 0  # statistics for the demo
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
