@@ -259,9 +259,8 @@ class DelayedScaling:
         amax = self.amax_history.max() if self.calls else first_amax
         if amax is None:
             return None
-        usable = (amax > 0) & amax.isfinite()
         scale = amax_to_scale(amax, self.dtype) / 2.0 ** self.margin
-        return torch.where(usable, scale, torch.ones_like(scale)).view(1, 1)
+        return scale.where((amax > 0) & amax.isfinite(), 1.0).view(1, 1)  # the guard
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.dim() == 0 or x.numel() == 0:
