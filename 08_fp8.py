@@ -98,9 +98,9 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     """Saturating cast of x * scale: a finite value beyond +-fp8_max clips to it; NaN stays NaN, +-inf
     stays +-inf in e5m2 and becomes NaN in e4m3fn (torch's own cast would saturate it to 448)."""
     y = x.float() * scale
-    if INF_BITS[dtype] == NAN_BITS:  # no inf in this format
-        y = torch.where(y.isinf(), torch.nan, y)
-    return torch.where(y.isinf(), y, y.clamp(-fp8_max(dtype), fp8_max(dtype))).to(dtype)
+    is_inf = x.isinf() & y.isinf()  # an inf input; a finite one whose product overflows saturates
+    inf = y if INF_BITS[dtype] != NAN_BITS else torch.full_like(y, torch.nan)  # e4m3fn: no inf
+    return torch.where(is_inf, inf, y.clamp(-fp8_max(dtype), fp8_max(dtype))).to(dtype)
 
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
@@ -186,7 +186,8 @@ def _amax_cast_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, n_rows, n_cols, tile_co
     else:  # div_rn: IEEE division, bit-equal to torch's (Triton's plain fp32 '/' is approximate on GPUs)
         scale = tl.math.div_rn(FP8_MAX, tl.maximum(row_amax, EPS, propagate_nan=tl.PropagateNan.ALL))
     y = x * scale[:, None]
-    is_nan, is_inf = y != y, tl.abs(y) == float("inf")
+    is_nan = y != y
+    is_inf = (tl.abs(x) == float("inf")) & (y == y)  # an inf input; a finite one that overflows saturates
     y = tl.clamp(y, -FP8_MAX, FP8_MAX)
     # Round to the FP8 grid in fp32 (nearest-even): adding then subtracting 2^23 x the FP8 spacing at
     # y's exponent makes fp32 rounding do it, so the cast below is exact - the interpreter's own fp8

@@ -317,6 +317,15 @@ def test_non_finite_input_never_casts_to_a_finite_fp8_number(dtype, special):
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_finite_values_whose_scaled_product_overflows_fp32_saturate(dtype):
+    """A stale scale (delayed scaling) can push x * s past fp32's max: a finite x still saturates."""
+    x = torch.tensor([[3e38, -3e38, 1.0, -1.0]])
+    assert_same_quantisation(x, None, dtype, torch.full((1, 1), 1e10))
+    limit = fp8.fp8_max(dtype)
+    assert fp8.cast_to_fp8(x, torch.full((1, 1), 1e10), dtype).float().tolist() == [[limit, -limit, limit, -limit]]
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_delayed_scaling_after_an_all_zero_call(dtype):
     """History [0]: no usable amax, so the scale is 1 (it was fp8_max / 1e-12, which clipped every
     value of the next call: 0 dB). At scale 1 a normal call keeps the format's usual precision
