@@ -276,7 +276,8 @@ def reference_forward_float64(model, tokens: torch.Tensor, positions: torch.Tens
         h = h + attn @ w[pre + "attn.out_proj.weight"].T
         x = rmsnorm(h, w[pre + "mlp_norm.weight"])
         gate = x @ w[pre + "mlp.gate_proj.weight"].T
-        h = h + (gate * torch.sigmoid(gate) * (x @ w[pre + "mlp.up_proj.weight"].T)) @ w[pre + "mlp.down_proj.weight"].T
+        swiglu = gate * torch.sigmoid(gate) * (x @ w[pre + "mlp.up_proj.weight"].T)  # silu(gate) x up
+        h = h + swiglu @ w[pre + "mlp.down_proj.weight"].T
     return h, rmsnorm(h, w["norm.weight"]) @ w["lm_head.weight"].T
 
 
@@ -314,7 +315,8 @@ def test_make_optimizer_is_adamw_with_the_documented_hyperparameters():
     assert type(optimizer) is torch.optim.AdamW and len(optimizer.param_groups) == 1
     group = optimizer.param_groups[0]
     assert [id(p) for p in group["params"]] == [id(p) for p in model.parameters()]
-    assert (group["lr"], group["eps"], group["weight_decay"], group["betas"]) == (3e-4, 1e-6, 0.1, (0.9, 0.999))
+    hyperparameters = group["lr"], group["eps"], group["weight_decay"], group["betas"]
+    assert hyperparameters == (3e-4, 1e-6, 0.1, (0.9, 0.999))
 
 
 def test_training_steps_are_adamw_steps_with_the_given_lr_and_eps(rank_pool):
@@ -326,7 +328,8 @@ def test_training_steps_are_adamw_steps_with_the_given_lr_and_eps(rank_pool):
     initial = ddp.cpu_copy(ddp.GPT(cfg).named_parameters())
     runs = {"single device": ddp.train_single_device(cfg, 1, 4, 6, lr=lr, adam_eps=eps)}
     for mode in ddp.DP_MODES:
-        runs[mode] = rank_pool.run(2, ddp.train_data_parallel, cfg, 1, 4, 6, mode=mode, lr=lr, adam_eps=eps)[0][0]
+        runs[mode] = rank_pool.run(2, ddp.train_data_parallel, cfg, 1, 4, 6, mode=mode, lr=lr,
+                                   adam_eps=eps)[0][0]
     for run, result in runs.items():
         for name, g in result.first_grads.items():
             g, p = g.double(), initial[name].double()

@@ -319,10 +319,10 @@ def test_non_finite_input_never_casts_to_a_finite_fp8_number(dtype, special):
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_finite_values_whose_scaled_product_overflows_fp32_saturate(dtype):
     """A stale scale (delayed scaling) can push x * s past fp32's max: a finite x still saturates."""
-    x = torch.tensor([[3e38, -3e38, 1.0, -1.0]])
-    assert_same_quantisation(x, None, dtype, torch.full((1, 1), 1e10))
+    x, stale_scale = torch.tensor([[3e38, -3e38, 1.0, -1.0]]), torch.full((1, 1), 1e10)
     limit = fp8.fp8_max(dtype)
-    assert fp8.cast_to_fp8(x, torch.full((1, 1), 1e10), dtype).float().tolist() == [[limit, -limit, limit, -limit]]
+    assert_same_quantisation(x, None, dtype, stale_scale)
+    assert fp8.cast_to_fp8(x, stale_scale, dtype).float().tolist() == [[limit, -limit, limit, -limit]]
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
