@@ -114,12 +114,23 @@ def _launched_rank(local_rank: int, fn: Callable, args: tuple, nproc: int, port:
     fn(*args)
 
 
+def launch_world_size(nproc: int) -> int:
+    """The ranks launch() runs: torchrun's WORLD_SIZE if RANK is set, else nproc (the local processes
+    get their own environment, so a stray WORLD_SIZE does not count). Validate sizes against it."""
+    missing = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if "RANK" in os.environ and missing:
+        raise ValueError(f"RANK is set but {', '.join(missing)} not: a partial torchrun environment "
+                         f"(run under torchrun, or unset RANK to launch {nproc} local processes)")
+    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else nproc
+
+
 def launch(fn: Callable, *args, nproc: int) -> None:
     """Run fn(*args) on every rank: directly under torchrun, else in nproc fresh local processes.
 
     The processes get the same environment variables torchrun would set, so fn's code cannot tell
     the difference. fn must be a module-level function (it is pickled by name).
     """
+    launch_world_size(nproc)  # a partial torchrun environment fails here, not in every rank
     if "RANK" in os.environ:
         fn(*args)
         return
@@ -130,11 +141,9 @@ def launch(fn: Callable, *args, nproc: int) -> None:
 def exit_distributed() -> None:
     """The last call of a rank: wait for every rank, leave the group, exit the process at once.
 
-    gloo runs collectives on its own threads, which may still be releasing the last collective's
-    tensors when Python tears the interpreter down; such a thread then needs the interpreter lock and
-    aborts the process ("terminate called without an active exception", pytorch PR #179291). We saw
-    that in about 1 run in 5. Exiting with os._exit after flushing skips the teardown and the race.
-    """
+    gloo's threads may still be releasing the last collective's tensors while Python tears the
+    interpreter down, and then abort the process ("terminate called without an active exception",
+    pytorch PR #179291; about 1 run in 5 here). os._exit after flushing skips the teardown."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -519,6 +528,8 @@ def all_reduce_gradients(model: nn.Module, group=None) -> None:
     """(a) Naive DDP: one blocking all-reduce per parameter, after backward has finished."""
     world = dist.get_world_size(group)
     for name, param in model.named_parameters():
+        if not param.requires_grad:  # frozen: no gradient to average (as in torch DDP)
+            continue
         if param.grad is None:  # skipping it would pair different tensors across ranks
             raise RuntimeError(f"{name} got no gradient: unused parameters are not supported")
         all_reduce(param.grad, group=group)
@@ -585,13 +596,15 @@ class BucketedDataParallel:
     def __init__(self, model: nn.Module, group=None, bucket_bytes: int = 25 << 20) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
-        claim_gradient_sync(model, type(self).__name__)
-        self.model, self.group = model, group
-        self.world = dist.get_world_size(group)
-        broadcast_parameters(model, group)
         # Reverse registration order approximates the order in which backward finishes gradients
         # (the last layer's first), so the first bucket fills - and starts sending - earliest.
         params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameter (requires_grad=True) to synchronise")
+        claim_gradient_sync(model, type(self).__name__)  # after the checks: a failed build claims nothing
+        self.model, self.group = model, group
+        self.world = dist.get_world_size(group)
+        broadcast_parameters(model, group)
         self.buckets: list[GradBucket] = []
         current: list[nn.Parameter] = []
         for p in params:
@@ -602,10 +615,8 @@ class BucketedDataParallel:
             current.append(p)
         self.buckets.append(GradBucket(current))
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.sync_gradients = True
-        self.next_to_launch = 0
-        self.max_in_flight = 0
-        self.finished_before_wait = 0
+        self.sync_gradients, self.next_to_launch = True, 0
+        self.max_in_flight = self.finished_before_wait = 0  # statistics for the demo
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -662,9 +673,9 @@ class TrainResult:
 
 
 def make_optimizer(model: nn.Module, lr: float, eps: float = 1e-8) -> torch.optim.Optimizer:
-    """AdamW. Its update g / (sqrt(v) + eps) magnifies a gradient's rounding error by up to 1/eps:
-    the tests raise eps so that rounding stays small in the parameters as well."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, eps=eps, weight_decay=0.1)
+    """AdamW, betas (0.9, 0.999), weight decay 0.1 on every parameter. Its update g / (sqrt(v) + eps)
+    magnifies a gradient's rounding error by up to 1/eps: the tests raise eps to keep it small."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.1)
 
 
 def cpu_copy(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -885,11 +896,11 @@ def main() -> None:
     if args.bench_rounds < 2:
         parser.error("--bench-rounds must be >= 2 (the first round is warm-up)")
     try:  # the sizes the ranks would reject, caught before any process starts
+        world = launch_world_size(args.nproc)
         if not args.bench:
-            validate_data_parallel(args.global_batch, int(os.environ.get("WORLD_SIZE", args.nproc)),
-                                   args.accum, "bucketed")
+            validate_data_parallel(args.global_batch, world, args.accum, "bucketed")
     except ValueError as error:
-        parser.error(str(error))
+        parser.exit(2, f"{parser.prog}: error: {error}\n")  # one line: not the usage, not a traceback
     launch(bench if args.bench else demo, args, nproc=args.nproc)
 
 

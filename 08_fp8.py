@@ -9,8 +9,13 @@ THE FORMATS (8 bits: sign, exponent, mantissa)
 Weights and activations have a stable range and want precision: e4m3. Gradients span many more
 orders of magnitude and want range: e5m2. That split is the "hybrid" recipe.
 SATURATION: x.to(fp8) may overflow to inf (e5m2) or NaN (e4m3fn, older torch), so every cast here
-clamps to +-fp8_max first, as the hardware's .satfinite conversion does. (torch 2.13 on CPU: e4m3fn
-overflow saturates to 448, e5m2 overflow still gives inf.)
+clamps finite values to +-fp8_max first, as the hardware's .satfinite conversion does. (torch 2.13 on
+CPU: e4m3fn overflow saturates to 448, e5m2 overflow still gives inf.)
+NON-FINITE INPUT never becomes a finite FP8 number, on the torch path and in the Triton kernel alike:
+NaN stays NaN; +-inf stays +-inf in e5m2 and is NaN in e4m3fn, which has no inf (torch's CPU cast
+and .satfinite would saturate it to fp8_max). Like torch's amax, a tile's amax is NaN if the tile holds
+a NaN (its scale NaN: the whole tile NaN) and inf if it holds an inf (scale 0: inf x 0 = NaN there,
+the tile's finite values 0); dequantised, either tile reads back as NaN.
 
 THE SCALE RULE: q = cast(x * s) with s = fp8_max / amax puts the largest |x| on fp8_max, using
 the whole range; x ~ q / s. Safely: amax is clamped to >= 1e-12 (an all-zero tensor gets a finite
@@ -54,6 +59,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 # Without a GPU the kernel runs in Triton's interpreter, which must be switched on before triton is
 # first imported: lesson 07 does that (and says so if it is too late), so it is imported first.
@@ -69,6 +75,9 @@ ddp = importlib.import_module("01_ddp")
 FORMATS = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 E4M3, E5M2 = FORMATS.values()
 AMAX_EPS = 1e-12
+# Bit patterns the kernel writes for non-finite values: S.1111.111 (e4m3fn) and S.11111.11 (e5m2) are
+# NaN; S.11111.00 is e5m2's inf; e4m3fn has no inf, so an inf is written as NaN.
+NAN_BITS, INF_BITS = 0x7F, {E4M3: 0x7F, E5M2: 0x7C}
 
 # ----------------------------------------------------------------------------------------------
 # The scale rule, the saturating cast and the scaling recipes
@@ -86,8 +95,12 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Saturating cast of x * scale: beyond +-fp8_max clips to it instead of becoming inf or NaN."""
-    return (x.float() * scale).clamp(-fp8_max(dtype), fp8_max(dtype)).to(dtype)
+    """Saturating cast of x * scale: a finite value beyond +-fp8_max clips to it; NaN stays NaN, +-inf
+    stays +-inf in e5m2 and becomes NaN in e4m3fn (torch's own cast would saturate it to 448)."""
+    y = x.float() * scale
+    is_inf = x.isinf() & y.isinf()  # an inf input; a finite one whose product overflows saturates
+    inf = y if INF_BITS[dtype] != NAN_BITS else torch.full_like(y, torch.nan)  # e4m3fn: no inf
+    return torch.where(is_inf, inf, y.clamp(-fp8_max(dtype), fp8_max(dtype))).to(dtype)
 
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
@@ -96,12 +109,21 @@ def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
     return (20 * torch.log10(ref.norm() / (ref - approx.detach().double()).norm())).item()
 
 
+def check_matrix(x: torch.Tensor) -> None:
+    if x.dim() != 2 or x.numel() == 0:
+        raise ValueError(f"x must be a non-empty 2-D (rows, cols) tensor, got shape {tuple(x.shape)}")
+
+
 # Tensorwise, rowwise and blockwise current scaling are one operation at three tile shapes.
-def quantize_tiles(x: torch.Tensor, tile: tuple[int, int],
+def quantize_tiles(x: torch.Tensor, tile: tuple[int | None, int | None],
                    dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    """Current scaling with one scale per (tile_rows x tile_cols) tile of a 2-D x.
-    Returns (fp8 tensor, scales of shape (rows / tile_rows, cols / tile_cols))."""
-    (rows, cols), (tile_rows, tile_cols) = x.shape, tile
+    """Current scaling with one scale per (tile_rows x tile_cols) tile of a 2-D x (None: the whole
+    dimension). Returns (fp8 tensor, scales of shape (rows / tile_rows, cols / tile_cols))."""
+    check_matrix(x)
+    rows, cols = x.shape
+    tile_rows, tile_cols = (whole if size is None else size for size, whole in zip(tile, x.shape))
+    if tile_rows < 1 or tile_cols < 1:
+        raise ValueError(f"tile sizes must be >= 1, got {tuple(tile)}")
     if rows % tile_rows or cols % tile_cols:
         raise ValueError(f"shape {tuple(x.shape)} is not divisible by the tile {tuple(tile)}")
     tiles = x.float().reshape(rows // tile_rows, tile_rows, cols // tile_cols, tile_cols)
@@ -118,13 +140,13 @@ def dequantize_tiles(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale from this tensor's amax: never overflows, one outlier costs everyone precision,
     and the amax reduction must finish before the cast starts. Scale shape (1, 1)."""
-    return quantize_tiles(x, tuple(x.shape), dtype)
+    return quantize_tiles(x, (None, None), dtype)
 
 
 def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per row: outliers stay in their row; a GEMM applies row scales in its epilogue,
     but the transposed operand of the backward must be re-quantised. Scale shape (rows, 1)."""
-    return quantize_tiles(x, (1, x.shape[1]), dtype)
+    return quantize_tiles(x, (1, None), dtype)
 
 
 def quantize_blockwise(x: torch.Tensor, block: tuple[int, int],
@@ -140,21 +162,33 @@ def quantize_blockwise(x: torch.Tensor, block: tuple[int, int],
 
 
 @triton.jit
+def _max_keeping_nan(values, axis):
+    """The max of values >= 0 along axis, NaN if any is NaN as in torch (tl.max is IEEE maxNum,
+    which skips NaN)."""
+    has_nan = tl.max((values != values).to(tl.int32), axis=axis) > 0
+    return tl.where(has_nan, float("nan"), tl.max(values, axis=axis))
+
+
+@triton.jit
 def _amax_cast_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, n_rows, n_cols, tile_cols,
                       ROWS: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr,
-                      MANTISSA_BITS: tl.constexpr, EPS: tl.constexpr, GIVEN_SCALE: tl.constexpr):
+                      MANTISSA_BITS: tl.constexpr, EPS: tl.constexpr, GIVEN_SCALE: tl.constexpr,
+                      NAN_BITS: tl.constexpr, INF_BITS: tl.constexpr):
     tile = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # int64: rows x cols may pass 2^31
     in_tile = tl.arange(0, BLOCK)
     mask = (rows[:, None] < n_rows) & (in_tile[None, :] < tile_cols)
     offsets = rows[:, None] * n_cols + (tile * tile_cols + in_tile)[None, :]
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    row_amax = tl.max(tl.abs(x), axis=1)
+    row_amax = _max_keeping_nan(tl.abs(x), 1)
     if GIVEN_SCALE:  # delayed scaling: cast with the one scale at scale_ptr, only record the amax
         scale = tl.load(scale_ptr) + tl.zeros_like(row_amax)
     else:  # div_rn: IEEE division, bit-equal to torch's (Triton's plain fp32 '/' is approximate on GPUs)
-        scale = tl.math.div_rn(FP8_MAX, tl.maximum(row_amax, EPS))
-    y = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX)
+        scale = tl.math.div_rn(FP8_MAX, tl.maximum(row_amax, EPS, propagate_nan=tl.PropagateNan.ALL))
+    y = x * scale[:, None]
+    is_nan = y != y
+    is_inf = (tl.abs(x) == float("inf")) & (y == y)  # an inf input; a finite one that overflows saturates
+    y = tl.clamp(y, -FP8_MAX, FP8_MAX)
     # Round to the FP8 grid in fp32 (nearest-even): adding then subtracting 2^23 x the FP8 spacing at
     # y's exponent makes fp32 rounding do it, so the cast below is exact - the interpreter's own fp8
     # conversion truncates subnormals and rounds ties away from zero.
@@ -162,10 +196,17 @@ def _amax_cast_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, n_rows, n_cols, tile_co
     big = ((exponent - MANTISSA_BITS + 23 + 127) << 23).to(tl.float32, bitcast=True)
     rounded = (tl.abs(y) + big) - big
     y = tl.where(y < 0, -rounded, rounded)
-    tl.store(q_ptr + offsets, y.to(q_ptr.dtype.element_ty), mask=mask)
+    # Non-finite values are written as bits: the GPU's conversion (.satfinite) saturates inf to
+    # fp8_max, and the interpreter's garbles NaN.
+    bits = y.to(q_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
+    bits = tl.where(is_inf, INF_BITS | tl.where(x < 0, 0x80, 0), tl.where(is_nan, NAN_BITS, bits))
+    tl.store(q_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + offsets, bits.to(tl.uint8), mask=mask)
     if not GIVEN_SCALE:
         tl.store(scale_ptr + rows * (n_cols // tile_cols) + tile, scale, mask=rows < n_rows)
-    tl.atomic_max(amax_ptr, tl.max(row_amax, axis=0))
+    # Non-negative floats order like their bits read as int32, with NaN above inf: an integer atomic
+    # max keeps a NaN that the float one (maxNum again) would drop.
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32), bitcast=True),
+                  _max_keeping_nan(row_amax, 0).to(tl.int32, bitcast=True))
 
 
 def fused_amax_cast(x: torch.Tensor, tile_cols: int | None = None, dtype: torch.dtype = E4M3,
@@ -173,8 +214,11 @@ def fused_amax_cast(x: torch.Tensor, tile_cols: int | None = None, dtype: torch.
     """The Triton twin of quantize_tiles(x, (1, tile_cols)) (tile_cols=None: rowwise), reading x
     once; given a one-element fp32 scale (delayed scaling), the twin of cast_to_fp8(x, scale, dtype).
     Returns (fp8 tensor, scales (rows, cols / tile_cols) or the given one, the whole tensor's amax)."""
+    check_matrix(x)
     rows, cols = x.shape
-    tile_cols = tile_cols or cols
+    tile_cols = cols if tile_cols is None else tile_cols
+    if tile_cols < 1:
+        raise ValueError(f"tile_cols={tile_cols} must be >= 1")
     if cols % tile_cols:
         raise ValueError(f"cols={cols} is not divisible by tile_cols={tile_cols}")
     if not INTERPRETED and not x.is_cuda:
@@ -190,6 +234,7 @@ def fused_amax_cast(x: torch.Tensor, tile_cols: int | None = None, dtype: torch.
     _amax_cast_kernel[grid](x, q, scale, amax, rows, cols, tile_cols, ROWS=rows_per_program,
                             BLOCK=block, FP8_MAX=finfo.max, MIN_EXP=int(math.log2(finfo.smallest_normal)),
                             MANTISSA_BITS=int(-math.log2(finfo.eps)), EPS=AMAX_EPS, GIVEN_SCALE=given,
+                            NAN_BITS=NAN_BITS, INF_BITS=INF_BITS[dtype],
                             num_warps=min(16, max(4, rows_per_program * block // 1024)))
     return q, scale, amax
 
@@ -198,7 +243,10 @@ class DelayedScaling:
     """Transformer Engine: s = fp8_max / (max of the last history_len amaxes x 2^margin) is known
     before x is read, so one fused pass casts x with it and records x's amax for later calls. A spike
     above the whole history saturates until it enters it; a margin buys headroom with precision.
-    amax_history: newest first, kept on x's device (the host never waits on a device-to-host copy)."""
+    amax_history: newest first, kept on x's device (the host never waits on a device-to-host copy).
+    Guard (Transformer Engine's rule): while that max is 0 (an all-zero history) or not finite (an
+    inf or NaN amax recorded in the window), s = 1, never 0, inf or NaN; a non-finite x still casts
+    to non-finite values (see cast_to_fp8), and s returns to the rule once it leaves the window."""
 
     def __init__(self, dtype: torch.dtype = E4M3, history_len: int = 16, margin: int = 0) -> None:
         if history_len < 1:
@@ -210,9 +258,15 @@ class DelayedScaling:
         """The (1, 1) scale the next quantize uses; None before the first call (no history) unless given
         first_amax: the first call's own amax."""
         amax = self.amax_history.max() if self.calls else first_amax
-        return None if amax is None else amax_to_scale(amax * 2.0 ** self.margin, self.dtype).view(1, 1)
+        if amax is None:
+            return None
+        scale = amax_to_scale(amax, self.dtype) / 2.0 ** self.margin
+        return scale.where((amax > 0) & amax.isfinite(), 1.0).view(1, 1)  # the guard
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() == 0 or x.numel() == 0:
+            raise ValueError(f"x must be non-empty with >= 1 dimension (rows of its last), got shape "
+                             f"{tuple(x.shape)}")
         self.amax_history = self.amax_history.to(x.device)  # a no-op after the first call
         scale = self.scale(None if self.calls else x.detach().abs().amax())  # first call: reduce, then cast
         q, _, amax = fused_amax_cast(x.detach().reshape(-1, x.shape[-1]), dtype=self.dtype, scale=scale)
@@ -266,7 +320,10 @@ class _Float8Matmul(torch.autograd.Function):
 
 class Float8Linear(nn.Linear):
     """Drop-in for nn.Linear (same parameters, same state_dict) whose GEMMs run in FP8; the bias,
-    if any, is added in high precision."""
+    if any, is added in high precision. Like nn.Linear, an empty batch gives an empty output (and a
+    zero weight gradient): with no amax to scale by, it skips FP8."""
+
+    DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # FP8 GEMMs output these
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Float8Linear":
@@ -276,7 +333,13 @@ class Float8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _Float8Matmul.apply(x.reshape(-1, self.in_features), self.weight).reshape(*x.shape[:-1], -1)
+        if x.dtype != self.weight.dtype or x.dtype not in self.DTYPES:
+            raise ValueError(f"Float8Linear computes in float32, bfloat16 or float16 (input and weight "
+                             f"alike), got input {x.dtype} and weight {self.weight.dtype}")
+        if x.numel() == 0:
+            return F.linear(x, self.weight, self.bias)
+        out = _Float8Matmul.apply(x.reshape(-1, self.in_features), self.weight)
+        out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
 

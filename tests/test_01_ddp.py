@@ -17,6 +17,7 @@ Tolerances (fp32 on CPU), measured then widened with margin:
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import os
@@ -151,6 +152,190 @@ def test_stages_without_embed_or_head_compose_to_the_whole_model():
     assert torch.equal(last(hidden, targets), whole(tokens, targets))
     assert {n for n, _ in first.named_parameters()} | {n for n, _ in last.named_parameters()} == \
         {n for n, _ in whole.named_parameters()}
+
+
+# --- the reference pinned down on its own: RoPE, initialisation, a float64 model, AdamW ----------
+
+@st.composite
+def gqa_model_configs(draw) -> "ddp.ModelConfig":
+    cfg = draw(model_configs())
+    kv_heads = draw(st.sampled_from([k for k in (1, 2, 4) if cfg.n_heads % k == 0]))
+    return dataclasses.replace(cfg, n_kv_heads=kv_heads)
+
+
+def rope_complex_float64(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE by its definition: the pair (x_j, x_{j+d/2}) is the complex number x_j + i x_{j+d/2},
+    multiplied by e^(i p theta^(-2j/d)) at position p. x: (batch, seq, heads, d), in float64."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / x.shape[-1])
+    angle = positions.double()[:, None] * freq
+    z = torch.complex(x[..., :half], x[..., half:]) * torch.polar(torch.ones_like(angle), angle)[:, None]
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+@given(head_dim=st.sampled_from([2, 4, 8, 16]), seq=st.integers(1, 12), offset=st.integers(0, 1000),
+       theta=st.sampled_from([10000.0, 500000.0]), seed=st.integers(0, 99))
+def test_rope_is_the_complex_rotation(head_dim, seq, offset, theta, seed):
+    x = torch.randn(2, seq, 3, head_dim, generator=torch.Generator().manual_seed(seed))
+    positions = torch.arange(seq) + offset
+    got = ddp.apply_rope(x, *ddp.rope_angles(positions, head_dim, theta)).double()
+    # fp32 angles p x freq are off by ~p_max 2^-24 radians, which moves a value by that much times
+    # its pair's norm: measured <= 0.6 p_max 2^-24 max|x| over 300 draws; allow 4 x that, + 1e-6.
+    # A wrong frequency or pairing is off by O(|x|).
+    bound = 4 * (offset + seq) * 2.0 ** -24 * x.abs().max().item() + 1e-6
+    torch.testing.assert_close(got, rope_complex_float64(x.double(), positions, theta), atol=bound, rtol=0)
+
+
+def attention_scores(model, tokens, positions) -> list[torch.Tensor]:
+    """q k^T in every layer, as the attention function receives q and k (after RoPE)."""
+    scores = []
+
+    def recording_attention(q, k, v):
+        scores.append(q.double() @ k.double().transpose(-1, -2))
+        return ddp.causal_attention(q, k, v)
+
+    for layer in model.layers.values():
+        layer.attn.attn_fn = recording_attention
+    with torch.no_grad():
+        model(tokens, positions=positions)
+    return scores
+
+
+@given(cfg=gqa_model_configs(), seq_len=st.integers(2, 10), shift=st.integers(1, 1000))
+def test_attention_scores_depend_on_relative_positions_only(cfg, seq_len, shift):
+    """RoPE's point: q_m . k_n depends on m - n only. Shifting every position keeps every score, up to
+    fp32 angle rounding: measured <= 1.1 p_max 2^-24 x max|score| over 100 draws, allow 16 x. Doubling
+    the positions (new offsets) changes them: measured >= 0.18 x max|score|, required 1e-3 x."""
+    model, tokens = ddp.GPT(cfg), ddp.synthetic_batch(cfg, 2, seq_len, step=0)[0]
+    positions = torch.arange(seq_len)
+    base, shifted, doubled = (attention_scores(model, tokens, p) for p in
+                              (positions, positions + shift, 2 * positions))
+    for layer, (b, s, d) in enumerate(zip(base, shifted, doubled, strict=True)):
+        scale = b.abs().max().item()
+        assert (s - b).abs().max().item() <= 16 * (seq_len + shift) * 2.0 ** -24 * scale + 1e-9, layer
+        off_diagonal = ~torch.eye(seq_len, dtype=torch.bool)
+        assert (d - b)[..., off_diagonal].abs().max().item() > 1e-3 * scale, layer
+
+
+RESIDUAL_OUTPUTS = ("attn.out_proj.weight", "mlp.down_proj.weight")
+UNSCALED = ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight", "mlp.gate_proj.weight",
+            "mlp.up_proj.weight")
+
+
+@pytest.mark.parametrize("n_layers", [1, 3])
+def test_init_std_of_each_parameter_group(n_layers):
+    """GPT.reset_parameters' rule: norms 1; residual-branch outputs N(0, (init_std / sqrt(2 n_layers))^2);
+    every other weight N(0, init_std^2), each drawn independently. The sample std of n normal values
+    has relative standard error 1/sqrt(2(n-1)) and the mean std / sqrt(n): allow 5 of each (the
+    smallest weight has 4096 values: 5.5% on the std); an unscaled residual is off by sqrt(2)."""
+    cfg = ddp.ModelConfig(n_layers=n_layers, n_kv_heads=2, seed=1)
+    model = ddp.GPT(cfg)
+    params = dict(model.named_parameters())
+    rule = {"embed.weight": cfg.init_std, "lm_head.weight": cfg.init_std, "norm.weight": None}
+    for i in range(n_layers):
+        rule.update({f"layers.{i}.{n}": cfg.init_std / math.sqrt(2 * n_layers) for n in RESIDUAL_OUTPUTS})
+        rule.update({f"layers.{i}.{n}": cfg.init_std for n in UNSCALED})
+        rule.update({f"layers.{i}.{n}_norm.weight": None for n in ("attn", "mlp")})
+    assert params.keys() == rule.keys()
+    for name, std in rule.items():
+        p, n = params[name].detach().double(), params[name].numel()
+        if std is None:
+            assert torch.equal(p, torch.ones_like(p)), name
+            continue
+        assert abs(p.std().item() / std - 1) < 5 / math.sqrt(2 * (n - 1)), (name, p.std().item(), std)
+        assert abs(p.mean().item()) < 5 * std / math.sqrt(n), name
+    weights = [p.flatten()[:1024] for p in params.values() if p.dim() == 2]
+    assert len({tuple(w.tolist()) for w in weights}) == len(weights), "weights must be drawn independently"
+
+
+def reference_forward_float64(model, tokens: torch.Tensor, positions: torch.Tensor):
+    """The GPT written out from its docstrings with plain tensor ops, in float64, from model's weights.
+    Returns (hidden states after the last layer, logits)."""
+    cfg, w = model.cfg, {name: p.detach().double() for name, p in model.named_parameters()}
+    batch, seq = tokens.shape
+    heads, kv_heads, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+
+    def rmsnorm(x, weight):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * weight
+
+    def project(x, name, n_heads):
+        return (x @ w[name].T).view(batch, seq, n_heads, d)
+
+    kv_of_head = torch.arange(heads) // (heads // kv_heads)  # query head j reads key/value head j // g
+    future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    h = w["embed.weight"][tokens]
+    for i in range(cfg.n_layers):
+        pre = f"layers.{i}."
+        x = rmsnorm(h, w[pre + "attn_norm.weight"])
+        q = rope_complex_float64(project(x, pre + "attn.q_proj.weight", heads), positions, cfg.rope_theta)
+        k = rope_complex_float64(project(x, pre + "attn.k_proj.weight", kv_heads), positions, cfg.rope_theta)
+        v = project(x, pre + "attn.v_proj.weight", kv_heads)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k[:, :, kv_of_head]) / math.sqrt(d)
+        probs = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
+        attn = torch.einsum("bhqk,bkhd->bqhd", probs, v[:, :, kv_of_head]).reshape(batch, seq, heads * d)
+        h = h + attn @ w[pre + "attn.out_proj.weight"].T
+        x = rmsnorm(h, w[pre + "mlp_norm.weight"])
+        gate = x @ w[pre + "mlp.gate_proj.weight"].T
+        swiglu = gate * torch.sigmoid(gate) * (x @ w[pre + "mlp.up_proj.weight"].T)  # silu(gate) x up
+        h = h + swiglu @ w[pre + "mlp.down_proj.weight"].T
+    return h, rmsnorm(h, w["norm.weight"]) @ w["lm_head.weight"].T
+
+
+@given(cfg=gqa_model_configs(), seq_len=st.integers(1, 10), offset=st.integers(0, 50))
+def test_logits_equal_a_float64_implementation_of_the_same_weights(cfg, seq_len, offset):
+    """Weights are redrawn at std 1/sqrt(fan_in) and norm weights around 1, so attention is sharp and
+    every part of the forward moves the logits by O(1): at the init std attention is near uniform
+    and a wrong score would hide. fp32 against float64 over 200 configurations: measured <= 5.0e-6
+    on logits (up to 16 in size) and 7.9e-6 on hidden states; allow 1e-4 (+ rtol 1e-5)."""
+    model = ddp.GPT(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            fan_in = p.shape[1] if p.dim() == 2 and name != "embed.weight" else 1
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in) + (1.0 if p.dim() == 1 else 0.0))
+    tokens, targets = ddp.synthetic_batch(cfg, 2, seq_len, step=0)
+    positions = torch.arange(seq_len) + offset
+    hidden, logits = reference_forward_float64(model, tokens, positions)
+    tolerance = dict(atol=1e-4, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, positions=positions).double(), logits, **tolerance)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        torch.testing.assert_close(model(tokens, targets, positions).double(), loss, **tolerance)
+        model.loss_fn = lambda lg, tg: (lg, tg)  # the hook receives the logits and the targets as they are
+        hooked_logits, hooked_targets = model(tokens, targets, positions)
+        torch.testing.assert_close(hooked_logits.double(), logits, **tolerance)
+        assert torch.equal(hooked_targets, targets)
+        model.lm_head = None  # a stage without the head returns the last hidden states
+        torch.testing.assert_close(model(tokens, positions=positions).double(), hidden, **tolerance)
+
+
+def test_make_optimizer_is_adamw_with_the_documented_hyperparameters():
+    model = ddp.GPT(ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32))
+    optimizer = ddp.make_optimizer(model, lr=3e-4, eps=1e-6)
+    assert type(optimizer) is torch.optim.AdamW and len(optimizer.param_groups) == 1
+    group = optimizer.param_groups[0]
+    assert [id(p) for p in group["params"]] == [id(p) for p in model.parameters()]
+    hyperparameters = group["lr"], group["eps"], group["weight_decay"], group["betas"]
+    assert hyperparameters == (3e-4, 1e-6, 0.1, (0.9, 0.999))
+
+
+def test_training_steps_are_adamw_steps_with_the_given_lr_and_eps(rank_pool):
+    """AdamW's first step, written out: bias-corrected m = g and v = g^2, so
+    p <- p (1 - lr wd) - lr g / (|g| + eps). With eps = 1e-3, comparable to the gradients, an eps
+    that does not reach AdamW (1e-8 instead) moves a parameter by lr eps / (|g| + eps): measured
+    >= 4e-3 per tensor over 10 seeds, against fp32 rounding <= 7.2e-8; allow 5e-7."""
+    cfg, lr, eps, wd = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32), 1e-2, 1e-3, 0.1
+    initial = ddp.cpu_copy(ddp.GPT(cfg).named_parameters())
+    runs = {"single device": ddp.train_single_device(cfg, 1, 4, 6, lr=lr, adam_eps=eps)}
+    for mode in ddp.DP_MODES:
+        runs[mode] = rank_pool.run(2, ddp.train_data_parallel, cfg, 1, 4, 6, mode=mode, lr=lr,
+                                   adam_eps=eps)[0][0]
+    for run, result in runs.items():
+        for name, g in result.first_grads.items():
+            g, p = g.double(), initial[name].double()
+            expected = p * (1 - lr * wd) - lr * g / (g.abs() + eps)
+            torch.testing.assert_close(result.params[name].double(), expected, atol=5e-7, rtol=0,
+                                       msg=lambda m, name=name, run=run: f"{run}, {name}: {m}")
 
 
 # --- the comm meter ---------------------------------------------------------------------------
@@ -385,6 +570,96 @@ def test_bad_configuration_fails_on_every_rank_without_hanging(rank_pool, kwargs
     for tb in failure.value.errors.values():
         assert "ValueError" in tb
         assert re.search(message, tb), tb
+
+
+def grads_with_a_frozen_embedding(cfg, mode, unused_trainable=False):
+    """One synced step with embed.weight frozen (and, if asked, a trainable parameter that gets no
+    gradient): the gradients, or the error message."""
+    model = ddp.GPT(cfg)
+    model.embed.weight.requires_grad_(False)
+    if unused_trainable:
+        model.unused = torch.nn.Parameter(torch.zeros(3))
+    wrapper = ddp.BucketedDataParallel(model, bucket_bytes=2048) if mode == "bucketed" else None
+    tokens, targets = ddp.synthetic_batch(cfg, 4, 6, 0, dist.get_rank(), dist.get_world_size())
+    model(tokens, targets).backward()
+    try:  # every rank fails at the same parameter, after the same collectives: the group stays usable
+        wrapper.finish_gradient_sync() if wrapper else ddp.all_reduce_gradients(model)
+    except RuntimeError as error:
+        return str(error)
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ddp.DP_MODES)
+def test_frozen_parameters_are_skipped_and_unused_trainable_ones_refused(rank_pool, mode):
+    cfg = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32)
+    model = ddp.GPT(cfg)
+    model.embed.weight.requires_grad_(False)
+    tokens, targets = ddp.synthetic_batch(cfg, 4, 6, 0)
+    model(tokens, targets).backward()
+    for grads in rank_pool.run(2, grads_with_a_frozen_embedding, cfg, mode):
+        assert grads["embed.weight"] is None
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(grads[name], p.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+    for message in rank_pool.run(2, grads_with_a_frozen_embedding, cfg, mode, unused_trainable=True):
+        assert "got no gradient" in message and "unused" in message
+
+
+def wrap_twice(cfg):
+    model = ddp.GPT(cfg)
+    ddp.BucketedDataParallel(model)
+    ddp.BucketedDataParallel(model)  # a re-run notebook cell
+
+
+def test_wrapping_a_model_twice_fails_when_built(rank_pool):
+    with pytest.raises(RankFailure) as failure:
+        rank_pool.run(2, wrap_twice, ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32), timeout=30)
+    for tb in failure.value.errors.values():
+        assert "ValueError: cannot wrap with BucketedDataParallel: this model's gradients are already " \
+               "synchronised by BucketedDataParallel" in tb
+
+
+def test_wrapping_a_model_without_trainable_parameters_fails_and_claims_nothing():
+    model = ddp.GPT(ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32)).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"^the model has no trainable parameter \(requires_grad=True\)"):
+        ddp.BucketedDataParallel(model)  # before any collective: no process group is needed
+    assert not hasattr(model, "gradient_sync_owner"), "a failed build must not claim the model"
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+@pytest.mark.parametrize("env, nproc, message", [
+    ({"WORLD_SIZE": "1"}, 3, "global_batch=16 is not divisible by world_size x accum_steps = 3 x 2 = 6"),
+    ({"RANK": "0"}, 2, "RANK is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT not: a partial torchrun "
+                       "environment (run under torchrun, or unset RANK to launch 2 local processes)"),
+], ids=["stray WORLD_SIZE", "partial torchrun environment"])
+def test_launcher_checks_the_world_that_will_run_in_one_line(monkeypatch, capsys, env, nproc, message):
+    """The defaults (global batch 16, accum 2) are checked against the ranks that would really start,
+    before any starts: a stray WORLD_SIZE is not what local processes get; RANK alone is no torchrun."""
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["01_ddp.py", "--nproc", str(nproc)])
+    monkeypatch.setattr(ddp, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    with pytest.raises(SystemExit) as exit_:
+        ddp.main()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"01_ddp.py: error: {message}\n"
+
+
+def test_launch_world_size(monkeypatch):
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert ddp.launch_world_size(3) == 3, "local processes get their own WORLD_SIZE"
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="RANK is set but MASTER_ADDR, MASTER_PORT not"):
+        ddp.launch(print, "a rank ran", nproc=3)  # before fn runs, in one process or in many
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert ddp.launch_world_size(3) == 1, "under torchrun, torchrun's world size"
 
 
 # --- the script itself ------------------------------------------------------------------------
