@@ -198,7 +198,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, first_id: int, vocab_size: int,
                 group) -> torch.Tensor:
         ids = first_id + torch.arange(logits.shape[1], device=logits.device)
-        logits = logits.float().masked_fill(ids >= vocab_size, float("-inf"))  # padding: e^-inf = 0
+        ctx.dtype = logits.dtype
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32
+        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding: e^-inf = 0
         row_max = logits.max(dim=1).values
         ddp.all_reduce(row_max, group=group, op=dist.ReduceOp.MAX)
         exp = (logits - row_max[:, None]).exp()
@@ -219,7 +221,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax.clone()
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows[mine], local_target[mine]] -= 1.0  # d loss / d logit = softmax - onehot, local
-        return grad * (grad_loss / grad.shape[0]), None, None, None, None
+        return (grad * (grad_loss / grad.shape[0])).to(ctx.dtype), None, None, None, None
 
 
 @dataclass
@@ -549,6 +551,7 @@ def dtensor_plan(sequence_parallel: bool, n_layers: int) -> dict:
 def bench(args: argparse.Namespace) -> None:
     """Ours against DTensor parallelize_module on the same model and batch, interleaved rounds."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     device = ddp.init_distributed()
     rank, tp = dist.get_rank(), dist.get_world_size()
@@ -560,7 +563,8 @@ def bench(args: argparse.Namespace) -> None:
         models["ours", sp] = apply_tensor_parallel(ddp.GPT(cfg).to(device), None, sp)
         models["DTensor", sp] = parallelize_module(ddp.GPT(cfg).to(device), mesh,
                                                    dtensor_plan(sp, cfg.n_layers))
-    optimizers = {key: ddp.make_optimizer(model, 1e-3) for key, model in models.items()}
+    # eps 1e-6 as in the tests: Adam would magnify rounding on tiny gradients (see 01_ddp.py)
+    optimizers = {key: ddp.make_optimizer(model, 1e-3, 1e-6) for key, model in models.items()}
     losses = {key: [] for key in models}
 
     def step(key) -> None:
@@ -579,7 +583,7 @@ def bench(args: argparse.Namespace) -> None:
                 times[key] += t
     params = {}
     for key, model in models.items():
-        params[key] = {n: (p.full_tensor() if key[0] == "DTensor" else unshard(p)).detach().cpu()
+        params[key] = {n: (p.full_tensor() if isinstance(p, DTensor) else unshard(p)).detach().cpu()
                        for n, p in model.named_parameters()}
     if rank == 0:
         n_params = sum(p.numel() for p in params["ours", False].values())
