@@ -257,7 +257,8 @@ def _shard(weight: torch.Tensor, dim: int, ctx: Context, full_size: int | None =
     per_rank = math.ceil(full_size / ctx.tp)
     pad = [0, 0] * (weight.dim() - 1 - dim) + [0, per_rank * ctx.tp - full_size]
     padded = F.pad(weight.detach(), pad)
-    param = nn.Parameter(padded.narrow(dim, ctx.rank * per_rank, per_rank).clone())
+    param = nn.Parameter(padded.narrow(dim, ctx.rank * per_rank, per_rank).clone(),
+                         requires_grad=weight.requires_grad)  # a frozen weight stays frozen
     param.tp_shard_dim, param.tp_full_size = dim, full_size
     return param
 
@@ -348,7 +349,7 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
         # Outside the regions each rank sees only its tokens, so a replicated parameter (the norm
         # weights) gets a partial gradient: sum it over the group (f on the parameter).
         for param in model.parameters():
-            if not hasattr(param, "tp_shard_dim"):
+            if param.requires_grad and not hasattr(param, "tp_shard_dim"):
                 param.register_hook(lambda grad: _all_reduced(grad, group))
 
     def check_inputs(_, args, kwargs):
@@ -383,11 +384,14 @@ def unshard(param: torch.Tensor, group=None, like: nn.Parameter | None = None) -
 
 def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
                           sequence_parallel: bool = False, lr: float = 1e-3, adam_eps: float = 1e-8,
-                          group=None, device: torch.device | str = "cpu", data_seed: int = 0):
+                          group=None, device: torch.device | str = "cpu", data_seed: int = 0,
+                          transform=None):
     """Every rank of the group trains on the whole global batch with its shards. Returns the
     result with full (reassembled) step-0 gradients and final parameters, and a meter of the
-    communication inside the training steps."""
-    model = apply_tensor_parallel(ddp.GPT(cfg).to(device), group, sequence_parallel)
+    communication inside the training steps. `transform` as in ddp.train_single_device."""
+    model = ddp.GPT(cfg)
+    model = apply_tensor_parallel((transform(model) if transform else model).to(device), group,
+                                  sequence_parallel)
     optimizer = ddp.make_optimizer(model, lr, adam_eps)
     result = ddp.TrainResult([], {}, {})
     with ddp.comm_meter() as meter:
@@ -397,7 +401,8 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
             loss.backward()
             result.losses.append(loss.detach())
             if step == 0:
-                grads = [(n, p.grad.clone(), p) for n, p in model.named_parameters()]
+                grads = [(n, p.grad.clone(), p) for n, p in model.named_parameters()
+                         if p.grad is not None]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     result.losses = [loss.item() for loss in result.losses]

@@ -29,11 +29,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import ROOT, RankFailure
+from test_01_ddp import ADAM_EPS, GRAD_ATOL, PARAM_ATOL, assert_matches_reference
 
 ddp = importlib.import_module("01_ddp")
 tpm = importlib.import_module("03_tensor_parallel")
-
-LOSS_ATOL, GRAD_ATOL, GRAD_RTOL, PARAM_ATOL, ADAM_EPS = 1e-5, 1e-6, 1e-4, 1e-5, 1e-6
 
 
 # --- the whole model equals one device ----------------------------------------------------------
@@ -61,14 +60,7 @@ def test_tensor_parallel_equals_single_device(rank_pool, setup, batch):
                          sequence_parallel=sequence_parallel, adam_eps=ADAM_EPS)
     reference = ddp.train_single_device(cfg, steps, batch, seq_len, adam_eps=ADAM_EPS)
     result = runs[0][0]
-    assert result.losses == pytest.approx(reference.losses, abs=LOSS_ATOL)
-    assert result.first_grads.keys() == reference.first_grads.keys()
-    for name, grad in reference.first_grads.items():
-        torch.testing.assert_close(result.first_grads[name], grad, atol=GRAD_ATOL, rtol=GRAD_RTOL,
-                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
-    for name, param in reference.params.items():
-        torch.testing.assert_close(result.params[name], param, atol=PARAM_ATOL, rtol=0,
-                                   msg=lambda m, name=name: f"parameter {name} after training: {m}")
+    assert_matches_reference(result, reference)
     for rank, (other, _) in enumerate(runs[1:], start=1):
         assert other.losses == result.losses, f"rank {rank} computed another loss"
         for name, param in result.params.items():
@@ -84,6 +76,40 @@ def test_tensor_parallel_equals_single_device(rank_pool, setup, batch):
         for op, (calls, payload) in formula.items():
             assert (meter.calls(op), meter.payload(op)) == (steps * calls, steps * payload), op
             assert meter.traffic(op) == share[op] * steps * payload
+
+
+def freeze_some(model):
+    """A frozen replicated weight (a norm) and a frozen sharded one (an MLP projection)."""
+    model.layers["0"].attn_norm.weight.requires_grad_(False)
+    model.layers["0"].mlp.up_proj.weight.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_frozen_parameters_stay_frozen_and_the_rest_trains_as_on_one_device(rank_pool,
+                                                                            sequence_parallel):
+    cfg = ddp.ModelConfig(vocab_size=19, dim=16, n_heads=2, ffn_dim=16)
+    runs = rank_pool.run(2, tpm.train_tensor_parallel, cfg, 2, 2, 4, adam_eps=ADAM_EPS,
+                         sequence_parallel=sequence_parallel, transform=freeze_some)
+    # ddp.train_single_device copies every .grad, so the reference loop is spelled out here.
+    model = freeze_some(ddp.GPT(cfg))
+    optimizer = ddp.make_optimizer(model, 1e-3, ADAM_EPS)
+    reference = ddp.TrainResult([], {}, {})
+    for step in range(2):
+        loss = model(*ddp.synthetic_batch(cfg, 2, 4, step))
+        loss.backward()
+        reference.losses.append(loss.item())
+        if step == 0:
+            reference.first_grads = ddp.cpu_copy((n, p.grad) for n, p in model.named_parameters()
+                                                 if p.grad is not None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    reference.params = ddp.cpu_copy(model.named_parameters())
+    assert len(reference.first_grads) == len(reference.params) - 2
+    assert_matches_reference(runs[0][0], reference)
+    initial = ddp.GPT(cfg)
+    for name in ("layers.0.attn_norm.weight", "layers.0.mlp.up_proj.weight"):
+        assert torch.equal(runs[0][0].params[name], initial.get_parameter(name)), name
 
 
 def test_formula_is_megatrons_four_all_reduces_per_layer():
