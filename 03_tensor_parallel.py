@@ -44,18 +44,19 @@ group (one all-reduce of h numbers per norm per step). s must be divisible by t.
 
 ACTIVATION MEMORY (what autograd saves per layer; Korthikanti's accounting)
 GPT-3 in 16 bits: s b h (34 + 5 a s / h) bytes without TP; s b h (10 + 24/t + 5 a s / (h t)) with
-TP (10: norms and residual stream, replicated); s b h / t (34 + 5 a s / h) with TP + SP, where the
-paper also re-gathers the column-parallel input in backward instead of storing it. `main()` counts
-the bytes our (fp32, SwiGLU, RMSNorm, fused-attention) layer saves and prints them beside the same
-accounting for it (see activation_formula).
+TP (10: the norms' inputs, dropout masks and the regions' inputs, replicated); s b h / t (34 +
+5 a s / h) with TP + SP, where the paper also re-gathers each region's input in backward instead
+of storing it. `main()` counts the bytes our layer (fp32, SwiGLU, RMSNorm, fused attention, no
+dropout) saves and prints them beside the same accounting for it (activation_formula); we store
+the gathered region inputs, so SP removes only the norms' t-fold replication here.
 
 RUN IT
     python 03_tensor_parallel.py                       # 4 local CPU ranks, tp = 4
     torchrun --nproc_per_node=4 03_tensor_parallel.py  # the same under torchrun
     python 03_tensor_parallel.py --bench               # against DTensor parallelize_module
 Look at: the max |difference| from one device (rounding only); the measured communication per
-layer per step equal to the formula with and without SP; activations per rank shrinking by ~t
-only when SP is on.
+layer per step equal to the formula with and without SP; the activations per rank, measured =
+formula, and how much of them plain TP leaves replicated.
 """
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ import math
 import os
 import statistics
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -473,6 +475,16 @@ def korthikanti_bytes(batch: int, seq_len: int, dim: int, n_heads: int, tp: int,
     return sbh * (34 + scores) / tp if sequence_parallel else sbh * (10 + (24 + scores) / tp)
 
 
+def layer_comm(layer: nn.Module, cfg, batch: int, seq_len: int, seq_shards: int,
+               device) -> "ddp.CommMeter":
+    """The collectives of one layer's forward and backward, on this rank's (b, s / shards, h)."""
+    x = torch.randn(batch, seq_len // seq_shards, cfg.dim, device=device, requires_grad=True)
+    cos, sin = ddp.rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta)
+    with ddp.comm_meter() as meter:
+        layer(x, cos, sin).sum().backward()
+    return meter
+
+
 # ----------------------------------------------------------------------------------------------
 # Demo and benchmark
 # ----------------------------------------------------------------------------------------------
@@ -485,11 +497,12 @@ def demo(args: argparse.Namespace) -> None:
     b, s = args.batch, args.seq_len
     runs = {sp: train_tensor_parallel(cfg, args.steps, b, s, sequence_parallel=sp, device=device)
             for sp in (False, True)}
-    memory = {}
+    memory, layer_meters = {}, {}
     for sp in (False, True):
         model = apply_tensor_parallel(ddp.GPT(cfg).to(device), None, sp)
         tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, b, s, 0))
         memory[sp] = saved_activation_bytes(model, model.layers["0"], tokens, targets)
+        layer_meters[sp] = layer_comm(model.layers["0"], cfg, b, s, tp if sp else 1, device)
     if rank != 0:
         ddp.exit_distributed()
     reference = ddp.train_single_device(cfg, args.steps, b, s, device=device)
@@ -512,15 +525,22 @@ def demo(args: argparse.Namespace) -> None:
             verdict = "= formula" if got == (calls, payload) else "MISMATCH with formula"
             print(f"    {op:<15}{got[0]:>4} calls {got[1]:>10,} B payload, "
                   f"{float(meter.traffic(op)) / args.steps:>10,.0f} B traffic per rank  {verdict}")
-        bsh, share = b * s * cfg.dim * 4, 2 * (tp - 1) / tp
-        ops = "4 all-gathers + 4 reduce-scatters x (t-1)/t" if sp else "4 all-reduces x 2(t-1)/t"
-        print(f"  of which per layer: {ops} x b s h = {4 * bsh * share:,.0f} B traffic per rank "
-              f"(Megatron: 4 all-reduces of b s h per layer per step)")
-    print(f"\nactivations saved by one layer, per rank (fp32):  measured   our formula   "
-          f"Korthikanti GPT-3 (16-bit)")
+        layer = layer_meters[sp]
+        activation_ops = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
+        measured = sum(layer.traffic(op) for op in activation_ops)
+        formula = 4 * Fraction(2 * (tp - 1), tp) * b * s * cfg.dim * 4
+        print(f"  one layer, forward + backward (measured on layer 0): "
+              + ", ".join(f"{layer.calls(op)} {op}" for op in activation_ops)
+              + f" of b s h = {float(measured):,.0f} B traffic per rank; Megatron's 4 all-reduces of "
+              f"b s h = {float(formula):,.0f} B  {'= formula' if measured == formula else 'MISMATCH'}"
+              + (f"; plus {layer.calls('all_reduce')} all-reduces of the norms' h-sized gradients"
+                 if sp else ""))
+    print(f"\nactivations saved by one layer, per rank:{'measured (fp32)':>18}{'our formula':>14}"
+          f"{'Korthikanti, GPT-3 16-bit layer':>34}")
     for sp in (False, True):
-        print(f"  {'TP + SP' if sp else 'TP':<8}{memory[sp]:>40,} B {activation_formula(cfg, b, s, tp, sp):>10,} B"
-              f" {korthikanti_bytes(b, s, cfg.dim, cfg.n_heads, tp, sp):>14,.0f} B")
+        print(f"  {'TP + SP' if sp else 'TP':<40}{memory[sp]:>16,} B"
+              f"{activation_formula(cfg, b, s, tp, sp):>12,} B"
+              f"{korthikanti_bytes(b, s, cfg.dim, cfg.n_heads, tp, sp):>32,.0f} B")
     print(f"  tp = 1 for scale: {activation_formula(cfg, b, s, 1, False):,} B. Plain TP leaves the norms "
           f"replicated; SP shards them too. What stays whole with SP is the all-gathered input of "
           f"each region, which Megatron re-gathers in backward instead of storing.")

@@ -300,5 +300,6 @@ def test_script_runs_as_plain_python():
     for grad_diff, param_diff in diffs:
         assert float(grad_diff) <= GRAD_ATOL and float(param_diff) <= 10 * PARAM_ATOL, stdout
     assert len(re.findall(r"traffic per rank  = formula$", stdout, re.M)) == 4, stdout
+    assert len(re.findall(r"^  one layer, .* B  = formula", stdout, re.M)) == 2, stdout
     memory = re.findall(r"^  TP(?: \+ SP)?\s+([\d,]+) B\s+([\d,]+) B", stdout, re.M)
     assert len(memory) == 2 and all(measured == formula for measured, formula in memory), stdout
