@@ -253,9 +253,9 @@ class Context:
     sequence_parallel: bool
 
 
-def _shard(weight: torch.Tensor, dim: int, ctx: Context, full_size: int | None = None) -> nn.Parameter:
+def _shard(weight: torch.Tensor, dim: int, ctx: Context) -> nn.Parameter:
     """This rank's 1/tp slice along dim, after zero-padding dim to a multiple of tp."""
-    full_size = weight.shape[dim] if full_size is None else full_size
+    full_size = weight.shape[dim]
     per_rank = math.ceil(full_size / ctx.tp)
     pad = [0, 0] * (weight.dim() - 1 - dim) + [0, per_rank * ctx.tp - full_size]
     padded = F.pad(weight.detach(), pad)
@@ -336,6 +336,8 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
     logits; model(tokens, targets) the full mean loss."""
     tp, rank = ddp.group_size(group), dist.get_rank(group)
     validate_tensor_parallel(model.cfg, tp)
+    if any(hasattr(p, "tp_shard_dim") for p in model.parameters()):
+        raise ValueError("this model is already tensor-parallel: apply_tensor_parallel once per model")
     ctx = Context(group, tp, rank, sequence_parallel)
     ddp.broadcast_parameters(model, group)
     vocab_size = model.cfg.vocab_size
@@ -356,11 +358,15 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
 
     def check_inputs(_, args, kwargs):
         tokens = args[0] if args else kwargs["tokens"]
+        targets = args[1] if len(args) > 1 else kwargs.get("targets")
         if sequence_parallel and tokens.shape[1] % tp:
             raise ValueError(f"sequence length {tokens.shape[1]} is not divisible by tp={tp} "
                              f"(sequence parallelism splits the sequence)")
-        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab_size):
-            raise ValueError(f"token ids must lie in [0, {vocab_size})")  # a shard would ignore them
+        # A shard would silently ignore an id no rank holds (one device raises). min/max cost a
+        # device sync per step on a GPU: the price of an error instead of a wrong loss.
+        for ids in (tokens, targets):
+            if ids is not None and ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+                raise ValueError(f"token and target ids must lie in [0, {vocab_size})")
 
     model.register_forward_pre_hook(check_inputs, with_kwargs=True)
     return model

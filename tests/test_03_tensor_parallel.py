@@ -254,11 +254,15 @@ def test_activation_memory_equals_the_formula(rank_pool, tp):
 
 # --- bad input fails on every rank, before any collective ---------------------------------------
 
-def forward_once(cfg, batch, seq_len, sequence_parallel, bad_token):
+def forward_once(cfg, batch, seq_len, sequence_parallel, bad_token, bad_target, twice):
     model = tpm.apply_tensor_parallel(ddp.GPT(cfg), None, sequence_parallel)
+    if twice:
+        tpm.apply_tensor_parallel(model, None, sequence_parallel)
     tokens, targets = ddp.synthetic_batch(cfg, batch, seq_len, 0)
     if bad_token is not None:
         tokens[0, 0] = bad_token
+    if bad_target is not None:
+        targets[-1, -1] = bad_target
     model(tokens, targets).backward()
 
 
@@ -267,16 +271,18 @@ def forward_once(cfg, batch, seq_len, sequence_parallel, bad_token):
     (dict(n_kv_heads=2), r"n_kv_heads=2 is not divisible by tp=4"),
     (dict(ffn_dim=30), r"ffn_dim=30 is not divisible by tp=4"),
     (dict(seq_len=6, sequence_parallel=True), r"sequence length 6 is not divisible by tp=4"),
-    (dict(bad_token=32), r"token ids must lie in \[0, 32\)"),
-    (dict(bad_token=-1), r"token ids must lie in \[0, 32\)"),
+    (dict(bad_token=32), r"target ids must lie in \[0, 32\)"),
+    (dict(bad_token=-1), r"target ids must lie in \[0, 32\)"),
+    (dict(bad_target=32), r"target ids must lie in \[0, 32\)"),
+    (dict(twice=True), r"already tensor-parallel"),
 ])
 def test_bad_sizes_fail_on_every_rank_without_hanging(rank_pool, changes, message):
-    run = dict(seq_len=8, sequence_parallel=False, bad_token=None)
+    changes = dict(changes)  # parametrize shares the dict between reruns
+    run = dict(seq_len=8, sequence_parallel=False, bad_token=None, bad_target=None, twice=False)
     run.update({k: changes.pop(k) for k in list(changes) if k in run})
     cfg = ddp.ModelConfig(**{**dict(vocab_size=32, dim=16, n_heads=4, ffn_dim=16), **changes})
     with pytest.raises(RankFailure) as failure:
-        rank_pool.run(4, forward_once, cfg, 2, run["seq_len"], run["sequence_parallel"],
-                      run["bad_token"], timeout=30)
+        rank_pool.run(4, forward_once, cfg, 2, timeout=30, **run)
     assert sorted(failure.value.errors) == [0, 1, 2, 3]
     for tb in failure.value.errors.values():
         assert "ValueError" in tb and re.search(message, tb), tb
