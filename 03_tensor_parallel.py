@@ -220,9 +220,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         softmax, local_target, mine = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows[mine], local_target[mine]] -= 1.0  # d loss / d logit = softmax - onehot, local
+        # d loss / d logit = softmax - onehot(target), all local; the onehot only where this rank
+        # holds the target (a scatter, not boolean indexing, which would sync a GPU).
+        grad = softmax.scatter_add(1, local_target[:, None], -mine.to(softmax.dtype)[:, None])
         return (grad * (grad_loss / grad.shape[0])).to(ctx.dtype), None, None, None, None
 
 
