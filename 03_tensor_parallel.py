@@ -496,10 +496,14 @@ def layer_comm(layer: nn.Module, cfg, batch: int, seq_len: int, seq_shards: int,
 # ----------------------------------------------------------------------------------------------
 
 
+DEMO_MODEL = dict(dim=64, n_heads=8, n_kv_heads=4, ffn_dim=176)  # grouped-query: 2 queries per K/V
+BENCH_MODEL = dict(vocab_size=8192, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688)
+
+
 def demo(args: argparse.Namespace) -> None:
     device = ddp.init_distributed()
     rank, tp = dist.get_rank(), dist.get_world_size()
-    cfg = ddp.ModelConfig(vocab_size=args.vocab, dim=64, n_heads=8, n_kv_heads=4, ffn_dim=176)
+    cfg = ddp.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL)
     b, s = args.batch, args.seq_len
     runs = {sp: train_tensor_parallel(cfg, args.steps, b, s, sequence_parallel=sp, device=device)
             for sp in (False, True)}
@@ -586,7 +590,7 @@ def bench(args: argparse.Namespace) -> None:
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     device = ddp.init_distributed()
     rank, tp = dist.get_rank(), dist.get_world_size()
-    cfg = ddp.ModelConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688)
+    cfg = ddp.ModelConfig(**BENCH_MODEL)
     mesh = init_device_mesh(device.type, (tp,))
     tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, args.bench_batch, 128, 0))
     models, optimizers = {}, {}
@@ -653,9 +657,7 @@ def main() -> None:
         parser.error("--bench-rounds must be >= 2 (the first round is warm-up)")
     tp = int(os.environ.get("WORLD_SIZE", args.nproc))
     try:  # the sizes the ranks would reject, caught before any process starts
-        validate_tensor_parallel(ddp.ModelConfig(n_heads=8, n_kv_heads=4, ffn_dim=176), tp)
-        if args.bench:
-            validate_tensor_parallel(ddp.ModelConfig(dim=256, n_heads=8, n_kv_heads=4, ffn_dim=688), tp)
+        validate_tensor_parallel(ddp.ModelConfig(**(BENCH_MODEL if args.bench else DEMO_MODEL)), tp)
         if (128 if args.bench else args.seq_len) % tp:
             raise ValueError(f"--seq-len {args.seq_len} is not divisible by tp={tp} (the demo runs "
                              f"sequence parallelism)")
