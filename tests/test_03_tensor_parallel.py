@@ -113,6 +113,23 @@ def test_frozen_parameters_stay_frozen_and_the_rest_trains_as_on_one_device(rank
         assert torch.equal(runs[0][0].params[name], initial.get_parameter(name)), name
 
 
+def train_on_strided_subgroups(cfg, sequence_parallel):
+    """4 ranks, two tensor-parallel groups {0, 2} and {1, 3}: nothing may assume the world group."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+    return tpm.train_tensor_parallel(cfg, 2, 2, 4, sequence_parallel=sequence_parallel,
+                                     adam_eps=ADAM_EPS, group=groups[dist.get_rank() % 2])
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_on_a_subgroup(rank_pool, sequence_parallel):
+    cfg = ddp.ModelConfig(vocab_size=21, dim=16, n_heads=2, ffn_dim=16, seed=3)
+    runs = rank_pool.run(4, train_on_strided_subgroups, cfg, sequence_parallel)
+    reference = ddp.train_single_device(cfg, 2, 2, 4, adam_eps=ADAM_EPS)
+    for rank, (result, meter) in enumerate(runs):
+        assert_matches_reference(result, reference)
+        assert {ranks for _, ranks in meter.stats} == {(0, 2) if rank % 2 == 0 else (1, 3)}
+
+
 def test_formula_is_megatrons_four_all_reduces_per_layer():
     # Without the loss and embedding terms, the formula is 4 b s h per layer; with SP the same
     # volume as all-gathers + reduce-scatters (all-reduce = reduce-scatter + all-gather).
