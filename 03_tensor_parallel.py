@@ -1,0 +1,670 @@
+"""Lesson 03: tensor parallelism (Megatron), vocab-parallel embedding and cross-entropy, sequence
+parallelism, and grouped-query attention.
+
+THE IDEA
+Data parallelism copies the model; tensor parallelism (TP) splits every big matrix over the t ranks
+of a group, so each rank stores and multiplies 1/t of the weights, on the same tokens.
+- Column-parallel linear, W = [W_1 .. W_t] split by output features: rank r computes Y_r = X W_r^T,
+  its slice of the output features. Needs the whole input X; produces a sharded output.
+- Row-parallel linear, W split by input features: rank r computes X_r W_r^T from its input slice;
+  the true output is the SUM over ranks. Needs a sharded input; produces partial sums.
+Chaining them costs one reduction per pair (Megatron-LM, Shoeybi et al. 2019):
+- attention: q, k, v column-parallel = split by heads (heads are independent), out_proj
+  row-parallel. Grouped-query attention (Llama 3: n_kv_heads < n_heads, query head i reads key/value
+  head i // (n_heads / n_kv_heads)) splits both head counts by t, so a rank's query heads find
+  their key/value heads locally: t must divide n_heads and n_kv_heads.
+- SwiGLU MLP: gate and up column-parallel (silu(gate) * up is elementwise, so it stays local), down
+  row-parallel. t must divide ffn_dim.
+
+THE CONJUGATE OPERATORS (autograd functions; each region is  f -> local work -> g)
+  f: forward identity,   backward all-reduce   (the input is used by every rank: sum its gradients)
+  g: forward all-reduce, backward identity     (the output is a sum of partials)
+  cost of each all-reduce of a (b, s, h) activation: 2(t-1)/t x b s h x bytes per rank (ring).
+Per layer and training step: g after attention, g after the MLP (forward), f before each of them
+(backward): 4 all-reduces of b x s x h. Plus, once per step: the vocab-parallel embedding's g
+(forward), the LM head's f (backward) and the three all-reduces of b x s numbers in the loss.
+
+VOCAB PARALLELISM (the embedding and the LM head are the largest matrices of a small model)
+Embedding: rank r holds rows [r V/t, (r+1) V/t); an id outside that range looks up nothing (zero),
+and g sums the partial embeddings. LM head: column-parallel over the vocabulary, and the
+cross-entropy never materialises the full logits: loss = log sum_v e^(z_v - m) - (z_target - m)
+needs only three all-reduces of one number per token: the max m (MAX), the sum of exponentials and
+the target logit (SUM); the gradient softmax - onehot is computed locally. A vocabulary that t does
+not divide is padded to a multiple of t; padded logits are -inf, so the padding never changes the
+loss, and their rows never receive a gradient.
+
+SEQUENCE PARALLELISM (Korthikanti et al. 2022)
+Between the regions (norms, residual adds) plain TP computes the same thing on every rank and
+stores t copies of those activations. SP splits them along the sequence instead: the all-reduce g
+becomes a reduce-scatter along the sequence (forward; all-gather backward) and f an all-gather
+(forward; reduce-scatter backward). All-reduce = reduce-scatter + all-gather, so the traffic is
+the same: per layer per step 4 all-gathers + 4 reduce-scatters of b x s x h, (t-1)/t x bsh each.
+Norm weights are replicated but each rank only sees its tokens: their gradients are summed over the
+group (one all-reduce of h numbers per norm per step). s must be divisible by t.
+
+ACTIVATION MEMORY (what autograd saves per layer; Korthikanti's accounting)
+GPT-3 in 16 bits: s b h (34 + 5 a s / h) bytes without TP; s b h (10 + 24/t + 5 a s / (h t)) with
+TP (10: the norms' inputs, dropout masks and the regions' inputs, replicated); s b h / t (34 +
+5 a s / h) with TP + SP, where the paper also re-gathers each region's input in backward instead
+of storing it. `main()` counts the bytes our layer (fp32, SwiGLU, RMSNorm, fused attention, no
+dropout) saves and prints them beside the same accounting for it (activation_formula); we store
+the gathered region inputs, so SP removes only the norms' t-fold replication here.
+
+RUN IT
+    python 03_tensor_parallel.py                       # 4 local CPU ranks, tp = 4
+    torchrun --nproc_per_node=4 03_tensor_parallel.py  # the same under torchrun
+    python 03_tensor_parallel.py --bench               # against DTensor parallelize_module
+Look at: the max |difference| from one device (rounding only); the measured communication per
+layer per step equal to the formula with and without SP; the activations per rank, measured =
+formula, and how much of them plain TP leaves replicated.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fnmatch
+import importlib
+import math
+import os
+import statistics
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+ddp = importlib.import_module("01_ddp")
+
+# ----------------------------------------------------------------------------------------------
+# The conjugate communication operators
+# ----------------------------------------------------------------------------------------------
+
+
+def _all_reduced(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)  # x may be shared: never reduce in place
+    ddp.all_reduce(out, group=group)
+    return out
+
+
+def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """(b, s/t, h) shards -> (b, s, h). The collective concatenates along dim 0: go through (s, b, h)."""
+    shard = x.transpose(0, 1).contiguous()
+    out = shard.new_empty((shard.shape[0] * ddp.group_size(group), *shard.shape[1:]))
+    ddp.all_gather(out, shard, group=group)
+    return out.transpose(0, 1).contiguous()  # else each linear reading it saves its own copy
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """(b, s, h) partial sums -> this rank's (b, s/t, h) slice of their sum."""
+    full = x.transpose(0, 1).contiguous()
+    out = full.new_empty((full.shape[0] // ddp.group_size(group), *full.shape[1:]))
+    ddp.reduce_scatter(out, full, group=group)
+    return out.transpose(0, 1).contiguous()
+
+
+class CopyToRegion(torch.autograd.Function):
+    """f: identity forward; all-reduce backward. Cost (backward): 2(t-1)/t x size per rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduced(grad, ctx.group), None
+
+
+class ReduceFromRegion(torch.autograd.Function):
+    """g: all-reduce forward; identity backward. Cost (forward): 2(t-1)/t x size per rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        return _all_reduced(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class GatherSequence(torch.autograd.Function):
+    """SP's f: all-gather along the sequence forward; reduce-scatter backward.
+    Cost: (t-1)/t x full size per rank in each direction."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_sequence(grad, ctx.group), None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """SP's g: reduce-scatter along the sequence forward; all-gather backward.
+    Cost: (t-1)/t x full size per rank in each direction."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_sequence(grad, ctx.group), None
+
+
+def enter_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    return GatherSequence.apply(x, group) if sequence_parallel else CopyToRegion.apply(x, group)
+
+
+def exit_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    return ReduceScatterSequence.apply(x, group) if sequence_parallel else ReduceFromRegion.apply(x, group)
+
+
+# ----------------------------------------------------------------------------------------------
+# Vocab-parallel embedding and cross-entropy
+# ----------------------------------------------------------------------------------------------
+
+
+def vocab_shard(vocab_size: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first id, ids per rank) of rank's slice of the vocabulary padded to a multiple of tp."""
+    per_rank = math.ceil(vocab_size / tp)
+    return rank * per_rank, per_rank
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r's rows of the (padded) table; ids outside them look up zeros. The caller sums the
+    partial embeddings over the group (exit_region)."""
+
+    def __init__(self, weight_shard: nn.Parameter, first_id: int) -> None:
+        super().__init__()
+        self.weight = weight_shard
+        self.first_id = first_id
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.first_id
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return rows.masked_fill(outside[..., None], 0.0)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy from this rank's vocabulary slice of the logits (N, V/t).
+    Communication (forward only): 3 all-reduces of N fp32 numbers: max, sum of exp, target logit."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, first_id: int, vocab_size: int,
+                group) -> torch.Tensor:
+        ids = first_id + torch.arange(logits.shape[1], device=logits.device)
+        ctx.dtype = logits.dtype
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32
+        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding: e^-inf = 0
+        row_max = logits.max(dim=1).values
+        ddp.all_reduce(row_max, group=group, op=dist.ReduceOp.MAX)
+        exp = (logits - row_max[:, None]).exp()
+        sum_exp = exp.sum(dim=1)
+        ddp.all_reduce(sum_exp, group=group)
+        local_target = targets - first_id
+        mine = (local_target >= 0) & (local_target < logits.shape[1])
+        local_target = local_target.masked_fill(~mine, 0)
+        picked = logits.gather(1, local_target[:, None]).squeeze(1) - row_max
+        target_logit = torch.where(mine, picked, torch.zeros_like(picked))  # never -inf * 0
+        ddp.all_reduce(target_logit, group=group)
+        ctx.save_for_backward(exp / sum_exp[:, None], local_target, mine)
+        return (sum_exp.log() - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local_target, mine = ctx.saved_tensors
+        # d loss / d logit = softmax - onehot(target), all local; the onehot only where this rank
+        # holds the target (a scatter, not boolean indexing, which would sync a GPU).
+        grad = softmax.scatter_add(1, local_target[:, None], -mine.to(softmax.dtype)[:, None])
+        return (grad * (grad_loss / grad.shape[0])).to(ctx.dtype), None, None, None, None
+
+
+@dataclass
+class VocabParallelLoss:
+    """A drop-in for GPT.loss_fn: (batch, seq, V/t) logits -> the mean loss over all V."""
+    first_id: int
+    vocab_size: int
+    group: object
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self.first_id,
+                                               self.vocab_size, self.group)
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan: how each module of the reference GPT is split
+# ----------------------------------------------------------------------------------------------
+# Sharded parameters carry (like Megatron's) the dimension they are split along and its full
+# size, so a checkpoint or a test can reassemble them: see unshard().
+
+
+@dataclass
+class Context:
+    group: object
+    tp: int
+    rank: int
+    sequence_parallel: bool
+
+
+def _shard(weight: torch.Tensor, dim: int, ctx: Context) -> nn.Parameter:
+    """This rank's 1/tp slice along dim, after zero-padding dim to a multiple of tp."""
+    full_size = weight.shape[dim]
+    per_rank = math.ceil(full_size / ctx.tp)
+    pad = [0, 0] * (weight.dim() - 1 - dim) + [0, per_rank * ctx.tp - full_size]
+    padded = F.pad(weight.detach(), pad)
+    param = nn.Parameter(padded.narrow(dim, ctx.rank * per_rank, per_rank).clone(),
+                         requires_grad=weight.requires_grad)  # a frozen weight stays frozen
+    param.tp_shard_dim, param.tp_full_size = dim, full_size
+    return param
+
+
+class ColumnParallel:
+    """nn.Linear split by output features (weight rows): needs the whole input, gives a slice."""
+
+    def apply(self, linear: nn.Linear, ctx: Context) -> nn.Module:
+        linear.weight = _shard(linear.weight, 0, ctx)
+        linear.out_features = linear.weight.shape[0]
+        return linear
+
+
+class RowParallel:
+    """nn.Linear split by input features (weight columns): a sliced input gives partial sums."""
+
+    def apply(self, linear: nn.Linear, ctx: Context) -> nn.Module:
+        linear.weight = _shard(linear.weight, 1, ctx)
+        linear.in_features = linear.weight.shape[1]
+        return linear
+
+
+class ParallelRegion:
+    """f (or SP's all-gather) on the module's input, g (or SP's reduce-scatter) on its output."""
+
+    def __init__(self, enter: bool = True, exit: bool = True) -> None:
+        self.enter, self.exit = enter, exit
+
+    def apply(self, module: nn.Module, ctx: Context) -> nn.Module:
+        if self.enter:
+            module.register_forward_pre_hook(
+                lambda _, args: (enter_region(args[0], ctx.group, ctx.sequence_parallel), *args[1:]))
+        if self.exit:
+            module.register_forward_hook(
+                lambda _, args, out: exit_region(out, ctx.group, ctx.sequence_parallel))
+        return module
+
+
+class VocabParallel:
+    """nn.Embedding -> VocabParallelEmbedding, summed (or reduce-scattered) over the group."""
+
+    def apply(self, embedding: nn.Embedding, ctx: Context) -> nn.Module:
+        first_id, _ = vocab_shard(embedding.num_embeddings, ctx.tp, ctx.rank)
+        sharded = VocabParallelEmbedding(_shard(embedding.weight, 0, ctx), first_id)
+        return ParallelRegion(enter=False).apply(sharded, ctx)
+
+
+TENSOR_PARALLEL_PLAN = {  # module name pattern -> style; unlisted parameters stay replicated
+    "embed": [VocabParallel()],
+    "layers.*.attn": [ParallelRegion()],
+    "layers.*.attn.[qkv]_proj": [ColumnParallel()],  # split by (query / key-value) heads
+    "layers.*.attn.out_proj": [RowParallel()],
+    "layers.*.mlp": [ParallelRegion()],
+    "layers.*.mlp.gate_proj": [ColumnParallel()],
+    "layers.*.mlp.up_proj": [ColumnParallel()],
+    "layers.*.mlp.down_proj": [RowParallel()],
+    "lm_head": [ParallelRegion(exit=False), ColumnParallel()],  # logits stay split by vocabulary
+}
+
+
+def validate_tensor_parallel(cfg, tp: int) -> None:
+    """Raised identically on every rank before any collective."""
+    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(cfg, name) % tp:
+            raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by tp={tp}")
+
+
+def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool = False,
+                          plan: dict | None = None) -> nn.Module:
+    """Shard the lesson-01 GPT in place over `group`: every rank keeps its slice of the weights it
+    already holds (identical on every rank: seeded init, or broadcast here), the loss becomes the
+    vocab-parallel cross-entropy. model(tokens) then returns this rank's vocabulary slice of the
+    logits; model(tokens, targets) the full mean loss."""
+    tp, rank = ddp.group_size(group), dist.get_rank(group)
+    validate_tensor_parallel(model.cfg, tp)
+    if any(hasattr(p, "tp_shard_dim") for p in model.parameters()):
+        raise ValueError("this model is already tensor-parallel: apply_tensor_parallel once per model")
+    ctx = Context(group, tp, rank, sequence_parallel)
+    ddp.broadcast_parameters(model, group)
+    vocab_size = model.cfg.vocab_size
+    for name, module in list(model.named_modules()):
+        for pattern, styles in (plan or TENSOR_PARALLEL_PLAN).items():
+            if fnmatch.fnmatchcase(name, pattern):
+                for style in styles:
+                    module = style.apply(module, ctx)
+                parent, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent), attr, module)
+    model.loss_fn = VocabParallelLoss(vocab_shard(vocab_size, tp, rank)[0], vocab_size, group)
+    if sequence_parallel:
+        # Outside the regions each rank sees only its tokens, so a replicated parameter (the norm
+        # weights) gets a partial gradient: sum it over the group (f on the parameter).
+        for param in model.parameters():
+            if param.requires_grad and not hasattr(param, "tp_shard_dim"):
+                param.register_hook(lambda grad: _all_reduced(grad, group))
+
+    def check_inputs(_, args, kwargs):
+        tokens = args[0] if args else kwargs["tokens"]
+        targets = args[1] if len(args) > 1 else kwargs.get("targets")
+        if sequence_parallel and tokens.shape[1] % tp:
+            raise ValueError(f"sequence length {tokens.shape[1]} is not divisible by tp={tp} "
+                             f"(sequence parallelism splits the sequence)")
+        # A shard would silently ignore an id no rank holds (one device raises). min/max cost a
+        # device sync per step on a GPU: the price of an error instead of a wrong loss.
+        for ids in (tokens, targets):
+            if ids is not None and ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+                raise ValueError(f"token and target ids must lie in [0, {vocab_size})")
+
+    model.register_forward_pre_hook(check_inputs, with_kwargs=True)
+    return model
+
+
+def unshard(param: torch.Tensor, group=None, like: nn.Parameter | None = None) -> torch.Tensor:
+    """The full tensor of a sharded parameter (or of its gradient: pass the parameter as `like`),
+    padding removed. Replicated tensors come back as they are."""
+    layout = param if like is None else like
+    if not hasattr(layout, "tp_shard_dim"):
+        return param.detach()
+    dim = layout.tp_shard_dim
+    shard = param.detach().movedim(dim, 0).contiguous()
+    full = shard.new_empty((shard.shape[0] * ddp.group_size(group), *shard.shape[1:]))
+    ddp.all_gather(full, shard, group=group)
+    return full[:layout.tp_full_size].movedim(0, dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training, communication and memory
+# ----------------------------------------------------------------------------------------------
+
+
+def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
+                          sequence_parallel: bool = False, lr: float = 1e-3, adam_eps: float = 1e-8,
+                          group=None, device: torch.device | str = "cpu", data_seed: int = 0,
+                          transform=None):
+    """Every rank of the group trains on the whole global batch with its shards. Returns the
+    result with full (reassembled) step-0 gradients and final parameters, and a meter of the
+    communication inside the training steps. `transform` as in ddp.train_single_device."""
+    model = ddp.GPT(cfg)
+    model = apply_tensor_parallel((transform(model) if transform else model).to(device), group,
+                                  sequence_parallel)
+    optimizer = ddp.make_optimizer(model, lr, adam_eps)
+    result = ddp.TrainResult([], {}, {})
+    with ddp.comm_meter() as meter:
+        for step in range(steps):
+            tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
+            loss = model(tokens.to(device), targets.to(device))
+            loss.backward()
+            result.losses.append(loss.detach())
+            if step == 0:
+                grads = [(n, p.grad.clone(), p) for n, p in model.named_parameters()
+                         if p.grad is not None]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    result.losses = [loss.item() for loss in result.losses]
+    result.first_grads = ddp.cpu_copy((n, unshard(g, group, like=p)) for n, g, p in grads)
+    result.params = ddp.cpu_copy((n, unshard(p, group)) for n, p in model.named_parameters())
+    return result, meter
+
+
+def comm_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+                 bytes_per_element: int = 4) -> dict[str, tuple[int, int]]:
+    """op -> (calls, payload bytes) in one training step (forward + backward) of the whole model.
+    Activation collectives move b x s x h: 4 per layer, 1 for the embedding (forward), 1 for the
+    LM head's input (backward); with SP each of them is an all-gather and a reduce-scatter. The
+    loss adds 3 all-reduces of b x s fp32 numbers; SP adds one all-reduce of h per norm."""
+    bsh = batch * seq_len * cfg.dim * bytes_per_element
+    activation_calls = 4 * cfg.n_layers + 2
+    loss = (3, 3 * batch * seq_len * 4)
+    if not sequence_parallel:
+        return {"all_reduce": (activation_calls + loss[0], activation_calls * bsh + loss[1])}
+    norms = 2 * cfg.n_layers + 1
+    return {"all_gather": (activation_calls, activation_calls * bsh),
+            "reduce_scatter": (activation_calls, activation_calls * bsh),
+            "all_reduce": (norms + loss[0], norms * cfg.dim * bytes_per_element + loss[1])}
+
+
+def saved_activation_bytes(model: nn.Module, layer: nn.Module, tokens, targets) -> int:
+    """Bytes autograd keeps for backward while `layer` runs forward (parameters excluded; each
+    storage counted once), during one forward of the model."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    handles = [layer.register_forward_pre_hook(lambda *_: hooks.__enter__()),
+               layer.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))]
+    model(tokens, targets)
+    for handle in handles:
+        handle.remove()
+    return sum(storages.values())
+
+
+def activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> int:
+    """Korthikanti's accounting for our layer in fp32 (4 bytes), a = n_heads, f = ffn_dim:
+    - each norm saves its input, its normalised input (s b h each) and 1/rms (s b): replicated in
+      plain TP, split by t along the sequence with SP;
+    - each region's input (s b h, saved by the column-parallel linears): replicated in both, since
+      SP stores the all-gathered input (Megatron re-gathers it in backward instead);
+    - sharded by t: q after RoPE, k and v repeated to the query heads, the attention output (s b h
+      each) and its log-sum-exp (s b a); the MLP's gate, silu(gate), up and their product (s b f);
+    - the RoPE tables (s x head_dim) the layer reads."""
+    s, b, h, f = seq_len, batch, cfg.dim, cfg.ffn_dim
+    norms = 2 * (2 * s * b * h + s * b)
+    region_inputs = 2 * s * b * h
+    sharded = 4 * s * b * h + s * b * cfg.n_heads + 4 * s * b * f
+    rope = s * cfg.head_dim
+    return 4 * ((norms // tp if sequence_parallel else norms) + region_inputs + sharded // tp + rope)
+
+
+def korthikanti_bytes(batch: int, seq_len: int, dim: int, n_heads: int, tp: int,
+                      sequence_parallel: bool) -> float:
+    """The paper's per-layer activations (GPT-3 layer, 16-bit, attention scores stored)."""
+    sbh, scores = seq_len * batch * dim, 5 * n_heads * seq_len / dim
+    return sbh * (34 + scores) / tp if sequence_parallel else sbh * (10 + (24 + scores) / tp)
+
+
+def layer_comm(layer: nn.Module, cfg, batch: int, seq_len: int, seq_shards: int,
+               device) -> "ddp.CommMeter":
+    """The collectives of one layer's forward and backward, on this rank's (b, s / shards, h)."""
+    x = torch.randn(batch, seq_len // seq_shards, cfg.dim, device=device, requires_grad=True)
+    cos, sin = ddp.rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta)
+    with ddp.comm_meter() as meter:
+        layer(x, cos, sin).sum().backward()
+    return meter
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo and benchmark
+# ----------------------------------------------------------------------------------------------
+
+
+DEMO_MODEL = dict(dim=64, n_heads=8, n_kv_heads=4, ffn_dim=176)  # grouped-query: 2 queries per K/V
+BENCH_MODEL = dict(vocab_size=8192, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688)
+
+
+def demo(args: argparse.Namespace) -> None:
+    device = ddp.init_distributed()
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    cfg = ddp.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL)
+    b, s = args.batch, args.seq_len
+    runs = {sp: train_tensor_parallel(cfg, args.steps, b, s, sequence_parallel=sp, device=device)
+            for sp in (False, True)}
+    memory, layer_meters = {}, {}
+    for sp in (False, True):
+        model = apply_tensor_parallel(ddp.GPT(cfg).to(device), None, sp)
+        tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, b, s, 0))
+        memory[sp] = saved_activation_bytes(model, model.layers["0"], tokens, targets)
+        layer_meters[sp] = layer_comm(model.layers["0"], cfg, b, s, tp if sp else 1, device)
+    if rank != 0:
+        ddp.exit_distributed()
+    reference = ddp.train_single_device(cfg, args.steps, b, s, device=device)
+    print(f"Tensor parallelism over tp={tp} ranks ({dist.get_backend()}, {device.type}): {cfg.n_layers} "
+          f"layers, dim {cfg.dim}, {cfg.n_heads} query / {cfg.n_kv_heads} key-value heads, ffn "
+          f"{cfg.ffn_dim}, vocab {cfg.vocab_size} (padded to {math.ceil(cfg.vocab_size / tp) * tp}); "
+          f"batch {b} x {s} tokens, {args.steps} AdamW steps.\n")
+    print(f"{'step':<6}{'TP':>12}{'TP + SP':>12}{'single device':>16}")
+    for step in range(args.steps):
+        print(f"{step:<6}{runs[False][0].losses[step]:>12.6f}{runs[True][0].losses[step]:>12.6f}"
+              f"{reference.losses[step]:>16.6f}")
+    for sp, (result, meter) in runs.items():
+        name = "TP + SP" if sp else "TP"
+        print(f"\n{name}: max |difference| from one device: step-0 gradients "
+              f"{ddp.max_abs_diff(result.first_grads, reference.first_grads):.2e}, parameters at "
+              f"the end {ddp.max_abs_diff(result.params, reference.params):.2e}")
+        print(f"  communication per step (measured = formula), b x s x h = {b * s * cfg.dim * 4:,} B:")
+        for op, (calls, payload) in comm_formula(cfg, b, s, tp, sp).items():
+            got = (meter.calls(op) // args.steps, meter.payload(op) // args.steps)
+            verdict = "= formula" if got == (calls, payload) else "MISMATCH with formula"
+            print(f"    {op:<15}{got[0]:>4} calls {got[1]:>10,} B payload, "
+                  f"{float(meter.traffic(op)) / args.steps:>10,.0f} B traffic per rank  {verdict}")
+        layer = layer_meters[sp]
+        activation_ops = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
+        measured = sum(layer.traffic(op) for op in activation_ops)
+        formula = 4 * Fraction(2 * (tp - 1), tp) * b * s * cfg.dim * 4
+        print(f"  one layer, forward + backward (measured on layer 0): "
+              + ", ".join(f"{layer.calls(op)} {op}" for op in activation_ops)
+              + f" of b s h = {float(measured):,.0f} B traffic per rank; Megatron's 4 all-reduces of "
+              f"b s h = {float(formula):,.0f} B  {'= formula' if measured == formula else 'MISMATCH'}"
+              + (f"; plus {layer.calls('all_reduce')} all-reduces of the norms' h-sized gradients"
+                 if sp else ""))
+    print(f"\nactivations saved by one layer, per rank:{'measured (fp32)':>18}{'our formula':>14}"
+          f"{'Korthikanti, GPT-3 16-bit layer':>34}")
+    for sp in (False, True):
+        print(f"  {'TP + SP' if sp else 'TP':<40}{memory[sp]:>16,} B"
+              f"{activation_formula(cfg, b, s, tp, sp):>12,} B"
+              f"{korthikanti_bytes(b, s, cfg.dim, cfg.n_heads, tp, sp):>32,.0f} B")
+    print(f"  tp = 1 for scale: {activation_formula(cfg, b, s, 1, False):,} B. Plain TP leaves the norms "
+          f"replicated; SP shards them too. What stays whole with SP is the all-gathered input of "
+          f"each region, which Megatron re-gathers in backward instead of storing.")
+    ddp.exit_distributed()
+
+
+def dtensor_plan(sequence_parallel: bool, n_layers: int) -> dict:
+    """The same split in PyTorch's DTensor vocabulary (torchtitan's Llama plan)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel)
+    between = Shard(1) if sequence_parallel else Replicate()  # layout outside the regions
+    plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+            "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
+                                       use_local_output=False)}
+    for i in range(n_layers):
+        prefix = f"layers.{i}."
+        plan |= {prefix + name: ColwiseParallel() for name in
+                 ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+        plan |= {prefix + name: RowwiseParallel(output_layouts=between)
+                 for name in ("attn.out_proj", "mlp.down_proj")}
+        if sequence_parallel:
+            plan |= {prefix + "attn_norm": SequenceParallel(), prefix + "mlp_norm": SequenceParallel(),
+                     prefix + "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                         desired_input_layouts=(Replicate(), None, None)),
+                     prefix + "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                        desired_input_layouts=(Replicate(),))}
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    return plan
+
+
+def bench(args: argparse.Namespace) -> None:
+    """Ours against DTensor parallelize_module on the same model and batch, interleaved rounds."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    device = ddp.init_distributed()
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    cfg = ddp.ModelConfig(**BENCH_MODEL)
+    mesh = init_device_mesh(device.type, (tp,))
+    tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, args.bench_batch, 128, 0))
+    models, optimizers = {}, {}
+    for sp in (False, True):
+        models["ours", sp] = apply_tensor_parallel(ddp.GPT(cfg).to(device), None, sp)
+        models["DTensor", sp] = parallelize_module(ddp.GPT(cfg).to(device), mesh,
+                                                   dtensor_plan(sp, cfg.n_layers))
+    # eps 1e-6 as in the tests: Adam would magnify rounding on tiny gradients (see 01_ddp.py)
+    optimizers = {key: ddp.make_optimizer(model, 1e-3, 1e-6) for key, model in models.items()}
+    losses = {key: [] for key in models}
+
+    def step(key) -> None:
+        with loss_parallel() if key[0] == "DTensor" else contextlib.nullcontext():
+            loss = models[key](tokens, targets)
+            loss.backward()
+        losses[key].append(loss.full_tensor() if key[0] == "DTensor" else loss.detach())
+        optimizers[key].step()
+        optimizers[key].zero_grad(set_to_none=True)
+
+    times = {key: [] for key in models}
+    for round_ in range(args.bench_rounds):
+        for key in models:
+            t = ddp.timed_steps(lambda: step(key), args.bench_steps, device)
+            if round_ > 0:  # the first round is warm-up
+                times[key] += t
+    params = {}
+    for key, model in models.items():
+        params[key] = {n: (p.full_tensor() if isinstance(p, DTensor) else unshard(p)).detach().cpu()
+                       for n, p in model.named_parameters()}
+    if rank == 0:
+        n_params = sum(p.numel() for p in params["ours", False].values())
+        print(f"TP step time on {tp} ranks ({dist.get_backend()}, {device.type}), "
+              f"{n_params / 1e6:.1f}M parameters, batch {args.bench_batch} x 128, median of "
+              f"{len(times['ours', False])} steps; both trained the same {len(losses['ours', False])} "
+              f"steps on the same batch:")
+        for sp in (False, True):
+            med = {impl: statistics.median(times[impl, sp]) for impl in ("ours", "DTensor")}
+            loss_diff = max(abs(a.item() - b.item()) for a, b in
+                            zip(losses["ours", sp], losses["DTensor", sp], strict=True))
+            print(f"  {'TP + SP' if sp else 'TP':<8} ours {med['ours'] * 1e3:7.1f} ms, DTensor "
+                  f"{med['DTensor'] * 1e3:7.1f} ms, ratio ours / DTensor = "
+                  f"{med['ours'] / med['DTensor']:.3f}; max |loss difference| {loss_diff:.1e}, max "
+                  f"|parameter difference| {ddp.max_abs_diff(params['ours', sp], params['DTensor', sp]):.1e}")
+    ddp.exit_distributed()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(), help="ranks when not under torchrun")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=127, help="not a multiple of tp: padded")
+    parser.add_argument("--bench", action="store_true", help="step time against DTensor")
+    parser.add_argument("--bench-steps", type=int, default=3)
+    parser.add_argument("--bench-rounds", type=int, default=3)
+    parser.add_argument("--bench-batch", type=int, default=4)
+    args = parser.parse_args()
+    for name in ("nproc", "steps", "batch", "seq_len", "vocab", "bench_steps", "bench_batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.bench_rounds < 2:
+        parser.error("--bench-rounds must be >= 2 (the first round is warm-up)")
+    tp = int(os.environ.get("WORLD_SIZE", args.nproc))
+    try:  # the sizes the ranks would reject, caught before any process starts
+        validate_tensor_parallel(ddp.ModelConfig(**(BENCH_MODEL if args.bench else DEMO_MODEL)), tp)
+        if (128 if args.bench else args.seq_len) % tp:
+            raise ValueError(f"--seq-len {args.seq_len} is not divisible by tp={tp} (the demo runs "
+                             f"sequence parallelism)")
+    except ValueError as error:
+        parser.error(str(error))
+    ddp.launch(bench if args.bench else demo, args, nproc=args.nproc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""Lesson 03 as a specification: tensor parallelism (with vocab-parallel embedding and loss,
+sequence parallelism and grouped-query attention) computes what one device computes, and moves
+exactly the bytes of the Megatron formula.
+
+Tolerances (fp32 on CPU), the same as lesson 01's, for the same reasons; measured over the 15 ci
+examples of the main test:
+- loss per step: atol 1e-5; measured <= 9.5e-7 (the same sums split over ranks, losses of ~4);
+- step-0 gradients: atol 1e-6 + rtol 1e-4; measured <= 2.9e-7 absolute: the partial sums of the
+  row-parallel linears, of the vocabulary in the loss and of the norms' gradients are added in
+  another order. A real bug (a missing f, a norm gradient not summed over the sequence shards,
+  padding leaking into the softmax) is off by a whole rank's share of a gradient, >= 25%;
+- parameters after 3 AdamW steps (eps 1e-6, see test_01_ddp.py): atol 1e-5; measured <= 1.2e-6.
+- operators and the vocab-parallel loss: fp64, atol 1e-12 (sums of a few numbers).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import ROOT, RankFailure
+from test_01_ddp import ADAM_EPS, GRAD_ATOL, PARAM_ATOL, assert_matches_reference
+
+ddp = importlib.import_module("01_ddp")
+tpm = importlib.import_module("03_tensor_parallel")
+
+
+# --- the whole model equals one device ----------------------------------------------------------
+
+@st.composite
+def tp_configs(draw):
+    tp = draw(st.sampled_from([1, 2, 4]))
+    n_kv_heads = tp * draw(st.integers(1, 2))
+    n_heads = n_kv_heads * draw(st.sampled_from([1, 2]))  # 2: grouped-query attention
+    head_dim = draw(st.sampled_from([2, 4]))
+    cfg = ddp.ModelConfig(vocab_size=draw(st.sampled_from([3, 16, 17, 50, 64])),  # 3 < tp = 4
+                          dim=n_heads * head_dim, n_layers=draw(st.integers(1, 2)), n_heads=n_heads,
+                          n_kv_heads=n_kv_heads, ffn_dim=tp * draw(st.integers(1, 6)),
+                          seed=draw(st.integers(0, 99)))
+    sequence_parallel = draw(st.booleans())
+    seq_len = tp * draw(st.integers(1, 3)) if sequence_parallel else draw(st.integers(1, 9))
+    return tp, cfg, sequence_parallel, seq_len
+
+
+@given(setup=tp_configs(), batch=st.integers(1, 3))
+def test_tensor_parallel_equals_single_device(rank_pool, setup, batch):
+    tp, cfg, sequence_parallel, seq_len = setup
+    steps = 3
+    runs = rank_pool.run(tp, tpm.train_tensor_parallel, cfg, steps, batch, seq_len,
+                         sequence_parallel=sequence_parallel, adam_eps=ADAM_EPS)
+    reference = ddp.train_single_device(cfg, steps, batch, seq_len, adam_eps=ADAM_EPS)
+    result = runs[0][0]
+    assert_matches_reference(result, reference)
+    for rank, (other, _) in enumerate(runs[1:], start=1):
+        assert other.losses == result.losses, f"rank {rank} computed another loss"
+        for name, param in result.params.items():
+            assert torch.equal(other.params[name], param), f"rank {rank} disagrees on {name}"
+
+    # Communication in the training steps (forward + backward, every layer, the embedding, the LM
+    # head's input and the loss), per rank: calls and payload per the formula, ring traffic.
+    formula = tpm.comm_formula(cfg, batch, seq_len, tp, sequence_parallel)
+    share = {"all_reduce": Fraction(2 * (tp - 1), tp), "all_gather": Fraction(tp - 1, tp),
+             "reduce_scatter": Fraction(tp - 1, tp)}
+    for _, meter in runs:
+        assert {op for op, _ in meter.stats} == set(formula), "no other collective"
+        for op, (calls, payload) in formula.items():
+            assert (meter.calls(op), meter.payload(op)) == (steps * calls, steps * payload), op
+            assert meter.traffic(op) == share[op] * steps * payload
+
+
+def freeze_some(model):
+    """A frozen replicated weight (a norm) and a frozen sharded one (an MLP projection)."""
+    model.layers["0"].attn_norm.weight.requires_grad_(False)
+    model.layers["0"].mlp.up_proj.weight.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_frozen_parameters_stay_frozen_and_the_rest_trains_as_on_one_device(rank_pool,
+                                                                            sequence_parallel):
+    cfg = ddp.ModelConfig(vocab_size=19, dim=16, n_heads=2, ffn_dim=16)
+    runs = rank_pool.run(2, tpm.train_tensor_parallel, cfg, 2, 2, 4, adam_eps=ADAM_EPS,
+                         sequence_parallel=sequence_parallel, transform=freeze_some)
+    # ddp.train_single_device copies every .grad, so the reference loop is spelled out here.
+    model = freeze_some(ddp.GPT(cfg))
+    optimizer = ddp.make_optimizer(model, 1e-3, ADAM_EPS)
+    reference = ddp.TrainResult([], {}, {})
+    for step in range(2):
+        loss = model(*ddp.synthetic_batch(cfg, 2, 4, step))
+        loss.backward()
+        reference.losses.append(loss.item())
+        if step == 0:
+            reference.first_grads = ddp.cpu_copy((n, p.grad) for n, p in model.named_parameters()
+                                                 if p.grad is not None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    reference.params = ddp.cpu_copy(model.named_parameters())
+    assert len(reference.first_grads) == len(reference.params) - 2
+    assert_matches_reference(runs[0][0], reference)
+    initial = ddp.GPT(cfg)
+    for name in ("layers.0.attn_norm.weight", "layers.0.mlp.up_proj.weight"):
+        assert torch.equal(runs[0][0].params[name], initial.get_parameter(name)), name
+
+
+def train_on_strided_subgroups(cfg, sequence_parallel):
+    """4 ranks, two tensor-parallel groups {0, 2} and {1, 3}: nothing may assume the world group."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+    return tpm.train_tensor_parallel(cfg, 2, 2, 4, sequence_parallel=sequence_parallel,
+                                     adam_eps=ADAM_EPS, group=groups[dist.get_rank() % 2])
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_on_a_subgroup(rank_pool, sequence_parallel):
+    cfg = ddp.ModelConfig(vocab_size=21, dim=16, n_heads=2, ffn_dim=16, seed=3)
+    runs = rank_pool.run(4, train_on_strided_subgroups, cfg, sequence_parallel)
+    reference = ddp.train_single_device(cfg, 2, 2, 4, adam_eps=ADAM_EPS)
+    for rank, (result, meter) in enumerate(runs):
+        assert_matches_reference(result, reference)
+        assert {ranks for _, ranks in meter.stats} == {(0, 2) if rank % 2 == 0 else (1, 3)}
+
+
+def test_formula_is_megatrons_four_all_reduces_per_layer():
+    # Without the loss and embedding terms, the formula is 4 b s h per layer; with SP the same
+    # volume as all-gathers + reduce-scatters (all-reduce = reduce-scatter + all-gather).
+    b, s, tp = 2, 8, 4
+    for layers in (1, 3):
+        cfg = ddp.ModelConfig(n_layers=layers)
+        bsh = b * s * cfg.dim * 4
+        plain = tpm.comm_formula(cfg, b, s, tp, False)["all_reduce"]
+        assert plain == ((4 * layers + 2) + 3, (4 * layers + 2) * bsh + 3 * b * s * 4)
+        sp = tpm.comm_formula(cfg, b, s, tp, True)
+        assert sp["all_gather"] == sp["reduce_scatter"] == (4 * layers + 2, (4 * layers + 2) * bsh)
+
+
+def train_with_sharded_logits(cfg, batch, seq_len, sequence_parallel):
+    """model(tokens) returns this rank's vocabulary slice of the logits."""
+    model = tpm.apply_tensor_parallel(ddp.GPT(cfg), None, sequence_parallel)
+    tokens, _ = ddp.synthetic_batch(cfg, batch, seq_len, 0)
+    with torch.no_grad():
+        return model(tokens)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_logits_are_split_by_vocabulary(rank_pool, sequence_parallel):
+    cfg = ddp.ModelConfig(vocab_size=17, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=16)
+    shards = rank_pool.run(2, train_with_sharded_logits, cfg, 2, 6, sequence_parallel)
+    tokens, _ = ddp.synthetic_batch(cfg, 2, 6, 0)
+    with torch.no_grad():
+        expected = ddp.GPT(cfg)(tokens)
+    assert [s.shape[-1] for s in shards] == [9, 9], "17 padded to 18"
+    torch.testing.assert_close(torch.cat(shards, -1)[..., :17], expected, atol=1e-6, rtol=0)
+
+
+# --- each operator against its definition --------------------------------------------------------
+
+def rank_tensor(rank: int, shape, salt: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * salt + rank),
+                       dtype=torch.float64)
+
+
+def run_operators(shape):
+    """Each operator on a rank-dependent input, with a rank-dependent upstream gradient."""
+    rank, out = dist.get_rank(), {}
+    for name, fn in (("f", tpm.CopyToRegion), ("g", tpm.ReduceFromRegion),
+                     ("gather", tpm.GatherSequence), ("scatter", tpm.ReduceScatterSequence)):
+        x = rank_tensor(rank, shape, 1).requires_grad_()
+        y = fn.apply(x, None)
+        y.backward(rank_tensor(rank, y.shape, 2))
+        out[name] = (y.detach(), x.grad)
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_conjugate_operators_match_their_definitions(rank_pool, tp):
+    shape = (2, 3 * tp, 5)  # (batch, seq, hidden)
+    results = rank_pool.run(tp, run_operators, shape)
+    xs = [rank_tensor(r, shape, 1) for r in range(tp)]
+    sum_x = sum(xs)
+    seq = shape[1] // tp
+    for rank, out in enumerate(results):
+        grads_f = [rank_tensor(r, shape, 2) for r in range(tp)]
+        close = dict(atol=1e-12, rtol=0)
+        torch.testing.assert_close(out["f"][0], xs[rank], **close)                # identity
+        torch.testing.assert_close(out["f"][1], sum(grads_f), **close)            # all-reduce
+        torch.testing.assert_close(out["g"][0], sum_x, **close)                   # all-reduce
+        torch.testing.assert_close(out["g"][1], grads_f[rank], **close)           # identity
+        gathered = (2, shape[1] * tp, 5)
+        grads_gather = [rank_tensor(r, gathered, 2) for r in range(tp)]
+        torch.testing.assert_close(out["gather"][0], torch.cat(xs, 1), **close)
+        torch.testing.assert_close(out["gather"][1],
+                                   sum(grads_gather)[:, rank * shape[1]:(rank + 1) * shape[1]], **close)
+        grads_scatter = [rank_tensor(r, (2, seq, 5), 2) for r in range(tp)]
+        torch.testing.assert_close(out["scatter"][0], sum_x[:, rank * seq:(rank + 1) * seq], **close)
+        torch.testing.assert_close(out["scatter"][1], torch.cat(grads_scatter, 1), **close)
+
+
+def run_vocab_parallel(logits, targets, vocab_size, tokens, table):
+    """The rank's slices of the loss, the logits' gradient and the embedding, from full inputs."""
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    first, per_rank = tpm.vocab_shard(vocab_size, tp, rank)
+    padded = F.pad(logits, (0, per_rank * tp - vocab_size), value=123.0)  # garbage: must be ignored
+    local = padded[..., first:first + per_rank].clone().requires_grad_()
+    loss = tpm.VocabParallelLoss(first, vocab_size, None)(local, targets)
+    loss.backward()
+    weight = F.pad(table, (0, 0, 0, per_rank * tp - vocab_size))[first:first + per_rank]
+    embedding = tpm.VocabParallelEmbedding(torch.nn.Parameter(weight.clone()), first)
+    rows = embedding(tokens)
+    rows.backward(torch.ones_like(rows))
+    return loss.detach(), local.grad, rows.detach(), embedding.weight.grad
+
+
+@pytest.mark.parametrize("tp, vocab_size", [(2, 16), (2, 7), (4, 3), (4, 10)])
+def test_vocab_parallel_loss_and_embedding_match_their_definitions(rank_pool, tp, vocab_size):
+    gen = torch.Generator().manual_seed(vocab_size)
+    logits = torch.randn(2, 5, vocab_size, generator=gen, dtype=torch.float64) * 30
+    logits[0, 0, -1] = 1e4  # a max far above the rest: the shift by the max keeps exp finite
+    targets = torch.randint(vocab_size, (2, 5), generator=gen)
+    targets[0, :2] = torch.tensor([0, vocab_size - 1])  # the first and the last id
+    tokens = torch.randint(vocab_size, (2, 5), generator=gen)
+    table = torch.randn(vocab_size, 3, generator=gen, dtype=torch.float64)
+    results = rank_pool.run(tp, run_vocab_parallel, logits, targets, vocab_size, tokens, table)
+    full = logits.clone().requires_grad_()
+    expected = F.cross_entropy(full.flatten(0, 1), targets.flatten())
+    expected.backward()
+    per_rank = tpm.vocab_shard(vocab_size, tp, 0)[1]
+    grad = torch.cat([r[1] for r in results], -1)
+    rows_grad = torch.cat([r[3] for r in results])
+    close = dict(atol=1e-12, rtol=0)
+    for loss, _, _, _ in results:
+        torch.testing.assert_close(loss, expected.detach(), **close)
+    # Each rank looks up only its ids (zeros elsewhere); the partial embeddings sum to the table's.
+    torch.testing.assert_close(sum(r[2] for r in results), F.embedding(tokens, table), **close)
+    for rank, (_, _, rows, _) in enumerate(results):
+        first, _ = tpm.vocab_shard(vocab_size, tp, rank)
+        outside = (tokens < first) | (tokens >= first + per_rank)
+        assert torch.all(rows[outside] == 0), f"rank {rank} looked up an id it does not hold"
+    torch.testing.assert_close(grad[..., :vocab_size], full.grad, **close)
+    assert torch.all(grad[..., vocab_size:] == 0), "padded logits got a gradient"
+    counts = torch.bincount(tokens.flatten(), minlength=per_rank * tp).double()
+    torch.testing.assert_close(rows_grad, counts[:, None].expand(-1, 3), **close)
+
+
+# --- activation memory ----------------------------------------------------------------------------
+
+def measure_activations(cfg, batch, seq_len, sequence_parallel):
+    model = tpm.apply_tensor_parallel(ddp.GPT(cfg), None, sequence_parallel)
+    tokens, targets = ddp.synthetic_batch(cfg, batch, seq_len, 0)
+    return tpm.saved_activation_bytes(model, model.layers["0"], tokens, targets)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_activation_memory_equals_the_formula(rank_pool, tp):
+    cfg = ddp.ModelConfig(vocab_size=32, dim=32, n_heads=4, n_kv_heads=4, ffn_dim=48)
+    for sequence_parallel in (False, True):
+        measured = rank_pool.run(tp, measure_activations, cfg, 3, 8, sequence_parallel)
+        assert set(measured) == {tpm.activation_formula(cfg, 3, 8, tp, sequence_parallel)}
+    if tp > 1:  # SP shrinks exactly the norms' share
+        saved = tpm.activation_formula(cfg, 3, 8, tp, False) - tpm.activation_formula(cfg, 3, 8, tp, True)
+        assert saved == 4 * 2 * (2 * 3 * 8 * 32 + 3 * 8) * (tp - 1) // tp
+
+
+# --- bad input fails on every rank, before any collective ---------------------------------------
+
+def forward_once(cfg, batch, seq_len, sequence_parallel, bad_token, bad_target, twice):
+    model = tpm.apply_tensor_parallel(ddp.GPT(cfg), None, sequence_parallel)
+    if twice:
+        tpm.apply_tensor_parallel(model, None, sequence_parallel)
+    tokens, targets = ddp.synthetic_batch(cfg, batch, seq_len, 0)
+    if bad_token is not None:
+        tokens[0, 0] = bad_token
+    if bad_target is not None:
+        targets[-1, -1] = bad_target
+    model(tokens, targets).backward()
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(n_heads=6, dim=24, n_kv_heads=6), r"n_heads=6 is not divisible by tp=4"),
+    (dict(n_kv_heads=2), r"n_kv_heads=2 is not divisible by tp=4"),
+    (dict(ffn_dim=30), r"ffn_dim=30 is not divisible by tp=4"),
+    (dict(seq_len=6, sequence_parallel=True), r"sequence length 6 is not divisible by tp=4"),
+    (dict(bad_token=32), r"target ids must lie in \[0, 32\)"),
+    (dict(bad_token=-1), r"target ids must lie in \[0, 32\)"),
+    (dict(bad_target=32), r"target ids must lie in \[0, 32\)"),
+    (dict(twice=True), r"already tensor-parallel"),
+])
+def test_bad_sizes_fail_on_every_rank_without_hanging(rank_pool, changes, message):
+    changes = dict(changes)  # parametrize shares the dict between reruns
+    run = dict(seq_len=8, sequence_parallel=False, bad_token=None, bad_target=None, twice=False)
+    run.update({k: changes.pop(k) for k in list(changes) if k in run})
+    cfg = ddp.ModelConfig(**{**dict(vocab_size=32, dim=16, n_heads=4, ffn_dim=16), **changes})
+    with pytest.raises(RankFailure) as failure:
+        rank_pool.run(4, forward_once, cfg, 2, timeout=30, **run)
+    assert sorted(failure.value.errors) == [0, 1, 2, 3]
+    for tb in failure.value.errors.values():
+        assert "ValueError" in tb and re.search(message, tb), tb
+
+
+# --- the script itself ------------------------------------------------------------------------
+
+def test_script_runs_as_plain_python():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen([sys.executable, "03_tensor_parallel.py", "--nproc", "2", "--steps", "2"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr
+    diffs = re.findall(r"max \|difference\|[^\n]*?([\d.]+e[-+]\d+)[^\n]*?([\d.]+e[-+]\d+)", stdout)
+    assert len(diffs) == 2, stdout
+    for grad_diff, param_diff in diffs:
+        assert float(grad_diff) <= GRAD_ATOL and float(param_diff) <= 10 * PARAM_ATOL, stdout
+    assert len(re.findall(r"traffic per rank  = formula$", stdout, re.M)) == 4, stdout
+    assert len(re.findall(r"^  one layer, .* B  = formula", stdout, re.M)) == 2, stdout
+    memory = re.findall(r"^  TP(?: \+ SP)?\s+([\d,]+) B\s+([\d,]+) B", stdout, re.M)
+    assert len(memory) == 2 and all(measured == formula for measured, formula in memory), stdout
