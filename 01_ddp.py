@@ -393,17 +393,16 @@ class Attention(nn.Module):
         self.attn_fn = attn_fn
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
         # -1 heads, not cfg.n_heads: after tensor parallelism a rank holds only its share of heads.
-        q = apply_rope(self.q_proj(x).view(batch, seq, -1, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(batch, seq, -1, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
-        # Grouped-query attention: query head i reads key/value head i // group. Repeating them
-        # keeps every attention function (SDPA, ring, the Triton kernel) unaware of the grouping.
+        q = apply_rope(self.q_proj(x).unflatten(-1, (-1, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_proj(x).unflatten(-1, (-1, self.head_dim)), cos, sin)
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
+        # Grouped-query attention: query head i reads key/value head i // queries_per_kv. Repeating
+        # them keeps every attention function (SDPA, ring, the Triton kernel) unaware of grouping.
         queries_per_kv = q.shape[2] // k.shape[2]
         k, v = (t.repeat_interleave(queries_per_kv, dim=2) for t in (k, v))
         out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.out_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return self.out_proj(out.transpose(1, 2).flatten(2))
 
 
 class SwiGLU(nn.Module):

@@ -118,6 +118,15 @@ def test_grouped_query_attention_equals_attention_with_repeated_kv_heads(n_heads
     assert gqa.layers["0"].attn.k_proj.weight.shape == (n_kv * cfg.head_dim, cfg.dim)
 
 
+def test_empty_batch_gives_empty_logits_and_hidden_states():
+    # As nn.Linear does for (0, in): later lessons shard batches, and a rank may get no rows.
+    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=16)
+    model = ddp.GPT(cfg)
+    assert model(torch.zeros(0, 5, dtype=torch.long)).shape == (0, 5, 32)
+    model.lm_head = None
+    assert model(torch.zeros(0, 5, dtype=torch.long)).shape == (0, 5, 16)
+
+
 def test_default_kv_heads_and_bad_kv_heads():
     assert ddp.ModelConfig(n_heads=4).n_kv_heads == 4
     with pytest.raises(ValueError, match="n_heads=4 is not divisible by n_kv_heads=3"):
