@@ -1,0 +1,551 @@
+"""Lesson 04: pipeline parallelism. GPipe, 1F1B, interleaved 1F1B and ZB-H1, with measured bubbles.
+
+THE IDEA
+Cut the model by depth into S stages: the first owns the embedding, the last the final norm, the
+head and the loss; each of the p ranks runs its stages. The global batch is split into m
+microbatches so that stages can work on different microbatches at once. A rank sends its stage's
+output activations (b/m x seq x dim) to the next stage's rank and, in backward, the gradient of its
+stage input back to the previous one. Each microbatch loss is divided by m, so the accumulated
+gradients are exactly those of the mean loss over the whole batch (forget the 1/m and every gradient
+comes out m times too large while the logged loss still looks right).
+
+SCHEDULES ARE DATA
+A schedule is a pure function of (p, m, v) giving each rank an ordered list of actions: F (forward of
+one stage on one microbatch), B (its backward), W (weight gradient, zero-bubble only), and the sends
+and receives. One executor runs any list. With unit times F = 1, B = 2 (or B = W = 1 when split):
+- GPipe (all forwards, then all backwards): bubble (p-1)/(m+p-1) of the step, and a rank holds the
+  activations of all m microbatches at once.
+- 1F1B: rank r does p-r-1 warm-up forwards, then alternates one forward, one backward. Same bubble,
+  but a rank holds at most p-r microbatches: memory no longer grows with m.
+- interleaved 1F1B: each rank owns v stages (rank r: stages r, r+p, ...), so a microbatch passes
+  every rank v times with 1/v of the work each: bubble (p-1)/(vm+p-1) (Megatron writes it relative to
+  the ideal time: (p-1)/(vm)), for v times more point-to-point messages. Needs m a multiple of p.
+- ZB-H1 (zero bubble, Qi et al. 2023): backward split into B (input gradient: what the previous
+  stage waits for) and W (weight gradient: nobody waits for it). Rank r postpones its first r W's,
+  which fill the tail of the pipeline: bubble (p-1)/(3m+p-1), a third of 1F1B's, at most p
+  microbatches held (W needs the activations too); for m >= p. W here is a second autograd.grad towards the
+  weights, which re-runs the backward chain: cheap to read, not free (see the measured timelines).
+
+Sends and receives are placed by simulating the compute order with those unit times: a transfer is
+posted on both ends at the instant its data is produced, and all transfers of one instant form one
+batched isend/irecv (01's batch_p2p, which meters them). No rank can wait on a peer that waits on
+it, so no schedule deadlocks, on gloo or NCCL.
+
+COST
+Per step a stage boundary carries m activations forward and m gradients back: rank r sends
+(stages it owns that are not last + stages not first) x m x (b/m) x seq x dim x bytes.
+
+RUN IT
+    python 04_pipeline.py                    # 4 local ranks; torchrun --nproc_per_node=4 works too
+    python 04_pipeline.py --trace trace.json # open in https://ui.perfetto.dev or chrome://tracing
+    python 04_pipeline.py --bench            # step time against torch.distributed.pipelining
+Look at: the max |difference| from one device (rounding only), the bytes each rank sent beside the
+formula, then the measured timelines: '.' is the bubble; its measured fraction beside the formula;
+and the peak number of microbatches each rank held.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+ddp = importlib.import_module("01_ddp")
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+COMPUTE, SEND, RECV = ("F", "B", "W"), ("SEND_F", "SEND_B"), ("RECV_F", "RECV_B")
+MB_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"  # one character per microbatch in the drawings
+
+# ----------------------------------------------------------------------------------------------
+# Cutting the reference model into stages
+# ----------------------------------------------------------------------------------------------
+
+
+def validate_pipeline(n_layers: int, pp: int, global_batch: int, microbatches: int, schedule: str,
+                      virtual: int) -> None:
+    """Raised identically on every rank before any send, so no rank is left waiting."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} must be one of {SCHEDULES}")
+    if min(pp, microbatches, virtual) < 1:
+        raise ValueError(f"pp={pp}, microbatches={microbatches}, virtual={virtual} must all be >= 1")
+    if virtual > 1 and schedule != "interleaved":
+        raise ValueError(f"virtual={virtual} stages per rank needs schedule='interleaved'")
+    if n_layers < pp * virtual:
+        raise ValueError(f"n_layers={n_layers} cannot fill pp x virtual = {pp} x {virtual} = "
+                         f"{pp * virtual} stages: every stage needs at least one layer")
+    if global_batch % microbatches:
+        raise ValueError(f"global_batch={global_batch} is not divisible by microbatches={microbatches}")
+    if schedule == "interleaved" and microbatches % pp:
+        raise ValueError(f"interleaved 1F1B sends microbatches round the ranks in groups of pp: "
+                         f"microbatches={microbatches} is not a multiple of pp={pp}")
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Balanced by layers; the first stages take the remainder (the last one also has the head)."""
+    base, extra = divmod(n_layers, n_stages)
+    bounds = [0]
+    for s in range(n_stages):
+        bounds.append(bounds[-1] + base + (s < extra))
+    return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
+
+
+def build_stage(cfg, stage: int, n_stages: int) -> nn.Module:
+    """The reference GPT with the modules this stage does not own set to None or deleted: its
+    parameters keep the reference names and values (initialisation runs on the whole model)."""
+    model = ddp.GPT(cfg)
+    keep = stage_layers(cfg.n_layers, n_stages)[stage]
+    for name in [n for n in model.layers if int(n) not in keep]:
+        del model.layers[name]
+    if stage > 0:
+        model.embed = None
+    if stage < n_stages - 1:
+        model.norm = model.lm_head = None
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Schedules as data
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str        # F, B, W, or SEND_F / RECV_F (activations) / SEND_B / RECV_B (gradients)
+    stage: int       # the stage that computes, sends, or receives
+    microbatch: int
+    peer: int | None = None  # the other rank of a send or receive
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}@s{self.stage}" + ("" if self.peer is None else f"<->{self.peer}")
+
+
+def compute_order(schedule: str, rank: int, pp: int, m: int, virtual: int) -> list[Action]:
+    """The order in which one rank computes; communication is added by place_communication."""
+    if schedule == "gpipe":
+        return [Action("F", rank, i) for i in range(m)] + [Action("B", rank, i) for i in range(m)]
+    if schedule == "interleaved":  # Megatron: microbatches in groups of pp, cycling the chunks
+        def act(kind: str, k: int) -> Action:
+            chunk = (k // pp) % virtual
+            chunk = chunk if kind == "F" else virtual - 1 - chunk  # backward runs the chunks in reverse
+            return Action(kind, chunk * pp + rank, (k // (pp * virtual)) * pp + k % pp)
+        total, warmup = m * virtual, min(m * virtual, 2 * (pp - rank - 1) + (virtual - 1) * pp)
+    else:
+        def act(kind: str, k: int) -> Action:
+            return Action(kind, rank, k)
+        total, warmup = m, min(m, pp - rank - 1)
+    order = [act("F", k) for k in range(warmup)]
+    held_back_w = rank if schedule == "zb-h1" else total  # W's this rank postpones to the tail
+    weight_grads = [act("W", k) for k in range(total)] if schedule == "zb-h1" else []
+    for k in range(total):
+        if warmup + k < total:
+            order.append(act("F", warmup + k))
+        order.append(act("B", k))
+        if k >= held_back_w:
+            order.append(weight_grads.pop(0))
+    return order + weight_grads
+
+
+def unit_durations(split_backward: bool) -> dict[str, int]:
+    """The nominal cost of each action: a backward is twice a forward (two matmuls per one)."""
+    return {"F": 1, "B": 1, "W": 1} if split_backward else {"F": 1, "B": 2}
+
+
+def simulate(orders: list[list[Action]], pp: int, n_stages: int,
+             durations: dict[str, float]) -> dict[Action, tuple[float, float]]:
+    """Start and end of every compute action when each rank runs its order as early as its inputs
+    allow. Raises if the orders wait on each other in a cycle."""
+    times: dict[Action, tuple[float, float]] = {}
+    position, free_at = [0] * pp, [0.0] * pp
+    while any(position[r] < len(orders[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while position[r] < len(orders[r]):
+                a = orders[r][position[r]]
+                needs = {"F": [Action("F", a.stage - 1, a.microbatch)] if a.stage > 0 else [],
+                         "B": [Action("F", a.stage, a.microbatch)]
+                         + ([Action("B", a.stage + 1, a.microbatch)] if a.stage < n_stages - 1 else []),
+                         "W": [Action("B", a.stage, a.microbatch)]}[a.kind]
+                if any(n not in times for n in needs):
+                    break
+                start = max([free_at[r]] + [times[n][1] for n in needs])
+                times[a] = (start, start + durations[a.kind])
+                free_at[r], position[r], progressed = start + durations[a.kind], position[r] + 1, True
+        if not progressed:
+            stuck = {r: str(orders[r][position[r]]) for r in range(pp) if position[r] < len(orders[r])}
+            raise RuntimeError(f"the compute orders wait on each other: {stuck}")
+    return times
+
+
+def place_communication(orders: list[list[Action]], times: dict, pp: int,
+                        n_stages: int) -> list[list[Action]]:
+    """Insert each transfer on both ends at the instant its data is produced: the sender right after
+    the producing action, the receiver before its first action that starts at or after that instant.
+    Ranks reach their instants in order, so no rank can wait on a peer that waits on it."""
+    events: list[list[tuple[float, Action]]] = [[] for _ in range(pp)]
+    for a, (_, end) in times.items():
+        here = a.stage % pp
+        if a.kind == "F" and a.stage < n_stages - 1 and (a.stage + 1) % pp != here:
+            there = (a.stage + 1) % pp
+            events[here].append((end, Action("SEND_F", a.stage, a.microbatch, there)))
+            events[there].append((end, Action("RECV_F", a.stage + 1, a.microbatch, here)))
+        if a.kind == "B" and a.stage > 0 and (a.stage - 1) % pp != here:
+            there = (a.stage - 1) % pp
+            events[here].append((end, Action("SEND_B", a.stage, a.microbatch, there)))
+            events[there].append((end, Action("RECV_B", a.stage - 1, a.microbatch, here)))
+    ranks = []
+    for r in range(pp):
+        comms = sorted(events[r], key=lambda e: (e[0], e[1].kind.startswith("RECV")))
+        merged, i = [], 0
+        for a in orders[r]:
+            while i < len(comms) and comms[i][0] <= times[a][0]:
+                merged.append(comms[i][1])
+                i += 1
+            merged.append(a)
+        ranks.append(merged + [c for _, c in comms[i:]])
+    return ranks
+
+
+@dataclass
+class Schedule:
+    name: str
+    pp: int
+    microbatches: int
+    virtual: int
+    actions: list[list[Action]]                  # per rank, in execution order
+    nominal: dict[Action, tuple[float, float]]   # unit-time start and end of each compute action
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual
+
+    @property
+    def split_backward(self) -> bool:
+        return self.name == "zb-h1"
+
+    def bubble_formula(self) -> float:
+        """The idle fraction of a step with unit times (F = 1, B = 2 or B = W = 1)."""
+        p, m, v = self.pp, self.microbatches, self.virtual
+        if self.name == "zb-h1":  # with m < p the last rank's F, B, F, B... chain sets the length
+            return 1 - 3 * m / max(3 * m + p - 1, 2 * m + 2 * p - 1)
+        work = v * m if self.name == "interleaved" else m
+        return (p - 1) / (work + p - 1)
+
+    def in_flight_bound(self, rank: int) -> int:
+        """Most microbatch-stage pairs whose activations `rank` holds at once (W frees them in
+        ZB-H1, B in the others)."""
+        p, m, v = self.pp, self.microbatches, self.virtual
+        return {"gpipe": m, "1f1b": min(m, p - rank), "zb-h1": min(m, p),
+                "interleaved": min(v * m, 2 * (p - rank - 1) + (v - 1) * p + 1)}[self.name]
+
+    def __str__(self) -> str:
+        """One row per rank, two characters per unit of time: F3 is the forward of microbatch 3
+        (lower case: a later chunk of the interleaved schedule), -- the rest of a longer action."""
+        end = max(e for _, e in self.nominal.values())
+        rows = []
+        for r in range(self.pp):
+            cells = [". "] * int(end)
+            for a in (a for a in self.actions[r] if a.kind in COMPUTE):
+                start, stop = self.nominal[a]
+                kind = a.kind if a.stage < self.pp else a.kind.lower()
+                cells[int(start)] = kind + MB_CHARS[a.microbatch % len(MB_CHARS)]
+                for t in range(int(start) + 1, int(stop)):
+                    cells[t] = "--"
+            rows.append(f"rank {r} |{''.join(cells)}|")
+        return "\n".join(rows)
+
+
+def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """Each rank's ordered actions. A pure function: every rank computes every rank's list."""
+    n_stages = pp * virtual
+    orders = [compute_order(name, r, pp, microbatches, virtual) for r in range(pp)]
+    times = simulate(orders, pp, n_stages, unit_durations(name == "zb-h1"))
+    return Schedule(name, pp, microbatches, virtual,
+                    place_communication(orders, times, pp, n_stages), times)
+
+
+# ----------------------------------------------------------------------------------------------
+# The executor: one for every schedule
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepLog:
+    records: list[tuple[str, int, int, float, float]] = field(default_factory=list)  # kind, stage, mb, start, end
+    peak_in_flight: int = 0          # microbatch-stage pairs whose activations were held at once
+    loss: torch.Tensor | None = None  # the batch mean loss, on the last stage's rank
+
+
+def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch.Tensor,
+                 targets: torch.Tensor, group=None, work_s: dict[str, float] | None = None) -> StepLog:
+    """Run this rank's actions on its stages (stage index -> module). Gradients accumulate in .grad.
+    work_s pads every compute action to a fixed duration (balanced synthetic work)."""
+    rank, m, last = dist.get_rank(group), schedule.microbatches, schedule.n_stages - 1
+    x_mbs, y_mbs = tokens.chunk(m), targets.chunk(m)
+    inputs, outputs, wait_for_w, inbox, outbox, sent = {}, {}, {}, {}, {}, []
+    log, in_flight, losses = StepLog(), 0, []
+    actions, i = schedule.actions[rank], 0
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    while i < len(actions):
+        if actions[i].kind not in COMPUTE:  # consecutive transfers: one batched isend/irecv
+            batch = []
+            while i < len(actions) and actions[i].kind not in COMPUTE:
+                a, i = actions[i], i + 1
+                what = "act" if a.kind.endswith("F") else "grad"
+                if a.kind in SEND:  # the outbox is keyed by the receiving stage
+                    to_stage = a.stage + 1 if what == "act" else a.stage - 1
+                    batch.append(("send", outbox.pop((what, to_stage, a.microbatch)), a.peer))
+                else:
+                    inbox[(what, a.stage, a.microbatch)] = torch.empty(
+                        (*x_mbs[0].shape, stages_dim(stages)), device=tokens.device)
+                    batch.append(("recv", inbox[(what, a.stage, a.microbatch)], a.peer))
+            works = ddp.batch_p2p(batch, group)
+            for (kind, tensor, _), work in zip(batch, works, strict=True):
+                if kind == "recv":
+                    work.wait()  # needed by the next compute; sends complete in the background
+                else:
+                    sent.append((work, tensor))
+            continue
+        a, i = actions[i], i + 1
+        key, module, start = (a.stage, a.microbatch), stages.get(a.stage), time.perf_counter()
+        if a.kind == "F":
+            x = x_mbs[a.microbatch] if a.stage == 0 else inbox.pop(("act", *key)).requires_grad_()
+            out = module(x, y_mbs[a.microbatch]) / m if a.stage == last else module(x)
+            if a.stage == last:
+                losses.append(out.detach())
+            else:
+                deliver(outbox, inbox, schedule, ("act", a.stage + 1, a.microbatch), out.detach())
+            inputs[key], outputs[key] = x, out
+            in_flight += 1
+            log.peak_in_flight = max(log.peak_in_flight, in_flight)
+        elif a.kind == "B":
+            x, out = inputs.pop(key), outputs.pop(key)
+            grad = inbox.pop(("grad", *key)) if a.stage < last else None
+            if schedule.split_backward:  # input gradient only; the weights wait for W
+                if a.stage > 0:
+                    (x_grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+                wait_for_w[key] = (out, grad)
+            else:
+                torch.autograd.backward(out, grad)
+                x_grad = x.grad
+                in_flight -= 1
+            if a.stage > 0:
+                deliver(outbox, inbox, schedule, ("grad", a.stage - 1, a.microbatch), x_grad)
+        else:  # W: the weight gradients, accumulated like backward() would
+            out, grad = wait_for_w.pop(key)
+            params = [p for p in module.parameters() if p.requires_grad]
+            for p, g in zip(params, torch.autograd.grad(out, params, grad), strict=True):
+                p.grad = g if p.grad is None else p.grad + g
+            in_flight -= 1
+        if work_s is not None:
+            time.sleep(max(0.0, start + work_s[a.kind] - time.perf_counter()))
+        log.records.append((a.kind, a.stage, a.microbatch, start - t0, time.perf_counter() - t0))
+    for work, _ in sent:
+        work.wait()
+    if losses:
+        log.loss = torch.stack(losses).sum()
+    return log
+
+
+def stages_dim(stages: dict[int, nn.Module]) -> int:
+    return next(iter(stages.values())).cfg.dim
+
+
+def deliver(outbox: dict, inbox: dict, schedule: Schedule, key: tuple, tensor: torch.Tensor) -> None:
+    """To the peer through the outbox, or straight into the inbox if this rank owns that stage too
+    (pp = 1)."""
+    (outbox if schedule.pp > 1 else inbox)[key] = tensor
+
+
+# ----------------------------------------------------------------------------------------------
+# Training, on the same global batches as lesson 01's single-device reference
+# ----------------------------------------------------------------------------------------------
+
+
+def named_parameters(stages: dict[int, nn.Module]):
+    for module in stages.values():
+        yield from module.named_parameters()  # reference names: layers keep their global index
+
+
+def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule: str = "1f1b",
+                   microbatches: int = 4, virtual: int = 1, lr: float = 1e-3, adam_eps: float = 1e-8,
+                   group=None, device: torch.device | str = "cpu", data_seed: int = 0,
+                   work_s: dict[str, float] | None = None):
+    """Returns (TrainResult of this rank's parameters, its CommMeter, one StepLog per step).
+    Every rank draws the whole batch; the first stage reads the tokens, the last the targets."""
+    pp, rank = ddp.group_size(group), dist.get_rank(group)
+    validate_pipeline(cfg.n_layers, pp, global_batch, microbatches, schedule, virtual)
+    plan = make_schedule(schedule, pp, microbatches, virtual)
+    stages = {s: build_stage(cfg, s, plan.n_stages).to(device) for s in range(rank, plan.n_stages, pp)}
+    optimizer = ddp.make_optimizer(nn.ModuleList(stages.values()), lr, adam_eps)
+    result, logs, losses = ddp.TrainResult([], {}, {}), [], []
+    with ddp.comm_meter() as meter:
+        for step in range(steps):
+            tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
+            log = run_schedule(plan, stages, tokens.to(device), targets.to(device), group, work_s)
+            logs.append(log)
+            losses.append(log.loss if log.loss is not None else torch.zeros((), device=device))
+            if step == 0:
+                result.first_grads = ddp.cpu_copy((n, p.grad) for n, p in named_parameters(stages))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    losses = torch.stack(losses).double()  # outside the meter: only the last stage has the loss
+    ddp.all_reduce(losses, group=group)
+    result.losses = losses.tolist()
+    result.params = ddp.cpu_copy(named_parameters(stages))
+    return result, meter, logs
+
+
+def gather_rows(rows: list[list[float]], group, device) -> list[torch.Tensor]:
+    """Every rank's (equally many) rows of numbers, on every rank, through 01's all_gather."""
+    local = torch.tensor(rows, dtype=torch.float64, device=device).reshape(len(rows), -1)
+    out = torch.empty((ddp.group_size(group) * local.shape[0], local.shape[1]), dtype=local.dtype,
+                      device=device)
+    ddp.all_gather(out, local, group=group)
+    return list(out.cpu().chunk(ddp.group_size(group)))
+
+
+def measured_bubble(records: list[torch.Tensor]) -> float:
+    """1 - busy / (ranks x step time), from the recorded (kind, stage, mb, start, end) rows."""
+    step = max(r[:, 4].max().item() for r in records)
+    busy = sum((r[:, 4] - r[:, 3]).sum().item() for r in records)
+    return 1 - busy / (len(records) * step)
+
+
+def draw_measured(records: list[torch.Tensor], pp: int, width: int = 96) -> str:
+    """One row per rank; each character a 1/width slice of the step: F, B, W (lower case: a later
+    chunk of the interleaved schedule) or '.' idle."""
+    step, rows = max(r[:, 4].max().item() for r in records), []
+    for rank, rec in enumerate(records):
+        row = ["."] * width
+        for kind, stage, _, start, end in rec.tolist():
+            letter = COMPUTE[int(kind)] if stage < pp else COMPUTE[int(kind)].lower()
+            for c in range(int(start / step * width + 0.5), int(end / step * width + 0.5)):
+                row[min(c, width - 1)] = letter
+        rows.append(f"rank {rank} |{''.join(row)}|")
+    return "\n".join(rows)
+
+
+def trace_events(name: int | str, pid: int, records: list[torch.Tensor]) -> list[dict]:
+    """Chrome trace-event JSON: one process per schedule, one thread per rank, times in us."""
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}]
+    for rank, rec in enumerate(records):
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": rank,
+                       "args": {"name": f"rank {rank}"}})
+        for kind, stage, mb, start, end in rec.tolist():
+            events.append({"ph": "X", "pid": pid, "tid": rank, "name": f"{COMPUTE[int(kind)]}{int(mb)}",
+                           "cat": COMPUTE[int(kind)], "ts": start * 1e6, "dur": (end - start) * 1e6,
+                           "args": {"stage": int(stage), "microbatch": int(mb)}})
+    return events
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo and benchmark
+# ----------------------------------------------------------------------------------------------
+
+
+def schedule_runs(args: argparse.Namespace) -> list[tuple[str, int]]:
+    return [(name, args.virtual if name == "interleaved" else 1) for name in SCHEDULES]
+
+
+def demo(args: argparse.Namespace) -> None:
+    device = ddp.init_distributed()
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    cfg = ddp.ModelConfig(n_layers=pp * args.virtual)
+    batch, m = args.global_batch, args.microbatches
+    reference = ddp.train_single_device(cfg, args.steps, batch, args.seq_len, device=device)
+    act_bytes = batch * args.seq_len * cfg.dim * 4  # one stage boundary, one direction, m microbatches
+    if rank == 0:
+        print(f"Pipeline parallelism on {pp} ranks ({dist.get_backend()}, {device.type}): "
+              f"{cfg.n_layers} layers, global batch {batch} x {args.seq_len} in {m} microbatches, "
+              f"{args.steps} AdamW steps.\n")
+        print(f"{'schedule':<16}{'loss diff':>11}{'grad diff':>11}{'param diff':>11}"
+              f"   bytes sent per rank per step (= formula)")
+    timelines, trace = [], []
+    for pid, (name, v) in enumerate(schedule_runs(args)):
+        result, meter, _ = train_pipeline(cfg, args.steps, batch, args.seq_len, schedule=name,
+                                          microbatches=m, virtual=v, device=device)
+        diffs = torch.tensor([max(abs(a - b) for a, b in zip(result.losses, reference.losses)),
+                              ddp.max_abs_diff(result.first_grads, {n: reference.first_grads[n]
+                                                                    for n in result.first_grads}),
+                              ddp.max_abs_diff(result.params, {n: reference.params[n] for n in result.params})],
+                             device=device)
+        ddp.all_reduce(diffs, op=dist.ReduceOp.MAX)
+        mine = [s for s in range(rank, pp * v, pp)]
+        formula = sum((s < pp * v - 1) + (s > 0) for s in mine) * act_bytes
+        sent = gather_rows([[float(meter.traffic("send")) / args.steps, formula]], None, device)
+        # The same schedule with balanced synthetic work: every action padded to its unit time.
+        unit = args.unit_ms / 1e3 / v
+        work = None if args.unit_ms == 0 else {"F": unit, "B": unit if name == "zb-h1" else 2 * unit, "W": unit}
+        # A smaller model there, so that its real compute stays well inside the padding.
+        small = ddp.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=cfg.n_layers)
+        _, _, logs = train_pipeline(small if work else cfg, 2, m, 4 if work else args.seq_len,
+                                    schedule=name, microbatches=m, virtual=v, device=device, work_s=work)
+        records = gather_rows([list(map(float, (COMPUTE.index(k), *rest))) for k, *rest in logs[-1].records],
+                              None, device)
+        peaks = gather_rows([[logs[-1].peak_in_flight]], None, device)
+        if rank == 0:
+            plan = make_schedule(name, pp, m, v)
+            print(f"{name + (f' v={v}' if v > 1 else ''):<16}" + "".join(f"{d:>11.1e}" for d in diffs.tolist())
+                  + "   " + ", ".join(f"{int(s[0, 0]):,}" + ("" if s[0, 0] == s[0, 1] else f" (formula {int(s[0, 1]):,})")
+                                      for s in sent))
+            timelines.append((name, v, plan, records, [int(p.item()) for p in peaks]))
+            trace += trace_events(f"{name} (v={v})", pid, records)
+    if rank == 0:
+        print("(max |difference| from one device training on the whole batch: rounding only)\n")
+        mode = "real compute" if args.unit_ms == 0 else f"synthetic balanced work: F = {args.unit_ms} ms / v"
+        print(f"Timelines ({mode}); the planned one in unit times, then the measured one:")
+        for name, v, plan, records, peaks in timelines:
+            print(f"\n{name}, p={pp}, m={m}, v={v}: bubble measured {measured_bubble(records):.3f}, "
+                  f"formula {plan.bubble_formula():.3f}; peak microbatches held per rank "
+                  f"{peaks} (bound {[plan.in_flight_bound(r) for r in range(pp)]})")
+            print(plan)
+            print(draw_measured(records, pp))
+        print("\nNotice: 1F1B has GPipe's bubble but holds at most p - rank microbatches instead of m; "
+              "interleaving divides the bubble by about v; ZB-H1 fills it with weight gradients.")
+        if args.trace:
+            with open(args.trace, "w") as f:
+                json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+            print(f"Wrote {args.trace}: open it in https://ui.perfetto.dev or chrome://tracing.")
+    ddp.exit_distributed()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(), help="ranks when not under torchrun")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--virtual", type=int, default=2, help="stages per rank, interleaved schedule")
+    parser.add_argument("--unit-ms", type=float, default=20,
+                        help="synthetic forward time per rank for the timelines; 0: real compute")
+    parser.add_argument("--trace", help="write the measured timelines as Chrome trace-event JSON")
+    parser.add_argument("--bench", action="store_true", help="step time against torch.distributed.pipelining")
+    parser.add_argument("--bench-steps", type=int, default=5)
+    parser.add_argument("--bench-rounds", type=int, default=3)
+    args = parser.parse_args()
+    for name in ("nproc", "steps", "global_batch", "seq_len", "microbatches", "virtual", "bench_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.unit_ms < 0 or args.bench_rounds < 2:
+        parser.error("--unit-ms must be >= 0 and --bench-rounds >= 2 (the first round is warm-up)")
+    pp = int(os.environ.get("WORLD_SIZE", args.nproc))
+    try:  # the sizes the ranks would reject, caught before any process starts
+        for name, v in schedule_runs(args):
+            validate_pipeline(pp * args.virtual, pp, args.global_batch, args.microbatches, name, v)
+    except ValueError as error:
+        parser.error(str(error))
+    ddp.launch(demo, args, nproc=args.nproc)
+
+
+if __name__ == "__main__":
+    main()
