@@ -60,7 +60,9 @@ import torch.nn as nn
 ddp = importlib.import_module("01_ddp")
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-COMPUTE, SEND, RECV = ("F", "B", "W"), ("SEND_F", "SEND_B"), ("RECV_F", "RECV_B")
+COMPUTE, SEND = ("F", "B", "W"), ("SEND_F", "SEND_B")
+# Nominal cost of each action: a backward is two matmuls per forward one (input and weight gradient).
+UNIT_TIMES, UNIT_TIMES_SPLIT = {"F": 1, "B": 2}, {"F": 1, "B": 1, "W": 1}
 MB_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"  # one character per microbatch in the drawings
 
 # ----------------------------------------------------------------------------------------------
@@ -150,11 +152,6 @@ def compute_order(schedule: str, rank: int, pp: int, m: int, virtual: int) -> li
         if k >= held_back_w:
             order.append(weight_grads.pop(0))
     return order + weight_grads
-
-
-def unit_durations(split_backward: bool) -> dict[str, int]:
-    """The nominal cost of each action: a backward is twice a forward (two matmuls per one)."""
-    return {"F": 1, "B": 1, "W": 1} if split_backward else {"F": 1, "B": 2}
 
 
 def simulate(orders: list[list[Action]], pp: int, n_stages: int,
@@ -265,7 +262,7 @@ def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Sc
     """Each rank's ordered actions. A pure function: every rank computes every rank's list."""
     n_stages = pp * virtual
     orders = [compute_order(name, r, pp, microbatches, virtual) for r in range(pp)]
-    times = simulate(orders, pp, n_stages, unit_durations(name == "zb-h1"))
+    times = simulate(orders, pp, n_stages, UNIT_TIMES_SPLIT if name == "zb-h1" else UNIT_TIMES)
     return Schedule(name, pp, microbatches, virtual,
                     place_communication(orders, times, pp, n_stages), times)
 
@@ -287,8 +284,9 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
     """Run this rank's actions on its stages (stage index -> module). Gradients accumulate in .grad.
     work_s pads every compute action to a fixed duration (balanced synthetic work)."""
     rank, m, last = dist.get_rank(group), schedule.microbatches, schedule.n_stages - 1
-    x_mbs, y_mbs = tokens.chunk(m), targets.chunk(m)
+    x_mbs, y_mbs, dim = tokens.chunk(m), targets.chunk(m), next(iter(stages.values())).cfg.dim
     inputs, outputs, wait_for_w, inbox, outbox, sent = {}, {}, {}, {}, {}, []
+    outbox = inbox if schedule.pp == 1 else outbox  # one rank owns every stage: hand over directly
     log, in_flight, losses = StepLog(), 0, []
     actions, i = schedule.actions[rank], 0
     dist.barrier(group=group)
@@ -303,9 +301,9 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                     to_stage = a.stage + 1 if what == "act" else a.stage - 1
                     batch.append(("send", outbox.pop((what, to_stage, a.microbatch)), a.peer))
                 else:
-                    inbox[(what, a.stage, a.microbatch)] = torch.empty(
-                        (*x_mbs[0].shape, stages_dim(stages)), device=tokens.device)
-                    batch.append(("recv", inbox[(what, a.stage, a.microbatch)], a.peer))
+                    buffer = torch.empty((*x_mbs[0].shape, dim), device=tokens.device)
+                    inbox[(what, a.stage, a.microbatch)] = buffer
+                    batch.append(("recv", buffer, a.peer))
             works = ddp.batch_p2p(batch, group)
             for (kind, tensor, _), work in zip(batch, works, strict=True):
                 if kind == "recv":
@@ -321,7 +319,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
             if a.stage == last:
                 losses.append(out.detach())
             else:
-                deliver(outbox, inbox, schedule, ("act", a.stage + 1, a.microbatch), out.detach())
+                outbox[("act", a.stage + 1, a.microbatch)] = out.detach()
             inputs[key], outputs[key] = x, out
             in_flight += 1
             log.peak_in_flight = max(log.peak_in_flight, in_flight)
@@ -337,7 +335,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                 x_grad = x.grad
                 in_flight -= 1
             if a.stage > 0:
-                deliver(outbox, inbox, schedule, ("grad", a.stage - 1, a.microbatch), x_grad)
+                outbox[("grad", a.stage - 1, a.microbatch)] = x_grad
         else:  # W: the weight gradients, accumulated like backward() would
             out, grad = wait_for_w.pop(key)
             params = [p for p in module.parameters() if p.requires_grad]
@@ -353,15 +351,6 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
         log.loss = torch.stack(losses).sum()
     return log
 
-
-def stages_dim(stages: dict[int, nn.Module]) -> int:
-    return next(iter(stages.values())).cfg.dim
-
-
-def deliver(outbox: dict, inbox: dict, schedule: Schedule, key: tuple, tensor: torch.Tensor) -> None:
-    """To the peer through the outbox, or straight into the inbox if this rank owns that stage too
-    (pp = 1)."""
-    (outbox if schedule.pp > 1 else inbox)[key] = tensor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,62 +448,123 @@ def demo(args: argparse.Namespace) -> None:
     device = ddp.init_distributed()
     pp, rank = dist.get_world_size(), dist.get_rank()
     cfg = ddp.ModelConfig(n_layers=pp * args.virtual)
-    batch, m = args.global_batch, args.microbatches
-    reference = ddp.train_single_device(cfg, args.steps, batch, args.seq_len, device=device)
-    act_bytes = batch * args.seq_len * cfg.dim * 4  # one stage boundary, one direction, m microbatches
-    if rank == 0:
-        print(f"Pipeline parallelism on {pp} ranks ({dist.get_backend()}, {device.type}): "
-              f"{cfg.n_layers} layers, global batch {batch} x {args.seq_len} in {m} microbatches, "
-              f"{args.steps} AdamW steps.\n")
-        print(f"{'schedule':<16}{'loss diff':>11}{'grad diff':>11}{'param diff':>11}"
-              f"   bytes sent per rank per step (= formula)")
-    timelines, trace = [], []
-    for pid, (name, v) in enumerate(schedule_runs(args)):
-        result, meter, _ = train_pipeline(cfg, args.steps, batch, args.seq_len, schedule=name,
+    # The timelines pad every action to its unit time (balanced synthetic work), on a model small
+    # enough that its real compute stays well inside the padding.
+    small = ddp.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=cfg.n_layers)
+    batch, m, steps = args.global_batch, args.microbatches, args.steps
+    ref = ddp.train_single_device(cfg, steps, batch, args.seq_len, device=device)
+    boundary = batch * args.seq_len * cfg.dim * 4  # bytes over one stage boundary, one way, per step
+    report = []
+    for name, v in schedule_runs(args):
+        result, meter, _ = train_pipeline(cfg, steps, batch, args.seq_len, schedule=name,
                                           microbatches=m, virtual=v, device=device)
-        diffs = torch.tensor([max(abs(a - b) for a, b in zip(result.losses, reference.losses)),
-                              ddp.max_abs_diff(result.first_grads, {n: reference.first_grads[n]
-                                                                    for n in result.first_grads}),
-                              ddp.max_abs_diff(result.params, {n: reference.params[n] for n in result.params})],
-                             device=device)
-        ddp.all_reduce(diffs, op=dist.ReduceOp.MAX)
-        mine = [s for s in range(rank, pp * v, pp)]
-        formula = sum((s < pp * v - 1) + (s > 0) for s in mine) * act_bytes
-        sent = gather_rows([[float(meter.traffic("send")) / args.steps, formula]], None, device)
-        # The same schedule with balanced synthetic work: every action padded to its unit time.
+        stats = [max(abs(a - b) for a, b in zip(result.losses, ref.losses)),
+                 ddp.max_abs_diff(ref.first_grads, result.first_grads),
+                 ddp.max_abs_diff(ref.params, result.params), float(meter.traffic("send")) / steps,
+                 sum((s < pp * v - 1) + (s > 0) for s in range(rank, pp * v, pp)) * boundary]
         unit = args.unit_ms / 1e3 / v
-        work = None if args.unit_ms == 0 else {"F": unit, "B": unit if name == "zb-h1" else 2 * unit, "W": unit}
-        # A smaller model there, so that its real compute stays well inside the padding.
-        small = ddp.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=cfg.n_layers)
+        work = {"F": unit, "B": unit if name == "zb-h1" else 2 * unit, "W": unit} if unit else None
         _, _, logs = train_pipeline(small if work else cfg, 2, m, 4 if work else args.seq_len,
                                     schedule=name, microbatches=m, virtual=v, device=device, work_s=work)
-        records = gather_rows([list(map(float, (COMPUTE.index(k), *rest))) for k, *rest in logs[-1].records],
-                              None, device)
-        peaks = gather_rows([[logs[-1].peak_in_flight]], None, device)
-        if rank == 0:
-            plan = make_schedule(name, pp, m, v)
-            print(f"{name + (f' v={v}' if v > 1 else ''):<16}" + "".join(f"{d:>11.1e}" for d in diffs.tolist())
-                  + "   " + ", ".join(f"{int(s[0, 0]):,}" + ("" if s[0, 0] == s[0, 1] else f" (formula {int(s[0, 1]):,})")
-                                      for s in sent))
-            timelines.append((name, v, plan, records, [int(p.item()) for p in peaks]))
-            trace += trace_events(f"{name} (v={v})", pid, records)
+        per_rank = torch.cat(gather_rows([stats + [logs[-1].peak_in_flight]], None, device))
+        records = gather_rows([[COMPUTE.index(k), *rest] for k, *rest in logs[-1].records], None, device)
+        report.append((make_schedule(name, pp, m, v), per_rank, records))
     if rank == 0:
-        print("(max |difference| from one device training on the whole batch: rounding only)\n")
-        mode = "real compute" if args.unit_ms == 0 else f"synthetic balanced work: F = {args.unit_ms} ms / v"
-        print(f"Timelines ({mode}); the planned one in unit times, then the measured one:")
-        for name, v, plan, records, peaks in timelines:
-            print(f"\n{name}, p={pp}, m={m}, v={v}: bubble measured {measured_bubble(records):.3f}, "
-                  f"formula {plan.bubble_formula():.3f}; peak microbatches held per rank "
-                  f"{peaks} (bound {[plan.in_flight_bound(r) for r in range(pp)]})")
-            print(plan)
-            print(draw_measured(records, pp))
-        print("\nNotice: 1F1B has GPipe's bubble but holds at most p - rank microbatches instead of m; "
-              "interleaving divides the bubble by about v; ZB-H1 fills it with weight gradients.")
-        if args.trace:
-            with open(args.trace, "w") as f:
-                json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
-            print(f"Wrote {args.trace}: open it in https://ui.perfetto.dev or chrome://tracing.")
+        print_demo(args, cfg, report)
     ddp.exit_distributed()
+
+
+def print_demo(args: argparse.Namespace, cfg, report: list) -> None:
+    pp, m = report[0][0].pp, args.microbatches
+    print(f"Pipeline parallelism on {pp} ranks ({dist.get_backend()}): {cfg.n_layers} layers, "
+          f"global batch {args.global_batch} x {args.seq_len} in {m} microbatches, {args.steps} AdamW steps.")
+    print(f"\n{'schedule':<16}{'loss diff':>11}{'grad diff':>11}{'param diff':>11}"
+          f"   bytes sent per rank per step (formula)")
+    for plan, per_rank, _ in report:
+        diffs = "".join(f"{d:>11.1e}" for d in per_rank[:, :3].max(0).values.tolist())
+        sent = ", ".join(f"{int(s):,}" + ("" if s == f else f" (formula {int(f):,})") for s, f in
+                         per_rank[:, 3:5].tolist())
+        print(f"{plan.name + (f' v={plan.virtual}' if plan.virtual > 1 else ''):<16}{diffs}   {sent}")
+    print("(max |difference| from one device training on the whole batch: rounding only)")
+    work = "real compute" if args.unit_ms == 0 else f"balanced synthetic work, F = {args.unit_ms} ms / v"
+    print(f"\nTimelines ({work}), planned in unit times, then measured ('.': idle):")
+    trace = []
+    for pid, (plan, per_rank, records) in enumerate(report):
+        peaks, bounds = per_rank[:, 5].int().tolist(), [plan.in_flight_bound(r) for r in range(pp)]
+        print(f"\n{plan.name}, p={pp}, m={m}, v={plan.virtual}: bubble measured "
+              f"{measured_bubble(records):.3f}, formula {plan.bubble_formula():.3f}; "
+              f"peak microbatches held per rank {peaks} (bound {bounds})\n{plan}\n{draw_measured(records, pp)}")
+        trace += trace_events(f"{plan.name} (v={plan.virtual})", pid, records)
+    print("\nNotice: 1F1B has GPipe's bubble but holds at most p - rank microbatches instead of m; "
+          "interleaving divides the bubble by about v; ZB-H1 fills most of it with weight gradients.")
+    if args.trace:
+        with open(args.trace, "w") as f:
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+        print(f"Wrote {args.trace}: open it in https://ui.perfetto.dev or chrome://tracing.")
+
+
+def bench(args: argparse.Namespace) -> None:
+    """Ours against torch.distributed.pipelining on the same stages, microbatches and batch, schedule
+    for schedule (their interleaved zero-bubble schedule on one stage per rank is ZB-H1).
+    Gradients of one step are compared, then step times, interleaved so both see the same load."""
+    from torch.distributed import pipelining as torch_pp
+
+    device = ddp.init_distributed()
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    cfg = ddp.ModelConfig(vocab_size=1024, dim=128, n_layers=2 * pp, n_heads=4, ffn_dim=344)
+    m, batch, seq = args.microbatches, 2 * args.microbatches, 64
+    tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, batch, seq, 0))
+    pairs = [("gpipe", 1, torch_pp.ScheduleGPipe), ("1f1b", 1, torch_pp.Schedule1F1B),
+             ("interleaved", 2, torch_pp.ScheduleInterleaved1F1B),
+             ("zb-h1", 1, torch_pp.ScheduleInterleavedZeroBubble)]  # ZB1P on one stage per rank = ZB-H1
+    rows = []
+    for name, v, torch_schedule in pairs:
+        plan = make_schedule(name, pp, m, v)
+        ours, theirs = ({s: build_stage(cfg, s, pp * v).to(device) for s in range(rank, pp * v, pp)}
+                        for _ in range(2))
+        torch_stages = [torch_pp.PipelineStage(mod, s, pp * v, device) for s, mod in theirs.items()]
+        multi = torch_schedule in (torch_pp.ScheduleInterleaved1F1B, torch_pp.ScheduleInterleavedZeroBubble)
+        schedule = torch_schedule(torch_stages if multi else torch_stages[0], m,
+                                  loss_fn=ddp.cross_entropy_loss)
+        opts = [ddp.make_optimizer(nn.ModuleList(s.values()), 1e-3) for s in (ours, theirs)]
+
+        def ours_step() -> None:
+            run_schedule(plan, ours, tokens, targets)
+
+        def torch_step() -> None:
+            args_ = (tokens,) if rank == 0 else ()
+            kwargs = dict(target=targets, losses=[]) if rank == pp - 1 else {}
+            schedule.step(*args_, **kwargs)
+
+        ours_step(), torch_step()  # one step from the same weights: the gradients must agree
+        diff = torch.tensor([ddp.max_abs_diff(dict(named_grads(ours)), dict(named_grads(theirs)))],
+                            device=device)
+        ddp.all_reduce(diff, op=dist.ReduceOp.MAX)
+        times = {"ours": [], "torch": []}
+        for round_ in range(args.bench_rounds):
+            for who, step_fn, opt in (("ours", ours_step, opts[0]), ("torch", torch_step, opts[1])):
+                def train_step(step_fn=step_fn, opt=opt) -> None:
+                    opt.zero_grad(set_to_none=True)
+                    step_fn()
+                    opt.step()
+                t = ddp.timed_steps(train_step, args.bench_steps, device)
+                if round_ > 0:  # the first round is warm-up
+                    times[who] += t
+        rows.append((f"{name} v={v}", torch_schedule.__name__, diff.item(),
+                     statistics.median(times["ours"]), statistics.median(times["torch"])))
+    if rank == 0:
+        n_params = sum(p.numel() for p in ddp.GPT(cfg).parameters())
+        print(f"Pipeline step time on {pp} ranks ({dist.get_backend()}, {device.type}), "
+              f"{n_params / 1e6:.1f}M parameters, batch {batch} x {seq} in {m} microbatches, "
+              f"median of {args.bench_steps * (args.bench_rounds - 1)} steps:")
+        for ours_name, torch_name, diff, t_ours, t_torch in rows:
+            print(f"  ours {ours_name:<16} {t_ours * 1e3:8.1f} ms   {torch_name:<30} {t_torch * 1e3:8.1f} ms"
+                  f"   ratio {t_ours / t_torch:.3f}   max |grad diff| {diff:.1e}")
+    ddp.exit_distributed()
+
+
+def named_grads(stages: dict[int, nn.Module]):
+    return ((n, p.grad) for n, p in named_parameters(stages))
 
 
 def main() -> None:
@@ -540,11 +590,12 @@ def main() -> None:
         parser.error("--unit-ms must be >= 0 and --bench-rounds >= 2 (the first round is warm-up)")
     pp = int(os.environ.get("WORLD_SIZE", args.nproc))
     try:  # the sizes the ranks would reject, caught before any process starts
-        for name, v in schedule_runs(args):
-            validate_pipeline(pp * args.virtual, pp, args.global_batch, args.microbatches, name, v)
+        for name, v in schedule_runs(args):  # --bench: 2 pp layers, 2 rows per microbatch
+            validate_pipeline(pp * args.virtual, pp, 2 * args.microbatches if args.bench else
+                              args.global_batch, args.microbatches, name, v)
     except ValueError as error:
         parser.error(str(error))
-    ddp.launch(demo, args, nproc=args.nproc)
+    ddp.launch(bench if args.bench else demo, args, nproc=args.nproc)
 
 
 if __name__ == "__main__":

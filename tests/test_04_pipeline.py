@@ -149,6 +149,22 @@ def test_schedules_are_complete_ordered_and_never_deadlock(plan):
     run_with_rendezvous(plan)
 
 
+def test_the_rendezvous_model_catches_mismatches_and_deadlocks():
+    plan = pl.make_schedule("1f1b", 3, 4)
+    sends = [i for i, a in enumerate(plan.actions[1]) if a.kind == "SEND_F"]
+    plan.actions[1][sends[0]], plan.actions[1][sends[1]] = plan.actions[1][sends[1]], plan.actions[1][sends[0]]
+    with pytest.raises(AssertionError, match="before computing it"):
+        run_with_rendezvous(plan)
+    # Rank 0 waits for the first gradient before sending the second activation, which rank 1
+    # needs before it can produce that gradient: a cycle.
+    plan = pl.make_schedule("1f1b", 2, 2)
+    assert [str(a) for a in plan.actions[0][:5]] == ["F0@s0", "SEND_F0@s0<->1", "F1@s0", "SEND_F1@s0<->1",
+                                                    "RECV_B0@s0<->1"]
+    plan.actions[0].insert(2, plan.actions[0].pop(4))
+    with pytest.raises(AssertionError, match="deadlock"):
+        run_with_rendezvous(plan)
+
+
 @given(plan=schedules())
 def test_planned_bubble_equals_the_formula(plan):
     step = max(end for _, end in plan.nominal.values())
