@@ -21,15 +21,18 @@ and receives. One executor runs any list. With unit times F = 1, B = 2 (or B = W
   every rank v times with 1/v of the work each: bubble (p-1)/(vm+p-1) (Megatron writes it relative to
   the ideal time: (p-1)/(vm)), for v times more point-to-point messages. Needs m a multiple of p.
 - ZB-H1 (zero bubble, Qi et al. 2023): backward split into B (input gradient: what the previous
-  stage waits for) and W (weight gradient: nobody waits for it). Rank r postpones its first r W's,
-  which fill the tail of the pipeline: bubble (p-1)/(3m+p-1), a third of 1F1B's, at most p
-  microbatches held (W needs the activations too); for m >= p. W here is a second autograd.grad towards the
-  weights, which re-runs the backward chain: cheap to read, not free (see the measured timelines).
+  stage waits for) and W (weight gradient: nobody waits for it). Rank r postpones its first r W's
+  to fill the tail of the pipeline: for m >= p the bubble is (p-1)/(3m+p-1), a third of 1F1B's,
+  with at most p microbatches held (W needs the activations too). W here is a second
+  autograd.grad, towards the weights, which re-runs the backward chain: simple, not free.
 
 Sends and receives are placed by simulating the compute order with those unit times: a transfer is
 posted on both ends at the instant its data is produced, and all transfers of one instant form one
-batched isend/irecv (01's batch_p2p, which meters them). No rank can wait on a peer that waits on
-it, so no schedule deadlocks, on gloo or NCCL.
+batched isend/irecv (01's batch_p2p, which meters them). Ranks reach their instants in time order,
+so no rank waits on a peer that waits on it: the tests run every list in a model of the strictest
+point-to-point semantics (a transfer completes only once both ends have posted it) and find no
+deadlock. The executor waits for a receive before the compute that needs it; sends complete in the
+background (waited at the end of the step), with no device-specific synchronisation.
 
 COST
 Per step a stage boundary carries m activations forward and m gradients back: rank r sends
@@ -511,11 +514,11 @@ def bench(args: argparse.Namespace) -> None:
 
     device = ddp.init_distributed()
     pp, rank = dist.get_world_size(), dist.get_rank()
-    cfg = ddp.ModelConfig(vocab_size=1024, dim=128, n_layers=2 * pp, n_heads=4, ffn_dim=344)
+    cfg = ddp.ModelConfig(vocab_size=1024, dim=128, n_layers=pp * args.virtual, n_heads=4, ffn_dim=344)
     m, batch, seq = args.microbatches, 2 * args.microbatches, 64
     tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, batch, seq, 0))
     pairs = [("gpipe", 1, torch_pp.ScheduleGPipe), ("1f1b", 1, torch_pp.Schedule1F1B),
-             ("interleaved", 2, torch_pp.ScheduleInterleaved1F1B),
+             ("interleaved", args.virtual, torch_pp.ScheduleInterleaved1F1B),
              ("zb-h1", 1, torch_pp.ScheduleInterleavedZeroBubble)]  # ZB1P on one stage per rank = ZB-H1
     rows = []
     for name, v, torch_schedule in pairs:
@@ -590,11 +593,13 @@ def main() -> None:
         parser.error("--unit-ms must be >= 0 and --bench-rounds >= 2 (the first round is warm-up)")
     pp = int(os.environ.get("WORLD_SIZE", args.nproc))
     try:  # the sizes the ranks would reject, caught before any process starts
-        for name, v in schedule_runs(args):  # --bench: 2 pp layers, 2 rows per microbatch
+        for name, v in schedule_runs(args):  # --bench: 2 rows per microbatch
             validate_pipeline(pp * args.virtual, pp, 2 * args.microbatches if args.bench else
                               args.global_batch, args.microbatches, name, v)
     except ValueError as error:
         parser.error(str(error))
+    if args.bench and args.microbatches < pp:
+        parser.error(f"--bench: torch's Schedule1F1B needs microbatches >= pp = {pp}")
     ddp.launch(bench if args.bench else demo, args, nproc=args.nproc)
 
 

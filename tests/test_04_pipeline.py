@@ -24,6 +24,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -249,6 +250,38 @@ def test_pipeline_equals_single_device(rank_pool, pp, name, k, m, virtual, seed,
     else:
         virtual = 1
     check_against_single_device(rank_pool, pp, name, m, virtual, seed, per_micro, seq_len)
+
+
+FROZEN = ("layers.0.attn.q_proj.weight", "lm_head.weight")  # on the first and on the last stage
+
+
+def step_with_frozen_parameters(cfg, name: str, m: int, batch: int, seq_len: int) -> dict:
+    """One step of the executor on stages with some parameters frozen: their .grad stays None."""
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    plan = pl.make_schedule(name, pp, m)
+    stages = {rank: pl.build_stage(cfg, rank, pp)}
+    for n, p in stages[rank].named_parameters():
+        p.requires_grad_(n not in FROZEN)
+    tokens, targets = ddp.synthetic_batch(cfg, batch, seq_len, 0)
+    pl.run_schedule(plan, stages, tokens, targets)
+    return {n: p.grad for n, p in stages[rank].named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_frozen_parameters_get_no_gradient_and_the_rest_are_unchanged(rank_pool, name):
+    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
+    grads = {}
+    for per_rank in rank_pool.run(2, step_with_frozen_parameters, cfg, name, 2, 4, 5):
+        grads.update(per_rank)
+    reference = ddp.GPT(cfg)
+    for n, p in reference.named_parameters():
+        p.requires_grad_(n not in FROZEN)
+    reference(*ddp.synthetic_batch(cfg, 4, 5, 0)).backward()
+    for n, p in reference.named_parameters():
+        if n in FROZEN:
+            assert grads[n] is None, n
+        else:
+            torch.testing.assert_close(grads[n], p.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL)
 
 
 @pytest.mark.parametrize("kwargs, message", [
