@@ -31,8 +31,8 @@ posted on both ends at the instant its data is produced, and all transfers of on
 batched isend/irecv (01's batch_p2p, which meters them). Ranks reach their instants in time order,
 so no rank waits on a peer that waits on it: the tests run every list in a model of the strictest
 point-to-point semantics (a transfer completes only once both ends have posted it) and find no
-deadlock. The executor waits for a receive before the compute that needs it; sends complete in the
-background (waited at the end of the step), with no device-specific synchronisation.
+deadlock. The executor waits for a receive only just before the compute that needs it; sends
+complete in the background (waited at the end of the step); no device-specific synchronisation.
 
 COST
 Per step a stage boundary carries m activations forward and m gradients back: rank r sends
@@ -288,8 +288,16 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
     work_s pads every compute action to a fixed duration (balanced synthetic work)."""
     rank, m, last = dist.get_rank(group), schedule.microbatches, schedule.n_stages - 1
     x_mbs, y_mbs, dim = tokens.chunk(m), targets.chunk(m), next(iter(stages.values())).cfg.dim
-    inputs, outputs, wait_for_w, inbox, outbox, sent = {}, {}, {}, {}, {}, []
+    inputs, outputs, wait_for_w, inbox, outbox, arriving, sent = {}, {}, {}, {}, {}, {}, []
     outbox = inbox if schedule.pp == 1 else outbox  # one rank owns every stage: hand over directly
+
+    def take(key: tuple) -> torch.Tensor:
+        """Wait for a receive only when its data is needed: a late peer then delays only the
+        action that needs it."""
+        if key in arriving:
+            arriving.pop(key).wait()
+        return inbox.pop(key)
+
     log, in_flight, losses = StepLog(), 0, []
     actions, i = schedule.actions[rank], 0
     dist.barrier(group=group)
@@ -304,20 +312,25 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                     to_stage = a.stage + 1 if what == "act" else a.stage - 1
                     batch.append(("send", outbox.pop((what, to_stage, a.microbatch)), a.peer))
                 else:
-                    buffer = torch.empty((*x_mbs[0].shape, dim), device=tokens.device)
-                    inbox[(what, a.stage, a.microbatch)] = buffer
-                    batch.append(("recv", buffer, a.peer))
+                    key = (what, a.stage, a.microbatch)
+                    inbox[key] = torch.empty((*x_mbs[0].shape, dim), device=tokens.device)
+                    batch.append(("recv", inbox[key], a.peer))
             works = ddp.batch_p2p(batch, group)
-            for (kind, tensor, _), work in zip(batch, works, strict=True):
+            for (kind, tensor, _), work, a in zip(batch, works, actions[i - len(batch):i], strict=True):
                 if kind == "recv":
-                    work.wait()  # needed by the next compute; sends complete in the background
-                else:
+                    arriving[("act" if a.kind == "RECV_F" else "grad", a.stage, a.microbatch)] = work
+                else:  # completes in the background; the tensor must live until then
                     sent.append((work, tensor))
             continue
         a, i = actions[i], i + 1
-        key, module, start = (a.stage, a.microbatch), stages.get(a.stage), time.perf_counter()
+        key, module = (a.stage, a.microbatch), stages.get(a.stage)
+        if a.kind == "F" and a.stage > 0:
+            received = take(("act", *key)).requires_grad_()
+        elif a.kind == "B" and a.stage < last:
+            received = take(("grad", *key))
+        start = time.perf_counter()  # after any wait for a peer: waiting is bubble, not work
         if a.kind == "F":
-            x = x_mbs[a.microbatch] if a.stage == 0 else inbox.pop(("act", *key)).requires_grad_()
+            x = x_mbs[a.microbatch] if a.stage == 0 else received
             out = module(x, y_mbs[a.microbatch]) / m if a.stage == last else module(x)
             if a.stage == last:
                 losses.append(out.detach())
@@ -328,7 +341,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
             log.peak_in_flight = max(log.peak_in_flight, in_flight)
         elif a.kind == "B":
             x, out = inputs.pop(key), outputs.pop(key)
-            grad = inbox.pop(("grad", *key)) if a.stage < last else None
+            grad = received if a.stage < last else None
             if schedule.split_backward:  # input gradient only; the weights wait for W
                 if a.stage > 0:
                     (x_grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
@@ -579,7 +592,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--virtual", type=int, default=2, help="stages per rank, interleaved schedule")
-    parser.add_argument("--unit-ms", type=float, default=20,
+    parser.add_argument("--unit-ms", type=float, default=50,
                         help="synthetic forward time per rank for the timelines; 0: real compute")
     parser.add_argument("--trace", help="write the measured timelines as Chrome trace-event JSON")
     parser.add_argument("--bench", action="store_true", help="step time against torch.distributed.pipelining")
