@@ -128,7 +128,8 @@ class Action:
     peer: int | None = None  # the other rank of a send or receive
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}@s{self.stage}" + ("" if self.peer is None else f"<->{self.peer}")
+        peer = "" if self.peer is None else f"<->{self.peer}"
+        return f"{self.kind}{self.microbatch}@s{self.stage}{peer}"
 
 
 def compute_order(schedule: str, rank: int, pp: int, m: int, virtual: int) -> list[Action]:
@@ -277,8 +278,9 @@ def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Sc
 
 @dataclass
 class StepLog:
-    records: list[tuple[str, int, int, float, float]] = field(default_factory=list)  # kind, stage, mb, start, end
-    peak_in_flight: int = 0          # microbatch-stage pairs whose activations were held at once
+    # (kind, stage, microbatch, start, end) of each compute action, seconds from the step's start
+    records: list[tuple[str, int, int, float, float]] = field(default_factory=list)
+    peak_in_flight: int = 0           # microbatch-stage pairs whose activations were held at once
     loss: torch.Tensor | None = None  # the batch mean loss, on the last stage's rank
 
 
@@ -304,21 +306,20 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
     t0 = time.perf_counter()
     while i < len(actions):
         if actions[i].kind not in COMPUTE:  # consecutive transfers: one batched isend/irecv
-            batch = []
+            batch, keys = [], []
             while i < len(actions) and actions[i].kind not in COMPUTE:
                 a, i = actions[i], i + 1
                 what = "act" if a.kind.endswith("F") else "grad"
-                if a.kind in SEND:  # the outbox is keyed by the receiving stage
-                    to_stage = a.stage + 1 if what == "act" else a.stage - 1
-                    batch.append(("send", outbox.pop((what, to_stage, a.microbatch)), a.peer))
+                if a.kind in SEND:  # mailboxes are keyed by the receiving stage
+                    keys.append((what, a.stage + 1 if what == "act" else a.stage - 1, a.microbatch))
+                    batch.append(("send", outbox.pop(keys[-1]), a.peer))
                 else:
-                    key = (what, a.stage, a.microbatch)
-                    inbox[key] = torch.empty((*x_mbs[0].shape, dim), device=tokens.device)
-                    batch.append(("recv", inbox[key], a.peer))
-            works = ddp.batch_p2p(batch, group)
-            for (kind, tensor, _), work, a in zip(batch, works, actions[i - len(batch):i], strict=True):
+                    keys.append((what, a.stage, a.microbatch))
+                    inbox[keys[-1]] = torch.empty((*x_mbs[0].shape, dim), device=tokens.device)
+                    batch.append(("recv", inbox[keys[-1]], a.peer))
+            for (kind, tensor, _), key, work in zip(batch, keys, ddp.batch_p2p(batch, group), strict=True):
                 if kind == "recv":
-                    arriving[("act" if a.kind == "RECV_F" else "grad", a.stage, a.microbatch)] = work
+                    arriving[key] = work
                 else:  # completes in the background; the tensor must live until then
                     sent.append((work, tensor))
             continue
@@ -366,7 +367,6 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
     if losses:
         log.loss = torch.stack(losses).sum()
     return log
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -509,7 +509,8 @@ def print_demo(args: argparse.Namespace, cfg, report: list) -> None:
         peaks, bounds = per_rank[:, 5].int().tolist(), [plan.in_flight_bound(r) for r in range(pp)]
         print(f"\n{plan.name}, p={pp}, m={m}, v={plan.virtual}: bubble measured "
               f"{measured_bubble(records):.3f}, formula {plan.bubble_formula():.3f}; "
-              f"peak microbatches held per rank {peaks} (bound {bounds})\n{plan}\n{draw_measured(records, pp)}")
+              f"peak microbatches held per rank {peaks} (bound {bounds})")
+        print(f"{plan}\n{draw_measured(records, pp)}")
         trace += trace_events(f"{plan.name} (v={plan.virtual})", pid, records)
     print("\nNotice: 1F1B has GPipe's bubble but holds at most p - rank microbatches instead of m; "
           "interleaving divides the bubble by about v; ZB-H1 fills most of it with weight gradients.")
@@ -586,7 +587,8 @@ def named_grads(stages: dict[int, nn.Module]):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(), help="ranks when not under torchrun")
+    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(),
+                        help="ranks when not under torchrun")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=32)

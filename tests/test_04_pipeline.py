@@ -152,8 +152,9 @@ def test_schedules_are_complete_ordered_and_never_deadlock(plan):
 
 def test_the_rendezvous_model_catches_mismatches_and_deadlocks():
     plan = pl.make_schedule("1f1b", 3, 4)
-    sends = [i for i, a in enumerate(plan.actions[1]) if a.kind == "SEND_F"]
-    plan.actions[1][sends[0]], plan.actions[1][sends[1]] = plan.actions[1][sends[1]], plan.actions[1][sends[0]]
+    rank1 = plan.actions[1]
+    first, second = [i for i, a in enumerate(rank1) if a.kind == "SEND_F"][:2]
+    rank1[first], rank1[second] = rank1[second], rank1[first]
     with pytest.raises(AssertionError, match="before computing it"):
         run_with_rendezvous(plan)
     # Rank 0 waits for the first gradient before sending the second activation, which rank 1
@@ -175,8 +176,10 @@ def test_planned_bubble_equals_the_formula(plan):
 
 def test_schedule_shapes_on_a_known_case():
     """p = 2, m = 3, drawn by hand from the definitions in the module docstring."""
-    order = lambda name, r: [f"{a.kind}{a.microbatch}" for a in pl.make_schedule(name, 2, 3).actions[r]  # noqa: E731
-                             if a.kind in pl.COMPUTE]
+    def order(name: str, rank: int) -> list[str]:
+        actions = pl.make_schedule(name, 2, 3).actions[rank]
+        return [f"{a.kind}{a.microbatch}" for a in actions if a.kind in pl.COMPUTE]
+
     assert order("gpipe", 0) == ["F0", "F1", "F2", "B0", "B1", "B2"]
     assert order("1f1b", 0) == ["F0", "F1", "B0", "F2", "B1", "B2"]
     assert order("1f1b", 1) == ["F0", "B0", "F1", "B1", "F2", "B2"]
