@@ -522,7 +522,7 @@ def print_demo(args: argparse.Namespace, cfg, report: list) -> None:
 
 def bench(args: argparse.Namespace) -> None:
     """Ours against torch.distributed.pipelining on the same stages, microbatches and batch, schedule
-    for schedule (their interleaved zero-bubble schedule on one stage per rank is ZB-H1).
+    for schedule (for ZB-H1: their interleaved zero-bubble schedule, on one stage per rank).
     Gradients of one step are compared, then step times, interleaved so both see the same load."""
     from torch.distributed import pipelining as torch_pp
 
@@ -533,7 +533,7 @@ def bench(args: argparse.Namespace) -> None:
     tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, batch, seq, 0))
     pairs = [("gpipe", 1, torch_pp.ScheduleGPipe), ("1f1b", 1, torch_pp.Schedule1F1B),
              ("interleaved", args.virtual, torch_pp.ScheduleInterleaved1F1B),
-             ("zb-h1", 1, torch_pp.ScheduleInterleavedZeroBubble)]  # ZB1P on one stage per rank = ZB-H1
+             ("zb-h1", 1, torch_pp.ScheduleInterleavedZeroBubble)]
     rows = []
     for name, v, torch_schedule in pairs:
         plan = make_schedule(name, pp, m, v)
