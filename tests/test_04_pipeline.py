@@ -256,6 +256,37 @@ def test_pipeline_equals_single_device(rank_pool, pp, name, k, m, virtual, seed,
     check_against_single_device(rank_pool, pp, name, m, virtual, seed, per_micro, seq_len)
 
 
+def pipelines_on_subgroups(cfg, steps: int, batch: int, seq_len: int):
+    """4 ranks: pipelines of two on {0, 2} and {1, 3}, then one-rank pipelines (every stage local).
+    Nothing may assume the world group."""
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+    singles = [dist.new_group([r]) for r in range(4)]
+    common = dict(microbatches=2, adam_eps=ADAM_EPS)
+    return (pl.train_pipeline(cfg, steps, batch, seq_len, schedule="zb-h1", group=pairs[rank % 2], **common),
+            pl.train_pipeline(cfg, steps, batch, seq_len, schedule="interleaved", virtual=2,
+                              group=singles[rank], **common))
+
+
+def test_pipelines_on_subgroups_and_on_one_rank(rank_pool):
+    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, n_layers=2, seed=7)
+    runs = rank_pool.run(4, pipelines_on_subgroups, cfg, 2, 4, 5)
+    reference = ddp.train_single_device(cfg, 2, 4, 5, adam_eps=ADAM_EPS)
+    for members in ((0, 2), (1, 3)):
+        grads = {n: g for r in members for n, g in runs[r][0][0].first_grads.items()}
+        params = {n: p for r in members for n, p in runs[r][0][0].params.items()}
+        for n, g in reference.first_grads.items():
+            torch.testing.assert_close(grads[n], g, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+            torch.testing.assert_close(params[n], reference.params[n], atol=PARAM_ATOL, rtol=0)
+        for r in members:
+            assert {ranks for _, ranks in runs[r][0][1].stats} == {members}
+    for rank, (_, (single, meter, _)) in enumerate(runs):
+        assert single.losses == pytest.approx(reference.losses, abs=LOSS_ATOL)
+        for n, g in reference.first_grads.items():
+            torch.testing.assert_close(single.first_grads[n], g, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+        assert meter.calls() == 0, f"rank {rank}: one rank owns every stage, nothing to send"
+
+
 FROZEN = ("layers.0.attn.q_proj.weight", "lm_head.weight")  # on the first and on the last stage
 
 
