@@ -324,7 +324,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                     sent.append((work, tensor))
             continue
         a, i = actions[i], i + 1
-        key, module = (a.stage, a.microbatch), stages.get(a.stage)
+        key, module = (a.stage, a.microbatch), stages[a.stage]
         if a.kind == "F" and a.stage > 0:
             received = take(("act", *key)).requires_grad_()
         elif a.kind == "B" and a.stage < last:
