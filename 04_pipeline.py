@@ -191,15 +191,11 @@ def place_communication(orders: list[list[Action]], times: dict, pp: int,
     Ranks reach their instants in order, so no rank can wait on a peer that waits on it."""
     events: list[list[tuple[float, Action]]] = [[] for _ in range(pp)]
     for a, (_, end) in times.items():
-        here = a.stage % pp
-        if a.kind == "F" and a.stage < n_stages - 1 and (a.stage + 1) % pp != here:
-            there = (a.stage + 1) % pp
-            events[here].append((end, Action("SEND_F", a.stage, a.microbatch, there)))
-            events[there].append((end, Action("RECV_F", a.stage + 1, a.microbatch, here)))
-        if a.kind == "B" and a.stage > 0 and (a.stage - 1) % pp != here:
-            there = (a.stage - 1) % pp
-            events[here].append((end, Action("SEND_B", a.stage, a.microbatch, there)))
-            events[there].append((end, Action("RECV_B", a.stage - 1, a.microbatch, here)))
+        to = a.stage + {"F": 1, "B": -1, "W": 0}[a.kind]  # activations go up, gradients down
+        here, there = a.stage % pp, to % pp
+        if 0 <= to < n_stages and there != here:
+            events[here].append((end, Action("SEND_" + a.kind, a.stage, a.microbatch, there)))
+            events[there].append((end, Action("RECV_" + a.kind, to, a.microbatch, here)))
     ranks = []
     for r in range(pp):
         comms = sorted(events[r], key=lambda e: (e[0], e[1].kind.startswith("RECV")))
