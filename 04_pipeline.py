@@ -1,0 +1,618 @@
+"""Lesson 04: pipeline parallelism. GPipe, 1F1B, interleaved 1F1B and ZB-H1, with measured bubbles.
+
+THE IDEA
+Cut the model by depth into S stages: the first owns the embedding, the last the final norm, the
+head and the loss; each of the p ranks runs its stages. The global batch is split into m
+microbatches so that stages can work on different microbatches at once. A rank sends its stage's
+output activations (b/m x seq x dim) to the next stage's rank and, in backward, the gradient of its
+stage input back to the previous one. Each microbatch loss is divided by m, so the accumulated
+gradients are exactly those of the mean loss over the whole batch (forget the 1/m and every gradient
+comes out m times too large while the logged loss still looks right).
+
+SCHEDULES ARE DATA
+A schedule is a pure function of (p, m, v) giving each rank an ordered list of actions: F (forward of
+one stage on one microbatch), B (its backward), W (weight gradient, zero-bubble only), and the sends
+and receives. One executor runs any list. With unit times F = 1, B = 2 (or B = W = 1 when split):
+- GPipe (all forwards, then all backwards): bubble (p-1)/(m+p-1) of the step, and a rank holds the
+  activations of all m microbatches at once.
+- 1F1B: rank r does p-r-1 warm-up forwards, then alternates one forward, one backward. Same bubble,
+  but a rank holds at most p-r microbatches: memory no longer grows with m.
+- interleaved 1F1B: each rank owns v stages (rank r: stages r, r+p, ...), so a microbatch passes
+  every rank v times with 1/v of the work each: bubble (p-1)/(vm+p-1) (Megatron writes it relative to
+  the ideal time: (p-1)/(vm)), for v times more point-to-point messages. Needs m a multiple of p.
+- ZB-H1 (zero bubble, Qi et al. 2023): backward split into B (input gradient: what the previous
+  stage waits for) and W (weight gradient: nobody waits for it). Rank r postpones its first r W's
+  to fill the tail of the pipeline: for m >= p the bubble is (p-1)/(3m+p-1), a third of 1F1B's,
+  with at most p microbatches held (W needs the activations too). W here is a second
+  autograd.grad, towards the weights, which re-runs the backward chain: simple, not free.
+
+Sends and receives are placed by simulating the compute order with those unit times: a transfer is
+posted on both ends at the instant its data is produced, and all transfers of one instant form one
+batched isend/irecv (01's batch_p2p, which meters them). Ranks reach their instants in time order,
+so no rank waits on a peer that waits on it: the tests run every list in a model of the strictest
+point-to-point semantics (a transfer completes only once both ends have posted it) and find no
+deadlock. The executor waits for a receive only just before the compute that needs it; sends
+complete in the background (waited at the end of the step); no device-specific synchronisation.
+
+COST
+Per step a stage boundary carries m activations forward and m gradients back: rank r sends
+(stages it owns that are not last + stages not first) x m x (b/m) x seq x dim x bytes.
+
+RUN IT
+    python 04_pipeline.py                    # 4 local ranks; torchrun --nproc_per_node=4 works too
+    python 04_pipeline.py --trace trace.json # open in https://ui.perfetto.dev or chrome://tracing
+    python 04_pipeline.py --bench            # step time against torch.distributed.pipelining
+Look at: the max |difference| from one device (rounding only), the bytes each rank sent beside the
+formula, then the measured timelines: '.' is the bubble; its measured fraction beside the formula;
+and the peak number of microbatches each rank held.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+ddp = importlib.import_module("01_ddp")
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+COMPUTE, SEND = ("F", "B", "W"), ("SEND_F", "SEND_B")
+# Nominal cost of each action: a backward is two matmuls per forward one (input and weight gradient).
+UNIT_TIMES, UNIT_TIMES_SPLIT = {"F": 1, "B": 2}, {"F": 1, "B": 1, "W": 1}
+MB_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"  # one character per microbatch in the drawings
+
+# ----------------------------------------------------------------------------------------------
+# Cutting the reference model into stages
+# ----------------------------------------------------------------------------------------------
+
+
+def validate_pipeline(n_layers: int, pp: int, global_batch: int, microbatches: int, schedule: str,
+                      virtual: int) -> None:
+    """Raised identically on every rank before any send, so no rank is left waiting."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} must be one of {SCHEDULES}")
+    if min(pp, microbatches, virtual) < 1:
+        raise ValueError(f"pp={pp}, microbatches={microbatches}, virtual={virtual} must all be >= 1")
+    if virtual > 1 and schedule != "interleaved":
+        raise ValueError(f"virtual={virtual} stages per rank needs schedule='interleaved'")
+    if n_layers < pp * virtual:
+        raise ValueError(f"n_layers={n_layers} cannot fill pp x virtual = {pp} x {virtual} = "
+                         f"{pp * virtual} stages: every stage needs at least one layer")
+    if global_batch % microbatches:
+        raise ValueError(f"global_batch={global_batch} is not divisible by microbatches={microbatches}")
+    if schedule == "interleaved" and microbatches % pp:
+        raise ValueError(f"interleaved 1F1B sends microbatches round the ranks in groups of pp: "
+                         f"microbatches={microbatches} is not a multiple of pp={pp}")
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Balanced by layers; the first stages take the remainder (the last one also has the head)."""
+    base, extra = divmod(n_layers, n_stages)
+    bounds = [0]
+    for s in range(n_stages):
+        bounds.append(bounds[-1] + base + (s < extra))
+    return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
+
+
+def build_stage(cfg, stage: int, n_stages: int) -> nn.Module:
+    """The reference GPT with the modules this stage does not own set to None or deleted: its
+    parameters keep the reference names and values (initialisation runs on the whole model)."""
+    model = ddp.GPT(cfg)
+    keep = stage_layers(cfg.n_layers, n_stages)[stage]
+    for name in [n for n in model.layers if int(n) not in keep]:
+        del model.layers[name]
+    if stage > 0:
+        model.embed = None
+    if stage < n_stages - 1:
+        model.norm = model.lm_head = None
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Schedules as data
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str        # F, B, W, or SEND_F / RECV_F (activations) / SEND_B / RECV_B (gradients)
+    stage: int       # the stage that computes, sends, or receives
+    microbatch: int
+    peer: int | None = None  # the other rank of a send or receive
+
+    def __str__(self) -> str:
+        peer = "" if self.peer is None else f"<->{self.peer}"
+        return f"{self.kind}{self.microbatch}@s{self.stage}{peer}"
+
+
+def compute_order(schedule: str, rank: int, pp: int, m: int, virtual: int) -> list[Action]:
+    """The order in which one rank computes; communication is added by place_communication."""
+    if schedule == "gpipe":
+        return [Action("F", rank, i) for i in range(m)] + [Action("B", rank, i) for i in range(m)]
+    if schedule == "interleaved":  # Megatron: microbatches in groups of pp, cycling the chunks
+        def act(kind: str, k: int) -> Action:
+            chunk = (k // pp) % virtual
+            chunk = chunk if kind == "F" else virtual - 1 - chunk  # backward runs the chunks in reverse
+            return Action(kind, chunk * pp + rank, (k // (pp * virtual)) * pp + k % pp)
+        total, warmup = m * virtual, min(m * virtual, 2 * (pp - rank - 1) + (virtual - 1) * pp)
+    else:
+        def act(kind: str, k: int) -> Action:
+            return Action(kind, rank, k)
+        total, warmup = m, min(m, pp - rank - 1)
+    order = [act("F", k) for k in range(warmup)]
+    held_back_w = rank if schedule == "zb-h1" else total  # W's this rank postpones to the tail
+    weight_grads = [act("W", k) for k in range(total)] if schedule == "zb-h1" else []
+    for k in range(total):
+        if warmup + k < total:
+            order.append(act("F", warmup + k))
+        order.append(act("B", k))
+        if k >= held_back_w:
+            order.append(weight_grads.pop(0))
+    return order + weight_grads
+
+
+def simulate(orders: list[list[Action]], pp: int, n_stages: int,
+             durations: dict[str, float]) -> dict[Action, tuple[float, float]]:
+    """Start and end of every compute action when each rank runs its order as early as its inputs
+    allow. Raises if the orders wait on each other in a cycle."""
+    times: dict[Action, tuple[float, float]] = {}
+    position, free_at = [0] * pp, [0.0] * pp
+    while any(position[r] < len(orders[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while position[r] < len(orders[r]):
+                a = orders[r][position[r]]
+                needs = {"F": [Action("F", a.stage - 1, a.microbatch)] if a.stage > 0 else [],
+                         "B": [Action("F", a.stage, a.microbatch)]
+                         + ([Action("B", a.stage + 1, a.microbatch)] if a.stage < n_stages - 1 else []),
+                         "W": [Action("B", a.stage, a.microbatch)]}[a.kind]
+                if any(n not in times for n in needs):
+                    break
+                start = max([free_at[r]] + [times[n][1] for n in needs])
+                times[a] = (start, start + durations[a.kind])
+                free_at[r], position[r], progressed = start + durations[a.kind], position[r] + 1, True
+        if not progressed:
+            stuck = {r: str(orders[r][position[r]]) for r in range(pp) if position[r] < len(orders[r])}
+            raise RuntimeError(f"the compute orders wait on each other: {stuck}")
+    return times
+
+
+def place_communication(orders: list[list[Action]], times: dict, pp: int,
+                        n_stages: int) -> list[list[Action]]:
+    """Insert each transfer on both ends at the instant its data is produced: the sender right after
+    the producing action, the receiver before its first action that starts at or after that instant.
+    Ranks reach their instants in order, so no rank can wait on a peer that waits on it."""
+    events: list[list[tuple[float, Action]]] = [[] for _ in range(pp)]
+    for a, (_, end) in times.items():
+        to = a.stage + {"F": 1, "B": -1, "W": 0}[a.kind]  # activations go up, gradients down
+        here, there = a.stage % pp, to % pp
+        if 0 <= to < n_stages and there != here:
+            events[here].append((end, Action("SEND_" + a.kind, a.stage, a.microbatch, there)))
+            events[there].append((end, Action("RECV_" + a.kind, to, a.microbatch, here)))
+    ranks = []
+    for r in range(pp):
+        comms = sorted(events[r], key=lambda e: (e[0], e[1].kind.startswith("RECV")))
+        merged, i = [], 0
+        for a in orders[r]:
+            while i < len(comms) and comms[i][0] <= times[a][0]:
+                merged.append(comms[i][1])
+                i += 1
+            merged.append(a)
+        ranks.append(merged + [c for _, c in comms[i:]])
+    return ranks
+
+
+@dataclass
+class Schedule:
+    name: str
+    pp: int
+    microbatches: int
+    virtual: int
+    actions: list[list[Action]]                  # per rank, in execution order
+    nominal: dict[Action, tuple[float, float]]   # unit-time start and end of each compute action
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual
+
+    @property
+    def split_backward(self) -> bool:
+        return self.name == "zb-h1"
+
+    def bubble_formula(self) -> float:
+        """The idle fraction of a step with unit times (F = 1, B = 2 or B = W = 1)."""
+        p, m, v = self.pp, self.microbatches, self.virtual
+        if self.name == "zb-h1":  # with m < p the last rank's F, B, F, B... chain sets the length
+            return 1 - 3 * m / max(3 * m + p - 1, 2 * m + 2 * p - 1)
+        work = v * m if self.name == "interleaved" else m
+        return (p - 1) / (work + p - 1)
+
+    def in_flight_bound(self, rank: int) -> int:
+        """Most microbatch-stage pairs whose activations `rank` holds at once (W frees them in
+        ZB-H1, B in the others)."""
+        p, m, v = self.pp, self.microbatches, self.virtual
+        return {"gpipe": m, "1f1b": min(m, p - rank), "zb-h1": min(m, p),
+                "interleaved": min(v * m, 2 * (p - rank - 1) + (v - 1) * p + 1)}[self.name]
+
+    def __str__(self) -> str:
+        """One row per rank, two characters per unit of time: F3 is the forward of microbatch 3
+        (lower case: a later chunk of the interleaved schedule), -- the rest of a longer action."""
+        end = max(e for _, e in self.nominal.values())
+        rows = []
+        for r in range(self.pp):
+            cells = [". "] * int(end)
+            for a in (a for a in self.actions[r] if a.kind in COMPUTE):
+                start, stop = self.nominal[a]
+                kind = a.kind if a.stage < self.pp else a.kind.lower()
+                cells[int(start)] = kind + MB_CHARS[a.microbatch % len(MB_CHARS)]
+                for t in range(int(start) + 1, int(stop)):
+                    cells[t] = "--"
+            rows.append(f"rank {r} |{''.join(cells)}|")
+        return "\n".join(rows)
+
+
+def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """Each rank's ordered actions. A pure function: every rank computes every rank's list."""
+    n_stages = pp * virtual
+    orders = [compute_order(name, r, pp, microbatches, virtual) for r in range(pp)]
+    times = simulate(orders, pp, n_stages, UNIT_TIMES_SPLIT if name == "zb-h1" else UNIT_TIMES)
+    return Schedule(name, pp, microbatches, virtual,
+                    place_communication(orders, times, pp, n_stages), times)
+
+
+# ----------------------------------------------------------------------------------------------
+# The executor: one for every schedule
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepLog:
+    # (kind, stage, microbatch, start, end) of each compute action, seconds from the step's start
+    records: list[tuple[str, int, int, float, float]] = field(default_factory=list)
+    peak_in_flight: int = 0           # microbatch-stage pairs whose activations were held at once
+    loss: torch.Tensor | None = None  # the batch mean loss, on the last stage's rank
+
+
+def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch.Tensor,
+                 targets: torch.Tensor, group=None, work_s: dict[str, float] | None = None) -> StepLog:
+    """Run this rank's actions on its stages (stage index -> module). Gradients accumulate in .grad.
+    work_s pads every compute action to a fixed duration (balanced synthetic work)."""
+    rank, m, last = dist.get_rank(group), schedule.microbatches, schedule.n_stages - 1
+    x_mbs, y_mbs, dim = tokens.chunk(m), targets.chunk(m), next(iter(stages.values())).cfg.dim
+    inputs, outputs, wait_for_w, inbox, outbox, arriving, sent = {}, {}, {}, {}, {}, {}, []
+    outbox = inbox if schedule.pp == 1 else outbox  # one rank owns every stage: hand over directly
+
+    def take(key: tuple) -> torch.Tensor:
+        """Wait for a receive only when its data is needed: a late peer then delays only the
+        action that needs it."""
+        if key in arriving:
+            arriving.pop(key).wait()
+        return inbox.pop(key)
+
+    log, in_flight, losses = StepLog(), 0, []
+    actions, i = schedule.actions[rank], 0
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    while i < len(actions):
+        if actions[i].kind not in COMPUTE:  # consecutive transfers: one batched isend/irecv
+            batch, keys = [], []
+            while i < len(actions) and actions[i].kind not in COMPUTE:
+                a, i = actions[i], i + 1
+                what = "act" if a.kind.endswith("F") else "grad"
+                if a.kind in SEND:  # mailboxes are keyed by the receiving stage
+                    keys.append((what, a.stage + 1 if what == "act" else a.stage - 1, a.microbatch))
+                    batch.append(("send", outbox.pop(keys[-1]), a.peer))
+                else:
+                    keys.append((what, a.stage, a.microbatch))
+                    inbox[keys[-1]] = torch.empty((*x_mbs[0].shape, dim), device=tokens.device)
+                    batch.append(("recv", inbox[keys[-1]], a.peer))
+            for (kind, tensor, _), key, work in zip(batch, keys, ddp.batch_p2p(batch, group), strict=True):
+                if kind == "recv":
+                    arriving[key] = work
+                else:  # completes in the background; the tensor must live until then
+                    sent.append((work, tensor))
+            continue
+        a, i = actions[i], i + 1
+        key, module = (a.stage, a.microbatch), stages[a.stage]
+        if a.kind == "F" and a.stage > 0:
+            received = take(("act", *key)).requires_grad_()
+        elif a.kind == "B" and a.stage < last:
+            received = take(("grad", *key))
+        start = time.perf_counter()  # after any wait for a peer: waiting is bubble, not work
+        if a.kind == "F":
+            x = x_mbs[a.microbatch] if a.stage == 0 else received
+            out = module(x, y_mbs[a.microbatch]) / m if a.stage == last else module(x)
+            if a.stage == last:
+                losses.append(out.detach())
+            else:
+                outbox[("act", a.stage + 1, a.microbatch)] = out.detach()
+            inputs[key], outputs[key] = x, out
+            in_flight += 1
+            log.peak_in_flight = max(log.peak_in_flight, in_flight)
+        elif a.kind == "B":
+            x, out = inputs.pop(key), outputs.pop(key)
+            grad = received if a.stage < last else None
+            if schedule.split_backward:  # input gradient only; the weights wait for W
+                if a.stage > 0:
+                    (x_grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+                wait_for_w[key] = (out, grad)
+            else:
+                torch.autograd.backward(out, grad)
+                x_grad = x.grad
+                in_flight -= 1
+            if a.stage > 0:
+                outbox[("grad", a.stage - 1, a.microbatch)] = x_grad
+        else:  # W: the weight gradients, accumulated like backward() would
+            out, grad = wait_for_w.pop(key)
+            params = [p for p in module.parameters() if p.requires_grad]
+            for p, g in zip(params, torch.autograd.grad(out, params, grad), strict=True):
+                p.grad = g if p.grad is None else p.grad + g
+            in_flight -= 1
+        if work_s is not None:
+            time.sleep(max(0.0, start + work_s[a.kind] - time.perf_counter()))
+        log.records.append((a.kind, a.stage, a.microbatch, start - t0, time.perf_counter() - t0))
+    for work, _ in sent:
+        work.wait()
+    if losses:
+        log.loss = torch.stack(losses).sum()
+    return log
+
+
+# ----------------------------------------------------------------------------------------------
+# Training, on the same global batches as lesson 01's single-device reference
+# ----------------------------------------------------------------------------------------------
+
+
+def named_parameters(stages: dict[int, nn.Module]):
+    for module in stages.values():
+        yield from module.named_parameters()  # reference names: layers keep their global index
+
+
+def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule: str = "1f1b",
+                   microbatches: int = 4, virtual: int = 1, lr: float = 1e-3, adam_eps: float = 1e-8,
+                   group=None, device: torch.device | str = "cpu", data_seed: int = 0,
+                   work_s: dict[str, float] | None = None):
+    """Returns (TrainResult of this rank's parameters, its CommMeter, one StepLog per step).
+    Every rank draws the whole batch; the first stage reads the tokens, the last the targets."""
+    pp, rank = ddp.group_size(group), dist.get_rank(group)
+    validate_pipeline(cfg.n_layers, pp, global_batch, microbatches, schedule, virtual)
+    plan = make_schedule(schedule, pp, microbatches, virtual)
+    stages = {s: build_stage(cfg, s, plan.n_stages).to(device) for s in range(rank, plan.n_stages, pp)}
+    optimizer = ddp.make_optimizer(nn.ModuleList(stages.values()), lr, adam_eps)
+    result, logs, losses = ddp.TrainResult([], {}, {}), [], []
+    with ddp.comm_meter() as meter:
+        for step in range(steps):
+            tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
+            log = run_schedule(plan, stages, tokens.to(device), targets.to(device), group, work_s)
+            logs.append(log)
+            losses.append(log.loss if log.loss is not None else torch.zeros((), device=device))
+            if step == 0:
+                result.first_grads = ddp.cpu_copy((n, p.grad) for n, p in named_parameters(stages))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    losses = torch.stack(losses).double()  # outside the meter: only the last stage has the loss
+    ddp.all_reduce(losses, group=group)
+    result.losses = losses.tolist()
+    result.params = ddp.cpu_copy(named_parameters(stages))
+    return result, meter, logs
+
+
+def gather_rows(rows: list[list[float]], group, device) -> list[torch.Tensor]:
+    """Every rank's (equally many) rows of numbers, on every rank, through 01's all_gather."""
+    local = torch.tensor(rows, dtype=torch.float64, device=device).reshape(len(rows), -1)
+    out = torch.empty((ddp.group_size(group) * local.shape[0], local.shape[1]), dtype=local.dtype,
+                      device=device)
+    ddp.all_gather(out, local, group=group)
+    return list(out.cpu().chunk(ddp.group_size(group)))
+
+
+def measured_bubble(records: list[torch.Tensor]) -> float:
+    """1 - busy / (ranks x step time), from the recorded (kind, stage, mb, start, end) rows."""
+    step = max(r[:, 4].max().item() for r in records)
+    busy = sum((r[:, 4] - r[:, 3]).sum().item() for r in records)
+    return 1 - busy / (len(records) * step)
+
+
+def draw_measured(records: list[torch.Tensor], pp: int, width: int = 96) -> str:
+    """One row per rank; each character a 1/width slice of the step: F, B, W (lower case: a later
+    chunk of the interleaved schedule) or '.' idle."""
+    step, rows = max(r[:, 4].max().item() for r in records), []
+    for rank, rec in enumerate(records):
+        row = ["."] * width
+        for kind, stage, _, start, end in rec.tolist():
+            letter = COMPUTE[int(kind)] if stage < pp else COMPUTE[int(kind)].lower()
+            for c in range(int(start / step * width + 0.5), int(end / step * width + 0.5)):
+                row[min(c, width - 1)] = letter
+        rows.append(f"rank {rank} |{''.join(row)}|")
+    return "\n".join(rows)
+
+
+def trace_events(name: int | str, pid: int, records: list[torch.Tensor]) -> list[dict]:
+    """Chrome trace-event JSON: one process per schedule, one thread per rank, times in us."""
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}]
+    for rank, rec in enumerate(records):
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": rank,
+                       "args": {"name": f"rank {rank}"}})
+        for kind, stage, mb, start, end in rec.tolist():
+            events.append({"ph": "X", "pid": pid, "tid": rank, "name": f"{COMPUTE[int(kind)]}{int(mb)}",
+                           "cat": COMPUTE[int(kind)], "ts": start * 1e6, "dur": (end - start) * 1e6,
+                           "args": {"stage": int(stage), "microbatch": int(mb)}})
+    return events
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo and benchmark
+# ----------------------------------------------------------------------------------------------
+
+
+def schedule_runs(args: argparse.Namespace) -> list[tuple[str, int]]:
+    return [(name, args.virtual if name == "interleaved" else 1) for name in SCHEDULES]
+
+
+def demo(args: argparse.Namespace) -> None:
+    device = ddp.init_distributed()
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    cfg = ddp.ModelConfig(n_layers=pp * args.virtual)
+    # The timelines pad every action to its unit time (balanced synthetic work), on a model small
+    # enough that its real compute stays well inside the padding.
+    small = ddp.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=cfg.n_layers)
+    batch, m, steps = args.global_batch, args.microbatches, args.steps
+    ref = ddp.train_single_device(cfg, steps, batch, args.seq_len, device=device)
+    boundary = batch * args.seq_len * cfg.dim * 4  # bytes over one stage boundary, one way, per step
+    report = []
+    for name, v in schedule_runs(args):
+        result, meter, _ = train_pipeline(cfg, steps, batch, args.seq_len, schedule=name,
+                                          microbatches=m, virtual=v, device=device)
+        stats = [max(abs(a - b) for a, b in zip(result.losses, ref.losses)),
+                 ddp.max_abs_diff(ref.first_grads, result.first_grads),
+                 ddp.max_abs_diff(ref.params, result.params), float(meter.traffic("send")) / steps,
+                 sum((s < pp * v - 1) + (s > 0) for s in range(rank, pp * v, pp)) * boundary]
+        unit = args.unit_ms / 1e3 / v
+        work = {"F": unit, "B": unit if name == "zb-h1" else 2 * unit, "W": unit} if unit else None
+        _, _, logs = train_pipeline(small if work else cfg, 2, m, 4 if work else args.seq_len,
+                                    schedule=name, microbatches=m, virtual=v, device=device, work_s=work)
+        per_rank = torch.cat(gather_rows([stats + [logs[-1].peak_in_flight]], None, device))
+        records = gather_rows([[COMPUTE.index(k), *rest] for k, *rest in logs[-1].records], None, device)
+        report.append((make_schedule(name, pp, m, v), per_rank, records))
+    if rank == 0:
+        print_demo(args, cfg, report)
+    ddp.exit_distributed()
+
+
+def print_demo(args: argparse.Namespace, cfg, report: list) -> None:
+    pp, m = report[0][0].pp, args.microbatches
+    print(f"Pipeline parallelism on {pp} ranks ({dist.get_backend()}): {cfg.n_layers} layers, "
+          f"global batch {args.global_batch} x {args.seq_len} in {m} microbatches, {args.steps} AdamW steps.")
+    print(f"\n{'schedule':<16}{'loss diff':>11}{'grad diff':>11}{'param diff':>11}"
+          f"   bytes sent per rank per step (formula)")
+    for plan, per_rank, _ in report:
+        diffs = "".join(f"{d:>11.1e}" for d in per_rank[:, :3].max(0).values.tolist())
+        sent = ", ".join(f"{int(s):,}" + ("" if s == f else f" (formula {int(f):,})") for s, f in
+                         per_rank[:, 3:5].tolist())
+        print(f"{plan.name + (f' v={plan.virtual}' if plan.virtual > 1 else ''):<16}{diffs}   {sent}")
+    print("(max |difference| from one device training on the whole batch: rounding only)")
+    work = "real compute" if args.unit_ms == 0 else f"balanced synthetic work, F = {args.unit_ms} ms / v"
+    print(f"\nTimelines ({work}), planned in unit times, then measured ('.': idle):")
+    trace = []
+    for pid, (plan, per_rank, records) in enumerate(report):
+        peaks, bounds = per_rank[:, 5].int().tolist(), [plan.in_flight_bound(r) for r in range(pp)]
+        print(f"\n{plan.name}, p={pp}, m={m}, v={plan.virtual}: bubble measured "
+              f"{measured_bubble(records):.3f}, formula {plan.bubble_formula():.3f}; "
+              f"peak microbatches held per rank {peaks} (bound {bounds})")
+        print(f"{plan}\n{draw_measured(records, pp)}")
+        trace += trace_events(f"{plan.name} (v={plan.virtual})", pid, records)
+    print("\nNotice: 1F1B has GPipe's bubble but holds at most p - rank microbatches instead of m; "
+          "interleaving divides the bubble by about v; ZB-H1 fills most of it with weight gradients.")
+    if args.trace:
+        with open(args.trace, "w") as f:
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+        print(f"Wrote {args.trace}: open it in https://ui.perfetto.dev or chrome://tracing.")
+
+
+def bench(args: argparse.Namespace) -> None:
+    """Ours against torch.distributed.pipelining on the same stages, microbatches and batch, schedule
+    for schedule (for ZB-H1: their interleaved zero-bubble schedule, on one stage per rank).
+    Gradients of one step are compared, then step times, interleaved so both see the same load."""
+    from torch.distributed import pipelining as torch_pp
+
+    device = ddp.init_distributed()
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    cfg = ddp.ModelConfig(vocab_size=1024, dim=128, n_layers=pp * args.virtual, n_heads=4, ffn_dim=344)
+    m, batch, seq = args.microbatches, 2 * args.microbatches, 64
+    tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, batch, seq, 0))
+    pairs = [("gpipe", 1, torch_pp.ScheduleGPipe), ("1f1b", 1, torch_pp.Schedule1F1B),
+             ("interleaved", args.virtual, torch_pp.ScheduleInterleaved1F1B),
+             ("zb-h1", 1, torch_pp.ScheduleInterleavedZeroBubble)]
+    rows = []
+    for name, v, torch_schedule in pairs:
+        plan = make_schedule(name, pp, m, v)
+        ours, theirs = ({s: build_stage(cfg, s, pp * v).to(device) for s in range(rank, pp * v, pp)}
+                        for _ in range(2))
+        torch_stages = [torch_pp.PipelineStage(mod, s, pp * v, device) for s, mod in theirs.items()]
+        multi = torch_schedule in (torch_pp.ScheduleInterleaved1F1B, torch_pp.ScheduleInterleavedZeroBubble)
+        schedule = torch_schedule(torch_stages if multi else torch_stages[0], m,
+                                  loss_fn=ddp.cross_entropy_loss)
+        opts = [ddp.make_optimizer(nn.ModuleList(s.values()), 1e-3) for s in (ours, theirs)]
+
+        def ours_step() -> None:
+            run_schedule(plan, ours, tokens, targets)
+
+        def torch_step() -> None:
+            args_ = (tokens,) if rank == 0 else ()
+            kwargs = dict(target=targets, losses=[]) if rank == pp - 1 else {}
+            schedule.step(*args_, **kwargs)
+
+        ours_step(), torch_step()  # one step from the same weights: the gradients must agree
+        diff = torch.tensor([ddp.max_abs_diff(dict(named_grads(ours)), dict(named_grads(theirs)))],
+                            device=device)
+        ddp.all_reduce(diff, op=dist.ReduceOp.MAX)
+        times = {"ours": [], "torch": []}
+        for round_ in range(args.bench_rounds):
+            for who, step_fn, opt in (("ours", ours_step, opts[0]), ("torch", torch_step, opts[1])):
+                def train_step(step_fn=step_fn, opt=opt) -> None:
+                    opt.zero_grad(set_to_none=True)
+                    step_fn()
+                    opt.step()
+                t = ddp.timed_steps(train_step, args.bench_steps, device)
+                if round_ > 0:  # the first round is warm-up
+                    times[who] += t
+        rows.append((f"{name} v={v}", torch_schedule.__name__, diff.item(),
+                     statistics.median(times["ours"]), statistics.median(times["torch"])))
+    if rank == 0:
+        n_params = sum(p.numel() for p in ddp.GPT(cfg).parameters())
+        print(f"Pipeline step time on {pp} ranks ({dist.get_backend()}, {device.type}), "
+              f"{n_params / 1e6:.1f}M parameters, batch {batch} x {seq} in {m} microbatches, "
+              f"median of {args.bench_steps * (args.bench_rounds - 1)} steps:")
+        for ours_name, torch_name, diff, t_ours, t_torch in rows:
+            print(f"  ours {ours_name:<16} {t_ours * 1e3:8.1f} ms   {torch_name:<30} {t_torch * 1e3:8.1f} ms"
+                  f"   ratio {t_ours / t_torch:.3f}   max |grad diff| {diff:.1e}")
+    ddp.exit_distributed()
+
+
+def named_grads(stages: dict[int, nn.Module]):
+    return ((n, p.grad) for n, p in named_parameters(stages))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(),
+                        help="ranks when not under torchrun")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--virtual", type=int, default=2, help="stages per rank, interleaved schedule")
+    parser.add_argument("--unit-ms", type=float, default=50,
+                        help="synthetic forward time per rank for the timelines; 0: real compute")
+    parser.add_argument("--trace", help="write the measured timelines as Chrome trace-event JSON")
+    parser.add_argument("--bench", action="store_true", help="step time against torch.distributed.pipelining")
+    parser.add_argument("--bench-steps", type=int, default=5)
+    parser.add_argument("--bench-rounds", type=int, default=3)
+    args = parser.parse_args()
+    for name in ("nproc", "steps", "global_batch", "seq_len", "microbatches", "virtual", "bench_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.unit_ms < 0 or args.bench_rounds < 2:
+        parser.error("--unit-ms must be >= 0 and --bench-rounds >= 2 (the first round is warm-up)")
+    pp = int(os.environ.get("WORLD_SIZE", args.nproc))
+    try:  # the sizes the ranks would reject, caught before any process starts
+        for name, v in schedule_runs(args):  # --bench: 2 rows per microbatch
+            validate_pipeline(pp * args.virtual, pp, 2 * args.microbatches if args.bench else
+                              args.global_batch, args.microbatches, name, v)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.bench and args.microbatches < pp:
+        parser.error(f"--bench: torch's Schedule1F1B needs microbatches >= pp = {pp}")
+    ddp.launch(bench if args.bench else demo, args, nproc=args.nproc)
+
+
+if __name__ == "__main__":
+    main()

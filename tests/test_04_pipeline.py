@@ -1,0 +1,384 @@
+"""Lesson 04 as a specification: schedules are valid programs, and every schedule trains exactly
+like one device.
+
+Tolerances (fp32 on CPU), those of test_01_ddp.py, measured here again:
+- loss per step: atol 1e-5. The pipeline sums m microbatch losses / m, the reference takes one mean:
+  the same sum in another order; measured <= 7.2e-7 over 30 random configurations of the kind drawn
+  below (p 2-4, every schedule, m 1-8, 3 steps).
+- gradients of the first step: atol 1e-6 + rtol 1e-4. Each is a sum of m microbatch gradients instead
+  of one batch gradient; measured <= 1.2e-7 absolute over the same 30. Forgetting the 1/m makes
+  every gradient m times too large (>= 100% off for m >= 2); a wrong stage cut, a microbatch sent to
+  the wrong stage or a missing W is off by the gradient itself.
+- parameters after 3 AdamW steps (eps raised to 1e-6, see test_01_ddp.py): atol 1e-5; measured
+  <= 4.2e-7. Any real bug moves parameters by ~lr = 1e-3.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from conftest import ROOT, RankFailure
+
+ddp = importlib.import_module("01_ddp")
+pl = importlib.import_module("04_pipeline")
+
+LOSS_ATOL, GRAD_ATOL, GRAD_RTOL, PARAM_ATOL, ADAM_EPS = 1e-5, 1e-6, 1e-4, 1e-5, 1e-6
+
+
+@st.composite
+def schedules(draw, max_pp: int = 5) -> "pl.Schedule":
+    name = draw(st.sampled_from(pl.SCHEDULES))
+    pp = draw(st.integers(1, max_pp))
+    if name == "interleaved":
+        virtual, m = draw(st.integers(1, 3)), pp * draw(st.integers(1, 3))
+    else:
+        virtual, m = 1, draw(st.integers(1, 10))
+    return pl.make_schedule(name, pp, m, virtual)
+
+
+# --- schedules as data ------------------------------------------------------------------------
+
+def payload(action: "pl.Action") -> tuple[str, int, int]:
+    """What a transfer carries, named by the stage that receives it."""
+    if action.kind == "SEND_F":
+        return "act", action.stage + 1, action.microbatch
+    if action.kind == "SEND_B":
+        return "grad", action.stage - 1, action.microbatch
+    return ("act" if action.kind == "RECV_F" else "grad"), action.stage, action.microbatch
+
+
+def run_with_rendezvous(plan: "pl.Schedule") -> None:
+    """Execute every rank's list in a model of the strictest point-to-point semantics: a compute
+    action needs its input (computed here, or received), and a batch of consecutive transfers is
+    posted at once and completes only when the peer of every transfer in it has posted the matching
+    one (the k-th send from a to b matches the k-th receive on b from a). Asserts that the matched
+    transfers carry the same data and that every rank reaches the end of its list."""
+    pp, last = plan.pp, plan.n_stages - 1
+    position, done, have = [0] * pp, set(), [set() for _ in range(pp)]
+    posted = defaultdict(list)        # (src, dst, "send" | "recv") -> payloads in posting order
+    waiting: dict[int, list] = {}     # rank -> its posted batch: (channel key, index, action)
+
+    def ready(rank: int, a) -> bool:
+        here = lambda s: s % pp == rank  # noqa: E731
+        if a.kind == "F":
+            return a.stage == 0 or (("F", a.stage - 1, a.microbatch) in done if here(a.stage - 1)
+                                    else ("act", a.stage, a.microbatch) in have[rank])
+        if a.kind == "B":
+            upstream = a.stage == last or (("B", a.stage + 1, a.microbatch) in done if here(a.stage + 1)
+                                           else ("grad", a.stage, a.microbatch) in have[rank])
+            return ("F", a.stage, a.microbatch) in done and upstream
+        return ("B", a.stage, a.microbatch) in done
+
+    while any(position[r] < len(plan.actions[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            actions = plan.actions[r]
+            if r in waiting:
+                ops = waiting[r]
+                other = {"send": "recv", "recv": "send"}
+                if all(len(posted[(src, dst, other[kind])]) > i for (src, dst, kind), i, _ in ops):
+                    for (src, dst, kind), i, a in ops:
+                        assert posted[(src, dst, "send")][i] == posted[(src, dst, "recv")][i], \
+                            f"transfer {i} from rank {src} to {dst} carries different data on both ends"
+                        if kind == "recv":
+                            have[r].add(payload(a))
+                    del waiting[r]
+                    progressed = True
+                continue
+            if position[r] == len(actions):
+                continue
+            a = actions[position[r]]
+            if a.kind in pl.COMPUTE:
+                if ready(r, a):
+                    done.add((a.kind, a.stage, a.microbatch))
+                    position[r] += 1
+                    progressed = True
+                continue
+            ops = []
+            while position[r] < len(actions) and actions[position[r]].kind not in pl.COMPUTE:
+                a = actions[position[r]]
+                position[r] += 1
+                if a.kind in pl.SEND:
+                    produced = ("F" if a.kind == "SEND_F" else "B", a.stage, a.microbatch)
+                    assert produced in done, f"rank {r} sends {a} before computing it"
+                    key = (r, a.peer, "send")
+                else:
+                    key = (a.peer, r, "recv")
+                ops.append((key, len(posted[key]), a))
+                posted[key].append(payload(a))
+            waiting[r] = ops
+            progressed = True
+        assert progressed, f"deadlock: positions {position}, waiting ranks {sorted(waiting)}"
+    assert not waiting
+    for key in [k for k in posted if k[2] == "send"]:
+        assert posted[key] == posted[(key[0], key[1], "recv")], f"unmatched transfers on {key[:2]}"
+
+
+@given(plan=schedules())
+def test_schedules_are_complete_ordered_and_never_deadlock(plan):
+    n_stages, m = plan.n_stages, plan.microbatches
+    kinds = ("F", "B", "W") if plan.split_backward else ("F", "B")
+    for rank, actions in enumerate(plan.actions):
+        compute = [a for a in actions if a.kind in pl.COMPUTE]
+        owned = range(rank, n_stages, plan.pp)
+        assert sorted((a.kind, a.stage, a.microbatch) for a in compute) == \
+            sorted((k, s, i) for k in kinds for s in owned for i in range(m)), "each action exactly once"
+        place = {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(compute)}
+        for s in owned:
+            for i in range(m):
+                assert place[("F", s, i)] < place[("B", s, i)], "backward before its forward"
+                if plan.split_backward:
+                    assert place[("B", s, i)] < place[("W", s, i)], "weight gradient before B"
+        # In-flight activations, counted from the list: the bound holds, and is reached.
+        held = peak = 0
+        frees = "W" if plan.split_backward else "B"
+        for a in compute:
+            held += (a.kind == "F") - (a.kind == frees)
+            peak = max(peak, held)
+        assert peak == plan.in_flight_bound(rank)
+    run_with_rendezvous(plan)
+
+
+def test_the_rendezvous_model_catches_mismatches_and_deadlocks():
+    plan = pl.make_schedule("1f1b", 3, 4)
+    rank1 = plan.actions[1]
+    first, second = [i for i, a in enumerate(rank1) if a.kind == "SEND_F"][:2]
+    rank1[first], rank1[second] = rank1[second], rank1[first]
+    with pytest.raises(AssertionError, match="before computing it"):
+        run_with_rendezvous(plan)
+    # Rank 0 waits for the first gradient before sending the second activation, which rank 1
+    # needs before it can produce that gradient: a cycle.
+    plan = pl.make_schedule("1f1b", 2, 2)
+    assert [str(a) for a in plan.actions[0][:5]] == ["F0@s0", "SEND_F0@s0<->1", "F1@s0", "SEND_F1@s0<->1",
+                                                    "RECV_B0@s0<->1"]
+    plan.actions[0].insert(2, plan.actions[0].pop(4))
+    with pytest.raises(AssertionError, match="deadlock"):
+        run_with_rendezvous(plan)
+
+
+@given(plan=schedules())
+def test_planned_bubble_equals_the_formula(plan):
+    step = max(end for _, end in plan.nominal.values())
+    busy = sum(end - start for start, end in plan.nominal.values())
+    assert 1 - busy / (plan.pp * step) == pytest.approx(plan.bubble_formula(), abs=1e-12)
+
+
+def test_schedule_shapes_on_a_known_case():
+    """p = 2, m = 3, drawn by hand from the definitions in the module docstring."""
+    def order(name: str, rank: int) -> list[str]:
+        actions = pl.make_schedule(name, 2, 3).actions[rank]
+        return [f"{a.kind}{a.microbatch}" for a in actions if a.kind in pl.COMPUTE]
+
+    assert order("gpipe", 0) == ["F0", "F1", "F2", "B0", "B1", "B2"]
+    assert order("1f1b", 0) == ["F0", "F1", "B0", "F2", "B1", "B2"]
+    assert order("1f1b", 1) == ["F0", "B0", "F1", "B1", "F2", "B2"]
+    assert order("zb-h1", 0) == ["F0", "F1", "B0", "W0", "F2", "B1", "W1", "B2", "W2"]
+    assert order("zb-h1", 1) == ["F0", "B0", "F1", "B1", "W0", "F2", "B2", "W1", "W2"]
+    assert str(pl.make_schedule("1f1b", 2, 3)).splitlines() == [
+        "rank 0 |F0F1. . B0--F2B1--. B2--|",
+        "rank 1 |. F0B0--F1B1--F2B2--. . |"]
+
+
+@given(n_layers=st.integers(1, 9), n_stages=st.integers(1, 9))
+def test_stage_cut_is_balanced_and_covers_every_layer(n_layers, n_stages):
+    assume(n_stages <= n_layers)
+    cut = pl.stage_layers(n_layers, n_stages)
+    assert [i for r in cut for i in r] == list(range(n_layers))
+    assert max(map(len, cut)) - min(map(len, cut)) <= 1
+
+
+# --- every schedule trains like one device ----------------------------------------------------
+
+def check_against_single_device(rank_pool, pp, name, m, virtual, seed=0, per_micro=1, seq_len=5):
+    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, seed=seed,
+                          n_layers=pp * virtual + seed % 2)
+    steps, batch = 3, m * per_micro
+    runs = rank_pool.run(pp, pl.train_pipeline, cfg, steps, batch, seq_len, schedule=name,
+                         microbatches=m, virtual=virtual, adam_eps=ADAM_EPS)
+    reference = ddp.train_single_device(cfg, steps, batch, seq_len, adam_eps=ADAM_EPS)
+    grads, params = {}, {}
+    for result, _, _ in runs:
+        assert result.losses == pytest.approx(reference.losses, abs=LOSS_ATOL)
+        assert not grads.keys() & result.first_grads.keys(), "a parameter lives on two ranks"
+        grads.update(result.first_grads)
+        params.update(result.params)
+    assert grads.keys() == reference.first_grads.keys(), "every parameter lives on some rank"
+    for n, g in reference.first_grads.items():
+        torch.testing.assert_close(grads[n], g, atol=GRAD_ATOL, rtol=GRAD_RTOL,
+                                   msg=lambda msg, n=n: f"gradient of {n}: {msg}")
+    for n, p in reference.params.items():
+        torch.testing.assert_close(params[n], p, atol=PARAM_ATOL, rtol=0,
+                                   msg=lambda msg, n=n: f"parameter {n} after training: {msg}")
+    # The meter: m activations forward over each stage boundary a rank's stage sends from, m
+    # gradients back over each boundary it receives from; one microbatch is per_micro x seq x dim.
+    boundary = batch * seq_len * cfg.dim * 4
+    for rank, (_, meter, logs) in enumerate(runs):
+        mine = range(rank, pp * virtual, pp)
+        expected = sum((s < pp * virtual - 1) + (s > 0) for s in mine) * boundary * steps
+        assert meter.traffic("send") == expected and meter.payload("recv") == expected
+        assert meter.calls() == meter.calls("send") + meter.calls("recv"), "only point-to-point"
+        plan = pl.make_schedule(name, pp, m, virtual)
+        assert {log.peak_in_flight for log in logs} == {plan.in_flight_bound(rank)}
+        assert [r[:3] for r in logs[0].records] == \
+            [(a.kind, a.stage, a.microbatch) for a in plan.actions[rank] if a.kind in pl.COMPUTE]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize("name", pl.SCHEDULES)
+def test_every_schedule_equals_single_device(rank_pool, pp, name):
+    """Fewer microbatches than stages where the schedule allows it (interleaved needs m = k pp)."""
+    if name == "interleaved":
+        check_against_single_device(rank_pool, pp, name, m=pp, virtual=2)
+    else:
+        check_against_single_device(rank_pool, pp, name, m=pp - 1, virtual=1)
+
+
+@given(pp=st.sampled_from([2, 3, 4]), name=st.sampled_from(pl.SCHEDULES), k=st.integers(1, 2),
+       m=st.integers(1, 6), virtual=st.integers(1, 2), seed=st.integers(0, 99),
+       per_micro=st.integers(1, 2), seq_len=st.integers(1, 6))
+def test_pipeline_equals_single_device(rank_pool, pp, name, k, m, virtual, seed, per_micro, seq_len):
+    if name == "interleaved":
+        m = k * pp
+    else:
+        virtual = 1
+    check_against_single_device(rank_pool, pp, name, m, virtual, seed, per_micro, seq_len)
+
+
+def pipelines_on_subgroups(cfg, steps: int, batch: int, seq_len: int):
+    """4 ranks: pipelines of two on {0, 2} and {1, 3}, then one-rank pipelines (every stage local).
+    Nothing may assume the world group."""
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+    singles = [dist.new_group([r]) for r in range(4)]
+    common = dict(microbatches=2, adam_eps=ADAM_EPS)
+    return (pl.train_pipeline(cfg, steps, batch, seq_len, schedule="zb-h1", group=pairs[rank % 2], **common),
+            pl.train_pipeline(cfg, steps, batch, seq_len, schedule="interleaved", virtual=2,
+                              group=singles[rank], **common))
+
+
+def test_pipelines_on_subgroups_and_on_one_rank(rank_pool):
+    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, n_layers=2, seed=7)
+    runs = rank_pool.run(4, pipelines_on_subgroups, cfg, 2, 4, 5)
+    reference = ddp.train_single_device(cfg, 2, 4, 5, adam_eps=ADAM_EPS)
+    for members in ((0, 2), (1, 3)):
+        grads = {n: g for r in members for n, g in runs[r][0][0].first_grads.items()}
+        params = {n: p for r in members for n, p in runs[r][0][0].params.items()}
+        for n, g in reference.first_grads.items():
+            torch.testing.assert_close(grads[n], g, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+            torch.testing.assert_close(params[n], reference.params[n], atol=PARAM_ATOL, rtol=0)
+        for r in members:
+            assert {ranks for _, ranks in runs[r][0][1].stats} == {members}
+    for rank, (_, (single, meter, _)) in enumerate(runs):
+        assert single.losses == pytest.approx(reference.losses, abs=LOSS_ATOL)
+        for n, g in reference.first_grads.items():
+            torch.testing.assert_close(single.first_grads[n], g, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+        assert meter.calls() == 0, f"rank {rank}: one rank owns every stage, nothing to send"
+
+
+FROZEN = ("layers.0.attn.q_proj.weight", "lm_head.weight")  # on the first and on the last stage
+
+
+def step_with_frozen_parameters(cfg, name: str, m: int, batch: int, seq_len: int) -> dict:
+    """One step of the executor on stages with some parameters frozen: their .grad stays None."""
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    plan = pl.make_schedule(name, pp, m)
+    stages = {rank: pl.build_stage(cfg, rank, pp)}
+    for n, p in stages[rank].named_parameters():
+        p.requires_grad_(n not in FROZEN)
+    tokens, targets = ddp.synthetic_batch(cfg, batch, seq_len, 0)
+    pl.run_schedule(plan, stages, tokens, targets)
+    return {n: p.grad for n, p in stages[rank].named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_frozen_parameters_get_no_gradient_and_the_rest_are_unchanged(rank_pool, name):
+    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
+    grads = {}
+    for per_rank in rank_pool.run(2, step_with_frozen_parameters, cfg, name, 2, 4, 5):
+        grads.update(per_rank)
+    reference = ddp.GPT(cfg)
+    for n, p in reference.named_parameters():
+        p.requires_grad_(n not in FROZEN)
+    reference(*ddp.synthetic_batch(cfg, 4, 5, 0)).backward()
+    for n, p in reference.named_parameters():
+        if n in FROZEN:
+            assert grads[n] is None, n
+        else:
+            torch.testing.assert_close(grads[n], p.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(n_layers=2, pp=2, virtual=2, schedule="interleaved", m=2),
+     r"n_layers=2 cannot fill pp x virtual = 2 x 2 = 4 stages"),
+    (dict(n_layers=1, pp=2, virtual=1, schedule="1f1b", m=2), r"n_layers=1 cannot fill"),
+    (dict(n_layers=4, pp=2, virtual=2, schedule="interleaved", m=3, batch=6),
+     r"microbatches=3 is not a multiple of pp=2"),
+    (dict(n_layers=2, pp=2, virtual=1, schedule="gpipe", m=4, batch=6),
+     r"global_batch=6 is not divisible by microbatches=4"),
+    (dict(n_layers=4, pp=2, virtual=2, schedule="1f1b", m=2), r"virtual=2 stages per rank needs"),
+    (dict(n_layers=2, pp=2, virtual=1, schedule="zb-h2", m=2), r"schedule='zb-h2' must be one of"),
+    (dict(n_layers=2, pp=2, virtual=1, schedule="gpipe", m=0), r"must all be >= 1"),
+])
+def test_bad_configuration_fails_on_every_rank_without_hanging(rank_pool, kwargs, message):
+    cfg = ddp.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=kwargs["n_layers"])
+    with pytest.raises(RankFailure) as failure:
+        rank_pool.run(kwargs["pp"], pl.train_pipeline, cfg, 1, kwargs.get("batch", 4), 3,
+                      schedule=kwargs["schedule"], microbatches=kwargs["m"], virtual=kwargs["virtual"],
+                      timeout=30)
+    assert sorted(failure.value.errors) == list(range(kwargs["pp"]))
+    for tb in failure.value.errors.values():
+        assert "ValueError" in tb and re.search(message, tb), tb
+
+
+# --- measured timelines -----------------------------------------------------------------------
+
+def test_measured_timeline_drawing_bubble_and_trace():
+    """Two ranks, made-up records: rank 0 busy 0-2 (F) and 3-4 (b, a later chunk), rank 1 1-4."""
+    records = [torch.tensor([[0, 0, 0, 0.0, 2.0], [1, 2, 0, 3.0, 4.0]], dtype=torch.float64),
+               torch.tensor([[0, 1, 0, 1.0, 4.0]], dtype=torch.float64)]
+    assert pl.measured_bubble(records) == pytest.approx(1 - 6 / 8)
+    assert pl.draw_measured(records, pp=2, width=8).splitlines() == ["rank 0 |FFFF..bb|",
+                                                                     "rank 1 |..FFFFFF|"]
+    events = json.loads(json.dumps(pl.trace_events("1f1b", 3, records)))
+    slices = [e for e in events if e["ph"] == "X"]
+    assert [(e["tid"], e["name"], e["ts"], e["dur"]) for e in slices] == \
+        [(0, "F0", 0.0, 2e6), (0, "B0", 3e6, 1e6), (1, "F0", 1e6, 3e6)]
+    assert {e["pid"] for e in events} == {3}
+
+
+def test_script_runs_as_plain_python(tmp_path):
+    """The launcher end to end on 2 CPU ranks: differences printed small, bytes = formula, one
+    measured timeline per schedule, and a trace file that parses."""
+    trace = tmp_path / "trace.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen([sys.executable, "04_pipeline.py", "--nproc", "2", "--steps", "2",
+                             "--global-batch", "4", "--seq-len", "4", "--microbatches", "2",
+                             "--unit-ms", "5", "--trace", str(trace)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr
+    rows = re.findall(r"^(\S+)(?: v=\d)?\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d,]+), ([\d,]+)$",
+                      stdout, re.M)
+    assert [r[0] for r in rows] == list(pl.SCHEDULES), stdout
+    for _, *diffs, sent0, sent1 in rows:
+        assert float(diffs[1]) <= GRAD_ATOL and float(diffs[2]) <= 10 * PARAM_ATOL, stdout
+    assert len(re.findall(r"bubble measured [\d.]+, formula [\d.]+", stdout)) == 4, stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1, 2, 3}
