@@ -43,19 +43,16 @@ dtype for their matmuls (as in FlashAttention-2: where 16-bit error enters); fp3
 fp32 dots, not TF32. Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, one
 program at a time, in numpy), which cannot do bf16 dots or exp: CPU runs use fp32 or fp16.
 
-THE ON-CHIP BUDGET bounds the block sizes: the IO argument holds only while a program's tiles stay on
-chip. An H100 SM has 64K 32-bit registers and 228 KiB of shared memory (227 KiB for one block; an
-A100: 163). Registers hold what each thread computes with: the fp32 accumulator, BLOCK_M x d over
-the block's 32 x num_warps threads (64 registers a thread at 64 x 128 with 4 warps; the backward's
-dK and dV are two), the score tile s or p, row statistics, pointers. A thread may have 255; what
-does not fit is spilled to local memory, off chip, inside the inner loop: the very traffic the
-kernel exists to avoid (ptxas reports the spill bytes). More warps share the tiles (fewer registers
-each), bigger tiles need more. Shared memory holds the tiles being streamed in, num_stages deep for
-software pipelining (~ stages x BLOCK_N x d x 2 bytes per 16-bit K or V tile): a block that asks for
-more than the limit cannot launch. fp32 tiles take twice the room and its exact dots run on CUDA
-cores, not tensor cores. `--gpu-report` compiles every config for sm_90 without a GPU and prints
-shared memory, registers and spills; the autotuner times only the configs listed per head dim
-and dtype below, the ones that fit and do not spill.
+THE ON-CHIP BUDGET bounds the block sizes: the IO argument holds only while the tiles stay on chip.
+An H100 SM has 64K 32-bit registers and 228 KiB of shared memory (227 KiB for one block; A100: 163).
+Registers hold each thread's share of the fp32 accumulators (BLOCK_M x d over 32 x num_warps threads:
+64 a thread at 64 x 128 with 4 warps; the backward's dK and dV are two), of the score tile, row
+statistics and pointers: at most 255. What does not fit spills to local memory, off chip, inside the
+inner loop: the very traffic the kernel exists to avoid. More warps share the tiles; bigger tiles
+need more. Shared memory holds the tiles streamed in, num_stages deep (software pipelining: ~ stages
+x BLOCK_N x d x 2 bytes per 16-bit K or V tile): a block asking for more than the limit cannot
+launch. `--gpu-report` compiles every config for sm_90, no GPU needed, and prints shared memory,
+registers and ptxas's spill bytes; the autotuner times only the spill-free configs that fit.
 
 USE: GPT(cfg, attn_fn=flash_attention); lesson 05's ring calls flash_block_attention, or the raw
 flash_attention_forward / flash_attention_backward from its own autograd.Function. RUN IT: python
@@ -75,6 +72,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -119,30 +117,30 @@ def kept_configs(gpu: dict, head_dim: int, element_bytes: int) -> list[tuple[int
     return gpu[max(64, triton.next_power_of_2(head_dim)), element_bytes]
 
 
-def _prune_function(gpu: dict):
-    """The autotuner's early_config_prune: of all the configs, time only the table's for this launch."""
+def _prune(gpu: dict) -> dict:
+    """The autotuner's early_config_prune (called only with several configs: not in the interpreter):
+    of all the configs, time only the table's for this launch's head dim and dtype."""
     def prune(configs: list[triton.Config], named_args: dict, **meta) -> list[triton.Config]:
         kept = kept_configs(gpu, meta["HEAD_DIM"], named_args["Q"].element_size())
         return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in kept]
-    return prune
+    return {"early_config_prune": prune}
 
 
-def _prune(gpu: dict) -> dict | None:
-    return None if INTERPRETED else {"early_config_prune": _prune_function(gpu)}
-
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head-dim tile width, dtype bytes): on sm_90 with
-# Triton 3.7.1, the 16-bit ones are spill-free and every one fits an A100's and an H100's shared
-# memory; configs of the other lists are never tried for these (python 07_flash_attention.py --gpu-report).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head-dim tile width, dtype bytes), what the autotuner
+# times: on sm_90 with Triton 3.7.1 the 16-bit ones are spill-free, and all fit an H100's and an A100's
+# shared memory. fp32's exact dots run on CUDA cores (spilling on sm_90 at any tile): one small tile.
+# python 07_flash_attention.py --gpu-report shows every config's figures.
 FWD_GPU = {(64, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
-           (128, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3)],
-           (64, 4): [(64, 64, 4, 3)], (128, 4): [(64, 64, 4, 3)]}
+           (128, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2)],
+           (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
 # dK/dV programs own BLOCK_N keys and step over queries BLOCK_M at a time; dQ programs the reverse.
-DKDV_GPU = {(64, 2): [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)], (128, 2): [(32, 64, 4, 3)],
-            (64, 4): [(32, 64, 4, 3)], (128, 4): [(32, 64, 4, 3)]}
+# At head dim 128 the backward's accumulators (dK and dV: 2 x BLOCK_N x 128 fp32) need 8 warps.
+DKDV_GPU = {(64, 2): [(32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
+            (128, 2): [(32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 8, 3), (64, 128, 8, 2)],
+            (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
 DQ_GPU = {(64, 2): [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3)],
-          (128, 2): [(64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
-          (64, 4): [(64, 32, 4, 3)], (128, 4): [(64, 32, 4, 3)]}
+          (128, 2): [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3)],
+          (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
 FWD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS = (_configs(FWD_GPU, cpu=(32, 16)), _configs(DKDV_GPU, cpu=(16, 32)),
                                          _configs(DQ_GPU, cpu=(32, 16)))
 # Tuned per bucket of lengths (next power of two; the kernels ignore the bucket arguments), not per
@@ -502,35 +500,27 @@ def compile_for_gpu(jobs: list[dict], processes: int = 2) -> list[dict]:
     """Compiles each job (a kernel, argument types, constexprs, target, warps, stages) for a GPU
     that need not be here -> per job: shared (bytes per block), registers (per thread), spill_stores,
     spill_loads (bytes, from ptxas -v), tf32 (whether the PTX has a TF32 instruction). Runs in
-    child processes, where the interpreter is off; compiles are cached by Triton across runs."""
-    children = [subprocess.Popen([sys.executable, __file__, "--compile-worker"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env=dict(os.environ, TRITON_INTERPRET="0"))
-                for _ in range(min(processes, len(jobs)))]
-    shares = [jobs[i::len(children)] for i in range(len(children))]
-    for child, share in zip(children, shares, strict=True):
-        child.stdin.write(json.dumps(share))
-        child.stdin.close()
-    results = []
-    for child in children:
-        out, err = child.stdout.read(), child.stderr.read()
-        if child.wait() != 0:
-            raise RuntimeError(f"the compile worker failed:\n{err}")
-        results.append(json.loads(out))
-    return [results[i % len(children)][i // len(children)] for i in range(len(jobs))]
+    child processes, where the interpreter is off; Triton caches the compiles across runs."""
+    def worker(share: list[dict]) -> list[dict]:
+        run = subprocess.run([sys.executable, __file__, "--compile-worker"], input=json.dumps(share),
+                             capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"))
+        if run.returncode:
+            raise RuntimeError(f"the compile worker failed:\n{run.stderr}")
+        return json.loads(run.stdout)
+    with ThreadPoolExecutor(processes) as pool:
+        results = list(pool.map(worker, [jobs[i::processes] for i in range(processes)]))
+    return [results[i % processes][i // processes] for i in range(len(jobs))]
 
 
 def _compile_one(job: dict) -> dict:
     """In the worker: triton.compile for the job's target, then ptxas -v (as Triton runs it) on the PTX."""
     fn = getattr(importlib.import_module(job["module"]), job["kernel"])
-    fn = getattr(fn, "fn", fn)
     aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(job["signature"].values()) if t[0] == "*"}
-    source = triton.compiler.ASTSource(fn, job["signature"], job["constexprs"], aligned)
-    target = triton.backends.compiler.GPUTarget("cuda", job["capability"], 32)
-    compiled = triton.compile(source, target=target,
+    compiled = triton.compile(triton.compiler.ASTSource(getattr(fn, "fn", fn), job["signature"], job["constexprs"],
+                                                        aligned),  # fn.fn: the JITFunction under an autotuner
+                              target=triton.backends.compiler.GPUTarget("cuda", job["capability"], 32),
                               options=dict(num_warps=job["num_warps"], num_stages=job["num_stages"]))
-    ptx = compiled.asm["ptx"]
-    arch = f"sm_{job['capability']}{'a' if job['capability'] >= 90 else ''}"
+    ptx, arch = compiled.asm["ptx"], f"sm_{job['capability']}{'a' if job['capability'] >= 90 else ''}"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as file:
         file.write(ptx)
         file.flush()
@@ -538,22 +528,23 @@ def _compile_one(job: dict) -> dict:
                               file.name, "-o", os.devnull], capture_output=True, text=True, check=True).stderr
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return dict(shared=compiled.metadata.shared, registers=int(re.search(r"Used (\d+) registers", log)[1]),
-                spill_stores=int(spills[1]), spill_loads=int(spills[2]),
-                tf32=bool(re.search(r"\.tf32\b", ptx)))
+                spill_stores=int(spills[1]), spill_loads=int(spills[2]), tf32=bool(re.search(r"\.tf32\b", ptx)))
 
 
 GPU_TABLES = {"_fwd_kernel": FWD_GPU, "_bwd_dkdv_kernel": DKDV_GPU, "_bwd_dq_kernel": DQ_GPU}
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-def gpu_report(dtypes: tuple[str, ...] = ("bf16", "fp16"), capability: int = 90) -> None:
-    """Compiles every kernel x config x dtype x head dim (64, 128) for sm_<capability> and prints
-    what one block needs: shared memory, registers per thread, spill bytes; and whether the
-    autotuner tries it. No GPU needed."""
+def gpu_report(capability: int = 90) -> None:
+    """Compiles every kernel x config x 16-bit dtype x head dim (64, 128) for sm_<capability>, and
+    fp32's own configs (its CUDA-core dots compile slowly), and prints what one block needs: shared
+    memory, registers per thread, spill bytes; and whether the autotuner tries it. No GPU needed."""
     limit = SHARED_PER_BLOCK[capability]
     rows = [(kernel, config, dtype, head_dim) for kernel, table in GPU_TABLES.items()
-            for config in dict.fromkeys(c for kept in table.values() for c in kept)
-            for dtype in dtypes for head_dim in (64, 128)]
+            for config in dict.fromkeys(c for (_, size), kept in table.items() if size == 2 for c in kept)
+            for dtype in ("bf16", "fp16") for head_dim in (64, 128)]
+    rows += [(kernel, config, "fp32", head_dim) for kernel, table in GPU_TABLES.items() for head_dim in (64, 128)
+             for config in kept_configs(table, head_dim, 4)]
     results = compile_for_gpu([attention_compile_job(kernel, dtype, head_dim, *config, capability=capability)
                                for kernel, config, dtype, head_dim in rows])
     print(f"sm_{capability}, Triton {triton.__version__}, causal; shared memory limit {limit // 1024} KiB a block, "
@@ -563,7 +554,7 @@ def gpu_report(dtypes: tuple[str, ...] = ("bf16", "fp16"), capability: int = 90)
         kept = (m, n, warps, stages) in kept_configs(GPU_TABLES[kernel], head_dim, DTYPE_BYTES[dtype])
         why = [f"needs {got['shared'] / 1024:.0f} KiB > {limit // 1024}" if got["shared"] > limit else "",
                "spills" if got["spill_stores"] + got["spill_loads"] else ""]
-        verdict = "tries it" if kept else "never: " + (", ".join(w for w in why if w) or "another is kept")
+        verdict = "tries it" if kept else "never: " + (", ".join(w for w in why if w) or "not listed for this head dim")
         print(f"{kernel:<18}{f'{m}x{n}':>9}{warps:>6}{stages:>7}{dtype:>6}{head_dim:>5}{got['shared'] / 1024:>6.0f} KiB"
               f"{got['registers']:>6}{got['spill_stores']:>8}/{got['spill_loads']:<6}  {verdict}"
               + ("  <- SPILLS" if kept and why[1] and dtype != "fp32" else ""))

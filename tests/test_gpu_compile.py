@@ -14,8 +14,8 @@ interpreter off), and ptxas -v reports each kernel's registers and spills. This 
   - fp32 inputs get exact fp32 dots: their PTX has no TF32 instruction (the interpreter cannot tell);
   - the autotuner's prune function keeps exactly the listed configs per head dim and dtype.
 It cannot prove speed (that needs a GPU and --bench) or numerics (the interpreter tests and the GPU
-tests of test_07/test_08 do). Compiles are slow (1-2 s each for 16-bit, far more for fp32's FMA dots),
-so fp32 and sm_80 compile a representative subset: each kernel's largest kept tile.
+tests of test_07/test_08 do). Compiles are slow (1-2 s each in 16-bit, 15-40 s in fp32, whose exact dots
+are unrolled on CUDA cores), so fp16, fp32 and sm_80 compile a representative subset (attention_jobs).
 """
 from __future__ import annotations
 
@@ -44,16 +44,17 @@ def largest(configs: list[tuple[int, int, int, int]]) -> tuple[int, int, int, in
 
 
 def attention_jobs() -> list[tuple[str, tuple, str, int, int]]:
-    """(kernel, config, dtype, head_dim, capability): every kept 16-bit config on sm_90, and the
-    largest kept config per kernel for fp32 on sm_90 and for each dtype on sm_80."""
+    """(kernel, config, dtype, head_dim, capability) at head dims 64 and 128: on sm_90 every kept bf16
+    config, and in fp16 and on sm_80 the largest per kernel (bf16 and fp16 compile alike: same registers,
+    same shared memory); fp32's one config per kernel at head dim 64 on sm_90: each fp32 compile takes
+    15-40 s (CUDA-core dots unrolled); --gpu-report shows fp32 at 128 fits (<= 70 KiB)."""
     jobs = []
     for kernel, table in fa.GPU_TABLES.items():
         for head_dim in HEAD_DIMS:
-            for dtype in ("bf16", "fp16"):
-                jobs += [(kernel, c, dtype, head_dim, 90) for c in fa.kept_configs(table, head_dim, 2)]
-                jobs.append((kernel, largest(fa.kept_configs(table, head_dim, 2)), dtype, head_dim, 80))
-            for capability in (90, 80):
-                jobs.append((kernel, largest(fa.kept_configs(table, head_dim, 4)), "fp32", head_dim, capability))
+            kept = fa.kept_configs(table, head_dim, 2)
+            jobs += [(kernel, config, "bf16", head_dim, 90) for config in kept]
+            jobs += [(kernel, largest(kept), "fp16", head_dim, 90), (kernel, largest(kept), "bf16", head_dim, 80)]
+        jobs += [(kernel, config, "fp32", 64, 90) for config in fa.kept_configs(table, 64, 4)]
     return jobs
 
 
@@ -77,13 +78,22 @@ def fp8_cast_jobs() -> list[dict]:
     return jobs
 
 
+def tf32_default_job() -> dict:
+    """An fp32 forward without input_precision: Triton's default for fp32 dots is TF32."""
+    job = fa.attention_compile_job("_fwd_kernel", "fp32", 64, 64, 64, 4, 3)
+    job["constexprs"]["PRECISION"] = None
+    return job
+
+
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     """All compiles in one batch, two processes at a time (the cores of a laptop or the CI runner)."""
-    attention = attention_jobs()
+    attention, fp8_jobs = attention_jobs(), fp8_cast_jobs()
     results = fa.compile_for_gpu([fa.attention_compile_job(kernel, dtype, head_dim, *config, capability=cap)
-                                  for kernel, config, dtype, head_dim, cap in attention] + fp8_cast_jobs())
-    return dict(attention=dict(zip(attention, results, strict=False)), fp8=results[len(attention):])
+                                  for kernel, config, dtype, head_dim, cap in attention]
+                                 + fp8_jobs + [tf32_default_job()])
+    return dict(attention=dict(zip(attention, results, strict=False)),
+                fp8=results[len(attention):-1], tf32_default=results[-1])
 
 
 def test_every_compiled_kernel_fits_the_targets_shared_memory(compiled):
@@ -100,21 +110,15 @@ def test_kept_16bit_configs_do_not_spill_on_sm90(compiled):
     spilling = [(key, got["spill_stores"], got["spill_loads"]) for key, got in compiled["attention"].items()
                 if key[2] != "fp32" and key[4] == 90 and got["spill_stores"] + got["spill_loads"]]
     assert not spilling, spilling
-    assert len([key for key in compiled["attention"] if key[2] != "fp32" and key[4] == 90]) >= 2 * 2 * 3
+    assert len([key for key in compiled["attention"] if key[2] != "fp32" and key[4] == 90]) >= 3 * 2 * 2
 
 
 def test_fp32_kernels_use_exact_fp32_dots_not_tf32(compiled):
     fp32 = {key: got for key, got in compiled["attention"].items() if key[2] == "fp32"}
-    assert len(fp32) == len(fa.GPU_TABLES) * len(HEAD_DIMS) * 2
+    assert len(fp32) == len(fa.GPU_TABLES)
     assert not [key for key, got in fp32.items() if got["tf32"]]
-
-
-def test_tf32_finder_sees_tritons_default_fp32_dot():
-    """The check above can fail: without input_precision="ieee" (Triton's default for fp32 is TF32) the
-    finder sees the TF32 tensor-core instructions."""
-    job = fa.attention_compile_job("_fwd_kernel", "fp32", 64, 64, 64, 4, 3)
-    job["constexprs"]["PRECISION"] = None
-    assert fa.compile_for_gpu([job], processes=1)[0]["tf32"]
+    # The check can fail: without input_precision="ieee" the finder sees TF32 tensor-core instructions.
+    assert compiled["tf32_default"]["tf32"]
 
 
 def test_fp8_cast_kernel_compiles_for_sm90(compiled):
@@ -131,6 +135,6 @@ def test_prune_times_only_the_listed_configs(head_dim, dtype):
     for table in fa.GPU_TABLES.values():
         everything = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                       for m, n, w, s in dict.fromkeys(c for kept in table.values() for c in kept)]
-        pruned = fa._prune_function(table)(everything, {"Q": q}, HEAD_DIM=head_dim)
+        pruned = fa._prune(table)["early_config_prune"](everything, {"Q": q}, HEAD_DIM=head_dim)
         got = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in pruned]
         assert got == fa.kept_configs(table, head_dim, q.element_size()) and got
