@@ -516,8 +516,8 @@ def _compile_one(job: dict) -> dict:
     """In the worker: triton.compile for the job's target, then ptxas -v (as Triton runs it) on the PTX."""
     fn = getattr(importlib.import_module(job["module"]), job["kernel"])
     aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(job["signature"].values()) if t[0] == "*"}
-    compiled = triton.compile(triton.compiler.ASTSource(getattr(fn, "fn", fn), job["signature"], job["constexprs"],
-                                                        aligned),  # fn.fn: the JITFunction under an autotuner
+    fn = fn.fn if isinstance(fn, triton.runtime.Autotuner) else fn  # the JITFunction under an autotuner
+    compiled = triton.compile(triton.compiler.ASTSource(fn, job["signature"], job["constexprs"], aligned),
                               target=triton.backends.compiler.GPUTarget("cuda", job["capability"], 32),
                               options=dict(num_warps=job["num_warps"], num_stages=job["num_stages"]))
     ptx, arch = compiled.asm["ptx"], f"sm_{job['capability']}{'a' if job['capability'] >= 90 else ''}"

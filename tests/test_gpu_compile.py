@@ -137,4 +137,4 @@ def test_prune_times_only_the_listed_configs(head_dim, dtype):
                       for m, n, w, s in dict.fromkeys(c for kept in table.values() for c in kept)]
         pruned = fa._prune(table)["early_config_prune"](everything, {"Q": q}, HEAD_DIM=head_dim)
         got = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in pruned]
-        assert got == fa.kept_configs(table, head_dim, q.element_size()) and got
+        assert sorted(got) == sorted(fa.kept_configs(table, head_dim, q.element_size())) and got
