@@ -673,10 +673,7 @@ def main() -> None:
         parser.error("--head-dim must be between 16 and 128")
     if args.bench and INTERPRETED:
         parser.error("--bench needs a CUDA GPU (on CPU the kernels run in Triton's interpreter)")
-    if args.gpu_report:
-        gpu_report()
-    else:
-        bench() if args.bench else demo(args)
+    gpu_report() if args.gpu_report else bench() if args.bench else demo(args)
 
 
 if __name__ == "__main__":
