@@ -43,23 +43,49 @@ dtype for their matmuls (as in FlashAttention-2: where 16-bit error enters); fp3
 fp32 dots, not TF32. Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, one
 program at a time, in numpy), which cannot do bf16 dots or exp: CPU runs use fp32 or fp16.
 
+THE ON-CHIP BUDGET bounds the block sizes: the IO argument holds only while the tiles stay on chip.
+An H100 SM has 64K 32-bit registers and 228 KiB of shared memory (227 KiB for one block; A100: 163).
+Registers hold each thread's share of the fp32 accumulators (BLOCK_M x d over 32 x num_warps threads:
+64 a thread at 64 x 128 with 4 warps; the backward's dK and dV are two), of the score tile, row
+statistics and pointers: at most 255. What does not fit spills to local memory, off chip, inside the
+inner loop: the very traffic the kernel exists to avoid. More warps share the tiles; bigger tiles
+need more. Shared memory holds the tiles streamed in, num_stages deep (software pipelining: ~ stages
+x BLOCK_N x d x 2 bytes per 16-bit K or V tile): a block asking for more than the limit cannot
+launch. `--gpu-report` compiles every config for sm_90, no GPU needed, and prints shared memory,
+registers and ptxas's spill bytes; the autotuner times only the spill-free configs that fit.
+
 USE: GPT(cfg, attn_fn=flash_attention); lesson 05's ring calls flash_block_attention, or the raw
 flash_attention_forward / flash_attention_backward from its own autograd.Function. RUN IT: python
-07_flash_attention.py [--bench] (GPU only: TFLOP/s against SDPA's flash backend, bf16). Look at the
-max differences against float64 beside PyTorch's attention in the same dtype, the lse exact to fp32
-even from fp16 inputs, and the memory never used.
+07_flash_attention.py [--bench] (GPU only: TFLOP/s against SDPA's flash backend, bf16) or
+--gpu-report (no GPU needed: each config's on-chip budget). Look at the max differences against
+float64 beside PyTorch's attention in the same dtype, the lse exact to fp32 even from fp16 inputs,
+and the memory never used.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
+import json
 import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
+# `07_flash_attention.py --compile-worker`, the child process compile_for_gpu starts, compiles for a GPU
+# that is not here: it needs Triton's compiler, so it never turns the interpreter on.
+COMPILE_WORKER = __name__ == "__main__" and sys.argv[1:] == ["--compile-worker"]
+if COMPILE_WORKER:
+    os.environ["TRITON_INTERPRET"] = "0"
+    sys.modules["07_flash_attention"] = sys.modules[__name__]  # lesson 08 imports this module by name
+elif not torch.cuda.is_available():
     # Triton picks interpreted or compiled as each @triton.jit function is defined, tl.zeros, tl.sum, ...
     # included: set it before anything imports triton (torch does not; lesson 08 imports this first).
     os.environ["TRITON_INTERPRET"] = "1"
@@ -75,19 +101,48 @@ if INTERPRETED and not isinstance(tl.zeros, InterpretedFunction):
 LOG2E, LN2 = tl.constexpr(1.4426950408889634), tl.constexpr(0.6931471805599453)
 
 
-def _configs(gpu: list[tuple[int, int, int, int]], cpu: tuple[int, int]) -> list[triton.Config]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) to autotune over on a GPU, a few that suit Hopper;
+def _configs(gpu: dict[tuple[int, int], list[tuple[int, int, int, int]]], cpu: tuple[int, int]
+             ) -> list[triton.Config]:
+    """Every (BLOCK_M, BLOCK_N, num_warps, num_stages) of a table below, to autotune over on a GPU;
     the interpreter runs one, with M != N too."""
     if INTERPRETED:
         return [triton.Config({"BLOCK_M": cpu[0], "BLOCK_N": cpu[1]})]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu]
+    configs = dict.fromkeys(config for kept in gpu.values() for config in kept)  # in order, once each
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in configs]
 
 
-FWD_CONFIGS = _configs([(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3),
-                        (128, 128, 8, 3)], cpu=(32, 16))
+def kept_configs(gpu: dict, head_dim: int, element_bytes: int) -> list[tuple[int, int, int, int]]:
+    """The table's configs for this head dim (padded to 64 at least: smaller tiles only use fewer
+    registers) and dtype size (2: bf16, fp16; 4: fp32)."""
+    return gpu[max(64, triton.next_power_of_2(head_dim)), element_bytes]
+
+
+def _prune(gpu: dict) -> dict:
+    """The autotuner's early_config_prune (called only with several configs: not in the interpreter):
+    of all the configs, time only the table's for this launch's head dim and dtype."""
+    def prune(configs: list[triton.Config], named_args: dict, **meta) -> list[triton.Config]:
+        kept = kept_configs(gpu, meta["HEAD_DIM"], named_args["Q"].element_size())
+        return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in kept]
+    return {"early_config_prune": prune}
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head-dim tile width, dtype bytes), what the autotuner
+# times: on sm_90 with Triton 3.7.1 the 16-bit ones are spill-free, and all fit an H100's and an A100's
+# shared memory. fp32's exact dots run on CUDA cores (spilling on sm_90 at any tile): one small tile.
+# python 07_flash_attention.py --gpu-report shows every config's figures.
+FWD_GPU = {(64, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
+           (128, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2)],
+           (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
 # dK/dV programs own BLOCK_N keys and step over queries BLOCK_M at a time; dQ programs the reverse.
-DKDV_CONFIGS = _configs([(32, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)], cpu=(16, 32))
-DQ_CONFIGS = _configs([(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3)], cpu=(32, 16))
+# At head dim 128 the backward's accumulators (dK and dV: 2 x BLOCK_N x 128 fp32) need 8 warps.
+DKDV_GPU = {(64, 2): [(32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
+            (128, 2): [(32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 8, 3), (64, 128, 8, 2)],
+            (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
+DQ_GPU = {(64, 2): [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3)],
+          (128, 2): [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3)],
+          (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
+FWD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS = (_configs(FWD_GPU, cpu=(32, 16)), _configs(DKDV_GPU, cpu=(16, 32)),
+                                         _configs(DQ_GPU, cpu=(32, 16)))
 # Tuned per bucket of lengths (next power of two; the kernels ignore the bucket arguments), not per
 # exact length, which varies (ring chunks, evaluation), since each new key compiles and times every
 # config. Lengths, buckets, offsets are not specialised: no recompilation per length, offset, seq = 1.
@@ -101,10 +156,24 @@ jit_kernel = triton.jit(do_not_specialize=["seq_q", "seq_k", "seq_q_bucket", "se
 
 @triton.jit
 def _tile(rows, seq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Offsets of rows x BLOCK_D elements within one head, and the mask of those that exist."""
+    """Offsets of rows x BLOCK_D elements within one head, and the mask of those that exist: the
+    head-dim lanes are masked only when there are padding lanes (fewer live registers)."""
     offs_d = tl.arange(0, BLOCK_D)
-    return (rows[:, None] * HEAD_DIM + offs_d[None, :],
-            (rows < seq)[:, None] & (offs_d < HEAD_DIM)[None, :])
+    ok = (rows < seq)[:, None]
+    if HEAD_DIM != BLOCK_D:
+        ok = ok & (offs_d < HEAD_DIM)[None, :]
+    return rows[:, None] * HEAD_DIM + offs_d[None, :], ok
+
+
+@triton.jit
+def _load_keys(pointers, ok, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A key or value tile; the key blocks below full_end all exist, so they load without a mask
+    unless head_dim has padding lanes (which must not read past the tensor's end)."""
+    if MASKED or HEAD_DIM != BLOCK_D:
+        tile = tl.load(pointers, mask=ok, other=0.0)
+    else:
+        tile = tl.load(pointers)
+    return tile
 
 
 @triton.jit
@@ -141,7 +210,7 @@ def _query_range(start_n, seq_q, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
     return lo, full_start, q_end
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=TUNING_KEY)
+@triton.autotune(configs=FWD_CONFIGS, key=TUNING_KEY, prune_configs_by=_prune(FWD_GPU))
 @jit_kernel
 def _fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift, sm_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
@@ -163,7 +232,7 @@ def _fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shi
         for start_n in range(full_end if masked else 0, hi if masked else full_end, BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
             kv, kv_ok = _tile(cols, seq_k, HEAD_DIM, BLOCK_D)
-            k = tl.load(K + kv, mask=kv_ok, other=0.0)
+            k = _load_keys(K + kv, kv_ok, masked, HEAD_DIM, BLOCK_D)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
             if masked:
                 s = tl.where(_visible(rows, cols, seq_k, shift, CAUSAL), s, float("-inf"))
@@ -176,7 +245,7 @@ def _fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shi
             alpha = tl.exp2(m_i - m_sub)
             p = tl.exp2(s - m_sub[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + kv, mask=kv_ok, other=0.0)
+            v = _load_keys(V + kv, kv_ok, masked, HEAD_DIM, BLOCK_D)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
     # Rows that saw no key have acc = 0, l = 0, m = -inf: out = 0 / 1 = 0, lse = -inf + log2(1).
@@ -210,7 +279,7 @@ def _load_row_stats(LSE, DELTA, rows, seq_q):
     return lse, tl.load(DELTA + rows, mask=rows < seq_q, other=0.0)
 
 
-@triton.autotune(configs=DKDV_CONFIGS, key=TUNING_KEY)
+@triton.autotune(configs=DKDV_CONFIGS, key=TUNING_KEY, prune_configs_by=_prune(DKDV_GPU))
 @jit_kernel
 def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift,
                      sm_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
@@ -246,7 +315,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, seq_q, seq_k, seq_q_bucket
     tl.store(DV + kv_head + kv, dv.to(DV.dtype.element_ty), mask=kv_ok)
 
 
-@triton.autotune(configs=DQ_CONFIGS, key=TUNING_KEY)
+@triton.autotune(configs=DQ_CONFIGS, key=TUNING_KEY, prune_configs_by=_prune(DQ_GPU))
 @jit_kernel
 def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
@@ -267,8 +336,8 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_
         for start_n in range(full_end if masked else 0, hi if masked else full_end, BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
             kv, kv_ok = _tile(cols, seq_k, HEAD_DIM, BLOCK_D)
-            k = tl.load(K + kv, mask=kv_ok, other=0.0)
-            v = tl.load(V + kv, mask=kv_ok, other=0.0)
+            k = _load_keys(K + kv, kv_ok, masked, HEAD_DIM, BLOCK_D)
+            v = _load_keys(V + kv, kv_ok, masked, HEAD_DIM, BLOCK_D)
             p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
             if masked:
                 p = tl.where(_visible(rows, cols, seq_k, shift, CAUSAL), p, 0.0)
@@ -362,6 +431,12 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        # Autograd runs a backward with grad mode on only for create_graph=True. The kernels have no
+        # derivative of their own: say so, rather than return a dq that silently does not require grad
+        # (once_differentiable would not catch it: it looks only at whether dout requires grad).
+        if torch.is_grad_enabled():
+            raise RuntimeError("flash_attention is once differentiable: create_graph=True (a second "
+                               "derivative) is not supported; use naive_attention or SDPA for that")
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
         grads = flash_attention_backward(q, k, v, out, lse, dout, dlse, *ctx.args)
@@ -398,6 +473,91 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     lse = torch.logsumexp(scores.masked_fill(~has_key[:, None], 0.0), dim=-1)
     out = torch.exp(scores - lse[..., None]) @ v
     return out, lse.masked_fill(~has_key, float("-inf"))
+
+
+# Compiling for a GPU that is not here -----------------------------------------------------------
+
+PINNED_TRITON = "3.7.1"  # the Triton whose compiles the configs were pruned with (register use varies by version)
+SHARED_PER_BLOCK = {90: 227 * 1024, 80: 163 * 1024}  # bytes of shared memory one block may use: H100, A100
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"  # shipped with Triton
+
+
+def attention_compile_job(kernel: str, dtype: str, head_dim: int, block_m: int, block_n: int,
+                          num_warps: int, num_stages: int, capability: int = 90, causal: bool = True) -> dict:
+    """What compile_for_gpu needs to compile one of this lesson's kernels as a launch with q of
+    this dtype ("bf16", "fp16", "fp32") and head_dim would: pointers 16-byte aligned (as torch's are)."""
+    fn = globals()[kernel].fn  # the JITFunction under the autotuner
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
+                      PRECISION="ieee" if dtype == "fp32" else None, BLOCK_M=block_m, BLOCK_N=block_n)
+    signature = {name: "constexpr" if name in constexprs else "fp32" if name == "sm_scale" else
+                 ("*fp32" if name in ("LSE", "DELTA") else f"*{dtype}") if name.isupper() else "i32"
+                 for name in fn.arg_names}
+    return dict(module="07_flash_attention", kernel=kernel, signature=signature, constexprs=constexprs,
+                capability=capability, num_warps=num_warps, num_stages=num_stages)
+
+
+def compile_for_gpu(jobs: list[dict], processes: int = 2) -> list[dict]:
+    """Compiles each job (a kernel, argument types, constexprs, target, warps, stages) for a GPU
+    that need not be here -> per job: shared (bytes per block), registers (per thread), spill_stores,
+    spill_loads (bytes, from ptxas -v), tf32 (whether the PTX has a TF32 instruction). Runs in
+    child processes, where the interpreter is off; Triton caches the compiles across runs."""
+    def worker(share: list[dict]) -> list[dict]:
+        run = subprocess.run([sys.executable, __file__, "--compile-worker"], input=json.dumps(share),
+                             capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"))
+        if run.returncode:
+            raise RuntimeError(f"the compile worker failed:\n{run.stderr}")
+        return json.loads(run.stdout)
+    with ThreadPoolExecutor(processes) as pool:
+        results = list(pool.map(worker, [jobs[i::processes] for i in range(processes)]))
+    return [results[i % processes][i // processes] for i in range(len(jobs))]
+
+
+def _compile_one(job: dict) -> dict:
+    """In the worker: triton.compile for the job's target, then ptxas -v (as Triton runs it) on the PTX."""
+    fn = getattr(importlib.import_module(job["module"]), job["kernel"])
+    aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(job["signature"].values()) if t[0] == "*"}
+    fn = fn.fn if isinstance(fn, triton.runtime.Autotuner) else fn  # the JITFunction under an autotuner
+    compiled = triton.compile(triton.compiler.ASTSource(fn, job["signature"], job["constexprs"], aligned),
+                              target=triton.backends.compiler.GPUTarget("cuda", job["capability"], 32),
+                              options=dict(num_warps=job["num_warps"], num_stages=job["num_stages"]))
+    ptx, arch = compiled.asm["ptx"], f"sm_{job['capability']}{'a' if job['capability'] >= 90 else ''}"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as file:
+        file.write(ptx)
+        file.flush()
+        log = subprocess.run([str(PTXAS), "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}",
+                              file.name, "-o", os.devnull], capture_output=True, text=True, check=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return dict(shared=compiled.metadata.shared, registers=int(re.search(r"Used (\d+) registers", log)[1]),
+                spill_stores=int(spills[1]), spill_loads=int(spills[2]), tf32=bool(re.search(r"\.tf32\b", ptx)))
+
+
+GPU_TABLES = {"_fwd_kernel": FWD_GPU, "_bwd_dkdv_kernel": DKDV_GPU, "_bwd_dq_kernel": DQ_GPU}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def gpu_report(capability: int = 90) -> None:
+    """Compiles every kernel x config x 16-bit dtype x head dim (64, 128) for sm_<capability>, and
+    fp32's own configs (its CUDA-core dots compile slowly), and prints what one block needs: shared
+    memory, registers per thread, spill bytes; and whether the autotuner tries it. No GPU needed."""
+    limit = SHARED_PER_BLOCK[capability]
+    rows = [(kernel, config, dtype, head_dim) for kernel, table in GPU_TABLES.items()
+            for config in dict.fromkeys(c for (_, size), kept in table.items() if size == 2 for c in kept)
+            for dtype in ("bf16", "fp16") for head_dim in (64, 128)]
+    rows += [(kernel, config, "fp32", head_dim) for kernel, table in GPU_TABLES.items() for head_dim in (64, 128)
+             for config in kept_configs(table, head_dim, 4)]
+    results = compile_for_gpu([attention_compile_job(kernel, dtype, head_dim, *config, capability=capability)
+                               for kernel, config, dtype, head_dim in rows])
+    print(f"sm_{capability}, Triton {triton.__version__}, causal; shared memory limit {limit // 1024} KiB a block, "
+          f"255 registers a thread.\n{'kernel':<18}{'M x N':>9}{'warps':>6}{'stages':>7}{'dtype':>6}{'head':>5}"
+          f"{'shared':>9}{'regs':>6}{'spill st/ld B':>15}  autotuner")
+    for (kernel, (m, n, warps, stages), dtype, head_dim), got in zip(rows, results, strict=True):
+        kept = (m, n, warps, stages) in kept_configs(GPU_TABLES[kernel], head_dim, DTYPE_BYTES[dtype])
+        why = [f"needs {got['shared'] / 1024:.0f} KiB > {limit // 1024}" if got["shared"] > limit else "",
+               "spills" if got["spill_stores"] + got["spill_loads"] else ""]
+        verdict = "tries it" if kept else "never: " + (", ".join(w for w in why if w) or "not listed for this head dim")
+        print(f"{kernel:<18}{f'{m}x{n}':>9}{warps:>6}{stages:>7}{dtype:>6}{head_dim:>5}{got['shared'] / 1024:>6.0f} KiB"
+              f"{got['registers']:>6}{got['spill_stores']:>8}/{got['spill_loads']:<6}  {verdict}"
+              + ("  <- SPILLS" if kept and why[1] and dtype != "fp32" else ""))
 
 
 # Demo and benchmark -----------------------------------------------------------------------------
@@ -495,11 +655,16 @@ def bench() -> None:
 
 
 def main() -> None:
+    if COMPILE_WORKER:
+        print(json.dumps([_compile_one(job) for job in json.loads(sys.stdin.read())]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for name, default in (("--batch", 2), ("--heads", 2), ("--seq", 100), ("--head-dim", 32)):
         parser.add_argument(name, type=int, default=default)  # seq 100: a multiple of no block size
     parser.add_argument("--bench", action="store_true", help="GPU: TFLOP/s against SDPA (flash), bf16")
+    parser.add_argument("--gpu-report", action="store_true", help="no GPU needed: shared memory, registers "
+                        "and spills of every kernel and config, compiled for sm_90")
     args = parser.parse_args()
     for name in ("batch", "heads", "seq"):
         if getattr(args, name) < 1:
@@ -508,7 +673,7 @@ def main() -> None:
         parser.error("--head-dim must be between 16 and 128")
     if args.bench and INTERPRETED:
         parser.error("--bench needs a CUDA GPU (on CPU the kernels run in Triton's interpreter)")
-    bench() if args.bench else demo(args)
+    gpu_report() if args.gpu_report else bench() if args.bench else demo(args)
 
 
 if __name__ == "__main__":

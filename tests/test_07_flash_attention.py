@@ -148,6 +148,19 @@ def test_gradient_into_lse_only(dtype):
     assert_close_to_reference(ours, float64_reference(q, k, v, None, dlse, True, 0, 10), dtype)
 
 
+def test_second_derivative_raises_instead_of_dropping_terms():
+    """create_graph=True through flash_attention: the kernels have no derivative of their own, so a
+    second derivative must raise (before the fix it returned a dq that did not require grad, and a
+    gradient penalty silently lost its attention terms). The first derivative is unchanged."""
+    q, k, v, dout, _ = random_inputs(1, 2, 12, 12, 16, torch.float32, seed=8)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with pytest.raises(RuntimeError, match="once differentiable: create_graph=True"):
+        torch.autograd.grad((fa.flash_attention(q, k, v) * dout).sum(), q, create_graph=True)
+    first, = torch.autograd.grad((fa.flash_attention(q, k, v) * dout).sum(), q)
+    expected, = torch.autograd.grad((fa.naive_attention(q, k, v)[0] * dout).sum(), q)
+    assert fa.max_diff(first, expected) <= TOLERANCE[torch.float32]["grad"]
+
+
 def test_backward_checks_its_inputs_and_casts_dout():
     """flash_attention_backward, which lesson 05 calls directly: a wrongly shaped or placed out,
     dout, lse or dlse is refused before any kernel reads out of bounds; an fp32 dout for fp16
