@@ -124,6 +124,37 @@ def launch_world_size(nproc: int) -> int:
     return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else nproc
 
 
+def lesson_parser(doc: str, bench_help: str | None = None, bench_steps: int = 5) -> argparse.ArgumentParser:
+    """The options every lesson shares: --nproc, and --bench with its steps and rounds."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=default_nproc(), help="ranks when not under torchrun")
+    if bench_help is not None:
+        parser.add_argument("--bench", action="store_true", help=bench_help)
+        parser.add_argument("--bench-steps", type=int, default=bench_steps)
+        parser.add_argument("--bench-rounds", type=int, default=3, help="the first one warms up")
+    return parser
+
+
+def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn: Callable,
+                  positive: tuple[str, ...] = (), validate: Callable[[int], None] | None = None) -> None:
+    """The end of every lesson's main(): options in `positive` must be >= 1, then validate(world)
+    checks the sizes against the world that will actually run, before any process starts; a
+    failure is one line and exit code 2, not a usage text or a traceback from every rank."""
+    try:
+        for name in ("nproc", *positive, *(("bench_steps",) if "bench" in args else ())):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if getattr(args, "bench_rounds", 2) < 2:
+            raise ValueError("--bench-rounds must be >= 2 (the first round is warm-up)")
+        world = launch_world_size(args.nproc)
+        if validate is not None:
+            validate(world)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    launch(fn, args, nproc=args.nproc)
+
+
 def launch(fn: Callable, *args, nproc: int) -> None:
     """Run fn(*args) on every rank: directly under torchrun, else in nproc fresh local processes.
 
@@ -876,31 +907,21 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=default_nproc(), help="ranks when not under torchrun")
+    parser = lesson_parser(__doc__, bench_help="step time against torch DDP")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--accum", type=int, default=2, help="micro-steps per optimizer step")
     parser.add_argument("--bucket-kib", type=int, default=128)
-    parser.add_argument("--bench", action="store_true", help="step time against torch DDP")
-    parser.add_argument("--bench-steps", type=int, default=5)
-    parser.add_argument("--bench-rounds", type=int, default=3)
     parser.add_argument("--bench-bucket-mb", type=int, default=25)
     args = parser.parse_args()
-    for name in ("nproc", "steps", "global_batch", "seq_len", "accum", "bucket_kib", "bench_steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.bench_rounds < 2:
-        parser.error("--bench-rounds must be >= 2 (the first round is warm-up)")
-    try:  # the sizes the ranks would reject, caught before any process starts
-        world = launch_world_size(args.nproc)
+
+    def validate(world: int) -> None:
         if not args.bench:
             validate_data_parallel(args.global_batch, world, args.accum, "bucketed")
-    except ValueError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")  # one line: not the usage, not a traceback
-    launch(bench if args.bench else demo, args, nproc=args.nproc)
+
+    launch_lesson(parser, args, bench if args.bench else demo,
+                  ("steps", "global_batch", "seq_len", "accum", "bucket_kib", "bench_bucket_mb"), validate)
 
 
 if __name__ == "__main__":

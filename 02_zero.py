@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
-import os
 import statistics
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -626,29 +625,21 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(),
-                        help="ranks when not under torchrun")
+    parser = ddp.lesson_parser(__doc__, bench_help="ZeRO-3 against FSDP2 fully_shard")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--bench", action="store_true", help="ZeRO-3 against FSDP2 fully_shard")
-    parser.add_argument("--bench-steps", type=int, default=5)
-    parser.add_argument("--bench-rounds", type=int, default=3)
     args = parser.parse_args()
-    for name in ("nproc", "steps", "global_batch", "seq_len", "bench_steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.bench_rounds < 2:
-        parser.error("--bench-rounds must be >= 2 (the first round is warm-up)")
-    if not args.max_grad_norm > 0:
-        parser.error("--max-grad-norm must be > 0")
-    world = int(os.environ.get("WORLD_SIZE", args.nproc))
-    if not args.bench and args.global_batch % world:
-        parser.error(f"global_batch={args.global_batch} is not divisible by the group size {world}")
-    ddp.launch(bench if args.bench else demo, args, nproc=args.nproc)
+
+    def validate(world: int) -> None:
+        if not args.max_grad_norm > 0:
+            raise ValueError(f"--max-grad-norm {args.max_grad_norm} must be > 0")
+        if not args.bench and args.global_batch % world:
+            raise ValueError(f"global_batch={args.global_batch} is not divisible by the group size {world}")
+
+    ddp.launch_lesson(parser, args, bench if args.bench else demo, ("steps", "global_batch", "seq_len"),
+                      validate)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,6 @@ import contextlib
 import fnmatch
 import importlib
 import math
-import os
 import statistics
 from dataclasses import dataclass
 from fractions import Fraction
@@ -539,7 +538,7 @@ def demo(args: argparse.Namespace) -> None:
         activation_ops = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
         measured = sum(layer.traffic(op) for op in activation_ops)
         formula = 4 * Fraction(2 * (tp - 1), tp) * b * s * cfg.dim * 4
-        print(f"  one layer, forward + backward (measured on layer 0): "
+        print("  one layer, forward + backward (measured on layer 0): "
               + ", ".join(f"{layer.calls(op)} {op}" for op in activation_ops)
               + f" of b s h = {float(measured):,.0f} B traffic per rank; Megatron's 4 all-reduces of "
               f"b s h = {float(formula):,.0f} B  {'= formula' if measured == formula else 'MISMATCH'}"
@@ -638,32 +637,22 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(), help="ranks when not under torchrun")
+    parser = ddp.lesson_parser(__doc__, bench_help="step time against DTensor", bench_steps=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=127, help="not a multiple of tp: padded")
-    parser.add_argument("--bench", action="store_true", help="step time against DTensor")
-    parser.add_argument("--bench-steps", type=int, default=3)
-    parser.add_argument("--bench-rounds", type=int, default=3)
     parser.add_argument("--bench-batch", type=int, default=4)
     args = parser.parse_args()
-    for name in ("nproc", "steps", "batch", "seq_len", "vocab", "bench_steps", "bench_batch"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.bench_rounds < 2:
-        parser.error("--bench-rounds must be >= 2 (the first round is warm-up)")
-    tp = int(os.environ.get("WORLD_SIZE", args.nproc))
-    try:  # the sizes the ranks would reject, caught before any process starts
+
+    def validate(tp: int) -> None:
         validate_tensor_parallel(ddp.ModelConfig(**(BENCH_MODEL if args.bench else DEMO_MODEL)), tp)
         if (128 if args.bench else args.seq_len) % tp:
             raise ValueError(f"--seq-len {args.seq_len} is not divisible by tp={tp} (the demo runs "
                              f"sequence parallelism)")
-    except ValueError as error:
-        parser.error(str(error))
-    ddp.launch(bench if args.bench else demo, args, nproc=args.nproc)
+
+    ddp.launch_lesson(parser, args, bench if args.bench else demo,
+                      ("steps", "batch", "seq_len", "vocab", "bench_batch"), validate)
 
 
 if __name__ == "__main__":

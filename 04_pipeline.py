@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -581,10 +580,7 @@ def named_grads(stages: dict[int, nn.Module]):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(),
-                        help="ranks when not under torchrun")
+    parser = ddp.lesson_parser(__doc__, bench_help="step time against torch.distributed.pipelining")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=32)
@@ -593,25 +589,19 @@ def main() -> None:
     parser.add_argument("--unit-ms", type=float, default=50,
                         help="synthetic forward time per rank for the timelines; 0: real compute")
     parser.add_argument("--trace", help="write the measured timelines as Chrome trace-event JSON")
-    parser.add_argument("--bench", action="store_true", help="step time against torch.distributed.pipelining")
-    parser.add_argument("--bench-steps", type=int, default=5)
-    parser.add_argument("--bench-rounds", type=int, default=3)
     args = parser.parse_args()
-    for name in ("nproc", "steps", "global_batch", "seq_len", "microbatches", "virtual", "bench_steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.unit_ms < 0 or args.bench_rounds < 2:
-        parser.error("--unit-ms must be >= 0 and --bench-rounds >= 2 (the first round is warm-up)")
-    pp = int(os.environ.get("WORLD_SIZE", args.nproc))
-    try:  # the sizes the ranks would reject, caught before any process starts
+
+    def validate(pp: int) -> None:
+        if args.unit_ms < 0:
+            raise ValueError(f"--unit-ms {args.unit_ms} must be >= 0")
         for name, v in schedule_runs(args):  # --bench: 2 rows per microbatch
             validate_pipeline(pp * args.virtual, pp, 2 * args.microbatches if args.bench else
                               args.global_batch, args.microbatches, name, v)
-    except ValueError as error:
-        parser.error(str(error))
-    if args.bench and args.microbatches < pp:
-        parser.error(f"--bench: torch's Schedule1F1B needs microbatches >= pp = {pp}")
-    ddp.launch(bench if args.bench else demo, args, nproc=args.nproc)
+        if args.bench and args.microbatches < pp:
+            raise ValueError(f"--bench: torch's Schedule1F1B needs microbatches >= pp = {pp}")
+
+    ddp.launch_lesson(parser, args, bench if args.bench else demo,
+                      ("steps", "global_batch", "seq_len", "microbatches", "virtual"), validate)
 
 
 if __name__ == "__main__":

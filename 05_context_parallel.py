@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -520,7 +519,7 @@ def demo(args: argparse.Namespace) -> None:
         imbalance = [max(col) / (sum(col) / cp) for col in list(zip(*rows))[1:]]
         say(f"  {'':<11}slowest / mean: scores {imbalance[0]:.2f}, seconds {imbalance[1]:.2f}")
 
-    say(f"\nbytes one rank sends per attention call, forward + backward (fp32, with the lse):")
+    say("\nbytes one rank sends per attention call, forward + backward (fp32, with the lse):")
     for name, measured, formula in byte_rows:
         say(f"  {name:<20}{float(measured):>12,.0f} B   formula {float(formula):>12,.0f} B")
     say(f"  ring: 2(P-1) A forward + 4(P-1) A backward; Ulysses: 8(P-1)/P A + lse; A = one shard of "
@@ -549,10 +548,7 @@ def demo(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(),
-                        help="ranks when not under torchrun")
+    parser = ddp.lesson_parser(__doc__)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=16)
@@ -562,17 +558,14 @@ def main() -> None:
     parser.add_argument("--block", choices=("torch", "triton"), default="torch",
                         help="block attention: torch, or lesson 07's kernel (interpreted on a CPU: slow)")
     args = parser.parse_args()
-    for name in ("nproc", "seq_len", "heads", "head_dim", "work_seq_len", "global_batch", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    cp = int(os.environ.get("WORLD_SIZE", args.nproc))
-    try:  # the sizes the ranks would reject, caught before any process starts
+
+    def validate(cp: int) -> None:
         for seq_len in (args.seq_len, args.work_seq_len):
             validate_context_parallel(seq_len, args.heads, cp, "ring", zigzag=True)
         ddp.ModelConfig(n_heads=args.heads)
-    except ValueError as error:
-        parser.error(str(error))
-    ddp.launch(demo, args, nproc=args.nproc)
+
+    ddp.launch_lesson(parser, args, demo,
+                      ("seq_len", "heads", "head_dim", "work_seq_len", "global_batch", "steps"), validate)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
-import os
 import statistics
 from dataclasses import dataclass, field
 
@@ -561,10 +560,7 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=ddp.default_nproc(),
-                        help="ranks when not under torchrun")
+    parser = ddp.lesson_parser(__doc__, bench_help="all-to-all vs all-gather dispatcher")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=32)
@@ -574,28 +570,20 @@ def main() -> None:
     parser.add_argument("--expert-ffn-dim", type=int, default=64)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
     parser.add_argument("--dropless", action="store_true", help="no capacity limit")
-    parser.add_argument("--bench", action="store_true", help="all-to-all vs all-gather dispatcher")
     parser.add_argument("--bench-tokens", type=int, default=2048, help="tokens per rank")
     parser.add_argument("--bench-dim", type=int, default=256)
-    parser.add_argument("--bench-steps", type=int, default=5)
-    parser.add_argument("--bench-rounds", type=int, default=3)
     args = parser.parse_args()
-    for name in ("nproc", "steps", "global_batch", "seq_len", "bench_tokens", "bench_dim", "bench_steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.bench_rounds < 2:
-        parser.error("--bench-rounds must be >= 2 (the first round is warm-up)")
-    world = int(os.environ.get("WORLD_SIZE", args.nproc))
-    try:  # what the ranks would reject, caught before any process starts
+
+    def validate(ep: int) -> None:
         MoEConfig(args.experts, args.top_k, args.expert_ffn_dim,
                   None if args.dropless else args.capacity_factor)
-        if args.experts % world:
-            raise ValueError(f"n_experts={args.experts} is not divisible by ep={world}")
-        if args.global_batch % world:
-            raise ValueError(f"global_batch={args.global_batch} is not divisible by ep={world}")
-    except ValueError as error:
-        parser.error(str(error))
-    ddp.launch(bench if args.bench else demo, args, nproc=args.nproc)
+        if args.experts % ep:
+            raise ValueError(f"n_experts={args.experts} is not divisible by ep={ep}")
+        if args.global_batch % ep:
+            raise ValueError(f"global_batch={args.global_batch} is not divisible by ep={ep}")
+
+    ddp.launch_lesson(parser, args, bench if args.bench else demo,
+                      ("steps", "global_batch", "seq_len", "bench_tokens", "bench_dim"), validate)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -177,6 +179,21 @@ class RankPools:
         deadline = time.monotonic() + 1
         for pool in self.pools.values():
             pool.close(deadline)
+
+
+def run_script(script: str, *args: str, timeout: float = 180) -> str:
+    """`python <script> <args>` as a reader runs it (its own local ranks, on the CPU even on a GPU
+    machine); its whole process group is killed if it overruns. Asserts exit 0; returns stdout."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr
+    return stdout
 
 
 @pytest.fixture(scope="session")

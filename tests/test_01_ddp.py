@@ -20,10 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-import os
 import re
-import signal
-import subprocess
 import sys
 from fractions import Fraction
 
@@ -33,7 +30,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import ROOT, RankFailure
+from conftest import RankFailure, run_script
 
 ddp = importlib.import_module("01_ddp")
 
@@ -658,6 +655,29 @@ def test_launcher_checks_the_world_that_will_run_in_one_line(monkeypatch, capsys
     assert capsys.readouterr().err == f"01_ddp.py: error: {message}\n"
 
 
+@pytest.mark.parametrize("script, message", [
+    ("02_zero", "global_batch=16 is not divisible by the group size 3"),
+    ("03_tensor_parallel", "n_heads=8 is not divisible by tp=3"),
+    ("04_pipeline", "microbatches=8 is not a multiple of pp=3"),
+    ("05_context_parallel", "seq_len=64 is not divisible by 2 x cp = 6"),
+    ("06_expert_parallel", "n_experts=8 is not divisible by ep=3"),
+])
+def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script, message):
+    """Every lesson ends its main() in launch_lesson: its defaults are checked against the 3 local
+    ranks that would start, not a stray WORLD_SIZE=1, in one line before any rank starts."""
+    lesson = importlib.import_module(script)
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--nproc", "3"])
+    monkeypatch.setattr(ddp, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    with pytest.raises(SystemExit) as exit_:
+        lesson.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{script}.py: error: ") and message in err and err.count("\n") == 1, err
+
+
 def test_launch_world_size(monkeypatch):
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
@@ -675,17 +695,8 @@ def test_launch_world_size(monkeypatch):
 
 def test_script_runs_as_plain_python():
     """The launcher end to end, on the CPU even on a GPU machine; its printed figures are checked."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen([sys.executable, "01_ddp.py", "--nproc", "2", "--steps", "2",
-                             "--global-batch", "4", "--seq-len", "8"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: killable with its ranks
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, stderr
+    stdout = run_script("01_ddp.py", "--nproc", "2", "--steps", "2", "--global-batch", "4",
+                        "--seq-len", "8")
     formula = re.search(r"= ([\d,]+) B\n", stdout)
     traffic = re.findall(r"traffic per rank ([\d,]+) B", stdout)
     assert formula and len(traffic) == 3 and set(traffic) == {formula.group(1)}, stdout

@@ -21,11 +21,7 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 import re
-import signal
-import subprocess
-import sys
 from fractions import Fraction
 
 import pytest
@@ -34,7 +30,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import ROOT, RankFailure
+from conftest import RankFailure, run_script
 from test_01_ddp import model_configs
 
 ddp = importlib.import_module("01_ddp")
@@ -336,17 +332,8 @@ def test_memory_model_shards_exactly_what_each_stage_shards(psi, n):
 # --- the script itself -------------------------------------------------------------------------
 
 def test_script_runs_as_plain_python():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen([sys.executable, "02_zero.py", "--nproc", "2", "--steps", "2",
-                             "--global-batch", "4", "--seq-len", "8"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, stderr
+    stdout = run_script("02_zero.py", "--nproc", "2", "--steps", "2", "--global-batch", "4",
+                        "--seq-len", "8")
     assert len(re.findall(r"ZeRO-\d .* equal$", stdout, re.M)) == 8 and "DIFFERENT" not in stdout, stdout
     assert stdout.count("= formula") == 4 and "1.500 x DDP" in stdout, stdout
     assert "120.00 GB" in stdout and "1.88 GB" in stdout, stdout

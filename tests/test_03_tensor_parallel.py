@@ -15,11 +15,7 @@ examples of the main test:
 from __future__ import annotations
 
 import importlib
-import os
 import re
-import signal
-import subprocess
-import sys
 from fractions import Fraction
 
 import pytest
@@ -29,7 +25,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import ROOT, RankFailure
+from conftest import RankFailure, run_script
 from test_01_ddp import ADAM_EPS, GRAD_ATOL, PARAM_ATOL, assert_matches_reference
 
 ddp = importlib.import_module("01_ddp")
@@ -309,16 +305,7 @@ def test_bad_sizes_fail_on_every_rank_without_hanging(rank_pool, changes, messag
 # --- the script itself ------------------------------------------------------------------------
 
 def test_script_runs_as_plain_python():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen([sys.executable, "03_tensor_parallel.py", "--nproc", "2", "--steps", "2"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, stderr
+    stdout = run_script("03_tensor_parallel.py", "--nproc", "2", "--steps", "2")
     diffs = re.findall(r"max \|difference\|[^\n]*?([\d.]+e[-+]\d+)[^\n]*?([\d.]+e[-+]\d+)", stdout)
     assert len(diffs) == 2, stdout
     for grad_diff, param_diff in diffs:

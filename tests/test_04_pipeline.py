@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 from collections import defaultdict
 
 import pytest
@@ -29,7 +25,7 @@ import torch.distributed as dist
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from conftest import ROOT, RankFailure
+from conftest import RankFailure, run_script
 
 ddp = importlib.import_module("01_ddp")
 pl = importlib.import_module("04_pipeline")
@@ -362,18 +358,9 @@ def test_script_runs_as_plain_python(tmp_path):
     """The launcher end to end on 2 CPU ranks: differences printed small, bytes = formula, one
     measured timeline per schedule, and a trace file that parses."""
     trace = tmp_path / "trace.json"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen([sys.executable, "04_pipeline.py", "--nproc", "2", "--steps", "2",
-                             "--global-batch", "4", "--seq-len", "4", "--microbatches", "2",
-                             "--unit-ms", "5", "--trace", str(trace)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, stderr
+    stdout = run_script("04_pipeline.py", "--nproc", "2", "--steps", "2", "--global-batch", "4",
+                        "--seq-len", "4", "--microbatches", "2", "--unit-ms", "5", "--trace",
+                        str(trace))
     rows = re.findall(r"^(\S+)(?: v=\d)?\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d,]+), ([\d,]+)$",
                       stdout, re.M)
     assert [r[0] for r in rows] == list(pl.SCHEDULES), stdout

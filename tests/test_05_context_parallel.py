@@ -18,10 +18,7 @@ Tolerances, measured then widened with margin:
 from __future__ import annotations
 
 import importlib
-import os
 import re
-import subprocess
-import sys
 from fractions import Fraction
 
 import pytest
@@ -30,7 +27,7 @@ import torch.distributed as dist
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from conftest import ROOT, RankFailure
+from conftest import RankFailure, run_script
 from test_01_ddp import ADAM_EPS, assert_matches_reference
 
 cpmod = importlib.import_module("05_context_parallel")  # first: imports lesson 07 (interpreter switch)
@@ -259,12 +256,9 @@ def test_bad_sizes_fail_on_every_rank_before_any_collective(rank_pool, fn, args,
 # --- the script itself ------------------------------------------------------------------------
 
 def test_script_runs_as_plain_python():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, "05_context_parallel.py", "--nproc", "2", "--seq-len", "16",
-                          "--work-seq-len", "32", "--steps", "1"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=180)
-    assert run.returncode == 0, run.stderr
+    stdout = run_script("05_context_parallel.py", "--nproc", "2", "--seq-len", "16",
+                        "--work-seq-len", "32", "--steps", "1")
     for line in ("ring, zigzag", "Ulysses", "slowest / mean: scores 1.00"):
-        assert line in run.stdout
-    measured_and_formula = re.findall(r"([\d,]+) B,? +formula +([\d,]+) B", run.stdout)
+        assert line in stdout
+    measured_and_formula = re.findall(r"([\d,]+) B,? +formula +([\d,]+) B", stdout)
     assert len(measured_and_formula) == 6 and all(a == b for a, b in measured_and_formula)

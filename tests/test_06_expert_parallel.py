@@ -22,11 +22,7 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 import re
-import signal
-import subprocess
-import sys
 from fractions import Fraction
 
 import pytest
@@ -35,7 +31,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import ROOT, RankFailure
+from conftest import RankFailure, run_script
 from test_01_ddp import assert_matches_reference  # the same tolerances, same reasons
 
 ddp = importlib.import_module("01_ddp")
@@ -344,17 +340,8 @@ def test_bad_configuration_fails_on_every_rank_without_hanging(rank_pool, fn, ar
 # --- the script itself ------------------------------------------------------------------------
 
 def test_script_runs_as_plain_python():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen([sys.executable, "06_expert_parallel.py", "--nproc", "2", "--steps", "2",
-                             "--global-batch", "2", "--seq-len", "8", "--experts", "4"], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, stderr
+    stdout = run_script("06_expert_parallel.py", "--nproc", "2", "--steps", "2", "--global-batch",
+                        "2", "--seq-len", "8", "--experts", "4")
     assert stdout.count("same loads and drops as one device") == 3, stdout
     traffic = re.findall(r"^  \w[\w ]*?\s+([\d,]+) B\s+([\d,]+) B   \(", stdout, re.M)
     assert len(traffic) == 3 and all(measured == formula for measured, formula in traffic), stdout
