@@ -277,8 +277,7 @@ class RingAttention(torch.autograd.Function):
                                 out[:, :, rows], lse[:, :, rows], dout[:, :, rows],
                                 None if dlse is None else dlse[:, :, rows], q_off, k_off, masked)
                 dq[:, :, rows] += grads[0].float()
-                dkv[0][:, :, cols] += grads[1].float()
-                dkv[1][:, :, cols] += grads[2].float()
+                dkv[:, :, :, cols] += torch.stack(grads[1:]).float()
             _wait(dkv_works)
             if arriving is not None:
                 dkv += arriving
@@ -508,9 +507,10 @@ def demo(args: argparse.Namespace) -> None:
                 f"losses {loss_diff:.1e}, step-0 gradients "
                 f"{ddp.max_abs_diff(result.first_grads, ref.first_grads):.1e}, parameters "
                 f"{ddp.max_abs_diff(result.params, ref.params):.1e}")
-        layer = float(meter.traffic(COMM_OP[method])) / (args.steps * cfg.n_layers)
+        op = COMM_OP[method]
+        layer = float(meter.traffic(op)) / (args.steps * cfg.n_layers)
         formula = sum(attention_bytes(method, args.global_batch * s // cp * cfg.dim, cp).values())
-        say(f"  {'':<20} {COMM_OP[method]} per layer per step {layer:,.0f} B, formula {float(formula):,.0f} B")
+        say(f"  {'':<20} {op} per layer per step {layer:,.0f} B, formula {float(formula):,.0f} B")
     say("\nNotice: every variant computes full attention and the one-device model; zigzag evens out "
         "the work that contiguous piles on the last rank; the ring's bytes grow with P, Ulysses' do not.")
     ddp.exit_distributed()
