@@ -6,8 +6,9 @@ loss) and runs on the local shard; RoPE too, if each rank rotates its tokens by 
 positions (the reference GPT takes them explicitly). Attention needs every query to see every
 (earlier) key: that is what this lesson distributes, in two designs.
 
-THE MERGE RULE. Split a query row's keys into blocks A and B: each alone gives a normalised partial
-output o_A and its log-sum-exp l_A = log sum_j exp(s_j) (lesson 07's kernel returns both). The row is
+THE MERGE RULE. Split a query row's keys into blocks A and B: each alone gives a normalised
+partial output o_A and its log-sum-exp l_A = log sum_j exp(s_j) (lesson 07's kernel returns both).
+The whole row is
     o = (e^l_A o_A + e^l_B o_B) / (e^l_A + e^l_B) = sigmoid(l_A - l_B) o_A + sigmoid(l_B - l_A) o_B
     l = log(e^l_A + e^l_B)                       = l_A - logsigmoid(l_A - l_B)
 which never overflows (sigmoid and logsigmoid are stable for any difference): lesson 07's
@@ -42,8 +43,8 @@ attention, so both move n_heads K/V heads here; a production ring circulates the
 THE MODEL. Each rank's loss is its tokens' share of the global mean: (sum of its token losses) /
 (all tokens of the group) = local mean / P. The shares sum to the global mean; once the ring has
 delivered every dK/dV to its owner, each rank's gradients of the replicated weights are its part of
-the global gradient, so they are summed over the cp group. Dividing by P twice (shares, then an
-average over ranks) halves the loss at cp = 2; local means with summed gradients double gradients.
+the global gradient, so they are summed over the cp group. Dividing by P twice (shares, then a mean
+over ranks) halves the loss at cp = 2; local means with summed gradients double the gradients.
 
 RUN IT: python 05_context_parallel.py [--nproc 4]. Look at the max differences against full
 attention and the single-device model, zigzag's per-rank work beside contiguous's, and the bytes
@@ -186,7 +187,7 @@ class SequenceLayout:
 
 def validate_context_parallel(seq_len: int, n_heads: int, cp: int, method: str,
                               zigzag: bool) -> SequenceLayout:
-    """The layout, once the sizes are checked: raised identically on every rank before any collective."""
+    """Check the sizes (on every rank, before any collective, so none hangs); return the layout."""
     if method not in METHODS:
         raise ValueError(f"method={method!r} must be one of {METHODS}")
     layout = SequenceLayout(seq_len, cp, zigzag)
@@ -436,7 +437,8 @@ def sharded_attention(batch: int, heads: int, seq_len: int, head_dim: int, *, me
                                                                      seed, dtype, device)]
     work = BlockWork()
     attend = {"ring": lambda q, k, v: ring_attention(q, k, v, group, zigzag, causal, block, work),
-              "ulysses": lambda q, k, v: ulysses_attention(q, k, v, group, zigzag, causal, block, True)}
+              "ulysses": lambda q, k, v: ulysses_attention(q, k, v, group, zigzag, causal, block,
+                                                           with_lse=True)}
     with ddp.comm_meter() as meter:
         results = fa.outputs_and_grads(attend[method], *shards)
     return [t.detach() for t in results], meter, work
