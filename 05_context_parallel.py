@@ -1,37 +1,36 @@
 """Lesson 05: context parallelism: ring attention, zigzag load balancing, Ulysses.
 
-THE IDEA. A long sequence does not fit one device's activation memory, so the cp ranks of a group
-each hold S / P of its tokens. Everything except attention is per token (embedding, norms, MLP, the
-loss) and just runs on the local shard, RoPE included as long as each rank rotates its tokens by
-their *global* positions (the reference GPT takes them explicitly). Attention needs every query
-to see every (earlier) key: that is what this lesson distributes, in two designs.
+THE IDEA. A long sequence does not fit one device's activation memory, so each of the P ranks of a
+cp group holds S / P of its tokens. Everything but attention is per token (embedding, norms, MLP,
+loss) and runs on the local shard; RoPE too, if each rank rotates its tokens by their *global*
+positions (the reference GPT takes them explicitly). Attention needs every query to see every
+(earlier) key: that is what this lesson distributes, in two designs.
 
-THE MERGE RULE. Attention of a query row over the keys split into two blocks A and B: each block
-alone gives a normalised partial output o_A and its log-sum-exp l_A = log sum_j exp(s_j) (lesson
-07's kernel returns both). The whole row is
+THE MERGE RULE. Split a query row's keys into blocks A and B: each alone gives a normalised
+partial output o_A and its log-sum-exp l_A = log sum_j exp(s_j) (lesson 07's kernel returns both).
+The whole row is
     o = (e^l_A o_A + e^l_B o_B) / (e^l_A + e^l_B) = sigmoid(l_A - l_B) o_A + sigmoid(l_B - l_A) o_B
     l = log(e^l_A + e^l_B)                       = l_A - logsigmoid(l_A - l_B)
-which never overflows (sigmoid and logsigmoid are stable for any difference), and is lesson 07's
+which never overflows (sigmoid and logsigmoid are stable for any difference): lesson 07's
 online-softmax recurrence (rescale by exp(m - m_new)) one level up, over whole blocks. A block in a
-row's future has l = -inf and weight 0; a row whose first blocks all are masked must not become
-NaN (-inf - -inf), so empty blocks are selected out before any difference is taken.
+row's future has l = -inf and weight 0; a row whose first blocks are all masked must not become NaN
+(-inf - -inf), so empty blocks are selected out before any difference is taken.
 
-RING ATTENTION (forward). Rank r keeps its queries and starts with its own keys/values. P steps:
-in each, send the K/V block it holds to rank r+1 and receive the next from rank r-1 (batched
-isend/irecv, in flight while the current block is computed), and merge the block's partial
-attention into the running (o, l). Causal masking uses global positions, so blocks wholly in a
-query chunk's future are skipped, wholly past ones run unmasked and only diagonal ones are masked.
-THE BACKWARD RING recomputes each block's probabilities P = exp(s - l) with the *final* l (so they
-are the global softmax's entries, no merging needed), accumulates dQ locally and sends dK/dV
-accumulators around the ring, which end at the rank that owns those keys.
+RING ATTENTION. Rank r keeps its queries and starts with its own keys/values. In each of P steps it
+sends the K/V block it holds to rank r+1 and receives the next from rank r-1 (batched isend/irecv,
+in flight while the current block is computed), and merges the block's partial attention into the
+running (o, l). Causal masking uses global positions: blocks wholly in a query chunk's future are
+skipped, wholly past ones run unmasked, only diagonal ones are masked. THE BACKWARD RING recomputes
+each block's probabilities P = exp(s - l) with the *final* l (the global softmax's entries: nothing
+to merge), accumulates dQ locally and sends dK/dV accumulators around the ring to the keys' owners.
 
-LOAD BALANCE. Causally, contiguous shards are unfair: rank 0's queries see one block, rank P-1's
-see P. Zigzag cuts the sequence into 2P chunks and gives rank r chunks r and 2P-1-r (one early, one
+LOAD BALANCE. Causally, contiguous shards are unfair: rank 0's queries see one block, rank P-1's see
+P. Zigzag cuts the sequence into 2P chunks and gives rank r chunks r and 2P-1-r (one early, one
 late): every rank computes 2P+1 chunk pairs, 2 of them diagonal, the same work.
 
-ULYSSES (DeepSpeed). An all-to-all each turns the q, k, v sequence shards into head shards: each
-rank then holds all S tokens of H / P heads, runs ordinary attention, and a fourth all-to-all turns
-the output back. It needs H divisible by P and moves a constant amount per rank whatever P is.
+ULYSSES (DeepSpeed). All-to-alls turn the q, k, v sequence shards into head shards: each rank holds
+all S tokens of H / P heads and runs ordinary attention; a fourth all-to-all turns the output back.
+It needs H divisible by P and moves a constant amount per rank whatever P is.
 
 COST per attention call, one rank, shard of b x h x S/P x d elements of e bytes (= A):
     ring forward    (P-1) hops of K and V                          2 (P-1) A
@@ -39,17 +38,16 @@ COST per attention call, one rank, shard of b x h x S/P x d elements of e bytes 
     Ulysses         q, k, v, out forward; dout, dq, dk, dv back    8 (P-1)/P A (+ the lse if asked)
 The ring's traffic grows with P but hides behind block compute; Ulysses' stays flat but cannot hide
 and caps P at the head count. (The reference model repeats grouped-query K/V heads before calling
-attention, so here both move n_heads K/V heads; a production ring circulates the n_kv_heads.)
+attention, so both move n_heads K/V heads here; a production ring circulates the n_kv_heads.)
 
 THE MODEL. Each rank's loss is its tokens' share of the global mean: (sum of its token losses) /
-(all tokens of the group) = local mean / P. The shares sum to the global mean loss; after the ring
-has delivered every dK/dV to its owner, the replicated weights' gradients on each rank are that
-rank's part of the global gradient, so they are summed over the cp group. Dividing by P twice
-(shares, then an average over ranks) halves the loss at cp = 2; local means with summed gradients
-double the gradients.
+(all tokens of the group) = local mean / P. The shares sum to the global mean; once the ring has
+delivered every dK/dV to its owner, each rank's gradients of the replicated weights are its part of
+the global gradient, so they are summed over the cp group. Dividing by P twice (shares, then a mean
+over ranks) halves the loss at cp = 2; local means with summed gradients double the gradients.
 
 RUN IT: python 05_context_parallel.py [--nproc 4]. Look at the max differences against full
-attention and the single-device model, the per-rank work of zigzag beside contiguous, and the bytes
+attention and the single-device model, zigzag's per-rank work beside contiguous's, and the bytes
 moved per layer beside the formulas.
 """
 from __future__ import annotations
@@ -70,11 +68,10 @@ fa = importlib.import_module("07_flash_attention")
 ddp = importlib.import_module("01_ddp")
 
 METHODS = ("ring", "ulysses")
+COMM_OP = {"ring": "send", "ulysses": "all_to_all"}  # the meter's operation for each method's bytes
 
 
-# ----------------------------------------------------------------------------------------------
-# Merging partial attention, and the block attention functions
-# ----------------------------------------------------------------------------------------------
+# Merging partial attention, and the block attention functions -----------------------------------
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -135,9 +132,8 @@ class BlockWork:
     seconds: float = 0.0
 
     def timed(self, fn: Callable, q: torch.Tensor, k: torch.Tensor, *args):
-        # On a CPU, the computing thread's CPU time, not wall time: ranks that share cores would
-        # otherwise be charged for each other's work. It is all of the compute when torch runs one
-        # thread per rank (torchrun's default; launch's when ranks >= cores).
+        # On a CPU the thread's CPU time, not wall time, which would charge ranks sharing cores for
+        # each other's work; it is all the compute with one torch thread per rank (torchrun, launch).
         clock = time.perf_counter if q.is_cuda else time.thread_time
         start = clock()
         result = fn(q, k, *args)
@@ -148,9 +144,7 @@ class BlockWork:
         return result
 
 
-# ----------------------------------------------------------------------------------------------
-# Sharding the sequence: contiguous or zigzag
-# ----------------------------------------------------------------------------------------------
+# Sharding the sequence: contiguous or zigzag ----------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -179,8 +173,7 @@ class SequenceLayout:
         return (rank, 2 * self.cp - 1 - rank) if self.zigzag else (rank,)
 
     def positions(self, rank: int, device=None) -> torch.Tensor:
-        n = self.chunk_len
-        return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in self.chunks(rank)])
+        return self.shard(torch.arange(self.seq_len, device=device), rank, dim=0)
 
     def shard(self, x: torch.Tensor, rank: int, dim: int) -> torch.Tensor:
         return torch.cat([x.narrow(dim, c * self.chunk_len, self.chunk_len) for c in self.chunks(rank)], dim)
@@ -192,26 +185,25 @@ class SequenceLayout:
         return torch.cat([pieces[c] for c in range(self.n_chunks)], dim)
 
 
-def validate_context_parallel(seq_len: int, n_heads: int, cp: int, method: str, zigzag: bool) -> None:
-    """Raised identically on every rank before any collective."""
+def validate_context_parallel(seq_len: int, n_heads: int, cp: int, method: str,
+                              zigzag: bool) -> SequenceLayout:
+    """Check the sizes (on every rank, before any collective, so none hangs); return the layout."""
     if method not in METHODS:
         raise ValueError(f"method={method!r} must be one of {METHODS}")
-    SequenceLayout(seq_len, cp, zigzag)
+    layout = SequenceLayout(seq_len, cp, zigzag)
     if method == "ulysses" and n_heads % cp:
         raise ValueError(f"n_heads={n_heads} is not divisible by cp={cp} (Ulysses gives each rank "
                          f"n_heads / cp whole heads)")
+    return layout
 
 
 def local_layout(q: torch.Tensor, group, zigzag: bool, method: str = "ring") -> SequenceLayout:
     """The layout of the whole sequence, from this rank's shard of it (every shard is equal)."""
     cp = ddp.group_size(group)
-    validate_context_parallel(q.shape[2] * cp, q.shape[1], cp, method, zigzag)
-    return SequenceLayout(q.shape[2] * cp, cp, zigzag)
+    return validate_context_parallel(q.shape[2] * cp, q.shape[1], cp, method, zigzag)
 
 
-# ----------------------------------------------------------------------------------------------
-# Ring attention
-# ----------------------------------------------------------------------------------------------
+# Ring attention ---------------------------------------------------------------------------------
 
 
 def _block_pairs(layout: SequenceLayout, me: int, owner: int, causal: bool):
@@ -237,27 +229,32 @@ def _wait(works: list) -> None:
         work.wait()
 
 
+def _kv_ring(k: torch.Tensor, v: torch.Tensor, group, me: int, cp: int):
+    """Yield (owner, its K and V stacked) for the P blocks in ring order; while the caller computes on
+    one block, the next is already travelling (one message per hop)."""
+    kv = torch.stack([k, v])
+    for step in range(cp - 1):
+        next_kv, works = _pass_right(kv, group, me, cp)
+        yield (me - step) % cp, kv
+        _wait(works)
+        kv = next_kv
+    yield (me - (cp - 1)) % cp, kv  # the last block: nothing more to fetch
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout: SequenceLayout, causal: bool, block: BlockAttention,
                 work: BlockWork | None):
-        cp, me = layout.cp, dist.get_rank(group)
+        me = dist.get_rank(group)
         compute = work.timed if work is not None else (lambda fn, *args: fn(*args))
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
-        kv = torch.stack([k, v])  # one message per hop
-        for step in range(cp):
-            owner = (me - step) % cp  # whose keys this rank holds now
-            if step < cp - 1:  # the next block travels while this one is computed
-                next_kv, works = _pass_right(kv, group, me, cp)
+        for owner, kv in _kv_ring(k, v, group, me, layout.cp):
             for rows, cols, q_off, k_off, masked in _block_pairs(layout, me, owner, causal):
                 part_out, part_lse = compute(block.forward, q[:, :, rows], kv[0][:, :, cols],
                                              kv[1][:, :, cols], q_off, k_off, masked)
                 out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows],
                                                                   part_out.float(), part_lse)
-            if step < cp - 1:
-                _wait(works)
-                kv = next_kv
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, layout, causal, block, compute)
         ctx.set_materialize_grads(False)  # an unused out or lse gets None, not zeros
@@ -267,37 +264,29 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         group, layout, causal, block, compute = ctx.args
-        cp, me = layout.cp, dist.get_rank(group)
+        me = dist.get_rank(group)
         dout = torch.zeros_like(q) if dout is None else dout
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
-        for step in range(cp):
-            owner = (me - step) % cp
-            if step < cp - 1:
-                next_kv, kv_works = _pass_right(kv, group, me, cp)
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        # The dK/dV of rank o's keys start at rank o+1, pick up every other rank's share along the
+        # ring and reach o after P-1 hops, where o's own share waits.
+        own_dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
+        arriving, dkv_works = None, []  # the accumulator on its way from the previous rank
+        for step, (owner, kv) in enumerate(_kv_ring(k, v, group, me, layout.cp)):
+            dkv = own_dkv if step == 0 else torch.zeros_like(own_dkv)
             for rows, cols, q_off, k_off, masked in _block_pairs(layout, me, owner, causal):
                 grads = compute(block.backward, q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                                 out[:, :, rows], lse[:, :, rows], dout[:, :, rows],
                                 None if dlse is None else dlse[:, :, rows], q_off, k_off, masked)
                 dq[:, :, rows] += grads[0].float()
-                dkv[0][:, :, cols] += grads[1].float()
-                dkv[1][:, :, cols] += grads[2].float()
-            # The owner's own contribution stays home; an accumulator starts one rank later, picks
-            # up every other rank's share along the ring and reaches its owner after P-1 hops.
-            if step == 0:
-                own_dkv = dkv
-            else:
-                if step > 1:
-                    _wait(dkv_works)
-                    dkv += travelling
-                travelling, dkv_works = _pass_right(dkv, group, me, cp)
-            if step < cp - 1:
-                _wait(kv_works)
-                kv = next_kv
-        if cp > 1:
+                dkv[:, :, :, cols] += torch.stack(grads[1:]).float()
             _wait(dkv_works)
-            own_dkv += travelling
+            if arriving is not None:
+                dkv += arriving
+            if step > 0:
+                arriving, dkv_works = _pass_right(dkv, group, me, layout.cp)
+        _wait(dkv_works)
+        if arriving is not None:
+            own_dkv += arriving
         return dq.to(q.dtype), own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None, None, None, None
 
 
@@ -309,9 +298,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     return RingAttention.apply(q, k, v, group, local_layout(q, group, zigzag), causal, block, work)
 
 
-# ----------------------------------------------------------------------------------------------
-# Ulysses: all-to-all from sequence shards to head shards and back
-# ----------------------------------------------------------------------------------------------
+# Ulysses: all-to-all from sequence shards to head shards and back -------------------------------
 
 
 def seq_to_heads(x: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
@@ -387,16 +374,7 @@ def attention_bytes(method: str, shard_elems: int, cp: int, elem_bytes: int = 4,
     return dict(forward=4 * per_call * a + lse, backward=4 * per_call * a + lse)
 
 
-# ----------------------------------------------------------------------------------------------
-# The whole model under context parallelism
-# ----------------------------------------------------------------------------------------------
-
-
-def loss_share(logits: torch.Tensor, targets: torch.Tensor, cp: int) -> torch.Tensor:
-    """This rank's share of the mean over the whole sequence: (sum of its token losses) / (all
-    tokens) = local mean / cp, as every shard has the same number of tokens. Summed over the cp
-    group it is the global mean loss, and its gradients summed over the group are the global ones."""
-    return ddp.cross_entropy_loss(logits, targets) / cp
+# The whole model under context parallelism ------------------------------------------------------
 
 
 def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, method: str = "ring",
@@ -406,10 +384,10 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
     """The same training as ddp.train_single_device, each rank holding seq_len / cp tokens of every
     row. Returns the result (global losses, summed gradients) and a meter of the training loop."""
     cp, rank = ddp.group_size(group), dist.get_rank(group)
-    validate_context_parallel(seq_len, cfg.n_heads, cp, method, zigzag)
-    layout = SequenceLayout(seq_len, cp, zigzag)
+    layout = validate_context_parallel(seq_len, cfg.n_heads, cp, method, zigzag)
+    # This rank's share of the global mean loss (THE MODEL above): local mean / cp.
     model = ddp.GPT(cfg, attn_fn=ContextParallelAttention(group, method, zigzag, block),
-                    loss_fn=lambda logits, targets: loss_share(logits, targets, cp)).to(device)
+                    loss_fn=lambda logits, targets: ddp.cross_entropy_loss(logits, targets) / cp).to(device)
     optimizer = ddp.make_optimizer(model, lr, adam_eps)  # GPT's seeded init agrees on every rank
     positions = layout.positions(rank, device)
     result, losses = ddp.TrainResult([], {}, {}), []
@@ -435,9 +413,7 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
     return result, meter
 
 
-# ----------------------------------------------------------------------------------------------
-# Demo
-# ----------------------------------------------------------------------------------------------
+# Demo -------------------------------------------------------------------------------------------
 
 
 def attention_inputs(batch: int, heads: int, seq_len: int, head_dim: int, seed: int,
@@ -456,19 +432,15 @@ def sharded_attention(batch: int, heads: int, seq_len: int, head_dim: int, *, me
     """On every rank: [out, lse, dq, dk, dv] of this rank's shard under the loss
     sum(out dout) + sum(lse dlse), the meter of that forward + backward, and the ring's work."""
     cp, rank = ddp.group_size(group), dist.get_rank(group)
-    validate_context_parallel(seq_len, heads, cp, method, zigzag)
-    layout = SequenceLayout(seq_len, cp, zigzag)
+    layout = validate_context_parallel(seq_len, heads, cp, method, zigzag)
     shards = [layout.shard(t, rank, dim=2) for t in attention_inputs(batch, heads, seq_len, head_dim,
                                                                      seed, dtype, device)]
     work = BlockWork()
-    if method == "ring":
-        def attend(q, k, v):
-            return ring_attention(q, k, v, group, zigzag, causal, block, work)
-    else:
-        def attend(q, k, v):
-            return ulysses_attention(q, k, v, group, zigzag, causal, block, with_lse=True)
+    attend = {"ring": lambda q, k, v: ring_attention(q, k, v, group, zigzag, causal, block, work),
+              "ulysses": lambda q, k, v: ulysses_attention(q, k, v, group, zigzag, causal, block,
+                                                           with_lse=True)}
     with ddp.comm_meter() as meter:
-        results = fa.outputs_and_grads(attend, *shards)
+        results = fa.outputs_and_grads(attend[method], *shards)
     return [t.detach() for t in results], meter, work
 
 
@@ -504,8 +476,7 @@ def demo(args: argparse.Namespace) -> None:
         diffs = [fa.max_diff(g, layout.shard(r, rank, dim=2)) for g, r in zip(got, reference, strict=True)]
         say(f"  {name:<20}" + "".join(f"{max(col):>10.1e}" for col in zip(*_gather_rows(diffs, device))))
         formula = attention_bytes(method, b * h * s // cp * d, cp, with_lse_elems=b * h * s // cp)
-        op = "send" if method == "ring" else "all_to_all"
-        byte_rows.append((name, meter.traffic(op), sum(formula.values())))
+        byte_rows.append((name, meter.traffic(COMM_OP[method]), sum(formula.values())))
 
     say(f"\nper-rank work of causal ring attention, forward + backward (seq {args.work_seq_len}, "
         f"{h} heads, head dim {d}): block calls / query x key scores / seconds computing (CPU time on a CPU)")
@@ -538,7 +509,7 @@ def demo(args: argparse.Namespace) -> None:
                 f"losses {loss_diff:.1e}, step-0 gradients "
                 f"{ddp.max_abs_diff(result.first_grads, ref.first_grads):.1e}, parameters "
                 f"{ddp.max_abs_diff(result.params, ref.params):.1e}")
-        op = "send" if method == "ring" else "all_to_all"
+        op = COMM_OP[method]
         layer = float(meter.traffic(op)) / (args.steps * cfg.n_layers)
         formula = sum(attention_bytes(method, args.global_batch * s // cp * cfg.dim, cp).values())
         say(f"  {'':<20} {op} per layer per step {layer:,.0f} B, formula {float(formula):,.0f} B")

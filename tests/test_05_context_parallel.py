@@ -203,8 +203,7 @@ def test_model_under_context_parallelism_equals_single_device(rank_pool, setup):
     formula = cpmod.attention_bytes(method, batch * seq // cp * cfg.dim, cp)
     for result, meter in runs:
         assert_matches_reference(result, reference)
-        op = "send" if method == "ring" else "all_to_all"
-        assert meter.traffic(op) == steps * cfg.n_layers * sum(formula.values())
+        assert meter.traffic(cpmod.COMM_OP[method]) == steps * cfg.n_layers * sum(formula.values())
         assert meter.payload("all_reduce") == steps * grad_bytes, "each gradient summed once a step"
 
 
