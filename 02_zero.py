@@ -114,7 +114,7 @@ def zero_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 class FlatUnit:
     """One module's parameters as one flat vector padded to a multiple of N; rank r owns [r s, (r+1) s)
-    and keeps, by stage, the full or the sharded parameters and gradients (see MEMORY above)."""
+    and keeps, by stage, the full or the sharded parameters and gradients (see COST above)."""
 
     def __init__(self, prefix: str, module: nn.Module, world: int, rank: int, stage: int,
                  dtype: torch.dtype) -> None:
@@ -271,15 +271,14 @@ class ZeRO:
     def clip_and_update(self) -> torch.Tensor:
         """Clip by the global gradient norm, AdamW on the shards, refresh the compute parameters.
         Returns the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
-        for unit in self.units:
-            unit.master.grad = unit.grad_shard.float()  # fp32: the same tensor, no copy
-        squares = sum(u.master.grad.pow(2).sum() for u in self.units)
+        grads = [u.grad_shard.float() for u in self.units]  # fp32: the same tensors, no copy
+        squares = sum(g.pow(2).sum() for g in grads)
         if self.stage > 0:  # each rank has its shard's share of the sum
             ddp.all_reduce(squares, group=self.group)
         norm = squares.sqrt()
         scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s rule
-        for unit in self.units:
-            unit.master.grad.mul_(scale)
+        for unit, grad in zip(self.units, grads, strict=True):
+            unit.master.grad = grad.mul_(scale)
         self.optimizer.step()
         for unit in self.units:
             unit.master.grad = None
