@@ -324,8 +324,9 @@ class ZeRO:
         formula["optimizer"] += STEP_COUNTER_BYTES * len(self.units)
         return formula
 
-    def _gather_full(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One shard per unit (stage 0: the whole vector) -> the full tensors by parameter name."""
+    def gather_full(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One shard per unit (stage 0: the whole vector) -> the full CPU tensors by parameter name,
+        on every rank: the gradients (for tests), the parameters and AdamW state (checkpoints)."""
         full = {}
         for unit, shard in zip(self.units, shards, strict=True):
             flat = shard.new_empty(unit.padded) if self.stage else shard
@@ -334,16 +335,12 @@ class ZeRO:
             full.update(ddp.cpu_copy(zip(unit.names, unit.views(flat), strict=True)))
         return full
 
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        """The averaged gradient of every parameter, reassembled from the shards (for tests)."""
-        return self._gather_full([u.grad_shard for u in self.units])
-
     def full_state_dict(self) -> dict:
         """Unsharded fp32 parameters and AdamW state by parameter name (gathered on every rank)."""
         adam = [self.optimizer.state.get(u.master, {}) for u in self.units]
-        moments = {key: self._gather_full([s.get(key, torch.zeros_like(u.master))
+        moments = {key: self.gather_full([s.get(key, torch.zeros_like(u.master))
                                            for u, s in zip(self.units, adam)]) for key in ADAM_KEYS}
-        return {"params": self._gather_full([u.master for u in self.units]), **moments,
+        return {"params": self.gather_full([u.master for u in self.units]), **moments,
                 "step": int(adam[0].get("step", 0))}
 
     @torch.no_grad()
@@ -446,7 +443,7 @@ def train_zero(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: i
             loss.backward()
             zero.finish_gradient_sync()
         if step == 0:
-            result.first_grads = zero.full_gradients()
+            result.first_grads = zero.gather_full([u.grad_shard for u in zero.units])
         with ddp.comm_meter() as update_meter:
             result.grad_norms.append(zero.clip_and_update().item())
         meters += [meter, update_meter]
