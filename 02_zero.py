@@ -1,50 +1,48 @@
 """Lesson 02: ZeRO, stages 1, 2 and 3, from reduce-scatter and all-gather.
 
 THE IDEA
-Data parallelism (lesson 01) keeps N identical copies of everything: parameters, gradients and the
-optimizer state. But AdamW is elementwise: element i of the update needs element i of the parameter,
-gradient and moments only. So the N ranks can split the flattened model into N shards, each rank
-keeping the optimizer state of its own 1/N (Rajbhandari et al., "ZeRO", 2020):
+Data parallelism (lesson 01) keeps N copies of the parameters, gradients and optimizer state. But
+AdamW is elementwise: element i of the update needs only element i of the parameter, gradient and
+moments. So N ranks can cut the flattened model into N shards, each rank keeping the optimizer
+state of its own 1/N (Rajbhandari et al., "ZeRO", 2020):
 - stage 1 shards the optimizer state. After backward, a reduce-scatter (the first half of an
-  all-reduce) leaves each rank the averaged gradient of its shard only; it updates its shard; an
+  all-reduce) leaves each rank the averaged gradient of its shard; it updates its shard; an
   all-gather (the second half) gives every rank the whole updated model.
 - stage 2 also shards the gradients: each module's gradient is reduce-scattered from a backward hook
-  the moment it is complete (lesson 01's buckets, with reduce-scatter), and the full gradient is
-  freed as soon as it is sent. A rank keeps only its gradient shard.
-- stage 3 also shards the parameters: a module's full parameters exist only while it computes.
-  They are all-gathered just before its forward, freed after it, gathered again before its
-  backward and freed after it; meanwhile the next module's gather is already in flight (prefetch).
-Stage 0 is plain data parallelism (an all-reduce of the gradients), the baseline of the tables.
+  the moment it is complete (lesson 01's buckets, with reduce-scatter) and freed once sent.
+- stage 3 also shards the parameters: a module's full parameters are all-gathered just before its
+  forward and again before its backward, and freed after each; meanwhile the next module's gather
+  is already in flight (prefetch).
+Stage 0, plain data parallelism (an all-reduce of the gradients), is the tables' baseline.
+UNEVEN SIZES: each module's parameters are flattened into one vector zero-padded to a multiple of N;
+rank r owns elements [r s, (r+1) s), s = padded / N. Padding has zero value, gradient and moments,
+so AdamW keeps it zero: it never changes the result.
+GRADIENT CLIPPING must see the whole gradient: ||g||^2 is the sum over ranks of their shards'
+squared norms (one scalar all-reduce). Clipping each shard by its own norm is the classic bug.
 
-UNEVEN SIZES. Each module's parameters are flattened into one vector padded with zeros to a
-multiple of N, so that rank r owns elements [r s, (r+1) s), s = padded / N. Padding has zero
-gradient, zero value and zero moments, so AdamW keeps it zero and it never changes the result.
-
-GRADIENT CLIPPING has to see the whole gradient: ||g||^2 is the sum over ranks of the squared norms
-of their shards (one scalar all-reduce). Clipping each shard by its own norm is the classic bug.
-
-MEMORY per rank, Psi parameters, with P, G bytes per parameter and gradient element and K bytes of
-optimizer state per parameter (mixed precision: bf16 P = G = 2, and fp32 master weights, momentum and
-variance K = 12; plain fp32: P = G = 4, K = 8 because the fp32 parameters are their own master):
-    stage 0: (P + G + K) Psi     stage 1: (P + G) Psi + K Psi / N
-    stage 2: P Psi + (G + K) Psi / N     stage 3: (P + G + K) Psi / N
+COST per rank for Psi parameters, P and G bytes per parameter and gradient element, K bytes of
+optimizer state per parameter (mixed precision: bf16 P = G = 2, fp32 master weights, momentum and
+variance K = 12; plain fp32: P = G = 4, K = 8, the fp32 parameters being their own master):
+    memory, stage 0: (P + G + K) Psi     stage 1: (P + G) Psi + K Psi / N
+            stage 2: P Psi + (G + K) Psi / N     stage 3: (P + G + K) Psi / N
 The paper's example, Psi = 7.5B, N = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.88 GB.
-COMMUNICATION per step per rank (ring): DDP's all-reduce moves 2 (N-1)/N G Psi. Stages 1 and 2 move
-a reduce-scatter plus an all-gather, (N-1)/N (G + P) Psi: the same. Stage 3 gathers the parameters
-twice (forward and backward): (N-1)/N (G + 2P) Psi = 1.5x DDP.
+Traffic per step (ring): DDP's all-reduce moves 2 (N-1)/N G Psi. Stages 1 and 2 move a reduce-scatter
+plus an all-gather, (N-1)/N (G + P) Psi: the same. Stage 3 gathers the parameters twice (forward
+and backward): (N-1)/N (G + 2P) Psi = 1.5x DDP.
 
 RUN IT
     python 02_zero.py                       # 4 local CPU ranks (one per GPU on a GPU node)
     torchrun --nproc_per_node=4 02_zero.py
     python 02_zero.py --bench               # ZeRO-3 against PyTorch's FSDP2 (fully_shard)
 Look at: the max |difference| from one device running AdamW with the same clipping (rounding only);
-the paper's table; the bytes each rank actually holds (live tensors' storages) beside the formula,
-stage by stage; the traffic per step beside 1x and 1.5x DDP; the gathers in flight in stage 3.
+the paper's table; the bytes each rank actually holds (live tensors' storages) beside the formula;
+the traffic per step beside 1x and 1.5x DDP; the gathers in flight in stage 3.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -58,12 +56,17 @@ import torch.nn as nn
 ddp = importlib.import_module("01_ddp")
 
 STAGES = (0, 1, 2, 3)
-ADAM_MOMENT_BYTES = 8  # exp_avg and exp_avg_sq, fp32
+ADAM_KEYS, ADAM_MOMENT_BYTES = ("exp_avg", "exp_avg_sq"), 8  # AdamW's moments, fp32
 STEP_COUNTER_BYTES = 4  # torch's AdamW keeps `step` as one fp32 scalar tensor per parameter tensor
 
 # ----------------------------------------------------------------------------------------------
 # The cost models
 # ----------------------------------------------------------------------------------------------
+
+
+def validate_stage(stage: int) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r} must be one of {STAGES}")
 
 
 def zero_memory_per_rank(psi: int, n: int, stage: int, param_bytes: int = 2, grad_bytes: int = 2,
@@ -86,26 +89,18 @@ def zero_traffic_per_step(psi: int, n: int, stage: int, param_bytes: int,
     return {"reduce_scatter": ring * grad_bytes * psi, "all_gather": gathers * ring * param_bytes * psi}
 
 
-def validate_stage(stage: int) -> None:
-    if stage not in STAGES:
-        raise ValueError(f"stage={stage!r} must be one of {STAGES}")
-
-
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
-    """Bytes of the storages behind tensors, each once (views and aliases share a storage)."""
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()  # DTensor: its shard
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
+    """Bytes of the storages behind tensors that are not in `seen` yet, each once (views and
+    aliases share a storage); adds them to `seen`."""
+    storages = [(t.to_local() if hasattr(t, "to_local") else t).untyped_storage()  # DTensor: its shard
+                for t in tensors if t is not None]
+    new = {s.data_ptr(): s.nbytes() for s in storages if s.nbytes() and s.data_ptr() not in seen}
+    seen.update(new)
+    return sum(new.values())
 
 
 # ----------------------------------------------------------------------------------------------
-# Flat, padded, sharded modules
+# The ZeRO optimizer
 # ----------------------------------------------------------------------------------------------
 
 
@@ -113,33 +108,45 @@ def zero_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules whose parameters are flattened together, in the order forward runs them. In
     stage 3 each is gathered as one piece: gathering per block keeps one block's full weights alive."""
     names = ["embed", *(f"layers.{i}" for i in model.layers), "norm", "lm_head"]
-    present = [name for name in names if getattr(model, name.split(".")[0]) is not None]
-    return [(name, model.get_submodule(name)) for name in present]
+    return [(name, model.get_submodule(name)) for name in names
+            if getattr(model, name.split(".")[0]) is not None]
 
 
 class FlatUnit:
-    """One module's parameters as one flat vector padded to a multiple of N; rank r owns [r s, (r+1) s)."""
+    """One module's parameters as one flat vector padded to a multiple of N; rank r owns [r s, (r+1) s)
+    and keeps, by stage, the full or the sharded parameters and gradients (see COST above)."""
 
-    def __init__(self, prefix: str, module: nn.Module, world: int, rank: int, stage: int) -> None:
-        named = list(module.named_parameters())
-        self.names = [f"{prefix}.{name}" for name, _ in named]
-        self.params = [p for _, p in named]
+    def __init__(self, prefix: str, module: nn.Module, world: int, rank: int, stage: int,
+                 dtype: torch.dtype) -> None:
+        names, self.params = zip(*module.named_parameters())
+        self.names = [f"{prefix}.{name}" for name in names]
         self.shapes = [p.shape for p in self.params]
-        self.offsets = [0]
-        for p in self.params:
-            self.offsets.append(self.offsets[-1] + p.numel())
+        self.offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
         self.padded = math.ceil(self.offsets[-1] / world) * world
-        self.owned = slice(0, self.padded) if stage == 0 else slice(rank * self.padded // world,
-                                                                    (rank + 1) * self.padded // world)
-        self.flat_param: torch.Tensor | None = None   # stages 0-2: the full parameters, persistent
-        self.shard: torch.Tensor                      # this rank's parameters, compute dtype
-        self.master: nn.Parameter                     # this rank's fp32 parameters, updated by AdamW
-        self.flat_grad: torch.Tensor | None = None    # stages 0-1: the full gradients, persistent
-        self.grad_shard: torch.Tensor | None = None   # this rank's averaged gradient
-        self.gathered: torch.Tensor | None = None     # stage 3: full parameters while in use
-        self.gather_work = None
-        self.scatter: tuple | None = None             # stages 2-3: (work, send buffer) in flight
-        self.ready: set[int] = set()
+        s = self.padded // world
+        self.owned = slice(0, self.padded) if stage == 0 else slice(rank * s, (rank + 1) * s)
+        full = self.flatten([p.detach() for p in self.params], torch.float32)
+        self.released = full.new_empty(0, dtype=dtype)  # what the parameters point at while freed
+        self.flat_param = self.gathered = self.flat_grad = self.grad_shard = None
+        if stage < 3:  # the full parameters persist; the module's parameters are views of them
+            self.flat_param = full.to(dtype, copy=True)
+            self.bind(self.flat_param)
+            self.shard = self.flat_param[self.owned]
+        else:  # only the shard persists; `gathered` holds the full parameters around each use
+            self.shard = full[self.owned].to(dtype, copy=True)
+            self.release()
+        # fp32: the parameters are their own master (an alias, no copy). Mixed precision: an fp32
+        # copy of the shard, taken from the fp32 initial values, never from their bf16 rounding.
+        self.master = nn.Parameter(self.shard if dtype == torch.float32 else full[self.owned].clone())
+        if stage < 2:  # gradients accumulate in place into views of one full flat buffer
+            self.flat_grad = torch.zeros(self.padded, dtype=dtype, device=full.device)
+            for p, view in zip(self.params, self.views(self.flat_grad), strict=True):
+                p.grad = view
+        else:  # only this rank's averaged gradient persists
+            self.grad_shard = torch.zeros_like(self.shard)
+        # In flight: stage 3's all-gather, stages 2-3's (reduce-scatter, send buffer); `ready`: the
+        # indices of the parameters whose gradient backward has completed (stages 2-3).
+        self.gather_work, self.scatter, self.ready = None, None, set()
 
     def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         flat = torch.zeros(self.padded, dtype=dtype, device=tensors[0].device)
@@ -150,10 +157,15 @@ class FlatUnit:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[self.offsets[i]:self.offsets[i + 1]].view(shape) for i, shape in enumerate(self.shapes)]
 
+    def bind(self, flat: torch.Tensor) -> None:
+        """Point the parameters at views of flat (autograd keeps the same leaf tensors)."""
+        for p, view in zip(self.params, self.views(flat), strict=True):
+            p.data = view
 
-# ----------------------------------------------------------------------------------------------
-# The ZeRO optimizer
-# ----------------------------------------------------------------------------------------------
+    def release(self) -> None:
+        for p in self.params:
+            p.data = self.released
+        self.gathered = None
 
 
 class ZeRO:
@@ -177,66 +189,29 @@ class ZeRO:
         self.world, rank = ddp.group_size(group), dist.get_rank(group)
         ddp.claim_gradient_sync(model, f"ZeRO-{stage}")
         self.model, self.stage, self.group, self.prefetch = model, stage, group, prefetch
-        self.max_grad_norm = max_grad_norm
-        self.dtype = torch.bfloat16 if mixed_precision else torch.float32
+        self.max_grad_norm, self.dtype = max_grad_norm, torch.bfloat16 if mixed_precision else torch.float32
         ddp.broadcast_parameters(model, group)
-        self.units = [FlatUnit(name, module, self.world, rank, stage) for name, module in zero_units(model)]
-        self.device = self.units[0].params[0].device
-        self.released = torch.empty(0, dtype=self.dtype, device=self.device)
-        for unit in self.units:
-            self._shard(unit)
+        modules = zero_units(model)
+        self.units = [FlatUnit(name, module, self.world, rank, stage, self.dtype) for name, module in modules]
         # AdamW is elementwise: torch's own, run on the shards, is the unsharded update restricted
         # to this rank's elements (lesson 01's settings: one place to change them).
         self.optimizer = ddp.make_optimizer(nn.ParameterList(u.master for u in self.units), lr, adam_eps)
         self.max_gathers_in_flight = self.prefetched_gathers = 0
-        if stage >= 2:
-            for unit in self.units:
-                for i, p in enumerate(unit.params):
-                    p.register_post_accumulate_grad_hook(
-                        lambda p, unit=unit, i=i: self._on_grad_ready(unit, i))
-        if stage == 3:
-            for index, (_, module) in enumerate(zero_units(model)):
+        for index, (unit, (_, module)) in enumerate(zip(self.units, modules)):
+            for i, p in enumerate(unit.params if stage >= 2 else ()):
+                p.register_post_accumulate_grad_hook(lambda p, unit=unit, i=i: self._on_grad_ready(unit, i))
+            if stage == 3:
                 module.register_forward_pre_hook(lambda m, args, i=index: self._gather(i, i + 1))
                 module.register_forward_hook(lambda m, args, out, i=index: self._after_forward(i, out))
-
-    def _shard(self, unit: FlatUnit) -> None:
-        full = unit.flatten([p.detach() for p in unit.params], torch.float32)
-        if self.stage < 3:
-            unit.flat_param = full.to(self.dtype, copy=True)
-            self._bind(unit, unit.flat_param)
-            unit.shard = unit.flat_param[unit.owned]
-        else:
-            unit.shard = full[unit.owned].to(self.dtype, copy=True)
-            self._release(unit)
-        # fp32: the parameters are their own master (an alias, no copy). Mixed precision: an fp32
-        # copy of the shard, taken from the fp32 initial values, never from their bf16 rounding.
-        unit.master = nn.Parameter(unit.shard if self.dtype == torch.float32 else full[unit.owned].clone())
-        if self.stage < 2:  # gradients accumulate in place into views of one flat buffer
-            unit.flat_grad = torch.zeros(unit.padded, dtype=self.dtype, device=self.device)
-            for p, view in zip(unit.params, unit.views(unit.flat_grad), strict=True):
-                p.grad = view
-        else:
-            unit.grad_shard = torch.zeros_like(unit.shard)
-
-    @staticmethod
-    def _bind(unit: FlatUnit, flat: torch.Tensor) -> None:
-        """Point the module's parameters at views of flat (autograd keeps the same leaf tensors)."""
-        for p, view in zip(unit.params, unit.views(flat), strict=True):
-            p.data = view
-
-    def _release(self, unit: FlatUnit) -> None:
-        for p in unit.params:
-            p.data = self.released
-        unit.gathered = None
 
     # --- stage 3: parameters exist only around their module's forward and backward -------------
 
     def _launch_gather(self, unit: FlatUnit) -> None:
         if unit.gathered is None:
-            unit.gathered = torch.empty(unit.padded, dtype=self.dtype, device=self.device)
+            unit.gathered = unit.shard.new_empty(unit.padded)
             unit.gather_work = ddp.all_gather(unit.gathered, unit.shard, group=self.group, async_op=True)
-            works = [u.gather_work for u in self.units if u.gather_work is not None]
-            in_flight = sum(not work.is_completed() for work in works)
+            in_flight = sum(u.gather_work is not None and not u.gather_work.is_completed()
+                            for u in self.units)
             self.max_gathers_in_flight = max(self.max_gathers_in_flight, in_flight)
 
     def _gather(self, index: int, next_index: int) -> None:
@@ -246,12 +221,12 @@ class ZeRO:
         self._launch_gather(unit)
         unit.gather_work.wait()
         unit.gather_work = None
-        self._bind(unit, unit.gathered)
+        unit.bind(unit.gathered)
         if self.prefetch and 0 <= next_index < len(self.units):
             self._launch_gather(self.units[next_index])
 
     def _after_forward(self, index: int, output: torch.Tensor) -> None:
-        self._release(self.units[index])
+        self.units[index].release()
         if output.requires_grad:  # backward reaches this module when output's gradient is ready
             output.register_hook(lambda grad: self._gather(index, index - 1))
 
@@ -268,9 +243,8 @@ class ZeRO:
         for p in unit.params:
             p.grad = None  # the full gradient is freed: only the send buffer lives until the wait
         if self.stage == 3:
-            self._release(unit)  # every use of these parameters in backward is done
-        work = ddp.reduce_scatter(unit.grad_shard, send, group=self.group, async_op=True)
-        unit.scatter = (work, send)
+            unit.release()  # every use of these parameters in backward is done
+        unit.scatter = (ddp.reduce_scatter(unit.grad_shard, send, group=self.group, async_op=True), send)
         unit.ready.clear()
 
     # --- the step ---------------------------------------------------------------------------
@@ -297,15 +271,14 @@ class ZeRO:
     def clip_and_update(self) -> torch.Tensor:
         """Clip by the global gradient norm, AdamW on the shards, refresh the compute parameters.
         Returns the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
-        for unit in self.units:
-            unit.master.grad = unit.grad_shard.float()  # fp32: the same tensor, no copy
-        squares = sum(u.master.grad.pow(2).sum() for u in self.units)
+        grads = [u.grad_shard.float() for u in self.units]  # fp32: the same tensors, no copy
+        squares = sum(g.pow(2).sum() for g in grads)
         if self.stage > 0:  # each rank has its shard's share of the sum
             ddp.all_reduce(squares, group=self.group)
         norm = squares.sqrt()
         scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s rule
-        for unit in self.units:
-            unit.master.grad.mul_(scale)
+        for unit, grad in zip(self.units, grads, strict=True):
+            unit.master.grad = grad.mul_(scale)
         self.optimizer.step()
         for unit in self.units:
             unit.master.grad = None
@@ -345,47 +318,40 @@ class ZeRO:
 
     def memory_formula(self) -> dict[str, Fraction]:
         """The paper's formula on the padded parameter count, plus AdamW's step counters."""
-        psi = sum(u.padded for u in self.units)
-        master = 0 if self.dtype == torch.float32 else 4
-        size = self.released.element_size()
-        formula = zero_memory_per_rank(psi, self.world, self.stage, size, size, master + ADAM_MOMENT_BYTES)
+        size, master = self.dtype.itemsize, 0 if self.dtype == torch.float32 else 4
+        formula = zero_memory_per_rank(sum(u.padded for u in self.units), self.world, self.stage,
+                                       size, size, master + ADAM_MOMENT_BYTES)
         formula["optimizer"] += STEP_COUNTER_BYTES * len(self.units)
         return formula
 
-    def _full(self, unit: FlatUnit, shard: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.stage == 0:
-            flat = shard
-        else:
-            flat = torch.empty(unit.padded, dtype=shard.dtype, device=shard.device)
-            ddp.all_gather(flat, shard.detach().contiguous(), group=self.group)
-        return ddp.cpu_copy(zip(unit.names, unit.views(flat), strict=True))
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        """The averaged gradient of every parameter, reassembled from the shards (for tests)."""
-        return {n: g for unit in self.units for n, g in self._full(unit, unit.grad_shard).items()}
+    def gather_full(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One shard per unit (stage 0: the whole vector) -> the full CPU tensors by parameter name,
+        on every rank: the gradients (for tests), the parameters and AdamW state (checkpoints)."""
+        full = {}
+        for unit, shard in zip(self.units, shards, strict=True):
+            flat = shard.new_empty(unit.padded) if self.stage else shard
+            if self.stage:
+                ddp.all_gather(flat, shard.detach().contiguous(), group=self.group)
+            full.update(ddp.cpu_copy(zip(unit.names, unit.views(flat), strict=True)))
+        return full
 
     def full_state_dict(self) -> dict:
         """Unsharded fp32 parameters and AdamW state by parameter name (gathered on every rank)."""
-        state: dict = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "step": 0}
-        for unit in self.units:
-            state["params"].update(self._full(unit, unit.master))
-            adam = self.optimizer.state.get(unit.master)
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key].update(self._full(unit, adam[key] if adam else torch.zeros_like(unit.master)))
-            state["step"] = int(adam["step"]) if adam else 0
-        return state
+        adam = [self.optimizer.state.get(u.master, {}) for u in self.units]
+        moments = {key: self.gather_full([s.get(key, torch.zeros_like(u.master))
+                                           for u, s in zip(self.units, adam)]) for key in ADAM_KEYS}
+        return {"params": self.gather_full([u.master for u in self.units]), **moments,
+                "step": int(adam[0].get("step", 0))}
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
         """Cut a full_state_dict (from any stage and group size) into this rank's shards."""
         for unit in self.units:
-            def shard_of(key: str) -> torch.Tensor:
-                full = unit.flatten([state[key][n].to(self.device) for n in unit.names], torch.float32)
-                return full[unit.owned]
-            unit.master.copy_(shard_of("params"))
-            self.optimizer.state[unit.master] = {
-                "step": torch.tensor(float(state["step"])),
-                "exp_avg": shard_of("exp_avg").clone(), "exp_avg_sq": shard_of("exp_avg_sq").clone()}
+            shards = {key: unit.flatten([state[key][n].to(unit.master.device) for n in unit.names],
+                                        torch.float32)[unit.owned].clone()
+                      for key in ("params", *ADAM_KEYS)}
+            unit.master.copy_(shards.pop("params"))
+            self.optimizer.state[unit.master] = {"step": torch.tensor(float(state["step"])), **shards}
             self._refresh_compute_params(unit)
 
 
@@ -404,8 +370,7 @@ class ZeroResult(ddp.TrainResult):
 
 def train_reference(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: int, *,
                     lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
-                    mixed_precision: bool = False, device: torch.device | str = "cpu",
-                    data_seed: int = 0) -> ZeroResult:
+                    mixed_precision: bool = False, device: torch.device | str = "cpu") -> ZeroResult:
     """One device, the whole batch, torch's clip_grad_norm_ and AdamW: what every stage must equal.
     Mixed precision is the twin of ZeRO's: a bf16 model computes, AdamW updates fp32 master copies
     (taken from the fp32 initial values), which are rounded back into the model after each step."""
@@ -416,7 +381,7 @@ def train_reference(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_l
     optimizer = ddp.make_optimizer(nn.ParameterList(masters), lr, adam_eps)
     result = ZeroResult([], {}, {})
     for step in range(steps):
-        tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
+        tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step)
         loss = model(tokens.to(device), targets.to(device))
         loss.backward()
         result.losses.append(loss.item())
@@ -430,13 +395,11 @@ def train_reference(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_l
             for master, p in zip(masters, model.parameters(), strict=True):
                 if master is not p:
                     p.copy_(master)
-        optimizer.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
+                master.grad = p.grad = None
     result.params = ddp.cpu_copy(zip(names, masters))
     adam = [optimizer.state[m] for m in masters]
-    result.state = {"params": result.params, "step": int(adam[0]["step"]) if steps else 0,
-                    **{key: ddp.cpu_copy((n, s[key]) for n, s in zip(names, adam)) if steps else {}
-                       for key in ("exp_avg", "exp_avg_sq")}}
+    result.state = {"params": result.params, "step": int(adam[0].get("step", 0)),
+                    **{key: ddp.cpu_copy((n, s[key]) for n, s in zip(names, adam) if s) for key in ADAM_KEYS}}
     return result
 
 
@@ -453,14 +416,12 @@ def merge_meters(meters: list["ddp.CommMeter"]) -> "ddp.CommMeter":
 def train_zero(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: int, *, stage: int,
                lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
                mixed_precision: bool = False, prefetch: bool = True, resume_after: int | None = None,
-               group=None, device: torch.device | str = "cpu",
-               data_seed: int = 0) -> tuple[ZeroResult, "ddp.CommMeter"]:
+               group=None, device: torch.device | str = "cpu") -> tuple[ZeroResult, "ddp.CommMeter"]:
     """Train on this rank's slice of the global batches train_reference sees. resume_after=k: after
     k steps, gather the full state, build a fresh model and ZeRO optimizer, load it and go on.
     Returns the result and a meter of the training steps' communication (not of the test probes:
     the reassembled step-0 gradients, the checkpoint)."""
     world, rank = ddp.group_size(group), dist.get_rank(group)
-    validate_stage(stage)
     if global_batch % world:
         raise ValueError(f"global_batch={global_batch} is not divisible by the group size {world}")
 
@@ -476,21 +437,19 @@ def train_zero(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: i
             state = zero.full_state_dict()
             model, zero = build()
             zero.load_full_state_dict(state)
-        tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, rank, world, data_seed)
+        tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, rank, world)
         with ddp.comm_meter() as meter:
             loss = model(tokens.to(device), targets.to(device))
             loss.backward()
             zero.finish_gradient_sync()
-        meters.append(meter)
         if step == 0:
-            result.first_grads = zero.full_gradients()
-        with ddp.comm_meter() as meter:
+            result.first_grads = zero.gather_full([u.grad_shard for u in zero.units])
+        with ddp.comm_meter() as update_meter:
             result.grad_norms.append(zero.clip_and_update().item())
-        meters.append(meter)
+        meters += [meter, update_meter]
         local_losses.append(loss.detach())
-        if step == steps - 1:
-            result.held, result.formula = zero.held_bytes(), zero.memory_formula()
         zero.zero_grad()
+    result.held, result.formula = zero.held_bytes(), zero.memory_formula()  # after the last step
     losses = torch.stack(local_losses).double()
     ddp.all_reduce(losses, group=group)
     result.losses = (losses / world).tolist()
@@ -509,17 +468,15 @@ def train_zero(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: i
 
 def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
     label = {False: "fp32     ", True: "bf16+fp32"}
+    columns = ("loss", "grads", "params", "exp_avg", "exp_avg_sq")
     print(f"max |difference| from one device (AdamW + clip_grad_norm_), {steps} steps:\n"
-          f"  {'run':<18}{'loss':>9}{'grads':>9}{'params':>9}{'exp_avg':>9}{'exp_avg_sq':>11}")
+          f"  {'run':<16}" + "".join(f"{c:>11}" for c in columns))
     for (mixed, stage), (result, _) in runs.items():
         ref = references[mixed]
         diffs = [max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True)),
-                 *(ddp.max_abs_diff(ours, theirs) for ours, theirs in (
-                     (result.first_grads, ref.first_grads), (result.params, ref.params),
-                     (result.state["exp_avg"], ref.state["exp_avg"]))),
-                 ddp.max_abs_diff(result.state["exp_avg_sq"], ref.state["exp_avg_sq"])]
-        print(f"  {label[mixed]} ZeRO-{stage}" + "".join(f"{d:>9.1e}" for d in diffs[:-1])
-              + f"{diffs[-1]:>11.1e}")
+                 ddp.max_abs_diff(result.first_grads, ref.first_grads),
+                 *(ddp.max_abs_diff(result.state[key], ref.state[key]) for key in columns[2:])]
+        print(f"  {label[mixed]} ZeRO-{stage}" + "".join(f"{d:>11.1e}" for d in diffs))
     print("  (fp32: the same sums in another order. bf16: gradients rounded to 8 bits after sums in\n"
           "   another order; Adam turns that into lr-sized moves of the few elements whose gradient is ~0)")
 
@@ -536,55 +493,53 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
           f"(+ {STEP_COUNTER_BYTES} B per module: AdamW's step):")
     for (mixed, stage), (result, _) in runs.items():
         cells = "  ".join(f"{k} {result.held[k]:>9,}|{int(result.formula[k]):<9,}" for k in result.held)
-        same = all(result.held[k] == result.formula[k] for k in result.held)
-        print(f"  {label[mixed]} ZeRO-{stage}  {cells} {'equal' if same else 'DIFFERENT'}")
+        same = "equal" if result.held == result.formula else "DIFFERENT"
+        print(f"  {label[mixed]} ZeRO-{stage}  {cells} {same}")
 
     ddp_bytes = Fraction(2 * (world - 1), world) * 4 * psi
-    print(f"\nTraffic per rank per step, fp32, ring (DDP: 2(N-1)/N x 4 B x Psi = {float(ddp_bytes):,.0f} B):")
+    print(f"\nTraffic per rank per step, fp32, ring (DDP: 2(N-1)/N x 4 B x Psi = "
+          f"{float(ddp_bytes):,.0f} B):")
     for stage in STAGES:
         meter, formula = runs[False, stage][1], zero_traffic_per_step(padded, world, stage, 4, 4)
         measured = {op: meter.traffic(op) / steps for op in formula}
         norm = meter.traffic("all_reduce") / steps - formula.get("all_reduce", 0)
-        ratio = float(sum(measured.values()) / ddp_bytes)
+        ratio = f" = {float(sum(measured.values()) / ddp_bytes):.3f} x DDP" if world > 1 else ""
         print(f"  ZeRO-{stage}  " + ", ".join(f"{op} {float(v):,.0f} B" for op, v in measured.items())
-              + f" {'=' if measured == formula else '!='} formula = {ratio:.3f} x DDP"
+              + f" {'=' if measured == formula else '!='} formula{ratio}"
               + (f"; + {float(norm):.0f} B all-reduced for the gradient norm" if stage else ""))
     stats = runs[False, 3][0].stats
     print(f"\nZeRO-3 gathers {stats['units']} modules one at a time: {stats['prefetched_gathers']} of "
-          f"{2 * stats['units'] * steps} gathers were prefetched (launched while the module before computed);"
-          f"\nup to {stats['max_gathers_in_flight']} in flight at once.")
+          f"{2 * stats['units'] * steps} gathers were prefetched (launched while the module before "
+          f"computed);\nup to {stats['max_gathers_in_flight']} in flight at once.")
 
 
 def demo(args: argparse.Namespace) -> None:
     device = ddp.init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
     # Module sizes (8,250 embedding, 66 norm weights) not divisible by 4: the padding shows.
     cfg = ddp.ModelConfig(vocab_size=125, dim=66, n_heads=3, ffn_dim=177)
     shape = (cfg, args.steps, args.global_batch, args.seq_len)
     kwargs = dict(max_grad_norm=args.max_grad_norm, device=device)
     runs = {(mixed, stage): train_zero(*shape, stage=stage, mixed_precision=mixed, **kwargs)
             for mixed in (False, True) for stage in STAGES}
-    if rank == 0:
+    if dist.get_rank() == 0:
         references = {mixed: train_reference(*shape, mixed_precision=mixed, **kwargs)
                       for mixed in (False, True)}
-        print(f"ZeRO on {world} ranks ({dist.get_backend()}, {device.type}); global batch "
-              f"{args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")
-        print_tables(runs, references, world, args.steps)
+        print(f"ZeRO on {dist.get_world_size()} ranks ({dist.get_backend()}, {device.type}); global "
+              f"batch {args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")
+        print_tables(runs, references, dist.get_world_size(), args.steps)
     ddp.exit_distributed()
 
 
 def bench(args: argparse.Namespace) -> None:
     """ZeRO-3 against FSDP2 fully_shard on the same modules, model, batch and clipping, in
     interleaved rounds so that both see the same machine load."""
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # FSDP2's older home
-        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard
     device = ddp.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = ddp.ModelConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=8, ffn_dim=688)
     tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, 4 * world, 128, 0, rank, world))
     ours_model, torch_model = ddp.GPT(cfg).to(device), ddp.GPT(cfg).to(device)
+    n_params = sum(p.numel() for p in torch_model.parameters())
     zero = ZeRO(ours_model, 3, max_grad_norm=1.0)
     for _, module in [*zero_units(torch_model), ("", torch_model)]:
         fully_shard(module)
@@ -606,21 +561,19 @@ def bench(args: argparse.Namespace) -> None:
             t = ddp.timed_steps(fn, args.bench_steps, device)
             if round_ > 0:  # the first round is warm-up
                 times[name] += t
-    seen: set[int] = set()  # after a step, as ours: sharded parameters, gradients, AdamW state
-    theirs = sum(storage_bytes(tensors, seen) for tensors in (
-        torch_model.parameters(), (p.grad for p in torch_model.parameters()),
-        (t for s in torch_opt.state.values() for t in s.values() if torch.is_tensor(t))))
+    # After a step, as ours: the (sharded) parameters, gradients and AdamW state.
+    state = [t for s in torch_opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    theirs = storage_bytes([*torch_model.parameters(), *(p.grad for p in torch_model.parameters()), *state],
+                           set())
     ours = sum(zero.held_bytes().values())
     if rank == 0:
-        n_params = sum(p.numel() for p in ddp.GPT(cfg).parameters())
         med = {name: statistics.median(t) for name, t in times.items()}
         print(f"ZeRO-3 vs FSDP2 fully_shard on {world} ranks ({dist.get_backend()}, {device.type}), "
               f"{n_params / 1e6:.1f}M parameters, fp32, clipping, median of {len(times['FSDP2'])} steps:")
         for name, t in med.items():
             print(f"  {name:<8} {t * 1e3:8.1f} ms per step")
-        print(f"  step time ratio ZeRO-3 / FSDP2 = {med['ZeRO-3'] / med['FSDP2']:.3f}\n"
-              f"  bytes held per rank after a step: ZeRO-3 {ours:,}, FSDP2 {theirs:,}, "
-              f"ratio {ours / theirs:.3f}")
+        print(f"  step time ratio ZeRO-3 / FSDP2 = {med['ZeRO-3'] / med['FSDP2']:.3f}\n  bytes held per "
+              f"rank after a step: ZeRO-3 {ours:,}, FSDP2 {theirs:,}, ratio {ours / theirs:.3f}")
     ddp.exit_distributed()
 
 
