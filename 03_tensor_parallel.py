@@ -44,9 +44,8 @@ ACTIVATION MEMORY (what autograd saves per layer; Korthikanti's accounting)
 GPT-3 in 16 bits: s b h (34 + 5 a s / h) bytes without TP; s b h (10 + 24/t + 5 a s / (h t)) with
 TP (10: the norms' inputs, dropout masks and the regions' inputs, replicated); s b h / t (34 +
 5 a s / h) with TP + SP, where the paper re-gathers each region's input in backward instead of
-storing it. main() counts what our layer (fp32, SwiGLU, RMSNorm, fused attention, no dropout)
-saves, beside the same accounting for it (activation_formula); we store the gathered region
-inputs, so SP removes only the norms' t-fold replication here.
+storing it. We store it, so here SP removes only the norms' t-fold replication: main() prints what
+our layer (fp32, SwiGLU, RMSNorm, fused attention, no dropout) saves beside activation_formula.
 
 RUN IT
     python 03_tensor_parallel.py                       # 4 local CPU ranks, tp = 4
@@ -108,8 +107,8 @@ def _identity(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def conjugate(forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
-    """The base of an autograd function that runs forward(x, group) on its input and the
-    conjugate backward(grad, group) on its gradient."""
+    """A base autograd function: forward(x, group) on the input, backward(grad, group) on the
+    gradient. The four operators below differ only in this pair."""
 
     class Conjugate(torch.autograd.Function):
         @staticmethod
@@ -399,11 +398,14 @@ def comm_formula(cfg, batch: int, seq_len: int,
             "all_reduce": (norms + loss[0], norms * cfg.dim * 4 + loss[1])}
 
 
-def measure_layer(layer: nn.Module, cfg, batch: int, seq_len: int, seq_shards: int,
-                  device) -> tuple[int, "ddp.CommMeter"]:
-    """One layer's forward and backward on this rank's (b, s / seq_shards, h) activations: the bytes
-    autograd saves for backward (parameters excluded, each storage once) and its collectives."""
-    x = torch.randn(batch, seq_len // seq_shards, cfg.dim, device=device, requires_grad=True)
+def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool,
+                  device: torch.device | str = "cpu") -> tuple[int, "ddp.CommMeter"]:
+    """Layer 0 of the tensor-parallel GPT, forward and backward on this rank's activations (b, s, h)
+    (with SP: (b, s/t, h)): the bytes autograd saves for backward (parameters excluded, each
+    storage once) and the layer's collectives."""
+    layer = apply_tensor_parallel(ddp.GPT(cfg).to(device), None, sequence_parallel).layers["0"]
+    shards = dist.get_world_size() if sequence_parallel else 1
+    x = torch.randn(batch, seq_len // shards, cfg.dim, device=device, requires_grad=True)
     cos, sin = ddp.rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta)
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     storages: dict[int, int] = {}
@@ -424,8 +426,8 @@ def activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel
     """Korthikanti's accounting for our layer in fp32 (4 bytes), a = n_heads, f = ffn_dim:
     - each norm saves its input, its normalised input (s b h each) and 1/rms (s b): replicated in
       plain TP, split by t along the sequence with SP;
-    - each region's input (s b h, saved by the column-parallel linears): replicated in both, since
-      SP stores the all-gathered input (Megatron re-gathers it in backward instead);
+    - each region's input (s b h, saved by the column-parallel linears): replicated in both (SP
+      stores the all-gathered input);
     - sharded by t: q after RoPE, k and v repeated to the query heads, the attention output (s b h
       each) and its log-sum-exp (s b a); the MLP's gate, silu(gate), up and their product (s b f);
     - the RoPE tables (s x head_dim) the layer reads."""
@@ -460,9 +462,7 @@ def demo(args: argparse.Namespace) -> None:
     runs, memory, layer_meters = {}, {}, {}
     for sp in (False, True):
         runs[sp] = train_tensor_parallel(cfg, args.steps, b, s, sequence_parallel=sp, device=device)
-        model = apply_tensor_parallel(ddp.GPT(cfg).to(device), None, sp)
-        memory[sp], layer_meters[sp] = measure_layer(model.layers["0"], cfg, b, s, tp if sp else 1,
-                                                     device)
+        memory[sp], layer_meters[sp] = measure_layer(cfg, b, s, sp, device)
     if rank != 0:
         ddp.exit_distributed()
     reference = ddp.train_single_device(cfg, args.steps, b, s, device=device)
@@ -522,8 +522,9 @@ def dtensor_plan(sequence_parallel: bool) -> dict:
                                        use_local_output=False)}
     if sequence_parallel:  # norms on sequence shards, each region's input gathered
         plan |= {"layers.*.*_norm": SequenceParallel(), "norm": SequenceParallel(),
-                 "layers.*.attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                     desired_input_layouts=(Replicate(), None, None)),
+                 "layers.*.attn": PrepareModuleInput(  # its other inputs: the RoPE tables
+                     input_layouts=(Shard(1), None, None),
+                     desired_input_layouts=(Replicate(), None, None)),
                  "layers.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),),
                                                     desired_input_layouts=(Replicate(),))}
     return plan
@@ -566,8 +567,8 @@ def bench(args: argparse.Namespace) -> None:
         n_params = sum(p.numel() for p in params["ours", False].values())
         print(f"TP step time on {tp} ranks ({dist.get_backend()}, {device.type}), "
               f"{n_params / 1e6:.1f}M parameters, batch {args.bench_batch} x 128, median of "
-              f"{len(times['ours', False])} steps; both trained the same {len(losses['ours', False])} "
-              f"steps on the same batch:")
+              f"{len(times['ours', False])} steps; both trained the same "
+              f"{len(losses['ours', False])} steps on the same batch:")
         for sp in (False, True):
             ours, theirs = (statistics.median(times[impl, sp]) for impl in ("ours", "DTensor"))
             loss_diff = max(abs(a.item() - b.item()) for a, b in
@@ -592,8 +593,8 @@ def main() -> None:
         validate_tensor_parallel(ddp.ModelConfig(**(BENCH_MODEL if args.bench else DEMO_MODEL)), tp)
         seq_len = 128 if args.bench else args.seq_len
         if seq_len % tp:
-            raise ValueError(f"sequence length {seq_len} is not divisible by tp={tp} (the demo runs "
-                             f"sequence parallelism)")
+            raise ValueError(f"sequence length {seq_len} is not divisible by tp={tp} (the demo "
+                             f"runs sequence parallelism)")
 
     ddp.launch_lesson(parser, args, bench if args.bench else demo,
                       ("steps", "batch", "seq_len", "vocab", "bench_batch"), validate)

@@ -247,22 +247,21 @@ def test_vocab_parallel_loss_and_embedding_match_their_definitions(rank_pool, tp
     torch.testing.assert_close(rows_grad, counts[:, None].expand(-1, 3), **close)
 
 
-# --- activation memory ----------------------------------------------------------------------------
-
-def measure_activations(cfg, batch, seq_len, sequence_parallel):
-    model = tpm.apply_tensor_parallel(ddp.GPT(cfg), None, sequence_parallel)
-    shards = dist.get_world_size() if sequence_parallel else 1
-    return tpm.measure_layer(model.layers["0"], cfg, batch, seq_len, shards, "cpu")[0]
-
+# --- one layer: activation memory and communication -------------------------------------------
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_activation_memory_equals_the_formula(rank_pool, tp):
+def test_one_layer_activation_memory_and_communication_equal_the_formulas(rank_pool, tp):
     cfg = ddp.ModelConfig(vocab_size=32, dim=32, n_heads=4, n_kv_heads=4, ffn_dim=48)
+    megatron = 4 * Fraction(2 * (tp - 1), tp) * 3 * 8 * 32 * 4  # 4 ring all-reduces of b s h
     for sequence_parallel in (False, True):
-        measured = rank_pool.run(tp, measure_activations, cfg, 3, 8, sequence_parallel)
-        assert set(measured) == {tpm.activation_formula(cfg, 3, 8, tp, sequence_parallel)}
+        formula = tpm.activation_formula(cfg, 3, 8, tp, sequence_parallel)
+        ops = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
+        for saved, meter in rank_pool.run(tp, tpm.measure_layer, cfg, 3, 8, sequence_parallel):
+            assert saved == formula
+            assert sum(meter.traffic(op) for op in ops) == megatron, "same volume with SP"
     if tp > 1:  # SP shrinks exactly the norms' share
-        saved = tpm.activation_formula(cfg, 3, 8, tp, False) - tpm.activation_formula(cfg, 3, 8, tp, True)
+        saved = (tpm.activation_formula(cfg, 3, 8, tp, False)
+                 - tpm.activation_formula(cfg, 3, 8, tp, True))
         assert saved == 4 * 2 * (2 * 3 * 8 * 32 + 3 * 8) * (tp - 1) // tp
 
 
