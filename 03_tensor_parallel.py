@@ -5,58 +5,55 @@ THE IDEA
 Data parallelism copies the model; tensor parallelism (TP) splits every big matrix over the t ranks
 of a group, so each rank stores and multiplies 1/t of the weights, on the same tokens.
 - Column-parallel linear, W = [W_1 .. W_t] split by output features: rank r computes Y_r = X W_r^T,
-  its slice of the output features. Needs the whole input X; produces a sharded output.
+  its slice of the output. Needs the whole input X; produces a sharded output.
 - Row-parallel linear, W split by input features: rank r computes X_r W_r^T from its input slice;
   the true output is the SUM over ranks. Needs a sharded input; produces partial sums.
 Chaining them costs one reduction per pair (Megatron-LM, Shoeybi et al. 2019):
 - attention: q, k, v column-parallel = split by heads (heads are independent), out_proj
-  row-parallel. Grouped-query attention (Llama 3: n_kv_heads < n_heads, query head i reads key/value
-  head i // (n_heads / n_kv_heads)) splits both head counts by t, so a rank's query heads find
-  their key/value heads locally: t must divide n_heads and n_kv_heads.
+  row-parallel. Grouped-query attention (Llama 3: query head i reads key/value head
+  i // (n_heads / n_kv_heads)) splits both head counts by t, so a rank's query heads find their
+  key/value heads locally: t must divide n_heads and n_kv_heads.
 - SwiGLU MLP: gate and up column-parallel (silu(gate) * up is elementwise, so it stays local), down
   row-parallel. t must divide ffn_dim.
 
 THE CONJUGATE OPERATORS (autograd functions; each region is  f -> local work -> g)
   f: forward identity,   backward all-reduce   (the input is used by every rank: sum its gradients)
   g: forward all-reduce, backward identity     (the output is a sum of partials)
-  cost of each all-reduce of a (b, s, h) activation: 2(t-1)/t x b s h x bytes per rank (ring).
-Per layer and training step: g after attention, g after the MLP (forward), f before each of them
-(backward): 4 all-reduces of b x s x h. Plus, once per step: the vocab-parallel embedding's g
-(forward), the LM head's f (backward) and the three all-reduces of b x s numbers in the loss.
+An all-reduce of a (b, s, h) activation costs 2(t-1)/t x b s h x bytes per rank (ring). Per layer
+and step: g after attention and after the MLP (forward), f before each (backward): 4 all-reduces
+of b x s x h. Once per step: the embedding's g, the LM head's f, the loss's 3 of b x s numbers.
 
 VOCAB PARALLELISM (the embedding and the LM head are the largest matrices of a small model)
-Embedding: rank r holds rows [r V/t, (r+1) V/t); an id outside that range looks up nothing (zero),
-and g sums the partial embeddings. LM head: column-parallel over the vocabulary, and the
-cross-entropy never materialises the full logits: loss = log sum_v e^(z_v - m) - (z_target - m)
-needs only three all-reduces of one number per token: the max m (MAX), the sum of exponentials and
-the target logit (SUM); the gradient softmax - onehot is computed locally. A vocabulary that t does
-not divide is padded to a multiple of t; padded logits are -inf, so the padding never changes the
-loss, and their rows never receive a gradient.
+Embedding: rank r holds rows [r V/t, (r+1) V/t); an id outside them looks up zeros, and g sums the
+partial embeddings. LM head: column-parallel over the vocabulary, and the cross-entropy never
+materialises the full logits: loss = log sum_v e^(z_v - m) - (z_target - m) needs 3 all-reduces of
+one number per token: the max m (MAX), the sum of exponentials and the target logit (SUM); the
+gradient softmax - onehot is local. A vocabulary that t does not divide is padded to a multiple of
+t; padded logits are -inf, so the padding never changes the loss nor receives a gradient.
 
 SEQUENCE PARALLELISM (Korthikanti et al. 2022)
 Between the regions (norms, residual adds) plain TP computes the same thing on every rank and
-stores t copies of those activations. SP splits them along the sequence instead: the all-reduce g
-becomes a reduce-scatter along the sequence (forward; all-gather backward) and f an all-gather
-(forward; reduce-scatter backward). All-reduce = reduce-scatter + all-gather, so the traffic is
-the same: per layer per step 4 all-gathers + 4 reduce-scatters of b x s x h, (t-1)/t x bsh each.
-Norm weights are replicated but each rank only sees its tokens: their gradients are summed over the
-group (one all-reduce of h numbers per norm per step). s must be divisible by t.
+stores t copies. SP splits those activations along the sequence (s must divide by t): g becomes a
+reduce-scatter (forward; all-gather backward) and f an all-gather (forward; reduce-scatter
+backward). All-reduce = reduce-scatter + all-gather, so the traffic is the same: per layer per
+step 4 all-gathers + 4 reduce-scatters of b x s x h, (t-1)/t x bsh each. The replicated norm
+weights see only their rank's tokens: their gradients are summed over the group (an all-reduce of
+h numbers per norm per step).
 
 ACTIVATION MEMORY (what autograd saves per layer; Korthikanti's accounting)
 GPT-3 in 16 bits: s b h (34 + 5 a s / h) bytes without TP; s b h (10 + 24/t + 5 a s / (h t)) with
 TP (10: the norms' inputs, dropout masks and the regions' inputs, replicated); s b h / t (34 +
-5 a s / h) with TP + SP, where the paper also re-gathers each region's input in backward instead
-of storing it. `main()` counts the bytes our layer (fp32, SwiGLU, RMSNorm, fused attention, no
-dropout) saves and prints them beside the same accounting for it (activation_formula); we store
-the gathered region inputs, so SP removes only the norms' t-fold replication here.
+5 a s / h) with TP + SP, where the paper re-gathers each region's input in backward instead of
+storing it. We store it, so here SP removes only the norms' t-fold replication: main() prints what
+our layer (fp32, SwiGLU, RMSNorm, fused attention, no dropout) saves beside activation_formula.
 
 RUN IT
     python 03_tensor_parallel.py                       # 4 local CPU ranks, tp = 4
     torchrun --nproc_per_node=4 03_tensor_parallel.py  # the same under torchrun
     python 03_tensor_parallel.py --bench               # against DTensor parallelize_module
-Look at: the max |difference| from one device (rounding only); the measured communication per
-layer per step equal to the formula with and without SP; the activations per rank, measured =
-formula, and how much of them plain TP leaves replicated.
+Look at: the max |difference| from one device (rounding only); the communication per layer per
+step, measured = formula, with and without SP; the activations per rank, measured = formula, and
+how much of them plain TP leaves replicated.
 """
 from __future__ import annotations
 
@@ -66,6 +63,7 @@ import fnmatch
 import importlib
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -87,15 +85,16 @@ def _all_reduced(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """(b, s/t, h) shards -> (b, s, h). The collective concatenates along dim 0: go through (s, b, h)."""
-    shard = x.transpose(0, 1).contiguous()
+def _gathered(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Every rank's x concatenated along dim (default: (b, s/t, h) sequence shards -> (b, s, h)).
+    The collective concatenates along dim 0, so go through dim-first and back."""
+    shard = x.movedim(dim, 0).contiguous()
     out = shard.new_empty((shard.shape[0] * ddp.group_size(group), *shard.shape[1:]))
     ddp.all_gather(out, shard, group=group)
-    return out.transpose(0, 1).contiguous()  # else each linear reading it saves its own copy
+    return out.movedim(0, dim).contiguous()  # else each linear reading it saves its own copy
 
 
-def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+def _reduce_scattered(x: torch.Tensor, group) -> torch.Tensor:
     """(b, s, h) partial sums -> this rank's (b, s/t, h) slice of their sum."""
     full = x.transpose(0, 1).contiguous()
     out = full.new_empty((full.shape[0] // ddp.group_size(group), *full.shape[1:]))
@@ -103,65 +102,43 @@ def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return out.transpose(0, 1).contiguous()
 
 
-class CopyToRegion(torch.autograd.Function):
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def conjugate(forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """A base autograd function: forward(x, group) on the input, backward(grad, group) on the
+    gradient. The four operators below differ only in this pair."""
+
+    class Conjugate(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+            ctx.group = group
+            return forward(x, group)
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor):
+            return backward(grad, ctx.group), None
+
+    return Conjugate
+
+
+class CopyToRegion(conjugate(_identity, _all_reduced)):
     """f: identity forward; all-reduce backward. Cost (backward): 2(t-1)/t x size per rank."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_reduced(grad, ctx.group), None
-
-
-class ReduceFromRegion(torch.autograd.Function):
+class ReduceFromRegion(conjugate(_all_reduced, _identity)):
     """g: all-reduce forward; identity backward. Cost (forward): 2(t-1)/t x size per rank."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        return _all_reduced(x, group)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-class GatherSequence(torch.autograd.Function):
+class GatherSequence(conjugate(_gathered, _reduce_scattered)):
     """SP's f: all-gather along the sequence forward; reduce-scatter backward.
     Cost: (t-1)/t x full size per rank in each direction."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _gather_sequence(x, group)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_sequence(grad, ctx.group), None
-
-
-class ReduceScatterSequence(torch.autograd.Function):
+class ReduceScatterSequence(conjugate(_reduce_scattered, _gathered)):
     """SP's g: reduce-scatter along the sequence forward; all-gather backward.
     Cost: (t-1)/t x full size per rank in each direction."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather_sequence(grad, ctx.group), None
-
-
-def enter_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
-    return GatherSequence.apply(x, group) if sequence_parallel else CopyToRegion.apply(x, group)
-
-
-def exit_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
-    return ReduceScatterSequence.apply(x, group) if sequence_parallel else ReduceFromRegion.apply(x, group)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,8 +158,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, weight_shard: nn.Parameter, first_id: int) -> None:
         super().__init__()
-        self.weight = weight_shard
-        self.first_id = first_id
+        self.weight, self.first_id = weight_shard, first_id
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.first_id
@@ -233,8 +209,8 @@ class VocabParallelLoss:
     group: object
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self.first_id,
-                                               self.vocab_size, self.group)
+        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(),
+                                               self.first_id, self.vocab_size, self.group)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,59 +240,52 @@ def _shard(weight: torch.Tensor, dim: int, ctx: Context) -> nn.Parameter:
     return param
 
 
-class ColumnParallel:
-    """nn.Linear split by output features (weight rows): needs the whole input, gives a slice."""
-
-    def apply(self, linear: nn.Linear, ctx: Context) -> nn.Module:
-        linear.weight = _shard(linear.weight, 0, ctx)
-        linear.out_features = linear.weight.shape[0]
-        return linear
+# A style is a function (module, ctx) -> module; the plan lists the styles of each module name.
 
 
-class RowParallel:
-    """nn.Linear split by input features (weight columns): a sliced input gives partial sums."""
-
-    def apply(self, linear: nn.Linear, ctx: Context) -> nn.Module:
-        linear.weight = _shard(linear.weight, 1, ctx)
-        linear.in_features = linear.weight.shape[1]
-        return linear
+def column_parallel(linear: nn.Linear, ctx: Context) -> nn.Module:
+    """Split by output features (weight rows): needs the whole input, gives a slice."""
+    linear.weight = _shard(linear.weight, 0, ctx)
+    linear.out_features = linear.weight.shape[0]
+    return linear
 
 
-class ParallelRegion:
-    """f (or SP's all-gather) on the module's input, g (or SP's reduce-scatter) on its output."""
-
-    def __init__(self, enter: bool = True, exit: bool = True) -> None:
-        self.enter, self.exit = enter, exit
-
-    def apply(self, module: nn.Module, ctx: Context) -> nn.Module:
-        if self.enter:
-            module.register_forward_pre_hook(
-                lambda _, args: (enter_region(args[0], ctx.group, ctx.sequence_parallel), *args[1:]))
-        if self.exit:
-            module.register_forward_hook(
-                lambda _, args, out: exit_region(out, ctx.group, ctx.sequence_parallel))
-        return module
+def row_parallel(linear: nn.Linear, ctx: Context) -> nn.Module:
+    """Split by input features (weight columns): a sliced input gives partial sums."""
+    linear.weight = _shard(linear.weight, 1, ctx)
+    linear.in_features = linear.weight.shape[1]
+    return linear
 
 
-class VocabParallel:
-    """nn.Embedding -> VocabParallelEmbedding, summed (or reduce-scattered) over the group."""
-
-    def apply(self, embedding: nn.Embedding, ctx: Context) -> nn.Module:
-        first_id, _ = vocab_shard(embedding.num_embeddings, ctx.tp, ctx.rank)
-        sharded = VocabParallelEmbedding(_shard(embedding.weight, 0, ctx), first_id)
-        return ParallelRegion(enter=False).apply(sharded, ctx)
+def vocab_parallel(embedding: nn.Embedding, ctx: Context) -> nn.Module:
+    first_id, _ = vocab_shard(embedding.num_embeddings, ctx.tp, ctx.rank)
+    return VocabParallelEmbedding(_shard(embedding.weight, 0, ctx), first_id)
 
 
-TENSOR_PARALLEL_PLAN = {  # module name pattern -> style; unlisted parameters stay replicated
-    "embed": [VocabParallel()],
-    "layers.*.attn": [ParallelRegion()],
-    "layers.*.attn.[qkv]_proj": [ColumnParallel()],  # split by (query / key-value) heads
-    "layers.*.attn.out_proj": [RowParallel()],
-    "layers.*.mlp": [ParallelRegion()],
-    "layers.*.mlp.gate_proj": [ColumnParallel()],
-    "layers.*.mlp.up_proj": [ColumnParallel()],
-    "layers.*.mlp.down_proj": [RowParallel()],
-    "lm_head": [ParallelRegion(exit=False), ColumnParallel()],  # logits stay split by vocabulary
+def enter_region(module: nn.Module, ctx: Context) -> nn.Module:
+    """f on the module's input (with SP: all-gather along the sequence); other arguments pass."""
+    f = GatherSequence if ctx.sequence_parallel else CopyToRegion
+    module.register_forward_pre_hook(lambda _, args: (f.apply(args[0], ctx.group), *args[1:]))
+    return module
+
+
+def exit_region(module: nn.Module, ctx: Context) -> nn.Module:
+    """g on the module's output (with SP: reduce-scatter along the sequence)."""
+    g = ReduceScatterSequence if ctx.sequence_parallel else ReduceFromRegion
+    module.register_forward_hook(lambda _, args, out: g.apply(out, ctx.group))
+    return module
+
+
+TENSOR_PARALLEL_PLAN = {  # module name pattern -> styles; unlisted parameters stay replicated
+    "embed": [vocab_parallel, exit_region],  # the partial embeddings are summed
+    "layers.*.attn": [enter_region, exit_region],
+    "layers.*.attn.[qkv]_proj": [column_parallel],  # split by (query / key-value) heads
+    "layers.*.attn.out_proj": [row_parallel],
+    "layers.*.mlp": [enter_region, exit_region],
+    "layers.*.mlp.gate_proj": [column_parallel],
+    "layers.*.mlp.up_proj": [column_parallel],
+    "layers.*.mlp.down_proj": [row_parallel],
+    "lm_head": [enter_region, column_parallel],  # the logits stay split by vocabulary
 }
 
 
@@ -336,7 +305,7 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
     tp, rank = ddp.group_size(group), dist.get_rank(group)
     validate_tensor_parallel(model.cfg, tp)
     if any(hasattr(p, "tp_shard_dim") for p in model.parameters()):
-        raise ValueError("this model is already tensor-parallel: apply_tensor_parallel once per model")
+        raise ValueError("this model is already tensor-parallel: apply_tensor_parallel once")
     ctx = Context(group, tp, rank, sequence_parallel)
     ddp.broadcast_parameters(model, group)
     vocab_size = model.cfg.vocab_size
@@ -344,7 +313,7 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
         for pattern, styles in (plan or TENSOR_PARALLEL_PLAN).items():
             if fnmatch.fnmatchcase(name, pattern):
                 for style in styles:
-                    module = style.apply(module, ctx)
+                    module = style(module, ctx)
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent), attr, module)
     model.loss_fn = VocabParallelLoss(vocab_shard(vocab_size, tp, rank)[0], vocab_size, group)
@@ -377,11 +346,8 @@ def unshard(param: torch.Tensor, group=None, like: nn.Parameter | None = None) -
     layout = param if like is None else like
     if not hasattr(layout, "tp_shard_dim"):
         return param.detach()
-    dim = layout.tp_shard_dim
-    shard = param.detach().movedim(dim, 0).contiguous()
-    full = shard.new_empty((shard.shape[0] * ddp.group_size(group), *shard.shape[1:]))
-    ddp.all_gather(full, shard, group=group)
-    return full[:layout.tp_full_size].movedim(0, dim)
+    full = _gathered(param.detach(), group, layout.tp_shard_dim)
+    return full.narrow(layout.tp_shard_dim, 0, layout.tp_full_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -391,8 +357,7 @@ def unshard(param: torch.Tensor, group=None, like: nn.Parameter | None = None) -
 
 def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
                           sequence_parallel: bool = False, lr: float = 1e-3, adam_eps: float = 1e-8,
-                          group=None, device: torch.device | str = "cpu", data_seed: int = 0,
-                          transform=None):
+                          group=None, device: torch.device | str = "cpu", transform=None):
     """Every rank of the group trains on the whole global batch with its shards. Returns the
     result with full (reassembled) step-0 gradients and final parameters, and a meter of the
     communication inside the training steps. `transform` as in ddp.train_single_device."""
@@ -400,94 +365,83 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
     model = apply_tensor_parallel((transform(model) if transform else model).to(device), group,
                                   sequence_parallel)
     optimizer = ddp.make_optimizer(model, lr, adam_eps)
-    result = ddp.TrainResult([], {}, {})
+    losses = []
     with ddp.comm_meter() as meter:
         for step in range(steps):
-            tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
-            loss = model(tokens.to(device), targets.to(device))
+            batch = ddp.synthetic_batch(cfg, global_batch, seq_len, step)
+            loss = model(*(t.to(device) for t in batch))
             loss.backward()
-            result.losses.append(loss.detach())
+            losses.append(loss.detach())  # .item() here would sync the GPU every step
             if step == 0:
                 grads = [(n, p.grad.clone(), p) for n, p in model.named_parameters()
                          if p.grad is not None]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    result.losses = [loss.item() for loss in result.losses]
-    result.first_grads = ddp.cpu_copy((n, unshard(g, group, like=p)) for n, g, p in grads)
-    result.params = ddp.cpu_copy((n, unshard(p, group)) for n, p in model.named_parameters())
-    return result, meter
+    first_grads = ddp.cpu_copy((n, unshard(g, group, like=p)) for n, g, p in grads)
+    params = ddp.cpu_copy((n, unshard(p, group)) for n, p in model.named_parameters())
+    return ddp.TrainResult([loss.item() for loss in losses], first_grads, params), meter
 
 
-def comm_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool,
-                 bytes_per_element: int = 4) -> dict[str, tuple[int, int]]:
-    """op -> (calls, payload bytes) in one training step (forward + backward) of the whole model.
+def comm_formula(cfg, batch: int, seq_len: int,
+                 sequence_parallel: bool) -> dict[str, tuple[int, int]]:
+    """op -> (calls, payload bytes) in one fp32 training step (forward + backward) of the model,
+    whatever t (the traffic per rank is (t-1)/t of the payload, twice that for an all-reduce).
     Activation collectives move b x s x h: 4 per layer, 1 for the embedding (forward), 1 for the
     LM head's input (backward); with SP each of them is an all-gather and a reduce-scatter. The
-    loss adds 3 all-reduces of b x s fp32 numbers; SP adds one all-reduce of h per norm."""
-    bsh = batch * seq_len * cfg.dim * bytes_per_element
-    activation_calls = 4 * cfg.n_layers + 2
-    loss = (3, 3 * batch * seq_len * 4)
+    loss adds 3 all-reduces of b x s numbers; SP adds one all-reduce of h per norm."""
+    bsh, loss = batch * seq_len * cfg.dim * 4, (3, 3 * batch * seq_len * 4)
+    activations, norms = 4 * cfg.n_layers + 2, 2 * cfg.n_layers + 1
     if not sequence_parallel:
-        return {"all_reduce": (activation_calls + loss[0], activation_calls * bsh + loss[1])}
-    norms = 2 * cfg.n_layers + 1
-    return {"all_gather": (activation_calls, activation_calls * bsh),
-            "reduce_scatter": (activation_calls, activation_calls * bsh),
-            "all_reduce": (norms + loss[0], norms * cfg.dim * bytes_per_element + loss[1])}
+        return {"all_reduce": (activations + loss[0], activations * bsh + loss[1])}
+    return {"all_gather": (activations, activations * bsh),
+            "reduce_scatter": (activations, activations * bsh),
+            "all_reduce": (norms + loss[0], norms * cfg.dim * 4 + loss[1])}
 
 
-def saved_activation_bytes(model: nn.Module, layer: nn.Module, tokens, targets) -> int:
-    """Bytes autograd keeps for backward while `layer` runs forward (parameters excluded; each
-    storage counted once), during one forward of the model."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool,
+                  device: torch.device | str = "cpu") -> tuple[int, "ddp.CommMeter"]:
+    """Layer 0 of the tensor-parallel GPT, forward and backward on this rank's activations (b, s, h)
+    (with SP: (b, s/t, h)): the bytes autograd saves for backward (parameters excluded, each
+    storage once) and the layer's collectives."""
+    layer = apply_tensor_parallel(ddp.GPT(cfg).to(device), None, sequence_parallel).layers["0"]
+    shards = dist.get_world_size() if sequence_parallel else 1
+    x = torch.randn(batch, seq_len // shards, cfg.dim, device=device, requires_grad=True)
+    cos, sin = ddp.rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-    handles = [layer.register_forward_pre_hook(lambda *_: hooks.__enter__()),
-               layer.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))]
-    model(tokens, targets)
-    for handle in handles:
-        handle.remove()
-    return sum(storages.values())
+    with ddp.comm_meter() as meter:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(x, cos, sin)
+        out.sum().backward()
+    return sum(storages.values()), meter
 
 
 def activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> int:
     """Korthikanti's accounting for our layer in fp32 (4 bytes), a = n_heads, f = ffn_dim:
     - each norm saves its input, its normalised input (s b h each) and 1/rms (s b): replicated in
       plain TP, split by t along the sequence with SP;
-    - each region's input (s b h, saved by the column-parallel linears): replicated in both, since
-      SP stores the all-gathered input (Megatron re-gathers it in backward instead);
+    - each region's input (s b h, saved by the column-parallel linears): replicated in both (SP
+      stores the all-gathered input);
     - sharded by t: q after RoPE, k and v repeated to the query heads, the attention output (s b h
       each) and its log-sum-exp (s b a); the MLP's gate, silu(gate), up and their product (s b f);
     - the RoPE tables (s x head_dim) the layer reads."""
     s, b, h, f = seq_len, batch, cfg.dim, cfg.ffn_dim
     norms = 2 * (2 * s * b * h + s * b)
-    region_inputs = 2 * s * b * h
+    replicated = 2 * s * b * h + s * cfg.head_dim  # the regions' inputs, the RoPE tables
     sharded = 4 * s * b * h + s * b * cfg.n_heads + 4 * s * b * f
-    rope = s * cfg.head_dim
-    return 4 * ((norms // tp if sequence_parallel else norms) + region_inputs + sharded // tp + rope)
+    return 4 * ((norms // tp if sequence_parallel else norms) + replicated + sharded // tp)
 
 
-def korthikanti_bytes(batch: int, seq_len: int, dim: int, n_heads: int, tp: int,
-                      sequence_parallel: bool) -> float:
+def korthikanti_bytes(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> float:
     """The paper's per-layer activations (GPT-3 layer, 16-bit, attention scores stored)."""
-    sbh, scores = seq_len * batch * dim, 5 * n_heads * seq_len / dim
+    sbh, scores = seq_len * batch * cfg.dim, 5 * cfg.n_heads * seq_len / cfg.dim
     return sbh * (34 + scores) / tp if sequence_parallel else sbh * (10 + (24 + scores) / tp)
-
-
-def layer_comm(layer: nn.Module, cfg, batch: int, seq_len: int, seq_shards: int,
-               device) -> "ddp.CommMeter":
-    """The collectives of one layer's forward and backward, on this rank's (b, s / shards, h)."""
-    x = torch.randn(batch, seq_len // seq_shards, cfg.dim, device=device, requires_grad=True)
-    cos, sin = ddp.rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta)
-    with ddp.comm_meter() as meter:
-        layer(x, cos, sin).sum().backward()
-    return meter
 
 
 # ----------------------------------------------------------------------------------------------
@@ -503,82 +457,76 @@ def demo(args: argparse.Namespace) -> None:
     device = ddp.init_distributed()
     rank, tp = dist.get_rank(), dist.get_world_size()
     cfg = ddp.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL)
-    b, s = args.batch, args.seq_len
-    runs = {sp: train_tensor_parallel(cfg, args.steps, b, s, sequence_parallel=sp, device=device)
-            for sp in (False, True)}
-    memory, layer_meters = {}, {}
+    b, s, bsh = args.batch, args.seq_len, args.batch * args.seq_len * cfg.dim * 4
+    label = {False: "TP", True: "TP + SP"}
+    runs, memory, layer_meters = {}, {}, {}
     for sp in (False, True):
-        model = apply_tensor_parallel(ddp.GPT(cfg).to(device), None, sp)
-        tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, b, s, 0))
-        memory[sp] = saved_activation_bytes(model, model.layers["0"], tokens, targets)
-        layer_meters[sp] = layer_comm(model.layers["0"], cfg, b, s, tp if sp else 1, device)
+        runs[sp] = train_tensor_parallel(cfg, args.steps, b, s, sequence_parallel=sp, device=device)
+        memory[sp], layer_meters[sp] = measure_layer(cfg, b, s, sp, device)
     if rank != 0:
         ddp.exit_distributed()
     reference = ddp.train_single_device(cfg, args.steps, b, s, device=device)
-    print(f"Tensor parallelism over tp={tp} ranks ({dist.get_backend()}, {device.type}): {cfg.n_layers} "
-          f"layers, dim {cfg.dim}, {cfg.n_heads} query / {cfg.n_kv_heads} key-value heads, ffn "
-          f"{cfg.ffn_dim}, vocab {cfg.vocab_size} (padded to {math.ceil(cfg.vocab_size / tp) * tp}); "
-          f"batch {b} x {s} tokens, {args.steps} AdamW steps.\n")
+    print(f"Tensor parallelism over tp={tp} ranks ({dist.get_backend()}, {device.type}): "
+          f"{cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} query / {cfg.n_kv_heads} key-value "
+          f"heads, ffn {cfg.ffn_dim}, vocab {cfg.vocab_size} (padded to "
+          f"{math.ceil(cfg.vocab_size / tp) * tp}); batch {b} x {s} tokens, {args.steps} AdamW "
+          f"steps.\n")
     print(f"{'step':<6}{'TP':>12}{'TP + SP':>12}{'single device':>16}")
     for step in range(args.steps):
         print(f"{step:<6}{runs[False][0].losses[step]:>12.6f}{runs[True][0].losses[step]:>12.6f}"
               f"{reference.losses[step]:>16.6f}")
+    megatron = 4 * Fraction(2 * (tp - 1), tp) * bsh  # 4 ring all-reduces of b s h per layer
     for sp, (result, meter) in runs.items():
-        name = "TP + SP" if sp else "TP"
-        print(f"\n{name}: max |difference| from one device: step-0 gradients "
+        print(f"\n{label[sp]}: max |difference| from one device: step-0 gradients "
               f"{ddp.max_abs_diff(result.first_grads, reference.first_grads):.2e}, parameters at "
               f"the end {ddp.max_abs_diff(result.params, reference.params):.2e}")
-        print(f"  communication per step (measured = formula), b x s x h = {b * s * cfg.dim * 4:,} B:")
-        for op, (calls, payload) in comm_formula(cfg, b, s, tp, sp).items():
+        print(f"  communication per step (measured = formula), b x s x h = {bsh:,} B:")
+        for op, expected in comm_formula(cfg, b, s, sp).items():
             got = (meter.calls(op) // args.steps, meter.payload(op) // args.steps)
-            verdict = "= formula" if got == (calls, payload) else "MISMATCH with formula"
             print(f"    {op:<15}{got[0]:>4} calls {got[1]:>10,} B payload, "
-                  f"{float(meter.traffic(op)) / args.steps:>10,.0f} B traffic per rank  {verdict}")
+                  f"{float(meter.traffic(op)) / args.steps:>10,.0f} B traffic per rank  "
+                  + ("= formula" if got == expected else "MISMATCH with formula"))
         layer = layer_meters[sp]
-        activation_ops = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
-        measured = sum(layer.traffic(op) for op in activation_ops)
-        formula = 4 * Fraction(2 * (tp - 1), tp) * b * s * cfg.dim * 4
+        ops = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
+        measured = sum(layer.traffic(op) for op in ops)
         print("  one layer, forward + backward (measured on layer 0): "
-              + ", ".join(f"{layer.calls(op)} {op}" for op in activation_ops)
-              + f" of b s h = {float(measured):,.0f} B traffic per rank; Megatron's 4 all-reduces of "
-              f"b s h = {float(formula):,.0f} B  {'= formula' if measured == formula else 'MISMATCH'}"
+              + ", ".join(f"{layer.calls(op)} {op}" for op in ops)
+              + f" of b s h = {float(measured):,.0f} B traffic per rank; Megatron's 4 all-reduces "
+              f"of b s h = {float(megatron):,.0f} B  "
+              + ("= formula" if measured == megatron else "MISMATCH")
               + (f"; plus {layer.calls('all_reduce')} all-reduces of the norms' h-sized gradients"
                  if sp else ""))
     print(f"\nactivations saved by one layer, per rank:{'measured (fp32)':>18}{'our formula':>14}"
           f"{'Korthikanti, GPT-3 16-bit layer':>34}")
     for sp in (False, True):
-        print(f"  {'TP + SP' if sp else 'TP':<40}{memory[sp]:>16,} B"
-              f"{activation_formula(cfg, b, s, tp, sp):>12,} B"
-              f"{korthikanti_bytes(b, s, cfg.dim, cfg.n_heads, tp, sp):>32,.0f} B")
-    print(f"  tp = 1 for scale: {activation_formula(cfg, b, s, 1, False):,} B. Plain TP leaves the norms "
-          f"replicated; SP shards them too. What stays whole with SP is the all-gathered input of "
-          f"each region, which Megatron re-gathers in backward instead of storing.")
+        print(f"  {label[sp]:<40}{memory[sp]:>16,} B{activation_formula(cfg, b, s, tp, sp):>12,} B"
+              f"{korthikanti_bytes(cfg, b, s, tp, sp):>32,.0f} B")
+    print(f"  tp = 1 for scale: {activation_formula(cfg, b, s, 1, False):,} B. Plain TP leaves the "
+          f"norms replicated; SP shards them too. What stays whole with SP is the all-gathered "
+          f"input of each region, which Megatron re-gathers in backward instead of storing.")
     ddp.exit_distributed()
 
 
-def dtensor_plan(sequence_parallel: bool, n_layers: int) -> dict:
-    """The same split in PyTorch's DTensor vocabulary (torchtitan's Llama plan)."""
+def dtensor_plan(sequence_parallel: bool) -> dict:
+    """TENSOR_PARALLEL_PLAN in PyTorch's DTensor vocabulary (torchtitan's Llama plan)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    RowwiseParallel, SequenceParallel)
-    between = Shard(1) if sequence_parallel else Replicate()  # layout outside the regions
+    between = Shard(1) if sequence_parallel else Replicate()  # the layout outside the regions
     plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+            "layers.*.attn.[qkv]_proj": ColwiseParallel(),
+            "layers.*.attn.out_proj": RowwiseParallel(output_layouts=between),
+            "layers.*.mlp.gate_proj": ColwiseParallel(), "layers.*.mlp.up_proj": ColwiseParallel(),
+            "layers.*.mlp.down_proj": RowwiseParallel(output_layouts=between),
             "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
                                        use_local_output=False)}
-    for i in range(n_layers):
-        prefix = f"layers.{i}."
-        plan |= {prefix + name: ColwiseParallel() for name in
-                 ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
-        plan |= {prefix + name: RowwiseParallel(output_layouts=between)
-                 for name in ("attn.out_proj", "mlp.down_proj")}
-        if sequence_parallel:
-            plan |= {prefix + "attn_norm": SequenceParallel(), prefix + "mlp_norm": SequenceParallel(),
-                     prefix + "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                         desired_input_layouts=(Replicate(), None, None)),
-                     prefix + "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                        desired_input_layouts=(Replicate(),))}
-    if sequence_parallel:
-        plan["norm"] = SequenceParallel()
+    if sequence_parallel:  # norms on sequence shards, each region's input gathered
+        plan |= {"layers.*.*_norm": SequenceParallel(), "norm": SequenceParallel(),
+                 "layers.*.attn": PrepareModuleInput(  # its other inputs: the RoPE tables
+                     input_layouts=(Shard(1), None, None),
+                     desired_input_layouts=(Replicate(), None, None)),
+                 "layers.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                    desired_input_layouts=(Replicate(),))}
     return plan
 
 
@@ -592,14 +540,13 @@ def bench(args: argparse.Namespace) -> None:
     cfg = ddp.ModelConfig(**BENCH_MODEL)
     mesh = init_device_mesh(device.type, (tp,))
     tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, args.bench_batch, 128, 0))
-    models, optimizers = {}, {}
+    models = {}
     for sp in (False, True):
         models["ours", sp] = apply_tensor_parallel(ddp.GPT(cfg).to(device), None, sp)
-        models["DTensor", sp] = parallelize_module(ddp.GPT(cfg).to(device), mesh,
-                                                   dtensor_plan(sp, cfg.n_layers))
+        models["DTensor", sp] = parallelize_module(ddp.GPT(cfg).to(device), mesh, dtensor_plan(sp))
     # eps 1e-6 as in the tests: Adam would magnify rounding on tiny gradients (see 01_ddp.py)
     optimizers = {key: ddp.make_optimizer(model, 1e-3, 1e-6) for key, model in models.items()}
-    losses = {key: [] for key in models}
+    losses, times = {key: [] for key in models}, {key: [] for key in models}
 
     def step(key) -> None:
         with loss_parallel() if key[0] == "DTensor" else contextlib.nullcontext():
@@ -609,30 +556,27 @@ def bench(args: argparse.Namespace) -> None:
         optimizers[key].step()
         optimizers[key].zero_grad(set_to_none=True)
 
-    times = {key: [] for key in models}
     for round_ in range(args.bench_rounds):
         for key in models:
             t = ddp.timed_steps(lambda: step(key), args.bench_steps, device)
             if round_ > 0:  # the first round is warm-up
                 times[key] += t
-    params = {}
-    for key, model in models.items():
-        params[key] = {n: (p.full_tensor() if isinstance(p, DTensor) else unshard(p)).detach().cpu()
-                       for n, p in model.named_parameters()}
+    params = {key: {n: (p.full_tensor() if isinstance(p, DTensor) else unshard(p)).detach().cpu()
+                    for n, p in model.named_parameters()} for key, model in models.items()}
     if rank == 0:
         n_params = sum(p.numel() for p in params["ours", False].values())
         print(f"TP step time on {tp} ranks ({dist.get_backend()}, {device.type}), "
               f"{n_params / 1e6:.1f}M parameters, batch {args.bench_batch} x 128, median of "
-              f"{len(times['ours', False])} steps; both trained the same {len(losses['ours', False])} "
-              f"steps on the same batch:")
+              f"{len(times['ours', False])} steps; both trained the same "
+              f"{len(losses['ours', False])} steps on the same batch:")
         for sp in (False, True):
-            med = {impl: statistics.median(times[impl, sp]) for impl in ("ours", "DTensor")}
+            ours, theirs = (statistics.median(times[impl, sp]) for impl in ("ours", "DTensor"))
             loss_diff = max(abs(a.item() - b.item()) for a, b in
                             zip(losses["ours", sp], losses["DTensor", sp], strict=True))
-            print(f"  {'TP + SP' if sp else 'TP':<8} ours {med['ours'] * 1e3:7.1f} ms, DTensor "
-                  f"{med['DTensor'] * 1e3:7.1f} ms, ratio ours / DTensor = "
-                  f"{med['ours'] / med['DTensor']:.3f}; max |loss difference| {loss_diff:.1e}, max "
-                  f"|parameter difference| {ddp.max_abs_diff(params['ours', sp], params['DTensor', sp]):.1e}")
+            print(f"  {'TP + SP' if sp else 'TP':<8} ours {ours * 1e3:7.1f} ms, DTensor "
+                  f"{theirs * 1e3:7.1f} ms, ratio ours / DTensor = {ours / theirs:.3f}; max |loss "
+                  f"difference| {loss_diff:.1e}, max |parameter difference| "
+                  f"{ddp.max_abs_diff(params['ours', sp], params['DTensor', sp]):.1e}")
     ddp.exit_distributed()
 
 
@@ -647,9 +591,10 @@ def main() -> None:
 
     def validate(tp: int) -> None:
         validate_tensor_parallel(ddp.ModelConfig(**(BENCH_MODEL if args.bench else DEMO_MODEL)), tp)
-        if (128 if args.bench else args.seq_len) % tp:
-            raise ValueError(f"--seq-len {args.seq_len} is not divisible by tp={tp} (the demo runs "
-                             f"sequence parallelism)")
+        seq_len = 128 if args.bench else args.seq_len
+        if seq_len % tp:
+            raise ValueError(f"sequence length {seq_len} is not divisible by tp={tp} (the demo "
+                             f"runs sequence parallelism)")
 
     ddp.launch_lesson(parser, args, bench if args.bench else demo,
                       ("steps", "batch", "seq_len", "vocab", "bench_batch"), validate)

@@ -65,7 +65,7 @@ def test_tensor_parallel_equals_single_device(rank_pool, setup, batch):
 
     # Communication in the training steps (forward + backward, every layer, the embedding, the LM
     # head's input and the loss), per rank: calls and payload per the formula, ring traffic.
-    formula = tpm.comm_formula(cfg, batch, seq_len, tp, sequence_parallel)
+    formula = tpm.comm_formula(cfg, batch, seq_len, sequence_parallel)
     share = {"all_reduce": Fraction(2 * (tp - 1), tp), "all_gather": Fraction(tp - 1, tp),
              "reduce_scatter": Fraction(tp - 1, tp)}
     for _, meter in runs:
@@ -129,13 +129,13 @@ def test_tensor_parallel_on_a_subgroup(rank_pool, sequence_parallel):
 def test_formula_is_megatrons_four_all_reduces_per_layer():
     # Without the loss and embedding terms, the formula is 4 b s h per layer; with SP the same
     # volume as all-gathers + reduce-scatters (all-reduce = reduce-scatter + all-gather).
-    b, s, tp = 2, 8, 4
+    b, s = 2, 8
     for layers in (1, 3):
         cfg = ddp.ModelConfig(n_layers=layers)
         bsh = b * s * cfg.dim * 4
-        plain = tpm.comm_formula(cfg, b, s, tp, False)["all_reduce"]
+        plain = tpm.comm_formula(cfg, b, s, False)["all_reduce"]
         assert plain == ((4 * layers + 2) + 3, (4 * layers + 2) * bsh + 3 * b * s * 4)
-        sp = tpm.comm_formula(cfg, b, s, tp, True)
+        sp = tpm.comm_formula(cfg, b, s, True)
         assert sp["all_gather"] == sp["reduce_scatter"] == (4 * layers + 2, (4 * layers + 2) * bsh)
 
 
@@ -247,22 +247,21 @@ def test_vocab_parallel_loss_and_embedding_match_their_definitions(rank_pool, tp
     torch.testing.assert_close(rows_grad, counts[:, None].expand(-1, 3), **close)
 
 
-# --- activation memory ----------------------------------------------------------------------------
-
-def measure_activations(cfg, batch, seq_len, sequence_parallel):
-    model = tpm.apply_tensor_parallel(ddp.GPT(cfg), None, sequence_parallel)
-    tokens, targets = ddp.synthetic_batch(cfg, batch, seq_len, 0)
-    return tpm.saved_activation_bytes(model, model.layers["0"], tokens, targets)
-
+# --- one layer: activation memory and communication -------------------------------------------
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_activation_memory_equals_the_formula(rank_pool, tp):
+def test_one_layer_activation_memory_and_communication_equal_the_formulas(rank_pool, tp):
     cfg = ddp.ModelConfig(vocab_size=32, dim=32, n_heads=4, n_kv_heads=4, ffn_dim=48)
+    megatron = 4 * Fraction(2 * (tp - 1), tp) * 3 * 8 * 32 * 4  # 4 ring all-reduces of b s h
     for sequence_parallel in (False, True):
-        measured = rank_pool.run(tp, measure_activations, cfg, 3, 8, sequence_parallel)
-        assert set(measured) == {tpm.activation_formula(cfg, 3, 8, tp, sequence_parallel)}
+        formula = tpm.activation_formula(cfg, 3, 8, tp, sequence_parallel)
+        ops = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
+        for saved, meter in rank_pool.run(tp, tpm.measure_layer, cfg, 3, 8, sequence_parallel):
+            assert saved == formula
+            assert sum(meter.traffic(op) for op in ops) == megatron, "same volume with SP"
     if tp > 1:  # SP shrinks exactly the norms' share
-        saved = tpm.activation_formula(cfg, 3, 8, tp, False) - tpm.activation_formula(cfg, 3, 8, tp, True)
+        saved = (tpm.activation_formula(cfg, 3, 8, tp, False)
+                 - tpm.activation_formula(cfg, 3, 8, tp, True))
         assert saved == 4 * 2 * (2 * 3 * 8 * 32 + 3 * 8) * (tp - 1) // tp
 
 
