@@ -2,30 +2,28 @@
 
 THE IDEA
 An MoE layer replaces a block's MLP by E small MLPs ("experts") and a router. Each token goes to
-only k of them, so parameters grow E-fold while compute per token grows k-fold. The router maps a
-token to E logits, softmax -> probabilities p (T, E); each token picks its top-k experts and mixes
-their outputs with the chosen probabilities renormalised to sum to 1. (With k = 1 that would make
-every weight 1 and cut the router off from the loss, so k = 1 keeps the raw p, as Switch does.)
+only k of them: parameters grow E-fold, compute per token k-fold. The router maps a token to E
+logits, softmax -> probabilities p (T, E); the token's top-k experts' outputs are mixed with their
+probabilities renormalised to sum to 1 (k = 1 keeps the raw p, as Switch does: a weight of 1
+would cut the router off from the loss).
 
 BALANCE
 Left alone, the load drifts apart (a large model's router can collapse onto a few experts), and an
 overloaded expert drops tokens or, dropless, makes its rank the straggler. Two remedies:
 - the Switch/GShard auxiliary loss  aux = E x sum_i f_i P_i,  f_i = the fraction of assignments
-  that went to expert i (counted, no gradient), P_i = the mean router probability of expert i
-  (differentiable). It is 1 when f or P is uniform and grows when both concentrate on the same
-  experts; its gradient lowers P_i in proportion to f_i. The loss adds aux_loss_coef x aux for
-  every MoE layer.
+  to expert i (counted, no gradient), P_i = its mean router probability (differentiable). It is 1
+  when f or P is uniform and grows when both concentrate on the same experts; its gradient lowers
+  P_i in proportion to f_i. The loss adds aux_loss_coef x aux for every MoE layer.
 - auxiliary-loss-free balancing (DeepSeek-V3): a per-expert selection bias b is added to p only to
   CHOOSE the top-k, never to weight the outputs; after each step b_i += rate x sign(mean load -
   load_i), so under-loaded experts become easier to pick. The gradient never sees it.
 
 CAPACITY
 With a capacity factor c, expert i takes at most C = ceil(c x T x k / E) of the step's T x k
-assignments, T counting every token of the expert-parallel group (not of one rank). Assignments
-queue in global token order (rank 0's tokens first, as rows of the global batch); those past C are
-dropped: the slot contributes 0 and the token still flows on through the block's residual. As the
-queue is global and ordered like the one-device batch, expert parallelism drops exactly the tokens
-one device would. capacity_factor=None is dropless.
+assignments, T counting every token of the expert-parallel group. Assignments queue in global
+token order (rank 0's first, as rows of the global batch); those past C are dropped: the slot adds
+0 and the token flows on through the block's residual. So expert parallelism drops exactly the
+tokens one device would. capacity_factor=None is dropless.
 
 EXPERT PARALLELISM
 Each of the ep ranks of a group holds E/ep experts and its own slice of the batch (the group
@@ -280,7 +278,7 @@ def convert_to_moe(model: nn.Module, cfg: MoEConfig) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------------------------
-# Expert parallelism
+# Expert parallelism, and training on one device or over a group on the same global batches
 # ----------------------------------------------------------------------------------------------
 
 
@@ -291,10 +289,9 @@ def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
     layers = moe_layers(model)
     if not layers:
         raise ValueError("the model has no MoE layer: convert_to_moe(model, cfg) first")
-    for layer in layers:
-        if layer.cfg.n_experts % ep:
-            raise ValueError(f"n_experts={layer.cfg.n_experts} is not divisible by the expert-"
-                             f"parallel group size ep={ep}")
+    if indivisible := [layer.cfg.n_experts for layer in layers if layer.cfg.n_experts % ep]:
+        raise ValueError(f"n_experts={indivisible[0]} is not divisible by the expert-parallel "
+                         f"group size ep={ep}")
     ddp.claim_gradient_sync(model, "expert parallelism")
     for layer in layers:
         local = layer.cfg.n_experts // ep
@@ -331,10 +328,12 @@ def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str,
     for name, param in model.named_parameters():
         if name not in tensors:  # e.g. the gradient of a frozen parameter
             continue
-        out[name] = t = tensors[name].detach()
+        t = tensors[name].detach()
         if (layer := sharded.get(id(param))) is not None:
-            out[name] = t.new_empty((layer.ep * t.shape[0], *t.shape[1:]))
-            ddp.all_gather(out[name], t.contiguous(), group=layer.group)
+            whole = t.new_empty((layer.ep * t.shape[0], *t.shape[1:]))
+            ddp.all_gather(whole, t.contiguous(), group=layer.group)
+            t = whole
+        out[name] = t
     return ddp.cpu_copy(out.items())
 
 
@@ -345,11 +344,6 @@ def all_to_all_traffic(kept: torch.Tensor, rank: int, dim: int, element_size: in
     sent = int(kept[rank].sum() - kept[rank, mine].sum())
     returned = int(kept[:, mine].sum() - kept[rank, mine].sum())
     return sent * dim * element_size, returned * dim * element_size
-
-
-# ----------------------------------------------------------------------------------------------
-# Training: one device, or expert parallel over a group, on the same global batches
-# ----------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -498,15 +492,14 @@ def bench(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(rank + 1)
     x = torch.randn(args.bench_tokens, args.bench_dim, generator=gen).to(device)
     dispatchers = {"all-to-all": lambda: layer(x), "all-gather": lambda: all_gather_moe_forward(layer, x)}
-    outputs, traffic, times = {}, {}, {name: [] for name in dispatchers}
+    traffic, times = {}, {name: [] for name in dispatchers}
     with torch.no_grad():
-        for name, fn in dispatchers.items():
-            with ddp.comm_meter() as meter:
-                outputs[name] = fn()
-            traffic[name] = meter.traffic()
+        outputs = {name: fn() for name, fn in dispatchers.items()}
         for round_ in range(args.bench_rounds):
             for name, fn in dispatchers.items():
-                t = ddp.timed_steps(fn, args.bench_steps, device)
+                with ddp.comm_meter() as meter:
+                    t = ddp.timed_steps(fn, args.bench_steps, device)
+                traffic[name] = meter.traffic() / args.bench_steps
                 if round_ > 0:  # the first round is warm-up
                     times[name] += t
     if rank == 0:
@@ -543,10 +536,9 @@ def main() -> None:
     def validate(ep: int) -> None:
         MoEConfig(args.experts, args.top_k, args.expert_ffn_dim,
                   None if args.dropless else args.capacity_factor)
-        if args.experts % ep:
-            raise ValueError(f"n_experts={args.experts} is not divisible by ep={ep}")
-        if args.global_batch % ep:
-            raise ValueError(f"global_batch={args.global_batch} is not divisible by ep={ep}")
+        for name, size in (("n_experts", args.experts), ("global_batch", args.global_batch)):
+            if size % ep:
+                raise ValueError(f"{name}={size} is not divisible by ep={ep}")
 
     ddp.launch_lesson(parser, args, bench if args.bench else demo,
                       ("steps", "global_batch", "seq_len", "bench_tokens", "bench_dim"), validate)
