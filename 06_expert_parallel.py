@@ -81,17 +81,15 @@ class MoEConfig:
     bias_update_rate: float = 0.0  # auxiliary-loss-free balancing; 0 turns it off
 
     def __post_init__(self) -> None:
-        if self.n_experts < 1 or self.expert_ffn_dim < 1:
-            raise ValueError(f"n_experts={self.n_experts} and expert_ffn_dim={self.expert_ffn_dim} "
-                             f"must be >= 1")
+        for name, least in (("n_experts", 1), ("expert_ffn_dim", 1), ("aux_loss_coef", 0),
+                            ("bias_update_rate", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= {least}")
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be positive "
                              f"(or None for dropless)")
-        if self.aux_loss_coef < 0 or self.bias_update_rate < 0:
-            raise ValueError(f"aux_loss_coef={self.aux_loss_coef} and bias_update_rate="
-                             f"{self.bias_update_rate} must be >= 0")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -438,9 +436,9 @@ def demo(args: argparse.Namespace) -> None:
                   f"{ddp.max_abs_diff(parallel.params, single.params):>10.2e}")
         width = max(1, args.steps // 5)
         windows = slice(0, width), slice(args.steps - width, args.steps)
-        print(f"\nLoad over the first and the last {width} steps: imbalance (max/mean tokens per expert, "
-              f"layer 0 and 1), tokens per expert of layer 0 over the last steps, dropped assignments "
-              f"per step (of {args.global_batch * args.seq_len * args.top_k} per layer), aux loss:")
+        print(f"\nFirst -> last {width} steps: imbalance max/mean tokens per expert (layer 0/1), layer 0's "
+              f"tokens per expert (last steps), dropped assignments per step and layer (of "
+              f"{args.global_batch * args.seq_len * args.top_k}), aux loss:")
         for name, (_, parallel, _, single) in runs.items():
             load = [torch.tensor(parallel.load[w]).sum(0) for w in windows]  # (layer, expert) each
             before, after = ("/".join(f"{x:.2f}" for x in (l.amax(1) / l.double().mean(1)).tolist())
@@ -511,10 +509,9 @@ def bench(args: argparse.Namespace) -> None:
         for name in dispatchers:
             print(f"  {name:<11} bytes leaving rank 0 {float(traffic[name]):>14,.0f}   "
                   f"time {med[name] * 1e3:8.2f} ms")
-        print(f"  ratio all-to-all / all-gather: bytes "
-              f"{float(traffic['all-to-all'] / traffic['all-gather']):.3f} (k/ep = "
-              f"{args.top_k / world:.3f} plus the counts), time "
-              f"{med['all-to-all'] / med['all-gather']:.3f}")
+        bytes_ratio = float(traffic["all-to-all"] / traffic["all-gather"])
+        print(f"  ratio all-to-all / all-gather: bytes {bytes_ratio:.3f} (k/ep = {args.top_k / world:.3f} "
+              f"plus the counts), time {med['all-to-all'] / med['all-gather']:.3f}")
     ddp.exit_distributed()
 
 
