@@ -1,60 +1,58 @@
 """Lesson 06: mixture of experts (MoE), and expert parallelism over all-to-all.
 
 THE IDEA
-An MoE layer replaces the MLP of a block by E small MLPs ("experts") and a router. Each token goes
-to only k of them, so parameters grow E-fold while compute per token grows k-fold. The router is a
-linear map to E logits, softmax -> probabilities p (T, E); each token picks its top-k experts and
-mixes their outputs with the chosen probabilities renormalised to sum to 1. (With k = 1 that would
-make every weight 1 and cut the router off from the loss, so k = 1 keeps the raw p, as Switch does.)
+An MoE layer replaces a block's MLP by E small MLPs ("experts") and a router. Each token goes to
+only k of them: parameters grow E-fold, compute per token k-fold. The router maps a token to E
+logits, softmax -> probabilities p (T, E); the token's top-k experts' outputs are mixed with their
+probabilities renormalised to sum to 1 (k = 1 keeps the raw p, as Switch does: a weight of 1
+would cut the router off from the loss).
 
 BALANCE
-Left alone, the load drifts apart (in large models a router can collapse onto a few experts), and
-an overloaded expert drops tokens or, dropless, makes its rank the straggler. Two remedies:
+Left alone, the load drifts apart (a large model's router can collapse onto a few experts), and an
+overloaded expert drops tokens or, dropless, makes its rank the straggler. Two remedies:
 - the Switch/GShard auxiliary loss  aux = E x sum_i f_i P_i,  f_i = the fraction of assignments
-  that went to expert i (counted, no gradient), P_i = the mean router probability of expert i
-  (differentiable). It is 1 when f or P is uniform and grows when both concentrate on the same
-  experts; its gradient lowers P_i in proportion to f_i. The model's loss adds aux_loss_coef x aux
-  for every MoE layer.
+  to expert i (counted, no gradient), P_i = its mean router probability (differentiable). It is 1
+  when f or P is uniform and grows when both concentrate on the same experts; its gradient lowers
+  P_i in proportion to f_i. The loss adds aux_loss_coef x aux for every MoE layer.
 - auxiliary-loss-free balancing (DeepSeek-V3): a per-expert selection bias b is added to p only to
   CHOOSE the top-k, never to weight the outputs; after each step b_i += rate x sign(mean load -
   load_i), so under-loaded experts become easier to pick. The gradient never sees it.
 
 CAPACITY
-With a capacity factor c, expert i takes at most C = ceil(c x T x k / E) of the T x k assignments
-of the step, T counting every token of the expert-parallel group (not of one rank). Assignments
-queue in global token order (rank 0's tokens first, as rows of the global batch); the ones past C
-are dropped: that slot contributes 0, and the token still flows on through the block's residual.
-Because the queue is global and ordered like the single-device batch, expert parallelism drops
-exactly the tokens one device would. capacity_factor=None is dropless.
+With a capacity factor c, expert i takes at most C = ceil(c x T x k / E) of the step's T x k
+assignments, T counting every token of the expert-parallel group. Assignments queue in global
+token order (rank 0's first, as rows of the global batch); those past C are dropped: the slot adds
+0 and the token flows on through the block's residual. So expert parallelism drops exactly the
+tokens one device would. capacity_factor=None is dropless.
 
 EXPERT PARALLELISM
-The ep ranks of a group each hold E/ep experts and their own slice of the batch (the group doubles
-as a data-parallel group: ep borrows ranks from dp x cp). A forward is
-  1. route locally; count the assignments per expert; all-gather the (ep, E) count matrix (every
-     rank then knows its queue positions for the capacity, what it will receive from whom, and the
-     global load, with no further collective; Megatron's dispatcher gathers counts the same way);
-  2. sort the kept assignments by expert (= by owner rank), all-to-all the token rows with uneven
-     splits; the owner regroups what it received by expert and runs its experts;
-  3. all-to-all the results back (the reverse splits), put them back in assignment order, and mix.
-Both exchanges are autograd functions whose backward is the reverse all-to-all.
-Gradients: non-expert weights are replicated, so their gradients are all-reduced and divided by ep
-(data parallelism). An expert's gradient already arrives summed over the ep ranks' tokens through
-the backward all-to-all, so it is only divided by ep. All-reducing it as well, or forgetting the
-division, is the "gradients doubled at EP=2" bug; the tests compare every gradient with one device.
+Each of the ep ranks of a group holds E/ep experts and its own slice of the batch (the group
+doubles as a data-parallel group: ep borrows ranks from dp x cp). A forward
+  1. routes locally and all-gathers the (ep, E) matrix of assignment counts: every rank then knows
+     its queue positions, what it will receive from whom and the global load, with no further
+     collective (Megatron's dispatcher gathers counts the same way);
+  2. sorts the kept assignments by expert (= by owner rank) and all-to-alls the token rows with
+     uneven splits; the owner regroups what it received by expert and runs its experts;
+  3. all-to-alls the results back (the reverse splits), restores the assignment order and mixes.
+Both exchanges are autograd functions whose backward is the reverse all-to-all. Replicated
+(non-expert) weights get their gradients all-reduced and divided by ep (data parallelism); an
+expert's gradient already arrives summed over the group's tokens through the backward all-to-all,
+so it is only divided by ep. All-reducing it too, or forgetting the division, is the "gradients
+doubled at EP=2" bug; the tests compare every gradient with one device.
 
 COST (per MoE layer, per rank, element size s, model dim D)
 dispatch all-to-all: (assignments this rank sends to other ranks' experts) x D x s; the combine
-sends back what it received. With uniform routing and no drops that is T_rank x k x (ep-1)/ep x D
-x s each way, and as much again in backward. An all-gather dispatcher (every rank gathers all
-tokens, keeps its experts' share, reduce-scatters the results) moves (ep-1) x T_rank x D x s each
-way: ep / k times more.
+sends back what it received. Uniform routing and no drops make that T_rank x k x (ep-1)/ep x D x s
+each way, and as much again in backward. An all-gather dispatcher (every rank gathers all tokens,
+keeps its experts' share, reduce-scatters the results) moves (ep-1) x T_rank x D x s each way:
+ep / k times more.
 
 RUN IT
     python 06_expert_parallel.py                       # 4 local CPU ranks
     torchrun --nproc_per_node=4 06_expert_parallel.py
     python 06_expert_parallel.py --bench               # all-to-all vs all-gather dispatcher
-Look at: max |difference| from one device (rounding only); tokens per expert and the imbalance
-max/mean under the aux loss, the selection bias and neither; dropped tokens; all-to-all bytes
+Look at: max |difference| from one device (rounding only); the imbalance max/mean tokens per
+expert and the dropped tokens under the aux loss, the selection bias and neither; all-to-all bytes
 beside the formula.
 """
 from __future__ import annotations
@@ -83,56 +81,40 @@ class MoEConfig:
     bias_update_rate: float = 0.0  # auxiliary-loss-free balancing; 0 turns it off
 
     def __post_init__(self) -> None:
-        if self.n_experts < 1 or self.expert_ffn_dim < 1:
-            raise ValueError(f"n_experts={self.n_experts} and expert_ffn_dim={self.expert_ffn_dim} "
-                             f"must be >= 1")
+        for name, least in (("n_experts", 1), ("expert_ffn_dim", 1), ("aux_loss_coef", 0),
+                            ("bias_update_rate", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= {least}")
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be positive "
                              f"(or None for dropless)")
-        if self.aux_loss_coef < 0 or self.bias_update_rate < 0:
-            raise ValueError(f"aux_loss_coef={self.aux_loss_coef} and bias_update_rate="
-                             f"{self.bias_update_rate} must be >= 0")
 
 
 # ----------------------------------------------------------------------------------------------
-# The exchange: an all-to-all that autograd can run backwards
+# Dispatch: capacity, the plan of which rows go where, and an all-to-all autograd can reverse
 # ----------------------------------------------------------------------------------------------
 
 
 class AllToAll(torch.autograd.Function):
-    """Rows input_splits[j] go to rank j; backward sends the gradient rows back where they came from."""
+    """Rows input_splits[j] go to rank j; backward is the reverse all-to-all, which sends the
+    gradient rows back where they came from."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group):
-        ctx.splits, ctx.group = (output_splits, input_splits), group
+        ctx.reverse = input_splits, output_splits, group
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
         ddp.all_to_all(out, x.contiguous(), output_splits, input_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        output_splits, input_splits = ctx.splits
-        grad_in = grad.new_empty((sum(input_splits), *grad.shape[1:]))
-        ddp.all_to_all(grad_in, grad.contiguous(), input_splits, output_splits, group=ctx.group)
-        return grad_in, None, None, None
+        return AllToAll.apply(grad, *ctx.reverse), None, None, None
 
 
 def exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     return x if group is None else AllToAll.apply(x, output_splits, input_splits, group)
-
-
-# ----------------------------------------------------------------------------------------------
-# Routing, capacity and the dispatch plan
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Routing:
-    experts: torch.Tensor  # (T, k) chosen experts
-    weights: torch.Tensor  # (T, k) mixing weights (differentiable)
-    probs: torch.Tensor    # (T, E) router probabilities (differentiable)
 
 
 def kept_per_source(counts: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
@@ -220,13 +202,14 @@ class MoE(nn.Module):
     def expert_parameters(self) -> list[nn.Parameter]:
         return [getattr(self, name) for name in self.expert_names]
 
-    def route(self, x: torch.Tensor) -> Routing:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, D) -> chosen experts (T, k), their mixing weights (T, k), probabilities (T, E)."""
         probs = F.softmax(self.router(x).float(), dim=-1)
         experts = torch.topk(probs.detach() + self.selection_bias, self.cfg.top_k, dim=-1).indices
         weights = probs.gather(1, experts)  # the bias chose, the probabilities weigh
         if self.cfg.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True)
-        return Routing(experts, weights, probs)
+        return experts, weights, probs
 
     def gather_counts(self, experts: torch.Tensor) -> torch.Tensor:
         counts = torch.bincount(experts.flatten(), minlength=self.cfg.n_experts)
@@ -240,31 +223,23 @@ class MoE(nn.Module):
         """Local expert j (a SwiGLU) on rows h."""
         return (F.silu(h @ self.gate_proj[j].T) * (h @ self.up_proj[j].T)) @ self.down_proj[j].T
 
-    def run_experts(self, rows: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
-        return torch.cat([self.expert(j, h) for j, h in enumerate(rows.split(rows_per_expert))])
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        routing = self.route(flat)
-        counts = self.gather_counts(routing.experts)
+        experts, weights, probs = self.route(flat)
+        counts = self.gather_counts(experts)
         kept = kept_per_source(counts, self.cfg)
-        plan = plan_dispatch(routing.experts, kept, self.rank, self.group)
-        y = self.run_experts(dispatch(flat, plan), plan.rows_per_expert)
-        slots = combine(y, plan, flat.shape[0])
-        out = (slots * routing.weights.unsqueeze(-1).to(slots.dtype)).sum(1)
-        self.record(routing.probs, counts, kept)
-        return out.view_as(x)
-
-    def record(self, probs: torch.Tensor, counts: torch.Tensor, kept: torch.Tensor) -> None:
-        self.load, self.kept = counts.sum(0), kept
-        self.dropped = counts.sum() - kept.sum()
+        plan = plan_dispatch(experts, kept, self.rank, self.group)
+        rows = dispatch(flat, plan).split(plan.rows_per_expert)
+        y = torch.cat([self.expert(j, h) for j, h in enumerate(rows)])
+        out = (combine(y, plan, flat.shape[0]) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+        self.load, self.kept, self.dropped = counts.sum(0), kept, counts.sum() - kept.sum()
         self.load_since_update += self.load
         total = counts.sum().clamp(min=1)  # T x k over the group; 0 only if the group has no token
-        fraction = self.load.float() / total
         # E sum_i f_i P_i with P_i = (sum over the group's tokens of p_i) / T: this rank contributes
         # its tokens' sum, scaled so that the mean over the ep ranks is the whole-batch value.
-        tokens = total / self.cfg.top_k
+        fraction, tokens = self.load.float() / total, total / self.cfg.top_k
         self.aux_loss = self.cfg.n_experts * self.ep / tokens * (fraction * probs.sum(0)).sum()
+        return out.view_as(x)
 
     @torch.no_grad()
     def update_selection_bias(self) -> None:
@@ -301,7 +276,7 @@ def convert_to_moe(model: nn.Module, cfg: MoEConfig) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------------------------
-# Expert parallelism
+# Expert parallelism, and training on one device or over a group on the same global batches
 # ----------------------------------------------------------------------------------------------
 
 
@@ -312,10 +287,9 @@ def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
     layers = moe_layers(model)
     if not layers:
         raise ValueError("the model has no MoE layer: convert_to_moe(model, cfg) first")
-    for layer in layers:
-        if layer.cfg.n_experts % ep:
-            raise ValueError(f"n_experts={layer.cfg.n_experts} is not divisible by the expert-"
-                             f"parallel group size ep={ep}")
+    if indivisible := [layer.cfg.n_experts for layer in layers if layer.cfg.n_experts % ep]:
+        raise ValueError(f"n_experts={indivisible[0]} is not divisible by the expert-parallel "
+                         f"group size ep={ep}")
     ddp.claim_gradient_sync(model, "expert parallelism")
     for layer in layers:
         local = layer.cfg.n_experts // ep
@@ -357,8 +331,8 @@ def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str,
             whole = t.new_empty((layer.ep * t.shape[0], *t.shape[1:]))
             ddp.all_gather(whole, t.contiguous(), group=layer.group)
             t = whole
-        out[name] = t.float().cpu().clone()
-    return out
+        out[name] = t
+    return ddp.cpu_copy(out.items())
 
 
 def all_to_all_traffic(kept: torch.Tensor, rank: int, dim: int, element_size: int) -> tuple[int, int]:
@@ -368,11 +342,6 @@ def all_to_all_traffic(kept: torch.Tensor, rank: int, dim: int, element_size: in
     sent = int(kept[rank].sum() - kept[rank, mine].sum())
     returned = int(kept[:, mine].sum() - kept[rank, mine].sum())
     return sent * dim * element_size, returned * dim * element_size
-
-
-# ----------------------------------------------------------------------------------------------
-# Training: one device, or expert parallel over a group, on the same global batches
-# ----------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -439,15 +408,6 @@ BALANCING = {"aux loss": dict(aux_loss_coef=0.1, bias_update_rate=0.0),
              "neither": dict(aux_loss_coef=0.0, bias_update_rate=0.0)}
 
 
-def imbalance(load: list[int]) -> float:
-    """max / mean tokens per expert: 1 is perfect balance, E means one expert took everything."""
-    return max(load) / max(statistics.mean(load), 1e-9)
-
-
-def window_load(result: MoETrainResult, steps: range, layer: int) -> list[int]:
-    return [sum(col) for col in zip(*(result.load[s][layer] for s in steps))]
-
-
 def demo(args: argparse.Namespace) -> None:
     device = ddp.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -475,21 +435,20 @@ def demo(args: argparse.Namespace) -> None:
                   f"{ddp.max_abs_diff(parallel.first_grads, single.first_grads):>14.2e}"
                   f"{ddp.max_abs_diff(parallel.params, single.params):>10.2e}")
         width = max(1, args.steps // 5)
-        first, last = range(width), range(args.steps - width, args.steps)
-        print(f"\nLoad over the first and the last {width} steps: imbalance (max/mean tokens per expert, "
-              f"layer 0 and 1), tokens per expert of layer 0 over the last steps, dropped assignments "
-              f"per step (of {args.global_batch * args.seq_len * args.top_k} per layer), aux loss:")
+        windows = slice(0, width), slice(args.steps - width, args.steps)
+        print(f"\nFirst -> last {width} steps: imbalance max/mean tokens per expert (layer 0/1), layer 0's "
+              f"tokens per expert (last steps), dropped assignments per step and layer (of "
+              f"{args.global_batch * args.seq_len * args.top_k}), aux loss:")
         for name, (_, parallel, _, single) in runs.items():
-            layers = range(len(parallel.load[0]))
-            before, after = ([f"{imbalance(window_load(parallel, w, i)):.2f}" for i in layers]
-                             for w in (first, last))
-            dropped = [statistics.mean(sum(parallel.dropped[s]) / len(layers) for s in w)
-                       for w in (first, last)]
+            load = [torch.tensor(parallel.load[w]).sum(0) for w in windows]  # (layer, expert) each
+            before, after = ("/".join(f"{x:.2f}" for x in (l.amax(1) / l.double().mean(1)).tolist())
+                             for l in load)
+            dropped = [statistics.mean(map(statistics.mean, parallel.dropped[w])) for w in windows]
             same = parallel.load == single.load and parallel.dropped == single.dropped
-            print(f"  {name:<15} imbalance {'/'.join(before)} -> {'/'.join(after)}   "
-                  f"{window_load(parallel, last, 0)}   dropped {dropped[0]:.1f} -> {dropped[1]:.1f}"
-                  f"   aux {statistics.mean(parallel.aux[0]):.3f} -> {statistics.mean(parallel.aux[-1]):.3f}"
-                  f"   {'same' if same else 'NOT the same'} loads and drops as one device")
+            print(f"  {name:<15} imbalance {before} -> {after}   {load[1][0].tolist()}   dropped "
+                  f"{dropped[0]:.1f} -> {dropped[1]:.1f}   aux {statistics.mean(parallel.aux[0]):.3f} -> "
+                  f"{statistics.mean(parallel.aux[-1]):.3f}   "
+                  f"{'same' if same else 'NOT the same'} loads and drops as one device")
         tokens_rank = args.global_batch // world * args.seq_len
         uniform = 4 * cfg.n_layers * tokens_rank * args.top_k * (world - 1) // world * cfg.dim * 4
         print(f"\nall-to-all bytes leaving rank 0 per step (dispatch + combine, forward + backward, "
@@ -511,12 +470,12 @@ def all_gather_moe_forward(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     runs its own experts on its share, and a reduce-scatter sums the shares back to their ranks."""
     everyone = x.new_empty(layer.ep * x.shape[0], x.shape[1])
     ddp.all_gather(everyone, x, group=layer.group)
-    routing = layer.route(everyone)
+    experts, weights, _ = layer.route(everyone)
     out = torch.zeros_like(everyone)
     local = layer.cfg.n_experts // layer.ep
     for j in range(local):
-        token, slot = (routing.experts == layer.rank * local + j).nonzero(as_tuple=True)
-        out.index_add_(0, token, layer.expert(j, everyone[token]) * routing.weights[token, slot, None])
+        token, slot = (experts == layer.rank * local + j).nonzero(as_tuple=True)
+        out.index_add_(0, token, layer.expert(j, everyone[token]) * weights[token, slot, None])
     mine = torch.empty_like(x)
     ddp.reduce_scatter(mine, out, group=layer.group)
     return mine
@@ -533,14 +492,12 @@ def bench(args: argparse.Namespace) -> None:
     dispatchers = {"all-to-all": lambda: layer(x), "all-gather": lambda: all_gather_moe_forward(layer, x)}
     traffic, times = {}, {name: [] for name in dispatchers}
     with torch.no_grad():
-        outputs = {}
-        for name, fn in dispatchers.items():
-            with ddp.comm_meter() as meter:
-                outputs[name] = fn()
-            traffic[name] = meter.traffic()
+        outputs = {name: fn() for name, fn in dispatchers.items()}
         for round_ in range(args.bench_rounds):
             for name, fn in dispatchers.items():
-                t = ddp.timed_steps(fn, args.bench_steps, device)
+                with ddp.comm_meter() as meter:
+                    t = ddp.timed_steps(fn, args.bench_steps, device)
+                traffic[name] = meter.traffic() / args.bench_steps
                 if round_ > 0:  # the first round is warm-up
                     times[name] += t
     if rank == 0:
@@ -553,9 +510,8 @@ def bench(args: argparse.Namespace) -> None:
             print(f"  {name:<11} bytes leaving rank 0 {float(traffic[name]):>14,.0f}   "
                   f"time {med[name] * 1e3:8.2f} ms")
         bytes_ratio = float(traffic["all-to-all"] / traffic["all-gather"])
-        print(f"  ratio all-to-all / all-gather: bytes {bytes_ratio:.3f}"
-              f" (k/ep = {args.top_k / world:.3f} plus the counts), time "
-              f"{med['all-to-all'] / med['all-gather']:.3f}")
+        print(f"  ratio all-to-all / all-gather: bytes {bytes_ratio:.3f} (k/ep = {args.top_k / world:.3f} "
+              f"plus the counts), time {med['all-to-all'] / med['all-gather']:.3f}")
     ddp.exit_distributed()
 
 
@@ -577,10 +533,9 @@ def main() -> None:
     def validate(ep: int) -> None:
         MoEConfig(args.experts, args.top_k, args.expert_ffn_dim,
                   None if args.dropless else args.capacity_factor)
-        if args.experts % ep:
-            raise ValueError(f"n_experts={args.experts} is not divisible by ep={ep}")
-        if args.global_batch % ep:
-            raise ValueError(f"global_batch={args.global_batch} is not divisible by ep={ep}")
+        for name, size in (("n_experts", args.experts), ("global_batch", args.global_batch)):
+            if size % ep:
+                raise ValueError(f"{name}={size} is not divisible by ep={ep}")
 
     ddp.launch_lesson(parser, args, bench if args.bench else demo,
                       ("steps", "global_batch", "seq_len", "bench_tokens", "bench_dim"), validate)
