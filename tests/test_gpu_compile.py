@@ -69,7 +69,8 @@ def fp8_cast_jobs() -> list[dict]:
         finfo, block = torch.finfo(dtype), triton.next_power_of_2(tile_cols)
         rows = max(1, min(64, 8192 // block))
         constexprs = dict(ROWS=rows, BLOCK=block, FP8_MAX=finfo.max, MIN_EXP=int(math.log2(finfo.smallest_normal)),
-                          MANTISSA_BITS=int(-math.log2(finfo.eps)), EPS=fp8.AMAX_EPS, GIVEN_SCALE=given)
+                          MANTISSA_BITS=int(-math.log2(finfo.eps)), EPS=fp8.AMAX_EPS, GIVEN_SCALE=given,
+                          NAN_BITS=fp8.NAN_BITS, INF_BITS=fp8.INF_BITS[dtype])
         pointers = {"x_ptr": f"*{source}", "q_ptr": f"*{name}", "scale_ptr": "*fp32", "amax_ptr": "*fp32"}
         signature = {**pointers, "n_rows": "i32", "n_cols": "i32", "tile_cols": "i32",
                      **{key: "constexpr" for key in constexprs}}
@@ -135,6 +136,6 @@ def test_prune_times_only_the_listed_configs(head_dim, dtype):
     for table in fa.GPU_TABLES.values():
         everything = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                       for m, n, w, s in dict.fromkeys(c for kept in table.values() for c in kept)]
-        pruned = fa._prune(table)["early_config_prune"](everything, {"Q": q}, HEAD_DIM=head_dim)
+        pruned = fa._prune(table)(everything, {"Q": q}, HEAD_DIM=head_dim)
         got = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in pruned]
         assert sorted(got) == sorted(fa.kept_configs(table, head_dim, q.element_size())) and got
