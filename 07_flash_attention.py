@@ -127,8 +127,8 @@ def _prune(gpu: dict):
     of all the configs, time only the table's for this launch's head dim and dtype."""
     def prune(configs: list[triton.Config], named_args: dict, **meta) -> list[triton.Config]:
         kept = kept_configs(gpu, meta["HEAD_DIM"], named_args["Q"].element_size())
-        return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-                in kept]
+        return [c for c in configs
+                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in kept]
     return prune
 
 
@@ -144,8 +144,8 @@ def _autotuned(gpu: dict, cpu: tuple[int, int]):
         configs = [triton.Config({"BLOCK_M": cpu[0], "BLOCK_N": cpu[1]})]
     tune = triton.autotune(configs, key=["seq_q_bucket", "seq_k_bucket", "HEAD_DIM", "CAUSAL"],
                            prune_configs_by={"early_config_prune": _prune(gpu)})
-    return lambda kernel: tune(triton.jit(kernel, do_not_specialize=["seq_q", "seq_k", "seq_q_bucket",
-                                                                     "seq_k_bucket", "shift"]))
+    jit = triton.jit(do_not_specialize=["seq_q", "seq_k", "seq_q_bucket", "seq_k_bucket", "shift"])
+    return lambda kernel: tune(jit(kernel))
 
 
 # Kernels. Tensors are contiguous (batch, heads, seq, head_dim): the head of program bh starts at
@@ -475,11 +475,11 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"  
 
 
 def attention_compile_job(kernel: str, dtype: str, head_dim: int, block_m: int, block_n: int,
-                          num_warps: int, num_stages: int, capability: int = 90, causal: bool = True) -> dict:
-    """What compile_for_gpu needs to compile one of this lesson's kernels as a launch with q of
+                          num_warps: int, num_stages: int, capability: int = 90) -> dict:
+    """What compile_for_gpu needs to compile one of this lesson's kernels as a causal launch with q of
     this dtype ("bf16", "fp16", "fp32") and head_dim would: pointers 16-byte aligned (as torch's are)."""
     fn = globals()[kernel].fn  # the JITFunction under the autotuner
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=True,
                       PRECISION="ieee" if dtype == "fp32" else None, BLOCK_M=block_m, BLOCK_N=block_n)
     signature = {name: "constexpr" if name in constexprs else "fp32" if name == "sm_scale" else
                  ("*fp32" if name in ("LSE", "DELTA") else f"*{dtype}") if name.isupper() else "i32"
@@ -530,19 +530,19 @@ def _compile_one(job: dict) -> dict:
 GPU_TABLES = {"_fwd_kernel": FWD_GPU, "_bwd_dkdv_kernel": DKDV_GPU, "_bwd_dq_kernel": DQ_GPU}
 
 
-def gpu_report(capability: int = 90) -> None:
-    """Compiles every kernel x config x 16-bit dtype x head dim (64, 128) for sm_<capability>, and
-    fp32's own configs (its CUDA-core dots compile slowly), and prints what one block needs: shared
-    memory, registers per thread, spill bytes; and whether the autotuner tries it. No GPU needed."""
-    limit = SHARED_PER_BLOCK[capability]
+def gpu_report() -> None:
+    """Compiles every kernel x config x 16-bit dtype x head dim (64, 128) for sm_90, and fp32's own
+    configs (its CUDA-core dots compile slowly), and prints what one block needs: shared memory,
+    registers per thread, spill bytes; and whether the autotuner tries it. No GPU needed."""
+    limit = SHARED_PER_BLOCK[90]
     rows = [(kernel, config, dtype, head_dim) for kernel, table in GPU_TABLES.items()
             for config in dict.fromkeys(c for (_, size), kept in table.items() if size == 2 for c in kept)
             for dtype in ("bf16", "fp16") for head_dim in (64, 128)]
     rows += [(kernel, config, "fp32", head_dim) for kernel, table in GPU_TABLES.items()
              for head_dim in (64, 128) for config in kept_configs(table, head_dim, 4)]
-    results = compile_for_gpu([attention_compile_job(kernel, dtype, head_dim, *config, capability=capability)
+    results = compile_for_gpu([attention_compile_job(kernel, dtype, head_dim, *config)
                                for kernel, config, dtype, head_dim in rows])
-    print(f"sm_{capability}, Triton {triton.__version__}, causal; shared memory limit {limit // 1024} KiB "
+    print(f"sm_90, Triton {triton.__version__}, causal; shared memory limit {limit // 1024} KiB "
           f"a block, 255 registers a thread.\n{'kernel':<18}{'M x N':>9}{'warps':>6}{'stages':>7}"
           f"{'dtype':>6}{'head':>5}{'shared':>9}{'regs':>6}{'spill st/ld B':>15}  autotuner")
     for (kernel, (m, n, warps, stages), dtype, head_dim), got in zip(rows, results, strict=True):
