@@ -34,9 +34,8 @@ THE BACKWARD recomputes P from the saved lse instead of storing it:
 dlse_i P_ij to dS, as d lse_i / d s_ij = P_ij: the same formula with delta - dlse. No atomics: one
 program per key block accumulates its dK, dV over the query blocks, one per query block its dQ over
 the key blocks, so each output has one writer summing in a fixed order: runs with the same block
-sizes are bit-identical (the autotuner picks them by timing, anew in each process; another pick sums
-in another order and differs in the last bits). The price: Q K^T and dO V^T are computed twice (7
-matmuls, not 5).
+sizes (the autotuner picks them anew in each process) are bit-identical. The price: Q K^T and dO V^T
+are computed twice (7 matmuls, not 5).
 
 PRECISION. Dots accumulate in fp32, the recurrence runs in fp32; P and dS are rounded to the input
 dtype for their matmuls (as in FlashAttention-2: where 16-bit error enters); fp32 inputs get exact
@@ -56,10 +55,9 @@ registers and ptxas's spill bytes; the autotuner times only the spill-free confi
 
 USE: GPT(cfg, attn_fn=flash_attention); lesson 05's ring calls flash_block_attention, or the raw
 flash_attention_forward / flash_attention_backward from its own autograd.Function. RUN IT: python
-07_flash_attention.py [--bench] (GPU only: TFLOP/s against SDPA's flash backend, bf16) or
---gpu-report (no GPU needed: each config's on-chip budget). Look at the max differences against
-float64 beside PyTorch's attention in the same dtype, the lse exact to fp32 even from fp16 inputs,
-and the memory never used.
+07_flash_attention.py [--bench (GPU: TFLOP/s against SDPA's flash backend, bf16) | --gpu-report].
+Look at the max differences against float64 beside PyTorch's attention in the same dtype, the lse
+exact to fp32 even from fp16 inputs, and the memory never used.
 """
 from __future__ import annotations
 
@@ -101,31 +99,6 @@ if INTERPRETED and not isinstance(tl.zeros, InterpretedFunction):
 LOG2E, LN2 = tl.constexpr(1.4426950408889634), tl.constexpr(0.6931471805599453)
 
 
-def _configs(gpu: dict[tuple[int, int], list[tuple[int, int, int, int]]], cpu: tuple[int, int]
-             ) -> list[triton.Config]:
-    """Every (BLOCK_M, BLOCK_N, num_warps, num_stages) of a table below, to autotune over on a GPU;
-    the interpreter runs one, with M != N too."""
-    if INTERPRETED:
-        return [triton.Config({"BLOCK_M": cpu[0], "BLOCK_N": cpu[1]})]
-    configs = dict.fromkeys(config for kept in gpu.values() for config in kept)  # in order, once each
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in configs]
-
-
-def kept_configs(gpu: dict, head_dim: int, element_bytes: int) -> list[tuple[int, int, int, int]]:
-    """The table's configs for this head dim (padded to 64 at least: smaller tiles only use fewer
-    registers) and dtype size (2: bf16, fp16; 4: fp32)."""
-    return gpu[max(64, triton.next_power_of_2(head_dim)), element_bytes]
-
-
-def _prune(gpu: dict) -> dict:
-    """The autotuner's early_config_prune (called only with several configs: not in the interpreter):
-    of all the configs, time only the table's for this launch's head dim and dtype."""
-    def prune(configs: list[triton.Config], named_args: dict, **meta) -> list[triton.Config]:
-        kept = kept_configs(gpu, meta["HEAD_DIM"], named_args["Q"].element_size())
-        return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in kept]
-    return {"early_config_prune": prune}
-
-
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head-dim tile width, dtype bytes), what the autotuner
 # times: on sm_90 with Triton 3.7.1 the 16-bit ones are spill-free, and all fit an H100's and an A100's
 # shared memory. fp32's exact dots run on CUDA cores (spilling on sm_90 at any tile): one small tile.
@@ -141,13 +114,39 @@ DKDV_GPU = {(64, 2): [(32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 128,
 DQ_GPU = {(64, 2): [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3)],
           (128, 2): [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3)],
           (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
-FWD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS = (_configs(FWD_GPU, cpu=(32, 16)), _configs(DKDV_GPU, cpu=(16, 32)),
-                                         _configs(DQ_GPU, cpu=(32, 16)))
-# Tuned per bucket of lengths (next power of two; the kernels ignore the bucket arguments), not per
-# exact length, which varies (ring chunks, evaluation), since each new key compiles and times every
-# config. Lengths, buckets, offsets are not specialised: no recompilation per length, offset, seq = 1.
-TUNING_KEY = ["seq_q_bucket", "seq_k_bucket", "HEAD_DIM", "CAUSAL"]
-jit_kernel = triton.jit(do_not_specialize=["seq_q", "seq_k", "seq_q_bucket", "seq_k_bucket", "shift"])
+
+
+def kept_configs(gpu: dict, head_dim: int, element_bytes: int) -> list[tuple[int, int, int, int]]:
+    """A table's configs for this head dim (padded to 64 at least: smaller tiles only use fewer
+    registers) and dtype size (2: bf16, fp16; 4: fp32)."""
+    return gpu[max(64, triton.next_power_of_2(head_dim)), element_bytes]
+
+
+def _prune(gpu: dict):
+    """The autotuner's early_config_prune (called only with several configs: not in the interpreter):
+    of all the configs, time only the table's for this launch's head dim and dtype."""
+    def prune(configs: list[triton.Config], named_args: dict, **meta) -> list[triton.Config]:
+        kept = kept_configs(gpu, meta["HEAD_DIM"], named_args["Q"].element_size())
+        return [c for c in configs
+                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in kept]
+    return prune
+
+
+def _autotuned(gpu: dict, cpu: tuple[int, int]):
+    """Decorates a kernel: jit-compiled, and autotuned over every config of a table (in order, once
+    each), pruned per launch; the interpreter runs one, (BLOCK_M, BLOCK_N) = cpu, with M != N too.
+    Tuned per bucket of lengths (next power of two; the kernels ignore the bucket arguments), not per
+    exact length, which varies (ring chunks, evaluation), since each new key compiles and times every
+    config. Lengths, buckets, offsets are not specialised: no recompilation per length, offset, seq = 1."""
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+               for m, n, w, s in dict.fromkeys(c for kept in gpu.values() for c in kept)]
+    if INTERPRETED:
+        configs = [triton.Config({"BLOCK_M": cpu[0], "BLOCK_N": cpu[1]})]
+    tune = triton.autotune(configs, key=["seq_q_bucket", "seq_k_bucket", "HEAD_DIM", "CAUSAL"],
+                           prune_configs_by={"early_config_prune": _prune(gpu)})
+    jit = triton.jit(do_not_specialize=["seq_q", "seq_k", "seq_q_bucket", "seq_k_bucket", "shift"])
+    return lambda kernel: tune(jit(kernel))
+
 
 # Kernels. Tensors are contiguous (batch, heads, seq, head_dim): the head of program bh starts at
 # bh x seq x head_dim. One program per (block of rows, batch x head). head_dim is padded to a power
@@ -210,8 +209,7 @@ def _query_range(start_n, seq_q, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
     return lo, full_start, q_end
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=TUNING_KEY, prune_configs_by=_prune(FWD_GPU))
-@jit_kernel
+@_autotuned(FWD_GPU, cpu=(32, 16))
 def _fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift, sm_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -279,8 +277,7 @@ def _load_row_stats(LSE, DELTA, rows, seq_q):
     return lse, tl.load(DELTA + rows, mask=rows < seq_q, other=0.0)
 
 
-@triton.autotune(configs=DKDV_CONFIGS, key=TUNING_KEY, prune_configs_by=_prune(DKDV_GPU))
-@jit_kernel
+@_autotuned(DKDV_GPU, cpu=(16, 32))
 def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift,
                      sm_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -315,8 +312,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, seq_q, seq_k, seq_q_bucket
     tl.store(DV + kv_head + kv, dv.to(DV.dtype.element_ty), mask=kv_ok)
 
 
-@triton.autotune(configs=DQ_CONFIGS, key=TUNING_KEY, prune_configs_by=_prune(DQ_GPU))
-@jit_kernel
+@_autotuned(DQ_GPU, cpu=(32, 16))
 def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -367,8 +363,7 @@ def _launch_args(q: torch.Tensor, k: torch.Tensor, q_offset: int, k_offset: int,
                  sm_scale: float | None) -> tuple[list, dict]:
     """An autotuned kernel's arguments after its tensors: lengths, buckets, shift, scale; constexprs."""
     seq_q, seq_k, head_dim = q.shape[2], k.shape[2], q.shape[3]
-    # "ieee": exact fp32 products for fp32 operands (Triton's default is TF32). For 16-bit operands
-    # the products are exact anyway and Triton ignores the setting: None leaves its default.
+    # "ieee": exact fp32 dots for fp32 (Triton's default is TF32); 16-bit products are exact anyway.
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
                 PRECISION="ieee" if q.dtype == torch.float32 else None)
     return [seq_q, seq_k, triton.next_power_of_2(seq_q), triton.next_power_of_2(seq_k), q_offset - k_offset,
@@ -408,7 +403,6 @@ def flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout.to(q.dtype)))
     lse, delta = lse.float().contiguous(), torch.empty_like(lse, dtype=torch.float32)
     args, meta = _launch_args(q, k, q_offset, k_offset, causal, sm_scale)
-    # A gradient into lse adds dlse * P to dS: the same formula with delta - dlse.
     dlse_or_lse = lse if dlse is None else dlse.float().contiguous()  # unread when dlse is None
     _bwd_delta_kernel[(triton.cdiv(q.shape[2], 64), q.shape[0] * q.shape[1])](
         out, dout, dlse_or_lse, delta, q.shape[2], HAS_DLSE=dlse is not None, HEAD_DIM=q.shape[3],
@@ -431,9 +425,8 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        # Autograd runs a backward with grad mode on only for create_graph=True. The kernels have no
-        # derivative of their own: say so, rather than return a dq that silently does not require grad
-        # (once_differentiable would not catch it: it looks only at whether dout requires grad).
+        # Grad mode is on here only under create_graph=True: refuse, rather than return a dq that silently
+        # does not require grad (once_differentiable looks only at whether dout requires grad).
         if torch.is_grad_enabled():
             raise RuntimeError("flash_attention is once differentiable: create_graph=True (a second "
                                "derivative) is not supported; use naive_attention or SDPA for that")
@@ -465,8 +458,7 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     rows = q_offset + torch.arange(q.shape[2], device=q.device)
     cols = k_offset + torch.arange(k.shape[2], device=q.device)
-    visible = rows[:, None] >= cols if causal else torch.ones(len(rows), len(cols), dtype=torch.bool,
-                                                              device=q.device)
+    visible = (rows[:, None] >= cols) | (not causal)
     has_key = visible.any(-1)
     scores = (scale * q @ k.transpose(-2, -1)).masked_fill(~visible, float("-inf"))
     # logsumexp of an all -inf row has a NaN gradient: give such rows zeros, then mask them out.
@@ -477,17 +469,17 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 # Compiling for a GPU that is not here -----------------------------------------------------------
 
-PINNED_TRITON = "3.7.1"  # the Triton whose compiles the configs were pruned with (register use varies by version)
-SHARED_PER_BLOCK = {90: 227 * 1024, 80: 163 * 1024}  # bytes of shared memory one block may use: H100, A100
+PINNED_TRITON = "3.7.1"  # the Triton the configs were pruned with (register use varies by version)
+SHARED_PER_BLOCK = {90: 227 * 1024, 80: 163 * 1024}  # bytes of shared memory a block may use: H100, A100
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"  # shipped with Triton
 
 
 def attention_compile_job(kernel: str, dtype: str, head_dim: int, block_m: int, block_n: int,
-                          num_warps: int, num_stages: int, capability: int = 90, causal: bool = True) -> dict:
-    """What compile_for_gpu needs to compile one of this lesson's kernels as a launch with q of
+                          num_warps: int, num_stages: int, capability: int = 90) -> dict:
+    """What compile_for_gpu needs to compile one of this lesson's kernels as a causal launch with q of
     this dtype ("bf16", "fp16", "fp32") and head_dim would: pointers 16-byte aligned (as torch's are)."""
     fn = globals()[kernel].fn  # the JITFunction under the autotuner
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=True,
                       PRECISION="ieee" if dtype == "fp32" else None, BLOCK_M=block_m, BLOCK_N=block_n)
     signature = {name: "constexpr" if name in constexprs else "fp32" if name == "sm_scale" else
                  ("*fp32" if name in ("LSE", "DELTA") else f"*{dtype}") if name.isupper() else "i32"
@@ -515,8 +507,11 @@ def compile_for_gpu(jobs: list[dict], processes: int = 2) -> list[dict]:
 def _compile_one(job: dict) -> dict:
     """In the worker: triton.compile for the job's target, then ptxas -v (as Triton runs it) on the PTX."""
     fn = getattr(importlib.import_module(job["module"]), job["kernel"])
-    aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(job["signature"].values()) if t[0] == "*"}
     fn = fn.fn if isinstance(fn, triton.runtime.Autotuner) else fn  # the JITFunction under an autotuner
+    if list(job["signature"]) != fn.arg_names:
+        raise ValueError(f"the signature must name {job['kernel']}'s arguments {fn.arg_names} in order")
+    aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(job["signature"].values())
+               if t[0] == "*"}
     compiled = triton.compile(triton.compiler.ASTSource(fn, job["signature"], job["constexprs"], aligned),
                               target=triton.backends.compiler.GPUTarget("cuda", job["capability"], 32),
                               options=dict(num_warps=job["num_warps"], num_stages=job["num_stages"]))
@@ -528,36 +523,39 @@ def _compile_one(job: dict) -> dict:
                               file.name, "-o", os.devnull], capture_output=True, text=True, check=True).stderr
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return dict(shared=compiled.metadata.shared, registers=int(re.search(r"Used (\d+) registers", log)[1]),
-                spill_stores=int(spills[1]), spill_loads=int(spills[2]), tf32=bool(re.search(r"\.tf32\b", ptx)))
+                spill_stores=int(spills[1]), spill_loads=int(spills[2]),
+                tf32=bool(re.search(r"\.tf32\b", ptx)))
 
 
 GPU_TABLES = {"_fwd_kernel": FWD_GPU, "_bwd_dkdv_kernel": DKDV_GPU, "_bwd_dq_kernel": DQ_GPU}
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-def gpu_report(capability: int = 90) -> None:
-    """Compiles every kernel x config x 16-bit dtype x head dim (64, 128) for sm_<capability>, and
-    fp32's own configs (its CUDA-core dots compile slowly), and prints what one block needs: shared
-    memory, registers per thread, spill bytes; and whether the autotuner tries it. No GPU needed."""
-    limit = SHARED_PER_BLOCK[capability]
+def gpu_report() -> None:
+    """Compiles every kernel x config x 16-bit dtype x head dim (64, 128) for sm_90, and fp32's own
+    configs (its CUDA-core dots compile slowly), and prints what one block needs: shared memory,
+    registers per thread, spill bytes; and whether the autotuner tries it. No GPU needed."""
+    limit = SHARED_PER_BLOCK[90]
     rows = [(kernel, config, dtype, head_dim) for kernel, table in GPU_TABLES.items()
             for config in dict.fromkeys(c for (_, size), kept in table.items() if size == 2 for c in kept)
             for dtype in ("bf16", "fp16") for head_dim in (64, 128)]
-    rows += [(kernel, config, "fp32", head_dim) for kernel, table in GPU_TABLES.items() for head_dim in (64, 128)
-             for config in kept_configs(table, head_dim, 4)]
-    results = compile_for_gpu([attention_compile_job(kernel, dtype, head_dim, *config, capability=capability)
+    rows += [(kernel, config, "fp32", head_dim) for kernel, table in GPU_TABLES.items()
+             for head_dim in (64, 128) for config in kept_configs(table, head_dim, 4)]
+    results = compile_for_gpu([attention_compile_job(kernel, dtype, head_dim, *config)
                                for kernel, config, dtype, head_dim in rows])
-    print(f"sm_{capability}, Triton {triton.__version__}, causal; shared memory limit {limit // 1024} KiB a block, "
-          f"255 registers a thread.\n{'kernel':<18}{'M x N':>9}{'warps':>6}{'stages':>7}{'dtype':>6}{'head':>5}"
-          f"{'shared':>9}{'regs':>6}{'spill st/ld B':>15}  autotuner")
+    print(f"sm_90, Triton {triton.__version__}, causal; shared memory limit {limit // 1024} KiB "
+          f"a block, 255 registers a thread.\n{'kernel':<18}{'M x N':>9}{'warps':>6}{'stages':>7}"
+          f"{'dtype':>6}{'head':>5}{'shared':>9}{'regs':>6}{'spill st/ld B':>15}  autotuner")
     for (kernel, (m, n, warps, stages), dtype, head_dim), got in zip(rows, results, strict=True):
-        kept = (m, n, warps, stages) in kept_configs(GPU_TABLES[kernel], head_dim, DTYPE_BYTES[dtype])
-        why = [f"needs {got['shared'] / 1024:.0f} KiB > {limit // 1024}" if got["shared"] > limit else "",
-               "spills" if got["spill_stores"] + got["spill_loads"] else ""]
-        verdict = "tries it" if kept else "never: " + (", ".join(w for w in why if w) or "not listed for this head dim")
-        print(f"{kernel:<18}{f'{m}x{n}':>9}{warps:>6}{stages:>7}{dtype:>6}{head_dim:>5}{got['shared'] / 1024:>6.0f} KiB"
-              f"{got['registers']:>6}{got['spill_stores']:>8}/{got['spill_loads']:<6}  {verdict}"
-              + ("  <- SPILLS" if kept and why[1] and dtype != "fp32" else ""))
+        spills = got["spill_stores"] + got["spill_loads"] > 0
+        why = [f"needs {got['shared'] / 1024:.0f} KiB > {limit // 1024}"] if got["shared"] > limit else []
+        why += ["spills"] if spills else []
+        if (m, n, warps, stages) in kept_configs(GPU_TABLES[kernel], head_dim, 4 if dtype == "fp32" else 2):
+            verdict = "tries it" + ("  <- SPILLS" if spills and dtype != "fp32" else "")
+        else:
+            verdict = "never: " + (", ".join(why) or "not listed for this head dim")
+        print(f"{kernel:<18}{f'{m}x{n}':>9}{warps:>6}{stages:>7}{dtype:>6}{head_dim:>5}"
+              f"{got['shared'] / 1024:>6.0f} KiB{got['registers']:>6}{got['spill_stores']:>8}/"
+              f"{got['spill_loads']:<6}  {verdict}")
 
 
 # Demo and benchmark -----------------------------------------------------------------------------
@@ -583,39 +581,37 @@ def _sdpa(q, k, v, causal: bool) -> tuple[torch.Tensor, None]:
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal), None
 
 
-def _diffs(got: list, ref: list) -> str:
-    """The row of max |differences| the demo prints, '-' where attention gives no lse (SDPA)."""
-    return "".join(f"{'-' if a is None else f'{max_diff(a, b):.1e}':>9}"
-                   for a, b in zip(got, ref, strict=True))
-
-
 def demo(args: argparse.Namespace) -> None:
     device = torch.device("cpu" if INTERPRETED else "cuda")
     shape, gen = (args.batch, args.heads, args.seq, args.head_dim), torch.Generator().manual_seed(0)
+
+    def compare(label: str, attn, exact, *inputs: torch.Tensor) -> list[torch.Tensor | None]:
+        """Prints max |attn's results - exact's from float64 inputs| ('-': SDPA gives no lse)."""
+        got, ref = outputs_and_grads(attn, *inputs), outputs_and_grads(exact, *(t.double() for t in inputs))
+        print(f"{label:<24}" + "".join(f"{'-' if a is None else f'{max_diff(a, b):.1e}':>9}"
+                                       for a, b in zip(got, ref, strict=True)))
+        return got
+
     print(f"FlashAttention-2 in Triton ({'interpreter on CPU' if INTERPRETED else 'GPU'}), (batch, heads, "
           f"seq, head_dim) = {shape}.\nmax |difference| against float64 attention on the same inputs:\n"
           + " " * 24 + "".join(f"{name:>9}" for name in ("out", "lse", "dq", "dk", "dv")))
+    flash = partial(flash_block_attention, q_offset=0, k_offset=0)
     for dtype in [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16]):
         q, k, v, dout = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(4))
-        for causal in (False, True):
-            exact = partial(naive_attention, causal=causal)
-            ref = outputs_and_grads(exact, *(t.double() for t in (q, k, v, dout)))
-            ours = partial(flash_block_attention, q_offset=0, k_offset=0)
-            for name, attn in (("ours", ours), ("torch", _sdpa)):
-                results = outputs_and_grads(partial(attn, causal=causal), q, k, v, dout)
-                label = f"{str(dtype)[6:]} {'causal' if causal else 'full'} {name}"
-                print(f"{label:<24}{_diffs(results, ref)}")
+        for causal, (name, attn) in itertools.product((False, True), (("ours", flash), ("torch", _sdpa))):
+            compare(f"{str(dtype)[6:]} {'causal' if causal else 'full'} {name}", partial(attn, causal=causal),
+                    partial(naive_attention, causal=causal), q, k, v, dout)
     # One ring step: queries at positions 64.. attend to keys at 96..: in each (batch, head) the first
     # 32 query rows see no key.
     q, k, v, dout = (torch.randn(shape, generator=gen).to(device) for _ in range(4))
     dlse = torch.randn(shape[:3], generator=gen).to(device)
     where = dict(q_offset=64, k_offset=96, causal=True)
-    ours = outputs_and_grads(partial(flash_block_attention, **where), q, k, v, dout, dlse)
-    ref = outputs_and_grads(partial(naive_attention, **where), *(t.double() for t in (q, k, v, dout, dlse)))
+    print("\nblock entry, queries at 64.., keys at 96.., causal, gradients into out and lse, fp32:")
+    ours = compare("", partial(flash_block_attention, **where), partial(naive_attention, **where),
+                   q, k, v, dout, dlse)
     no_key, heads = ours[1].isinf(), args.batch * args.heads
-    print(f"\nblock entry, queries at 64.., keys at 96.., causal, gradients into out and lse, fp32:\n"
-          f"{'':<24}{_diffs(ours, ref)}\n{int(no_key[0, 0].sum())} rows of each (batch, head) see no key "
-          f"({int(no_key.sum())} over the {heads}): out 0 and lse -inf there, no NaN anywhere: "
+    print(f"{int(no_key[0, 0].sum())} rows of each (batch, head) see no key ({int(no_key.sum())} over the "
+          f"{heads}): out 0 and lse -inf there, no NaN anywhere: "
           f"{bool((ours[0][no_key] == 0).all()) and not any(t.isnan().any() for t in ours)}")
     scores, stats = heads * args.seq ** 2 * 4, heads * args.seq * 8
     print(f"\nmemory: naive attention's fp32 scores, batch x heads x seq^2 x 4 B = {scores:,} B here, are "

@@ -53,7 +53,8 @@ def attention_jobs() -> list[tuple[str, tuple, str, int, int]]:
         for head_dim in HEAD_DIMS:
             kept = fa.kept_configs(table, head_dim, 2)
             jobs += [(kernel, config, "bf16", head_dim, 90) for config in kept]
-            jobs += [(kernel, largest(kept), "fp16", head_dim, 90), (kernel, largest(kept), "bf16", head_dim, 80)]
+            jobs += [(kernel, largest(kept), "fp16", head_dim, 90),
+                     (kernel, largest(kept), "bf16", head_dim, 80)]
         jobs += [(kernel, config, "fp32", 64, 90) for config in fa.kept_configs(table, 64, 4)]
     return jobs
 
@@ -68,13 +69,16 @@ def fp8_cast_jobs() -> list[dict]:
                                                     (4096, "fp32", ("fp8e5", fp8.E5M2), True)]:
         finfo, block = torch.finfo(dtype), triton.next_power_of_2(tile_cols)
         rows = max(1, min(64, 8192 // block))
-        constexprs = dict(ROWS=rows, BLOCK=block, FP8_MAX=finfo.max, MIN_EXP=int(math.log2(finfo.smallest_normal)),
-                          MANTISSA_BITS=int(-math.log2(finfo.eps)), EPS=fp8.AMAX_EPS, GIVEN_SCALE=given)
+        constexprs = dict(ROWS=rows, BLOCK=block, FP8_MAX=finfo.max,
+                          MIN_EXP=int(math.log2(finfo.smallest_normal)),
+                          MANTISSA_BITS=int(-math.log2(finfo.eps)), EPS=fp8.AMAX_EPS, GIVEN_SCALE=given,
+                          NAN_BITS=fp8.NAN_BITS, INF_BITS=fp8.INF_BITS[dtype])
         pointers = {"x_ptr": f"*{source}", "q_ptr": f"*{name}", "scale_ptr": "*fp32", "amax_ptr": "*fp32"}
         signature = {**pointers, "n_rows": "i32", "n_cols": "i32", "tile_cols": "i32",
                      **{key: "constexpr" for key in constexprs}}
-        jobs.append(dict(module="08_fp8", kernel="_amax_cast_kernel", signature=signature, constexprs=constexprs,
-                         capability=90, num_warps=min(16, max(4, rows * block // 1024)), num_stages=3))
+        jobs.append(dict(module="08_fp8", kernel="_amax_cast_kernel", signature=signature,
+                         constexprs=constexprs, capability=90,
+                         num_warps=min(16, max(4, rows * block // 1024)), num_stages=3))
     return jobs
 
 
@@ -127,6 +131,15 @@ def test_fp8_cast_kernel_compiles_for_sm90(compiled):
         assert not [got for got in compiled["fp8"] if got["spill_stores"] + got["spill_loads"]]
 
 
+def test_a_job_missing_a_kernel_argument_is_refused_by_name():
+    """A kernel that gains an argument (08's cast kernel gained NAN_BITS and INF_BITS) fails a stale
+    compile job with one line naming its arguments, not with an AttributeError deep inside Triton."""
+    job = fp8_cast_jobs()[0]
+    del job["signature"]["INF_BITS"], job["constexprs"]["INF_BITS"]
+    with pytest.raises(RuntimeError, match=r"the signature must name _amax_cast_kernel's arguments \["):
+        fa.compile_for_gpu([job], processes=1)
+
+
 @pytest.mark.parametrize("head_dim", [16, 24, 64, 96, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_prune_times_only_the_listed_configs(head_dim, dtype):
@@ -135,6 +148,6 @@ def test_prune_times_only_the_listed_configs(head_dim, dtype):
     for table in fa.GPU_TABLES.values():
         everything = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                       for m, n, w, s in dict.fromkeys(c for kept in table.values() for c in kept)]
-        pruned = fa._prune(table)["early_config_prune"](everything, {"Q": q}, HEAD_DIM=head_dim)
+        pruned = fa._prune(table)(everything, {"Q": q}, HEAD_DIM=head_dim)
         got = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in pruned]
         assert sorted(got) == sorted(fa.kept_configs(table, head_dim, q.element_size())) and got
