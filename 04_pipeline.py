@@ -21,17 +21,15 @@ receives. One executor runs any list. With unit times F = 1, B = 2 (or B = W = 1
   (p-1)/(vm)), for v times more point-to-point messages. Needs m a multiple of p.
 - ZB-H1 (zero bubble, Qi et al. 2023): backward split into B (input gradient: what the previous
   stage waits for) and W (weight gradient: nobody waits for it). Rank r postpones its first r W's
-  to fill the tail of the pipeline: for m >= p the bubble is (p-1)/(3m+p-1), a third of 1F1B's,
-  with at most p microbatches held (W needs the activations too). W here is a second
-  autograd.grad, towards the weights, which re-runs the backward chain: simple, not free.
-
-Sends and receives are placed by simulating the compute order in unit times: a transfer is posted
-on both ends at the instant its data is produced, and the transfers of one instant form one batched
-isend/irecv (01's batch_p2p, which meters them). Ranks reach their instants in time order, so none
-waits on a peer that waits on it: the tests run every list under the strictest point-to-point
-semantics (a transfer completes only once both ends have posted it) and find no deadlock. The
-executor waits for a receive just before the compute that needs it; sends complete in the
-background; no device-specific synchronisation.
+  to fill the pipeline's tail: for m >= p the bubble is (p-1)/(3m+p-1), a third of 1F1B's, with at
+  most p microbatches held (W needs the activations too). Our W is a second autograd.grad, towards
+  the weights, which re-runs the backward chain: simple, not free.
+Transfers are placed by simulating the compute orders in unit times: each is posted on both ends at
+the instant its data is produced, and the transfers of one instant form one batched isend/irecv
+(01's batch_p2p, which meters them). Ranks reach their instants in time order, so none waits on a
+peer that waits on it (the tests check every list under the strictest point-to-point semantics). A
+receive is waited for just before the compute that needs it, a send only at the end of the step:
+no device-specific synchronisation.
 
 COST
 Per step a stage boundary carries m activations forward and m gradients back: rank r sends
@@ -42,8 +40,8 @@ RUN IT
     python 04_pipeline.py --trace trace.json # open in https://ui.perfetto.dev or chrome://tracing
     python 04_pipeline.py --bench            # step time against torch.distributed.pipelining
 Look at: the max |difference| from one device (rounding only), the bytes each rank sent beside the
-formula, then the timelines ('.' is the bubble), the measured bubble beside the formula, and the
-peak number of microbatches each rank held.
+formula, the timelines ('.' is the bubble), the measured bubble beside the formula, and the peak
+number of microbatches each rank held.
 """
 from __future__ import annotations
 
@@ -183,27 +181,17 @@ def simulate(orders: list[list[Action]], n_stages: int,
 def place_communication(orders: list[list[Action]], times: dict,
                         n_stages: int) -> list[list[Action]]:
     """Insert each transfer on both ends at the instant its data is produced: the sender right after
-    the producing action, the receiver before its first action that starts at or after that instant.
-    Ranks reach their instants in order, so no rank can wait on a peer that waits on it."""
+    the producing action, the receiver before its first action that starts at or after then."""
     pp = len(orders)
-    events: list[list[tuple[float, Action]]] = [[] for _ in range(pp)]
+    # (instant, what comes first at one instant: sends, receives, then compute, action) per rank
+    events = [[(times[a][0], 2, a) for a in order] for order in orders]
     for a, (_, end) in times.items():
         to = a.stage + {"F": 1, "B": -1, "W": 0}[a.kind]  # activations go up, gradients down
         here, there = a.stage % pp, to % pp
         if 0 <= to < n_stages and there != here:
-            events[here].append((end, Action("SEND_" + a.kind, a.stage, a.microbatch, there)))
-            events[there].append((end, Action("RECV_" + a.kind, to, a.microbatch, here)))
-    ranks = []
-    for order, rank_events in zip(orders, events):
-        comms = sorted(rank_events, key=lambda e: (e[0], e[1].kind.startswith("RECV")))
-        merged, i = [], 0
-        for a in order:
-            while i < len(comms) and comms[i][0] <= times[a][0]:
-                merged.append(comms[i][1])
-                i += 1
-            merged.append(a)
-        ranks.append(merged + [c for _, c in comms[i:]])
-    return ranks
+            events[here].append((end, 0, Action("SEND_" + a.kind, a.stage, a.microbatch, there)))
+            events[there].append((end, 1, Action("RECV_" + a.kind, to, a.microbatch, here)))
+    return [[a for *_, a in sorted(rank, key=lambda e: e[:2])] for rank in events]
 
 
 @dataclass
@@ -240,16 +228,13 @@ class Schedule:
     def __str__(self) -> str:
         """One row per rank, two characters per unit of time: F3 is the forward of microbatch 3
         (lower case: a later chunk of the interleaved schedule), -- the rest of a longer action."""
-        rows = []
-        for r in range(self.pp):
-            cells = [". "] * int(max(end for _, end in self.nominal.values()))
-            for a in (a for a in self.actions[r] if a.kind in COMPUTE):
-                start, stop = self.nominal[a]
-                kind = a.kind if a.stage < self.pp else a.kind.lower()
-                cells[int(start)] = kind + MB_CHARS[a.microbatch % len(MB_CHARS)]
-                cells[int(start) + 1:int(stop)] = ["--"] * (int(stop) - int(start) - 1)
-            rows.append(f"rank {r} |{''.join(cells)}|")
-        return "\n".join(rows)
+        end = int(max(stop for _, stop in self.nominal.values()))
+        rows = [[". "] * end for _ in range(self.pp)]
+        for a, (start, stop) in self.nominal.items():
+            kind = a.kind if a.stage < self.pp else a.kind.lower()
+            cells = [kind + MB_CHARS[a.microbatch % len(MB_CHARS)]] + ["--"] * int(stop - start - 1)
+            rows[a.stage % self.pp][int(start):int(stop)] = cells
+        return "\n".join(f"rank {r} |{''.join(row)}|" for r, row in enumerate(rows))
 
 
 def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
@@ -376,6 +361,11 @@ def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule
     return result, meter, logs
 
 
+# ----------------------------------------------------------------------------------------------
+# Measured timelines, demo and benchmark
+# ----------------------------------------------------------------------------------------------
+
+
 def gather_rows(rows: list[list[float]], group, device) -> list[torch.Tensor]:
     """Every rank's (equally many) rows of numbers, on every rank, through 01's all_gather."""
     local = torch.tensor(rows, dtype=torch.float64, device=device).reshape(len(rows), -1)
@@ -416,11 +406,6 @@ def trace_events(name: int | str, pid: int, records: list[torch.Tensor]) -> list
                            "cat": COMPUTE[int(kind)], "ts": start * 1e6, "dur": (end - start) * 1e6,
                            "args": {"stage": int(stage), "microbatch": int(mb)}})
     return events
-
-
-# ----------------------------------------------------------------------------------------------
-# Demo and benchmark
-# ----------------------------------------------------------------------------------------------
 
 
 def schedule_runs(args: argparse.Namespace) -> list[tuple[str, int]]:
