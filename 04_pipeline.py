@@ -128,9 +128,8 @@ class Action:
 
 
 def compute_order(schedule: str, rank: int, pp: int, m: int, virtual: int) -> list[Action]:
-    """The order in which one rank computes; communication is added by place_communication."""
-    if schedule == "gpipe":
-        return [Action("F", rank, i) for i in range(m)] + [Action("B", rank, i) for i in range(m)]
+    """The order in which one rank computes: warm-up forwards, then one forward and one backward
+    at a time (GPipe: all m forwards are warm-up). place_communication adds the transfers."""
     if schedule == "interleaved":  # Megatron: microbatches in groups of pp, cycling the chunks
         def act(kind: str, k: int) -> Action:
             chunk = (k // pp) % virtual
@@ -140,7 +139,7 @@ def compute_order(schedule: str, rank: int, pp: int, m: int, virtual: int) -> li
     else:
         def act(kind: str, k: int) -> Action:
             return Action(kind, rank, k)
-        total, warmup = m, min(m, pp - rank - 1)
+        total, warmup = m, m if schedule == "gpipe" else min(m, pp - rank - 1)
     order = [act("F", k) for k in range(warmup)]
     weight_grads = [act("W", k) for k in range(total)] if schedule == "zb-h1" else []
     for k in range(total):
