@@ -278,7 +278,8 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                 keys.append((a.kind[-1], to, a.microbatch))
                 ops.append(("send", outbox.pop(keys[-1]), a.peer) if a.kind in SEND
                            else ("recv", torch.empty(shape, device=tokens.device), a.peer))
-            for (kind, tensor, _), key, work in zip(ops, keys, ddp.batch_p2p(ops, group), strict=True):
+            works = ddp.batch_p2p(ops, group)
+            for (kind, tensor, _), key, work in zip(ops, keys, works, strict=True):
                 if kind == "recv":
                     inbox[key], arriving[key] = tensor, work
                 else:  # completes in the background; the tensor must live until then
@@ -318,7 +319,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                     p.grad = g if p.grad is None else p.grad + g
             if work_s is not None:
                 time.sleep(max(0.0, start + work_s[a.kind] - time.perf_counter()))
-            log.records.append((a.kind, a.stage, a.microbatch, start - t0, time.perf_counter() - t0))
+            log.records.append((a.kind, *key, start - t0, time.perf_counter() - t0))
     for work, _ in sent:
         work.wait()
     if losses:
@@ -490,8 +491,9 @@ def bench(args: argparse.Namespace) -> None:
         ours, theirs = ({s: build_stage(cfg, s, pp * v).to(device) for s in range(rank, pp * v, pp)}
                         for _ in range(2))
         torch_stages = [torch_pp.PipelineStage(mod, s, pp * v, device) for s, mod in theirs.items()]
-        schedule = torch_schedule(torch_stages if name in ("interleaved", "zb-h1") else torch_stages[0],
-                                  m, loss_fn=ddp.cross_entropy_loss)
+        multi = name in ("interleaved", "zb-h1")  # torch's multi-stage schedules take a list
+        schedule = torch_schedule(torch_stages if multi else torch_stages[0], m,
+                                  loss_fn=ddp.cross_entropy_loss)
         opts = [ddp.make_optimizer(nn.ModuleList(s.values()), 1e-3) for s in (ours, theirs)]
 
         def ours_step() -> None:
