@@ -182,7 +182,7 @@ def place_communication(orders: list[list[Action]], times: dict,
     """Insert each transfer on both ends at the instant its data is produced: the sender right after
     the producing action, the receiver before its first action that starts at or after then."""
     pp = len(orders)
-    # (instant, what comes first at one instant: sends, receives, then compute, action) per rank
+    # Per rank: (instant, order within one instant: 0 send, 1 receive, 2 compute, action).
     events = [[(times[a][0], 2, a) for a in order] for order in orders]
     for a, (_, end) in times.items():
         to = a.stage + {"F": 1, "B": -1, "W": 0}[a.kind]  # activations go up, gradients down
