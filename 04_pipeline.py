@@ -1,55 +1,53 @@
 """Lesson 04: pipeline parallelism. GPipe, 1F1B, interleaved 1F1B and ZB-H1, with measured bubbles.
 
 THE IDEA
-Cut the model by depth into S stages: the first owns the embedding, the last the final norm, the
-head and the loss; each of the p ranks runs its stages. The global batch is split into m
-microbatches so that stages can work on different microbatches at once. A rank sends its stage's
-output activations (b/m x seq x dim) to the next stage's rank and, in backward, the gradient of its
-stage input back to the previous one. Each microbatch loss is divided by m, so the accumulated
-gradients are exactly those of the mean loss over the whole batch (forget the 1/m and every gradient
-comes out m times too large while the logged loss still looks right).
+Cut the model by depth into stages: the first owns the embedding, the last the final norm, the head
+and the loss. The global batch is split into m microbatches so that the p ranks can work on
+different microbatches at once. A rank sends its stage's output activations (b/m x seq x dim) to the
+next stage's rank and, in backward, the gradient of its stage input back to the previous one. Each
+microbatch loss is divided by m, so the accumulated gradients are exactly those of the batch mean
+loss (forget the 1/m and every gradient is m times too large while the logged loss looks right).
 
 SCHEDULES ARE DATA
 A schedule is a pure function of (p, m, v) giving each rank an ordered list of actions: F (forward of
-one stage on one microbatch), B (its backward), W (weight gradient, zero-bubble only), and the sends
-and receives. One executor runs any list. With unit times F = 1, B = 2 (or B = W = 1 when split):
+one stage on one microbatch), B (its backward), W (weight gradient, zero-bubble only), sends and
+receives. One executor runs any list. With unit times F = 1, B = 2 (or B = W = 1 when split):
 - GPipe (all forwards, then all backwards): bubble (p-1)/(m+p-1) of the step, and a rank holds the
   activations of all m microbatches at once.
 - 1F1B: rank r does p-r-1 warm-up forwards, then alternates one forward, one backward. Same bubble,
-  but a rank holds at most p-r microbatches: memory no longer grows with m.
-- interleaved 1F1B: each rank owns v stages (rank r: stages r, r+p, ...), so a microbatch passes
-  every rank v times with 1/v of the work each: bubble (p-1)/(vm+p-1) (Megatron writes it relative to
-  the ideal time: (p-1)/(vm)), for v times more point-to-point messages. Needs m a multiple of p.
+  but rank r holds at most p-r microbatches: memory no longer grows with m.
+- interleaved 1F1B: rank r owns v stages (r, r+p, ...), so a microbatch passes every rank v times
+  with 1/v of the work each: bubble (p-1)/(vm+p-1) (Megatron writes it relative to the ideal time:
+  (p-1)/(vm)), for v times more point-to-point messages. Needs m a multiple of p.
 - ZB-H1 (zero bubble, Qi et al. 2023): backward split into B (input gradient: what the previous
   stage waits for) and W (weight gradient: nobody waits for it). Rank r postpones its first r W's
-  to fill the tail of the pipeline: for m >= p the bubble is (p-1)/(3m+p-1), a third of 1F1B's,
-  with at most p microbatches held (W needs the activations too). W here is a second
-  autograd.grad, towards the weights, which re-runs the backward chain: simple, not free.
-
-Sends and receives are placed by simulating the compute order with those unit times: a transfer is
-posted on both ends at the instant its data is produced, and all transfers of one instant form one
-batched isend/irecv (01's batch_p2p, which meters them). Ranks reach their instants in time order,
-so no rank waits on a peer that waits on it: the tests run every list in a model of the strictest
-point-to-point semantics (a transfer completes only once both ends have posted it) and find no
-deadlock. The executor waits for a receive only just before the compute that needs it; sends
-complete in the background (waited at the end of the step); no device-specific synchronisation.
+  to fill the pipeline's tail: for m >= p the bubble is (p-1)/(3m+p-1), a third of 1F1B's, with at
+  most p microbatches held (W needs the activations too). Our W is a second autograd.grad, towards
+  the weights, which re-runs the backward chain: simple, not free.
+Transfers are placed by simulating the compute orders in unit times: each is posted on both ends at
+the instant its data is produced, and the transfers of one instant form one batched isend/irecv
+(01's batch_p2p, which meters them). Ranks reach their instants in time order, so none waits on a
+peer that waits on it (the tests check every list under the strictest point-to-point semantics). A
+receive is waited for just before the compute that needs it, a send only at the end of the step:
+no device-specific synchronisation.
 
 COST
 Per step a stage boundary carries m activations forward and m gradients back: rank r sends
-(stages it owns that are not last + stages not first) x m x (b/m) x seq x dim x bytes.
+(its stages that are not last + those not first) x m x (b/m) x seq x dim x bytes.
 
 RUN IT
     python 04_pipeline.py                    # 4 local ranks; torchrun --nproc_per_node=4 works too
     python 04_pipeline.py --trace trace.json # open in https://ui.perfetto.dev or chrome://tracing
     python 04_pipeline.py --bench            # step time against torch.distributed.pipelining
 Look at: the max |difference| from one device (rounding only), the bytes each rank sent beside the
-formula, then the measured timelines: '.' is the bubble; its measured fraction beside the formula;
-and the peak number of microbatches each rank held.
+formula, the timelines ('.' is the bubble), the measured bubble beside the formula, and the peak
+number of microbatches each rank held.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import statistics
 import time
@@ -94,10 +92,8 @@ def validate_pipeline(n_layers: int, pp: int, global_batch: int, microbatches: i
 def stage_layers(n_layers: int, n_stages: int) -> list[range]:
     """Balanced by layers; the first stages take the remainder (the last one also has the head)."""
     base, extra = divmod(n_layers, n_stages)
-    bounds = [0]
-    for s in range(n_stages):
-        bounds.append(bounds[-1] + base + (s < extra))
-    return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
+    starts = [s * base + min(s, extra) for s in range(n_stages + 1)]
+    return [range(begin, end) for begin, end in zip(starts, starts[1:])]
 
 
 def build_stage(cfg, stage: int, n_stages: int) -> nn.Module:
@@ -132,9 +128,8 @@ class Action:
 
 
 def compute_order(schedule: str, rank: int, pp: int, m: int, virtual: int) -> list[Action]:
-    """The order in which one rank computes; communication is added by place_communication."""
-    if schedule == "gpipe":
-        return [Action("F", rank, i) for i in range(m)] + [Action("B", rank, i) for i in range(m)]
+    """The order in which one rank computes: warm-up forwards, then one forward and one backward
+    at a time (GPipe: all m forwards are warm-up). place_communication adds the transfers."""
     if schedule == "interleaved":  # Megatron: microbatches in groups of pp, cycling the chunks
         def act(kind: str, k: int) -> Action:
             chunk = (k // pp) % virtual
@@ -144,30 +139,29 @@ def compute_order(schedule: str, rank: int, pp: int, m: int, virtual: int) -> li
     else:
         def act(kind: str, k: int) -> Action:
             return Action(kind, rank, k)
-        total, warmup = m, min(m, pp - rank - 1)
+        total, warmup = m, m if schedule == "gpipe" else min(m, pp - rank - 1)
     order = [act("F", k) for k in range(warmup)]
-    held_back_w = rank if schedule == "zb-h1" else total  # W's this rank postpones to the tail
     weight_grads = [act("W", k) for k in range(total)] if schedule == "zb-h1" else []
     for k in range(total):
         if warmup + k < total:
             order.append(act("F", warmup + k))
         order.append(act("B", k))
-        if k >= held_back_w:
+        if weight_grads and k >= rank:  # ZB-H1: rank r postpones its first r W's to the tail
             order.append(weight_grads.pop(0))
     return order + weight_grads
 
 
-def simulate(orders: list[list[Action]], pp: int, n_stages: int,
+def simulate(orders: list[list[Action]], n_stages: int,
              durations: dict[str, float]) -> dict[Action, tuple[float, float]]:
     """Start and end of every compute action when each rank runs its order as early as its inputs
     allow. Raises if the orders wait on each other in a cycle."""
     times: dict[Action, tuple[float, float]] = {}
-    position, free_at = [0] * pp, [0.0] * pp
-    while any(position[r] < len(orders[r]) for r in range(pp)):
+    position, free_at = [0] * len(orders), [0.0] * len(orders)
+    while any(position[r] < len(order) for r, order in enumerate(orders)):
         progressed = False
-        for r in range(pp):
-            while position[r] < len(orders[r]):
-                a = orders[r][position[r]]
+        for r, order in enumerate(orders):
+            while position[r] < len(order):
+                a = order[position[r]]
                 needs = {"F": [Action("F", a.stage - 1, a.microbatch)] if a.stage > 0 else [],
                          "B": [Action("F", a.stage, a.microbatch)]
                          + ([Action("B", a.stage + 1, a.microbatch)] if a.stage < n_stages - 1 else []),
@@ -178,34 +172,25 @@ def simulate(orders: list[list[Action]], pp: int, n_stages: int,
                 times[a] = (start, start + durations[a.kind])
                 free_at[r], position[r], progressed = start + durations[a.kind], position[r] + 1, True
         if not progressed:
-            stuck = {r: str(orders[r][position[r]]) for r in range(pp) if position[r] < len(orders[r])}
+            stuck = {r: str(o[position[r]]) for r, o in enumerate(orders) if position[r] < len(o)}
             raise RuntimeError(f"the compute orders wait on each other: {stuck}")
     return times
 
 
-def place_communication(orders: list[list[Action]], times: dict, pp: int,
+def place_communication(orders: list[list[Action]], times: dict,
                         n_stages: int) -> list[list[Action]]:
     """Insert each transfer on both ends at the instant its data is produced: the sender right after
-    the producing action, the receiver before its first action that starts at or after that instant.
-    Ranks reach their instants in order, so no rank can wait on a peer that waits on it."""
-    events: list[list[tuple[float, Action]]] = [[] for _ in range(pp)]
+    the producing action, the receiver before its first action that starts at or after then."""
+    pp = len(orders)
+    # Per rank: (instant, order within one instant: 0 send, 1 receive, 2 compute, action).
+    events = [[(times[a][0], 2, a) for a in order] for order in orders]
     for a, (_, end) in times.items():
         to = a.stage + {"F": 1, "B": -1, "W": 0}[a.kind]  # activations go up, gradients down
         here, there = a.stage % pp, to % pp
         if 0 <= to < n_stages and there != here:
-            events[here].append((end, Action("SEND_" + a.kind, a.stage, a.microbatch, there)))
-            events[there].append((end, Action("RECV_" + a.kind, to, a.microbatch, here)))
-    ranks = []
-    for r in range(pp):
-        comms = sorted(events[r], key=lambda e: (e[0], e[1].kind.startswith("RECV")))
-        merged, i = [], 0
-        for a in orders[r]:
-            while i < len(comms) and comms[i][0] <= times[a][0]:
-                merged.append(comms[i][1])
-                i += 1
-            merged.append(a)
-        ranks.append(merged + [c for _, c in comms[i:]])
-    return ranks
+            events[here].append((end, 0, Action("SEND_" + a.kind, a.stage, a.microbatch, there)))
+            events[there].append((end, 1, Action("RECV_" + a.kind, to, a.microbatch, here)))
+    return [[a for *_, a in sorted(rank, key=lambda e: e[:2])] for rank in events]
 
 
 @dataclass
@@ -230,8 +215,7 @@ class Schedule:
         p, m, v = self.pp, self.microbatches, self.virtual
         if self.name == "zb-h1":  # with m < p the last rank's F, B, F, B... chain sets the length
             return 1 - 3 * m / max(3 * m + p - 1, 2 * m + 2 * p - 1)
-        work = v * m if self.name == "interleaved" else m
-        return (p - 1) / (work + p - 1)
+        return (p - 1) / ((v * m if self.name == "interleaved" else m) + p - 1)
 
     def in_flight_bound(self, rank: int) -> int:
         """Most microbatch-stage pairs whose activations `rank` holds at once (W frees them in
@@ -243,31 +227,25 @@ class Schedule:
     def __str__(self) -> str:
         """One row per rank, two characters per unit of time: F3 is the forward of microbatch 3
         (lower case: a later chunk of the interleaved schedule), -- the rest of a longer action."""
-        end = max(e for _, e in self.nominal.values())
-        rows = []
-        for r in range(self.pp):
-            cells = [". "] * int(end)
-            for a in (a for a in self.actions[r] if a.kind in COMPUTE):
-                start, stop = self.nominal[a]
-                kind = a.kind if a.stage < self.pp else a.kind.lower()
-                cells[int(start)] = kind + MB_CHARS[a.microbatch % len(MB_CHARS)]
-                for t in range(int(start) + 1, int(stop)):
-                    cells[t] = "--"
-            rows.append(f"rank {r} |{''.join(cells)}|")
-        return "\n".join(rows)
+        end = int(max(stop for _, stop in self.nominal.values()))
+        rows = [[". "] * end for _ in range(self.pp)]
+        for a, (start, stop) in self.nominal.items():
+            kind = a.kind if a.stage < self.pp else a.kind.lower()
+            cells = [kind + MB_CHARS[a.microbatch % len(MB_CHARS)]] + ["--"] * int(stop - start - 1)
+            rows[a.stage % self.pp][int(start):int(stop)] = cells
+        return "\n".join(f"rank {r} |{''.join(row)}|" for r, row in enumerate(rows))
 
 
 def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
     """Each rank's ordered actions. A pure function: every rank computes every rank's list."""
-    n_stages = pp * virtual
     orders = [compute_order(name, r, pp, microbatches, virtual) for r in range(pp)]
-    times = simulate(orders, pp, n_stages, UNIT_TIMES_SPLIT if name == "zb-h1" else UNIT_TIMES)
-    return Schedule(name, pp, microbatches, virtual,
-                    place_communication(orders, times, pp, n_stages), times)
+    times = simulate(orders, pp * virtual, UNIT_TIMES_SPLIT if name == "zb-h1" else UNIT_TIMES)
+    actions = place_communication(orders, times, pp * virtual)
+    return Schedule(name, pp, microbatches, virtual, actions, times)
 
 
 # ----------------------------------------------------------------------------------------------
-# The executor: one for every schedule
+# The executor, one for every schedule, and training on lesson 01's batches
 # ----------------------------------------------------------------------------------------------
 
 
@@ -284,89 +262,69 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
     """Run this rank's actions on its stages (stage index -> module). Gradients accumulate in .grad.
     work_s pads every compute action to a fixed duration (balanced synthetic work)."""
     rank, m, last = dist.get_rank(group), schedule.microbatches, schedule.n_stages - 1
-    x_mbs, y_mbs, dim = tokens.chunk(m), targets.chunk(m), next(iter(stages.values())).cfg.dim
-    inputs, outputs, wait_for_w, inbox, outbox, arriving, sent = {}, {}, {}, {}, {}, {}, []
-    outbox = inbox if schedule.pp == 1 else outbox  # one rank owns every stage: hand over directly
-
-    def take(key: tuple) -> torch.Tensor:
-        """Wait for a receive only when its data is needed: a late peer then delays only the
-        action that needs it."""
-        if key in arriving:
-            arriving.pop(key).wait()
-        return inbox.pop(key)
-
-    log, in_flight, losses = StepLog(), 0, []
-    actions, i = schedule.actions[rank], 0
+    x_mbs, y_mbs = tokens.chunk(m), targets.chunk(m)
+    shape = (*x_mbs[0].shape, next(iter(stages.values())).cfg.dim)
+    # Mailboxes are keyed by ("F" activations | "B" gradients, receiving stage, microbatch).
+    inbox, arriving, sent, saved, wait_for_w = {}, {}, [], {}, {}
+    outbox = inbox if schedule.pp == 1 else {}  # one rank owns every stage: hand over directly
+    log, losses = StepLog(), []
     dist.barrier(group=group)
     t0 = time.perf_counter()
-    while i < len(actions):
-        if actions[i].kind not in COMPUTE:  # consecutive transfers: one batched isend/irecv
-            batch, keys = [], []
-            while i < len(actions) and actions[i].kind not in COMPUTE:
-                a, i = actions[i], i + 1
-                what = "act" if a.kind.endswith("F") else "grad"
-                if a.kind in SEND:  # mailboxes are keyed by the receiving stage
-                    keys.append((what, a.stage + 1 if what == "act" else a.stage - 1, a.microbatch))
-                    batch.append(("send", outbox.pop(keys[-1]), a.peer))
-                else:
-                    keys.append((what, a.stage, a.microbatch))
-                    inbox[keys[-1]] = torch.empty((*x_mbs[0].shape, dim), device=tokens.device)
-                    batch.append(("recv", inbox[keys[-1]], a.peer))
-            for (kind, tensor, _), key, work in zip(batch, keys, ddp.batch_p2p(batch, group), strict=True):
+    for compute, run in itertools.groupby(schedule.actions[rank], lambda a: a.kind in COMPUTE):
+        if not compute:  # consecutive transfers: one batched isend/irecv
+            ops, keys = [], []
+            for a in run:
+                to = a.stage + {"SEND_F": 1, "SEND_B": -1}.get(a.kind, 0)  # the receiving stage
+                keys.append((a.kind[-1], to, a.microbatch))
+                ops.append(("send", outbox.pop(keys[-1]), a.peer) if a.kind in SEND
+                           else ("recv", torch.empty(shape, device=tokens.device), a.peer))
+            works = ddp.batch_p2p(ops, group)
+            for (kind, tensor, _), key, work in zip(ops, keys, works, strict=True):
                 if kind == "recv":
-                    arriving[key] = work
+                    inbox[key], arriving[key] = tensor, work
                 else:  # completes in the background; the tensor must live until then
                     sent.append((work, tensor))
             continue
-        a, i = actions[i], i + 1
-        key, module = (a.stage, a.microbatch), stages[a.stage]
-        if a.kind == "F" and a.stage > 0:
-            received = take(("act", *key)).requires_grad_()
-        elif a.kind == "B" and a.stage < last:
-            received = take(("grad", *key))
-        start = time.perf_counter()  # after any wait for a peer: waiting is bubble, not work
-        if a.kind == "F":
-            x = x_mbs[a.microbatch] if a.stage == 0 else received
-            out = module(x, y_mbs[a.microbatch]) / m if a.stage == last else module(x)
-            if a.stage == last:
-                losses.append(out.detach())
-            else:
-                outbox[("act", a.stage + 1, a.microbatch)] = out.detach()
-            inputs[key], outputs[key] = x, out
-            in_flight += 1
-            log.peak_in_flight = max(log.peak_in_flight, in_flight)
-        elif a.kind == "B":
-            x, out = inputs.pop(key), outputs.pop(key)
-            grad = received if a.stage < last else None
-            if schedule.split_backward:  # input gradient only; the weights wait for W
+        for a in run:
+            key, module = (a.stage, a.microbatch), stages[a.stage]
+            if (a.kind, *key) in arriving:  # wait only now: a late peer delays only what needs it
+                arriving.pop((a.kind, *key)).wait()
+            received = inbox.pop((a.kind, *key), None)  # from a peer or a local stage, if any
+            start = time.perf_counter()  # after any wait for a peer: waiting is bubble, not work
+            if a.kind == "F":
+                x = received.requires_grad_() if a.stage > 0 else x_mbs[a.microbatch]
+                out = module(x, y_mbs[a.microbatch]) / m if a.stage == last else module(x)
+                if a.stage == last:
+                    losses.append(out.detach())
+                else:
+                    outbox[("F", a.stage + 1, a.microbatch)] = out.detach()
+                saved[key] = x, out
+                log.peak_in_flight = max(log.peak_in_flight, len(saved) + len(wait_for_w))
+            elif a.kind == "B":
+                x, out = saved.pop(key)
+                grad = received  # None on the last stage: out is the loss
+                if schedule.split_backward:  # input gradient only; the weights wait for W
+                    if a.stage > 0:
+                        (x_grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+                    wait_for_w[key] = (out, grad)
+                else:
+                    torch.autograd.backward(out, grad)
+                    x_grad = x.grad
                 if a.stage > 0:
-                    (x_grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
-                wait_for_w[key] = (out, grad)
-            else:
-                torch.autograd.backward(out, grad)
-                x_grad = x.grad
-                in_flight -= 1
-            if a.stage > 0:
-                outbox[("grad", a.stage - 1, a.microbatch)] = x_grad
-        else:  # W: the weight gradients, accumulated like backward() would
-            out, grad = wait_for_w.pop(key)
-            params = [p for p in module.parameters() if p.requires_grad]
-            for p, g in zip(params, torch.autograd.grad(out, params, grad), strict=True):
-                p.grad = g if p.grad is None else p.grad + g
-            in_flight -= 1
-        if work_s is not None:
-            time.sleep(max(0.0, start + work_s[a.kind] - time.perf_counter()))
-        log.records.append((a.kind, a.stage, a.microbatch, start - t0, time.perf_counter() - t0))
+                    outbox[("B", a.stage - 1, a.microbatch)] = x_grad
+            else:  # W: the weight gradients, accumulated like backward() would
+                out, grad = wait_for_w.pop(key)
+                params = [p for p in module.parameters() if p.requires_grad]
+                for p, g in zip(params, torch.autograd.grad(out, params, grad), strict=True):
+                    p.grad = g if p.grad is None else p.grad + g
+            if work_s is not None:
+                time.sleep(max(0.0, start + work_s[a.kind] - time.perf_counter()))
+            log.records.append((a.kind, *key, start - t0, time.perf_counter() - t0))
     for work, _ in sent:
         work.wait()
     if losses:
         log.loss = torch.stack(losses).sum()
     return log
-
-
-# ----------------------------------------------------------------------------------------------
-# Training, on the same global batches as lesson 01's single-device reference
-# ----------------------------------------------------------------------------------------------
 
 
 def named_parameters(stages: dict[int, nn.Module]):
@@ -403,11 +361,15 @@ def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule
     return result, meter, logs
 
 
+# ----------------------------------------------------------------------------------------------
+# Measured timelines, demo and benchmark
+# ----------------------------------------------------------------------------------------------
+
+
 def gather_rows(rows: list[list[float]], group, device) -> list[torch.Tensor]:
     """Every rank's (equally many) rows of numbers, on every rank, through 01's all_gather."""
     local = torch.tensor(rows, dtype=torch.float64, device=device).reshape(len(rows), -1)
-    out = torch.empty((ddp.group_size(group) * local.shape[0], local.shape[1]), dtype=local.dtype,
-                      device=device)
+    out = local.new_empty((ddp.group_size(group) * len(rows), local.shape[1]))
     ddp.all_gather(out, local, group=group)
     return list(out.cpu().chunk(ddp.group_size(group)))
 
@@ -444,11 +406,6 @@ def trace_events(name: int | str, pid: int, records: list[torch.Tensor]) -> list
                            "cat": COMPUTE[int(kind)], "ts": start * 1e6, "dur": (end - start) * 1e6,
                            "args": {"stage": int(stage), "microbatch": int(mb)}})
     return events
-
-
-# ----------------------------------------------------------------------------------------------
-# Demo and benchmark
-# ----------------------------------------------------------------------------------------------
 
 
 def schedule_runs(args: argparse.Namespace) -> list[tuple[str, int]]:
@@ -526,44 +483,42 @@ def bench(args: argparse.Namespace) -> None:
     cfg = ddp.ModelConfig(vocab_size=1024, dim=128, n_layers=pp * args.virtual, n_heads=4, ffn_dim=344)
     m, batch, seq = args.microbatches, 2 * args.microbatches, 64
     tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, batch, seq, 0))
-    pairs = [("gpipe", 1, torch_pp.ScheduleGPipe), ("1f1b", 1, torch_pp.Schedule1F1B),
-             ("interleaved", args.virtual, torch_pp.ScheduleInterleaved1F1B),
-             ("zb-h1", 1, torch_pp.ScheduleInterleavedZeroBubble)]
+    torch_schedules = (torch_pp.ScheduleGPipe, torch_pp.Schedule1F1B,
+                       torch_pp.ScheduleInterleaved1F1B, torch_pp.ScheduleInterleavedZeroBubble)
     rows = []
-    for name, v, torch_schedule in pairs:
+    for (name, v), torch_schedule in zip(schedule_runs(args), torch_schedules):
         plan = make_schedule(name, pp, m, v)
         ours, theirs = ({s: build_stage(cfg, s, pp * v).to(device) for s in range(rank, pp * v, pp)}
                         for _ in range(2))
         torch_stages = [torch_pp.PipelineStage(mod, s, pp * v, device) for s, mod in theirs.items()]
-        multi = torch_schedule in (torch_pp.ScheduleInterleaved1F1B, torch_pp.ScheduleInterleavedZeroBubble)
+        multi = name in ("interleaved", "zb-h1")  # torch's multi-stage schedules take a list
         schedule = torch_schedule(torch_stages if multi else torch_stages[0], m,
                                   loss_fn=ddp.cross_entropy_loss)
         opts = [ddp.make_optimizer(nn.ModuleList(s.values()), 1e-3) for s in (ours, theirs)]
 
         def ours_step() -> None:
+            opts[0].zero_grad(set_to_none=True)
             run_schedule(plan, ours, tokens, targets)
+            opts[0].step()
 
         def torch_step() -> None:
-            args_ = (tokens,) if rank == 0 else ()
-            kwargs = dict(target=targets, losses=[]) if rank == pp - 1 else {}
-            schedule.step(*args_, **kwargs)
+            opts[1].zero_grad(set_to_none=True)
+            inputs = (tokens,) if rank == 0 else ()
+            schedule.step(*inputs, **(dict(target=targets, losses=[]) if rank == pp - 1 else {}))
+            opts[1].step()
 
         ours_step(), torch_step()  # one step from the same weights: the gradients must agree
-        diff = torch.tensor([ddp.max_abs_diff(dict(named_grads(ours)), dict(named_grads(theirs)))],
-                            device=device)
+        grads = [{n: p.grad for n, p in named_parameters(s)} for s in (ours, theirs)]
+        diff = torch.tensor([ddp.max_abs_diff(*grads)], device=device)
         ddp.all_reduce(diff, op=dist.ReduceOp.MAX)
-        times = {"ours": [], "torch": []}
+        times = {ours_step: [], torch_step: []}
         for round_ in range(args.bench_rounds):
-            for who, step_fn, opt in (("ours", ours_step, opts[0]), ("torch", torch_step, opts[1])):
-                def train_step(step_fn=step_fn, opt=opt) -> None:
-                    opt.zero_grad(set_to_none=True)
-                    step_fn()
-                    opt.step()
-                t = ddp.timed_steps(train_step, args.bench_steps, device)
+            for step_fn, measured in times.items():
+                t = ddp.timed_steps(step_fn, args.bench_steps, device)
                 if round_ > 0:  # the first round is warm-up
-                    times[who] += t
+                    measured += t
         rows.append((f"{name} v={v}", torch_schedule.__name__, diff.item(),
-                     statistics.median(times["ours"]), statistics.median(times["torch"])))
+                     *(statistics.median(t) for t in times.values())))
     if rank == 0:
         n_params = sum(p.numel() for p in ddp.GPT(cfg).parameters())
         print(f"Pipeline step time on {pp} ranks ({dist.get_backend()}, {device.type}), "
@@ -573,10 +528,6 @@ def bench(args: argparse.Namespace) -> None:
             print(f"  ours {ours_name:<16} {t_ours * 1e3:8.1f} ms   {torch_name:<30} {t_torch * 1e3:8.1f} ms"
                   f"   ratio {t_ours / t_torch:.3f}   max |grad diff| {diff:.1e}")
     ddp.exit_distributed()
-
-
-def named_grads(stages: dict[int, nn.Module]):
-    return ((n, p.grad) for n, p in named_parameters(stages))
 
 
 def main() -> None:
