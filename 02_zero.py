@@ -496,8 +496,8 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
         same = "equal" if result.held == result.formula else "DIFFERENT"
         print(f"  {label[mixed]} ZeRO-{stage}  {cells} {same}")
 
-    ddp_bytes = Fraction(2 * (world - 1), world) * 4 * psi
-    print(f"\nTraffic per rank per step, fp32, ring (DDP: 2(N-1)/N x 4 B x Psi = "
+    ddp_bytes = Fraction(2 * (world - 1), world) * 4 * padded  # DDP over the same padded buffers
+    print(f"\nTraffic per rank per step, fp32, ring (DDP: 2(N-1)/N x 4 B x padded Psi = "
           f"{float(ddp_bytes):,.0f} B):")
     for stage in STAGES:
         meter, formula = runs[False, stage][1], zero_traffic_per_step(padded, world, stage, 4, 4)

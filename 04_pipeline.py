@@ -49,6 +49,7 @@ import argparse
 import importlib
 import itertools
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -545,6 +546,8 @@ def main() -> None:
     def validate(pp: int) -> None:
         if args.unit_ms < 0:
             raise ValueError(f"--unit-ms {args.unit_ms} must be >= 0")
+        if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
+            raise ValueError(f"--trace {args.trace}: its folder does not exist")
         for name, v in schedule_runs(args):  # --bench: 2 rows per microbatch
             validate_pipeline(pp * args.virtual, pp, 2 * args.microbatches if args.bench else
                               args.global_batch, args.microbatches, name, v)

@@ -505,7 +505,7 @@ def demo(args: argparse.Namespace) -> None:
                                                zigzag=zigzag, block=block, device=device)
         if rank == 0:
             loss_diff = max(abs(a - r) for a, r in zip(result.losses, ref.losses, strict=True))
-            say(f"  {name:<20} loss {result.losses[0]:.6f} (one device {ref.losses[0]:.6f}), max |diff|: "
+            say(f"  {name:<20} step-0 loss {result.losses[0]:.6f} (one device {ref.losses[0]:.6f}), max |diff|: "
                 f"losses {loss_diff:.1e}, step-0 gradients "
                 f"{ddp.max_abs_diff(result.first_grads, ref.first_grads):.1e}, parameters "
                 f"{ddp.max_abs_diff(result.params, ref.params):.1e}")

@@ -89,7 +89,7 @@ class MoEConfig:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be positive "
-                             f"(or None for dropless)")
+                             f"(or None: dropless, --dropless on the command line)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,8 +459,8 @@ def demo(args: argparse.Namespace) -> None:
                   f"{float(meter.traffic('all_gather')) / args.steps:,.0f} B)")
         print(f"  uniform routing, no drops: 4 x layers x T_rank k (ep-1)/ep x D x 4 B = {uniform:,} B")
         print("Notice: EP computes the one-device model (same drops, same loads). Without balancing "
-              "the load drifts apart; the selection bias evens it without touching the loss, the aux "
-              "loss through the gradient.")
+              "the load drifts apart; the selection bias evens it without touching the loss; the aux "
+              "loss, through the gradient, mostly holds it where it started and cuts the drops.")
     ddp.exit_distributed()
 
 
@@ -511,7 +511,7 @@ def bench(args: argparse.Namespace) -> None:
                   f"time {med[name] * 1e3:8.2f} ms")
         bytes_ratio = float(traffic["all-to-all"] / traffic["all-gather"])
         print(f"  ratio all-to-all / all-gather: bytes {bytes_ratio:.3f} (k/ep = {args.top_k / world:.3f} "
-              f"plus the counts), time {med['all-to-all'] / med['all-gather']:.3f}")
+              f"without drops, plus the counts), time {med['all-to-all'] / med['all-gather']:.3f}")
     ddp.exit_distributed()
 
 

@@ -369,3 +369,14 @@ def test_script_runs_as_plain_python(tmp_path):
     assert len(re.findall(r"bubble measured [\d.]+, formula [\d.]+", stdout)) == 4, stdout
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1, 2, 3}
+
+
+def test_a_trace_file_that_cannot_be_written_is_refused_before_any_rank_starts(monkeypatch, capsys,
+                                                                              tmp_path):
+    """Before: the whole run finished, then every rank's traceback ended in FileNotFoundError."""
+    monkeypatch.setattr("sys.argv", ["04_pipeline.py", "--nproc", "2",
+                                     "--trace", str(tmp_path / "missing" / "t.json")])
+    monkeypatch.setattr(ddp, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    with pytest.raises(SystemExit) as exit_:
+        pl.main()
+    assert exit_.value.code == 2 and "its folder does not exist" in capsys.readouterr().err
