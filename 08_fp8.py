@@ -457,8 +457,9 @@ def bench(args: argparse.Namespace) -> None:
     for n in (4096, 8192, 16384):
         a, b = (torch.randn(n, n, device=dev, dtype=bf16) for _ in range(2))
         (a_q, a_s), (b_q, b_s) = quantize_tensorwise(a), quantize_tensorwise(b)
-        ms = [median_ms(fn) for fn in (lambda: a @ b.t(), lambda: scaled_mm(a_q, a_s, b_q, b_s, bf16),
-                                       lambda: scaled_mm(*quantize(a), *quantize(b), bf16))]  # noqa: B023
+        ms = [median_ms(fn) for fn in (
+            lambda: a @ b.t(), lambda: scaled_mm(a_q, a_s, b_q, b_s, bf16),  # noqa: B023 - run at once
+            lambda: scaled_mm(*quantize(a), *quantize(b), bf16))]  # noqa: B023
         tflops = [2 * n ** 3 / t / 1e9 for t in ms]
         print(f"{n:>7}{tflops[0]:>9.0f}{tflops[1]:>9.0f}{tflops[2]:>15.0f}{ms[0] / ms[1]:>9.2f}x"
               f"{ms[0] / ms[2]:>13.2f}x")
