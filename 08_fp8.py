@@ -243,8 +243,7 @@ class DelayedScaling:
         self.amax_history, self.calls = torch.zeros(history_len), 0
 
     def scale(self, first_amax: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The (1, 1) scale the next quantize uses; before the first call (no history), from
-        first_amax, the first call's own amax (None if not given)."""
+        """The (1, 1) scale the next quantize uses (no history yet: from first_amax, or None)."""
         amax = self.amax_history.max() if self.calls else first_amax
         if amax is None:
             return None
