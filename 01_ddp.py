@@ -1,49 +1,46 @@
 """Lesson 01: data parallelism, and the foundation every later lesson stands on.
 
 THE IDEA
-Every rank holds a full copy of the model and takes a different slice of the global batch. After
-backward each rank has the gradient of *its* mean loss; the average of those gradients over the N
-ranks is exactly the gradient of the mean loss over the global batch (the slices are equal sized), so
-one all-reduce(SUM) / N per gradient makes every rank take the same optimizer step as a single
-device would on the whole batch. Parameters stay identical because they start identical (broadcast
-from rank 0) and every rank applies the same update.
+Every rank holds a full copy of the model and takes a different, equal-sized slice of the global
+batch. After backward each rank has the gradient of *its* mean loss; their average over the N ranks
+is exactly the gradient of the global batch's mean loss, so one all-reduce(SUM) / N per gradient
+makes every rank take the step a single device would take on the whole batch. Parameters stay
+identical: they start identical (broadcast from rank 0) and every rank applies the same update.
 
 THREE VERSIONS, in the order a student meets them
 (a) naive: after backward, all-reduce every gradient, one call per parameter. Correct, but the
     network idles during backward and many small messages pay latency many times.
-(b) bucketed with overlap: gradients are packed into fixed-size flat buckets, in reverse
-    registration order (roughly the order backward produces them). A post-accumulate-grad hook
-    copies each gradient into its bucket; the moment a bucket is full its all-reduce is launched
-    asynchronously, so communication for the last layers runs while backward still computes the
-    first ones. Everything is waited on just before the optimizer step.
+(b) bucketed with overlap: gradients are packed into fixed-size flat buckets in reverse registration
+    order (roughly the order backward produces them). A post-accumulate-grad hook copies each
+    gradient into its bucket; a full bucket's all-reduce is launched at once, asynchronously, so the
+    last layers communicate while backward still computes the first; all is waited on at the step.
 (c) gradient accumulation: K micro-steps per optimizer step; gradients accumulate locally in .grad
-    and only the last micro-step's backward communicates. Communication per optimizer step is the
-    same as without accumulation, so it amortises over K times more compute.
+    and only the last micro-step's backward communicates: the same bytes per optimizer step as
+    without accumulation, amortised over K times more compute.
 
 COST
 A ring all-reduce of S bytes sends (and receives) 2(N-1)/N x S bytes per rank: a reduce-scatter
-((N-1)/N x S) then an all-gather ((N-1)/N x S). DDP moves 2(N-1)/N x (parameter count x bytes per
-gradient element) per optimizer step, independent of batch size. Memory: every rank holds all
-parameters, gradients and optimizer state (for AdamW: 4 + 4 + 8 = 16 bytes per parameter in fp32),
-plus one extra gradient copy in the buckets. Lesson 02 (ZeRO) removes that redundancy.
+((N-1)/N x S) then an all-gather ((N-1)/N x S). DDP moves 2(N-1)/N x gradient bytes per optimizer
+step, independent of batch size. Memory: every rank holds all parameters, gradients and optimizer
+state (AdamW in fp32: 4 + 4 + 8 = 16 bytes per parameter), plus a gradient copy in the buckets.
+Lesson 02 (ZeRO) removes that redundancy.
 
 THE FOUNDATION (imported by lessons 02-09)
 - init_distributed / launch: torchrun environment -> process group (NCCL + one GPU per local rank
   with CUDA, else gloo on CPU), with a timeout so a broken collective fails instead of hanging.
   `python 0X_name.py` with no torchrun starts its own local processes.
-- the comm meter: thin wrappers over every collective the course uses; each call is counted with
-  its payload bytes per operation and per group, and converted to per-rank traffic with the ring
-  cost model above. The wrappers also hide torch 2.11 -> 2.13 API drift.
+- the comm meter: thin wrappers over every collective the course uses count each call's payload
+  bytes per operation and group, and the per-rank traffic under the ring cost model above. They
+  also hide torch 2.11 -> 2.13 API drift.
 - ModelConfig / GPT: the single-device reference model (Llama-style), and synthetic_batch.
 
 RUN IT
     python 01_ddp.py                       # 4 local CPU processes (one per GPU on a GPU node)
     torchrun --nproc_per_node=4 01_ddp.py  # the same under torchrun
-    python 01_ddp.py --bench               # step time against torch.nn.parallel.DistributedDataParallel
-Look at: the per-step loss; the max |difference| against one process training on the whole batch:
-~1e-8 on gradients (the same sums in another order) and a few 1e-6 on parameters (Adam divides each
-gradient by its own magnitude, which magnifies rounding on gradients near 1e-9); and the all-reduced
-bytes per step beside 2(N-1)/N x gradient bytes.
+    python 01_ddp.py --bench               # step time against torch's DistributedDataParallel
+Look at: the max |difference| from one process training on the whole batch: ~1e-8 on gradients (the
+same sums in another order), a few 1e-6 on parameters (Adam divides each gradient by its own size,
+magnifying rounding on gradients near 1e-9); the all-reduced bytes beside 2(N-1)/N x gradient bytes.
 """
 from __future__ import annotations
 
@@ -73,11 +70,9 @@ import torch.nn.functional as F
 
 
 def init_distributed(timeout_s: float = 120.0) -> torch.device:
-    """Join the process group described by the torchrun environment; return this rank's device.
-
-    With CUDA: NCCL, one GPU per local rank. Without: gloo on CPU. The timeout turns a collective
-    that some rank never joins into an error instead of a silent hang.
-    """
+    """Join the torchrun environment's process group; return this rank's device. With CUDA: NCCL,
+    one GPU per local rank; without: gloo on CPU. The timeout turns a collective that some rank
+    never joins into an error instead of a silent hang."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -102,10 +97,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_nproc() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 4
-
-
 def _launched_rank(local_rank: int, fn: Callable, args: tuple, nproc: int, port: int) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -124,11 +115,13 @@ def launch_world_size(nproc: int) -> int:
     return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else nproc
 
 
-def lesson_parser(doc: str, bench_help: str | None = None, bench_steps: int = 5) -> argparse.ArgumentParser:
+def lesson_parser(doc: str, bench_help: str | None = None,
+                  bench_steps: int = 5) -> argparse.ArgumentParser:
     """The options every lesson shares: --nproc, and --bench with its steps and rounds."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=default_nproc(), help="ranks when not under torchrun")
+    nproc = torch.cuda.device_count() if torch.cuda.is_available() else 4
+    parser.add_argument("--nproc", type=int, default=nproc, help="ranks when not under torchrun")
     if bench_help is not None:
         parser.add_argument("--bench", action="store_true", help=bench_help)
         parser.add_argument("--bench-steps", type=int, default=bench_steps)
@@ -138,9 +131,9 @@ def lesson_parser(doc: str, bench_help: str | None = None, bench_steps: int = 5)
 
 def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn: Callable,
                   positive: tuple[str, ...] = (), validate: Callable[[int], None] | None = None) -> None:
-    """The end of every lesson's main(): options in `positive` must be >= 1, then validate(world)
-    checks the sizes against the world that will actually run, before any process starts; a
-    failure is one line and exit code 2, not a usage text or a traceback from every rank."""
+    """The end of every lesson's main(): options in `positive` must be >= 1 and validate(world)
+    checks the sizes against the world that will run, before any process starts; a failure is one
+    line and exit code 2, not a usage text or a traceback from every rank."""
     try:
         for name in ("nproc", *positive, *(("bench_steps",) if "bench" in args else ())):
             if getattr(args, name) < 1:
@@ -156,11 +149,8 @@ def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn:
 
 
 def launch(fn: Callable, *args, nproc: int) -> None:
-    """Run fn(*args) on every rank: directly under torchrun, else in nproc fresh local processes.
-
-    The processes get the same environment variables torchrun would set, so fn's code cannot tell
-    the difference. fn must be a module-level function (it is pickled by name).
-    """
+    """Run fn(*args) on every rank: directly under torchrun, else in nproc fresh local processes
+    given the environment torchrun would set. fn must be module-level (it is pickled by name)."""
     launch_world_size(nproc)  # a partial torchrun environment fails here, not in every rank
     if "RANK" in os.environ:
         fn(*args)
@@ -170,11 +160,9 @@ def launch(fn: Callable, *args, nproc: int) -> None:
 
 
 def exit_distributed() -> None:
-    """The last call of a rank: wait for every rank, leave the group, exit the process at once.
-
-    gloo's threads may still be releasing the last collective's tensors while Python tears the
-    interpreter down, and then abort the process ("terminate called without an active exception",
-    pytorch PR #179291; about 1 run in 5 here). os._exit after flushing skips the teardown."""
+    """The last call of a rank: wait for every rank, leave the group, then os._exit, skipping the
+    interpreter's teardown: gloo's threads may still be releasing the last collective's tensors, and
+    abort ("terminate called without an active exception", pytorch PR #179291; 1 run in 5 here)."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -187,11 +175,9 @@ def exit_distributed() -> None:
 # ----------------------------------------------------------------------------------------------
 # A meter counts, per (operation, group), the calls, the payload (the bytes of the tensor handed to
 # the collective) and the traffic: the bytes one rank sends under the textbook algorithm (ring for
-# all-reduce / all-gather / reduce-scatter, direct for all-to-all and point-to-point). Traffic is a
-# Fraction so that "measured == formula" can be asserted exactly. Meters are scoped, not global:
-#     with comm_meter() as meter:
-#         train_step()
-#     meter.traffic("all_reduce")
+# all-reduce / all-gather / reduce-scatter, direct for all-to-all and point-to-point), a Fraction so
+# that "measured == formula" holds exactly. Meters are scoped, not global:
+#     with comm_meter() as meter: train_step()  # then meter.traffic("all_reduce")
 
 
 ANY_GROUP = object()
@@ -253,10 +239,6 @@ def _record(op: str, group, payload: int, traffic: Fraction) -> None:
         meter.record(op, group, payload, traffic)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def group_size(group) -> int:
     """The group's size, after checking that this rank belongs to it (torch would silently skip)."""
     if dist.get_rank(group) < 0:
@@ -267,7 +249,7 @@ def group_size(group) -> int:
 def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op: bool = False):
     """In place. Ring cost: reduce-scatter then all-gather, 2(N-1)/N x size per rank."""
     n = group_size(group)
-    _record("all_reduce", group, _nbytes(tensor), Fraction(2 * (n - 1), n) * _nbytes(tensor))
+    _record("all_reduce", group, tensor.nbytes, Fraction(2 * (n - 1), n) * tensor.nbytes)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -280,7 +262,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """output = the N inputs concatenated along dim 0. Ring cost: (N-1)/N x output size per rank."""
     n = group_size(group)
-    _record("all_gather", group, _nbytes(output), Fraction(n - 1, n) * _nbytes(output))
+    _record("all_gather", group, output.nbytes, Fraction(n - 1, n) * output.nbytes)
     return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
@@ -288,7 +270,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=dis
                    async_op: bool = False):
     """output = this rank's 1/N chunk (dim 0) of the sum of inputs. Ring: (N-1)/N x input size."""
     n = group_size(group)
-    _record("reduce_scatter", group, _nbytes(input), Fraction(n - 1, n) * _nbytes(input))
+    _record("reduce_scatter", group, input.nbytes, Fraction(n - 1, n) * input.nbytes)
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
@@ -296,9 +278,9 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
                input_splits: list[int] | None = None, group=None, async_op: bool = False):
     """Rank i sends input rows input_splits[j] to rank j. Traffic: what leaves this rank."""
     n, me = group_size(group), dist.get_rank(group)
-    row_bytes = _nbytes(input) // max(input.shape[0], 1)
+    row_bytes = input.nbytes // max(input.shape[0], 1)
     kept_rows = input_splits[me] if input_splits is not None else input.shape[0] // n
-    _record("all_to_all", group, _nbytes(input), Fraction(_nbytes(input) - kept_rows * row_bytes))
+    _record("all_to_all", group, input.nbytes, Fraction(input.nbytes - kept_rows * row_bytes))
     return dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
                                   async_op=async_op)
 
@@ -307,7 +289,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
     """src is the rank *within the group* (translated here, so callers never need global ranks).
     Traffic: S per rank, as in a pipelined chain where each rank forwards what it receives."""
     group_size(group)
-    _record("broadcast", group, _nbytes(tensor), Fraction(_nbytes(tensor)))
+    _record("broadcast", group, tensor.nbytes, Fraction(tensor.nbytes))
     return dist.broadcast(tensor, src=global_rank(group, src), group=group, async_op=async_op)
 
 
@@ -317,28 +299,26 @@ def global_rank(group, group_rank: int) -> int:
 
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:
     group_size(group)
-    _record("send", group, _nbytes(tensor), Fraction(_nbytes(tensor)))
+    _record("send", group, tensor.nbytes, Fraction(tensor.nbytes))
     dist.send(tensor, dst=global_rank(group, dst), group=group)
 
 
 def recv(tensor: torch.Tensor, src: int, group=None) -> None:
     group_size(group)
-    _record("recv", group, _nbytes(tensor), Fraction(0))
+    _record("recv", group, tensor.nbytes, Fraction(0))
     dist.recv(tensor, src=global_rank(group, src), group=group)
 
 
 def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
-    """ops: ("send" | "recv", tensor, peer rank within the group). Returns the works to wait on.
-
-    Launching sends and receives together lets a ring exchange proceed without the deadlock that
-    blocking send-then-recv on every rank would cause.
-    """
+    """ops: ("send" | "recv", tensor, peer rank within the group); returns the works to wait on.
+    Launched together, a ring exchange cannot deadlock as a blocking send-then-recv on each rank
+    would."""
     group_size(group)
     p2p_ops = []
     for kind, tensor, peer in ops:
         if kind not in ("send", "recv"):
             raise ValueError(f"p2p op kind must be 'send' or 'recv', got {kind!r}")
-        _record(kind, group, _nbytes(tensor), Fraction(_nbytes(tensor) if kind == "send" else 0))
+        _record(kind, group, tensor.nbytes, Fraction(tensor.nbytes if kind == "send" else 0))
         fn = dist.isend if kind == "send" else dist.irecv
         p2p_ops.append(dist.P2POp(fn, tensor, global_rank(group, peer), group))
     return dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
@@ -379,10 +359,8 @@ class ModelConfig:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The reference attention function: (batch, heads, seq, head_dim) -> same shape, causal.
-
     GPT calls whatever function it is given with this signature: lesson 05 swaps in ring
-    attention, lesson 07 the Triton FlashAttention kernel.
-    """
+    attention, lesson 07 the Triton FlashAttention kernel."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -401,8 +379,7 @@ def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[t
     """cos and sin of position x frequency, (seq, head_dim/2). Positions are explicit so that a
     context-parallel rank holding tokens 96..127 (or a zigzag of chunks) rotates them correctly."""
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
-    inv_freq = theta ** -exponents
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[:, None] * (theta ** -exponents)[None, :]
     return angles.cos(), angles.sin()
 
 
@@ -473,14 +450,12 @@ class GPT(nn.Module):
       keeps their names, and its parameters still line up with the reference model's by name;
     - a model whose embed is None starts from hidden states, one whose lm_head is None returns them
       (a pipeline stage sets the modules it does not own to None);
-    - loss_fn(logits, targets) is an attribute: vocab-parallel cross-entropy replaces it.
-    """
+    - loss_fn(logits, targets) is an attribute: vocab-parallel cross-entropy replaces it."""
 
     def __init__(self, cfg: ModelConfig, attn_fn: Callable = causal_attention,
                  loss_fn: Callable = cross_entropy_loss) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.loss_fn = loss_fn
+        self.cfg, self.loss_fn = cfg, loss_fn
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg, attn_fn) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -521,11 +496,9 @@ class GPT(nn.Module):
 def synthetic_batch(cfg: ModelConfig, global_batch: int, seq_len: int, step: int, rank: int = 0,
                     world_size: int = 1, data_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, targets) rows [rank*b, (rank+1)*b) of the global batch for this step, b = B / N.
-
-    Every rank draws the same global batch and keeps its slice, so the data of a parallel run is
-    identical to the single-device run by construction. The text is learnable: each next token
-    follows a fixed random bigram table 3 times in 4, else it is uniform noise.
-    """
+    Every rank draws the same global batch and keeps its slice, so a parallel run's data is the
+    single-device run's by construction. The text is learnable: each next token follows a fixed
+    random bigram table 3 times in 4, else it is uniform noise."""
     if global_batch % world_size:
         raise ValueError(f"global_batch={global_batch} is not divisible by world_size={world_size}")
     table = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(data_seed))
@@ -547,8 +520,7 @@ def synthetic_batch(cfg: ModelConfig, global_batch: int, seq_len: int, step: int
 
 def broadcast_parameters(model: nn.Module, group=None) -> None:
     """Start every rank from rank 0's weights and buffers (rank 0 of `group`, whatever its global
-    rank). GPT's seeded init already agrees everywhere; a restored checkpoint or a random init
-    might not."""
+    rank). GPT's seeded init already agrees everywhere; a checkpoint or a random init might not."""
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             broadcast(tensor, src=0, group=group)
@@ -571,33 +543,27 @@ class GradBucket:
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
-        self.offsets = [0]
-        for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        self.buffer = torch.zeros(self.offsets[-1], dtype=params[0].dtype, device=params[0].device)
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                  device=params[0].device)
+        self.views = self.buffer.split([p.numel() for p in params])  # slot i holds params[i]'s grad
         self.slot = {p: i for i, p in enumerate(params)}
-        self.ready: set[int] = set()
-        self.work = None
+        self.ready: set[int] = set()  # the slots filled since the last unpack
+        self.work = None  # the pending all-reduce
 
     def add(self, param: nn.Parameter) -> None:
         """Copy param's finished gradient into its slot of the buffer."""
         if self.work is not None:
             raise RuntimeError("a second backward outside no_sync() before finish_gradient_sync() "
                                "would overwrite a bucket that is still being all-reduced")
-        i = self.slot[param]
-        self.buffer[self.offsets[i]:self.offsets[i + 1]].copy_(param.grad.flatten())
-        self.ready.add(i)
-
-    @property
-    def full(self) -> bool:
-        return len(self.ready) == len(self.params)
+        self.views[self.slot[param]].copy_(param.grad.flatten())
+        self.ready.add(self.slot[param])
 
     def unpack(self, world: int) -> None:
         """Wait for the all-reduce, then write the averaged gradients back into param.grad."""
         self.work.wait()
         self.buffer.div_(world)
-        for i, p in enumerate(self.params):
-            p.grad.copy_(self.buffer[self.offsets[i]:self.offsets[i + 1]].view_as(p))
+        for p, view in zip(self.params, self.views):
+            p.grad.copy_(view.view_as(p))
         self.ready.clear()
         self.work = None
 
@@ -632,18 +598,15 @@ class BucketedDataParallel:
         if not params:
             raise ValueError("the model has no trainable parameter (requires_grad=True) to synchronise")
         claim_gradient_sync(model, type(self).__name__)  # after the checks: a failed build claims nothing
-        self.model, self.group = model, group
-        self.world = dist.get_world_size(group)
+        self.model, self.group, self.world = model, group, dist.get_world_size(group)
         broadcast_parameters(model, group)
-        self.buckets: list[GradBucket] = []
-        current: list[nn.Parameter] = []
+        groups: list[list[nn.Parameter]] = [[]]
         for p in params:
-            if current and (p.dtype != current[0].dtype or
-                            sum(_nbytes(q) for q in current) + _nbytes(p) > bucket_bytes):
-                self.buckets.append(GradBucket(current))
-                current = []
-            current.append(p)
-        self.buckets.append(GradBucket(current))
+            if groups[-1] and (p.dtype != groups[-1][0].dtype or
+                               sum(q.nbytes for q in groups[-1]) + p.nbytes > bucket_bytes):
+                groups.append([])
+            groups[-1].append(p)
+        self.buckets = [GradBucket(group_params) for group_params in groups]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.sync_gradients, self.next_to_launch = True, 0
         self.max_in_flight = self.finished_before_wait = 0  # statistics for the demo
@@ -665,8 +628,9 @@ class BucketedDataParallel:
         self.bucket_of[param].add(param)
         # Collectives are matched by call order, so every rank must launch buckets in the same
         # order: launch bucket i only after buckets 0..i-1, even if it happened to fill first.
-        while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].full:
-            bucket = self.buckets[self.next_to_launch]
+        for bucket in self.buckets[self.next_to_launch:]:
+            if len(bucket.ready) < len(bucket.params):
+                break
             bucket.work = all_reduce(bucket.buffer, group=self.group, async_op=True)
             self.next_to_launch += 1
             in_flight = sum(b.work is not None and not b.work.is_completed() for b in self.buckets)
@@ -751,19 +715,17 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
                         lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
                         device: torch.device | str = "cpu",
                         data_seed: int = 0) -> tuple[TrainResult, CommMeter]:
-    """Train on this rank's share of the same global batches train_single_device sees.
-
-    Each rank takes rows [r B/N, (r+1) B/N) of the global batch and splits them into accum_steps
-    micro-batches; each micro-loss is scaled by 1/accum_steps so the accumulated gradient is the
-    gradient of the rank's mean loss, and the all-reduce / N makes it the global mean's gradient.
-    Returns the result and a meter of the communication inside the training loop.
-    """
+    """Train on this rank's share of the same global batches train_single_device sees: rows
+    [r B/N, (r+1) B/N), split into accum_steps micro-batches whose losses are scaled by 1/accum_steps,
+    so the accumulated gradient is that of the rank's mean loss and the all-reduce / N makes it the
+    global mean's. Returns the result and a meter of the communication inside the training loop."""
     world, rank = group_size(group), dist.get_rank(group)
     validate_data_parallel(global_batch, world, accum_steps, mode)
     model = GPT(cfg).to(device)
     ddp = BucketedDataParallel(model, group, bucket_bytes) if mode == "bucketed" else None
     if ddp is None:
-        broadcast_parameters(model, group)
+        broadcast_parameters(model, group)  # BucketedDataParallel does it when it is built
+    sync = ddp.finish_gradient_sync if ddp else lambda: all_reduce_gradients(model, group)
     optimizer = make_optimizer(model, lr, adam_eps)
     result, local_losses = TrainResult([], {}, {}), []
     with comm_meter() as meter:
@@ -777,10 +739,7 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
                     loss = model(x.to(device), y.to(device)) / accum_steps
                     loss.backward()
                 step_loss += loss.detach()  # no .item(): it would stall a GPU every micro-step
-            if ddp is not None:
-                ddp.finish_gradient_sync()
-            else:
-                all_reduce_gradients(model, group)
+            sync()
             local_losses.append(step_loss)
             if step == 0:
                 result.first_grads = cpu_copy((n, p.grad) for n, p in model.named_parameters())
@@ -810,20 +769,18 @@ def demo(args: argparse.Namespace) -> None:
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = ModelConfig()
-    runs = {"naive": dict(mode="naive"),
-            "bucketed": dict(mode="bucketed", bucket_bytes=args.bucket_kib << 10),
-            f"bucketed, accum x{args.accum}": dict(mode="bucketed", bucket_bytes=args.bucket_kib << 10,
-                                                  accum_steps=args.accum)}
+    bucketed = dict(mode="bucketed", bucket_bytes=args.bucket_kib << 10)
+    runs = {"naive": dict(mode="naive"), "bucketed": bucketed,
+            f"bucketed, accum x{args.accum}": dict(bucketed, accum_steps=args.accum)}
     results = {name: train_data_parallel(cfg, args.steps, args.global_batch, args.seq_len,
                                          device=device, **kw) for name, kw in runs.items()}
     if rank == 0:
         reference = train_single_device(cfg, args.steps, args.global_batch, args.seq_len, device=device)
         n_params = sum(p.numel() for p in reference.params.values())
         grad_bytes = n_params * 4
-        print(f"Data parallelism on {world} ranks ({dist.get_backend()}, {device.type}). "
-              f"Model: {n_params:,} parameters = {grad_bytes:,} gradient bytes (fp32).")
-        print(f"Global batch {args.global_batch} x {args.seq_len} tokens, {args.steps} AdamW steps; "
-              f"reference = the same training in one process on the whole batch.\n")
+        print(f"Data parallelism on {world} ranks ({dist.get_backend()}, {device.type}): "
+              f"{n_params:,} parameters = {grad_bytes:,} gradient bytes (fp32); global batch "
+              f"{args.global_batch} x {args.seq_len} tokens, {args.steps} AdamW steps. Losses:\n")
         print(f"{'step':<6}" + "".join(f"{name:>24}" for name in results) + f"{'single device':>16}")
         for step in range(args.steps):
             print(f"{step:<6}" + "".join(f"{r.losses[step]:>24.6f}" for r, _ in results.values())
@@ -833,16 +790,13 @@ def demo(args: argparse.Namespace) -> None:
         for name, (result, _) in results.items():
             print(f"  {name:<40}{max_abs_diff(result.first_grads, reference.first_grads):>18.2e}"
                   f"{max_abs_diff(result.params, reference.params):>24.2e}")
-        print("  (the sums run in another order: rounding. Adam divides each gradient by its own size,"
-              "\n   so rounding on gradients near 1e-9 shows up larger in the parameters.)")
-        formula = Fraction(2 * (world - 1), world) * grad_bytes
         print("\nall-reduced per optimizer step (gradient sync only):")
         for name, (_, meter) in results.items():
             print(f"  {name:<24} {meter.calls('all_reduce') // args.steps:>4} calls, payload "
                   f"{meter.payload('all_reduce') // args.steps:,} B, traffic per rank "
                   f"{float(meter.traffic('all_reduce') / args.steps):,.0f} B")
         print(f"  ring formula 2(N-1)/N x gradient bytes = 2x{world - 1}/{world} x {grad_bytes:,} "
-              f"= {float(formula):,.0f} B")
+              f"= {float(Fraction(2 * (world - 1), world) * grad_bytes):,.0f} B")
         stats = results["bucketed"][0].stats
         print(f"\nbucketed: {stats['buckets']} buckets of <= {args.bucket_kib} KiB, all launched from "
               f"backward hooks; up to {stats['max_in_flight']} all-reduces in flight at once during "
@@ -877,20 +831,17 @@ def bench(args: argparse.Namespace) -> None:
     theirs = nn.parallel.DistributedDataParallel(torch_model, bucket_cap_mb=args.bench_bucket_mb)
     opts = make_optimizer(ours_model, 1e-3), make_optimizer(torch_model, 1e-3)
 
-    def ours_step() -> None:
-        ours_model(tokens, targets).backward()
-        ours.finish_gradient_sync()
-        opts[0].step()
-        opts[0].zero_grad(set_to_none=True)
+    def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, sync: Callable) -> None:
+        model(tokens, targets).backward()
+        sync()  # torch DDP synchronises inside backward
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
-    def torch_step() -> None:
-        theirs(tokens, targets).backward()
-        opts[1].step()
-        opts[1].zero_grad(set_to_none=True)
-
-    times = {"ours": [], "torch DDP": []}
+    steps = {"ours": lambda: train_step(ours_model, opts[0], ours.finish_gradient_sync),
+             "torch DDP": lambda: train_step(theirs, opts[1], lambda: None)}
+    times = {name: [] for name in steps}
     for round_ in range(args.bench_rounds):
-        for name, fn in (("ours", ours_step), ("torch DDP", torch_step)):
+        for name, fn in steps.items():
             t = timed_steps(fn, args.bench_steps, device)
             if round_ > 0:  # the first round is warm-up
                 times[name] += t

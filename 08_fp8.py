@@ -2,34 +2,32 @@
 
 THE FORMATS (8 bits: sign, exponent, mantissa)
   e4m3fn  4 exponent + 3 mantissa bits: max 448, smallest normal 2^-6, smallest subnormal 2^-9;
-          rounding errs by <= 2^-4 = 6.25% (~30 dB SQNR on Gaussian data). "fn": no inf, so
-          the top binade holds numbers up to 448 (only S.1111.111 is NaN).
+          rounding errs by <= 2^-4 = 6.25% (~30 dB SQNR on Gaussian data). "fn": no inf, so the
+          top binade holds numbers up to 448 (only S.1111.111 is NaN).
   e5m2    5 exponent + 2 mantissa bits, IEEE-like: max 57344, smallest subnormal 2^-16; errs by
           <= 12.5% (~25 dB) for ~2^15 x more range.
 Weights and activations have a stable range and want precision: e4m3. Gradients span many more
 orders of magnitude and want range: e5m2. That split is the "hybrid" recipe.
-SATURATION: x.to(fp8) may overflow to inf (e5m2) or NaN (e4m3fn, older torch), so every cast here
-clamps finite values to +-fp8_max first, as the hardware's .satfinite conversion does. (torch 2.13 on
-CPU: e4m3fn overflow saturates to 448, e5m2 overflow still gives inf.)
-NON-FINITE INPUT never becomes a finite FP8 number, on the torch path and in the Triton kernel alike:
-NaN stays NaN; +-inf stays +-inf in e5m2 and is NaN in e4m3fn, which has no inf (torch's CPU cast
-and .satfinite would saturate it to fp8_max). Like torch's amax, a tile's amax is NaN if the tile holds
-a NaN (its scale NaN: the whole tile NaN) and inf if it holds an inf (scale 0: inf x 0 = NaN there,
-the tile's finite values 0); dequantised, either tile reads back as NaN.
+SATURATION: x.to(fp8) may overflow to inf (e5m2; torch 2.13's CPU e4m3fn cast saturates to 448,
+older ones give NaN), so every cast here clamps finite values to +-fp8_max first, as the hardware's
+.satfinite conversion does. NON-FINITE INPUT never becomes a finite FP8 number (torch path and Triton
+kernel alike): NaN stays NaN; +-inf stays +-inf in e5m2 and is NaN in e4m3fn, which has no inf
+(torch's CPU cast and .satfinite would saturate it). Like torch's amax, a tile's amax is NaN if it
+holds a NaN (scale NaN: the whole tile NaN), inf if it holds an inf (scale 0: inf x 0 = NaN there,
+finite values 0); dequantised, either tile reads back as NaN.
 
-THE SCALE RULE: q = cast(x * s) with s = fp8_max / amax puts the largest |x| on fp8_max, using
-the whole range; x ~ q / s. Safely: amax is clamped to >= 1e-12 (an all-zero tensor gets a finite
-scale and casts to zeros), and s is an fp32 tensor / tensor division (torch computes
-`number / tensor` as a reciprocal product, an ulp off). torch._scaled_mm multiplies its result by
-its scales: it takes *dequantisation* scales, 1/s. Error is measured as SQNR in dB (6 dB ~ 1 bit).
+THE SCALE RULE: q = cast(x * s) with s = fp8_max / amax puts the largest |x| on fp8_max, using the
+whole range; x ~ q / s. Safely: amax is clamped to >= 1e-12 (an all-zero tensor casts to zeros), and
+s is an fp32 tensor / tensor division (torch computes `number / tensor` as a reciprocal product, an
+ulp off). torch._scaled_mm takes *dequantisation* scales, 1/s. Error: SQNR in dB (6 dB ~ 1 bit).
 
 SCALING RECIPES (the granularity of s, and when it is known)
 - tensorwise current ("dynamic"): one s from this tensor's amax. Never overflows; but the amax
   reduction must finish before the cast starts (an extra memory pass), and one outlier pushes
   every other value towards the subnormals.
-- delayed (Transformer Engine): s from the max of the last H amaxes, over 2^margin. The cast does
-  not wait: one fused pass casts with the history's s and records this amax for later steps. But a
-  spike above the whole history saturates until the history catches up; a margin buys headroom.
+- delayed (Transformer Engine): s from the max of the last H amaxes, over 2^margin, is known before
+  x is read: one fused pass casts with it and records x's amax for later steps. But a spike above
+  the whole history saturates until the history catches up; a margin buys headroom with precision.
 - rowwise: one s per row (token of x, output channel of W): an outlier token hurts only its row.
   Row scales factor out of out[i,j] = sum_k A[i,k] B[j,k], so the GEMM applies them in its
   epilogue; the backward's transposed operands must be re-quantised along the other dimension.
@@ -39,10 +37,9 @@ SCALING RECIPES (the granularity of s, and when it is known)
 
 FLOAT8LINEAR (tensorwise, hybrid): y = x W^T with x, W in e4m3; grad_x = g W and grad_W = g^T x
 with the output gradient g in e5m2: all three GEMMs on FP8 tensor cores; backward keeps the casts.
-
-WHAT IT BUYS ON AN H100: FP8 tensor cores peak at 2x bf16 (1979 vs 989 dense TFLOP/s). The price,
-an amax reduction and a cast per operand (memory-bound passes), amortises only on large GEMMs and
-when torch.compile fuses it; published end-to-end gains are 1.2-1.5x. `--bench` measures both.
+On an H100, FP8 tensor cores peak at 2x bf16 (1979 vs 989 dense TFLOP/s); the price, an amax
+reduction and a cast per operand (memory-bound passes), amortises only on large GEMMs fused by
+torch.compile: published end-to-end gains are 1.2-1.5x. `--bench` measures both.
 
 RUN IT
     python 08_fp8.py          # CPU: SQNR tables, the spike demo, tiny GPT with and without FP8
@@ -54,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib
 import math
 
@@ -67,11 +65,9 @@ fa = importlib.import_module("07_flash_attention")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+ddp = importlib.import_module("01_ddp")
 INTERPRETED = fa.INTERPRETED  # else the kernel is compiled and needs CUDA tensors
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-ddp = importlib.import_module("01_ddp")
-
 FORMATS = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 E4M3, E5M2 = FORMATS.values()
 AMAX_EPS = 1e-12
@@ -137,22 +133,18 @@ def dequantize_tiles(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (tiles / scale[:, None, :, None]).reshape(rows, cols)
 
 
+# The recipes of the docstring, by name:
 def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale from this tensor's amax: never overflows, one outlier costs everyone precision,
-    and the amax reduction must finish before the cast starts. Scale shape (1, 1)."""
-    return quantize_tiles(x, (None, None), dtype)
+    return quantize_tiles(x, (None, None), dtype)  # scale shape (1, 1)
 
 
 def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale per row: outliers stay in their row; a GEMM applies row scales in its epilogue,
-    but the transposed operand of the backward must be re-quantised. Scale shape (rows, 1)."""
-    return quantize_tiles(x, (1, None), dtype)
+    return quantize_tiles(x, (1, None), dtype)  # scale shape (rows, 1)
 
 
 def quantize_blockwise(x: torch.Tensor, block: tuple[int, int],
                        dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3: block (1, 128) for activations, (128, 128) for weights. Best SQNR under
-    outliers; scales vary along K, so the GEMM rescales each 128-wide K chunk (a special kernel)."""
+    """DeepSeek-V3: block (1, 128) for activations, (128, 128) for weights."""
     return quantize_tiles(x, block, dtype)
 
 
@@ -163,8 +155,7 @@ def quantize_blockwise(x: torch.Tensor, block: tuple[int, int],
 
 @triton.jit
 def _max_keeping_nan(values, axis):
-    """The max of values >= 0 along axis, NaN if any is NaN as in torch (tl.max is IEEE maxNum,
-    which skips NaN)."""
+    """The max of values >= 0 along axis, NaN if any is NaN as in torch (tl.max skips NaN)."""
     has_nan = tl.max((values != values).to(tl.int32), axis=axis) > 0
     return tl.where(has_nan, float("nan"), tl.max(values, axis=axis))
 
@@ -240,13 +231,10 @@ def fused_amax_cast(x: torch.Tensor, tile_cols: int | None = None, dtype: torch.
 
 
 class DelayedScaling:
-    """Transformer Engine: s = fp8_max / (max of the last history_len amaxes x 2^margin) is known
-    before x is read, so one fused pass casts x with it and records x's amax for later calls. A spike
-    above the whole history saturates until it enters it; a margin buys headroom with precision.
-    amax_history: newest first, kept on x's device (the host never waits on a device-to-host copy).
-    Guard (Transformer Engine's rule): while that max is 0 (an all-zero history) or not finite (an
-    inf or NaN amax recorded in the window), s = 1, never 0, inf or NaN; a non-finite x still casts
-    to non-finite values (see cast_to_fp8), and s returns to the rule once it leaves the window."""
+    """s = fp8_max / (max of the last history_len amaxes x 2^margin); amax_history: newest first, on
+    x's device (the host never waits on a device-to-host copy). Guard (Transformer Engine's): while
+    that max is 0 (an all-zero history) or not finite (an inf or NaN amax in the window), s = 1, never
+    0, inf or NaN; a non-finite x still casts to non-finite values, and s returns once it has left."""
 
     def __init__(self, dtype: torch.dtype = E4M3, history_len: int = 16, margin: int = 0) -> None:
         if history_len < 1:
@@ -255,8 +243,7 @@ class DelayedScaling:
         self.amax_history, self.calls = torch.zeros(history_len), 0
 
     def scale(self, first_amax: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The (1, 1) scale the next quantize uses; None before the first call (no history) unless given
-        first_amax: the first call's own amax."""
+        """The (1, 1) scale the next quantize uses (no history yet: from first_amax, or None)."""
         amax = self.amax_history.max() if self.calls else first_amax
         if amax is None:
             return None
@@ -344,10 +331,9 @@ class Float8Linear(nn.Linear):
 
 
 def convert_to_float8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
-    """Swap, in place, every nn.Linear of model not named in skip for a Float8Linear.
-    The embedding is a lookup, not a GEMM, and stays. lm_head stays high precision by default: its
-    logits feed the softmax directly, so a 6% error on a logit is an error in log-probability of
-    that size times the logit, and its gradient (softmax - one-hot) starts all of backprop; FP8
+    """Swap, in place, every nn.Linear of model not named in skip for a Float8Linear (the embedding
+    is a lookup, not a GEMM). lm_head stays high precision: a 6% error on a logit is that error in
+    log-probability times the logit, and its gradient (softmax - one-hot) starts all of backprop; FP8
     recipes keep the first and last layers in bf16 (vocab sizes are not always multiples of 16)."""
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
@@ -380,10 +366,9 @@ def cast_sqnrs(x: torch.Tensor) -> dict[str, dict[str, float]]:
 def gemm_sqnrs(x: torch.Tensor, w: torch.Tensor) -> dict[str, float]:
     """x @ w^T in e4m3 under each recipe. Blockwise has no CPU kernel: it dequantises and multiplies
     in fp32, the same sum a blockwise kernel computes chunk by chunk."""
-    exact, result = x @ w.t(), {}
-    for recipe, quantize in (("tensorwise", quantize_tensorwise), ("rowwise", quantize_rowwise)):
-        (x_q, x_s), (w_q, w_s) = quantize(x), quantize(w)
-        result[recipe] = sqnr(exact, scaled_mm(x_q, x_s, w_q, w_s, torch.float32))
+    exact = x @ w.t()
+    result = {recipe: sqnr(exact, scaled_mm(*quantize(x), *quantize(w), torch.float32))
+              for recipe, quantize in (("tensorwise", quantize_tensorwise), ("rowwise", quantize_rowwise))}
     x_deq = dequantize_tiles(*quantize_blockwise(x, (1, 128)))
     result["blockwise"] = sqnr(exact, x_deq @ dequantize_tiles(*quantize_blockwise(w, (128, 128))).t())
     return result
@@ -464,13 +449,14 @@ def bench(args: argparse.Namespace) -> None:
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     compile_fn = (lambda fn: fn) if args.eager else torch.compile
     quantize = compile_fn(quantize_tensorwise)
+    median_ms = functools.partial(triton.testing.do_bench, return_mode="median")
     print(f"{torch.cuda.get_device_name()}, TFLOP/s (median of triton.testing.do_bench runs); "
           f"scaling {'eager' if args.eager else 'under torch.compile'}")
     print(f"{'M=N=K':>7}{'bf16':>9}{'fp8':>9}{'fp8 + scaling':>15}{'speed-up':>10}{'with scaling':>14}")
     for n in (4096, 8192, 16384):
         a, b = (torch.randn(n, n, device=dev, dtype=bf16) for _ in range(2))
         (a_q, a_s), (b_q, b_s) = quantize_tensorwise(a), quantize_tensorwise(b)
-        ms = [triton.testing.do_bench(fn, return_mode="median") for fn in (
+        ms = [median_ms(fn) for fn in (
             lambda: a @ b.t(), lambda: scaled_mm(a_q, a_s, b_q, b_s, bf16),  # noqa: B023 - run at once
             lambda: scaled_mm(*quantize(a), *quantize(b), bf16))]  # noqa: B023
         tflops = [2 * n ** 3 / t / 1e9 for t in ms]
@@ -484,8 +470,7 @@ def bench(args: argparse.Namespace) -> None:
         grad_out, ms = torch.randn_like(x), []
         for module in (mlp, convert_to_float8(copy.deepcopy(mlp))):
             step, params = compile_fn(module), [x, *module.parameters()]  # do_bench runs it at once:
-            ms.append(triton.testing.do_bench(
-                lambda: torch.autograd.grad(step(x), params, grad_out), return_mode="median"))  # noqa: B023
+            ms.append(median_ms(lambda: torch.autograd.grad(step(x), params, grad_out)))  # noqa: B023
         print(f"{f'{dim} -> {ffn_dim}':>14}{ms[0]:>9.2f}{ms[1]:>14.2f}{ms[0] / ms[1]:>9.2f}x")
     print("Notice: the GEMM alone nears 2x at large sizes; scaling passes eat into it, less so the larger.")
 
