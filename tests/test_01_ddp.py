@@ -655,6 +655,12 @@ def test_launcher_checks_the_world_that_will_run_in_one_line(monkeypatch, capsys
     assert capsys.readouterr().err == f"01_ddp.py: error: {message}\n"
 
 
+# Imported now, at collection: lesson 05 imports lesson 07, which must switch Triton to its
+# interpreter before anything imports triton (an AdamW step in an earlier test would).
+LESSON_MODULES = {name: importlib.import_module(name) for name in (
+    "02_zero", "03_tensor_parallel", "04_pipeline", "05_context_parallel", "06_expert_parallel")}
+
+
 @pytest.mark.parametrize("script, message", [
     ("02_zero", "global_batch=16 is not divisible by the group size 3"),
     ("03_tensor_parallel", "n_heads=8 is not divisible by tp=3"),
@@ -665,7 +671,7 @@ def test_launcher_checks_the_world_that_will_run_in_one_line(monkeypatch, capsys
 def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script, message):
     """Every lesson ends its main() in launch_lesson: its defaults are checked against the 3 local
     ranks that would start, not a stray WORLD_SIZE=1, in one line before any rank starts."""
-    lesson = importlib.import_module(script)
+    lesson = LESSON_MODULES[script]
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")
