@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
 import math
 import os
@@ -63,6 +64,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm import tqdm
 
 # ----------------------------------------------------------------------------------------------
 # Launch
@@ -115,11 +117,21 @@ def launch_world_size(nproc: int) -> int:
     return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else nproc
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every option's default, also for options without a help text."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and action.default not in (None, argparse.SUPPRESS):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
 def lesson_parser(doc: str, bench_help: str | None = None,
                   bench_steps: int = 5) -> argparse.ArgumentParser:
     """The options every lesson shares: --nproc, and --bench with its steps and rounds."""
-    parser = argparse.ArgumentParser(description=doc.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()),
+                                     formatter_class=DefaultsHelpFormatter)
     nproc = torch.cuda.device_count() if torch.cuda.is_available() else 4
     parser.add_argument("--nproc", type=int, default=nproc, help="ranks when not under torchrun")
     if bench_help is not None:
@@ -678,15 +690,15 @@ def cpu_copy(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tenso
 
 def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int,
                         lr: float = 1e-3, adam_eps: float = 1e-8, device: torch.device | str = "cpu",
-                        data_seed: int = 0,
-                        transform: Callable[[nn.Module], nn.Module] | None = None) -> TrainResult:
+                        data_seed: int = 0, transform: Callable[[nn.Module], nn.Module] | None = None,
+                        progress: bool = False) -> TrainResult:
     """The reference: one process, the whole global batch per step. `transform` rewrites the model
-    before training (lesson 08 swaps in FP8 linears, for instance)."""
+    before training (lesson 08 swaps in FP8 linears, for instance); `progress` shows a tqdm bar."""
     model = GPT(cfg)
     model = (transform(model) if transform else model).to(device)
     optimizer = make_optimizer(model, lr, adam_eps)
     result = TrainResult([], {}, {})
-    for step in range(steps):
+    for step in tqdm(range(steps), desc="training", disable=not progress, leave=False):
         tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
         loss = model(tokens.to(device), targets.to(device))
         loss.backward()

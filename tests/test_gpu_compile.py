@@ -67,8 +67,7 @@ def fp8_cast_jobs() -> list[dict]:
                                                     (128, "fp32", ("fp8e4nv", fp8.E4M3), True),
                                                     (128, "bf16", ("fp8e5", fp8.E5M2), False),
                                                     (4096, "fp32", ("fp8e5", fp8.E5M2), True)]:
-        finfo, block = torch.finfo(dtype), triton.next_power_of_2(tile_cols)
-        rows = max(1, min(64, 8192 // block))
+        finfo, (rows, block, num_warps) = torch.finfo(dtype), fp8.cast_launch_shape(tile_cols)
         constexprs = dict(ROWS=rows, BLOCK=block, FP8_MAX=finfo.max,
                           MIN_EXP=int(math.log2(finfo.smallest_normal)),
                           MANTISSA_BITS=int(-math.log2(finfo.eps)), EPS=fp8.AMAX_EPS, GIVEN_SCALE=given,
@@ -78,7 +77,7 @@ def fp8_cast_jobs() -> list[dict]:
                      **{key: "constexpr" for key in constexprs}}
         jobs.append(dict(module="08_fp8", kernel="_amax_cast_kernel", signature=signature,
                          constexprs=constexprs, capability=90,
-                         num_warps=min(16, max(4, rows * block // 1024)), num_stages=3))
+                         num_warps=num_warps, num_stages=3))
     return jobs
 
 
