@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -174,6 +175,16 @@ class RankPools:
                 pool.close(deadline=time.monotonic() + 1)
                 del self.pools[world_size]
             raise
+
+    def expect_invalid(self, world_size: int, fn: Callable, *args: Any, match: str,
+                       timeout: float = 30, **kwargs: Any) -> None:
+        """Assert that fn raises a ValueError matching `match` on every rank: a size check that runs
+        before any collective, so that no rank is left waiting for the others."""
+        with pytest.raises(RankFailure) as failure:
+            self.run(world_size, fn, *args, timeout=timeout, **kwargs)
+        assert sorted(failure.value.errors) == list(range(world_size)), failure.value
+        for tb in failure.value.errors.values():
+            assert "ValueError" in tb and re.search(match, tb), tb
 
     def close(self) -> None:
         deadline = time.monotonic() + 1
