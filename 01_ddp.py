@@ -511,6 +511,8 @@ def synthetic_batch(cfg: ModelConfig, global_batch: int, seq_len: int, step: int
     Every rank draws the same global batch and keeps its slice, so a parallel run's data is the
     single-device run's by construction. The text is learnable: each next token follows a fixed
     random bigram table 3 times in 4, else it is uniform noise."""
+    if global_batch < 1 or seq_len < 1:
+        raise ValueError(f"global_batch={global_batch} and seq_len={seq_len} must be >= 1")
     if global_batch % world_size:
         raise ValueError(f"global_batch={global_batch} is not divisible by world_size={world_size}")
     table = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(data_seed))

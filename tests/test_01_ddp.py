@@ -90,6 +90,13 @@ def test_rank_slices_tile_the_global_batch(world, per_rank, step):
     assert torch.equal(whole[0][:, 1:], whole[1][:, :-1]), "targets are the next tokens"
 
 
+@pytest.mark.parametrize("global_batch, seq_len", [(0, 4), (2, 0)])
+def test_an_empty_training_batch_is_refused(global_batch, seq_len):
+    # Every lesson draws its batches here: without the check an empty batch trains on a NaN loss.
+    with pytest.raises(ValueError, match=f"global_batch={global_batch} and seq_len={seq_len} must"):
+        ddp.synthetic_batch(ddp.ModelConfig(), global_batch, seq_len, step=0)
+
+
 def test_bad_model_config_names_the_constraint():
     with pytest.raises(ValueError, match="dim=30 is not divisible by n_heads=4"):
         ddp.ModelConfig(dim=30, n_heads=4)

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from conftest import run_script
@@ -50,6 +50,7 @@ def tp_configs(draw):
 
 
 @given(setup=tp_configs(), batch=st.integers(1, 3))
+@example(setup=(4, ddp.ModelConfig(vocab_size=3, dim=16, n_heads=4, ffn_dim=8), True, 4), batch=2)  # V < tp
 def test_tensor_parallel_equals_single_device(rank_pool, setup, batch):
     tp, cfg, sequence_parallel, seq_len = setup
     steps = 3

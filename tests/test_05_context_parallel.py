@@ -95,8 +95,11 @@ def test_layout_shards_tile_the_sequence(cp, chunk, zigzag):
     assert sorted(torch.cat([layout.positions(r) for r in range(cp)]).tolist()) == list(range(seq))
     for r in range(cp):
         assert torch.equal(shards[r][0], layout.positions(r)), "positions are the tokens' global indices"
-    if zigzag:  # rank r holds chunks r and 2P-1-r: rank 0 the first and the last
-        assert layout.positions(0)[-1].item() == seq - 1
+    chunks = [[r, 2 * cp - 1 - r] if zigzag else [r] for r in range(cp)]  # written out, not shard()
+    size = seq // (2 * cp if zigzag else cp)
+    for r in range(cp):
+        expected = [c * size + i for c in chunks[r] for i in range(size)]
+        assert layout.positions(r).tolist() == expected, f"rank {r} holds chunks {chunks[r]}"
 
 
 # --- sharded attention equals full attention --------------------------------------------------
