@@ -436,12 +436,17 @@ class FlashAttention(torch.autograd.Function):
         return *grads, None, None, None, None
 
 
+# torch.compile of a model that calls these compiles everything around them and calls our kernels
+# as they are: its tracer cannot follow Triton's autotuner (torch 2.11 fails with "ListVariable is
+# already tracked for mutation"), and there is nothing left to fuse inside a fused kernel.
+@torch.compiler.disable
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     sm_scale: float | None = None) -> torch.Tensor:
     """A drop-in attention function for the reference model: GPT(cfg, attn_fn=flash_attention)."""
     return FlashAttention.apply(q, k, v, causal, sm_scale, 0, 0)[0]
 
 
+@torch.compiler.disable
 def flash_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                           k_offset: int, causal: bool, sm_scale: float | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -620,34 +625,50 @@ def demo(args: argparse.Namespace) -> None:
           f"fp16 our errors are PyTorch's own (P and dS are rounded to fp16); the lse stays exact to fp32.")
 
 
-def bench() -> None:
-    """TFLOP/s of forward, backward and both, ours against SDPA's flash backend, bf16, 16k tokens per
-    batch at model width 2048 (the FlashAttention-2 paper's setting). FLOPs as the papers count them:
-    forward 4 N^2 d per (batch, head) (two N x N x d matmuls), half that when causal; backward 2.5 x
-    forward (five matmuls; recomputation not counted); forward + backward 3.5 x forward."""
+def bench(head_dims: list[int], seqs: list[int]) -> None:
+    """TFLOP/s of forward, backward and both, ours against SDPA's flash backend (and cuDNN's, where
+    torch offers it), bf16, 16k tokens per batch at model width 2048 (the FlashAttention-2 paper's
+    setting). FLOPs as the papers count them: forward 4 N^2 d per (batch, head) (two N x N x d
+    matmuls), half that when causal; backward 2.5 x forward (five matmuls; recomputation not
+    counted); forward + backward 3.5 x forward. Ratios are ours / SDPA flash."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
     def tflops(attn, q, k, v, dout, causal: bool, fwd_flops: float) -> list[float]:
         out = attn(q, k, v, causal)
-        ms = [do_bench(lambda: attn(q, k, v, causal)),
-              do_bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=(q, k, v)),
-              do_bench(lambda: attn(q, k, v, causal).backward(dout), grad_to_none=(q, k, v))]
+        ms = [do_bench(lambda: attn(q, k, v, causal), return_mode="median"),
+              do_bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=(q, k, v),
+                       return_mode="median"),
+              do_bench(lambda: attn(q, k, v, causal).backward(dout), grad_to_none=(q, k, v),
+                       return_mode="median")]
         return [f * fwd_flops / (t * 1e-3) / 1e12 for f, t in zip((1, 2.5, 3.5), ms, strict=True)]
 
+    def sdpa(backend):
+        def attn(q, k, v, causal):
+            with sdpa_kernel(backend):
+                return _sdpa(q, k, v, causal)[0]
+        return attn
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"TFLOP/s, median of triton.testing.do_bench")
     print(f"{'head_dim':>8}{'seq':>7}{'causal':>8}" + "".join(
-        f"{p + ' ' + n:>14}" for p in ("fwd", "bwd", "fwd+bwd") for n in ("ours", "SDPA", "ratio")))
-    for head_dim, seq, causal in itertools.product((64, 128), (1024, 2048, 4096, 8192, 16384), (False, True)):
-        batch, heads = 16384 // seq, 2048 // head_dim
+        f"{p + ' ' + n:>13}" for p in ("fwd", "bwd", "fwd+bwd") for n in ("ours", "flash", "ratio"))
+        + f"{'cuDNN f+b':>11}")
+    for head_dim, seq, causal in itertools.product(head_dims, seqs, (False, True)):
+        batch, heads = max(1, 16384 // seq), 2048 // head_dim
         q, k, v, dout = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
                          for _ in range(4))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         fwd_flops = 4 * batch * heads * seq ** 2 * head_dim / (2 if causal else 1)
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            ours, sdpa = (tflops(attn, q, k, v, dout, causal, fwd_flops)
-                          for attn in (flash_attention, lambda *x: _sdpa(*x)[0]))
+        ours, flash = (tflops(attn, q, k, v, dout, causal, fwd_flops)
+                       for attn in (flash_attention, sdpa(SDPBackend.FLASH_ATTENTION)))
+        try:
+            cudnn = f"{tflops(sdpa(SDPBackend.CUDNN_ATTENTION), q, k, v, dout, causal, fwd_flops)[2]:>11.1f}"
+        except RuntimeError:  # no cuDNN attention in this torch build or for this shape
+            cudnn = f"{'n/a':>11}"
         print(f"{head_dim:>8}{seq:>7}{causal!s:>8}" + "".join(
-            f"{o:>14.1f}{s:>14.1f}{o / s:>14.2f}" for o, s in zip(ours, sdpa, strict=True)))
+            f"{o:>13.1f}{s:>13.1f}{o / s:>13.2f}" for o, s in zip(ours, flash, strict=True)) + cudnn,
+            flush=True)
 
 
 def main() -> None:
@@ -659,6 +680,8 @@ def main() -> None:
     for name, default in (("--batch", 2), ("--heads", 2), ("--seq", 100), ("--head-dim", 32)):
         parser.add_argument(name, type=int, default=default)  # seq 100: a multiple of no block size
     parser.add_argument("--bench", action="store_true", help="GPU: TFLOP/s against SDPA (flash), bf16")
+    parser.add_argument("--bench-head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--bench-seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--gpu-report", action="store_true", help="no GPU needed: shared memory, registers "
                         "and spills of every kernel and config, compiled for sm_90")
     args = parser.parse_args()
@@ -669,7 +692,12 @@ def main() -> None:
         parser.error("--head-dim must be between 16 and 128")
     if args.bench and INTERPRETED:
         parser.error("--bench needs a CUDA GPU (on CPU the kernels run in Triton's interpreter)")
-    gpu_report() if args.gpu_report else bench() if args.bench else demo(args)
+    if args.gpu_report:
+        gpu_report()
+    elif args.bench:
+        bench(args.bench_head_dims, args.bench_seqs)
+    else:
+        demo(args)
 
 
 if __name__ == "__main__":

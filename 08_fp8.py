@@ -285,6 +285,12 @@ def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
             raise ValueError("cuBLAS has no e5m2 x e5m2 GEMM: make one operand e4m3")
         if a_scale.numel() > 1 and out_dtype != torch.bfloat16:
             raise ValueError(f"rowwise-scaled FP8 GEMMs on CUDA need out_dtype=bfloat16, got {out_dtype}")
+    elif a_scale.numel() > 1 or b_scale.numel() > 1:
+        # torch 2.11's CPU kernel takes per-tensor scales only: scale the unit-scaled product's rows
+        # and columns after it, the same sum (each dot product still runs over raw FP8 values).
+        one = torch.ones((), device=a_q.device)
+        product = torch._scaled_mm(a_q, b_q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return (product / a_scale.reshape(-1, 1) / b_scale.reshape(1, -1)).to(out_dtype)
     return torch._scaled_mm(a_q, b_q.t(), scale_a=a_scale.reciprocal(),
                             scale_b=b_scale.reciprocal().reshape(1, -1), out_dtype=out_dtype)
 
@@ -454,20 +460,23 @@ def bench(args: argparse.Namespace) -> None:
         raise SystemExit("--bench needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     compile_fn = (lambda fn: fn) if args.eager else torch.compile
-    quantize = compile_fn(quantize_tensorwise)
     median_ms = functools.partial(triton.testing.do_bench, return_mode="median")
     print(f"{torch.cuda.get_device_name()}, TFLOP/s (median of triton.testing.do_bench runs); "
           f"scaling {'eager' if args.eager else 'under torch.compile'}")
-    print(f"{'M=N=K':>7}{'bf16':>9}{'fp8':>9}{'fp8 + scaling':>15}{'speed-up':>10}{'with scaling':>14}")
+    print(f"{'M=N=K':>7}{'bf16':>7}" + "".join(f"{r + ' ' + c:>17}" for r in ("tensorwise", "rowwise")
+                                             for c in ("GEMM", "+ scaling", "speed-up", "with scaling")))
+    quantizers = {"tensorwise": (quantize_tensorwise, compile_fn(quantize_tensorwise)),
+                  "rowwise": (quantize_rowwise, compile_fn(quantize_rowwise))}
     for n in (4096, 8192, 16384):
         a, b = (torch.randn(n, n, device=dev, dtype=bf16) for _ in range(2))
-        (a_q, a_s), (b_q, b_s) = quantize_tensorwise(a), quantize_tensorwise(b)
-        ms = [median_ms(fn) for fn in (
-            lambda: a @ b.t(), lambda: scaled_mm(a_q, a_s, b_q, b_s, bf16),  # noqa: B023 - run at once
-            lambda: scaled_mm(*quantize(a), *quantize(b), bf16))]  # noqa: B023
-        tflops = [2 * n ** 3 / t / 1e9 for t in ms]
-        print(f"{n:>7}{tflops[0]:>9.0f}{tflops[1]:>9.0f}{tflops[2]:>15.0f}{ms[0] / ms[1]:>9.2f}x"
-              f"{ms[0] / ms[2]:>13.2f}x")
+        bf16_ms, row = median_ms(lambda: a @ b.t()), ""  # noqa: B023 - do_bench runs it at once
+        for eager_quantize, quantize in quantizers.values():
+            (a_q, a_s), (b_q, b_s) = eager_quantize(a), eager_quantize(b)
+            ms = [median_ms(fn) for fn in (lambda: scaled_mm(a_q, a_s, b_q, b_s, bf16),  # noqa: B023
+                                           lambda: scaled_mm(*quantize(a), *quantize(b), bf16))]  # noqa: B023
+            row += "".join(f"{2 * n ** 3 / t / 1e9:>17.0f}" for t in ms)
+            row += "".join(f"{bf16_ms / t:>16.2f}x" for t in ms)
+        print(f"{n:>7}{2 * n ** 3 / bf16_ms / 1e9:>7.0f}{row}", flush=True)
     print(f"\nSwiGLU MLP forward+backward, {args.bench_tokens} tokens (ms):")
     print(f"{'dim -> ffn':>14}{'bf16':>9}{'Float8Linear':>14}{'speed-up':>10}")
     for dim, ffn_dim in ((4096, 14336), (8192, 28672)):  # Llama-3 8B and 70B MLPs

@@ -177,7 +177,7 @@ def test_delayed_scaling_clips_a_spike_until_it_enters_the_history():
         delayed.quantize(constant(1.0))
     q, scale = delayed.quantize(constant(100.0))
     assert q.float()[0, 0] == 448, "the spike is clipped to fp8_max"
-    assert fp8.dequantize_tiles(q, scale)[0, 0] == pytest.approx(1.0), "and reads back as 1"
+    assert fp8.dequantize_tiles(q, scale)[0, 0].item() == pytest.approx(1.0), "and reads back as 1"
     q, scale = delayed.quantize(constant(100.0))  # now the history knows it
     assert scale.item() == pytest.approx(4.48) and q.float()[0, 0] == 448
     for _ in range(history_len):
