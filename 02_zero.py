@@ -41,13 +41,14 @@ the traffic per step beside 1x and 1.5x DDP; the gathers in flight in stage 3.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import itertools
 import math
 import statistics
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -197,6 +198,7 @@ class ZeRO:
         # to this rank's elements (lesson 01's settings: one place to change them).
         self.optimizer = ddp.make_optimizer(nn.ParameterList(u.master for u in self.units), lr, adam_eps)
         self.max_gathers_in_flight = self.prefetched_gathers = 0
+        self.sync_gradients = True
         for index, (unit, (_, module)) in enumerate(zip(self.units, modules)):
             for i, p in enumerate(unit.params if stage >= 2 else ()):
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit, i=i: self._on_grad_ready(unit, i))
@@ -219,8 +221,9 @@ class ZeRO:
         unit = self.units[index]
         self.prefetched_gathers += unit.gathered is not None
         self._launch_gather(unit)
-        unit.gather_work.wait()
-        unit.gather_work = None
+        if unit.gather_work is not None:  # None: still gathered from an earlier use
+            unit.gather_work.wait()
+            unit.gather_work = None
         unit.bind(unit.gathered)
         if self.prefetch and 0 <= next_index < len(self.units):
             self._launch_gather(self.units[next_index])
@@ -235,17 +238,33 @@ class ZeRO:
     def _on_grad_ready(self, unit: FlatUnit, i: int) -> None:
         if unit.scatter is not None:
             raise RuntimeError("a second backward before step(): ZeRO-2/3 here reduce-scatter every "
-                               "backward's gradients; call step() after each backward")
+                               "backward's gradients; call step() after each backward, or run the "
+                               "earlier backwards under no_sync()")
         unit.ready.add(i)
         if len(unit.ready) < len(unit.params):
             return
+        unit.ready.clear()
+        if self.stage == 3:
+            unit.release()  # every use of these parameters in this backward is done
+        if self.sync_gradients:
+            self._reduce_scatter(unit)
+
+    def _reduce_scatter(self, unit: FlatUnit) -> None:
         send = unit.flatten([p.grad for p in unit.params], self.dtype)
         for p in unit.params:
             p.grad = None  # the full gradient is freed: only the send buffer lives until the wait
-        if self.stage == 3:
-            unit.release()  # every use of these parameters in backward is done
         unit.scatter = (ddp.reduce_scatter(unit.grad_shard, send, group=self.group, async_op=True), send)
-        unit.ready.clear()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation (microbatches, a pipeline's schedule): backward passes inside only
+        accumulate the full gradients in .grad; finish_gradient_sync() reduce-scatters them once.
+        Stages 0-1 always accumulate locally, so for them this changes nothing."""
+        self.sync_gradients = False
+        try:
+            yield
+        finally:
+            self.sync_gradients = True
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -258,24 +277,44 @@ class ZeRO:
             elif self.stage == 1:
                 unit.grad_shard = torch.empty_like(unit.shard)
                 ddp.reduce_scatter(unit.grad_shard, unit.flat_grad, group=self.group)
-            elif unit.scatter is None:
-                missing = [n for j, n in enumerate(unit.names) if j not in unit.ready]
-                raise RuntimeError(f"parameters got no gradient this step (unused parameters are "
-                                   f"not supported): {missing[:5]}")
             else:
+                if unit.scatter is None:  # accumulated under no_sync(), or by autograd.grad
+                    missing = [n for n, p in zip(unit.names, unit.params) if p.grad is None]
+                    if missing:
+                        raise RuntimeError(f"parameters got no gradient this step (unused "
+                                           f"parameters are not supported): {missing[:5]}")
+                    if self.stage == 3:
+                        unit.release()
+                    self._reduce_scatter(unit)
                 unit.scatter[0].wait()
                 unit.scatter = None
+                unit.ready.clear()
             unit.grad_shard.div_(self.world)
 
     @torch.no_grad()
-    def clip_and_update(self) -> torch.Tensor:
-        """Clip by the global gradient norm, AdamW on the shards, refresh the compute parameters.
-        Returns the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
-        grads = [u.grad_shard.float() for u in self.units]  # fp32: the same tensors, no copy
-        squares = sum(g.pow(2).sum() for g in grads)
+    def grad_squares(self, share: Callable[[nn.Parameter], float] = lambda p: 1.0) -> torch.Tensor:
+        """The squared norm of the averaged gradient, summed over the group. share(p) weighs each
+        parameter's part: a model that is itself split over more ranks (tensor, pipeline parallel)
+        sums the parts of all ranks, and a parameter held by t of them counts 1/t on each."""
+        squares = torch.zeros((), device=self.units[0].shard.device)
+        for unit in self.units:
+            grad = unit.grad_shard.float()
+            for p, begin, end in zip(unit.params, unit.offsets, unit.offsets[1:]):
+                begin, end = max(begin, unit.owned.start), min(end, unit.owned.stop)
+                if begin < end:
+                    part = grad[begin - unit.owned.start:end - unit.owned.start]
+                    squares += part.pow(2).sum() * share(p)
         if self.stage > 0:  # each rank has its shard's share of the sum
             ddp.all_reduce(squares, group=self.group)
-        norm = squares.sqrt()
+        return squares
+
+    @torch.no_grad()
+    def clip_and_update(self, squares: torch.Tensor | None = None) -> torch.Tensor:
+        """Clip by the global gradient norm, AdamW on the shards, refresh the compute parameters.
+        squares: the squared norm over a larger model than this one (default grad_squares()).
+        Returns the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
+        grads = [u.grad_shard.float() for u in self.units]  # fp32: the same tensors, no copy
+        norm = (self.grad_squares() if squares is None else squares).sqrt()
         scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s rule
         for unit, grad in zip(self.units, grads, strict=True):
             unit.master.grad = grad.mul_(scale)

@@ -1,0 +1,414 @@
+"""Lesson 09: every technique at once. A (dp, pp, cp, tp) mesh, one model, proved equal to one device.
+
+THE MESH
+world = dp x pp x cp x tp ranks, numbered with tp fastest: rank = ((d pp + p) cp + c) tp + t. So
+the ranks of a tensor-parallel group are adjacent (the same node, the fastest link: TP talks in
+every layer), then context, pipeline and data parallelism, which talk less often. Every rank creates
+every group of every dimension in the same order (dist.new_group is a collective over the world)
+and keeps those it belongs to. Expert parallelism needs no ranks of its own: the dp x cp ranks of
+one (pp, tp) position hold different tokens anyway, so an MoE layer may spread its experts over
+them (ep divides dp x cp); each expert is then data-parallel over the other dp x cp / ep ranks.
+
+ONE MODEL, TRANSFORMED IN ONE ORDER (each step is an earlier lesson's own function)
+  lesson 01 GPT(cfg) -> 08 convert_to_float8 (flag) -> 03 apply_tensor_parallel (+ SP)
+  -> 05 ContextParallelAttention as the attention function (zigzag ring; 07's kernel on a GPU)
+  -> 04 cut_stage (the pipeline stage, v of them per rank for interleaved 1F1B)
+  -> 02 ZeRO stage 0-3 over the dp x cp group.
+Why this order: TP rewrites modules and needs the whole model; CP only swaps a function; a stage cut
+deletes modules, so it comes after every rewrite that walks the model; ZeRO flattens the parameters
+as they finally are, so it is last.
+
+GRADIENTS EQUAL ONE DEVICE'S, because each reduction happens exactly once:
+- tp: Megatron's f/g inside the model; with SP the replicated norm weights' partial gradients are
+  summed over tp (03's hook). Nothing else reduces over tp.
+- pp: each stage owns its parameters; microbatch losses are divided by m (04).
+- dp x cp: every rank's loss is the mean over its own tokens (its rows, its sequence chunks, equal
+  counts), the ring returns every dK/dV to its owner, so the mean over the dp x cp ranks of their
+  gradients is the global batch's gradient: ZeRO's reduce-scatter (or all-reduce) / (dp cp), once
+  per step after the last microbatch (ZeRO.no_sync during the schedule).
+- clipping: ||g||^2 = sum over ZeRO shards (dp x cp), tp and pp ranks, where a tensor-parallel
+  replicated parameter counts 1/tp on each of its tp ranks. Then every rank scales alike.
+
+COST per step per rank (the summary prints measured = formula per mesh dimension)
+  tp: 03's comm_formula restricted to the stage's layers, m microbatches (activations b s h).
+  cp: 05's ring, 2(P-1) K/V hops forward, as many plus dK/dV hops backward, per attention call.
+  pp: 04's boundaries: (stages not last + not first) x b x s x h bytes.
+  dp x cp: 02's ZeRO traffic on the stage's padded parameters (+ one scalar for the norm).
+Memory: parameters, gradients and AdamW state per rank are 02's formula on the TP- and
+stage-local parameter count: the dimensions multiply (dp cp for ZeRO-3, tp, pp).
+
+RUN IT
+    python 09_full_train.py --dp 2 --tp 2 --pp 2          # 8 local CPU processes
+    torchrun --nproc_per_node=8 09_full_train.py --dp 2 --tp 2 --pp 2 --zero 3
+    python 09_full_train.py --dp 2 --cp 2 --tp 2 --sequence-parallel
+Look at: the printed rank map; the max |difference| from one device (loss, every gradient
+reassembled from the shards, parameters after the steps); bytes per mesh dimension beside the
+formulas.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import itertools
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+ddp = importlib.import_module("01_ddp")
+zero_lesson = importlib.import_module("02_zero")
+tp_lesson = importlib.import_module("03_tensor_parallel")
+pp_lesson = importlib.import_module("04_pipeline")
+cp_lesson = importlib.import_module("05_context_parallel")
+fp8_lesson = importlib.import_module("08_fp8")
+
+DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
+
+# ----------------------------------------------------------------------------------------------
+# The mesh
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MeshSizes:
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """rank -> {dim: index}, tp fastest."""
+        out = {}
+        for dim in reversed(DIMS):
+            rank, out[dim] = divmod(rank, getattr(self, dim))
+        return {dim: out[dim] for dim in DIMS}
+
+    def rank(self, **coords: int) -> int:
+        r = 0
+        for dim in DIMS:
+            r = r * getattr(self, dim) + coords[dim]
+        return r
+
+    def groups(self, dims: tuple[str, ...]) -> list[list[int]]:
+        """Every group whose ranks differ only along dims, each in mesh order."""
+        fixed = [d for d in DIMS if d not in dims]
+        out = []
+        for held in itertools.product(*(range(getattr(self, d)) for d in fixed)):
+            moving = itertools.product(*(range(getattr(self, d)) for d in dims))
+            out.append([self.rank(**dict(zip(fixed, held)), **dict(zip(dims, m))) for m in moving])
+        return out
+
+
+GROUP_DIMS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp",), "dp_cp": ("dp", "cp")}
+
+
+@dataclass
+class Mesh:
+    sizes: MeshSizes
+    rank: int
+    coords: dict[str, int]
+    groups: dict[str, dist.ProcessGroup]  # this rank's group of each kind in GROUP_DIMS
+
+
+def build_mesh(sizes: MeshSizes) -> Mesh:
+    """Create every group of every kind, in the same order on every rank; keep this rank's."""
+    rank = dist.get_rank()
+    mine = {}
+    for kind, dims in GROUP_DIMS.items():
+        for ranks in sizes.groups(dims):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[kind] = group
+    return Mesh(sizes, rank, sizes.coords(rank), mine)
+
+
+def rank_map(sizes: MeshSizes) -> str:
+    rows = [f"  rank {r:>2}: " + " ".join(f"{d}={i}" for d, i in sizes.coords(r).items())
+            for r in range(sizes.world)]
+    return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole configuration, checked before any collective
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    global_batch: int = 8
+    seq_len: int = 16
+    zero_stage: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual: int = 1  # pipeline stages per rank (interleaved 1F1B)
+    sequence_parallel: bool = False
+    fp8: bool = False
+    lr: float = 1e-3
+    adam_eps: float = 1e-8
+    max_grad_norm: float = math.inf
+
+
+def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
+    """Every violation, each lesson's rule in its own words, in one ValueError."""
+    problems = []
+
+    def check(rule, *args) -> None:
+        try:
+            rule(*args)
+        except ValueError as error:
+            problems.append(str(error))
+
+    if min(getattr(sizes, d) for d in DIMS) < 1:
+        problems.append(f"every mesh size must be >= 1, got {sizes}")
+    elif sizes.world != world:
+        problems.append(f"dp x pp x cp x tp = {sizes.dp} x {sizes.pp} x {sizes.cp} x {sizes.tp} = "
+                        f"{sizes.world} is not the world size {world}")
+    tp, cp = max(sizes.tp, 1), max(sizes.cp, 1)
+    check(tp_lesson.validate_tensor_parallel, cfg, tp)
+    check(cp_lesson.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", True)
+    check(zero_lesson.validate_stage, train.zero_stage)
+    if train.global_batch % max(sizes.dp, 1):
+        problems.append(f"global_batch={train.global_batch} is not divisible by dp={sizes.dp}")
+    else:
+        check(pp_lesson.validate_pipeline, cfg.n_layers, max(sizes.pp, 1),
+              train.global_batch // max(sizes.dp, 1), train.microbatches, train.schedule, train.virtual)
+    if train.sequence_parallel and (train.seq_len // cp) % tp:
+        problems.append(f"sequence parallelism splits each rank's seq_len / cp = {train.seq_len} / "
+                        f"{cp} tokens over tp={tp}: not divisible")
+    if train.fp8 and train.zero_stage == 3:
+        problems.append("fp8 with ZeRO-3 is not supported (Float8Linear would cast released weights)")
+    if problems:
+        raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------
+# Where each held parameter comes from: the contract for reassembly and checkpoints
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """This rank's piece of one parameter of the lesson-01 reference model."""
+    name: str                      # the reference model's parameter name
+    full_shape: tuple[int, ...]    # its global shape
+    stage: int                     # the pipeline stage that holds it
+    tp_dim: int | None             # the dim split over tp (None: replicated over tp)
+    tp_start: int                  # first global index along tp_dim of this rank's TP shard
+    tp_length: int                 # real (unpadded) length of the TP shard along tp_dim
+    local_shape: tuple[int, ...]   # this rank's TP-local tensor (padded to a multiple of tp)
+    flat_start: int                # this rank's ZeRO shard: elements [flat_start, flat_stop) of
+    flat_stop: int                 # the flattened TP-local tensor
+
+    def global_indices(self) -> torch.Tensor:
+        """For each element of this rank's shard: its index in the flattened global parameter,
+        -1 for padding."""
+        index = torch.arange(math.prod(self.full_shape)).view(self.full_shape)
+        if self.tp_dim is not None:
+            index = index.narrow(self.tp_dim, self.tp_start, self.tp_length)
+            pad = list(self.local_shape)
+            pad[self.tp_dim] -= self.tp_length
+            index = torch.cat([index, index.new_full(pad, -1)], self.tp_dim)
+        return index.flatten()[self.flat_start:self.flat_stop]
+
+
+def assemble(pieces: list[tuple[ShardSpec, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Whole parameters (or gradients) by reference name from every rank's (spec, values)."""
+    full = {}
+    for spec, values in pieces:
+        flat = full.setdefault(spec.name, torch.full(spec.full_shape, math.nan)).view(-1)
+        index = spec.global_indices()
+        real = index >= 0
+        flat[index[real]] = values.float()[real]
+    return full
+
+
+# ----------------------------------------------------------------------------------------------
+# The composed model and its step
+# ----------------------------------------------------------------------------------------------
+
+
+def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages: int,
+                      device: torch.device) -> nn.Module:
+    """The documented order: GPT -> FP8 -> TP (+SP) -> CP attention -> stage cut."""
+    model = ddp.GPT(cfg)
+    if train.fp8:
+        model = fp8_lesson.convert_to_float8(model)
+    model = tp_lesson.apply_tensor_parallel(model.to(device), mesh.groups["tp"], train.sequence_parallel)
+    if mesh.sizes.cp > 1:
+        attention = cp_lesson.ContextParallelAttention(mesh.groups["cp"], "ring", zigzag=True,
+                                                       block=cp_lesson.FLASH_BLOCK if device.type == "cuda"
+                                                       else cp_lesson.TORCH_BLOCK)
+        for block in model.layers.values():
+            block.attn.attn_fn = attention
+    return pp_lesson.cut_stage(model, stage, n_stages)
+
+
+class Trainer:
+    """One rank's part of the 4D-parallel training: its pipeline stages, each TP- and CP-parallel,
+    each with a ZeRO optimizer over dp x cp.
+
+        trainer = Trainer(cfg, mesh, train, device)
+        loss = trainer.step(rows)   # this dp rank's (global_batch / dp, seq_len + 1) token rows
+    """
+
+    def __init__(self, cfg, mesh: Mesh, train: TrainConfig, device: torch.device) -> None:
+        validate(cfg, mesh.sizes, train, mesh.sizes.world)
+        self.cfg, self.mesh, self.train, self.device = cfg, mesh, train, device
+        sizes, at = mesh.sizes, mesh.coords
+        self.plan = pp_lesson.make_schedule(train.schedule, sizes.pp, train.microbatches, train.virtual)
+        self.layout = cp_lesson.SequenceLayout(train.seq_len, sizes.cp, zigzag=True)
+        positions = self.layout.positions(at["cp"], device)
+        self.stages = {}
+        for stage in range(at["pp"], self.plan.n_stages, sizes.pp):
+            model = build_stage_model(cfg, mesh, train, stage, self.plan.n_stages, device)
+            model.register_forward_pre_hook(  # global positions: RoPE on CP chunks and SP shards
+                lambda _, args, kwargs: (args, {**kwargs, "positions": positions}), with_kwargs=True)
+            self.stages[stage] = model
+        self.zeros = {stage: zero_lesson.ZeRO(model, train.zero_stage, mesh.groups["dp_cp"], lr=train.lr,
+                                              adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm)
+                      for stage, model in self.stages.items()}
+        rows = train.global_batch // sizes.dp // train.microbatches
+        seq = train.seq_len // sizes.cp // (sizes.tp if train.sequence_parallel else 1)
+        self.boundary_shape = (rows, seq, cfg.dim)
+        self.meter = ddp.CommMeter()  # every step's communication, accumulated
+        self.steps = 0
+
+    def set_lr(self, lr: float) -> None:
+        for zero in self.zeros.values():
+            for group in zero.optimizer.param_groups:
+                group["lr"] = lr
+
+    def forward_backward(self, rows: torch.Tensor) -> float:
+        """Forward and backward of the schedule on this rank's rows, gradients averaged over
+        dp x cp; returns the global batch's mean loss (on every rank)."""
+        sizes, at = self.mesh.sizes, self.mesh.coords
+        if rows.shape != (self.train.global_batch // sizes.dp, self.train.seq_len + 1):
+            raise ValueError(f"rows of shape {tuple(rows.shape)}: this dp rank expects "
+                             f"(global_batch / dp, seq_len + 1) = ({self.train.global_batch // sizes.dp}, "
+                             f"{self.train.seq_len + 1})")
+        tokens, targets = (self.layout.shard(t, at["cp"], dim=1).to(self.device)
+                           for t in (rows[:, :-1], rows[:, 1:]))
+        with ddp.comm_meter() as meter:
+            with contextlib.ExitStack() as accumulate:
+                for zero in self.zeros.values():
+                    accumulate.enter_context(zero.no_sync())
+                log = pp_lesson.run_schedule(self.plan, self.stages, tokens, targets, self.mesh.groups["pp"],
+                                             boundary_shape=self.boundary_shape)
+            for zero in self.zeros.values():
+                zero.finish_gradient_sync()
+        self._add(meter)
+        # Outside the meter: the last stage's local mean, averaged over dp x cp, sent to every stage.
+        loss = (log.loss if log.loss is not None else torch.zeros((), device=self.device)).double()
+        for kind in ("dp_cp", "pp"):
+            ddp.all_reduce(loss, group=self.mesh.groups[kind])
+        return loss.item() / (sizes.dp * sizes.cp)
+
+    def update(self) -> float:
+        """Clip by the norm over the whole mesh, AdamW on every shard; returns the norm."""
+        tp = self.mesh.sizes.tp
+        with ddp.comm_meter() as meter:
+            squares = sum(zero.grad_squares(lambda p: 1.0 if hasattr(p, "tp_shard_dim") else 1 / tp)
+                          for zero in self.zeros.values())
+            for kind in ("tp", "pp"):
+                if getattr(self.mesh.sizes, kind) > 1:
+                    ddp.all_reduce(squares, group=self.mesh.groups[kind])
+            for zero in self.zeros.values():
+                zero.clip_and_update(squares)
+                zero.zero_grad()
+        self._add(meter)
+        self.steps += 1
+        return squares.sqrt().item()
+
+    def step(self, rows: torch.Tensor) -> float:
+        loss = self.forward_backward(rows)
+        self.update()
+        return loss
+
+    def _add(self, meter: "ddp.CommMeter") -> None:
+        self.meter = zero_lesson.merge_meters([self.meter, meter])
+
+    # --- what this rank holds ---------------------------------------------------------------
+
+    def shard_specs(self) -> list[tuple[ShardSpec, object, int]]:
+        """(spec, ZeRO unit, index in the unit) of every parameter piece this rank holds."""
+        tp_rank, out = self.mesh.coords["tp"], []
+        for stage, zero in self.zeros.items():
+            for unit in zero.units:
+                for i, (name, p) in enumerate(zip(unit.names, unit.params)):
+                    begin = max(unit.offsets[i], unit.owned.start) - unit.offsets[i]
+                    end = min(unit.offsets[i + 1], unit.owned.stop) - unit.offsets[i]
+                    if begin >= end:
+                        continue
+                    dim = getattr(p, "tp_shard_dim", None)
+                    full, start, length = list(unit.shapes[i]), 0, 0
+                    if dim is not None:
+                        full[dim] = p.tp_full_size
+                        start = tp_rank * unit.shapes[i][dim]
+                        length = max(0, min(unit.shapes[i][dim], p.tp_full_size - start))
+                    spec = ShardSpec(name, tuple(full), stage, dim, start, length, tuple(unit.shapes[i]),
+                                     begin, end)
+                    out.append((spec, unit, i))
+        return out
+
+    def shards(self, kind: str = "params") -> list[tuple[ShardSpec, torch.Tensor]]:
+        """(spec, CPU values) of this rank's pieces: "params" (fp32 masters), "grads" (averaged,
+        before clipping: between forward_backward and update), or an AdamW state key."""
+        out = []
+        for spec, unit, i in self.shard_specs():
+            zero = self.zeros[spec.stage]
+            source = {"params": unit.master, "grads": unit.grad_shard}.get(kind)
+            if source is None:
+                source = zero.optimizer.state[unit.master][kind]
+            begin = unit.offsets[i] + spec.flat_start - unit.owned.start
+            out.append((spec, source[begin:begin + spec.flat_stop - spec.flat_start].detach().float().cpu().clone()))
+        return out
+
+    def summary(self) -> dict:
+        """Parameters held, bytes held against 02's formula, and bytes sent per step per mesh
+        dimension against each lesson's formula."""
+        held = {k: sum(z.held_bytes()[k] for z in self.zeros.values()) for k in ("params", "grads", "optimizer")}
+        formula = {k: sum(z.memory_formula()[k] for z in self.zeros.values()) for k in held}
+        steps, measured = max(self.steps, 1), {}
+        ops = {"tp": [None], "cp": ["send"], "pp": [None], "dp_cp": ["all_reduce", "reduce_scatter", "all_gather"]}
+        for kind, op_names in ops.items():  # dp alone carries nothing: ZeRO reduces over dp x cp
+            if ddp.group_size(self.mesh.groups[kind]) > 1:
+                ranks = ddp.group_ranks(self.mesh.groups[kind])
+                measured[kind] = sum(self.meter.traffic(op, ranks) for op in op_names) / steps
+        return dict(params=sum(p.numel() for m in self.stages.values() for p in m.parameters()),
+                    held=held, memory_formula=formula, traffic=measured, traffic_formula=self.traffic_formula())
+
+    def traffic_formula(self) -> dict[str, Fraction]:
+        """Bytes this rank sends per step in each group of size > 1, by the lessons' formulas."""
+        sizes, train, cfg = self.mesh.sizes, self.train, self.cfg
+        b, m, s = train.global_batch // sizes.dp, train.microbatches, train.seq_len // sizes.cp
+        layers = sum(len(model.layers) for model in self.stages.values())
+        norm = {n: Fraction(2 * (n - 1), n) * 4 for n in (sizes.tp, sizes.pp, sizes.dp * sizes.cp)}
+        out = {}
+        if sizes.tp > 1:  # 03: activations and the loss; + the clipping norm's scalar
+            ops = tp_lesson.comm_formula(cfg, b, s, train.sequence_parallel, layers=layers, microbatches=m,
+                                         embed=0 in self.stages, head=self.plan.n_stages - 1 in self.stages)
+            ring = Fraction(sizes.tp - 1, sizes.tp)
+            out["tp"] = norm[sizes.tp] + sum(ring * payload * (2 if op == "all_reduce" else 1)
+                                             for op, (_, payload) in ops.items())
+        if sizes.cp > 1:  # 05: every attention call of every microbatch
+            shard = b // m * (cfg.n_heads // sizes.tp) * s * cfg.head_dim
+            out["cp"] = sum(cp_lesson.attention_bytes("ring", shard, sizes.cp).values()) * layers * m
+        if sizes.pp > 1:  # 04: one activation and one gradient per boundary and microbatch
+            boundaries = sum((st < self.plan.n_stages - 1) + (st > 0) for st in self.stages)
+            out["pp"] = norm[sizes.pp] + boundaries * m * math.prod(self.boundary_shape) * 4
+        n = sizes.dp * sizes.cp
+        if n > 1:  # 02: ZeRO on each stage's padded parameters; + the norm's scalar (stages 1-3)
+            for z in self.zeros.values():  # ZeRO-3 gathers around each microbatch's forward and backward
+                ops = zero_lesson.zero_traffic_per_step(sum(u.padded for u in z.units), n, train.zero_stage, 4, 4)
+                out["dp_cp"] = (out.get("dp_cp", 0) + ops.get("all_gather", 0) * (m if train.zero_stage == 3 else 1)
+                                + ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0)
+                                + (norm[n] if train.zero_stage else 0))
+        return out
