@@ -52,6 +52,7 @@ import contextlib
 import importlib
 import itertools
 import math
+import os
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -382,7 +383,8 @@ class Trainer:
             if ddp.group_size(self.mesh.groups[kind]) > 1:
                 ranks = ddp.group_ranks(self.mesh.groups[kind])
                 measured[kind] = sum(self.meter.traffic(op, ranks) for op in op_names) / steps
-        return dict(params=sum(p.numel() for m in self.stages.values() for p in m.parameters()),
+        return dict(params=sum(u.offsets[-1] for z in self.zeros.values() for u in z.units),
+                    shard=sum(spec.flat_stop - spec.flat_start for spec, *_ in self.shard_specs()),
                     held=held, memory_formula=formula, traffic=measured, traffic_formula=self.traffic_formula())
 
     def traffic_formula(self) -> dict[str, Fraction]:
@@ -412,3 +414,104 @@ class Trainer:
                                 + ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0)
                                 + (norm[n] if train.zero_stage else 0))
         return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo
+# ----------------------------------------------------------------------------------------------
+
+
+def demo_model() -> "ddp.ModelConfig":
+    return ddp.ModelConfig(vocab_size=127, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176)
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, zero_stage=args.zero,
+                       schedule=args.schedule, microbatches=args.microbatches, virtual=args.virtual,
+                       sequence_parallel=args.sequence_parallel, fp8=args.fp8, lr=args.lr,
+                       adam_eps=1e-6, max_grad_norm=args.max_grad_norm)
+
+
+def dp_rows(cfg, train: TrainConfig, step: int, mesh: Mesh) -> torch.Tensor:
+    """This dp rank's rows of lesson 01's global batch, as (rows, seq_len + 1) token sequences."""
+    tokens, targets = ddp.synthetic_batch(cfg, train.global_batch, train.seq_len, step,
+                                          mesh.coords["dp"], mesh.sizes.dp)
+    return torch.cat([tokens, targets[:, -1:]], dim=1)
+
+
+def print_summaries(sizes: MeshSizes, summaries: list[dict]) -> None:
+    print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes held (live storages) | 02's formula; bytes sent per step "
+          "per mesh dimension, measured | formula (fp32):")
+    for rank, s in enumerate(summaries):
+        memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
+        traffic = "  ".join(f"{k} {float(v):,.0f}|{float(s['traffic_formula'][k]):,.0f}"
+                            + ("" if v == s["traffic_formula"][k] else " (!=)") for k, v in s["traffic"].items())
+        coords = ",".join(str(i) for i in sizes.coords(rank).values())
+        print(f"  rank {rank:>2} ({coords}) {s['params']:>7,} params, ZeRO shard {s['shard']:>7,} | "
+              f"{memory} | {traffic}")
+
+
+def demo(args: argparse.Namespace) -> None:
+    device = ddp.init_distributed()
+    sizes, cfg, train = MeshSizes(args.dp, args.pp, args.cp, args.tp), demo_model(), train_config(args)
+    mesh = build_mesh(sizes)
+    trainer = Trainer(cfg, mesh, train, device)
+    losses = []
+    for step in range(args.steps):
+        losses.append(trainer.forward_backward(dp_rows(cfg, train, step, mesh)))
+        if step == 0:
+            grads = trainer.shards("grads")
+        trainer.update()
+    pieces = [None] * sizes.world if mesh.rank == 0 else None
+    dist.gather_object((grads, trainer.shards("params"), trainer.summary()), pieces, dst=0)
+    if mesh.rank == 0:
+        ref = zero_lesson.train_reference(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
+                                          adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm)
+        print(f"4D parallelism: dp={sizes.dp} pp={sizes.pp} cp={sizes.cp} tp={sizes.tp} on {sizes.world} "
+              f"ranks ({dist.get_backend()}, {device.type}); ZeRO-{train.zero_stage}, {train.schedule} "
+              f"with {train.microbatches} microbatches, SP {'on' if train.sequence_parallel else 'off'}"
+              f"{', FP8' if train.fp8 else ''}; global batch {train.global_batch} x {train.seq_len}.\n"
+              f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
+        print(f"{'step':<6}{'4D loss':>12}{'one device':>12}")
+        for step, (a, b) in enumerate(zip(losses, ref.losses)):
+            print(f"{step:<6}{a:>12.6f}{b:>12.6f}")
+        grads_full = assemble([p for g, _, _ in pieces for p in g])
+        params_full = assemble([p for _, q, _ in pieces for p in q])
+        print(f"max |difference| from one device (AdamW + clip_grad_norm_ at {train.max_grad_norm}): loss "
+              f"{max(abs(a - b) for a, b in zip(losses, ref.losses)):.1e}, step-0 gradients "
+              f"{ddp.max_abs_diff(grads_full, ref.first_grads):.1e}, parameters after {args.steps} steps "
+              f"{ddp.max_abs_diff(params_full, ref.params):.1e} (every element reassembled from ShardSpecs)")
+        print_summaries(sizes, [s for _, _, s in pieces])
+        print("Notice: the bytes held shrink with tp and pp (and dp x cp for ZeRO-3); each dimension's "
+              "traffic is its own lesson's formula.")
+    ddp.exit_distributed()
+
+
+def main() -> None:
+    parser = ddp.lesson_parser(__doc__)
+    for dim in DIMS:
+        parser.add_argument(f"--{dim}", type=int, default=1)
+    parser.add_argument("--zero", type=int, default=1, help="ZeRO stage over dp x cp")
+    parser.add_argument("--schedule", default="1f1b", choices=pp_lesson.SCHEDULES)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--virtual", type=int, default=1, help="stages per rank (interleaved)")
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--fp8", action="store_true", help="lesson 08's Float8Linear layers")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    args = parser.parse_args()
+    sizes = MeshSizes(args.dp, args.pp, args.cp, args.tp)
+    if "RANK" not in os.environ:
+        args.nproc = sizes.world  # the mesh sets how many local processes to start
+
+    def check(world: int) -> None:
+        validate(demo_model(), sizes, train_config(args), world)
+
+    ddp.launch_lesson(parser, args, demo, ("steps",), check)
+
+
+if __name__ == "__main__":
+    main()
