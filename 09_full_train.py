@@ -402,7 +402,9 @@ class Trainer:
                                              for op, (_, payload) in ops.items())
         if sizes.cp > 1:  # 05: every attention call of every microbatch
             shard = b // m * (cfg.n_heads // sizes.tp) * s * cfg.head_dim
-            out["cp"] = sum(cp_lesson.attention_bytes("ring", shard, sizes.cp).values()) * layers * m
+            ring = cp_lesson.attention_bytes("ring", shard, sizes.cp)
+            out["cp"] = m * sum(len(model.layers) * (ring["forward"] + ring["backward"] * (  # ZB-H1: W
+                2 if self.plan.split_backward and st > 0 else 1)) for st, model in self.stages.items())  # re-runs it
         if sizes.pp > 1:  # 04: one activation and one gradient per boundary and microbatch
             boundaries = sum((st < self.plan.n_stages - 1) + (st > 0) for st in self.stages)
             out["pp"] = norm[sizes.pp] + boundaries * m * math.prod(self.boundary_shape) * 4
