@@ -118,8 +118,8 @@ class FlatUnit:
     and keeps, by stage, the full or the sharded parameters and gradients (see COST above)."""
 
     def __init__(self, prefix: str, module: nn.Module, world: int, rank: int, stage: int,
-                 dtype: torch.dtype) -> None:
-        names, self.params = zip(*module.named_parameters())
+                 dtype: torch.dtype, owns: Callable[[nn.Parameter], bool] = lambda p: True) -> None:
+        names, self.params = zip(*((n, p) for n, p in module.named_parameters() if owns(p)))
         self.names = [f"{prefix}.{name}" for name in names]
         self.shapes = [p.shape for p in self.params]
         self.offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
@@ -180,20 +180,30 @@ class ZeRO:
 
     def __init__(self, model: nn.Module, stage: int, group=None, *, lr: float = 1e-3,
                  adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
-                 mixed_precision: bool = False, prefetch: bool = True) -> None:
+                 mixed_precision: bool = False, prefetch: bool = True,
+                 owns: Callable[[nn.Parameter], bool] | None = None) -> None:
+        """owns: shard only the parameters it accepts (lesson 09 gives an MoE's experts, which
+        differ between the ranks of `group`, a ZeRO of their own over another group); the caller
+        then answers for the others, so the model is not claimed."""
         validate_stage(stage)  # every check before the first collective: no rank is left waiting
-        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+        frozen = [name for name, p in model.named_parameters()
+                  if not p.requires_grad and (owns is None or owns(p))]
         if frozen:
             raise ValueError(f"ZeRO shards trainable parameters only; frozen: {frozen[:5]}")
         if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0")
         self.world, rank = ddp.group_size(group), dist.get_rank(group)
-        ddp.claim_gradient_sync(model, f"ZeRO-{stage}")
+        if owns is None:
+            ddp.claim_gradient_sync(model, f"ZeRO-{stage}")
+            ddp.broadcast_parameters(model, group)
+        else:
+            for p in filter(owns, model.parameters()):
+                ddp.broadcast(p.detach(), src=0, group=group)
         self.model, self.stage, self.group, self.prefetch = model, stage, group, prefetch
         self.max_grad_norm, self.dtype = max_grad_norm, torch.bfloat16 if mixed_precision else torch.float32
-        ddp.broadcast_parameters(model, group)
-        modules = zero_units(model)
-        self.units = [FlatUnit(name, module, self.world, rank, stage, self.dtype) for name, module in modules]
+        owns = owns or (lambda p: True)
+        modules = [(name, m) for name, m in zero_units(model) if any(map(owns, m.parameters()))]
+        self.units = [FlatUnit(name, module, self.world, rank, stage, self.dtype, owns) for name, module in modules]
         # AdamW is elementwise: torch's own, run on the shards, is the unsharded update restricted
         # to this rank's elements (lesson 01's settings: one place to change them).
         self.optimizer = ddp.make_optimizer(nn.ParameterList(u.master for u in self.units), lr, adam_eps)
@@ -348,8 +358,9 @@ class ZeRO:
         """Bytes this rank holds now, summed over live tensors' storages, each storage once (an
         fp32 master that aliases the parameters counts as parameters)."""
         seen: set[int] = set()
-        params = [*self.model.parameters(), *(t for u in self.units for t in (u.flat_param, u.shard))]
-        grads = [*(p.grad for p in self.model.parameters()),
+        own = [p for u in self.units for p in u.params]
+        params = [*own, *(t for u in self.units for t in (u.flat_param, u.shard))]
+        grads = [*(p.grad for p in own),
                  *(t for u in self.units for t in (u.flat_grad, u.grad_shard))]
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         return {"params": storage_bytes(params, seen), "grads": storage_bytes(grads, seen),
@@ -409,11 +420,14 @@ class ZeroResult(ddp.TrainResult):
 
 def train_reference(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: int, *,
                     lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
-                    mixed_precision: bool = False, device: torch.device | str = "cpu") -> ZeroResult:
+                    mixed_precision: bool = False, device: torch.device | str = "cpu",
+                    transform: Callable[[nn.Module], nn.Module] | None = None) -> ZeroResult:
     """One device, the whole batch, torch's clip_grad_norm_ and AdamW: what every stage must equal.
     Mixed precision is the twin of ZeRO's: a bf16 model computes, AdamW updates fp32 master copies
-    (taken from the fp32 initial values), which are rounded back into the model after each step."""
-    model = ddp.GPT(cfg).to(device)
+    (taken from the fp32 initial values), which are rounded back into the model after each step.
+    transform as in ddp.train_single_device (lesson 09 converts to MoE)."""
+    model = ddp.GPT(cfg)
+    model = (transform(model) if transform else model).to(device)
     names = [name for name, _ in model.named_parameters()]
     masters = [nn.Parameter(p.detach().clone()) if mixed_precision else p for p in model.parameters()]
     model.to(torch.bfloat16 if mixed_precision else torch.float32)

@@ -385,17 +385,19 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
 
 
 def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, layers: int | None = None,
-                 embed: bool = True, head: bool = True, microbatches: int = 1) -> dict[str, tuple[int, int]]:
+                 embed: bool = True, head: bool = True, microbatches: int = 1,
+                 mlp: bool = True) -> dict[str, tuple[int, int]]:
     """op -> (calls, payload bytes) in one fp32 training step (forward + backward) of the model,
     whatever t (the traffic per rank is (t-1)/t of the payload, twice that for an all-reduce).
     Activation collectives move b x s x h: 4 per layer, 1 for the embedding (forward), 1 for the
     LM head's input (backward); with SP each of them is an all-gather and a reduce-scatter. The
     loss adds 3 all-reduces of b x s numbers; SP adds one all-reduce of h per norm. A pipeline
     stage (lesson 09) has `layers` layers, maybe no embedding or head, and runs every collective
-    once per microbatch (the payloads add up to the batch's)."""
+    once per microbatch (the payloads add up to the batch's); mlp=False: the MLPs are not split
+    (lesson 09's MoE layers), only attention is a region."""
     layers, m = cfg.n_layers if layers is None else layers, microbatches
     bsh, loss = batch * seq_len * cfg.dim * 4, (3 * head * m, 3 * head * batch * seq_len * 4)
-    activations, norms = 4 * layers + embed + head, 2 * layers + head
+    activations, norms = (2 + 2 * mlp) * layers + embed + head, 2 * layers + head
     if not sequence_parallel:
         return {"all_reduce": (m * activations + loss[0], activations * bsh + loss[1])}
     return {"all_gather": (m * activations, activations * bsh),

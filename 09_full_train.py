@@ -65,6 +65,7 @@ zero_lesson = importlib.import_module("02_zero")
 tp_lesson = importlib.import_module("03_tensor_parallel")
 pp_lesson = importlib.import_module("04_pipeline")
 cp_lesson = importlib.import_module("05_context_parallel")
+moe_lesson = importlib.import_module("06_expert_parallel")
 fp8_lesson = importlib.import_module("08_fp8")
 
 DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
@@ -80,6 +81,7 @@ class MeshSizes:
     pp: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # not a dimension: expert parallelism borrows ranks from dp x cp
 
     @property
     def world(self) -> int:
@@ -107,6 +109,15 @@ class MeshSizes:
             out.append([self.rank(**dict(zip(fixed, held)), **dict(zip(dims, m))) for m in moving])
         return out
 
+    def expert_groups(self, expert_data: bool) -> list[list[int]]:
+        """ep groups: runs of ep consecutive ranks of each dp x cp group (cp first, then dp);
+        expert-data groups (expert_data=True): the ranks holding the same experts."""
+        out = []
+        for ranks in self.groups(("dp", "cp")):
+            runs = [ranks[i:i + self.ep] for i in range(0, len(ranks), self.ep)]
+            out += [list(g) for g in zip(*runs)] if expert_data else runs
+        return out
+
 
 GROUP_DIMS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp",), "dp_cp": ("dp", "cp")}
 
@@ -123,8 +134,10 @@ def build_mesh(sizes: MeshSizes) -> Mesh:
     """Create every group of every kind, in the same order on every rank; keep this rank's."""
     rank = dist.get_rank()
     mine = {}
-    for kind, dims in GROUP_DIMS.items():
-        for ranks in sizes.groups(dims):
+    every = {kind: sizes.groups(dims) for kind, dims in GROUP_DIMS.items()}
+    every |= {"ep": sizes.expert_groups(False), "ep_dp": sizes.expert_groups(True)}
+    for kind, groups in every.items():
+        for ranks in groups:
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine[kind] = group
@@ -155,6 +168,7 @@ class TrainConfig:
     lr: float = 1e-3
     adam_eps: float = 1e-8
     max_grad_norm: float = math.inf
+    moe: "moe_lesson.MoEConfig | None" = None  # every MLP an MoE layer (lesson 06)
 
 
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
@@ -184,6 +198,21 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     if train.sequence_parallel and (train.seq_len // cp) % tp:
         problems.append(f"sequence parallelism splits each rank's seq_len / cp = {train.seq_len} / "
                         f"{cp} tokens over tp={tp}: not divisible")
+    if sizes.ep > 1 and train.moe is None:
+        problems.append(f"ep={sizes.ep} needs an MoE model (--moe)")
+    if sizes.ep < 1 or (sizes.dp * sizes.cp) % sizes.ep:
+        problems.append(f"ep={sizes.ep} must divide dp x cp = {sizes.dp * sizes.cp}: expert "
+                        f"parallelism borrows its ranks from them")
+    elif train.moe is not None:
+        if train.moe.n_experts % sizes.ep:
+            problems.append(f"n_experts={train.moe.n_experts} is not divisible by ep={sizes.ep}")
+        if train.moe.capacity_factor is not None or train.moe.aux_loss_coef:
+            problems.append("MoE here is dropless without the auxiliary loss (capacity_factor=None, "
+                            "aux_loss_coef=0): both depend on which tokens share a forward, which "
+                            "microbatches, sequence chunks and pipeline stages change")
+        if train.moe.bias_update_rate and sizes.ep != sizes.dp * sizes.cp:
+            problems.append("the selection bias follows the ep group's load: it is the batch's "
+                            "only with ep = dp x cp")
     if train.fp8 and train.zero_stage == 3:
         problems.append("fp8 with ZeRO-3 is not supported (Float8Linear would cast released weights)")
     if problems:
@@ -207,11 +236,14 @@ class ShardSpec:
     local_shape: tuple[int, ...]   # this rank's TP-local tensor (padded to a multiple of tp)
     flat_start: int                # this rank's ZeRO shard: elements [flat_start, flat_stop) of
     flat_stop: int                 # the flattened TP-local tensor
+    ep_start: int | None = None    # an MoE expert tensor: the first expert held (dim 0)
 
     def global_indices(self) -> torch.Tensor:
         """For each element of this rank's shard: its index in the flattened global parameter,
         -1 for padding."""
         index = torch.arange(math.prod(self.full_shape)).view(self.full_shape)
+        if self.ep_start is not None:
+            index = index.narrow(0, self.ep_start, self.local_shape[0])
         if self.tp_dim is not None:
             index = index.narrow(self.tp_dim, self.tp_start, self.tp_length)
             pad = list(self.local_shape)
@@ -238,11 +270,19 @@ def assemble(pieces: list[tuple[ShardSpec, torch.Tensor]]) -> dict[str, torch.Te
 
 def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages: int,
                       device: torch.device) -> nn.Module:
-    """The documented order: GPT -> FP8 -> TP (+SP) -> CP attention -> stage cut."""
+    """The documented order: GPT -> MoE + EP -> FP8 -> TP (+SP) -> CP attention -> stage cut. EP
+    comes before TP here: it slices the experts into new parameters, and SP's hook (sum a
+    replicated parameter's gradient over tp) must be registered on the ones that train."""
     model = ddp.GPT(cfg)
+    plan = tp_lesson.TENSOR_PARALLEL_PLAN
+    if train.moe is not None:  # experts are not split over tp: each tp rank runs them on its tokens
+        model = moe_lesson.convert_to_moe(model, train.moe)
+        plan = {name: styles for name, styles in plan.items() if ".mlp" not in name}
+        if mesh.sizes.ep > 1:
+            moe_lesson.apply_expert_parallel(model, mesh.groups["ep"])
     if train.fp8:
         model = fp8_lesson.convert_to_float8(model)
-    model = tp_lesson.apply_tensor_parallel(model.to(device), mesh.groups["tp"], train.sequence_parallel)
+    model = tp_lesson.apply_tensor_parallel(model.to(device), mesh.groups["tp"], train.sequence_parallel, plan)
     if mesh.sizes.cp > 1:
         attention = cp_lesson.ContextParallelAttention(mesh.groups["cp"], "ring", zigzag=True,
                                                        block=cp_lesson.FLASH_BLOCK if device.type == "cuda"
@@ -250,6 +290,10 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
         for block in model.layers.values():
             block.attn.attn_fn = attention
     return pp_lesson.cut_stage(model, stage, n_stages)
+
+
+def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
+    return {p for layer in moe_lesson.moe_layers(model) for p in layer.expert_parameters()}
 
 
 class Trainer:
@@ -273,9 +317,19 @@ class Trainer:
             model.register_forward_pre_hook(  # global positions: RoPE on CP chunks and SP shards
                 lambda _, args, kwargs: (args, {**kwargs, "positions": positions}), with_kwargs=True)
             self.stages[stage] = model
-        self.zeros = {stage: zero_lesson.ZeRO(model, train.zero_stage, mesh.groups["dp_cp"], lr=train.lr,
-                                              adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm)
-                      for stage, model in self.stages.items()}
+        # (stage, the group kind it reduces over, ZeRO). Experts differ across the ep ranks of dp x cp:
+        # their own ZeRO over the ranks holding the same experts; their gradients arrive summed over
+        # the ep group by the backward all-to-all, so / ep here and / (dp cp / ep) in ZeRO.
+        self.zeros = []
+        for stage, model in self.stages.items():
+            experts = expert_parameters(model) if sizes.ep > 1 else set()
+            for p in experts:
+                p.register_hook(lambda grad: grad / sizes.ep)
+            for kind, owns in (("dp_cp", lambda p, e=experts: p not in e), ("ep_dp", lambda p, e=experts: p in e)):
+                if kind == "dp_cp" or experts:
+                    self.zeros.append((stage, kind, zero_lesson.ZeRO(
+                        model, train.zero_stage, mesh.groups[kind], lr=train.lr, adam_eps=train.adam_eps,
+                        max_grad_norm=train.max_grad_norm, owns=owns if experts else None)))
         rows = train.global_batch // sizes.dp // train.microbatches
         seq = train.seq_len // sizes.cp // (sizes.tp if train.sequence_parallel else 1)
         self.boundary_shape = (rows, seq, cfg.dim)
@@ -283,7 +337,7 @@ class Trainer:
         self.steps = 0
 
     def set_lr(self, lr: float) -> None:
-        for zero in self.zeros.values():
+        for *_, zero in self.zeros:
             for group in zero.optimizer.param_groups:
                 group["lr"] = lr
 
@@ -299,11 +353,11 @@ class Trainer:
                            for t in (rows[:, :-1], rows[:, 1:]))
         with ddp.comm_meter() as meter:
             with contextlib.ExitStack() as accumulate:
-                for zero in self.zeros.values():
+                for *_, zero in self.zeros:
                     accumulate.enter_context(zero.no_sync())
                 log = pp_lesson.run_schedule(self.plan, self.stages, tokens, targets, self.mesh.groups["pp"],
                                              boundary_shape=self.boundary_shape)
-            for zero in self.zeros.values():
+            for *_, zero in self.zeros:
                 zero.finish_gradient_sync()
         self._add(meter)
         # Outside the meter: the last stage's local mean, averaged over dp x cp, sent to every stage.
@@ -314,16 +368,26 @@ class Trainer:
 
     def update(self) -> float:
         """Clip by the norm over the whole mesh, AdamW on every shard; returns the norm."""
-        tp = self.mesh.sizes.tp
+        sizes = self.mesh.sizes
+
+        def share(p: nn.Parameter) -> float:  # held by tp ranks alike: count once over tp
+            return 1.0 if hasattr(p, "tp_shard_dim") else 1 / sizes.tp
+
         with ddp.comm_meter() as meter:
-            squares = sum(zero.grad_squares(lambda p: 1.0 if hasattr(p, "tp_shard_dim") else 1 / tp)
-                          for zero in self.zeros.values())
+            squares = {kind: sum(z.grad_squares(share) for _, k, z in self.zeros if k == kind)
+                       for kind in ("dp_cp", "ep_dp")}
+            if sizes.ep > 1:  # each ep rank holds other experts
+                ddp.all_reduce(squares["ep_dp"], group=self.mesh.groups["ep"])
+            squares = squares["dp_cp"] + squares["ep_dp"]
             for kind in ("tp", "pp"):
-                if getattr(self.mesh.sizes, kind) > 1:
+                if getattr(sizes, kind) > 1:
                     ddp.all_reduce(squares, group=self.mesh.groups[kind])
-            for zero in self.zeros.values():
+            for *_, zero in self.zeros:
                 zero.clip_and_update(squares)
                 zero.zero_grad()
+            for model in self.stages.values():
+                for layer in moe_lesson.moe_layers(model):
+                    layer.update_selection_bias()
         self._add(meter)
         self.steps += 1
         return squares.sqrt().item()
@@ -338,10 +402,11 @@ class Trainer:
 
     # --- what this rank holds ---------------------------------------------------------------
 
-    def shard_specs(self) -> list[tuple[ShardSpec, object, int]]:
-        """(spec, ZeRO unit, index in the unit) of every parameter piece this rank holds."""
+    def shard_specs(self) -> list[tuple[ShardSpec, object, object, int]]:
+        """(spec, ZeRO, its unit, index in the unit) of every parameter piece this rank holds."""
         tp_rank, out = self.mesh.coords["tp"], []
-        for stage, zero in self.zeros.items():
+        ep_rank = dist.get_rank(self.mesh.groups["ep"])
+        for stage, kind, zero in self.zeros:
             for unit in zero.units:
                 for i, (name, p) in enumerate(zip(unit.names, unit.params)):
                     begin = max(unit.offsets[i], unit.owned.start) - unit.offsets[i]
@@ -354,17 +419,19 @@ class Trainer:
                         full[dim] = p.tp_full_size
                         start = tp_rank * unit.shapes[i][dim]
                         length = max(0, min(unit.shapes[i][dim], p.tp_full_size - start))
+                    ep_start = None
+                    if kind == "ep_dp":
+                        ep_start, full[0] = ep_rank * full[0], full[0] * self.mesh.sizes.ep
                     spec = ShardSpec(name, tuple(full), stage, dim, start, length, tuple(unit.shapes[i]),
-                                     begin, end)
-                    out.append((spec, unit, i))
+                                     begin, end, ep_start)
+                    out.append((spec, zero, unit, i))
         return out
 
     def shards(self, kind: str = "params") -> list[tuple[ShardSpec, torch.Tensor]]:
         """(spec, CPU values) of this rank's pieces: "params" (fp32 masters), "grads" (averaged,
         before clipping: between forward_backward and update), or an AdamW state key."""
         out = []
-        for spec, unit, i in self.shard_specs():
-            zero = self.zeros[spec.stage]
+        for spec, zero, unit, i in self.shard_specs():
             source = {"params": unit.master, "grads": unit.grad_shard}.get(kind)
             if source is None:
                 source = zero.optimizer.state[unit.master][kind]
@@ -375,31 +442,43 @@ class Trainer:
     def summary(self) -> dict:
         """Parameters held, bytes held against 02's formula, and bytes sent per step per mesh
         dimension against each lesson's formula."""
-        held = {k: sum(z.held_bytes()[k] for z in self.zeros.values()) for k in ("params", "grads", "optimizer")}
-        formula = {k: sum(z.memory_formula()[k] for z in self.zeros.values()) for k in held}
-        steps, measured = max(self.steps, 1), {}
-        ops = {"tp": [None], "cp": ["send"], "pp": [None], "dp_cp": ["all_reduce", "reduce_scatter", "all_gather"]}
-        for kind, op_names in ops.items():  # dp alone carries nothing: ZeRO reduces over dp x cp
-            if ddp.group_size(self.mesh.groups[kind]) > 1:
-                ranks = ddp.group_ranks(self.mesh.groups[kind])
-                measured[kind] = sum(self.meter.traffic(op, ranks) for op in op_names) / steps
-        return dict(params=sum(u.offsets[-1] for z in self.zeros.values() for u in z.units),
+        zeros = [z for *_, z in self.zeros]
+        held = {k: sum(z.held_bytes()[k] for z in zeros) for k in ("params", "grads", "optimizer")}
+        formula = {k: sum(z.memory_formula()[k] for z in zeros) for k in held}
+        # Groups of different kinds may be the same ranks (cp and dp x cp when dp = 1): one entry.
+        kinds: dict[tuple[int, ...], list[str]] = {}
+        for kind, group in self.mesh.groups.items():
+            if kind in ("ep", "ep_dp") and self.mesh.sizes.ep == 1:
+                continue  # the same ranks as dp x cp, carrying nothing of their own
+            if kind != "dp" and ddp.group_size(group) > 1:  # dp alone carries nothing (ZeRO: dp x cp)
+                kinds.setdefault(ddp.group_ranks(group), []).append(kind)
+        by_kind, steps = self.traffic_formula(), max(self.steps, 1)
+        traffic, traffic_formula = {}, {}
+        for ranks, names in kinds.items():
+            traffic["+".join(names)] = self.meter.traffic(None, ranks) / steps
+            traffic_formula["+".join(names)] = None if "ep" in names else sum(by_kind.get(n, 0) for n in names)
+        return dict(params=sum(u.offsets[-1] for z in zeros for u in z.units),
                     shard=sum(spec.flat_stop - spec.flat_start for spec, *_ in self.shard_specs()),
-                    held=held, memory_formula=formula, traffic=measured, traffic_formula=self.traffic_formula())
+                    held=held, memory_formula=formula, traffic=traffic, traffic_formula=traffic_formula)
 
     def traffic_formula(self) -> dict[str, Fraction]:
         """Bytes this rank sends per step in each group of size > 1, by the lessons' formulas."""
         sizes, train, cfg = self.mesh.sizes, self.train, self.cfg
         b, m, s = train.global_batch // sizes.dp, train.microbatches, train.seq_len // sizes.cp
         layers = sum(len(model.layers) for model in self.stages.values())
-        norm = {n: Fraction(2 * (n - 1), n) * 4 for n in (sizes.tp, sizes.pp, sizes.dp * sizes.cp)}
+        norm = {n: Fraction(2 * (n - 1), n) * 4 for n in (sizes.tp, sizes.pp)}
         out = {}
         if sizes.tp > 1:  # 03: activations and the loss; + the clipping norm's scalar
             ops = tp_lesson.comm_formula(cfg, b, s, train.sequence_parallel, layers=layers, microbatches=m,
-                                         embed=0 in self.stages, head=self.plan.n_stages - 1 in self.stages)
+                                         embed=0 in self.stages, head=self.plan.n_stages - 1 in self.stages,
+                                         mlp=train.moe is None)
             ring = Fraction(sizes.tp - 1, sizes.tp)
             out["tp"] = norm[sizes.tp] + sum(ring * payload * (2 if op == "all_reduce" else 1)
                                              for op, (_, payload) in ops.items())
+            if train.sequence_parallel:  # SP sums every replicated gradient over tp: the MoE layers' too
+                moe_bytes = sum(p.nbytes for model in self.stages.values()
+                                for layer in moe_lesson.moe_layers(model) for p in layer.parameters())
+                out["tp"] += 2 * ring * m * moe_bytes
         if sizes.cp > 1:  # 05: every attention call of every microbatch
             shard = b // m * (cfg.n_heads // sizes.tp) * s * cfg.head_dim
             ring = cp_lesson.attention_bytes("ring", shard, sizes.cp)
@@ -408,14 +487,13 @@ class Trainer:
         if sizes.pp > 1:  # 04: one activation and one gradient per boundary and microbatch
             boundaries = sum((st < self.plan.n_stages - 1) + (st > 0) for st in self.stages)
             out["pp"] = norm[sizes.pp] + boundaries * m * math.prod(self.boundary_shape) * 4
-        n = sizes.dp * sizes.cp
-        if n > 1:  # 02: ZeRO on each stage's padded parameters; + the norm's scalar (stages 1-3)
-            for z in self.zeros.values():  # ZeRO-3 gathers around each microbatch's forward and backward
-                ops = zero_lesson.zero_traffic_per_step(sum(u.padded for u in z.units), n, train.zero_stage, 4, 4)
-                out["dp_cp"] = (out.get("dp_cp", 0) + ops.get("all_gather", 0) * (m if train.zero_stage == 3 else 1)
-                                + ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0)
-                                + (norm[n] if train.zero_stage else 0))
-        return out
+        for _, kind, z in self.zeros:  # 02: ZeRO on the stage's padded parameters (+ the norm's scalar)
+            n = ddp.group_size(self.mesh.groups[kind])
+            ops = zero_lesson.zero_traffic_per_step(sum(u.padded for u in z.units), n, train.zero_stage, 4, 4)
+            gathers = m if train.zero_stage == 3 else 1  # ZeRO-3: around each microbatch's F and B
+            out[kind] = (out.get(kind, 0) + ops.get("all_gather", 0) * gathers + ops.get("reduce_scatter", 0)
+                         + ops.get("all_reduce", 0) + (Fraction(2 * (n - 1), n) * 4 if train.zero_stage else 0))
+        return out  # no formula for ep: its all-to-alls depend on the routing (06 prints that)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -431,7 +509,14 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, zero_stage=args.zero,
                        schedule=args.schedule, microbatches=args.microbatches, virtual=args.virtual,
                        sequence_parallel=args.sequence_parallel, fp8=args.fp8, lr=args.lr,
-                       adam_eps=1e-6, max_grad_norm=args.max_grad_norm)
+                       adam_eps=1e-6, max_grad_norm=args.max_grad_norm,
+                       moe=moe_lesson.MoEConfig(n_experts=args.experts, top_k=2, expert_ffn_dim=64,
+                                                aux_loss_coef=0.0) if args.moe else None)
+
+
+def reference_transform(train: TrainConfig):
+    """What the one-device reference converts its GPT with (an MoE model, or none)."""
+    return None if train.moe is None else lambda model: moe_lesson.convert_to_moe(model, train.moe)
 
 
 def dp_rows(cfg, train: TrainConfig, step: int, mesh: Mesh) -> torch.Tensor:
@@ -446,8 +531,9 @@ def print_summaries(sizes: MeshSizes, summaries: list[dict]) -> None:
           "per mesh dimension, measured | formula (fp32):")
     for rank, s in enumerate(summaries):
         memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
-        traffic = "  ".join(f"{k} {float(v):,.0f}|{float(s['traffic_formula'][k]):,.0f}"
-                            + ("" if v == s["traffic_formula"][k] else " (!=)") for k, v in s["traffic"].items())
+        traffic = "  ".join(f"{k} {float(v):,.0f}|" + ("routing-dependent" if (f := s["traffic_formula"][k]) is None
+                                                       else f"{float(f):,.0f}" + ("" if v == f else " (!=)"))
+                            for k, v in s["traffic"].items())
         coords = ",".join(str(i) for i in sizes.coords(rank).values())
         print(f"  rank {rank:>2} ({coords}) {s['params']:>7,} params, ZeRO shard {s['shard']:>7,} | "
               f"{memory} | {traffic}")
@@ -455,7 +541,7 @@ def print_summaries(sizes: MeshSizes, summaries: list[dict]) -> None:
 
 def demo(args: argparse.Namespace) -> None:
     device = ddp.init_distributed()
-    sizes, cfg, train = MeshSizes(args.dp, args.pp, args.cp, args.tp), demo_model(), train_config(args)
+    sizes, cfg, train = MeshSizes(args.dp, args.pp, args.cp, args.tp, args.ep), demo_model(), train_config(args)
     mesh = build_mesh(sizes)
     trainer = Trainer(cfg, mesh, train, device)
     losses = []
@@ -468,11 +554,13 @@ def demo(args: argparse.Namespace) -> None:
     dist.gather_object((grads, trainer.shards("params"), trainer.summary()), pieces, dst=0)
     if mesh.rank == 0:
         ref = zero_lesson.train_reference(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
-                                          adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm)
+                                          adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
+                                          transform=reference_transform(train))
+        moe = f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; " if train.moe else ""
         print(f"4D parallelism: dp={sizes.dp} pp={sizes.pp} cp={sizes.cp} tp={sizes.tp} on {sizes.world} "
               f"ranks ({dist.get_backend()}, {device.type}); ZeRO-{train.zero_stage}, {train.schedule} "
               f"with {train.microbatches} microbatches, SP {'on' if train.sequence_parallel else 'off'}"
-              f"{', FP8' if train.fp8 else ''}; global batch {train.global_batch} x {train.seq_len}.\n"
+              f"{', FP8' if train.fp8 else ''}; {moe}global batch {train.global_batch} x {train.seq_len}.\n"
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
         print(f"{'step':<6}{'4D loss':>12}{'one device':>12}")
         for step, (a, b) in enumerate(zip(losses, ref.losses)):
@@ -493,6 +581,9 @@ def main() -> None:
     parser = ddp.lesson_parser(__doc__)
     for dim in DIMS:
         parser.add_argument(f"--{dim}", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism, borrowed from dp x cp")
+    parser.add_argument("--moe", action="store_true", help="every MLP a mixture of experts (dropless)")
+    parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--zero", type=int, default=1, help="ZeRO stage over dp x cp")
     parser.add_argument("--schedule", default="1f1b", choices=pp_lesson.SCHEDULES)
     parser.add_argument("--microbatches", type=int, default=2)
@@ -505,7 +596,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     args = parser.parse_args()
-    sizes = MeshSizes(args.dp, args.pp, args.cp, args.tp)
+    args.moe = args.moe or args.ep > 1
+    sizes = MeshSizes(args.dp, args.pp, args.cp, args.tp, args.ep)
     if "RANK" not in os.environ:
         args.nproc = sizes.world  # the mesh sets how many local processes to start
 

@@ -129,6 +129,7 @@ def test_any_mesh_equals_one_device(rank_pool, configuration):
         assert summary["held"] == summary["memory_formula"]
         if train.schedule != "zb-h1" or train.zero_stage < 3:  # zb-h1's W may re-gather a unit
             assert summary["traffic"] == summary["traffic_formula"]
+        assert summary["traffic"].keys() == summary["traffic_formula"].keys()
 
 
 def test_sixteen_ranks_every_dimension_two(rank_pool):
