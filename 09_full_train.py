@@ -213,8 +213,6 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
         if train.moe.bias_update_rate and sizes.ep != sizes.dp * sizes.cp:
             problems.append("the selection bias follows the ep group's load: it is the batch's "
                             "only with ep = dp x cp")
-    if train.fp8 and train.zero_stage == 3:
-        problems.append("fp8 with ZeRO-3 is not supported (Float8Linear would cast released weights)")
     if problems:
         raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
@@ -456,7 +454,8 @@ class Trainer:
         traffic, traffic_formula = {}, {}
         for ranks, names in kinds.items():
             traffic["+".join(names)] = self.meter.traffic(None, ranks) / steps
-            traffic_formula["+".join(names)] = None if "ep" in names else sum(by_kind.get(n, 0) for n in names)
+            parts = [by_kind.get(n, 0) for n in names]
+            traffic_formula["+".join(names)] = None if "ep" in names or None in parts else sum(parts)
         return dict(params=sum(u.offsets[-1] for z in zeros for u in z.units),
                     shard=sum(spec.flat_stop - spec.flat_start for spec, *_ in self.shard_specs()),
                     held=held, memory_formula=formula, traffic=traffic, traffic_formula=traffic_formula)
@@ -479,6 +478,8 @@ class Trainer:
                 moe_bytes = sum(p.nbytes for model in self.stages.values()
                                 for layer in moe_lesson.moe_layers(model) for p in layer.parameters())
                 out["tp"] += 2 * ring * m * moe_bytes
+            if self.plan.split_backward:  # ZB-H1's W re-runs the part of backward the weights need
+                out["tp"] = None
         if sizes.cp > 1:  # 05: every attention call of every microbatch
             shard = b // m * (cfg.n_heads // sizes.tp) * s * cfg.head_dim
             ring = cp_lesson.attention_bytes("ring", shard, sizes.cp)
@@ -531,7 +532,7 @@ def print_summaries(sizes: MeshSizes, summaries: list[dict]) -> None:
           "per mesh dimension, measured | formula (fp32):")
     for rank, s in enumerate(summaries):
         memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
-        traffic = "  ".join(f"{k} {float(v):,.0f}|" + ("routing-dependent" if (f := s["traffic_formula"][k]) is None
+        traffic = "  ".join(f"{k} {float(v):,.0f}|" + ("n/a" if (f := s["traffic_formula"][k]) is None
                                                        else f"{float(f):,.0f}" + ("" if v == f else " (!=)"))
                             for k, v in s["traffic"].items())
         coords = ",".join(str(i) for i in sizes.coords(rank).values())
@@ -570,7 +571,8 @@ def demo(args: argparse.Namespace) -> None:
         print(f"max |difference| from one device (AdamW + clip_grad_norm_ at {train.max_grad_norm}): loss "
               f"{max(abs(a - b) for a, b in zip(losses, ref.losses)):.1e}, step-0 gradients "
               f"{ddp.max_abs_diff(grads_full, ref.first_grads):.1e}, parameters after {args.steps} steps "
-              f"{ddp.max_abs_diff(params_full, ref.params):.1e} (every element reassembled from ShardSpecs)")
+              f"{ddp.max_abs_diff(params_full, ref.params):.1e} (every element reassembled from ShardSpecs)"
+              + ("\n(FP8: the reference computes in fp32, so these are FP8's rounding, ~1e-3)" if train.fp8 else ""))
         print_summaries(sizes, [s for _, _, s in pieces])
         print("Notice: the bytes held shrink with tp and pp (and dp x cp for ZeRO-3); each dimension's "
               "traffic is its own lesson's formula.")

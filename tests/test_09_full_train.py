@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from conftest import run_script
@@ -54,7 +54,8 @@ def train_on_mesh(cfg, sizes, train, steps: int):
 
 def check_against_reference(results, cfg, train, steps: int = STEPS) -> dict[str, float]:
     ref = zero_lesson.train_reference(cfg, steps, train.global_batch, train.seq_len, lr=train.lr,
-                                      adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm)
+                                      adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
+                                      transform=nine.reference_transform(train))
     diffs = {}
     for losses, *_ in results:
         assert losses == pytest.approx(ref.losses, abs=LOSS_ATOL), (losses, ref.losses)
@@ -68,6 +69,9 @@ def check_against_reference(results, cfg, train, steps: int = STEPS) -> dict[str
             torch.testing.assert_close(tensor, expected[name], **tol, msg=lambda m: f"{key} {name}: {m}")
         diffs[key] = ddp.max_abs_diff(got, expected)
     return diffs
+
+
+MOE = nine.moe_lesson.MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=8, aux_loss_coef=0.0)
 
 
 def small_model(n_layers: int = 2, seed: int = 0) -> "ddp.ModelConfig":
@@ -101,6 +105,10 @@ MESHES = sorted((nine.MeshSizes(dp, pp, cp, tp) for dp in (1, 2, 4) for pp in (1
 @st.composite
 def configurations(draw):
     sizes = draw(st.sampled_from(MESHES), label="mesh")
+    moe = draw(st.booleans(), label="moe")
+    if moe:  # expert parallelism borrows from dp x cp
+        ep = draw(st.sampled_from([e for e in (1, 2, 4) if (sizes.dp * sizes.cp) % e == 0]), label="ep")
+        sizes = nine.MeshSizes(sizes.dp, sizes.pp, sizes.cp, sizes.tp, ep)
     schedule = draw(st.sampled_from(["1f1b", "gpipe", "zb-h1", "interleaved"] if sizes.pp > 1 else ["1f1b"]))
     virtual = 2 if schedule == "interleaved" else 1
     microbatches = draw(st.sampled_from([1, 2, 4]))
@@ -115,11 +123,27 @@ def configurations(draw):
     train = nine.TrainConfig(global_batch=sizes.dp * microbatches * draw(st.integers(1, 2)), seq_len=seq_len,
                              zero_stage=draw(st.integers(0, 3)), schedule=schedule, microbatches=microbatches,
                              virtual=virtual, sequence_parallel=sequence_parallel, lr=LR, adam_eps=ADAM_EPS,
-                             max_grad_norm=0.5)
+                             max_grad_norm=0.5, moe=MOE if moe else None)
     return cfg, sizes, train
 
 
+def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2):
+    """A configuration the 15 drawn examples may miss, run on every CI pass."""
+    sizes = nine.MeshSizes(*dims, **({"ep": ep} if ep else {}))
+    cfg = small_model(n_layers)
+    train = nine.TrainConfig(global_batch=sizes.dp * microbatches, seq_len=4 * sizes.cp * sizes.tp,
+                             zero_stage=zero_stage, schedule=schedule, microbatches=microbatches,
+                             virtual=2 if schedule == "interleaved" else 1, sequence_parallel=sp, lr=LR,
+                             adam_eps=ADAM_EPS, max_grad_norm=0.5, moe=MOE if ep else None)
+    return (cfg, sizes, train)
+
+
 @given(configuration=configurations())
+@example(configuration=pinned((1, 2, 1, 2), 3, "interleaved", 2, True, n_layers=4))
+@example(configuration=pinned((2, 1, 2, 2), 1, "1f1b", 1, False, ep=4))
+@example(configuration=pinned((2, 2, 1, 2), 2, "zb-h1", 2, True, ep=2))
+@example(configuration=pinned((1, 4, 1, 2), 0, "1f1b", 4, False, n_layers=4))
+@example(configuration=pinned((2, 1, 2, 1), 3, "1f1b", 2, False, ep=2))
 def test_any_mesh_equals_one_device(rank_pool, configuration):
     cfg, sizes, train = configuration
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
@@ -128,18 +152,20 @@ def test_any_mesh_equals_one_device(rank_pool, configuration):
     for _, _, _, summary in results:
         assert summary["held"] == summary["memory_formula"]
         if train.schedule != "zb-h1" or train.zero_stage < 3:  # zb-h1's W may re-gather a unit
-            assert summary["traffic"] == summary["traffic_formula"]
+            assert all(summary["traffic"][k] == f for k, f in summary["traffic_formula"].items()
+                       if f is not None), (summary["traffic"], summary["traffic_formula"])  # None: routing
         assert summary["traffic"].keys() == summary["traffic_formula"].keys()
 
 
 def test_sixteen_ranks_every_dimension_two(rank_pool):
-    cfg, sizes = small_model(), nine.MeshSizes(dp=2, pp=2, cp=2, tp=2)
+    cfg, sizes = small_model(), nine.MeshSizes(dp=2, pp=2, cp=2, tp=2, ep=2)
     train = nine.TrainConfig(global_batch=8, seq_len=16, zero_stage=2, microbatches=2, sequence_parallel=True,
-                             lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5)
+                             lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5, moe=MOE)
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=400)
     check_against_reference(results, cfg, train)
     check_copies_agree(results)
-    assert all(s["traffic"] == s["traffic_formula"] for *_, s in results)
+    for *_, s in results:
+        assert all(s["traffic"][k] == f for k, f in s["traffic_formula"].items() if f is not None), s
 
 
 def test_fp8_flag_trains_close_to_fp32(rank_pool):
@@ -176,6 +202,13 @@ def test_invalid_configurations_list_every_violation(rank_pool):
     good = nine.TrainConfig(global_batch=4, seq_len=6, microbatches=2)
     rank_pool.expect_invalid(4, train_on_mesh, small_model(1), nine.MeshSizes(pp=2, cp=2), good, 1,
                              match=r"(?s)seq_len=6 is not divisible by 2 x cp = 4.*n_layers=1 cannot fill")
+    moe_train = nine.TrainConfig(global_batch=4, seq_len=8, moe=nine.moe_lesson.MoEConfig(n_experts=3))
+    rank_pool.expect_invalid(4, train_on_mesh, small_model(), nine.MeshSizes(dp=2, tp=2, ep=4), moe_train, 1,
+                             match=r"(?s)ep=4 must divide dp x cp = 2.*")
+    rank_pool.expect_invalid(4, train_on_mesh, small_model(), nine.MeshSizes(dp=4, ep=2), moe_train, 1,
+                             match=r"(?s)n_experts=3 is not divisible by ep=2.*dropless without the auxiliary")
+    with pytest.raises(ValueError, match="ep=2 needs an MoE model"):
+        nine.validate(small_model(), nine.MeshSizes(dp=2, ep=2), good, 2)
     with pytest.raises(ValueError, match="every mesh size must be >= 1"):
         nine.validate(small_model(), nine.MeshSizes(dp=0), good, 1)
 
@@ -192,5 +225,6 @@ def test_rows_of_the_wrong_shape_are_refused(rank_pool):
 
 
 def test_main_runs_and_prints_the_check():
-    out = run_script("09_full_train.py", "--dp", "2", "--tp", "2", "--steps", "2", "--seq-len", "16")
+    out = run_script("09_full_train.py", "--dp", "2", "--tp", "2", "--ep", "2", "--steps", "2", "--seq-len", "16")
     assert "max |difference| from one device" in out and "rank  3: dp=1 pp=0 cp=0 tp=1" in out
+    assert "MoE 4 experts top-2 over ep=2" in out
