@@ -9,38 +9,42 @@ and keeps those it belongs to. Expert parallelism needs no ranks of its own: the
 one (pp, tp) position hold different tokens anyway, so an MoE layer may spread its experts over
 them (ep divides dp x cp); each expert is then data-parallel over the other dp x cp / ep ranks.
 
-ONE MODEL, TRANSFORMED IN ONE ORDER (each step is an earlier lesson's own function)
-  lesson 01 GPT(cfg) -> 08 convert_to_float8 (flag) -> 03 apply_tensor_parallel (+ SP)
-  -> 05 ContextParallelAttention as the attention function (zigzag ring; 07's kernel on a GPU)
-  -> 04 cut_stage (the pipeline stage, v of them per rank for interleaved 1F1B)
-  -> 02 ZeRO stage 0-3 over the dp x cp group.
-Why this order: TP rewrites modules and needs the whole model; CP only swaps a function; a stage cut
-deletes modules, so it comes after every rewrite that walks the model; ZeRO flattens the parameters
-as they finally are, so it is last.
+ONE MODEL, TRANSFORMED IN ONE ORDER (each step an earlier lesson's own function)
+  01 GPT(cfg) -> 06 convert_to_moe + apply_expert_parallel (--moe, --ep) -> 08 convert_to_float8
+  (--fp8) -> 03 apply_tensor_parallel (+ SP) -> 05 ContextParallelAttention as the attention
+  function (zigzag ring; 07's kernel on a GPU) -> 04 cut_stage (v stages per rank for interleaved
+  1F1B) -> 02 ZeRO stage 0-3 over dp x cp (the experts: over the ranks holding the same ones).
+TP rewrites modules and needs the whole model, CP only swaps a function, a stage cut deletes
+modules, ZeRO flattens the parameters as they finally are. EP comes before TP: it slices the
+experts into new parameters, and SP's hook must be registered on those. MoE layers are not split
+over tp: each tp rank runs them on its tokens (its sequence shard with SP).
 
 GRADIENTS EQUAL ONE DEVICE'S, because each reduction happens exactly once:
-- tp: Megatron's f/g inside the model; with SP the replicated norm weights' partial gradients are
+- tp: Megatron's f/g inside the model; with SP every replicated parameter's partial gradient is
   summed over tp (03's hook). Nothing else reduces over tp.
 - pp: each stage owns its parameters; microbatch losses are divided by m (04).
 - dp x cp: every rank's loss is the mean over its own tokens (its rows, its sequence chunks, equal
-  counts), the ring returns every dK/dV to its owner, so the mean over the dp x cp ranks of their
-  gradients is the global batch's gradient: ZeRO's reduce-scatter (or all-reduce) / (dp cp), once
-  per step after the last microbatch (ZeRO.no_sync during the schedule).
-- clipping: ||g||^2 = sum over ZeRO shards (dp x cp), tp and pp ranks, where a tensor-parallel
-  replicated parameter counts 1/tp on each of its tp ranks. Then every rank scales alike.
+  counts) and the ring returns every dK/dV to its owner, so the mean over dp x cp of the ranks'
+  gradients is the batch's: ZeRO's reduce-scatter (or all-reduce) / (dp cp), once per step after
+  the last microbatch (ZeRO.no_sync around the schedule). An expert's gradient arrives summed over
+  the ep group (06's backward all-to-all): / ep, then its own ZeRO / (dp cp / ep).
+- clipping: ||g||^2 sums ZeRO's shards, then the ep (experts), tp and pp ranks; a parameter
+  replicated over tp counts 1/tp on each. Every rank then scales alike.
+MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's
+load depend on which tokens share a forward, which microbatches and sequence chunks change.
 
-COST per step per rank (the summary prints measured = formula per mesh dimension)
-  tp: 03's comm_formula restricted to the stage's layers, m microbatches (activations b s h).
-  cp: 05's ring, 2(P-1) K/V hops forward, as many plus dK/dV hops backward, per attention call.
-  pp: 04's boundaries: (stages not last + not first) x b x s x h bytes.
-  dp x cp: 02's ZeRO traffic on the stage's padded parameters (+ one scalar for the norm).
-Memory: parameters, gradients and AdamW state per rank are 02's formula on the TP- and
-stage-local parameter count: the dimensions multiply (dp cp for ZeRO-3, tp, pp).
+COST per step per rank (the summary prints measured | formula per group of ranks)
+  tp: 03's comm_formula for the stage's layers, m microbatches (n/a under ZB-H1, whose W re-runs
+      part of the backward). cp: 05's ring per attention call (ZB-H1: the backward twice).
+  pp: 04's boundaries. dp x cp: 02's ZeRO traffic on the padded parameters (+ the norm's scalar).
+  ep: the all-to-alls depend on the routing (06 prints them): n/a.
+Memory: 02's formula on the stage's TP-local parameters: the dimensions multiply.
 
 RUN IT
     python 09_full_train.py --dp 2 --tp 2 --pp 2          # 8 local CPU processes
     torchrun --nproc_per_node=8 09_full_train.py --dp 2 --tp 2 --pp 2 --zero 3
     python 09_full_train.py --dp 2 --cp 2 --tp 2 --sequence-parallel
+    python 09_full_train.py --dp 2 --tp 2 --pp 2 --ep 2   # MoE, experts over 2 of the dp ranks
 Look at: the printed rank map; the max |difference| from one device (loss, every gradient
 reassembled from the shards, parameters after the steps); bytes per mesh dimension beside the
 formulas.
@@ -206,13 +210,11 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     elif train.moe is not None:
         if train.moe.n_experts % sizes.ep:
             problems.append(f"n_experts={train.moe.n_experts} is not divisible by ep={sizes.ep}")
-        if train.moe.capacity_factor is not None or train.moe.aux_loss_coef:
-            problems.append("MoE here is dropless without the auxiliary loss (capacity_factor=None, "
-                            "aux_loss_coef=0): both depend on which tokens share a forward, which "
-                            "microbatches, sequence chunks and pipeline stages change")
-        if train.moe.bias_update_rate and sizes.ep != sizes.dp * sizes.cp:
-            problems.append("the selection bias follows the ep group's load: it is the batch's "
-                            "only with ep = dp x cp")
+        if train.moe.capacity_factor is not None or train.moe.aux_loss_coef or train.moe.bias_update_rate:
+            problems.append("MoE here is dropless and unbalanced (capacity_factor=None, aux_loss_coef=0, "
+                            "bias_update_rate=0): drops, the aux loss and the load behind the bias "
+                            "depend on which tokens share a forward, which microbatches, sequence "
+                            "chunks and shards change")
     if problems:
         raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
@@ -315,6 +317,8 @@ class Trainer:
             model.register_forward_pre_hook(  # global positions: RoPE on CP chunks and SP shards
                 lambda _, args, kwargs: (args, {**kwargs, "positions": positions}), with_kwargs=True)
             self.stages[stage] = model
+        self.moe_bytes = sum(p.nbytes for model in self.stages.values()  # before ZeRO-3 releases them
+                             for layer in moe_lesson.moe_layers(model) for p in layer.parameters())
         # (stage, the group kind it reduces over, ZeRO). Experts differ across the ep ranks of dp x cp:
         # their own ZeRO over the ranks holding the same experts; their gradients arrive summed over
         # the ep group by the backward all-to-all, so / ep here and / (dp cp / ep) in ZeRO.
@@ -383,9 +387,6 @@ class Trainer:
             for *_, zero in self.zeros:
                 zero.clip_and_update(squares)
                 zero.zero_grad()
-            for model in self.stages.values():
-                for layer in moe_lesson.moe_layers(model):
-                    layer.update_selection_bias()
         self._add(meter)
         self.steps += 1
         return squares.sqrt().item()
@@ -475,9 +476,7 @@ class Trainer:
             out["tp"] = norm[sizes.tp] + sum(ring * payload * (2 if op == "all_reduce" else 1)
                                              for op, (_, payload) in ops.items())
             if train.sequence_parallel:  # SP sums every replicated gradient over tp: the MoE layers' too
-                moe_bytes = sum(p.nbytes for model in self.stages.values()
-                                for layer in moe_lesson.moe_layers(model) for p in layer.parameters())
-                out["tp"] += 2 * ring * m * moe_bytes
+                out["tp"] += 2 * ring * m * self.moe_bytes
             if self.plan.split_backward:  # ZB-H1's W re-runs the part of backward the weights need
                 out["tp"] = None
         if sizes.cp > 1:  # 05: every attention call of every microbatch
