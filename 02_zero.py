@@ -203,7 +203,8 @@ class ZeRO:
         self.max_grad_norm, self.dtype = max_grad_norm, torch.bfloat16 if mixed_precision else torch.float32
         owns = owns or (lambda p: True)
         modules = [(name, m) for name, m in zero_units(model) if any(map(owns, m.parameters()))]
-        self.units = [FlatUnit(name, module, self.world, rank, stage, self.dtype, owns) for name, module in modules]
+        self.units = [FlatUnit(name, module, self.world, rank, stage, self.dtype, owns)
+                      for name, module in modules]
         # AdamW is elementwise: torch's own, run on the shards, is the unsharded update restricted
         # to this rank's elements (lesson 01's settings: one place to change them).
         self.optimizer = ddp.make_optimizer(nn.ParameterList(u.master for u in self.units), lr, adam_eps)

@@ -327,7 +327,8 @@ class Trainer:
             experts = expert_parameters(model) if sizes.ep > 1 else set()
             for p in experts:
                 p.register_hook(lambda grad: grad / sizes.ep)
-            for kind, owns in (("dp_cp", lambda p, e=experts: p not in e), ("ep_dp", lambda p, e=experts: p in e)):
+            for kind, owns in (("dp_cp", lambda p, e=experts: p not in e),
+                               ("ep_dp", lambda p, e=experts: p in e)):
                 if kind == "dp_cp" or experts:
                     self.zeros.append((stage, kind, zero_lesson.ZeRO(
                         model, train.zero_stage, mesh.groups[kind], lr=train.lr, adam_eps=train.adam_eps,
@@ -435,7 +436,8 @@ class Trainer:
             if source is None:
                 source = zero.optimizer.state[unit.master][kind]
             begin = unit.offsets[i] + spec.flat_start - unit.owned.start
-            out.append((spec, source[begin:begin + spec.flat_stop - spec.flat_start].detach().float().cpu().clone()))
+            values = source[begin:begin + spec.flat_stop - spec.flat_start]
+            out.append((spec, values.detach().float().cpu().clone()))
         return out
 
     def summary(self) -> dict:
@@ -482,8 +484,9 @@ class Trainer:
         if sizes.cp > 1:  # 05: every attention call of every microbatch
             shard = b // m * (cfg.n_heads // sizes.tp) * s * cfg.head_dim
             ring = cp_lesson.attention_bytes("ring", shard, sizes.cp)
-            out["cp"] = m * sum(len(model.layers) * (ring["forward"] + ring["backward"] * (  # ZB-H1: W
-                2 if self.plan.split_backward and st > 0 else 1)) for st, model in self.stages.items())  # re-runs it
+            for st, model in self.stages.items():  # ZB-H1's W re-runs the ring's backward (B: stage > 0)
+                backwards = 2 if self.plan.split_backward and st > 0 else 1
+                out["cp"] = out.get("cp", 0) + m * len(model.layers) * (ring["forward"] + backwards * ring["backward"])
         if sizes.pp > 1:  # 04: one activation and one gradient per boundary and microbatch
             boundaries = sum((st < self.plan.n_stages - 1) + (st > 0) for st in self.stages)
             out["pp"] = norm[sizes.pp] + boundaries * m * math.prod(self.boundary_shape) * 4
@@ -527,7 +530,8 @@ def dp_rows(cfg, train: TrainConfig, step: int, mesh: Mesh) -> torch.Tensor:
 
 
 def print_summaries(sizes: MeshSizes, summaries: list[dict]) -> None:
-    print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes held (live storages) | 02's formula; bytes sent per step "
+    print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes held\n"
+          "(live storages) | 02's formula; bytes sent per step "
           "per mesh dimension, measured | formula (fp32):")
     for rank, s in enumerate(summaries):
         memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
@@ -556,11 +560,11 @@ def demo(args: argparse.Namespace) -> None:
         ref = zero_lesson.train_reference(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
                                           adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
                                           transform=reference_transform(train))
-        moe = f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; " if train.moe else ""
+        moe = train.moe and f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; "
         print(f"4D parallelism: dp={sizes.dp} pp={sizes.pp} cp={sizes.cp} tp={sizes.tp} on {sizes.world} "
               f"ranks ({dist.get_backend()}, {device.type}); ZeRO-{train.zero_stage}, {train.schedule} "
               f"with {train.microbatches} microbatches, SP {'on' if train.sequence_parallel else 'off'}"
-              f"{', FP8' if train.fp8 else ''}; {moe}global batch {train.global_batch} x {train.seq_len}.\n"
+              f"{', FP8' if train.fp8 else ''}; {moe or ''}global batch {train.global_batch} x {train.seq_len}.\n"
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
         print(f"{'step':<6}{'4D loss':>12}{'one device':>12}")
         for step, (a, b) in enumerate(zip(losses, ref.losses)):

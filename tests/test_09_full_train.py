@@ -44,12 +44,9 @@ def train_on_mesh(cfg, sizes, train, steps: int):
         _meshes[sizes] = nine.build_mesh(sizes)
     mesh = _meshes[sizes]
     trainer = nine.Trainer(cfg, mesh, train, torch.device("cpu"))
-    per_dp = train.global_batch // sizes.dp
     losses, grads = [], None
     for step in range(steps):
-        tokens, targets = ddp.synthetic_batch(cfg, train.global_batch, train.seq_len, step)
-        rows = torch.cat([tokens, targets[:, -1:]], dim=1)[mesh.coords["dp"] * per_dp:][:per_dp]
-        losses.append(trainer.forward_backward(rows))
+        losses.append(trainer.forward_backward(nine.dp_rows(cfg, train, step, mesh)))
         if step == 0:
             grads = trainer.shards("grads")
         trainer.update()
@@ -229,6 +226,6 @@ def test_rows_of_the_wrong_shape_are_refused(rank_pool):
 
 
 def test_main_runs_and_prints_the_check():
-    out = run_script("09_full_train.py", "--dp", "2", "--tp", "2", "--ep", "2", "--steps", "2", "--seq-len", "16")
+    out = run_script("09_full_train.py", *"--dp 2 --tp 2 --ep 2 --steps 2 --seq-len 16".split())
     assert "max |difference| from one device" in out and "rank  3: dp=1 pp=0 cp=0 tp=1" in out
     assert "MoE 4 experts top-2 over ep=2" in out
