@@ -190,6 +190,8 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     elif sizes.world != world:
         problems.append(f"dp x pp x cp x tp = {sizes.dp} x {sizes.pp} x {sizes.cp} x {sizes.tp} = "
                         f"{sizes.world} is not the world size {world}")
+    if train.global_batch < 1:
+        problems.append(f"global_batch={train.global_batch} must be >= 1")
     tp, cp = max(sizes.tp, 1), max(sizes.cp, 1)
     check(tp_lesson.validate_tensor_parallel, cfg, tp)
     check(cp_lesson.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", True)

@@ -210,8 +210,30 @@ def test_invalid_configurations_list_every_violation(rank_pool):
                              match=r"(?s)n_experts=3 is not divisible by ep=2.*dropless and unbalanced")
     with pytest.raises(ValueError, match="ep=2 needs an MoE model"):
         nine.validate(small_model(), nine.MeshSizes(dp=2, ep=2), good, 2)
+    with pytest.raises(ValueError, match="global_batch=0 must be >= 1"):
+        nine.validate(small_model(), nine.MeshSizes(), nine.TrainConfig(global_batch=0), 1)
     with pytest.raises(ValueError, match="every mesh size must be >= 1"):
         nine.validate(small_model(), nine.MeshSizes(dp=0), good, 1)
+
+
+def nan_step(cfg, sizes, train):
+    """One NaN weight on the first stage: the loss, the norm and every parameter must not come out
+    finite (clipping by a NaN norm must not hide it)."""
+    trainer = nine.Trainer(cfg, nine.build_mesh(sizes), train, torch.device("cpu"))
+    if 0 in trainer.stages:
+        with torch.no_grad():
+            trainer.stages[0].layers["0"].attn_norm.weight[0] = float("nan")
+    loss = trainer.forward_backward(nine.dp_rows(cfg, train, 0, trainer.mesh))
+    norm = trainer.update()
+    return loss, norm, all(not values.isfinite().all() for spec, values in trainer.shards("params")
+                           if spec.stage == 0)
+
+
+def test_a_nan_propagates_to_every_rank(rank_pool):
+    sizes = nine.MeshSizes(dp=2, pp=2)
+    train = nine.TrainConfig(global_batch=4, seq_len=8, microbatches=2, zero_stage=0, max_grad_norm=1.0)
+    for loss, norm, stage0_all_nan in rank_pool.run(sizes.world, nan_step, small_model(), sizes, train):
+        assert math.isnan(loss) and math.isnan(norm) and stage0_all_nan
 
 
 def wrong_rows(cfg, sizes, train):
