@@ -273,6 +273,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
     rank, m, last = dist.get_rank(group), schedule.microbatches, schedule.n_stages - 1
     x_mbs, y_mbs = tokens.chunk(m), targets.chunk(m)
     shape = boundary_shape or (*x_mbs[0].shape, next(iter(stages.values())).cfg.dim)
+    dtype = next(next(iter(stages.values())).parameters()).dtype  # activations: the weights' (bf16...)
     # Mailboxes are keyed by ("F" activations | "B" gradients, receiving stage, microbatch).
     inbox, arriving, sent, saved, wait_for_w = {}, {}, [], {}, {}
     outbox = inbox if schedule.pp == 1 else {}  # one rank owns every stage: hand over directly
@@ -286,7 +287,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                 to = a.stage + {"SEND_F": 1, "SEND_B": -1}.get(a.kind, 0)  # the receiving stage
                 keys.append((a.kind[-1], to, a.microbatch))
                 ops.append(("send", outbox.pop(keys[-1]), a.peer) if a.kind in SEND
-                           else ("recv", torch.empty(shape, device=tokens.device), a.peer))
+                           else ("recv", torch.empty(shape, dtype=dtype, device=tokens.device), a.peer))
             works = ddp.batch_p2p(ops, group)
             for (kind, tensor, _), key, work in zip(ops, keys, works, strict=True):
                 if kind == "recv":

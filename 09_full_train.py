@@ -173,6 +173,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     max_grad_norm: float = math.inf
     moe: "moe_lesson.MoEConfig | None" = None  # every MLP an MoE layer (lesson 06)
+    mixed_precision: bool = False  # bf16 compute, fp32 masters in ZeRO (lesson 02)
 
 
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
@@ -334,7 +335,8 @@ class Trainer:
                 if kind == "dp_cp" or experts:
                     self.zeros.append((stage, kind, zero_lesson.ZeRO(
                         model, train.zero_stage, mesh.groups[kind], lr=train.lr, adam_eps=train.adam_eps,
-                        max_grad_norm=train.max_grad_norm, owns=owns if experts else None)))
+                        max_grad_norm=train.max_grad_norm, mixed_precision=train.mixed_precision,
+                        owns=owns if experts else None)))
         rows = train.global_batch // sizes.dp // train.microbatches
         seq = train.seq_len // sizes.cp // (sizes.tp if train.sequence_parallel else 1)
         self.boundary_shape = (rows, seq, cfg.dim)
@@ -514,6 +516,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, zero_stage=args.zero,
                        schedule=args.schedule, microbatches=args.microbatches, virtual=args.virtual,
                        sequence_parallel=args.sequence_parallel, fp8=args.fp8, lr=args.lr,
+                       mixed_precision=args.bf16,
                        adam_eps=1e-6, max_grad_norm=args.max_grad_norm,
                        moe=moe_lesson.MoEConfig(n_experts=args.experts, top_k=2, expert_ffn_dim=64,
                                                 aux_loss_coef=0.0) if args.moe else None)
@@ -561,6 +564,7 @@ def demo(args: argparse.Namespace) -> None:
     if mesh.rank == 0:
         ref = zero_lesson.train_reference(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
                                           adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
+                                          mixed_precision=train.mixed_precision,
                                           transform=reference_transform(train))
         moe = train.moe and f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; "
         print(f"4D parallelism: dp={sizes.dp} pp={sizes.pp} cp={sizes.cp} tp={sizes.tp} on {sizes.world} "
@@ -597,6 +601,7 @@ def main() -> None:
     parser.add_argument("--virtual", type=int, default=1, help="stages per rank (interleaved)")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--fp8", action="store_true", help="lesson 08's Float8Linear layers")
+    parser.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 masters (02's)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=32)

@@ -182,6 +182,20 @@ def test_fp8_flag_trains_close_to_fp32(rank_pool):
     assert 1e-7 < max(differences) < 5e-3, differences
 
 
+def test_bf16_mixed_precision_follows_its_one_device_twin(rank_pool):
+    """ZeRO's bf16 compute with fp32 masters through pipeline boundaries (bf16 activations), the
+    ring and SP, against 02's one-device bf16 twin: bf16 keeps 8 bits, so sums in another order
+    differ by ~1e-3 relative; the losses were within 3.6e-5 here (allowed: 5e-4). A missed
+    reduction would be off by the loss's own scale."""
+    cfg, sizes = small_model(), nine.MeshSizes(pp=2, cp=2, tp=2)
+    train = nine.TrainConfig(global_batch=4, seq_len=8, microbatches=2, zero_stage=3, sequence_parallel=True,
+                             lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5, mixed_precision=True)
+    results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
+    ref = zero_lesson.train_reference(cfg, STEPS, 4, 8, lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5,
+                                      mixed_precision=True)
+    assert results[0][0] == pytest.approx(ref.losses, abs=5e-4)
+
+
 def test_mesh_coordinates_and_groups():
     sizes = nine.MeshSizes(dp=2, pp=2, cp=2, tp=2)
     assert [sizes.coords(r)["tp"] for r in range(4)] == [0, 1, 0, 1], "tp must vary fastest"
