@@ -124,6 +124,9 @@ class MeshSizes:
 
 
 GROUP_DIMS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp",), "dp_cp": ("dp", "cp")}
+_ZERO_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+GROUP_OPS = {"tp": _ZERO_OPS, "cp": ("send",), "pp": ("send", "all_reduce"), "dp": (), "dp_cp": _ZERO_OPS,
+             "ep": ("all_to_all", "all_gather"), "ep_dp": _ZERO_OPS}  # what each kind of group carries
 
 
 @dataclass
@@ -450,17 +453,23 @@ class Trainer:
         zeros = [z for *_, z in self.zeros]
         held = {k: sum(z.held_bytes()[k] for z in zeros) for k in ("params", "grads", "optimizer")}
         formula = {k: sum(z.memory_formula()[k] for z in zeros) for k in held}
-        # Groups of different kinds may be the same ranks (cp and dp x cp when dp = 1): one entry.
-        kinds: dict[tuple[int, ...], list[str]] = {}
+        # Groups of different kinds may be the same ranks (cp and dp x cp when dp = 1): their
+        # operations tell them apart, else (ZeRO's and the router's all-gathers) they share an entry.
+        entries: list[tuple[list[str], tuple[int, ...], set[str]]] = []
         for kind, group in self.mesh.groups.items():
-            if kind in ("ep", "ep_dp") and self.mesh.sizes.ep == 1:
-                continue  # the same ranks as dp x cp, carrying nothing of their own
-            if kind != "dp" and ddp.group_size(group) > 1:  # dp alone carries nothing (ZeRO: dp x cp)
-                kinds.setdefault(ddp.group_ranks(group), []).append(kind)
+            if kind == "dp" or kind.startswith("ep") and self.mesh.sizes.ep == 1 or ddp.group_size(group) == 1:
+                continue  # dp alone carries nothing (ZeRO: dp x cp); ep = 1: dp x cp's ranks again
+            ranks, ops = ddp.group_ranks(group), set(GROUP_OPS[kind])
+            shared = [e for e in entries if e[1] == ranks and e[2] & ops]
+            if shared:
+                shared[0][0].append(kind)
+                shared[0][2].update(ops)
+            else:
+                entries.append(([kind], ranks, ops))
         by_kind, steps = self.traffic_formula(), max(self.steps, 1)
         traffic, traffic_formula = {}, {}
-        for ranks, names in kinds.items():
-            traffic["+".join(names)] = self.meter.traffic(None, ranks) / steps
+        for names, ranks, ops in entries:
+            traffic["+".join(names)] = sum(self.meter.traffic(op, ranks) for op in ops) / steps
             parts = [by_kind.get(n, 0) for n in names]
             traffic_formula["+".join(names)] = None if "ep" in names or None in parts else sum(parts)
         return dict(params=sum(u.offsets[-1] for z in zeros for u in z.units),
@@ -570,7 +579,7 @@ def demo(args: argparse.Namespace) -> None:
         print(f"4D parallelism: dp={sizes.dp} pp={sizes.pp} cp={sizes.cp} tp={sizes.tp} on {sizes.world} "
               f"ranks ({dist.get_backend()}, {device.type}); ZeRO-{train.zero_stage}, {train.schedule} "
               f"with {train.microbatches} microbatches, SP {'on' if train.sequence_parallel else 'off'}"
-              f"{', FP8' if train.fp8 else ''}; {moe or ''}global batch {train.global_batch} x {train.seq_len}.\n"
+              f"{', FP8' if train.fp8 else ''}{', bf16' if train.mixed_precision else ''}; {moe or ''}global batch {train.global_batch} x {train.seq_len}.\n"
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
         print(f"{'step':<6}{'4D loss':>12}{'one device':>12}")
         for step, (a, b) in enumerate(zip(losses, ref.losses)):
