@@ -176,6 +176,7 @@ class ZeRO:
         model(x, y).backward()         # stages 2-3: reduce-scatters launch from backward hooks
         grad_norm = zero.step()        # sync, clip by the global norm, AdamW on the shard, gather
         zero.zero_grad()
+    Microbatches: run all but the last backward (or all, then finish_gradient_sync()) in no_sync().
     """
 
     def __init__(self, model: nn.Module, stage: int, group=None, *, lr: float = 1e-3,
