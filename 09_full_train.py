@@ -183,11 +183,11 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     """Every violation, each lesson's rule in its own words, in one ValueError."""
     problems = []
 
-    def check(rule, *args) -> None:
+    def check(rule, *args, rename: tuple[str, str] = ("", "")) -> None:
         try:
             rule(*args)
         except ValueError as error:
-            problems.append(str(error))
+            problems.append(str(error).replace(*rename) if rename[0] else str(error))
 
     if min(getattr(sizes, d) for d in DIMS) < 1:
         problems.append(f"every mesh size must be >= 1, got {sizes}")
@@ -203,8 +203,9 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     if train.global_batch % max(sizes.dp, 1):
         problems.append(f"global_batch={train.global_batch} is not divisible by dp={sizes.dp}")
     else:
-        check(pp_lesson.validate_pipeline, cfg.n_layers, max(sizes.pp, 1),
-              train.global_batch // max(sizes.dp, 1), train.microbatches, train.schedule, train.virtual)
+        rows = train.global_batch // max(sizes.dp, 1)
+        check(pp_lesson.validate_pipeline, cfg.n_layers, max(sizes.pp, 1), rows, train.microbatches,
+              train.schedule, train.virtual, rename=(f"global_batch={rows}", f"global_batch / dp = {rows}"))
     if train.sequence_parallel and (train.seq_len // cp) % tp:
         problems.append(f"sequence parallelism splits each rank's seq_len / cp = {train.seq_len} / "
                         f"{cp} tokens over tp={tp}: not divisible")
@@ -512,6 +513,13 @@ class Trainer:
         return out  # no formula for ep: its all-to-alls depend on the routing (06 prints that)
 
 
+def build_trainer(cfg, sizes: MeshSizes, train: TrainConfig, device: torch.device) -> Trainer:
+    """Check everything on every rank before any collective, create the mesh's groups, then build
+    this rank's part."""
+    validate(cfg, sizes, train, dist.get_world_size())
+    return Trainer(cfg, build_mesh(sizes), train, device)
+
+
 # ----------------------------------------------------------------------------------------------
 # Demo
 # ----------------------------------------------------------------------------------------------
@@ -560,9 +568,8 @@ def print_summaries(sizes: MeshSizes, summaries: list[dict]) -> None:
 def demo(args: argparse.Namespace) -> None:
     device = ddp.init_distributed()
     sizes, cfg, train = MeshSizes(args.dp, args.pp, args.cp, args.tp, args.ep), demo_model(), train_config(args)
-    mesh = build_mesh(sizes)
-    trainer = Trainer(cfg, mesh, train, device)
-    losses = []
+    trainer = build_trainer(cfg, sizes, train, device)
+    mesh, losses = trainer.mesh, []
     for step in range(args.steps):
         losses.append(trainer.forward_backward(dp_rows(cfg, train, step, mesh)))
         if step == 0:
