@@ -152,8 +152,12 @@ def build_mesh(sizes: MeshSizes) -> Mesh:
 
 
 def rank_map(sizes: MeshSizes) -> str:
-    rows = [f"  rank {r:>2}: " + " ".join(f"{d}={i}" for d, i in sizes.coords(r).items())
-            for r in range(sizes.world)]
+    """One line per rank: its coordinates (and, with ep > 1, which experts' slice it holds)."""
+    rows = []
+    for r in range(sizes.world):
+        at = sizes.coords(r)
+        expert = f" ep={(at['dp'] * sizes.cp + at['cp']) % sizes.ep}" if sizes.ep > 1 else ""
+        rows.append(f"  rank {r:>2}: " + " ".join(f"{d}={i}" for d, i in at.items()) + expert)
     return "\n".join(rows)
 
 

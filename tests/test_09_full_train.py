@@ -205,7 +205,12 @@ def test_mesh_coordinates_and_groups():
         groups = sizes.groups(dims)
         assert len(groups) == n_groups and sorted(r for g in groups for r in g) == list(range(16))
     assert sizes.groups(("tp",))[0] == [0, 1] and sizes.groups(("dp", "cp"))[0] == [0, 2, 8, 10]
-    assert "rank 13: dp=1 pp=1 cp=0 tp=1" in nine.rank_map(sizes)
+    assert "rank 13: dp=1 pp=1 cp=0 tp=1\n" in nine.rank_map(sizes)
+    with_ep = nine.MeshSizes(dp=2, pp=2, cp=2, tp=2, ep=4)
+    assert with_ep.expert_groups(False)[0] == [0, 2, 8, 10] and with_ep.expert_groups(True)[0] == [0]
+    assert "rank 10: dp=1 pp=0 cp=1 tp=0 ep=3" in nine.rank_map(with_ep)
+    ep2 = nine.MeshSizes(dp=2, cp=2, ep=2)  # ep groups: cp pairs; expert-data groups: the dp pairs
+    assert ep2.expert_groups(False) == [[0, 1], [2, 3]] and ep2.expert_groups(True) == [[0, 2], [1, 3]]
 
 
 def test_invalid_configurations_list_every_violation(rank_pool):
