@@ -41,13 +41,14 @@ the traffic per step beside 1x and 1.5x DDP; the gathers in flight in stage 3.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import itertools
 import math
 import statistics
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -117,8 +118,8 @@ class FlatUnit:
     and keeps, by stage, the full or the sharded parameters and gradients (see COST above)."""
 
     def __init__(self, prefix: str, module: nn.Module, world: int, rank: int, stage: int,
-                 dtype: torch.dtype) -> None:
-        names, self.params = zip(*module.named_parameters())
+                 dtype: torch.dtype, owns: Callable[[nn.Parameter], bool] = lambda p: True) -> None:
+        names, self.params = zip(*((n, p) for n, p in module.named_parameters() if owns(p)))
         self.names = [f"{prefix}.{name}" for name in names]
         self.shapes = [p.shape for p in self.params]
         self.offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
@@ -175,28 +176,41 @@ class ZeRO:
         model(x, y).backward()         # stages 2-3: reduce-scatters launch from backward hooks
         grad_norm = zero.step()        # sync, clip by the global norm, AdamW on the shard, gather
         zero.zero_grad()
+    Microbatches: run all but the last backward (or all, then finish_gradient_sync()) in no_sync().
     """
 
     def __init__(self, model: nn.Module, stage: int, group=None, *, lr: float = 1e-3,
                  adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
-                 mixed_precision: bool = False, prefetch: bool = True) -> None:
+                 mixed_precision: bool = False, prefetch: bool = True,
+                 owns: Callable[[nn.Parameter], bool] | None = None) -> None:
+        """owns: shard only the parameters it accepts (lesson 09 gives an MoE's experts, which
+        differ between the ranks of `group`, a ZeRO of their own over another group); the caller
+        then answers for the others, so the model is not claimed."""
         validate_stage(stage)  # every check before the first collective: no rank is left waiting
-        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+        frozen = [name for name, p in model.named_parameters()
+                  if not p.requires_grad and (owns is None or owns(p))]
         if frozen:
             raise ValueError(f"ZeRO shards trainable parameters only; frozen: {frozen[:5]}")
         if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0")
         self.world, rank = ddp.group_size(group), dist.get_rank(group)
-        ddp.claim_gradient_sync(model, f"ZeRO-{stage}")
+        if owns is None:
+            ddp.claim_gradient_sync(model, f"ZeRO-{stage}")
+            ddp.broadcast_parameters(model, group)
+        else:
+            for p in filter(owns, model.parameters()):
+                ddp.broadcast(p.detach(), src=0, group=group)
         self.model, self.stage, self.group, self.prefetch = model, stage, group, prefetch
         self.max_grad_norm, self.dtype = max_grad_norm, torch.bfloat16 if mixed_precision else torch.float32
-        ddp.broadcast_parameters(model, group)
-        modules = zero_units(model)
-        self.units = [FlatUnit(name, module, self.world, rank, stage, self.dtype) for name, module in modules]
+        owns = owns or (lambda p: True)
+        modules = [(name, m) for name, m in zero_units(model) if any(map(owns, m.parameters()))]
+        self.units = [FlatUnit(name, module, self.world, rank, stage, self.dtype, owns)
+                      for name, module in modules]
         # AdamW is elementwise: torch's own, run on the shards, is the unsharded update restricted
         # to this rank's elements (lesson 01's settings: one place to change them).
         self.optimizer = ddp.make_optimizer(nn.ParameterList(u.master for u in self.units), lr, adam_eps)
         self.max_gathers_in_flight = self.prefetched_gathers = 0
+        self.sync_gradients = True
         for index, (unit, (_, module)) in enumerate(zip(self.units, modules)):
             for i, p in enumerate(unit.params if stage >= 2 else ()):
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit, i=i: self._on_grad_ready(unit, i))
@@ -219,8 +233,9 @@ class ZeRO:
         unit = self.units[index]
         self.prefetched_gathers += unit.gathered is not None
         self._launch_gather(unit)
-        unit.gather_work.wait()
-        unit.gather_work = None
+        if unit.gather_work is not None:  # None: still gathered from an earlier use
+            unit.gather_work.wait()
+            unit.gather_work = None
         unit.bind(unit.gathered)
         if self.prefetch and 0 <= next_index < len(self.units):
             self._launch_gather(self.units[next_index])
@@ -235,17 +250,33 @@ class ZeRO:
     def _on_grad_ready(self, unit: FlatUnit, i: int) -> None:
         if unit.scatter is not None:
             raise RuntimeError("a second backward before step(): ZeRO-2/3 here reduce-scatter every "
-                               "backward's gradients; call step() after each backward")
+                               "backward's gradients; call step() after each backward, or run the "
+                               "earlier backwards under no_sync()")
         unit.ready.add(i)
         if len(unit.ready) < len(unit.params):
             return
+        unit.ready.clear()
+        if self.stage == 3:
+            unit.release()  # every use of these parameters in this backward is done
+        if self.sync_gradients:
+            self._reduce_scatter(unit)
+
+    def _reduce_scatter(self, unit: FlatUnit) -> None:
         send = unit.flatten([p.grad for p in unit.params], self.dtype)
         for p in unit.params:
             p.grad = None  # the full gradient is freed: only the send buffer lives until the wait
-        if self.stage == 3:
-            unit.release()  # every use of these parameters in backward is done
         unit.scatter = (ddp.reduce_scatter(unit.grad_shard, send, group=self.group, async_op=True), send)
-        unit.ready.clear()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation (microbatches, a pipeline's schedule): backward passes inside only
+        accumulate the full gradients in .grad; finish_gradient_sync() reduce-scatters them once.
+        Stages 0-1 always accumulate locally, so for them this changes nothing."""
+        self.sync_gradients = False
+        try:
+            yield
+        finally:
+            self.sync_gradients = True
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -258,24 +289,44 @@ class ZeRO:
             elif self.stage == 1:
                 unit.grad_shard = torch.empty_like(unit.shard)
                 ddp.reduce_scatter(unit.grad_shard, unit.flat_grad, group=self.group)
-            elif unit.scatter is None:
-                missing = [n for j, n in enumerate(unit.names) if j not in unit.ready]
-                raise RuntimeError(f"parameters got no gradient this step (unused parameters are "
-                                   f"not supported): {missing[:5]}")
             else:
+                if unit.scatter is None:  # accumulated under no_sync(), or by autograd.grad
+                    missing = [n for n, p in zip(unit.names, unit.params) if p.grad is None]
+                    if missing:
+                        raise RuntimeError(f"parameters got no gradient this step (unused "
+                                           f"parameters are not supported): {missing[:5]}")
+                    if self.stage == 3:
+                        unit.release()
+                    self._reduce_scatter(unit)
                 unit.scatter[0].wait()
                 unit.scatter = None
+                unit.ready.clear()
             unit.grad_shard.div_(self.world)
 
     @torch.no_grad()
-    def clip_and_update(self) -> torch.Tensor:
-        """Clip by the global gradient norm, AdamW on the shards, refresh the compute parameters.
-        Returns the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
-        grads = [u.grad_shard.float() for u in self.units]  # fp32: the same tensors, no copy
-        squares = sum(g.pow(2).sum() for g in grads)
+    def grad_squares(self, share: Callable[[nn.Parameter], float] = lambda p: 1.0) -> torch.Tensor:
+        """The squared norm of the averaged gradient, summed over the group. share(p) weighs each
+        parameter's part: a model that is itself split over more ranks (tensor, pipeline parallel)
+        sums the parts of all ranks, and a parameter held by t of them counts 1/t on each."""
+        squares = torch.zeros((), device=self.units[0].shard.device)
+        for unit in self.units:
+            grad = unit.grad_shard.float()
+            for p, begin, end in zip(unit.params, unit.offsets, unit.offsets[1:]):
+                begin, end = max(begin, unit.owned.start), min(end, unit.owned.stop)
+                if begin < end:
+                    part = grad[begin - unit.owned.start:end - unit.owned.start]
+                    squares += part.pow(2).sum() * share(p)
         if self.stage > 0:  # each rank has its shard's share of the sum
             ddp.all_reduce(squares, group=self.group)
-        norm = squares.sqrt()
+        return squares
+
+    @torch.no_grad()
+    def clip_and_update(self, squares: torch.Tensor | None = None) -> torch.Tensor:
+        """Clip by the global gradient norm, AdamW on the shards, refresh the compute parameters.
+        squares: the squared norm over a larger model than this one (default grad_squares()).
+        Returns the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
+        grads = [u.grad_shard.float() for u in self.units]  # fp32: the same tensors, no copy
+        norm = (self.grad_squares() if squares is None else squares).sqrt()
         scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s rule
         for unit, grad in zip(self.units, grads, strict=True):
             unit.master.grad = grad.mul_(scale)
@@ -309,8 +360,9 @@ class ZeRO:
         """Bytes this rank holds now, summed over live tensors' storages, each storage once (an
         fp32 master that aliases the parameters counts as parameters)."""
         seen: set[int] = set()
-        params = [*self.model.parameters(), *(t for u in self.units for t in (u.flat_param, u.shard))]
-        grads = [*(p.grad for p in self.model.parameters()),
+        own = [p for u in self.units for p in u.params]
+        params = [*own, *(t for u in self.units for t in (u.flat_param, u.shard))]
+        grads = [*(p.grad for p in own),
                  *(t for u in self.units for t in (u.flat_grad, u.grad_shard))]
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         return {"params": storage_bytes(params, seen), "grads": storage_bytes(grads, seen),
@@ -370,11 +422,14 @@ class ZeroResult(ddp.TrainResult):
 
 def train_reference(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: int, *,
                     lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
-                    mixed_precision: bool = False, device: torch.device | str = "cpu") -> ZeroResult:
+                    mixed_precision: bool = False, device: torch.device | str = "cpu",
+                    transform: Callable[[nn.Module], nn.Module] | None = None) -> ZeroResult:
     """One device, the whole batch, torch's clip_grad_norm_ and AdamW: what every stage must equal.
     Mixed precision is the twin of ZeRO's: a bf16 model computes, AdamW updates fp32 master copies
-    (taken from the fp32 initial values), which are rounded back into the model after each step."""
-    model = ddp.GPT(cfg).to(device)
+    (taken from the fp32 initial values), which are rounded back into the model after each step.
+    transform as in ddp.train_single_device (lesson 09 converts to MoE)."""
+    model = ddp.GPT(cfg)
+    model = (transform(model) if transform else model).to(device)
     names = [name for name, _ in model.named_parameters()]
     masters = [nn.Parameter(p.detach().clone()) if mixed_precision else p for p in model.parameters()]
     model.to(torch.bfloat16 if mixed_precision else torch.float32)

@@ -327,7 +327,9 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
     def check_inputs(_, args, kwargs):
         tokens = args[0] if args else kwargs["tokens"]
         targets = args[1] if len(args) > 1 else kwargs.get("targets")
-        if sequence_parallel and tokens.shape[1] % tp:
+        if tokens.is_floating_point():  # hidden states: a later pipeline stage (lesson 09)
+            tokens = None
+        if sequence_parallel and tokens is not None and tokens.shape[1] % tp:
             raise ValueError(f"sequence length {tokens.shape[1]} is not divisible by tp={tp} "
                              f"(sequence parallelism splits the sequence)")
         # A shard would silently ignore an id no rank holds (one device raises). min/max cost a
@@ -382,20 +384,25 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
     return ddp.TrainResult([loss.item() for loss in losses], first_grads, params), meter
 
 
-def comm_formula(cfg, batch: int, seq_len: int,
-                 sequence_parallel: bool) -> dict[str, tuple[int, int]]:
+def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, layers: int | None = None,
+                 embed: bool = True, head: bool = True, microbatches: int = 1,
+                 mlp: bool = True) -> dict[str, tuple[int, int]]:
     """op -> (calls, payload bytes) in one fp32 training step (forward + backward) of the model,
     whatever t (the traffic per rank is (t-1)/t of the payload, twice that for an all-reduce).
     Activation collectives move b x s x h: 4 per layer, 1 for the embedding (forward), 1 for the
     LM head's input (backward); with SP each of them is an all-gather and a reduce-scatter. The
-    loss adds 3 all-reduces of b x s numbers; SP adds one all-reduce of h per norm."""
-    bsh, loss = batch * seq_len * cfg.dim * 4, (3, 3 * batch * seq_len * 4)
-    activations, norms = 4 * cfg.n_layers + 2, 2 * cfg.n_layers + 1
+    loss adds 3 all-reduces of b x s numbers; SP adds one all-reduce of h per norm. A pipeline
+    stage (lesson 09) has `layers` layers, maybe no embedding or head, and runs every collective
+    once per microbatch (the payloads add up to the batch's); mlp=False: the MLPs are not split
+    (lesson 09's MoE layers), only attention is a region."""
+    layers, m = cfg.n_layers if layers is None else layers, microbatches
+    bsh, loss = batch * seq_len * cfg.dim * 4, (3 * head * m, 3 * head * batch * seq_len * 4)
+    activations, norms = (2 + 2 * mlp) * layers + embed + head, 2 * layers + head
     if not sequence_parallel:
-        return {"all_reduce": (activations + loss[0], activations * bsh + loss[1])}
-    return {"all_gather": (activations, activations * bsh),
-            "reduce_scatter": (activations, activations * bsh),
-            "all_reduce": (norms + loss[0], norms * cfg.dim * 4 + loss[1])}
+        return {"all_reduce": (m * activations + loss[0], activations * bsh + loss[1])}
+    return {"all_gather": (m * activations, activations * bsh),
+            "reduce_scatter": (m * activations, activations * bsh),
+            "all_reduce": (m * norms + loss[0], m * norms * cfg.dim * 4 + loss[1])}
 
 
 def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool,

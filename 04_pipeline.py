@@ -100,8 +100,13 @@ def stage_layers(n_layers: int, n_stages: int) -> list[range]:
 def build_stage(cfg, stage: int, n_stages: int) -> nn.Module:
     """The reference GPT with the modules this stage does not own set to None or deleted: its
     parameters keep the reference names and values (initialisation runs on the whole model)."""
-    model = ddp.GPT(cfg)
-    keep = stage_layers(cfg.n_layers, n_stages)[stage]
+    return cut_stage(ddp.GPT(cfg), stage, n_stages)
+
+
+def cut_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+    """In place: keep this stage's modules of a whole GPT, however transformed before (lesson 09
+    cuts a tensor- and context-parallel model)."""
+    keep = stage_layers(model.cfg.n_layers, n_stages)[stage]
     for name in [n for n in model.layers if int(n) not in keep]:
         del model.layers[name]
     if stage > 0:
@@ -259,12 +264,16 @@ class StepLog:
 
 
 def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch.Tensor,
-                 targets: torch.Tensor, group=None, work_s: dict[str, float] | None = None) -> StepLog:
+                 targets: torch.Tensor, group=None, work_s: dict[str, float] | None = None,
+                 boundary_shape: tuple[int, ...] | None = None) -> StepLog:
     """Run this rank's actions on its stages (stage index -> module). Gradients accumulate in .grad.
-    work_s pads every compute action to a fixed duration (balanced synthetic work)."""
+    work_s pads every compute action to a fixed duration (balanced synthetic work). boundary_shape:
+    one microbatch's activations between stages, (b/m, seq, dim) unless a stage keeps them split
+    (sequence parallelism: (b/m, seq/t, dim))."""
     rank, m, last = dist.get_rank(group), schedule.microbatches, schedule.n_stages - 1
     x_mbs, y_mbs = tokens.chunk(m), targets.chunk(m)
-    shape = (*x_mbs[0].shape, next(iter(stages.values())).cfg.dim)
+    shape = boundary_shape or (*x_mbs[0].shape, next(iter(stages.values())).cfg.dim)
+    dtype = next(next(iter(stages.values())).parameters()).dtype  # activations: the weights' (bf16...)
     # Mailboxes are keyed by ("F" activations | "B" gradients, receiving stage, microbatch).
     inbox, arriving, sent, saved, wait_for_w = {}, {}, [], {}, {}
     outbox = inbox if schedule.pp == 1 else {}  # one rank owns every stage: hand over directly
@@ -278,7 +287,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                 to = a.stage + {"SEND_F": 1, "SEND_B": -1}.get(a.kind, 0)  # the receiving stage
                 keys.append((a.kind[-1], to, a.microbatch))
                 ops.append(("send", outbox.pop(keys[-1]), a.peer) if a.kind in SEND
-                           else ("recv", torch.empty(shape, device=tokens.device), a.peer))
+                           else ("recv", torch.empty(shape, dtype=dtype, device=tokens.device), a.peer))
             works = ddp.batch_p2p(ops, group)
             for (kind, tensor, _), key, work in zip(ops, keys, works, strict=True):
                 if kind == "recv":
@@ -317,7 +326,10 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                 out, grad = wait_for_w.pop(key)
                 params = [p for p in module.parameters() if p.requires_grad]
                 for p, g in zip(params, torch.autograd.grad(out, params, grad), strict=True):
-                    p.grad = g if p.grad is None else p.grad + g
+                    if p.grad is None:
+                        p.grad = g
+                    else:  # in place: .grad may be a view into a flat buffer (ZeRO-0/1)
+                        p.grad.add_(g)
             if work_s is not None:
                 time.sleep(max(0.0, start + work_s[a.kind] - time.perf_counter()))
             log.records.append((a.kind, *key, start - t0, time.perf_counter() - t0))

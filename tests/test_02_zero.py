@@ -19,6 +19,7 @@ gradients are rounded after differently ordered sums; see test_mixed_precision_e
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import re
@@ -269,6 +270,33 @@ def misuse(cfg, case):
     except RuntimeError as error:
         return str(error)
     return "no error"
+
+
+def accumulated_gradients(cfg, stage: int, global_batch: int, seq_len: int, micro: int,
+                          all_under_no_sync: bool):
+    """micro microbatches of this rank's rows, each loss / micro, accumulated under no_sync() (the
+    last one outside it, or all inside and then finish_gradient_sync): the full gradients."""
+    model = ddp.GPT(cfg)
+    optimizer = zero.ZeRO(model, stage)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, 0, rank, world)
+    for i, (x, y) in enumerate(zip(tokens.chunk(micro), targets.chunk(micro))):
+        last = i == micro - 1 and not all_under_no_sync
+        with optimizer.no_sync() if not last else contextlib.nullcontext():
+            (model(x, y) / micro).backward()
+    optimizer.finish_gradient_sync()
+    return optimizer.gather_full([u.grad_shard for u in optimizer.units])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_no_sync_accumulates_microbatches(rank_pool, stage):
+    # The gradient of the mean over microbatches of their mean losses is the batch's: one device.
+    cfg = ddp.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
+    reference = zero.train_reference(cfg, 1, 8, 6)
+    for all_inside in (False, True):
+        for grads in rank_pool.run(2, accumulated_gradients, cfg, stage, 8, 6, 2, all_inside):
+            assert_close_by_name(grads, reference.first_grads, "accumulated gradient",
+                                 atol=GRAD_ATOL, rtol=GRAD_RTOL)
 
 
 def test_misuse_is_refused_and_nan_propagates(rank_pool):
