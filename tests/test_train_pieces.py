@@ -180,3 +180,186 @@ def test_greedy_sample_continues_with_the_most_likely_byte():
         tp.greedy_sample(model, b"", 3)
     with pytest.raises(ValueError, match="vocab_size 256, not 128"):
         tp.greedy_sample(ddp.GPT(ddp.ModelConfig()), b"a", 1)
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+CONFIG = tp.checkpoint_config(ddp.ModelConfig())
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+@given(shape=st.lists(st.integers(0, 4), max_size=3), data=st.data())
+def test_a_piece_indexes_the_elements_it_takes(shape, data):
+    slices = tuple(tuple(sorted(data.draw(st.lists(st.integers(0, n), min_size=2, max_size=2))))
+                   for n in shape)
+    box = math.prod(b - a for a, b in slices)
+    lo = data.draw(st.integers(0, box))
+    piece = tp.Piece("w", tuple(shape), slices, data.draw(st.sampled_from([None, (lo, box)])))
+    full = torch.arange(math.prod(shape)).view(shape)
+    assert torch.equal(piece.take(full).flatten(), piece.global_index())
+    assert piece.take(full).shape == piece.local_shape
+
+
+def test_bad_pieces_are_refused():
+    with pytest.raises(ValueError, match="slices \\(\\(0, 5\\),\\) do not fit the shape \\(4,\\)"):
+        tp.Piece("w", (4,), ((0, 5),))
+    with pytest.raises(ValueError, match="flat range \\(2, 7\\) outside the 6 elements"):
+        tp.Piece("w", (2, 4), ((0, 2), (1, 4)), (2, 7))
+
+
+def bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """n split into parts ranges, uneven and possibly empty as with padded shards."""
+    size = math.ceil(n / parts)
+    return [(min(i * size, n), min((i + 1) * size, n)) for i in range(parts)]
+
+
+def layout(shapes: dict[str, tuple[int, ...]], tp_size: int, dp_size: int, dim: dict[str, int | None]
+           ) -> list[list[tp.Piece]]:
+    """Rank (d, t) of a dp x tp mesh: tensor parallelism slices `dim` of each tensor (None:
+    replicated), ZeRO splits each rank's box flattened into dp ranges."""
+    ranks = []
+    for d in range(dp_size):
+        for t in range(tp_size):
+            pieces = []
+            for name, shape in shapes.items():
+                slices = [(0, n) for n in shape]
+                if dim[name] is not None:
+                    slices[dim[name]] = bounds(shape[dim[name]], tp_size)[t]
+                box = math.prod(b - a for a, b in slices)
+                pieces.append(tp.Piece(name, shape, tuple(slices), bounds(box, dp_size)[d]))
+            ranks.append(pieces)
+    return ranks
+
+
+def save_threaded(folder, step: int, ranks: list[list[tp.Piece]], tensors: dict, meta=None,
+                  config=CONFIG, fail_rank: int | None = None) -> list[BaseException | None]:
+    """Every rank's save_checkpoint in its own thread, a threading.Barrier as the barrier. A rank
+    that raises aborts the barrier, so the others stop as a real job's would."""
+    barrier, errors = threading.Barrier(len(ranks), timeout=30), [None] * len(ranks)
+
+    def rank(r: int) -> None:
+        try:
+            if r == fail_rank:
+                raise RuntimeError(f"rank {r} killed")
+            pieces = [(p, {k: p.take(tensors[p.name][k]) for k in KINDS}) for p in ranks[r]]
+            tp.save_checkpoint(folder, step, pieces, meta or {}, config, r, len(ranks), barrier.wait)
+        except BaseException as error:  # noqa: BLE001 - the test inspects every rank's outcome
+            errors[r] = error
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(ranks))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+def random_tensors(shapes: dict, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {name: {k: torch.randn(shape, generator=gen) for k in KINDS} for name, shape in shapes.items()}
+
+
+def assert_loads(folder, ranks: list[list[tp.Piece]], tensors: dict) -> None:
+    for r, pieces in enumerate(ranks):
+        loaded, _ = tp.load_checkpoint(folder, pieces, CONFIG, r)
+        for piece, got in zip(pieces, loaded):
+            for k in KINDS:
+                assert torch.equal(got[k], piece.take(tensors[piece.name][k])), (piece, k)
+
+
+MESHES = st.tuples(st.sampled_from([1, 2, 3, 4]), st.sampled_from([1, 2, 3]))
+
+
+@given(saved_mesh=MESHES, loaded_mesh=MESHES, rows=st.integers(1, 7), cols=st.integers(1, 6),
+       seed=st.integers(0, 99))
+def test_a_checkpoint_loads_exactly_on_another_mesh(tmp_path_factory, saved_mesh, loaded_mesh, rows,
+                                                     cols, seed):
+    folder = tmp_path_factory.mktemp("ckpt")
+    shapes = {"embed": (rows, cols), "wo": (cols, rows), "norm": (cols,), "scale": ()}
+    dims = {"embed": 0, "wo": 1, "norm": None, "scale": None}  # column, row parallel, replicated
+    tensors = random_tensors(shapes, seed)
+    assert save_threaded(folder, 5, layout(shapes, *saved_mesh, dims), tensors) == [None] * math.prod(saved_mesh)
+    assert_loads(folder, layout(shapes, *loaded_mesh, dims), tensors)
+    assert_loads(folder, layout(shapes, *loaded_mesh, {n: 0 if s else None for n, s in shapes.items()}),
+                 tensors)  # another sharded dimension, too
+
+
+def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    shapes, dims = {"w": (6, 4), "b": (4,)}, {"w": 0, "b": None}
+    ranks = layout(shapes, 2, 2, dims)
+    old, new = random_tensors(shapes, 0), random_tensors(shapes, 1)
+    assert save_threaded(tmp_path, 1, ranks, old, {"loader": {"epoch": 0, "position": 1}}) == [None] * 4
+    # rank 2 dies before writing: the others wait at the barrier, which breaks; LATEST stays
+    errors = save_threaded(tmp_path, 2, ranks, new, fail_rank=2)
+    assert all(errors), errors
+    # a kill in the middle of writing a file: a partial .tmp, never renamed
+    real_save = torch.save
+
+    def killed_midway(obj, f):
+        if Path(f.name).name.startswith("rank00001"):
+            f.write(b"PK\x03\x04 partial")
+            raise KeyboardInterrupt("killed")
+        real_save(obj, f)
+
+    monkeypatch.setattr(torch, "save", killed_midway)
+    assert all(save_threaded(tmp_path, 3, ranks, new))
+    monkeypatch.undo()
+    assert (tmp_path / "step_00000003" / "rank00001.pt.tmp").exists()
+    assert tp.latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    assert_loads(tmp_path, layout(shapes, 4, 1, dims), old)
+    _, meta = tp.load_checkpoint(tmp_path, [], CONFIG)
+    assert meta["step"] == 1 and meta["loader"] == {"epoch": 0, "position": 1} and meta["world"] == 4
+    # the next complete save takes over and removes the old and the partial folders
+    assert save_threaded(tmp_path, 4, ranks, new) == [None] * 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step_00000004"]
+    assert_loads(tmp_path, layout(shapes, 1, 3, dims), new)
+
+
+def test_saving_the_step_already_saved_keeps_it(tmp_path):
+    shapes, dims = {"w": (3, 2)}, {"w": 0}
+    tensors = random_tensors(shapes, 0)
+    save_threaded(tmp_path, 7, layout(shapes, 2, 1, dims), tensors)
+    before = (tmp_path / "step_00000007" / "rank00000.pt").stat().st_mtime_ns
+    assert save_threaded(tmp_path, 7, layout(shapes, 2, 1, dims), random_tensors(shapes, 1)) == [None] * 2
+    assert (tmp_path / "step_00000007" / "rank00000.pt").stat().st_mtime_ns == before
+    assert_loads(tmp_path, layout(shapes, 1, 1, dims), tensors)
+
+
+def test_another_model_configuration_is_refused(tmp_path):
+    tensors = random_tensors({"w": (2,)}, 0)
+    save_threaded(tmp_path, 1, layout({"w": (2,)}, 1, 1, {"w": None}), tensors)
+    other = tp.checkpoint_config(ddp.ModelConfig(dim=32, n_layers=3))
+    with pytest.raises(ValueError, match="another model configuration: dim=64 \\(this model: 32\\), "
+                                         "n_layers=2 \\(this model: 3\\); refusing"):
+        tp.load_checkpoint(tmp_path, [tp.Piece.whole("w", (2,))], other)
+    assert tp.checkpoint_config(ddp.ModelConfig(seed=5)) == CONFIG, "the seed does not matter"
+
+
+def test_elements_no_saved_piece_holds_are_a_clear_error(tmp_path):
+    shapes = {"w": (4, 3)}
+    ranks = layout(shapes, 2, 1, {"w": 0})
+    save_threaded(tmp_path, 1, [ranks[0], []], random_tensors(shapes, 0))  # rank 1 saved nothing
+    with pytest.raises(ValueError, match="w: 6 of the 12 elements of .* are in no saved piece"):
+        tp.load_checkpoint(tmp_path, [tp.Piece.whole("w", (4, 3))], CONFIG)
+    with pytest.raises(ValueError, match="w: saved with global shape \\(4, 3\\), wanted \\(3, 4\\)"):
+        tp.load_checkpoint(tmp_path, [tp.Piece.whole("w", (3, 4))], CONFIG)
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+        tp.load_checkpoint(tmp_path / "nothing", [], CONFIG)
+    with pytest.raises(ValueError, match="w: tensors of \\[\\(2, 2\\)\\] for a piece of shape \\(6,\\)"):
+        tp.save_checkpoint(tmp_path, 2, [(ranks[0][0], {"param": torch.zeros(2, 2)})], {}, CONFIG,
+                           0, 1, lambda: None)
+
+
+def test_a_whole_model_loads_for_sampling_with_rng_state(tmp_path):
+    cfg = ddp.ModelConfig(vocab_size=256, dim=16, n_heads=2, ffn_dim=32)
+    trained = ddp.GPT(cfg)
+    pieces = [(tp.Piece.whole(n, p.shape), {"param": p}) for n, p in trained.named_parameters()]
+    torch.manual_seed(3)
+    tp.save_checkpoint(tmp_path, 9, pieces, {}, tp.checkpoint_config(cfg), 0, 1, lambda: None)
+    after_save = torch.rand(4)
+    fresh = ddp.GPT(ddp.ModelConfig(**{**vars(cfg), "seed": 1}))
+    meta = tp.load_model(fresh, tmp_path, tp.checkpoint_config(cfg))
+    assert all(torch.equal(a, b) for a, b in zip(trained.parameters(), fresh.parameters(), strict=True))
+    tp.set_rng_state(meta["rng"])
+    assert torch.equal(torch.rand(4), after_save), "the RNG continues where the saved run was"
