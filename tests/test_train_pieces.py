@@ -182,6 +182,96 @@ def test_greedy_sample_continues_with_the_most_likely_byte():
         tp.greedy_sample(ddp.GPT(ddp.ModelConfig()), b"a", 1)
 
 
+# --- activation recompute -----------------------------------------------------------------------
+
+def loss_and_grads(model, tokens, targets, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = model(tokens, targets, **kw)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same_training(runs: dict) -> None:
+    """Bitwise: recompute reruns the same kernels on the same inputs (module docstring)."""
+    loss, grads = runs["none"]
+    for mode in ("selective", "full"):
+        assert torch.equal(runs[mode][0], loss), mode
+        assert all(torch.equal(runs[mode][1][n], g) for n, g in grads.items()), mode
+
+
+def layer_bytes(layer, cfg, batch: int, seq_len: int, shards: int = 1) -> int:
+    """Bytes one block saves for backward, on its input (b, s / shards, h) (lesson 03's setup)."""
+    x = torch.randn(batch, seq_len // shards, cfg.dim, requires_grad=True)
+    cos, sin = ddp.rope_angles(torch.arange(seq_len), cfg.head_dim, cfg.rope_theta)
+    out, saved = tp.saved_activation_bytes(lambda: layer(x, cos, sin), layer.parameters())
+    out.sum().backward()
+    return saved
+
+
+@given(n_heads=st.sampled_from([1, 2, 4]), groups=st.sampled_from([1, 2]), layers=st.integers(1, 2),
+       batch=st.integers(1, 3), seq_len=st.integers(1, 9), seed=st.integers(0, 99))
+def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, groups, layers, batch,
+                                                                         seq_len, seed):
+    cfg = ddp.ModelConfig(vocab_size=40, dim=4 * n_heads, n_layers=layers, n_heads=n_heads,
+                          n_kv_heads=max(1, n_heads // groups), ffn_dim=12, seed=seed)
+    batch_data = ddp.synthetic_batch(cfg, batch, seq_len, step=0)
+    runs, saved = {}, {}
+    for mode in tp.RECOMPUTE_MODES:
+        model = tp.apply_recompute(ddp.GPT(cfg), mode)
+        assert [n for n, _ in model.named_parameters()] == [n for n, _ in ddp.GPT(cfg).named_parameters()]
+        runs[mode] = loss_and_grads(model, *batch_data)
+        saved[mode] = layer_bytes(model.layers["0"], cfg, batch, seq_len)
+        assert saved[mode] == tp.layer_activation_formula(cfg, batch, seq_len, 1, False, mode), mode
+    assert_same_training(runs)
+    assert saved["full"] < saved["selective"] < saved["none"]
+
+
+def test_recompute_refuses_bad_modes_and_a_second_application():
+    with pytest.raises(ValueError, match="recompute mode 'some' must be one of \\('none', 'selective', 'full'\\)"):
+        tp.apply_recompute(ddp.GPT(ddp.ModelConfig()), "some")
+    model = tp.apply_recompute(ddp.GPT(ddp.ModelConfig()), "full")
+    with pytest.raises(ValueError, match="already recomputes \\(full\\)"):
+        tp.apply_recompute(model, "selective")
+
+
+def recompute_tensor_parallel(cfg, batch: int, seq_len: int, sequence_parallel: bool) -> tuple:
+    """On each rank: loss and local gradients under each mode, and layer 0's saved bytes."""
+    runs, saved = {}, {}
+    for mode in tp.RECOMPUTE_MODES:
+        model = tpm.apply_tensor_parallel(ddp.GPT(cfg), None, sequence_parallel)
+        tp.apply_recompute(model, mode)
+        runs[mode] = loss_and_grads(model, *ddp.synthetic_batch(cfg, batch, seq_len, step=0))
+        shards = dist.get_world_size() if sequence_parallel else 1
+        saved[mode] = layer_bytes(model.layers["0"], cfg, batch, seq_len, shards)
+    return runs, saved
+
+
+def recompute_context_parallel(cfg, batch: int, seq_len: int) -> dict:
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    layout = cpm.validate_context_parallel(seq_len, cfg.n_heads, cp, "ring", True)
+    tokens, targets = (layout.shard(t, rank, dim=1) for t in ddp.synthetic_batch(cfg, batch, seq_len, 0))
+    runs = {}
+    for mode in tp.RECOMPUTE_MODES:
+        model = ddp.GPT(cfg, attn_fn=cpm.ContextParallelAttention(None, "ring", True))
+        runs[mode] = loss_and_grads(tp.apply_recompute(model, mode), tokens, targets,
+                                    positions=layout.positions(rank))
+    return runs
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_recompute_after_tensor_parallelism(rank_pool, sequence_parallel):
+    cfg = ddp.ModelConfig(vocab_size=33, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=24, n_layers=2)
+    for runs, saved in rank_pool.run(2, recompute_tensor_parallel, cfg, 2, 6, sequence_parallel):
+        assert_same_training(runs)
+        for mode, got in saved.items():
+            assert got == tp.layer_activation_formula(cfg, 2, 6, 2, sequence_parallel, mode), mode
+
+
+def test_recompute_with_ring_attention(rank_pool):
+    cfg = ddp.ModelConfig(vocab_size=33, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
+    for runs in rank_pool.run(2, recompute_context_parallel, cfg, 2, 8):
+        assert_same_training(runs)
+
+
 # --- checkpoints --------------------------------------------------------------------------------
 
 CONFIG = tp.checkpoint_config(ddp.ModelConfig())
