@@ -10,7 +10,7 @@ import math
 import os
 import shutil
 import sysconfig
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -69,30 +69,24 @@ class ShardedLoader:
     Context-parallel ranks of one data-parallel rank get the same rows (the model slices them)."""
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, shuffle: bool = True) -> None:
+                 dp_size: int = 1, seed: int = 0) -> None:
         if global_batch % dp_size:
             raise ValueError(f"global_batch={global_batch} is not divisible by dp={dp_size}")
         self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
         self.rows = slice(dp_rank * global_batch // dp_size, (dp_rank + 1) * global_batch // dp_size)
-        self.seed, self.shuffle = seed, shuffle
-        self.batches_per_epoch = (len(tokens) - 1) // seq_len // global_batch
+        self.seed, self.n_windows = seed, (len(tokens) - 1) // seq_len
+        self.batches_per_epoch = self.n_windows // global_batch
         if self.batches_per_epoch == 0:
             raise ValueError(f"{len(tokens)} tokens hold fewer than global_batch={global_batch} "
                              f"windows of seq_len + 1 = {seq_len + 1} tokens")
         self.epoch = self.position = 0
 
-    def window_order(self, epoch: int) -> torch.Tensor:
-        n = (len(self.tokens) - 1) // self.seq_len
-        if not self.shuffle:
-            return torch.arange(n)
-        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self
-
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (inputs, targets), (B/d, s) int64 each, of the next global batch."""
-        batch = self.window_order(self.epoch)[self.position * self.global_batch:][:self.global_batch]
+        """This rank's (inputs, targets), (B/d, s) int64 each, of the next global batch. A fresh
+        loader with the same seed repeats them: validation takes one per evaluation."""
+        order = torch.randperm(self.n_windows, generator=torch.Generator().manual_seed(
+            self.seed * 1_000_003 + self.epoch))
+        batch = order[self.position * self.global_batch:][:self.global_batch]
         starts = batch[self.rows] * self.seq_len
         windows = self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)].long()
         self.position += 1
@@ -145,10 +139,18 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     return model
 
 
-def saved_activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Tensor]
-                           ) -> tuple[torch.Tensor, int]:
-    """run()'s result and the bytes autograd saved for backward while it ran: each storage once,
-    parameters excluded (lesson 03's accounting, for any forward)."""
+def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Tensor],
+                     device: torch.device) -> tuple[torch.Tensor, int]:
+    """run()'s result and the activation bytes it leaves for backward. CPU: the bytes autograd
+    saves, each storage once, parameters excluded (lesson 03's accounting, for any forward).
+    GPU: the peak allocated above what was allocated before (activations and temporaries)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        out = run()
+        torch.cuda.synchronize(device)
+        return out, torch.cuda.max_memory_allocated(device) - before
     kept = {p.untyped_storage().data_ptr() for p in params}
     storages: dict[int, int] = {}
 
@@ -160,20 +162,6 @@ def saved_activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[tor
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
     return out, sum(storages.values())
-
-
-def peak_activation_bytes(run: Callable[[], torch.Tensor], model: nn.Module,
-                          device: torch.device) -> tuple[torch.Tensor, int]:
-    """On a GPU, the peak memory run() allocates above what was allocated before (activations
-    and temporaries); on a CPU, the bytes saved for backward."""
-    if device.type != "cuda":
-        return saved_activation_bytes(run, model.parameters())
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    out = run()
-    torch.cuda.synchronize(device)
-    return out, torch.cuda.max_memory_allocated(device) - before
 
 
 def layer_activation_formula(cfg: "ddp.ModelConfig", batch: int, seq_len: int, tp: int,

@@ -202,7 +202,7 @@ def layer_bytes(layer, cfg, batch: int, seq_len: int, shards: int = 1) -> int:
     """Bytes one block saves for backward, on its input (b, s / shards, h) (lesson 03's setup)."""
     x = torch.randn(batch, seq_len // shards, cfg.dim, requires_grad=True)
     cos, sin = ddp.rope_angles(torch.arange(seq_len), cfg.head_dim, cfg.rope_theta)
-    out, saved = tp.saved_activation_bytes(lambda: layer(x, cos, sin), layer.parameters())
+    out, saved = tp.activation_bytes(lambda: layer(x, cos, sin), layer.parameters(), x.device)
     out.sum().backward()
     return saved
 
