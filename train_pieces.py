@@ -70,8 +70,11 @@ class ShardedLoader:
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0) -> None:
-        if global_batch % dp_size:
-            raise ValueError(f"global_batch={global_batch} is not divisible by dp={dp_size}")
+        if seq_len < 1 or global_batch < 1:
+            raise ValueError(f"seq_len={seq_len} and global_batch={global_batch} must be >= 1")
+        if global_batch % dp_size or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"global_batch={global_batch} is not divisible by dp={dp_size}, or "
+                             f"dp_rank={dp_rank} is not in [0, {dp_size})")
         self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
         self.rows = slice(dp_rank * global_batch // dp_size, (dp_rank + 1) * global_batch // dp_size)
         self.seed, self.n_windows = seed, (len(tokens) - 1) // seq_len

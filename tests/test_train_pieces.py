@@ -116,6 +116,10 @@ def test_resume_sees_the_uninterrupted_batches_even_on_another_dp(before, after,
 def test_loader_errors():
     with pytest.raises(ValueError, match="global_batch=6 is not divisible by dp=4"):
         tp.ShardedLoader(torch.arange(100), 4, 6, 0, 4)
+    with pytest.raises(ValueError, match="dp_rank=2 is not in \\[0, 2\\)"):
+        tp.ShardedLoader(torch.arange(100), 4, 6, 2, 2)
+    with pytest.raises(ValueError, match="seq_len=0 and global_batch=2 must be >= 1"):
+        tp.ShardedLoader(torch.arange(100), 0, 2)
     with pytest.raises(ValueError, match="fewer than global_batch=4 windows of seq_len \\+ 1 = 5"):
         tp.ShardedLoader(torch.arange(16), 4, 4)
 
