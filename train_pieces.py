@@ -319,6 +319,19 @@ class Piece:
 SavedPieces = list[tuple[Piece, dict[str, torch.Tensor]]]  # a piece and its tensors by kind
 
 
+def flat_shard_pieces(boxes: list[Piece], lo: int, hi: int) -> list[tuple[Piece, int]]:
+    """The pieces of elements [lo, hi) of the boxes flattened and concatenated in order (a ZeRO
+    shard of a flat unit, lesson 02), each with the offset in the shard where its data starts."""
+    pieces, start = [], 0
+    for box in boxes:
+        size = math.prod(box.local_shape)
+        first, last = max(lo, start), min(hi, start + size)
+        if first < last:
+            pieces.append((dataclasses.replace(box, flat=(first - start, last - start)), first - lo))
+        start += size
+    return pieces
+
+
 def checkpoint_config(cfg: "ddp.ModelConfig") -> dict:
     """What must match for a checkpoint to load: every field that shapes the model. Not the seed,
     which only draws the initial weights that a checkpoint replaces."""

@@ -301,6 +301,21 @@ def test_bad_pieces_are_refused():
         tp.Piece("w", (2, 4), ((0, 2), (1, 4)), (2, 7))
 
 
+@given(shapes=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 3)), min_size=1, max_size=4),
+       dp=st.integers(1, 5))
+def test_a_zero_shard_of_a_flat_unit_is_cut_into_pieces(shapes, dp):
+    # a rank's tensor-parallel boxes (here the first rows of each tensor) flattened together, then
+    # split into dp shards: the pieces of a shard take exactly its elements from the full tensors
+    boxes = [tp.Piece(f"w{i}", (rows + 1, cols), ((0, rows), (0, cols))) for i, (rows, cols) in enumerate(shapes)]
+    full = {b.name: torch.randn(b.shape) for b in boxes}
+    flat = torch.cat([b.take(full[b.name]).flatten() for b in boxes])
+    for lo, hi in bounds(len(flat), dp):
+        shard = torch.zeros(hi - lo)
+        for piece, offset in tp.flat_shard_pieces(boxes, lo, hi):
+            shard[offset:offset + piece.local_shape[0]] = piece.take(full[piece.name])
+        assert torch.equal(shard, flat[lo:hi])
+
+
 def bounds(n: int, parts: int) -> list[tuple[int, int]]:
     """n split into parts ranges, uneven and possibly empty as with padded shards."""
     size = math.ceil(n / parts)
