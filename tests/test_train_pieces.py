@@ -221,7 +221,8 @@ def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, 
     runs, saved = {}, {}
     for mode in tp.RECOMPUTE_MODES:
         model = tp.apply_recompute(ddp.GPT(cfg), mode)
-        assert [n for n, _ in model.named_parameters()] == [n for n, _ in ddp.GPT(cfg).named_parameters()]
+        names = [n for n, _ in model.named_parameters()]
+        assert names == [n for n, _ in ddp.GPT(cfg).named_parameters()], "names are kept"
         runs[mode] = loss_and_grads(model, *batch_data)
         saved[mode] = layer_bytes(model.layers["0"], cfg, batch, seq_len)
         assert saved[mode] == tp.layer_activation_formula(cfg, batch, seq_len, 1, False, mode), mode
@@ -230,7 +231,7 @@ def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, 
 
 
 def test_recompute_refuses_bad_modes_and_a_second_application():
-    with pytest.raises(ValueError, match="recompute mode 'some' must be one of \\('none', 'selective', 'full'\\)"):
+    with pytest.raises(ValueError, match="mode 'some' must be one of \\('none', 'selective', 'full'\\)"):
         tp.apply_recompute(ddp.GPT(ddp.ModelConfig()), "some")
     model = tp.apply_recompute(ddp.GPT(ddp.ModelConfig()), "full")
     with pytest.raises(ValueError, match="already recomputes \\(full\\)"):
@@ -306,7 +307,8 @@ def test_bad_pieces_are_refused():
 def test_a_zero_shard_of_a_flat_unit_is_cut_into_pieces(shapes, dp):
     # a rank's tensor-parallel boxes (here the first rows of each tensor) flattened together, then
     # split into dp shards: the pieces of a shard take exactly its elements from the full tensors
-    boxes = [tp.Piece(f"w{i}", (rows + 1, cols), ((0, rows), (0, cols))) for i, (rows, cols) in enumerate(shapes)]
+    boxes = [tp.Piece(f"w{i}", (rows + 1, cols), ((0, rows), (0, cols)))
+             for i, (rows, cols) in enumerate(shapes)]
     full = {b.name: torch.randn(b.shape) for b in boxes}
     flat = torch.cat([b.take(full[b.name]).flatten() for b in boxes])
     for lo, hi in bounds(len(flat), dp):
@@ -366,7 +368,8 @@ def save_threaded(folder, step: int, ranks: list[list[tp.Piece]], tensors: dict,
 
 def random_tensors(shapes: dict, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    return {name: {k: torch.randn(shape, generator=gen) for k in KINDS} for name, shape in shapes.items()}
+    return {name: {k: torch.randn(shape, generator=gen) for k in KINDS}
+            for name, shape in shapes.items()}
 
 
 def assert_loads(folder, ranks: list[list[tp.Piece]], tensors: dict) -> None:
@@ -388,7 +391,8 @@ def test_a_checkpoint_loads_exactly_on_another_mesh(tmp_path_factory, saved_mesh
     shapes = {"embed": (rows, cols), "wo": (cols, rows), "norm": (cols,), "scale": ()}
     dims = {"embed": 0, "wo": 1, "norm": None, "scale": None}  # column, row parallel, replicated
     tensors = random_tensors(shapes, seed)
-    assert save_threaded(folder, 5, layout(shapes, *saved_mesh, dims), tensors) == [None] * math.prod(saved_mesh)
+    errors = save_threaded(folder, 5, layout(shapes, *saved_mesh, dims), tensors)
+    assert errors == [None] * math.prod(saved_mesh)
     assert_loads(folder, layout(shapes, *loaded_mesh, dims), tensors)
     assert_loads(folder, layout(shapes, *loaded_mesh, {n: 0 if s else None for n, s in shapes.items()}),
                  tensors)  # another sharded dimension, too
@@ -430,7 +434,8 @@ def test_saving_the_step_already_saved_keeps_it(tmp_path):
     tensors = random_tensors(shapes, 0)
     save_threaded(tmp_path, 7, layout(shapes, 2, 1, dims), tensors)
     before = (tmp_path / "step_00000007" / "rank00000.pt").stat().st_mtime_ns
-    assert save_threaded(tmp_path, 7, layout(shapes, 2, 1, dims), random_tensors(shapes, 1)) == [None] * 2
+    again = save_threaded(tmp_path, 7, layout(shapes, 2, 1, dims), random_tensors(shapes, 1))
+    assert again == [None] * 2
     assert (tmp_path / "step_00000007" / "rank00000.pt").stat().st_mtime_ns == before
     assert_loads(tmp_path, layout(shapes, 1, 1, dims), tensors)
 
@@ -472,3 +477,48 @@ def test_a_whole_model_loads_for_sampling_with_rng_state(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(trained.parameters(), fresh.parameters(), strict=True))
     tp.set_rng_state(meta["rng"])
     assert torch.equal(torch.rand(4), after_save), "the RNG continues where the saved run was"
+
+
+def train_steps(model, optimizer, loader, steps: range, losses: list) -> None:
+    for step in steps:
+        for group in optimizer.param_groups:
+            group["lr"] = tp.learning_rate(step, 3e-3, 2, 6, 3e-4)
+        loss = model(*next(loader))
+        loss.backward()
+        tp.check_finite_loss(loss.item(), step)
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_resuming_from_a_checkpoint_repeats_the_uninterrupted_losses(tmp_path):
+    # The pieces together on one device: bytes of text, the loader, the schedule, AdamW, and a
+    # checkpoint of parameters, moments and loader position halfway. Bitwise equal losses.
+    cfg = ddp.ModelConfig(vocab_size=256, dim=16, n_heads=2, ffn_dim=32)
+    train, _ = tp.split_tokens(tp.read_tokens(None, max_bytes=4000), 16, 4)
+
+    def fresh() -> tuple:
+        model = ddp.GPT(cfg)
+        return model, ddp.make_optimizer(model, 3e-3), tp.ShardedLoader(train, 16, 4, seed=1)
+
+    model, optimizer, loader = fresh()
+    uninterrupted = []
+    train_steps(model, optimizer, loader, range(6), uninterrupted)
+    model, optimizer, loader = fresh()
+    first = []
+    train_steps(model, optimizer, loader, range(3), first)
+    pieces = [(tp.Piece.whole(n, p.shape), {"param": p, **{k: optimizer.state[p][k] for k in KINDS[1:]}})
+              for n, p in model.named_parameters()]  # AdamW's step count is the training step
+    config = tp.checkpoint_config(cfg)
+    tp.save_checkpoint(tmp_path, 3, pieces, {"loader": loader.state_dict()}, config, 0, 1, lambda: None)
+    model, optimizer, loader = fresh()
+    params = list(model.parameters())
+    loaded, meta = tp.load_checkpoint(tmp_path, [piece for piece, _ in pieces], config)
+    with torch.no_grad():
+        for p, data in zip(params, loaded, strict=True):
+            p.copy_(data["param"])
+            optimizer.state[p] = {"step": torch.tensor(float(meta["step"])),
+                                  **{k: data[k].clone() for k in KINDS[1:]}}
+    loader.load_state_dict(meta["loader"])
+    train_steps(model, optimizer, loader, range(meta["step"], 6), first)
+    assert first == uninterrupted
