@@ -127,8 +127,9 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     """selective: each attention function (scores, softmax, weighted sum; whichever is plugged in:
     SDPA, lesson 05's ring, lesson 07's kernel) keeps only its inputs q, k, v, while the
     projections keep their outputs (Megatron's selective recompute). full: each block keeps only
-    its input and recomputes everything else, its tensor-parallel collectives included. Apply it
-    after the transformations that replace modules or attention functions (TP, CP)."""
+    its input and recomputes everything else, its tensor-parallel collectives included. Parameter
+    names stay (the wrappers are attributes, not modules), and ZeRO-3 still gathers a block's
+    parameters before its recompute (when the block's output gradient arrives)."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"recompute mode {mode!r} must be one of {RECOMPUTE_MODES}")
     if getattr(model, "recompute", "none") != "none":

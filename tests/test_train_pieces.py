@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 ddp = importlib.import_module("01_ddp")
 tpm = importlib.import_module("03_tensor_parallel")
+zm = importlib.import_module("02_zero")
 cpm = importlib.import_module("05_context_parallel")
 tp = importlib.import_module("train_pieces")
 
@@ -274,6 +275,30 @@ def test_recompute_after_tensor_parallelism(rank_pool, sequence_parallel):
 def test_recompute_with_ring_attention(rank_pool):
     cfg = ddp.ModelConfig(vocab_size=33, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
     for runs in rank_pool.run(2, recompute_context_parallel, cfg, 2, 8):
+        assert_same_training(runs)
+
+
+def recompute_zero3(cfg, batch: int, seq_len: int) -> dict:
+    """ZeRO-3 gathers a block's parameters in hooks around Block.__call__ and, in backward, when
+    the block's output gradient arrives: before the recompute reads them."""
+    runs = {}
+    for mode in tp.RECOMPUTE_MODES:
+        model = tp.apply_recompute(ddp.GPT(cfg), mode)
+        zero, losses = zm.ZeRO(model, stage=3), []
+        for step in range(2):
+            x, y = ddp.synthetic_batch(cfg, batch, seq_len, step, dist.get_rank(), 2)
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.detach())
+            zero.step()
+            zero.zero_grad()
+        runs[mode] = (torch.stack(losses), zero.gather_full([u.master for u in zero.units]))
+    return runs
+
+
+def test_recompute_under_zero3(rank_pool):
+    cfg = ddp.ModelConfig(vocab_size=33, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
+    for runs in rank_pool.run(2, recompute_zero3, cfg, 4, 6):
         assert_same_training(runs)
 
 
