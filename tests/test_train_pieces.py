@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import importlib
 import math
+import signal
+import subprocess
+import sys
 import sysconfig
 import threading
 from pathlib import Path
@@ -19,6 +22,8 @@ import torch
 import torch.distributed as dist
 from hypothesis import example, given
 from hypothesis import strategies as st
+
+from conftest import ROOT
 
 ddp = importlib.import_module("01_ddp")
 tpm = importlib.import_module("03_tensor_parallel")
@@ -452,6 +457,33 @@ def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypat
     assert save_threaded(tmp_path, 4, ranks, new) == [None] * 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step_00000004"]
     assert_loads(tmp_path, layout(shapes, 1, 3, dims), new)
+
+
+KILLED_SAVE = """
+import os, signal, sys, torch
+import train_pieces as tp
+folder, where = sys.argv[1:]
+kill = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+piece = tp.Piece.whole("w", (1000,))
+save = lambda step, barrier: tp.save_checkpoint(
+    folder, step, [(piece, {"param": torch.full((1000,), float(step))})], {}, {}, 0, 1, barrier)
+save(1, lambda: None)
+if where == "writing":
+    real_save = torch.save
+    torch.save = lambda obj, f: (real_save(obj, f), f.flush(), f.truncate(500), kill())
+save(2, kill)  # "barrier": every file is written, LATEST not moved yet
+"""
+
+
+@pytest.mark.parametrize("where", ["writing", "barrier"])
+def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, where):
+    proc = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(tmp_path), where], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    partial = tmp_path / "step_00000002" / ("rank00000.pt.tmp" if where == "writing" else "meta.pt")
+    assert partial.exists(), "the process died inside the second save"
+    (loaded,), meta = tp.load_checkpoint(tmp_path, [tp.Piece.whole("w", (1000,))], {})
+    assert meta["step"] == 1 and torch.equal(loaded["param"], torch.ones(1000))
 
 
 def test_saving_the_step_already_saved_keeps_it(tmp_path):
