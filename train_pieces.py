@@ -31,13 +31,8 @@ def read_tokens(path: str | os.PathLike | None, max_bytes: int = DEFAULT_CORPUS_
     """The bytes of `path` as uint8 tokens; with no path, the standard library's top-level .py
     files in sorted order (every Python install has them, so no download), up to max_bytes."""
     if path is None:
-        chunks, size = [], 0
-        for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-            chunks.append(source.read_bytes()[:max_bytes - size])
-            size += len(chunks[-1])
-            if size == max_bytes:
-                break
-        data = b"".join(chunks)
+        sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+        data = b"".join(source.read_bytes() for source in sources)[:max_bytes]
     elif not Path(path).is_file():
         raise ValueError(f"--data {path}: no such file")
     else:
