@@ -365,9 +365,10 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 def save_checkpoint(folder: str | os.PathLike, step: int, pieces: SavedPieces, meta: dict,
                     config: dict, rank: int, world: int, barrier: Callable[[], None]) -> Path:
     """Every rank calls this with its pieces; barrier() waits for all ranks (dist.barrier; tests
-    pass a no-op or a threading.Barrier). The files live on a filesystem every rank sees. A crash
-    before LATEST moves leaves the previous checkpoint the one that loads; once it has moved,
-    the older folders (and any partial one from a crashed save) are deleted."""
+    pass a no-op or a threading.Barrier). meta holds plain values and tensors (torch.load reads it
+    with weights_only). The files live on a filesystem every rank sees. A crash before LATEST
+    moves leaves the previous checkpoint the one that loads; once it has moved, the older folders
+    (and any partial one from a crashed save) are deleted."""
     for piece, data in pieces:
         if any(t.shape != piece.local_shape for t in data.values()):
             raise ValueError(f"{piece.name}: tensors of {[tuple(t.shape) for t in data.values()]} "

@@ -1,10 +1,11 @@
 """The mesh-agnostic pieces of lesson 09's training run as a specification: data, schedule, MFU,
 activation recompute, sharded checkpoints that load on another mesh, the NaN guard, sampling.
 
-Tolerances: data, checkpoints and sampling are exact (copies and integer work). Recompute runs the
-same kernels on the same inputs a second time, so loss and every gradient must be bitwise equal
-to no recompute on the CPU (measured: equal in every example); any tolerance would only hide a
-recompute that reads the wrong input. Saved bytes equal the formula exactly (integer accounting).
+Tolerances: none. Data, checkpoints and sampling are copies and integer work: exact. Recompute
+runs the same kernels on the same inputs a second time, so loss and every gradient (parameters
+after two ZeRO-3 steps) are bitwise equal to no recompute on the CPU (measured: equal in every
+example); a tolerance would only hide a recompute that reads the wrong input. A resumed run repeats
+the same operations on the restored state: bitwise equal losses. Saved bytes = formula (integers).
 """
 from __future__ import annotations
 
