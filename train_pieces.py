@@ -192,10 +192,11 @@ def learning_rate(step: int, max_lr: float, warmup_steps: int, total_steps: int,
     return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-# Dense bf16 tensor-core peaks from NVIDIA's datasheets (the datasheets print twice these "with
-# sparsity"): H100 SXM5 989 TFLOP/s, H100 PCIe 756, H200 SXM 989, A100 (SXM4 and PCIe) 312.
-# Looked up by substring of torch.cuda.get_device_name(), the first match wins.
-PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets, which print twice these "with sparsity":
+# H100 SXM 989 TFLOP/s, H100 PCIe 756, H100 NVL and H200 NVL 835, H200 SXM 989, A100 312 (SXM4
+# and PCIe). Looked up by substring of torch.cuda.get_device_name(); the first match wins.
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12),
+                   ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 
 
 def peak_bf16_flops(device: torch.device) -> float | None:

@@ -162,8 +162,9 @@ def test_matmul_params_count_the_model_but_its_embedding(n_heads, groups, layers
 
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
-                                        ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
-                                        ("Tesla T4", None)])
+                                        ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12),
+                                        ("NVIDIA H200 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                        ("NVIDIA A100 80GB PCIe", 312e12), ("Tesla T4", None)])
 def test_peak_flops_table(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert tp.peak_bf16_flops(torch.device("cuda", 0)) == peak
