@@ -46,6 +46,11 @@ TP (10: the norms' inputs, dropout masks and the regions' inputs, replicated); s
 5 a s / h) with TP + SP, where the paper re-gathers each region's input in backward instead of
 storing it. We store it, so here SP removes only the norms' t-fold replication: main() prints what
 our layer (fp32, SwiGLU, RMSNorm, fused attention, no dropout) saves beside activation_formula.
+RECOMPUTE (the paper's other lever): apply_recompute(model, "selective") lets each attention
+function keep only q, k, v and recompute its inside in backward (Megatron's selective: the 5 a s / h
+scores term, or with a fused kernel only its log-sum-exp); "full" keeps only each block's input and
+reruns the whole block, ~1/3 more compute for ~1/(layer's saved / input) of the memory. Gradients
+are bitwise the same; lesson 09 prints measured bytes per mode (layer_activation_formula).
 
 RUN IT
     python 03_tensor_parallel.py                       # 4 local CPU ranks, tp = 4
@@ -60,10 +65,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
+import functools
 import importlib
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -71,6 +77,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 ddp = importlib.import_module("01_ddp")
 
@@ -414,19 +421,10 @@ def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool,
     shards = dist.get_world_size() if sequence_parallel else 1
     x = torch.randn(batch, seq_len // shards, cfg.dim, device=device, requires_grad=True)
     cos, sin = ddp.rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta)
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in params:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     with ddp.comm_meter() as meter:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = layer(x, cos, sin)
+        out, saved = activation_bytes(lambda: layer(x, cos, sin), layer.parameters(), torch.device("cpu"))
         out.sum().backward()
-    return sum(storages.values()), meter
+    return saved, meter
 
 
 def activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> int:
@@ -449,6 +447,80 @@ def korthikanti_bytes(cfg, batch: int, seq_len: int, tp: int, sequence_parallel:
     """The paper's per-layer activations (GPT-3 layer, 16-bit, attention scores stored)."""
     sbh, scores = seq_len * batch * cfg.dim, 5 * cfg.n_heads * seq_len / cfg.dim
     return sbh * (34 + scores) / tp if sequence_parallel else sbh * (10 + (24 + scores) / tp)
+
+
+# ----------------------------------------------------------------------------------------------
+# Activation recompute: trade a second forward for the activations backward would keep
+# ----------------------------------------------------------------------------------------------
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def recomputed(fn: Callable) -> Callable:
+    """fn whose intermediate results are not saved for backward but recomputed from its saved
+    inputs when backward reaches it (collectives inside fn run again, in the same order on every
+    rank, so a tensor- or context-parallel fn stays correct)."""
+
+    @functools.wraps(fn)
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        return checkpoint(fn, *args, use_reentrant=False)
+
+    return run
+
+
+def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+    """selective: each attention function (SDPA, lesson 05's ring, lesson 07's kernel: whichever is
+    plugged in) keeps only its inputs q, k, v, while the projections keep their outputs (Megatron's
+    selective recompute). full: each block keeps only its input and recomputes everything else,
+    its tensor-parallel collectives included. Parameter names stay (the wrappers are attributes,
+    not modules), and ZeRO-3 still gathers a block's parameters before its recompute."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute mode {mode!r} must be one of {RECOMPUTE_MODES}")
+    if getattr(model, "recompute", "none") != "none":
+        raise ValueError(f"this model already recomputes ({model.recompute}): apply_recompute once")
+    model.recompute = mode
+    for block in model.layers.values():
+        if mode == "selective":
+            block.attn.attn_fn = recomputed(block.attn.attn_fn)
+        elif mode == "full":
+            block.forward = recomputed(block.forward)  # an attribute: parameter names stay
+    return model
+
+
+def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Tensor],
+                     device: torch.device) -> tuple[torch.Tensor, int]:
+    """run()'s result and the activation bytes it leaves for backward. CPU: the bytes autograd
+    saves, each storage once, parameters excluded. GPU: the peak allocated above what was
+    allocated before (activations and temporaries)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        out = run()
+        torch.cuda.synchronize(device)
+        return out, torch.cuda.max_memory_allocated(device) - before
+    kept = {p.untyped_storage().data_ptr() for p in params}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in kept:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, sum(storages.values())
+
+
+def layer_activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+                             mode: str) -> int:
+    """activation_formula under each recompute mode. selective drops what the attention function
+    saved beyond its inputs: the log-sum-exp (s b a / t; the output is kept by out_proj as its
+    input). full keeps the block's input and the RoPE tables it reads."""
+    if mode == "full":
+        return 4 * (seq_len * batch * cfg.dim // (tp if sequence_parallel else 1) + seq_len * cfg.head_dim)
+    lse = 4 * seq_len * batch * cfg.n_heads // tp if mode == "selective" else 0
+    return activation_formula(cfg, batch, seq_len, tp, sequence_parallel) - lse
 
 
 # ----------------------------------------------------------------------------------------------

@@ -53,16 +53,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import itertools
 import math
 import os
+import shutil
+import sysconfig
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from tqdm import tqdm
 
 ddp = importlib.import_module("01_ddp")
 zero_lesson = importlib.import_module("02_zero")
@@ -70,6 +77,7 @@ tp_lesson = importlib.import_module("03_tensor_parallel")
 pp_lesson = importlib.import_module("04_pipeline")
 cp_lesson = importlib.import_module("05_context_parallel")
 moe_lesson = importlib.import_module("06_expert_parallel")
+flash_lesson = importlib.import_module("07_flash_attention")
 fp8_lesson = importlib.import_module("08_fp8")
 
 DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
@@ -181,6 +189,9 @@ class TrainConfig:
     max_grad_norm: float = math.inf
     moe: "moe_lesson.MoEConfig | None" = None  # every MLP an MoE layer (lesson 06)
     mixed_precision: bool = False  # bf16 compute, fp32 masters in ZeRO (lesson 02)
+    recompute: str = "none"  # lesson 03's activation recompute: none | selective | full
+    attention: str = "sdpa"  # without cp: "flash" is lesson 07's kernel (cp > 1: the ring)
+    compile: bool = False  # torch.compile each block (07's kernel stays opaque to it)
 
 
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
@@ -204,6 +215,9 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     check(tp_lesson.validate_tensor_parallel, cfg, tp)
     check(cp_lesson.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", True)
     check(zero_lesson.validate_stage, train.zero_stage)
+    if train.recompute not in tp_lesson.RECOMPUTE_MODES or train.attention not in ("sdpa", "flash"):
+        problems.append(f"recompute={train.recompute!r} must be one of {tp_lesson.RECOMPUTE_MODES} and "
+                        f"attention={train.attention!r} one of ('sdpa', 'flash')")
     if train.global_batch % max(sizes.dp, 1):
         problems.append(f"global_batch={train.global_batch} is not divisible by dp={sizes.dp}")
     else:
@@ -300,7 +314,13 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
                                                        else cp_lesson.TORCH_BLOCK)
         for block in model.layers.values():
             block.attn.attn_fn = attention
-    return pp_lesson.cut_stage(model, stage, n_stages)
+    elif train.attention == "flash":
+        for block in model.layers.values():
+            block.attn.attn_fn = flash_lesson.flash_attention
+    model = pp_lesson.cut_stage(tp_lesson.apply_recompute(model, train.recompute), stage, n_stages)
+    for block in model.layers.values() if train.compile else ():
+        block.compile()  # in place: parameter names stay
+    return model
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
@@ -409,22 +429,27 @@ class Trainer:
         self.update()
         return loss
 
+    def evaluate(self, rows: torch.Tensor) -> float:
+        """The loss on rows without training: lesson 04's schedules have no forward-only mode, so
+        the backward runs and its gradients are dropped (the next step overwrites them)."""
+        loss = self.forward_backward(rows)
+        for *_, zero in self.zeros:
+            zero.zero_grad()
+        return loss
+
     def _add(self, meter: "ddp.CommMeter") -> None:
         self.meter = zero_lesson.merge_meters([self.meter, meter])
 
     # --- what this rank holds ---------------------------------------------------------------
 
-    def shard_specs(self) -> list[tuple[ShardSpec, object, object, int]]:
-        """(spec, ZeRO, its unit, index in the unit) of every parameter piece this rank holds."""
+    def param_specs(self) -> list[tuple[ShardSpec, object, object, int]]:
+        """(spec of the whole TP-local tensor, ZeRO, its unit, index in the unit) of every
+        parameter of this rank's stages."""
         tp_rank, out = self.mesh.coords["tp"], []
         ep_rank = dist.get_rank(self.mesh.groups["ep"])
         for stage, kind, zero in self.zeros:
             for unit in zero.units:
                 for i, (name, p) in enumerate(zip(unit.names, unit.params)):
-                    begin = max(unit.offsets[i], unit.owned.start) - unit.offsets[i]
-                    end = min(unit.offsets[i + 1], unit.owned.stop) - unit.offsets[i]
-                    if begin >= end:
-                        continue
                     dim = getattr(p, "tp_shard_dim", None)
                     full, start, length = list(unit.shapes[i]), 0, 0
                     if dim is not None:
@@ -435,9 +460,32 @@ class Trainer:
                     if kind == "ep_dp":
                         ep_start, full[0] = ep_rank * full[0], full[0] * self.mesh.sizes.ep
                     spec = ShardSpec(name, tuple(full), stage, dim, start, length, tuple(unit.shapes[i]),
-                                     begin, end, ep_start)
+                                     0, unit.shapes[i].numel(), ep_start)
                     out.append((spec, zero, unit, i))
         return out
+
+    def shard_specs(self) -> list[tuple[ShardSpec, object, object, int]]:
+        """The same for the pieces this rank's ZeRO shard holds (the held elements only)."""
+        out = []
+        for spec, zero, unit, i in self.param_specs():
+            begin = max(unit.offsets[i], unit.owned.start) - unit.offsets[i]
+            end = min(unit.offsets[i + 1], unit.owned.stop) - unit.offsets[i]
+            if begin < end:
+                out.append((dataclasses.replace(spec, flat_start=begin, flat_stop=end), zero, unit, i))
+        return out
+
+    def load(self, full: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        """Take this rank's pieces of whole parameters and AdamW moments (name -> kind -> tensor,
+        e.g. from a checkpoint saved on another mesh) and continue from step `step`."""
+        states = {id(zero): {"step": step, **{kind: {} for kind in CHECKPOINT_KINDS}} for *_, zero in self.zeros}
+        for spec, zero, _, _ in self.param_specs():
+            index = spec.global_indices()
+            for kind in CHECKPOINT_KINDS:  # padding (index -1) holds zeros, as lesson 03 pads
+                values = full[spec.name][kind].view(-1)[index.clamp(min=0)].masked_fill(index < 0, 0)
+                states[id(zero)][kind][spec.name] = values.view(spec.local_shape)
+        for *_, zero in self.zeros:
+            zero.load_full_state_dict(states[id(zero)])
+        self.steps = step
 
     def shards(self, kind: str = "params") -> list[tuple[ShardSpec, torch.Tensor]]:
         """(spec, CPU values) of this rank's pieces: "params" (fp32 masters), "grads" (averaged,
@@ -525,7 +573,392 @@ def build_trainer(cfg, sizes: MeshSizes, train: TrainConfig, device: torch.devic
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo
+# Data: bytes are tokens (vocabulary 256), windows of seq_len + 1 in a seeded order per epoch
+# ----------------------------------------------------------------------------------------------
+
+DEFAULT_CORPUS_BYTES = 2 << 20  # enough text for a CPU run; a fixed cap keeps it quick and fixed
+
+
+def read_tokens(path: str | os.PathLike | None, max_bytes: int = DEFAULT_CORPUS_BYTES) -> torch.Tensor:
+    """The bytes of `path` as uint8 tokens; with no path, the standard library's top-level .py
+    files in sorted order (every Python install has them, so no download), up to max_bytes."""
+    if path is None:
+        sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+        data = b"".join(source.read_bytes() for source in sources)[:max_bytes]
+    elif not Path(path).is_file():
+        raise ValueError(f"--data {path}: no such file")
+    else:
+        data = Path(path).read_bytes()
+    if not data:
+        raise ValueError(f"--data {path}: the file is empty")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def split_tokens(tokens: torch.Tensor, seq_len: int, global_batch: int,
+                 val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation): the last val_fraction of the text validates. Each part must hold one
+    global batch of windows of seq_len + 1 tokens (neighbouring windows share one token)."""
+    need, n_val = global_batch * seq_len + 1, int(len(tokens) * val_fraction)
+    if min(n_val, len(tokens) - n_val) < need:
+        raise ValueError(f"the text is too short: {len(tokens) - n_val:,} training and {n_val:,} "
+                         f"validation tokens ({val_fraction:.0%}), and each part needs >= "
+                         f"global_batch x seq_len + 1 = {global_batch} x {seq_len} + 1 = {need:,}")
+    return tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
+
+
+class ShardedLoader:
+    """Window i = tokens[i s : i s + s + 1]. Each epoch visits the windows in a permutation seeded
+    by (seed, epoch), one global batch of B windows at a time; data-parallel rank r of d takes rows
+    [r B/d, (r+1) B/d). The windows that do not fill a last batch wait for the next epoch's
+    permutation. The state counts global batches, not rank rows, so a run can resume on another d.
+    Context-parallel ranks of one data-parallel rank get the same rows (the Trainer slices them)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, dp_rank: int = 0,
+                 dp_size: int = 1, seed: int = 0) -> None:
+        if seq_len < 1 or global_batch < 1 or global_batch % dp_size or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"seq_len={seq_len} and global_batch={global_batch} must be >= 1, "
+                             f"global_batch divisible by dp={dp_size} and dp_rank={dp_rank} in [0, {dp_size})")
+        self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
+        self.rows = slice(dp_rank * global_batch // dp_size, (dp_rank + 1) * global_batch // dp_size)
+        self.seed, self.n_windows = seed, (len(tokens) - 1) // seq_len
+        self.batches_per_epoch = self.n_windows // global_batch
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"{len(tokens)} tokens hold fewer than global_batch={global_batch} "
+                             f"windows of seq_len + 1 = {seq_len + 1} tokens")
+        self.epoch = self.position = 0
+
+    def __next__(self) -> torch.Tensor:
+        """This rank's rows (B/d, s + 1), int64, of the next global batch."""
+        order = torch.randperm(self.n_windows, generator=torch.Generator().manual_seed(
+            self.seed * 1_000_003 + self.epoch))
+        batch = order[self.position * self.global_batch:][:self.global_batch]
+        starts = batch[self.rows] * self.seq_len
+        self.position += 1
+        if self.position == self.batches_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+        return self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)].long()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Learning rate and MFU
+# ----------------------------------------------------------------------------------------------
+
+
+def learning_rate(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float) -> float:
+    """Linear warmup to max_lr over warmup_steps (step 0 already trains at max_lr / warmup), then
+    a half cosine down to min_lr at total_steps, and min_lr after."""
+    if step < warmup_steps:
+        return max_lr * (step + 1) / warmup_steps
+    if step >= total_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets, which print twice these "with sparsity":
+# H100 SXM 989 TFLOP/s, H100 PCIe 756, H100 NVL and H200 NVL 835, H200 SXM 989, A100 312 (SXM4
+# and PCIe). Looked up by substring of torch.cuda.get_device_name(); the first match wins.
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12),
+                   ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+
+
+def peak_bf16_flops(device: torch.device) -> float | None:
+    """The device's peak dense bf16 FLOP/s, None on a CPU or an unknown GPU (no MFU shown)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def flops_per_token(cfg, seq_len: int) -> int:
+    """PaLM (Chowdhery et al. 2022, appendix B): 6N + 12 L H Q T for forward + backward: 6 per
+    weight (2 forward, 4 backward), then the attention scores and weighted sum over context T.
+    N: every parameter but the token embedding, whose lookup multiplies nothing (the untied LM head
+    does). Recompute's extra forward is not counted: MFU counts useful work only."""
+    kv = cfg.n_kv_heads * cfg.head_dim
+    per_layer = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim
+    n = cfg.n_layers * per_layer + cfg.dim + cfg.dim * cfg.vocab_size
+    return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: each rank saves its ShardSpec pieces; any mesh reads back the slices it holds
+# ----------------------------------------------------------------------------------------------
+# A ShardSpec names what it holds in global terms (the global flat index of every element), so
+# loading rebuilds the whole tensors a rank needs from every saved piece and takes its own slices:
+# tp, dp, the ZeRO stage may change between save and resume.
+#   folder/step_00000100/rank00000.pt ...   each rank's pieces (parameters, AdamW moments), RNG
+#   folder/step_00000100/meta.pt            step, loader state, world size, model configuration
+#   folder/LATEST                           the last complete checkpoint, written last, atomically
+
+CHECKPOINT_KINDS = ("params", *zero_lesson.ADAM_KEYS)
+
+
+def checkpoint_config(cfg) -> dict:
+    """What must match for a checkpoint to load: every field that shapes the model. Not the seed,
+    which only draws the initial weights that a checkpoint replaces."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k != "seed"}
+
+
+def _atomic_save(obj: object, path: Path) -> None:
+    """A reader sees the old file or the whole new one, never a part: write aside, then rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
+    pointer = Path(folder) / "LATEST"
+    return Path(folder) / pointer.read_text().strip() if pointer.exists() else None
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
+
+
+def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list, meta: dict, config: dict,
+                    rank: int, world: int, barrier: Callable[[], None]) -> Path:
+    """Every rank calls this with its pieces [(ShardSpec, {kind: tensor})]; barrier() waits for
+    all ranks. The files live on a filesystem every rank sees. A crash before LATEST moves leaves
+    the previous checkpoint the one that loads; once it has moved, the older folders (and any
+    partial one from a crashed save) are deleted."""
+    root = Path(folder)
+    target = root / f"step_{step:08d}"
+    if latest_checkpoint(root) == target:  # resumed here: the same state is already saved
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    rows = [(dataclasses.astuple(spec), data) for spec, data in pieces]
+    _atomic_save({"pieces": rows, "rng": rng_state()}, target / f"rank{rank:05d}.pt")
+    if rank == 0:
+        _atomic_save({**meta, "step": step, "world": world, "config": config}, target / "meta.pt")
+    barrier()
+    if rank == 0:
+        missing = [r for r in range(world) if not (target / f"rank{r:05d}.pt").exists()]
+        if missing:
+            raise RuntimeError(f"{target}: ranks {missing} wrote no file; LATEST not moved")
+        (root / "LATEST.tmp").write_text(target.name)
+        os.replace(root / "LATEST.tmp", root / "LATEST")
+        for old in root.glob("step_*"):
+            if old != target:
+                shutil.rmtree(old)
+    barrier()
+    return target
+
+
+def load_checkpoint(folder: str | os.PathLike, config: dict, names: set[str],
+                    rank: int = 0) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """The whole tensors of the parameters `names` (name -> kind -> tensor) from the last complete
+    checkpoint, and its metadata with this rank's saved RNG state ("rng"; None if the saved world
+    was smaller). Refuses another model configuration, naming the fields that differ."""
+    target = latest_checkpoint(folder)
+    if target is None:
+        raise ValueError(f"{folder} holds no complete checkpoint (no LATEST file)")
+    meta = torch.load(target / "meta.pt", weights_only=True)
+    if meta["config"] != config:
+        diff = ", ".join(f"{k}={meta['config'].get(k)} (this model: {config.get(k)})"
+                         for k in sorted(meta["config"].keys() | config.keys())
+                         if meta["config"].get(k) != config.get(k))
+        raise ValueError(f"{target} was saved by another model configuration: {diff}; refusing to load it")
+    full, covered = {}, {}
+    for r in range(meta["world"]):
+        file = torch.load(target / f"rank{r:05d}.pt", mmap=True, weights_only=True)
+        meta["rng"] = file["rng"] if r == rank else meta.get("rng")
+        for fields, data in file["pieces"]:
+            spec = ShardSpec(*fields)
+            if spec.name not in names:
+                continue
+            index = spec.global_indices()
+            real = index >= 0
+            for kind, values in data.items():
+                flat = full.setdefault(spec.name, {}).setdefault(kind, torch.zeros(spec.full_shape)).view(-1)
+                flat[index[real]] = values[real]
+            covered.setdefault(spec.name, torch.zeros(math.prod(spec.full_shape), dtype=torch.bool))[index[real]] = True
+    for name in names:
+        if name not in covered or not covered[name].all():
+            raise ValueError(f"{target}: the saved pieces do not cover every element of {name}")
+    return full, meta
+
+
+def load_model(model: nn.Module, folder: str | os.PathLike) -> dict:
+    """The last checkpoint's parameters into a whole model on one device (rank 0's lesson-01 GPT,
+    to sample from); returns the metadata."""
+    params = dict(model.named_parameters())
+    full, meta = load_checkpoint(folder, checkpoint_config(model.cfg), set(params))
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(full[name]["params"])
+    return meta
+
+
+@torch.no_grad()
+def greedy_sample(model: nn.Module, prompt: bytes, n_new: int) -> bytes:
+    """n_new bytes continuing prompt, each the most likely next byte (a byte-level lesson-01 GPT
+    on one device). The whole text is re-read each step: simple, and a sample is short."""
+    if not prompt or model.cfg.vocab_size != 256:
+        raise ValueError(f"greedy_sample needs a non-empty prompt and a byte-level model (vocab_size "
+                         f"256, not {model.cfg.vocab_size})")
+    device = next(model.parameters()).device
+    tokens = torch.tensor(list(prompt), device=device)[None]
+    was_training = model.training
+    model.eval()
+    for _ in range(n_new):
+        tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    model.train(was_training)
+    return bytes(tokens[0, len(prompt):].tolist())
+
+
+# ----------------------------------------------------------------------------------------------
+# The training run
+# ----------------------------------------------------------------------------------------------
+
+MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256: bytes are the tokens
+    "tiny": (dict(dim=128, n_layers=4, n_heads=4, ffn_dim=352), 128, 16, 3e-3),  # CPU: a few minutes
+    "1b": (dict(dim=2048, n_layers=16, n_heads=16, ffn_dim=5632), 2048, 8, 3e-4),  # 0.82B: one H100
+}
+
+
+@dataclass
+class RunConfig:
+    steps: int = 200
+    warmup: int = 20
+    min_lr_ratio: float = 0.1
+    eval_every: int = 50
+    eval_batches: int = 2
+    save_every: int = 100  # 0: only at the end
+    folder: str | None = "checkpoints/09"  # None: no checkpoints
+    resume: bool = False
+    seed: int = 0
+
+
+def checkpoint_pieces(trainer: Trainer) -> list:
+    shards = {kind: trainer.shards(kind) for kind in CHECKPOINT_KINDS}
+    return [(spec, {kind: shards[kind][i][1] for kind in CHECKPOINT_KINDS})
+            for i, (spec, _) in enumerate(shards["params"])]
+
+
+def resume(trainer: Trainer, loader: ShardedLoader, folder: str) -> int:
+    """Restore the parameters, AdamW, the data position and this rank's RNG; return the step."""
+    names = {spec.name for spec, *_ in trainer.param_specs()}
+    full, meta = load_checkpoint(folder, checkpoint_config(trainer.cfg), names, trainer.mesh.rank)
+    trainer.load(full, meta["step"])
+    loader.load_state_dict(meta["loader"])
+    if meta["rng"] is not None:
+        torch.set_rng_state(meta["rng"]["cpu"])
+    return meta["step"]
+
+
+def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor, run: RunConfig,
+               progress=None) -> dict:
+    """Steps from the resumed one (or 0) to run.steps: the learning-rate schedule, the NaN guard
+    (stop before the update: the last good checkpoint stays), validation and checkpoints. Returns
+    per-step losses and times, validation losses, and step 0's activation bytes (run on every rank)."""
+    train, rank, sizes = trainer.train, trainer.mesh.rank, trainer.mesh.sizes
+    start = resume(trainer, loader, run.folder) if run.resume else 0
+    out = dict(losses={}, times={}, val={}, start=start)
+    for step in range(start, run.steps):
+        trainer.set_lr(learning_rate(step, train.lr, run.warmup, run.steps, train.lr * run.min_lr_ratio))
+        rows = next(loader)
+        t0 = time.perf_counter()
+        if step == start:  # measured once: the tensors autograd saves (CPU) or the peak memory (GPU)
+            params = [p for model in trainer.stages.values() for p in model.parameters()]
+            loss, out["activation_bytes"] = tp_lesson.activation_bytes(
+                lambda: trainer.forward_backward(rows), params, trainer.device)
+        else:
+            loss = trainer.forward_backward(rows)
+        if not math.isfinite(loss):  # the same global loss on every rank: every rank stops here
+            raise FloatingPointError(f"step {step}: the loss is {loss}; stopping without saving, the last "
+                                     f"good checkpoint is kept")
+        trainer.update()
+        out["losses"][step], out["times"][step] = loss, time.perf_counter() - t0
+        if progress is not None:
+            progress(step, loss, out["times"][step])
+        done = step + 1
+        if done % run.eval_every == 0 or done == run.steps:
+            val = ShardedLoader(val_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
+                                sizes.dp, run.seed)
+            out["val"][done] = sum(trainer.evaluate(next(val)) for _ in range(run.eval_batches)) / run.eval_batches
+        if run.folder is not None and (done == run.steps or run.save_every and done % run.save_every == 0):
+            save_checkpoint(run.folder, done, checkpoint_pieces(trainer), {"loader": loader.state_dict()},
+                            checkpoint_config(trainer.cfg), rank, sizes.world, dist.barrier)
+    return out
+
+
+def train_run(args: argparse.Namespace) -> None:
+    """The default job: train on text, print progress, checkpoints, the figures, a sample."""
+    device = ddp.init_distributed()
+    cfg, sizes, train, run = build_model_config(args), mesh_sizes(args), train_config(args, device), run_config(args)
+    train_tokens, val_tokens = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
+    trainer = build_trainer(cfg, sizes, train, device)
+    loader = ShardedLoader(train_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"], sizes.dp,
+                           run.seed)
+    rank0, peak, tokens_per_step = trainer.mesh.rank == 0, peak_bf16_flops(device), train.global_batch * train.seq_len
+    mfu = lambda rate: rate * flops_per_token(cfg, train.seq_len) / (sizes.world * peak)  # per device
+    if rank0:
+        print(f"Training {cfg.n_layers} layers x dim {cfg.dim} ({flops_per_token(cfg, 0) // 6:,} matmul params) on "
+              f"{len(train_tokens):,} bytes of {args.data or 'the standard library'}: dp={sizes.dp} pp={sizes.pp} "
+              f"cp={sizes.cp} tp={sizes.tp} on {sizes.world} ranks ({device.type}, "
+              f"{'bf16 + fp32 masters' if train.mixed_precision else 'fp32'}), ZeRO-{train.zero_stage}, attention "
+              f"{train.attention}, recompute {train.recompute}{', compiled' if train.compile else ''}; "
+              f"batch {train.global_batch} x {train.seq_len} bytes, AdamW lr {train.lr:g} warmup {run.warmup} + cosine")
+    bar = tqdm(total=run.steps, disable=not rank0, desc="09", dynamic_ncols=True)
+
+    def progress(step: int, loss: float, seconds: float) -> None:
+        rate = tokens_per_step / seconds
+        bar.update(step + 1 - bar.n)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", **({"mfu": f"{mfu(rate):.1%}"} if peak else {}))
+
+    result = train_loop(trainer, loader, val_tokens, run, progress)
+    bar.close()
+    saved = [None] * sizes.world if rank0 else None
+    dist.gather_object(result["activation_bytes"], saved, dst=0)
+    if rank0:
+        print_run(cfg, trainer, result, saved, tokens_per_step, peak and mfu)
+        if run.folder is not None and args.sample_bytes:
+            model = ddp.GPT(cfg).to(device)
+            load_model(model, run.folder)
+            prompt = args.prompt.encode()
+            text = (prompt + greedy_sample(model, prompt, args.sample_bytes)).decode(errors="replace")
+            print(f"Greedy sample from the checkpoint (a one-device lesson-01 GPT):\n{text}")
+    ddp.exit_distributed()
+
+
+def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_step: int, mfu) -> None:
+    train, sizes = trainer.train, trainer.mesh.sizes
+    losses, times = result["losses"], list(result["times"].values())
+    if losses:
+        first, last = min(losses), max(losses)
+        print(f"train loss {losses[first]:.3f} at step {first} -> {losses[last]:.3f} at step {last} "
+              f"(ln 256 = {math.log(256):.3f}: a uniform guess); validation: "
+              + ", ".join(f"{v:.3f} after {s}" for s, v in result["val"].items()))
+    b, m = train.global_batch // sizes.dp // train.microbatches, train.microbatches
+    s, layers = train.seq_len // sizes.cp, sum(len(model.layers) for model in trainer.stages.values())
+    ours = layers * m * tp_lesson.layer_activation_formula(cfg, b, s, sizes.tp, train.sequence_parallel, train.recompute)
+    paper = layers * m * tp_lesson.korthikanti_bytes(cfg, b, s, sizes.tp, train.sequence_parallel)
+    what = "peak memory above the step's start" if trainer.device.type == "cuda" else "bytes autograd saved"
+    print(f"activations in step {result['start']}, {what} per rank: " + ", ".join(f"{x:,}" for x in saved)
+          + f"; rank 0's {layers} layers x {m} microbatches by the formula: {ours:,} (ours, fp32, recompute "
+          f"{train.recompute}), Korthikanti {paper:,.0f} (16-bit GPT-3 layer, no recompute)")
+    timed = times[max(1, len(times) // 4):] or times  # the first steps warm up (and compile)
+    if timed:
+        step_s = sum(timed) / len(timed)
+        rate = tokens_per_step / step_s
+        print(f"final: {len(timed)} timed steps, {step_s * 1e3:,.1f} ms/step, {rate:,.0f} tokens/s"
+              + (f", MFU {mfu(rate):.1%} (PaLM {flops_per_token(cfg, train.seq_len):,} FLOP/token, bf16 peak "
+                 f"{peak_bf16_flops(trainer.device) / 1e12:.0f} TFLOP/s per device)" if mfu else "")
+              + f"; attention {train.attention}, compile {'on' if train.compile else 'off'}, recompute {train.recompute}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The equivalence check (--check) and main
 # ----------------------------------------------------------------------------------------------
 
 
@@ -533,14 +966,31 @@ def demo_model() -> "ddp.ModelConfig":
     return ddp.ModelConfig(vocab_size=127, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176)
 
 
-def train_config(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(global_batch=args.global_batch, seq_len=args.seq_len, zero_stage=args.zero,
-                       schedule=args.schedule, microbatches=args.microbatches, virtual=args.virtual,
-                       sequence_parallel=args.sequence_parallel, fp8=args.fp8, lr=args.lr,
-                       mixed_precision=args.bf16,
-                       adam_eps=1e-6, max_grad_norm=args.max_grad_norm,
+def build_model_config(args: argparse.Namespace) -> "ddp.ModelConfig":
+    return demo_model() if args.check else ddp.ModelConfig(vocab_size=256, **MODELS[args.model][0], seed=args.seed)
+
+
+def mesh_sizes(args: argparse.Namespace) -> MeshSizes:
+    return MeshSizes(args.dp, args.pp, args.cp, args.tp, args.ep)
+
+
+def train_config(args: argparse.Namespace, device: torch.device | None = None) -> TrainConfig:
+    """The options, with the --check demo's or the --model preset's defaults where not given."""
+    _, seq_len, global_batch, lr = (None, 32, 8, 1e-3) if args.check else MODELS[args.model]
+    microbatches = 2 if args.check or args.pp > 1 else 1
+    return TrainConfig(global_batch=args.global_batch or global_batch, seq_len=args.seq_len or seq_len,
+                       zero_stage=args.zero, schedule=args.schedule, microbatches=args.microbatches or microbatches,
+                       virtual=args.virtual, sequence_parallel=args.sequence_parallel, fp8=args.fp8,
+                       lr=args.lr or lr, mixed_precision=args.bf16 or device is not None and device.type == "cuda",
+                       adam_eps=1e-6, max_grad_norm=args.max_grad_norm, recompute=args.recompute,
+                       attention=args.attention, compile=args.compile,
                        moe=moe_lesson.MoEConfig(n_experts=args.experts, top_k=2, expert_ffn_dim=64,
                                                 aux_loss_coef=0.0) if args.moe else None)
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    return RunConfig(steps=args.steps, warmup=args.warmup, eval_every=args.eval_every, save_every=args.save_every,
+                     folder=None if args.no_save else args.checkpoint_dir, resume=args.resume, seed=args.seed)
 
 
 def reference_transform(train: TrainConfig):
@@ -571,7 +1021,7 @@ def print_summaries(sizes: MeshSizes, summaries: list[dict]) -> None:
 
 def demo(args: argparse.Namespace) -> None:
     device = ddp.init_distributed()
-    sizes, cfg, train = MeshSizes(args.dp, args.pp, args.cp, args.tp, args.ep), demo_model(), train_config(args)
+    sizes, cfg, train = mesh_sizes(args), demo_model(), train_config(args)
     trainer = build_trainer(cfg, sizes, train, device)
     mesh, losses = trainer.mesh, []
     for step in range(args.steps):
@@ -610,33 +1060,56 @@ def demo(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = ddp.lesson_parser(__doc__)
+    parser.add_argument("--check", action="store_true", help="part 1: the equivalence check with one device "
+                        "on synthetic data, and the per-rank summaries, instead of training")
     for dim in DIMS:
-        parser.add_argument(f"--{dim}", type=int, default=1)
+        parser.add_argument(f"--{dim}", type=int, default=2 if dim in ("dp", "tp") else 1)
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism, borrowed from dp x cp")
     parser.add_argument("--moe", action="store_true", help="every MLP a mixture of experts (dropless)")
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--zero", type=int, default=1, help="ZeRO stage over dp x cp")
     parser.add_argument("--schedule", default="1f1b", choices=pp_lesson.SCHEDULES)
-    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, help="default: 2 with --check or pp > 1, else 1")
     parser.add_argument("--virtual", type=int, default=1, help="stages per rank (interleaved)")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--fp8", action="store_true", help="lesson 08's Float8Linear layers")
-    parser.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 masters (02's)")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 masters (02's); on by default on a GPU")
+    parser.add_argument("--model", default="tiny", choices=MODELS, help="the training run's preset")
+    parser.add_argument("--steps", type=int, help="default: 3 with --check, else 200")
+    parser.add_argument("--global-batch", type=int, help="default: 8 with --check, else the preset's")
+    parser.add_argument("--seq-len", type=int, help="default: 32 with --check, else the preset's")
+    parser.add_argument("--lr", type=float, help="peak lr; default: 1e-3 with --check, else the preset's")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--recompute", default="none", choices=tp_lesson.RECOMPUTE_MODES)
+    parser.add_argument("--attention", default="sdpa", choices=("sdpa", "flash"), help="flash: lesson 07's kernel")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block")
+    parser.add_argument("--data", help="a text file (default: the standard library's .py files)")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--checkpoint-dir", default="checkpoints/09")
+    parser.add_argument("--save-every", type=int, default=100, help="0: only at the end")
+    parser.add_argument("--no-save", action="store_true", help="no checkpoints (and no sample)")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument("--prompt", default="def ")
+    parser.add_argument("--sample-bytes", type=int, default=200)
+    parser.add_argument("--no-sample", dest="sample_bytes", action="store_const", const=0)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.moe = args.moe or args.ep > 1
-    sizes = MeshSizes(args.dp, args.pp, args.cp, args.tp, args.ep)
+    args.steps = args.steps or (3 if args.check else 200)
+    sizes = mesh_sizes(args)
     if "RANK" not in os.environ:
         args.nproc = sizes.world  # the mesh sets how many local processes to start
 
     def check(world: int) -> None:
-        validate(demo_model(), sizes, train_config(args), world)
+        train = train_config(args)
+        validate(build_model_config(args), sizes, train, world)
+        if not args.check:
+            split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
+            if args.resume and latest_checkpoint(args.checkpoint_dir) is None:
+                raise ValueError(f"--resume: {args.checkpoint_dir} holds no complete checkpoint (no LATEST file)")
 
-    ddp.launch_lesson(parser, args, demo, ("steps",), check)
+    ddp.launch_lesson(parser, args, demo if args.check else train_run, ("steps", "warmup", "eval_every"), check)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ examples of the main test:
   padding leaking into the softmax) is off by a whole rank's share of a gradient, >= 25%;
 - parameters after 3 AdamW steps (eps 1e-6, see test_01_ddp.py): atol 1e-5; measured <= 1.2e-6.
 - operators and the vocab-parallel loss: fp64, atol 1e-12 (sums of a few numbers).
+- activation recompute: none. It runs the same kernels on the same inputs a second time, so loss and
+  every gradient (parameters after two ZeRO-3 steps) are bitwise equal to no recompute on the CPU;
+  a tolerance would only hide a recompute that reads the wrong input. Saved bytes = formula exactly.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from test_01_ddp import ADAM_EPS, GRAD_ATOL, PARAM_ATOL, assert_matches_referenc
 
 ddp = importlib.import_module("01_ddp")
 tpm = importlib.import_module("03_tensor_parallel")
+zm = importlib.import_module("02_zero")
+cpm = importlib.import_module("05_context_parallel")
 
 
 # --- the whole model equals one device ----------------------------------------------------------
@@ -310,3 +315,118 @@ def test_script_runs_as_plain_python():
     assert len(re.findall(r"^  one layer, .* B  = formula", stdout, re.M)) == 2, stdout
     memory = re.findall(r"^  TP(?: \+ SP)?\s+([\d,]+) B\s+([\d,]+) B", stdout, re.M)
     assert len(memory) == 2 and all(measured == formula for measured, formula in memory), stdout
+
+
+# --- activation recompute -----------------------------------------------------------------------
+
+def loss_and_grads(model, tokens, targets, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = model(tokens, targets, **kw)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same_training(runs: dict) -> None:
+    """Bitwise: recompute reruns the same kernels on the same inputs (module docstring)."""
+    loss, grads = runs["none"]
+    for mode in ("selective", "full"):
+        assert torch.equal(runs[mode][0], loss), mode
+        assert all(torch.equal(runs[mode][1][n], g) for n, g in grads.items()), mode
+
+
+def layer_bytes(layer, cfg, batch: int, seq_len: int, shards: int = 1) -> int:
+    """Bytes one block saves for backward, on its input (b, s / shards, h) (lesson 03's setup)."""
+    x = torch.randn(batch, seq_len // shards, cfg.dim, requires_grad=True)
+    cos, sin = ddp.rope_angles(torch.arange(seq_len), cfg.head_dim, cfg.rope_theta)
+    out, saved = tpm.activation_bytes(lambda: layer(x, cos, sin), layer.parameters(), x.device)
+    out.sum().backward()
+    return saved
+
+
+@given(n_heads=st.sampled_from([1, 2, 4]), groups=st.sampled_from([1, 2]), layers=st.integers(1, 2),
+       batch=st.integers(1, 3), seq_len=st.integers(1, 9), seed=st.integers(0, 99))
+def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, groups, layers, batch,
+                                                                         seq_len, seed):
+    cfg = ddp.ModelConfig(vocab_size=40, dim=4 * n_heads, n_layers=layers, n_heads=n_heads,
+                          n_kv_heads=max(1, n_heads // groups), ffn_dim=12, seed=seed)
+    batch_data = ddp.synthetic_batch(cfg, batch, seq_len, step=0)
+    runs, saved = {}, {}
+    for mode in tpm.RECOMPUTE_MODES:
+        model = tpm.apply_recompute(ddp.GPT(cfg), mode)
+        names = [n for n, _ in model.named_parameters()]
+        assert names == [n for n, _ in ddp.GPT(cfg).named_parameters()], "names are kept"
+        runs[mode] = loss_and_grads(model, *batch_data)
+        saved[mode] = layer_bytes(model.layers["0"], cfg, batch, seq_len)
+        assert saved[mode] == tpm.layer_activation_formula(cfg, batch, seq_len, 1, False, mode), mode
+    assert_same_training(runs)
+    assert saved["full"] < saved["selective"] < saved["none"]
+
+
+def test_recompute_refuses_bad_modes_and_a_second_application():
+    with pytest.raises(ValueError, match="mode 'some' must be one of \\('none', 'selective', 'full'\\)"):
+        tpm.apply_recompute(ddp.GPT(ddp.ModelConfig()), "some")
+    model = tpm.apply_recompute(ddp.GPT(ddp.ModelConfig()), "full")
+    with pytest.raises(ValueError, match="already recomputes \\(full\\)"):
+        tpm.apply_recompute(model, "selective")
+
+
+def recompute_tensor_parallel(cfg, batch: int, seq_len: int, sequence_parallel: bool) -> tuple:
+    """On each rank: loss and local gradients under each mode, and layer 0's saved bytes."""
+    runs, saved = {}, {}
+    for mode in tpm.RECOMPUTE_MODES:
+        model = tpm.apply_tensor_parallel(ddp.GPT(cfg), None, sequence_parallel)
+        tpm.apply_recompute(model, mode)
+        runs[mode] = loss_and_grads(model, *ddp.synthetic_batch(cfg, batch, seq_len, step=0))
+        shards = dist.get_world_size() if sequence_parallel else 1
+        saved[mode] = layer_bytes(model.layers["0"], cfg, batch, seq_len, shards)
+    return runs, saved
+
+
+def recompute_context_parallel(cfg, batch: int, seq_len: int) -> dict:
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    layout = cpm.validate_context_parallel(seq_len, cfg.n_heads, cp, "ring", True)
+    tokens, targets = (layout.shard(t, rank, dim=1) for t in ddp.synthetic_batch(cfg, batch, seq_len, 0))
+    runs = {}
+    for mode in tpm.RECOMPUTE_MODES:
+        model = ddp.GPT(cfg, attn_fn=cpm.ContextParallelAttention(None, "ring", True))
+        runs[mode] = loss_and_grads(tpm.apply_recompute(model, mode), tokens, targets,
+                                    positions=layout.positions(rank))
+    return runs
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_recompute_after_tensor_parallelism(rank_pool, sequence_parallel):
+    cfg = ddp.ModelConfig(vocab_size=33, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=24, n_layers=2)
+    for runs, saved in rank_pool.run(2, recompute_tensor_parallel, cfg, 2, 6, sequence_parallel):
+        assert_same_training(runs)
+        for mode, got in saved.items():
+            assert got == tpm.layer_activation_formula(cfg, 2, 6, 2, sequence_parallel, mode), mode
+
+
+def test_recompute_with_ring_attention(rank_pool):
+    cfg = ddp.ModelConfig(vocab_size=33, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
+    for runs in rank_pool.run(2, recompute_context_parallel, cfg, 2, 8):
+        assert_same_training(runs)
+
+
+def recompute_zero3(cfg, batch: int, seq_len: int) -> dict:
+    """ZeRO-3 gathers a block's parameters in hooks around Block.__call__ and, in backward, when
+    the block's output gradient arrives: before the recompute reads them."""
+    runs = {}
+    for mode in tpm.RECOMPUTE_MODES:
+        model = tpm.apply_recompute(ddp.GPT(cfg), mode)
+        zero, losses = zm.ZeRO(model, stage=3), []
+        for step in range(2):
+            x, y = ddp.synthetic_batch(cfg, batch, seq_len, step, dist.get_rank(), 2)
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.detach())
+            zero.step()
+            zero.zero_grad()
+        runs[mode] = (torch.stack(losses), zero.gather_full([u.master for u in zero.units]))
+    return runs
+
+
+def test_recompute_under_zero3(rank_pool):
+    cfg = ddp.ModelConfig(vocab_size=33, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
+    for runs in rank_pool.run(2, recompute_zero3, cfg, 4, 6):
+        assert_same_training(runs)
