@@ -17,15 +17,22 @@ train_reference (AdamW + clip_grad_norm_) on the same model converted by lesson 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from conftest import run_script
+from conftest import ROOT, run_script
 
 ddp = importlib.import_module("01_ddp")
 zero_lesson = importlib.import_module("02_zero")
@@ -267,6 +274,276 @@ def test_rows_of_the_wrong_shape_are_refused(rank_pool):
 
 
 def test_main_runs_and_prints_the_check():
-    out = run_script("09_full_train.py", *"--dp 2 --tp 2 --ep 2 --steps 2 --seq-len 16".split())
+    out = run_script("09_full_train.py", *"--check --dp 2 --tp 2 --ep 2 --steps 2 --seq-len 16".split())
     assert "max |difference| from one device" in out and "rank  3: dp=1 pp=0 cp=0 tp=1" in out
     assert "MoE 4 experts top-2 over ep=2" in out
+
+
+# === Part 2: the training run ===================================================================
+# Tolerances: data, checkpoints and sampling are copies and integer work: exact. A run resumed on
+# the same mesh repeats the same operations on the restored state: bitwise equal losses. Resumed on
+# another mesh (dp=2 x tp=2 -> dp=4, ZeRO-1 -> ZeRO-3), the sums run in another order: losses
+# within RESUME_ATOL = 2e-5 of the uninterrupted run (measured <= 1e-6 on losses ~5.5, the
+# part-1 loss tolerance; a state restored wrong, e.g. AdamW's moments or step lost, moves the loss
+# by >= 1e-3 at lr 3e-3).
+
+RESUME_ATOL = 2e-5
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+def test_default_corpus_is_the_standard_library_in_sorted_order():
+    tokens = nine.read_tokens(None, max_bytes=5000)
+    first = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[0].read_bytes()
+    assert len(tokens) == 5000 and tokens.dtype == torch.uint8
+    assert bytes(tokens[:min(len(first), 5000)].tolist()) == first[:5000]
+
+
+def test_bad_data_files_give_one_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        nine.read_tokens(tmp_path / "missing.txt")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match="the file is empty"):
+        nine.read_tokens(tmp_path / "empty.txt")
+    (tmp_path / "text.txt").write_bytes(b"hello")
+    assert bytes(nine.read_tokens(tmp_path / "text.txt").tolist()) == b"hello"
+
+
+@given(length=st.integers(1, 200), seq_len=st.integers(1, 8), batch=st.integers(1, 4))
+@example(length=20, seq_len=1, batch=1)  # 18 + 2 tokens: both parts hold exactly s + 1
+@example(length=19, seq_len=1, batch=1)  # 18 + 1: validation is one token short
+def test_split_refuses_exactly_the_texts_too_short_for_a_batch(length, seq_len, batch):
+    tokens = torch.arange(length)
+    n_val = int(length * 0.1)
+    if min(n_val, length - n_val) >= batch * seq_len + 1:
+        train, val = nine.split_tokens(tokens, seq_len, batch)
+        assert torch.equal(torch.cat([train, val]), tokens) and len(val) == n_val
+        for part in (train, val):  # each part yields a batch
+            assert next(nine.ShardedLoader(part, seq_len, batch)).shape == (batch, seq_len + 1)
+    else:
+        with pytest.raises(ValueError, match=f"each part needs >= global_batch x seq_len \\+ 1 = "
+                                             f"{batch} x {seq_len} \\+ 1"):
+            nine.split_tokens(tokens, seq_len, batch)
+
+
+def loaders(length: int, seq_len: int, batch: int, dp: int, seed: int = 0) -> list:
+    tokens = torch.arange(length)  # window i starts with token i * seq_len: its id is readable
+    return [nine.ShardedLoader(tokens, seq_len, batch, r, dp, seed) for r in range(dp)]
+
+
+def global_batch(ranks: list) -> torch.Tensor:
+    return torch.cat([next(loader) for loader in ranks])
+
+
+@given(seq_len=st.integers(1, 6), per_rank=st.integers(1, 3), dp=st.sampled_from([1, 2, 4]),
+       n_windows=st.integers(1, 30), seed=st.integers(0, 9))
+def test_each_epoch_reads_every_window_once_across_ranks(seq_len, per_rank, dp, n_windows, seed):
+    batch = per_rank * dp
+    length = max(n_windows, batch) * seq_len + 1
+    ranks = loaders(length, seq_len, batch, dp, seed)
+    per_epoch = ranks[0].batches_per_epoch
+    seen = []
+    for _ in range(per_epoch):
+        rows = global_batch(ranks)
+        assert torch.equal(rows, rows[:, :1] + torch.arange(seq_len + 1)), "s + 1 consecutive tokens"
+        seen += (rows[:, 0] // seq_len).tolist()
+    assert len(set(seen)) == len(seen) == per_epoch * batch
+    if (length - 1) // seq_len % batch == 0:
+        assert sorted(seen) == list(range((length - 1) // seq_len))
+    assert all(r.state_dict() == {"epoch": 1, "position": 0} for r in ranks)
+
+
+def test_loader_order_is_seeded():
+    a, b, c = (global_batch(loaders(400, 4, 8, 2, seed)) for seed in (0, 0, 1))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@given(before=st.integers(0, 9), after=st.integers(1, 9), dp_before=st.sampled_from([1, 2, 4]),
+       dp_after=st.sampled_from([1, 2, 4]))
+def test_loader_resumes_on_the_uninterrupted_batches_even_on_another_dp(before, after, dp_before, dp_after):
+    uninterrupted = loaders(83, 3, 4, 1)  # 27 windows: 6 batches per epoch, so epochs roll over
+    expected = [global_batch(uninterrupted) for _ in range(before + after)][before:]
+    first = loaders(83, 3, 4, dp_before)
+    for _ in range(before):
+        global_batch(first)
+    resumed = loaders(83, 3, 4, dp_after)
+    for loader in resumed:
+        loader.load_state_dict(first[0].state_dict())
+    assert all(torch.equal(global_batch(resumed), want) for want in expected)
+
+
+def test_loader_errors():
+    with pytest.raises(ValueError, match="divisible by dp=4 and dp_rank=0"):
+        nine.ShardedLoader(torch.arange(100), 4, 6, 0, 4)
+    with pytest.raises(ValueError, match="dp_rank=2 in \\[0, 2\\)"):
+        nine.ShardedLoader(torch.arange(100), 4, 6, 2, 2)
+    with pytest.raises(ValueError, match="seq_len=0 and global_batch=2 must be >= 1"):
+        nine.ShardedLoader(torch.arange(100), 0, 2)
+    with pytest.raises(ValueError, match="fewer than global_batch=4 windows of seq_len \\+ 1 = 5"):
+        nine.ShardedLoader(torch.arange(16), 4, 4)
+
+
+# --- learning rate, MFU, sampling ---------------------------------------------------------------
+
+def test_learning_rate_corners():
+    lr = lambda step, warmup=10: nine.learning_rate(step, 1.0, warmup, 110, 0.1)  # noqa: E731
+    assert lr(0) == pytest.approx(0.1) and lr(9) == 1.0 and lr(10) == 1.0  # warmup, then the top
+    assert lr(60) == pytest.approx(0.55)  # half way down the cosine: the middle of max and min
+    assert lr(110) == pytest.approx(0.1) and lr(500) == 0.1  # the floor, and after
+    assert lr(0, warmup=0) == 1.0
+    decay = [lr(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(decay, decay[1:])), "the cosine never rises"
+
+
+@given(n_heads=st.sampled_from([2, 4]), groups=st.sampled_from([1, 2]), layers=st.integers(1, 3))
+def test_flops_per_token_count_the_model_but_its_embedding(n_heads, groups, layers):
+    cfg = ddp.ModelConfig(vocab_size=50, dim=8 * n_heads, n_layers=layers, n_heads=n_heads,
+                          n_kv_heads=n_heads // groups, ffn_dim=24)
+    counted = sum(p.numel() for n, p in ddp.GPT(cfg).named_parameters() if not n.startswith("embed"))
+    assert nine.flops_per_token(cfg, 7) == 6 * counted + 12 * layers * cfg.dim * 7
+    # by hand: dim 8, 2 heads of 4, ffn 16, 1 layer, vocab 10, T = 4: N = 256 (q k v o) + 384 (MLP)
+    # + 16 + 8 (norms) + 80 (LM head) = 744; 6N + 12 L H Q T = 4464 + 384
+    assert nine.flops_per_token(ddp.ModelConfig(vocab_size=10, dim=8, n_layers=1, n_heads=2, ffn_dim=16), 4) == 4848
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                        ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12),
+                                        ("NVIDIA A100-SXM4-80GB", 312e12), ("Tesla T4", None)])
+def test_peak_flops_table(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert nine.peak_bf16_flops(torch.device("cuda", 0)) == peak
+    assert nine.peak_bf16_flops(torch.device("cpu")) is None
+
+
+def test_greedy_sample_continues_with_the_most_likely_byte():
+    model = ddp.GPT(ddp.ModelConfig(vocab_size=256, dim=16, n_heads=2, ffn_dim=32, seed=1))
+    new = nine.greedy_sample(model, b"def ", 12)
+    assert len(new) == 12 and model.training, "the model's mode is restored"
+    with torch.no_grad():  # teacher-forced: one forward over the whole text predicts the same bytes
+        assert model(torch.tensor(list(b"def " + new))[None])[0, 3:-1].argmax(-1).tolist() == list(new)
+    assert nine.greedy_sample(model, b"x", 0) == b""
+    for bad_model, prompt in ((model, b""), (ddp.GPT(ddp.ModelConfig()), b"a")):
+        with pytest.raises(ValueError, match="non-empty prompt and a byte-level model"):
+            nine.greedy_sample(bad_model, prompt, 3)
+
+
+# --- the real Trainer: checkpoints, resume, the NaN guard -----------------------------------------
+
+BYTES = ddp.ModelConfig(vocab_size=256, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=24)
+TEXT = nine.read_tokens(None, max_bytes=6000)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def train_run(sizes, train, run, stop_at=None, poison_at=None):
+    """On every rank: the real train_loop on a fresh Trainer over TEXT. stop_at: raise after that
+    step's update (a kill between checkpoints); poison_at: set a weight to NaN after that step."""
+    if sizes not in _meshes:
+        _meshes[sizes] = nine.build_mesh(sizes)
+    trainer = nine.Trainer(BYTES, _meshes[sizes], train, torch.device("cpu"))
+    train_tokens, val_tokens = nine.split_tokens(TEXT, train.seq_len, train.global_batch)
+    loader = nine.ShardedLoader(train_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
+                                sizes.dp, run.seed)
+
+    def progress(step, loss, seconds):
+        if step == poison_at:
+            next(iter(trainer.stages.values())).layers["0"].mlp_norm.weight.data.fill_(math.nan)
+        if step == stop_at:
+            raise Interrupted
+
+    try:
+        out = nine.train_loop(trainer, loader, val_tokens, run, progress)
+    except (Interrupted, FloatingPointError) as error:
+        return str(error)
+    return out["losses"], out["val"]
+
+
+def test_resume_equals_the_uninterrupted_run_exactly_and_on_another_mesh(rank_pool, tmp_path):
+    tp_dp = nine.MeshSizes(dp=2, tp=2)
+    train = nine.TrainConfig(global_batch=8, seq_len=8, lr=3e-3, max_grad_norm=1.0)
+    run = nine.RunConfig(steps=6, warmup=2, eval_every=3, save_every=3, folder=str(tmp_path / "a"))
+    (full, full_val), *_ = rank_pool.run(4, train_run, tp_dp, train, run)
+    assert full[5] < full[0] - 0.1, "it learns"
+    interrupted = dataclasses.replace(run, folder=str(tmp_path / "b"))
+    assert rank_pool.run(4, train_run, tp_dp, train, interrupted, stop_at=4) == [""] * 4  # after step 3's save
+    assert nine.latest_checkpoint(interrupted.folder).name == "step_00000003"
+    others = ((nine.MeshSizes(dp=4), 1), (tp_dp, 3))  # another mesh, another ZeRO stage
+    for sizes, stage in others:
+        shutil.copytree(interrupted.folder, tmp_path / f"{sizes.dp}{stage}")
+    resumed = dataclasses.replace(interrupted, resume=True)
+    for losses, val in rank_pool.run(4, train_run, tp_dp, train, resumed):
+        assert losses == {s: full[s] for s in (3, 4, 5)} and val == {6: full_val[6]}, "bitwise"
+    for sizes, stage in others:
+        other = dataclasses.replace(resumed, folder=str(tmp_path / f"{sizes.dp}{stage}"))
+        for losses, val in rank_pool.run(4, train_run, sizes, dataclasses.replace(train, zero_stage=stage), other):
+            assert sorted(losses) == [3, 4, 5]
+            assert [losses[s] for s in (3, 4, 5)] == pytest.approx([full[s] for s in (3, 4, 5)], abs=RESUME_ATOL)
+            assert val[6] == pytest.approx(full_val[6], abs=RESUME_ATOL)
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(rank_pool, tmp_path):
+    sizes, train = nine.MeshSizes(dp=2), nine.TrainConfig(global_batch=4, seq_len=8, zero_stage=2)
+    run = nine.RunConfig(steps=6, warmup=1, eval_every=6, save_every=2, folder=str(tmp_path))
+    for message in rank_pool.run(2, train_run, sizes, train, run, poison_at=2):
+        assert message.startswith("step 3: the loss is nan; stopping without saving")
+    assert nine.latest_checkpoint(tmp_path).name == "step_00000002"
+    model = ddp.GPT(BYTES)
+    assert nine.load_model(model, tmp_path)["step"] == 2
+    assert all(p.isfinite().all() for p in model.parameters())
+
+
+def test_another_model_configuration_and_uncovered_elements_are_refused(tmp_path):
+    cfg = ddp.ModelConfig(vocab_size=256, dim=16, n_heads=2, ffn_dim=32)
+    spec = nine.ShardSpec("w", (4, 3), 0, 0, 0, 2, (2, 3), 0, 6)  # rows 0-1 of 4 (tp rank 0 of 2)
+    save = lambda step, pieces: nine.save_checkpoint(tmp_path, step, pieces, {}, nine.checkpoint_config(cfg),
+                                                     0, 1, lambda: None)  # noqa: E731
+    save(1, [(spec, {"params": torch.ones(6)})])
+    other = nine.checkpoint_config(ddp.ModelConfig(vocab_size=256, dim=32, n_heads=2, ffn_dim=32, seed=5))
+    with pytest.raises(ValueError, match="another model configuration: dim=16 \\(this model: 32\\); refusing"):
+        nine.load_checkpoint(tmp_path, other, {"w"})
+    with pytest.raises(ValueError, match="do not cover every element of w"):
+        nine.load_checkpoint(tmp_path, nine.checkpoint_config(cfg), {"w"})
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+        nine.load_checkpoint(tmp_path / "nothing", {}, set())
+
+
+KILLED_SAVE = """
+import importlib, os, signal, sys, torch
+nine = importlib.import_module("09_full_train")
+folder, where = sys.argv[1:]
+kill = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+spec = nine.ShardSpec("w", (1000,), 0, None, 0, 0, (1000,), 0, 1000)
+save = lambda step, barrier: nine.save_checkpoint(
+    folder, step, [(spec, {"params": torch.full((1000,), float(step))})], {}, {}, 0, 1, barrier)
+save(1, lambda: None)
+if where == "writing":
+    real_save = torch.save
+    torch.save = lambda obj, f: (real_save(obj, f), f.flush(), f.truncate(500), kill())
+save(2, kill)  # "barrier": every file is written, LATEST not moved yet
+"""
+
+
+@pytest.mark.parametrize("where", ["writing", "barrier"])
+def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, where):
+    proc = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(tmp_path), where], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    partial = tmp_path / "step_00000002" / ("rank00000.pt.tmp" if where == "writing" else "meta.pt")
+    assert partial.exists(), "the process died inside the second save"
+    full, meta = nine.load_checkpoint(tmp_path, {}, {"w"})
+    assert meta["step"] == 1 and torch.equal(full["w"]["params"], torch.ones(1000))
+
+
+def test_the_training_run_on_one_process_end_to_end(tmp_path):
+    """World 1 (the single-GPU path, here on the CPU): lesson 07's kernel, selective recompute,
+    a checkpoint, the sample; then --resume continues from it."""
+    common = ["--dp", "1", "--tp", "1", "--seq-len", "16", "--global-batch", "2", "--warmup", "1",
+              "--checkpoint-dir", str(tmp_path), "--sample-bytes", "4"]
+    out = run_script("09_full_train.py", *common, "--steps", "2", "--attention", "flash", "--recompute", "selective")
+    assert "attention flash" in out and "recompute selective" in out and "final: 1 timed steps" in out
+    assert "Greedy sample from the checkpoint" in out and nine.latest_checkpoint(tmp_path).name == "step_00000002"
+    out = run_script("09_full_train.py", *common, "--steps", "3", "--resume", "--attention", "flash",
+                     "--recompute", "selective")
+    assert "at step 2 -> " in out and nine.latest_checkpoint(tmp_path).name == "step_00000003"
