@@ -40,14 +40,34 @@ COST per step per rank (the summary prints measured | formula per group of ranks
   ep: the all-to-alls depend on the routing (06 prints them): n/a.
 Memory: 02's formula on the stage's TP-local parameters: the dimensions multiply.
 
+TRAINING ON TEXT (the default job; part 1's check is --check)
+Bytes are tokens (vocabulary 256: no tokenizer), from --data FILE or the standard library's own .py
+files. A ShardedLoader cuts windows of seq_len + 1 bytes in a seeded order per epoch; dp rank r takes
+rows [r B/d, (r+1) B/d) of each global batch, the Trainer slices them over cp and tp. AdamW, linear
+warmup then cosine, clipping over the whole mesh; fp32 on a CPU, 02's bf16 with fp32 masters on a GPU.
+- Checkpoints: each rank saves its ShardSpec pieces (parameters and AdamW moments, with global
+  indices), its RNG; rank 0 the step and the loader's position in global batches; each file written
+  aside then renamed, and a LATEST pointer moved last, so a crash mid-save leaves the previous one.
+  --resume rebuilds every whole tensor a rank needs from whichever pieces hold it and takes its own
+  slices: the mesh (dp, tp, the ZeRO stage) may change. Same mesh: bitwise the losses of an
+  uninterrupted run; another mesh: the same within fp32 rounding.
+- A NaN or inf loss stops every rank (the loss is global) before the update, naming the step.
+- MFU = tokens/s x (6N + 12 L H Q T) / peak (PaLM; N without the embedding): 40-60% is good.
+- Activation memory: lesson 03's apply_recompute (--recompute selective | full) before the stage
+  cut; the run prints step one's activation bytes per rank beside layers x microbatches x 03's
+  formula and Korthikanti's. Validation runs the schedule with its backward (04 has no forward-only
+  mode) and drops the gradients.
+
 RUN IT
-    python 09_full_train.py --dp 2 --tp 2 --pp 2          # 8 local CPU processes
-    torchrun --nproc_per_node=8 09_full_train.py --dp 2 --tp 2 --pp 2 --zero 3
-    python 09_full_train.py --dp 2 --cp 2 --tp 2 --sequence-parallel
-    python 09_full_train.py --dp 2 --tp 2 --pp 2 --ep 2   # MoE, experts over 2 of the dp ranks
-Look at: the printed rank map; the max |difference| from one device (loss, every gradient
-reassembled from the shards, parameters after the steps); bytes per mesh dimension beside the
-formulas.
+    python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
+    python 09_full_train.py --resume --steps 900 # continue from checkpoints/09
+    python 09_full_train.py --dp 1 --tp 1 --model 1b --attention flash --compile   # one H100
+    torchrun --nproc_per_node=8 09_full_train.py --check --dp 2 --tp 2 --pp 2     # part 1's check
+    python 09_full_train.py --check --dp 2 --cp 2 --tp 2 --sequence-parallel
+    python 09_full_train.py --check --dp 2 --tp 2 --pp 2 --ep 2   # MoE, experts over 2 dp ranks
+Look at: the loss falling from ln 256 = 5.5 and the sample; tokens/s and MFU; with --check, the
+rank map, the max |difference| from one device (loss, every gradient reassembled from the shards,
+parameters after the steps) and bytes per mesh dimension beside the formulas.
 """
 from __future__ import annotations
 
@@ -828,12 +848,12 @@ MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256: bytes are the 
 
 @dataclass
 class RunConfig:
-    steps: int = 200
+    steps: int = 600
     warmup: int = 20
     min_lr_ratio: float = 0.1
-    eval_every: int = 50
+    eval_every: int = 100
     eval_batches: int = 2
-    save_every: int = 100  # 0: only at the end
+    save_every: int = 200  # 0: only at the end
     folder: str | None = "checkpoints/09"  # None: no checkpoints
     resume: bool = False
     seed: int = 0
@@ -941,8 +961,9 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
               + ", ".join(f"{v:.3f} after {s}" for s, v in result["val"].items()))
     b, m = train.global_batch // sizes.dp // train.microbatches, train.microbatches
     s, layers = train.seq_len // sizes.cp, sum(len(model.layers) for model in trainer.stages.values())
-    ours = layers * m * tp_lesson.layer_activation_formula(cfg, b, s, sizes.tp, train.sequence_parallel, train.recompute)
-    paper = layers * m * tp_lesson.korthikanti_bytes(cfg, b, s, sizes.tp, train.sequence_parallel)
+    shape = (cfg, b, s, sizes.tp, train.sequence_parallel)
+    ours = layers * m * tp_lesson.layer_activation_formula(*shape, train.recompute)
+    paper = layers * m * tp_lesson.korthikanti_bytes(*shape)
     what = "peak memory above the step's start" if trainer.device.type == "cuda" else "bytes autograd saved"
     print(f"activations in step {result['start']}, {what} per rank: " + ", ".join(f"{x:,}" for x in saved)
           + f"; rank 0's {layers} layers x {m} microbatches by the formula: {ours:,} (ours, fp32, recompute "
@@ -954,7 +975,8 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
         print(f"final: {len(timed)} timed steps, {step_s * 1e3:,.1f} ms/step, {rate:,.0f} tokens/s"
               + (f", MFU {mfu(rate):.1%} (PaLM {flops_per_token(cfg, train.seq_len):,} FLOP/token, bf16 peak "
                  f"{peak_bf16_flops(trainer.device) / 1e12:.0f} TFLOP/s per device)" if mfu else "")
-              + f"; attention {train.attention}, compile {'on' if train.compile else 'off'}, recompute {train.recompute}")
+              + f"; attention {train.attention}, compile {'on' if train.compile else 'off'}, "
+                f"recompute {train.recompute}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1075,7 +1097,7 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="lesson 08's Float8Linear layers")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 masters (02's); on by default on a GPU")
     parser.add_argument("--model", default="tiny", choices=MODELS, help="the training run's preset")
-    parser.add_argument("--steps", type=int, help="default: 3 with --check, else 200")
+    parser.add_argument("--steps", type=int, help="default: 3 with --check, else 600")
     parser.add_argument("--global-batch", type=int, help="default: 8 with --check, else the preset's")
     parser.add_argument("--seq-len", type=int, help="default: 32 with --check, else the preset's")
     parser.add_argument("--lr", type=float, help="peak lr; default: 1e-3 with --check, else the preset's")
@@ -1085,18 +1107,18 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
     parser.add_argument("--data", help="a text file (default: the standard library's .py files)")
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--checkpoint-dir", default="checkpoints/09")
-    parser.add_argument("--save-every", type=int, default=100, help="0: only at the end")
+    parser.add_argument("--save-every", type=int, default=200, help="0: only at the end")
     parser.add_argument("--no-save", action="store_true", help="no checkpoints (and no sample)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    parser.add_argument("--prompt", default="def ")
-    parser.add_argument("--sample-bytes", type=int, default=200)
+    parser.add_argument("--prompt", default="    return ")
+    parser.add_argument("--sample-bytes", type=int, default=100)
     parser.add_argument("--no-sample", dest="sample_bytes", action="store_const", const=0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.moe = args.moe or args.ep > 1
-    args.steps = args.steps or (3 if args.check else 200)
+    args.steps = args.steps or (3 if args.check else 600)
     sizes = mesh_sizes(args)
     if "RANK" not in os.environ:
         args.nproc = sizes.world  # the mesh sets how many local processes to start
