@@ -883,7 +883,7 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
     per-step losses and times, validation losses, and step 0's activation bytes (run on every rank)."""
     train, rank, sizes = trainer.train, trainer.mesh.rank, trainer.mesh.sizes
     start = resume(trainer, loader, run.folder) if run.resume else 0
-    out = dict(losses={}, times={}, val={}, start=start)
+    out = dict(losses={}, times={}, val={}, start=start, activation_bytes=None)
     for step in range(start, run.steps):
         trainer.set_lr(learning_rate(step, train.lr, run.warmup, run.steps, train.lr * run.min_lr_ratio))
         rows = next(loader)
@@ -965,9 +965,10 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
     ours = layers * m * tp_lesson.layer_activation_formula(*shape, train.recompute)
     paper = layers * m * tp_lesson.korthikanti_bytes(*shape)
     what = "peak memory above the step's start" if trainer.device.type == "cuda" else "bytes autograd saved"
-    print(f"activations in step {result['start']}, {what} per rank: " + ", ".join(f"{x:,}" for x in saved)
-          + f"; rank 0's {layers} layers x {m} microbatches by the formula: {ours:,} (ours, fp32, recompute "
-          f"{train.recompute}), Korthikanti {paper:,.0f} (16-bit GPT-3 layer, no recompute)")
+    if saved[0] is not None:
+            print(f"activations in step {result['start']}, {what} per rank: " + ", ".join(f"{x:,}" for x in saved)
+              + f"; rank 0's {layers} layers x {m} microbatches by the formula: {ours:,} (ours, fp32, recompute "
+              f"{train.recompute}), Korthikanti {paper:,.0f} (16-bit GPT-3 layer, no recompute)")
     timed = times[max(1, len(times) // 4):] or times  # the first steps warm up (and compile)
     if timed:
         step_s = sum(timed) / len(timed)
