@@ -60,7 +60,7 @@ warmup then cosine, clipping over the whole mesh; fp32 on a CPU, 02's bf16 with 
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
-    python 09_full_train.py --resume --steps 900 # continue from checkpoints/09
+    python 09_full_train.py --resume             # after a kill: on from the last checkpoint
     python 09_full_train.py --dp 1 --tp 1 --model 1b --attention flash --compile   # one H100
     torchrun --nproc_per_node=8 09_full_train.py --check --dp 2 --tp 2 --pp 2     # part 1's check
     python 09_full_train.py --check --dp 2 --cp 2 --tp 2 --sequence-parallel

@@ -547,3 +547,14 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
     out = run_script("09_full_train.py", *common, "--steps", "3", "--resume", "--attention", "flash",
                      "--recompute", "selective")
     assert "at step 2 -> " in out and nine.latest_checkpoint(tmp_path).name == "step_00000003"
+
+
+@pytest.mark.parametrize("text, message", [(None, "no such file"), (b"", "the file is empty"),
+                                           (b"x" * 100, "the text is too short: 90 training and 10")])
+def test_bad_data_is_one_clear_error_before_any_process_starts(tmp_path, text, message):
+    data = tmp_path / "text.txt"
+    if text is not None:
+        data.write_bytes(text)
+    proc = subprocess.run([sys.executable, "09_full_train.py", "--data", str(data)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
