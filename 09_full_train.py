@@ -943,7 +943,7 @@ def train_run(args: argparse.Namespace) -> None:
     if rank0:
         print_run(cfg, trainer, result, saved, tokens_per_step, peak and mfu)
         if run.folder is not None and args.sample_bytes:
-            model = ddp.GPT(cfg).to(device)
+            model = (reference_transform(train) or (lambda m: m))(ddp.GPT(cfg)).to(device)  # MoE: converted
             load_model(model, run.folder)
             prompt = args.prompt.encode()
             text = (prompt + greedy_sample(model, prompt, args.sample_bytes)).decode(errors="replace")
@@ -965,10 +965,11 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
     ours = layers * m * tp_lesson.layer_activation_formula(*shape, train.recompute)
     paper = layers * m * tp_lesson.korthikanti_bytes(*shape)
     what = "peak memory above the step's start" if trainer.device.type == "cuda" else "bytes autograd saved"
+    formula = (f"rank 0's {layers} layers x {m} microbatches by the formula: {ours:,} (ours, fp32, recompute "
+               f"{train.recompute}), Korthikanti {paper:,.0f} (16-bit GPT-3 layer, no recompute)")
     if saved[0] is not None:
-            print(f"activations in step {result['start']}, {what} per rank: " + ", ".join(f"{x:,}" for x in saved)
-              + f"; rank 0's {layers} layers x {m} microbatches by the formula: {ours:,} (ours, fp32, recompute "
-              f"{train.recompute}), Korthikanti {paper:,.0f} (16-bit GPT-3 layer, no recompute)")
+        print(f"activations in step {result['start']}, {what} per rank: " + ", ".join(f"{x:,}" for x in saved)
+              + f"; {formula if train.moe is None else 'no formula for MoE layers'}")
     timed = times[max(1, len(times) // 4):] or times  # the first steps warm up (and compile)
     if timed:
         step_s = sum(timed) / len(timed)
