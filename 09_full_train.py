@@ -880,15 +880,16 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
                progress=None) -> dict:
     """Steps from the resumed one (or 0) to run.steps: the learning-rate schedule, the NaN guard
     (stop before the update: the last good checkpoint stays), validation and checkpoints. Returns
-    per-step losses and times, validation losses, and step 0's activation bytes (run on every rank)."""
+    per-step losses and times, validation losses, and one step's activation bytes (on every rank)."""
     train, rank, sizes = trainer.train, trainer.mesh.rank, trainer.mesh.sizes
     start = resume(trainer, loader, run.folder) if run.resume else 0
-    out = dict(losses={}, times={}, val={}, start=start, activation_bytes=None)
+    measured = min(start + 1, run.steps - 1)  # the second step: the first one compiles, autotunes
+    out = dict(losses={}, times={}, val={}, measured=measured, activation_bytes=None)
     for step in range(start, run.steps):
         trainer.set_lr(learning_rate(step, train.lr, run.warmup, run.steps, train.lr * run.min_lr_ratio))
         rows = next(loader)
         t0 = time.perf_counter()
-        if step == start:  # measured once: the tensors autograd saves (CPU) or the peak memory (GPU)
+        if step == measured:  # the tensors autograd saves (CPU) or the peak memory (GPU)
             params = [p for model in trainer.stages.values() for p in model.parameters()]
             loss, out["activation_bytes"] = tp_lesson.activation_bytes(
                 lambda: trainer.forward_backward(rows), params, trainer.device)
@@ -968,7 +969,7 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
     formula = (f"rank 0's {layers} layers x {m} microbatches by the formula: {ours:,} (ours, fp32, recompute "
                f"{train.recompute}), Korthikanti {paper:,.0f} (16-bit GPT-3 layer, no recompute)")
     if saved[0] is not None:
-        print(f"activations in step {result['start']}, {what} per rank: " + ", ".join(f"{x:,}" for x in saved)
+        print(f"activations in step {result['measured']}, {what} per rank: " + ", ".join(f"{x:,}" for x in saved)
               + f"; {formula if train.moe is None else 'no formula for MoE layers'}")
     timed = times[max(1, len(times) // 4):] or times  # the first steps warm up (and compile)
     if timed:
