@@ -729,10 +729,9 @@ def rng_state() -> dict[str, torch.Tensor]:
 
 def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list, meta: dict, config: dict,
                     rank: int, world: int, barrier: Callable[[], None]) -> Path:
-    """Every rank calls this with its pieces [(ShardSpec, {kind: tensor})]; barrier() waits for
-    all ranks. The files live on a filesystem every rank sees. A crash before LATEST moves leaves
-    the previous checkpoint the one that loads; once it has moved, the older folders (and any
-    partial one from a crashed save) are deleted."""
+    """Every rank calls this with its pieces [(ShardSpec, {kind: tensor})] on a filesystem every rank
+    sees; barrier() waits for all ranks. A crash before LATEST moves leaves the previous checkpoint;
+    once it has moved, the older folders (and any partial one from a crashed save) are deleted."""
     root = Path(folder)
     target = root / f"step_{step:08d}"
     if latest_checkpoint(root) == target:  # resumed here: the same state is already saved
@@ -786,8 +785,7 @@ def load_checkpoint(folder: str | os.PathLike, config: dict, names: set[str],
 
 
 def load_model(model: nn.Module, folder: str | os.PathLike) -> dict:
-    """The last checkpoint's parameters into a whole model on one device (rank 0's lesson-01 GPT,
-    to sample from); returns the metadata."""
+    """The last checkpoint's parameters into a whole one-device model (to sample from); returns the metadata."""
     params = dict(model.named_parameters())
     full, meta = load_checkpoint(folder, checkpoint_config(model.cfg), set(params))
     with torch.no_grad():
