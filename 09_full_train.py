@@ -297,14 +297,16 @@ class ShardSpec:
         return index.flatten()[self.flat_start:self.flat_stop]
 
 
-def assemble(pieces: list[tuple[ShardSpec, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Whole parameters (or gradients) by reference name from every rank's (spec, values)."""
+def assemble(pieces: list[tuple[ShardSpec, torch.Tensor]], fill: float = math.nan) -> dict[str, torch.Tensor]:
+    """Whole parameters (or gradients, moments) by reference name from every rank's (spec, values);
+    an element no piece holds stays `fill`."""
     full = {}
     for spec, values in pieces:
-        flat = full.setdefault(spec.name, torch.full(spec.full_shape, math.nan)).view(-1)
+        if spec.name not in full:
+            full[spec.name] = torch.full(spec.full_shape, fill, dtype=torch.float32)
         index = spec.global_indices()
         real = index >= 0
-        flat[index[real]] = values.float()[real]
+        full[spec.name].view(-1)[index[real]] = values.float()[real]
     return full
 
 
@@ -315,9 +317,7 @@ def assemble(pieces: list[tuple[ShardSpec, torch.Tensor]]) -> dict[str, torch.Te
 
 def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages: int,
                       device: torch.device) -> nn.Module:
-    """The documented order: GPT -> MoE + EP -> FP8 -> TP (+SP) -> CP attention -> stage cut. EP
-    comes before TP here: it slices the experts into new parameters, and SP's hook (sum a
-    replicated parameter's gradient over tp) must be registered on the ones that train."""
+    """The module docstring's order: GPT -> MoE + EP -> FP8 -> TP (+SP) -> CP attention -> stage cut."""
     model = ddp.GPT(cfg)
     plan = tp_lesson.TENSOR_PARALLEL_PLAN
     if train.moe is not None:  # experts are not split over tp: each tp rank runs them on its tokens
@@ -328,23 +328,16 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
     if train.fp8:
         model = fp8_lesson.convert_to_float8(model)
     model = tp_lesson.apply_tensor_parallel(model.to(device), mesh.groups["tp"], train.sequence_parallel, plan)
+    attention = flash_lesson.flash_attention if train.attention == "flash" else None
     if mesh.sizes.cp > 1:
-        attention = cp_lesson.ContextParallelAttention(mesh.groups["cp"], "ring", zigzag=True,
-                                                       block=cp_lesson.FLASH_BLOCK if device.type == "cuda"
-                                                       else cp_lesson.TORCH_BLOCK)
-        for block in model.layers.values():
-            block.attn.attn_fn = attention
-    elif train.attention == "flash":
-        for block in model.layers.values():
-            block.attn.attn_fn = flash_lesson.flash_attention
+        ring_block = cp_lesson.FLASH_BLOCK if device.type == "cuda" else cp_lesson.TORCH_BLOCK  # 07's kernel
+        attention = cp_lesson.ContextParallelAttention(mesh.groups["cp"], "ring", zigzag=True, block=ring_block)
+    for block in model.layers.values() if attention else ():
+        block.attn.attn_fn = attention
     model = pp_lesson.cut_stage(tp_lesson.apply_recompute(model, train.recompute), stage, n_stages)
     for block in model.layers.values() if train.compile else ():
         block.compile()  # in place: parameter names stay
     return model
-
-
-def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
-    return {p for layer in moe_lesson.moe_layers(model) for p in layer.expert_parameters()}
 
 
 class Trainer:
@@ -352,7 +345,8 @@ class Trainer:
     each with a ZeRO optimizer over dp x cp.
 
         trainer = Trainer(cfg, mesh, train, device)
-        loss = trainer.step(rows)   # this dp rank's (global_batch / dp, seq_len + 1) token rows
+        loss = trainer.forward_backward(rows)  # this dp rank's (global_batch / dp, seq_len + 1) token rows
+        trainer.update()
     """
 
     def __init__(self, cfg, mesh: Mesh, train: TrainConfig, device: torch.device) -> None:
@@ -370,12 +364,12 @@ class Trainer:
             self.stages[stage] = model
         self.moe_bytes = sum(p.nbytes for model in self.stages.values()  # before ZeRO-3 releases them
                              for layer in moe_lesson.moe_layers(model) for p in layer.parameters())
-        # (stage, the group kind it reduces over, ZeRO). Experts differ across the ep ranks of dp x cp:
-        # their own ZeRO over the ranks holding the same experts; their gradients arrive summed over
-        # the ep group by the backward all-to-all, so / ep here and / (dp cp / ep) in ZeRO.
+        # (stage, the group kind it reduces over, ZeRO). Experts get their own ZeRO over the ranks
+        # holding the same ones; their gradients arrive summed over ep (06's all-to-all): / ep here.
         self.zeros = []
         for stage, model in self.stages.items():
-            experts = expert_parameters(model) if sizes.ep > 1 else set()
+            experts = ({p for layer in moe_lesson.moe_layers(model) for p in layer.expert_parameters()}
+                       if sizes.ep > 1 else set())
             for p in experts:
                 p.register_hook(lambda grad: grad / sizes.ep)
             for kind, owns in (("dp_cp", lambda p, e=experts: p not in e),
@@ -414,7 +408,7 @@ class Trainer:
                                              boundary_shape=self.boundary_shape)
             for *_, zero in self.zeros:
                 zero.finish_gradient_sync()
-        self._add(meter)
+        self.meter = zero_lesson.merge_meters([self.meter, meter])
         # Outside the meter: the last stage's local mean, averaged over dp x cp, sent to every stage.
         loss = (log.loss if log.loss is not None else torch.zeros((), device=self.device)).double()
         for kind in ("dp_cp", "pp"):
@@ -440,14 +434,9 @@ class Trainer:
             for *_, zero in self.zeros:
                 zero.clip_and_update(squares)
                 zero.zero_grad()
-        self._add(meter)
+        self.meter = zero_lesson.merge_meters([self.meter, meter])
         self.steps += 1
         return squares.sqrt().item()
-
-    def step(self, rows: torch.Tensor) -> float:
-        loss = self.forward_backward(rows)
-        self.update()
-        return loss
 
     def evaluate(self, rows: torch.Tensor) -> float:
         """The loss on rows without training: lesson 04's schedules have no forward-only mode, so
@@ -456,9 +445,6 @@ class Trainer:
         for *_, zero in self.zeros:
             zero.zero_grad()
         return loss
-
-    def _add(self, meter: "ddp.CommMeter") -> None:
-        self.meter = zero_lesson.merge_meters([self.meter, meter])
 
     # --- what this rank holds ---------------------------------------------------------------
 
@@ -554,14 +540,14 @@ class Trainer:
         sizes, train, cfg = self.mesh.sizes, self.train, self.cfg
         b, m, s = train.global_batch // sizes.dp, train.microbatches, train.seq_len // sizes.cp
         layers = sum(len(model.layers) for model in self.stages.values())
-        norm = {n: Fraction(2 * (n - 1), n) * 4 for n in (sizes.tp, sizes.pp)}
+        norm = lambda n: Fraction(2 * (n - 1), n) * 4  # all-reducing the clipping norm's fp32 scalar over n
         out = {}
         if sizes.tp > 1:  # 03: activations and the loss; + the clipping norm's scalar
             ops = tp_lesson.comm_formula(cfg, b, s, train.sequence_parallel, layers=layers, microbatches=m,
                                          embed=0 in self.stages, head=self.plan.n_stages - 1 in self.stages,
                                          mlp=train.moe is None)
             ring = Fraction(sizes.tp - 1, sizes.tp)
-            out["tp"] = norm[sizes.tp] + sum(ring * payload * (2 if op == "all_reduce" else 1)
+            out["tp"] = norm(sizes.tp) + sum(ring * payload * (2 if op == "all_reduce" else 1)
                                              for op, (_, payload) in ops.items())
             if train.sequence_parallel:  # SP sums every replicated gradient over tp: the MoE layers' too
                 out["tp"] += 2 * ring * m * self.moe_bytes
@@ -575,19 +561,18 @@ class Trainer:
                 out["cp"] = out.get("cp", 0) + m * len(model.layers) * (ring["forward"] + backwards * ring["backward"])
         if sizes.pp > 1:  # 04: one activation and one gradient per boundary and microbatch
             boundaries = sum((st < self.plan.n_stages - 1) + (st > 0) for st in self.stages)
-            out["pp"] = norm[sizes.pp] + boundaries * m * math.prod(self.boundary_shape) * 4
+            out["pp"] = norm(sizes.pp) + boundaries * m * math.prod(self.boundary_shape) * 4
         for _, kind, z in self.zeros:  # 02: ZeRO on the stage's padded parameters (+ the norm's scalar)
             n = ddp.group_size(self.mesh.groups[kind])
             ops = zero_lesson.zero_traffic_per_step(sum(u.padded for u in z.units), n, train.zero_stage, 4, 4)
             gathers = m if train.zero_stage == 3 else 1  # ZeRO-3: around each microbatch's F and B
             out[kind] = (out.get(kind, 0) + ops.get("all_gather", 0) * gathers + ops.get("reduce_scatter", 0)
-                         + ops.get("all_reduce", 0) + (Fraction(2 * (n - 1), n) * 4 if train.zero_stage else 0))
+                         + ops.get("all_reduce", 0) + (norm(n) if train.zero_stage else 0))
         return out  # no formula for ep: its all-to-alls depend on the routing (06 prints that)
 
 
 def build_trainer(cfg, sizes: MeshSizes, train: TrainConfig, device: torch.device) -> Trainer:
-    """Check everything on every rank before any collective, create the mesh's groups, then build
-    this rank's part."""
+    """Check everything on every rank before any collective, create the mesh's groups, build this rank's part."""
     validate(cfg, sizes, train, dist.get_world_size())
     return Trainer(cfg, build_mesh(sizes), train, device)
 
@@ -710,9 +695,6 @@ def flops_per_token(cfg, seq_len: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # Checkpoints: each rank saves its ShardSpec pieces; any mesh reads back the slices it holds
 # ----------------------------------------------------------------------------------------------
-# A ShardSpec names what it holds in global terms (the global flat index of every element), so
-# loading rebuilds the whole tensors a rank needs from every saved piece and takes its own slices:
-# tp, dp, the ZeRO stage may change between save and resume.
 #   folder/step_00000100/rank00000.pt ...   each rank's pieces (parameters, AdamW moments), RNG
 #   folder/step_00000100/meta.pt            step, loader state, world size, model configuration
 #   folder/LATEST                           the last complete checkpoint, written last, atomically
@@ -747,10 +729,9 @@ def rng_state() -> dict[str, torch.Tensor]:
 
 def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list, meta: dict, config: dict,
                     rank: int, world: int, barrier: Callable[[], None]) -> Path:
-    """Every rank calls this with its pieces [(ShardSpec, {kind: tensor})]; barrier() waits for
-    all ranks. The files live on a filesystem every rank sees. A crash before LATEST moves leaves
-    the previous checkpoint the one that loads; once it has moved, the older folders (and any
-    partial one from a crashed save) are deleted."""
+    """Every rank calls this with its pieces [(ShardSpec, {kind: tensor})] on a filesystem every rank
+    sees; barrier() waits for all ranks. A crash before LATEST moves leaves the previous checkpoint;
+    once it has moved, the older folders (and any partial one from a crashed save) are deleted."""
     root = Path(folder)
     target = root / f"step_{step:08d}"
     if latest_checkpoint(root) == target:  # resumed here: the same state is already saved
@@ -788,29 +769,23 @@ def load_checkpoint(folder: str | os.PathLike, config: dict, names: set[str],
                          for k in sorted(meta["config"].keys() | config.keys())
                          if meta["config"].get(k) != config.get(k))
         raise ValueError(f"{target} was saved by another model configuration: {diff}; refusing to load it")
-    full, covered = {}, {}
+    pieces = []
     for r in range(meta["world"]):
         file = torch.load(target / f"rank{r:05d}.pt", mmap=True, weights_only=True)
         meta["rng"] = file["rng"] if r == rank else meta.get("rng")
-        for fields, data in file["pieces"]:
-            spec = ShardSpec(*fields)
-            if spec.name not in names:
-                continue
-            index = spec.global_indices()
-            real = index >= 0
-            for kind, values in data.items():
-                flat = full.setdefault(spec.name, {}).setdefault(kind, torch.zeros(spec.full_shape)).view(-1)
-                flat[index[real]] = values[real]
-            covered.setdefault(spec.name, torch.zeros(math.prod(spec.full_shape), dtype=torch.bool))[index[real]] = True
+        specs = [(ShardSpec(*fields), data) for fields, data in file["pieces"]]
+        pieces += [(spec, data) for spec, data in specs if spec.name in names]
+    held = assemble([(spec, torch.ones(spec.flat_stop - spec.flat_start)) for spec, _ in pieces], fill=0)
     for name in names:
-        if name not in covered or not covered[name].all():
+        if name not in held or not held[name].all():
             raise ValueError(f"{target}: the saved pieces do not cover every element of {name}")
-    return full, meta
+    kinds = pieces[0][1].keys() if pieces else ()  # every piece holds the same kinds
+    whole = {kind: assemble([(spec, data[kind]) for spec, data in pieces]) for kind in kinds}
+    return {name: {kind: tensors[name] for kind, tensors in whole.items()} for name in names}, meta
 
 
 def load_model(model: nn.Module, folder: str | os.PathLike) -> dict:
-    """The last checkpoint's parameters into a whole model on one device (rank 0's lesson-01 GPT,
-    to sample from); returns the metadata."""
+    """The last checkpoint's parameters into a whole one-device model (to sample from); returns the metadata."""
     params = dict(model.named_parameters())
     full, meta = load_checkpoint(folder, checkpoint_config(model.cfg), set(params))
     with torch.no_grad():
@@ -987,12 +962,11 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
 # ----------------------------------------------------------------------------------------------
 
 
-def demo_model() -> "ddp.ModelConfig":
-    return ddp.ModelConfig(vocab_size=127, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176)
-
-
 def build_model_config(args: argparse.Namespace) -> "ddp.ModelConfig":
-    return demo_model() if args.check else ddp.ModelConfig(vocab_size=256, **MODELS[args.model][0], seed=args.seed)
+    """--check: a small demo model; else the --model preset, byte-level."""
+    if args.check:
+        return ddp.ModelConfig(vocab_size=127, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176)
+    return ddp.ModelConfig(vocab_size=256, **MODELS[args.model][0], seed=args.seed)
 
 
 def mesh_sizes(args: argparse.Namespace) -> MeshSizes:
@@ -1032,8 +1006,7 @@ def dp_rows(cfg, train: TrainConfig, step: int, mesh: Mesh) -> torch.Tensor:
 
 def print_summaries(sizes: MeshSizes, summaries: list[dict]) -> None:
     print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes held\n"
-          "(live storages) | 02's formula; bytes sent per step "
-          "per mesh dimension, measured | formula (fp32):")
+          "(live storages) | 02's formula; bytes sent per step per mesh dimension, measured | formula (fp32):")
     for rank, s in enumerate(summaries):
         memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
         traffic = "  ".join(f"{k} {float(v):,.0f}|" + ("n/a" if (f := s["traffic_formula"][k]) is None
@@ -1046,7 +1019,7 @@ def print_summaries(sizes: MeshSizes, summaries: list[dict]) -> None:
 
 def demo(args: argparse.Namespace) -> None:
     device = ddp.init_distributed()
-    sizes, cfg, train = mesh_sizes(args), demo_model(), train_config(args)
+    sizes, cfg, train = mesh_sizes(args), build_model_config(args), train_config(args)
     trainer = build_trainer(cfg, sizes, train, device)
     mesh, losses = trainer.mesh, []
     for step in range(args.steps):
