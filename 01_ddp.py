@@ -167,8 +167,12 @@ def launch(fn: Callable, *args, nproc: int) -> None:
     if "RANK" in os.environ:
         fn(*args)
         return
-    mp.start_processes(_launched_rank, args=(fn, args, nproc, free_port()), nprocs=nproc,
-                       start_method="spawn")
+    try:
+        mp.start_processes(_launched_rank, args=(fn, args, nproc, free_port()), nprocs=nproc,
+                           start_method="spawn")
+    except KeyboardInterrupt:  # Ctrl-C reached every local rank too: one line, not a traceback
+        print(f"interrupted: the {nproc} local ranks stopped", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def exit_distributed() -> None:

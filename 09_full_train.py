@@ -350,7 +350,7 @@ class Trainer:
     """
 
     def __init__(self, cfg, mesh: Mesh, train: TrainConfig, device: torch.device) -> None:
-        validate(cfg, mesh.sizes, train, mesh.sizes.world)
+        validate(cfg, mesh.sizes, train, dist.get_world_size())
         self.cfg, self.mesh, self.train, self.device = cfg, mesh, train, device
         sizes, at = mesh.sizes, mesh.coords
         self.plan = pp_lesson.make_schedule(train.schedule, sizes.pp, train.microbatches, train.virtual)
@@ -551,14 +551,18 @@ class Trainer:
                                              for op, (_, payload) in ops.items())
             if train.sequence_parallel:  # SP sums every replicated gradient over tp: the MoE layers' too
                 out["tp"] += 2 * ring * m * self.moe_bytes
-            if self.plan.split_backward:  # ZB-H1's W re-runs the part of backward the weights need
-                out["tp"] = None
+            if self.plan.split_backward or train.recompute == "full":  # ZB-H1's W re-runs part of the
+                out["tp"] = None  # backward; full recompute part of the forward (checkpoint stops early)
         if sizes.cp > 1:  # 05: every attention call of every microbatch
             shard = b // m * (cfg.n_heads // sizes.tp) * s * cfg.head_dim
             ring = cp_lesson.attention_bytes("ring", shard, sizes.cp)
+            forwards = 1 if train.recompute == "none" else 2  # recompute re-runs the ring's forward
             for st, model in self.stages.items():  # ZB-H1's W re-runs the ring's backward (B: stage > 0)
                 backwards = 2 if self.plan.split_backward and st > 0 else 1
-                out["cp"] = out.get("cp", 0) + m * len(model.layers) * (ring["forward"] + backwards * ring["backward"])
+                out["cp"] = out.get("cp", 0) + m * len(model.layers) * (forwards * ring["forward"]
+                                                                        + backwards * ring["backward"])
+            if self.plan.split_backward and forwards == 2:  # W's backward may recompute once more
+                out["cp"] = None
         if sizes.pp > 1:  # 04: one activation and one gradient per boundary and microbatch
             boundaries = sum((st < self.plan.n_stages - 1) + (st > 0) for st in self.stages)
             out["pp"] = norm(sizes.pp) + boundaries * m * math.prod(self.boundary_shape) * 4
@@ -591,11 +595,11 @@ def read_tokens(path: str | os.PathLike | None, max_bytes: int = DEFAULT_CORPUS_
         sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
         data = b"".join(source.read_bytes() for source in sources)[:max_bytes]
     elif not Path(path).is_file():
-        raise ValueError(f"--data {path}: no such file")
+        raise ValueError(f"--data {path}: {'a directory, not a file' if Path(path).is_dir() else 'no such file'}")
     else:
         data = Path(path).read_bytes()
     if not data:
-        raise ValueError(f"--data {path}: the file is empty")
+        raise ValueError(f"--data {path}: the file is empty" if path else "found no .py file in the standard library")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
@@ -644,9 +648,16 @@ class ShardedLoader:
         return self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)].long()
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        """The position, and what it counts in: resuming on other windows would read other data."""
+        return {"epoch": self.epoch, "position": self.position, "n_windows": self.n_windows,
+                "seq_len": self.seq_len, "global_batch": self.global_batch, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        differ = [f"{k}={state[k]} (now {getattr(self, k)})" for k in ("n_windows", "seq_len", "global_batch", "seed")
+                  if state[k] != getattr(self, k)]
+        if differ:
+            raise ValueError(f"the checkpoint's data position counts other windows: {', '.join(differ)}; "
+                             f"resume with the same --data, --seq-len, --global-batch and --seed")
         self.epoch, self.position = state["epoch"], state["position"]
 
 
@@ -734,18 +745,17 @@ def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list, meta: di
     once it has moved, the older folders (and any partial one from a crashed save) are deleted."""
     root = Path(folder)
     target = root / f"step_{step:08d}"
-    if latest_checkpoint(root) == target:  # resumed here: the same state is already saved
-        return target
     target.mkdir(parents=True, exist_ok=True)
     rows = [(dataclasses.astuple(spec), data) for spec, data in pieces]
     _atomic_save({"pieces": rows, "rng": rng_state()}, target / f"rank{rank:05d}.pt")
     if rank == 0:
         _atomic_save({**meta, "step": step, "world": world, "config": config}, target / "meta.pt")
     barrier()
+    missing = [r for r in range(world) if not (target / f"rank{r:05d}.pt").exists()]
+    if missing:  # every rank sees the same files: all raise, none waits in the next barrier
+        raise RuntimeError(f"{target}: ranks {missing} wrote no file (is {root} on a filesystem every "
+                           f"rank sees?); LATEST not moved")
     if rank == 0:
-        missing = [r for r in range(world) if not (target / f"rank{r:05d}.pt").exists()]
-        if missing:
-            raise RuntimeError(f"{target}: ranks {missing} wrote no file; LATEST not moved")
         (root / "LATEST.tmp").write_text(target.name)
         os.replace(root / "LATEST.tmp", root / "LATEST")
         for old in root.glob("step_*"):
@@ -755,11 +765,9 @@ def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list, meta: di
     return target
 
 
-def load_checkpoint(folder: str | os.PathLike, config: dict, names: set[str],
-                    rank: int = 0) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-    """The whole tensors of the parameters `names` (name -> kind -> tensor) from the last complete
-    checkpoint, and its metadata with this rank's saved RNG state ("rng"; None if the saved world
-    was smaller). Refuses another model configuration, naming the fields that differ."""
+def read_meta(folder: str | os.PathLike, config: dict) -> dict:
+    """The last complete checkpoint's metadata; refuses another model configuration, naming the
+    fields that differ (main() calls this before any rank starts)."""
     target = latest_checkpoint(folder)
     if target is None:
         raise ValueError(f"{folder} holds no complete checkpoint (no LATEST file)")
@@ -769,6 +777,16 @@ def load_checkpoint(folder: str | os.PathLike, config: dict, names: set[str],
                          for k in sorted(meta["config"].keys() | config.keys())
                          if meta["config"].get(k) != config.get(k))
         raise ValueError(f"{target} was saved by another model configuration: {diff}; refusing to load it")
+    return meta
+
+
+def load_checkpoint(folder: str | os.PathLike, config: dict, names: set[str],
+                    rank: int = 0) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """The whole tensors of the parameters `names` (name -> kind -> tensor) from the last complete
+    checkpoint, and its metadata with this rank's saved RNG state ("rng"; None if the saved world
+    was smaller)."""
+    meta = read_meta(folder, config)
+    target = latest_checkpoint(folder)
     pieces = []
     for r in range(meta["world"]):
         file = torch.load(target / f"rank{r:05d}.pt", mmap=True, weights_only=True)
@@ -828,7 +846,7 @@ class RunConfig:
     min_lr_ratio: float = 0.1
     eval_every: int = 100
     eval_batches: int = 2
-    save_every: int = 200  # 0: only at the end
+    save_every: int = 100  # 0: only at the end
     folder: str | None = "checkpoints/09"  # None: no checkpoints
     resume: bool = False
     seed: int = 0
@@ -841,13 +859,24 @@ def checkpoint_pieces(trainer: Trainer) -> list:
 
 
 def resume(trainer: Trainer, loader: ShardedLoader, folder: str) -> int:
-    """Restore the parameters, AdamW, the data position and this rank's RNG; return the step."""
+    """Restore the parameters, AdamW, the data position and this rank's RNG; return the step. The
+    RNG draws nothing in this model (no dropout): it is restored for a model that does."""
     names = {spec.name for spec, *_ in trainer.param_specs()}
-    full, meta = load_checkpoint(folder, checkpoint_config(trainer.cfg), names, trainer.mesh.rank)
+    try:
+        full, meta = load_checkpoint(folder, checkpoint_config(trainer.cfg), names, trainer.mesh.rank)
+        failed = None
+    except ValueError as error:  # e.g. pieces missing for one stage's parameters: only its ranks see it
+        failed = error
+    anyone = torch.tensor(float(failed is not None), device=trainer.device)
+    ddp.all_reduce(anyone)  # every rank stops, not only those that saw the problem
+    if failed is not None or anyone.item():
+        raise failed or ValueError("another rank could not load the checkpoint (see its error)")
     trainer.load(full, meta["step"])
     loader.load_state_dict(meta["loader"])
     if meta["rng"] is not None:
         torch.set_rng_state(meta["rng"]["cpu"])
+        if trainer.device.type == "cuda" and "cuda" in meta["rng"]:
+            torch.cuda.set_rng_state(meta["rng"]["cuda"], trainer.device)
     return meta["step"]
 
 
@@ -858,6 +887,8 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
     per-step losses and times, validation losses, and one step's activation bytes (on every rank)."""
     train, rank, sizes = trainer.train, trainer.mesh.rank, trainer.mesh.sizes
     start = resume(trainer, loader, run.folder) if run.resume else 0
+    if run.resume and rank == 0:
+        print(f"resumed from {latest_checkpoint(run.folder)}: steps {start} to {run.steps}", flush=True)
     measured = min(start + 1, run.steps - 1)  # the second step: the first one compiles, autotunes
     out = dict(losses={}, times={}, val={}, measured=measured, activation_bytes=None)
     for step in range(start, run.steps):
@@ -904,7 +935,9 @@ def train_run(args: argparse.Namespace) -> None:
               f"cp={sizes.cp} tp={sizes.tp} on {sizes.world} ranks ({device.type}, "
               f"{'bf16 + fp32 masters' if train.mixed_precision else 'fp32'}), ZeRO-{train.zero_stage}, attention "
               f"{train.attention}, recompute {train.recompute}{', compiled' if train.compile else ''}; "
-              f"batch {train.global_batch} x {train.seq_len} bytes, AdamW lr {train.lr:g} warmup {run.warmup} + cosine")
+              f"batch {train.global_batch} x {train.seq_len} bytes, AdamW lr {train.lr:g} warmup {run.warmup} + cosine; "
+              + (f"checkpoints to {run.folder} every {run.save_every or run.steps} steps and at the end"
+                 if run.folder else "no checkpoints"))
     bar = tqdm(total=run.steps, disable=not rank0, desc="09", dynamic_ncols=True)
 
     def progress(step: int, loss: float, seconds: float) -> None:
@@ -1061,15 +1094,15 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="part 1: the equivalence check with one device "
                         "on synthetic data, and the per-rank summaries, instead of training")
     for dim in DIMS:
-        parser.add_argument(f"--{dim}", type=int, default=2 if dim in ("dp", "tp") else 1)
+        parser.add_argument(f"--{dim}", type=int, default=2 if dim in ("dp", "tp") else 1, help=f"mesh size: {dim}")
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism, borrowed from dp x cp")
     parser.add_argument("--moe", action="store_true", help="every MLP a mixture of experts (dropless)")
-    parser.add_argument("--experts", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=4, help="experts per MoE layer")
     parser.add_argument("--zero", type=int, default=1, help="ZeRO stage over dp x cp")
-    parser.add_argument("--schedule", default="1f1b", choices=pp_lesson.SCHEDULES)
+    parser.add_argument("--schedule", default="1f1b", choices=pp_lesson.SCHEDULES, help="lesson 04's pipeline schedule")
     parser.add_argument("--microbatches", type=int, help="default: 2 with --check or pp > 1, else 1")
     parser.add_argument("--virtual", type=int, default=1, help="stages per rank (interleaved)")
-    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--sequence-parallel", action="store_true", help="lesson 03's SP inside the tp groups")
     parser.add_argument("--fp8", action="store_true", help="lesson 08's Float8Linear layers")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 masters (02's); on by default on a GPU")
     parser.add_argument("--model", default="tiny", choices=MODELS, help="the training run's preset")
@@ -1077,24 +1110,28 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, help="default: 8 with --check, else the preset's")
     parser.add_argument("--seq-len", type=int, help="default: 32 with --check, else the preset's")
     parser.add_argument("--lr", type=float, help="peak lr; default: 1e-3 with --check, else the preset's")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--recompute", default="none", choices=tp_lesson.RECOMPUTE_MODES)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the whole mesh's gradient norm")
+    parser.add_argument("--recompute", default="none", choices=tp_lesson.RECOMPUTE_MODES,
+                        help="activation recompute (lesson 03): selective = attention's inside, full = each block")
     parser.add_argument("--attention", default="sdpa", choices=("sdpa", "flash"), help="flash: lesson 07's kernel")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
     parser.add_argument("--data", help="a text file (default: the standard library's .py files)")
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--eval-every", type=int, default=100)
-    parser.add_argument("--checkpoint-dir", default="checkpoints/09")
-    parser.add_argument("--save-every", type=int, default=200, help="0: only at the end")
+    parser.add_argument("--warmup", type=int, default=20, help="steps of linear warmup, then cosine decay")
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between validation losses")
+    parser.add_argument("--checkpoint-dir", default="checkpoints/09", help="one folder per run (--resume reads it)")
+    parser.add_argument("--save-every", type=int, default=100, help="steps between checkpoints; 0: only at the end")
     parser.add_argument("--no-save", action="store_true", help="no checkpoints (and no sample)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    parser.add_argument("--prompt", default="    return ")
-    parser.add_argument("--sample-bytes", type=int, default=100)
-    parser.add_argument("--no-sample", dest="sample_bytes", action="store_const", const=0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt", default="    return ", help="the start of the greedy sample")
+    parser.add_argument("--sample-bytes", type=int, default=100, help="bytes the sample generates")
+    parser.add_argument("--no-sample", dest="sample_bytes", action="store_const", const=0, help="no sample at the end")
+    parser.add_argument("--seed", type=int, default=0, help="the data order's seed")
     args = parser.parse_args()
     args.moe = args.moe or args.ep > 1
-    args.steps = args.steps or (3 if args.check else 600)
+    args.steps = (3 if args.check else 600) if args.steps is None else args.steps
+    for name in ("global_batch", "seq_len", "microbatches", "lr"):  # None: the preset's; 0 is not "none"
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
     sizes = mesh_sizes(args)
     if "RANK" not in os.environ:
         args.nproc = sizes.world  # the mesh sets how many local processes to start
@@ -1103,9 +1140,16 @@ def main() -> None:
         train = train_config(args)
         validate(build_model_config(args), sizes, train, world)
         if not args.check:
-            split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
-            if args.resume and latest_checkpoint(args.checkpoint_dir) is None:
-                raise ValueError(f"--resume: {args.checkpoint_dir} holds no complete checkpoint (no LATEST file)")
+            train_tokens, _ = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
+            if args.resume and args.no_save:
+                raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")
+            if args.resume:  # the model and the data position must mean the same: refuse before any rank starts
+                meta = read_meta(args.checkpoint_dir, checkpoint_config(build_model_config(args)))
+                ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=args.seed).load_state_dict(
+                    meta["loader"])
+            elif not args.no_save and latest_checkpoint(args.checkpoint_dir) and os.environ.get("RANK", "0") == "0":
+                print(f"note: {latest_checkpoint(args.checkpoint_dir)} is from an earlier run; this run replaces "
+                      f"it at its first save (--resume continues it instead)")
 
     ddp.launch_lesson(parser, args, demo if args.check else train_run, ("steps", "warmup", "eval_every"), check)
 
