@@ -374,10 +374,12 @@ class ModelConfig:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The reference attention function: (batch, heads, seq, head_dim) -> same shape, causal.
-    GPT calls whatever function it is given with this signature: lesson 05 swaps in ring
-    attention, lesson 07 the Triton FlashAttention kernel."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """The reference attention function, causal: q (batch, heads, seq, head_dim), k and v (batch,
+    kv_heads, seq, head_dim) -> q's shape. With grouped-query attention (kv_heads < heads) query
+    head i reads K/V head i // (heads / kv_heads): SDPA's enable_gqa groups them itself, so no
+    repeated K/V is built or saved. GPT calls whatever function it is given with this signature:
+    lesson 05 swaps in ring attention, lesson 07 the Triton FlashAttention kernel."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class RMSNorm(nn.Module):
@@ -421,10 +423,8 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).unflatten(-1, (-1, self.head_dim)), cos, sin)
         k = apply_rope(self.k_proj(x).unflatten(-1, (-1, self.head_dim)), cos, sin)
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
-        # Grouped-query attention: query head i reads key/value head i // queries_per_kv. Repeating
-        # them keeps every attention function (SDPA, ring, the Triton kernel) unaware of grouping.
-        queries_per_kv = q.shape[2] // k.shape[2]
-        k, v = (t.repeat_interleave(queries_per_kv, dim=2) for t in (k, v))
+        # K and V keep their n_kv_heads heads: the attention function groups the query heads
+        # (causal_attention), so K/V bytes held, saved for backward and sent are the K/V heads'.
         out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.out_proj(out.transpose(1, 2).flatten(2))
 

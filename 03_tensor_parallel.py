@@ -433,13 +433,15 @@ def activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel
       plain TP, split by t along the sequence with SP;
     - each region's input (s b h, saved by the column-parallel linears): replicated in both (SP
       stores the all-gathered input);
-    - sharded by t: q after RoPE, k and v repeated to the query heads, the attention output (s b h
-      each) and its log-sum-exp (s b a); the MLP's gate, silu(gate), up and their product (s b f);
+    - sharded by t: q after RoPE and the attention output (s b h each), k after RoPE and v (s b h_kv
+      each, h_kv = n_kv_heads x head_dim: grouped-query attention keeps K/V unrepeated), the
+      log-sum-exp (s b a); the MLP's gate, silu(gate), up and their product (s b f);
     - the RoPE tables (s x head_dim) the layer reads."""
     s, b, h, f = seq_len, batch, cfg.dim, cfg.ffn_dim
+    h_kv = cfg.n_kv_heads * cfg.head_dim
     norms = 2 * (2 * s * b * h + s * b)
     replicated = 2 * s * b * h + s * cfg.head_dim  # the regions' inputs, the RoPE tables
-    sharded = 4 * s * b * h + s * b * cfg.n_heads + 4 * s * b * f
+    sharded = 2 * s * b * h + 2 * s * b * h_kv + s * b * cfg.n_heads + 4 * s * b * f
     return 4 * ((norms // tp if sequence_parallel else norms) + replicated + sharded // tp)
 
 

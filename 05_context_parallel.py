@@ -32,13 +32,20 @@ ULYSSES (DeepSpeed). All-to-alls turn the q, k, v sequence shards into head shar
 all S tokens of H / P heads and runs ordinary attention; a fourth all-to-all turns the output back.
 It needs H divisible by P and moves a constant amount per rank whatever P is.
 
-COST per attention call, one rank, shard of b x h x S/P x d elements of e bytes (= A):
-    ring forward    (P-1) hops of K and V                          2 (P-1) A
-    ring backward   (P-1) hops of K, V and (P-1) of dK, dV (fp32)  2 (P-1) A + 2 (P-1) A_fp32
-    Ulysses         q, k, v, out forward; dout, dq, dk, dv back    8 (P-1)/P A (+ the lse if asked)
+GROUPED-QUERY ATTENTION (Llama 3: g query heads share each of the H_kv = H / g K/V heads). K and V
+keep their H_kv heads everywhere: the ring circulates them and their dK/dV accumulators, g times
+fewer bytes than K/V repeated to the query heads (a Llama-3-8B layer, 32 query / 8 K/V heads: 4x);
+a block computes each K/V head against its g query heads and sums their dK/dV. Ulysses gives rank j
+the query heads [j H/P, (j+1) H/P) and the K/V heads they read, [j H_kv/P, (j+1) H_kv/P): P must
+divide both head counts.
+
+COST per attention call, one rank, shards of S/P tokens: A = b x H x S/P x d elements of q (e bytes
+each), A_kv = b x H_kv x S/P x d of k or of v:
+    ring forward    (P-1) hops of K and V                          2 (P-1) A_kv
+    ring backward   (P-1) hops of K, V and (P-1) of dK, dV (fp32)  2 (P-1) A_kv + 2 (P-1) A_kv_fp32
+    Ulysses         q, k, v, out forward; dout, dq, dk, dv back    4 (P-1)/P (A + A_kv) (+ the lse if asked)
 The ring's traffic grows with P but hides behind block compute; Ulysses' stays flat but cannot hide
-and caps P at the head count. (The reference model repeats grouped-query K/V heads before calling
-attention, so both move n_heads K/V heads here; a production ring circulates the n_kv_heads.)
+and caps P at the K/V head count.
 
 THE MODEL. Each rank's loss is its tokens' share of the global mean: (sum of its token losses) /
 (all tokens of the group) = local mean / P. The shares sum to the global mean; once the ring has
@@ -92,18 +99,27 @@ def torch_block_forward(q, k, v, q_offset: int, k_offset: int, causal: bool):
 
 def torch_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
     """dq, dk, dv of one block given the *global* out and lse (lesson 07's backward, in torch):
-    P = exp(s - lse) is already the full softmax restricted to this block's keys."""
-    q, k, v, out, dout = (t.float() for t in (q, k, v, out, dout))
+    P = exp(s - lse) is already the full softmax restricted to this block's keys. Grouped-query:
+    the g query heads of a K/V head are one more dimension, K and V broadcast over it (no copy),
+    and dK, dV sum over it."""
+    kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
+    q, out, dout = (t.float().unflatten(1, (kv_heads, group)) for t in (q, out, dout))
+    k, v = (t.float()[:, :, None] for t in (k, v))  # (batch, kv_heads, 1, seq_k, head_dim)
+    lse = lse.unflatten(1, (kv_heads, group))
     scale = q.shape[-1] ** -0.5
     scores = scale * q @ k.transpose(-2, -1)
     if causal:
-        rows = q_offset + torch.arange(q.shape[2], device=q.device)
-        cols = k_offset + torch.arange(k.shape[2], device=q.device)
+        rows = q_offset + torch.arange(q.shape[3], device=q.device)
+        cols = k_offset + torch.arange(k.shape[3], device=q.device)
         scores = scores.masked_fill(rows[:, None] < cols, float("-inf"))
     probs = torch.exp(scores - lse[..., None])
-    delta = (out * dout).sum(-1) - (0.0 if dlse is None else dlse)  # d lse_i / d s_ij = P_ij
+    delta = (out * dout).sum(-1)
+    if dlse is not None:  # d lse_i / d s_ij = P_ij
+        delta = delta - dlse.unflatten(1, (kv_heads, group))
     dscores = probs * (dout @ v.transpose(-2, -1) - delta[..., None])
-    return scale * dscores @ k, scale * dscores.transpose(-2, -1) @ q, probs.transpose(-2, -1) @ dout
+    dq = scale * dscores @ k
+    dk, dv = scale * dscores.transpose(-2, -1) @ q, probs.transpose(-2, -1) @ dout
+    return dq.flatten(1, 2), dk.sum(2), dv.sum(2)
 
 
 def flash_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
@@ -185,22 +201,28 @@ class SequenceLayout:
         return torch.cat([pieces[c] for c in range(self.n_chunks)], dim)
 
 
-def validate_context_parallel(seq_len: int, n_heads: int, cp: int, method: str,
-                              zigzag: bool) -> SequenceLayout:
-    """Check the sizes (on every rank, before any collective, so none hangs); return the layout."""
+def validate_context_parallel(seq_len: int, n_heads: int, cp: int, method: str, zigzag: bool,
+                              n_kv_heads: int | None = None) -> SequenceLayout:
+    """Check the sizes (on every rank, before any collective, so none hangs); return the layout.
+    n_kv_heads: grouped-query attention's K/V heads (None: n_heads)."""
     if method not in METHODS:
         raise ValueError(f"method={method!r} must be one of {METHODS}")
     layout = SequenceLayout(seq_len, cp, zigzag)
-    if method == "ulysses" and n_heads % cp:
-        raise ValueError(f"n_heads={n_heads} is not divisible by cp={cp} (Ulysses gives each rank "
-                         f"n_heads / cp whole heads)")
+    kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    if kv_heads < 1 or n_heads % kv_heads:
+        raise ValueError(f"n_heads={n_heads} is not divisible by n_kv_heads={kv_heads}")
+    if method == "ulysses":
+        for name, heads in (("n_heads", n_heads), ("n_kv_heads", kv_heads)):
+            if heads % cp:
+                raise ValueError(f"{name}={heads} is not divisible by cp={cp} (Ulysses gives each rank "
+                                 f"n_heads / cp whole query heads and the n_kv_heads / cp K/V heads they read)")
     return layout
 
 
-def local_layout(q: torch.Tensor, group, zigzag: bool, method: str = "ring") -> SequenceLayout:
+def local_layout(q: torch.Tensor, k: torch.Tensor, group, zigzag: bool, method: str = "ring") -> SequenceLayout:
     """The layout of the whole sequence, from this rank's shard of it (every shard is equal)."""
     cp = ddp.group_size(group)
-    return validate_context_parallel(q.shape[2] * cp, q.shape[1], cp, method, zigzag)
+    return validate_context_parallel(q.shape[2] * cp, q.shape[1], cp, method, zigzag, k.shape[1])
 
 
 # Ring attention ---------------------------------------------------------------------------------
@@ -295,14 +317,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
                    work: BlockWork | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of this rank's queries against the whole sequence; q, k, v are this rank's shard
     (batch, heads, S / P, head_dim) of the layout (zigzag or contiguous)."""
-    return RingAttention.apply(q, k, v, group, local_layout(q, group, zigzag), causal, block, work)
+    return RingAttention.apply(q, k, v, group, local_layout(q, k, group, zigzag), causal, block, work)
 
 
 # Ulysses: all-to-all from sequence shards to head shards and back -------------------------------
 
 
 def seq_to_heads(x: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
-    """(batch, heads, S / P, ...) sequence shard -> (batch, heads / P, S, ...) head shard."""
+    """(batch, heads, S / P, ...) sequence shard -> (batch, heads / P, S, ...) head shard (q's heads,
+    or K/V's: rank j gets query heads [j H/P, (j+1) H/P) and the K/V heads they read)."""
     cp = layout.cp
     send = x.unflatten(1, (cp, x.shape[1] // cp)).movedim(1, 0).contiguous()  # row j: heads of rank j
     received = torch.empty_like(send)
@@ -337,7 +360,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
                       causal: bool = True, block: BlockAttention = TORCH_BLOCK,
                       with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, lse or None): the same contract as ring_attention; the lse costs one more all-to-all."""
-    layout = local_layout(q, group, zigzag, "ulysses")
+    layout = local_layout(q, k, group, zigzag, "ulysses")
     q, k, v = (_Relayout.apply(t, group, layout, True) for t in (q, k, v))
     out, lse = block.forward(q, k, v, 0, 0, causal)
     out = _Relayout.apply(out.to(q.dtype), group, layout, False)
@@ -361,17 +384,18 @@ class ContextParallelAttention:
         return attend(q, k, v, self.group, self.zigzag, True, self.block)[0]
 
 
-def attention_bytes(method: str, shard_elems: int, cp: int, elem_bytes: int = 4,
+def attention_bytes(method: str, q_elems: int, kv_elems: int, cp: int, elem_bytes: int = 4,
                     with_lse_elems: int = 0) -> dict[str, Fraction]:
     """The formula: bytes one rank sends per attention call, forward and backward, for a shard of
-    shard_elems elements in each of q, k, v (with_lse_elems: Ulysses also returns the lse)."""
-    a = shard_elems * elem_bytes
+    q_elems elements of q (and of its output) and kv_elems of each of k and v (fewer than q_elems
+    with grouped-query attention); with_lse_elems: Ulysses also returns the lse."""
+    a, a_kv = q_elems * elem_bytes, kv_elems * elem_bytes
     if method == "ring":
-        return dict(forward=Fraction(2 * (cp - 1) * a),
-                    backward=Fraction(2 * (cp - 1) * a + 2 * (cp - 1) * shard_elems * 4))
+        return dict(forward=Fraction(2 * (cp - 1) * a_kv),
+                    backward=Fraction(2 * (cp - 1) * a_kv + 2 * (cp - 1) * kv_elems * 4))
     per_call = Fraction(cp - 1, cp)
     lse = per_call * with_lse_elems * 4
-    return dict(forward=4 * per_call * a + lse, backward=4 * per_call * a + lse)
+    return dict(forward=per_call * (2 * a + 2 * a_kv) + lse, backward=per_call * (2 * a + 2 * a_kv) + lse)
 
 
 # The whole model under context parallelism ------------------------------------------------------
@@ -384,7 +408,7 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
     """The same training as ddp.train_single_device, each rank holding seq_len / cp tokens of every
     row. Returns the result (global losses, summed gradients) and a meter of the training loop."""
     cp, rank = ddp.group_size(group), dist.get_rank(group)
-    layout = validate_context_parallel(seq_len, cfg.n_heads, cp, method, zigzag)
+    layout = validate_context_parallel(seq_len, cfg.n_heads, cp, method, zigzag, cfg.n_kv_heads)
     # This rank's share of the global mean loss (THE MODEL above): local mean / cp.
     model = ddp.GPT(cfg, attn_fn=ContextParallelAttention(group, method, zigzag, block),
                     loss_fn=lambda logits, targets: ddp.cross_entropy_loss(logits, targets) / cp).to(device)
@@ -417,24 +441,27 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
 
 
 def attention_inputs(batch: int, heads: int, seq_len: int, head_dim: int, seed: int,
-                     dtype: torch.dtype = torch.float32, device=None) -> list[torch.Tensor]:
-    """q, k, v, dout (batch, heads, seq, head_dim) and dlse (batch, heads, seq): the whole sequence,
-    identical on every rank (drawn on the CPU from the seed)."""
+                     dtype: torch.dtype = torch.float32, device=None,
+                     kv_heads: int | None = None) -> list[torch.Tensor]:
+    """q, k, v, dout and dlse: the whole sequence, identical on every rank (drawn on the CPU from
+    the seed). q and dout are (batch, heads, seq, head_dim), k and v (batch, kv_heads, seq,
+    head_dim) (kv_heads None: heads), dlse (batch, heads, seq)."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (batch, heads, seq_len, head_dim)
-    tensors = [torch.randn(shape, generator=gen) for _ in range(4)] + [torch.randn(shape[:3], generator=gen)]
+    q_shape = (batch, heads, seq_len, head_dim)
+    kv_shape = (batch, heads if kv_heads is None else kv_heads, seq_len, head_dim)
+    tensors = [torch.randn(shape, generator=gen) for shape in (q_shape, kv_shape, kv_shape, q_shape, q_shape[:3])]
     return [t.to(device=device, dtype=dtype if t.dim() == 4 else torch.float32) for t in tensors]
 
 
 def sharded_attention(batch: int, heads: int, seq_len: int, head_dim: int, *, method: str, zigzag: bool,
                       causal: bool, block: BlockAttention = TORCH_BLOCK, seed: int = 0,
-                      dtype: torch.dtype = torch.float32, group=None, device=None):
+                      dtype: torch.dtype = torch.float32, group=None, device=None, kv_heads: int | None = None):
     """On every rank: [out, lse, dq, dk, dv] of this rank's shard under the loss
     sum(out dout) + sum(lse dlse), the meter of that forward + backward, and the ring's work."""
     cp, rank = ddp.group_size(group), dist.get_rank(group)
-    layout = validate_context_parallel(seq_len, heads, cp, method, zigzag)
+    layout = validate_context_parallel(seq_len, heads, cp, method, zigzag, kv_heads)
     shards = [layout.shard(t, rank, dim=2) for t in attention_inputs(batch, heads, seq_len, head_dim,
-                                                                     seed, dtype, device)]
+                                                                     seed, dtype, device, kv_heads)]
     work = BlockWork()
     attend = {"ring": lambda q, k, v: ring_attention(q, k, v, group, zigzag, causal, block, work),
               "ulysses": lambda q, k, v: ulysses_attention(q, k, v, group, zigzag, causal, block,
@@ -456,49 +483,55 @@ def demo(args: argparse.Namespace) -> None:
     rank, cp = dist.get_rank(), dist.get_world_size()
     block = FLASH_BLOCK if args.block == "triton" else TORCH_BLOCK
     say = print if rank == 0 else (lambda *a, **k: None)
-    b, h, s, d = 2, args.heads, args.seq_len, args.head_dim
+    b, h, kv, s, d = 2, args.heads, args.kv_heads, args.seq_len, args.head_dim
     variants = [("ring, contiguous", "ring", False), ("ring, zigzag", "ring", True),
                 ("Ulysses", "ulysses", True)]
-    if h % cp:
+    if h % cp or kv % cp:
         variants.pop()
-        say(f"(Ulysses left out: --heads {h} is not divisible by {cp} ranks)")
+        say(f"(Ulysses left out: --heads {h} and --kv-heads {kv} must both be divisible by {cp} ranks)")
     say(f"Context parallelism on {cp} ranks ({dist.get_backend()}, {device.type}), block attention: "
         f"{block.name}.\n\nmax |difference| from full attention in float64 (fp32, causal; batch {b}, "
-        f"{h} heads, seq {s}, head dim {d}):")
+        f"{h} query heads reading {kv} K/V heads, seq {s}, head dim {d}):")
     say(f"  {'':<20}" + "".join(f"{n:>10}" for n in ("out", "lse", "dq", "dk", "dv")))
-    inputs = attention_inputs(b, h, s, d, seed=0, dtype=torch.float64, device=device)
+    inputs = attention_inputs(b, h, s, d, seed=0, dtype=torch.float64, device=device, kv_heads=kv)
     reference = fa.outputs_and_grads(lambda q, k, v: fa.naive_attention(q, k, v, True), *inputs)
     byte_rows = []
     for name, method, zigzag in variants:
         got, meter, _ = sharded_attention(b, h, s, d, method=method, zigzag=zigzag, causal=True,
-                                          block=block, device=device)
+                                          block=block, device=device, kv_heads=kv)
         layout = SequenceLayout(s, cp, zigzag)
         diffs = [fa.max_diff(g, layout.shard(r, rank, dim=2)) for g, r in zip(got, reference, strict=True)]
         say(f"  {name:<20}" + "".join(f"{max(col):>10.1e}" for col in zip(*_gather_rows(diffs, device))))
-        formula = attention_bytes(method, b * h * s // cp * d, cp, with_lse_elems=b * h * s // cp)
-        byte_rows.append((name, meter.traffic(COMM_OP[method]), sum(formula.values())))
+        formula = attention_bytes(method, b * h * s // cp * d, b * kv * s // cp * d, cp,
+                                  with_lse_elems=b * h * s // cp)
+        _, repeated, _ = sharded_attention(b, h, s, d, method=method, zigzag=zigzag, causal=True,
+                                           block=block, device=device)  # K/V repeated to h heads
+        byte_rows.append((name, meter.traffic(COMM_OP[method]), sum(formula.values()),
+                          repeated.traffic(COMM_OP[method])))
 
     say(f"\nper-rank work of causal ring attention, forward + backward (seq {args.work_seq_len}, "
         f"{h} heads, head dim {d}): block calls / query x key scores / seconds computing (CPU time on a CPU)")
     for name, zigzag in (("contiguous", False), ("zigzag", True)):
         for _ in range(2):  # the first run warms up (allocator, kernel compilation): time the second
             _, _, work = sharded_attention(1, h, args.work_seq_len, d, method="ring", zigzag=zigzag,
-                                           causal=True, block=block, device=device)
+                                           causal=True, block=block, device=device, kv_heads=kv)
         rows = _gather_rows([work.blocks, work.scores, work.seconds], device)
         say(f"  {name:<11}" + "  ".join(f"r{r}: {int(bl):>2} / {int(sc):>8,} / {sec:.3f}s"
                                         for r, (bl, sc, sec) in enumerate(rows)))
         imbalance = [max(col) / (sum(col) / cp) for col in list(zip(*rows))[1:]]
         say(f"  {'':<11}slowest / mean: scores {imbalance[0]:.2f}, seconds {imbalance[1]:.2f}")
 
-    say("\nbytes one rank sends per attention call, forward + backward (fp32, with the lse):")
-    for name, measured, formula in byte_rows:
-        say(f"  {name:<20}{float(measured):>12,.0f} B   formula {float(formula):>12,.0f} B")
-    say(f"  ring: 2(P-1) A forward + 4(P-1) A backward; Ulysses: 8(P-1)/P A + lse; A = one shard of "
-        f"q = {b * h * s // cp * d * 4:,} B")
+    say(f"\nbytes one rank sends per attention call, forward + backward (fp32, with the lse), {kv} K/V "
+        f"heads; last column: the same call with K/V repeated to all {h} heads:")
+    for name, measured, formula, repeated in byte_rows:
+        say(f"  {name:<20}{float(measured):>12,.0f} B   formula {float(formula):>12,.0f} B   "
+            f"repeated K/V {float(repeated):>12,.0f} B")
+    say(f"  ring: 2(P-1) A_kv forward + 4(P-1) A_kv backward; Ulysses: 4(P-1)/P (A + A_kv) per pass + lse; "
+        f"A = one shard of q = {b * h * s // cp * d * 4:,} B, A_kv of k = {b * kv * s // cp * d * 4:,} B")
 
-    cfg = ddp.ModelConfig(n_heads=h, seed=1)
-    say(f"\nthe whole GPT ({cfg.n_layers} layers, {h} heads), batch {args.global_batch} x seq {s}, "
-        f"{args.steps} AdamW steps, against one device:")
+    cfg = ddp.ModelConfig(n_heads=h, n_kv_heads=kv, seed=1)
+    say(f"\nthe whole GPT ({cfg.n_layers} layers, {h} query / {kv} K/V heads), batch {args.global_batch} x "
+        f"seq {s}, {args.steps} AdamW steps, against one device:")
     ref = ddp.train_single_device(cfg, args.steps, args.global_batch, s, device=device) if rank == 0 else None
     for name, method, zigzag in variants:
         result, meter = train_context_parallel(cfg, args.steps, args.global_batch, s, method=method,
@@ -511,17 +544,20 @@ def demo(args: argparse.Namespace) -> None:
                 f"{ddp.max_abs_diff(result.params, ref.params):.1e}")
         op = COMM_OP[method]
         layer = float(meter.traffic(op)) / (args.steps * cfg.n_layers)
-        formula = sum(attention_bytes(method, args.global_batch * s // cp * cfg.dim, cp).values())
+        tokens = args.global_batch * s // cp
+        formula = sum(attention_bytes(method, tokens * cfg.dim, tokens * kv * cfg.head_dim, cp).values())
         say(f"  {'':<20} {op} per layer per step {layer:,.0f} B, formula {float(formula):,.0f} B")
     say("\nNotice: every variant computes full attention and the one-device model; zigzag evens out "
-        "the work that contiguous piles on the last rank; the ring's bytes grow with P, Ulysses' do not.")
+        "the work that contiguous piles on the last rank; the ring's bytes grow with P, Ulysses' do not; "
+        "both move the K/V heads only, not K/V repeated to every query head.")
     ddp.exit_distributed()
 
 
 def main() -> None:
     parser = ddp.lesson_parser(__doc__)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=4, help="key/value heads (grouped-query attention)")
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--work-seq-len", type=int, default=2048, help="sequence of the work comparison")
     parser.add_argument("--global-batch", type=int, default=2)
@@ -532,11 +568,11 @@ def main() -> None:
 
     def validate(cp: int) -> None:
         for seq_len in (args.seq_len, args.work_seq_len):
-            validate_context_parallel(seq_len, args.heads, cp, "ring", zigzag=True)
-        ddp.ModelConfig(n_heads=args.heads)
+            validate_context_parallel(seq_len, args.heads, cp, "ring", zigzag=True, n_kv_heads=args.kv_heads)
+        ddp.ModelConfig(n_heads=args.heads, n_kv_heads=args.kv_heads)
 
-    ddp.launch_lesson(parser, args, demo,
-                      ("seq_len", "heads", "head_dim", "work_seq_len", "global_batch", "steps"), validate)
+    ddp.launch_lesson(parser, args, demo, ("seq_len", "heads", "kv_heads", "head_dim", "work_seq_len",
+                                           "global_batch", "steps"), validate)
 
 
 if __name__ == "__main__":

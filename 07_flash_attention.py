@@ -19,6 +19,16 @@ the work), blocks wholly in its past run without a mask, only blocks on the diag
 Positions are absolute, key j is visible to query i iff q_offset + i >= k_offset + j, so a ring
 rank can attend to another rank's keys; a row that sees no key gets out = 0 and lse = -inf.
 
+GROUPED-QUERY ATTENTION (GQA: Llama 3, Mistral): g query heads share each of H_kv = H / g K/V
+heads. K and V arrive with their own H_kv heads, never repeated: the forward and dQ programs of
+query head h read K/V head h // g (program bh = b H + h reads b H_kv + h // g = bh // g, as a batch's
+heads are contiguous). What that saves against K/V repeated to H heads: the repeat's copy, g times
+the K/V memory that autograd would keep, and HBM reads, since the g programs of a group stream the
+same K/V tiles, which the L2 cache serves once. THE BACKWARD of a K/V head read by g query heads is
+the sum of their g contributions (one tensor used g times): one dK/dV program per K/V key block
+loops over the g query heads of its group and adds each into the same accumulators, in a fixed
+order, with no atomics.
+
 THE IO ARGUMENT, per (batch, head), in elements. Naive attention writes S, reads it for the softmax,
 writes P and reads it for P V: ~4 N^2 of HBM traffic (more in the backward), N^2 of memory. A program
 here keeps its BLOCK_M x d queries on chip and streams K and V past them: K and V are read N / BLOCK_M
@@ -210,7 +220,7 @@ def _query_range(start_n, seq_q, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 
 @_autotuned(FWD_GPU, cpu=(32, 16))
-def _fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift, sm_scale,
+def _fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift, sm_scale, group,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Last query blocks first: with a causal mask they see the most keys, so the longest programs
@@ -219,7 +229,8 @@ def _fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shi
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x heads x seq x dim can pass 2^31
     rows = start_m + tl.arange(0, BLOCK_M)
     Q, OUT, LSE = Q + bh * seq_q * HEAD_DIM, OUT + bh * seq_q * HEAD_DIM, LSE + bh * seq_q
-    K, V = K + bh * seq_k * HEAD_DIM, V + bh * seq_k * HEAD_DIM
+    kv_bh = bh // group  # grouped-query attention: the group's shared K/V head (GQA above)
+    K, V = K + kv_bh * seq_k * HEAD_DIM, V + kv_bh * seq_k * HEAD_DIM
     qo, q_ok = _tile(rows, seq_q, HEAD_DIM, BLOCK_D)
     q = tl.load(Q + qo, mask=q_ok, other=0.0)
     qk_scale = sm_scale * LOG2E  # the softmax scale and log2(e) folded into one multiply
@@ -279,27 +290,31 @@ def _load_row_stats(LSE, DELTA, rows, seq_q):
 
 @_autotuned(DKDV_GPU, cpu=(16, 32))
 def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift,
-                     sm_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                     sm_scale, group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1).to(tl.int64)
+    kv_bh = tl.program_id(1).to(tl.int64)  # one K/V head, read by `group` query heads
     cols = start_n + tl.arange(0, BLOCK_N)
     kv, kv_ok = _tile(cols, seq_k, HEAD_DIM, BLOCK_D)
-    kv_head = bh * seq_k * HEAD_DIM
+    kv_head = kv_bh * seq_k * HEAD_DIM
     k = tl.load(K + kv_head + kv, mask=kv_ok, other=0.0)
     v = tl.load(V + kv_head + kv, mask=kv_ok, other=0.0)
-    Q, DO = Q + bh * seq_q * HEAD_DIM, DO + bh * seq_q * HEAD_DIM
-    LSE, DELTA = LSE + bh * seq_q, DELTA + bh * seq_q
     qk_scale = sm_scale * LOG2E
     dk, dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo, full_start, q_end = _query_range(start_n, seq_q, shift, BLOCK_M, BLOCK_N, CAUSAL)
+    # Every query head of the group adds its share to the same dK, dV, in a fixed order (GQA above):
+    # one flat loop over (query head, query block) pairs that moves to the next head when a head's
+    # blocks are done. A loop per head, or a division per step, costs registers: some configs spill.
     for unmasked in tl.static_range(2):  # [lo, full_start) masked (empty unless causal), then the rest
-        for start_m in range(full_start if unmasked else lo, q_end if unmasked else full_start, BLOCK_M):
+        first = full_start if unmasked else lo
+        n_blocks = ((q_end if unmasked else full_start) - first) // BLOCK_M
+        head_start, start_m = kv_bh * group * seq_q, first  # the query head's first row; its block
+        for _ in range(n_blocks * group):
             rows = start_m + tl.arange(0, BLOCK_M)
             qo, q_ok = _tile(rows, seq_q, HEAD_DIM, BLOCK_D)
-            q = tl.load(Q + qo, mask=q_ok, other=0.0)
-            do = tl.load(DO + qo, mask=q_ok, other=0.0)
-            lse, delta = _load_row_stats(LSE, DELTA, rows, seq_q)
+            q = tl.load(Q + head_start * HEAD_DIM + qo, mask=q_ok, other=0.0)
+            do = tl.load(DO + head_start * HEAD_DIM + qo, mask=q_ok, other=0.0)
+            lse, delta = _load_row_stats(LSE + head_start, DELTA + head_start, rows, seq_q)
             # Transposed tiles (keys x queries), so dK and dV accumulate as plain matmuls.
             p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
             if not unmasked:
@@ -308,13 +323,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, seq_q, seq_k, seq_q_bucket
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+            start_m += BLOCK_M
+            if start_m == first + n_blocks * BLOCK_M:  # this head's blocks are done: the next head's
+                head_start, start_m = head_start + seq_q, first
     tl.store(DK + kv_head + kv, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_ok)
     tl.store(DV + kv_head + kv, dv.to(DV.dtype.element_ty), mask=kv_ok)
 
 
 @_autotuned(DQ_GPU, cpu=(32, 16))
 def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift, sm_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                   group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
@@ -324,7 +342,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_
     q = tl.load(Q + q_head + qo, mask=q_ok, other=0.0)
     do = tl.load(DO + q_head + qo, mask=q_ok, other=0.0)
     lse, delta = _load_row_stats(LSE + bh * seq_q, DELTA + bh * seq_q, rows, seq_q)
-    K, V = K + bh * seq_k * HEAD_DIM, V + bh * seq_k * HEAD_DIM
+    K, V = K + bh // group * seq_k * HEAD_DIM, V + bh // group * seq_k * HEAD_DIM
     qk_scale = sm_scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full_end, hi = _key_range(start_m, seq_k, shift, BLOCK_M, BLOCK_N, CAUSAL)
@@ -347,10 +365,12 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] + q.shape[3:] != k.shape[:2] + k.shape[3:] \
-            or min(q.shape[2], k.shape[2]) < 1 or not 16 <= q.shape[3] <= 128:
-        raise ValueError(f"expected q (batch, heads, seq_q, head_dim), k and v (batch, heads, seq_k, "
-                         f"head_dim), 16 <= head_dim <= 128; got {q.shape}, {k.shape}, {v.shape}")
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] \
+            or q.shape[3] != k.shape[3] or q.shape[1] % max(k.shape[1], 1) \
+            or min(q.shape[2], k.shape[2], k.shape[1]) < 1 or not 16 <= q.shape[3] <= 128:
+        raise ValueError(f"expected q (batch, heads, seq_q, head_dim), k and v (batch, kv_heads, seq_k, "
+                         f"head_dim) with kv_heads dividing heads, 16 <= head_dim <= 128; got {q.shape}, "
+                         f"{k.shape}, {v.shape}")
     if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q, k, v must share one of fp16, bf16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
     if INTERPRETED and q.dtype == torch.bfloat16:
@@ -367,11 +387,11 @@ def _launch_args(q: torch.Tensor, k: torch.Tensor, q_offset: int, k_offset: int,
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
                 PRECISION="ieee" if q.dtype == torch.float32 else None)
     return [seq_q, seq_k, triton.next_power_of_2(seq_q), triton.next_power_of_2(seq_k), q_offset - k_offset,
-            head_dim ** -0.5 if sm_scale is None else sm_scale], meta
+            head_dim ** -0.5 if sm_scale is None else sm_scale, q.shape[1] // k.shape[1]], meta
 
 
-def _grid(seq: int, block: str, q: torch.Tensor):  # block: "BLOCK_M" or "BLOCK_N", the autotuner's pick
-    return lambda meta: (triton.cdiv(seq, meta[block]), q.shape[0] * q.shape[1])
+def _grid(seq: int, block: str, x: torch.Tensor):  # block: "BLOCK_M" or "BLOCK_N", the autotuner's pick
+    return lambda meta: (triton.cdiv(seq, meta[block]), x.shape[0] * x.shape[1])  # x's (batch, heads)
 
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -408,7 +428,7 @@ def flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         out, dout, dlse_or_lse, delta, q.shape[2], HAS_DLSE=dlse is not None, HEAD_DIM=q.shape[3],
         BLOCK_D=meta["BLOCK_D"], BLOCK_M=64)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _bwd_dkdv_kernel[_grid(k.shape[2], "BLOCK_N", q)](q, k, v, dout, dk, dv, lse, delta, *args, **meta)
+    _bwd_dkdv_kernel[_grid(k.shape[2], "BLOCK_N", k)](q, k, v, dout, dk, dv, lse, delta, *args, **meta)
     _bwd_dq_kernel[_grid(q.shape[2], "BLOCK_M", q)](q, k, v, dout, dq, lse, delta, *args, **meta)
     return dq, dk, dv
 
@@ -459,8 +479,10 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                     sm_scale: float | None = None, q_offset: int = 0, k_offset: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The O(N^2)-memory version with the same contract: (out, lse), out = 0 and lse = -inf (and
-    finite gradients) for rows that see no key. The reference the kernels are tested against."""
+    finite gradients) for rows that see no key. The reference the kernels are tested against: it
+    repeats grouped K/V heads to the query heads, so autograd sums dK, dV over each group."""
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     rows = q_offset + torch.arange(q.shape[2], device=q.device)
     cols = k_offset + torch.arange(k.shape[2], device=q.device)
     visible = (rows[:, None] >= cols) | (not causal)
@@ -583,7 +605,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _sdpa(q, k, v, causal: bool) -> tuple[torch.Tensor, None]:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal), None
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]), None
 
 
 def demo(args: argparse.Namespace) -> None:
@@ -606,6 +628,13 @@ def demo(args: argparse.Namespace) -> None:
         for causal, (name, attn) in itertools.product((False, True), (("ours", flash), ("torch", _sdpa))):
             compare(f"{str(dtype)[6:]} {'causal' if causal else 'full'} {name}", partial(attn, causal=causal),
                     partial(naive_attention, causal=causal), q, k, v, dout)
+    print(f"grouped-query attention: the {args.heads} query heads read one K/V head (its dK, dV sum "
+          f"over the {args.heads}):")
+    q, dout = (torch.randn(shape, generator=gen).to(device) for _ in range(2))
+    k, v = (torch.randn(shape[0], 1, *shape[2:], generator=gen).to(device) for _ in range(2))
+    for name, attn in (("ours", flash), ("torch", _sdpa)):
+        compare(f"float32 causal {name}", partial(attn, causal=True), partial(naive_attention, causal=True),
+                q, k, v, dout)
     # One ring step: queries at positions 64.. attend to keys at 96..: in each (batch, head) the first
     # 32 query rows see no key.
     q, k, v, dout = (torch.randn(shape, generator=gen).to(device) for _ in range(4))
@@ -625,10 +654,10 @@ def demo(args: argparse.Namespace) -> None:
           f"fp16 our errors are PyTorch's own (P and dS are rounded to fp16); the lse stays exact to fp32.")
 
 
-def bench(head_dims: list[int], seqs: list[int]) -> None:
+def bench(head_dims: list[int], seqs: list[int], group: int = 1) -> None:
     """TFLOP/s of forward, backward and both, ours against SDPA's flash backend (and cuDNN's, where
     torch offers it), bf16, 16k tokens per batch at model width 2048 (the FlashAttention-2 paper's
-    setting). FLOPs as the papers count them: forward 4 N^2 d per (batch, head) (two N x N x d
+    setting); group > 1: grouped-query attention, heads / group K/V heads (SDPA's enable_gqa). FLOPs as the papers count them: forward 4 N^2 d per (batch, head) (two N x N x d
     matmuls), half that when causal; backward 2.5 x forward (five matmuls; recomputation not
     counted); forward + backward 3.5 x forward. Ratios are ours / SDPA flash."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -650,14 +679,14 @@ def bench(head_dims: list[int], seqs: list[int]) -> None:
         return attn
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"TFLOP/s, median of triton.testing.do_bench")
+          f"TFLOP/s, median of triton.testing.do_bench; {group} query heads per K/V head")
     print(f"{'head_dim':>8}{'seq':>7}{'causal':>8}" + "".join(
         f"{p + ' ' + n:>13}" for p in ("fwd", "bwd", "fwd+bwd") for n in ("ours", "flash", "ratio"))
         + f"{'cuDNN f+b':>11}")
     for head_dim, seq, causal in itertools.product(head_dims, seqs, (False, True)):
         batch, heads = max(1, 16384 // seq), 2048 // head_dim
-        q, k, v, dout = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
-                         for _ in range(4))
+        q, k, v, dout = (torch.randn(batch, heads // (group if i in (1, 2) else 1), seq, head_dim,
+                                     device="cuda", dtype=torch.bfloat16) for i in range(4))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         fwd_flops = 4 * batch * heads * seq ** 2 * head_dim / (2 if causal else 1)
         ours, flash = (tflops(attn, q, k, v, dout, causal, fwd_flops)
@@ -682,6 +711,8 @@ def main() -> None:
     parser.add_argument("--bench", action="store_true", help="GPU: TFLOP/s against SDPA (flash), bf16")
     parser.add_argument("--bench-head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--bench-seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--bench-group", type=int, default=1, choices=(1, 2, 4, 8),
+                        help="query heads per K/V head (grouped-query attention)")
     parser.add_argument("--gpu-report", action="store_true", help="no GPU needed: shared memory, registers "
                         "and spills of every kernel and config, compiled for sm_90")
     args = parser.parse_args()
@@ -695,7 +726,7 @@ def main() -> None:
     if args.gpu_report:
         gpu_report()
     elif args.bench:
-        bench(args.bench_head_dims, args.bench_seqs)
+        bench(args.bench_head_dims, args.bench_seqs, args.bench_group)
     else:
         demo(args)
 

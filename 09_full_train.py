@@ -233,7 +233,7 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
         problems.append(f"global_batch={train.global_batch} must be >= 1")
     tp, cp = max(sizes.tp, 1), max(sizes.cp, 1)
     check(tp_lesson.validate_tensor_parallel, cfg, tp)
-    check(cp_lesson.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", True)
+    check(cp_lesson.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", True, cfg.n_kv_heads)
     check(zero_lesson.validate_stage, train.zero_stage)
     if train.recompute not in tp_lesson.RECOMPUTE_MODES or train.attention not in ("sdpa", "flash"):
         problems.append(f"recompute={train.recompute!r} must be one of {tp_lesson.RECOMPUTE_MODES} and "
@@ -554,8 +554,8 @@ class Trainer:
             if self.plan.split_backward or train.recompute == "full":  # ZB-H1's W re-runs part of the
                 out["tp"] = None  # backward; full recompute part of the forward (checkpoint stops early)
         if sizes.cp > 1:  # 05: every attention call of every microbatch
-            shard = b // m * (cfg.n_heads // sizes.tp) * s * cfg.head_dim
-            ring = cp_lesson.attention_bytes("ring", shard, sizes.cp)
+            tokens = b // m * s * cfg.head_dim // sizes.tp  # per head: tp splits the heads
+            ring = cp_lesson.attention_bytes("ring", tokens * cfg.n_heads, tokens * cfg.n_kv_heads, sizes.cp)
             forwards = 1 if train.recompute == "none" else 2  # recompute re-runs the ring's forward
             for st, model in self.stages.items():  # ZB-H1's W re-runs the ring's backward (B: stage > 0)
                 backwards = 2 if self.plan.split_backward and st > 0 else 1
@@ -998,8 +998,10 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
 def build_model_config(args: argparse.Namespace) -> "ddp.ModelConfig":
     """--check: a small demo model; else the --model preset, byte-level."""
     if args.check:
-        return ddp.ModelConfig(vocab_size=127, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176)
-    return ddp.ModelConfig(vocab_size=256, **MODELS[args.model][0], seed=args.seed)
+        return ddp.ModelConfig(vocab_size=127, dim=64, n_layers=4, n_heads=4,
+                               n_kv_heads=2 if args.kv_heads is None else args.kv_heads,
+                               ffn_dim=176)
+    return ddp.ModelConfig(vocab_size=256, **MODELS[args.model][0], n_kv_heads=args.kv_heads, seed=args.seed)
 
 
 def mesh_sizes(args: argparse.Namespace) -> MeshSizes:
@@ -1106,6 +1108,8 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="lesson 08's Float8Linear layers")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 masters (02's); on by default on a GPU")
     parser.add_argument("--model", default="tiny", choices=MODELS, help="the training run's preset")
+    parser.add_argument("--kv-heads", type=int, help="key/value heads, grouped-query attention (default: "
+                        "2 with --check, else the preset's query heads)")
     parser.add_argument("--steps", type=int, help="default: 3 with --check, else 600")
     parser.add_argument("--global-batch", type=int, help="default: 8 with --check, else the preset's")
     parser.add_argument("--seq-len", type=int, help="default: 32 with --check, else the preset's")

@@ -122,6 +122,26 @@ def test_grouped_query_attention_equals_attention_with_repeated_kv_heads(n_heads
     assert gqa.layers["0"].attn.k_proj.weight.shape == (n_kv * cfg.head_dim, cfg.dim)
 
 
+def test_attention_gets_kv_heads_unrepeated_and_nothing_saves_them_repeated():
+    """The attention function receives k and v with n_kv_heads heads, and no tensor autograd keeps
+    has K/V repeated to the query heads: of the saved (batch, heads, seq, head_dim) tensors, only q
+    and the output have n_heads heads."""
+    cfg = ddp.ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=8, n_kv_heads=2, ffn_dim=16)
+    received = []
+
+    def recording_attention(q, k, v):
+        received.append((q.shape[1], k.shape[1], v.shape[1]))
+        return ddp.causal_attention(q, k, v)
+
+    model, saved = ddp.GPT(cfg, attn_fn=recording_attention), []
+    tokens, targets = ddp.synthetic_batch(cfg, 2, 5, step=0)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        model(tokens, targets)
+    assert received == [(8, 2, 2)]
+    per_head = [shape for shape in saved if len(shape) == 4 and shape[2:] == (5, cfg.head_dim)]
+    assert sorted(shape[1] for shape in per_head) == [2, 2, 8, 8]  # k, v; q, out (SDPA's CPU kernel)
+
+
 def test_empty_batch_gives_empty_logits_and_hidden_states():
     # As nn.Linear does for (0, in): later lessons shard batches, and a rank may get no rows.
     cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=16)
@@ -200,11 +220,13 @@ def test_rope_is_the_complex_rotation(head_dim, seq, offset, theta, seed):
 
 
 def attention_scores(model, tokens, positions) -> list[torch.Tensor]:
-    """q k^T in every layer, as the attention function receives q and k (after RoPE)."""
+    """q k^T in every layer, as the attention function receives q and k (after RoPE; query head i
+    against K/V head i // g)."""
     scores = []
 
     def recording_attention(q, k, v):
-        scores.append(q.double() @ k.double().transpose(-1, -2))
+        k_of_query = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        scores.append(q.double() @ k_of_query.transpose(-1, -2))
         return ddp.causal_attention(q, k, v)
 
     for layer in model.layers.values():

@@ -17,6 +17,7 @@ examples of the main test:
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 from fractions import Fraction
@@ -257,7 +258,7 @@ def test_vocab_parallel_loss_and_embedding_match_their_definitions(rank_pool, tp
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_one_layer_activation_memory_and_communication_equal_the_formulas(rank_pool, tp):
-    cfg = ddp.ModelConfig(vocab_size=32, dim=32, n_heads=4, n_kv_heads=4, ffn_dim=48)
+    cfg = ddp.ModelConfig(vocab_size=32, dim=32, n_heads=8, n_kv_heads=4, ffn_dim=48)  # grouped-query
     megatron = 4 * Fraction(2 * (tp - 1), tp) * 3 * 8 * 32 * 4  # 4 ring all-reduces of b s h
     for sequence_parallel in (False, True):
         formula = tpm.activation_formula(cfg, 3, 8, tp, sequence_parallel)
@@ -269,6 +270,18 @@ def test_one_layer_activation_memory_and_communication_equal_the_formulas(rank_p
         saved = (tpm.activation_formula(cfg, 3, 8, tp, False)
                  - tpm.activation_formula(cfg, 3, 8, tp, True))
         assert saved == 4 * 2 * (2 * 3 * 8 * 32 + 3 * 8) * (tp - 1) // tp
+
+
+@pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
+def test_grouped_query_layer_saves_its_kv_heads_only(n_kv_heads):
+    """A 32/8-head layer scaled down: 8 query heads reading n_kv_heads K/V heads. Autograd keeps k
+    (after RoPE) and v with their own heads; K/V repeated to the 8 query heads would keep two more
+    s x b x (8 - n_kv_heads) x head_dim fp32 tensors, which is what grouping saves."""
+    cfg, batch, seq = ddp.ModelConfig(dim=32, n_heads=8, n_kv_heads=n_kv_heads, ffn_dim=48), 3, 8
+    saved = layer_bytes(ddp.GPT(cfg).layers["0"], cfg, batch, seq)
+    assert saved == tpm.activation_formula(cfg, batch, seq, 1, False)
+    repeated = tpm.activation_formula(dataclasses.replace(cfg, n_kv_heads=8), batch, seq, 1, False)
+    assert repeated - saved == 4 * 2 * seq * batch * (8 - n_kv_heads) * cfg.head_dim
 
 
 # --- bad input fails on every rank, before any collective ---------------------------------------

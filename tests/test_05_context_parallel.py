@@ -113,30 +113,36 @@ def expected_blocks(cp: int, rank: int, zigzag: bool, causal: bool) -> int:
 
 @given(cp=st.sampled_from([1, 2, 4]), variant=st.sampled_from(VARIANTS), causal=st.booleans(),
        chunk=st.integers(1, 5), head_dim=st.integers(1, 12), batch=st.integers(1, 2),
-       heads_per_rank=st.integers(1, 2), seed=st.integers(0, 999))
+       kv_heads_per_rank=st.integers(1, 2), group=st.sampled_from([1, 2, 3, 4]), seed=st.integers(0, 999))
 # Four ranks in every variant, whatever the draw: only from three ranks on does a dK/dV accumulator
-# pass through a rank that neither started it nor owns it.
-@example(cp=4, variant=("ring", False), causal=True, chunk=2, head_dim=3, batch=1, heads_per_rank=1, seed=1)
-@example(cp=4, variant=("ring", True), causal=True, chunk=1, head_dim=4, batch=2, heads_per_rank=2, seed=2)
-@example(cp=4, variant=("ring", True), causal=False, chunk=2, head_dim=5, batch=1, heads_per_rank=1, seed=3)
-@example(cp=4, variant=("ulysses", True), causal=True, chunk=1, head_dim=2, batch=1, heads_per_rank=1, seed=4)
+# pass through a rank that neither started it nor owns it. group: query heads per K/V head (GQA).
+@example(cp=4, variant=("ring", False), causal=True, chunk=2, head_dim=3, batch=1, kv_heads_per_rank=1,
+         group=1, seed=1)
+@example(cp=4, variant=("ring", True), causal=True, chunk=1, head_dim=4, batch=2, kv_heads_per_rank=2,
+         group=4, seed=2)
+@example(cp=4, variant=("ring", True), causal=False, chunk=2, head_dim=5, batch=1, kv_heads_per_rank=1,
+         group=3, seed=3)
+@example(cp=4, variant=("ulysses", True), causal=True, chunk=1, head_dim=2, batch=1, kv_heads_per_rank=1,
+         group=2, seed=4)
 def test_sharded_attention_equals_full_attention(rank_pool, cp, variant, causal, chunk, head_dim, batch,
-                                                 heads_per_rank, seed):
+                                                 kv_heads_per_rank, group, seed):
     method, zigzag = variant
-    heads = heads_per_rank * cp if method == "ulysses" else heads_per_rank
+    kv_heads = kv_heads_per_rank * cp if method == "ulysses" else kv_heads_per_rank
+    heads = group * kv_heads
     seq = (2 * cp if zigzag else cp) * chunk
     runs = rank_pool.run(cp, cpmod.sharded_attention, batch, heads, seq, head_dim, method=method,
-                         zigzag=zigzag, causal=causal, seed=seed)
+                         zigzag=zigzag, causal=causal, seed=seed, kv_heads=kv_heads)
     layout = cpmod.SequenceLayout(seq, cp, zigzag)
-    inputs = cpmod.attention_inputs(batch, heads, seq, head_dim, seed, dtype=torch.float64)
+    inputs = cpmod.attention_inputs(batch, heads, seq, head_dim, seed, dtype=torch.float64, kv_heads=kv_heads)
     reference = fa.outputs_and_grads(lambda q, k, v: fa.naive_attention(q, k, v, causal), *inputs)
     for name, i in zip(("out", "lse", "dq", "dk", "dv"), range(5), strict=True):
         got = layout.unshard([results[i] for results, _, _ in runs], dim=2)
         torch.testing.assert_close(got.double(), reference[i], atol=ATTN_ATOL, rtol=ATTN_RTOL,
                                    msg=lambda m, name=name: f"{name}: {m}")
 
-    shard_elems, lse_elems = batch * heads * seq // cp * head_dim, batch * heads * seq // cp
-    formula = sum(cpmod.attention_bytes(method, shard_elems, cp, with_lse_elems=lse_elems).values())
+    tokens = batch * seq // cp
+    formula = sum(cpmod.attention_bytes(method, tokens * heads * head_dim, tokens * kv_heads * head_dim, cp,
+                                        with_lse_elems=tokens * heads).values())
     for rank, (_, meter, work) in enumerate(runs):
         if method == "ring":
             assert meter.traffic("send") == formula
@@ -146,6 +152,20 @@ def test_sharded_attention_equals_full_attention(rank_pool, cp, variant, causal,
         else:
             assert meter.traffic("all_to_all") == formula
             assert meter.calls() == meter.calls("all_to_all") == 10, "q, k, v, out, lse; and back"
+
+
+def ring_bytes(kv_heads: int) -> Fraction:
+    _, meter, _ = cpmod.sharded_attention(1, 8, 16, 4, method="ring", zigzag=True, causal=True,
+                                          kv_heads=kv_heads)
+    return meter.traffic("send")
+
+
+def test_the_ring_sends_the_kv_heads_only(rank_pool):
+    # 8 query heads reading 2 K/V heads: the ring circulates a quarter of what K/V repeated to the 8
+    # query heads would (the reference model repeated them before this lesson grouped them).
+    grouped, repeated = (rank_pool.run(4, ring_bytes, kv)[0] for kv in (2, 8))
+    assert grouped == sum(cpmod.attention_bytes("ring", 8 * 4 * 4, 2 * 4 * 4, 4).values())
+    assert grouped * 4 == repeated
 
 
 def test_zigzag_balances_causal_work_and_contiguous_does_not():
@@ -176,8 +196,8 @@ def kernel_block() -> "cpmod.BlockAttention":
 def with_both_blocks(method: str, causal: bool):
     results = {}
     for block in (cpmod.TORCH_BLOCK, kernel_block()):
-        results[block.name], _, _ = cpmod.sharded_attention(1, 2, 8, 16, method=method, zigzag=True,
-                                                            causal=causal, block=block, seed=3)
+        results[block.name], _, _ = cpmod.sharded_attention(1, 4, 8, 16, method=method, zigzag=True,
+                                                            causal=causal, block=block, seed=3, kv_heads=2)
     return results
 
 
@@ -197,7 +217,8 @@ def cp_model_setups(draw):
     cp = draw(st.sampled_from([1, 2, 4]))
     method, zigzag = draw(st.sampled_from(VARIANTS))
     n_heads = draw(st.sampled_from([cp, 2 * cp] if method == "ulysses" else [1, 2, 4]))
-    n_kv_heads = draw(st.sampled_from([d for d in (1, 2, 4) if n_heads % d == 0]))
+    n_kv_heads = draw(st.sampled_from([d for d in (1, 2, 4) if n_heads % d == 0
+                                       and (method == "ring" or d % cp == 0)]))
     head_dim = draw(st.sampled_from([4, 8]))
     cfg = ddp.ModelConfig(vocab_size=draw(st.sampled_from([16, 50])), dim=n_heads * head_dim,
                           n_layers=draw(st.integers(1, 2)), n_heads=n_heads, n_kv_heads=n_kv_heads,
@@ -211,6 +232,8 @@ def cp_model_setups(draw):
                 4, "ring", True, 16, 2))
 @example(setup=(ddp.ModelConfig(vocab_size=16, dim=32, n_heads=4, ffn_dim=16, seed=8), 4, "ulysses",
                 False, 8, 1))
+@example(setup=(ddp.ModelConfig(vocab_size=16, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=16, seed=9), 2, "ulysses",
+                True, 8, 1))
 def test_model_under_context_parallelism_equals_single_device(rank_pool, setup):
     cfg, cp, method, zigzag, seq, batch = setup
     steps = 3
@@ -218,7 +241,8 @@ def test_model_under_context_parallelism_equals_single_device(rank_pool, setup):
                          zigzag=zigzag, adam_eps=ADAM_EPS)
     reference = ddp.train_single_device(cfg, steps, batch, seq, adam_eps=ADAM_EPS)
     grad_bytes = sum(p.numel() * 4 for p in reference.params.values())
-    formula = cpmod.attention_bytes(method, batch * seq // cp * cfg.dim, cp)
+    tokens = batch * seq // cp
+    formula = cpmod.attention_bytes(method, tokens * cfg.dim, tokens * cfg.n_kv_heads * cfg.head_dim, cp)
     for result, meter in runs:
         assert_matches_reference(result, reference)
         assert meter.traffic(cpmod.COMM_OP[method]) == steps * cfg.n_layers * sum(formula.values())
@@ -260,6 +284,10 @@ def attention_on_odd_shard():
      dict(method="tree"), r"method='tree' must be one of"),
     (cpmod.sharded_attention, (1, 3, 8, 4), dict(method="ulysses", zigzag=True, causal=True),
      r"n_heads=3 is not divisible by cp=2"),
+    (cpmod.sharded_attention, (1, 4, 8, 4), dict(method="ulysses", zigzag=True, causal=True, kv_heads=1),
+     r"n_kv_heads=1 is not divisible by cp=2 \(Ulysses gives each rank"),
+    (cpmod.sharded_attention, (1, 4, 8, 4), dict(method="ring", zigzag=True, causal=True, kv_heads=3),
+     r"n_heads=4 is not divisible by n_kv_heads=3"),
     (attention_on_odd_shard, (), {}, r"seq_len=6 is not divisible by 2 x cp = 4"),
 ])
 def test_bad_sizes_fail_on_every_rank_before_any_collective(rank_pool, fn, args, kwargs, message):

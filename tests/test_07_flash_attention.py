@@ -52,10 +52,11 @@ cpu_only = pytest.mark.skipif(not fa.INTERPRETED, reason="interpreter tests: tin
 gpu_only = pytest.mark.skipif(fa.INTERPRETED, reason="needs CUDA (compiled Triton, bf16)")
 
 
-def random_inputs(batch, heads, seq_q, seq_k, head_dim, dtype, seed, lse_grad=False):
+def random_inputs(batch, heads, seq_q, seq_k, head_dim, dtype, seed, lse_grad=False, kv_heads=None):
+    """q, k, v, dout, dlse; k and v have kv_heads heads (grouped-query attention; None: heads)."""
     gen = torch.Generator().manual_seed(seed)
     q, dout = (torch.randn(batch, heads, seq_q, head_dim, generator=gen) for _ in range(2))
-    k, v = (torch.randn(batch, heads, seq_k, head_dim, generator=gen) for _ in range(2))
+    k, v = (torch.randn(batch, kv_heads or heads, seq_k, head_dim, generator=gen) for _ in range(2))
     dlse = torch.randn(batch, heads, seq_q, generator=gen).to(DEVICE) if lse_grad else None
     return [t.to(DEVICE, dtype) for t in (q, k, v, dout)] + [dlse]
 
@@ -76,15 +77,17 @@ def assert_close_to_reference(results, reference, dtype, tol: dict | None = None
 
 
 @cpu_only
-@given(batch=st.integers(1, 2), heads=st.integers(1, 2), seq=st.integers(1, 40),
-       head_dim=st.sampled_from([16, 24, 32]), causal=st.booleans(),
+@given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2, 3, 4]),
+       seq=st.integers(1, 40), head_dim=st.sampled_from([16, 24, 32]), causal=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2 ** 16))
-@example(batch=2, heads=2, seq=32, head_dim=32, causal=True, dtype=torch.float32, seed=0)  # whole blocks
-@example(batch=1, heads=1, seq=1, head_dim=16, causal=True, dtype=torch.float16, seed=1)
-@example(batch=1, heads=2, seq=37, head_dim=24, causal=False, dtype=torch.float16, seed=2)
+@example(batch=2, kv_heads=2, group=1, seq=32, head_dim=32, causal=True, dtype=torch.float32, seed=0)  # whole blocks
+@example(batch=1, kv_heads=1, group=1, seq=1, head_dim=16, causal=True, dtype=torch.float16, seed=1)
+@example(batch=1, kv_heads=2, group=1, seq=37, head_dim=24, causal=False, dtype=torch.float16, seed=2)
+@example(batch=2, kv_heads=2, group=3, seq=23, head_dim=16, causal=True, dtype=torch.float32, seed=3)
 @settings(max_examples=EXAMPLES, deadline=None)
-def test_attention_matches_float64(batch, heads, seq, head_dim, causal, dtype, seed):
-    q, k, v, dout, _ = random_inputs(batch, heads, seq, seq, head_dim, dtype, seed)
+def test_attention_matches_float64(batch, kv_heads, group, seq, head_dim, causal, dtype, seed):
+    """group: query heads per K/V head (grouped-query attention; 1: multi-head)."""
+    q, k, v, dout, _ = random_inputs(batch, kv_heads * group, seq, seq, head_dim, dtype, seed, kv_heads=kv_heads)
     ours = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 0, 0, causal), q, k, v, dout)
     assert_close_to_reference(ours, float64_reference(q, k, v, dout, None, causal), dtype)
     # The GPT-facing function is the same kernel: bit-identical output.
@@ -101,8 +104,9 @@ def test_attention_matches_float64(batch, heads, seq, head_dim, causal, dtype, s
 @example(seq_q=17, seq_k=40, q_offset=64, k_offset=0, causal=True, dtype=torch.float16, seed=2)
 @settings(max_examples=EXAMPLES, deadline=None)
 def test_block_entry_with_offsets_and_lse_gradient(seq_q, seq_k, q_offset, k_offset, causal, dtype, seed):
-    """The ring's entry: absolute positions, gradients into out and lse, rows with no visible key."""
-    q, k, v, dout, dlse = random_inputs(2, 2, seq_q, seq_k, 16, dtype, seed, lse_grad=True)
+    """The ring's entry: absolute positions, gradients into out and lse, rows with no visible key;
+    4 query heads reading 2 K/V heads (the ring circulates K/V heads only)."""
+    q, k, v, dout, dlse = random_inputs(2, 4, seq_q, seq_k, 16, dtype, seed, lse_grad=True, kv_heads=2)
     ours = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, q_offset, k_offset, causal),
                                 q, k, v, dout, dlse)
     reference = float64_reference(q, k, v, dout, dlse, causal, q_offset, k_offset)
@@ -146,6 +150,25 @@ def test_gradient_into_lse_only(dtype):
     ours = fa.outputs_and_grads(partial(fa.flash_block_attention, q_offset=0, k_offset=10, causal=True),
                                 q, k, v, None, dlse)
     assert_close_to_reference(ours, float64_reference(q, k, v, None, dlse, True, 0, 10), dtype)
+
+
+@cpu_only
+@pytest.mark.parametrize("group", [2, 4])
+def test_grouped_kv_gradients_are_the_groups_sums(group):
+    """A K/V head read by g query heads gets the sum of their g gradients (the chain rule for one
+    tensor used g times): the grouped kernel's dK, dV equal the sum over each group of what the
+    kernel computes for K and V repeated to every query head (those sums in another order: fp32
+    rounding, 2e-5 as above), and its out, lse and dQ are the same bits (the same per-head work)."""
+    q, k, v, dout, dlse = random_inputs(2, 2 * group, 24, 40, 16, torch.float32, seed=9, lse_grad=True,
+                                        kv_heads=2)
+    attn = partial(fa.flash_block_attention, q_offset=16, k_offset=0, causal=True)
+    grouped = fa.outputs_and_grads(attn, q, k, v, dout, dlse)
+    repeated = fa.outputs_and_grads(attn, q, *(t.repeat_interleave(group, 1) for t in (k, v)), dout, dlse)
+    for name, a, b in zip(NAMES[:3], grouped, repeated, strict=False):
+        assert torch.equal(a, b), name
+    for name, a, b in zip(NAMES[3:], grouped[3:], repeated[3:], strict=True):
+        assert a.shape == k.shape, name
+        assert fa.max_diff(a, b.unflatten(1, (2, group)).sum(2)) <= 2e-5, name
 
 
 def test_second_derivative_raises_instead_of_dropping_terms():
@@ -243,12 +266,12 @@ def test_block_skipping_matches_brute_force_visibility(block_m, block_n, causal)
         assert torch.equal(unmasked, bwd_all.transpose(1, 2))
 
 
-@pytest.mark.parametrize("seq_len", [24, 33])
-def test_gpt_with_flash_attention_equals_reference(seq_len):
-    """GPT(cfg, attn_fn=flash_attention) = the reference GPT: loss and every parameter's gradient.
-    Tolerances: measured 5e-7 (loss) and 2e-8 (gradients of size <= 0.1); a non-causal kernel would
-    be off by 3e-3 and 6e-2."""
-    cfg = ddp.ModelConfig()
+@pytest.mark.parametrize("seq_len, kv_heads", [(24, 4), (33, 2), (33, 1)])
+def test_gpt_with_flash_attention_equals_reference(seq_len, kv_heads):
+    """GPT(cfg, attn_fn=flash_attention) = the reference GPT (SDPA, grouped by enable_gqa when
+    kv_heads < 4 heads): loss and every parameter's gradient. Tolerances: measured 5e-7 (loss) and
+    2e-8 (gradients of size <= 0.1); a non-causal kernel would be off by 3e-3 and 6e-2."""
+    cfg = ddp.ModelConfig(n_kv_heads=kv_heads)
     tokens, targets = (t.to(DEVICE) for t in ddp.synthetic_batch(cfg, 2, seq_len, step=0))
     losses, grads = [], []
     for attn_fn in (ddp.causal_attention, fa.flash_attention):
@@ -265,7 +288,9 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError, match="16 <= head_dim <= 128"):
         fa.flash_attention(q[..., :8], q[..., :8], q[..., :8])
     with pytest.raises(ValueError, match="expected q"):
-        fa.flash_attention(q, q[:, :1], q[:, :1])
+        fa.flash_attention(q, q[:, :, :, :8], q[:, :, :, :8])
+    with pytest.raises(ValueError, match="with kv_heads dividing heads"):  # 3 query heads, 2 K/V heads
+        fa.flash_attention(torch.randn(1, 3, 8, 16, device=DEVICE), q, q)
     with pytest.raises(ValueError, match="must share one"):
         fa.flash_attention(q, q.half(), q)
     if fa.INTERPRETED:
@@ -344,10 +369,24 @@ def test_gpu_causal_diagonal_at_block_boundaries():
 
 
 @gpu_only
+def test_gpu_grouped_query_attention_error_at_most_twice_pytorch():
+    """4 query heads reading 1 K/V head, bf16, against float64, with SDPA's enable_gqa as the bound
+    (as in test_gpu_16bit_error_at_most_twice_pytorch)."""
+    q, k, v, dout, _ = random_inputs(*GPU_SHAPE, GPU_SHAPE[2], 128, torch.bfloat16, seed=3, kv_heads=1)
+    reference = float64_reference(q, k, v, dout, None, True)
+    ours = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 0, 0, True), q, k, v, dout)
+    torch_sdpa = fa.outputs_and_grads(lambda *x: (torch.nn.functional.scaled_dot_product_attention(
+        *x, is_causal=True, enable_gqa=True), None), q, k, v, dout)
+    for name, got, theirs, want in zip(NAMES, ours, torch_sdpa, reference, strict=True):
+        if name != "lse":
+            assert fa.max_diff(got, want) <= 2 * fa.max_diff(theirs, want) + 1e-4, name
+
+
+@gpu_only
 def test_gpu_deterministic():
     """No atomics: two forward + backward passes in one process (so with the same autotuned block
-    sizes) are bit-identical."""
-    q, k, v, dout, _ = random_inputs(*GPU_SHAPE, GPU_SHAPE[2], 128, torch.bfloat16, seed=2)
+    sizes) are bit-identical, grouped-query dK/dV sums included."""
+    q, k, v, dout, _ = random_inputs(*GPU_SHAPE, GPU_SHAPE[2], 128, torch.bfloat16, seed=2, kv_heads=2)
     runs = [fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 0, 0, True), q, k, v, dout)
             for _ in range(2)]
     for name, first, second in zip(NAMES, *runs, strict=True):

@@ -587,3 +587,10 @@ def test_bad_data_is_one_clear_error_before_any_process_starts(tmp_path, text, m
     proc = subprocess.run([sys.executable, "09_full_train.py", "--data", str(data)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_kv_heads_option_is_checked_before_any_process_starts():
+    proc = subprocess.run([sys.executable, "09_full_train.py", "--check", "--kv-heads", "3"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "n_heads=4 is not divisible by n_kv_heads=3" in proc.stderr
