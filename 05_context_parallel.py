@@ -47,6 +47,11 @@ each), A_kv = b x H_kv x S/P x d of k or of v:
 The ring's traffic grows with P but hides behind block compute; Ulysses' stays flat but cannot hide
 and caps P at the K/V head count.
 
+A NaN (a key or value at position j) reaches every row i >= j that attends to it, on every path:
+the ring, Ulysses and one device alike; it never becomes a finite number. A row before j may turn
+NaN too, when it shares a block with j (its P = 0 for j, and 0 x NaN = NaN): which rows do depends
+on the blocks, so only the first half is a contract.
+
 THE MODEL. Each rank's loss is its tokens' share of the global mean: (sum of its token losses) /
 (all tokens of the group) = local mean / P. The shares sum to the global mean; once the ring has
 delivered every dK/dV to its owner, each rank's gradients of the replicated weights are its part of
@@ -88,35 +93,56 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     diff = torch.where(empty_a | empty_b, 0.0, lse_a - lse_b)  # never -inf - -inf, even in backward
     lse = torch.where(empty_a, lse_b, torch.where(empty_b, lse_a, lse_a - F.logsigmoid(diff)))
     weight_a = torch.where(empty_a, 0.0, torch.where(empty_b, 1.0, torch.sigmoid(diff)))[..., None]
+    weight_a = weight_a.to(out_a.dtype)  # the lse may be float64 (the ring's), the outputs fp32
     return weight_a * out_a + (1 - weight_a) * out_b, lse
 
 
-def torch_block_forward(q, k, v, q_offset: int, k_offset: int, causal: bool):
-    """(out fp32, lse) of queries at q_offset.. against keys at k_offset..: lesson 07's reference
-    attention, in fp32 whatever the input dtype (the ring accumulates in fp32)."""
-    return fa.naive_attention(q.float(), k.float(), v.float(), causal, None, q_offset, k_offset)
-
-
-def torch_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
-    """dq, dk, dv of one block given the *global* out and lse (lesson 07's backward, in torch):
-    P = exp(s - lse) is already the full softmax restricted to this block's keys. Grouped-query:
-    the g query heads of a K/V head are one more dimension, K and V broadcast over it (no copy),
-    and dK, dV sum over it."""
+def grouped_scores(q, k, q_offset: int, k_offset: int, causal: bool) -> torch.Tensor:
+    """scale q k^T in fp32, -inf where masked, as (batch, kv_heads, g, seq_q, seq_k): grouped-query
+    attention's g query heads of a K/V head are one more dimension, K broadcast over it (no copy).
+    The block's forward and backward both call this, so their scores are the same bits: at scores
+    of size 1000 one rounding apart (1e-4) would already move P by 1e-4 of itself."""
     kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
-    q, out, dout = (t.float().unflatten(1, (kv_heads, group)) for t in (q, out, dout))
-    k, v = (t.float()[:, :, None] for t in (k, v))  # (batch, kv_heads, 1, seq_k, head_dim)
-    lse = lse.unflatten(1, (kv_heads, group))
-    scale = q.shape[-1] ** -0.5
-    scores = scale * q @ k.transpose(-2, -1)
+    q, k = q.float().unflatten(1, (kv_heads, group)), k.float()[:, :, None]
+    scores = q.shape[-1] ** -0.5 * q @ k.transpose(-2, -1)
     if causal:
         rows = q_offset + torch.arange(q.shape[3], device=q.device)
         cols = k_offset + torch.arange(k.shape[3], device=q.device)
         scores = scores.masked_fill(rows[:, None] < cols, float("-inf"))
-    probs = torch.exp(scores - lse[..., None])
+    return scores
+
+
+def torch_block_forward(q, k, v, q_offset: int, k_offset: int, causal: bool):
+    """(out fp32, lse float64) of queries at q_offset.. against keys at k_offset.., differentiable.
+    The softmax subtracts each row's max (exp(s - max) / sum, as PyTorch's attention does), never a
+    large lse: an fp32 lse of size L is only known to ulp(L) (5e-4 at L = 5000), and P = exp(s - lse)
+    would carry that error. The lse = max + log(sum) is kept in float64 for the same reason."""
+    scores = grouped_scores(q, k, q_offset, k_offset, causal)
+    top = scores.amax(-1, keepdim=True).detach()  # out and lse do not depend on it: no gradient
+    top = torch.where(top == float("-inf"), 0.0, top)  # a row that sees no key: out 0, lse -inf
+    probs = torch.exp(scores - top)
+    total = probs.sum(-1, keepdim=True)
+    out = probs @ v.float()[:, :, None] / torch.where(total == 0, 1.0, total)
+    lse = top.double() + total.double().log()
+    return out.flatten(1, 2), lse.squeeze(-1).flatten(1, 2)
+
+
+def torch_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
+    """dq, dk, dv of one block given the *global* out and lse (lesson 07's backward, in torch):
+    P = exp(s - lse) is already the full softmax restricted to this block's keys. s - lse is taken
+    in float64 (the ring's lse is float64: see torch_block_forward); dK, dV sum over each group."""
+    kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
+    scores = grouped_scores(q, k, q_offset, k_offset, causal)
+    q, out, dout = (t.float().unflatten(1, (kv_heads, group)) for t in (q, out, dout))
+    k, v = (t.float()[:, :, None] for t in (k, v))  # (batch, kv_heads, 1, seq_k, head_dim)
+    lse = lse.double().unflatten(1, (kv_heads, group))
+    lse = torch.where(lse == float("-inf"), float("inf"), lse)  # a row that sees no key: P = 0
+    probs = torch.exp(scores.double() - lse[..., None]).float()
     delta = (out * dout).sum(-1)
     if dlse is not None:  # d lse_i / d s_ij = P_ij
         delta = delta - dlse.unflatten(1, (kv_heads, group))
     dscores = probs * (dout @ v.transpose(-2, -1) - delta[..., None])
+    scale = q.shape[-1] ** -0.5
     dq = scale * dscores @ k
     dk, dv = scale * dscores.transpose(-2, -1) @ q, probs.transpose(-2, -1) @ dout
     return dq.flatten(1, 2), dk.sum(2), dv.sum(2)
@@ -270,17 +296,19 @@ class RingAttention(torch.autograd.Function):
         me = dist.get_rank(group)
         compute = work.timed if work is not None else (lambda fn, *args: fn(*args))
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
+        # float64: merged over P blocks, an fp32 lse of size L drifts by ulp(L) a merge, and the
+        # backward's P = exp(s - lse) by as much (see torch_block_forward)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64, device=q.device)
         for owner, kv in _kv_ring(k, v, group, me, layout.cp):
             for rows, cols, q_off, k_off, masked in _block_pairs(layout, me, owner, causal):
                 part_out, part_lse = compute(block.forward, q[:, :, rows], kv[0][:, :, cols],
                                              kv[1][:, :, cols], q_off, k_off, masked)
                 out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows],
-                                                                  part_out.float(), part_lse)
+                                                                  part_out.float(), part_lse.double())
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, layout, causal, block, compute)
         ctx.set_materialize_grads(False)  # an unused out or lse gets None, not zeros
-        return out.to(q.dtype), lse
+        return out.to(q.dtype), lse.float()
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -364,7 +392,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     q, k, v = (_Relayout.apply(t, group, layout, True) for t in (q, k, v))
     out, lse = block.forward(q, k, v, 0, 0, causal)
     out = _Relayout.apply(out.to(q.dtype), group, layout, False)
-    return out, _Relayout.apply(lse, group, layout, False) if with_lse else None
+    return out, _Relayout.apply(lse.float(), group, layout, False) if with_lse else None
 
 
 @dataclass
