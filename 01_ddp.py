@@ -160,6 +160,18 @@ def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn:
     launch(fn, args, nproc=args.nproc)
 
 
+def check_memory(what: str, cfg: "ModelConfig", batch: int, seq_len: int, ranks: int) -> None:
+    """For validate(world): refuse sizes whose largest tensors alone exceed this machine's memory.
+    A lower bound: every rank draws the whole batch (synthetic_batch: 17 bytes a token) and holds
+    the fp32 embedding and LM head; the batch's fp32 logits exist once, however they are split."""
+    needed = (ranks * (17 * batch * (seq_len + 1) + 2 * 4 * cfg.vocab_size * cfg.dim)
+              + 4 * batch * seq_len * cfg.vocab_size)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > memory:
+        raise ValueError(f"{what} would need at least {needed:,} bytes (the batch, embedding, LM head "
+                         f"and logits of {ranks} ranks); this machine has {memory:,}")
+
+
 def launch(fn: Callable, *args, nproc: int) -> None:
     """Run fn(*args) on every rank: directly under torchrun, else in nproc fresh local processes
     given the environment torchrun would set. fn must be module-level (it is pickled by name)."""
@@ -709,8 +721,9 @@ def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len
         loss = model(tokens.to(device), targets.to(device))
         loss.backward()
         result.losses.append(loss.item())
-        if step == 0:
-            result.first_grads = cpu_copy((n, p.grad) for n, p in model.named_parameters())
+        if step == 0:  # frozen parameters have none
+            result.first_grads = cpu_copy((n, p.grad) for n, p in model.named_parameters()
+                                          if p.grad is not None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     result.params = cpu_copy(model.named_parameters())
@@ -888,6 +901,8 @@ def main() -> None:
     def validate(world: int) -> None:
         if not args.bench:
             validate_data_parallel(args.global_batch, world, args.accum, "bucketed")
+            check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}", ModelConfig(),
+                         args.global_batch, args.seq_len, world)
 
     launch_lesson(parser, args, bench if args.bench else demo,
                   ("steps", "global_batch", "seq_len", "accum", "bucket_kib", "bench_bucket_mb"), validate)

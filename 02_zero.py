@@ -14,9 +14,15 @@ state of its own 1/N (Rajbhandari et al., "ZeRO", 2020):
   forward and again before its backward, and freed after each; meanwhile the next module's gather
   is already in flight (prefetch).
 Stage 0, plain data parallelism (an all-reduce of the gradients), is the tables' baseline.
-UNEVEN SIZES: each module's parameters are flattened into one vector zero-padded to a multiple of N;
-rank r owns elements [r s, (r+1) s), s = padded / N. Padding has zero value, gradient and moments,
-so AdamW keeps it zero: it never changes the result.
+UNITS: the embedding, each block, the final norm and the head each flatten their parameters into one
+vector (a unit); the model's own unit, gathered around its whole forward (FSDP2's root), takes what
+no single one of them holds: a parameter registered on the model itself, or one tied between two
+(an LM head that is the embedding): one slot, one gradient, one checkpoint entry, counted once.
+Frozen parameters (requires_grad=False) are never updated nor synchronised, as in torch; they stay
+whole on every rank, outside the units (FSDP2 also shards them: their P bytes are the difference).
+UNEVEN SIZES: each unit's vector is zero-padded to a multiple of N; rank r owns elements
+[r s, (r+1) s), s = padded / N. Padding has zero value, gradient and moments, so AdamW keeps it
+zero: it never changes the result.
 GRADIENT CLIPPING must see the whole gradient: ||g||^2 is the sum over ranks of their shards'
 squared norms (one scalar all-reduce). Clipping each shard by its own norm is the classic bug.
 
@@ -108,19 +114,37 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int
 def zero_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules whose parameters are flattened together, in the order forward runs them. In
     stage 3 each is gathered as one piece: gathering per block keeps one block's full weights alive."""
-    names = ["embed", *(f"layers.{i}" for i in model.layers), "norm", "lm_head"]
+    names = ["embed", *(f"layers.{i}" for i in getattr(model, "layers", ())), "norm", "lm_head"]
     return [(name, model.get_submodule(name)) for name in names
-            if getattr(model, name.split(".")[0]) is not None]
+            if getattr(model, name.split(".")[0], None) is not None]
+
+
+def unit_parameters(model: nn.Module, owns: Callable[[nn.Parameter], bool]
+                    ) -> list[tuple[nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """(module, its unit's (name, parameter) pairs) for every unit that has any: the model itself
+    first, then zero_units(model). Each trainable parameter is in one unit, under its first name (as
+    model.named_parameters() gives it): that of the unit module it is registered under, or the
+    model's own unit if it is registered outside them all (a logit scale on the model) or under
+    several (a tied embedding and LM head: one flat slot, one gradient, one checkpoint entry)."""
+    units = [("", model), *zero_units(model)]
+    home: dict[nn.Parameter, int] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        unit = next((i for i, (prefix, _) in enumerate(units[1:], 1) if name.startswith(prefix + ".")), 0)
+        home[p] = unit if home.get(p, unit) == unit else 0
+    members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in units]
+    for name, p in model.named_parameters():
+        if p.requires_grad and owns(p):
+            members[home[p]].append((name, p))
+    return [(module, named) for (_, module), named in zip(units, members) if named]
 
 
 class FlatUnit:
-    """One module's parameters as one flat vector padded to a multiple of N; rank r owns [r s, (r+1) s)
-    and keeps, by stage, the full or the sharded parameters and gradients (see COST above)."""
+    """One unit's (name, parameter) pairs as one flat vector padded to a multiple of N; rank r owns
+    [r s, (r+1) s) and keeps, by stage, the full or the sharded parameters and gradients (see COST)."""
 
-    def __init__(self, prefix: str, module: nn.Module, world: int, rank: int, stage: int,
-                 dtype: torch.dtype, owns: Callable[[nn.Parameter], bool] = lambda p: True) -> None:
-        names, self.params = zip(*((n, p) for n, p in module.named_parameters() if owns(p)))
-        self.names = [f"{prefix}.{name}" for name in names]
+    def __init__(self, named: list[tuple[str, nn.Parameter]], world: int, rank: int, stage: int,
+                 dtype: torch.dtype) -> None:
+        self.names, self.params = map(list, zip(*named))
         self.shapes = [p.shape for p in self.params]
         self.offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
         self.padded = math.ceil(self.offsets[-1] / world) * world
@@ -187,12 +211,12 @@ class ZeRO:
         differ between the ranks of `group`, a ZeRO of their own over another group); the caller
         then answers for the others, so the model is not claimed."""
         validate_stage(stage)  # every check before the first collective: no rank is left waiting
-        frozen = [name for name, p in model.named_parameters()
-                  if not p.requires_grad and (owns is None or owns(p))]
-        if frozen:
-            raise ValueError(f"ZeRO shards trainable parameters only; frozen: {frozen[:5]}")
         if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0")
+        owned = owns or (lambda p: True)
+        units = unit_parameters(model, owned)
+        if not units:
+            raise ValueError("the model has no trainable parameter (requires_grad=True) to shard")
         self.world, rank = ddp.group_size(group), dist.get_rank(group)
         if owns is None:
             ddp.claim_gradient_sync(model, f"ZeRO-{stage}")
@@ -202,16 +226,18 @@ class ZeRO:
                 ddp.broadcast(p.detach(), src=0, group=group)
         self.model, self.stage, self.group, self.prefetch = model, stage, group, prefetch
         self.max_grad_norm, self.dtype = max_grad_norm, torch.bfloat16 if mixed_precision else torch.float32
-        owns = owns or (lambda p: True)
-        modules = [(name, m) for name, m in zero_units(model) if any(map(owns, m.parameters()))]
-        self.units = [FlatUnit(name, module, self.world, rank, stage, self.dtype, owns)
-                      for name, module in modules]
+        # Frozen parameters (as in torch: no gradient, no update) stay whole on every rank, in the
+        # compute dtype: no flat slot, no optimizer state, no traffic.
+        self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and owned(p)]
+        for _, p in self.frozen:
+            p.data = p.data.to(self.dtype)
+        self.units = [FlatUnit(named, self.world, rank, stage, self.dtype) for _, named in units]
         # AdamW is elementwise: torch's own, run on the shards, is the unsharded update restricted
         # to this rank's elements (lesson 01's settings: one place to change them).
         self.optimizer = ddp.make_optimizer(nn.ParameterList(u.master for u in self.units), lr, adam_eps)
         self.max_gathers_in_flight = self.prefetched_gathers = 0
         self.sync_gradients = True
-        for index, (unit, (_, module)) in enumerate(zip(self.units, modules)):
+        for index, (unit, (module, _)) in enumerate(zip(self.units, units)):
             for i, p in enumerate(unit.params if stage >= 2 else ()):
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit, i=i: self._on_grad_ready(unit, i))
             if stage == 3:
@@ -361,7 +387,8 @@ class ZeRO:
         fp32 master that aliases the parameters counts as parameters)."""
         seen: set[int] = set()
         own = [p for u in self.units for p in u.params]
-        params = [*own, *(t for u in self.units for t in (u.flat_param, u.shard))]
+        params = [*own, *(p for _, p in self.frozen),
+                  *(t for u in self.units for t in (u.flat_param, u.shard))]
         grads = [*(p.grad for p in own),
                  *(t for u in self.units for t in (u.flat_grad, u.grad_shard))]
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
@@ -374,6 +401,7 @@ class ZeRO:
         formula = zero_memory_per_rank(sum(u.padded for u in self.units), self.world, self.stage,
                                        size, size, master + ADAM_MOMENT_BYTES)
         formula["optimizer"] += STEP_COUNTER_BYTES * len(self.units)
+        formula["params"] += sum(p.nbytes for _, p in self.frozen)  # whole on every rank
         return formula
 
     def gather_full(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -388,16 +416,30 @@ class ZeRO:
         return full
 
     def full_state_dict(self) -> dict:
-        """Unsharded fp32 parameters and AdamW state by parameter name (gathered on every rank)."""
+        """Unsharded fp32 parameters and AdamW state by parameter name (gathered on every rank), one
+        entry per parameter (a tied one under its first name); frozen parameters have no state."""
         adam = [self.optimizer.state.get(u.master, {}) for u in self.units]
         moments = {key: self.gather_full([s.get(key, torch.zeros_like(u.master))
                                            for u, s in zip(self.units, adam)]) for key in ADAM_KEYS}
-        return {"params": self.gather_full([u.master for u in self.units]), **moments,
-                "step": int(adam[0].get("step", 0))}
+        params = {**self.gather_full([u.master for u in self.units]), **ddp.cpu_copy(self.frozen)}
+        return {"params": params, **moments, "step": int(adam[0].get("step", 0))}
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
-        """Cut a full_state_dict (from any stage and group size) into this rank's shards."""
+        """Cut a full_state_dict (from any stage and group size) into this rank's shards. Every entry
+        is checked first, so a missing or misshapen one changes nothing on any rank."""
+        expected = [("params", name, p.shape) for name, p in self.frozen] + [
+            (key, name, shape) for unit in self.units for key in ("params", *ADAM_KEYS)
+            for name, shape in zip(unit.names, unit.shapes)]
+        for key, name, shape in expected:
+            value = state.get(key, {}).get(name)
+            if not torch.is_tensor(value) or value.shape != shape:
+                found = (f"shape {tuple(value.shape)}" if torch.is_tensor(value) else
+                         "no entry" if value is None else f"a {type(value).__name__}")
+                raise ValueError(f"load_full_state_dict: {key}[{name!r}] has {found}; the parameter "
+                                 f"has shape {tuple(shape)}")
+        for name, p in self.frozen:
+            p.copy_(state["params"][name])
         for unit in self.units:
             shards = {key: unit.flatten([state[key][n].to(unit.master.device) for n in unit.names],
                                         torch.float32)[unit.owned].clone()
@@ -427,7 +469,8 @@ def train_reference(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_l
     """One device, the whole batch, torch's clip_grad_norm_ and AdamW: what every stage must equal.
     Mixed precision is the twin of ZeRO's: a bf16 model computes, AdamW updates fp32 master copies
     (taken from the fp32 initial values), which are rounded back into the model after each step.
-    transform as in ddp.train_single_device (lesson 09 converts to MoE)."""
+    transform as in ddp.train_single_device (lesson 09 converts to MoE; the tests tie weights, add a
+    parameter to the model, freeze some: no gradient, no update, as torch's AdamW skips them)."""
     model = ddp.GPT(cfg)
     model = (transform(model) if transform else model).to(device)
     names = [name for name, _ in model.named_parameters()]
@@ -441,9 +484,10 @@ def train_reference(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_l
         loss.backward()
         result.losses.append(loss.item())
         if step == 0:
-            result.first_grads = ddp.cpu_copy((n, p.grad) for n, p in model.named_parameters())
+            result.first_grads = ddp.cpu_copy((n, p.grad) for n, p in model.named_parameters()
+                                              if p.grad is not None)
         for master, p in zip(masters, model.parameters(), strict=True):
-            master.grad = p.grad.float()
+            master.grad = None if p.grad is None else p.grad.float()
         result.grad_norms.append(torch.nn.utils.clip_grad_norm_(masters, max_grad_norm).item())
         optimizer.step()
         with torch.no_grad():
@@ -453,7 +497,7 @@ def train_reference(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_l
                 master.grad = p.grad = None
     result.params = ddp.cpu_copy(zip(names, masters))
     adam = [optimizer.state[m] for m in masters]
-    result.state = {"params": result.params, "step": int(adam[0].get("step", 0)),
+    result.state = {"params": result.params, "step": int(max(s.get("step", 0) for s in adam)),
                     **{key: ddp.cpu_copy((n, s[key]) for n, s in zip(names, adam) if s) for key in ADAM_KEYS}}
     return result
 
@@ -471,9 +515,11 @@ def merge_meters(meters: list["ddp.CommMeter"]) -> "ddp.CommMeter":
 def train_zero(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: int, *, stage: int,
                lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
                mixed_precision: bool = False, prefetch: bool = True, resume_after: int | None = None,
-               group=None, device: torch.device | str = "cpu") -> tuple[ZeroResult, "ddp.CommMeter"]:
-    """Train on this rank's slice of the global batches train_reference sees. resume_after=k: after
-    k steps, gather the full state, build a fresh model and ZeRO optimizer, load it and go on.
+               group=None, device: torch.device | str = "cpu",
+               transform: Callable | None = None) -> tuple[ZeroResult, "ddp.CommMeter"]:
+    """Train on this rank's slice of the global batches train_reference sees (transform: as there).
+    resume_after=k: after k steps, gather the full state, build a fresh model and ZeRO optimizer,
+    load it and go on.
     Returns the result and a meter of the training steps' communication (not of the test probes:
     the reassembled step-0 gradients, the checkpoint)."""
     world, rank = ddp.group_size(group), dist.get_rank(group)
@@ -481,7 +527,8 @@ def train_zero(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: i
         raise ValueError(f"global_batch={global_batch} is not divisible by the group size {world}")
 
     def build() -> tuple[nn.Module, ZeRO]:
-        model = ddp.GPT(cfg).to(device)
+        model = ddp.GPT(cfg)
+        model = (transform(model) if transform else model).to(device)
         return model, ZeRO(model, stage, group, lr=lr, adam_eps=adam_eps, max_grad_norm=max_grad_norm,
                            mixed_precision=mixed_precision, prefetch=prefetch)
 
@@ -568,10 +615,13 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
           f"computed);\nup to {stats['max_gathers_in_flight']} in flight at once.")
 
 
+# Module sizes (8,250 embedding, 66 norm weights) not divisible by 4: the padding shows.
+DEMO_MODEL = dict(vocab_size=125, dim=66, n_heads=3, ffn_dim=177)
+
+
 def demo(args: argparse.Namespace) -> None:
     device = ddp.init_distributed()
-    # Module sizes (8,250 embedding, 66 norm weights) not divisible by 4: the padding shows.
-    cfg = ddp.ModelConfig(vocab_size=125, dim=66, n_heads=3, ffn_dim=177)
+    cfg = ddp.ModelConfig(**DEMO_MODEL)
     shape = (cfg, args.steps, args.global_batch, args.seq_len)
     kwargs = dict(max_grad_norm=args.max_grad_norm, device=device)
     runs = {(mixed, stage): train_zero(*shape, stage=stage, mixed_precision=mixed, **kwargs)
@@ -643,8 +693,12 @@ def main() -> None:
     def validate(world: int) -> None:
         if not args.max_grad_norm > 0:
             raise ValueError(f"--max-grad-norm {args.max_grad_norm} must be > 0")
-        if not args.bench and args.global_batch % world:
-            raise ValueError(f"global_batch={args.global_batch} is not divisible by the group size {world}")
+        if not args.bench:
+            if args.global_batch % world:
+                raise ValueError(f"global_batch={args.global_batch} is not divisible by the group size "
+                                 f"{world}")
+            ddp.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
+                             ddp.ModelConfig(**DEMO_MODEL), args.global_batch, args.seq_len, world)
 
     ddp.launch_lesson(parser, args, bench if args.bench else demo, ("steps", "global_batch", "seq_len"),
                       validate)

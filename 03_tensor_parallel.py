@@ -29,7 +29,10 @@ partial embeddings. LM head: column-parallel over the vocabulary, and the cross-
 materialises the full logits: loss = log sum_v e^(z_v - m) - (z_target - m) needs 3 all-reduces of
 one number per token: the max m (MAX), the sum of exponentials and the target logit (SUM); the
 gradient softmax - onehot is local. A vocabulary that t does not divide is padded to a multiple of
-t; padded logits are -inf, so the padding never changes the loss nor receives a gradient.
+t; padded logits are -inf, so the padding never changes the loss nor receives a gradient. Both split
+the (V, h) table by rows, so a tied LM head (GPT-2, Llama 3.2: the head is the embedding) stays one
+parameter on each rank, its gradient the sum of both uses; a tie whose ends a plan splits in
+different ways is refused before any communication.
 
 SEQUENCE PARALLELISM (Korthikanti et al. 2022)
 Between the regions (norms, residual adds) plain TP computes the same thing on every rank and
@@ -70,7 +73,7 @@ import importlib
 import math
 import statistics
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 import torch
@@ -233,10 +236,14 @@ class Context:
     tp: int
     rank: int
     sequence_parallel: bool
+    shards: dict = field(default_factory=dict)  # full weight -> its shard (keys hash by identity)
 
 
 def _shard(weight: torch.Tensor, dim: int, ctx: Context) -> nn.Parameter:
-    """This rank's 1/tp slice along dim, after zero-padding dim to a multiple of tp."""
+    """This rank's 1/tp slice along dim, after zero-padding dim to a multiple of tp. A weight met
+    again (tied: the embedding as the LM head) gets the same shard: the tie holds."""
+    if weight in ctx.shards:
+        return ctx.shards[weight]
     full_size = weight.shape[dim]
     per_rank = math.ceil(full_size / ctx.tp)
     pad = [0, 0] * (weight.dim() - 1 - dim) + [0, per_rank * ctx.tp - full_size]
@@ -244,6 +251,7 @@ def _shard(weight: torch.Tensor, dim: int, ctx: Context) -> nn.Parameter:
     param = nn.Parameter(padded.narrow(dim, ctx.rank * per_rank, per_rank).clone(),
                          requires_grad=weight.requires_grad)  # a frozen weight stays frozen
     param.tp_shard_dim, param.tp_full_size = dim, full_size
+    ctx.shards[weight] = param
     return param
 
 
@@ -283,6 +291,8 @@ def exit_region(module: nn.Module, ctx: Context) -> nn.Module:
     return module
 
 
+SPLIT_DIM = {column_parallel: 0, row_parallel: 1, vocab_parallel: 0}  # how each style splits .weight
+
 TENSOR_PARALLEL_PLAN = {  # module name pattern -> styles; unlisted parameters stay replicated
     "embed": [vocab_parallel, exit_region],  # the partial embeddings are summed
     "layers.*.attn": [enter_region, exit_region],
@@ -303,6 +313,22 @@ def validate_tensor_parallel(cfg, tp: int) -> None:
             raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by tp={tp}")
 
 
+def validate_ties(model: nn.Module, plan: dict) -> None:
+    """A parameter registered under several names (tied) must be split the same way under each,
+    else no one shard can serve them all."""
+    split = {f"{name}.weight": SPLIT_DIM[style] for name, _ in model.named_modules()
+             for pattern, styles in plan.items() if fnmatch.fnmatchcase(name, pattern)
+             for style in styles if style in SPLIT_DIM}
+    names: dict[nn.Parameter, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(p, []).append(name)
+    for tied in names.values():
+        if len({split.get(n) for n in tied}) > 1:
+            how = ", ".join(f"{n} " + (f"along dim {split[n]}" if n in split else "not at all") for n in tied)
+            raise ValueError(f"{' and '.join(tied)} are one tied parameter, but the plan splits them "
+                             f"differently ({how}): untie them or split both ends alike")
+
+
 def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool = False,
                           plan: dict | None = None) -> nn.Module:
     """Shard the lesson-01 GPT in place over `group`: every rank keeps its slice of the weights it
@@ -313,11 +339,13 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
     validate_tensor_parallel(model.cfg, tp)
     if any(hasattr(p, "tp_shard_dim") for p in model.parameters()):
         raise ValueError("this model is already tensor-parallel: apply_tensor_parallel once")
+    plan = plan or TENSOR_PARALLEL_PLAN
+    validate_ties(model, plan)
     ctx = Context(group, tp, rank, sequence_parallel)
     ddp.broadcast_parameters(model, group)
     vocab_size = model.cfg.vocab_size
     for name, module in list(model.named_modules()):
-        for pattern, styles in (plan or TENSOR_PARALLEL_PLAN).items():
+        for pattern, styles in plan.items():
             if fnmatch.fnmatchcase(name, pattern):
                 for style in styles:
                     module = style(module, ctx)
@@ -676,6 +704,9 @@ def main() -> None:
         if seq_len % tp:
             raise ValueError(f"sequence length {seq_len} is not divisible by tp={tp} (the demo "
                              f"runs sequence parallelism)")
+        if not args.bench:
+            ddp.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}, --vocab {args.vocab}",
+                             ddp.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL), args.batch, seq_len, tp)
 
     ddp.launch_lesson(parser, args, bench if args.bench else demo,
                       ("steps", "batch", "seq_len", "vocab", "bench_batch"), validate)

@@ -30,6 +30,9 @@ the instant its data is produced, and the transfers of one instant form one batc
 peer that waits on it (the tests check every list under the strictest point-to-point semantics). A
 receive is waited for just before the compute that needs it, a send only at the end of the step:
 no device-specific synchronisation.
+FROZEN STAGES (fine-tuning with a frozen embedding stage): the plan knows which stages train
+(stage_trains, one all-reduce before training). A stage with nothing to train does no W, and its
+input gradient is computed and sent back only if some stage before it trains.
 
 COST
 Per step a stage boundary carries m activations forward and m gradients back: rank r sends
@@ -183,17 +186,18 @@ def simulate(orders: list[list[Action]], n_stages: int,
     return times
 
 
-def place_communication(orders: list[list[Action]], times: dict,
-                        n_stages: int) -> list[list[Action]]:
+def place_communication(orders: list[list[Action]], times: dict, n_stages: int,
+                        trains: tuple[bool, ...]) -> list[list[Action]]:
     """Insert each transfer on both ends at the instant its data is produced: the sender right after
-    the producing action, the receiver before its first action that starts at or after then."""
+    the producing action, the receiver before its first action that starts at or after then. A
+    stage's input gradient is sent only if some stage before it trains."""
     pp = len(orders)
     # Per rank: (instant, order within one instant: 0 send, 1 receive, 2 compute, action).
     events = [[(times[a][0], 2, a) for a in order] for order in orders]
     for a, (_, end) in times.items():
         to = a.stage + {"F": 1, "B": -1, "W": 0}[a.kind]  # activations go up, gradients down
         here, there = a.stage % pp, to % pp
-        if 0 <= to < n_stages and there != here:
+        if 0 <= to < n_stages and there != here and (a.kind == "F" or any(trains[:a.stage])):
             events[here].append((end, 0, Action("SEND_" + a.kind, a.stage, a.microbatch, there)))
             events[there].append((end, 1, Action("RECV_" + a.kind, to, a.microbatch, here)))
     return [[a for *_, a in sorted(rank, key=lambda e: e[:2])] for rank in events]
@@ -207,6 +211,7 @@ class Schedule:
     virtual: int
     actions: list[list[Action]]                  # per rank, in execution order
     nominal: dict[Action, tuple[float, float]]   # unit-time start and end of each compute action
+    trains: tuple[bool, ...]                     # per stage: has it any trainable parameter?
 
     @property
     def n_stages(self) -> int:
@@ -215,6 +220,9 @@ class Schedule:
     @property
     def split_backward(self) -> bool:
         return self.name == "zb-h1"
+
+    def needs_input_grad(self, stage: int) -> bool:
+        return any(self.trains[:stage])
 
     def bubble_formula(self) -> float:
         """The idle fraction of a step with unit times (F = 1, B = 2 or B = W = 1)."""
@@ -242,12 +250,27 @@ class Schedule:
         return "\n".join(f"rank {r} |{''.join(row)}|" for r, row in enumerate(rows))
 
 
-def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
-    """Each rank's ordered actions. A pure function: every rank computes every rank's list."""
+def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
+                  trains: tuple[bool, ...] | None = None) -> Schedule:
+    """Each rank's ordered actions. A pure function: every rank computes every rank's list.
+    trains: per stage, whether it has a trainable parameter (default: all; see stage_trains)."""
+    trains = (True,) * (pp * virtual) if trains is None else tuple(trains)
+    if len(trains) != pp * virtual:
+        raise ValueError(f"trains has {len(trains)} entries for pp x virtual = {pp * virtual} stages")
     orders = [compute_order(name, r, pp, microbatches, virtual) for r in range(pp)]
     times = simulate(orders, pp * virtual, UNIT_TIMES_SPLIT if name == "zb-h1" else UNIT_TIMES)
-    actions = place_communication(orders, times, pp * virtual)
-    return Schedule(name, pp, microbatches, virtual, actions, times)
+    actions = place_communication(orders, times, pp * virtual, trains)
+    return Schedule(name, pp, microbatches, virtual, actions, times, trains)
+
+
+def stage_trains(stages: dict[int, nn.Module], n_stages: int, group=None) -> tuple[bool, ...]:
+    """Per stage, whether any of its parameters trains: each rank knows its own stages, one
+    all-reduce tells every rank all of them (before training; make_schedule needs it)."""
+    flags = torch.zeros(n_stages, device=next(next(iter(stages.values())).parameters()).device)
+    for stage, module in stages.items():
+        flags[stage] = any(p.requires_grad for p in module.parameters())
+    ddp.all_reduce(flags, group=group, op=dist.ReduceOp.MAX)
+    return tuple(bool(f) for f in flags.tolist())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,6 +294,10 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
     one microbatch's activations between stages, (b/m, seq, dim) unless a stage keeps them split
     (sequence parallelism: (b/m, seq/t, dim))."""
     rank, m, last = dist.get_rank(group), schedule.microbatches, schedule.n_stages - 1
+    for stage, module in stages.items():
+        if any(p.requires_grad for p in module.parameters()) != schedule.trains[stage]:
+            raise ValueError(f"stage {stage}'s parameters do not match the schedule's trains[{stage}]="
+                             f"{schedule.trains[stage]}: make it with stage_trains()")
     x_mbs, y_mbs = tokens.chunk(m), targets.chunk(m)
     shape = boundary_shape or (*x_mbs[0].shape, next(iter(stages.values())).cfg.dim)
     dtype = next(next(iter(stages.values())).parameters()).dtype  # activations: the weights' (bf16...)
@@ -301,8 +328,10 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                 arriving.pop((a.kind, *key)).wait()
             received = inbox.pop((a.kind, *key), None)  # from a peer or a local stage, if any
             start = time.perf_counter()  # after any wait for a peer: waiting is bubble, not work
-            if a.kind == "F":
-                x = received.requires_grad_() if a.stage > 0 else x_mbs[a.microbatch]
+            trains = schedule.trains[a.stage]
+            if a.kind == "F":  # the input needs a gradient if some stage before this one trains
+                x = received if a.stage > 0 else x_mbs[a.microbatch]
+                x.requires_grad_(schedule.needs_input_grad(a.stage))
                 out = module(x, y_mbs[a.microbatch]) / m if a.stage == last else module(x)
                 if a.stage == last:
                     losses.append(out.detach())
@@ -310,19 +339,20 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                     outbox[("F", a.stage + 1, a.microbatch)] = out.detach()
                 saved[key] = x, out
                 log.peak_in_flight = max(log.peak_in_flight, len(saved) + len(wait_for_w))
-            elif a.kind == "B":
+            elif a.kind == "B":  # a frozen stage with nothing before it that trains: nothing to do
                 x, out = saved.pop(key)
                 grad = received  # None on the last stage: out is the loss
                 if schedule.split_backward:  # input gradient only; the weights wait for W
-                    if a.stage > 0:
-                        (x_grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
-                    wait_for_w[key] = (out, grad)
-                else:
+                    if x.requires_grad:
+                        (x_grad,) = torch.autograd.grad(out, x, grad, retain_graph=trains)
+                    if trains:
+                        wait_for_w[key] = (out, grad)
+                elif out.requires_grad:
                     torch.autograd.backward(out, grad)
                     x_grad = x.grad
-                if a.stage > 0:
+                if x.requires_grad:
                     outbox[("B", a.stage - 1, a.microbatch)] = x_grad
-            else:  # W: the weight gradients, accumulated like backward() would
+            elif trains:  # W: the weight gradients, accumulated like backward() would (frozen: none)
                 out, grad = wait_for_w.pop(key)
                 params = [p for p in module.parameters() if p.requires_grad]
                 for p, g in zip(params, torch.autograd.grad(out, params, grad), strict=True):
@@ -348,13 +378,16 @@ def named_parameters(stages: dict[int, nn.Module]):
 def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule: str = "1f1b",
                    microbatches: int = 4, virtual: int = 1, lr: float = 1e-3, adam_eps: float = 1e-8,
                    group=None, device: torch.device | str = "cpu", data_seed: int = 0,
-                   work_s: dict[str, float] | None = None):
+                   work_s: dict[str, float] | None = None, transform=None):
     """Returns (TrainResult of this rank's parameters, its CommMeter, one StepLog per step).
-    Every rank draws the whole batch; the first stage reads the tokens, the last the targets."""
+    Every rank draws the whole batch; the first stage reads the tokens, the last the targets.
+    transform as in ddp.train_single_device, on the whole model before the cut."""
     pp, rank = ddp.group_size(group), dist.get_rank(group)
     validate_pipeline(cfg.n_layers, pp, global_batch, microbatches, schedule, virtual)
-    plan = make_schedule(schedule, pp, microbatches, virtual)
-    stages = {s: build_stage(cfg, s, plan.n_stages).to(device) for s in range(rank, plan.n_stages, pp)}
+    n_stages = pp * virtual
+    stages = {s: cut_stage((transform or (lambda model: model))(ddp.GPT(cfg)), s, n_stages).to(device)
+              for s in range(rank, n_stages, pp)}
+    plan = make_schedule(schedule, pp, microbatches, virtual, stage_trains(stages, n_stages, group))
     optimizer = ddp.make_optimizer(nn.ModuleList(stages.values()), lr, adam_eps)
     result, logs, losses = ddp.TrainResult([], {}, {}), [], []
     with ddp.comm_meter() as meter:
@@ -364,7 +397,8 @@ def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule
             logs.append(log)
             losses.append(log.loss if log.loss is not None else torch.zeros((), device=device))
             if step == 0:
-                result.first_grads = ddp.cpu_copy((n, p.grad) for n, p in named_parameters(stages))
+                result.first_grads = ddp.cpu_copy((n, p.grad) for n, p in named_parameters(stages)
+                                                  if p.grad is not None)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     losses = torch.stack(losses).double()  # outside the meter: only the last stage has the loss
@@ -543,6 +577,24 @@ def bench(args: argparse.Namespace) -> None:
     ddp.exit_distributed()
 
 
+MAX_UNIT_MS = 1000  # 4 schedules x 2 steps x (m + p - 1) x 3 units: minutes already
+
+
+def check_writable(option: str, path: str) -> None:
+    """Refuse, before the run, an output file that could not be written at its end."""
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path} is a folder: name a file in it")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"{option} {path}: its folder does not exist")
+    existed = os.path.exists(path)
+    try:
+        open(path, "a").close()  # the one reliable test (permissions, read-only mounts, root)
+    except OSError as error:
+        raise ValueError(f"{option} {path} cannot be written: {error.strerror}") from None
+    if not existed:
+        os.remove(path)
+
+
 def main() -> None:
     parser = ddp.lesson_parser(__doc__, bench_help="step time against torch.distributed.pipelining")
     parser.add_argument("--steps", type=int, default=3)
@@ -550,21 +602,25 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--virtual", type=int, default=2, help="stages per rank, interleaved schedule")
-    parser.add_argument("--unit-ms", type=float, default=50,
-                        help="synthetic forward time per rank for the timelines; 0: real compute")
+    parser.add_argument("--unit-ms", type=float, default=50, help="synthetic forward time per rank "
+                        f"for the timelines, at most {MAX_UNIT_MS:g}; 0: real compute")
     parser.add_argument("--trace", help="write the measured timelines as Chrome trace-event JSON")
     args = parser.parse_args()
 
     def validate(pp: int) -> None:
-        if args.unit_ms < 0:
-            raise ValueError(f"--unit-ms {args.unit_ms} must be >= 0")
-        if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
-            raise ValueError(f"--trace {args.trace}: its folder does not exist")
+        if not 0 <= args.unit_ms <= MAX_UNIT_MS:  # also refuses nan
+            raise ValueError(f"--unit-ms {args.unit_ms} must be a number of ms in [0, {MAX_UNIT_MS:g}] "
+                             f"(0: real compute)")
+        if args.trace:
+            check_writable("--trace", args.trace)
         for name, v in schedule_runs(args):  # --bench: 2 rows per microbatch
             validate_pipeline(pp * args.virtual, pp, 2 * args.microbatches if args.bench else
                               args.global_batch, args.microbatches, name, v)
         if args.bench and args.microbatches < pp:
             raise ValueError(f"--bench: torch's Schedule1F1B needs microbatches >= pp = {pp}")
+        if not args.bench:
+            ddp.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
+                             ddp.ModelConfig(), args.global_batch, args.seq_len, pp)
 
     ddp.launch_lesson(parser, args, bench if args.bench else demo,
                       ("steps", "global_batch", "seq_len", "microbatches", "virtual"), validate)

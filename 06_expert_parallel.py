@@ -536,6 +536,9 @@ def main() -> None:
         for name, size in (("n_experts", args.experts), ("global_batch", args.global_batch)):
             if size % ep:
                 raise ValueError(f"{name}={size} is not divisible by ep={ep}")
+        if not args.bench:
+            ddp.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
+                             ddp.ModelConfig(), args.global_batch, args.seq_len, ep)
 
     ddp.launch_lesson(parser, args, bench if args.bench else demo,
                       ("steps", "global_batch", "seq_len", "bench_tokens", "bench_dim"), validate)

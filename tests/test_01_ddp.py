@@ -709,6 +709,30 @@ def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script
     assert err.startswith(f"{script}.py: error: ") and message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("script, options, at_least", [
+    ("01_ddp", ["--global-batch", "4000000000"], 4_000_000_000 * 64 * 128 * 4),  # the fp32 logits
+    ("02_zero", ["--seq-len", "1000000000"], 16 * 1_000_000_000 * 125 * 4),
+    ("03_tensor_parallel", ["--vocab", "1000000000000"], 1_000_000_000_000 * 64 * 4),  # the embedding
+    ("03_tensor_parallel", ["--seq-len", "1000000000"], 4 * 1_000_000_000 * 127 * 4),
+    ("04_pipeline", ["--global-batch", "4000000000"], 4_000_000_000 * 32 * 128 * 4),
+    ("06_expert_parallel", ["--global-batch", "4000000000"], 4_000_000_000 * 32 * 128 * 4),
+])
+def test_every_lesson_refuses_sizes_that_cannot_be_allocated(monkeypatch, capsys, script, options, at_least):
+    """Before: every rank started, then an allocator's traceback after seconds. Now one line before
+    launch, with a lower bound on the bytes needed (at least the largest tensor's, derived here)."""
+    lesson = LESSON_MODULES.get(script, ddp)
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--nproc", "2", *options])
+    monkeypatch.setattr(ddp, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    with pytest.raises(SystemExit) as exit_:
+        lesson.main()
+    err = capsys.readouterr().err
+    needed = re.search(r"would need at least ([\d,]+) bytes .*; this machine has ([\d,]+)$", err)
+    assert exit_.value.code == 2 and err.count("\n") == 1 and needed, err
+    assert int(needed.group(1).replace(",", "")) >= at_least > int(needed.group(2).replace(",", ""))
+
+
 def test_launch_world_size(monkeypatch):
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)

@@ -158,6 +158,99 @@ def test_a_checkpoint_moves_between_stages_and_group_sizes(rank_pool):
             torch.testing.assert_close(logits, expected_logits, atol=1e-6, rtol=0)
 
 
+# --- models that are not the reference GPT: what FSDP2 supports, ZeRO supports -----------------
+
+def tie_embedding(model):
+    """GPT-2's and Llama 3.2's tie: the LM head is the embedding (one parameter, two modules)."""
+    model.lm_head.weight = model.embed.weight
+    return model
+
+
+def add_logit_scale(model):
+    """A parameter registered on the model itself, outside every unit module, used in forward."""
+    model.logit_scale = torch.nn.Parameter(torch.full((), 1.5))
+    loss_fn = model.loss_fn
+    model.loss_fn = lambda logits, targets: loss_fn(logits * model.logit_scale, targets)
+    return model
+
+
+FROZEN = ("norm.weight", "layers.0.mlp.up_proj.weight")
+
+
+def freeze_some(model):
+    for name in FROZEN:
+        model.get_parameter(name).requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("stage", zero.STAGES)
+@pytest.mark.parametrize("transform", [tie_embedding, add_logit_scale, freeze_some])
+def test_tied_root_and_frozen_parameters_train_as_on_one_device(rank_pool, transform, stage):
+    """Before: a tied weight was flattened twice (a stale checkpoint entry at stages 0-1, a crash at
+    2-3), a parameter on the model itself was never updated nor saved, a frozen one was refused.
+    Now each trainable parameter has one flat slot, one gradient and one checkpoint entry (resumed
+    from after step 1), frozen ones are neither updated nor synchronised; memory counts each once."""
+    cfg = ddp.ModelConfig(vocab_size=37, dim=12, n_heads=2, ffn_dim=14, seed=5)
+    world, steps, kwargs = 3, 3, dict(adam_eps=ADAM_EPS, max_grad_norm=1.0, transform=transform)
+    runs = rank_pool.run(world, zero.train_zero, cfg, steps, world, 4, stage=stage, resume_after=1,
+                         **kwargs)
+    reference = zero.train_reference(cfg, steps, world, 4, **kwargs)
+    result = runs[0][0]
+    assert_matches_reference(result, reference)
+    model = transform(ddp.GPT(cfg))
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert len(reference.first_grads) == len(reference.params) - len(frozen)
+    for name in FROZEN if transform is freeze_some else ():
+        assert torch.equal(result.params[name], model.get_parameter(name)), f"{name} was updated"
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    padded = result.stats["padded_params"]
+    assert trainable <= padded < trainable + world * result.stats["units"], "each parameter once"
+    for other, _ in runs:
+        expected = zero.zero_memory_per_rank(padded, world, stage, 4, 4, zero.ADAM_MOMENT_BYTES)
+        expected["optimizer"] += zero.STEP_COUNTER_BYTES * result.stats["units"]
+        expected["params"] += sum(p.nbytes for p in frozen)
+        assert other.held == expected
+
+
+def load_misshapen(cfg, stage, name, misshape):
+    """Load a full state whose entry `name` was replaced; return the error and whether this rank's
+    state is still the one before."""
+    model = ddp.GPT(cfg)
+    optimizer = zero.ZeRO(model, stage)
+    model(*ddp.synthetic_batch(cfg, dist.get_world_size(), 4, 0, dist.get_rank(),
+                               dist.get_world_size())).backward()
+    optimizer.step()
+    before = optimizer.full_state_dict()
+    state = {**before, "params": {**before["params"], name: misshape(before["params"][name])}}
+    try:
+        optimizer.load_full_state_dict(state)
+        error = "no error"
+    except ValueError as exc:
+        error = str(exc)
+    after = optimizer.full_state_dict()
+    return error, all(torch.equal(after[k][n], before[k][n]) for k in ("params", *zero.ADAM_KEYS)
+                      for n in before[k])
+
+
+def a_scalar(t):
+    return torch.tensor(0.5)
+
+
+def transposed(t):
+    return t.t().contiguous()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("misshape", [a_scalar, transposed])
+def test_load_full_state_dict_refuses_another_shape_before_changing_anything(rank_pool, misshape, stage):
+    """Before: a scalar was broadcast over the whole weight, a transposed copy reshaped into it."""
+    cfg = ddp.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
+    name = "layers.0.mlp.up_proj.weight"  # (20, 12): its transpose has another shape
+    for error, unchanged in rank_pool.run(2, load_misshapen, cfg, stage, name, misshape):
+        assert f"params['{name}'] has shape" in error and "the parameter has shape (20, 12)" in error, error
+        assert unchanged
+
+
 # --- mixed precision ---------------------------------------------------------------------------
 
 def relative_error(ours: dict, reference: dict) -> float:
@@ -314,7 +407,7 @@ def test_misuse_is_refused_and_nan_propagates(rank_pool):
 def build_zero(cfg, stage, wrap_first, freeze):
     model = ddp.GPT(cfg)
     if freeze:
-        model.norm.weight.requires_grad_(False)
+        model.requires_grad_(False)
     if wrap_first == "ddp":
         ddp.BucketedDataParallel(model, bucket_bytes=4096)
     elif wrap_first == "zero":
@@ -327,7 +420,7 @@ def build_zero(cfg, stage, wrap_first, freeze):
     (-1, None, False, r"stage=-1 must be one of"),
     (2, "ddp", False, r"already synchronised by BucketedDataParallel"),
     (3, "zero", False, r"already synchronised by ZeRO-1"),
-    (1, None, True, r"frozen: \['norm.weight'\]"),
+    (1, None, True, r"no trainable parameter"),
 ])
 def test_bad_input_fails_on_every_rank_without_hanging(rank_pool, stage, wrap_first, freeze, message):
     cfg = ddp.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)

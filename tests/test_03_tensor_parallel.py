@@ -116,6 +116,52 @@ def test_frozen_parameters_stay_frozen_and_the_rest_trains_as_on_one_device(rank
         assert torch.equal(runs[0][0].params[name], initial.get_parameter(name)), name
 
 
+def tie_embedding(model):
+    """GPT-2's and Llama 3.2's tie: the LM head is the embedding."""
+    model.lm_head.weight = model.embed.weight
+    return model
+
+
+def tie_after_tensor_parallelism(cfg, sequence_parallel):
+    model = tpm.apply_tensor_parallel(tie_embedding(ddp.GPT(cfg)), None, sequence_parallel)
+    return model.lm_head.weight is model.embed.weight, len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("tp, sequence_parallel", [(1, False), (2, True), (3, False), (3, True)])
+def test_a_tied_embedding_stays_tied_and_trains_as_on_one_device(rank_pool, tp, sequence_parallel):
+    """Before: after apply_tensor_parallel the head and the embedding were two parameters (21 for
+    20), each trained on its own use: 6.3e-3 off tied PyTorch's loss after 3 steps at tp = 3.
+    The vocabulary 17 is padded at tp = 2 and 3: the padded row is shared too."""
+    cfg = ddp.ModelConfig(vocab_size=17, dim=12, n_heads=6, ffn_dim=12, seed=4)
+    for tied, n_params in rank_pool.run(tp, tie_after_tensor_parallelism, cfg, sequence_parallel):
+        assert tied and n_params == len(list(tie_embedding(ddp.GPT(cfg)).parameters()))
+    runs = rank_pool.run(tp, tpm.train_tensor_parallel, cfg, 3, 2, 6, adam_eps=ADAM_EPS,
+                         sequence_parallel=sequence_parallel, transform=tie_embedding)
+    reference = ddp.train_single_device(cfg, 3, 2, 6, adam_eps=ADAM_EPS, transform=tie_embedding)
+    assert runs[0][0].params.keys() == reference.params.keys()
+    assert_matches_reference(runs[0][0], reference)
+
+
+def split_a_tie_two_ways(cfg, head_styles):
+    plan = {**tpm.TENSOR_PARALLEL_PLAN, "lm_head": [getattr(tpm, s) for s in head_styles]}
+    with ddp.comm_meter() as meter:
+        try:
+            tpm.apply_tensor_parallel(tie_embedding(ddp.GPT(cfg)), None, plan=plan)
+        except ValueError as error:
+            return str(error), meter.calls()
+    return "no error", meter.calls()
+
+
+@pytest.mark.parametrize("head_styles, how", [(["enter_region", "row_parallel"], "along dim 1"),
+                                              ([], "not at all")])
+def test_a_tie_split_two_ways_is_refused_before_any_collective(rank_pool, head_styles, how):
+    cfg = ddp.ModelConfig(vocab_size=16, dim=8, n_heads=2, ffn_dim=8)
+    for error, calls in rank_pool.run(2, split_a_tie_two_ways, cfg, head_styles):
+        assert ("embed.weight and lm_head.weight are one tied parameter" in error
+                and f"embed.weight along dim 0, lm_head.weight {how}" in error), error
+        assert calls == 0, "refused before any collective"
+
+
 def train_on_strided_subgroups(cfg, sequence_parallel):
     """4 ranks, two tensor-parallel groups {0, 2} and {1, 3}: nothing may assume the world group."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
@@ -285,6 +331,44 @@ def test_grouped_query_layer_saves_its_kv_heads_only(n_kv_heads):
 
 
 # --- bad input fails on every rank, before any collective ---------------------------------------
+
+# Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 3:
+# the models evaluated, (attention heads a, hidden size h), all with s = 2048 and t = 8.
+PAPER_MODELS = {"22B": (64, 6144), "175B (GPT-3)": (96, 12288), "530B (MT-NLG)": (128, 20480),
+                "1T": (160, 25600)}
+
+
+@pytest.mark.parametrize("model", PAPER_MODELS)
+def test_korthikanti_formulas_are_the_papers(model):
+    """The per-layer activation bytes 03 prints (16-bit, per GPU) against the paper's equations
+    (Table 2): no parallelism sbh(34 + 5as/h); tensor parallel sbh(10 + 24/t + 5as/(ht)); tensor +
+    sequence parallel sbh(34/t + 5as/(ht)). Before: a missing / t on the SP formula passed every test."""
+    a, h = PAPER_MODELS[model]
+    s, t, b = 2048, 8, 1
+    cfg = ddp.ModelConfig(vocab_size=51200, dim=h, n_heads=a, ffn_dim=4 * h)
+    sbh, scores = s * b * h, 5 * a * s / h
+    assert tpm.korthikanti_bytes(cfg, b, s, 1, False) == pytest.approx(sbh * (34 + scores), rel=1e-12)
+    assert tpm.korthikanti_bytes(cfg, b, s, t, False) == pytest.approx(sbh * (10 + 24 / t + scores / t),
+                                                                       rel=1e-12)
+    assert tpm.korthikanti_bytes(cfg, b, s, t, True) == pytest.approx(sbh * (34 / t + scores / t),
+                                                                      rel=1e-12)
+    for tp in (1, 2, t):  # t = 1: nothing to split, with or without SP
+        assert tpm.korthikanti_bytes(cfg, b, s, tp, True) == pytest.approx(sbh * (34 + scores) / tp,
+                                                                           rel=1e-12)
+
+
+@pytest.mark.parametrize("model, saving", [("175B (GPT-3)", 0.70), ("530B (MT-NLG)", 0.65)])
+def test_korthikanti_numbers_in_the_papers_text(model, saving):
+    """The paper's worked numbers (Section 5): 5as/h = 80 for GPT-3 (64 for MT-NLG) against 34, so
+    recomputing only the attention scores (selective recompute: sbh 34/t left with TP + SP) saves 70%
+    of the TP + SP memory for GPT-3, 65% for MT-NLG; and its abstract's 5x: plain TP against TP + SP
+    + selective recompute."""
+    (a, h), s, t = PAPER_MODELS[model], 2048, 8
+    cfg = ddp.ModelConfig(dim=h, n_heads=a, ffn_dim=4 * h)
+    selective = s * h * 34 / t
+    assert round(1 - selective / tpm.korthikanti_bytes(cfg, 1, s, t, True), 2) == saving
+    assert round(tpm.korthikanti_bytes(cfg, 1, s, t, False) / selective) == 5
+
 
 def forward_once(cfg, batch, seq_len, sequence_parallel, bad_token, bad_target, twice):
     model = tpm.apply_tensor_parallel(ddp.GPT(cfg), None, sequence_parallel)

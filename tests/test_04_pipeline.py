@@ -14,6 +14,7 @@ Tolerances (fp32 on CPU), those of test_01_ddp.py, measured here again:
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import re
@@ -197,6 +198,24 @@ def test_stage_cut_is_balanced_and_covers_every_layer(n_layers, n_stages):
 
 # --- every schedule trains like one device ----------------------------------------------------
 
+def assert_matches_reference(runs, reference) -> None:
+    """Every rank's loss, and the gradients and parameters of all ranks' stages put together."""
+    grads, params = {}, {}
+    for result, _, _ in runs:
+        assert result.losses == pytest.approx(reference.losses, abs=LOSS_ATOL)
+        assert not params.keys() & result.params.keys(), "a parameter lives on two ranks"
+        grads.update(result.first_grads)
+        params.update(result.params)
+    assert grads.keys() == reference.first_grads.keys(), "every gradient lives on some rank"
+    assert params.keys() == reference.params.keys(), "every parameter lives on some rank"
+    for n, g in reference.first_grads.items():
+        torch.testing.assert_close(grads[n], g, atol=GRAD_ATOL, rtol=GRAD_RTOL,
+                                   msg=lambda msg, n=n: f"gradient of {n}: {msg}")
+    for n, p in reference.params.items():
+        torch.testing.assert_close(params[n], p, atol=PARAM_ATOL, rtol=0,
+                                   msg=lambda msg, n=n: f"parameter {n} after training: {msg}")
+
+
 def check_against_single_device(rank_pool, pp, name, m, virtual, seed=0, per_micro=1, seq_len=5):
     cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, seed=seed,
                           n_layers=pp * virtual + seed % 2)
@@ -204,19 +223,7 @@ def check_against_single_device(rank_pool, pp, name, m, virtual, seed=0, per_mic
     runs = rank_pool.run(pp, pl.train_pipeline, cfg, steps, batch, seq_len, schedule=name,
                          microbatches=m, virtual=virtual, adam_eps=ADAM_EPS)
     reference = ddp.train_single_device(cfg, steps, batch, seq_len, adam_eps=ADAM_EPS)
-    grads, params = {}, {}
-    for result, _, _ in runs:
-        assert result.losses == pytest.approx(reference.losses, abs=LOSS_ATOL)
-        assert not grads.keys() & result.first_grads.keys(), "a parameter lives on two ranks"
-        grads.update(result.first_grads)
-        params.update(result.params)
-    assert grads.keys() == reference.first_grads.keys(), "every parameter lives on some rank"
-    for n, g in reference.first_grads.items():
-        torch.testing.assert_close(grads[n], g, atol=GRAD_ATOL, rtol=GRAD_RTOL,
-                                   msg=lambda msg, n=n: f"gradient of {n}: {msg}")
-    for n, p in reference.params.items():
-        torch.testing.assert_close(params[n], p, atol=PARAM_ATOL, rtol=0,
-                                   msg=lambda msg, n=n: f"parameter {n} after training: {msg}")
+    assert_matches_reference(runs, reference)
     # The meter: m activations forward over each stage boundary a rank's stage sends from, m
     # gradients back over each boundary it receives from; one microbatch is per_micro x seq x dim.
     boundary = batch * seq_len * cfg.dim * 4
@@ -317,6 +324,37 @@ def test_frozen_parameters_get_no_gradient_and_the_rest_are_unchanged(rank_pool,
             torch.testing.assert_close(grads[n], p.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL)
 
 
+def freeze_stages(model, frozen: tuple[int, ...], n_stages: int):
+    """Freeze every parameter of the given stages of the cut pl.cut_stage makes."""
+    cut = pl.stage_layers(model.cfg.n_layers, n_stages)
+    modules = [model.layers[str(i)] for s in frozen for i in cut[s]]
+    modules += [model.embed] * (0 in frozen) + [model.norm, model.lm_head] * (n_stages - 1 in frozen)
+    for module in modules:
+        module.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("frozen", [(0,), (1,), (0, 1)])
+@pytest.mark.parametrize("name", pl.SCHEDULES)
+def test_a_fully_frozen_stage_trains_the_rest_as_on_one_device(rank_pool, name, frozen):
+    """Before: a frozen first stage raised 'element 0 of tensors does not require grad' (ZB-H1: 'inputs
+    to grad() cannot be empty' for a middle one) and its peers died. Now a frozen stage sends its
+    input gradient back only if a stage before it trains, and computes no weight gradient."""
+    pp, virtual, m = (2, 2, 2) if name == "interleaved" else (3, 1, 3)
+    n_stages = pp * virtual
+    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, n_layers=n_stages)
+    freeze = functools.partial(freeze_stages, frozen=frozen, n_stages=n_stages)
+    runs = rank_pool.run(pp, pl.train_pipeline, cfg, 3, m, 4, schedule=name, microbatches=m,
+                         virtual=virtual, adam_eps=ADAM_EPS, transform=freeze)
+    reference = ddp.train_single_device(cfg, 3, m, 4, adam_eps=ADAM_EPS, transform=freeze)
+    assert_matches_reference(runs, reference)
+    boundary = m * 4 * cfg.dim * 4  # one step's activations (or gradients) over one stage boundary
+    for rank, (_, meter, _) in enumerate(runs):
+        sends = sum((s < n_stages - 1) + (s > 0 and any(t not in frozen for t in range(s)))
+                    for s in range(rank, n_stages, pp))
+        assert meter.traffic("send") == 3 * sends * boundary, f"rank {rank}: a gradient nobody needs"
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(n_layers=2, pp=2, virtual=2, schedule="interleaved", m=2),
      r"n_layers=2 cannot fill pp x virtual = 2 x 2 = 4 stages"),
@@ -370,12 +408,24 @@ def test_script_runs_as_plain_python(tmp_path):
     assert {e["pid"] for e in events} == {0, 1, 2, 3}
 
 
-def test_a_trace_file_that_cannot_be_written_is_refused_before_any_rank_starts(monkeypatch, capsys,
-                                                                              tmp_path):
-    """Before: the whole run finished, then every rank's traceback ended in FileNotFoundError."""
-    monkeypatch.setattr("sys.argv", ["04_pipeline.py", "--nproc", "2",
-                                     "--trace", str(tmp_path / "missing" / "t.json")])
+@pytest.mark.parametrize("options, message", [
+    (["--trace", "{tmp}/missing/t.json"], "its folder does not exist"),
+    (["--trace", "{tmp}"], "is a folder: name a file in it"),
+    (["--trace", "/proc/self/t.json"], "cannot be written"),  # even by root
+    (["--unit-ms", "nan"], "--unit-ms nan must be a number of ms in [0, 1000]"),
+    (["--unit-ms", "inf"], "--unit-ms inf must be"),
+    (["--unit-ms", "-1"], "--unit-ms -1.0 must be"),
+    (["--unit-ms", "1e9"], "--unit-ms 1000000000.0 must be"),
+])
+def test_options_that_would_fail_late_are_refused_before_any_rank_starts(monkeypatch, capsys, tmp_path,
+                                                                         options, message):
+    """Before: a missing folder, a folder or an unwritable path as --trace ran the whole demo, then
+    every rank's traceback; --unit-ms nan printed 'F = nan ms', inf ended in an OverflowError."""
+    options = [o.format(tmp=tmp_path) for o in options]
+    monkeypatch.setattr("sys.argv", ["04_pipeline.py", "--nproc", "2", *options])
     monkeypatch.setattr(ddp, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
     with pytest.raises(SystemExit) as exit_:
         pl.main()
-    assert exit_.value.code == 2 and "its folder does not exist" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == [], "the check leaves nothing behind"
