@@ -106,9 +106,34 @@ def build_stage(cfg, stage: int, n_stages: int) -> nn.Module:
     return cut_stage(ddp.GPT(cfg), stage, n_stages)
 
 
+def parameter_stages(model: nn.Module, n_stages: int) -> dict[str, set[int | None]]:
+    """Parameter name -> the stages whose modules hold it: embed on the first, a layer on its own,
+    norm and lm_head on the last; None for a parameter registered outside them (on the model)."""
+    layers = stage_layers(model.cfg.n_layers, n_stages)
+    home = {"embed": 0, "norm": n_stages - 1, "lm_head": n_stages - 1,
+            **{f"layers.{i}": s for s, held in enumerate(layers) for i in held}}
+    stages: dict[int, set[int | None]] = {}
+    first_name: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owner = next((home[m] for m in home if name.startswith(m + ".")), None)
+        stages.setdefault(id(p), set()).add(owner)
+        first_name.setdefault(id(p), name)
+    return {first_name[key]: held for key, held in stages.items()}
+
+
 def cut_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
     """In place: keep this stage's modules of a whole GPT, however transformed before (lesson 09
-    cuts a tensor- and context-parallel model)."""
+    cuts a tensor- and context-parallel model). A parameter that two stages would hold (a tied
+    embedding and LM head) or that no stage owns (one on the model itself) would train apart on
+    each copy, silently: refused, on every rank alike, before any collective."""
+    if n_stages > 1:
+        shared = {name: held for name, held in parameter_stages(model, n_stages).items()
+                  if len(held) > 1 or None in held}
+        if shared:
+            raise ValueError("a pipeline stage owns its parameters, but " + "; ".join(
+                f"{name} is registered outside embed, layers, norm and lm_head" if None in held
+                else f"{name} is shared by stages {sorted(held)} (tied weights)" for name, held in shared.items())
+                + f": untie them or use pp=1 (n_stages={n_stages})")
     keep = stage_layers(model.cfg.n_layers, n_stages)[stage]
     for name in [n for n in model.layers if int(n) not in keep]:
         del model.layers[name]

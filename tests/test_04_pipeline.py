@@ -429,3 +429,23 @@ def test_options_that_would_fail_late_are_refused_before_any_rank_starts(monkeyp
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == [], "the check leaves nothing behind"
+
+
+@pytest.mark.parametrize("change, message", [
+    ("tie", r"embed\.weight is shared by stages \[0, 1\] \(tied weights\)"),
+    ("root", r"logit_scale is registered outside embed, layers, norm and lm_head"),
+])
+def test_a_parameter_no_single_stage_owns_is_refused(change, message):
+    """A tied embedding and LM head on the first and last stages, or a parameter on the model
+    itself, would be two independent copies training apart: refused by cut_stage (so before any
+    collective, on every rank alike); with one stage there is nothing to split."""
+    def model():
+        gpt = ddp.GPT(ddp.ModelConfig(vocab_size=16, dim=16, n_heads=2, ffn_dim=16, n_layers=2))
+        if change == "tie":
+            gpt.lm_head.weight = gpt.embed.weight
+        else:
+            gpt.logit_scale = torch.nn.Parameter(torch.ones(()))
+        return gpt
+    with pytest.raises(ValueError, match=message):
+        pl.cut_stage(model(), 0, 2)
+    assert pl.cut_stage(model(), 0, 1).embed is not None
