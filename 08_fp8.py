@@ -416,12 +416,13 @@ def weights_cast_once(model: nn.Module) -> Iterator[None]:
 
 
 class Float8GatherUnit(zero_lesson.FlatUnit):
-    """A ZeRO-3 unit of Float8Linear weights (only: the ranks' shards must be equal byte counts)
-    whose all-gather carries the weights' e4m3 casts, made by Float8ZeRO.cast_shards."""
+    """A ZeRO-3 unit of Float8Linear weights whose all-gather carries their e4m3 casts, made by
+    Float8ZeRO.cast_shards. Weights only: every rank's shard must be the same number of bytes, so
+    1-byte casts cannot share a unit with full-precision parameters (the norms)."""
 
     cast_shard: torch.Tensor | None = None  # this rank's shard cast to e4m3, as bytes (padding: 0)
-    scales: list[torch.Tensor] = []         # each weight's global scale
-    cast_version: int | None = None         # the fp32 master's version counter when it was cast
+    scales: tuple[torch.Tensor, ...] = ()   # each weight's global scale
+    cast_version: int | None = None         # the master's version counter when it was cast
 
     def pieces(self) -> list[slice]:
         """Where each weight's elements lie in this rank's shard (an empty slice: none of them)."""
@@ -492,7 +493,7 @@ class Float8ZeRO(zero_lesson.ZeRO):
         scales = iter(amax_to_scale(amaxes, E4M3))
         for unit in self.units:
             unit.cast_shard = torch.zeros_like(unit.shard, dtype=torch.uint8)
-            unit.scales = [next(scales) for _ in unit.params]
+            unit.scales = tuple(next(scales) for _ in unit.params)
             for piece, scale in zip(unit.pieces(), unit.scales):
                 if piece.start < piece.stop:
                     unit.cast_shard[piece] = cast_to_fp8(unit.shard[piece], scale, E4M3).view(torch.uint8)

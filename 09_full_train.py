@@ -13,7 +13,8 @@ ONE MODEL, TRANSFORMED IN ONE ORDER (each step an earlier lesson's own function)
   01 GPT(cfg) -> 06 convert_to_moe + apply_expert_parallel (--moe, --ep) -> 08 convert_to_float8
   (--fp8) -> 03 apply_tensor_parallel (+ SP) -> 05 ContextParallelAttention as the attention
   function (zigzag ring; 07's kernel on a GPU) -> 04 cut_stage (v stages per rank for interleaved
-  1F1B) -> 02 ZeRO stage 0-3 over dp x cp (the experts: over the ranks holding the same ones).
+  1F1B) -> 02 ZeRO stage 0-3 over dp x cp (the experts: over the ranks holding the same ones; under
+  --fp8 --zero 3 the Float8Linear weights: 08's Float8ZeRO, all-gathered in FP8).
 TP rewrites modules and needs the whole model, CP only swaps a function, a stage cut deletes
 modules, ZeRO flattens the parameters as they finally are. EP comes before TP: it slices the
 experts into new parameters, and SP's hook must be registered on those. MoE layers are not split
@@ -36,7 +37,8 @@ load depend on which tokens share a forward, which microbatches and sequence chu
 COST per step per rank (the summary prints measured | formula per group of ranks)
   tp: 03's comm_formula for the stage's layers, m microbatches (n/a under ZB-H1, whose W re-runs
       part of the backward). cp: 05's ring per attention call (ZB-H1: the backward twice).
-  pp: 04's boundaries. dp x cp: 02's ZeRO traffic on the padded parameters (+ the norm's scalar).
+  pp: 04's boundaries. dp x cp: 02's ZeRO traffic on the padded parameters (+ the norm's scalar);
+  --fp8 --zero 3: 08's for the Float8Linear weights (1 B an element, + their amaxes once a step).
   ep: the all-to-alls depend on the routing (06 prints them): n/a.
 Memory: 02's formula on the stage's TP-local parameters: the dimensions multiply.
 
