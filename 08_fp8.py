@@ -488,7 +488,7 @@ class Float8ZeRO(zero_lesson.ZeRO):
         nothing = torch.zeros((), device=pieces[0].device)  # the amax of a weight with no piece here
         amaxes = torch.stack([piece.abs().amax() if piece.numel() else nothing for piece in pieces])
         # Non-negative floats order like their bits read as int32, NaN above inf: an integer MAX
-        # keeps a NaN that a float MAX may drop (as the kernel's atomic max).
+        # keeps a NaN that a float MAX may drop (as in the Triton kernel above).
         ddp.all_reduce(amaxes.view(torch.int32), group=self.group, op=dist.ReduceOp.MAX)
         scales = iter(amax_to_scale(amaxes, E4M3))
         for unit in self.units:
