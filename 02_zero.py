@@ -182,6 +182,11 @@ class FlatUnit:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[self.offsets[i]:self.offsets[i + 1]].view(shape) for i, shape in enumerate(self.shapes)]
 
+    def gather_input(self) -> torch.Tensor:
+        """What ZeRO-3's all-gather sends for this unit: the shard itself. A subclass may send
+        another encoding of it (lesson 08: the weights' FP8 casts) and bind() what arrives."""
+        return self.shard
+
     def bind(self, flat: torch.Tensor) -> None:
         """Point the parameters at views of flat (autograd keeps the same leaf tensors)."""
         for p, view in zip(self.params, self.views(flat), strict=True):
@@ -202,6 +207,8 @@ class ZeRO:
         zero.zero_grad()
     Microbatches: run all but the last backward (or all, then finish_gradient_sync()) in no_sync().
     """
+
+    unit_type = FlatUnit  # a subclass may flatten and gather its units otherwise (lesson 08)
 
     def __init__(self, model: nn.Module, stage: int, group=None, *, lr: float = 1e-3,
                  adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
@@ -231,7 +238,7 @@ class ZeRO:
         self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and owned(p)]
         for _, p in self.frozen:
             p.data = p.data.to(self.dtype)
-        self.units = [FlatUnit(named, self.world, rank, stage, self.dtype) for _, named in units]
+        self.units = [self.unit_type(named, self.world, rank, stage, self.dtype) for _, named in units]
         # AdamW is elementwise: torch's own, run on the shards, is the unsharded update restricted
         # to this rank's elements (lesson 01's settings: one place to change them).
         self.optimizer = ddp.make_optimizer(nn.ParameterList(u.master for u in self.units), lr, adam_eps)
@@ -248,8 +255,9 @@ class ZeRO:
 
     def _launch_gather(self, unit: FlatUnit) -> None:
         if unit.gathered is None:
-            unit.gathered = unit.shard.new_empty(unit.padded)
-            unit.gather_work = ddp.all_gather(unit.gathered, unit.shard, group=self.group, async_op=True)
+            send = unit.gather_input()
+            unit.gathered = send.new_empty(unit.padded)
+            unit.gather_work = ddp.all_gather(unit.gathered, send, group=self.group, async_op=True)
             in_flight = sum(u.gather_work is not None and not u.gather_work.is_completed()
                             for u in self.units)
             self.max_gathers_in_flight = max(self.max_gathers_in_flight, in_flight)

@@ -41,21 +41,39 @@ On an H100, FP8 tensor cores peak at 2x bf16 (1979 vs 989 dense TFLOP/s); the pr
 reduction and a cast per operand (memory-bound passes), amortises only on large GEMMs fused by
 torch.compile: published end-to-end gains are 1.2-1.5x. `--bench` measures both.
 
+FP8 COMMUNICATION (ZeRO-3, lesson 02; torchao's "float8 all-gather" for FSDP2). The weights do not
+change inside an optimizer step, so each is cast once per step, not in every microbatch's forward
+(weights_cast_once). Sharded, the cast moves before the all-gather: each rank takes the amax of its
+own piece of every weight, one all-reduce (MAX) of all those amaxes gives every rank each weight's
+global amax, hence the very scale the whole weight would get, and each rank casts its piece with
+it. Since the cast is elementwise with one global scale, the gathered bytes are bit for bit the
+cast of the whole weight, wherever the shard boundaries fall (mid-row too), and they feed the FP8
+GEMM as they are. Per step, for Psi_8 Float8Linear weight elements on N ranks and m microbatches,
+the all-gathers move 2m (N-1)/N x 1 B x Psi_8 instead of 2 B (bf16) or 4 B (fp32), plus
+2 (N-1)/N x 4 B per weight for the amaxes; each rank keeps its cast shard (Psi_8 / N bytes). The
+gradients still reduce-scatter in full precision into fp32 masters (Float8ZeRO).
+
 RUN IT
-    python 08_fp8.py          # CPU: SQNR tables, the spike demo, tiny GPT with and without FP8
+    python 08_fp8.py          # CPU: SQNR tables, the spike demo, tiny GPT with and without FP8,
+                              # then ZeRO-3 with fp32 vs FP8 all-gathers on --nproc 4 local ranks
     python 08_fp8.py --bench  # GPU: FP8 vs bf16 GEMM TFLOP/s, Float8Linear MLP speed-up
 Look at: cast SQNR ~30 dB (e4m3) / ~25 dB (e5m2); delayed scaling's SQNR collapsing on the spike
-while current scaling's does not; the two training runs' final losses within a few hundredths.
+while current scaling's does not; the two training runs' final losses within a few hundredths;
+the all-gather bytes at a quarter for the weights, beside the formula, and no bit changed.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import importlib
 import math
+from fractions import Fraction
+from typing import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -66,11 +84,13 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 ddp = importlib.import_module("01_ddp")
+zero_lesson = importlib.import_module("02_zero")
 INTERPRETED = fa.INTERPRETED  # else the kernel is compiled and needs CUDA tensors
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FORMATS = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 E4M3, E5M2 = FORMATS.values()
 AMAX_EPS = 1e-12
+AMAX_BYTES = 4  # an fp32 amax
 # Bit patterns the kernel writes for non-finite values: S.1111.111 (e4m3fn) and S.11111.11 (e5m2) are
 # NaN; S.11111.00 is e5m2's inf; e4m3fn has no inf, so an inf is written as NaN.
 NAN_BITS, INF_BITS = 0x7F, {E4M3: 0x7F, E5M2: 0x7C}
@@ -296,18 +316,31 @@ def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
 
 
 class _Float8Matmul(torch.autograd.Function):
-    """x (M, K) @ weight (N, K)^T, all three GEMMs in FP8: e4m3 x and weight, e5m2 gradient."""
+    """x (M, K) @ weight (N, K)^T, all three GEMMs in FP8: e4m3 x and weight, e5m2 gradient. The
+    weight's cast is weight.float8_cast when this step made one (weights_cast_once, Float8ZeRO's
+    all-gather), else it is made here."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        (x_q, x_scale), (w_q, w_scale) = quantize_tensorwise(x, E4M3), quantize_tensorwise(weight, E4M3)
-        ctx.save_for_backward(x_q, x_scale, w_q, w_scale)  # FP8: half the memory of bf16
+        x_q, x_scale = quantize_tensorwise(x, E4M3)
+        step_cast = getattr(weight, "float8_cast", None)
+        w_q, w_scale = step_cast or quantize_tensorwise(weight, E4M3)
+        if step_cast is None:
+            ctx.save_for_backward(x_q, x_scale, w_q, w_scale)  # FP8: half the memory of bf16
+        else:  # read again by backward: ZeRO-3 frees it after forward and gathers it again
+            ctx.save_for_backward(x_q, x_scale)
+            ctx.weight = weight
         ctx.dtypes = x.dtype, weight.dtype
         return scaled_mm(x_q, x_scale, w_q, w_scale, x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x_q, x_scale, w_q, w_scale = ctx.saved_tensors
+        x_q, x_scale, *w_cast = ctx.saved_tensors
+        w_cast = w_cast or ctx.weight.float8_cast
+        if w_cast is None:
+            raise RuntimeError("the weight's FP8 cast of this step is gone: run backward inside "
+                               "weights_cast_once() (Float8ZeRO gathers it again by itself)")
+        w_q, w_scale = w_cast
         g_q, g_scale = quantize_tensorwise(grad_out, E5M2)
         # Tensorwise scales survive transposition, so the saved casts are reused, only re-laid out:
         needs_x, needs_w = ctx.needs_input_grad  # grad_x = g W, grad_w = g^T x: each only if asked for
@@ -352,6 +385,144 @@ def convert_to_float8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) ->
             if type(child) is nn.Linear and f"{parent_name}.{name}".lstrip(".") not in skip:
                 setattr(parent, name, Float8Linear.from_linear(child))
     return model
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 communication: each weight cast once per step; ZeRO-3 all-gathers the casts
+# ----------------------------------------------------------------------------------------------
+
+
+def float8_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The weights of model's Float8Linear layers, each once."""
+    return list(dict.fromkeys(m.weight for m in model.modules() if isinstance(m, Float8Linear)))
+
+
+@contextlib.contextmanager
+def weights_cast_once(model: nn.Module) -> Iterator[None]:
+    """Around the forward and backward passes of one optimizer step (all its microbatches): each
+    Float8Linear weight is cast on entry, the cast used inside, dropped on exit. Whole weights only:
+    ZeRO-3 releases them between uses (Float8ZeRO casts its shards instead)."""
+    weights = float8_weights(model)
+    if any(w.numel() == 0 for w in weights):
+        raise ValueError("weights_cast_once needs whole weights, not ZeRO-3's released ones: "
+                         "Float8ZeRO casts their shards once per step")
+    try:
+        for w in weights:
+            w.float8_cast = quantize_tensorwise(w.detach(), E4M3)
+        yield
+    finally:
+        for w in weights:
+            w.float8_cast = None
+
+
+class Float8GatherUnit(zero_lesson.FlatUnit):
+    """A ZeRO-3 unit of Float8Linear weights whose all-gather carries their e4m3 casts, made by
+    Float8ZeRO.cast_shards. Weights only: every rank's shard must be the same number of bytes, so
+    1-byte casts cannot share a unit with full-precision parameters (the norms)."""
+
+    cast_shard: torch.Tensor | None = None  # this rank's shard cast to e4m3, as bytes (padding: 0)
+    scales: tuple[torch.Tensor, ...] = ()   # each weight's global scale
+    cast_version: int | None = None         # the master's version counter when it was cast
+
+    def pieces(self) -> list[slice]:
+        """Where each weight's elements lie in this rank's shard (an empty slice: none of them)."""
+        start, stop = self.owned.start, self.owned.stop
+        return [slice(min(max(begin, start), stop) - start, min(max(end, start), stop) - start)
+                for begin, end in zip(self.offsets, self.offsets[1:])]
+
+    def gather_input(self) -> torch.Tensor:
+        if self.cast_version != self.master._version:  # in-place updates bump the counter
+            raise RuntimeError(f"the FP8 cast of {self.names[0]}'s unit is older than its weights: "
+                               f"Float8ZeRO.cast_shards() after every change of them")
+        return self.cast_shard  # uint8: gloo has no FP8 type, and an all-gather only moves bytes
+
+    def bind(self, flat: torch.Tensor) -> None:
+        """Each weight's cast is a view of the gathered bytes. The full-precision weight never
+        exists here: the parameter becomes a stride-0 view of one zero, which gives autograd the
+        shape it checks the weight's gradient against, for 4 bytes."""
+        for p, shape, cast, scale in zip(self.params, self.shapes, self.views(flat.view(E4M3)),
+                                         self.scales, strict=True):
+            p.data = self.released.new_zeros(()).expand(shape)
+            p.float8_cast = (cast, scale.view(1, 1))
+
+    def release(self) -> None:
+        for p in self.params:
+            p.float8_cast = None
+        super().release()
+
+
+class Float8ZeRO(zero_lesson.ZeRO):
+    """ZeRO-3 of model's Float8Linear weights, all-gathered in FP8 (the docstring's FP8
+    COMMUNICATION); everything else is lesson 02's. The other parameters need a ZeRO of their own:
+        weights = set(float8_weights(model))
+        rest, fp8 = ZeRO(model, 3, owns=lambda p: p not in weights), Float8ZeRO(model)
+        ...backward; squares = rest.grad_squares() + fp8.grad_squares()
+        rest.clip_and_update(squares); fp8.clip_and_update(squares)  # fp8 also recasts its shards
+    """
+
+    unit_type = Float8GatherUnit
+
+    def __init__(self, model: nn.Module, group=None, **kwargs) -> None:
+        weights = set(float8_weights(model))
+        if not weights:
+            raise ValueError("Float8ZeRO shards Float8Linear weights, and this model has none: "
+                             "convert_to_float8 it first")
+        super().__init__(model, 3, group, owns=lambda p: p in weights, **kwargs)
+        self.weight_casts = 0  # pieces cast so far: one per weight and step on each rank holding some
+        self.cast_shards()
+
+    def clip_and_update(self, squares: torch.Tensor | None = None) -> torch.Tensor:
+        norm = super().clip_and_update(squares)
+        self.cast_shards()
+        return norm
+
+    def load_full_state_dict(self, state: dict) -> None:
+        super().load_full_state_dict(state)
+        self.cast_shards()
+
+    @torch.no_grad()
+    def cast_shards(self) -> None:
+        """The amax of this rank's piece of every weight; one all-reduce (MAX) of all of them gives
+        every weight's amax, so the scale the whole weight would get; each piece is cast with it."""
+        pieces = [unit.shard[piece].float() for unit in self.units for piece in unit.pieces()]
+        nothing = torch.zeros((), device=pieces[0].device)  # the amax of a weight with no piece here
+        amaxes = torch.stack([piece.abs().amax() if piece.numel() else nothing for piece in pieces])
+        # Non-negative floats order like their bits read as int32, NaN above inf: an integer MAX
+        # keeps a NaN that a float MAX may drop (as in the Triton kernel above).
+        ddp.all_reduce(amaxes.view(torch.int32), group=self.group, op=dist.ReduceOp.MAX)
+        scales = iter(amax_to_scale(amaxes, E4M3))
+        for unit in self.units:
+            unit.cast_shard = torch.zeros_like(unit.shard, dtype=torch.uint8)
+            unit.scales = tuple(next(scales) for _ in unit.params)
+            for piece, scale in zip(unit.pieces(), unit.scales):
+                if piece.start < piece.stop:
+                    unit.cast_shard[piece] = cast_to_fp8(unit.shard[piece], scale, E4M3).view(torch.uint8)
+                    self.weight_casts += 1
+            unit.cast_version = unit.master._version
+
+    def held_bytes(self) -> dict[str, int]:
+        held = super().held_bytes()  # + the cast shards and the scales
+        casts = [t for u in self.units for t in (u.cast_shard, *u.scales)]
+        held["params"] += zero_lesson.storage_bytes(casts, set())
+        return held
+
+    def memory_formula(self) -> dict[str, Fraction]:
+        formula = super().memory_formula()  # + 1 B per element of the shard, 4 B per weight's scale
+        padded = sum(u.padded for u in self.units)
+        formula["params"] += Fraction(padded, self.world) + AMAX_BYTES * self.n_weights
+        return formula
+
+    @property
+    def n_weights(self) -> int:
+        return sum(len(u.params) for u in self.units)
+
+
+def float8_zero_traffic(padded: int, n_weights: int, n: int, grad_bytes: int = 4) -> dict[str, Fraction]:
+    """Ring bytes one rank sends per step (one microbatch) for Float8ZeRO's padded weights: 02's
+    ZeRO-3 traffic with 1 B parameters (gathered for forward and backward), the gradients' own
+    reduce-scatter, and the amaxes' all-reduce (the clipping norm's scalar aside)."""
+    traffic = zero_lesson.zero_traffic_per_step(padded, n, 3, param_bytes=1, grad_bytes=grad_bytes)
+    return {**traffic, "all_reduce": Fraction(2 * (n - 1), n) * AMAX_BYTES * n_weights}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,6 +590,114 @@ def train_losses(cfg: ddp.ModelConfig, steps: int, batch: int, seq_len: int, flo
     """Lesson 01's reference training on its synthetic batches, optionally with Float8Linear."""
     return ddp.train_single_device(cfg, steps, batch, seq_len, lr=lr, progress=True,
                                    transform=convert_to_float8 if float8 else None).losses
+
+
+FLOAT8_ZERO_MODES = ("unsharded", "zero3", "zero3-fp8")
+
+
+def train_float8_zero(cfg: ddp.ModelConfig, steps: int, global_batch: int, seq_len: int, *, mode: str,
+                      microbatches: int = 1, lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
+                      device: torch.device | str = "cpu") -> tuple[zero_lesson.ZeroResult, ddp.CommMeter]:
+    """The FP8 GPT on this rank's slice of lesson 02's batches, in microbatches. mode "unsharded":
+    data parallel (02's ZeRO-0), each weight cast once per step; "zero3": 02's ZeRO-3, fp32
+    all-gathers, a cast in each forward; "zero3-fp8": the weights under Float8ZeRO. Returns the
+    result (stats: padded elements and casts) and a meter of the steps (not of the probes)."""
+    world, rank = ddp.group_size(group), dist.get_rank(group)
+    if mode not in FLOAT8_ZERO_MODES:
+        raise ValueError(f"mode={mode!r} must be one of {FLOAT8_ZERO_MODES}")
+    if microbatches < 1 or global_batch % (world * microbatches):
+        raise ValueError(f"global_batch={global_batch} is not divisible by the group size x microbatches "
+                         f"= {world} x {microbatches}")
+    model = convert_to_float8(ddp.GPT(cfg)).to(device)
+    weights, settings = set(float8_weights(model)), dict(lr=lr, adam_eps=adam_eps)
+    if mode == "unsharded":
+        zeros = [zero_lesson.ZeRO(model, 0, group, **settings)]
+    else:
+        rest = zero_lesson.ZeRO(model, 3, group, owns=lambda p: p not in weights, **settings)
+        zeros = [rest, Float8ZeRO(model, group, **settings) if mode == "zero3-fp8"
+                 else zero_lesson.ZeRO(model, 3, group, owns=lambda p: p in weights, **settings)]
+    initial_casts = getattr(zeros[-1], "weight_casts", 0)
+    result, meters, local_losses = zero_lesson.ZeroResult([], {}, {}), [], []
+    for step in range(steps):
+        tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, rank, world)
+        with ddp.comm_meter() as meter:
+            with contextlib.ExitStack() as accumulate:
+                for zero in zeros:
+                    accumulate.enter_context(zero.no_sync())
+                if mode == "unsharded":
+                    accumulate.enter_context(weights_cast_once(model))
+                loss = 0.0
+                for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True):
+                    microbatch_loss = model(x.to(device), y.to(device)) / microbatches
+                    microbatch_loss.backward()
+                    loss += microbatch_loss.detach()
+            for zero in zeros:
+                zero.finish_gradient_sync()
+        if step == 0:
+            for zero in zeros:
+                result.first_grads.update(zero.gather_full([u.grad_shard for u in zero.units]))
+        with ddp.comm_meter() as update_meter:
+            squares = sum(zero.grad_squares() for zero in zeros)
+            for zero in zeros:
+                zero.clip_and_update(squares)
+                zero.zero_grad()
+        meters += [meter, update_meter]
+        local_losses.append(loss)
+    losses = torch.stack(local_losses).double()
+    ddp.all_reduce(losses, group=group)
+    result.losses = (losses / world).tolist()
+    result.params = {k: v for z in zeros for k, v in z.full_state_dict()["params"].items()}
+    result.stats = dict(padded=[sum(u.padded for u in z.units) for z in zeros], n_weights=len(weights),
+                        weight_casts=getattr(zeros[-1], "weight_casts", 0) - initial_casts)
+    return result, zero_lesson.merge_meters(meters)
+
+
+def communication_demo(args: argparse.Namespace) -> None:
+    """On each rank: the three modes of train_float8_zero; rank 0 prints bytes, counts, differences."""
+    device = ddp.init_distributed()
+    world, steps, m = dist.get_world_size(), 3, 2
+    shape = (ddp.ModelConfig(), steps, args.batch, args.seq_len)
+    runs = {mode: train_float8_zero(*shape, mode=mode, microbatches=m, device=device)
+            for mode in FLOAT8_ZERO_MODES}
+    casts = [None] * world if dist.get_rank() == 0 else None
+    dist.gather_object(runs["zero3-fp8"][0].stats["weight_casts"] // steps, casts, dst=0)
+    if dist.get_rank() == 0:
+        (rest, weights), n = runs["zero3"][0].stats["padded"], runs["zero3"][0].stats["n_weights"]
+        ring = Fraction(world - 1, world)
+        gathered = {b: m * 2 * ring * b * weights for b in (4, 2, 1)}  # the weights' part, b B an element
+        print(f"\nZeRO-3 of the FP8 GPT on {world} ranks ({dist.get_backend()}, {device.type}), {m} "
+              f"microbatches, {steps} steps. Its {n} Float8Linear weights\n({weights:,} elements, padded per "
+              f"block) in a ZeRO of their own, the other parameters ({rest:,}) in lesson 02's.\nAll-gather "
+              f"bytes per rank per step, measured | formula 2m (N-1)/N x (4 B x {rest:,} + b x {weights:,}):")
+        for mode, b in (("zero3", 4), ("zero3-fp8", 1)):
+            measured = runs[mode][1].traffic("all_gather") / steps
+            formula = gathered[b] + m * 2 * ring * 4 * rest
+            print(f"  the weights in {'fp32' if b == 4 else 'FP8 '} (b = {b} B): {float(measured):>11,.0f} | "
+                  f"{float(formula):<11,.0f}{'' if measured == formula else ' (!=)'} of which the weights "
+                  f"{float(gathered[b]):>11,.0f}")
+        print(f"  (in bf16, b = 2 B, the weights' part would be {float(gathered[2]):,.0f}.) The gradients "
+              f"reduce-scatter in fp32 either way.")
+        calls = {mode: runs[mode][1].calls("all_reduce") // steps for mode in ("zero3", "zero3-fp8")}
+        amax = (runs["zero3-fp8"][1].traffic("all_reduce") - runs["zero3"][1].traffic("all_reduce")) / steps
+        print(f"All-reduces per step: {calls['zero3']} with fp32 gathers (each ZeRO's clipping norm), "
+              f"{calls['zero3-fp8']} with FP8 ones: + every weight's\n  amax, {float(amax):.0f} B | "
+              f"2 (N-1)/N x {AMAX_BYTES} B x {n} = {float(2 * ring * AMAX_BYTES * n):.0f} B, whatever the "
+              f"microbatches.")
+        print(f"Weight pieces cast per step, rank by rank: {casts} = the {n} weights + {sum(casts) - n} "
+              f"where a shard boundary cuts one:\n  each element once per step (fp32 gathers: each weight "
+              f"in each of the {m} forwards, {m * n} casts per rank).")
+        fp8 = runs["zero3-fp8"][0]
+        for mode, label in (("zero3", "the fp32-gather run"),
+                            ("unsharded", "the unsharded run (ZeRO-0, each weight cast once per step)")):
+            ref = runs[mode][0]
+            print(f"max |difference| of the FP8-gather run from {label}: loss "
+                  f"{max(abs(a - b) for a, b in zip(fp8.losses, ref.losses)):.1e}, step-0 gradients "
+                  f"{ddp.max_abs_diff(fp8.first_grads, ref.first_grads):.1e}, parameters after {steps} steps "
+                  f"{ddp.max_abs_diff(fp8.params, ref.params):.1e}")
+        print("Notice: a byte per gathered weight element, one small all-reduce per step, and the same bits "
+              "as casting whole weights:\nthe cast is elementwise and each weight's scale global (the "
+              "unsharded run sums its gradients in another order).")
+    ddp.exit_distributed()
 
 
 def demo(args: argparse.Namespace) -> None:
@@ -491,8 +770,7 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
-                                     formatter_class=ddp.DefaultsHelpFormatter)
+    parser = ddp.lesson_parser(__doc__)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -500,10 +778,16 @@ def main() -> None:
     parser.add_argument("--bench-tokens", type=int, default=16384)
     parser.add_argument("--eager", action="store_true", help="bench without torch.compile")
     args = parser.parse_args()
-    for name in ("steps", "batch", "seq_len", "bench_tokens"):
+    for name in ("steps", "batch", "seq_len", "bench_tokens", "nproc"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    (bench if args.bench else demo)(args)
+    if args.bench:
+        bench(args)
+        return
+    if args.batch % (2 * ddp.launch_world_size(args.nproc)):
+        parser.error(f"--batch {args.batch} is not divisible by 2 microbatches x {args.nproc} ranks")
+    demo(args)
+    ddp.launch(communication_demo, args, nproc=args.nproc)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ ONE MODEL, TRANSFORMED IN ONE ORDER (each step an earlier lesson's own function)
   01 GPT(cfg) -> 06 convert_to_moe + apply_expert_parallel (--moe, --ep) -> 08 convert_to_float8
   (--fp8) -> 03 apply_tensor_parallel (+ SP) -> 05 ContextParallelAttention as the attention
   function (zigzag ring; 07's kernel on a GPU) -> 04 cut_stage (v stages per rank for interleaved
-  1F1B) -> 02 ZeRO stage 0-3 over dp x cp (the experts: over the ranks holding the same ones).
+  1F1B) -> 02 ZeRO stage 0-3 over dp x cp (the experts: over the ranks holding the same ones; under
+  --fp8 --zero 3 the Float8Linear weights: 08's Float8ZeRO, all-gathered in FP8).
 TP rewrites modules and needs the whole model, CP only swaps a function, a stage cut deletes
 modules, ZeRO flattens the parameters as they finally are. EP comes before TP: it slices the
 experts into new parameters, and SP's hook must be registered on those. MoE layers are not split
@@ -36,7 +37,8 @@ load depend on which tokens share a forward, which microbatches and sequence chu
 COST per step per rank (the summary prints measured | formula per group of ranks)
   tp: 03's comm_formula for the stage's layers, m microbatches (n/a under ZB-H1, whose W re-runs
       part of the backward). cp: 05's ring per attention call (ZB-H1: the backward twice).
-  pp: 04's boundaries. dp x cp: 02's ZeRO traffic on the padded parameters (+ the norm's scalar).
+  pp: 04's boundaries. dp x cp: 02's ZeRO traffic on the padded parameters (+ the norm's scalar);
+  --fp8 --zero 3: 08's for the Float8Linear weights (1 B an element, + their amaxes once a step).
   ep: the all-to-alls depend on the routing (06 prints them): n/a.
 Memory: 02's formula on the stage's TP-local parameters: the dimensions multiply.
 
@@ -372,13 +374,19 @@ class Trainer:
                        if sizes.ep > 1 else set())
             for p in experts:
                 p.register_hook(lambda grad: grad / sizes.ep)
-            for kind, owns in (("dp_cp", lambda p, e=experts: p not in e),
+            # 08: under ZeRO-3 the Float8Linear weights get a ZeRO of their own, all-gathered in FP8
+            fp8_weights = set(fp8_lesson.float8_weights(model) if train.fp8 and train.zero_stage == 3 else ())
+            settings = dict(lr=train.lr, adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
+                            mixed_precision=train.mixed_precision)
+            for kind, owns in (("dp_cp", lambda p, e=experts | fp8_weights: p not in e),
                                ("ep_dp", lambda p, e=experts: p in e)):
                 if kind == "dp_cp" or experts:
                     self.zeros.append((stage, kind, zero_lesson.ZeRO(
-                        model, train.zero_stage, mesh.groups[kind], lr=train.lr, adam_eps=train.adam_eps,
-                        max_grad_norm=train.max_grad_norm, mixed_precision=train.mixed_precision,
-                        owns=owns if experts else None)))
+                        model, train.zero_stage, mesh.groups[kind], **settings,
+                        owns=owns if experts or fp8_weights else None)))
+            if fp8_weights:
+                self.zeros.append((stage, "dp_cp", fp8_lesson.Float8ZeRO(model, mesh.groups["dp_cp"],
+                                                                         **settings)))
         rows = train.global_batch // sizes.dp // train.microbatches
         seq = train.seq_len // sizes.cp // (sizes.tp if train.sequence_parallel else 1)
         self.boundary_shape = (rows, seq, cfg.dim)
@@ -404,6 +412,8 @@ class Trainer:
             with contextlib.ExitStack() as accumulate:
                 for *_, zero in self.zeros:
                     accumulate.enter_context(zero.no_sync())
+                for model in self.stages.values() if self.train.fp8 and self.train.zero_stage < 3 else ():
+                    accumulate.enter_context(fp8_lesson.weights_cast_once(model))  # 08: once per step
                 log = pp_lesson.run_schedule(self.plan, self.stages, tokens, targets, self.mesh.groups["pp"],
                                              boundary_shape=self.boundary_shape)
             for *_, zero in self.zeros:
@@ -567,8 +577,11 @@ class Trainer:
             boundaries = sum((st < self.plan.n_stages - 1) + (st > 0) for st in self.stages)
             out["pp"] = norm(sizes.pp) + boundaries * m * math.prod(self.boundary_shape) * 4
         for _, kind, z in self.zeros:  # 02: ZeRO on the stage's padded parameters (+ the norm's scalar)
-            n = ddp.group_size(self.mesh.groups[kind])
-            ops = zero_lesson.zero_traffic_per_step(sum(u.padded for u in z.units), n, train.zero_stage, 4, 4)
+            n, padded = ddp.group_size(self.mesh.groups[kind]), sum(u.padded for u in z.units)
+            if isinstance(z, fp8_lesson.Float8ZeRO):  # 08: 1 B per weight element, + the amaxes
+                ops = fp8_lesson.float8_zero_traffic(padded, z.n_weights, n)
+            else:
+                ops = zero_lesson.zero_traffic_per_step(padded, n, train.zero_stage, 4, 4)
             gathers = m if train.zero_stage == 3 else 1  # ZeRO-3: around each microbatch's F and B
             out[kind] = (out.get(kind, 0) + ops.get("all_gather", 0) * gathers + ops.get("reduce_scatter", 0)
                          + ops.get("all_reduce", 0) + (norm(n) if train.zero_stage else 0))

@@ -14,21 +14,27 @@ Kernel tests run on DEVICE: CPU tensors in the interpreter, CUDA tensors for the
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import importlib
 import math
+import re
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 fp8 = importlib.import_module("08_fp8")
 ddp = importlib.import_module("01_ddp")
+from test_02_zero import (ADAM_EPS, GRAD_ATOL, GRAD_RTOL, LOSS_ATOL, PARAM_ATOL,  # noqa: E402
+                          assert_close_by_name)
 
 E4M3, E5M2, DEVICE = fp8.E4M3, fp8.E5M2, fp8.DEVICE
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)  # no CUDA call on CPU
@@ -524,3 +530,214 @@ def test_cuda_triton_kernel_equals_torch_on_bf16(dtype):
     x = fp8.realistic_activations(96, 512).to("cuda", torch.bfloat16)
     for tile_cols in (None, 128):
         assert_same_quantisation(x, tile_cols, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 communication: one weight cast per step; ZeRO-3 all-gathers the casts (Float8ZeRO)
+# ----------------------------------------------------------------------------------------------
+# Tolerances. The gathered casts must be the whole weights' casts bit for bit (bytes and scales
+# compared as integers, NaN included): max is exact, the scale the same fp32 division and the cast
+# elementwise with it. Training: Float8ZeRO against 02's ZeRO-3 with fp32 all-gathers (each forward
+# casting the gathered weight) runs the same operations on the same bits: equal exactly. Against the
+# unsharded run (02's ZeRO-0, whole weights, each cast once per step) the gradients are summed in
+# another order (one all-reduce of the whole model, not a reduce-scatter per unit): 02's fp32
+# tolerances, derived in test_02_zero.py; step 0's casts are the same bits, and over 12 drawn
+# configurations the differences stayed at the rounding of those sums (losses 0, gradients <= 7.5e-9,
+# parameters <= 1.9e-9; 1.2e-7 in the demo's larger model). (A weight an ulp from an e4m3 rounding
+# midpoint could round the other way on the next step, an e4m3 step apart; none did.)
+
+FEW_EXAMPLES = max(3, settings.default.max_examples // 3)  # each example trains 3 models on a rank pool
+SPECIALS = ("none", "nan", "inf", "zero weight", "huge")
+
+
+def tiny_fp8_gpt(cfg: ddp.ModelConfig, special: str = "none", seed: int = 0) -> nn.Module:
+    """The GPT with Float8Linear layers, one weight given a special value (the same on every rank)."""
+    model = fp8.convert_to_float8(ddp.GPT(cfg))
+    weights = fp8.float8_weights(model)
+    gen = torch.Generator().manual_seed(seed)
+    weight = weights[int(torch.randint(len(weights), (), generator=gen))]
+    element = int(torch.randint(weight.numel(), (), generator=gen))
+    with torch.no_grad():
+        if special == "zero weight":
+            weight.zero_()
+        elif special == "huge":
+            weight.mul_(1e30)
+        elif special != "none":
+            weight.view(-1)[element] = float(special)
+    return model
+
+
+def gathered_casts(cfg: ddp.ModelConfig, special: str, seed: int):
+    """On every rank: the (bytes, scale bits) each Float8Linear receives from Float8ZeRO's
+    all-gather as the forward reaches it, and each unit's (offsets, shapes, owned range)."""
+    model = tiny_fp8_gpt(cfg, special, seed)
+    zero = fp8.Float8ZeRO(model)
+    received = {}
+
+    def record(module: nn.Module, args: tuple, name: str) -> None:
+        q, scale = module.weight.float8_cast
+        received[name] = q.view(torch.uint8).clone(), scale.view(torch.int32).clone()
+
+    for name, module in model.named_modules():
+        if isinstance(module, fp8.Float8Linear):
+            module.register_forward_pre_hook(functools.partial(record, name=name))
+    with torch.no_grad():
+        model(torch.arange(6).view(1, 6) % cfg.vocab_size)
+    return received, [(u.offsets, u.shapes, (u.owned.start, u.owned.stop)) for u in zero.units]
+
+
+def row_split(layouts: list) -> bool:
+    """Whether a shard boundary falls inside some weight's row."""
+    for offsets, shapes, _ in layouts[0]:
+        boundaries = {owned[0] for rank in layouts for o, _, owned in rank if o == offsets} - {0}
+        if any(begin < b < end and (b - begin) % shape[1]
+               for b in boundaries for begin, end, shape in zip(offsets, offsets[1:], shapes)):
+            return True
+    return False
+
+
+@given(world=st.integers(1, 4), dim=st.sampled_from([10, 14]), ffn_dim=st.sampled_from([5, 7, 9, 11]),
+       n_layers=st.integers(1, 2), special=st.sampled_from(SPECIALS), seed=st.integers(0, 1000))
+def test_fp8_all_gather_is_the_whole_weights_cast_bit_for_bit(rank_pool, world, dim, ffn_dim, n_layers,
+                                                              special, seed):
+    """Shards that split rows, weights with NaN, inf, all zeros or near fp32's max: each rank casts
+    its piece with the weight's global scale, and the gathered bytes are the whole weight's cast."""
+    cfg = ddp.ModelConfig(vocab_size=11, dim=dim, n_layers=n_layers, n_heads=1, ffn_dim=ffn_dim, seed=seed)
+    results = rank_pool.run(world, gathered_casts, cfg, special, seed)
+    model = tiny_fp8_gpt(cfg, special, seed)
+    for name, module in model.named_modules():
+        if isinstance(module, fp8.Float8Linear):
+            q, scale = fp8.quantize_tensorwise(module.weight.detach())
+            for received, _ in results:
+                assert torch.equal(received[name][0], q.view(torch.uint8)), name
+                assert torch.equal(received[name][1], scale.view(torch.int32)), name
+    assert world == 1 or row_split([layouts for _, layouts in results]), "no shard boundary inside a row"
+
+
+def train_counting_casts(cfg, steps, global_batch, seq_len, mode, microbatches):
+    """train_float8_zero on this rank, recording the numel of every e4m3 cast."""
+    casts, real = [], fp8.cast_to_fp8
+
+    def counting(x, scale, dtype):
+        if dtype == E4M3:
+            casts.append(x.numel())
+        return real(x, scale, dtype)
+
+    fp8.cast_to_fp8 = counting
+    try:
+        result, meter = fp8.train_float8_zero(cfg, steps, global_batch, seq_len, mode=mode,
+                                              microbatches=microbatches, adam_eps=ADAM_EPS)
+    finally:
+        fp8.cast_to_fp8 = real
+    return result, meter, casts
+
+
+@settings(max_examples=FEW_EXAMPLES)
+@given(world=st.integers(1, 4), microbatches=st.integers(1, 3), dim=st.sampled_from([10, 14]),
+       ffn_dim=st.sampled_from([5, 7, 9]), seq_len=st.integers(2, 6), seed=st.integers(0, 1000))
+def test_float8_zero3_trains_like_unsharded_fp8_with_a_byte_per_weight_element(
+        rank_pool, world, microbatches, dim, ffn_dim, seq_len, seed):
+    steps, global_batch = 3, world * microbatches
+    cfg = ddp.ModelConfig(vocab_size=11, dim=dim, n_heads=1, ffn_dim=ffn_dim, seed=seed)
+    runs = {mode: rank_pool.run(world, train_counting_casts, cfg, steps, global_batch, seq_len, mode,
+                                microbatches) for mode in fp8.FLOAT8_ZERO_MODES}
+    fp8_run, gathered, unsharded = (runs[mode][0][0] for mode in ("zero3-fp8", "zero3", "unsharded"))
+    assert fp8_run.losses == gathered.losses
+    for key in ("first_grads", "params"):
+        ours, theirs = getattr(fp8_run, key), getattr(gathered, key)
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), key
+    assert fp8_run.losses == pytest.approx(unsharded.losses, abs=LOSS_ATOL)
+    assert_close_by_name(fp8_run.first_grads, unsharded.first_grads, "step-0 gradient", atol=GRAD_ATOL,
+                         rtol=GRAD_RTOL)
+    assert_close_by_name(fp8_run.params, unsharded.params, "parameter", atol=PARAM_ATOL, rtol=0)
+
+    # Bytes per step: all-gathers before each microbatch's forward and backward, 4 B per element of
+    # the other parameters' units, 1 B per element of the weights' (padded: 02's layout); one
+    # all-reduce per ZeRO for the clipping norm's square, one more for every weight's amax.
+    model = fp8.convert_to_float8(ddp.GPT(cfg))
+    weights, ring = fp8.float8_weights(model), Fraction(world - 1, world)
+    (rest, padded_weights), n = fp8_run.stats["padded"], len(weights)
+    for mode, weight_bytes, all_reduces in (("zero3", 4, 2), ("zero3-fp8", 1, 3)):
+        for _, meter, _ in runs[mode]:
+            assert meter.traffic("all_gather") == steps * microbatches * 2 * ring * (4 * rest + weight_bytes
+                                                                                   * padded_weights)
+            assert meter.traffic("reduce_scatter") == steps * ring * 4 * (rest + padded_weights)
+            assert meter.calls("all_reduce") == steps * all_reduces
+            assert meter.traffic("all_reduce") == steps * 2 * ring * 4 * (2 + (n if weight_bytes == 1 else 0))
+    assert fp8.float8_zero_traffic(padded_weights, n, world)["all_gather"] == 2 * ring * padded_weights
+
+    # Casts per step: each Float8Linear call casts its input (n per microbatch); the weights are
+    # cast once per step whatever the microbatches: whole on every unsharded rank, in pieces under
+    # Float8ZeRO (plus once when it is built), every element on exactly one rank.
+    act_elements = steps * (global_batch // world) * seq_len * sum(w.shape[1] for w in weights)
+    weight_elements = sum(w.numel() for w in weights)
+    for _, _, casts in runs["zero3"]:
+        assert len(casts) == steps * 2 * n * microbatches, "fp32 gathers: a weight cast per forward"
+    for _, _, casts in runs["unsharded"]:
+        assert len(casts) == steps * (n * microbatches + n)
+        assert sum(casts) == act_elements + steps * weight_elements
+    pieces = [(len(casts) - steps * n * microbatches) / (steps + 1) for _, _, casts in runs["zero3-fp8"]]
+    assert all(p == int(p) and 1 <= p <= n for p in pieces) and sum(pieces) >= n, pieces
+    cast_weight_elements = sum(sum(casts) - act_elements for _, _, casts in runs["zero3-fp8"])
+    assert cast_weight_elements == (steps + 1) * weight_elements
+
+
+def test_weights_cast_once_per_step_changes_no_bit(monkeypatch):
+    """Three microbatches inside weights_cast_once: the weights are cast once, not three times, and
+    the outputs and gradients are those of a cast per forward; the cast is dropped on exit, so a
+    backward outside the step it was made for is refused rather than run on a stale cast."""
+    calls, real = [], fp8.quantize_tensorwise
+    monkeypatch.setattr(fp8, "quantize_tensorwise",
+                        lambda x, dtype=E4M3: calls.append(dtype) or real(x, dtype))
+    torch.manual_seed(0)
+    model = fp8.convert_to_float8(nn.Sequential(nn.Linear(12, 8), nn.Linear(8, 4)))
+    microbatches = [torch.randn(5, 12) for _ in range(3)]
+    runs = []
+    for once in (False, True):
+        model.zero_grad()
+        calls.clear()
+        with fp8.weights_cast_once(model) if once else contextlib.nullcontext():
+            outs = [model(x) for x in microbatches]
+            for out in outs:
+                out.square().sum().backward()
+        runs.append((outs, [p.grad.clone() for p in model.parameters()], calls.count(E4M3)))
+    (outs, grads, per_forward), (outs_once, grads_once, once) = runs
+    assert per_forward == 3 * (2 + 2) and once == 3 * 2 + 2, "x per forward; W per forward | once"
+    assert all(torch.equal(a, b) for a, b in zip(outs + grads, outs_once + grads_once, strict=True))
+    assert all(getattr(w, "float8_cast", None) is None for w in fp8.float8_weights(model))
+    with fp8.weights_cast_once(model):
+        out = model(microbatches[0])
+    with pytest.raises(RuntimeError, match="cast of this step is gone: run backward inside weights_cast"):
+        out.sum().backward()
+
+
+def float8_zero_misuse(cfg: ddp.ModelConfig) -> list[str]:
+    """On every rank: what Float8ZeRO refuses, each before any collective or wrong number."""
+    messages = []
+    model = fp8.convert_to_float8(ddp.GPT(cfg))
+    zero = fp8.Float8ZeRO(model)
+    tokens = torch.arange(4).view(1, 4)
+    with pytest.raises(ValueError) as error, fp8.weights_cast_once(model):  # released between uses
+        pass
+    messages.append(str(error.value))
+    zero.load_full_state_dict(zero.full_state_dict())  # recasts: the forward runs
+    before = model(tokens).detach()
+    with torch.no_grad():
+        zero.units[0].master.mul_(2)  # a change Float8ZeRO did not make: its casts are stale
+    with pytest.raises(RuntimeError) as error:
+        model(tokens)
+    messages.append(str(error.value))
+    with torch.no_grad():
+        zero.units[0].master.div_(2)
+    zero.cast_shards()
+    assert torch.equal(model(tokens).detach(), before)
+    return messages
+
+
+def test_float8_zero_refuses_stale_casts_and_unsharded_use(rank_pool):
+    cfg = ddp.ModelConfig(vocab_size=11, dim=10, n_heads=1, ffn_dim=7)
+    for messages in rank_pool.run(2, float8_zero_misuse, cfg):
+        assert "weights_cast_once needs whole weights" in messages[0]
+        assert re.search(r"FP8 cast of layers\.0\..* older than its weights: Float8ZeRO\.cast_shards",
+                         messages[1])
+    rank_pool.expect_invalid(2, fp8.Float8ZeRO, ddp.GPT(cfg), match="this model has none: convert_to_float8")
