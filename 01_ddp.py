@@ -53,6 +53,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -104,6 +105,10 @@ def _launched_rank(local_rank: int, fn: Callable, args: tuple, nproc: int, port:
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Like torchrun: N processes x all cores each would oversubscribe the CPU many times over.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    # tqdm's default lock is a multiprocessing semaphore, for forked children to share. A spawned
+    # rank shares it with no one, and exit_distributed's os._exit skips its release, so the launcher's
+    # resource tracker would find it "leaked" at exit: one process needs only a thread lock.
+    tqdm.set_lock(threading.RLock())
     fn(*args)
 
 
@@ -118,7 +123,8 @@ def launch_world_size(nproc: int) -> int:
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows every option's default, also for options without a help text."""
+    """--help shows every option's default once: also for options without a help text, and not a
+    second one (or "(default: None)") after a text that states it."""
 
     def _format_action(self, action: argparse.Action) -> str:
         if action.help is None and action.default not in (None, argparse.SUPPRESS):
@@ -126,12 +132,25 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             action.help = "(default: %(default)s)"
         return super()._format_action(action)
 
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        stated = action.default is None or "default" in (action.help or "")
+        return action.help if stated else super()._get_help_string(action)
+
+
+class LessonParser(argparse.ArgumentParser):
+    """Under torchrun every rank parses the same options: rank 0 alone prints the help or an
+    error, and every rank exits with the same code (2 for an error)."""
+
+    def _print_message(self, message: str, file=None) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            super()._print_message(message, file)
+
 
 def lesson_parser(doc: str, bench_help: str | None = None,
                   bench_steps: int = 5) -> argparse.ArgumentParser:
     """The options every lesson shares: --nproc, and --bench with its steps and rounds."""
-    parser = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()),
-                                     formatter_class=DefaultsHelpFormatter)
+    parser = LessonParser(description=" ".join(doc.split("\n\n")[0].split()),
+                          formatter_class=DefaultsHelpFormatter)
     nproc = torch.cuda.device_count() if torch.cuda.is_available() else 4
     parser.add_argument("--nproc", type=int, default=nproc, help="ranks when not under torchrun")
     if bench_help is not None:
@@ -145,9 +164,9 @@ def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn:
                   positive: tuple[str, ...] = (), validate: Callable[[int], None] | None = None) -> None:
     """The end of every lesson's main(): options in `positive` must be >= 1 and validate(world)
     checks the sizes against the world that will run, before any process starts; a failure is one
-    line and exit code 2, not a usage text or a traceback from every rank."""
+    line (once, under torchrun too) and exit code 2, not a usage text or a traceback from every rank."""
     try:
-        for name in ("nproc", *positive, *(("bench_steps",) if "bench" in args else ())):
+        for name in (*positive, "nproc", *(("bench_steps",) if "bench" in args else ())):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if getattr(args, "bench_rounds", 2) < 2:
@@ -179,23 +198,39 @@ def launch(fn: Callable, *args, nproc: int) -> None:
     if "RANK" in os.environ:
         fn(*args)
         return
+    ranks = mp.start_processes(_launched_rank, args=(fn, args, nproc, free_port()), nprocs=nproc,
+                               start_method="spawn", join=False)
     try:
-        mp.start_processes(_launched_rank, args=(fn, args, nproc, free_port()), nprocs=nproc,
-                           start_method="spawn")
-    except KeyboardInterrupt:  # Ctrl-C reached every local rank too: one line, not a traceback
+        while not ranks.join(grace_period=10):  # a rank fails: the others get 10 s to stop themselves
+            pass
+    except KeyboardInterrupt:  # Ctrl-C (the whole process group), or a signal to this process alone
+        for process in ranks.processes:  # SIGTERM stops a rank where it is (checkpoints are atomic)
+            process.terminate()
+        for process in ranks.processes:
+            process.join(10)
+            if process.is_alive():  # stuck in native code: no signal handler runs there
+                process.kill()
+                process.join()
         print(f"interrupted: the {nproc} local ranks stopped", file=sys.stderr)
         raise SystemExit(130) from None
+    except mp.ProcessExitedException as error:
+        if error.exit_code > 0:  # it left through exit_distributed(error): its line says why
+            raise SystemExit(error.exit_code) from None
+        raise
 
 
-def exit_distributed() -> None:
+def exit_distributed(error: str | None = None, code: int = 2) -> None:
     """The last call of a rank: wait for every rank, leave the group, then os._exit, skipping the
     interpreter's teardown: gloo's threads may still be releasing the last collective's tensors, and
-    abort ("terminate called without an active exception", pytorch PR #179291; 1 run in 5 here)."""
-    dist.barrier()
+    abort ("terminate called without an active exception", pytorch PR #179291; 1 run in 5 here).
+    With an error that every rank found (they agreed on it by a collective): one line, exit `code`."""
+    if error is not None:
+        print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
+    dist.barrier()  # every rank has printed before the first exits (the launcher stops the rest)
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(0 if error is None else code)
 
 
 # ----------------------------------------------------------------------------------------------

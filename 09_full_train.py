@@ -47,13 +47,17 @@ Bytes are tokens (vocabulary 256: no tokenizer), from --data FILE or the standar
 files. A ShardedLoader cuts windows of seq_len + 1 bytes in a seeded order per epoch; dp rank r takes
 rows [r B/d, (r+1) B/d) of each global batch, the Trainer slices them over cp and tp. AdamW, linear
 warmup then cosine, clipping over the whole mesh; fp32 on a CPU, 02's bf16 with fp32 masters on a GPU.
-- Checkpoints: each rank saves its ShardSpec pieces (parameters and AdamW moments, with global
-  indices), its RNG; rank 0 the step and the loader's position in global batches; each file written
-  aside then renamed, and a LATEST pointer moved last, so a crash mid-save leaves the previous one.
-  --resume rebuilds every whole tensor a rank needs from whichever pieces hold it and takes its own
-  slices: the mesh (dp, tp, the ZeRO stage) may change. Same mesh: bitwise the losses of an
-  uninterrupted run; another mesh: the same within fp32 rounding.
-- A NaN or inf loss stops every rank (the loss is global) before the update, naming the step.
+- Checkpoints: every element of every parameter and AdamW moment is written once across the mesh,
+  by one holder (tp rank 0 for a piece replicated over tp, the group's rank 0 at ZeRO-0), as runs of
+  global indices (ShardSpec), beside each rank's RNG; meta.json holds the step, the loader's position
+  in global batches and every file's size and sha256. Files are written aside then renamed and
+  LATEST moves last, so a crash mid-save leaves the previous checkpoint; the last --keep stay.
+  --resume checks sizes and checksums (each rank hashes its share of the files), then reads, memory-
+  mapped, only the index ranges that meet the slices the rank holds: the mesh (dp, tp, pp, the ZeRO
+  stage) may change. Same mesh: bitwise the losses of an uninterrupted run; another mesh: the same
+  within fp32 rounding. A damaged checkpoint is one line naming the file and the previous one.
+- A NaN or inf loss stops every rank (the loss is global) before the update, naming the step and
+  the last good checkpoint; no checkpoint is written that holds a NaN or an inf.
 - MFU = tokens/s x (6N + 12 L H Q T) / peak (PaLM; N without the embedding): 40-60% is good.
 - Activation memory: lesson 03's apply_recompute (--recompute selective | full) before the stage
   cut; the run prints step one's activation bytes per rank beside layers x microbatches x 03's
@@ -63,6 +67,7 @@ warmup then cosine, clipping over the whole mesh; fp32 on a CPU, 02's bf16 with 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
     python 09_full_train.py --resume             # after a kill: on from the last checkpoint
+    python 09_full_train.py --resume 200         # from an earlier kept checkpoint (--keep: the last 2)
     python 09_full_train.py --dp 1 --tp 1 --model 1b --attention flash --compile   # one H100
     torchrun --nproc_per_node=8 09_full_train.py --check --dp 2 --tp 2 --pp 2     # part 1's check
     python 09_full_train.py --check --dp 2 --cp 2 --tp 2 --sequence-parallel
@@ -76,14 +81,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
+import hashlib
 import importlib
 import itertools
+import json
 import math
 import os
+import shlex
 import shutil
+import socket
+import sys
 import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -490,17 +501,23 @@ class Trainer:
                 out.append((dataclasses.replace(spec, flat_start=begin, flat_stop=end), zero, unit, i))
         return out
 
-    def load(self, full: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-        """Take this rank's pieces of whole parameters and AdamW moments (name -> kind -> tensor,
-        e.g. from a checkpoint saved on another mesh) and continue from step `step`."""
-        states = {id(zero): {"step": step, **{kind: {} for kind in CHECKPOINT_KINDS}} for *_, zero in self.zeros}
-        for spec, zero, _, _ in self.param_specs():
-            index = spec.global_indices()
-            for kind in CHECKPOINT_KINDS:  # padding (index -1) holds zeros, as lesson 03 pads
-                values = full[spec.name][kind].view(-1)[index.clamp(min=0)].masked_fill(index < 0, 0)
-                states[id(zero)][kind][spec.name] = values.view(spec.local_shape)
+    @torch.no_grad()
+    def load(self, shards: dict[ShardSpec, dict[str, torch.Tensor]], step: int) -> None:
+        """Take this rank's ZeRO shards of the parameters and AdamW moments (each spec of
+        shard_specs() -> kind -> its values, e.g. read from a checkpoint saved on another mesh) and
+        continue from step `step`. Nothing but the shards is built: no whole tensor."""
+        flat = {id(unit): {kind: torch.zeros(unit.owned.stop - unit.owned.start) for kind in CHECKPOINT_KINDS}
+                for *_, zero in self.zeros for unit in zero.units}  # a unit's padding holds zeros
+        for spec, _, unit, i in self.shard_specs():
+            begin = unit.offsets[i] + spec.flat_start - unit.owned.start
+            for kind, values in shards[spec].items():
+                flat[id(unit)][kind][begin:begin + len(values)] = values
         for *_, zero in self.zeros:
-            zero.load_full_state_dict(states[id(zero)])
+            for unit in zero.units:  # what 02's load_full_state_dict does with the shards it cuts
+                state = {kind: t.to(unit.master.device) for kind, t in flat[id(unit)].items()}
+                unit.master.copy_(state.pop("params"))
+                zero.optimizer.state[unit.master] = {"step": torch.tensor(float(step)), **state}
+                zero._refresh_compute_params(unit)  # the compute copy; ZeRO-1/2 all-gather the parameters
         self.steps = step
 
     def shards(self, kind: str = "params") -> list[tuple[ShardSpec, torch.Tensor]]:
@@ -717,13 +734,20 @@ def flops_per_token(cfg, seq_len: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoints: each rank saves its ShardSpec pieces; any mesh reads back the slices it holds
+# Checkpoints: each element written once, by one holder; a resume reads only the slices it holds
 # ----------------------------------------------------------------------------------------------
-#   folder/step_00000100/rank00000.pt ...   each rank's pieces (parameters, AdamW moments), RNG
-#   folder/step_00000100/meta.pt            step, loader state, world size, model configuration
+#   folder/step_00000100/rank00000.pt ...   the pieces a rank is the designated holder of (their real
+#                                           elements: parameters, AdamW moments), and its RNG
+#   folder/step_00000100/meta.json          step, loader state, world size, model configuration, and
+#                                           every rank file's bytes and sha256
 #   folder/LATEST                           the last complete checkpoint, written last, atomically
+#   folder/LOCK                             held by the run that writes here (a second one is refused)
 
 CHECKPOINT_KINDS = ("params", *zero_lesson.ADAM_KEYS)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, or a folder that cannot be written: one line, what to do."""
 
 
 def checkpoint_config(cfg) -> dict:
@@ -732,96 +756,284 @@ def checkpoint_config(cfg) -> dict:
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k != "seed"}
 
 
-def _atomic_save(obj: object, path: Path) -> None:
-    """A reader sees the old file or the whole new one, never a part: write aside, then rename."""
+def whole(name: str, shape: tuple[int, ...]) -> ShardSpec:
+    """The spec of a whole parameter (one device holds it)."""
+    return ShardSpec(name, shape, 0, None, 0, 0, shape, 0, math.prod(shape))
+
+
+def piece_runs(spec: ShardSpec) -> torch.Tensor:
+    """The real elements of spec's piece as runs of consecutive global indices, in piece order: rows
+    (first global index, offset in the piece, length). A row of the TP-local tensor from its split
+    dimension on is contiguous in the global tensor, so a piece is at most one run per row: planning
+    a read costs rows, where spec.global_indices() costs every element."""
+    shape, local = spec.full_shape, spec.local_shape
+    dim = spec.tp_dim if spec.tp_dim is not None else (0 if spec.ep_start is not None else None)
+    if dim is None:  # held whole (replicated over tp, not an expert): one run
+        runs = torch.tensor([[0, 0, math.prod(shape)]])
+    else:
+        inner = math.prod(shape[dim + 1:])
+        start, real = (spec.tp_start, spec.tp_length) if spec.tp_dim is not None else (0, local[0])
+        rows = torch.arange(math.prod(shape[:dim])).view(shape[:dim])
+        if spec.ep_start is not None and dim > 0:  # this rank's experts: a narrower dim 0
+            rows = rows.narrow(0, spec.ep_start, local[0])
+        elif spec.ep_start is not None:
+            start += spec.ep_start
+        first = rows.flatten() * shape[dim] * inner + start * inner
+        runs = torch.stack([first, torch.arange(len(first)) * local[dim] * inner,
+                            torch.full_like(first, real * inner)], 1)
+    begin = runs[:, 1].clamp(min=spec.flat_start)
+    end = (runs[:, 1] + runs[:, 2]).clamp(max=spec.flat_stop)
+    runs = torch.stack([runs[:, 0] + begin - runs[:, 1], begin - spec.flat_start, end - begin], 1)
+    return runs[begin < end]
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two pieces' runs (each sorted and disjoint) -> the elements they share, as rows (offset in a,
+    offset in b, length). The runs of b that meet a run of a lie between two binary searches."""
+    a_start, b_start = a[:, 0].contiguous(), b[:, 0].contiguous()
+    a_end, b_end = a_start + a[:, 2], b_start + b[:, 2]
+    first = torch.searchsorted(b_end, a_start, right=True)  # b's first run that ends after a's starts
+    count = (torch.searchsorted(b_start, a_end) - first).clamp(min=0)
+    i = torch.repeat_interleave(torch.arange(len(a)), count)
+    j = first[i] + torch.arange(len(i)) - torch.repeat_interleave(count.cumsum(0) - count, count)
+    begin, end = torch.maximum(a_start[i], b_start[j]), torch.minimum(a_end[i], b_end[j])
+    return torch.stack([a[i, 1] + begin - a_start[i], b[j, 1] + begin - b_start[j], end - begin], 1)
+
+
+class _HashingFile:
+    """A file that hashes and counts what is written to it (torch.save writes to any .write)."""
+
+    def __init__(self, file) -> None:
+        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.size += memoryview(data).nbytes
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _atomic_write(path: Path, write: Callable[[_HashingFile], object]) -> tuple[int, str]:
+    """A reader sees the old file or the whole new one, never a part: write aside, then rename.
+    Returns the bytes written and their sha256, computed while writing."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        out = _HashingFile(f)
+        write(out)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return out.size, out.sha256.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def all_ranks(obj: object) -> list:
+    """Every rank's obj, in rank order, on every rank (an all-gather: it also waits for all)."""
+    objects = [None] * dist.get_world_size()
+    dist.all_gather_object(objects, obj)
+    return objects
+
+
+def first_problem(problem: str | None) -> str | None:
+    """The lowest rank's problem (None: no rank has one), on every rank: they all stop, or none."""
+    return next((p for p in all_ranks(problem) if p is not None), None)
+
+
+def lock_checkpoints(folder: str | os.PathLike):
+    """Hold folder/LOCK while the returned file stays open. The kernel releases an flock when its
+    process ends, killed too, so a crash leaves no stale lock. A folder another run holds, or a
+    --checkpoint-dir that is a file, is refused in one line."""
+    root = Path(folder)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"--checkpoint-dir {folder} is a file, not a folder")
+    root.mkdir(parents=True, exist_ok=True)
+    handle = open(root / "LOCK", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise CheckpointError(f"--checkpoint-dir {folder} is in use by a running run ({holder}): wait for "
+                              f"it to end, or choose another --checkpoint-dir") from None
+    handle.truncate(0)
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                 f"{shlex.join(sys.argv)}")
+    handle.flush()
+    return handle
 
 
 def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     pointer = Path(folder) / "LATEST"
-    return Path(folder) / pointer.read_text().strip() if pointer.exists() else None
+    return Path(folder) / pointer.read_text().strip() if pointer.is_file() else None
 
 
 def rng_state() -> dict[str, torch.Tensor]:
     return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
 
 
-def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list, meta: dict, config: dict,
-                    rank: int, world: int, barrier: Callable[[], None]) -> Path:
-    """Every rank calls this with its pieces [(ShardSpec, {kind: tensor})] on a filesystem every rank
-    sees; barrier() waits for all ranks. A crash before LATEST moves leaves the previous checkpoint;
-    once it has moved, the older folders (and any partial one from a crashed save) are deleted."""
+def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list, meta: dict, config: dict, rank: int,
+                    world: int, exchange: Callable[[object], list], keep: Sequence[int] = ()) -> Path:
+    """Every rank calls this with the pieces it is the designated holder of, [(ShardSpec, {kind:
+    tensor})], on a filesystem every rank sees; exchange(x) returns every rank's x (all_ranks). Each
+    rank file is written aside and renamed; meta.json records every file's size and sha256; LATEST
+    moves last, so a crash before leaves the previous checkpoint. Then the step folders other than
+    this one and `keep` (this run's earlier steps) are deleted."""
     root = Path(folder)
     target = root / f"step_{step:08d}"
     target.mkdir(parents=True, exist_ok=True)
-    rows = [(dataclasses.astuple(spec), data) for spec, data in pieces]
-    _atomic_save({"pieces": rows, "rng": rng_state()}, target / f"rank{rank:05d}.pt")
+    real = lambda spec, t: torch.cat([t[o:o + n] for _, o, n in piece_runs(spec).tolist()])  # noqa: E731
+    rows = [(dataclasses.astuple(spec), {kind: real(spec, t) for kind, t in data.items()})
+            for spec, data in pieces]
+    name = f"rank{rank:05d}.pt"
+    size, sha256 = _atomic_write(target / name, lambda f: torch.save({"pieces": rows, "rng": rng_state()}, f))
+    files = {n: {"bytes": b, "sha256": h} for n, b, h in exchange((name, size, sha256))}
+    missing = [n for n in files if not (target / n).exists()]
+    if missing:  # every rank sees the same files: all raise, none waits in the next exchange
+        raise RuntimeError(f"{target}: {missing} are not there (is {root} on a filesystem every rank "
+                           f"sees?); LATEST not moved")
     if rank == 0:
-        _atomic_save({**meta, "step": step, "world": world, "config": config}, target / "meta.pt")
-    barrier()
-    missing = [r for r in range(world) if not (target / f"rank{r:05d}.pt").exists()]
-    if missing:  # every rank sees the same files: all raise, none waits in the next barrier
-        raise RuntimeError(f"{target}: ranks {missing} wrote no file (is {root} on a filesystem every "
-                           f"rank sees?); LATEST not moved")
-    if rank == 0:
-        (root / "LATEST.tmp").write_text(target.name)
-        os.replace(root / "LATEST.tmp", root / "LATEST")
+        record = json.dumps({**meta, "step": step, "world": world, "config": config, "files": files})
+        _atomic_write(target / "meta.json", lambda f: f.write(record.encode()))
+        for stale in target.iterdir():  # an earlier run's save at this step, on more ranks
+            if stale.name not in files and stale.name != "meta.json":
+                stale.unlink()
+        _atomic_write(root / "LATEST", lambda f: f.write(target.name.encode()))
+        kept = {target.name, *(f"step_{s:08d}" for s in keep)}
         for old in root.glob("step_*"):
-            if old != target:
+            if old.name not in kept:
                 shutil.rmtree(old)
-    barrier()
+    exchange(None)
     return target
 
 
-def read_meta(folder: str | os.PathLike, config: dict) -> dict:
-    """The last complete checkpoint's metadata; refuses another model configuration, naming the
-    fields that differ (main() calls this before any rank starts)."""
-    target = latest_checkpoint(folder)
-    if target is None:
+def _problem(target: Path, rank: int = 0, world: int = 1, checksums: bool = True) -> tuple[str | None, dict]:
+    """What is wrong with the checkpoint folder target (None: nothing), and its metadata. Every file
+    must be there at its recorded size; with checksums, this rank hashes every world-th file from
+    its rank (between them, the ranks of a resume read each file once)."""
+    if not target.is_dir():
+        return "its folder is missing", {}
+    try:
+        meta = json.loads((target / "meta.json").read_text(encoding="utf-8"))
+        files = [(name, record["bytes"], record["sha256"]) for name, record in meta["files"].items()]
+        lacking = sorted({"step", "world", "loader", "config"} - meta.keys())
+    except FileNotFoundError:
+        return "meta.json is missing", {}
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        return f"meta.json cannot be read ({type(error).__name__}: {error})", {}
+    if lacking:
+        return f"meta.json lacks {', '.join(lacking)}", {}
+    for i, (name, size, sha256) in enumerate(files):
+        path = target / name
+        if not path.is_file():
+            return f"{name} is missing", meta
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size:,} bytes where meta.json records {size:,}", meta
+        if checksums and i % world == rank and _sha256(path) != sha256:
+            return f"{name} does not match the sha256 that meta.json records (altered bytes)", meta
+    return None, meta
+
+
+def _step_of(path: Path) -> int | None:
+    number = path.name.removeprefix("step_")
+    return int(number) if path.name.startswith("step_") and number.isdigit() else None
+
+
+def resume_command(step: int) -> str:
+    """This run's command line (a run of this script; else the bare script) with --resume STEP."""
+    ours = Path(sys.argv[0]).name == Path(__file__).name
+    words = sys.argv[1:] if ours else []
+    words = [w for i, w in enumerate(words)
+             if not w.startswith("--resume") and not (w.isdigit() and words[i - 1:i] == ["--resume"])]
+    launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', 1)}"]
+                if "TORCHELASTIC_RUN_ID" in os.environ else ["python"])
+    script = sys.argv[0] if ours else Path(__file__).name
+    return shlex.join([*launcher, script, *words, "--resume", str(step)])
+
+
+def open_checkpoint(folder: str | os.PathLike, config: dict, step: int | None = None, rank: int = 0,
+                    world: int = 1, checksums: bool = True) -> tuple[Path, dict]:
+    """The checkpoint of `step` (None: the one LATEST names) and its metadata, checked: every file at
+    its recorded size, this rank's share of them hashed (checksums), the same model configuration.
+    A damaged one is a CheckpointError naming the step, the file, the previous complete checkpoint
+    and the command that resumes from it."""
+    root = Path(folder)
+    if step is not None:
+        target = root / f"step_{step:08d}"
+    elif (root / "LATEST").is_file():
+        target = root / (root / "LATEST").read_text(errors="replace").strip()
+    else:
         raise ValueError(f"{folder} holds no complete checkpoint (no LATEST file)")
-    meta = torch.load(target / "meta.pt", weights_only=True)
+    problem, meta = _problem(target, rank, world, checksums)
+    if problem is not None:
+        number = _step_of(target)
+        earlier = sorted((p for p in root.glob("step_*") if _step_of(p) is not None and p.is_dir()
+                          and (number is None or _step_of(p) < number)), key=_step_of, reverse=True)
+        previous = next((p for p in earlier if _problem(p, checksums=False)[0] is None), None)
+        where = f"step {number} ({target})" if number is not None else f"{target} (named by LATEST)"
+        advice = (f"the previous complete checkpoint is step {_step_of(previous)} ({previous}); resume from "
+                  f"it: {resume_command(_step_of(previous))}" if previous else
+                  "no earlier complete checkpoint is kept: train afresh without --resume")
+        raise CheckpointError(f"checkpoint {where} cannot be used: {problem}; {advice}")
     if meta["config"] != config:
         diff = ", ".join(f"{k}={meta['config'].get(k)} (this model: {config.get(k)})"
                          for k in sorted(meta["config"].keys() | config.keys())
                          if meta["config"].get(k) != config.get(k))
         raise ValueError(f"{target} was saved by another model configuration: {diff}; refusing to load it")
-    return meta
+    return target, meta
 
 
-def load_checkpoint(folder: str | os.PathLike, config: dict, names: set[str],
-                    rank: int = 0) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-    """The whole tensors of the parameters `names` (name -> kind -> tensor) from the last complete
-    checkpoint, and its metadata with this rank's saved RNG state ("rng"; None if the saved world
-    was smaller)."""
-    meta = read_meta(folder, config)
-    target = latest_checkpoint(folder)
-    pieces = []
-    for r in range(meta["world"]):
-        file = torch.load(target / f"rank{r:05d}.pt", mmap=True, weights_only=True)
-        meta["rng"] = file["rng"] if r == rank else meta.get("rng")
-        specs = [(ShardSpec(*fields), data) for fields, data in file["pieces"]]
-        pieces += [(spec, data) for spec, data in specs if spec.name in names]
-    held = assemble([(spec, torch.ones(spec.flat_stop - spec.flat_start)) for spec, _ in pieces], fill=0)
-    for name in names:
-        if name not in held or not held[name].all():
-            raise ValueError(f"{target}: the saved pieces do not cover every element of {name}")
-    kinds = pieces[0][1].keys() if pieces else ()  # every piece holds the same kinds
-    whole = {kind: assemble([(spec, data[kind]) for spec, data in pieces]) for kind in kinds}
-    return {name: {kind: tensors[name] for kind, tensors in whole.items()} for name in names}, meta
+class CheckpointReader:
+    """A checked checkpoint's rank files, memory-mapped: read(spec) copies out only the runs that
+    spec's piece shares with the saved pieces; nothing else of the files enters memory but their
+    specs and RNG states. bytes_read counts what was copied."""
+
+    def __init__(self, target: Path, meta: dict) -> None:
+        self.saved: dict[str, list[tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {}
+        self.rng = []  # by saved rank
+        for name in meta["files"]:
+            file = torch.load(target / name, mmap=True, weights_only=True)
+            self.rng.append(file["rng"])
+            for fields, data in file["pieces"]:
+                spec = ShardSpec(*fields)
+                runs = piece_runs(spec)
+                runs[:, 1] = runs[:, 2].cumsum(0) - runs[:, 2]  # saved compactly: the real elements only
+                self.saved.setdefault(spec.name, []).append((runs, data))
+        self.bytes_read = 0
+
+    def read(self, spec: ShardSpec, kinds: tuple[str, ...] = CHECKPOINT_KINDS) -> dict[str, torch.Tensor]:
+        """spec's piece (its flat range) of each kind; padding holds zeros, as lesson 03 pads."""
+        want = piece_runs(spec)
+        out = {kind: torch.zeros(spec.flat_stop - spec.flat_start) for kind in kinds}
+        covered = 0
+        for runs, data in self.saved.get(spec.name, ()):
+            for to, at, n in overlaps(want, runs).tolist():
+                for kind in kinds:
+                    out[kind][to:to + n] = data[kind][at:at + n]
+                covered += n
+        if covered != int(want[:, 2].sum()):
+            raise ValueError(f"the saved pieces do not cover every element of {spec.name} exactly once")
+        self.bytes_read += covered * 4 * len(kinds)
+        return out
 
 
 def load_model(model: nn.Module, folder: str | os.PathLike) -> dict:
-    """The last checkpoint's parameters into a whole one-device model (to sample from); returns the metadata."""
-    params = dict(model.named_parameters())
-    full, meta = load_checkpoint(folder, checkpoint_config(model.cfg), set(params))
+    """The last checkpoint's parameters into a whole one-device model (to sample from); returns the
+    metadata."""
+    target, meta = open_checkpoint(folder, checkpoint_config(model.cfg))
+    reader = CheckpointReader(target, meta)
     with torch.no_grad():
-        for name, param in params.items():
-            param.copy_(full[name]["params"])
+        for name, param in model.named_parameters():
+            param.copy_(reader.read(whole(name, tuple(param.shape)), ("params",))["params"].view(param.shape))
     return meta
 
 
@@ -861,49 +1073,75 @@ class RunConfig:
     eval_batches: int = 2
     save_every: int = 100  # 0: only at the end
     folder: str | None = "checkpoints/09"  # None: no checkpoints
+    keep: int = 2  # the last checkpoints kept: a damaged one names the one before
     resume: bool = False
+    resume_step: int | None = None  # None: the one LATEST names
     seed: int = 0
 
 
 def checkpoint_pieces(trainer: Trainer) -> list:
+    """The pieces this rank writes, so that each element is written once across the mesh: a piece
+    replicated over tp (no tp_dim) by tp rank 0, one replicated over its ZeRO group (stage 0: every
+    rank holds the whole unit) by the group's rank 0."""
     shards = {kind: trainer.shards(kind) for kind in CHECKPOINT_KINDS}
     return [(spec, {kind: shards[kind][i][1] for kind in CHECKPOINT_KINDS})
-            for i, (spec, _) in enumerate(shards["params"])]
+            for i, (spec, zero, _, _) in enumerate(trainer.shard_specs())
+            if (spec.tp_dim is not None or trainer.mesh.coords["tp"] == 0)
+            and (zero.stage > 0 or dist.get_rank(zero.group) == 0)]
 
 
-def resume(trainer: Trainer, loader: ShardedLoader, folder: str) -> int:
-    """Restore the parameters, AdamW, the data position and this rank's RNG; return the step. The
-    RNG draws nothing in this model (no dropout): it is restored for a model that does."""
-    names = {spec.name for spec, *_ in trainer.param_specs()}
-    try:
-        full, meta = load_checkpoint(folder, checkpoint_config(trainer.cfg), names, trainer.mesh.rank)
-        failed = None
-    except ValueError as error:  # e.g. pieces missing for one stage's parameters: only its ranks see it
-        failed = error
-    anyone = torch.tensor(float(failed is not None), device=trainer.device)
-    ddp.all_reduce(anyone)  # every rank stops, not only those that saw the problem
-    if failed is not None or anyone.item():
-        raise failed or ValueError("another rank could not load the checkpoint (see its error)")
-    trainer.load(full, meta["step"])
+def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[int, Path, int]:
+    """Restore the parameters, AdamW, the data position and this rank's RNG from the checked
+    checkpoint; return its step, its folder and the bytes this rank read. A problem any rank finds
+    (a damaged file, a piece missing) stops every rank with the same CheckpointError. The RNG draws
+    nothing in this model (no dropout): it is restored for a model that does."""
+    rank, world, problem = trainer.mesh.rank, trainer.mesh.sizes.world, None
+    try:  # each rank hashes its share of the files; all agree before any reads a file
+        target, meta = open_checkpoint(run.folder, checkpoint_config(trainer.cfg), run.resume_step, rank,
+                                       world)
+    except ValueError as error:
+        problem = str(error)
+    if (problem := first_problem(problem)) is not None:
+        raise CheckpointError(problem)
+    reader = CheckpointReader(target, meta)
+    try:  # e.g. pieces missing for one stage's parameters: only its ranks see it
+        shards = {spec: reader.read(spec) for spec, *_ in trainer.shard_specs()}
+    except ValueError as error:
+        problem = f"{target}: {error}"
+    if (problem := first_problem(problem)) is not None:
+        raise CheckpointError(problem)
+    trainer.load(shards, meta["step"])
     loader.load_state_dict(meta["loader"])
-    if meta["rng"] is not None:
-        torch.set_rng_state(meta["rng"]["cpu"])
-        if trainer.device.type == "cuda" and "cuda" in meta["rng"]:
-            torch.cuda.set_rng_state(meta["rng"]["cuda"], trainer.device)
-    return meta["step"]
+    if rank < meta["world"]:
+        torch.set_rng_state(reader.rng[rank]["cpu"])
+        if trainer.device.type == "cuda" and "cuda" in reader.rng[rank]:
+            torch.cuda.set_rng_state(reader.rng[rank]["cuda"], trainer.device)
+    return meta["step"], target, reader.bytes_read
 
 
 def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor, run: RunConfig,
                progress=None) -> dict:
     """Steps from the resumed one (or 0) to run.steps: the learning-rate schedule, the NaN guard
-    (stop before the update: the last good checkpoint stays), validation and checkpoints. Returns
-    per-step losses and times, validation losses, and one step's activation bytes (on every rank)."""
+    (stop before the update: the last good checkpoint stays), validation and checkpoints (never one
+    that holds a non-finite number). Returns per-step losses and times, validation losses, one
+    step's activation bytes, the bytes read on resume and the last checkpoint (on every rank)."""
     train, rank, sizes = trainer.train, trainer.mesh.rank, trainer.mesh.sizes
-    start = resume(trainer, loader, run.folder) if run.resume else 0
-    if run.resume and rank == 0:
-        print(f"resumed from {latest_checkpoint(run.folder)}: steps {start} to {run.steps}", flush=True)
-    measured = min(start + 1, run.steps - 1)  # the second step: the first one compiles, autotunes
-    out = dict(losses={}, times={}, val={}, measured=measured, activation_bytes=None)
+    out = dict(losses={}, times={}, val={}, activation_bytes=None, read=None, saved=None)
+    start, kept = 0, []  # kept: this run's checkpoints, a resumed one included
+    if run.resume:
+        start, target, out["read"] = resume(trainer, loader, run)
+        kept.append(start)
+        elements = sum(int(piece_runs(spec)[:, 2].sum()) for spec, *_ in trainer.shard_specs())
+        report = [None] * sizes.world if rank == 0 else None
+        dist.gather_object((out["read"], 4 * len(CHECKPOINT_KINDS) * elements), report, dst=0)
+        if rank == 0:
+            print(f"resumed from {target}: steps {start} to {run.steps}. Bytes each rank read from it "
+                  f"(memory-mapped) | its slices, (params + 2 AdamW moments) x 4 B x its shard's elements: "
+                  + ", ".join(f"{a:,}|{b:,}" for a, b in report), flush=True)
+    last_good = lambda: (  # noqa: E731
+        f"the last good checkpoint is {Path(run.folder) / f'step_{kept[-1]:08d}'}" if kept
+        else "no checkpoint of this run is kept")
+    out["measured"] = measured = min(start + 1, run.steps - 1)  # the second: the first compiles, autotunes
     for step in range(start, run.steps):
         trainer.set_lr(learning_rate(step, train.lr, run.warmup, run.steps, train.lr * run.min_lr_ratio))
         rows = next(loader)
@@ -915,8 +1153,8 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         else:
             loss = trainer.forward_backward(rows)
         if not math.isfinite(loss):  # the same global loss on every rank: every rank stops here
-            raise FloatingPointError(f"step {step}: the loss is {loss}; stopping without saving, the last "
-                                     f"good checkpoint is kept")
+            raise FloatingPointError(f"step {step}: the loss is {loss}; stopping without saving, "
+                                     f"{last_good()}")
         trainer.update()
         out["losses"][step], out["times"][step] = loss, time.perf_counter() - t0
         if progress is not None:
@@ -927,8 +1165,17 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
                                 sizes.dp, run.seed)
             out["val"][done] = sum(trainer.evaluate(next(val)) for _ in range(run.eval_batches)) / run.eval_batches
         if run.folder is not None and (done == run.steps or run.save_every and done % run.save_every == 0):
-            save_checkpoint(run.folder, done, checkpoint_pieces(trainer), {"loader": loader.state_dict()},
-                            checkpoint_config(trainer.cfg), rank, sizes.world, dist.barrier)
+            pieces = checkpoint_pieces(trainer)
+            finite = all(t.isfinite().all() for _, data in pieces for t in data.values())
+            bad = torch.tensor(float(not finite), device=trainer.device)
+            ddp.all_reduce(bad)  # any rank's: a checkpoint never holds a NaN or an inf
+            if bad.item():
+                raise FloatingPointError(f"step {step}'s update left parameters or AdamW moments that are "
+                                         f"not finite: step_{done:08d} is not written, {last_good()}")
+            out["saved"] = save_checkpoint(run.folder, done, pieces, {"loader": loader.state_dict()},
+                                           checkpoint_config(trainer.cfg), rank, sizes.world, all_ranks,
+                                           keep=kept[-(run.keep - 1):] if run.keep > 1 else ())
+            kept.append(done)
     return out
 
 
@@ -936,6 +1183,14 @@ def train_run(args: argparse.Namespace) -> None:
     """The default job: train on text, print progress, checkpoints, the figures, a sample."""
     device = ddp.init_distributed()
     cfg, sizes, train, run = build_model_config(args), mesh_sizes(args), train_config(args, device), run_config(args)
+    problem = lock = None
+    if run.folder is not None and dist.get_rank() == 0:  # held until this process ends
+        try:
+            lock = lock_checkpoints(run.folder)
+        except CheckpointError as error:
+            problem = str(error)
+    if (problem := first_problem(problem)) is not None:
+        ddp.exit_distributed(problem)
     train_tokens, val_tokens = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
     trainer = build_trainer(cfg, sizes, train, device)
     loader = ShardedLoader(train_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"], sizes.dp,
@@ -949,27 +1204,47 @@ def train_run(args: argparse.Namespace) -> None:
               f"{'bf16 + fp32 masters' if train.mixed_precision else 'fp32'}), ZeRO-{train.zero_stage}, attention "
               f"{train.attention}, recompute {train.recompute}{', compiled' if train.compile else ''}; "
               f"batch {train.global_batch} x {train.seq_len} bytes, AdamW lr {train.lr:g} warmup {run.warmup} + cosine; "
-              + (f"checkpoints to {run.folder} every {run.save_every or run.steps} steps and at the end"
-                 if run.folder else "no checkpoints"))
-    bar = tqdm(total=run.steps, disable=not rank0, desc="09", dynamic_ncols=True)
+              + (f"checkpoints to {run.folder} every {run.save_every or run.steps} steps and at the end, the "
+                 f"last {run.keep} kept" if run.folder else "no checkpoints"))
+    bars = []  # made at the first step: a resume that fails prints its line alone
 
     def progress(step: int, loss: float, seconds: float) -> None:
+        if not bars:
+            bars.append(tqdm(total=run.steps, initial=step, disable=not rank0, desc="09", dynamic_ncols=True))
         rate = tokens_per_step / seconds
-        bar.update(step + 1 - bar.n)
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", **({"mfu": f"{mfu(rate):.1%}"} if peak else {}))
+        bars[0].update(step + 1 - bars[0].n)
+        bars[0].set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}",
+                            **({"mfu": f"{mfu(rate):.1%}"} if peak else {}))
 
-    result = train_loop(trainer, loader, val_tokens, run, progress)
-    bar.close()
-    saved = [None] * sizes.world if rank0 else None
+    try:
+        result, failed = train_loop(trainer, loader, val_tokens, run, progress), None
+    except (CheckpointError, FloatingPointError) as error:  # found by every rank alike: one line each
+        failed = error
+    for bar in bars:
+        bar.close()
+    if failed is not None:
+        ddp.exit_distributed(str(failed), code=2 if isinstance(failed, CheckpointError) else 1)
+    saved, numels = ([None] * sizes.world if rank0 else None for _ in range(2))
     dist.gather_object(result["activation_bytes"], saved, dst=0)
+    dist.gather_object({spec.name: math.prod(spec.full_shape) for spec, *_ in trainer.param_specs()}, numels,
+                       dst=0)
     if rank0:
         print_run(cfg, trainer, result, saved, tokens_per_step, peak and mfu)
+        if result["saved"] is not None:
+            n = sum({k: v for part in numels for k, v in part.items()}.values())
+            formula = 4 * len(CHECKPOINT_KINDS) * n
+            disk = sum(f.stat().st_size for f in result["saved"].iterdir())
+            print(f"checkpoint {result['saved']}: {disk:,} B on disk = (params + 2 AdamW moments) x 4 B x "
+                  f"{n:,} parameters, each element once ({formula:,}) + {disk - formula:,} B of metadata "
+                  f"(meta.json; each rank file's specs, RNG and headers)")
         if run.folder is not None and args.sample_bytes:
             model = (reference_transform(train) or (lambda m: m))(ddp.GPT(cfg)).to(device)  # MoE: converted
             load_model(model, run.folder)
             prompt = args.prompt.encode()
             text = (prompt + greedy_sample(model, prompt, args.sample_bytes)).decode(errors="replace")
             print(f"Greedy sample from the checkpoint (a one-device lesson-01 GPT):\n{text}")
+    if lock is not None:
+        lock.close()
     ddp.exit_distributed()
 
 
@@ -1037,7 +1312,10 @@ def train_config(args: argparse.Namespace, device: torch.device | None = None) -
 
 def run_config(args: argparse.Namespace) -> RunConfig:
     return RunConfig(steps=args.steps, warmup=args.warmup, eval_every=args.eval_every, save_every=args.save_every,
-                     folder=None if args.no_save else args.checkpoint_dir, resume=args.resume, seed=args.seed)
+                     folder=None if args.no_save else args.checkpoint_dir, keep=args.keep,
+                     resume=args.resume is not None,
+                     resume_step=None if args.resume in (None, "latest") else int(args.resume),
+                     seed=args.seed)
 
 
 def reference_transform(train: TrainConfig):
@@ -1119,7 +1397,8 @@ def main() -> None:
     parser.add_argument("--virtual", type=int, default=1, help="stages per rank (interleaved)")
     parser.add_argument("--sequence-parallel", action="store_true", help="lesson 03's SP inside the tp groups")
     parser.add_argument("--fp8", action="store_true", help="lesson 08's Float8Linear layers")
-    parser.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 masters (02's); on by default on a GPU")
+    parser.add_argument("--bf16", action="store_true", default=None,
+                        help="bf16 compute, fp32 masters (02's); default: on with a GPU, off on a CPU")
     parser.add_argument("--model", default="tiny", choices=MODELS, help="the training run's preset")
     parser.add_argument("--kv-heads", type=int, help="key/value heads, grouped-query attention (default: "
                         "2 with --check, else the preset's query heads)")
@@ -1137,38 +1416,58 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100, help="steps between validation losses")
     parser.add_argument("--checkpoint-dir", default="checkpoints/09", help="one folder per run (--resume reads it)")
     parser.add_argument("--save-every", type=int, default=100, help="steps between checkpoints; 0: only at the end")
+    parser.add_argument("--keep", type=int, default=2,
+                        help="the last checkpoints kept (a damaged one names the one before)")
     parser.add_argument("--no-save", action="store_true", help="no checkpoints (and no sample)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    parser.add_argument("--prompt", default="    return ", help="the start of the greedy sample")
+    parser.add_argument("--resume", nargs="?", const="latest", metavar="STEP",
+                        help="continue from the last checkpoint, or from step STEP (one of those kept)")
+    parser.add_argument("--prompt", default="    return ",
+                        help="the start of the greedy sample (default: 4 spaces, then 'return ')")
     parser.add_argument("--sample-bytes", type=int, default=100, help="bytes the sample generates")
     parser.add_argument("--no-sample", dest="sample_bytes", action="store_const", const=0, help="no sample at the end")
     parser.add_argument("--seed", type=int, default=0, help="the data order's seed")
     args = parser.parse_args()
     args.moe = args.moe or args.ep > 1
     args.steps = (3 if args.check else 600) if args.steps is None else args.steps
-    for name in ("global_batch", "seq_len", "microbatches", "lr"):  # None: the preset's; 0 is not "none"
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0")
     sizes = mesh_sizes(args)
     if "RANK" not in os.environ:
         args.nproc = sizes.world  # the mesh sets how many local processes to start
 
-    def check(world: int) -> None:
+    def check(world: int) -> None:  # every option where it is wrong, whether or not this run uses it
+        rank0 = os.environ.get("RANK", "0") == "0"
+        for name in ("global_batch", "seq_len", "microbatches", "lr"):  # None: the preset's; 0 is not "none"
+            if getattr(args, name) is not None and not getattr(args, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if not args.max_grad_norm > 0:
+            raise ValueError(f"--max-grad-norm must be > 0 (inf: no clipping), not {args.max_grad_norm}")
+        for name, value in (("warmup", args.warmup), ("save-every", args.save_every),
+                            ("sample-bytes", args.sample_bytes)):
+            if value < 0:
+                raise ValueError(f"--{name} must be >= 0")
+        if args.resume not in (None, "latest") and not args.resume.isdigit():
+            raise ValueError(f"--resume takes the step of a kept checkpoint (a number), not {args.resume!r}")
+        if args.sample_bytes and not args.prompt:
+            raise ValueError("--prompt must not be empty: the sample continues it (--no-sample: no sample)")
         train = train_config(args)
         validate(build_model_config(args), sizes, train, world)
-        if not args.check:
-            train_tokens, _ = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
-            if args.resume and args.no_save:
-                raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")
-            if args.resume:  # the model and the data position must mean the same: refuse before any rank starts
-                meta = read_meta(args.checkpoint_dir, checkpoint_config(build_model_config(args)))
-                ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=args.seed).load_state_dict(
-                    meta["loader"])
-            elif not args.no_save and latest_checkpoint(args.checkpoint_dir) and os.environ.get("RANK", "0") == "0":
-                print(f"note: {latest_checkpoint(args.checkpoint_dir)} is from an earlier run; this run replaces "
-                      f"it at its first save (--resume continues it instead)")
+        if args.check:
+            return
+        train_tokens, _ = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
+        if args.resume is not None and args.no_save:
+            raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")
+        if not args.no_save and "RANK" not in os.environ:  # under torchrun, rank 0 takes the lock (train_run)
+            lock_checkpoints(args.checkpoint_dir).close()  # a file, or a folder another run holds: refused
+        if args.resume is not None:  # damaged, another model, other data: refused before any rank starts
+            _, meta = open_checkpoint(args.checkpoint_dir, checkpoint_config(build_model_config(args)),
+                                      run_config(args).resume_step, checksums=False)  # the ranks hash
+            ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=args.seed).load_state_dict(
+                meta["loader"])
+        elif not args.no_save and (earlier := latest_checkpoint(args.checkpoint_dir)) and rank0:
+            print(f"note: {earlier} is from an earlier run; this run replaces it at its first save (--resume "
+                  f"continues it instead)")
 
-    ddp.launch_lesson(parser, args, demo if args.check else train_run, ("steps", "warmup", "eval_every"), check)
+    positive = ("steps", "eval_every", "keep", *DIMS, "ep")
+    ddp.launch_lesson(parser, args, demo if args.check else train_run, positive, check)
 
 
 if __name__ == "__main__":

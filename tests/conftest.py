@@ -194,7 +194,8 @@ class RankPools:
 
 def run_script(script: str, *args: str, timeout: float = 180) -> str:
     """`python <script> <args>` as a reader runs it (its own local ranks, on the CPU even on a GPU
-    machine); its whole process group is killed if it overruns. Asserts exit 0; returns stdout."""
+    machine); its whole process group is killed if it overruns. Asserts exit 0 and no resource
+    tracker's warning at exit (a semaphore a rank left behind); returns stdout."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -204,6 +205,7 @@ def run_script(script: str, *args: str, timeout: float = 180) -> str:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stderr
+    assert "resource_tracker" not in stderr, stderr
     return stdout
 
 

@@ -21,15 +21,19 @@ train_reference (AdamW + clip_grad_norm_) on the same model converted by lesson 
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import math
+import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -189,17 +193,33 @@ def test_sixteen_ranks_every_dimension_two(rank_pool):
         assert all(s["traffic"][k] == f for k, f in s["traffic_formula"].items() if f is not None), s
 
 
+def normwise_differences(results, expected: dict[str, torch.Tensor]) -> dict[str, float]:
+    """||step-0 gradient - expected|| / ||expected|| per parameter, reassembled from the shards."""
+    got = nine.assemble([piece for r in results for piece in r[1]])
+    assert sorted(got) == sorted(expected)
+    return {name: ((g - expected[name].float()).norm() / expected[name].float().norm()).item()
+            for name, g in got.items()}
+
+
 def test_fp8_flag_trains_close_to_fp32(rank_pool):
     """Float8Linear (lesson 08) runs on the CPU through torch._scaled_mm. Its tensorwise scales are
-    per TP shard and per microbatch, so it is compared with the fp32 reference loosely: e4m3's 2^-4
-    relative rounding on the GEMMs moved the loss by 5e-4 at most over 3 steps here; a missed
-    reduction moves it by far more. And it must differ: FP8 really ran."""
+    per TP shard and per microbatch, so it is compared with the fp32 reference loosely. Losses:
+    e4m3's 2^-4 relative rounding on the GEMMs moved them by 5e-4 at most over 3 steps here; a
+    missed reduction moves them by far more. And they must differ: FP8 really ran. Gradients, per
+    parameter, in norm: a weight gradient is one FP8 GEMM of an e5m2 gradient and an e4m3
+    activation, off by at most u(e5m2) + u(e4m3) = 2^-3 + 2^-4 (unit roundoffs) when every rounding
+    aligns. Random roundings give ~u/sqrt(3) per operand, ~0.08, and the upstream gradient's own
+    rounding adds about as much in quadrature: ~0.11, the largest measured 0.112. A reduction missed
+    or done twice is off by >= 25%."""
     cfg, sizes = small_model(), nine.MeshSizes(dp=2, tp=2)
     train = nine.TrainConfig(global_batch=4, seq_len=8, microbatches=1, fp8=True, lr=LR, adam_eps=ADAM_EPS)
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
     ref = zero_lesson.train_reference(cfg, STEPS, train.global_batch, train.seq_len, lr=LR, adam_eps=ADAM_EPS)
     differences = [abs(a - b) for a, b in zip(results[0][0], ref.losses)]
     assert 1e-7 < max(differences) < 5e-3, differences
+    tolerance = sum(torch.finfo(dtype).eps / 2 for dtype in (torch.float8_e5m2, torch.float8_e4m3fn))
+    gradients = normwise_differences(results, ref.first_grads)
+    assert max(gradients.values()) < tolerance, gradients
 
 
 fp8_lesson = importlib.import_module("08_fp8")
@@ -284,7 +304,11 @@ def test_bf16_mixed_precision_follows_its_one_device_twin(rank_pool):
     """ZeRO's bf16 compute with fp32 masters through pipeline boundaries (bf16 activations), the
     ring and SP, against 02's one-device bf16 twin: bf16 keeps 8 bits, so sums in another order
     differ by ~1e-3 relative; the losses were within 3.6e-5 here (allowed: 5e-4). A missed
-    reduction would be off by the loss's own scale."""
+    reduction would be off by the loss's own scale. Gradients, per parameter, in norm: the two round
+    to bf16 at different points (tp and cp partial sums, microbatches, stage boundaries), each
+    rounding off by at most u = 2^-8; a layer-0 weight's gradient passes the roundings of the
+    layers above, forward and backward: 8u = 2^-5 allowed, the largest measured 0.0107 (2.7u). A
+    reduction missed or done twice is off by >= 25%."""
     cfg, sizes = small_model(), nine.MeshSizes(pp=2, cp=2, tp=2)
     train = nine.TrainConfig(global_batch=4, seq_len=8, microbatches=2, zero_stage=3, sequence_parallel=True,
                              lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5, mixed_precision=True)
@@ -292,6 +316,8 @@ def test_bf16_mixed_precision_follows_its_one_device_twin(rank_pool):
     ref = zero_lesson.train_reference(cfg, STEPS, 4, 8, lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5,
                                       mixed_precision=True)
     assert results[0][0] == pytest.approx(ref.losses, abs=5e-4)
+    gradients = normwise_differences(results, ref.first_grads)
+    assert max(gradients.values()) < 8 * torch.finfo(torch.bfloat16).eps / 2, gradients
 
 
 def test_mesh_coordinates_and_groups():
@@ -526,15 +552,19 @@ def test_greedy_sample_continues_with_the_most_likely_byte():
 
 BYTES = ddp.ModelConfig(vocab_size=256, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=24)
 TEXT = nine.read_tokens(None, max_bytes=6000)
+PER_ELEMENT = 4 * len(nine.CHECKPOINT_KINDS)  # fp32 parameter + AdamW's two moments
 
 
 class Interrupted(Exception):
     pass
 
 
-def train_run(sizes, train, run, stop_at=None, poison_at=None):
+def train_run(sizes, train, run, stop_at=None, poison_at=None, poison="params"):
     """On every rank: the real train_loop on a fresh Trainer over TEXT. stop_at: raise after that
-    step's update (a kill between checkpoints); poison_at: set a weight to NaN after that step."""
+    step's update (a kill between checkpoints); poison_at: after that step's update, set a weight
+    to NaN (every rank) or, poison="moments", rank 1's AdamW second moments to inf. Returns the
+    losses, the validation losses, the bytes read on resume and the bytes of this rank's slices
+    (its ZeRO shards' real elements, by ShardSpec.global_indices), or the error's text."""
     if sizes not in _meshes:
         _meshes[sizes] = nine.build_mesh(sizes)
     trainer = nine.Trainer(BYTES, _meshes[sizes], train, torch.device("cpu"))
@@ -543,24 +573,44 @@ def train_run(sizes, train, run, stop_at=None, poison_at=None):
                                 sizes.dp, run.seed)
 
     def progress(step, loss, seconds):
-        if step == poison_at:
+        if step == poison_at and poison == "params":
             next(iter(trainer.stages.values())).layers["0"].mlp_norm.weight.data.fill_(math.nan)
+        elif step == poison_at and trainer.mesh.rank == 1:
+            zero = trainer.zeros[0][2]
+            zero.optimizer.state[zero.units[0].master]["exp_avg_sq"].fill_(math.inf)
         if step == stop_at:
             raise Interrupted
 
     try:
         out = nine.train_loop(trainer, loader, val_tokens, run, progress)
-    except (Interrupted, FloatingPointError) as error:
+    except (Interrupted, FloatingPointError, nine.CheckpointError) as error:
         return str(error)
-    return out["losses"], out["val"]
+    slices = sum(int((spec.global_indices() >= 0).sum()) for spec, *_ in trainer.shard_specs())
+    return dict(losses=out["losses"], val=out["val"], read=out["read"], slices=PER_ELEMENT * slices)
 
 
-def test_resume_equals_the_uninterrupted_run_exactly_and_on_another_mesh(rank_pool, tmp_path):
+def one_device_validation(folder, train, run) -> float:
+    """The validation loss of the checkpoint's model on one device: the mean over the first
+    run.eval_batches global batches of the validation windows, as train_loop reads them."""
+    model = ddp.GPT(BYTES)
+    nine.load_model(model, folder)
+    _, val_tokens = nine.split_tokens(TEXT, train.seq_len, train.global_batch)
+    windows = nine.ShardedLoader(val_tokens, train.seq_len, train.global_batch, seed=run.seed)
+    with torch.no_grad():
+        losses = [model(rows[:, :-1], rows[:, 1:]).item()
+                  for rows in (next(windows) for _ in range(run.eval_batches))]
+    return sum(losses) / len(losses)
+
+
+def test_resume_reads_only_its_slices_and_equals_the_uninterrupted_run_on_any_mesh(rank_pool, tmp_path):
     tp_dp = nine.MeshSizes(dp=2, tp=2)
     train = nine.TrainConfig(global_batch=8, seq_len=8, lr=3e-3, max_grad_norm=1.0)
     run = nine.RunConfig(steps=6, warmup=2, eval_every=3, save_every=3, folder=str(tmp_path / "a"))
-    (full, full_val), *_ = rank_pool.run(4, train_run, tp_dp, train, run)
-    assert full[5] < full[0] - 0.05, "it learns"
+    full = rank_pool.run(4, train_run, tp_dp, train, run)[0]
+    assert full["losses"][5] < full["losses"][0] - 0.05, "it learns"
+    # The validation loss the run prints is one device's mean over the same windows (fp32 sums in
+    # another order: RESUME_ATOL); a sum over the eval batches, or one dp rank's rows alone, is not.
+    assert full["val"][6] == pytest.approx(one_device_validation(run.folder, train, run), abs=RESUME_ATOL)
     interrupted = dataclasses.replace(run, folder=str(tmp_path / "b"))
     assert rank_pool.run(4, train_run, tp_dp, train, interrupted, stop_at=4) == [""] * 4  # after step 3's save
     assert nine.latest_checkpoint(interrupted.folder).name == "step_00000003"
@@ -568,47 +618,164 @@ def test_resume_equals_the_uninterrupted_run_exactly_and_on_another_mesh(rank_po
     for sizes, stage in others:
         shutil.copytree(interrupted.folder, tmp_path / f"{sizes.dp}{sizes.pp}{stage}")
     resumed = dataclasses.replace(interrupted, resume=True)
-    for losses, val in rank_pool.run(4, train_run, tp_dp, train, resumed):
-        assert losses == {s: full[s] for s in (3, 4, 5)} and val == {6: full_val[6]}, "bitwise"
+    for result in rank_pool.run(4, train_run, tp_dp, train, resumed):
+        assert result["losses"] == {s: full["losses"][s] for s in (3, 4, 5)}, "bitwise"
+        assert result["val"] == {6: full["val"][6]}, "bitwise"
+        assert result["read"] == result["slices"], "a rank reads exactly the elements it holds"
     for sizes, stage in others:
         other = dataclasses.replace(resumed, folder=str(tmp_path / f"{sizes.dp}{sizes.pp}{stage}"))
-        for losses, val in rank_pool.run(4, train_run, sizes, dataclasses.replace(train, zero_stage=stage), other):
-            assert sorted(losses) == [3, 4, 5]
-            assert [losses[s] for s in (3, 4, 5)] == pytest.approx([full[s] for s in (3, 4, 5)], abs=RESUME_ATOL)
-            assert val[6] == pytest.approx(full_val[6], abs=RESUME_ATOL)
+        for result in rank_pool.run(4, train_run, sizes, dataclasses.replace(train, zero_stage=stage), other):
+            losses = result["losses"]
+            assert sorted(losses) == [3, 4, 5] and result["read"] == result["slices"]
+            assert [losses[s] for s in (3, 4, 5)] == pytest.approx([full["losses"][s] for s in (3, 4, 5)],
+                                                                   abs=RESUME_ATOL)
+            assert result["val"][6] == pytest.approx(full["val"][6], abs=RESUME_ATOL)
+
+
+# Replicated pieces: at ZeRO-0 both dp ranks hold every element, both tp ranks the norms (and the experts).
+@pytest.mark.parametrize("sizes, train", [
+    (nine.MeshSizes(dp=2, tp=2), nine.TrainConfig(global_batch=4, seq_len=8, zero_stage=0)),
+    (nine.MeshSizes(dp=2, tp=2, ep=2), nine.TrainConfig(global_batch=4, seq_len=8, moe=MOE)),
+], ids=["zero0-dp2-tp2", "moe-ep2-tp2"])
+def test_each_element_is_written_once(rank_pool, tmp_path, sizes, train):
+    run = nine.RunConfig(steps=1, warmup=1, eval_every=1, folder=str(tmp_path))
+    rank_pool.run(sizes.world, train_run, sizes, train, run)
+    model = (nine.reference_transform(train) or (lambda m: m))(ddp.GPT(BYTES))
+    n = sum(p.numel() for p in model.parameters())
+    target = nine.latest_checkpoint(tmp_path)
+    pieces = read_pieces(target)
+    payload = sum(t.untyped_storage().nbytes() for _, data in pieces for t in data.values())
+    assert payload == PER_ELEMENT * n, (payload, PER_ELEMENT * n)
+    # The rest is metadata: meta.json; per rank file its RNG (5,056 B) and the zip's directory (< 1 KB);
+    # per piece its ShardSpec and three zip records (< 1 KB). Pieces held twice would double the payload.
+    metadata = sum(f.stat().st_size for f in target.iterdir()) - payload
+    assert metadata < (target / "meta.json").stat().st_size + 6_000 * sizes.world + 1_000 * len(pieces)
+    nine.load_model(model, tmp_path)  # the reader refuses an element held by no piece, or by two
+
+
+DAMAGES = {  # what is done to step_00000003, what the message says
+    "truncated": (lambda d: os.truncate(d / "rank00001.pt", 1000), "rank00001.pt has 1,000 bytes where"),
+    "altered": (lambda d: flip_bytes(d / "rank00001.pt"), "rank00001.pt does not match the sha256"),
+    "missing": (lambda d: (d / "rank00000.pt").unlink(), "rank00000.pt is missing"),
+    "garbled metadata": (lambda d: (d / "meta.json").write_bytes(b"\x00{x"), "meta.json cannot be read"),
+    "LATEST to a missing step": (shutil.rmtree, "its folder is missing"),
+}
+
+
+def flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 8] = bytes(255 - b for b in data[len(data) // 2:len(data) // 2 + 8])
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_checkpoint_is_one_line_on_every_rank_naming_the_file_and_the_last_good(rank_pool,
+                                                                                          tmp_path):
+    sizes, train = nine.MeshSizes(dp=2), nine.TrainConfig(global_batch=4, seq_len=8)
+    run = nine.RunConfig(steps=3, warmup=1, eval_every=3, save_every=1, folder=str(tmp_path / "run"))
+    full = rank_pool.run(2, train_run, sizes, train, run)[0]
+    assert sorted(p.name for p in Path(run.folder).glob("step_*")) == ["step_00000002", "step_00000003"]
+    for case, (damage, what) in DAMAGES.items():
+        folder = tmp_path / case
+        shutil.copytree(run.folder, folder)
+        damage(folder / "step_00000003")
+        resumed = dataclasses.replace(run, folder=str(folder), resume=True)
+        for message in rank_pool.run(2, train_run, sizes, train, resumed, timeout=60):  # rank 1 hashes file 1
+            step_3, step_2 = folder / "step_00000003", folder / "step_00000002"
+            assert "\n" not in message, message
+            assert message.startswith(f"checkpoint step 3 ({step_3}) cannot be used: {what}"), (case, message)
+            assert message.endswith(f"the previous complete checkpoint is step 2 ({step_2}); resume from it: "
+                                    f"python 09_full_train.py --resume 2"), (case, message)
+    from_previous = dataclasses.replace(resumed, resume_step=2)
+    for result in rank_pool.run(2, train_run, sizes, train, from_previous):
+        assert result["losses"] == {2: full["losses"][2]} and result["val"] == full["val"], "bitwise"
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(rank_pool, tmp_path):
     sizes, train = nine.MeshSizes(dp=2), nine.TrainConfig(global_batch=4, seq_len=8, zero_stage=2)
     run = nine.RunConfig(steps=6, warmup=1, eval_every=6, save_every=2, folder=str(tmp_path))
     for message in rank_pool.run(2, train_run, sizes, train, run, poison_at=2):
-        assert message.startswith("step 3: the loss is nan; stopping without saving")
+        assert message == (f"step 3: the loss is nan; stopping without saving, the last good checkpoint is "
+                           f"{tmp_path / 'step_00000002'}")
     assert nine.latest_checkpoint(tmp_path).name == "step_00000002"
     model = ddp.GPT(BYTES)
     assert nine.load_model(model, tmp_path)["step"] == 2
     assert all(p.isfinite().all() for p in model.parameters())
 
 
-def test_another_model_configuration_and_uncovered_elements_are_refused(tmp_path):
+@pytest.mark.parametrize("poison", ["params", "moments"])
+def test_no_checkpoint_holds_a_non_finite_number(rank_pool, tmp_path, poison):
+    """Step 1's update leaves a NaN weight (every rank) or an inf second moment (rank 1's shard
+    only, so every rank must learn it from rank 1): step 2's checkpoint is not written."""
+    sizes, train = nine.MeshSizes(dp=2), nine.TrainConfig(global_batch=4, seq_len=8, zero_stage=2)
+    run = nine.RunConfig(steps=4, warmup=1, eval_every=4, save_every=1, folder=str(tmp_path))
+    for message in rank_pool.run(2, train_run, sizes, train, run, poison_at=1, poison=poison):
+        assert message == (f"step 1's update left parameters or AdamW moments that are not finite: "
+                           f"step_00000002 is not written, the last good checkpoint is "
+                           f"{tmp_path / 'step_00000001'}")
+    assert [p.name for p in tmp_path.glob("step_*")] == ["step_00000001"]
+    target, meta = nine.open_checkpoint(tmp_path, nine.checkpoint_config(BYTES))
+    reader = nine.CheckpointReader(target, meta)
+    for name, p in ddp.GPT(BYTES).named_parameters():
+        whole = nine.ShardSpec(name, tuple(p.shape), 0, None, 0, 0, tuple(p.shape), 0, p.numel())
+        assert all(t.isfinite().all() for t in reader.read(whole).values()), name
+
+
+def save_one(folder, step: int, pieces: list, config: dict | None = None) -> None:
+    nine.save_checkpoint(folder, step, [(spec, {"params": values}) for spec, values in pieces],
+                         {"loader": {}}, config or {}, 0, 1, lambda x: [x])
+
+
+def read_whole(folder, name: str, shape: tuple[int, ...], config: dict | None = None) -> torch.Tensor:
+    reader = nine.CheckpointReader(*nine.open_checkpoint(folder, config or {}))
+    whole = nine.ShardSpec(name, shape, 0, None, 0, 0, shape, 0, math.prod(shape))
+    return reader.read(whole, ("params",))["params"].view(shape)
+
+
+def test_another_model_configuration_and_uncovered_or_doubled_elements_are_refused(tmp_path):
     cfg = ddp.ModelConfig(vocab_size=256, dim=16, n_heads=2, ffn_dim=32)
-    spec = nine.ShardSpec("w", (4, 3), 0, 0, 0, 2, (2, 3), 0, 6)  # rows 0-1 of 4 (tp rank 0 of 2)
-    save = lambda step, pieces: nine.save_checkpoint(tmp_path, step, pieces, {}, nine.checkpoint_config(cfg),
-                                                     0, 1, lambda: None)  # noqa: E731
-    save(1, [(spec, {"params": torch.ones(6)})])
+    rows = nine.ShardSpec("w", (4, 3), 0, 0, 0, 2, (2, 3), 0, 6)  # rows 0-1 of 4 (tp rank 0 of 2)
+    save_one(tmp_path, 1, [(rows, torch.ones(6))], nine.checkpoint_config(cfg))
     other = nine.checkpoint_config(ddp.ModelConfig(vocab_size=256, dim=32, n_heads=2, ffn_dim=32, seed=5))
     with pytest.raises(ValueError, match="another model configuration: dim=16 \\(this model: 32\\); refusing"):
-        nine.load_checkpoint(tmp_path, other, {"w"})
-    with pytest.raises(ValueError, match="do not cover every element of w"):
-        nine.load_checkpoint(tmp_path, nine.checkpoint_config(cfg), {"w"})
+        nine.open_checkpoint(tmp_path, other)
+    with pytest.raises(ValueError, match="do not cover every element of w exactly once"):
+        read_whole(tmp_path, "w", (4, 3), nine.checkpoint_config(cfg))
+    whole = nine.ShardSpec("w", (4, 3), 0, None, 0, 0, (4, 3), 0, 12)
+    save_one(tmp_path / "twice", 1, [(rows, torch.ones(6)), (whole, torch.ones(12))])
+    with pytest.raises(ValueError, match="do not cover every element of w exactly once"):
+        read_whole(tmp_path / "twice", "w", (4, 3))
     with pytest.raises(ValueError, match="holds no complete checkpoint"):
-        nine.load_checkpoint(tmp_path / "nothing", {}, set())
+        nine.open_checkpoint(tmp_path / "nothing", {})
+
+
+@given(data=st.data())
+def test_piece_runs_are_the_global_indices_in_runs(data):
+    """piece_runs plans reads in rows: the same elements, in the same order, as global_indices."""
+    shape = tuple(data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=3), label="shape"))
+    dim = data.draw(st.sampled_from([None, *range(len(shape))]), label="tp_dim")
+    ep = data.draw(st.booleans(), label="expert") and (dim is None or dim > 0)
+    local, start, length, ep_start = list(shape), 0, 0, None
+    if ep:
+        local[0] = data.draw(st.integers(1, shape[0]))
+        ep_start = data.draw(st.integers(0, shape[0] - local[0]))
+    if dim is not None:  # a tp shard of size local[dim] (padded) starting at start, real length `length`
+        local[dim] = data.draw(st.integers(1, shape[dim] + 1))
+        start = data.draw(st.integers(0, shape[dim]))
+        length = min(local[dim], shape[dim] - start)
+    flat_start = data.draw(st.integers(0, math.prod(local)))
+    flat_stop = data.draw(st.integers(flat_start, math.prod(local)))
+    spec = nine.ShardSpec("w", shape, 0, dim, start, length, tuple(local), flat_start, flat_stop, ep_start)
+    index = spec.global_indices()
+    expected = [(int(i), p) for p, i in enumerate(index.tolist()) if i >= 0]
+    got = [(g + k, o + k) for g, o, n in nine.piece_runs(spec).tolist() for k in range(n)]
+    assert got == expected
 
 
 def test_a_fresh_run_saving_at_an_earlier_runs_step_replaces_it(tmp_path):
     spec = nine.ShardSpec("w", (6,), 0, None, 0, 0, (6,), 0, 6)
     for value in (1.0, 7.0):  # two runs into one folder, each saving at step 200
-        nine.save_checkpoint(tmp_path, 200, [(spec, {"params": torch.full((6,), value)})], {}, {}, 0, 1, lambda: None)
-    assert torch.equal(nine.load_checkpoint(tmp_path, {}, {"w"})[0]["w"]["params"], torch.full((6,), 7.0))
+        save_one(tmp_path, 200, [(spec, torch.full((6,), value))])
+    assert torch.equal(read_whole(tmp_path, "w", (6,)), torch.full((6,), 7.0))
 
 
 KILLED_SAVE = """
@@ -617,43 +784,173 @@ nine = importlib.import_module("09_full_train")
 folder, where = sys.argv[1:]
 kill = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
 spec = nine.ShardSpec("w", (1000,), 0, None, 0, 0, (1000,), 0, 1000)
-save = lambda step, barrier: nine.save_checkpoint(
-    folder, step, [(spec, {"params": torch.full((1000,), float(step))})], {}, {}, 0, 1, barrier)
-save(1, lambda: None)
+save = lambda step, exchange: nine.save_checkpoint(
+    folder, step, [(spec, {"params": torch.full((1000,), float(step))})], {"loader": {}}, {}, 0, 1, exchange)
+save(1, lambda x: [x])
 if where == "writing":
-    real_save = torch.save
-    torch.save = lambda obj, f: (real_save(obj, f), f.flush(), f.truncate(500), kill())
-save(2, kill)  # "barrier": every file is written, LATEST not moved yet
+    torch.save = lambda obj, f: (f.write(b"half a file"), kill())
+save(2, kill)  # "exchange": every rank file is written, meta.json and LATEST not yet
 """
 
 
-@pytest.mark.parametrize("where", ["writing", "barrier"])
+@pytest.mark.parametrize("where", ["writing", "exchange"])
 def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, where):
     proc = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(tmp_path), where], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    partial = tmp_path / "step_00000002" / ("rank00000.pt.tmp" if where == "writing" else "meta.pt")
+    partial = tmp_path / "step_00000002" / ("rank00000.pt.tmp" if where == "writing" else "rank00000.pt")
     assert partial.exists(), "the process died inside the second save"
-    full, meta = nine.load_checkpoint(tmp_path, {}, {"w"})
-    assert meta["step"] == 1 and torch.equal(full["w"]["params"], torch.ones(1000))
+    assert nine.open_checkpoint(tmp_path, {})[1]["step"] == 1
+    assert torch.equal(read_whole(tmp_path, "w", (1000,)), torch.ones(1000))
+
+
+def read_pieces(folder: Path) -> list:
+    return [(fields, data) for f in sorted(folder.glob("rank*.pt"))
+            for fields, data in torch.load(f, weights_only=True)["pieces"]]
 
 
 def test_the_training_run_on_one_process_end_to_end(tmp_path):
     """World 1 (the single-GPU path, here on the CPU): lesson 07's kernel, selective recompute,
-    a checkpoint, the sample; then --resume continues from it."""
-    common = ["--dp", "1", "--tp", "1", "--seq-len", "16", "--global-batch", "2", "--warmup", "1",
-              "--checkpoint-dir", str(tmp_path), "--sample-bytes", "4"]
-    out = run_script("09_full_train.py", *common, "--steps", "2", "--attention", "flash", "--recompute", "selective")
-    assert "attention flash" in out and "recompute selective" in out and "final: 1 timed steps" in out
-    assert "Greedy sample from the checkpoint" in out and nine.latest_checkpoint(tmp_path).name == "step_00000002"
-    out = run_script("09_full_train.py", *common, "--steps", "3", "--resume", "--attention", "flash",
-                     "--recompute", "selective")
-    assert "at step 2 -> " in out and nine.latest_checkpoint(tmp_path).name == "step_00000003"
-    for extra, message in ((["--resume", "--seq-len", "8"], "counts other windows: .*seq_len=16 \\(now 8\\)"),
-                           (["--resume", "--no-save"], "drop --no-save")):
-        proc = subprocess.run([sys.executable, "09_full_train.py", *common, *extra], cwd=ROOT, capture_output=True,
-                              text=True, timeout=120)
-        assert proc.returncode == 2 and re.search(message, proc.stderr) and "Traceback" not in proc.stderr, proc.stderr
+    checkpoints, the sample. --resume 2 in a copy of the folder repeats step 2: the same loss and
+    validation as printed, and bitwise the same step-3 checkpoint. Then altered bytes and a
+    truncated file: one line (from the rank, and before launch), exit code 2."""
+    common = ("--dp 1 --tp 1 --seq-len 16 --global-batch 2 --warmup 1 --steps 3 --save-every 2 "
+              "--sample-bytes 4 --attention flash --recompute selective").split()
+    a, b = tmp_path / "a", tmp_path / "b"
+    out = run_script("09_full_train.py", *common, "--checkpoint-dir", str(a))
+    assert "attention flash" in out and "recompute selective" in out and "final: 2 timed steps" in out
+    assert "Greedy sample from the checkpoint" in out and nine.latest_checkpoint(a).name == "step_00000003"
+    n = sum(p.numel() for p in ddp.GPT(nine.build_model_config(argparse.Namespace(check=False, model="tiny",
+                                                                               seed=0))).parameters())
+    assert f"B on disk = (params + 2 AdamW moments) x 4 B x {n:,} parameters, each element once " in out
+    shutil.copytree(a, b)
+    resumed = run_script("09_full_train.py", *common, "--checkpoint-dir", str(b), "--resume", "2")
+    assert f"resumed from {b / 'step_00000002'}: steps 2 to 3" in resumed
+    last_loss = re.search(r"-> (\S+ at step 2)", out).group(1)
+    assert f"train loss {last_loss} -> {last_loss}" in resumed
+    assert re.search(r"validation: .*", out).group() == re.search(r"validation: .*", resumed).group()
+    pieces = zip(read_pieces(a / "step_00000003"), read_pieces(b / "step_00000003"), strict=True)
+    for (spec_a, data_a), (spec_b, data_b) in pieces:
+        assert spec_a == spec_b and all(torch.equal(data_a[k], data_b[k]) for k in data_a), spec_a
+    flip_bytes(b / "step_00000003" / "rank00000.pt")
+    os.truncate(a / "step_00000003" / "rank00000.pt", 100)
+    for folder, extra, message in (
+            (b, ["--resume"], f"checkpoint step 3 \\({b / 'step_00000003'}\\) cannot be used: rank00000.pt "
+                              f"does not match the sha256 .*; the previous complete checkpoint is step 2 .*; "
+                              f"resume from it: python 09_full_train.py .* --resume 2$"),
+            (a, ["--resume"], "rank00000.pt has 100 bytes where meta.json records"),
+            (a, ["--resume", "2", "--seq-len", "8"], "counts other windows: .*seq_len=16 \\(now 8\\)"),
+            (a, ["--resume", "--no-save"], "drop --no-save")):
+        proc = subprocess.run([sys.executable, "09_full_train.py", *common, "--checkpoint-dir", str(folder),
+                               *extra], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert re.search(message, proc.stderr.strip()) and "Traceback" not in proc.stderr, proc.stderr
+
+
+def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, list, str]:
+    """09's main() in this process, up to the launch, which is recorded, not run: (exit code,
+    stderr, [the number of processes launched], stdout)."""
+    launched = []
+    monkeypatch.setattr(nine.ddp, "launch", lambda fn, args, nproc: launched.append(nproc))
+    monkeypatch.setattr(sys, "argv", ["09_full_train.py", *argv])
+    try:
+        nine.main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, err, launched, out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", ""], "--prompt must not be empty"),
+    (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be > 0"),
+    (["--save-every", "-1"], "--save-every must be >= 0"),
+    (["--dp", "0"], "--dp must be >= 1"),
+    (["--warmup", "0"], None),  # no warmup is a valid choice
+])
+def test_options_are_checked_before_launch_even_where_used_late(monkeypatch, capsys, tmp_path, argv, message):
+    monkeypatch.delenv("RANK", raising=False)
+    code, err, launched, _ = run_main(monkeypatch, capsys, *argv, "--checkpoint-dir", str(tmp_path))
+    if message is None:
+        assert code == 0 and launched == [4] and not err, err
+    else:
+        assert code == 2 and not launched and err.startswith(f"09_full_train.py: error: {message}"), err
+        assert err.count("\n") == 1, err
+
+
+def test_under_torchrun_rank_0_alone_prints_an_invalid_option(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        for argv in (["--max-grad-norm", "0"], ["--dp", "x"]):  # ours, and argparse's own
+            code, err, launched, _ = run_main(monkeypatch, capsys, *argv, "--checkpoint-dir", str(tmp_path))
+            assert code == 2 and not launched and bool(err) == (rank == "0"), (rank, err)
+
+
+def test_a_checkpoint_dir_in_use_or_that_is_a_file_is_refused_before_launch(monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv("RANK", raising=False)
+    held = nine.lock_checkpoints(tmp_path / "run")  # this process is "the running run"
+    code, err, launched, _ = run_main(monkeypatch, capsys, "--checkpoint-dir", str(tmp_path / "run"))
+    assert code == 2 and not launched and err.count("\n") == 1, err
+    assert f"--checkpoint-dir {tmp_path / 'run'} is in use by a running run (pid {os.getpid()} on " in err
+    held.close()
+    assert run_main(monkeypatch, capsys, "--checkpoint-dir", str(tmp_path / "run"))[::2] == (0, [4]), "free"
+    (tmp_path / "file").write_text("not a folder")
+    code, err, launched, _ = run_main(monkeypatch, capsys, "--checkpoint-dir", str(tmp_path / "file"))
+    assert code == 2 and not launched, err
+    assert err.endswith(f"--checkpoint-dir {tmp_path / 'file'} is a file, not a folder\n"), err
+
+
+def test_help_prints_one_default_per_option(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, _, _, text = run_main(monkeypatch, capsys, "--help")
+    assert code == 0
+    options = re.split(r"\n  (?=-)", text)[1:]
+    assert len(options) > 30 and "(default: None)" not in text
+    for option in options:
+        assert option.count("default") <= 1, option
+
+
+def rank_processes(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_sigint_to_the_launcher_alone_stops_its_ranks_before_it_says_so():
+    """`kill -INT <launcher pid>` (a scheduler; Ctrl-C signals the whole group): the launcher stops
+    its ranks, then prints its one line, last; no rank is left; no resource-tracker warning."""
+    args = "--dp 2 --tp 1 --seq-len 16 --global-batch 2 --steps 100000 --eval-every 100000 --no-save".split()
+    proc = subprocess.Popen([sys.executable, "09_full_train.py", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    err = bytearray()
+    chunks = iter(lambda: os.read(proc.stderr.fileno(), 4096), b"")
+    reader = threading.Thread(target=lambda: [err.extend(chunk) for chunk in chunks])
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not re.search(rb" [1-9]\d*/100000", err) and time.monotonic() < deadline:
+            time.sleep(0.2)  # until rank 0's bar shows a finished step
+        ranks = rank_processes(proc.pid)
+        assert len(ranks) == 2, err.decode()
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        reader.join(timeout=10)
+        text = err.decode(errors="replace")
+        assert proc.returncode == 130, text
+        assert text.rstrip().endswith("interrupted: the 2 local ranks stopped"), text
+        for rank in ranks:
+            with pytest.raises(ProcessLookupError):
+                os.kill(rank, 0)
+        assert "resource_tracker" not in text, text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        reader.join(timeout=10)
 
 
 @pytest.mark.parametrize("text, message", [(None, "no such file"), (b"", "the file is empty"),
