@@ -448,12 +448,19 @@ class ZeRO:
                                  f"has shape {tuple(shape)}")
         for name, p in self.frozen:
             p.copy_(state["params"][name])
-        for unit in self.units:
-            shards = {key: unit.flatten([state[key][n].to(unit.master.device) for n in unit.names],
-                                        torch.float32)[unit.owned].clone()
-                      for key in ("params", *ADAM_KEYS)}
-            unit.master.copy_(shards.pop("params"))
-            self.optimizer.state[unit.master] = {"step": torch.tensor(float(state["step"])), **shards}
+        self.load_shards([{key: unit.flatten([state[key][n].to(unit.master.device) for n in unit.names],
+                                             torch.float32)[unit.owned]
+                           for key in ("params", *ADAM_KEYS)} for unit in self.units], state["step"])
+
+    @torch.no_grad()
+    def load_shards(self, shards: list[dict[str, torch.Tensor]], step: int) -> None:
+        """This rank's shards, one {"params", *ADAM_KEYS: values of unit.owned} per unit, from
+        anywhere (a full state cut here, or a checkpoint that stores shards: lesson 09)."""
+        for unit, values in zip(self.units, shards, strict=True):
+            unit.master.copy_(values["params"])
+            self.optimizer.state[unit.master] = {"step": torch.tensor(float(step)),
+                                                 **{key: values[key].to(unit.master.device).clone()
+                                                    for key in ADAM_KEYS}}
             self._refresh_compute_params(unit)
 
 

@@ -476,8 +476,8 @@ class Float8ZeRO(zero_lesson.ZeRO):
         self.cast_shards()
         return norm
 
-    def load_full_state_dict(self, state: dict) -> None:
-        super().load_full_state_dict(state)
+    def load_shards(self, shards: list[dict[str, torch.Tensor]], step: int) -> None:
+        super().load_shards(shards, step)
         self.cast_shards()
 
     @torch.no_grad()

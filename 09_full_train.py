@@ -513,11 +513,7 @@ class Trainer:
             for kind, values in shards[spec].items():
                 flat[id(unit)][kind][begin:begin + len(values)] = values
         for *_, zero in self.zeros:
-            for unit in zero.units:  # what 02's load_full_state_dict does with the shards it cuts
-                state = {kind: t.to(unit.master.device) for kind, t in flat[id(unit)].items()}
-                unit.master.copy_(state.pop("params"))
-                zero.optimizer.state[unit.master] = {"step": torch.tensor(float(step)), **state}
-                zero._refresh_compute_params(unit)  # the compute copy; ZeRO-1/2 all-gather the parameters
+            zero.load_shards([flat[id(unit)] for unit in zero.units], step)
         self.steps = step
 
     def shards(self, kind: str = "params") -> list[tuple[ShardSpec, torch.Tensor]]:

@@ -632,6 +632,19 @@ def test_resume_reads_only_its_slices_and_equals_the_uninterrupted_run_on_any_me
             assert result["val"][6] == pytest.approx(full["val"][6], abs=RESUME_ATOL)
 
 
+def test_fp8_zero3_resumes_bitwise(rank_pool, tmp_path):
+    """Under --fp8 --zero 3 each rank keeps the e4m3 casts of its weight shards (lesson 08's
+    Float8ZeRO): a resume must cast them anew from the loaded masters, then go on bit for bit."""
+    sizes = nine.MeshSizes(dp=2, tp=2)
+    train = nine.TrainConfig(global_batch=8, seq_len=8, lr=3e-3, max_grad_norm=1.0, fp8=True, zero_stage=3)
+    run = nine.RunConfig(steps=4, warmup=2, eval_every=100, save_every=2, folder=str(tmp_path / "a"))
+    full = rank_pool.run(4, train_run, sizes, train, run)[0]
+    interrupted = dataclasses.replace(run, folder=str(tmp_path / "b"))
+    assert rank_pool.run(4, train_run, sizes, train, interrupted, stop_at=3) == [""] * 4  # after step 2's save
+    for result in rank_pool.run(4, train_run, sizes, train, dataclasses.replace(interrupted, resume=True)):
+        assert result["losses"] == {s: full["losses"][s] for s in (2, 3)}, "bitwise"
+
+
 # Replicated pieces: at ZeRO-0 both dp ranks hold every element, both tp ranks the norms (and the experts).
 @pytest.mark.parametrize("sizes, train", [
     (nine.MeshSizes(dp=2, tp=2), nine.TrainConfig(global_batch=4, seq_len=8, zero_stage=0)),
