@@ -833,8 +833,8 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
     out = run_script("09_full_train.py", *common, "--checkpoint-dir", str(a))
     assert "attention flash" in out and "recompute selective" in out and "final: 2 timed steps" in out
     assert "Greedy sample from the checkpoint" in out and nine.latest_checkpoint(a).name == "step_00000003"
-    n = sum(p.numel() for p in ddp.GPT(nine.build_model_config(argparse.Namespace(check=False, model="tiny",
-                                                                               seed=0))).parameters())
+    n = sum(p.numel() for p in ddp.GPT(nine.build_model_config(argparse.Namespace(
+        check=False, model="tiny", kv_heads=None, seed=0))).parameters())
     assert f"B on disk = (params + 2 AdamW moments) x 4 B x {n:,} parameters, each element once " in out
     shutil.copytree(a, b)
     resumed = run_script("09_full_train.py", *common, "--checkpoint-dir", str(b), "--resume", "2")
