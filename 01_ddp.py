@@ -133,7 +133,7 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._format_action(action)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        stated = action.default is None or "default" in (action.help or "")
+        stated = action.default in (None, False) or "default" in (action.help or "")  # False: a flag
         return action.help if stated else super()._get_help_string(action)
 
 
@@ -149,14 +149,14 @@ class LessonParser(argparse.ArgumentParser):
 def lesson_parser(doc: str, bench_help: str | None = None,
                   bench_steps: int = 5) -> argparse.ArgumentParser:
     """The options every lesson shares: --nproc, and --bench with its steps and rounds."""
-    parser = LessonParser(description=" ".join(doc.split("\n\n")[0].split()),
-                          formatter_class=DefaultsHelpFormatter)
+    parser = LessonParser(description=" ".join(doc.split("\n\n")[0].split()), allow_abbrev=False,
+                          formatter_class=DefaultsHelpFormatter)  # a misspelt option is an error
     nproc = torch.cuda.device_count() if torch.cuda.is_available() else 4
     parser.add_argument("--nproc", type=int, default=nproc, help="ranks when not under torchrun")
     if bench_help is not None:
         parser.add_argument("--bench", action="store_true", help=bench_help)
-        parser.add_argument("--bench-steps", type=int, default=bench_steps)
-        parser.add_argument("--bench-rounds", type=int, default=3, help="the first one warms up")
+        parser.add_argument("--bench-steps", type=int, default=bench_steps, help="timed steps per round")
+        parser.add_argument("--bench-rounds", type=int, default=3, help="rounds of --bench-steps; the first warms up")
     return parser
 
 
@@ -744,14 +744,14 @@ def cpu_copy(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tenso
 def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int,
                         lr: float = 1e-3, adam_eps: float = 1e-8, device: torch.device | str = "cpu",
                         data_seed: int = 0, transform: Callable[[nn.Module], nn.Module] | None = None,
-                        progress: bool = False) -> TrainResult:
+                        progress: str | None = None) -> TrainResult:
     """The reference: one process, the whole global batch per step. `transform` rewrites the model
-    before training (lesson 08 swaps in FP8 linears, for instance); `progress` shows a tqdm bar."""
+    before training (lesson 08 swaps in FP8 linears, for instance); `progress` labels a tqdm bar."""
     model = GPT(cfg)
     model = (transform(model) if transform else model).to(device)
     optimizer = make_optimizer(model, lr, adam_eps)
     result = TrainResult([], {}, {})
-    for step in tqdm(range(steps), desc="training", disable=not progress, leave=False):
+    for step in tqdm(range(steps), desc=progress, disable=progress is None, leave=False):
         tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
         loss = model(tokens.to(device), targets.to(device))
         loss.backward()
@@ -925,12 +925,16 @@ def bench(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = lesson_parser(__doc__, bench_help="step time against torch DDP")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5,
+                        help="AdamW steps of each run and of the one-device reference")
+    parser.add_argument("--global-batch", type=int, default=16,
+                        help="sequences per step, split over the ranks")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--accum", type=int, default=2, help="micro-steps per optimizer step")
-    parser.add_argument("--bucket-kib", type=int, default=128)
-    parser.add_argument("--bench-bucket-mb", type=int, default=25)
+    parser.add_argument("--bucket-kib", type=int, default=128,
+                        help="gradient bucket size in KiB (small: several buckets)")
+    parser.add_argument("--bench-bucket-mb", type=int, default=25,
+                        help="--bench: both DDPs' bucket size in MB")
     args = parser.parse_args()
 
     def validate(world: int) -> None:

@@ -691,11 +691,16 @@ def bench(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = ddp.lesson_parser(__doc__, bench_help="step time against DTensor", bench_steps=3)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--vocab", type=int, default=127, help="not a multiple of tp: padded")
-    parser.add_argument("--bench-batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3,
+                        help="AdamW steps, with and without SP, and of the reference")
+    parser.add_argument("--batch", type=int, default=4,
+                        help="sequences per step (every tp rank sees them all)")
+    parser.add_argument("--seq-len", type=int, default=32,
+                        help="tokens per sequence (SP: divisible by the ranks)")
+    parser.add_argument("--vocab", type=int, default=127,
+                        help="vocabulary size; not a multiple of tp: padded")
+    parser.add_argument("--bench-batch", type=int, default=4,
+                        help="--bench: sequences of 128 tokens per step")
     args = parser.parse_args()
 
     def validate(tp: int) -> None:

@@ -132,7 +132,8 @@ def cut_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
         if shared:
             raise ValueError("a pipeline stage owns its parameters, but " + "; ".join(
                 f"{name} is registered outside embed, layers, norm and lm_head" if None in held
-                else f"{name} is shared by stages {sorted(held)} (tied weights)" for name, held in shared.items())
+                else f"{name} is shared by stages {sorted(held)} (tied weights)"
+                for name, held in shared.items())
                 + f": untie them or use pp=1 (n_stages={n_stages})")
     keep = stage_layers(model.cfg.n_layers, n_stages)[stage]
     for name in [n for n in model.layers if int(n) not in keep]:
@@ -527,7 +528,11 @@ def print_demo(args: argparse.Namespace, cfg, report: list) -> None:
         print(f"{plan.name + (f' v={plan.virtual}' if plan.virtual > 1 else ''):<16}{diffs}   {sent}")
     print("(max |difference| from one device training on the whole batch: rounding only)")
     work = "real compute" if args.unit_ms == 0 else f"balanced synthetic work, F = {args.unit_ms} ms / v"
-    print(f"\nTimelines ({work}), planned in unit times, then measured ('.': idle):")
+    print(f"\nTimelines ({work}): per rank, the plan, then what ran. The plan has two characters a unit of "
+          f"time:\nF3 = forward of microbatch 3, B3-- = its backward (two units; ZB-H1's B is one, its W3 the "
+          f"weight gradient),\nlowercase f3 / b3 = the rank's second stage (interleaved), '. ' = idle. The "
+          f"measured row has one letter a time slice, '.' = idle.\nMeasured bubbles include what else the "
+          f"machine runs: load average {os.getloadavg()[0]:.1f} over the last minute, {os.cpu_count()} cores.")
     trace = []
     for pid, (plan, per_rank, records) in enumerate(report):
         peaks, bounds = per_rank[:, 5].int().tolist(), [plan.in_flight_bound(r) for r in range(pp)]
@@ -622,14 +627,18 @@ def check_writable(option: str, path: str) -> None:
 
 def main() -> None:
     parser = ddp.lesson_parser(__doc__, bench_help="step time against torch.distributed.pipelining")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3,
+                        help="AdamW steps of each schedule and of the reference")
+    parser.add_argument("--global-batch", type=int, default=16,
+                        help="sequences per step, cut into microbatches")
+    parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (m)")
     parser.add_argument("--virtual", type=int, default=2, help="stages per rank, interleaved schedule")
     parser.add_argument("--unit-ms", type=float, default=50, help="synthetic forward time per rank "
                         f"for the timelines, at most {MAX_UNIT_MS:g}; 0: real compute")
-    parser.add_argument("--trace", help="write the measured timelines as Chrome trace-event JSON")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="write the measured timelines to FILE as Chrome trace-event "
+                        "JSON (open it in Perfetto or chrome://tracing)")
     args = parser.parse_args()
 
     def validate(pp: int) -> None:

@@ -241,11 +241,13 @@ def validate_context_parallel(seq_len: int, n_heads: int, cp: int, method: str, 
         for name, heads in (("n_heads", n_heads), ("n_kv_heads", kv_heads)):
             if heads % cp:
                 raise ValueError(f"{name}={heads} is not divisible by cp={cp} (Ulysses gives each rank "
-                                 f"n_heads / cp whole query heads and the n_kv_heads / cp K/V heads they read)")
+                                 f"n_heads / cp whole query heads and the n_kv_heads / cp K/V heads "
+                                 f"they read)")
     return layout
 
 
-def local_layout(q: torch.Tensor, k: torch.Tensor, group, zigzag: bool, method: str = "ring") -> SequenceLayout:
+def local_layout(q: torch.Tensor, k: torch.Tensor, group, zigzag: bool,
+                 method: str = "ring") -> SequenceLayout:
     """The layout of the whole sequence, from this rank's shard of it (every shard is equal)."""
     cp = ddp.group_size(group)
     return validate_context_parallel(q.shape[2] * cp, q.shape[1], cp, method, zigzag, k.shape[1])
@@ -477,13 +479,15 @@ def attention_inputs(batch: int, heads: int, seq_len: int, head_dim: int, seed: 
     gen = torch.Generator().manual_seed(seed)
     q_shape = (batch, heads, seq_len, head_dim)
     kv_shape = (batch, heads if kv_heads is None else kv_heads, seq_len, head_dim)
-    tensors = [torch.randn(shape, generator=gen) for shape in (q_shape, kv_shape, kv_shape, q_shape, q_shape[:3])]
+    tensors = [torch.randn(shape, generator=gen)
+               for shape in (q_shape, kv_shape, kv_shape, q_shape, q_shape[:3])]
     return [t.to(device=device, dtype=dtype if t.dim() == 4 else torch.float32) for t in tensors]
 
 
 def sharded_attention(batch: int, heads: int, seq_len: int, head_dim: int, *, method: str, zigzag: bool,
                       causal: bool, block: BlockAttention = TORCH_BLOCK, seed: int = 0,
-                      dtype: torch.dtype = torch.float32, group=None, device=None, kv_heads: int | None = None):
+                      dtype: torch.dtype = torch.float32, group=None, device=None,
+                      kv_heads: int | None = None):
     """On every rank: [out, lse, dq, dk, dv] of this rank's shard under the loss
     sum(out dout) + sum(lse dlse), the meter of that forward + backward, and the ring's work."""
     cp, rank = ddp.group_size(group), dist.get_rank(group)
@@ -566,7 +570,8 @@ def demo(args: argparse.Namespace) -> None:
                                                zigzag=zigzag, block=block, device=device)
         if rank == 0:
             loss_diff = max(abs(a - r) for a, r in zip(result.losses, ref.losses, strict=True))
-            say(f"  {name:<20} step-0 loss {result.losses[0]:.6f} (one device {ref.losses[0]:.6f}), max |diff|: "
+            say(f"  {name:<20} step-0 loss {result.losses[0]:.6f} (one device {ref.losses[0]:.6f}), "
+                f"max |diff|: "
                 f"losses {loss_diff:.1e}, step-0 gradients "
                 f"{ddp.max_abs_diff(result.first_grads, ref.first_grads):.1e}, parameters "
                 f"{ddp.max_abs_diff(result.params, ref.params):.1e}")
@@ -583,13 +588,15 @@ def demo(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = ddp.lesson_parser(__doc__)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=64,
+                        help="tokens of the sharded sequence (divisible by 2 x ranks)")
     parser.add_argument("--heads", type=int, default=8, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=4, help="key/value heads (grouped-query attention)")
-    parser.add_argument("--head-dim", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=16, help="size of each head")
     parser.add_argument("--work-seq-len", type=int, default=2048, help="sequence of the work comparison")
-    parser.add_argument("--global-batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--global-batch", type=int, default=2, help="sequences per step of the GPT runs")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="AdamW steps of the GPT runs and of the reference")
     parser.add_argument("--block", choices=("torch", "triton"), default="torch",
                         help="block attention: torch, or lesson 07's kernel (interpreted on a CPU: slow)")
     args = parser.parse_args()

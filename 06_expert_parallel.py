@@ -517,17 +517,21 @@ def bench(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = ddp.lesson_parser(__doc__, bench_help="all-to-all vs all-gather dispatcher")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--expert-ffn-dim", type=int, default=64)
-    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--steps", type=int, default=60, help="AdamW steps of each MoE run")
+    parser.add_argument("--global-batch", type=int, default=16,
+                        help="sequences per step, split over the ranks")
+    parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
+    parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
+    parser.add_argument("--experts", type=int, default=8,
+                        help="experts per MoE layer (divisible by the ranks)")
+    parser.add_argument("--top-k", type=int, default=2, help="experts each token is routed to")
+    parser.add_argument("--expert-ffn-dim", type=int, default=64, help="hidden size of each expert's SwiGLU")
+    parser.add_argument("--capacity-factor", type=float, default=1.25,
+                        help="an expert takes at most this x its even "
+                        "share of the routed tokens; the rest are dropped")
     parser.add_argument("--dropless", action="store_true", help="no capacity limit")
     parser.add_argument("--bench-tokens", type=int, default=2048, help="tokens per rank")
-    parser.add_argument("--bench-dim", type=int, default=256)
+    parser.add_argument("--bench-dim", type=int, default=256, help="--bench: model width")
     args = parser.parse_args()
 
     def validate(ep: int) -> None:

@@ -605,7 +605,8 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _sdpa(q, k, v, causal: bool) -> tuple[torch.Tensor, None]:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]), None
+    grouped = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=grouped), None
 
 
 def demo(args: argparse.Namespace) -> None:
@@ -657,9 +658,10 @@ def demo(args: argparse.Namespace) -> None:
 def bench(head_dims: list[int], seqs: list[int], group: int = 1) -> None:
     """TFLOP/s of forward, backward and both, ours against SDPA's flash backend (and cuDNN's, where
     torch offers it), bf16, 16k tokens per batch at model width 2048 (the FlashAttention-2 paper's
-    setting); group > 1: grouped-query attention, heads / group K/V heads (SDPA's enable_gqa). FLOPs as the papers count them: forward 4 N^2 d per (batch, head) (two N x N x d
-    matmuls), half that when causal; backward 2.5 x forward (five matmuls; recomputation not
-    counted); forward + backward 3.5 x forward. Ratios are ours / SDPA flash."""
+    setting); group > 1: grouped-query attention, heads / group K/V heads (SDPA's enable_gqa).
+    FLOPs as the papers count them: forward 4 N^2 d per (batch, head) (two N x N x d matmuls), half
+    that when causal; backward 2.5 x forward (five matmuls; recomputation not counted); forward +
+    backward 3.5 x forward. Ratios are ours / SDPA flash."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
@@ -704,13 +706,17 @@ def main() -> None:
     if COMPILE_WORKER:
         print(json.dumps([_compile_one(job) for job in json.loads(sys.stdin.read())]))
         return
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for name, default in (("--batch", 2), ("--heads", 2), ("--seq", 100), ("--head-dim", 32)):
-        parser.add_argument(name, type=int, default=default)  # seq 100: a multiple of no block size
+    for name, default, what in (("--batch", 2, "sequences"), ("--heads", 2, "query heads"),
+                                ("--seq", 100, "tokens per sequence (100: a multiple of no block size)"),
+                                ("--head-dim", 32, "size of each head, 16 to 128")):
+        parser.add_argument(name, type=int, default=default, help=f"the demo's {what}")
     parser.add_argument("--bench", action="store_true", help="GPU: TFLOP/s against SDPA (flash), bf16")
-    parser.add_argument("--bench-head-dims", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--bench-seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--bench-head-dims", type=int, nargs="+", default=[64, 128],
+                        help="head dims --bench sweeps")
+    parser.add_argument("--bench-seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
+                        help="sequence lengths --bench sweeps (16k tokens a batch)")
     parser.add_argument("--bench-group", type=int, default=1, choices=(1, 2, 4, 8),
                         help="query heads per K/V head (grouped-query attention)")
     parser.add_argument("--gpu-report", action="store_true", help="no GPU needed: shared memory, registers "

@@ -588,7 +588,8 @@ def spike_demo(history_len: int = 16, spike: float = 100.0, seed: int = 0) -> di
 def train_losses(cfg: ddp.ModelConfig, steps: int, batch: int, seq_len: int, float8: bool,
                  lr: float = 3e-3) -> list[float]:
     """Lesson 01's reference training on its synthetic batches, optionally with Float8Linear."""
-    return ddp.train_single_device(cfg, steps, batch, seq_len, lr=lr, progress=True,
+    return ddp.train_single_device(cfg, steps, batch, seq_len, lr=lr,
+                                   progress=f"training, {'FP8' if float8 else 'fp32'}",
                                    transform=convert_to_float8 if float8 else None).losses
 
 
@@ -771,11 +772,12 @@ def bench(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = ddp.lesson_parser(__doc__)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=300, help="AdamW steps of the fp32 and the FP8 training")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--bench", action="store_true", help="GPU: FP8 vs bf16 GEMMs and MLP")
-    parser.add_argument("--bench-tokens", type=int, default=16384)
+    parser.add_argument("--bench-tokens", type=int, default=16384,
+                        help="--bench: tokens (GEMM rows) of the MLP")
     parser.add_argument("--eager", action="store_true", help="bench without torch.compile")
     args = parser.parse_args()
     for name in ("steps", "batch", "seq_len", "bench_tokens", "nproc"):

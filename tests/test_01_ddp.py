@@ -17,6 +17,7 @@ Tolerances (fp32 on CPU), measured then widened with margin:
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import math
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import RankFailure, run_script
+from conftest import ROOT, RankFailure, run_script
 
 ddp = importlib.import_module("01_ddp")
 
@@ -775,3 +776,23 @@ def test_harness_names_the_failing_and_the_silent_rank(rank_pool):
     assert "rank 1 broke before the all-reduce" in failure.value.errors[1]
     assert failure.value.errors[0].startswith("no answer")
     assert rank_pool.run(2, dist.get_rank) == [0, 1], "a fresh pool replaces the broken one"
+
+
+LESSONS = sorted(ROOT.glob("0[1-9]_*.py"))
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name)
+def test_every_option_of_every_lesson_says_what_it_is(lesson):
+    """--help gives every option a sentence: each add_argument call of the lesson has a help text
+    (read from the source, so no process starts)."""
+    calls = [node for node in ast.walk(ast.parse(lesson.read_text()))
+             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"]
+    assert calls and not [ast.unparse(call) for call in calls if not any(k.arg == "help" for k in call.keywords)]
+
+
+def test_a_shortened_option_is_an_error_not_a_guess():
+    """argparse would take --bench-step for --bench-steps (and 09's --microbatch for --microbatches)."""
+    parser = ddp.lesson_parser(ddp.__doc__, bench_help="a benchmark")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--bench-step", "3"])
+    assert parser.parse_args(["--bench-steps", "3"]).bench_steps == 3

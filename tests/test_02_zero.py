@@ -459,3 +459,4 @@ def test_script_runs_as_plain_python():
     assert len(re.findall(r"ZeRO-\d .* equal$", stdout, re.M)) == 8 and "DIFFERENT" not in stdout, stdout
     assert stdout.count("= formula") == 4 and "1.500 x DDP" in stdout, stdout
     assert "120.00 GB" in stdout and "1.88 GB" in stdout, stdout
+    assert stdout.splitlines()[-1].startswith("Notice: every stage takes the one-device step"), stdout

@@ -400,6 +400,7 @@ def test_script_runs_as_plain_python(tmp_path):
     rows = re.findall(r"^(\S+)(?: v=\d)?\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d,]+), ([\d,]+)$",
                       stdout, re.M)
     assert [r[0] for r in rows] == list(pl.SCHEDULES), stdout
+    assert "B3-- = its backward" in stdout and re.search(r"load average [\d.]+ over the last minute", stdout)
     for _, *diffs, sent0, sent1 in rows:  # the demo keeps Adam's default eps: 10x more room
         assert float(diffs[0]) <= LOSS_ATOL, stdout
         assert float(diffs[1]) <= GRAD_ATOL and float(diffs[2]) <= 10 * PARAM_ATOL, stdout
