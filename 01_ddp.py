@@ -156,7 +156,8 @@ def lesson_parser(doc: str, bench_help: str | None = None,
     if bench_help is not None:
         parser.add_argument("--bench", action="store_true", help=bench_help)
         parser.add_argument("--bench-steps", type=int, default=bench_steps, help="timed steps per round")
-        parser.add_argument("--bench-rounds", type=int, default=3, help="rounds of --bench-steps; the first warms up")
+        parser.add_argument("--bench-rounds", type=int, default=3,
+                            help="rounds of --bench-steps; the first warms up")
     return parser
 
 
@@ -179,16 +180,19 @@ def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn:
     launch(fn, args, nproc=args.nproc)
 
 
-def check_memory(what: str, cfg: "ModelConfig", batch: int, seq_len: int, ranks: int) -> None:
+def check_memory(what: str, cfg: "ModelConfig", batch: int, seq_len: int, ranks: int,
+                 more: dict[str, int] | None = None) -> None:
     """For validate(world): refuse sizes whose largest tensors alone exceed this machine's memory.
     A lower bound: every rank draws the whole batch (synthetic_batch: 17 bytes a token) and holds
-    the fp32 embedding and LM head; the batch's fp32 logits exist once, however they are split."""
-    needed = (ranks * (17 * batch * (seq_len + 1) + 2 * 4 * cfg.vocab_size * cfg.dim)
-              + 4 * batch * seq_len * cfg.vocab_size)
+    the fp32 embedding and LM head; the batch's fp32 logits exist once, however they are split.
+    more: other tensors the lesson builds, bytes by what they are."""
+    parts = {f"the batch, embedding, LM head and logits of {ranks} ranks":
+             ranks * (17 * batch * (seq_len + 1) + 2 * 4 * cfg.vocab_size * cfg.dim)
+             + 4 * batch * seq_len * cfg.vocab_size, **(more or {})}
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if needed > memory:
-        raise ValueError(f"{what} would need at least {needed:,} bytes (the batch, embedding, LM head "
-                         f"and logits of {ranks} ranks); this machine has {memory:,}")
+    if sum(parts.values()) > memory:
+        raise ValueError(f"{what} would need at least {sum(parts.values()):,} bytes ({', '.join(parts)}); "
+                         f"this machine has {memory:,}")
 
 
 def launch(fn: Callable, *args, nproc: int) -> None:

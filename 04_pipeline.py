@@ -528,11 +528,12 @@ def print_demo(args: argparse.Namespace, cfg, report: list) -> None:
         print(f"{plan.name + (f' v={plan.virtual}' if plan.virtual > 1 else ''):<16}{diffs}   {sent}")
     print("(max |difference| from one device training on the whole batch: rounding only)")
     work = "real compute" if args.unit_ms == 0 else f"balanced synthetic work, F = {args.unit_ms} ms / v"
-    print(f"\nTimelines ({work}): per rank, the plan, then what ran. The plan has two characters a unit of "
-          f"time:\nF3 = forward of microbatch 3, B3-- = its backward (two units; ZB-H1's B is one, its W3 the "
-          f"weight gradient),\nlowercase f3 / b3 = the rank's second stage (interleaved), '. ' = idle. The "
-          f"measured row has one letter a time slice, '.' = idle.\nMeasured bubbles include what else the "
-          f"machine runs: load average {os.getloadavg()[0]:.1f} over the last minute, {os.cpu_count()} cores.")
+    print(f"\nTimelines ({work}): per rank, the plan, then what ran. The plan has two characters a "
+          f"unit of time:\nF3 = forward of microbatch 3, B3-- = its backward (two units; ZB-H1's B is one, "
+          f"its W3 the weight gradient),\nlowercase f3 / b3 = the rank's second stage (interleaved), "
+          f"'. ' = idle. The measured row has one letter a time slice, '.' = idle.\nMeasured bubbles "
+          f"include what else the machine runs: load average {os.getloadavg()[0]:.1f} over the last "
+          f"minute, {os.cpu_count()} cores.")
     trace = []
     for pid, (plan, per_rank, records) in enumerate(report):
         peaks, bounds = per_rank[:, 5].int().tolist(), [plan.in_flight_bound(r) for r in range(pp)]

@@ -604,7 +604,11 @@ def main() -> None:
     def validate(cp: int) -> None:
         for seq_len in (args.seq_len, args.work_seq_len):
             validate_context_parallel(seq_len, args.heads, cp, "ring", zigzag=True, n_kv_heads=args.kv_heads)
-        ddp.ModelConfig(n_heads=args.heads, n_kv_heads=args.kv_heads)
+        cfg = ddp.ModelConfig(n_heads=args.heads, n_kv_heads=args.kv_heads)
+        scores = {"the float64 reference attention's scores": 8 * 2 * args.heads * args.seq_len ** 2,
+                  "the work comparison's block scores": 8 * args.heads * args.work_seq_len ** 2 // cp}
+        ddp.check_memory(f"--seq-len {args.seq_len}, --work-seq-len {args.work_seq_len}", cfg,
+                         args.global_batch, args.seq_len, cp, scores)
 
     ddp.launch_lesson(parser, args, demo, ("seq_len", "heads", "kv_heads", "head_dim", "work_seq_len",
                                            "global_batch", "steps"), validate)

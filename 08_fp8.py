@@ -788,6 +788,11 @@ def main() -> None:
         return
     if args.batch % (2 * ddp.launch_world_size(args.nproc)):
         parser.error(f"--batch {args.batch} is not divisible by 2 microbatches x {args.nproc} ranks")
+    try:
+        ddp.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}", ddp.ModelConfig(), args.batch,
+                         args.seq_len, 1)
+    except ValueError as error:  # one line, as launch_lesson's
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     demo(args)
     ddp.launch(communication_demo, args, nproc=args.nproc)
 
