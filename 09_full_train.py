@@ -1292,7 +1292,7 @@ def describe(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing
                     + (" + head" if len(plans) * train.virtual - 1 in p.stages else ""))
             lines += ["  ..."] * (rank > 0 and rank - 1 not in shown) + [
                 f"  pp {rank:<11}" + "".join(f"{gigabytes(p.memory[k]):>8}" for k in p.memory)
-                + f"{gigabytes(totals[rank]):>8}  {what}, {p.in_flight} {pairs} in flight"]
+                + f"{gigabytes(totals[rank]):>8}  {what}, in flight: {p.in_flight} {pairs}"]
     else:
         lines.append(f"fullest GPU {gigabytes(totals[fullest])} GB (pp {fullest}: "
                      + ", ".join(f"{k} {gigabytes(v)}" for k, v in plans[fullest].memory.items()) + ")")
@@ -1300,8 +1300,10 @@ def describe(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing
     lines.append("sent per GPU per step (its busiest pipeline rank): " + (", ".join(
         f"{GROUP_NAMES[k]} " + ("n/a (no formula)" if v is None else f"{gigabytes(v[0])} GB ({v[1]})")
         for k, v in timing["comm"].items()) or "nothing"))
-    lines.append(f"step: compute {timing['compute']:,.3g} s (bubble {timing['bubble']:.0%}); no overlap "
-                 f"{timing['no_overlap']:,.3g} s, perfect overlap {timing['overlap']:,.3g} s: "
+    seconds = {k: f"{timing[k]:,.1f}" if timing[k] >= 1 else f"{timing[k]:.2g}"
+               for k in ("compute", "no_overlap", "overlap")}
+    lines.append(f"step: compute {seconds['compute']} s (bubble {timing['bubble']:.0%}); no overlap "
+                 f"{seconds['no_overlap']} s, perfect overlap {seconds['overlap']} s: "
                  f"{useful[0]:,.0f}-{useful[1]:,.0f} TFLOP/s per GPU")
     return "\n".join(lines)
 
