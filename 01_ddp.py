@@ -560,6 +560,18 @@ class GPT(nn.Module):
         return logits if targets is None else self.loss_fn(logits, targets)
 
 
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape in GPT(cfg), in registration order, without building it
+    (lesson 09 plans models far too big for this machine)."""
+    d, kv, f = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+    layer = {"attn_norm.weight": (d,), "attn.q_proj.weight": (d, d), "attn.k_proj.weight": (kv, d),
+             "attn.v_proj.weight": (kv, d), "attn.out_proj.weight": (d, d), "mlp_norm.weight": (d,),
+             "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
+    return {"embed.weight": (cfg.vocab_size, d),
+            **{f"layers.{i}.{name}": shape for i in range(cfg.n_layers) for name, shape in layer.items()},
+            "norm.weight": (d,), "lm_head.weight": (cfg.vocab_size, d)}
+
+
 def synthetic_batch(cfg: ModelConfig, global_batch: int, seq_len: int, step: int, rank: int = 0,
                     world_size: int = 1, data_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, targets) rows [rank*b, (rank+1)*b) of the global batch for this step, b = B / N.

@@ -96,6 +96,22 @@ def zero_traffic_per_step(psi: int, n: int, stage: int, param_bytes: int,
     return {"reduce_scatter": ring * grad_bytes * psi, "all_gather": gathers * ring * param_bytes * psi}
 
 
+def padded_size(numel: int, n: int) -> int:
+    """A flat vector of numel elements zero-padded to a multiple of n (each of n ranks owns 1/n)."""
+    return -(-numel // n) * n
+
+
+def zero_memory_formula(padded: int, units: int, n: int, stage: int,
+                        mixed_precision: bool) -> dict[str, Fraction]:
+    """What a ZeRO below holds per rank for `units` flat vectors of `padded` elements in all: the
+    formula above (fp32: P = G = 4, K = 8; mixed precision: P = G = 2, K = 12 with the fp32
+    masters) plus AdamW's step counter per unit."""
+    size, master = (2, 4) if mixed_precision else (4, 0)
+    formula = zero_memory_per_rank(padded, n, stage, size, size, master + ADAM_MOMENT_BYTES)
+    formula["optimizer"] += STEP_COUNTER_BYTES * units
+    return formula
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
     """Bytes of the storages behind tensors that are not in `seen` yet, each once (views and
     aliases share a storage); adds them to `seen`."""
@@ -147,7 +163,7 @@ class FlatUnit:
         self.names, self.params = map(list, zip(*named))
         self.shapes = [p.shape for p in self.params]
         self.offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
-        self.padded = math.ceil(self.offsets[-1] / world) * world
+        self.padded = padded_size(self.offsets[-1], world)
         s = self.padded // world
         self.owned = slice(0, self.padded) if stage == 0 else slice(rank * s, (rank + 1) * s)
         full = self.flatten([p.detach() for p in self.params], torch.float32)
@@ -405,10 +421,8 @@ class ZeRO:
 
     def memory_formula(self) -> dict[str, Fraction]:
         """The paper's formula on the padded parameter count, plus AdamW's step counters."""
-        size, master = self.dtype.itemsize, 0 if self.dtype == torch.float32 else 4
-        formula = zero_memory_per_rank(sum(u.padded for u in self.units), self.world, self.stage,
-                                       size, size, master + ADAM_MOMENT_BYTES)
-        formula["optimizer"] += STEP_COUNTER_BYTES * len(self.units)
+        formula = zero_memory_formula(sum(u.padded for u in self.units), len(self.units), self.world,
+                                      self.stage, self.dtype != torch.float32)
         formula["params"] += sum(p.nbytes for _, p in self.frozen)  # whole on every rank
         return formula
 

@@ -306,6 +306,20 @@ TENSOR_PARALLEL_PLAN = {  # module name pattern -> styles; unlisted parameters s
 }
 
 
+SHARD_DIMS = {column_parallel: 0, row_parallel: 1, vocab_parallel: 0}  # the dimension each style splits
+
+
+def tp_local_shape(name: str, shape: tuple[int, ...], tp: int, plan: dict | None = None) -> tuple[int, ...]:
+    """The shape parameter `name` (its reference name) has on every rank of apply_tensor_parallel
+    over tp ranks with `plan`, without building it: _shard's slice of a split one, padding included."""
+    module = name.rpartition(".")[0]
+    for pattern, styles in (plan or TENSOR_PARALLEL_PLAN).items():
+        dims = [SHARD_DIMS[style] for style in styles if style in SHARD_DIMS]
+        if dims and fnmatch.fnmatchcase(module, pattern):
+            return (*shape[:dims[0]], -(-shape[dims[0]] // tp), *shape[dims[0] + 1:])
+    return tuple(shape)
+
+
 def validate_tensor_parallel(cfg, tp: int) -> None:
     """Raised identically on every rank before any collective."""
     for name in ("n_heads", "n_kv_heads", "ffn_dim"):
@@ -420,24 +434,28 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
 
 
 def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, layers: int | None = None,
-                 embed: bool = True, head: bool = True, microbatches: int = 1,
-                 mlp: bool = True) -> dict[str, tuple[int, int]]:
-    """op -> (calls, payload bytes) in one fp32 training step (forward + backward) of the model,
-    whatever t (the traffic per rank is (t-1)/t of the payload, twice that for an all-reduce).
-    Activation collectives move b x s x h: 4 per layer, 1 for the embedding (forward), 1 for the
-    LM head's input (backward); with SP each of them is an all-gather and a reduce-scatter. The
-    loss adds 3 all-reduces of b x s numbers; SP adds one all-reduce of h per norm. A pipeline
-    stage (lesson 09) has `layers` layers, maybe no embedding or head, and runs every collective
-    once per microbatch (the payloads add up to the batch's); mlp=False: the MLPs are not split
-    (lesson 09's MoE layers), only attention is a region."""
+                 embed: bool = True, head: bool = True, microbatches: int = 1, mlp: bool = True,
+                 elem_bytes: int = 4, recompute: str = "none") -> dict[str, tuple[int, int]]:
+    """op -> (calls, payload bytes) in one training step (forward + backward) of the model, whatever
+    t (the traffic per rank is (t-1)/t of the payload, twice that for an all-reduce). Activation
+    collectives move b x s x h elements of elem_bytes (bf16 compute: 2): 4 per layer, 1 for the
+    embedding (forward), 1 for the LM head's input (backward); with SP each of them is an all-gather
+    and a reduce-scatter. The loss adds 3 all-reduces of b x s fp32 numbers; SP adds one all-reduce of
+    h per norm. A pipeline stage (lesson 09) has `layers` layers, maybe no embedding or head, and runs
+    every collective once per microbatch (the payloads add up to the batch's); mlp=False: the MLPs
+    are not split (lesson 09's MoE layers), only attention is a region. recompute="full" re-runs
+    each block's forward in backward up to its last saved tensor (down_proj's input), so the
+    attention's g (SP: also both regions' f, all-gathers) runs again, the MLP's g does not."""
     layers, m = cfg.n_layers if layers is None else layers, microbatches
-    bsh, loss = batch * seq_len * cfg.dim * 4, (3 * head * m, 3 * head * batch * seq_len * 4)
+    bsh, loss = batch * seq_len * cfg.dim * elem_bytes, (3 * head * m, 3 * head * batch * seq_len * 4)
     activations, norms = (2 + 2 * mlp) * layers + embed + head, 2 * layers + head
+    again = layers if recompute == "full" else 0
     if not sequence_parallel:
-        return {"all_reduce": (m * activations + loss[0], activations * bsh + loss[1])}
-    return {"all_gather": (m * activations, activations * bsh),
-            "reduce_scatter": (m * activations, activations * bsh),
-            "all_reduce": (m * norms + loss[0], m * norms * cfg.dim * 4 + loss[1])}
+        calls = activations + again
+        return {"all_reduce": (m * calls + loss[0], calls * bsh + loss[1])}
+    gathers, scatters = activations + again * (1 + mlp), activations + again
+    return {"all_gather": (m * gathers, gathers * bsh), "reduce_scatter": (m * scatters, scatters * bsh),
+            "all_reduce": (m * norms + loss[0], m * norms * cfg.dim * elem_bytes + loss[1])}
 
 
 def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool,
@@ -455,22 +473,33 @@ def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool,
     return saved, meter
 
 
-def activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> int:
-    """Korthikanti's accounting for our layer in fp32 (4 bytes), a = n_heads, f = ffn_dim:
-    - each norm saves its input, its normalised input (s b h each) and 1/rms (s b): replicated in
-      plain TP, split by t along the sequence with SP;
+def sdpa_saved_bytes(cfg, batch: int, seq_len: int, tp: int) -> int:
+    """What SDPA (and lesson 07's kernel) keeps beyond its inputs q, k, v: the fp32 log-sum-exp, one
+    per query head and token (the output is kept by out_proj as its input)."""
+    return 4 * seq_len * batch * cfg.n_heads // tp
+
+
+def activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool, elem_bytes: int = 4,
+                       attention_saves: int | None = None) -> int:
+    """Korthikanti's accounting for our layer, activations of elem_bytes (fp32: 4, bf16: 2), a =
+    n_heads, f = ffn_dim:
+    - each norm saves its input in fp32 (in bf16 its own fp32 copy), its normalised input (s b h
+      each) and 1/rms (s b, fp32): replicated in plain TP, split by t along the sequence with SP;
     - each region's input (s b h, saved by the column-parallel linears): replicated in both (SP
       stores the all-gathered input);
     - sharded by t: q after RoPE and the attention output (s b h each), k after RoPE and v (s b h_kv
-      each, h_kv = n_kv_heads x head_dim: grouped-query attention keeps K/V unrepeated), the
-      log-sum-exp (s b a); the MLP's gate, silu(gate), up and their product (s b f);
-    - the RoPE tables (s x head_dim) the layer reads."""
-    s, b, h, f = seq_len, batch, cfg.dim, cfg.ffn_dim
+      each, h_kv = n_kv_heads x head_dim: grouped-query attention keeps K/V unrepeated); the MLP's
+      gate, silu(gate), up and their product (s b f);
+    - what the attention function keeps beyond q, k, v: attention_saves bytes, by default SDPA's
+      (sdpa_saved_bytes; lesson 05's ring keeps more);
+    - the RoPE tables (s x head_dim, fp32) the layer reads."""
+    s, b, h, f, e = seq_len, batch, cfg.dim, cfg.ffn_dim, elem_bytes
     h_kv = cfg.n_kv_heads * cfg.head_dim
-    norms = 2 * (2 * s * b * h + s * b)
-    replicated = 2 * s * b * h + s * cfg.head_dim  # the regions' inputs, the RoPE tables
-    sharded = 2 * s * b * h + 2 * s * b * h_kv + s * b * cfg.n_heads + 4 * s * b * f
-    return 4 * ((norms // tp if sequence_parallel else norms) + replicated + sharded // tp)
+    norms = 2 * ((4 + e) * s * b * h + 4 * s * b)
+    replicated = 2 * e * s * b * h + 4 * s * cfg.head_dim  # the regions' inputs, the RoPE tables
+    sharded = e * (2 * s * b * h + 2 * s * b * h_kv + 4 * s * b * f)
+    attention = sdpa_saved_bytes(cfg, b, s, tp) if attention_saves is None else attention_saves
+    return (norms // tp if sequence_parallel else norms) + replicated + sharded // tp + attention
 
 
 def korthikanti_bytes(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> float:
@@ -517,11 +546,12 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     return model
 
 
-def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Tensor],
-                     device: torch.device) -> tuple[torch.Tensor, int]:
-    """run()'s result and the activation bytes it leaves for backward. CPU: the bytes autograd
-    saves, each storage once, parameters excluded. GPU: the peak allocated above what was
-    allocated before (activations and temporaries)."""
+def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Tensor], device: torch.device,
+                     inside: Iterable[nn.Module] = ()) -> tuple[torch.Tensor, int]:
+    """run()'s result and the most activation bytes it held for backward at once. CPU: the tensors
+    autograd saves, each storage counted from its saving until backward frees it, parameters
+    excluded (inside: only those saved in these modules' forwards, e.g. lesson 09's layers). GPU:
+    the peak allocated above what was allocated before (activations and temporaries)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -529,28 +559,62 @@ def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Ten
         out = run()
         torch.cuda.synchronize(device)
         return out, torch.cuda.max_memory_allocated(device) - before
-    kept = {p.untyped_storage().data_ptr() for p in params}
-    storages: dict[int, int] = {}
+    params, inside = list(params), list(inside)
+    live: dict[int, list[int]] = {}  # storage -> [bytes, saved tensors on it]
+    count = dict(now=0, peak=0, depth=0)
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in kept:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+    class Saved:  # what autograd keeps instead of the tensor: dropped when backward frees it
+        def __init__(self, t: torch.Tensor) -> None:
+            # detached: a saved output kept as itself would hold its own grad_fn (a reference cycle)
+            self.tensor, self.key = t.detach(), t.untyped_storage().data_ptr()
+            entry = live.setdefault(self.key, [t.untyped_storage().nbytes(), 0])
+            entry[1] += 1
+            count["now"] += entry[0] if entry[1] == 1 else 0
+            count["peak"] = max(count["peak"], count["now"])
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return out, sum(storages.values())
+        def __del__(self) -> None:
+            entry = live[self.key]
+            entry[1] -= 1
+            if not entry[1]:
+                count["now"] -= live.pop(self.key)[0]
+
+    def pack(t: torch.Tensor):
+        weights = {p.untyped_storage().data_ptr() for p in params}  # ZeRO-3 gathers them anew
+        counted = (count["depth"] or not inside) and t.untyped_storage().data_ptr() not in weights
+        return Saved(t) if counted else t
+
+    def unpack(saved):
+        return saved.tensor if isinstance(saved, Saved) else saved
+
+    def enter(*_) -> None:
+        count["depth"] += 1
+
+    def leave(*_) -> None:
+        count["depth"] -= 1
+
+    hooks = [h for m in inside for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return out, count["peak"]
 
 
-def layer_activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool,
-                             mode: str) -> int:
-    """activation_formula under each recompute mode. selective drops what the attention function
-    saved beyond its inputs: the log-sum-exp (s b a / t; the output is kept by out_proj as its
-    input). full keeps the block's input and the RoPE tables it reads."""
+def layer_activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool, mode: str,
+                             elem_bytes: int = 4, attention_saves: int | None = None, layers: int = 1) -> int:
+    """activation_formula under each recompute mode, for `layers` consecutive layers of one forward,
+    which share its RoPE tables. selective drops what the attention function kept beyond its
+    inputs; full keeps the block's input and the RoPE tables it reads."""
+    tables = 4 * seq_len * cfg.head_dim
     if mode == "full":
-        return 4 * (seq_len * batch * cfg.dim // (tp if sequence_parallel else 1) + seq_len * cfg.head_dim)
-    lse = 4 * seq_len * batch * cfg.n_heads // tp if mode == "selective" else 0
-    return activation_formula(cfg, batch, seq_len, tp, sequence_parallel) - lse
+        per_layer = elem_bytes * seq_len * batch * cfg.dim // (tp if sequence_parallel else 1) + tables
+    else:
+        attention = sdpa_saved_bytes(cfg, batch, seq_len, tp) if attention_saves is None else attention_saves
+        per_layer = activation_formula(cfg, batch, seq_len, tp, sequence_parallel, elem_bytes, attention)
+        per_layer -= attention if mode == "selective" else 0
+    return layers * per_layer - max(layers - 1, 0) * tables
 
 
 # ----------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -186,6 +187,33 @@ def compute_order(schedule: str, rank: int, pp: int, m: int, virtual: int) -> li
     return order + weight_grads
 
 
+def bubble_formula(schedule: str, pp: int, m: int, virtual: int = 1) -> float:
+    """The idle fraction of a step with unit times (F = 1, B = 2 or B = W = 1)."""
+    if schedule == "zb-h1":  # with m < p the last rank's F, B, F, B... chain sets the length
+        return 1 - 3 * m / max(3 * m + pp - 1, 2 * m + 2 * pp - 1)
+    return (pp - 1) / ((virtual * m if schedule == "interleaved" else m) + pp - 1)
+
+
+def in_flight_bound(schedule: str, rank: int, pp: int, m: int, virtual: int = 1) -> int:
+    """Most microbatch-stage pairs whose activations `rank` holds at once (W frees them in ZB-H1,
+    B in the others)."""
+    return {"gpipe": m, "1f1b": min(m, pp - rank), "zb-h1": min(m, pp),
+            "interleaved": min(virtual * m, 2 * (pp - rank - 1) + (virtual - 1) * pp + 1)}[schedule]
+
+
+def held_at_peak(schedule: str, rank: int, pp: int, m: int, virtual: int, held: Callable[[int], int]) -> int:
+    """The most a rank holds at once when each of its microbatch-stage pairs holds held(stage)
+    (its activations) from its F to its B (ZB-H1: to its W): in_flight_bound, weighted. Where the
+    rank's stages hold different amounts (interleaved, uneven layers) it walks the compute order."""
+    if len({held(stage) for stage in range(rank, pp * virtual, pp)}) == 1:
+        return in_flight_bound(schedule, rank, pp, m, virtual) * held(rank)
+    frees, now, peak = "W" if schedule == "zb-h1" else "B", 0, 0
+    for a in compute_order(schedule, rank, pp, m, virtual):
+        now += held(a.stage) * ((a.kind == "F") - (a.kind == frees))
+        peak = max(peak, now)
+    return peak
+
+
 def simulate(orders: list[list[Action]], n_stages: int,
              durations: dict[str, float]) -> dict[Action, tuple[float, float]]:
     """Start and end of every compute action when each rank runs its order as early as its inputs
@@ -251,18 +279,10 @@ class Schedule:
         return any(self.trains[:stage])
 
     def bubble_formula(self) -> float:
-        """The idle fraction of a step with unit times (F = 1, B = 2 or B = W = 1)."""
-        p, m, v = self.pp, self.microbatches, self.virtual
-        if self.name == "zb-h1":  # with m < p the last rank's F, B, F, B... chain sets the length
-            return 1 - 3 * m / max(3 * m + p - 1, 2 * m + 2 * p - 1)
-        return (p - 1) / ((v * m if self.name == "interleaved" else m) + p - 1)
+        return bubble_formula(self.name, self.pp, self.microbatches, self.virtual)
 
     def in_flight_bound(self, rank: int) -> int:
-        """Most microbatch-stage pairs whose activations `rank` holds at once (W frees them in
-        ZB-H1, B in the others)."""
-        p, m, v = self.pp, self.microbatches, self.virtual
-        return {"gpipe": m, "1f1b": min(m, p - rank), "zb-h1": min(m, p),
-                "interleaved": min(v * m, 2 * (p - rank - 1) + (v - 1) * p + 1)}[self.name]
+        return in_flight_bound(self.name, rank, self.pp, self.microbatches, self.virtual)
 
     def __str__(self) -> str:
         """One row per rank, two characters per unit of time: F3 is the forward of microbatch 3
@@ -386,6 +406,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                         p.grad = g
                     else:  # in place: .grad may be a view into a flat buffer (ZeRO-0/1)
                         p.grad.add_(g)
+                del out, grad  # W leaves B's path alone: its saved tensors go with the graph, now
             if work_s is not None:
                 time.sleep(max(0.0, start + work_s[a.kind] - time.perf_counter()))
             log.records.append((a.kind, *key, start - t0, time.perf_counter() - t0))

@@ -428,6 +428,13 @@ def attention_bytes(method: str, q_elems: int, kv_elems: int, cp: int, elem_byte
     return dict(forward=per_call * (2 * a + 2 * a_kv) + lse, backward=per_call * (2 * a + 2 * a_kv) + lse)
 
 
+def ring_saved_bytes(q_elems: int, lse_elems: int) -> int:
+    """What RingAttention keeps for backward beyond its inputs q, k, v: the merged output in fp32 (q's
+    elements) and the log-sum-exp in float64 (one per query head and token). Lesson 03's activation
+    formula takes it as the attention function's own (attention_saves)."""
+    return 4 * q_elems + 8 * lse_elems
+
+
 # The whole model under context parallelism ------------------------------------------------------
 
 

@@ -250,6 +250,14 @@ class MoE(nn.Module):
         self.load_since_update.zero_()
 
 
+def moe_parameter_shapes(dim: int, cfg: MoEConfig, ep: int = 1) -> dict[str, tuple[int, ...]]:
+    """An MoE layer's parameters (names inside the layer) on one of ep expert-parallel ranks, in
+    named_parameters() order, without building it (lesson 09's plan)."""
+    e, f = cfg.n_experts // ep, cfg.expert_ffn_dim
+    return {"gate_proj": (e, f, dim), "up_proj": (e, f, dim), "down_proj": (e, dim, f),
+            "router.weight": (cfg.n_experts, dim)}
+
+
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 

@@ -34,13 +34,22 @@ GRADIENTS EQUAL ONE DEVICE'S, because each reduction happens exactly once:
 MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's
 load depend on which tokens share a forward, which microbatches and sequence chunks change.
 
-COST per step per rank (the summary prints measured | formula per group of ranks)
+COST per step per rank: plan() composes the lessons' own formulas, without building anything
   tp: 03's comm_formula for the stage's layers, m microbatches (n/a under ZB-H1, whose W re-runs
       part of the backward). cp: 05's ring per attention call (ZB-H1: the backward twice).
   pp: 04's boundaries. dp x cp: 02's ZeRO traffic on the padded parameters (+ the norm's scalar);
   --fp8 --zero 3: 08's for the Float8Linear weights (1 B an element, + their amaxes once a step).
   ep: the all-to-alls depend on the routing (06 prints them): n/a.
-Memory: 02's formula on the stage's TP-local parameters: the dimensions multiply.
+Memory: 02's formula on the stage's TP-local parameters (01's, 06's and 03's shapes, padded as ZeRO
+pads them); activations: 03's per-layer formula for the stage's layers x 04's microbatches in
+flight. The --check summary prints each rank's measurements beside its plan; the tests prove them
+equal on drawn meshes, ZeRO stages, schedules, recompute modes and precisions.
+
+PLANNING AT SCALE (--plan): the same plan() for a model and cluster that are not here, against a
+GPU's memory, with a step time: compute = PaLM's FLOPs / (peak x an assumed MFU) stretched by 04's
+bubble, each group's bytes / its link (NVLink inside a node, else the network), shown as the
+no-overlap and perfect-overlap bounds. Mesh sizes left out are searched (sizes that divide the
+GPUs, tp inside a node, what validate accepts) and the fastest that fit are printed.
 
 TRAINING ON TEXT (the default job; part 1's check is --check)
 Bytes are tokens (vocabulary 256: no tokenizer), from --data FILE or the standard library's own .py
@@ -72,6 +81,7 @@ RUN IT
     torchrun --nproc_per_node=8 09_full_train.py --check --dp 2 --tp 2 --pp 2     # part 1's check
     python 09_full_train.py --check --dp 2 --cp 2 --tp 2 --sequence-parallel
     python 09_full_train.py --check --dp 2 --tp 2 --pp 2 --ep 2   # MoE, experts over 2 dp ranks
+    python 09_full_train.py --plan --model llama3-70b --gpus 256  # the fastest meshes that fit
 Look at: the loss falling from ln 256 = 5.5 and the sample; tokens/s and MFU; with --check, the
 rank map, the max |difference| from one device (loss, every gradient reassembled from the shards,
 parameters after the steps) and bytes per mesh dimension beside the formulas.
@@ -328,19 +338,24 @@ def assemble(pieces: list[tuple[ShardSpec, torch.Tensor]], fill: float = math.na
 # ----------------------------------------------------------------------------------------------
 
 
+def tensor_parallel_plan(moe) -> dict:
+    """03's plan; an MoE layer is not split over tp: each tp rank runs it on its tokens."""
+    plan = tp_lesson.TENSOR_PARALLEL_PLAN
+    return plan if moe is None else {name: style for name, style in plan.items() if ".mlp" not in name}
+
+
 def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages: int,
                       device: torch.device) -> nn.Module:
     """The module docstring's order: GPT -> MoE + EP -> FP8 -> TP (+SP) -> CP attention -> stage cut."""
     model = ddp.GPT(cfg)
-    plan = tp_lesson.TENSOR_PARALLEL_PLAN
-    if train.moe is not None:  # experts are not split over tp: each tp rank runs them on its tokens
+    if train.moe is not None:
         model = moe_lesson.convert_to_moe(model, train.moe)
-        plan = {name: styles for name, styles in plan.items() if ".mlp" not in name}
         if mesh.sizes.ep > 1:
             moe_lesson.apply_expert_parallel(model, mesh.groups["ep"])
     if train.fp8:
         model = fp8_lesson.convert_to_float8(model)
-    model = tp_lesson.apply_tensor_parallel(model.to(device), mesh.groups["tp"], train.sequence_parallel, plan)
+    model = tp_lesson.apply_tensor_parallel(model.to(device), mesh.groups["tp"], train.sequence_parallel,
+                                            tensor_parallel_plan(train.moe))
     attention = flash_lesson.flash_attention if train.attention == "flash" else None
     if mesh.sizes.cp > 1:
         ring_block = cp_lesson.FLASH_BLOCK if device.type == "cuda" else cp_lesson.TORCH_BLOCK  # 07's kernel
@@ -375,8 +390,6 @@ class Trainer:
             model.register_forward_pre_hook(  # global positions: RoPE on CP chunks and SP shards
                 lambda _, args, kwargs: (args, {**kwargs, "positions": positions}), with_kwargs=True)
             self.stages[stage] = model
-        self.moe_bytes = sum(p.nbytes for model in self.stages.values()  # before ZeRO-3 releases them
-                             for layer in moe_lesson.moe_layers(model) for p in layer.parameters())
         # (stage, the group kind it reduces over, ZeRO). Experts get their own ZeRO over the ranks
         # holding the same ones; their gradients arrive summed over ep (06's all-to-all): / ep here.
         self.zeros = []
@@ -402,7 +415,7 @@ class Trainer:
         seq = train.seq_len // sizes.cp // (sizes.tp if train.sequence_parallel else 1)
         self.boundary_shape = (rows, seq, cfg.dim)
         self.meter = ddp.CommMeter()  # every step's communication, accumulated
-        self.steps = 0
+        self.steps = self.in_flight = 0  # in_flight: the most microbatch-stage pairs held at once (04)
 
     def set_lr(self, lr: float) -> None:
         for *_, zero in self.zeros:
@@ -430,6 +443,7 @@ class Trainer:
             for *_, zero in self.zeros:
                 zero.finish_gradient_sync()
         self.meter = zero_lesson.merge_meters([self.meter, meter])
+        self.in_flight = max(self.in_flight, log.peak_in_flight)
         # Outside the meter: the last stage's local mean, averaged over dp x cp, sent to every stage.
         loss = (log.loss if log.loss is not None else torch.zeros((), device=self.device)).double()
         for kind in ("dp_cp", "pp"):
@@ -530,11 +544,11 @@ class Trainer:
         return out
 
     def summary(self) -> dict:
-        """Parameters held, bytes held against 02's formula, and bytes sent per step per mesh
-        dimension against each lesson's formula."""
+        """Parameters held, bytes held against the plan's (02's formula), and bytes sent per step per
+        mesh dimension against the plan's (each lesson's formula); the plan of this rank."""
         zeros = [z for *_, z in self.zeros]
+        mine = plan(self.cfg, self.mesh.sizes, self.train)[self.mesh.coords["pp"]]
         held = {k: sum(z.held_bytes()[k] for z in zeros) for k in ("params", "grads", "optimizer")}
-        formula = {k: sum(z.memory_formula()[k] for z in zeros) for k in held}
         # Groups of different kinds may be the same ranks (cp and dp x cp when dp = 1): their
         # operations tell them apart, else (ZeRO's and the router's all-gathers) they share an entry.
         entries: list[tuple[list[str], tuple[int, ...], set[str]]] = []
@@ -548,63 +562,144 @@ class Trainer:
                 shared[0][2].update(ops)
             else:
                 entries.append(([kind], ranks, ops))
-        by_kind, steps = self.traffic_formula(), max(self.steps, 1)
+        steps = max(self.steps, 1)
         traffic, traffic_formula = {}, {}
         for names, ranks, ops in entries:
             traffic["+".join(names)] = sum(self.meter.traffic(op, ranks) for op in ops) / steps
-            parts = [by_kind.get(n, 0) for n in names]
-            traffic_formula["+".join(names)] = None if "ep" in names or None in parts else sum(parts)
+            parts = [mine.traffic.get(n, 0) for n in names]
+            traffic_formula["+".join(names)] = None if None in parts else sum(parts)
         return dict(params=sum(u.offsets[-1] for z in zeros for u in z.units),
                     shard=sum(spec.flat_stop - spec.flat_start for spec, *_ in self.shard_specs()),
-                    held=held, memory_formula=formula, traffic=traffic, traffic_formula=traffic_formula)
-
-    def traffic_formula(self) -> dict[str, Fraction]:
-        """Bytes this rank sends per step in each group of size > 1, by the lessons' formulas."""
-        sizes, train, cfg = self.mesh.sizes, self.train, self.cfg
-        b, m, s = train.global_batch // sizes.dp, train.microbatches, train.seq_len // sizes.cp
-        layers = sum(len(model.layers) for model in self.stages.values())
-        norm = lambda n: Fraction(2 * (n - 1), n) * 4  # all-reducing the clipping norm's fp32 scalar over n
-        out = {}
-        if sizes.tp > 1:  # 03: activations and the loss; + the clipping norm's scalar
-            ops = tp_lesson.comm_formula(cfg, b, s, train.sequence_parallel, layers=layers, microbatches=m,
-                                         embed=0 in self.stages, head=self.plan.n_stages - 1 in self.stages,
-                                         mlp=train.moe is None)
-            ring = Fraction(sizes.tp - 1, sizes.tp)
-            out["tp"] = norm(sizes.tp) + sum(ring * payload * (2 if op == "all_reduce" else 1)
-                                             for op, (_, payload) in ops.items())
-            if train.sequence_parallel:  # SP sums every replicated gradient over tp: the MoE layers' too
-                out["tp"] += 2 * ring * m * self.moe_bytes
-            if self.plan.split_backward or train.recompute == "full":  # ZB-H1's W re-runs part of the
-                out["tp"] = None  # backward; full recompute part of the forward (checkpoint stops early)
-        if sizes.cp > 1:  # 05: every attention call of every microbatch
-            tokens = b // m * s * cfg.head_dim // sizes.tp  # per head: tp splits the heads
-            ring = cp_lesson.attention_bytes("ring", tokens * cfg.n_heads, tokens * cfg.n_kv_heads, sizes.cp)
-            forwards = 1 if train.recompute == "none" else 2  # recompute re-runs the ring's forward
-            for st, model in self.stages.items():  # ZB-H1's W re-runs the ring's backward (B: stage > 0)
-                backwards = 2 if self.plan.split_backward and st > 0 else 1
-                out["cp"] = out.get("cp", 0) + m * len(model.layers) * (forwards * ring["forward"]
-                                                                        + backwards * ring["backward"])
-            if self.plan.split_backward and forwards == 2:  # W's backward may recompute once more
-                out["cp"] = None
-        if sizes.pp > 1:  # 04: one activation and one gradient per boundary and microbatch
-            boundaries = sum((st < self.plan.n_stages - 1) + (st > 0) for st in self.stages)
-            out["pp"] = norm(sizes.pp) + boundaries * m * math.prod(self.boundary_shape) * 4
-        for _, kind, z in self.zeros:  # 02: ZeRO on the stage's padded parameters (+ the norm's scalar)
-            n, padded = ddp.group_size(self.mesh.groups[kind]), sum(u.padded for u in z.units)
-            if isinstance(z, fp8_lesson.Float8ZeRO):  # 08: 1 B per weight element, + the amaxes
-                ops = fp8_lesson.float8_zero_traffic(padded, z.n_weights, n)
-            else:
-                ops = zero_lesson.zero_traffic_per_step(padded, n, train.zero_stage, 4, 4)
-            gathers = m if train.zero_stage == 3 else 1  # ZeRO-3: around each microbatch's F and B
-            out[kind] = (out.get(kind, 0) + ops.get("all_gather", 0) * gathers + ops.get("reduce_scatter", 0)
-                         + ops.get("all_reduce", 0) + (norm(n) if train.zero_stage else 0))
-        return out  # no formula for ep: its all-to-alls depend on the routing (06 prints that)
+                    held=held, memory_formula={k: mine.memory[k] for k in held}, traffic=traffic,
+                    traffic_formula=traffic_formula, in_flight=self.in_flight, plan=mine)
 
 
 def build_trainer(cfg, sizes: MeshSizes, train: TrainConfig, device: torch.device) -> Trainer:
     """Check everything on every rank before any collective, create the mesh's groups, build this rank's part."""
     validate(cfg, sizes, train, dist.get_world_size())
     return Trainer(cfg, build_mesh(sizes), train, device)
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan: what every rank holds and sends, by the lessons' formulas, for any mesh and model
+# ----------------------------------------------------------------------------------------------
+
+
+def unit_sizes(cfg, tp: int, moe, ep: int, fp8_gathers: bool = False) -> dict[str, tuple[int, int, int, int]]:
+    """Elements one rank holds of each kind of ZeRO unit ("embed", "layers", "norm", "lm_head"),
+    as (in dp x cp's ZeRO, in the experts' ZeRO over ep_dp, in 08's Float8ZeRO, the number of
+    Float8Linear weights there): 01's, 06's and 03's shapes, nothing built. fp8_gathers: --fp8
+    --zero 3, whose Float8Linear weights (a layer's 2-D weights: 08 converts every linear but the
+    LM head) have a ZeRO of their own."""
+    shapes = ddp.parameter_shapes(dataclasses.replace(cfg, n_layers=1))
+    if moe is not None:
+        shapes = {name: shape for name, shape in shapes.items() if ".mlp." not in name}
+        experts = moe_lesson.moe_parameter_shapes(cfg.dim, moe, ep)
+        shapes |= {f"layers.0.mlp.{name}": shape for name, shape in experts.items()}
+    out: dict[str, tuple[int, int, int, int]] = {}
+    for name, shape in shapes.items():
+        expert = ep > 1 and name.rpartition(".")[2] in moe_lesson.MoE.expert_names
+        float8 = fp8_gathers and name.startswith("layers.") and len(shape) == 2
+        numel = math.prod(tp_lesson.tp_local_shape(name, shape, tp, tensor_parallel_plan(moe)))
+        dense, experts, weights, count = out.get(name.split(".")[0], (0, 0, 0, 0))
+        out[name.split(".")[0]] = (dense + numel * (not expert and not float8), experts + numel * expert,
+                                   weights + numel * float8, count + float8)
+    return out
+
+
+@dataclass
+class RankPlan:
+    """What each rank at one pipeline coordinate holds and sends per step (its dp, cp, tp and ep
+    peers hold slices of the same sizes)."""
+    stages: list[int]
+    layers: int
+    params: int  # elements of its stages' TP-local parameters (before ZeRO)
+    memory: dict[str, Fraction | int | None]  # bytes: params, grads, optimizer (02), activations (03 x 04)
+    traffic: dict[str, Fraction | None]  # bytes it sends in its group of each kind; None: no formula
+    in_flight: int  # microbatch-stage pairs whose activations it holds at once (04)
+
+    @property
+    def total(self) -> Fraction:
+        """Bytes held (MoE activations, which have no formula, count 0)."""
+        return sum(v for v in self.memory.values() if v is not None)
+
+
+def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
+    """Every pipeline rank's RankPlan from the earlier lessons' own formulas. Nothing is built, so
+    it prices meshes that are not here (--plan) as well as the running one (--check's summary, which
+    the tests prove exact). Call validate first. FP8 is priced at its compute precision, but for
+    --zero 3's Float8Linear weights (08's Float8ZeRO: 1 B gathers, e4m3 shards and scales held); the
+    FP8 casts Float8Linear saves for backward are not modelled; MoE activations and ep's all-to-alls
+    depend on the routing: None."""
+    e = 2 if train.mixed_precision else 4  # bytes of a compute parameter, gradient, activation
+    tp, cp, pp, m = sizes.tp, sizes.cp, sizes.pp, train.microbatches
+    b, s, n_stages = train.global_batch // sizes.dp, train.seq_len // cp, pp * train.virtual
+    fp8_gathers = train.fp8 and train.zero_stage == 3
+    units = unit_sizes(cfg, tp, train.moe, sizes.ep, fp8_gathers)
+    spans = pp_lesson.stage_layers(cfg.n_layers, n_stages)
+    groups, split = {"dp_cp": sizes.dp * cp, "ep_dp": sizes.dp * cp // sizes.ep}, train.schedule == "zb-h1"
+    norm = lambda n: Fraction(2 * (n - 1), n) * 4  # all-reducing the clipping norm's fp32 scalar over n
+    moe = train.moe and sum(map(math.prod, moe_lesson.moe_parameter_shapes(cfg.dim, train.moe,
+                                                                         sizes.ep).values()))  # per layer
+    tokens = b // m * s // tp  # a microbatch's tokens / tp: x a width, a rank's share (tp splits the heads)
+    q, kv = tokens * cfg.dim, tokens * cfg.n_kv_heads * cfg.head_dim
+    attention = cp_lesson.ring_saved_bytes(q, tokens * cfg.n_heads) if cp > 1 else None  # None: SDPA's
+    stage_bytes = lambda stage: tp_lesson.layer_activation_formula(  # 03: a microbatch's stage, its layers
+        cfg, b // m, s, tp, train.sequence_parallel, train.recompute, e, attention, layers=len(spans[stage]))
+    out = []
+    for rank in range(pp):
+        stages = list(range(rank, n_stages, pp))
+        layers = sum(len(spans[st]) for st in stages)
+        memory, traffic, params = dict.fromkeys(("params", "grads", "optimizer"), Fraction(0)), {}, 0
+        for st in stages:  # 02: a ZeRO per stage (and one for its experts) on its padded units
+            held = ([units["embed"]] * (st == 0) + [units["layers"]] * len(spans[st])
+                    + [units["norm"], units["lm_head"]] * (st == n_stages - 1))
+            for kind, part in (("dp_cp", 0), ("ep_dp", 1), ("dp_cp", 2)):  # 2: 08's Float8ZeRO
+                numels, n = [u[part] for u in held if u[part]], groups[kind]
+                if not numels:
+                    continue
+                padded, params = sum(zero_lesson.padded_size(x, n) for x in numels), params + sum(numels)
+                for key, value in zero_lesson.zero_memory_formula(padded, len(numels), n, train.zero_stage,
+                                                                  train.mixed_precision).items():
+                    memory[key] += value
+                ops = zero_lesson.zero_traffic_per_step(padded, n, train.zero_stage, e, e)
+                if part == 2:  # + each rank's e4m3 shard and every weight's scale; 1 B gathers, amaxes
+                    weights = sum(u[3] for u in held)
+                    memory["params"] += Fraction(padded, n) + fp8_lesson.AMAX_BYTES * weights
+                    ops = fp8_lesson.float8_zero_traffic(padded, weights, n, e)
+                gathers = m if train.zero_stage == 3 else 1  # ZeRO-3: around each microbatch's F and B
+                traffic[kind] = (traffic.get(kind, 0) + ops.get("all_gather", 0) * gathers
+                                 + ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0)
+                                 + (norm(n) if train.zero_stage else 0))
+        if tp > 1 and not split:  # 03 (ZB-H1's W re-runs part of the backward: no formula)
+            ops = tp_lesson.comm_formula(cfg, b, s, train.sequence_parallel, layers=layers, microbatches=m,
+                                         embed=0 in stages, head=n_stages - 1 in stages,
+                                         mlp=train.moe is None, elem_bytes=e, recompute=train.recompute)
+            ring = Fraction(tp - 1, tp)
+            traffic["tp"] = norm(tp) + sum(ring * payload * (2 if op == "all_reduce" else 1)
+                                           for op, (_, payload) in ops.items())
+            if train.sequence_parallel and moe:  # SP sums every replicated gradient over tp: the MoE's too
+                traffic["tp"] += 2 * ring * m * layers * moe * e
+        elif tp > 1:
+            traffic["tp"] = None
+        forwards = 1 if train.recompute == "none" else 2  # recompute re-runs the ring's forward
+        if cp > 1:  # 05: every attention call of every microbatch; ZB-H1's W re-runs the backward
+            ring = cp_lesson.attention_bytes("ring", q, kv, cp, e)
+            backwards = {st: 2 if split and st > 0 else 1 for st in stages}  # stage 0's B: no input gradient
+            traffic["cp"] = None if split and forwards == 2 else sum(
+                m * len(spans[st]) * (forwards * ring["forward"] + backwards[st] * ring["backward"])
+                for st in stages)
+        if pp > 1:  # 04: one activation forward and one gradient back per boundary and microbatch
+            boundaries = sum((st < n_stages - 1) + (st > 0) for st in stages)
+            seq = s // (tp if train.sequence_parallel else 1)
+            traffic["pp"] = norm(pp) + boundaries * b * seq * cfg.dim * e
+        if sizes.ep > 1:
+            traffic["ep"] = None  # 06's all-to-alls depend on the routing
+        memory["activations"] = None if train.moe else pp_lesson.held_at_peak(
+            train.schedule, rank, pp, m, train.virtual, stage_bytes)
+        out.append(RankPlan(stages, layers, params, memory, traffic,
+                            pp_lesson.in_flight_bound(train.schedule, rank, pp, m, train.virtual)))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1054,9 +1149,14 @@ def greedy_sample(model: nn.Module, prompt: bytes, n_new: int) -> bytes:
 # The training run
 # ----------------------------------------------------------------------------------------------
 
-MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256: bytes are the tokens
+LLAMA3 = dict(vocab_size=128_256, n_kv_heads=8, rope_theta=500_000.0)  # Meta's published configurations
+MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256 (bytes are tokens) unless the model sets one
     "tiny": (dict(dim=128, n_layers=4, n_heads=4, ffn_dim=352), 128, 16, 3e-3),  # CPU: a few minutes
     "1b": (dict(dim=2048, n_layers=16, n_heads=16, ffn_dim=5632), 2048, 8, 3e-4),  # 0.82B: one H100
+    # For --plan. Peak lr from the Llama 3 paper; batches of 4M, 8M and 16M tokens (405B: Meta's last)
+    "llama3-8b": (dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **LLAMA3), 8192, 512, 3e-4),
+    "llama3-70b": (dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **LLAMA3), 8192, 1024, 1.5e-4),
+    "llama3-405b": (dict(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248, **LLAMA3), 8192, 2048, 8e-5),
 }
 
 
@@ -1252,17 +1352,16 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
         print(f"train loss {losses[first]:.3f} at step {first} -> {losses[last]:.3f} at step {last} "
               f"(ln 256 = {math.log(256):.3f}: a uniform guess); validation: "
               + ", ".join(f"{v:.3f} after {s}" for s, v in result["val"].items()))
-    b, m = train.global_batch // sizes.dp // train.microbatches, train.microbatches
-    s, layers = train.seq_len // sizes.cp, sum(len(model.layers) for model in trainer.stages.values())
-    shape = (cfg, b, s, sizes.tp, train.sequence_parallel)
-    ours = layers * m * tp_lesson.layer_activation_formula(*shape, train.recompute)
-    paper = layers * m * tp_lesson.korthikanti_bytes(*shape)
-    what = "peak memory above the step's start" if trainer.device.type == "cuda" else "bytes autograd saved"
-    formula = (f"rank 0's {layers} layers x {m} microbatches by the formula: {ours:,} (ours, fp32, recompute "
-               f"{train.recompute}), Korthikanti {paper:,.0f} (16-bit GPT-3 layer, no recompute)")
+    rank0, b = plan(cfg, sizes, train)[0], train.global_batch // sizes.dp // train.microbatches
+    paper = tp_lesson.korthikanti_bytes(cfg, b, train.seq_len // sizes.cp, sizes.tp, train.sequence_parallel)
+    what = "peak memory above the step's start" if trainer.device.type == "cuda" else "the most autograd held"
+    formula = ("no formula for MoE layers" if train.moe else
+               f"the plan of rank 0's {rank0.layers} layers, {rank0.in_flight} microbatches in flight: "
+               f"{rank0.memory['activations']:,} (recompute {train.recompute}), Korthikanti "
+               f"{rank0.layers * rank0.in_flight * paper:,.0f} (16-bit GPT-3 layer, no recompute)")
     if saved[0] is not None:
         print(f"activations in step {result['measured']}, {what} per rank: " + ", ".join(f"{x:,}" for x in saved)
-              + f"; {formula if train.moe is None else 'no formula for MoE layers'}")
+              + f"; {formula}")
     timed = times[max(1, len(times) // 4):] or times  # the first steps warm up (and compile)
     if timed:
         step_s = sum(timed) / len(timed)
@@ -1285,7 +1384,9 @@ def build_model_config(args: argparse.Namespace) -> "ddp.ModelConfig":
         return ddp.ModelConfig(vocab_size=127, dim=64, n_layers=4, n_heads=4,
                                n_kv_heads=2 if args.kv_heads is None else args.kv_heads,
                                ffn_dim=176)
-    return ddp.ModelConfig(vocab_size=256, **MODELS[args.model][0], n_kv_heads=args.kv_heads, seed=args.seed)
+    preset = {"vocab_size": 256, **MODELS[args.model][0]}
+    return ddp.ModelConfig(**{**preset, "n_kv_heads": args.kv_heads or preset.get("n_kv_heads")},
+                           seed=args.seed)
 
 
 def mesh_sizes(args: argparse.Namespace) -> MeshSizes:
@@ -1295,7 +1396,7 @@ def mesh_sizes(args: argparse.Namespace) -> MeshSizes:
 def train_config(args: argparse.Namespace, device: torch.device | None = None) -> TrainConfig:
     """The options, with the --check demo's or the --model preset's defaults where not given."""
     _, seq_len, global_batch, lr = (None, 32, 8, 1e-3) if args.check else MODELS[args.model]
-    microbatches = 2 if args.check or args.pp > 1 else 1
+    microbatches = 2 if args.check or (args.pp or 1) > 1 else 1
     return TrainConfig(global_batch=args.global_batch or global_batch, seq_len=args.seq_len or seq_len,
                        zero_stage=args.zero, schedule=args.schedule, microbatches=args.microbatches or microbatches,
                        virtual=args.virtual, sequence_parallel=args.sequence_parallel, fp8=args.fp8,
@@ -1378,6 +1479,192 @@ def demo(args: argparse.Namespace) -> None:
     ddp.exit_distributed()
 
 
+# ----------------------------------------------------------------------------------------------
+# Planning a run at scale (--plan): the plan against a GPU's memory, and a step time
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """--plan's assumptions about the machines (defaults: H100 SXM nodes)."""
+    gpus_per_node: int = 8
+    memory: float = 80e9  # bytes per GPU
+    peak: float = 989e12  # dense bf16 FLOP/s per GPU (PEAK_BF16_FLOPS)
+    mfu: float = 0.43  # the share of peak compute reaches: 09's MFU on one H100 (README)
+    nvlink: float = 450e9  # bytes/s per GPU each way inside a node (NVLink 4: 900 GB/s both ways)
+    network: float = 50e9  # bytes/s per GPU each way between nodes (one 400 Gb/s NIC per GPU)
+
+
+GROUP_NAMES = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_cp": "dp x cp", "ep_dp": "experts' dp", "ep": "ep"}
+
+
+def inside_node(sizes: MeshSizes, kind: str, gpus_per_node: int) -> bool:
+    """Whether every group of this kind lies in one node: ranks are numbered tp fastest, so a group
+    stays within aligned blocks of (its slowest dimension's size x the faster dimensions' sizes)."""
+    moving = [d for d in DIMS if d in GROUP_DIMS.get(kind, ("dp", "cp")) and getattr(sizes, d) > 1]
+    block = math.prod(getattr(sizes, d) for d in DIMS[DIMS.index(moving[0]):]) if moving else 1
+    return gpus_per_node % block == 0
+
+
+def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster) -> dict:
+    """Seconds per step. Compute: the step's FLOPs as MFU counts them (PaLM's) plus the forward
+    that recompute re-runs, / (GPUs x peak x mfu), stretched by 04's bubble. Communication: each
+    group's bytes (its busiest rank's) / its link, NVLink inside a node, else the network. Bounds:
+    no overlap (the sum) and perfect overlap (the longest of compute, NVLink's and the network's)."""
+    tokens, per_token = train.global_batch * train.seq_len, flops_per_token(cfg, train.seq_len)
+    rerun = {"none": 0, "selective": per_token - flops_per_token(cfg, 0),  # attention's inside
+             "full": per_token - flops_per_token(dataclasses.replace(cfg, n_layers=0), train.seq_len)}
+    bubble = pp_lesson.bubble_formula(train.schedule, sizes.pp, train.microbatches, train.virtual)
+    compute = tokens * (per_token + rerun[train.recompute] / 3) / (sizes.world * cluster.peak * cluster.mfu)
+    links, comm = {"NVLink": 0.0, "network": 0.0}, {}
+    for kind in dict.fromkeys(k for p in plans for k in p.traffic):
+        sent = [p.traffic.get(kind, 0) for p in plans]
+        link = "NVLink" if inside_node(sizes, kind, cluster.gpus_per_node) else "network"
+        comm[kind] = None if None in sent else (float(max(sent)), link)
+        links[link] += 0 if comm[kind] is None else comm[kind][0] / getattr(cluster, link.lower())
+    compute /= 1 - bubble
+    return dict(flops=tokens * per_token, compute=compute, bubble=bubble, comm=comm,
+                no_overlap=compute + sum(links.values()), overlap=max(compute, *links.values()))
+
+
+def mesh_candidates(gpus: int, fixed: dict[str, int | None], gpus_per_node: int, ep: int):
+    """Every (dp, pp, cp, tp) whose product is gpus, tp within a node, the sizes given kept."""
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    for tp, cp, pp in itertools.product(divisors, repeat=3):
+        if gpus % (tp * cp * pp) == 0 and gpus_per_node % tp == 0:
+            sizes = MeshSizes(gpus // (tp * cp * pp), pp, cp, tp, ep)
+            if all(fixed[d] in (None, getattr(sizes, d)) for d in DIMS):
+                yield sizes
+
+
+def planned(cfg, sizes: MeshSizes, train: TrainConfig, microbatches: int | None, cluster: Cluster) -> tuple:
+    """(sizes, train as run on them, plans, step time), or validate's ValueError. microbatches None:
+    one sequence each (global_batch / dp)."""
+    train = dataclasses.replace(train, microbatches=microbatches or max(train.global_batch // sizes.dp, 1))
+    validate(cfg, sizes, train, sizes.world)
+    plans = plan(cfg, sizes, train)
+    return sizes, train, plans, step_time(cfg, sizes, train, plans, cluster)
+
+
+def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | None], microbatches: int | None,
+                  ep: int, cluster: Cluster) -> tuple[list, list, str]:
+    """The meshes of gpus GPUs that validate accepts, as planned() gives them; those that fit in a
+    GPU's memory, fastest first (no-overlap bound, then perfect-overlap); the first refusal."""
+    valid, refusals = [], []
+    for sizes in mesh_candidates(gpus, fixed, cluster.gpus_per_node, ep):
+        try:
+            valid.append(planned(cfg, sizes, train, microbatches, cluster))
+        except ValueError as error:
+            refusals.append(f"{mesh_name(sizes)}: {error}".replace("\n", " "))
+    fitting = sorted((v for v in valid if max(p.total for p in v[2]) <= cluster.memory),
+                     key=lambda v: (v[3]["no_overlap"], v[3]["overlap"]))
+    return valid, fitting, refusals[0] if refusals else "no sizes multiply to it (tp divides --gpus-per-node)"
+
+
+def gigabytes(x) -> str:
+    return "n/a" if x is None else f"{float(x) / 1e9:,.1f}" if x >= 1e9 else f"{float(x) / 1e9:.2g}"
+
+
+def mesh_name(sizes: MeshSizes) -> str:
+    return " ".join(f"{d}={getattr(sizes, d)}" for d in DIMS) + (f" ep={sizes.ep}" if sizes.ep > 1 else "")
+
+
+def describe(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: dict, table: bool) -> str:
+    """The mesh and run; memory per pipeline rank (table: the first two, the fullest and the last two
+    ranks, else the fullest); bytes sent per group; the step time's terms and bounds."""
+    rows = train.global_batch // sizes.dp // train.microbatches
+    lines = [f"{mesh_name(sizes)}, ZeRO-{train.zero_stage}, {train.schedule} x {train.microbatches} "
+             f"microbatches of {rows}, recompute {train.recompute},"
+             f" SP {'on' if train.sequence_parallel else 'off'}"]
+    totals = [p.total for p in plans]
+    fullest = totals.index(max(totals))
+    if table:
+        lines.append("GB held per GPU   params   grads   optim   activ   total")
+        ends = {0, 1, fullest, len(plans) - 2, len(plans) - 1}
+        shown = sorted(ends if len(plans) > 6 else range(len(plans)))
+        for rank in (r for r in shown if r >= 0):
+            p, pairs = plans[rank], "microbatch-stages" if train.virtual > 1 else "microbatches"
+            what = (("embedding + " if 0 in p.stages else "") + f"{p.layers} layers"
+                    + (" + head" if len(plans) * train.virtual - 1 in p.stages else ""))
+            lines += ["  ..."] * (rank > 0 and rank - 1 not in shown) + [
+                f"  pp {rank:<11}" + "".join(f"{gigabytes(p.memory[k]):>8}" for k in p.memory)
+                + f"{gigabytes(totals[rank]):>8}  {what}, in flight: {p.in_flight} {pairs}"]
+    else:
+        lines.append(f"fullest GPU {gigabytes(totals[fullest])} GB (pp {fullest}: "
+                     + ", ".join(f"{k} {gigabytes(v)}" for k, v in plans[fullest].memory.items()) + ")")
+    useful = [timing["flops"] / sizes.world / timing[k] / 1e12 for k in ("no_overlap", "overlap")]
+    lines.append("sent per GPU per step (its busiest pipeline rank): " + (", ".join(
+        f"{GROUP_NAMES[k]} " + ("n/a (no formula)" if v is None else f"{gigabytes(v[0])} GB ({v[1]})")
+        for k, v in timing["comm"].items()) or "nothing"))
+    seconds = {k: f"{timing[k]:,.1f}" if timing[k] >= 1 else f"{timing[k]:.2g}"
+               for k in ("compute", "no_overlap", "overlap")}
+    lines.append(f"step: compute {seconds['compute']} s (bubble {timing['bubble']:.0%}); no overlap "
+                 f"{seconds['no_overlap']} s, perfect overlap {seconds['overlap']} s: "
+                 f"{useful[0]:,.0f}-{useful[1]:,.0f} TFLOP/s per GPU")
+    return "\n".join(lines)
+
+
+TOP_MESHES = 3  # --plan's search prints this many
+
+
+def plan_report(args: argparse.Namespace) -> str:
+    """--plan: the given mesh's breakdown, or the fastest meshes that fit; one line if none fits."""
+    cfg, fixed = build_model_config(args), {d: getattr(args, d) for d in DIMS}
+    train = dataclasses.replace(train_config(args), mixed_precision=True)  # a GPU run: bf16 + fp32 masters
+    cluster = Cluster(args.gpus_per_node, args.gpu_memory * 1e9, args.peak_tflops * 1e12, args.mfu,
+                      args.nvlink_gbps * 1e9, args.network_gbps * 1e9)
+    gpus = args.gpus or (math.prod(fixed.values()) if None not in fixed.values() else 0)
+    if gpus < 1 or None not in fixed.values() and math.prod(fixed.values()) != gpus:
+        raise ValueError(f"--plan needs --gpus N (or every mesh size: --dp --pp --cp --tp), and the sizes "
+                         f"given multiply to it, not {fixed}")
+    n_params, memory = sum(map(math.prod, ddp.parameter_shapes(cfg).values())), f"{cluster.memory / 1e9:g} GB"
+    header = (f"{args.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
+              f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, ffn {cfg.ffn_dim}, vocabulary "
+              f"{cfg.vocab_size:,}), bf16 + fp32 masters{' + FP8 GEMMs' if train.fp8 else ''}; batch "
+              f"{train.global_batch:,} x {train.seq_len:,} tokens; {gpus:,} GPUs of {memory}, "
+              f"{cluster.gpus_per_node} per node.\nAssumed: compute at {cluster.mfu:.0%} of "
+              f"{cluster.peak / 1e12:g} TFLOP/s; {cluster.nvlink / 1e9:g} GB/s per GPU each way in a node, "
+              f"{cluster.network / 1e9:g} across nodes. Not counted: logits and loss, the\nembedding's "
+              f"output, temporaries, CUDA and NCCL buffers, fragmentation.")
+    valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, args.microbatches, args.ep, cluster)
+    if None not in fixed.values() and valid:  # the mesh given
+        need = max(p.total for p in valid[0][2])
+        verdict = (f"fits: {gigabytes(need)} of {memory} on the fullest GPU" if need <= cluster.memory else
+                   f"does not fit: the fullest GPU needs {gigabytes(need)} GB, "
+                   f"{gigabytes(need - cluster.memory)} GB ({need / cluster.memory - 1:.0%}) more than its "
+                   f"{memory}")
+        return "\n".join([header, describe(*valid[0], table=True), verdict])
+    if not valid:
+        return f"no mesh of {gpus:,} GPUs passes validate: {refusal}"
+    if not fitting:
+        sizes, run, plans, _ = min(valid, key=lambda v: max(p.total for p in v[2]))
+        need = max(p.total for p in plans)
+        return (f"{args.model} does not fit on {gpus:,} GPUs of {memory}: the leanest of {len(valid)} valid "
+                f"meshes ({describe(sizes, run, plans, valid[0][3], False).splitlines()[0]}) needs "
+                f"{gigabytes(need)} GB on its fullest GPU, {need / cluster.memory:.1f}x the memory")
+    lines = [header, f"{len(valid)} meshes pass validate, {len(fitting)} fit; the fastest:"]
+    for rank, option in enumerate(fitting[:TOP_MESHES], start=1):
+        lines.append(f"{rank}. " + describe(*option, table=False).replace("\n", "\n   "))
+    return "\n".join(lines)
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """The options' own ranges, whatever the run (check, train or plan) uses."""
+    for name in ("global_batch", "seq_len", "microbatches", "lr"):  # None: the preset's; 0 is not "none"
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if not args.max_grad_norm > 0:
+        raise ValueError(f"--max-grad-norm must be > 0 (inf: no clipping), not {args.max_grad_norm}")
+    for name, value in (("warmup", args.warmup), ("save-every", args.save_every),
+                        ("sample-bytes", args.sample_bytes)):
+        if value < 0:
+            raise ValueError(f"--{name} must be >= 0")
+    if args.resume not in (None, "latest") and not args.resume.isdigit():
+        raise ValueError(f"--resume takes the step of a kept checkpoint (a number), not {args.resume!r}")
+    if args.sample_bytes and not args.prompt:
+        raise ValueError("--prompt must not be empty: the sample continues it (--no-sample: no sample)")
+
+
 def main() -> None:
     parser = ddp.lesson_parser(__doc__)
     parser.add_argument("--check", action="store_true", help="part 1: the equivalence check with one device "
@@ -1395,7 +1682,7 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="lesson 08's Float8Linear layers")
     parser.add_argument("--bf16", action="store_true", default=None,
                         help="bf16 compute, fp32 masters (02's); default: on with a GPU, off on a CPU")
-    parser.add_argument("--model", default="tiny", choices=MODELS, help="the training run's preset")
+    parser.add_argument("--model", default="tiny", choices=MODELS, help="the preset (llama3-*: --plan only)")
     parser.add_argument("--kv-heads", type=int, help="key/value heads, grouped-query attention (default: "
                         "2 with --check, else the preset's query heads)")
     parser.add_argument("--steps", type=int, help="default: 3 with --check, else 600")
@@ -1422,28 +1709,39 @@ def main() -> None:
     parser.add_argument("--sample-bytes", type=int, default=100, help="bytes the sample generates")
     parser.add_argument("--no-sample", dest="sample_bytes", action="store_const", const=0, help="no sample at the end")
     parser.add_argument("--seed", type=int, default=0, help="the data order's seed")
+    parser.add_argument("--plan", action="store_true", help="print memory, traffic and step time per GPU of "
+                        "--model on --gpus GPUs (mesh sizes left out are searched); start nothing")
+    parser.add_argument("--gpus", type=int, help="--plan: GPUs (or the product of the mesh sizes)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="--plan: tp stays in a node")
+    parser.add_argument("--gpu-memory", type=float, default=80, help="--plan: GB per GPU")
+    parser.add_argument("--peak-tflops", type=float, default=989, help="--plan: dense bf16, H100 SXM")
+    parser.add_argument("--mfu", type=float, default=0.43, help="--plan: the share of peak compute reaches")
+    parser.add_argument("--nvlink-gbps", type=float, default=450, help="--plan: GB/s per GPU each way, node")
+    parser.add_argument("--network-gbps", type=float, default=50,
+                        help="--plan: GB/s per GPU each way between nodes")
     args = parser.parse_args()
+    if args.plan:  # mesh sizes left out are searched
+        parser.set_defaults(**dict.fromkeys(DIMS))
+        args = parser.parse_args()
     args.moe = args.moe or args.ep > 1
     args.steps = (3 if args.check else 600) if args.steps is None else args.steps
+    if args.plan:
+        try:
+            check_options(args)
+            print(plan_report(args))
+        except ValueError as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
+        return
     sizes = mesh_sizes(args)
     if "RANK" not in os.environ:
         args.nproc = sizes.world  # the mesh sets how many local processes to start
 
     def check(world: int) -> None:  # every option where it is wrong, whether or not this run uses it
         rank0 = os.environ.get("RANK", "0") == "0"
-        for name in ("global_batch", "seq_len", "microbatches", "lr"):  # None: the preset's; 0 is not "none"
-            if getattr(args, name) is not None and not getattr(args, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-        if not args.max_grad_norm > 0:
-            raise ValueError(f"--max-grad-norm must be > 0 (inf: no clipping), not {args.max_grad_norm}")
-        for name, value in (("warmup", args.warmup), ("save-every", args.save_every),
-                            ("sample-bytes", args.sample_bytes)):
-            if value < 0:
-                raise ValueError(f"--{name} must be >= 0")
-        if args.resume not in (None, "latest") and not args.resume.isdigit():
-            raise ValueError(f"--resume takes the step of a kept checkpoint (a number), not {args.resume!r}")
-        if args.sample_bytes and not args.prompt:
-            raise ValueError("--prompt must not be empty: the sample continues it (--no-sample: no sample)")
+        check_options(args)
+        if not args.check and "vocab_size" in MODELS[args.model][0]:
+            raise ValueError(f"--model {args.model} is for --plan: its vocabulary needs a tokenizer, and "
+                             f"bytes are this course's tokens")
         train = train_config(args)
         validate(build_model_config(args), sizes, train, world)
         if args.check:

@@ -253,6 +253,14 @@ def test_attention_scores_depend_on_relative_positions_only(cfg, seq_len, shift)
         assert (d - b)[..., off_diagonal].abs().max().item() > 1e-3 * scale, layer
 
 
+@given(n_heads=st.sampled_from([2, 4]), groups=st.sampled_from([1, 2]), layers=st.integers(0, 3))
+def test_parameter_shapes_are_the_models(n_heads, groups, layers):
+    cfg = ddp.ModelConfig(vocab_size=37, dim=8 * n_heads, n_layers=layers, n_heads=n_heads,
+                          n_kv_heads=n_heads // groups, ffn_dim=20)
+    built = [(name, tuple(p.shape)) for name, p in ddp.GPT(cfg).named_parameters()]
+    assert list(ddp.parameter_shapes(cfg).items()) == built
+
+
 RESIDUAL_OUTPUTS = ("attn.out_proj.weight", "mlp.down_proj.weight")
 UNSCALED = ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight", "mlp.gate_proj.weight",
             "mlp.up_proj.weight")

@@ -430,12 +430,21 @@ def assert_same_training(runs: dict) -> None:
         assert all(torch.equal(runs[mode][1][n], g) for n, g in grads.items()), mode
 
 
-def layer_bytes(layer, cfg, batch: int, seq_len: int, shards: int = 1) -> int:
-    """Bytes one block saves for backward, on its input (b, s / shards, h) (lesson 03's setup)."""
-    x = torch.randn(batch, seq_len // shards, cfg.dim, requires_grad=True)
+def layer_bytes(blocks, cfg, batch: int, seq_len: int, shards: int = 1, dtype=torch.float32) -> int:
+    """Bytes a stack of blocks (one block, or a list) saves for backward, on its input (b, s / shards,
+    h) (lesson 03's setup), in dtype."""
+    blocks = [blocks] if isinstance(blocks, torch.nn.Module) else blocks
+    x = torch.randn(batch, seq_len // shards, cfg.dim, dtype=dtype, requires_grad=True)
     cos, sin = ddp.rope_angles(torch.arange(seq_len), cfg.head_dim, cfg.rope_theta)
-    out, saved = tpm.activation_bytes(lambda: layer(x, cos, sin), layer.parameters(), x.device)
-    out.sum().backward()
+
+    def forward() -> torch.Tensor:
+        h = x
+        for block in blocks:  # one forward's RoPE tables, read by every block
+            h = block(h, cos, sin)
+        return h
+
+    out, saved = tpm.activation_bytes(forward, [p for b in blocks for p in b.parameters()], x.device)
+    out.float().sum().backward()
     return saved
 
 
@@ -454,6 +463,10 @@ def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, 
         runs[mode] = loss_and_grads(model, *batch_data)
         saved[mode] = layer_bytes(model.layers["0"], cfg, batch, seq_len)
         assert saved[mode] == tpm.layer_activation_formula(cfg, batch, seq_len, 1, False, mode), mode
+        for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):  # every layer, bf16 too
+            stack = layer_bytes(list(model.to(dtype).layers.values()), cfg, batch, seq_len, dtype=dtype)
+            assert stack == tpm.layer_activation_formula(cfg, batch, seq_len, 1, False, mode, size,
+                                                         layers=layers), (mode, dtype)
     assert_same_training(runs)
     assert saved["full"] < saved["selective"] < saved["none"]
 
@@ -467,15 +480,17 @@ def test_recompute_refuses_bad_modes_and_a_second_application():
 
 
 def recompute_tensor_parallel(cfg, batch: int, seq_len: int, sequence_parallel: bool) -> tuple:
-    """On each rank: loss and local gradients under each mode, and layer 0's saved bytes."""
-    runs, saved = {}, {}
+    """On each rank: loss and local gradients under each mode, layer 0's saved bytes, the meter of
+    the step (forward + backward), and the TP-local parameter shapes."""
+    runs, saved, meters = {}, {}, {}
     for mode in tpm.RECOMPUTE_MODES:
         model = tpm.apply_tensor_parallel(ddp.GPT(cfg), None, sequence_parallel)
         tpm.apply_recompute(model, mode)
-        runs[mode] = loss_and_grads(model, *ddp.synthetic_batch(cfg, batch, seq_len, step=0))
+        with ddp.comm_meter() as meters[mode]:
+            runs[mode] = loss_and_grads(model, *ddp.synthetic_batch(cfg, batch, seq_len, step=0))
         shards = dist.get_world_size() if sequence_parallel else 1
         saved[mode] = layer_bytes(model.layers["0"], cfg, batch, seq_len, shards)
-    return runs, saved
+    return runs, saved, meters, [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
 def recompute_context_parallel(cfg, batch: int, seq_len: int) -> dict:
@@ -492,11 +507,20 @@ def recompute_context_parallel(cfg, batch: int, seq_len: int) -> dict:
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_recompute_after_tensor_parallelism(rank_pool, sequence_parallel):
+    """Also: full recompute re-runs each block's collectives up to down_proj's input (comm_formula),
+    and tp_local_shape gives every parameter's shape on a rank (vocabulary 33 padded to 34)."""
     cfg = ddp.ModelConfig(vocab_size=33, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=24, n_layers=2)
-    for runs, saved in rank_pool.run(2, recompute_tensor_parallel, cfg, 2, 6, sequence_parallel):
+    share = {"all_reduce": 1, "all_gather": Fraction(1, 2), "reduce_scatter": Fraction(1, 2)}  # ring, t = 2
+    results = rank_pool.run(2, recompute_tensor_parallel, cfg, 2, 6, sequence_parallel)
+    for runs, saved, meters, shapes in results:
         assert_same_training(runs)
         for mode, got in saved.items():
             assert got == tpm.layer_activation_formula(cfg, 2, 6, 2, sequence_parallel, mode), mode
+            formula = tpm.comm_formula(cfg, 2, 6, sequence_parallel, recompute=mode)
+            assert {op: meters[mode].traffic(op) for op, _ in meters[mode].stats} == \
+                {op: share[op] * payload for op, (_, payload) in formula.items()}, mode
+        assert shapes == [(name, tpm.tp_local_shape(name, shape, 2))
+                          for name, shape in ddp.parameter_shapes(cfg).items()]
 
 
 def test_recompute_with_ring_attention(rank_pool):

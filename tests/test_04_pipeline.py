@@ -139,12 +139,14 @@ def test_schedules_are_complete_ordered_and_never_deadlock(plan):
                 if plan.split_backward:
                     assert place[("B", s, i)] < place[("W", s, i)], "weight gradient before B"
         # In-flight activations, counted from the list: the bound holds, and is reached.
-        held = peak = 0
+        held = peak = weighted = weighted_peak = 0  # weighted: stage s holds s + 1 (unlike amounts)
         frees = "W" if plan.split_backward else "B"
         for a in compute:
             held += (a.kind == "F") - (a.kind == frees)
-            peak = max(peak, held)
+            weighted += (a.stage + 1) * ((a.kind == "F") - (a.kind == frees))
+            peak, weighted_peak = max(peak, held), max(weighted_peak, weighted)
         assert peak == plan.in_flight_bound(rank)
+        assert weighted_peak == pl.held_at_peak(plan.name, rank, plan.pp, m, plan.virtual, lambda s: s + 1)
     run_with_rendezvous(plan)
 
 

@@ -106,6 +106,12 @@ def test_moe_layer_equals_a_per_token_loop(tokens, dim, cfg, seed, bias_scale):
     assert abs(float(layer.aux_loss) - float(aux)) <= AUX_ATOL
 
 
+def test_parameter_shapes_are_the_layers():
+    cfg = moe.MoEConfig(n_experts=4, expert_ffn_dim=6)
+    built = [(name, tuple(p.shape)) for name, p in moe.MoE(8, cfg, seed=0).named_parameters()]
+    assert list(moe.moe_parameter_shapes(8, cfg).items()) == built
+
+
 def test_aux_loss_is_one_for_a_uniform_router_and_grows_with_concentration():
     cfg = moe.MoEConfig(n_experts=4, top_k=2)
     layer = moe.MoE(8, cfg, seed=0)

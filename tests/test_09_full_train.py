@@ -55,19 +55,28 @@ _meshes: dict = {}  # per worker process: new_group is slow, so each mesh's grou
 
 def train_on_mesh(cfg, sizes, train, steps: int):
     """On every rank: train `steps` steps on lesson 01's synthetic batches; return the losses, the
-    step-0 gradient shards, the final parameter shards, the summary and the clipping norm per step."""
+    step-0 gradient shards, the final parameter shards, the summary (with step 0's activations: the
+    most bytes the layers held for backward at once) and the clipping norm per step."""
     nine.validate(cfg, sizes, train, torch.distributed.get_world_size())  # before any collective
     if sizes not in _meshes:
         _meshes[sizes] = nine.build_mesh(sizes)
     mesh = _meshes[sizes]
     trainer = nine.Trainer(cfg, mesh, train, torch.device("cpu"))
+    models = trainer.stages.values()
+    layers = [block for model in models for block in model.layers.values()]
+    params = [p for model in models for p in model.parameters()]
     losses, grads, norms = [], None, []
     for step in range(steps):
-        losses.append(trainer.forward_backward(nine.dp_rows(cfg, train, step, mesh)))
+        rows = nine.dp_rows(cfg, train, step, mesh)
         if step == 0:
+            loss, activations = nine.tp_lesson.activation_bytes(
+                lambda: trainer.forward_backward(rows), params, torch.device("cpu"), inside=layers)
             grads = trainer.shards("grads")
+        else:
+            loss = trainer.forward_backward(rows)
+        losses.append(loss)
         norms.append(trainer.update())
-    return losses, grads, trainer.shards("params"), trainer.summary(), norms
+    return losses, grads, trainer.shards("params"), {**trainer.summary(), "activations": activations}, norms
 
 
 def check_against_reference(results, cfg, train, steps: int = STEPS, reference=None) -> dict[str, float]:
@@ -137,6 +146,7 @@ def configurations(draw):
     if schedule == "interleaved":
         microbatches = sizes.pp * draw(st.integers(1, 2))
     sequence_parallel = sizes.tp > 1 and draw(st.booleans(), label="sequence_parallel")
+    bf16 = not moe and draw(st.booleans(), label="bf16")  # MoE's routing may flip on bf16 rounding
     seq_len = 2 * sizes.cp * sizes.tp * draw(st.integers(1, 2))
     n_kv_heads = draw(st.sampled_from([h for h in (2, 4) if h % sizes.tp == 0] or [4]))
     cfg = ddp.ModelConfig(vocab_size=draw(st.sampled_from([30, 32])), dim=16, n_heads=4, n_kv_heads=n_kv_heads,
@@ -145,7 +155,7 @@ def configurations(draw):
     train = nine.TrainConfig(global_batch=sizes.dp * microbatches * draw(st.integers(1, 2)), seq_len=seq_len,
                              zero_stage=draw(st.integers(0, 3)), schedule=schedule, microbatches=microbatches,
                              virtual=virtual, sequence_parallel=sequence_parallel, lr=LR, adam_eps=ADAM_EPS,
-                             max_grad_norm=0.5, moe=MOE if moe else None,
+                             max_grad_norm=0.5, moe=MOE if moe else None, mixed_precision=bf16,
                              recompute=draw(st.sampled_from(nine.tp_lesson.RECOMPUTE_MODES), label="recompute"))
     return cfg, sizes, train
 
@@ -169,13 +179,27 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
 @example(configuration=pinned((2, 1, 2, 1), 3, "1f1b", 2, False, ep=2))
 @example(configuration=pinned((2, 1, 2, 2), 3, "1f1b", 2, True, recompute="full"))
 @example(configuration=pinned((1, 2, 2, 1), 1, "gpipe", 2, False, recompute="selective"))
+@example(configuration=pinned((1, 2, 1, 1), 0, "zb-h1", 4, False))  # W frees the last stage's B path
 def test_any_mesh_equals_one_device(rank_pool, configuration):
+    """And the plan (09's formulas, which --plan applies at scale) is what each rank measures: its
+    parameters, bytes held, activations held at once, microbatches in flight, bytes sent per group."""
     cfg, sizes, train = configuration
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
-    check_against_reference(results, cfg, train)
+    if train.mixed_precision:  # bf16 against its one-device twin (test_bf16_... below says why 5e-4)
+        ref = zero_lesson.train_reference(cfg, STEPS, train.global_batch, train.seq_len, lr=LR,
+                                          adam_eps=ADAM_EPS, max_grad_norm=0.5, mixed_precision=True)
+        assert results[0][0] == pytest.approx(ref.losses, abs=5e-4)
+    else:
+        check_against_reference(results, cfg, train)
     check_copies_agree(results)
-    for _, _, _, summary, _ in results:
+    plans = nine.plan(cfg, sizes, train)  # in this process: no group, nothing built
+    for rank, (_, _, _, summary, _) in enumerate(results):
+        mine = plans[sizes.coords(rank)["pp"]]
+        assert summary["plan"] == mine and summary["params"] == mine.params
         assert summary["held"] == summary["memory_formula"]
+        assert summary["in_flight"] == mine.in_flight
+        if train.moe is None:  # MoE: what the experts keep depends on the routing (no formula)
+            assert summary["activations"] == mine.memory["activations"], (summary["activations"], mine)
         if train.schedule != "zb-h1" or train.zero_stage < 3:  # zb-h1's W may re-gather a unit
             assert all(summary["traffic"][k] == f for k, f in summary["traffic_formula"].items()
                        if f is not None), (summary["traffic"], summary["traffic_formula"])  # None: routing
@@ -220,6 +244,9 @@ def test_fp8_flag_trains_close_to_fp32(rank_pool):
     tolerance = sum(torch.finfo(dtype).eps / 2 for dtype in (torch.float8_e5m2, torch.float8_e4m3fn))
     gradients = normwise_differences(results, ref.first_grads)
     assert max(gradients.values()) < tolerance, gradients
+    for *_, summary, _ in results:  # FP8 GEMMs change no byte held or sent (activations: not modelled)
+        assert summary["held"] == summary["memory_formula"]
+        assert summary["traffic"] == summary["traffic_formula"]
 
 
 fp8_lesson = importlib.import_module("08_fp8")
@@ -393,6 +420,79 @@ def test_main_runs_and_prints_the_check():
     out = run_script("09_full_train.py", *"--check --dp 2 --tp 2 --ep 2 --steps 2 --seq-len 16".split())
     assert "max |difference| from one device" in out and "rank  3: dp=1 pp=0 cp=0 tp=1" in out
     assert "MoE 4 experts top-2 over ep=2" in out
+
+
+# --- the plan at scale: --plan ------------------------------------------------------------------
+
+def plan_main(monkeypatch, capsys, *options: str) -> str:
+    """09's main with --plan, in this process: it builds nothing and starts no rank."""
+    monkeypatch.setattr(sys, "argv", ["09_full_train.py", "--plan", *options])
+    nine.main()
+    assert not torch.distributed.is_initialized()
+    return capsys.readouterr().out
+
+
+def preset(name: str) -> "ddp.ModelConfig":
+    return ddp.ModelConfig(**{"vocab_size": 256, **nine.MODELS[name][0]})
+
+
+def test_plan_of_llama3_70b_on_256_gpus_prints_the_fastest_meshes_that_fit(monkeypatch, capsys):
+    out = plan_main(monkeypatch, capsys, "--model", "llama3-70b", "--gpus", "256")
+    assert "llama3-70b: 70.6B parameters" in out and "batch 1,024 x 8,192 tokens" in out
+    meshes = re.findall(r"\n(\d)\. dp=(\d+) pp=(\d+) cp=(\d+) tp=(\d+)", out)
+    assert [int(m[0]) for m in meshes] == list(range(1, nine.TOP_MESHES + 1))
+    assert all(math.prod(map(int, m[1:])) == 256 and int(m[4]) <= 8 for m in meshes)
+    fullest = [float(x) for x in re.findall(r"fullest GPU ([\d.]+) GB", out)]
+    assert len(fullest) == nine.TOP_MESHES and max(fullest) <= 80
+    steps = [float(x) for x in re.findall(r"no overlap ([\d.]+) s", out)]
+    assert steps == sorted(steps), "fastest first"
+
+
+@given(gpus=st.sampled_from([8, 16, 64]), memory_gb=st.floats(8, 160), more=st.floats(1, 4),
+       model=st.sampled_from(["1b", "llama3-8b"]), zero=st.integers(0, 3),
+       recompute=st.sampled_from(nine.tp_lesson.RECOMPUTE_MODES), sequence_parallel=st.booleans())
+def test_the_search_returns_valid_meshes_that_fit_and_more_memory_never_slows_it(
+        gpus, memory_gb, more, model, zero, recompute, sequence_parallel):
+    cfg, (_, seq_len, batch, _) = preset(model), nine.MODELS[model]
+    train = nine.TrainConfig(global_batch=batch, seq_len=seq_len, zero_stage=zero, mixed_precision=True,
+                             recompute=recompute, sequence_parallel=sequence_parallel)
+    search = lambda gb: nine.search_meshes(cfg, train, gpus, dict.fromkeys(nine.DIMS), None, 1,  # noqa: E731
+                                           nine.Cluster(memory=gb * 1e9))
+    valid, fitting, _ = search(memory_gb)
+    for sizes, run, plans, _ in valid:
+        nine.validate(cfg, sizes, run, gpus)  # raises if it does not accept the mesh
+        assert sizes.tp <= 8 and plans == nine.plan(cfg, sizes, run)
+    fits = [v for v in valid if max(p.total for p in v[2]) <= memory_gb * 1e9]
+    assert sorted(map(id, fitting)) == sorted(map(id, fits)), "every mesh that fits, and only those"
+    _, with_more, _ = search(memory_gb * more)
+    if fitting:
+        assert with_more[0][3]["no_overlap"] <= fitting[0][3]["no_overlap"]
+
+
+def test_a_model_that_cannot_fit_is_one_line_saying_by_how_much(monkeypatch, capsys):
+    out = plan_main(monkeypatch, capsys, "--model", "llama3-405b", "--gpus", "8")
+    needs, ratio = re.fullmatch(r"llama3-405b does not fit on 8 GPUs of 80 GB: the leanest of \d+ valid "
+                                r"meshes \(dp=\d+ pp=\d+ cp=1 tp=\d+, .*\) needs ([\d,.]+) GB on its fullest "
+                                r"GPU, ([\d.]+)x the memory\n", out).groups()
+    assert float(needs.replace(",", "")) / 80 == pytest.approx(float(ratio), abs=0.05)
+    out = plan_main(monkeypatch, capsys, *"--model llama3-70b --dp 4 --pp 1 --cp 1 --tp 8".split())
+    assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GB, [\d,.]+ GB \(\d+%\) more than its "
+                     r"80 GB\n$", out)
+
+
+def test_llama3_405b_on_metas_mesh_is_planned_without_building_it():
+    """tp 8, pp 16, dp 64 on 8,192 GPUs (Meta's): nothing is built; the pipeline ranks' TP-local
+    parameters x 8 add up to the model's (vocabulary 128,256, heads and ffn all divide by 8: no
+    padding) and 7 more copies of the norms, which every tp rank holds whole."""
+    cfg, sizes = preset("llama3-405b"), nine.MeshSizes(dp=64, pp=16, tp=8)
+    train = nine.TrainConfig(global_batch=2048, seq_len=8192, microbatches=32, mixed_precision=True,
+                             sequence_parallel=True, recompute="full")
+    nine.validate(cfg, sizes, train, 8192)
+    plans = nine.plan(cfg, sizes, train)
+    assert [p.layers for p in plans] == [8] * 14 + [7] * 2
+    norms, model = (2 * cfg.n_layers + 1) * cfg.dim, sum(map(math.prod, ddp.parameter_shapes(cfg).values()))
+    assert sum(p.params for p in plans) * 8 - 7 * norms == model
+    assert [p.in_flight for p in plans] == list(range(16, 0, -1))
 
 
 # === Part 2: the training run ===================================================================
