@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-ddp = importlib.import_module("01_ddp")
+foundation = importlib.import_module("01_ddp")
 
 STAGES = (0, 1, 2, 3)
 ADAM_KEYS, ADAM_MOMENT_BYTES = ("exp_avg", "exp_avg_sq"), 8  # AdamW's moments, fp32
@@ -240,13 +240,13 @@ class ZeRO:
         units = unit_parameters(model, owned)
         if not units:
             raise ValueError("the model has no trainable parameter (requires_grad=True) to shard")
-        self.world, rank = ddp.group_size(group), dist.get_rank(group)
+        self.world, rank = foundation.group_size(group), dist.get_rank(group)
         if owns is None:
-            ddp.claim_gradient_sync(model, f"ZeRO-{stage}")
-            ddp.broadcast_parameters(model, group)
+            foundation.claim_gradient_sync(model, f"ZeRO-{stage}")
+            foundation.broadcast_parameters(model, group)
         else:
             for p in filter(owns, model.parameters()):
-                ddp.broadcast(p.detach(), src=0, group=group)
+                foundation.broadcast(p.detach(), src=0, group=group)
         self.model, self.stage, self.group, self.prefetch = model, stage, group, prefetch
         self.max_grad_norm, self.dtype = max_grad_norm, torch.bfloat16 if mixed_precision else torch.float32
         # Frozen parameters (as in torch: no gradient, no update) stay whole on every rank, in the
@@ -257,7 +257,7 @@ class ZeRO:
         self.units = [self.unit_type(named, self.world, rank, stage, self.dtype) for _, named in units]
         # AdamW is elementwise: torch's own, run on the shards, is the unsharded update restricted
         # to this rank's elements (lesson 01's settings: one place to change them).
-        self.optimizer = ddp.make_optimizer(nn.ParameterList(u.master for u in self.units), lr, adam_eps)
+        self.optimizer = foundation.make_optimizer(nn.ParameterList(u.master for u in self.units), lr, adam_eps)
         self.max_gathers_in_flight = self.prefetched_gathers = 0
         self.sync_gradients = True
         for index, (unit, (module, _)) in enumerate(zip(self.units, units)):
@@ -273,7 +273,7 @@ class ZeRO:
         if unit.gathered is None:
             send = unit.gather_input()
             unit.gathered = send.new_empty(unit.padded)
-            unit.gather_work = ddp.all_gather(unit.gathered, send, group=self.group, async_op=True)
+            unit.gather_work = foundation.all_gather(unit.gathered, send, group=self.group, async_op=True)
             in_flight = sum(u.gather_work is not None and not u.gather_work.is_completed()
                             for u in self.units)
             self.max_gathers_in_flight = max(self.max_gathers_in_flight, in_flight)
@@ -315,7 +315,7 @@ class ZeRO:
         send = unit.flatten([p.grad for p in unit.params], self.dtype)
         for p in unit.params:
             p.grad = None  # the full gradient is freed: only the send buffer lives until the wait
-        unit.scatter = (ddp.reduce_scatter(unit.grad_shard, send, group=self.group, async_op=True), send)
+        unit.scatter = (foundation.reduce_scatter(unit.grad_shard, send, group=self.group, async_op=True), send)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -334,11 +334,11 @@ class ZeRO:
         """Leave every unit's grad_shard holding the gradient of the global mean loss."""
         for unit in self.units:
             if self.stage == 0:
-                ddp.all_reduce(unit.flat_grad, group=self.group)
+                foundation.all_reduce(unit.flat_grad, group=self.group)
                 unit.grad_shard = unit.flat_grad
             elif self.stage == 1:
                 unit.grad_shard = torch.empty_like(unit.shard)
-                ddp.reduce_scatter(unit.grad_shard, unit.flat_grad, group=self.group)
+                foundation.reduce_scatter(unit.grad_shard, unit.flat_grad, group=self.group)
             else:
                 if unit.scatter is None:  # accumulated under no_sync(), or by autograd.grad
                     missing = [n for n, p in zip(unit.names, unit.params) if p.grad is None]
@@ -367,7 +367,7 @@ class ZeRO:
                     part = grad[begin - unit.owned.start:end - unit.owned.start]
                     squares += part.pow(2).sum() * share(p)
         if self.stage > 0:  # each rank has its shard's share of the sum
-            ddp.all_reduce(squares, group=self.group)
+            foundation.all_reduce(squares, group=self.group)
         return squares
 
     @torch.no_grad()
@@ -393,7 +393,7 @@ class ZeRO:
         if unit.master.data_ptr() != unit.shard.data_ptr():
             unit.shard.copy_(unit.master)  # mixed precision: round the fp32 master to bf16
         if self.stage in (1, 2):  # in place of the old full parameters; stage 3 gathers later
-            ddp.all_gather(unit.flat_param, unit.shard.clone(), group=self.group)
+            foundation.all_gather(unit.flat_param, unit.shard.clone(), group=self.group)
 
     def step(self) -> torch.Tensor:
         self.finish_gradient_sync()
@@ -433,8 +433,8 @@ class ZeRO:
         for unit, shard in zip(self.units, shards, strict=True):
             flat = shard.new_empty(unit.padded) if self.stage else shard
             if self.stage:
-                ddp.all_gather(flat, shard.detach().contiguous(), group=self.group)
-            full.update(ddp.cpu_copy(zip(unit.names, unit.views(flat), strict=True)))
+                foundation.all_gather(flat, shard.detach().contiguous(), group=self.group)
+            full.update(foundation.cpu_copy(zip(unit.names, unit.views(flat), strict=True)))
         return full
 
     def full_state_dict(self) -> dict:
@@ -443,7 +443,7 @@ class ZeRO:
         adam = [self.optimizer.state.get(u.master, {}) for u in self.units]
         moments = {key: self.gather_full([s.get(key, torch.zeros_like(u.master))
                                            for u, s in zip(self.units, adam)]) for key in ADAM_KEYS}
-        params = {**self.gather_full([u.master for u in self.units]), **ddp.cpu_copy(self.frozen)}
+        params = {**self.gather_full([u.master for u in self.units]), **foundation.cpu_copy(self.frozen)}
         return {"params": params, **moments, "step": int(adam[0].get("step", 0))}
 
     @torch.no_grad()
@@ -484,36 +484,36 @@ class ZeRO:
 
 
 @dataclass
-class ZeroResult(ddp.TrainResult):
+class ZeroResult(foundation.TrainResult):
     grad_norms: list[float] = field(default_factory=list)  # global norm before clipping, per step
     state: dict = field(default_factory=dict)               # full params and AdamW state at the end
     held: dict[str, int] = field(default_factory=dict)      # bytes held per rank after the last step
     formula: dict[str, Fraction] = field(default_factory=dict)
 
 
-def train_reference(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: int, *,
+def train_reference(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq_len: int, *,
                     lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
                     mixed_precision: bool = False, device: torch.device | str = "cpu",
                     transform: Callable[[nn.Module], nn.Module] | None = None) -> ZeroResult:
     """One device, the whole batch, torch's clip_grad_norm_ and AdamW: what every stage must equal.
     Mixed precision is the twin of ZeRO's: a bf16 model computes, AdamW updates fp32 master copies
     (taken from the fp32 initial values), which are rounded back into the model after each step.
-    transform as in ddp.train_single_device (lesson 09 converts to MoE; the tests tie weights, add a
+    transform as in foundation.train_single_device (lesson 09 converts to MoE; the tests tie weights, add a
     parameter to the model, freeze some: no gradient, no update, as torch's AdamW skips them)."""
-    model = ddp.GPT(cfg)
+    model = foundation.GPT(cfg)
     model = (transform(model) if transform else model).to(device)
     names = [name for name, _ in model.named_parameters()]
     masters = [nn.Parameter(p.detach().clone()) if mixed_precision else p for p in model.parameters()]
     model.to(torch.bfloat16 if mixed_precision else torch.float32)
-    optimizer = ddp.make_optimizer(nn.ParameterList(masters), lr, adam_eps)
+    optimizer = foundation.make_optimizer(nn.ParameterList(masters), lr, adam_eps)
     result = ZeroResult([], {}, {})
     for step in range(steps):
-        tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step)
+        tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
         loss = model(tokens.to(device), targets.to(device))
         loss.backward()
         result.losses.append(loss.item())
         if step == 0:
-            result.first_grads = ddp.cpu_copy((n, p.grad) for n, p in model.named_parameters()
+            result.first_grads = foundation.cpu_copy((n, p.grad) for n, p in model.named_parameters()
                                               if p.grad is not None)
         for master, p in zip(masters, model.parameters(), strict=True):
             master.grad = None if p.grad is None else p.grad.float()
@@ -524,15 +524,15 @@ def train_reference(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_l
                 if master is not p:
                     p.copy_(master)
                 master.grad = p.grad = None
-    result.params = ddp.cpu_copy(zip(names, masters))
+    result.params = foundation.cpu_copy(zip(names, masters))
     adam = [optimizer.state[m] for m in masters]
     result.state = {"params": result.params, "step": int(max(s.get("step", 0) for s in adam)),
-                    **{key: ddp.cpu_copy((n, s[key]) for n, s in zip(names, adam) if s) for key in ADAM_KEYS}}
+                    **{key: foundation.cpu_copy((n, s[key]) for n, s in zip(names, adam) if s) for key in ADAM_KEYS}}
     return result
 
 
-def merge_meters(meters: list["ddp.CommMeter"]) -> "ddp.CommMeter":
-    total = ddp.CommMeter()
+def merge_meters(meters: list["foundation.CommMeter"]) -> "foundation.CommMeter":
+    total = foundation.CommMeter()
     for meter in meters:
         for key, stats in meter.stats.items():
             total.stats[key].calls += stats.calls
@@ -541,22 +541,22 @@ def merge_meters(meters: list["ddp.CommMeter"]) -> "ddp.CommMeter":
     return total
 
 
-def train_zero(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: int, *, stage: int,
+def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq_len: int, *, stage: int,
                lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
                mixed_precision: bool = False, prefetch: bool = True, resume_after: int | None = None,
                group=None, device: torch.device | str = "cpu",
-               transform: Callable | None = None) -> tuple[ZeroResult, "ddp.CommMeter"]:
+               transform: Callable | None = None) -> tuple[ZeroResult, "foundation.CommMeter"]:
     """Train on this rank's slice of the global batches train_reference sees (transform: as there).
     resume_after=k: after k steps, gather the full state, build a fresh model and ZeRO optimizer,
     load it and go on.
     Returns the result and a meter of the training steps' communication (not of the test probes:
     the reassembled step-0 gradients, the checkpoint)."""
-    world, rank = ddp.group_size(group), dist.get_rank(group)
+    world, rank = foundation.group_size(group), dist.get_rank(group)
     if global_batch % world:
         raise ValueError(f"global_batch={global_batch} is not divisible by the group size {world}")
 
     def build() -> tuple[nn.Module, ZeRO]:
-        model = ddp.GPT(cfg)
+        model = foundation.GPT(cfg)
         model = (transform(model) if transform else model).to(device)
         return model, ZeRO(model, stage, group, lr=lr, adam_eps=adam_eps, max_grad_norm=max_grad_norm,
                            mixed_precision=mixed_precision, prefetch=prefetch)
@@ -568,21 +568,21 @@ def train_zero(cfg: "ddp.ModelConfig", steps: int, global_batch: int, seq_len: i
             state = zero.full_state_dict()
             model, zero = build()
             zero.load_full_state_dict(state)
-        tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, rank, world)
-        with ddp.comm_meter() as meter:
+        tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, rank, world)
+        with foundation.comm_meter() as meter:
             loss = model(tokens.to(device), targets.to(device))
             loss.backward()
             zero.finish_gradient_sync()
         if step == 0:
             result.first_grads = zero.gather_full([u.grad_shard for u in zero.units])
-        with ddp.comm_meter() as update_meter:
+        with foundation.comm_meter() as update_meter:
             result.grad_norms.append(zero.clip_and_update().item())
         meters += [meter, update_meter]
         local_losses.append(loss.detach())
         zero.zero_grad()
     result.held, result.formula = zero.held_bytes(), zero.memory_formula()  # after the last step
     losses = torch.stack(local_losses).double()
-    ddp.all_reduce(losses, group=group)
+    foundation.all_reduce(losses, group=group)
     result.losses = (losses / world).tolist()
     result.state = zero.full_state_dict()
     result.params = result.state["params"]
@@ -605,8 +605,8 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
     for (mixed, stage), (result, _) in runs.items():
         ref = references[mixed]
         diffs = [max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True)),
-                 ddp.max_abs_diff(result.first_grads, ref.first_grads),
-                 *(ddp.max_abs_diff(result.state[key], ref.state[key]) for key in columns[2:])]
+                 foundation.max_abs_diff(result.first_grads, ref.first_grads),
+                 *(foundation.max_abs_diff(result.state[key], ref.state[key]) for key in columns[2:])]
         print(f"  {label[mixed]} ZeRO-{stage}" + "".join(f"{d:>11.1e}" for d in diffs))
     print("  (fp32: the same sums in another order. bf16: gradients rounded to 8 bits after sums in\n"
           "   another order; Adam turns that into lr-sized moves of the few elements whose gradient is ~0)")
@@ -652,8 +652,8 @@ DEMO_MODEL = dict(vocab_size=125, dim=66, n_heads=3, ffn_dim=177)
 
 
 def demo(args: argparse.Namespace) -> None:
-    device = ddp.init_distributed()
-    cfg = ddp.ModelConfig(**DEMO_MODEL)
+    device = foundation.init_distributed()
+    cfg = foundation.ModelConfig(**DEMO_MODEL)
     shape = (cfg, args.steps, args.global_batch, args.seq_len)
     kwargs = dict(max_grad_norm=args.max_grad_norm, device=device)
     runs = {(mixed, stage): train_zero(*shape, stage=stage, mixed_precision=mixed, **kwargs)
@@ -664,23 +664,23 @@ def demo(args: argparse.Namespace) -> None:
         print(f"ZeRO on {dist.get_world_size()} ranks ({dist.get_backend()}, {device.type}); global "
               f"batch {args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")
         print_tables(runs, references, dist.get_world_size(), args.steps)
-    ddp.exit_distributed()
+    foundation.exit_distributed()
 
 
 def bench(args: argparse.Namespace) -> None:
     """ZeRO-3 against FSDP2 fully_shard on the same modules, model, batch and clipping, in
     interleaved rounds so that both see the same machine load."""
     from torch.distributed.fsdp import fully_shard
-    device = ddp.init_distributed()
+    device = foundation.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = ddp.ModelConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=8, ffn_dim=688)
-    tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, 4 * world, 128, 0, rank, world))
-    ours_model, torch_model = ddp.GPT(cfg).to(device), ddp.GPT(cfg).to(device)
+    cfg = foundation.ModelConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=8, ffn_dim=688)
+    tokens, targets = (t.to(device) for t in foundation.synthetic_batch(cfg, 4 * world, 128, 0, rank, world))
+    ours_model, torch_model = foundation.GPT(cfg).to(device), foundation.GPT(cfg).to(device)
     n_params = sum(p.numel() for p in torch_model.parameters())
     zero = ZeRO(ours_model, 3, max_grad_norm=1.0)
     for _, module in [*zero_units(torch_model), ("", torch_model)]:
         fully_shard(module)
-    torch_opt = ddp.make_optimizer(torch_model, 1e-3)
+    torch_opt = foundation.make_optimizer(torch_model, 1e-3)
 
     def ours_step() -> None:
         ours_model(tokens, targets).backward()
@@ -695,7 +695,7 @@ def bench(args: argparse.Namespace) -> None:
     times = {"ZeRO-3": [], "FSDP2": []}
     for round_ in range(args.bench_rounds):
         for name, fn in (("ZeRO-3", ours_step), ("FSDP2", torch_step)):
-            t = ddp.timed_steps(fn, args.bench_steps, device)
+            t = foundation.timed_steps(fn, args.bench_steps, device)
             if round_ > 0:  # the first round is warm-up
                 times[name] += t
     # After a step, as ours: the (sharded) parameters, gradients and AdamW state.
@@ -711,11 +711,11 @@ def bench(args: argparse.Namespace) -> None:
             print(f"  {name:<8} {t * 1e3:8.1f} ms per step")
         print(f"  step time ratio ZeRO-3 / FSDP2 = {med['ZeRO-3'] / med['FSDP2']:.3f}\n  bytes held per "
               f"rank after a step: ZeRO-3 {ours:,}, FSDP2 {theirs:,}, ratio {ours / theirs:.3f}")
-    ddp.exit_distributed()
+    foundation.exit_distributed()
 
 
 def main() -> None:
-    parser = ddp.lesson_parser(__doc__, bench_help="ZeRO-3 against FSDP2 fully_shard")
+    parser = foundation.lesson_parser(__doc__, bench_help="ZeRO-3 against FSDP2 fully_shard")
     parser.add_argument("--steps", type=int, default=5,
                         help="AdamW steps of every stage and of the reference")
     parser.add_argument("--global-batch", type=int, default=16,
@@ -732,10 +732,10 @@ def main() -> None:
             if args.global_batch % world:
                 raise ValueError(f"global_batch={args.global_batch} is not divisible by the group size "
                                  f"{world}")
-            ddp.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
-                             ddp.ModelConfig(**DEMO_MODEL), args.global_batch, args.seq_len, world)
+            foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
+                             foundation.ModelConfig(**DEMO_MODEL), args.global_batch, args.seq_len, world)
 
-    ddp.launch_lesson(parser, args, bench if args.bench else demo, ("steps", "global_batch", "seq_len"),
+    foundation.launch_lesson(parser, args, bench if args.bench else demo, ("steps", "global_batch", "seq_len"),
                       validate)
 
 

@@ -82,7 +82,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-ddp = importlib.import_module("01_ddp")
+foundation = importlib.import_module("01_ddp")
 
 # ----------------------------------------------------------------------------------------------
 # The conjugate communication operators
@@ -91,7 +91,7 @@ ddp = importlib.import_module("01_ddp")
 
 def _all_reduced(x: torch.Tensor, group) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)  # x may be shared: never reduce in place
-    ddp.all_reduce(out, group=group)
+    foundation.all_reduce(out, group=group)
     return out
 
 
@@ -99,16 +99,16 @@ def _gathered(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """Every rank's x concatenated along dim (default: (b, s/t, h) sequence shards -> (b, s, h)).
     The collective concatenates along dim 0, so go through dim-first and back."""
     shard = x.movedim(dim, 0).contiguous()
-    out = shard.new_empty((shard.shape[0] * ddp.group_size(group), *shard.shape[1:]))
-    ddp.all_gather(out, shard, group=group)
+    out = shard.new_empty((shard.shape[0] * foundation.group_size(group), *shard.shape[1:]))
+    foundation.all_gather(out, shard, group=group)
     return out.movedim(0, dim).contiguous()  # else each linear reading it saves its own copy
 
 
 def _reduce_scattered(x: torch.Tensor, group) -> torch.Tensor:
     """(b, s, h) partial sums -> this rank's (b, s/t, h) slice of their sum."""
     full = x.transpose(0, 1).contiguous()
-    out = full.new_empty((full.shape[0] // ddp.group_size(group), *full.shape[1:]))
-    ddp.reduce_scatter(out, full, group=group)
+    out = full.new_empty((full.shape[0] // foundation.group_size(group), *full.shape[1:]))
+    foundation.reduce_scatter(out, full, group=group)
     return out.transpose(0, 1).contiguous()
 
 
@@ -189,16 +189,16 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding: e^-inf = 0
         row_max = logits.max(dim=1).values
-        ddp.all_reduce(row_max, group=group, op=dist.ReduceOp.MAX)
+        foundation.all_reduce(row_max, group=group, op=dist.ReduceOp.MAX)
         exp = (logits - row_max[:, None]).exp()
         sum_exp = exp.sum(dim=1)
-        ddp.all_reduce(sum_exp, group=group)
+        foundation.all_reduce(sum_exp, group=group)
         local_target = targets - first_id
         mine = (local_target >= 0) & (local_target < logits.shape[1])
         local_target = local_target.masked_fill(~mine, 0)
         picked = logits.gather(1, local_target[:, None]).squeeze(1) - row_max
         target_logit = torch.where(mine, picked, torch.zeros_like(picked))  # never -inf * 0
-        ddp.all_reduce(target_logit, group=group)
+        foundation.all_reduce(target_logit, group=group)
         ctx.save_for_backward(exp / sum_exp[:, None], local_target, mine)
         return (sum_exp.log() - target_logit).mean()
 
@@ -349,14 +349,14 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
     already holds (identical on every rank: seeded init, or broadcast here), the loss becomes the
     vocab-parallel cross-entropy. model(tokens) then returns this rank's vocabulary slice of the
     logits; model(tokens, targets) the full mean loss."""
-    tp, rank = ddp.group_size(group), dist.get_rank(group)
+    tp, rank = foundation.group_size(group), dist.get_rank(group)
     validate_tensor_parallel(model.cfg, tp)
     if any(hasattr(p, "tp_shard_dim") for p in model.parameters()):
         raise ValueError("this model is already tensor-parallel: apply_tensor_parallel once")
     plan = plan or TENSOR_PARALLEL_PLAN
     validate_ties(model, plan)
     ctx = Context(group, tp, rank, sequence_parallel)
-    ddp.broadcast_parameters(model, group)
+    foundation.broadcast_parameters(model, group)
     vocab_size = model.cfg.vocab_size
     for name, module in list(model.named_modules()):
         for pattern, styles in plan.items():
@@ -411,15 +411,15 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
                           group=None, device: torch.device | str = "cpu", transform=None):
     """Every rank of the group trains on the whole global batch with its shards. Returns the
     result with full (reassembled) step-0 gradients and final parameters, and a meter of the
-    communication inside the training steps. `transform` as in ddp.train_single_device."""
-    model = ddp.GPT(cfg)
+    communication inside the training steps. `transform` as in foundation.train_single_device."""
+    model = foundation.GPT(cfg)
     model = apply_tensor_parallel((transform(model) if transform else model).to(device), group,
                                   sequence_parallel)
-    optimizer = ddp.make_optimizer(model, lr, adam_eps)
+    optimizer = foundation.make_optimizer(model, lr, adam_eps)
     losses = []
-    with ddp.comm_meter() as meter:
+    with foundation.comm_meter() as meter:
         for step in range(steps):
-            batch = ddp.synthetic_batch(cfg, global_batch, seq_len, step)
+            batch = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
             loss = model(*(t.to(device) for t in batch))
             loss.backward()
             losses.append(loss.detach())  # .item() here would sync the GPU every step
@@ -428,9 +428,9 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
                          if p.grad is not None]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    first_grads = ddp.cpu_copy((n, unshard(g, group, like=p)) for n, g, p in grads)
-    params = ddp.cpu_copy((n, unshard(p, group)) for n, p in model.named_parameters())
-    return ddp.TrainResult([loss.item() for loss in losses], first_grads, params), meter
+    first_grads = foundation.cpu_copy((n, unshard(g, group, like=p)) for n, g, p in grads)
+    params = foundation.cpu_copy((n, unshard(p, group)) for n, p in model.named_parameters())
+    return foundation.TrainResult([loss.item() for loss in losses], first_grads, params), meter
 
 
 def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, layers: int | None = None,
@@ -459,15 +459,15 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
 
 
 def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool,
-                  device: torch.device | str = "cpu") -> tuple[int, "ddp.CommMeter"]:
+                  device: torch.device | str = "cpu") -> tuple[int, "foundation.CommMeter"]:
     """Layer 0 of the tensor-parallel GPT, forward and backward on this rank's activations (b, s, h)
     (with SP: (b, s/t, h)): the bytes autograd saves for backward (parameters excluded, each
     storage once) and the layer's collectives."""
-    layer = apply_tensor_parallel(ddp.GPT(cfg).to(device), None, sequence_parallel).layers["0"]
+    layer = apply_tensor_parallel(foundation.GPT(cfg).to(device), None, sequence_parallel).layers["0"]
     shards = dist.get_world_size() if sequence_parallel else 1
     x = torch.randn(batch, seq_len // shards, cfg.dim, device=device, requires_grad=True)
-    cos, sin = ddp.rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta)
-    with ddp.comm_meter() as meter:
+    cos, sin = foundation.rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta)
+    with foundation.comm_meter() as meter:
         out, saved = activation_bytes(lambda: layer(x, cos, sin), layer.parameters(), torch.device("cpu"))
         out.sum().backward()
     return saved, meter
@@ -627,9 +627,9 @@ BENCH_MODEL = dict(vocab_size=8192, dim=256, n_layers=4, n_heads=8, n_kv_heads=4
 
 
 def demo(args: argparse.Namespace) -> None:
-    device = ddp.init_distributed()
+    device = foundation.init_distributed()
     rank, tp = dist.get_rank(), dist.get_world_size()
-    cfg = ddp.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL)
+    cfg = foundation.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL)
     b, s, bsh = args.batch, args.seq_len, args.batch * args.seq_len * cfg.dim * 4
     label = {False: "TP", True: "TP + SP"}
     runs, memory, layer_meters = {}, {}, {}
@@ -637,8 +637,8 @@ def demo(args: argparse.Namespace) -> None:
         runs[sp] = train_tensor_parallel(cfg, args.steps, b, s, sequence_parallel=sp, device=device)
         memory[sp], layer_meters[sp] = measure_layer(cfg, b, s, sp, device)
     if rank != 0:
-        ddp.exit_distributed()
-    reference = ddp.train_single_device(cfg, args.steps, b, s, device=device)
+        foundation.exit_distributed()
+    reference = foundation.train_single_device(cfg, args.steps, b, s, device=device)
     print(f"Tensor parallelism over tp={tp} ranks ({dist.get_backend()}, {device.type}): "
           f"{cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} query / {cfg.n_kv_heads} key-value "
           f"heads, ffn {cfg.ffn_dim}, vocab {cfg.vocab_size} (padded to "
@@ -651,8 +651,8 @@ def demo(args: argparse.Namespace) -> None:
     megatron = 4 * Fraction(2 * (tp - 1), tp) * bsh  # 4 ring all-reduces of b s h per layer
     for sp, (result, meter) in runs.items():
         print(f"\n{label[sp]}: max |difference| from one device: step-0 gradients "
-              f"{ddp.max_abs_diff(result.first_grads, reference.first_grads):.2e}, parameters at "
-              f"the end {ddp.max_abs_diff(result.params, reference.params):.2e}")
+              f"{foundation.max_abs_diff(result.first_grads, reference.first_grads):.2e}, parameters at "
+              f"the end {foundation.max_abs_diff(result.params, reference.params):.2e}")
         print(f"  communication per step (measured = formula), b x s x h = {bsh:,} B:")
         for op, expected in comm_formula(cfg, b, s, sp).items():
             got = (meter.calls(op) // args.steps, meter.payload(op) // args.steps)
@@ -677,7 +677,7 @@ def demo(args: argparse.Namespace) -> None:
     print(f"  tp = 1 for scale: {activation_formula(cfg, b, s, 1, False):,} B. Plain TP leaves the "
           f"norms replicated; SP shards them too. What stays whole with SP is the all-gathered "
           f"input of each region, which Megatron re-gathers in backward instead of storing.")
-    ddp.exit_distributed()
+    foundation.exit_distributed()
 
 
 def dtensor_plan(sequence_parallel: bool) -> dict:
@@ -708,17 +708,17 @@ def bench(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-    device = ddp.init_distributed()
+    device = foundation.init_distributed()
     rank, tp = dist.get_rank(), dist.get_world_size()
-    cfg = ddp.ModelConfig(**BENCH_MODEL)
+    cfg = foundation.ModelConfig(**BENCH_MODEL)
     mesh = init_device_mesh(device.type, (tp,))
-    tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, args.bench_batch, 128, 0))
+    tokens, targets = (t.to(device) for t in foundation.synthetic_batch(cfg, args.bench_batch, 128, 0))
     models = {}
     for sp in (False, True):
-        models["ours", sp] = apply_tensor_parallel(ddp.GPT(cfg).to(device), None, sp)
-        models["DTensor", sp] = parallelize_module(ddp.GPT(cfg).to(device), mesh, dtensor_plan(sp))
+        models["ours", sp] = apply_tensor_parallel(foundation.GPT(cfg).to(device), None, sp)
+        models["DTensor", sp] = parallelize_module(foundation.GPT(cfg).to(device), mesh, dtensor_plan(sp))
     # eps 1e-6 as in the tests: Adam would magnify rounding on tiny gradients (see 01_ddp.py)
-    optimizers = {key: ddp.make_optimizer(model, 1e-3, 1e-6) for key, model in models.items()}
+    optimizers = {key: foundation.make_optimizer(model, 1e-3, 1e-6) for key, model in models.items()}
     losses, times = {key: [] for key in models}, {key: [] for key in models}
 
     def step(key) -> None:
@@ -731,7 +731,7 @@ def bench(args: argparse.Namespace) -> None:
 
     for round_ in range(args.bench_rounds):
         for key in models:
-            t = ddp.timed_steps(lambda: step(key), args.bench_steps, device)
+            t = foundation.timed_steps(lambda: step(key), args.bench_steps, device)
             if round_ > 0:  # the first round is warm-up
                 times[key] += t
     params = {key: {n: (p.full_tensor() if isinstance(p, DTensor) else unshard(p)).detach().cpu()
@@ -749,12 +749,12 @@ def bench(args: argparse.Namespace) -> None:
             print(f"  {'TP + SP' if sp else 'TP':<8} ours {ours * 1e3:7.1f} ms, DTensor "
                   f"{theirs * 1e3:7.1f} ms, ratio ours / DTensor = {ours / theirs:.3f}; max |loss "
                   f"difference| {loss_diff:.1e}, max |parameter difference| "
-                  f"{ddp.max_abs_diff(params['ours', sp], params['DTensor', sp]):.1e}")
-    ddp.exit_distributed()
+                  f"{foundation.max_abs_diff(params['ours', sp], params['DTensor', sp]):.1e}")
+    foundation.exit_distributed()
 
 
 def main() -> None:
-    parser = ddp.lesson_parser(__doc__, bench_help="step time against DTensor", bench_steps=3)
+    parser = foundation.lesson_parser(__doc__, bench_help="step time against DTensor", bench_steps=3)
     parser.add_argument("--steps", type=int, default=3,
                         help="AdamW steps, with and without SP, and of the reference")
     parser.add_argument("--batch", type=int, default=4,
@@ -768,16 +768,16 @@ def main() -> None:
     args = parser.parse_args()
 
     def validate(tp: int) -> None:
-        validate_tensor_parallel(ddp.ModelConfig(**(BENCH_MODEL if args.bench else DEMO_MODEL)), tp)
+        validate_tensor_parallel(foundation.ModelConfig(**(BENCH_MODEL if args.bench else DEMO_MODEL)), tp)
         seq_len = 128 if args.bench else args.seq_len
         if seq_len % tp:
             raise ValueError(f"sequence length {seq_len} is not divisible by tp={tp} (the demo "
                              f"runs sequence parallelism)")
         if not args.bench:
-            ddp.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}, --vocab {args.vocab}",
-                             ddp.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL), args.batch, seq_len, tp)
+            foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}, --vocab {args.vocab}",
+                             foundation.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL), args.batch, seq_len, tp)
 
-    ddp.launch_lesson(parser, args, bench if args.bench else demo,
+    foundation.launch_lesson(parser, args, bench if args.bench else demo,
                       ("steps", "batch", "seq_len", "vocab", "bench_batch"), validate)
 
 

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-ddp = importlib.import_module("01_ddp")
+foundation = importlib.import_module("01_ddp")
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 COMPUTE, SEND = ("F", "B", "W"), ("SEND_F", "SEND_B")
@@ -104,7 +104,7 @@ def stage_layers(n_layers: int, n_stages: int) -> list[range]:
 def build_stage(cfg, stage: int, n_stages: int) -> nn.Module:
     """The reference GPT with the modules this stage does not own set to None or deleted: its
     parameters keep the reference names and values (initialisation runs on the whole model)."""
-    return cut_stage(ddp.GPT(cfg), stage, n_stages)
+    return cut_stage(foundation.GPT(cfg), stage, n_stages)
 
 
 def parameter_stages(model: nn.Module, n_stages: int) -> dict[str, set[int | None]]:
@@ -315,7 +315,7 @@ def stage_trains(stages: dict[int, nn.Module], n_stages: int, group=None) -> tup
     flags = torch.zeros(n_stages, device=next(next(iter(stages.values())).parameters()).device)
     for stage, module in stages.items():
         flags[stage] = any(p.requires_grad for p in module.parameters())
-    ddp.all_reduce(flags, group=group, op=dist.ReduceOp.MAX)
+    foundation.all_reduce(flags, group=group, op=dist.ReduceOp.MAX)
     return tuple(bool(f) for f in flags.tolist())
 
 
@@ -361,7 +361,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                 keys.append((a.kind[-1], to, a.microbatch))
                 ops.append(("send", outbox.pop(keys[-1]), a.peer) if a.kind in SEND
                            else ("recv", torch.empty(shape, dtype=dtype, device=tokens.device), a.peer))
-            works = ddp.batch_p2p(ops, group)
+            works = foundation.batch_p2p(ops, group)
             for (kind, tensor, _), key, work in zip(ops, keys, works, strict=True):
                 if kind == "recv":
                     inbox[key], arriving[key] = tensor, work
@@ -428,30 +428,30 @@ def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule
                    work_s: dict[str, float] | None = None, transform=None):
     """Returns (TrainResult of this rank's parameters, its CommMeter, one StepLog per step).
     Every rank draws the whole batch; the first stage reads the tokens, the last the targets.
-    transform as in ddp.train_single_device, on the whole model before the cut."""
-    pp, rank = ddp.group_size(group), dist.get_rank(group)
+    transform as in foundation.train_single_device, on the whole model before the cut."""
+    pp, rank = foundation.group_size(group), dist.get_rank(group)
     validate_pipeline(cfg.n_layers, pp, global_batch, microbatches, schedule, virtual)
     n_stages = pp * virtual
-    stages = {s: cut_stage((transform or (lambda model: model))(ddp.GPT(cfg)), s, n_stages).to(device)
+    stages = {s: cut_stage((transform or (lambda model: model))(foundation.GPT(cfg)), s, n_stages).to(device)
               for s in range(rank, n_stages, pp)}
     plan = make_schedule(schedule, pp, microbatches, virtual, stage_trains(stages, n_stages, group))
-    optimizer = ddp.make_optimizer(nn.ModuleList(stages.values()), lr, adam_eps)
-    result, logs, losses = ddp.TrainResult([], {}, {}), [], []
-    with ddp.comm_meter() as meter:
+    optimizer = foundation.make_optimizer(nn.ModuleList(stages.values()), lr, adam_eps)
+    result, logs, losses = foundation.TrainResult([], {}, {}), [], []
+    with foundation.comm_meter() as meter:
         for step in range(steps):
-            tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
+            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
             log = run_schedule(plan, stages, tokens.to(device), targets.to(device), group, work_s)
             logs.append(log)
             losses.append(log.loss if log.loss is not None else torch.zeros((), device=device))
             if step == 0:
-                result.first_grads = ddp.cpu_copy((n, p.grad) for n, p in named_parameters(stages)
+                result.first_grads = foundation.cpu_copy((n, p.grad) for n, p in named_parameters(stages)
                                                   if p.grad is not None)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     losses = torch.stack(losses).double()  # outside the meter: only the last stage has the loss
-    ddp.all_reduce(losses, group=group)
+    foundation.all_reduce(losses, group=group)
     result.losses = losses.tolist()
-    result.params = ddp.cpu_copy(named_parameters(stages))
+    result.params = foundation.cpu_copy(named_parameters(stages))
     return result, meter, logs
 
 
@@ -463,9 +463,9 @@ def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule
 def gather_rows(rows: list[list[float]], group, device) -> list[torch.Tensor]:
     """Every rank's (equally many) rows of numbers, on every rank, through 01's all_gather."""
     local = torch.tensor(rows, dtype=torch.float64, device=device).reshape(len(rows), -1)
-    out = local.new_empty((ddp.group_size(group) * len(rows), local.shape[1]))
-    ddp.all_gather(out, local, group=group)
-    return list(out.cpu().chunk(ddp.group_size(group)))
+    out = local.new_empty((foundation.group_size(group) * len(rows), local.shape[1]))
+    foundation.all_gather(out, local, group=group)
+    return list(out.cpu().chunk(foundation.group_size(group)))
 
 
 def measured_bubble(records: list[torch.Tensor]) -> float:
@@ -507,22 +507,22 @@ def schedule_runs(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 def demo(args: argparse.Namespace) -> None:
-    device = ddp.init_distributed()
+    device = foundation.init_distributed()
     pp, rank = dist.get_world_size(), dist.get_rank()
-    cfg = ddp.ModelConfig(n_layers=pp * args.virtual)
+    cfg = foundation.ModelConfig(n_layers=pp * args.virtual)
     # The timelines pad every action to its unit time (balanced synthetic work), on a model small
     # enough that its real compute stays well inside the padding.
-    small = ddp.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=cfg.n_layers)
+    small = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=cfg.n_layers)
     batch, m, steps = args.global_batch, args.microbatches, args.steps
-    ref = ddp.train_single_device(cfg, steps, batch, args.seq_len, device=device)
+    ref = foundation.train_single_device(cfg, steps, batch, args.seq_len, device=device)
     boundary = batch * args.seq_len * cfg.dim * 4  # bytes over one stage boundary, one way, per step
     report = []
     for name, v in schedule_runs(args):
         result, meter, _ = train_pipeline(cfg, steps, batch, args.seq_len, schedule=name,
                                           microbatches=m, virtual=v, device=device)
         stats = [max(abs(a - b) for a, b in zip(result.losses, ref.losses)),
-                 ddp.max_abs_diff(ref.first_grads, result.first_grads),
-                 ddp.max_abs_diff(ref.params, result.params), float(meter.traffic("send")) / steps,
+                 foundation.max_abs_diff(ref.first_grads, result.first_grads),
+                 foundation.max_abs_diff(ref.params, result.params), float(meter.traffic("send")) / steps,
                  sum((s < pp * v - 1) + (s > 0) for s in range(rank, pp * v, pp)) * boundary]
         unit = args.unit_ms / 1e3 / v
         work = {"F": unit, "B": unit if name == "zb-h1" else 2 * unit, "W": unit} if unit else None
@@ -533,7 +533,7 @@ def demo(args: argparse.Namespace) -> None:
         report.append((make_schedule(name, pp, m, v), per_rank, records))
     if rank == 0:
         print_demo(args, cfg, report)
-    ddp.exit_distributed()
+    foundation.exit_distributed()
 
 
 def print_demo(args: argparse.Namespace, cfg, report: list) -> None:
@@ -577,11 +577,11 @@ def bench(args: argparse.Namespace) -> None:
     Gradients of one step are compared, then step times, interleaved so both see the same load."""
     from torch.distributed import pipelining as torch_pp
 
-    device = ddp.init_distributed()
+    device = foundation.init_distributed()
     pp, rank = dist.get_world_size(), dist.get_rank()
-    cfg = ddp.ModelConfig(vocab_size=1024, dim=128, n_layers=pp * args.virtual, n_heads=4, ffn_dim=344)
+    cfg = foundation.ModelConfig(vocab_size=1024, dim=128, n_layers=pp * args.virtual, n_heads=4, ffn_dim=344)
     m, batch, seq = args.microbatches, 2 * args.microbatches, 64
-    tokens, targets = (t.to(device) for t in ddp.synthetic_batch(cfg, batch, seq, 0))
+    tokens, targets = (t.to(device) for t in foundation.synthetic_batch(cfg, batch, seq, 0))
     torch_schedules = (torch_pp.ScheduleGPipe, torch_pp.Schedule1F1B,
                        torch_pp.ScheduleInterleaved1F1B, torch_pp.ScheduleInterleavedZeroBubble)
     rows = []
@@ -592,8 +592,8 @@ def bench(args: argparse.Namespace) -> None:
         torch_stages = [torch_pp.PipelineStage(mod, s, pp * v, device) for s, mod in theirs.items()]
         multi = name in ("interleaved", "zb-h1")  # torch's multi-stage schedules take a list
         schedule = torch_schedule(torch_stages if multi else torch_stages[0], m,
-                                  loss_fn=ddp.cross_entropy_loss)
-        opts = [ddp.make_optimizer(nn.ModuleList(s.values()), 1e-3) for s in (ours, theirs)]
+                                  loss_fn=foundation.cross_entropy_loss)
+        opts = [foundation.make_optimizer(nn.ModuleList(s.values()), 1e-3) for s in (ours, theirs)]
 
         def ours_step() -> None:
             opts[0].zero_grad(set_to_none=True)
@@ -608,25 +608,25 @@ def bench(args: argparse.Namespace) -> None:
 
         ours_step(), torch_step()  # one step from the same weights: the gradients must agree
         grads = [{n: p.grad for n, p in named_parameters(s)} for s in (ours, theirs)]
-        diff = torch.tensor([ddp.max_abs_diff(*grads)], device=device)
-        ddp.all_reduce(diff, op=dist.ReduceOp.MAX)
+        diff = torch.tensor([foundation.max_abs_diff(*grads)], device=device)
+        foundation.all_reduce(diff, op=dist.ReduceOp.MAX)
         times = {ours_step: [], torch_step: []}
         for round_ in range(args.bench_rounds):
             for step_fn, measured in times.items():
-                t = ddp.timed_steps(step_fn, args.bench_steps, device)
+                t = foundation.timed_steps(step_fn, args.bench_steps, device)
                 if round_ > 0:  # the first round is warm-up
                     measured += t
         rows.append((f"{name} v={v}", torch_schedule.__name__, diff.item(),
                      *(statistics.median(t) for t in times.values())))
     if rank == 0:
-        n_params = sum(p.numel() for p in ddp.GPT(cfg).parameters())
+        n_params = sum(p.numel() for p in foundation.GPT(cfg).parameters())
         print(f"Pipeline step time on {pp} ranks ({dist.get_backend()}, {device.type}), "
               f"{n_params / 1e6:.1f}M parameters, batch {batch} x {seq} in {m} microbatches, "
               f"median of {args.bench_steps * (args.bench_rounds - 1)} steps:")
         for ours_name, torch_name, diff, t_ours, t_torch in rows:
             print(f"  ours {ours_name:<16} {t_ours * 1e3:8.1f} ms   {torch_name:<30} {t_torch * 1e3:8.1f} ms"
                   f"   ratio {t_ours / t_torch:.3f}   max |grad diff| {diff:.1e}")
-    ddp.exit_distributed()
+    foundation.exit_distributed()
 
 
 MAX_UNIT_MS = 1000  # 4 schedules x 2 steps x (m + p - 1) x 3 units: minutes already
@@ -648,7 +648,7 @@ def check_writable(option: str, path: str) -> None:
 
 
 def main() -> None:
-    parser = ddp.lesson_parser(__doc__, bench_help="step time against torch.distributed.pipelining")
+    parser = foundation.lesson_parser(__doc__, bench_help="step time against torch.distributed.pipelining")
     parser.add_argument("--steps", type=int, default=3,
                         help="AdamW steps of each schedule and of the reference")
     parser.add_argument("--global-batch", type=int, default=16,
@@ -675,10 +675,10 @@ def main() -> None:
         if args.bench and args.microbatches < pp:
             raise ValueError(f"--bench: torch's Schedule1F1B needs microbatches >= pp = {pp}")
         if not args.bench:
-            ddp.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
-                             ddp.ModelConfig(), args.global_batch, args.seq_len, pp)
+            foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
+                             foundation.ModelConfig(), args.global_batch, args.seq_len, pp)
 
-    ddp.launch_lesson(parser, args, bench if args.bench else demo,
+    foundation.launch_lesson(parser, args, bench if args.bench else demo,
                       ("steps", "global_batch", "seq_len", "microbatches", "virtual"), validate)
 
 

@@ -76,8 +76,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 # Without a GPU lesson 07's kernels run in Triton's interpreter, switched on by importing it first.
-fa = importlib.import_module("07_flash_attention")
-ddp = importlib.import_module("01_ddp")
+flash = importlib.import_module("07_flash_attention")
+foundation = importlib.import_module("01_ddp")
 
 METHODS = ("ring", "ulysses")
 COMM_OP = {"ring": "send", "ulysses": "all_to_all"}  # the meter's operation for each method's bytes
@@ -149,7 +149,7 @@ def torch_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset:
 
 
 def flash_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
-    return fa.flash_attention_backward(q, k, v, out, lse, dout, dlse, causal=causal, q_offset=q_offset,
+    return flash.flash_attention_backward(q, k, v, out, lse, dout, dlse, causal=causal, q_offset=q_offset,
                                        k_offset=k_offset)  # out in fp32: its delta stays exact
 
 
@@ -163,7 +163,7 @@ class BlockAttention:
 
 
 TORCH_BLOCK = BlockAttention("torch", torch_block_forward, torch_block_backward)
-FLASH_BLOCK = BlockAttention("triton (lesson 07)", fa.flash_block_attention, flash_block_backward)
+FLASH_BLOCK = BlockAttention("triton (lesson 07)", flash.flash_block_attention, flash_block_backward)
 
 
 @dataclass
@@ -249,7 +249,7 @@ def validate_context_parallel(seq_len: int, n_heads: int, cp: int, method: str, 
 def local_layout(q: torch.Tensor, k: torch.Tensor, group, zigzag: bool,
                  method: str = "ring") -> SequenceLayout:
     """The layout of the whole sequence, from this rank's shard of it (every shard is equal)."""
-    cp = ddp.group_size(group)
+    cp = foundation.group_size(group)
     return validate_context_parallel(q.shape[2] * cp, q.shape[1], cp, method, zigzag, k.shape[1])
 
 
@@ -270,7 +270,7 @@ def _block_pairs(layout: SequenceLayout, me: int, owner: int, causal: bool):
 def _pass_right(tensor: torch.Tensor, group, me: int, cp: int) -> tuple[torch.Tensor, list]:
     """Send tensor to the next rank and receive the previous rank's into a new buffer (async)."""
     received = torch.empty_like(tensor)
-    works = ddp.batch_p2p([("send", tensor, (me + 1) % cp), ("recv", received, (me - 1) % cp)], group)
+    works = foundation.batch_p2p([("send", tensor, (me + 1) % cp), ("recv", received, (me - 1) % cp)], group)
     return received, works
 
 
@@ -359,7 +359,7 @@ def seq_to_heads(x: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor
     cp = layout.cp
     send = x.unflatten(1, (cp, x.shape[1] // cp)).movedim(1, 0).contiguous()  # row j: heads of rank j
     received = torch.empty_like(send)
-    ddp.all_to_all(received, send, group=group)
+    foundation.all_to_all(received, send, group=group)
     return layout.unshard(list(received.unbind(0)), dim=2)  # row i: rank i's tokens of my heads
 
 
@@ -367,7 +367,7 @@ def heads_to_seq(x: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor
     """The inverse: (batch, heads / P, S, ...) -> (batch, heads, S / P, ...)."""
     send = torch.stack([layout.shard(x, rank, dim=2) for rank in range(layout.cp)]).contiguous()
     received = torch.empty_like(send)
-    ddp.all_to_all(received, send, group=group)
+    foundation.all_to_all(received, send, group=group)
     return received.movedim(0, 1).flatten(1, 2)
 
 
@@ -441,36 +441,36 @@ def ring_saved_bytes(q_elems: int, lse_elems: int) -> int:
 def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, method: str = "ring",
                            zigzag: bool = True, block: BlockAttention = TORCH_BLOCK, lr: float = 1e-3,
                            adam_eps: float = 1e-8, group=None, device: torch.device | str = "cpu",
-                           data_seed: int = 0) -> tuple["ddp.TrainResult", "ddp.CommMeter"]:
-    """The same training as ddp.train_single_device, each rank holding seq_len / cp tokens of every
+                           data_seed: int = 0) -> tuple["foundation.TrainResult", "foundation.CommMeter"]:
+    """The same training as foundation.train_single_device, each rank holding seq_len / cp tokens of every
     row. Returns the result (global losses, summed gradients) and a meter of the training loop."""
-    cp, rank = ddp.group_size(group), dist.get_rank(group)
+    cp, rank = foundation.group_size(group), dist.get_rank(group)
     layout = validate_context_parallel(seq_len, cfg.n_heads, cp, method, zigzag, cfg.n_kv_heads)
     # This rank's share of the global mean loss (THE MODEL above): local mean / cp.
-    model = ddp.GPT(cfg, attn_fn=ContextParallelAttention(group, method, zigzag, block),
-                    loss_fn=lambda logits, targets: ddp.cross_entropy_loss(logits, targets) / cp).to(device)
-    optimizer = ddp.make_optimizer(model, lr, adam_eps)  # GPT's seeded init agrees on every rank
+    model = foundation.GPT(cfg, attn_fn=ContextParallelAttention(group, method, zigzag, block),
+                    loss_fn=lambda logits, targets: foundation.cross_entropy_loss(logits, targets) / cp).to(device)
+    optimizer = foundation.make_optimizer(model, lr, adam_eps)  # GPT's seeded init agrees on every rank
     positions = layout.positions(rank, device)
-    result, losses = ddp.TrainResult([], {}, {}), []
-    with ddp.comm_meter() as meter:
+    result, losses = foundation.TrainResult([], {}, {}), []
+    with foundation.comm_meter() as meter:
         for step in range(steps):
             tokens, targets = (layout.shard(t, rank, dim=1).to(device) for t in
-                               ddp.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed))
+                               foundation.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed))
             loss = model(tokens, targets, positions=positions)
             loss.backward()
             grads = [p.grad for p in model.parameters() if p.requires_grad]  # replicated: sum the parts
             flat = torch.cat([g.flatten() for g in grads])  # in one call, not one per parameter
-            ddp.all_reduce(flat, group=group)
+            foundation.all_reduce(flat, group=group)
             for grad, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                 grad.copy_(summed.view_as(grad))
             losses.append(loss.detach())
             if step == 0:
-                result.first_grads = ddp.cpu_copy((n, p.grad) for n, p in model.named_parameters())
+                result.first_grads = foundation.cpu_copy((n, p.grad) for n, p in model.named_parameters())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     summed = torch.stack(losses).double()
-    ddp.all_reduce(summed, group=group)  # shares of the mean add up to the mean
-    result.losses, result.params = summed.tolist(), ddp.cpu_copy(model.named_parameters())
+    foundation.all_reduce(summed, group=group)  # shares of the mean add up to the mean
+    result.losses, result.params = summed.tolist(), foundation.cpu_copy(model.named_parameters())
     return result, meter
 
 
@@ -497,7 +497,7 @@ def sharded_attention(batch: int, heads: int, seq_len: int, head_dim: int, *, me
                       kv_heads: int | None = None):
     """On every rank: [out, lse, dq, dk, dv] of this rank's shard under the loss
     sum(out dout) + sum(lse dlse), the meter of that forward + backward, and the ring's work."""
-    cp, rank = ddp.group_size(group), dist.get_rank(group)
+    cp, rank = foundation.group_size(group), dist.get_rank(group)
     layout = validate_context_parallel(seq_len, heads, cp, method, zigzag, kv_heads)
     shards = [layout.shard(t, rank, dim=2) for t in attention_inputs(batch, heads, seq_len, head_dim,
                                                                      seed, dtype, device, kv_heads)]
@@ -505,20 +505,20 @@ def sharded_attention(batch: int, heads: int, seq_len: int, head_dim: int, *, me
     attend = {"ring": lambda q, k, v: ring_attention(q, k, v, group, zigzag, causal, block, work),
               "ulysses": lambda q, k, v: ulysses_attention(q, k, v, group, zigzag, causal, block,
                                                            with_lse=True)}
-    with ddp.comm_meter() as meter:
-        results = fa.outputs_and_grads(attend[method], *shards)
+    with foundation.comm_meter() as meter:
+        results = flash.outputs_and_grads(attend[method], *shards)
     return [t.detach() for t in results], meter, work
 
 
 def _gather_rows(values: list[float], device) -> list[list[float]]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     out = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)
-    ddp.all_gather(out, t)
+    foundation.all_gather(out, t)
     return out.view(dist.get_world_size(), -1).tolist()
 
 
 def demo(args: argparse.Namespace) -> None:
-    device = ddp.init_distributed()
+    device = foundation.init_distributed()
     rank, cp = dist.get_rank(), dist.get_world_size()
     block = FLASH_BLOCK if args.block == "triton" else TORCH_BLOCK
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -533,13 +533,13 @@ def demo(args: argparse.Namespace) -> None:
         f"{h} query heads reading {kv} K/V heads, seq {s}, head dim {d}):")
     say(f"  {'':<20}" + "".join(f"{n:>10}" for n in ("out", "lse", "dq", "dk", "dv")))
     inputs = attention_inputs(b, h, s, d, seed=0, dtype=torch.float64, device=device, kv_heads=kv)
-    reference = fa.outputs_and_grads(lambda q, k, v: fa.naive_attention(q, k, v, True), *inputs)
+    reference = flash.outputs_and_grads(lambda q, k, v: flash.naive_attention(q, k, v, True), *inputs)
     byte_rows = []
     for name, method, zigzag in variants:
         got, meter, _ = sharded_attention(b, h, s, d, method=method, zigzag=zigzag, causal=True,
                                           block=block, device=device, kv_heads=kv)
         layout = SequenceLayout(s, cp, zigzag)
-        diffs = [fa.max_diff(g, layout.shard(r, rank, dim=2)) for g, r in zip(got, reference, strict=True)]
+        diffs = [flash.max_diff(g, layout.shard(r, rank, dim=2)) for g, r in zip(got, reference, strict=True)]
         say(f"  {name:<20}" + "".join(f"{max(col):>10.1e}" for col in zip(*_gather_rows(diffs, device))))
         formula = attention_bytes(method, b * h * s // cp * d, b * kv * s // cp * d, cp,
                                   with_lse_elems=b * h * s // cp)
@@ -568,10 +568,10 @@ def demo(args: argparse.Namespace) -> None:
     say(f"  ring: 2(P-1) A_kv forward + 4(P-1) A_kv backward; Ulysses: 4(P-1)/P (A + A_kv) per pass + lse; "
         f"A = one shard of q = {b * h * s // cp * d * 4:,} B, A_kv of k = {b * kv * s // cp * d * 4:,} B")
 
-    cfg = ddp.ModelConfig(n_heads=h, n_kv_heads=kv, seed=1)
+    cfg = foundation.ModelConfig(n_heads=h, n_kv_heads=kv, seed=1)
     say(f"\nthe whole GPT ({cfg.n_layers} layers, {h} query / {kv} K/V heads), batch {args.global_batch} x "
         f"seq {s}, {args.steps} AdamW steps, against one device:")
-    ref = ddp.train_single_device(cfg, args.steps, args.global_batch, s, device=device) if rank == 0 else None
+    ref = foundation.train_single_device(cfg, args.steps, args.global_batch, s, device=device) if rank == 0 else None
     for name, method, zigzag in variants:
         result, meter = train_context_parallel(cfg, args.steps, args.global_batch, s, method=method,
                                                zigzag=zigzag, block=block, device=device)
@@ -580,8 +580,8 @@ def demo(args: argparse.Namespace) -> None:
             say(f"  {name:<20} step-0 loss {result.losses[0]:.6f} (one device {ref.losses[0]:.6f}), "
                 f"max |diff|: "
                 f"losses {loss_diff:.1e}, step-0 gradients "
-                f"{ddp.max_abs_diff(result.first_grads, ref.first_grads):.1e}, parameters "
-                f"{ddp.max_abs_diff(result.params, ref.params):.1e}")
+                f"{foundation.max_abs_diff(result.first_grads, ref.first_grads):.1e}, parameters "
+                f"{foundation.max_abs_diff(result.params, ref.params):.1e}")
         op = COMM_OP[method]
         layer = float(meter.traffic(op)) / (args.steps * cfg.n_layers)
         tokens = args.global_batch * s // cp
@@ -590,11 +590,11 @@ def demo(args: argparse.Namespace) -> None:
     say("\nNotice: every variant computes full attention and the one-device model; zigzag evens out "
         "the work that contiguous piles on the last rank; the ring's bytes grow with P, Ulysses' do not; "
         "both move the K/V heads only, not K/V repeated to every query head.")
-    ddp.exit_distributed()
+    foundation.exit_distributed()
 
 
 def main() -> None:
-    parser = ddp.lesson_parser(__doc__)
+    parser = foundation.lesson_parser(__doc__)
     parser.add_argument("--seq-len", type=int, default=64,
                         help="tokens of the sharded sequence (divisible by 2 x ranks)")
     parser.add_argument("--heads", type=int, default=8, help="query heads")
@@ -611,13 +611,13 @@ def main() -> None:
     def validate(cp: int) -> None:
         for seq_len in (args.seq_len, args.work_seq_len):
             validate_context_parallel(seq_len, args.heads, cp, "ring", zigzag=True, n_kv_heads=args.kv_heads)
-        cfg = ddp.ModelConfig(n_heads=args.heads, n_kv_heads=args.kv_heads)
+        cfg = foundation.ModelConfig(n_heads=args.heads, n_kv_heads=args.kv_heads)
         scores = {"the float64 reference attention's scores": 8 * 2 * args.heads * args.seq_len ** 2,
                   "the work comparison's block scores": 8 * args.heads * args.work_seq_len ** 2 // cp}
-        ddp.check_memory(f"--seq-len {args.seq_len}, --work-seq-len {args.work_seq_len}", cfg,
+        foundation.check_memory(f"--seq-len {args.seq_len}, --work-seq-len {args.work_seq_len}", cfg,
                          args.global_batch, args.seq_len, cp, scores)
 
-    ddp.launch_lesson(parser, args, demo, ("seq_len", "heads", "kv_heads", "head_dim", "work_seq_len",
+    foundation.launch_lesson(parser, args, demo, ("seq_len", "heads", "kv_heads", "head_dim", "work_seq_len",
                                            "global_batch", "steps"), validate)
 
 

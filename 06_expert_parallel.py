@@ -68,7 +68,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-ddp = importlib.import_module("01_ddp")
+foundation = importlib.import_module("01_ddp")
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group):
         ctx.reverse = input_splits, output_splits, group
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        ddp.all_to_all(out, x.contiguous(), output_splits, input_splits, group=group)
+        foundation.all_to_all(out, x.contiguous(), output_splits, input_splits, group=group)
         return out
 
     @staticmethod
@@ -216,7 +216,7 @@ class MoE(nn.Module):
         if self.group is None:
             return counts[None]
         everyone = counts.new_empty(self.ep * self.cfg.n_experts)
-        ddp.all_gather(everyone, counts, group=self.group)
+        foundation.all_gather(everyone, counts, group=self.group)
         return everyone.view(self.ep, -1)
 
     def expert(self, j: int, h: torch.Tensor) -> torch.Tensor:
@@ -268,7 +268,7 @@ class LossWithAux:
     layers: list[MoE]
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = ddp.cross_entropy_loss(logits, targets)
+        loss = foundation.cross_entropy_loss(logits, targets)
         return loss + sum(layer.cfg.aux_loss_coef * layer.aux_loss for layer in self.layers)
 
 
@@ -291,14 +291,14 @@ def convert_to_moe(model: nn.Module, cfg: MoEConfig) -> nn.Module:
 def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
     """Keep this rank's E/ep experts of every MoE layer and route through the group. The experts
     are sliced from the existing (identical on every rank) weights. Build the optimizer after."""
-    ep, rank = ddp.group_size(group), dist.get_rank(group)
+    ep, rank = foundation.group_size(group), dist.get_rank(group)
     layers = moe_layers(model)
     if not layers:
         raise ValueError("the model has no MoE layer: convert_to_moe(model, cfg) first")
     if indivisible := [layer.cfg.n_experts for layer in layers if layer.cfg.n_experts % ep]:
         raise ValueError(f"n_experts={indivisible[0]} is not divisible by the expert-parallel "
                          f"group size ep={ep}")
-    ddp.claim_gradient_sync(model, "expert parallelism")
+    foundation.claim_gradient_sync(model, "expert parallelism")
     for layer in layers:
         local = layer.cfg.n_experts // ep
         for name in layer.expert_names:
@@ -312,7 +312,7 @@ def sync_gradients(model: nn.Module, group=None) -> None:
     """Each rank's loss is the mean over its own tokens; the model's loss is the mean over ranks.
     Replicated weights: all-reduce, / ep. Experts: already summed over the group's tokens by the
     backward all-to-all, so only / ep."""
-    ep = ddp.group_size(group)
+    ep = foundation.group_size(group)
     experts = {p for layer in moe_layers(model) for p in layer.expert_parameters()}
     for name, param in model.named_parameters():
         if not param.requires_grad:  # frozen on every rank alike: nothing to sync
@@ -320,7 +320,7 @@ def sync_gradients(model: nn.Module, group=None) -> None:
         if param.grad is None:  # skipping it would pair different tensors across ranks
             raise RuntimeError(f"{name} got no gradient")
         if param not in experts:
-            ddp.all_reduce(param.grad, group=group)
+            foundation.all_reduce(param.grad, group=group)
         param.grad.div_(ep)
 
 
@@ -337,10 +337,10 @@ def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str,
         t = tensors[name].detach()
         if (layer := sharded.get(id(param))) is not None:
             whole = t.new_empty((layer.ep * t.shape[0], *t.shape[1:]))
-            ddp.all_gather(whole, t.contiguous(), group=layer.group)
+            foundation.all_gather(whole, t.contiguous(), group=layer.group)
             t = whole
         out[name] = t
-    return ddp.cpu_copy(out.items())
+    return foundation.cpu_copy(out.items())
 
 
 def all_to_all_traffic(kept: torch.Tensor, rank: int, dim: int, element_size: int) -> tuple[int, int]:
@@ -353,32 +353,32 @@ def all_to_all_traffic(kept: torch.Tensor, rank: int, dim: int, element_size: in
 
 
 @dataclass
-class MoETrainResult(ddp.TrainResult):
+class MoETrainResult(foundation.TrainResult):
     load: list[list[list[int]]] = field(default_factory=list)  # step -> layer -> tokens per expert
     dropped: list[list[int]] = field(default_factory=list)     # step -> layer
     aux: list[list[float]] = field(default_factory=list)       # step -> layer (group mean)
     formula_traffic: int = 0                                   # all-to-all bytes, by the formula
 
 
-def train_moe(cfg: "ddp.ModelConfig", moe_cfg: MoEConfig, steps: int, global_batch: int,
+def train_moe(cfg: "foundation.ModelConfig", moe_cfg: MoEConfig, steps: int, global_batch: int,
               seq_len: int, *, expert_parallel: bool = False, group=None, lr: float = 1e-3,
               adam_eps: float = 1e-8, device: torch.device | str = "cpu",
-              data_seed: int = 0) -> tuple[MoETrainResult, "ddp.CommMeter"]:
+              data_seed: int = 0) -> tuple[MoETrainResult, "foundation.CommMeter"]:
     """One device on the whole batch, or (expert_parallel) this rank's rows of it with the experts
     sharded over `group`. Returns the result (gradients and parameters reassembled) and a meter of
     the training loop's communication."""
-    ep, rank = (ddp.group_size(group), dist.get_rank(group)) if expert_parallel else (1, 0)
+    ep, rank = (foundation.group_size(group), dist.get_rank(group)) if expert_parallel else (1, 0)
     if global_batch % ep:
         raise ValueError(f"global_batch={global_batch} is not divisible by ep={ep}")
-    model = convert_to_moe(ddp.GPT(cfg), moe_cfg)
+    model = convert_to_moe(foundation.GPT(cfg), moe_cfg)
     if expert_parallel:
         apply_expert_parallel(model, group)
     model.to(device)
-    optimizer = ddp.make_optimizer(model, lr, adam_eps)
+    optimizer = foundation.make_optimizer(model, lr, adam_eps)
     result, grads, local_losses = MoETrainResult([], {}, {}), {}, []
-    with ddp.comm_meter() as meter:
+    with foundation.comm_meter() as meter:
         for step in range(steps):
-            tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, rank, ep, data_seed)
+            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, rank, ep, data_seed)
             loss = model(tokens.to(device), targets.to(device))
             loss.backward()
             if expert_parallel:
@@ -399,7 +399,7 @@ def train_moe(cfg: "ddp.ModelConfig", moe_cfg: MoEConfig, steps: int, global_bat
     # Outside the meter: group means of the losses and aux losses, whole tensors from the shards.
     stacked = torch.stack([torch.stack(local_losses), *map(torch.stack, zip(*result.aux))]).double()
     if expert_parallel:
-        ddp.all_reduce(stacked, group=group)
+        foundation.all_reduce(stacked, group=group)
     stacked = (stacked / ep).cpu()
     result.losses, result.aux = stacked[0].tolist(), stacked[1:].T.tolist()
     result.first_grads = gather_full(model, grads)
@@ -417,9 +417,9 @@ BALANCING = {"aux loss": dict(aux_loss_coef=0.1, bias_update_rate=0.0),
 
 
 def demo(args: argparse.Namespace) -> None:
-    device = ddp.init_distributed()
+    device = foundation.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = ddp.ModelConfig()
+    cfg = foundation.ModelConfig()
     capacity = None if args.dropless else args.capacity_factor
     runs = {}
     for name, balancing in BALANCING.items():
@@ -440,8 +440,8 @@ def demo(args: argparse.Namespace) -> None:
                        for loss, aux in zip(parallel.losses, parallel.aux)]
             print(f"{name:<16}{entropy[0]:>21.4f}{entropy[-1]:>7.4f}"
                   f"{max(abs(a - b) for a, b in zip(parallel.losses, single.losses)):>30.2e}"
-                  f"{ddp.max_abs_diff(parallel.first_grads, single.first_grads):>14.2e}"
-                  f"{ddp.max_abs_diff(parallel.params, single.params):>10.2e}")
+                  f"{foundation.max_abs_diff(parallel.first_grads, single.first_grads):>14.2e}"
+                  f"{foundation.max_abs_diff(parallel.params, single.params):>10.2e}")
         width = max(1, args.steps // 5)
         windows = slice(0, width), slice(args.steps - width, args.steps)
         print(f"\nFirst -> last {width} steps: imbalance max/mean tokens per expert (layer 0/1), layer 0's "
@@ -469,7 +469,7 @@ def demo(args: argparse.Namespace) -> None:
         print("Notice: EP computes the one-device model (same drops, same loads). Without balancing "
               "the load drifts apart; the selection bias evens it without touching the loss; the aux "
               "loss, through the gradient, mostly holds it where it started and cuts the drops.")
-    ddp.exit_distributed()
+    foundation.exit_distributed()
 
 
 @torch.no_grad()
@@ -477,7 +477,7 @@ def all_gather_moe_forward(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     """The alternative dispatcher (dropless): every rank gathers every token, routes all of them,
     runs its own experts on its share, and a reduce-scatter sums the shares back to their ranks."""
     everyone = x.new_empty(layer.ep * x.shape[0], x.shape[1])
-    ddp.all_gather(everyone, x, group=layer.group)
+    foundation.all_gather(everyone, x, group=layer.group)
     experts, weights, _ = layer.route(everyone)
     out = torch.zeros_like(everyone)
     local = layer.cfg.n_experts // layer.ep
@@ -485,13 +485,13 @@ def all_gather_moe_forward(layer: MoE, x: torch.Tensor) -> torch.Tensor:
         token, slot = (experts == layer.rank * local + j).nonzero(as_tuple=True)
         out.index_add_(0, token, layer.expert(j, everyone[token]) * weights[token, slot, None])
     mine = torch.empty_like(x)
-    ddp.reduce_scatter(mine, out, group=layer.group)
+    foundation.reduce_scatter(mine, out, group=layer.group)
     return mine
 
 
 def bench(args: argparse.Namespace) -> None:
     """The same expert-parallel layer, forward only, through both dispatchers, interleaved."""
-    device = ddp.init_distributed()
+    device = foundation.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = MoEConfig(args.experts, args.top_k, 4 * args.bench_dim)
     layer = apply_expert_parallel(MoE(args.bench_dim, cfg, seed=0)).to(device)
@@ -503,8 +503,8 @@ def bench(args: argparse.Namespace) -> None:
         outputs = {name: fn() for name, fn in dispatchers.items()}
         for round_ in range(args.bench_rounds):
             for name, fn in dispatchers.items():
-                with ddp.comm_meter() as meter:
-                    t = ddp.timed_steps(fn, args.bench_steps, device)
+                with foundation.comm_meter() as meter:
+                    t = foundation.timed_steps(fn, args.bench_steps, device)
                 traffic[name] = meter.traffic() / args.bench_steps
                 if round_ > 0:  # the first round is warm-up
                     times[name] += t
@@ -520,11 +520,11 @@ def bench(args: argparse.Namespace) -> None:
         bytes_ratio = float(traffic["all-to-all"] / traffic["all-gather"])
         print(f"  ratio all-to-all / all-gather: bytes {bytes_ratio:.3f} (k/ep = {args.top_k / world:.3f} "
               f"without drops, plus the counts), time {med['all-to-all'] / med['all-gather']:.3f}")
-    ddp.exit_distributed()
+    foundation.exit_distributed()
 
 
 def main() -> None:
-    parser = ddp.lesson_parser(__doc__, bench_help="all-to-all vs all-gather dispatcher")
+    parser = foundation.lesson_parser(__doc__, bench_help="all-to-all vs all-gather dispatcher")
     parser.add_argument("--steps", type=int, default=60, help="AdamW steps of each MoE run")
     parser.add_argument("--global-batch", type=int, default=16,
                         help="sequences per step, split over the ranks")
@@ -549,10 +549,10 @@ def main() -> None:
             if size % ep:
                 raise ValueError(f"{name}={size} is not divisible by ep={ep}")
         if not args.bench:
-            ddp.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
-                             ddp.ModelConfig(), args.global_batch, args.seq_len, ep)
+            foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
+                             foundation.ModelConfig(), args.global_batch, args.seq_len, ep)
 
-    ddp.launch_lesson(parser, args, bench if args.bench else demo,
+    foundation.launch_lesson(parser, args, bench if args.bench else demo,
                       ("steps", "global_batch", "seq_len", "bench_tokens", "bench_dim"), validate)
 
 

@@ -79,13 +79,13 @@ import torch.nn.functional as F
 
 # Without a GPU the kernel runs in Triton's interpreter, which must be switched on before triton is
 # first imported: lesson 07 does that (and says so if it is too late), so it is imported first.
-fa = importlib.import_module("07_flash_attention")
+flash = importlib.import_module("07_flash_attention")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-ddp = importlib.import_module("01_ddp")
-zero_lesson = importlib.import_module("02_zero")
-INTERPRETED = fa.INTERPRETED  # else the kernel is compiled and needs CUDA tensors
+foundation = importlib.import_module("01_ddp")
+zero = importlib.import_module("02_zero")
+INTERPRETED = flash.INTERPRETED  # else the kernel is compiled and needs CUDA tensors
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FORMATS = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 E4M3, E5M2 = FORMATS.values()
@@ -415,7 +415,7 @@ def weights_cast_once(model: nn.Module) -> Iterator[None]:
             w.float8_cast = None
 
 
-class Float8GatherUnit(zero_lesson.FlatUnit):
+class Float8GatherUnit(zero.FlatUnit):
     """A ZeRO-3 unit of Float8Linear weights whose all-gather carries their e4m3 casts, made by
     Float8ZeRO.cast_shards. Weights only: every rank's shard must be the same number of bytes, so
     1-byte casts cannot share a unit with full-precision parameters (the norms)."""
@@ -451,7 +451,7 @@ class Float8GatherUnit(zero_lesson.FlatUnit):
         super().release()
 
 
-class Float8ZeRO(zero_lesson.ZeRO):
+class Float8ZeRO(zero.ZeRO):
     """ZeRO-3 of model's Float8Linear weights, all-gathered in FP8 (the docstring's FP8
     COMMUNICATION); everything else is lesson 02's. The other parameters need a ZeRO of their own:
         weights = set(float8_weights(model))
@@ -489,7 +489,7 @@ class Float8ZeRO(zero_lesson.ZeRO):
         amaxes = torch.stack([piece.abs().amax() if piece.numel() else nothing for piece in pieces])
         # Non-negative floats order like their bits read as int32, NaN above inf: an integer MAX
         # keeps a NaN that a float MAX may drop (as in the Triton kernel above).
-        ddp.all_reduce(amaxes.view(torch.int32), group=self.group, op=dist.ReduceOp.MAX)
+        foundation.all_reduce(amaxes.view(torch.int32), group=self.group, op=dist.ReduceOp.MAX)
         scales = iter(amax_to_scale(amaxes, E4M3))
         for unit in self.units:
             unit.cast_shard = torch.zeros_like(unit.shard, dtype=torch.uint8)
@@ -503,7 +503,7 @@ class Float8ZeRO(zero_lesson.ZeRO):
     def held_bytes(self) -> dict[str, int]:
         held = super().held_bytes()  # + the cast shards and the scales
         casts = [t for u in self.units for t in (u.cast_shard, *u.scales)]
-        held["params"] += zero_lesson.storage_bytes(casts, set())
+        held["params"] += zero.storage_bytes(casts, set())
         return held
 
     def memory_formula(self) -> dict[str, Fraction]:
@@ -521,7 +521,7 @@ def float8_zero_traffic(padded: int, n_weights: int, n: int, grad_bytes: int = 4
     """Ring bytes one rank sends per step (one microbatch) for Float8ZeRO's padded weights: 02's
     ZeRO-3 traffic with 1 B parameters (gathered for forward and backward), the gradients' own
     reduce-scatter, and the amaxes' all-reduce (the clipping norm's scalar aside)."""
-    traffic = zero_lesson.zero_traffic_per_step(padded, n, 3, param_bytes=1, grad_bytes=grad_bytes)
+    traffic = zero.zero_traffic_per_step(padded, n, 3, param_bytes=1, grad_bytes=grad_bytes)
     return {**traffic, "all_reduce": Fraction(2 * (n - 1), n) * AMAX_BYTES * n_weights}
 
 
@@ -585,10 +585,10 @@ def spike_demo(history_len: int = 16, spike: float = 100.0, seed: int = 0) -> di
             "current SQNR": sqnr(x, dequantize_tiles(*quantize_tensorwise(x)))}
 
 
-def train_losses(cfg: ddp.ModelConfig, steps: int, batch: int, seq_len: int, float8: bool,
+def train_losses(cfg: foundation.ModelConfig, steps: int, batch: int, seq_len: int, float8: bool,
                  lr: float = 3e-3) -> list[float]:
     """Lesson 01's reference training on its synthetic batches, optionally with Float8Linear."""
-    return ddp.train_single_device(cfg, steps, batch, seq_len, lr=lr,
+    return foundation.train_single_device(cfg, steps, batch, seq_len, lr=lr,
                                    progress=f"training, {'FP8' if float8 else 'fp32'}",
                                    transform=convert_to_float8 if float8 else None).losses
 
@@ -596,35 +596,35 @@ def train_losses(cfg: ddp.ModelConfig, steps: int, batch: int, seq_len: int, flo
 FLOAT8_ZERO_MODES = ("unsharded", "zero3", "zero3-fp8")
 
 
-def train_float8_zero(cfg: ddp.ModelConfig, steps: int, global_batch: int, seq_len: int, *, mode: str,
+def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int, seq_len: int, *, mode: str,
                       microbatches: int = 1, lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
-                      device: torch.device | str = "cpu") -> tuple[zero_lesson.ZeroResult, ddp.CommMeter]:
+                      device: torch.device | str = "cpu") -> tuple[zero.ZeroResult, foundation.CommMeter]:
     """The FP8 GPT on this rank's slice of lesson 02's batches, in microbatches. mode "unsharded":
     data parallel (02's ZeRO-0), each weight cast once per step; "zero3": 02's ZeRO-3, fp32
     all-gathers, a cast in each forward; "zero3-fp8": the weights under Float8ZeRO. Returns the
     result (stats: padded elements and casts) and a meter of the steps (not of the probes)."""
-    world, rank = ddp.group_size(group), dist.get_rank(group)
+    world, rank = foundation.group_size(group), dist.get_rank(group)
     if mode not in FLOAT8_ZERO_MODES:
         raise ValueError(f"mode={mode!r} must be one of {FLOAT8_ZERO_MODES}")
     if microbatches < 1 or global_batch % (world * microbatches):
         raise ValueError(f"global_batch={global_batch} is not divisible by the group size x microbatches "
                          f"= {world} x {microbatches}")
-    model = convert_to_float8(ddp.GPT(cfg)).to(device)
+    model = convert_to_float8(foundation.GPT(cfg)).to(device)
     weights, settings = set(float8_weights(model)), dict(lr=lr, adam_eps=adam_eps)
     if mode == "unsharded":
-        zeros = [zero_lesson.ZeRO(model, 0, group, **settings)]
+        zeros = [zero.ZeRO(model, 0, group, **settings)]
     else:
-        rest = zero_lesson.ZeRO(model, 3, group, owns=lambda p: p not in weights, **settings)
+        rest = zero.ZeRO(model, 3, group, owns=lambda p: p not in weights, **settings)
         zeros = [rest, Float8ZeRO(model, group, **settings) if mode == "zero3-fp8"
-                 else zero_lesson.ZeRO(model, 3, group, owns=lambda p: p in weights, **settings)]
+                 else zero.ZeRO(model, 3, group, owns=lambda p: p in weights, **settings)]
     initial_casts = getattr(zeros[-1], "weight_casts", 0)
-    result, meters, local_losses = zero_lesson.ZeroResult([], {}, {}), [], []
+    result, meters, local_losses = zero.ZeroResult([], {}, {}), [], []
     for step in range(steps):
-        tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, step, rank, world)
-        with ddp.comm_meter() as meter:
+        tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, rank, world)
+        with foundation.comm_meter() as meter:
             with contextlib.ExitStack() as accumulate:
-                for zero in zeros:
-                    accumulate.enter_context(zero.no_sync())
+                for zero_opt in zeros:
+                    accumulate.enter_context(zero_opt.no_sync())
                 if mode == "unsharded":
                     accumulate.enter_context(weights_cast_once(model))
                 loss = 0.0
@@ -632,32 +632,32 @@ def train_float8_zero(cfg: ddp.ModelConfig, steps: int, global_batch: int, seq_l
                     microbatch_loss = model(x.to(device), y.to(device)) / microbatches
                     microbatch_loss.backward()
                     loss += microbatch_loss.detach()
-            for zero in zeros:
-                zero.finish_gradient_sync()
+            for zero_opt in zeros:
+                zero_opt.finish_gradient_sync()
         if step == 0:
-            for zero in zeros:
-                result.first_grads.update(zero.gather_full([u.grad_shard for u in zero.units]))
-        with ddp.comm_meter() as update_meter:
-            squares = sum(zero.grad_squares() for zero in zeros)
-            for zero in zeros:
-                zero.clip_and_update(squares)
-                zero.zero_grad()
+            for zero_opt in zeros:
+                result.first_grads.update(zero_opt.gather_full([u.grad_shard for u in zero_opt.units]))
+        with foundation.comm_meter() as update_meter:
+            squares = sum(zero_opt.grad_squares() for zero_opt in zeros)
+            for zero_opt in zeros:
+                zero_opt.clip_and_update(squares)
+                zero_opt.zero_grad()
         meters += [meter, update_meter]
         local_losses.append(loss)
     losses = torch.stack(local_losses).double()
-    ddp.all_reduce(losses, group=group)
+    foundation.all_reduce(losses, group=group)
     result.losses = (losses / world).tolist()
     result.params = {k: v for z in zeros for k, v in z.full_state_dict()["params"].items()}
     result.stats = dict(padded=[sum(u.padded for u in z.units) for z in zeros], n_weights=len(weights),
                         weight_casts=getattr(zeros[-1], "weight_casts", 0) - initial_casts)
-    return result, zero_lesson.merge_meters(meters)
+    return result, zero.merge_meters(meters)
 
 
 def communication_demo(args: argparse.Namespace) -> None:
     """On each rank: the three modes of train_float8_zero; rank 0 prints bytes, counts, differences."""
-    device = ddp.init_distributed()
+    device = foundation.init_distributed()
     world, steps, m = dist.get_world_size(), 3, 2
-    shape = (ddp.ModelConfig(), steps, args.batch, args.seq_len)
+    shape = (foundation.ModelConfig(), steps, args.batch, args.seq_len)
     runs = {mode: train_float8_zero(*shape, mode=mode, microbatches=m, device=device)
             for mode in FLOAT8_ZERO_MODES}
     casts = [None] * world if dist.get_rank() == 0 else None
@@ -693,12 +693,12 @@ def communication_demo(args: argparse.Namespace) -> None:
             ref = runs[mode][0]
             print(f"max |difference| of the FP8-gather run from {label}: loss "
                   f"{max(abs(a - b) for a, b in zip(fp8.losses, ref.losses)):.1e}, step-0 gradients "
-                  f"{ddp.max_abs_diff(fp8.first_grads, ref.first_grads):.1e}, parameters after {steps} steps "
-                  f"{ddp.max_abs_diff(fp8.params, ref.params):.1e}")
+                  f"{foundation.max_abs_diff(fp8.first_grads, ref.first_grads):.1e}, parameters after {steps} steps "
+                  f"{foundation.max_abs_diff(fp8.params, ref.params):.1e}")
         print("Notice: a byte per gathered weight element, one small all-reduce per step, and the same bits "
               "as casting whole weights:\nthe cast is elementwise and each weight's scale global (the "
               "unsharded run sums its gradients in another order).")
-    ddp.exit_distributed()
+    foundation.exit_distributed()
 
 
 def demo(args: argparse.Namespace) -> None:
@@ -724,7 +724,7 @@ def demo(args: argparse.Namespace) -> None:
           f"{spike['clipped']:.1%} of values, SQNR {spike['delayed SQNR']:.1f} dB; current scaling "
           f"SQNR {spike['current SQNR']:.1f} dB.")
     print(f"\nTraining the tiny GPT for {args.steps} AdamW steps (batch {args.batch} x {args.seq_len}):")
-    curves = {name: train_losses(ddp.ModelConfig(), args.steps, args.batch, args.seq_len, float8)
+    curves = {name: train_losses(foundation.ModelConfig(), args.steps, args.batch, args.seq_len, float8)
               for name, float8 in (("fp32", False), ("float8", True))}
     final = {name: sum(losses[-10:]) / len(losses[-10:]) for name, losses in curves.items()}
     for name, losses in curves.items():
@@ -761,7 +761,7 @@ def bench(args: argparse.Namespace) -> None:
     print(f"{'dim -> ffn':>14}{'bf16':>9}{'Float8Linear':>14}{'speed-up':>10}")
     for dim, ffn_dim in ((4096, 14336), (8192, 28672)):  # Llama-3 8B and 70B MLPs
         x = torch.randn(args.bench_tokens, dim, device=dev, dtype=bf16, requires_grad=True)
-        mlp = ddp.SwiGLU(ddp.ModelConfig(dim=dim, ffn_dim=ffn_dim, n_heads=dim // 128)).to(dev, bf16)
+        mlp = foundation.SwiGLU(foundation.ModelConfig(dim=dim, ffn_dim=ffn_dim, n_heads=dim // 128)).to(dev, bf16)
         grad_out, ms = torch.randn_like(x), []
         for module in (mlp, convert_to_float8(copy.deepcopy(mlp))):
             step, params = compile_fn(module), [x, *module.parameters()]  # do_bench runs it at once:
@@ -771,7 +771,7 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = ddp.lesson_parser(__doc__)
+    parser = foundation.lesson_parser(__doc__)
     parser.add_argument("--steps", type=int, default=300, help="AdamW steps of the fp32 and the FP8 training")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
@@ -786,15 +786,15 @@ def main() -> None:
     if args.bench:
         bench(args)
         return
-    if args.batch % (2 * ddp.launch_world_size(args.nproc)):
+    if args.batch % (2 * foundation.launch_world_size(args.nproc)):
         parser.error(f"--batch {args.batch} is not divisible by 2 microbatches x {args.nproc} ranks")
     try:
-        ddp.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}", ddp.ModelConfig(), args.batch,
+        foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}", foundation.ModelConfig(), args.batch,
                          args.seq_len, 1)
     except ValueError as error:  # one line, as launch_lesson's
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     demo(args)
-    ddp.launch(communication_demo, args, nproc=args.nproc)
+    foundation.launch(communication_demo, args, nproc=args.nproc)
 
 
 if __name__ == "__main__":

@@ -114,14 +114,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from tqdm import tqdm
 
-ddp = importlib.import_module("01_ddp")
-zero_lesson = importlib.import_module("02_zero")
-tp_lesson = importlib.import_module("03_tensor_parallel")
-pp_lesson = importlib.import_module("04_pipeline")
-cp_lesson = importlib.import_module("05_context_parallel")
-moe_lesson = importlib.import_module("06_expert_parallel")
-flash_lesson = importlib.import_module("07_flash_attention")
-fp8_lesson = importlib.import_module("08_fp8")
+foundation = importlib.import_module("01_ddp")
+zero = importlib.import_module("02_zero")
+tensor_parallel = importlib.import_module("03_tensor_parallel")
+pipeline = importlib.import_module("04_pipeline")
+context_parallel = importlib.import_module("05_context_parallel")
+expert_parallel = importlib.import_module("06_expert_parallel")
+flash = importlib.import_module("07_flash_attention")
+fp8 = importlib.import_module("08_fp8")
 
 DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
 
@@ -230,7 +230,7 @@ class TrainConfig:
     lr: float = 1e-3
     adam_eps: float = 1e-8
     max_grad_norm: float = math.inf
-    moe: "moe_lesson.MoEConfig | None" = None  # every MLP an MoE layer (lesson 06)
+    moe: "expert_parallel.MoEConfig | None" = None  # every MLP an MoE layer (lesson 06)
     mixed_precision: bool = False  # bf16 compute, fp32 masters in ZeRO (lesson 02)
     recompute: str = "none"  # lesson 03's activation recompute: none | selective | full
     attention: str = "sdpa"  # without cp: "flash" is lesson 07's kernel (cp > 1: the ring)
@@ -255,17 +255,17 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     if train.global_batch < 1:
         problems.append(f"global_batch={train.global_batch} must be >= 1")
     tp, cp = max(sizes.tp, 1), max(sizes.cp, 1)
-    check(tp_lesson.validate_tensor_parallel, cfg, tp)
-    check(cp_lesson.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", True, cfg.n_kv_heads)
-    check(zero_lesson.validate_stage, train.zero_stage)
-    if train.recompute not in tp_lesson.RECOMPUTE_MODES or train.attention not in ("sdpa", "flash"):
-        problems.append(f"recompute={train.recompute!r} must be one of {tp_lesson.RECOMPUTE_MODES} and "
+    check(tensor_parallel.validate_tensor_parallel, cfg, tp)
+    check(context_parallel.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", True, cfg.n_kv_heads)
+    check(zero.validate_stage, train.zero_stage)
+    if train.recompute not in tensor_parallel.RECOMPUTE_MODES or train.attention not in ("sdpa", "flash"):
+        problems.append(f"recompute={train.recompute!r} must be one of {tensor_parallel.RECOMPUTE_MODES} and "
                         f"attention={train.attention!r} one of ('sdpa', 'flash')")
     if train.global_batch % max(sizes.dp, 1):
         problems.append(f"global_batch={train.global_batch} is not divisible by dp={sizes.dp}")
     else:
         rows = train.global_batch // max(sizes.dp, 1)
-        check(pp_lesson.validate_pipeline, cfg.n_layers, max(sizes.pp, 1), rows, train.microbatches,
+        check(pipeline.validate_pipeline, cfg.n_layers, max(sizes.pp, 1), rows, train.microbatches,
               train.schedule, train.virtual, rename=(f"global_batch={rows}", f"global_batch / dp = {rows}"))
     if train.sequence_parallel and (train.seq_len // cp) % tp:
         problems.append(f"sequence parallelism splits each rank's seq_len / cp = {train.seq_len} / "
@@ -340,29 +340,29 @@ def assemble(pieces: list[tuple[ShardSpec, torch.Tensor]], fill: float = math.na
 
 def tensor_parallel_plan(moe) -> dict:
     """03's plan; an MoE layer is not split over tp: each tp rank runs it on its tokens."""
-    plan = tp_lesson.TENSOR_PARALLEL_PLAN
+    plan = tensor_parallel.TENSOR_PARALLEL_PLAN
     return plan if moe is None else {name: style for name, style in plan.items() if ".mlp" not in name}
 
 
 def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages: int,
                       device: torch.device) -> nn.Module:
     """The module docstring's order: GPT -> MoE + EP -> FP8 -> TP (+SP) -> CP attention -> stage cut."""
-    model = ddp.GPT(cfg)
+    model = foundation.GPT(cfg)
     if train.moe is not None:
-        model = moe_lesson.convert_to_moe(model, train.moe)
+        model = expert_parallel.convert_to_moe(model, train.moe)
         if mesh.sizes.ep > 1:
-            moe_lesson.apply_expert_parallel(model, mesh.groups["ep"])
+            expert_parallel.apply_expert_parallel(model, mesh.groups["ep"])
     if train.fp8:
-        model = fp8_lesson.convert_to_float8(model)
-    model = tp_lesson.apply_tensor_parallel(model.to(device), mesh.groups["tp"], train.sequence_parallel,
+        model = fp8.convert_to_float8(model)
+    model = tensor_parallel.apply_tensor_parallel(model.to(device), mesh.groups["tp"], train.sequence_parallel,
                                             tensor_parallel_plan(train.moe))
-    attention = flash_lesson.flash_attention if train.attention == "flash" else None
+    attention = flash.flash_attention if train.attention == "flash" else None
     if mesh.sizes.cp > 1:
-        ring_block = cp_lesson.FLASH_BLOCK if device.type == "cuda" else cp_lesson.TORCH_BLOCK  # 07's kernel
-        attention = cp_lesson.ContextParallelAttention(mesh.groups["cp"], "ring", zigzag=True, block=ring_block)
+        ring_block = context_parallel.FLASH_BLOCK if device.type == "cuda" else context_parallel.TORCH_BLOCK  # 07's kernel
+        attention = context_parallel.ContextParallelAttention(mesh.groups["cp"], "ring", zigzag=True, block=ring_block)
     for block in model.layers.values() if attention else ():
         block.attn.attn_fn = attention
-    model = pp_lesson.cut_stage(tp_lesson.apply_recompute(model, train.recompute), stage, n_stages)
+    model = pipeline.cut_stage(tensor_parallel.apply_recompute(model, train.recompute), stage, n_stages)
     for block in model.layers.values() if train.compile else ():
         block.compile()  # in place: parameter names stay
     return model
@@ -381,8 +381,8 @@ class Trainer:
         validate(cfg, mesh.sizes, train, dist.get_world_size())
         self.cfg, self.mesh, self.train, self.device = cfg, mesh, train, device
         sizes, at = mesh.sizes, mesh.coords
-        self.plan = pp_lesson.make_schedule(train.schedule, sizes.pp, train.microbatches, train.virtual)
-        self.layout = cp_lesson.SequenceLayout(train.seq_len, sizes.cp, zigzag=True)
+        self.plan = pipeline.make_schedule(train.schedule, sizes.pp, train.microbatches, train.virtual)
+        self.layout = context_parallel.SequenceLayout(train.seq_len, sizes.cp, zigzag=True)
         positions = self.layout.positions(at["cp"], device)
         self.stages = {}
         for stage in range(at["pp"], self.plan.n_stages, sizes.pp):
@@ -394,32 +394,32 @@ class Trainer:
         # holding the same ones; their gradients arrive summed over ep (06's all-to-all): / ep here.
         self.zeros = []
         for stage, model in self.stages.items():
-            experts = ({p for layer in moe_lesson.moe_layers(model) for p in layer.expert_parameters()}
+            experts = ({p for layer in expert_parallel.moe_layers(model) for p in layer.expert_parameters()}
                        if sizes.ep > 1 else set())
             for p in experts:
                 p.register_hook(lambda grad: grad / sizes.ep)
             # 08: under ZeRO-3 the Float8Linear weights get a ZeRO of their own, all-gathered in FP8
-            fp8_weights = set(fp8_lesson.float8_weights(model) if train.fp8 and train.zero_stage == 3 else ())
+            fp8_weights = set(fp8.float8_weights(model) if train.fp8 and train.zero_stage == 3 else ())
             settings = dict(lr=train.lr, adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
                             mixed_precision=train.mixed_precision)
             for kind, owns in (("dp_cp", lambda p, e=experts | fp8_weights: p not in e),
                                ("ep_dp", lambda p, e=experts: p in e)):
                 if kind == "dp_cp" or experts:
-                    self.zeros.append((stage, kind, zero_lesson.ZeRO(
+                    self.zeros.append((stage, kind, zero.ZeRO(
                         model, train.zero_stage, mesh.groups[kind], **settings,
                         owns=owns if experts or fp8_weights else None)))
             if fp8_weights:
-                self.zeros.append((stage, "dp_cp", fp8_lesson.Float8ZeRO(model, mesh.groups["dp_cp"],
+                self.zeros.append((stage, "dp_cp", fp8.Float8ZeRO(model, mesh.groups["dp_cp"],
                                                                          **settings)))
         rows = train.global_batch // sizes.dp // train.microbatches
         seq = train.seq_len // sizes.cp // (sizes.tp if train.sequence_parallel else 1)
         self.boundary_shape = (rows, seq, cfg.dim)
-        self.meter = ddp.CommMeter()  # every step's communication, accumulated
+        self.meter = foundation.CommMeter()  # every step's communication, accumulated
         self.steps = self.in_flight = 0  # in_flight: the most microbatch-stage pairs held at once (04)
 
     def set_lr(self, lr: float) -> None:
-        for *_, zero in self.zeros:
-            for group in zero.optimizer.param_groups:
+        for *_, zero_opt in self.zeros:
+            for group in zero_opt.optimizer.param_groups:
                 group["lr"] = lr
 
     def forward_backward(self, rows: torch.Tensor) -> float:
@@ -432,22 +432,22 @@ class Trainer:
                              f"{self.train.seq_len + 1})")
         tokens, targets = (self.layout.shard(t, at["cp"], dim=1).to(self.device)
                            for t in (rows[:, :-1], rows[:, 1:]))
-        with ddp.comm_meter() as meter:
+        with foundation.comm_meter() as meter:
             with contextlib.ExitStack() as accumulate:
-                for *_, zero in self.zeros:
-                    accumulate.enter_context(zero.no_sync())
+                for *_, zero_opt in self.zeros:
+                    accumulate.enter_context(zero_opt.no_sync())
                 for model in self.stages.values() if self.train.fp8 and self.train.zero_stage < 3 else ():
-                    accumulate.enter_context(fp8_lesson.weights_cast_once(model))  # 08: once per step
-                log = pp_lesson.run_schedule(self.plan, self.stages, tokens, targets, self.mesh.groups["pp"],
+                    accumulate.enter_context(fp8.weights_cast_once(model))  # 08: once per step
+                log = pipeline.run_schedule(self.plan, self.stages, tokens, targets, self.mesh.groups["pp"],
                                              boundary_shape=self.boundary_shape)
-            for *_, zero in self.zeros:
-                zero.finish_gradient_sync()
-        self.meter = zero_lesson.merge_meters([self.meter, meter])
+            for *_, zero_opt in self.zeros:
+                zero_opt.finish_gradient_sync()
+        self.meter = zero.merge_meters([self.meter, meter])
         self.in_flight = max(self.in_flight, log.peak_in_flight)
         # Outside the meter: the last stage's local mean, averaged over dp x cp, sent to every stage.
         loss = (log.loss if log.loss is not None else torch.zeros((), device=self.device)).double()
         for kind in ("dp_cp", "pp"):
-            ddp.all_reduce(loss, group=self.mesh.groups[kind])
+            foundation.all_reduce(loss, group=self.mesh.groups[kind])
         return loss.item() / (sizes.dp * sizes.cp)
 
     def update(self) -> float:
@@ -457,19 +457,19 @@ class Trainer:
         def share(p: nn.Parameter) -> float:  # held by tp ranks alike: count once over tp
             return 1.0 if hasattr(p, "tp_shard_dim") else 1 / sizes.tp
 
-        with ddp.comm_meter() as meter:
+        with foundation.comm_meter() as meter:
             squares = {kind: sum(z.grad_squares(share) for _, k, z in self.zeros if k == kind)
                        for kind in ("dp_cp", "ep_dp")}
             if sizes.ep > 1:  # each ep rank holds other experts
-                ddp.all_reduce(squares["ep_dp"], group=self.mesh.groups["ep"])
+                foundation.all_reduce(squares["ep_dp"], group=self.mesh.groups["ep"])
             squares = squares["dp_cp"] + squares["ep_dp"]
             for kind in ("tp", "pp"):
                 if getattr(sizes, kind) > 1:
-                    ddp.all_reduce(squares, group=self.mesh.groups[kind])
-            for *_, zero in self.zeros:
-                zero.clip_and_update(squares)
-                zero.zero_grad()
-        self.meter = zero_lesson.merge_meters([self.meter, meter])
+                    foundation.all_reduce(squares, group=self.mesh.groups[kind])
+            for *_, zero_opt in self.zeros:
+                zero_opt.clip_and_update(squares)
+                zero_opt.zero_grad()
+        self.meter = zero.merge_meters([self.meter, meter])
         self.steps += 1
         return squares.sqrt().item()
 
@@ -477,8 +477,8 @@ class Trainer:
         """The loss on rows without training: lesson 04's schedules have no forward-only mode, so
         the backward runs and its gradients are dropped (the next step overwrites them)."""
         loss = self.forward_backward(rows)
-        for *_, zero in self.zeros:
-            zero.zero_grad()
+        for *_, zero_opt in self.zeros:
+            zero_opt.zero_grad()
         return loss
 
     # --- what this rank holds ---------------------------------------------------------------
@@ -488,8 +488,8 @@ class Trainer:
         parameter of this rank's stages."""
         tp_rank, out = self.mesh.coords["tp"], []
         ep_rank = dist.get_rank(self.mesh.groups["ep"])
-        for stage, kind, zero in self.zeros:
-            for unit in zero.units:
+        for stage, kind, zero_opt in self.zeros:
+            for unit in zero_opt.units:
                 for i, (name, p) in enumerate(zip(unit.names, unit.params)):
                     dim = getattr(p, "tp_shard_dim", None)
                     full, start, length = list(unit.shapes[i]), 0, 0
@@ -502,17 +502,17 @@ class Trainer:
                         ep_start, full[0] = ep_rank * full[0], full[0] * self.mesh.sizes.ep
                     spec = ShardSpec(name, tuple(full), stage, dim, start, length, tuple(unit.shapes[i]),
                                      0, unit.shapes[i].numel(), ep_start)
-                    out.append((spec, zero, unit, i))
+                    out.append((spec, zero_opt, unit, i))
         return out
 
     def shard_specs(self) -> list[tuple[ShardSpec, object, object, int]]:
         """The same for the pieces this rank's ZeRO shard holds (the held elements only)."""
         out = []
-        for spec, zero, unit, i in self.param_specs():
+        for spec, zero_opt, unit, i in self.param_specs():
             begin = max(unit.offsets[i], unit.owned.start) - unit.offsets[i]
             end = min(unit.offsets[i + 1], unit.owned.stop) - unit.offsets[i]
             if begin < end:
-                out.append((dataclasses.replace(spec, flat_start=begin, flat_stop=end), zero, unit, i))
+                out.append((dataclasses.replace(spec, flat_start=begin, flat_stop=end), zero_opt, unit, i))
         return out
 
     @torch.no_grad()
@@ -521,23 +521,23 @@ class Trainer:
         shard_specs() -> kind -> its values, e.g. read from a checkpoint saved on another mesh) and
         continue from step `step`. Nothing but the shards is built: no whole tensor."""
         flat = {id(unit): {kind: torch.zeros(unit.owned.stop - unit.owned.start) for kind in CHECKPOINT_KINDS}
-                for *_, zero in self.zeros for unit in zero.units}  # a unit's padding holds zeros
+                for *_, zero_opt in self.zeros for unit in zero_opt.units}  # a unit's padding holds zeros
         for spec, _, unit, i in self.shard_specs():
             begin = unit.offsets[i] + spec.flat_start - unit.owned.start
             for kind, values in shards[spec].items():
                 flat[id(unit)][kind][begin:begin + len(values)] = values
-        for *_, zero in self.zeros:
-            zero.load_shards([flat[id(unit)] for unit in zero.units], step)
+        for *_, zero_opt in self.zeros:
+            zero_opt.load_shards([flat[id(unit)] for unit in zero_opt.units], step)
         self.steps = step
 
     def shards(self, kind: str = "params") -> list[tuple[ShardSpec, torch.Tensor]]:
         """(spec, CPU values) of this rank's pieces: "params" (fp32 masters), "grads" (averaged,
         before clipping: between forward_backward and update), or an AdamW state key."""
         out = []
-        for spec, zero, unit, i in self.shard_specs():
+        for spec, zero_opt, unit, i in self.shard_specs():
             source = {"params": unit.master, "grads": unit.grad_shard}.get(kind)
             if source is None:
-                source = zero.optimizer.state[unit.master][kind]
+                source = zero_opt.optimizer.state[unit.master][kind]
             begin = unit.offsets[i] + spec.flat_start - unit.owned.start
             values = source[begin:begin + spec.flat_stop - spec.flat_start]
             out.append((spec, values.detach().float().cpu().clone()))
@@ -553,9 +553,9 @@ class Trainer:
         # operations tell them apart, else (ZeRO's and the router's all-gathers) they share an entry.
         entries: list[tuple[list[str], tuple[int, ...], set[str]]] = []
         for kind, group in self.mesh.groups.items():
-            if kind == "dp" or kind.startswith("ep") and self.mesh.sizes.ep == 1 or ddp.group_size(group) == 1:
+            if kind == "dp" or kind.startswith("ep") and self.mesh.sizes.ep == 1 or foundation.group_size(group) == 1:
                 continue  # dp alone carries nothing (ZeRO: dp x cp); ep = 1: dp x cp's ranks again
-            ranks, ops = ddp.group_ranks(group), set(GROUP_OPS[kind])
+            ranks, ops = foundation.group_ranks(group), set(GROUP_OPS[kind])
             shared = [e for e in entries if e[1] == ranks and e[2] & ops]
             if shared:
                 shared[0][0].append(kind)
@@ -591,16 +591,16 @@ def unit_sizes(cfg, tp: int, moe, ep: int, fp8_gathers: bool = False) -> dict[st
     Float8Linear weights there): 01's, 06's and 03's shapes, nothing built. fp8_gathers: --fp8
     --zero 3, whose Float8Linear weights (a layer's 2-D weights: 08 converts every linear but the
     LM head) have a ZeRO of their own."""
-    shapes = ddp.parameter_shapes(dataclasses.replace(cfg, n_layers=1))
+    shapes = foundation.parameter_shapes(dataclasses.replace(cfg, n_layers=1))
     if moe is not None:
         shapes = {name: shape for name, shape in shapes.items() if ".mlp." not in name}
-        experts = moe_lesson.moe_parameter_shapes(cfg.dim, moe, ep)
+        experts = expert_parallel.moe_parameter_shapes(cfg.dim, moe, ep)
         shapes |= {f"layers.0.mlp.{name}": shape for name, shape in experts.items()}
     out: dict[str, tuple[int, int, int, int]] = {}
     for name, shape in shapes.items():
-        expert = ep > 1 and name.rpartition(".")[2] in moe_lesson.MoE.expert_names
+        expert = ep > 1 and name.rpartition(".")[2] in expert_parallel.MoE.expert_names
         float8 = fp8_gathers and name.startswith("layers.") and len(shape) == 2
-        numel = math.prod(tp_lesson.tp_local_shape(name, shape, tp, tensor_parallel_plan(moe)))
+        numel = math.prod(tensor_parallel.tp_local_shape(name, shape, tp, tensor_parallel_plan(moe)))
         dense, experts, weights, count = out.get(name.split(".")[0], (0, 0, 0, 0))
         out[name.split(".")[0]] = (dense + numel * (not expert and not float8), experts + numel * expert,
                                    weights + numel * float8, count + float8)
@@ -636,15 +636,15 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     b, s, n_stages = train.global_batch // sizes.dp, train.seq_len // cp, pp * train.virtual
     fp8_gathers = train.fp8 and train.zero_stage == 3
     units = unit_sizes(cfg, tp, train.moe, sizes.ep, fp8_gathers)
-    spans = pp_lesson.stage_layers(cfg.n_layers, n_stages)
+    spans = pipeline.stage_layers(cfg.n_layers, n_stages)
     groups, split = {"dp_cp": sizes.dp * cp, "ep_dp": sizes.dp * cp // sizes.ep}, train.schedule == "zb-h1"
     norm = lambda n: Fraction(2 * (n - 1), n) * 4  # all-reducing the clipping norm's fp32 scalar over n
-    moe = train.moe and sum(map(math.prod, moe_lesson.moe_parameter_shapes(cfg.dim, train.moe,
+    moe = train.moe and sum(map(math.prod, expert_parallel.moe_parameter_shapes(cfg.dim, train.moe,
                                                                          sizes.ep).values()))  # per layer
     tokens = b // m * s // tp  # a microbatch's tokens / tp: x a width, a rank's share (tp splits the heads)
     q, kv = tokens * cfg.dim, tokens * cfg.n_kv_heads * cfg.head_dim
-    attention = cp_lesson.ring_saved_bytes(q, tokens * cfg.n_heads) if cp > 1 else None  # None: SDPA's
-    stage_bytes = lambda stage: tp_lesson.layer_activation_formula(  # 03: a microbatch's stage, its layers
+    attention = context_parallel.ring_saved_bytes(q, tokens * cfg.n_heads) if cp > 1 else None  # None: SDPA's
+    stage_bytes = lambda stage: tensor_parallel.layer_activation_formula(  # 03: a microbatch's stage, its layers
         cfg, b // m, s, tp, train.sequence_parallel, train.recompute, e, attention, layers=len(spans[stage]))
     out = []
     for rank in range(pp):
@@ -658,21 +658,21 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
                 numels, n = [u[part] for u in held if u[part]], groups[kind]
                 if not numels:
                     continue
-                padded, params = sum(zero_lesson.padded_size(x, n) for x in numels), params + sum(numels)
-                for key, value in zero_lesson.zero_memory_formula(padded, len(numels), n, train.zero_stage,
+                padded, params = sum(zero.padded_size(x, n) for x in numels), params + sum(numels)
+                for key, value in zero.zero_memory_formula(padded, len(numels), n, train.zero_stage,
                                                                   train.mixed_precision).items():
                     memory[key] += value
-                ops = zero_lesson.zero_traffic_per_step(padded, n, train.zero_stage, e, e)
+                ops = zero.zero_traffic_per_step(padded, n, train.zero_stage, e, e)
                 if part == 2:  # + each rank's e4m3 shard and every weight's scale; 1 B gathers, amaxes
                     weights = sum(u[3] for u in held)
-                    memory["params"] += Fraction(padded, n) + fp8_lesson.AMAX_BYTES * weights
-                    ops = fp8_lesson.float8_zero_traffic(padded, weights, n, e)
+                    memory["params"] += Fraction(padded, n) + fp8.AMAX_BYTES * weights
+                    ops = fp8.float8_zero_traffic(padded, weights, n, e)
                 gathers = m if train.zero_stage == 3 else 1  # ZeRO-3: around each microbatch's F and B
                 traffic[kind] = (traffic.get(kind, 0) + ops.get("all_gather", 0) * gathers
                                  + ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0)
                                  + (norm(n) if train.zero_stage else 0))
         if tp > 1 and not split:  # 03 (ZB-H1's W re-runs part of the backward: no formula)
-            ops = tp_lesson.comm_formula(cfg, b, s, train.sequence_parallel, layers=layers, microbatches=m,
+            ops = tensor_parallel.comm_formula(cfg, b, s, train.sequence_parallel, layers=layers, microbatches=m,
                                          embed=0 in stages, head=n_stages - 1 in stages,
                                          mlp=train.moe is None, elem_bytes=e, recompute=train.recompute)
             ring = Fraction(tp - 1, tp)
@@ -684,7 +684,7 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
             traffic["tp"] = None
         forwards = 1 if train.recompute == "none" else 2  # recompute re-runs the ring's forward
         if cp > 1:  # 05: every attention call of every microbatch; ZB-H1's W re-runs the backward
-            ring = cp_lesson.attention_bytes("ring", q, kv, cp, e)
+            ring = context_parallel.attention_bytes("ring", q, kv, cp, e)
             backwards = {st: 2 if split and st > 0 else 1 for st in stages}  # stage 0's B: no input gradient
             traffic["cp"] = None if split and forwards == 2 else sum(
                 m * len(spans[st]) * (forwards * ring["forward"] + backwards[st] * ring["backward"])
@@ -695,10 +695,10 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
             traffic["pp"] = norm(pp) + boundaries * b * seq * cfg.dim * e
         if sizes.ep > 1:
             traffic["ep"] = None  # 06's all-to-alls depend on the routing
-        memory["activations"] = None if train.moe else pp_lesson.held_at_peak(
+        memory["activations"] = None if train.moe else pipeline.held_at_peak(
             train.schedule, rank, pp, m, train.virtual, stage_bytes)
         out.append(RankPlan(stages, layers, params, memory, traffic,
-                            pp_lesson.in_flight_bound(train.schedule, rank, pp, m, train.virtual)))
+                            pipeline.in_flight_bound(train.schedule, rank, pp, m, train.virtual)))
     return out
 
 
@@ -834,7 +834,7 @@ def flops_per_token(cfg, seq_len: int) -> int:
 #   folder/LATEST                           the last complete checkpoint, written last, atomically
 #   folder/LOCK                             held by the run that writes here (a second one is refused)
 
-CHECKPOINT_KINDS = ("params", *zero_lesson.ADAM_KEYS)
+CHECKPOINT_KINDS = ("params", *zero.ADAM_KEYS)
 
 
 class CheckpointError(ValueError):
@@ -1181,9 +1181,9 @@ def checkpoint_pieces(trainer: Trainer) -> list:
     rank holds the whole unit) by the group's rank 0."""
     shards = {kind: trainer.shards(kind) for kind in CHECKPOINT_KINDS}
     return [(spec, {kind: shards[kind][i][1] for kind in CHECKPOINT_KINDS})
-            for i, (spec, zero, _, _) in enumerate(trainer.shard_specs())
+            for i, (spec, zero_opt, _, _) in enumerate(trainer.shard_specs())
             if (spec.tp_dim is not None or trainer.mesh.coords["tp"] == 0)
-            and (zero.stage > 0 or dist.get_rank(zero.group) == 0)]
+            and (zero_opt.stage > 0 or dist.get_rank(zero_opt.group) == 0)]
 
 
 def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[int, Path, int]:
@@ -1244,7 +1244,7 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         t0 = time.perf_counter()
         if step == measured:  # the tensors autograd saves (CPU) or the peak memory (GPU)
             params = [p for model in trainer.stages.values() for p in model.parameters()]
-            loss, out["activation_bytes"] = tp_lesson.activation_bytes(
+            loss, out["activation_bytes"] = tensor_parallel.activation_bytes(
                 lambda: trainer.forward_backward(rows), params, trainer.device)
         else:
             loss = trainer.forward_backward(rows)
@@ -1264,7 +1264,7 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
             pieces = checkpoint_pieces(trainer)
             finite = all(t.isfinite().all() for _, data in pieces for t in data.values())
             bad = torch.tensor(float(not finite), device=trainer.device)
-            ddp.all_reduce(bad)  # any rank's: a checkpoint never holds a NaN or an inf
+            foundation.all_reduce(bad)  # any rank's: a checkpoint never holds a NaN or an inf
             if bad.item():
                 raise FloatingPointError(f"step {step}'s update left parameters or AdamW moments that are "
                                          f"not finite: step_{done:08d} is not written, {last_good()}")
@@ -1277,7 +1277,7 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
 
 def train_run(args: argparse.Namespace) -> None:
     """The default job: train on text, print progress, checkpoints, the figures, a sample."""
-    device = ddp.init_distributed()
+    device = foundation.init_distributed()
     cfg, sizes, train, run = build_model_config(args), mesh_sizes(args), train_config(args, device), run_config(args)
     problem = lock = None
     if run.folder is not None and dist.get_rank() == 0:  # held until this process ends
@@ -1286,7 +1286,7 @@ def train_run(args: argparse.Namespace) -> None:
         except CheckpointError as error:
             problem = str(error)
     if (problem := first_problem(problem)) is not None:
-        ddp.exit_distributed(problem)
+        foundation.exit_distributed(problem)
     train_tokens, val_tokens = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
     trainer = build_trainer(cfg, sizes, train, device)
     loader = ShardedLoader(train_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"], sizes.dp,
@@ -1319,7 +1319,7 @@ def train_run(args: argparse.Namespace) -> None:
     for bar in bars:
         bar.close()
     if failed is not None:
-        ddp.exit_distributed(str(failed), code=2 if isinstance(failed, CheckpointError) else 1)
+        foundation.exit_distributed(str(failed), code=2 if isinstance(failed, CheckpointError) else 1)
     saved, numels = ([None] * sizes.world if rank0 else None for _ in range(2))
     dist.gather_object(result["activation_bytes"], saved, dst=0)
     dist.gather_object({spec.name: math.prod(spec.full_shape) for spec, *_ in trainer.param_specs()}, numels,
@@ -1334,14 +1334,14 @@ def train_run(args: argparse.Namespace) -> None:
                   f"{n:,} parameters, each element once ({formula:,}) + {disk - formula:,} B of metadata "
                   f"(meta.json; each rank file's specs, RNG and headers)")
         if run.folder is not None and args.sample_bytes:
-            model = (reference_transform(train) or (lambda m: m))(ddp.GPT(cfg)).to(device)  # MoE: converted
+            model = (reference_transform(train) or (lambda m: m))(foundation.GPT(cfg)).to(device)  # MoE: converted
             load_model(model, run.folder)
             prompt = args.prompt.encode()
             text = (prompt + greedy_sample(model, prompt, args.sample_bytes)).decode(errors="replace")
             print(f"Greedy sample from the checkpoint (a one-device lesson-01 GPT):\n{text}")
     if lock is not None:
         lock.close()
-    ddp.exit_distributed()
+    foundation.exit_distributed()
 
 
 def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_step: int, mfu) -> None:
@@ -1353,7 +1353,7 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
               f"(ln 256 = {math.log(256):.3f}: a uniform guess); validation: "
               + ", ".join(f"{v:.3f} after {s}" for s, v in result["val"].items()))
     rank0, b = plan(cfg, sizes, train)[0], train.global_batch // sizes.dp // train.microbatches
-    paper = tp_lesson.korthikanti_bytes(cfg, b, train.seq_len // sizes.cp, sizes.tp, train.sequence_parallel)
+    paper = tensor_parallel.korthikanti_bytes(cfg, b, train.seq_len // sizes.cp, sizes.tp, train.sequence_parallel)
     what = "peak memory above the step's start" if trainer.device.type == "cuda" else "the most autograd held"
     formula = ("no formula for MoE layers" if train.moe else
                f"the plan of rank 0's {rank0.layers} layers, {rank0.in_flight} microbatches in flight: "
@@ -1378,14 +1378,14 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
 # ----------------------------------------------------------------------------------------------
 
 
-def build_model_config(args: argparse.Namespace) -> "ddp.ModelConfig":
+def build_model_config(args: argparse.Namespace) -> "foundation.ModelConfig":
     """--check: a small demo model; else the --model preset, byte-level."""
     if args.check:
-        return ddp.ModelConfig(vocab_size=127, dim=64, n_layers=4, n_heads=4,
+        return foundation.ModelConfig(vocab_size=127, dim=64, n_layers=4, n_heads=4,
                                n_kv_heads=2 if args.kv_heads is None else args.kv_heads,
                                ffn_dim=176)
     preset = {"vocab_size": 256, **MODELS[args.model][0]}
-    return ddp.ModelConfig(**{**preset, "n_kv_heads": args.kv_heads or preset.get("n_kv_heads")},
+    return foundation.ModelConfig(**{**preset, "n_kv_heads": args.kv_heads or preset.get("n_kv_heads")},
                            seed=args.seed)
 
 
@@ -1403,7 +1403,7 @@ def train_config(args: argparse.Namespace, device: torch.device | None = None) -
                        lr=args.lr or lr, mixed_precision=args.bf16 or device is not None and device.type == "cuda",
                        adam_eps=1e-6, max_grad_norm=args.max_grad_norm, recompute=args.recompute,
                        attention=args.attention, compile=args.compile,
-                       moe=moe_lesson.MoEConfig(n_experts=args.experts, top_k=2, expert_ffn_dim=64,
+                       moe=expert_parallel.MoEConfig(n_experts=args.experts, top_k=2, expert_ffn_dim=64,
                                                 aux_loss_coef=0.0) if args.moe else None)
 
 
@@ -1417,12 +1417,12 @@ def run_config(args: argparse.Namespace) -> RunConfig:
 
 def reference_transform(train: TrainConfig):
     """What the one-device reference converts its GPT with (an MoE model, or none)."""
-    return None if train.moe is None else lambda model: moe_lesson.convert_to_moe(model, train.moe)
+    return None if train.moe is None else lambda model: expert_parallel.convert_to_moe(model, train.moe)
 
 
 def dp_rows(cfg, train: TrainConfig, step: int, mesh: Mesh) -> torch.Tensor:
     """This dp rank's rows of lesson 01's global batch, as (rows, seq_len + 1) token sequences."""
-    tokens, targets = ddp.synthetic_batch(cfg, train.global_batch, train.seq_len, step,
+    tokens, targets = foundation.synthetic_batch(cfg, train.global_batch, train.seq_len, step,
                                           mesh.coords["dp"], mesh.sizes.dp)
     return torch.cat([tokens, targets[:, -1:]], dim=1)
 
@@ -1441,7 +1441,7 @@ def print_summaries(sizes: MeshSizes, summaries: list[dict]) -> None:
 
 
 def demo(args: argparse.Namespace) -> None:
-    device = ddp.init_distributed()
+    device = foundation.init_distributed()
     sizes, cfg, train = mesh_sizes(args), build_model_config(args), train_config(args)
     trainer = build_trainer(cfg, sizes, train, device)
     mesh, losses = trainer.mesh, []
@@ -1453,7 +1453,7 @@ def demo(args: argparse.Namespace) -> None:
     pieces = [None] * sizes.world if mesh.rank == 0 else None
     dist.gather_object((grads, trainer.shards("params"), trainer.summary()), pieces, dst=0)
     if mesh.rank == 0:
-        ref = zero_lesson.train_reference(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
+        ref = zero.train_reference(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
                                           adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
                                           mixed_precision=train.mixed_precision,
                                           transform=reference_transform(train))
@@ -1470,13 +1470,13 @@ def demo(args: argparse.Namespace) -> None:
         params_full = assemble([p for _, q, _ in pieces for p in q])
         print(f"max |difference| from one device (AdamW + clip_grad_norm_ at {train.max_grad_norm}): loss "
               f"{max(abs(a - b) for a, b in zip(losses, ref.losses)):.1e}, step-0 gradients "
-              f"{ddp.max_abs_diff(grads_full, ref.first_grads):.1e}, parameters after {args.steps} steps "
-              f"{ddp.max_abs_diff(params_full, ref.params):.1e} (every element reassembled from ShardSpecs)"
+              f"{foundation.max_abs_diff(grads_full, ref.first_grads):.1e}, parameters after {args.steps} steps "
+              f"{foundation.max_abs_diff(params_full, ref.params):.1e} (every element reassembled from ShardSpecs)"
               + ("\n(FP8: the reference computes in fp32, so these are FP8's rounding, ~1e-3)" if train.fp8 else ""))
         print_summaries(sizes, [s for _, _, s in pieces])
         print("Notice: the bytes held shrink with tp and pp (and dp x cp for ZeRO-3); each dimension's "
               "traffic is its own lesson's formula.")
-    ddp.exit_distributed()
+    foundation.exit_distributed()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1514,7 +1514,7 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
     tokens, per_token = train.global_batch * train.seq_len, flops_per_token(cfg, train.seq_len)
     rerun = {"none": 0, "selective": per_token - flops_per_token(cfg, 0),  # attention's inside
              "full": per_token - flops_per_token(dataclasses.replace(cfg, n_layers=0), train.seq_len)}
-    bubble = pp_lesson.bubble_formula(train.schedule, sizes.pp, train.microbatches, train.virtual)
+    bubble = pipeline.bubble_formula(train.schedule, sizes.pp, train.microbatches, train.virtual)
     compute = tokens * (per_token + rerun[train.recompute] / 3) / (sizes.world * cluster.peak * cluster.mfu)
     links, comm = {"NVLink": 0.0, "network": 0.0}, {}
     for kind in dict.fromkeys(k for p in plans for k in p.traffic):
@@ -1617,7 +1617,7 @@ def plan_report(args: argparse.Namespace) -> str:
     if gpus < 1 or None not in fixed.values() and math.prod(fixed.values()) != gpus:
         raise ValueError(f"--plan needs --gpus N (or every mesh size: --dp --pp --cp --tp), and the sizes "
                          f"given multiply to it, not {fixed}")
-    n_params, memory = sum(map(math.prod, ddp.parameter_shapes(cfg).values())), f"{cluster.memory / 1e9:g} GB"
+    n_params, memory = sum(map(math.prod, foundation.parameter_shapes(cfg).values())), f"{cluster.memory / 1e9:g} GB"
     header = (f"{args.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
               f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, ffn {cfg.ffn_dim}, vocabulary "
               f"{cfg.vocab_size:,}), bf16 + fp32 masters{' + FP8 GEMMs' if train.fp8 else ''}; batch "
@@ -1666,7 +1666,7 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = ddp.lesson_parser(__doc__)
+    parser = foundation.lesson_parser(__doc__)
     parser.add_argument("--check", action="store_true", help="part 1: the equivalence check with one device "
                         "on synthetic data, and the per-rank summaries, instead of training")
     for dim in DIMS:
@@ -1675,7 +1675,7 @@ def main() -> None:
     parser.add_argument("--moe", action="store_true", help="every MLP a mixture of experts (dropless)")
     parser.add_argument("--experts", type=int, default=4, help="experts per MoE layer")
     parser.add_argument("--zero", type=int, default=1, help="ZeRO stage over dp x cp")
-    parser.add_argument("--schedule", default="1f1b", choices=pp_lesson.SCHEDULES, help="lesson 04's pipeline schedule")
+    parser.add_argument("--schedule", default="1f1b", choices=pipeline.SCHEDULES, help="lesson 04's pipeline schedule")
     parser.add_argument("--microbatches", type=int, help="default: 2 with --check or pp > 1, else 1")
     parser.add_argument("--virtual", type=int, default=1, help="stages per rank (interleaved)")
     parser.add_argument("--sequence-parallel", action="store_true", help="lesson 03's SP inside the tp groups")
@@ -1690,7 +1690,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, help="default: 32 with --check, else the preset's")
     parser.add_argument("--lr", type=float, help="peak lr; default: 1e-3 with --check, else the preset's")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the whole mesh's gradient norm")
-    parser.add_argument("--recompute", default="none", choices=tp_lesson.RECOMPUTE_MODES,
+    parser.add_argument("--recompute", default="none", choices=tensor_parallel.RECOMPUTE_MODES,
                         help="activation recompute (lesson 03): selective = attention's inside, full = each block")
     parser.add_argument("--attention", default="sdpa", choices=("sdpa", "flash"), help="flash: lesson 07's kernel")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
@@ -1761,7 +1761,7 @@ def main() -> None:
                   f"continues it instead)")
 
     positive = ("steps", "eval_every", "keep", *DIMS, "ep")
-    ddp.launch_lesson(parser, args, demo if args.check else train_run, positive, check)
+    foundation.launch_lesson(parser, args, demo if args.check else train_run, positive, check)
 
 
 if __name__ == "__main__":

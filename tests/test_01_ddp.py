@@ -33,16 +33,16 @@ from hypothesis import strategies as st
 
 from conftest import ROOT, RankFailure, run_script
 
-ddp = importlib.import_module("01_ddp")
+foundation = importlib.import_module("01_ddp")
 
 LOSS_ATOL, GRAD_ATOL, GRAD_RTOL, PARAM_ATOL, ADAM_EPS = 1e-5, 1e-6, 1e-4, 1e-5, 1e-6
 
 
 @st.composite
-def model_configs(draw) -> "ddp.ModelConfig":
+def model_configs(draw) -> "foundation.ModelConfig":
     n_heads = draw(st.sampled_from([1, 2, 4]))
     head_dim = draw(st.sampled_from([4, 8]))
-    return ddp.ModelConfig(vocab_size=draw(st.sampled_from([16, 50, 64])), dim=n_heads * head_dim,
+    return foundation.ModelConfig(vocab_size=draw(st.sampled_from([16, 50, 64])), dim=n_heads * head_dim,
                            n_layers=draw(st.integers(1, 2)), n_heads=n_heads,
                            ffn_dim=draw(st.sampled_from([16, 24])), seed=draw(st.integers(0, 99)))
 
@@ -52,8 +52,8 @@ def model_configs(draw) -> "ddp.ModelConfig":
 @given(cfg=model_configs(), seq_len=st.integers(2, 12), data=st.data())
 def test_logits_are_causal(cfg, seq_len, data):
     t = data.draw(st.integers(0, seq_len - 2), label="position")
-    model = ddp.GPT(cfg)
-    tokens, _ = ddp.synthetic_batch(cfg, 2, seq_len, step=0)
+    model = foundation.GPT(cfg)
+    tokens, _ = foundation.synthetic_batch(cfg, 2, seq_len, step=0)
     changed = tokens.clone()
     changed[:, t + 1:] = (changed[:, t + 1:] + 1) % cfg.vocab_size
     with torch.no_grad():
@@ -68,24 +68,24 @@ def test_initial_loss_is_near_ln_vocab(cfg):
     # logits have std s = init_std sqrt(dim), E[loss] ~ ln V + s^2 / 2, and each token's loss
     # deviates from that by ~s. Tokens repeat within a batch, so the n token losses are not
     # independent: we measured at most 5.4 s / sqrt(n) over 540 configurations; allow 10.
-    tokens, targets = ddp.synthetic_batch(cfg, 8, 16, step=0)
-    loss = ddp.GPT(cfg)(tokens, targets).item()
+    tokens, targets = foundation.synthetic_batch(cfg, 8, 16, step=0)
+    loss = foundation.GPT(cfg)(tokens, targets).item()
     s = cfg.init_std * math.sqrt(cfg.dim)
     assert abs(loss - (math.log(cfg.vocab_size) + s ** 2 / 2)) < 10 * s / math.sqrt(tokens.numel())
 
 
 def test_init_is_deterministic_and_seeded():
-    cfg = ddp.ModelConfig(seed=3)
-    a, b, c = ddp.GPT(cfg), ddp.GPT(cfg), ddp.GPT(ddp.ModelConfig(seed=4))
+    cfg = foundation.ModelConfig(seed=3)
+    a, b, c = foundation.GPT(cfg), foundation.GPT(cfg), foundation.GPT(foundation.ModelConfig(seed=4))
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
 
 
 @given(world=st.integers(1, 4), per_rank=st.integers(1, 3), step=st.integers(0, 5))
 def test_rank_slices_tile_the_global_batch(world, per_rank, step):
-    cfg = ddp.ModelConfig()
-    whole = ddp.synthetic_batch(cfg, world * per_rank, 8, step)
-    slices = [ddp.synthetic_batch(cfg, world * per_rank, 8, step, r, world) for r in range(world)]
+    cfg = foundation.ModelConfig()
+    whole = foundation.synthetic_batch(cfg, world * per_rank, 8, step)
+    slices = [foundation.synthetic_batch(cfg, world * per_rank, 8, step, r, world) for r in range(world)]
     for i in range(2):
         assert torch.equal(torch.cat([s[i] for s in slices]), whole[i])
     assert torch.equal(whole[0][:, 1:], whole[1][:, :-1]), "targets are the next tokens"
@@ -95,12 +95,12 @@ def test_rank_slices_tile_the_global_batch(world, per_rank, step):
 def test_an_empty_training_batch_is_refused(global_batch, seq_len):
     # Every lesson draws its batches here: without the check an empty batch trains on a NaN loss.
     with pytest.raises(ValueError, match=f"global_batch={global_batch} and seq_len={seq_len} must"):
-        ddp.synthetic_batch(ddp.ModelConfig(), global_batch, seq_len, step=0)
+        foundation.synthetic_batch(foundation.ModelConfig(), global_batch, seq_len, step=0)
 
 
 def test_bad_model_config_names_the_constraint():
     with pytest.raises(ValueError, match="dim=30 is not divisible by n_heads=4"):
-        ddp.ModelConfig(dim=30, n_heads=4)
+        foundation.ModelConfig(dim=30, n_heads=4)
 
 
 @given(n_heads=st.sampled_from([2, 4]), kv_divisor=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
@@ -108,16 +108,16 @@ def test_grouped_query_attention_equals_attention_with_repeated_kv_heads(n_heads
     # GQA with n_kv_heads = H / g is, by definition, multi-head attention in which query head i uses
     # key/value head i // g: build that multi-head model from the GQA weights and compare logits.
     n_kv = max(1, n_heads // kv_divisor)
-    cfg = ddp.ModelConfig(vocab_size=32, dim=8 * n_heads, n_heads=n_heads, n_kv_heads=n_kv,
+    cfg = foundation.ModelConfig(vocab_size=32, dim=8 * n_heads, n_heads=n_heads, n_kv_heads=n_kv,
                           ffn_dim=16, seed=seed)
-    gqa, mha = ddp.GPT(cfg), ddp.GPT(ddp.ModelConfig(**{**vars(cfg), "n_kv_heads": n_heads}))
+    gqa, mha = foundation.GPT(cfg), foundation.GPT(foundation.ModelConfig(**{**vars(cfg), "n_kv_heads": n_heads}))
     state = gqa.state_dict()
     for name, w in state.items():
         if name.endswith(("k_proj.weight", "v_proj.weight")):
             state[name] = w.view(n_kv, cfg.head_dim, cfg.dim).repeat_interleave(n_heads // n_kv, 0)
             state[name] = state[name].reshape(cfg.dim, cfg.dim)
     mha.load_state_dict(state)
-    tokens, _ = ddp.synthetic_batch(cfg, 2, 9, step=0)
+    tokens, _ = foundation.synthetic_batch(cfg, 2, 9, step=0)
     with torch.no_grad():
         torch.testing.assert_close(gqa(tokens), mha(tokens), rtol=0, atol=1e-6)
     assert gqa.layers["0"].attn.k_proj.weight.shape == (n_kv * cfg.head_dim, cfg.dim)
@@ -127,15 +127,15 @@ def test_attention_gets_kv_heads_unrepeated_and_nothing_saves_them_repeated():
     """The attention function receives k and v with n_kv_heads heads, and no tensor autograd keeps
     has K/V repeated to the query heads: of the saved (batch, heads, seq, head_dim) tensors, only q
     and the output have n_heads heads."""
-    cfg = ddp.ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=8, n_kv_heads=2, ffn_dim=16)
+    cfg = foundation.ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=8, n_kv_heads=2, ffn_dim=16)
     received = []
 
     def recording_attention(q, k, v):
         received.append((q.shape[1], k.shape[1], v.shape[1]))
-        return ddp.causal_attention(q, k, v)
+        return foundation.causal_attention(q, k, v)
 
-    model, saved = ddp.GPT(cfg, attn_fn=recording_attention), []
-    tokens, targets = ddp.synthetic_batch(cfg, 2, 5, step=0)
+    model, saved = foundation.GPT(cfg, attn_fn=recording_attention), []
+    tokens, targets = foundation.synthetic_batch(cfg, 2, 5, step=0)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
         model(tokens, targets)
     assert received == [(8, 2, 2)]
@@ -145,23 +145,23 @@ def test_attention_gets_kv_heads_unrepeated_and_nothing_saves_them_repeated():
 
 def test_empty_batch_gives_empty_logits_and_hidden_states():
     # As nn.Linear does for (0, in): later lessons shard batches, and a rank may get no rows.
-    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=16)
-    model = ddp.GPT(cfg)
+    cfg = foundation.ModelConfig(vocab_size=32, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=16)
+    model = foundation.GPT(cfg)
     assert model(torch.zeros(0, 5, dtype=torch.long)).shape == (0, 5, 32)
     model.lm_head = None
     assert model(torch.zeros(0, 5, dtype=torch.long)).shape == (0, 5, 16)
 
 
 def test_default_kv_heads_and_bad_kv_heads():
-    assert ddp.ModelConfig(n_heads=4).n_kv_heads == 4
+    assert foundation.ModelConfig(n_heads=4).n_kv_heads == 4
     with pytest.raises(ValueError, match="n_heads=4 is not divisible by n_kv_heads=3"):
-        ddp.ModelConfig(n_heads=4, n_kv_heads=3)
+        foundation.ModelConfig(n_heads=4, n_kv_heads=3)
 
 
 def test_default_loss_is_mean_cross_entropy_and_is_pluggable():
-    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=16)
-    model = ddp.GPT(cfg)
-    tokens, targets = ddp.synthetic_batch(cfg, 2, 7, step=0)
+    cfg = foundation.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=16)
+    model = foundation.GPT(cfg)
+    tokens, targets = foundation.synthetic_batch(cfg, 2, 7, step=0)
     with torch.no_grad():
         logits = model(tokens)
         expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), targets.reshape(-1))
@@ -173,14 +173,14 @@ def test_default_loss_is_mean_cross_entropy_and_is_pluggable():
 def test_stages_without_embed_or_head_compose_to_the_whole_model():
     # A pipeline stage is the model with the modules it does not own set to None: the first stage
     # (embed, layer 0) returns hidden states, the last (layer 1, norm, head) starts from them.
-    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=16, n_layers=2)
-    whole = ddp.GPT(cfg)
-    first, last = ddp.GPT(cfg), ddp.GPT(cfg)
+    cfg = foundation.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=16, n_layers=2)
+    whole = foundation.GPT(cfg)
+    first, last = foundation.GPT(cfg), foundation.GPT(cfg)
     first.lm_head = first.norm = None
     del first.layers["1"]
     last.embed = None
     del last.layers["0"]
-    tokens, targets = ddp.synthetic_batch(cfg, 2, 7, step=0)
+    tokens, targets = foundation.synthetic_batch(cfg, 2, 7, step=0)
     hidden = first(tokens)
     assert hidden.shape == (2, 7, cfg.dim)
     assert torch.equal(last(hidden, targets), whole(tokens, targets))
@@ -191,7 +191,7 @@ def test_stages_without_embed_or_head_compose_to_the_whole_model():
 # --- the reference pinned down on its own: RoPE, initialisation, a float64 model, AdamW ----------
 
 @st.composite
-def gqa_model_configs(draw) -> "ddp.ModelConfig":
+def gqa_model_configs(draw) -> "foundation.ModelConfig":
     cfg = draw(model_configs())
     kv_heads = draw(st.sampled_from([k for k in (1, 2, 4) if cfg.n_heads % k == 0]))
     return dataclasses.replace(cfg, n_kv_heads=kv_heads)
@@ -212,7 +212,7 @@ def rope_complex_float64(x: torch.Tensor, positions: torch.Tensor, theta: float)
 def test_rope_is_the_complex_rotation(head_dim, seq, offset, theta, seed):
     x = torch.randn(2, seq, 3, head_dim, generator=torch.Generator().manual_seed(seed))
     positions = torch.arange(seq) + offset
-    got = ddp.apply_rope(x, *ddp.rope_angles(positions, head_dim, theta)).double()
+    got = foundation.apply_rope(x, *foundation.rope_angles(positions, head_dim, theta)).double()
     # fp32 angles p x freq are off by ~p_max 2^-24 radians, which moves a value by that much times
     # its pair's norm: measured <= 0.6 p_max 2^-24 max|x| over 300 draws; allow 4 x that, + 1e-6.
     # A wrong frequency or pairing is off by O(|x|).
@@ -228,7 +228,7 @@ def attention_scores(model, tokens, positions) -> list[torch.Tensor]:
     def recording_attention(q, k, v):
         k_of_query = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         scores.append(q.double() @ k_of_query.transpose(-1, -2))
-        return ddp.causal_attention(q, k, v)
+        return foundation.causal_attention(q, k, v)
 
     for layer in model.layers.values():
         layer.attn.attn_fn = recording_attention
@@ -242,7 +242,7 @@ def test_attention_scores_depend_on_relative_positions_only(cfg, seq_len, shift)
     """RoPE's point: q_m . k_n depends on m - n only. Shifting every position keeps every score, up to
     fp32 angle rounding: measured <= 1.1 p_max 2^-24 x max|score| over 100 draws, allow 16 x. Doubling
     the positions (new offsets) changes them: measured >= 0.18 x max|score|, required 1e-3 x."""
-    model, tokens = ddp.GPT(cfg), ddp.synthetic_batch(cfg, 2, seq_len, step=0)[0]
+    model, tokens = foundation.GPT(cfg), foundation.synthetic_batch(cfg, 2, seq_len, step=0)[0]
     positions = torch.arange(seq_len)
     base, shifted, doubled = (attention_scores(model, tokens, p) for p in
                               (positions, positions + shift, 2 * positions))
@@ -255,10 +255,10 @@ def test_attention_scores_depend_on_relative_positions_only(cfg, seq_len, shift)
 
 @given(n_heads=st.sampled_from([2, 4]), groups=st.sampled_from([1, 2]), layers=st.integers(0, 3))
 def test_parameter_shapes_are_the_models(n_heads, groups, layers):
-    cfg = ddp.ModelConfig(vocab_size=37, dim=8 * n_heads, n_layers=layers, n_heads=n_heads,
+    cfg = foundation.ModelConfig(vocab_size=37, dim=8 * n_heads, n_layers=layers, n_heads=n_heads,
                           n_kv_heads=n_heads // groups, ffn_dim=20)
-    built = [(name, tuple(p.shape)) for name, p in ddp.GPT(cfg).named_parameters()]
-    assert list(ddp.parameter_shapes(cfg).items()) == built
+    built = [(name, tuple(p.shape)) for name, p in foundation.GPT(cfg).named_parameters()]
+    assert list(foundation.parameter_shapes(cfg).items()) == built
 
 
 RESIDUAL_OUTPUTS = ("attn.out_proj.weight", "mlp.down_proj.weight")
@@ -272,8 +272,8 @@ def test_init_std_of_each_parameter_group(n_layers):
     every other weight N(0, init_std^2), each drawn independently. The sample std of n normal values
     has relative standard error 1/sqrt(2(n-1)) and the mean std / sqrt(n): allow 5 of each (the
     smallest weight has 4096 values: 5.5% on the std); an unscaled residual is off by sqrt(2)."""
-    cfg = ddp.ModelConfig(n_layers=n_layers, n_kv_heads=2, seed=1)
-    model = ddp.GPT(cfg)
+    cfg = foundation.ModelConfig(n_layers=n_layers, n_kv_heads=2, seed=1)
+    model = foundation.GPT(cfg)
     params = dict(model.named_parameters())
     rule = {"embed.weight": cfg.init_std, "lm_head.weight": cfg.init_std, "norm.weight": None}
     for i in range(n_layers):
@@ -331,13 +331,13 @@ def test_logits_equal_a_float64_implementation_of_the_same_weights(cfg, seq_len,
     every part of the forward moves the logits by O(1): at the init std attention is near uniform
     and a wrong score would hide. fp32 against float64 over 200 configurations: measured <= 5.0e-6
     on logits (up to 16 in size) and 7.9e-6 on hidden states; allow 1e-4 (+ rtol 1e-5)."""
-    model = ddp.GPT(cfg)
+    model = foundation.GPT(cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             fan_in = p.shape[1] if p.dim() == 2 and name != "embed.weight" else 1
             p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in) + (1.0 if p.dim() == 1 else 0.0))
-    tokens, targets = ddp.synthetic_batch(cfg, 2, seq_len, step=0)
+    tokens, targets = foundation.synthetic_batch(cfg, 2, seq_len, step=0)
     positions = torch.arange(seq_len) + offset
     hidden, logits = reference_forward_float64(model, tokens, positions)
     tolerance = dict(atol=1e-4, rtol=1e-5)
@@ -354,8 +354,8 @@ def test_logits_equal_a_float64_implementation_of_the_same_weights(cfg, seq_len,
 
 
 def test_make_optimizer_is_adamw_with_the_documented_hyperparameters():
-    model = ddp.GPT(ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32))
-    optimizer = ddp.make_optimizer(model, lr=3e-4, eps=1e-6)
+    model = foundation.GPT(foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32))
+    optimizer = foundation.make_optimizer(model, lr=3e-4, eps=1e-6)
     assert type(optimizer) is torch.optim.AdamW and len(optimizer.param_groups) == 1
     group = optimizer.param_groups[0]
     assert [id(p) for p in group["params"]] == [id(p) for p in model.parameters()]
@@ -368,11 +368,11 @@ def test_training_steps_are_adamw_steps_with_the_given_lr_and_eps(rank_pool):
     p <- p (1 - lr wd) - lr g / (|g| + eps). With eps = 1e-3, comparable to the gradients, an eps
     that does not reach AdamW (1e-8 instead) moves a parameter by lr eps / (|g| + eps): measured
     >= 4e-3 per tensor over 10 seeds, against fp32 rounding <= 7.2e-8; allow 5e-7."""
-    cfg, lr, eps, wd = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32), 1e-2, 1e-3, 0.1
-    initial = ddp.cpu_copy(ddp.GPT(cfg).named_parameters())
-    runs = {"single device": ddp.train_single_device(cfg, 1, 4, 6, lr=lr, adam_eps=eps)}
-    for mode in ddp.DP_MODES:
-        runs[mode] = rank_pool.run(2, ddp.train_data_parallel, cfg, 1, 4, 6, mode=mode, lr=lr,
+    cfg, lr, eps, wd = foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32), 1e-2, 1e-3, 0.1
+    initial = foundation.cpu_copy(foundation.GPT(cfg).named_parameters())
+    runs = {"single device": foundation.train_single_device(cfg, 1, 4, 6, lr=lr, adam_eps=eps)}
+    for mode in foundation.DP_MODES:
+        runs[mode] = rank_pool.run(2, foundation.train_data_parallel, cfg, 1, 4, 6, mode=mode, lr=lr,
                                    adam_eps=eps)[0][0]
     for run, result in runs.items():
         for name, g in result.first_grads.items():
@@ -390,39 +390,39 @@ def exercise_collectives() -> dict:
     pair = (n - 2, n - 1)
     sub = dist.new_group(list(pair))
     out = {}
-    with ddp.comm_meter() as meter:
+    with foundation.comm_meter() as meter:
         t = torch.full((4,), float(rank + 1))
-        ddp.all_reduce(t, async_op=True).wait()
+        foundation.all_reduce(t, async_op=True).wait()
         out["all_reduce"] = t
         gathered = torch.empty(2 * n)
-        ddp.all_gather(gathered, torch.tensor([rank, 10.0 * rank]))
+        foundation.all_gather(gathered, torch.tensor([rank, 10.0 * rank]))
         out["all_gather"] = gathered
         shard = torch.empty(2)
-        ddp.reduce_scatter(shard, torch.arange(2.0 * n) * (rank + 1))
+        foundation.reduce_scatter(shard, torch.arange(2.0 * n) * (rank + 1))
         out["reduce_scatter"] = shard
         # uneven all-to-all: rank r sends j + 1 rows to rank j, each row filled with 100 r + j
         inp = torch.cat([torch.full((j + 1, 2), 100.0 * rank + j) for j in range(n)])
         received = torch.empty(n * (rank + 1), 2)
-        ddp.all_to_all(received, inp, [rank + 1] * n, [j + 1 for j in range(n)])
+        foundation.all_to_all(received, inp, [rank + 1] * n, [j + 1 for j in range(n)])
         out["all_to_all"] = received
         even = torch.empty(n)  # even splits: one element to each rank
-        ddp.all_to_all(even, torch.arange(n) + 10.0 * rank)
+        foundation.all_to_all(even, torch.arange(n) + 10.0 * rank)
         out["all_to_all_even"] = even
         # a ring shift with batched p2p: send to the right, receive from the left
         from_left = torch.empty(2)
-        for work in ddp.batch_p2p([("send", torch.full((2,), float(rank)), (rank + 1) % n),
+        for work in foundation.batch_p2p([("send", torch.full((2,), float(rank)), (rank + 1) % n),
                                    ("recv", from_left, (rank - 1) % n)]):
             work.wait()
         out["ring"] = from_left
         if rank in pair:
             b = torch.full((3,), float(rank))
-            ddp.broadcast(b, src=1, group=sub)  # group rank 1 = global rank n - 1
+            foundation.broadcast(b, src=1, group=sub)  # group rank 1 = global rank n - 1
             out["broadcast"] = b
             msg = torch.full((5,), 7.0) if rank == pair[0] else torch.empty(5)
             if rank == pair[0]:
-                ddp.send(msg, dst=1, group=sub)
+                foundation.send(msg, dst=1, group=sub)
             else:
-                ddp.recv(msg, src=0, group=sub)
+                foundation.recv(msg, src=0, group=sub)
             out["send_recv"] = msg
     out["meter"] = meter
     return out
@@ -475,15 +475,15 @@ def assert_matches_reference(result, reference) -> None:
                                    msg=lambda m, name=name: f"parameter {name} after training: {m}")
 
 
-@given(cfg=model_configs(), world=st.integers(1, 4), mode=st.sampled_from(ddp.DP_MODES),
+@given(cfg=model_configs(), world=st.integers(1, 4), mode=st.sampled_from(foundation.DP_MODES),
        accum=st.integers(1, 3), per_micro=st.integers(1, 2), seq_len=st.integers(1, 10),
        bucket_bytes=st.sampled_from([64, 1000, 4096, 1 << 20]))
 def test_data_parallel_equals_single_device(rank_pool, cfg, world, mode, accum, per_micro, seq_len,
                                             bucket_bytes):
     steps, global_batch = 3, world * accum * per_micro
-    runs = rank_pool.run(world, ddp.train_data_parallel, cfg, steps, global_batch, seq_len, mode=mode,
+    runs = rank_pool.run(world, foundation.train_data_parallel, cfg, steps, global_batch, seq_len, mode=mode,
                          accum_steps=accum, bucket_bytes=bucket_bytes, adam_eps=ADAM_EPS)
-    reference = ddp.train_single_device(cfg, steps, global_batch, seq_len, adam_eps=ADAM_EPS)
+    reference = foundation.train_single_device(cfg, steps, global_batch, seq_len, adam_eps=ADAM_EPS)
     assert_matches_reference(runs[0][0], reference)
     for rank, (result, _) in enumerate(runs[1:], start=1):
         for name, param in runs[0][0].params.items():
@@ -507,9 +507,9 @@ def test_data_parallel_equals_single_device(rank_pool, cfg, world, mode, accum, 
 
 
 def bucket_layout_after_one_backward(cfg, bucket_bytes):
-    model = ddp.GPT(cfg)
-    wrapper = ddp.BucketedDataParallel(model, bucket_bytes=bucket_bytes)
-    tokens, targets = ddp.synthetic_batch(cfg, 2, 8, 0, dist.get_rank(), dist.get_world_size())
+    model = foundation.GPT(cfg)
+    wrapper = foundation.BucketedDataParallel(model, bucket_bytes=bucket_bytes)
+    tokens, targets = foundation.synthetic_batch(cfg, 2, 8, 0, dist.get_rank(), dist.get_world_size())
     model(tokens, targets).backward()
     launched_by_hooks = [bucket.work is not None for bucket in wrapper.buckets]
     wrapper.finish_gradient_sync()
@@ -519,10 +519,10 @@ def bucket_layout_after_one_backward(cfg, bucket_bytes):
 
 @given(bucket_bytes=st.sampled_from([1, 3000, 20_000, 1 << 30]))
 def test_buckets_fill_in_reverse_order_and_launch_during_backward(rank_pool, bucket_bytes):
-    cfg = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=64)
+    cfg = foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=64)
     launched, buckets = rank_pool.run(2, bucket_layout_after_one_backward, cfg, bucket_bytes)[0]
     assert all(launched), "every all-reduce must start inside backward, before anyone waits"
-    reference = ddp.GPT(cfg)
+    reference = foundation.GPT(cfg)
     sizes = {n: p.numel() * 4 for n, p in reference.named_parameters()}
     assert [n for bucket in buckets for n in bucket] == list(reversed(sizes))
     for bucket in buckets:
@@ -533,20 +533,20 @@ def test_buckets_fill_in_reverse_order_and_launch_during_backward(rank_pool, buc
 
 def broadcast_after_perturbing(cfg):
     """Every rank's weights differ; then the group {1, 2} (of 3 ranks) syncs from its rank 0."""
-    model = ddp.GPT(cfg)
+    model = foundation.GPT(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(dist.get_rank())
     group = dist.new_group([1, 2])
     if dist.get_rank() in (1, 2):
-        ddp.BucketedDataParallel(model, group, bucket_bytes=4096)
-    return ddp.cpu_copy(model.named_parameters())
+        foundation.BucketedDataParallel(model, group, bucket_bytes=4096)
+    return foundation.cpu_copy(model.named_parameters())
 
 
 def test_wrapping_broadcasts_from_the_groups_first_rank(rank_pool):
-    cfg = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32)
+    cfg = foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32)
     params = rank_pool.run(3, broadcast_after_perturbing, cfg)
-    initial = ddp.cpu_copy(ddp.GPT(cfg).named_parameters())
+    initial = foundation.cpu_copy(foundation.GPT(cfg).named_parameters())
     for name, value in initial.items():
         assert torch.equal(params[0][name], value), "rank 0 is outside the group: untouched"
         assert torch.equal(params[1][name], value + 1), "rank 1 is the group's rank 0: the source"
@@ -556,8 +556,8 @@ def test_wrapping_broadcasts_from_the_groups_first_rank(rank_pool):
 def launches_when_gradients_arrive_out_of_order(cfg):
     """Feed gradients to the hooks by hand, the second bucket's first: nothing may launch until the
     first bucket is full (ranks must issue collectives in the same order), then both launch."""
-    model = ddp.GPT(cfg)
-    wrapper = ddp.BucketedDataParallel(model, bucket_bytes=1)  # one parameter per bucket
+    model = foundation.GPT(cfg)
+    wrapper = foundation.BucketedDataParallel(model, bucket_bytes=1)  # one parameter per bucket
     first, second = wrapper.buckets[0].params[0], wrapper.buckets[1].params[0]
     launched = []
     for param in (second, first):
@@ -573,7 +573,7 @@ def launches_when_gradients_arrive_out_of_order(cfg):
 
 
 def test_buckets_launch_in_order_even_if_a_later_one_fills_first(rank_pool):
-    cfg = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32)
+    cfg = foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32)
     for launched, averaged in rank_pool.run(2, launches_when_gradients_arrive_out_of_order, cfg):
         assert launched == [0, 2], "bucket 1 launched before bucket 0, or bucket 0 did not release it"
         assert averaged == [1.0], "ones on both ranks average to ones"
@@ -583,14 +583,14 @@ def train_on_strided_subgroups(cfg, steps, global_batch, seq_len):
     """4 ranks, two data-parallel groups {0, 2} and {1, 3}: nothing may assume the world group."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
     group = groups[dist.get_rank() % 2]
-    return ddp.train_data_parallel(cfg, steps, global_batch, seq_len, mode="bucketed", accum_steps=2,
+    return foundation.train_data_parallel(cfg, steps, global_batch, seq_len, mode="bucketed", accum_steps=2,
                                    bucket_bytes=2048, adam_eps=ADAM_EPS, group=group)
 
 
 def test_data_parallel_on_a_subgroup(rank_pool):
-    cfg, steps, global_batch, seq_len = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32, seed=5), 3, 4, 6
+    cfg, steps, global_batch, seq_len = foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32, seed=5), 3, 4, 6
     runs = rank_pool.run(4, train_on_strided_subgroups, cfg, steps, global_batch, seq_len)
-    reference = ddp.train_single_device(cfg, steps, global_batch, seq_len, adam_eps=ADAM_EPS)
+    reference = foundation.train_single_device(cfg, steps, global_batch, seq_len, adam_eps=ADAM_EPS)
     for rank, (result, meter) in enumerate(runs):
         assert_matches_reference(result, reference)
         group = (0, 2) if rank % 2 == 0 else (1, 3)
@@ -605,36 +605,36 @@ def test_data_parallel_on_a_subgroup(rank_pool):
     (dict(global_batch=4, bucket_bytes=0), r"bucket_bytes=0 must be positive"),
 ])
 def test_bad_configuration_fails_on_every_rank_without_hanging(rank_pool, kwargs, message):
-    cfg = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32)
+    cfg = foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32)
     kwargs = dict(kwargs)  # parametrize shares the dict between reruns
     global_batch = kwargs.pop("global_batch")
-    rank_pool.expect_invalid(2, ddp.train_data_parallel, cfg, 1, global_batch, 4, match=message,
+    rank_pool.expect_invalid(2, foundation.train_data_parallel, cfg, 1, global_batch, 4, match=message,
                              **kwargs)
 
 
 def grads_with_a_frozen_embedding(cfg, mode, unused_trainable=False):
     """One synced step with embed.weight frozen (and, if asked, a trainable parameter that gets no
     gradient): the gradients, or the error message."""
-    model = ddp.GPT(cfg)
+    model = foundation.GPT(cfg)
     model.embed.weight.requires_grad_(False)
     if unused_trainable:
         model.unused = torch.nn.Parameter(torch.zeros(3))
-    wrapper = ddp.BucketedDataParallel(model, bucket_bytes=2048) if mode == "bucketed" else None
-    tokens, targets = ddp.synthetic_batch(cfg, 4, 6, 0, dist.get_rank(), dist.get_world_size())
+    wrapper = foundation.BucketedDataParallel(model, bucket_bytes=2048) if mode == "bucketed" else None
+    tokens, targets = foundation.synthetic_batch(cfg, 4, 6, 0, dist.get_rank(), dist.get_world_size())
     model(tokens, targets).backward()
     try:  # every rank fails at the same parameter, after the same collectives: the group stays usable
-        wrapper.finish_gradient_sync() if wrapper else ddp.all_reduce_gradients(model)
+        wrapper.finish_gradient_sync() if wrapper else foundation.all_reduce_gradients(model)
     except RuntimeError as error:
         return str(error)
     return {name: p.grad for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("mode", ddp.DP_MODES)
+@pytest.mark.parametrize("mode", foundation.DP_MODES)
 def test_frozen_parameters_are_skipped_and_unused_trainable_ones_refused(rank_pool, mode):
-    cfg = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32)
-    model = ddp.GPT(cfg)
+    cfg = foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32)
+    model = foundation.GPT(cfg)
     model.embed.weight.requires_grad_(False)
-    tokens, targets = ddp.synthetic_batch(cfg, 4, 6, 0)
+    tokens, targets = foundation.synthetic_batch(cfg, 4, 6, 0)
     model(tokens, targets).backward()
     for grads in rank_pool.run(2, grads_with_a_frozen_embedding, cfg, mode):
         assert grads["embed.weight"] is None
@@ -646,23 +646,23 @@ def test_frozen_parameters_are_skipped_and_unused_trainable_ones_refused(rank_po
 
 
 def wrap_twice(cfg):
-    model = ddp.GPT(cfg)
-    ddp.BucketedDataParallel(model)
-    ddp.BucketedDataParallel(model)  # a re-run notebook cell
+    model = foundation.GPT(cfg)
+    foundation.BucketedDataParallel(model)
+    foundation.BucketedDataParallel(model)  # a re-run notebook cell
 
 
 def test_wrapping_a_model_twice_fails_when_built(rank_pool):
     with pytest.raises(RankFailure) as failure:
-        rank_pool.run(2, wrap_twice, ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32), timeout=30)
+        rank_pool.run(2, wrap_twice, foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32), timeout=30)
     for tb in failure.value.errors.values():
         assert "ValueError: cannot wrap with BucketedDataParallel: this model's gradients are already " \
                "synchronised by BucketedDataParallel" in tb
 
 
 def test_wrapping_a_model_without_trainable_parameters_fails_and_claims_nothing():
-    model = ddp.GPT(ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=32)).requires_grad_(False)
+    model = foundation.GPT(foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32)).requires_grad_(False)
     with pytest.raises(ValueError, match=r"^the model has no trainable parameter \(requires_grad=True\)"):
-        ddp.BucketedDataParallel(model)  # before any collective: no process group is needed
+        foundation.BucketedDataParallel(model)  # before any collective: no process group is needed
     assert not hasattr(model, "gradient_sync_owner"), "a failed build must not claim the model"
 
 
@@ -682,9 +682,9 @@ def test_launcher_checks_the_world_that_will_run_in_one_line(monkeypatch, capsys
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", ["01_ddp.py", "--nproc", str(nproc)])
-    monkeypatch.setattr(ddp, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
     with pytest.raises(SystemExit) as exit_:
-        ddp.main()
+        foundation.main()
     assert exit_.value.code == 2
     assert capsys.readouterr().err == f"01_ddp.py: error: {message}\n"
 
@@ -710,7 +710,7 @@ def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(sys, "argv", [f"{script}.py", "--nproc", "3"])
-    monkeypatch.setattr(ddp, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
     with pytest.raises(SystemExit) as exit_:
         lesson.main()
     assert exit_.value.code == 2
@@ -731,11 +731,11 @@ def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script
 def test_every_lesson_refuses_sizes_that_cannot_be_allocated(monkeypatch, capsys, script, options, at_least):
     """Before: every rank started, then an allocator's traceback after seconds. Now one line before
     launch, with a lower bound on the bytes needed (at least the largest tensor's, derived here)."""
-    lesson = LESSON_MODULES.get(script, ddp)
+    lesson = LESSON_MODULES.get(script, foundation)
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(sys, "argv", [f"{script}.py", "--nproc", "2", *options])
-    monkeypatch.setattr(ddp, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
     with pytest.raises(SystemExit) as exit_:
         lesson.main()
     err = capsys.readouterr().err
@@ -748,13 +748,13 @@ def test_launch_world_size(monkeypatch):
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert ddp.launch_world_size(3) == 3, "local processes get their own WORLD_SIZE"
+    assert foundation.launch_world_size(3) == 3, "local processes get their own WORLD_SIZE"
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match="RANK is set but MASTER_ADDR, MASTER_PORT not"):
-        ddp.launch(print, "a rank ran", nproc=3)  # before fn runs, in one process or in many
+        foundation.launch(print, "a rank ran", nproc=3)  # before fn runs, in one process or in many
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    assert ddp.launch_world_size(3) == 1, "under torchrun, torchrun's world size"
+    assert foundation.launch_world_size(3) == 1, "under torchrun, torchrun's world size"
 
 
 # --- the script itself ------------------------------------------------------------------------
@@ -777,7 +777,7 @@ def test_script_runs_as_plain_python():
 def rank_one_raises_while_rank_zero_waits():
     if dist.get_rank() == 1:
         raise RuntimeError("rank 1 broke before the all-reduce")
-    ddp.all_reduce(torch.ones(1))  # never joined by rank 1: rank 0 waits in it
+    foundation.all_reduce(torch.ones(1))  # never joined by rank 1: rank 0 waits in it
 
 
 def test_harness_names_the_failing_and_the_silent_rank(rank_pool):
@@ -803,7 +803,7 @@ def test_every_option_of_every_lesson_says_what_it_is(lesson):
 
 def test_a_shortened_option_is_an_error_not_a_guess():
     """argparse would take --bench-step for --bench-steps (and 09's --microbatch for --microbatches)."""
-    parser = ddp.lesson_parser(ddp.__doc__, bench_help="a benchmark")
+    parser = foundation.lesson_parser(foundation.__doc__, bench_help="a benchmark")
     with pytest.raises(SystemExit):
         parser.parse_args(["--bench-step", "3"])
     assert parser.parse_args(["--bench-steps", "3"]).bench_steps == 3

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from conftest import run_script
 from test_01_ddp import model_configs
 
-ddp = importlib.import_module("01_ddp")
+foundation = importlib.import_module("01_ddp")
 zero = importlib.import_module("02_zero")
 
 LOSS_ATOL, GRAD_ATOL, GRAD_RTOL, PARAM_ATOL, ADAM_EPS = 1e-5, 1e-6, 1e-4, 1e-5, 1e-6
@@ -67,7 +67,7 @@ def assert_matches_reference(result, reference) -> None:
        per_rank=st.integers(1, 2), seq_len=st.integers(1, 8),
        max_grad_norm=st.sampled_from([0.05, 1.0, math.inf]), prefetch=st.booleans(),
        resume_after=st.sampled_from([None, 1, 2]))
-@example(cfg=ddp.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20), world=3, stage=3, per_rank=1,
+@example(cfg=foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20), world=3, stage=3, per_rank=1,
          seq_len=4, max_grad_norm=1.0, prefetch=False, resume_after=None)  # ZeRO-3 without prefetch
 def test_zero_equals_single_device(rank_pool, cfg, world, stage, per_rank, seq_len, max_grad_norm,
                                    prefetch, resume_after):
@@ -105,7 +105,7 @@ def test_zero_equals_single_device(rank_pool, cfg, world, stage, per_rank, seq_l
 def test_uneven_sizes_clipping_and_traffic_ratios(rank_pool):
     """3 ranks, every module's size odd: padding in every unit; clipping active at every step;
     traffic 1x DDP for stages 1-2 and 1.5x DDP for stage 3 on the padded count."""
-    cfg = ddp.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=7)
+    cfg = foundation.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=7)
     reference = zero.train_reference(cfg, 3, 6, 5, adam_eps=ADAM_EPS, max_grad_norm=0.01)
     assert min(reference.grad_norms) > 0.01, "clipping must be active for this test to mean anything"
     psi = sum(t.numel() for t in reference.params.values())
@@ -123,9 +123,9 @@ def test_uneven_sizes_clipping_and_traffic_ratios(rank_pool):
 
 
 def test_reference_is_lesson_01s_without_clipping():
-    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24)
+    cfg = foundation.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24)
     ours = zero.train_reference(cfg, 3, 4, 6, adam_eps=ADAM_EPS)
-    theirs = ddp.train_single_device(cfg, 3, 4, 6, adam_eps=ADAM_EPS)
+    theirs = foundation.train_single_device(cfg, 3, 4, 6, adam_eps=ADAM_EPS)
     assert ours.losses == theirs.losses
     for name in theirs.params:
         assert torch.equal(ours.first_grads[name], theirs.first_grads[name])
@@ -133,22 +133,22 @@ def test_reference_is_lesson_01s_without_clipping():
 
 
 def load_then_gather(cfg, stage, state):
-    model = ddp.GPT(cfg)
+    model = foundation.GPT(cfg)
     optimizer = zero.ZeRO(model, stage)
     optimizer.load_full_state_dict(state)
     with torch.no_grad():
-        tokens, _ = ddp.synthetic_batch(cfg, 1, 5, 0)
+        tokens, _ = foundation.synthetic_batch(cfg, 1, 5, 0)
         logits = model(tokens)  # the compute parameters were refreshed too (stage 3: gathered)
     return optimizer.full_state_dict(), logits
 
 
 def test_a_checkpoint_moves_between_stages_and_group_sizes(rank_pool):
-    cfg = ddp.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=3)
+    cfg = foundation.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=3)
     saved = rank_pool.run(2, zero.train_zero, cfg, 2, 4, 5, stage=3)[0][0].state
-    reference = ddp.GPT(cfg)
+    reference = foundation.GPT(cfg)
     reference.load_state_dict(saved["params"])
     with torch.no_grad():
-        expected_logits = reference(ddp.synthetic_batch(cfg, 1, 5, 0)[0])
+        expected_logits = reference(foundation.synthetic_batch(cfg, 1, 5, 0)[0])
     for world, stage in ((3, 1), (1, 0), (3, 3)):
         for state, logits in rank_pool.run(world, load_then_gather, cfg, stage, saved):
             assert state["step"] == saved["step"] == 2
@@ -190,14 +190,14 @@ def test_tied_root_and_frozen_parameters_train_as_on_one_device(rank_pool, trans
     2-3), a parameter on the model itself was never updated nor saved, a frozen one was refused.
     Now each trainable parameter has one flat slot, one gradient and one checkpoint entry (resumed
     from after step 1), frozen ones are neither updated nor synchronised; memory counts each once."""
-    cfg = ddp.ModelConfig(vocab_size=37, dim=12, n_heads=2, ffn_dim=14, seed=5)
+    cfg = foundation.ModelConfig(vocab_size=37, dim=12, n_heads=2, ffn_dim=14, seed=5)
     world, steps, kwargs = 3, 3, dict(adam_eps=ADAM_EPS, max_grad_norm=1.0, transform=transform)
     runs = rank_pool.run(world, zero.train_zero, cfg, steps, world, 4, stage=stage, resume_after=1,
                          **kwargs)
     reference = zero.train_reference(cfg, steps, world, 4, **kwargs)
     result = runs[0][0]
     assert_matches_reference(result, reference)
-    model = transform(ddp.GPT(cfg))
+    model = transform(foundation.GPT(cfg))
     frozen = [p for p in model.parameters() if not p.requires_grad]
     assert len(reference.first_grads) == len(reference.params) - len(frozen)
     for name in FROZEN if transform is freeze_some else ():
@@ -215,9 +215,9 @@ def test_tied_root_and_frozen_parameters_train_as_on_one_device(rank_pool, trans
 def load_misshapen(cfg, stage, name, misshape):
     """Load a full state whose entry `name` was replaced; return the error and whether this rank's
     state is still the one before."""
-    model = ddp.GPT(cfg)
+    model = foundation.GPT(cfg)
     optimizer = zero.ZeRO(model, stage)
-    model(*ddp.synthetic_batch(cfg, dist.get_world_size(), 4, 0, dist.get_rank(),
+    model(*foundation.synthetic_batch(cfg, dist.get_world_size(), 4, 0, dist.get_rank(),
                                dist.get_world_size())).backward()
     optimizer.step()
     before = optimizer.full_state_dict()
@@ -244,7 +244,7 @@ def transposed(t):
 @pytest.mark.parametrize("misshape", [a_scalar, transposed])
 def test_load_full_state_dict_refuses_another_shape_before_changing_anything(rank_pool, misshape, stage):
     """Before: a scalar was broadcast over the whole weight, a transposed copy reshaped into it."""
-    cfg = ddp.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
     name = "layers.0.mlp.up_proj.weight"  # (20, 12): its transpose has another shape
     for error, unchanged in rank_pool.run(2, load_misshapen, cfg, stage, name, misshape):
         assert f"params['{name}'] has shape" in error and "the parameter has shape (20, 12)" in error, error
@@ -260,13 +260,13 @@ def relative_error(ours: dict, reference: dict) -> float:
 
 @pytest.mark.parametrize("world, stage", [(1, 3), (1, 1), (2, 2), (3, 3), (4, 1)])
 def test_mixed_precision_equals_its_one_device_twin(rank_pool, world, stage):
-    cfg = ddp.ModelConfig(vocab_size=50, dim=24, n_heads=3, ffn_dim=20, seed=world)
+    cfg = foundation.ModelConfig(vocab_size=50, dim=24, n_heads=3, ffn_dim=20, seed=world)
     steps, global_batch, seq_len = 3, 2 * world, 8
     kwargs = dict(adam_eps=ADAM_EPS, max_grad_norm=1.0, mixed_precision=True)
     result = rank_pool.run(world, zero.train_zero, cfg, steps, global_batch, seq_len, stage=stage,
                            **kwargs)[0][0]
     twin = zero.train_reference(cfg, steps, global_batch, seq_len, **kwargs)
-    initial = ddp.cpu_copy(ddp.GPT(cfg).named_parameters())
+    initial = foundation.cpu_copy(foundation.GPT(cfg).named_parameters())
     if world == 1:  # the same bf16 gradients: only the fp32 norm's summation order differs
         assert_matches_reference(result, twin)
     else:
@@ -290,9 +290,9 @@ def test_mixed_precision_equals_its_one_device_twin(rank_pool, world, stage):
 
 
 def bf16_parameters_after_a_step(cfg, stage):
-    model = ddp.GPT(cfg)
+    model = foundation.GPT(cfg)
     optimizer = zero.ZeRO(model, stage, mixed_precision=True)
-    tokens, targets = ddp.synthetic_batch(cfg, 2 * dist.get_world_size(), 6, 0, dist.get_rank(),
+    tokens, targets = foundation.synthetic_batch(cfg, 2 * dist.get_world_size(), 6, 0, dist.get_rank(),
                                           dist.get_world_size())
     model(tokens, targets).backward()
     optimizer.step()
@@ -303,7 +303,7 @@ def bf16_parameters_after_a_step(cfg, stage):
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_mixed_precision_params_are_the_rounded_fp32_masters(rank_pool, stage):
-    cfg = ddp.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
     for rank_result in rank_pool.run(2, bf16_parameters_after_a_step, cfg, stage):
         assert rank_result == {n: (torch.bfloat16, True) for n in rank_result}
 
@@ -311,13 +311,13 @@ def test_mixed_precision_params_are_the_rounded_fp32_masters(rank_pool, stage):
 # --- ZeRO-3: gather just in time, prefetch, free --------------------------------------------------
 
 def materialised_units_during_forward(cfg, prefetch):
-    model = ddp.GPT(cfg)
+    model = foundation.GPT(cfg)
     optimizer = zero.ZeRO(model, 3, prefetch=prefetch)
     seen = []
     for _, module in zero.zero_units(model):  # registered after ZeRO's: runs after the gather
         module.register_forward_pre_hook(lambda m, args: seen.append(
             sum(any(p.numel() for p in u.params) for u in optimizer.units)))
-    tokens, targets = ddp.synthetic_batch(cfg, 2, 6, 0, dist.get_rank(), 2)
+    tokens, targets = foundation.synthetic_batch(cfg, 2, 6, 0, dist.get_rank(), 2)
     model(tokens, targets).backward()
     optimizer.step()
     after = sum(p.numel() for p in model.parameters())
@@ -326,7 +326,7 @@ def materialised_units_during_forward(cfg, prefetch):
 
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_zero3_gathers_one_module_at_a_time_and_prefetches(rank_pool, prefetch):
-    cfg = ddp.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20, n_layers=3)
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20, n_layers=3)
     units = 3 + 3  # embed, 3 blocks, norm, lm_head
     runs = rank_pool.run(2, materialised_units_during_forward, cfg, prefetch)
     for seen, after, prefetched, in_flight in runs:
@@ -339,9 +339,9 @@ def test_zero3_gathers_one_module_at_a_time_and_prefetches(rank_pool, prefetch):
 # --- misuse and non-finite values ---------------------------------------------------------------
 
 def misuse(cfg, case):
-    model = ddp.GPT(cfg)
+    model = foundation.GPT(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
-    tokens, targets = ddp.synthetic_batch(cfg, 2 * world, 6, 0, rank, world)
+    tokens, targets = foundation.synthetic_batch(cfg, 2 * world, 6, 0, rank, world)
     optimizer = zero.ZeRO(model, 1 if case == "nan" else 2)
     if case == "nan":  # one rank's gradient goes bad: every rank must see it, none may hide it
         model(tokens, targets).backward()
@@ -369,10 +369,10 @@ def accumulated_gradients(cfg, stage: int, global_batch: int, seq_len: int, micr
                           all_under_no_sync: bool):
     """micro microbatches of this rank's rows, each loss / micro, accumulated under no_sync() (the
     last one outside it, or all inside and then finish_gradient_sync): the full gradients."""
-    model = ddp.GPT(cfg)
+    model = foundation.GPT(cfg)
     optimizer = zero.ZeRO(model, stage)
     world, rank = dist.get_world_size(), dist.get_rank()
-    tokens, targets = ddp.synthetic_batch(cfg, global_batch, seq_len, 0, rank, world)
+    tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, 0, rank, world)
     for i, (x, y) in enumerate(zip(tokens.chunk(micro), targets.chunk(micro))):
         last = i == micro - 1 and not all_under_no_sync
         with optimizer.no_sync() if not last else contextlib.nullcontext():
@@ -384,7 +384,7 @@ def accumulated_gradients(cfg, stage: int, global_batch: int, seq_len: int, micr
 @pytest.mark.parametrize("stage", [2, 3])
 def test_no_sync_accumulates_microbatches(rank_pool, stage):
     # The gradient of the mean over microbatches of their mean losses is the batch's: one device.
-    cfg = ddp.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
     reference = zero.train_reference(cfg, 1, 8, 6)
     for all_inside in (False, True):
         for grads in rank_pool.run(2, accumulated_gradients, cfg, stage, 8, 6, 2, all_inside):
@@ -393,7 +393,7 @@ def test_no_sync_accumulates_microbatches(rank_pool, stage):
 
 
 def test_misuse_is_refused_and_nan_propagates(rank_pool):
-    cfg = ddp.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
     for message in rank_pool.run(2, misuse, cfg, "twice"):
         assert "a second backward before step()" in message
     for message in rank_pool.run(2, misuse, cfg, "unused"):
@@ -405,11 +405,11 @@ def test_misuse_is_refused_and_nan_propagates(rank_pool):
 # --- bad input: one clear error on every rank, before any collective ----------------------------
 
 def build_zero(cfg, stage, wrap_first, freeze):
-    model = ddp.GPT(cfg)
+    model = foundation.GPT(cfg)
     if freeze:
         model.requires_grad_(False)
     if wrap_first == "ddp":
-        ddp.BucketedDataParallel(model, bucket_bytes=4096)
+        foundation.BucketedDataParallel(model, bucket_bytes=4096)
     elif wrap_first == "zero":
         zero.ZeRO(model, 1)
     zero.ZeRO(model, stage)
@@ -423,12 +423,12 @@ def build_zero(cfg, stage, wrap_first, freeze):
     (1, None, True, r"no trainable parameter"),
 ])
 def test_bad_input_fails_on_every_rank_without_hanging(rank_pool, stage, wrap_first, freeze, message):
-    cfg = ddp.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
     rank_pool.expect_invalid(2, build_zero, cfg, stage, wrap_first, freeze, match=message)
 
 
 def test_batch_not_divisible_by_the_group_fails_on_every_rank(rank_pool):
-    cfg = ddp.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
     rank_pool.expect_invalid(2, zero.train_zero, cfg, 1, 3, 4, stage=2,
                              match="global_batch=3 is not divisible by the group size 2")
 

@@ -32,10 +32,10 @@ from hypothesis import strategies as st
 from conftest import run_script
 from test_01_ddp import ADAM_EPS, GRAD_ATOL, PARAM_ATOL, assert_matches_reference
 
-ddp = importlib.import_module("01_ddp")
-tpm = importlib.import_module("03_tensor_parallel")
-zm = importlib.import_module("02_zero")
-cpm = importlib.import_module("05_context_parallel")
+foundation = importlib.import_module("01_ddp")
+tensor_parallel = importlib.import_module("03_tensor_parallel")
+zero = importlib.import_module("02_zero")
+context_parallel = importlib.import_module("05_context_parallel")
 
 
 # --- the whole model equals one device ----------------------------------------------------------
@@ -46,7 +46,7 @@ def tp_configs(draw):
     n_kv_heads = tp * draw(st.integers(1, 2))
     n_heads = n_kv_heads * draw(st.sampled_from([1, 2]))  # 2: grouped-query attention
     head_dim = draw(st.sampled_from([2, 4]))
-    cfg = ddp.ModelConfig(vocab_size=draw(st.sampled_from([3, 16, 17, 50, 64])),  # 3 < tp = 4
+    cfg = foundation.ModelConfig(vocab_size=draw(st.sampled_from([3, 16, 17, 50, 64])),  # 3 < tp = 4
                           dim=n_heads * head_dim, n_layers=draw(st.integers(1, 2)), n_heads=n_heads,
                           n_kv_heads=n_kv_heads, ffn_dim=tp * draw(st.integers(1, 6)),
                           seed=draw(st.integers(0, 99)))
@@ -56,13 +56,13 @@ def tp_configs(draw):
 
 
 @given(setup=tp_configs(), batch=st.integers(1, 3))
-@example(setup=(4, ddp.ModelConfig(vocab_size=3, dim=16, n_heads=4, ffn_dim=8), True, 4), batch=2)  # V < tp
+@example(setup=(4, foundation.ModelConfig(vocab_size=3, dim=16, n_heads=4, ffn_dim=8), True, 4), batch=2)  # V < tp
 def test_tensor_parallel_equals_single_device(rank_pool, setup, batch):
     tp, cfg, sequence_parallel, seq_len = setup
     steps = 3
-    runs = rank_pool.run(tp, tpm.train_tensor_parallel, cfg, steps, batch, seq_len,
+    runs = rank_pool.run(tp, tensor_parallel.train_tensor_parallel, cfg, steps, batch, seq_len,
                          sequence_parallel=sequence_parallel, adam_eps=ADAM_EPS)
-    reference = ddp.train_single_device(cfg, steps, batch, seq_len, adam_eps=ADAM_EPS)
+    reference = foundation.train_single_device(cfg, steps, batch, seq_len, adam_eps=ADAM_EPS)
     result = runs[0][0]
     assert_matches_reference(result, reference)
     for rank, (other, _) in enumerate(runs[1:], start=1):
@@ -72,7 +72,7 @@ def test_tensor_parallel_equals_single_device(rank_pool, setup, batch):
 
     # Communication in the training steps (forward + backward, every layer, the embedding, the LM
     # head's input and the loss), per rank: calls and payload per the formula, ring traffic.
-    formula = tpm.comm_formula(cfg, batch, seq_len, sequence_parallel)
+    formula = tensor_parallel.comm_formula(cfg, batch, seq_len, sequence_parallel)
     share = {"all_reduce": Fraction(2 * (tp - 1), tp), "all_gather": Fraction(tp - 1, tp),
              "reduce_scatter": Fraction(tp - 1, tp)}
     for _, meter in runs:
@@ -92,26 +92,26 @@ def freeze_some(model):
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_frozen_parameters_stay_frozen_and_the_rest_trains_as_on_one_device(rank_pool,
                                                                             sequence_parallel):
-    cfg = ddp.ModelConfig(vocab_size=19, dim=16, n_heads=2, ffn_dim=16)
-    runs = rank_pool.run(2, tpm.train_tensor_parallel, cfg, 2, 2, 4, adam_eps=ADAM_EPS,
+    cfg = foundation.ModelConfig(vocab_size=19, dim=16, n_heads=2, ffn_dim=16)
+    runs = rank_pool.run(2, tensor_parallel.train_tensor_parallel, cfg, 2, 2, 4, adam_eps=ADAM_EPS,
                          sequence_parallel=sequence_parallel, transform=freeze_some)
-    # ddp.train_single_device copies every .grad, so the reference loop is spelled out here.
-    model = freeze_some(ddp.GPT(cfg))
-    optimizer = ddp.make_optimizer(model, 1e-3, ADAM_EPS)
-    reference = ddp.TrainResult([], {}, {})
+    # foundation.train_single_device copies every .grad, so the reference loop is spelled out here.
+    model = freeze_some(foundation.GPT(cfg))
+    optimizer = foundation.make_optimizer(model, 1e-3, ADAM_EPS)
+    reference = foundation.TrainResult([], {}, {})
     for step in range(2):
-        loss = model(*ddp.synthetic_batch(cfg, 2, 4, step))
+        loss = model(*foundation.synthetic_batch(cfg, 2, 4, step))
         loss.backward()
         reference.losses.append(loss.item())
         if step == 0:
-            reference.first_grads = ddp.cpu_copy((n, p.grad) for n, p in model.named_parameters()
+            reference.first_grads = foundation.cpu_copy((n, p.grad) for n, p in model.named_parameters()
                                                  if p.grad is not None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    reference.params = ddp.cpu_copy(model.named_parameters())
+    reference.params = foundation.cpu_copy(model.named_parameters())
     assert len(reference.first_grads) == len(reference.params) - 2
     assert_matches_reference(runs[0][0], reference)
-    initial = ddp.GPT(cfg)
+    initial = foundation.GPT(cfg)
     for name in ("layers.0.attn_norm.weight", "layers.0.mlp.up_proj.weight"):
         assert torch.equal(runs[0][0].params[name], initial.get_parameter(name)), name
 
@@ -123,7 +123,7 @@ def tie_embedding(model):
 
 
 def tie_after_tensor_parallelism(cfg, sequence_parallel):
-    model = tpm.apply_tensor_parallel(tie_embedding(ddp.GPT(cfg)), None, sequence_parallel)
+    model = tensor_parallel.apply_tensor_parallel(tie_embedding(foundation.GPT(cfg)), None, sequence_parallel)
     return model.lm_head.weight is model.embed.weight, len(list(model.parameters()))
 
 
@@ -132,21 +132,21 @@ def test_a_tied_embedding_stays_tied_and_trains_as_on_one_device(rank_pool, tp, 
     """Before: after apply_tensor_parallel the head and the embedding were two parameters (21 for
     20), each trained on its own use: 6.3e-3 off tied PyTorch's loss after 3 steps at tp = 3.
     The vocabulary 17 is padded at tp = 2 and 3: the padded row is shared too."""
-    cfg = ddp.ModelConfig(vocab_size=17, dim=12, n_heads=6, ffn_dim=12, seed=4)
+    cfg = foundation.ModelConfig(vocab_size=17, dim=12, n_heads=6, ffn_dim=12, seed=4)
     for tied, n_params in rank_pool.run(tp, tie_after_tensor_parallelism, cfg, sequence_parallel):
-        assert tied and n_params == len(list(tie_embedding(ddp.GPT(cfg)).parameters()))
-    runs = rank_pool.run(tp, tpm.train_tensor_parallel, cfg, 3, 2, 6, adam_eps=ADAM_EPS,
+        assert tied and n_params == len(list(tie_embedding(foundation.GPT(cfg)).parameters()))
+    runs = rank_pool.run(tp, tensor_parallel.train_tensor_parallel, cfg, 3, 2, 6, adam_eps=ADAM_EPS,
                          sequence_parallel=sequence_parallel, transform=tie_embedding)
-    reference = ddp.train_single_device(cfg, 3, 2, 6, adam_eps=ADAM_EPS, transform=tie_embedding)
+    reference = foundation.train_single_device(cfg, 3, 2, 6, adam_eps=ADAM_EPS, transform=tie_embedding)
     assert runs[0][0].params.keys() == reference.params.keys()
     assert_matches_reference(runs[0][0], reference)
 
 
 def split_a_tie_two_ways(cfg, head_styles):
-    plan = {**tpm.TENSOR_PARALLEL_PLAN, "lm_head": [getattr(tpm, s) for s in head_styles]}
-    with ddp.comm_meter() as meter:
+    plan = {**tensor_parallel.TENSOR_PARALLEL_PLAN, "lm_head": [getattr(tensor_parallel, s) for s in head_styles]}
+    with foundation.comm_meter() as meter:
         try:
-            tpm.apply_tensor_parallel(tie_embedding(ddp.GPT(cfg)), None, plan=plan)
+            tensor_parallel.apply_tensor_parallel(tie_embedding(foundation.GPT(cfg)), None, plan=plan)
         except ValueError as error:
             return str(error), meter.calls()
     return "no error", meter.calls()
@@ -155,7 +155,7 @@ def split_a_tie_two_ways(cfg, head_styles):
 @pytest.mark.parametrize("head_styles, how", [(["enter_region", "row_parallel"], "along dim 1"),
                                               ([], "not at all")])
 def test_a_tie_split_two_ways_is_refused_before_any_collective(rank_pool, head_styles, how):
-    cfg = ddp.ModelConfig(vocab_size=16, dim=8, n_heads=2, ffn_dim=8)
+    cfg = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=2, ffn_dim=8)
     for error, calls in rank_pool.run(2, split_a_tie_two_ways, cfg, head_styles):
         assert ("embed.weight and lm_head.weight are one tied parameter" in error
                 and f"embed.weight along dim 0, lm_head.weight {how}" in error), error
@@ -165,15 +165,15 @@ def test_a_tie_split_two_ways_is_refused_before_any_collective(rank_pool, head_s
 def train_on_strided_subgroups(cfg, sequence_parallel):
     """4 ranks, two tensor-parallel groups {0, 2} and {1, 3}: nothing may assume the world group."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
-    return tpm.train_tensor_parallel(cfg, 2, 2, 4, sequence_parallel=sequence_parallel,
+    return tensor_parallel.train_tensor_parallel(cfg, 2, 2, 4, sequence_parallel=sequence_parallel,
                                      adam_eps=ADAM_EPS, group=groups[dist.get_rank() % 2])
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tensor_parallel_on_a_subgroup(rank_pool, sequence_parallel):
-    cfg = ddp.ModelConfig(vocab_size=21, dim=16, n_heads=2, ffn_dim=16, seed=3)
+    cfg = foundation.ModelConfig(vocab_size=21, dim=16, n_heads=2, ffn_dim=16, seed=3)
     runs = rank_pool.run(4, train_on_strided_subgroups, cfg, sequence_parallel)
-    reference = ddp.train_single_device(cfg, 2, 2, 4, adam_eps=ADAM_EPS)
+    reference = foundation.train_single_device(cfg, 2, 2, 4, adam_eps=ADAM_EPS)
     for rank, (result, meter) in enumerate(runs):
         assert_matches_reference(result, reference)
         assert {ranks for _, ranks in meter.stats} == {(0, 2) if rank % 2 == 0 else (1, 3)}
@@ -184,29 +184,29 @@ def test_formula_is_megatrons_four_all_reduces_per_layer():
     # volume as all-gathers + reduce-scatters (all-reduce = reduce-scatter + all-gather).
     b, s = 2, 8
     for layers in (1, 3):
-        cfg = ddp.ModelConfig(n_layers=layers)
+        cfg = foundation.ModelConfig(n_layers=layers)
         bsh = b * s * cfg.dim * 4
-        plain = tpm.comm_formula(cfg, b, s, False)["all_reduce"]
+        plain = tensor_parallel.comm_formula(cfg, b, s, False)["all_reduce"]
         assert plain == ((4 * layers + 2) + 3, (4 * layers + 2) * bsh + 3 * b * s * 4)
-        sp = tpm.comm_formula(cfg, b, s, True)
+        sp = tensor_parallel.comm_formula(cfg, b, s, True)
         assert sp["all_gather"] == sp["reduce_scatter"] == (4 * layers + 2, (4 * layers + 2) * bsh)
 
 
 def train_with_sharded_logits(cfg, batch, seq_len, sequence_parallel):
     """model(tokens) returns this rank's vocabulary slice of the logits."""
-    model = tpm.apply_tensor_parallel(ddp.GPT(cfg), None, sequence_parallel)
-    tokens, _ = ddp.synthetic_batch(cfg, batch, seq_len, 0)
+    model = tensor_parallel.apply_tensor_parallel(foundation.GPT(cfg), None, sequence_parallel)
+    tokens, _ = foundation.synthetic_batch(cfg, batch, seq_len, 0)
     with torch.no_grad():
         return model(tokens)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_logits_are_split_by_vocabulary(rank_pool, sequence_parallel):
-    cfg = ddp.ModelConfig(vocab_size=17, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=16)
+    cfg = foundation.ModelConfig(vocab_size=17, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=16)
     shards = rank_pool.run(2, train_with_sharded_logits, cfg, 2, 6, sequence_parallel)
-    tokens, _ = ddp.synthetic_batch(cfg, 2, 6, 0)
+    tokens, _ = foundation.synthetic_batch(cfg, 2, 6, 0)
     with torch.no_grad():
-        expected = ddp.GPT(cfg)(tokens)
+        expected = foundation.GPT(cfg)(tokens)
     assert [s.shape[-1] for s in shards] == [9, 9], "17 padded to 18"
     torch.testing.assert_close(torch.cat(shards, -1)[..., :17], expected, atol=1e-6, rtol=0)
 
@@ -221,8 +221,8 @@ def rank_tensor(rank: int, shape, salt: int) -> torch.Tensor:
 def run_operators(shape):
     """Each operator on a rank-dependent input, with a rank-dependent upstream gradient."""
     rank, out = dist.get_rank(), {}
-    for name, fn in (("f", tpm.CopyToRegion), ("g", tpm.ReduceFromRegion),
-                     ("gather", tpm.GatherSequence), ("scatter", tpm.ReduceScatterSequence)):
+    for name, fn in (("f", tensor_parallel.CopyToRegion), ("g", tensor_parallel.ReduceFromRegion),
+                     ("gather", tensor_parallel.GatherSequence), ("scatter", tensor_parallel.ReduceScatterSequence)):
         x = rank_tensor(rank, shape, 1).requires_grad_()
         y = fn.apply(x, None)
         y.backward(rank_tensor(rank, y.shape, 2))
@@ -257,13 +257,13 @@ def test_conjugate_operators_match_their_definitions(rank_pool, tp):
 def run_vocab_parallel(logits, targets, vocab_size, tokens, table):
     """The rank's slices of the loss, the logits' gradient and the embedding, from full inputs."""
     tp, rank = dist.get_world_size(), dist.get_rank()
-    first, per_rank = tpm.vocab_shard(vocab_size, tp, rank)
+    first, per_rank = tensor_parallel.vocab_shard(vocab_size, tp, rank)
     padded = F.pad(logits, (0, per_rank * tp - vocab_size), value=123.0)  # garbage: must be ignored
     local = padded[..., first:first + per_rank].clone().requires_grad_()
-    loss = tpm.VocabParallelLoss(first, vocab_size, None)(local, targets)
+    loss = tensor_parallel.VocabParallelLoss(first, vocab_size, None)(local, targets)
     loss.backward()
     weight = F.pad(table, (0, 0, 0, per_rank * tp - vocab_size))[first:first + per_rank]
-    embedding = tpm.VocabParallelEmbedding(torch.nn.Parameter(weight.clone()), first)
+    embedding = tensor_parallel.VocabParallelEmbedding(torch.nn.Parameter(weight.clone()), first)
     rows = embedding(tokens)
     rows.backward(torch.ones_like(rows))
     return loss.detach(), local.grad, rows.detach(), embedding.weight.grad
@@ -282,7 +282,7 @@ def test_vocab_parallel_loss_and_embedding_match_their_definitions(rank_pool, tp
     full = logits.clone().requires_grad_()
     expected = F.cross_entropy(full.flatten(0, 1), targets.flatten())
     expected.backward()
-    per_rank = tpm.vocab_shard(vocab_size, tp, 0)[1]
+    per_rank = tensor_parallel.vocab_shard(vocab_size, tp, 0)[1]
     grad = torch.cat([r[1] for r in results], -1)
     rows_grad = torch.cat([r[3] for r in results])
     close = dict(atol=1e-12, rtol=0)
@@ -291,7 +291,7 @@ def test_vocab_parallel_loss_and_embedding_match_their_definitions(rank_pool, tp
     # Each rank looks up only its ids (zeros elsewhere); the partial embeddings sum to the table's.
     torch.testing.assert_close(sum(r[2] for r in results), F.embedding(tokens, table), **close)
     for rank, (_, _, rows, _) in enumerate(results):
-        first, _ = tpm.vocab_shard(vocab_size, tp, rank)
+        first, _ = tensor_parallel.vocab_shard(vocab_size, tp, rank)
         outside = (tokens < first) | (tokens >= first + per_rank)
         assert torch.all(rows[outside] == 0), f"rank {rank} looked up an id it does not hold"
     torch.testing.assert_close(grad[..., :vocab_size], full.grad, **close)
@@ -304,17 +304,17 @@ def test_vocab_parallel_loss_and_embedding_match_their_definitions(rank_pool, tp
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_one_layer_activation_memory_and_communication_equal_the_formulas(rank_pool, tp):
-    cfg = ddp.ModelConfig(vocab_size=32, dim=32, n_heads=8, n_kv_heads=4, ffn_dim=48)  # grouped-query
+    cfg = foundation.ModelConfig(vocab_size=32, dim=32, n_heads=8, n_kv_heads=4, ffn_dim=48)  # grouped-query
     megatron = 4 * Fraction(2 * (tp - 1), tp) * 3 * 8 * 32 * 4  # 4 ring all-reduces of b s h
     for sequence_parallel in (False, True):
-        formula = tpm.activation_formula(cfg, 3, 8, tp, sequence_parallel)
+        formula = tensor_parallel.activation_formula(cfg, 3, 8, tp, sequence_parallel)
         ops = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
-        for saved, meter in rank_pool.run(tp, tpm.measure_layer, cfg, 3, 8, sequence_parallel):
+        for saved, meter in rank_pool.run(tp, tensor_parallel.measure_layer, cfg, 3, 8, sequence_parallel):
             assert saved == formula
             assert sum(meter.traffic(op) for op in ops) == megatron, "same volume with SP"
     if tp > 1:  # SP shrinks exactly the norms' share
-        saved = (tpm.activation_formula(cfg, 3, 8, tp, False)
-                 - tpm.activation_formula(cfg, 3, 8, tp, True))
+        saved = (tensor_parallel.activation_formula(cfg, 3, 8, tp, False)
+                 - tensor_parallel.activation_formula(cfg, 3, 8, tp, True))
         assert saved == 4 * 2 * (2 * 3 * 8 * 32 + 3 * 8) * (tp - 1) // tp
 
 
@@ -323,10 +323,10 @@ def test_grouped_query_layer_saves_its_kv_heads_only(n_kv_heads):
     """A 32/8-head layer scaled down: 8 query heads reading n_kv_heads K/V heads. Autograd keeps k
     (after RoPE) and v with their own heads; K/V repeated to the 8 query heads would keep two more
     s x b x (8 - n_kv_heads) x head_dim fp32 tensors, which is what grouping saves."""
-    cfg, batch, seq = ddp.ModelConfig(dim=32, n_heads=8, n_kv_heads=n_kv_heads, ffn_dim=48), 3, 8
-    saved = layer_bytes(ddp.GPT(cfg).layers["0"], cfg, batch, seq)
-    assert saved == tpm.activation_formula(cfg, batch, seq, 1, False)
-    repeated = tpm.activation_formula(dataclasses.replace(cfg, n_kv_heads=8), batch, seq, 1, False)
+    cfg, batch, seq = foundation.ModelConfig(dim=32, n_heads=8, n_kv_heads=n_kv_heads, ffn_dim=48), 3, 8
+    saved = layer_bytes(foundation.GPT(cfg).layers["0"], cfg, batch, seq)
+    assert saved == tensor_parallel.activation_formula(cfg, batch, seq, 1, False)
+    repeated = tensor_parallel.activation_formula(dataclasses.replace(cfg, n_kv_heads=8), batch, seq, 1, False)
     assert repeated - saved == 4 * 2 * seq * batch * (8 - n_kv_heads) * cfg.head_dim
 
 
@@ -345,15 +345,15 @@ def test_korthikanti_formulas_are_the_papers(model):
     sequence parallel sbh(34/t + 5as/(ht)). Before: a missing / t on the SP formula passed every test."""
     a, h = PAPER_MODELS[model]
     s, t, b = 2048, 8, 1
-    cfg = ddp.ModelConfig(vocab_size=51200, dim=h, n_heads=a, ffn_dim=4 * h)
+    cfg = foundation.ModelConfig(vocab_size=51200, dim=h, n_heads=a, ffn_dim=4 * h)
     sbh, scores = s * b * h, 5 * a * s / h
-    assert tpm.korthikanti_bytes(cfg, b, s, 1, False) == pytest.approx(sbh * (34 + scores), rel=1e-12)
-    assert tpm.korthikanti_bytes(cfg, b, s, t, False) == pytest.approx(sbh * (10 + 24 / t + scores / t),
+    assert tensor_parallel.korthikanti_bytes(cfg, b, s, 1, False) == pytest.approx(sbh * (34 + scores), rel=1e-12)
+    assert tensor_parallel.korthikanti_bytes(cfg, b, s, t, False) == pytest.approx(sbh * (10 + 24 / t + scores / t),
                                                                        rel=1e-12)
-    assert tpm.korthikanti_bytes(cfg, b, s, t, True) == pytest.approx(sbh * (34 / t + scores / t),
+    assert tensor_parallel.korthikanti_bytes(cfg, b, s, t, True) == pytest.approx(sbh * (34 / t + scores / t),
                                                                       rel=1e-12)
     for tp in (1, 2, t):  # t = 1: nothing to split, with or without SP
-        assert tpm.korthikanti_bytes(cfg, b, s, tp, True) == pytest.approx(sbh * (34 + scores) / tp,
+        assert tensor_parallel.korthikanti_bytes(cfg, b, s, tp, True) == pytest.approx(sbh * (34 + scores) / tp,
                                                                            rel=1e-12)
 
 
@@ -364,17 +364,17 @@ def test_korthikanti_numbers_in_the_papers_text(model, saving):
     of the TP + SP memory for GPT-3, 65% for MT-NLG; and its abstract's 5x: plain TP against TP + SP
     + selective recompute."""
     (a, h), s, t = PAPER_MODELS[model], 2048, 8
-    cfg = ddp.ModelConfig(dim=h, n_heads=a, ffn_dim=4 * h)
+    cfg = foundation.ModelConfig(dim=h, n_heads=a, ffn_dim=4 * h)
     selective = s * h * 34 / t
-    assert round(1 - selective / tpm.korthikanti_bytes(cfg, 1, s, t, True), 2) == saving
-    assert round(tpm.korthikanti_bytes(cfg, 1, s, t, False) / selective) == 5
+    assert round(1 - selective / tensor_parallel.korthikanti_bytes(cfg, 1, s, t, True), 2) == saving
+    assert round(tensor_parallel.korthikanti_bytes(cfg, 1, s, t, False) / selective) == 5
 
 
 def forward_once(cfg, batch, seq_len, sequence_parallel, bad_token, bad_target, twice):
-    model = tpm.apply_tensor_parallel(ddp.GPT(cfg), None, sequence_parallel)
+    model = tensor_parallel.apply_tensor_parallel(foundation.GPT(cfg), None, sequence_parallel)
     if twice:
-        tpm.apply_tensor_parallel(model, None, sequence_parallel)
-    tokens, targets = ddp.synthetic_batch(cfg, batch, seq_len, 0)
+        tensor_parallel.apply_tensor_parallel(model, None, sequence_parallel)
+    tokens, targets = foundation.synthetic_batch(cfg, batch, seq_len, 0)
     if bad_token is not None:
         tokens[0, 0] = bad_token
     if bad_target is not None:
@@ -396,7 +396,7 @@ def test_bad_sizes_fail_on_every_rank_without_hanging(rank_pool, changes, messag
     changes = dict(changes)  # parametrize shares the dict between reruns
     run = dict(seq_len=8, sequence_parallel=False, bad_token=None, bad_target=None, twice=False)
     run.update({k: changes.pop(k) for k in list(changes) if k in run})
-    cfg = ddp.ModelConfig(**{**dict(vocab_size=32, dim=16, n_heads=4, ffn_dim=16), **changes})
+    cfg = foundation.ModelConfig(**{**dict(vocab_size=32, dim=16, n_heads=4, ffn_dim=16), **changes})
     rank_pool.expect_invalid(4, forward_once, cfg, 2, match=message, **run)
 
 
@@ -435,7 +435,7 @@ def layer_bytes(blocks, cfg, batch: int, seq_len: int, shards: int = 1, dtype=to
     h) (lesson 03's setup), in dtype."""
     blocks = [blocks] if isinstance(blocks, torch.nn.Module) else blocks
     x = torch.randn(batch, seq_len // shards, cfg.dim, dtype=dtype, requires_grad=True)
-    cos, sin = ddp.rope_angles(torch.arange(seq_len), cfg.head_dim, cfg.rope_theta)
+    cos, sin = foundation.rope_angles(torch.arange(seq_len), cfg.head_dim, cfg.rope_theta)
 
     def forward() -> torch.Tensor:
         h = x
@@ -443,7 +443,7 @@ def layer_bytes(blocks, cfg, batch: int, seq_len: int, shards: int = 1, dtype=to
             h = block(h, cos, sin)
         return h
 
-    out, saved = tpm.activation_bytes(forward, [p for b in blocks for p in b.parameters()], x.device)
+    out, saved = tensor_parallel.activation_bytes(forward, [p for b in blocks for p in b.parameters()], x.device)
     out.float().sum().backward()
     return saved
 
@@ -452,20 +452,20 @@ def layer_bytes(blocks, cfg, batch: int, seq_len: int, shards: int = 1, dtype=to
        batch=st.integers(1, 3), seq_len=st.integers(1, 9), seed=st.integers(0, 99))
 def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, groups, layers, batch,
                                                                          seq_len, seed):
-    cfg = ddp.ModelConfig(vocab_size=40, dim=4 * n_heads, n_layers=layers, n_heads=n_heads,
+    cfg = foundation.ModelConfig(vocab_size=40, dim=4 * n_heads, n_layers=layers, n_heads=n_heads,
                           n_kv_heads=max(1, n_heads // groups), ffn_dim=12, seed=seed)
-    batch_data = ddp.synthetic_batch(cfg, batch, seq_len, step=0)
+    batch_data = foundation.synthetic_batch(cfg, batch, seq_len, step=0)
     runs, saved = {}, {}
-    for mode in tpm.RECOMPUTE_MODES:
-        model = tpm.apply_recompute(ddp.GPT(cfg), mode)
+    for mode in tensor_parallel.RECOMPUTE_MODES:
+        model = tensor_parallel.apply_recompute(foundation.GPT(cfg), mode)
         names = [n for n, _ in model.named_parameters()]
-        assert names == [n for n, _ in ddp.GPT(cfg).named_parameters()], "names are kept"
+        assert names == [n for n, _ in foundation.GPT(cfg).named_parameters()], "names are kept"
         runs[mode] = loss_and_grads(model, *batch_data)
         saved[mode] = layer_bytes(model.layers["0"], cfg, batch, seq_len)
-        assert saved[mode] == tpm.layer_activation_formula(cfg, batch, seq_len, 1, False, mode), mode
+        assert saved[mode] == tensor_parallel.layer_activation_formula(cfg, batch, seq_len, 1, False, mode), mode
         for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):  # every layer, bf16 too
             stack = layer_bytes(list(model.to(dtype).layers.values()), cfg, batch, seq_len, dtype=dtype)
-            assert stack == tpm.layer_activation_formula(cfg, batch, seq_len, 1, False, mode, size,
+            assert stack == tensor_parallel.layer_activation_formula(cfg, batch, seq_len, 1, False, mode, size,
                                                          layers=layers), (mode, dtype)
     assert_same_training(runs)
     assert saved["full"] < saved["selective"] < saved["none"]
@@ -473,21 +473,21 @@ def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, 
 
 def test_recompute_refuses_bad_modes_and_a_second_application():
     with pytest.raises(ValueError, match="mode 'some' must be one of \\('none', 'selective', 'full'\\)"):
-        tpm.apply_recompute(ddp.GPT(ddp.ModelConfig()), "some")
-    model = tpm.apply_recompute(ddp.GPT(ddp.ModelConfig()), "full")
+        tensor_parallel.apply_recompute(foundation.GPT(foundation.ModelConfig()), "some")
+    model = tensor_parallel.apply_recompute(foundation.GPT(foundation.ModelConfig()), "full")
     with pytest.raises(ValueError, match="already recomputes \\(full\\)"):
-        tpm.apply_recompute(model, "selective")
+        tensor_parallel.apply_recompute(model, "selective")
 
 
 def recompute_tensor_parallel(cfg, batch: int, seq_len: int, sequence_parallel: bool) -> tuple:
     """On each rank: loss and local gradients under each mode, layer 0's saved bytes, the meter of
     the step (forward + backward), and the TP-local parameter shapes."""
     runs, saved, meters = {}, {}, {}
-    for mode in tpm.RECOMPUTE_MODES:
-        model = tpm.apply_tensor_parallel(ddp.GPT(cfg), None, sequence_parallel)
-        tpm.apply_recompute(model, mode)
-        with ddp.comm_meter() as meters[mode]:
-            runs[mode] = loss_and_grads(model, *ddp.synthetic_batch(cfg, batch, seq_len, step=0))
+    for mode in tensor_parallel.RECOMPUTE_MODES:
+        model = tensor_parallel.apply_tensor_parallel(foundation.GPT(cfg), None, sequence_parallel)
+        tensor_parallel.apply_recompute(model, mode)
+        with foundation.comm_meter() as meters[mode]:
+            runs[mode] = loss_and_grads(model, *foundation.synthetic_batch(cfg, batch, seq_len, step=0))
         shards = dist.get_world_size() if sequence_parallel else 1
         saved[mode] = layer_bytes(model.layers["0"], cfg, batch, seq_len, shards)
     return runs, saved, meters, [(name, tuple(p.shape)) for name, p in model.named_parameters()]
@@ -495,12 +495,12 @@ def recompute_tensor_parallel(cfg, batch: int, seq_len: int, sequence_parallel: 
 
 def recompute_context_parallel(cfg, batch: int, seq_len: int) -> dict:
     cp, rank = dist.get_world_size(), dist.get_rank()
-    layout = cpm.validate_context_parallel(seq_len, cfg.n_heads, cp, "ring", True)
-    tokens, targets = (layout.shard(t, rank, dim=1) for t in ddp.synthetic_batch(cfg, batch, seq_len, 0))
+    layout = context_parallel.validate_context_parallel(seq_len, cfg.n_heads, cp, "ring", True)
+    tokens, targets = (layout.shard(t, rank, dim=1) for t in foundation.synthetic_batch(cfg, batch, seq_len, 0))
     runs = {}
-    for mode in tpm.RECOMPUTE_MODES:
-        model = ddp.GPT(cfg, attn_fn=cpm.ContextParallelAttention(None, "ring", True))
-        runs[mode] = loss_and_grads(tpm.apply_recompute(model, mode), tokens, targets,
+    for mode in tensor_parallel.RECOMPUTE_MODES:
+        model = foundation.GPT(cfg, attn_fn=context_parallel.ContextParallelAttention(None, "ring", True))
+        runs[mode] = loss_and_grads(tensor_parallel.apply_recompute(model, mode), tokens, targets,
                                     positions=layout.positions(rank))
     return runs
 
@@ -509,22 +509,22 @@ def recompute_context_parallel(cfg, batch: int, seq_len: int) -> dict:
 def test_recompute_after_tensor_parallelism(rank_pool, sequence_parallel):
     """Also: full recompute re-runs each block's collectives up to down_proj's input (comm_formula),
     and tp_local_shape gives every parameter's shape on a rank (vocabulary 33 padded to 34)."""
-    cfg = ddp.ModelConfig(vocab_size=33, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=24, n_layers=2)
+    cfg = foundation.ModelConfig(vocab_size=33, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=24, n_layers=2)
     share = {"all_reduce": 1, "all_gather": Fraction(1, 2), "reduce_scatter": Fraction(1, 2)}  # ring, t = 2
     results = rank_pool.run(2, recompute_tensor_parallel, cfg, 2, 6, sequence_parallel)
     for runs, saved, meters, shapes in results:
         assert_same_training(runs)
         for mode, got in saved.items():
-            assert got == tpm.layer_activation_formula(cfg, 2, 6, 2, sequence_parallel, mode), mode
-            formula = tpm.comm_formula(cfg, 2, 6, sequence_parallel, recompute=mode)
+            assert got == tensor_parallel.layer_activation_formula(cfg, 2, 6, 2, sequence_parallel, mode), mode
+            formula = tensor_parallel.comm_formula(cfg, 2, 6, sequence_parallel, recompute=mode)
             assert {op: meters[mode].traffic(op) for op, _ in meters[mode].stats} == \
                 {op: share[op] * payload for op, (_, payload) in formula.items()}, mode
-        assert shapes == [(name, tpm.tp_local_shape(name, shape, 2))
-                          for name, shape in ddp.parameter_shapes(cfg).items()]
+        assert shapes == [(name, tensor_parallel.tp_local_shape(name, shape, 2))
+                          for name, shape in foundation.parameter_shapes(cfg).items()]
 
 
 def test_recompute_with_ring_attention(rank_pool):
-    cfg = ddp.ModelConfig(vocab_size=33, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
+    cfg = foundation.ModelConfig(vocab_size=33, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
     for runs in rank_pool.run(2, recompute_context_parallel, cfg, 2, 8):
         assert_same_training(runs)
 
@@ -533,21 +533,21 @@ def recompute_zero3(cfg, batch: int, seq_len: int) -> dict:
     """ZeRO-3 gathers a block's parameters in hooks around Block.__call__ and, in backward, when
     the block's output gradient arrives: before the recompute reads them."""
     runs = {}
-    for mode in tpm.RECOMPUTE_MODES:
-        model = tpm.apply_recompute(ddp.GPT(cfg), mode)
-        zero, losses = zm.ZeRO(model, stage=3), []
+    for mode in tensor_parallel.RECOMPUTE_MODES:
+        model = tensor_parallel.apply_recompute(foundation.GPT(cfg), mode)
+        zero_opt, losses = zero.ZeRO(model, stage=3), []
         for step in range(2):
-            x, y = ddp.synthetic_batch(cfg, batch, seq_len, step, dist.get_rank(), 2)
+            x, y = foundation.synthetic_batch(cfg, batch, seq_len, step, dist.get_rank(), 2)
             loss = model(x, y)
             loss.backward()
             losses.append(loss.detach())
-            zero.step()
-            zero.zero_grad()
-        runs[mode] = (torch.stack(losses), zero.gather_full([u.master for u in zero.units]))
+            zero_opt.step()
+            zero_opt.zero_grad()
+        runs[mode] = (torch.stack(losses), zero_opt.gather_full([u.master for u in zero_opt.units]))
     return runs
 
 
 def test_recompute_under_zero3(rank_pool):
-    cfg = ddp.ModelConfig(vocab_size=33, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
+    cfg = foundation.ModelConfig(vocab_size=33, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
     for runs in rank_pool.run(2, recompute_zero3, cfg, 4, 6):
         assert_same_training(runs)

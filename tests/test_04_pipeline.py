@@ -28,26 +28,26 @@ from hypothesis import strategies as st
 
 from conftest import run_script
 
-ddp = importlib.import_module("01_ddp")
-pl = importlib.import_module("04_pipeline")
+foundation = importlib.import_module("01_ddp")
+pipeline = importlib.import_module("04_pipeline")
 
 LOSS_ATOL, GRAD_ATOL, GRAD_RTOL, PARAM_ATOL, ADAM_EPS = 1e-5, 1e-6, 1e-4, 1e-5, 1e-6
 
 
 @st.composite
-def schedules(draw, max_pp: int = 5) -> "pl.Schedule":
-    name = draw(st.sampled_from(pl.SCHEDULES))
+def schedules(draw, max_pp: int = 5) -> "pipeline.Schedule":
+    name = draw(st.sampled_from(pipeline.SCHEDULES))
     pp = draw(st.integers(1, max_pp))
     if name == "interleaved":
         virtual, m = draw(st.integers(1, 3)), pp * draw(st.integers(1, 3))
     else:
         virtual, m = 1, draw(st.integers(1, 10))
-    return pl.make_schedule(name, pp, m, virtual)
+    return pipeline.make_schedule(name, pp, m, virtual)
 
 
 # --- schedules as data ------------------------------------------------------------------------
 
-def payload(action: "pl.Action") -> tuple[str, int, int]:
+def payload(action: "pipeline.Action") -> tuple[str, int, int]:
     """What a transfer carries, named by the stage that receives it."""
     if action.kind == "SEND_F":
         return "act", action.stage + 1, action.microbatch
@@ -56,7 +56,7 @@ def payload(action: "pl.Action") -> tuple[str, int, int]:
     return ("act" if action.kind == "RECV_F" else "grad"), action.stage, action.microbatch
 
 
-def run_with_rendezvous(plan: "pl.Schedule") -> None:
+def run_with_rendezvous(plan: "pipeline.Schedule") -> None:
     """Execute every rank's list in a model of the strictest point-to-point semantics: a compute
     action needs its input (computed here, or received), and a batch of consecutive transfers is
     posted at once and completes only when the peer of every transfer in it has posted the matching
@@ -97,17 +97,17 @@ def run_with_rendezvous(plan: "pl.Schedule") -> None:
             if position[r] == len(actions):
                 continue
             a = actions[position[r]]
-            if a.kind in pl.COMPUTE:
+            if a.kind in pipeline.COMPUTE:
                 if ready(r, a):
                     done.add((a.kind, a.stage, a.microbatch))
                     position[r] += 1
                     progressed = True
                 continue
             ops = []
-            while position[r] < len(actions) and actions[position[r]].kind not in pl.COMPUTE:
+            while position[r] < len(actions) and actions[position[r]].kind not in pipeline.COMPUTE:
                 a = actions[position[r]]
                 position[r] += 1
-                if a.kind in pl.SEND:
+                if a.kind in pipeline.SEND:
                     produced = ("F" if a.kind == "SEND_F" else "B", a.stage, a.microbatch)
                     assert produced in done, f"rank {r} sends {a} before computing it"
                     key = (r, a.peer, "send")
@@ -128,7 +128,7 @@ def test_schedules_are_complete_ordered_and_never_deadlock(plan):
     n_stages, m = plan.n_stages, plan.microbatches
     kinds = ("F", "B", "W") if plan.split_backward else ("F", "B")
     for rank, actions in enumerate(plan.actions):
-        compute = [a for a in actions if a.kind in pl.COMPUTE]
+        compute = [a for a in actions if a.kind in pipeline.COMPUTE]
         owned = range(rank, n_stages, plan.pp)
         assert sorted((a.kind, a.stage, a.microbatch) for a in compute) == \
             sorted((k, s, i) for k in kinds for s in owned for i in range(m)), "each action exactly once"
@@ -146,12 +146,12 @@ def test_schedules_are_complete_ordered_and_never_deadlock(plan):
             weighted += (a.stage + 1) * ((a.kind == "F") - (a.kind == frees))
             peak, weighted_peak = max(peak, held), max(weighted_peak, weighted)
         assert peak == plan.in_flight_bound(rank)
-        assert weighted_peak == pl.held_at_peak(plan.name, rank, plan.pp, m, plan.virtual, lambda s: s + 1)
+        assert weighted_peak == pipeline.held_at_peak(plan.name, rank, plan.pp, m, plan.virtual, lambda s: s + 1)
     run_with_rendezvous(plan)
 
 
 def test_the_rendezvous_model_catches_mismatches_and_deadlocks():
-    plan = pl.make_schedule("1f1b", 3, 4)
+    plan = pipeline.make_schedule("1f1b", 3, 4)
     rank1 = plan.actions[1]
     first, second = [i for i, a in enumerate(rank1) if a.kind == "SEND_F"][:2]
     rank1[first], rank1[second] = rank1[second], rank1[first]
@@ -159,7 +159,7 @@ def test_the_rendezvous_model_catches_mismatches_and_deadlocks():
         run_with_rendezvous(plan)
     # Rank 0 waits for the first gradient before sending the second activation, which rank 1
     # needs before it can produce that gradient: a cycle.
-    plan = pl.make_schedule("1f1b", 2, 2)
+    plan = pipeline.make_schedule("1f1b", 2, 2)
     assert [str(a) for a in plan.actions[0][:5]] == ["F0@s0", "SEND_F0@s0<->1", "F1@s0", "SEND_F1@s0<->1",
                                                     "RECV_B0@s0<->1"]
     plan.actions[0].insert(2, plan.actions[0].pop(4))
@@ -177,15 +177,15 @@ def test_planned_bubble_equals_the_formula(plan):
 def test_schedule_shapes_on_a_known_case():
     """p = 2, m = 3, drawn by hand from the definitions in the module docstring."""
     def order(name: str, rank: int) -> list[str]:
-        actions = pl.make_schedule(name, 2, 3).actions[rank]
-        return [f"{a.kind}{a.microbatch}" for a in actions if a.kind in pl.COMPUTE]
+        actions = pipeline.make_schedule(name, 2, 3).actions[rank]
+        return [f"{a.kind}{a.microbatch}" for a in actions if a.kind in pipeline.COMPUTE]
 
     assert order("gpipe", 0) == ["F0", "F1", "F2", "B0", "B1", "B2"]
     assert order("1f1b", 0) == ["F0", "F1", "B0", "F2", "B1", "B2"]
     assert order("1f1b", 1) == ["F0", "B0", "F1", "B1", "F2", "B2"]
     assert order("zb-h1", 0) == ["F0", "F1", "B0", "W0", "F2", "B1", "W1", "B2", "W2"]
     assert order("zb-h1", 1) == ["F0", "B0", "F1", "B1", "W0", "F2", "B2", "W1", "W2"]
-    assert str(pl.make_schedule("1f1b", 2, 3)).splitlines() == [
+    assert str(pipeline.make_schedule("1f1b", 2, 3)).splitlines() == [
         "rank 0 |F0F1. . B0--F2B1--. B2--|",
         "rank 1 |. F0B0--F1B1--F2B2--. . |"]
 
@@ -193,7 +193,7 @@ def test_schedule_shapes_on_a_known_case():
 @given(n_layers=st.integers(1, 9), n_stages=st.integers(1, 9))
 def test_stage_cut_is_balanced_and_covers_every_layer(n_layers, n_stages):
     assume(n_stages <= n_layers)
-    cut = pl.stage_layers(n_layers, n_stages)
+    cut = pipeline.stage_layers(n_layers, n_stages)
     assert [i for r in cut for i in r] == list(range(n_layers))
     assert max(map(len, cut)) - min(map(len, cut)) <= 1
 
@@ -219,12 +219,12 @@ def assert_matches_reference(runs, reference) -> None:
 
 
 def check_against_single_device(rank_pool, pp, name, m, virtual, seed=0, per_micro=1, seq_len=5):
-    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, seed=seed,
+    cfg = foundation.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, seed=seed,
                           n_layers=pp * virtual + seed % 2)
     steps, batch = 3, m * per_micro
-    runs = rank_pool.run(pp, pl.train_pipeline, cfg, steps, batch, seq_len, schedule=name,
+    runs = rank_pool.run(pp, pipeline.train_pipeline, cfg, steps, batch, seq_len, schedule=name,
                          microbatches=m, virtual=virtual, adam_eps=ADAM_EPS)
-    reference = ddp.train_single_device(cfg, steps, batch, seq_len, adam_eps=ADAM_EPS)
+    reference = foundation.train_single_device(cfg, steps, batch, seq_len, adam_eps=ADAM_EPS)
     assert_matches_reference(runs, reference)
     # The meter: m activations forward over each stage boundary a rank's stage sends from, m
     # gradients back over each boundary it receives from; one microbatch is per_micro x seq x dim.
@@ -234,14 +234,14 @@ def check_against_single_device(rank_pool, pp, name, m, virtual, seed=0, per_mic
         expected = sum((s < pp * virtual - 1) + (s > 0) for s in mine) * boundary * steps
         assert meter.traffic("send") == expected and meter.payload("recv") == expected
         assert meter.calls() == meter.calls("send") + meter.calls("recv"), "only point-to-point"
-        plan = pl.make_schedule(name, pp, m, virtual)
+        plan = pipeline.make_schedule(name, pp, m, virtual)
         assert {log.peak_in_flight for log in logs} == {plan.in_flight_bound(rank)}
         assert [r[:3] for r in logs[0].records] == \
-            [(a.kind, a.stage, a.microbatch) for a in plan.actions[rank] if a.kind in pl.COMPUTE]
+            [(a.kind, a.stage, a.microbatch) for a in plan.actions[rank] if a.kind in pipeline.COMPUTE]
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4])
-@pytest.mark.parametrize("name", pl.SCHEDULES)
+@pytest.mark.parametrize("name", pipeline.SCHEDULES)
 def test_every_schedule_equals_single_device(rank_pool, pp, name):
     """Fewer microbatches than stages where the schedule allows it (interleaved needs m = k pp)."""
     if name == "interleaved":
@@ -250,7 +250,7 @@ def test_every_schedule_equals_single_device(rank_pool, pp, name):
         check_against_single_device(rank_pool, pp, name, m=pp - 1, virtual=1)
 
 
-@given(pp=st.sampled_from([2, 3, 4]), name=st.sampled_from(pl.SCHEDULES), k=st.integers(1, 2),
+@given(pp=st.sampled_from([2, 3, 4]), name=st.sampled_from(pipeline.SCHEDULES), k=st.integers(1, 2),
        m=st.integers(1, 6), virtual=st.integers(1, 2), seed=st.integers(0, 99),
        per_micro=st.integers(1, 2), seq_len=st.integers(1, 6))
 def test_pipeline_equals_single_device(rank_pool, pp, name, k, m, virtual, seed, per_micro, seq_len):
@@ -268,15 +268,15 @@ def pipelines_on_subgroups(cfg, steps: int, batch: int, seq_len: int):
     pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
     singles = [dist.new_group([r]) for r in range(4)]
     common = dict(microbatches=2, adam_eps=ADAM_EPS)
-    return (pl.train_pipeline(cfg, steps, batch, seq_len, schedule="zb-h1", group=pairs[rank % 2], **common),
-            pl.train_pipeline(cfg, steps, batch, seq_len, schedule="interleaved", virtual=2,
+    return (pipeline.train_pipeline(cfg, steps, batch, seq_len, schedule="zb-h1", group=pairs[rank % 2], **common),
+            pipeline.train_pipeline(cfg, steps, batch, seq_len, schedule="interleaved", virtual=2,
                               group=singles[rank], **common))
 
 
 def test_pipelines_on_subgroups_and_on_one_rank(rank_pool):
-    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, n_layers=2, seed=7)
+    cfg = foundation.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, n_layers=2, seed=7)
     runs = rank_pool.run(4, pipelines_on_subgroups, cfg, 2, 4, 5)
-    reference = ddp.train_single_device(cfg, 2, 4, 5, adam_eps=ADAM_EPS)
+    reference = foundation.train_single_device(cfg, 2, 4, 5, adam_eps=ADAM_EPS)
     for members in ((0, 2), (1, 3)):
         grads = {n: g for r in members for n, g in runs[r][0][0].first_grads.items()}
         params = {n: p for r in members for n, p in runs[r][0][0].params.items()}
@@ -300,25 +300,25 @@ FROZEN = ("layers.0.attn.q_proj.weight", "lm_head.weight")  # on the first and o
 def step_with_frozen_parameters(cfg, name: str, m: int, batch: int, seq_len: int) -> dict:
     """One step of the executor on stages with some parameters frozen: their .grad stays None."""
     pp, rank = dist.get_world_size(), dist.get_rank()
-    plan = pl.make_schedule(name, pp, m)
-    stages = {rank: pl.build_stage(cfg, rank, pp)}
+    plan = pipeline.make_schedule(name, pp, m)
+    stages = {rank: pipeline.build_stage(cfg, rank, pp)}
     for n, p in stages[rank].named_parameters():
         p.requires_grad_(n not in FROZEN)
-    tokens, targets = ddp.synthetic_batch(cfg, batch, seq_len, 0)
-    pl.run_schedule(plan, stages, tokens, targets)
+    tokens, targets = foundation.synthetic_batch(cfg, batch, seq_len, 0)
+    pipeline.run_schedule(plan, stages, tokens, targets)
     return {n: p.grad for n, p in stages[rank].named_parameters()}
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
 def test_frozen_parameters_get_no_gradient_and_the_rest_are_unchanged(rank_pool, name):
-    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
+    cfg = foundation.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
     grads = {}
     for per_rank in rank_pool.run(2, step_with_frozen_parameters, cfg, name, 2, 4, 5):
         grads.update(per_rank)
-    reference = ddp.GPT(cfg)
+    reference = foundation.GPT(cfg)
     for n, p in reference.named_parameters():
         p.requires_grad_(n not in FROZEN)
-    reference(*ddp.synthetic_batch(cfg, 4, 5, 0)).backward()
+    reference(*foundation.synthetic_batch(cfg, 4, 5, 0)).backward()
     for n, p in reference.named_parameters():
         if n in FROZEN:
             assert grads[n] is None, n
@@ -327,8 +327,8 @@ def test_frozen_parameters_get_no_gradient_and_the_rest_are_unchanged(rank_pool,
 
 
 def freeze_stages(model, frozen: tuple[int, ...], n_stages: int):
-    """Freeze every parameter of the given stages of the cut pl.cut_stage makes."""
-    cut = pl.stage_layers(model.cfg.n_layers, n_stages)
+    """Freeze every parameter of the given stages of the cut pipeline.cut_stage makes."""
+    cut = pipeline.stage_layers(model.cfg.n_layers, n_stages)
     modules = [model.layers[str(i)] for s in frozen for i in cut[s]]
     modules += [model.embed] * (0 in frozen) + [model.norm, model.lm_head] * (n_stages - 1 in frozen)
     for module in modules:
@@ -337,18 +337,18 @@ def freeze_stages(model, frozen: tuple[int, ...], n_stages: int):
 
 
 @pytest.mark.parametrize("frozen", [(0,), (1,), (0, 1)])
-@pytest.mark.parametrize("name", pl.SCHEDULES)
+@pytest.mark.parametrize("name", pipeline.SCHEDULES)
 def test_a_fully_frozen_stage_trains_the_rest_as_on_one_device(rank_pool, name, frozen):
     """Before: a frozen first stage raised 'element 0 of tensors does not require grad' (ZB-H1: 'inputs
     to grad() cannot be empty' for a middle one) and its peers died. Now a frozen stage sends its
     input gradient back only if a stage before it trains, and computes no weight gradient."""
     pp, virtual, m = (2, 2, 2) if name == "interleaved" else (3, 1, 3)
     n_stages = pp * virtual
-    cfg = ddp.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, n_layers=n_stages)
+    cfg = foundation.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, n_layers=n_stages)
     freeze = functools.partial(freeze_stages, frozen=frozen, n_stages=n_stages)
-    runs = rank_pool.run(pp, pl.train_pipeline, cfg, 3, m, 4, schedule=name, microbatches=m,
+    runs = rank_pool.run(pp, pipeline.train_pipeline, cfg, 3, m, 4, schedule=name, microbatches=m,
                          virtual=virtual, adam_eps=ADAM_EPS, transform=freeze)
-    reference = ddp.train_single_device(cfg, 3, m, 4, adam_eps=ADAM_EPS, transform=freeze)
+    reference = foundation.train_single_device(cfg, 3, m, 4, adam_eps=ADAM_EPS, transform=freeze)
     assert_matches_reference(runs, reference)
     boundary = m * 4 * cfg.dim * 4  # one step's activations (or gradients) over one stage boundary
     for rank, (_, meter, _) in enumerate(runs):
@@ -370,8 +370,8 @@ def test_a_fully_frozen_stage_trains_the_rest_as_on_one_device(rank_pool, name, 
     (dict(n_layers=2, pp=2, virtual=1, schedule="gpipe", m=0), r"must all be >= 1"),
 ])
 def test_bad_configuration_fails_on_every_rank_without_hanging(rank_pool, kwargs, message):
-    cfg = ddp.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=kwargs["n_layers"])
-    rank_pool.expect_invalid(kwargs["pp"], pl.train_pipeline, cfg, 1, kwargs.get("batch", 4), 3,
+    cfg = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=kwargs["n_layers"])
+    rank_pool.expect_invalid(kwargs["pp"], pipeline.train_pipeline, cfg, 1, kwargs.get("batch", 4), 3,
                              schedule=kwargs["schedule"], microbatches=kwargs["m"],
                              virtual=kwargs["virtual"], match=message)
 
@@ -382,10 +382,10 @@ def test_measured_timeline_drawing_bubble_and_trace():
     """Two ranks, made-up records: rank 0 busy 0-2 (F) and 3-4 (b, a later chunk), rank 1 1-4."""
     records = [torch.tensor([[0, 0, 0, 0.0, 2.0], [1, 2, 0, 3.0, 4.0]], dtype=torch.float64),
                torch.tensor([[0, 1, 0, 1.0, 4.0]], dtype=torch.float64)]
-    assert pl.measured_bubble(records) == pytest.approx(1 - 6 / 8)
-    assert pl.draw_measured(records, pp=2, width=8).splitlines() == ["rank 0 |FFFF..bb|",
+    assert pipeline.measured_bubble(records) == pytest.approx(1 - 6 / 8)
+    assert pipeline.draw_measured(records, pp=2, width=8).splitlines() == ["rank 0 |FFFF..bb|",
                                                                      "rank 1 |..FFFFFF|"]
-    events = json.loads(json.dumps(pl.trace_events("1f1b", 3, records)))
+    events = json.loads(json.dumps(pipeline.trace_events("1f1b", 3, records)))
     slices = [e for e in events if e["ph"] == "X"]
     assert [(e["tid"], e["name"], e["ts"], e["dur"]) for e in slices] == \
         [(0, "F0", 0.0, 2e6), (0, "B0", 3e6, 1e6), (1, "F0", 1e6, 3e6)]
@@ -401,7 +401,7 @@ def test_script_runs_as_plain_python(tmp_path):
                         str(trace))
     rows = re.findall(r"^(\S+)(?: v=\d)?\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d,]+), ([\d,]+)$",
                       stdout, re.M)
-    assert [r[0] for r in rows] == list(pl.SCHEDULES), stdout
+    assert [r[0] for r in rows] == list(pipeline.SCHEDULES), stdout
     assert "B3-- = its backward" in stdout and re.search(r"load average [\d.]+ over the last minute", stdout)
     for _, *diffs, sent0, sent1 in rows:  # the demo keeps Adam's default eps: 10x more room
         assert float(diffs[0]) <= LOSS_ATOL, stdout
@@ -426,9 +426,9 @@ def test_options_that_would_fail_late_are_refused_before_any_rank_starts(monkeyp
     every rank's traceback; --unit-ms nan printed 'F = nan ms', inf ended in an OverflowError."""
     options = [o.format(tmp=tmp_path) for o in options]
     monkeypatch.setattr("sys.argv", ["04_pipeline.py", "--nproc", "2", *options])
-    monkeypatch.setattr(ddp, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
     with pytest.raises(SystemExit) as exit_:
-        pl.main()
+        pipeline.main()
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == [], "the check leaves nothing behind"
@@ -443,12 +443,12 @@ def test_a_parameter_no_single_stage_owns_is_refused(change, message):
     itself, would be two independent copies training apart: refused by cut_stage (so before any
     collective, on every rank alike); with one stage there is nothing to split."""
     def model():
-        gpt = ddp.GPT(ddp.ModelConfig(vocab_size=16, dim=16, n_heads=2, ffn_dim=16, n_layers=2))
+        gpt = foundation.GPT(foundation.ModelConfig(vocab_size=16, dim=16, n_heads=2, ffn_dim=16, n_layers=2))
         if change == "tie":
             gpt.lm_head.weight = gpt.embed.weight
         else:
             gpt.logit_scale = torch.nn.Parameter(torch.ones(()))
         return gpt
     with pytest.raises(ValueError, match=message):
-        pl.cut_stage(model(), 0, 2)
-    assert pl.cut_stage(model(), 0, 1).embed is not None
+        pipeline.cut_stage(model(), 0, 2)
+    assert pipeline.cut_stage(model(), 0, 1).embed is not None

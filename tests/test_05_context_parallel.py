@@ -31,9 +31,9 @@ from hypothesis import strategies as st
 from conftest import run_script
 from test_01_ddp import ADAM_EPS, assert_matches_reference
 
-cpmod = importlib.import_module("05_context_parallel")  # first: imports lesson 07 (interpreter switch)
-fa = importlib.import_module("07_flash_attention")
-ddp = importlib.import_module("01_ddp")
+context_parallel = importlib.import_module("05_context_parallel")  # first: imports lesson 07 (interpreter switch)
+flash = importlib.import_module("07_flash_attention")
+foundation = importlib.import_module("01_ddp")
 
 ATTN_ATOL, ATTN_RTOL, MERGE_ATOL, KERNEL_ATOL = 1e-5, 1e-4, 1e-12, 1e-5
 VARIANTS = [("ring", False), ("ring", True), ("ulysses", False), ("ulysses", True)]  # (method, zigzag)
@@ -65,7 +65,7 @@ def test_merge_rule_equals_the_unsplit_softmax(block_lens, rows, density, seed):
     partials = [(o.requires_grad_(), lse.requires_grad_()) for o, lse in partials]
     out, lse = partials[0]
     for part in partials[1:]:
-        out, lse = cpmod.merge_partials(out, lse, *part)
+        out, lse = context_parallel.merge_partials(out, lse, *part)
     expected_out, expected_lse = masked_partial(scores, visible, v)
     torch.testing.assert_close(out, expected_out, atol=MERGE_ATOL, rtol=0)
     torch.testing.assert_close(lse, expected_lse, atol=MERGE_ATOL, rtol=0)
@@ -78,9 +78,9 @@ def test_merge_rule_equals_the_unsplit_softmax(block_lens, rows, density, seed):
 
 def test_merge_propagates_nan():
     out, lse, nan = torch.zeros(1, 2), torch.zeros(1), float("nan")
-    merged_out, merged_lse = cpmod.merge_partials(out, lse, out, torch.tensor([nan]))
+    merged_out, merged_lse = context_parallel.merge_partials(out, lse, out, torch.tensor([nan]))
     assert merged_out.isnan().all() and merged_lse.isnan().all()
-    merged_out, merged_lse = cpmod.merge_partials(torch.full((1, 2), nan), lse, out, lse)
+    merged_out, merged_lse = context_parallel.merge_partials(torch.full((1, 2), nan), lse, out, lse)
     assert merged_out.isnan().all() and merged_lse.isfinite().all()
 
 
@@ -89,7 +89,7 @@ def test_merge_propagates_nan():
 @given(cp=st.integers(1, 4), chunk=st.integers(1, 3), zigzag=st.booleans())
 def test_layout_shards_tile_the_sequence(cp, chunk, zigzag):
     seq = (2 * cp if zigzag else cp) * chunk
-    layout = cpmod.SequenceLayout(seq, cp, zigzag)
+    layout = context_parallel.SequenceLayout(seq, cp, zigzag)
     x = torch.arange(seq * 2).view(2, seq)
     shards = [layout.shard(x, r, dim=1) for r in range(cp)]
     assert torch.equal(layout.unshard(shards, dim=1), x)
@@ -131,18 +131,18 @@ def test_sharded_attention_equals_full_attention(rank_pool, cp, variant, causal,
     kv_heads = kv_heads_per_rank * cp if method == "ulysses" else kv_heads_per_rank
     heads = group * kv_heads
     seq = (2 * cp if zigzag else cp) * chunk
-    runs = rank_pool.run(cp, cpmod.sharded_attention, batch, heads, seq, head_dim, method=method,
+    runs = rank_pool.run(cp, context_parallel.sharded_attention, batch, heads, seq, head_dim, method=method,
                          zigzag=zigzag, causal=causal, seed=seed, kv_heads=kv_heads)
-    layout = cpmod.SequenceLayout(seq, cp, zigzag)
-    inputs = cpmod.attention_inputs(batch, heads, seq, head_dim, seed, dtype=torch.float64, kv_heads=kv_heads)
-    reference = fa.outputs_and_grads(lambda q, k, v: fa.naive_attention(q, k, v, causal), *inputs)
+    layout = context_parallel.SequenceLayout(seq, cp, zigzag)
+    inputs = context_parallel.attention_inputs(batch, heads, seq, head_dim, seed, dtype=torch.float64, kv_heads=kv_heads)
+    reference = flash.outputs_and_grads(lambda q, k, v: flash.naive_attention(q, k, v, causal), *inputs)
     for name, i in zip(("out", "lse", "dq", "dk", "dv"), range(5), strict=True):
         got = layout.unshard([results[i] for results, _, _ in runs], dim=2)
         torch.testing.assert_close(got.double(), reference[i], atol=ATTN_ATOL, rtol=ATTN_RTOL,
                                    msg=lambda m, name=name: f"{name}: {m}")
 
     tokens = batch * seq // cp
-    formula = sum(cpmod.attention_bytes(method, tokens * heads * head_dim, tokens * kv_heads * head_dim, cp,
+    formula = sum(context_parallel.attention_bytes(method, tokens * heads * head_dim, tokens * kv_heads * head_dim, cp,
                                         with_lse_elems=tokens * heads).values())
     for rank, (_, meter, work) in enumerate(runs):
         if method == "ring":
@@ -156,7 +156,7 @@ def test_sharded_attention_equals_full_attention(rank_pool, cp, variant, causal,
 
 
 def ring_bytes(kv_heads: int) -> Fraction:
-    _, meter, _ = cpmod.sharded_attention(1, 8, 16, 4, method="ring", zigzag=True, causal=True,
+    _, meter, _ = context_parallel.sharded_attention(1, 8, 16, 4, method="ring", zigzag=True, causal=True,
                                           kv_heads=kv_heads)
     return meter.traffic("send")
 
@@ -165,7 +165,7 @@ def test_the_ring_sends_the_kv_heads_only(rank_pool):
     # 8 query heads reading 2 K/V heads: the ring circulates a quarter of what K/V repeated to the 8
     # query heads would (the reference model repeated them before this lesson grouped them).
     grouped, repeated = (rank_pool.run(4, ring_bytes, kv)[0] for kv in (2, 8))
-    assert grouped == sum(cpmod.attention_bytes("ring", 8 * 4 * 4, 2 * 4 * 4, 4).values())
+    assert grouped == sum(context_parallel.attention_bytes("ring", 8 * 4 * 4, 2 * 4 * 4, 4).values())
     assert grouped * 4 == repeated
 
 
@@ -173,14 +173,14 @@ def large_logit_errors(method: str, zigzag: bool) -> list[float]:
     """Max |error| against float64 of out, dq, dk, dv, this rank's shard, with q and k scaled by 40:
     scores of size ~1000, lse ~5000, where an fp32 lse is only known to ~5e-4."""
     heads, kv_heads, seq, head_dim, scale = 6, 3, 24, 16, 40.0
-    layout = cpmod.SequenceLayout(seq, dist.get_world_size(), zigzag)
-    q, k, v, dout, _ = cpmod.attention_inputs(1, heads, seq, head_dim, seed=5, kv_heads=kv_heads)
+    layout = context_parallel.SequenceLayout(seq, dist.get_world_size(), zigzag)
+    q, k, v, dout, _ = context_parallel.attention_inputs(1, heads, seq, head_dim, seed=5, kv_heads=kv_heads)
     q, k = q * scale, k * scale
-    attend = {"ring": lambda *x: cpmod.ring_attention(*x, None, zigzag, True),
-              "ulysses": lambda *x: cpmod.ulysses_attention(*x, None, zigzag, True)}[method]
-    got = fa.outputs_and_grads(attend, *(layout.shard(t, dist.get_rank(), dim=2) for t in (q, k, v, dout)))
-    exact = fa.outputs_and_grads(lambda *x: fa.naive_attention(*x, True), *(t.double() for t in (q, k, v, dout)))
-    return [fa.max_diff(g, layout.shard(e, dist.get_rank(), dim=2))
+    attend = {"ring": lambda *x: context_parallel.ring_attention(*x, None, zigzag, True),
+              "ulysses": lambda *x: context_parallel.ulysses_attention(*x, None, zigzag, True)}[method]
+    got = flash.outputs_and_grads(attend, *(layout.shard(t, dist.get_rank(), dim=2) for t in (q, k, v, dout)))
+    exact = flash.outputs_and_grads(lambda *x: flash.naive_attention(*x, True), *(t.double() for t in (q, k, v, dout)))
+    return [flash.max_diff(g, layout.shard(e, dist.get_rank(), dim=2))
             for i, (g, e) in enumerate(zip(got, exact, strict=True)) if i != 1]
 
 
@@ -190,12 +190,12 @@ def test_large_logits_lose_no_more_than_one_device_attention(rank_pool, method, 
     With the lse kept in fp32 (merged in fp32, P = exp(s - lse) in fp32) the ring was 10x worse:
     dq 3.7e-3 and dk 5.1e-3 where one device is at 2.8e-4 and 4.6e-4 (review of issue 28)."""
     heads, kv_heads, seq, head_dim, scale = 6, 3, 24, 16, 40.0
-    q, k, v, dout, _ = cpmod.attention_inputs(1, heads, seq, head_dim, seed=5, kv_heads=kv_heads)
+    q, k, v, dout, _ = context_parallel.attention_inputs(1, heads, seq, head_dim, seed=5, kv_heads=kv_heads)
     q, k = q * scale, k * scale
     sdpa = lambda *x: (F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True), None)
-    one_device = fa.outputs_and_grads(sdpa, q, k, v, dout)
-    exact = fa.outputs_and_grads(lambda *x: fa.naive_attention(*x, True), *(t.double() for t in (q, k, v, dout)))
-    bound = [4 * fa.max_diff(a, b) + 1e-5 for i, (a, b) in enumerate(zip(one_device, exact)) if i != 1]
+    one_device = flash.outputs_and_grads(sdpa, q, k, v, dout)
+    exact = flash.outputs_and_grads(lambda *x: flash.naive_attention(*x, True), *(t.double() for t in (q, k, v, dout)))
+    bound = [4 * flash.max_diff(a, b) + 1e-5 for i, (a, b) in enumerate(zip(one_device, exact)) if i != 1]
     for errors in rank_pool.run(3, large_logit_errors, method, zigzag):
         for name, error, limit in zip(("out", "dq", "dk", "dv"), errors, bound, strict=True):
             assert error <= limit, f"{name}: {error:.2e} > {limit:.2e}"
@@ -205,19 +205,19 @@ NAN_AT = 5  # the token whose key or value is NaN; rows 5.. attend to it, rows 0
 
 
 def nan_inputs(where: str) -> list[torch.Tensor]:
-    q, k, v, dout, _ = cpmod.attention_inputs(1, 4, 16, 16, seed=6, kv_heads=2)
+    q, k, v, dout, _ = context_parallel.attention_inputs(1, 4, 16, 16, seed=6, kv_heads=2)
     {"k": k, "v": v}[where][:, 1, NAN_AT] = float("nan")  # K/V head 1: query heads 2 and 3
     return [q, k, v, dout]
 
 
 def sharded_nan_attention(method: str, zigzag: bool, where: str) -> list[torch.Tensor]:
     """out, lse, dq of the whole sequence, gathered from the shards (one all-gather each)."""
-    layout = cpmod.SequenceLayout(16, dist.get_world_size(), zigzag)
-    attend = {"ring": lambda *x: cpmod.ring_attention(*x, None, zigzag, True),
-              "ulysses": lambda *x: cpmod.ulysses_attention(*x, None, zigzag, True, with_lse=True)}[method]
+    layout = context_parallel.SequenceLayout(16, dist.get_world_size(), zigzag)
+    attend = {"ring": lambda *x: context_parallel.ring_attention(*x, None, zigzag, True),
+              "ulysses": lambda *x: context_parallel.ulysses_attention(*x, None, zigzag, True, with_lse=True)}[method]
     shards = [layout.shard(t, dist.get_rank(), dim=2) for t in nan_inputs(where)]
     gathered = []
-    for shard in fa.outputs_and_grads(attend, *shards)[:3]:
+    for shard in flash.outputs_and_grads(attend, *shards)[:3]:
         parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, shard.contiguous())
         gathered.append(layout.unshard(parts, dim=2))
@@ -235,11 +235,11 @@ def test_a_nan_reaches_every_row_that_attends_to_it_on_every_path(rank_pool, whe
                                                                        zigzag, where)[0]
              for method, zigzag in (("ring", False), ("ring", True), ("ulysses", True))}
     q, k, v, dout = nan_inputs(where)
-    paths["one device"] = fa.outputs_and_grads(lambda *x: fa.naive_attention(*x, True), q, k, v, dout)[:3]
+    paths["one device"] = flash.outputs_and_grads(lambda *x: flash.naive_attention(*x, True), q, k, v, dout)[:3]
     sdpa = lambda *x: (F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True), None)
-    paths["one device, SDPA"] = fa.outputs_and_grads(sdpa, q, k, v, dout)[:3]
-    device = "cpu" if fa.INTERPRETED else "cuda"
-    kernel = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 0, 0, True),
+    paths["one device, SDPA"] = flash.outputs_and_grads(sdpa, q, k, v, dout)[:3]
+    device = "cpu" if flash.INTERPRETED else "cuda"
+    kernel = flash.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, True),
                                   *(t.to(device) for t in (q, k, v, dout)))[:3]
     paths["one device, lesson 07's kernel"] = [t.cpu() for t in kernel]
     for name, (out, lse, dq) in paths.items():
@@ -260,30 +260,30 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not():
     assert max(zigzag) / max(contiguous) == Fraction(9, 16)
 
 
-def kernel_block() -> "cpmod.BlockAttention":
+def kernel_block() -> "context_parallel.BlockAttention":
     """Lesson 07's kernel as the ring's block. The pool's gloo ranks hold CPU tensors, which only the
     interpreter takes: on a GPU machine each call moves its inputs to CUDA and its results back."""
-    if fa.INTERPRETED:
-        return cpmod.FLASH_BLOCK
+    if flash.INTERPRETED:
+        return context_parallel.FLASH_BLOCK
 
     def on_cuda(fn):
         def call(*args):
             results = fn(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args))
             return tuple(t.cpu() for t in results)
         return call
-    return cpmod.BlockAttention(cpmod.FLASH_BLOCK.name, on_cuda(cpmod.FLASH_BLOCK.forward),
-                                on_cuda(cpmod.FLASH_BLOCK.backward))
+    return context_parallel.BlockAttention(context_parallel.FLASH_BLOCK.name, on_cuda(context_parallel.FLASH_BLOCK.forward),
+                                on_cuda(context_parallel.FLASH_BLOCK.backward))
 
 
 def with_both_blocks(method: str, causal: bool):
     results = {}
-    for block in (cpmod.TORCH_BLOCK, kernel_block()):
-        results[block.name], _, _ = cpmod.sharded_attention(1, 4, 8, 16, method=method, zigzag=True,
+    for block in (context_parallel.TORCH_BLOCK, kernel_block()):
+        results[block.name], _, _ = context_parallel.sharded_attention(1, 4, 8, 16, method=method, zigzag=True,
                                                             causal=causal, block=block, seed=3, kv_heads=2)
     return results
 
 
-@pytest.mark.parametrize("method", cpmod.METHODS)
+@pytest.mark.parametrize("method", context_parallel.METHODS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_triton_kernel_as_block_equals_the_torch_block(rank_pool, method, causal):
     for results in rank_pool.run(2, with_both_blocks, method, causal, timeout=300):
@@ -302,7 +302,7 @@ def cp_model_setups(draw):
     n_kv_heads = draw(st.sampled_from([d for d in (1, 2, 4) if n_heads % d == 0
                                        and (method == "ring" or d % cp == 0)]))
     head_dim = draw(st.sampled_from([4, 8]))
-    cfg = ddp.ModelConfig(vocab_size=draw(st.sampled_from([16, 50])), dim=n_heads * head_dim,
+    cfg = foundation.ModelConfig(vocab_size=draw(st.sampled_from([16, 50])), dim=n_heads * head_dim,
                           n_layers=draw(st.integers(1, 2)), n_heads=n_heads, n_kv_heads=n_kv_heads,
                           ffn_dim=16, seed=draw(st.integers(0, 99)))
     seq = (2 * cp if zigzag else cp) * draw(st.integers(1, 3))
@@ -310,38 +310,38 @@ def cp_model_setups(draw):
 
 
 @given(setup=cp_model_setups())
-@example(setup=(ddp.ModelConfig(vocab_size=16, dim=16, n_heads=2, n_kv_heads=1, ffn_dim=16, seed=7),
+@example(setup=(foundation.ModelConfig(vocab_size=16, dim=16, n_heads=2, n_kv_heads=1, ffn_dim=16, seed=7),
                 4, "ring", True, 16, 2))
-@example(setup=(ddp.ModelConfig(vocab_size=16, dim=32, n_heads=4, ffn_dim=16, seed=8), 4, "ulysses",
+@example(setup=(foundation.ModelConfig(vocab_size=16, dim=32, n_heads=4, ffn_dim=16, seed=8), 4, "ulysses",
                 False, 8, 1))
-@example(setup=(ddp.ModelConfig(vocab_size=16, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=16, seed=9), 2, "ulysses",
+@example(setup=(foundation.ModelConfig(vocab_size=16, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=16, seed=9), 2, "ulysses",
                 True, 8, 1))
 def test_model_under_context_parallelism_equals_single_device(rank_pool, setup):
     cfg, cp, method, zigzag, seq, batch = setup
     steps = 3
-    runs = rank_pool.run(cp, cpmod.train_context_parallel, cfg, steps, batch, seq, method=method,
+    runs = rank_pool.run(cp, context_parallel.train_context_parallel, cfg, steps, batch, seq, method=method,
                          zigzag=zigzag, adam_eps=ADAM_EPS)
-    reference = ddp.train_single_device(cfg, steps, batch, seq, adam_eps=ADAM_EPS)
+    reference = foundation.train_single_device(cfg, steps, batch, seq, adam_eps=ADAM_EPS)
     grad_bytes = sum(p.numel() * 4 for p in reference.params.values())
     tokens = batch * seq // cp
-    formula = cpmod.attention_bytes(method, tokens * cfg.dim, tokens * cfg.n_kv_heads * cfg.head_dim, cp)
+    formula = context_parallel.attention_bytes(method, tokens * cfg.dim, tokens * cfg.n_kv_heads * cfg.head_dim, cp)
     for result, meter in runs:
         assert_matches_reference(result, reference)
-        assert meter.traffic(cpmod.COMM_OP[method]) == steps * cfg.n_layers * sum(formula.values())
+        assert meter.traffic(context_parallel.COMM_OP[method]) == steps * cfg.n_layers * sum(formula.values())
         assert meter.payload("all_reduce") == steps * grad_bytes, "each gradient summed once a step"
 
 
 def train_on_strided_subgroups(cfg, steps, batch, seq, method):
     """4 ranks, two cp groups {0, 2} and {1, 3}: ring peers are group ranks, not global ones."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
-    return cpmod.train_context_parallel(cfg, steps, batch, seq, method=method, zigzag=True,
+    return context_parallel.train_context_parallel(cfg, steps, batch, seq, method=method, zigzag=True,
                                         adam_eps=ADAM_EPS, group=groups[dist.get_rank() % 2])
 
 
-@pytest.mark.parametrize("method", cpmod.METHODS)
+@pytest.mark.parametrize("method", context_parallel.METHODS)
 def test_context_parallel_on_a_subgroup(rank_pool, method):
-    cfg, steps, batch, seq = ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=16, vocab_size=32, seed=4), 2, 2, 8
-    reference = ddp.train_single_device(cfg, steps, batch, seq, adam_eps=ADAM_EPS)
+    cfg, steps, batch, seq = foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=16, vocab_size=32, seed=4), 2, 2, 8
+    reference = foundation.train_single_device(cfg, steps, batch, seq, adam_eps=ADAM_EPS)
     for rank, (result, meter) in enumerate(rank_pool.run(4, train_on_strided_subgroups, cfg, steps,
                                                          batch, seq, method)):
         assert_matches_reference(result, reference)
@@ -352,23 +352,23 @@ def test_context_parallel_on_a_subgroup(rank_pool, method):
 
 def attention_on_odd_shard():
     q = torch.zeros(1, 2, 3, 4)  # 3 local tokens cannot be two zigzag chunks
-    return cpmod.ring_attention(q, q, q, zigzag=True)
+    return context_parallel.ring_attention(q, q, q, zigzag=True)
 
 
 @pytest.mark.parametrize("fn, args, kwargs, message", [
-    (cpmod.train_context_parallel, (ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=16), 1, 1, 6),
+    (context_parallel.train_context_parallel, (foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=16), 1, 1, 6),
      dict(zigzag=True), r"seq_len=6 is not divisible by 2 x cp = 4"),
-    (cpmod.train_context_parallel, (ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=16), 1, 1, 5),
+    (context_parallel.train_context_parallel, (foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=16), 1, 1, 5),
      dict(zigzag=False), r"seq_len=5 is not divisible by cp = 2"),
-    (cpmod.train_context_parallel, (ddp.ModelConfig(dim=16, n_heads=1, ffn_dim=16), 1, 1, 8),
+    (context_parallel.train_context_parallel, (foundation.ModelConfig(dim=16, n_heads=1, ffn_dim=16), 1, 1, 8),
      dict(method="ulysses"), r"n_heads=1 is not divisible by cp=2"),
-    (cpmod.train_context_parallel, (ddp.ModelConfig(dim=16, n_heads=2, ffn_dim=16), 1, 1, 8),
+    (context_parallel.train_context_parallel, (foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=16), 1, 1, 8),
      dict(method="tree"), r"method='tree' must be one of"),
-    (cpmod.sharded_attention, (1, 3, 8, 4), dict(method="ulysses", zigzag=True, causal=True),
+    (context_parallel.sharded_attention, (1, 3, 8, 4), dict(method="ulysses", zigzag=True, causal=True),
      r"n_heads=3 is not divisible by cp=2"),
-    (cpmod.sharded_attention, (1, 4, 8, 4), dict(method="ulysses", zigzag=True, causal=True, kv_heads=1),
+    (context_parallel.sharded_attention, (1, 4, 8, 4), dict(method="ulysses", zigzag=True, causal=True, kv_heads=1),
      r"n_kv_heads=1 is not divisible by cp=2 \(Ulysses gives each rank"),
-    (cpmod.sharded_attention, (1, 4, 8, 4), dict(method="ring", zigzag=True, causal=True, kv_heads=3),
+    (context_parallel.sharded_attention, (1, 4, 8, 4), dict(method="ring", zigzag=True, causal=True, kv_heads=3),
      r"n_heads=4 is not divisible by n_kv_heads=3"),
     (attention_on_odd_shard, (), {}, r"seq_len=6 is not divisible by 2 x cp = 4"),
 ])

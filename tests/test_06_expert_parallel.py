@@ -34,8 +34,8 @@ from hypothesis import strategies as st
 from conftest import run_script
 from test_01_ddp import assert_matches_reference  # the same tolerances, same reasons
 
-ddp = importlib.import_module("01_ddp")
-moe = importlib.import_module("06_expert_parallel")
+foundation = importlib.import_module("01_ddp")
+expert_parallel = importlib.import_module("06_expert_parallel")
 
 OUT_RTOL, OUT_ATOL, AUX_ATOL = 1e-5, 1e-6, 1e-6
 GRAD_ATOL, GRAD_RTOL, PARAM_ATOL, ADAM_EPS = 1e-6, 1e-4, 1e-5, 1e-6
@@ -47,16 +47,16 @@ INIT_STD = 0.5  # layer tests: outputs of order 1 (not 1e-4), so that an absolut
 
 
 @st.composite
-def moe_configs(draw, ep: int = 1) -> "moe.MoEConfig":
+def moe_configs(draw, ep: int = 1) -> "expert_parallel.MoEConfig":
     n_experts = ep * draw(st.sampled_from([1, 2, 3]))
-    return moe.MoEConfig(n_experts=n_experts, top_k=draw(st.integers(1, min(2, n_experts))),
+    return expert_parallel.MoEConfig(n_experts=n_experts, top_k=draw(st.integers(1, min(2, n_experts))),
                          expert_ffn_dim=draw(st.sampled_from([4, 8])),
                          capacity_factor=draw(st.sampled_from([None, 0.5, 1.0, 1.5])),
                          aux_loss_coef=draw(st.sampled_from([0.0, 0.1])),
                          bias_update_rate=draw(st.sampled_from([0.0, 0.05])))
 
 
-def naive_queue_kept(experts_per_rank: list[torch.Tensor], cfg: "moe.MoEConfig") -> list[torch.Tensor]:
+def naive_queue_kept(experts_per_rank: list[torch.Tensor], cfg: "expert_parallel.MoEConfig") -> list[torch.Tensor]:
     """The definition of capacity, token by token: (T_r, k) kept masks, rank 0's tokens first."""
     total = sum(e.numel() for e in experts_per_rank)
     capacity = (math.inf if cfg.capacity_factor is None
@@ -79,7 +79,7 @@ def naive_queue_kept(experts_per_rank: list[torch.Tensor], cfg: "moe.MoEConfig")
 @given(tokens=st.integers(0, 12), dim=st.sampled_from([4, 8]), cfg=moe_configs(),
        seed=st.integers(0, 99), bias_scale=st.sampled_from([0.0, 0.05, 1.0]))
 def test_moe_layer_equals_a_per_token_loop(tokens, dim, cfg, seed, bias_scale):
-    layer = moe.MoE(dim, cfg, seed=seed, init_std=INIT_STD)
+    layer = expert_parallel.MoE(dim, cfg, seed=seed, init_std=INIT_STD)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         layer.selection_bias.copy_(torch.randn(cfg.n_experts, generator=gen) * bias_scale)
@@ -107,14 +107,14 @@ def test_moe_layer_equals_a_per_token_loop(tokens, dim, cfg, seed, bias_scale):
 
 
 def test_parameter_shapes_are_the_layers():
-    cfg = moe.MoEConfig(n_experts=4, expert_ffn_dim=6)
-    built = [(name, tuple(p.shape)) for name, p in moe.MoE(8, cfg, seed=0).named_parameters()]
-    assert list(moe.moe_parameter_shapes(8, cfg).items()) == built
+    cfg = expert_parallel.MoEConfig(n_experts=4, expert_ffn_dim=6)
+    built = [(name, tuple(p.shape)) for name, p in expert_parallel.MoE(8, cfg, seed=0).named_parameters()]
+    assert list(expert_parallel.moe_parameter_shapes(8, cfg).items()) == built
 
 
 def test_aux_loss_is_one_for_a_uniform_router_and_grows_with_concentration():
-    cfg = moe.MoEConfig(n_experts=4, top_k=2)
-    layer = moe.MoE(8, cfg, seed=0)
+    cfg = expert_parallel.MoEConfig(n_experts=4, top_k=2)
+    layer = expert_parallel.MoE(8, cfg, seed=0)
     x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         layer.router.weight.zero_()
@@ -126,8 +126,8 @@ def test_aux_loss_is_one_for_a_uniform_router_and_grows_with_concentration():
 
 
 def test_selection_bias_moves_against_the_measured_load():
-    cfg = moe.MoEConfig(n_experts=4, top_k=1, bias_update_rate=0.25)
-    layer = moe.MoE(8, cfg, seed=0)
+    cfg = expert_parallel.MoEConfig(n_experts=4, top_k=1, bias_update_rate=0.25)
+    layer = expert_parallel.MoE(8, cfg, seed=0)
     with torch.no_grad():
         layer.selection_bias.copy_(torch.tensor([5.0, 0.0, 0.0, 0.0]))  # everything goes to expert 0
         out = layer(torch.randn(16, 8, generator=torch.Generator().manual_seed(1)))
@@ -140,7 +140,7 @@ def test_selection_bias_moves_against_the_measured_load():
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
 def test_a_non_finite_token_stays_non_finite_and_alone(capacity_factor):
-    layer = moe.MoE(8, moe.MoEConfig(n_experts=4, top_k=2, capacity_factor=capacity_factor), seed=0)
+    layer = expert_parallel.MoE(8, expert_parallel.MoEConfig(n_experts=4, top_k=2, capacity_factor=capacity_factor), seed=0)
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
     x[2, 3] = float("nan")
     with torch.no_grad():
@@ -161,7 +161,7 @@ def test_a_non_finite_token_stays_non_finite_and_alone(capacity_factor):
 ])
 def test_bad_moe_config_names_the_constraint(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        moe.MoEConfig(**kwargs)
+        expert_parallel.MoEConfig(**kwargs)
 
 
 # --- dispatch and combine ---------------------------------------------------------------------
@@ -174,10 +174,10 @@ def identity_round_trip(tokens_per_rank, dim, cfg, seed):
     x = torch.randn(tokens, dim, generator=gen, requires_grad=True)
     experts = torch.stack([torch.randperm(cfg.n_experts, generator=gen)[:cfg.top_k]
                            for _ in range(tokens)]) if tokens else torch.zeros(0, cfg.top_k, dtype=torch.long)
-    layer = moe.apply_expert_parallel(moe.MoE(dim, cfg, seed=0))
-    kept = moe.kept_per_source(layer.gather_counts(experts), cfg)
-    plan = moe.plan_dispatch(experts, kept, rank, layer.group)
-    slots = moe.combine(moe.dispatch(x, plan), plan, tokens)
+    layer = expert_parallel.apply_expert_parallel(expert_parallel.MoE(dim, cfg, seed=0))
+    kept = expert_parallel.kept_per_source(layer.gather_counts(experts), cfg)
+    plan = expert_parallel.plan_dispatch(experts, kept, rank, layer.group)
+    slots = expert_parallel.combine(expert_parallel.dispatch(x, plan), plan, tokens)
     upstream = torch.randn(slots.shape, generator=gen)
     (slots * upstream).sum().backward()
     return x.detach(), experts, slots.detach(), upstream, x.grad
@@ -197,17 +197,17 @@ def test_dispatch_then_combine_restores_input_and_gradient(rank_pool, ep, data, 
 
 # --- expert parallelism against one device: the layer -----------------------------------------
 
-def train_layer(dim, cfg, tokens_per_rank, steps, seed, expert_parallel):
+def train_layer(dim, cfg, tokens_per_rank, steps, seed, sharded):
     """A few AdamW steps of one MoE layer on a fixed objective. One device sees every token and the
     mean over ranks of their objectives; a rank of the EP group sees its own tokens."""
     ep = len(tokens_per_rank)
-    layer = moe.MoE(dim, cfg, seed=seed, init_std=INIT_STD)
+    layer = expert_parallel.MoE(dim, cfg, seed=seed, init_std=INIT_STD)
     rank, rows = 0, slice(None)
-    if expert_parallel:
+    if sharded:
         rank = dist.get_rank()
-        moe.apply_expert_parallel(layer)
+        expert_parallel.apply_expert_parallel(layer)
         rows = slice(sum(tokens_per_rank[:rank]), sum(tokens_per_rank[:rank + 1]))
-    optimizer = ddp.make_optimizer(layer, lr=1e-3, eps=LAYER_ADAM_EPS)
+    optimizer = foundation.make_optimizer(layer, lr=1e-3, eps=LAYER_ADAM_EPS)
     record = dict(out=[], x_grad=[], aux=[], dropped=[], load=[], kept=[], traffic=[], gathered=[],
                   ops=set())
     grads = None
@@ -215,12 +215,12 @@ def train_layer(dim, cfg, tokens_per_rank, steps, seed, expert_parallel):
         gen = torch.Generator().manual_seed(seed * 7919 + step)
         x, g = (torch.randn(sum(tokens_per_rank), dim, generator=gen)[rows] for _ in range(2))
         x.requires_grad_()  # as inside a model: both exchanges then run backwards
-        with ddp.comm_meter() as meter:
+        with foundation.comm_meter() as meter:
             out = layer(x)
-            objective = (out * g).sum() / (1 if expert_parallel else ep)
+            objective = (out * g).sum() / (1 if sharded else ep)
             (objective + cfg.aux_loss_coef * layer.aux_loss).backward()
-        if expert_parallel:
-            moe.sync_gradients(layer)
+        if sharded:
+            expert_parallel.sync_gradients(layer)
         for key, value in (("out", out.detach()), ("x_grad", x.grad), ("aux", layer.aux_loss.item()),
                            ("kept", layer.kept),
                            ("dropped", int(layer.dropped)), ("load", layer.load.tolist()),
@@ -229,11 +229,11 @@ def train_layer(dim, cfg, tokens_per_rank, steps, seed, expert_parallel):
             record[key].append(value)
         record["ops"] |= {op for op, _ in meter.stats}
         if step == 0:
-            grads = moe.gather_full(layer, {n: p.grad for n, p in layer.named_parameters()})
+            grads = expert_parallel.gather_full(layer, {n: p.grad for n, p in layer.named_parameters()})
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         layer.update_selection_bias()
-    return record, grads, moe.gather_full(layer, dict(layer.named_parameters())), layer.selection_bias
+    return record, grads, expert_parallel.gather_full(layer, dict(layer.named_parameters())), layer.selection_bias
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4])
@@ -258,7 +258,7 @@ def test_expert_parallel_layer_equals_one_device(rank_pool, ep, data, dim, seed)
             kept = record["kept"][step]
             assert kept.sum(0).tolist() == ref["kept"][step][0].tolist(), "kept per expert"
             # Comm = the formula: forward dispatch + combine, and as much again in backward.
-            assert record["traffic"][step] == 2 * sum(moe.all_to_all_traffic(kept, rank, dim, 4))
+            assert record["traffic"][step] == 2 * sum(expert_parallel.all_to_all_traffic(kept, rank, dim, 4))
             assert record["gathered"][step] == ep * cfg.n_experts * 8, "the count all-gather"
             assert record["ops"] == {"all_to_all", "all_gather"}
     for rank, (_, grads, params, bias) in enumerate(runs):
@@ -278,12 +278,12 @@ def test_expert_parallel_layer_equals_one_device(rank_pool, ep, data, dim, seed)
        per_rank=st.integers(1, 2), seq_len=st.integers(1, 6), seed=st.integers(0, 99))
 def test_moe_gpt_under_expert_parallel_equals_one_device(rank_pool, ep, data, n_layers, per_rank,
                                                          seq_len, seed):
-    cfg = ddp.ModelConfig(vocab_size=32, dim=8, n_layers=n_layers, n_heads=2, ffn_dim=8, seed=seed)
+    cfg = foundation.ModelConfig(vocab_size=32, dim=8, n_layers=n_layers, n_heads=2, ffn_dim=8, seed=seed)
     moe_cfg = data.draw(moe_configs(ep), label="moe_cfg")
     steps, global_batch = 2, ep * per_rank
-    runs = rank_pool.run(ep, moe.train_moe, cfg, moe_cfg, steps, global_batch, seq_len,
+    runs = rank_pool.run(ep, expert_parallel.train_moe, cfg, moe_cfg, steps, global_batch, seq_len,
                          expert_parallel=True, adam_eps=ADAM_EPS)
-    ref, _ = moe.train_moe(cfg, moe_cfg, steps, global_batch, seq_len, adam_eps=ADAM_EPS)
+    ref, _ = expert_parallel.train_moe(cfg, moe_cfg, steps, global_batch, seq_len, adam_eps=ADAM_EPS)
     for result, meter in runs:
         # Every gradient, experts reassembled from their shards. An expert's gradient is the sum of
         # the ep ranks' mean-loss gradients / ep: a missing / ep doubles it at ep=2, and this fails.
@@ -293,25 +293,25 @@ def test_moe_gpt_under_expert_parallel_equals_one_device(rank_pool, ep, data, n_
 
 
 def step_with_frozen_router_and_embedding(cfg, moe_cfg):
-    model = moe.apply_expert_parallel(moe.convert_to_moe(ddp.GPT(cfg), moe_cfg))
-    frozen = [model.embed.weight, *(layer.router.weight for layer in moe.moe_layers(model))]
+    model = expert_parallel.apply_expert_parallel(expert_parallel.convert_to_moe(foundation.GPT(cfg), moe_cfg))
+    frozen = [model.embed.weight, *(layer.router.weight for layer in expert_parallel.moe_layers(model))]
     for param in frozen:
         param.requires_grad_(False)
-    tokens, targets = ddp.synthetic_batch(cfg, 4, 5, 0, dist.get_rank(), dist.get_world_size())
+    tokens, targets = foundation.synthetic_batch(cfg, 4, 5, 0, dist.get_rank(), dist.get_world_size())
     model(tokens, targets).backward()
-    moe.sync_gradients(model)
-    return [p.grad is None for p in frozen], moe.gather_full(
+    expert_parallel.sync_gradients(model)
+    return [p.grad is None for p in frozen], expert_parallel.gather_full(
         model, {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
 
 
 def test_frozen_parameters_are_skipped_and_the_rest_still_matches(rank_pool):
-    cfg = ddp.ModelConfig(vocab_size=32, dim=8, n_heads=2, ffn_dim=8, seed=3)
-    moe_cfg = moe.MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=8, capacity_factor=1.0)
-    reference = moe.convert_to_moe(ddp.GPT(cfg), moe_cfg)
-    frozen = [reference.embed.weight, *(layer.router.weight for layer in moe.moe_layers(reference))]
+    cfg = foundation.ModelConfig(vocab_size=32, dim=8, n_heads=2, ffn_dim=8, seed=3)
+    moe_cfg = expert_parallel.MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=8, capacity_factor=1.0)
+    reference = expert_parallel.convert_to_moe(foundation.GPT(cfg), moe_cfg)
+    frozen = [reference.embed.weight, *(layer.router.weight for layer in expert_parallel.moe_layers(reference))]
     for param in frozen:
         param.requires_grad_(False)
-    reference(*ddp.synthetic_batch(cfg, 4, 5, 0)).backward()
+    reference(*foundation.synthetic_batch(cfg, 4, 5, 0)).backward()
     for no_grad, grads in rank_pool.run(2, step_with_frozen_router_and_embedding, cfg, moe_cfg):
         assert all(no_grad)
         for name, param in reference.named_parameters():
@@ -322,22 +322,22 @@ def test_frozen_parameters_are_skipped_and_the_rest_still_matches(rank_pool):
 # --- bad input --------------------------------------------------------------------------------
 
 def shard_twice(cfg):
-    model = moe.convert_to_moe(ddp.GPT(ddp.ModelConfig(dim=8, n_heads=2, ffn_dim=8)), cfg)
-    moe.apply_expert_parallel(model)
-    moe.apply_expert_parallel(model)
+    model = expert_parallel.convert_to_moe(foundation.GPT(foundation.ModelConfig(dim=8, n_heads=2, ffn_dim=8)), cfg)
+    expert_parallel.apply_expert_parallel(model)
+    expert_parallel.apply_expert_parallel(model)
 
 
 @pytest.mark.parametrize("fn, args, message", [
-    (moe.apply_expert_parallel, (moe.MoE(8, moe.MoEConfig(n_experts=3, top_k=1), seed=0),),
+    (expert_parallel.apply_expert_parallel, (expert_parallel.MoE(8, expert_parallel.MoEConfig(n_experts=3, top_k=1), seed=0),),
      r"n_experts=3 is not divisible by the expert-parallel group size ep=2"),
-    (moe.apply_expert_parallel, (ddp.GPT(ddp.ModelConfig(dim=8, n_heads=2, ffn_dim=8)),),
+    (expert_parallel.apply_expert_parallel, (foundation.GPT(foundation.ModelConfig(dim=8, n_heads=2, ffn_dim=8)),),
      r"no MoE layer"),
-    (shard_twice, (moe.MoEConfig(n_experts=2, top_k=1),), r"already synchronised by expert parallelism"),
-    (moe.train_moe, (ddp.ModelConfig(dim=8, n_heads=2, ffn_dim=8), moe.MoEConfig(), 1, 3, 4),
+    (shard_twice, (expert_parallel.MoEConfig(n_experts=2, top_k=1),), r"already synchronised by expert parallelism"),
+    (expert_parallel.train_moe, (foundation.ModelConfig(dim=8, n_heads=2, ffn_dim=8), expert_parallel.MoEConfig(), 1, 3, 4),
      r"global_batch=3 is not divisible by ep=2"),
 ])
 def test_bad_configuration_fails_on_every_rank_without_hanging(rank_pool, fn, args, message):
-    kwargs = dict(expert_parallel=True) if fn is moe.train_moe else {}
+    kwargs = dict(expert_parallel=True) if fn is expert_parallel.train_moe else {}
     rank_pool.expect_invalid(2, fn, *args, match=message, **kwargs)
 
 

@@ -29,12 +29,12 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-fa = importlib.import_module("07_flash_attention")  # first: without a GPU it turns the interpreter on
-ddp = importlib.import_module("01_ddp")
+flash = importlib.import_module("07_flash_attention")  # first: without a GPU it turns the interpreter on
+foundation = importlib.import_module("01_ddp")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-DEVICE = torch.device("cpu" if fa.INTERPRETED else "cuda")
+DEVICE = torch.device("cpu" if flash.INTERPRETED else "cuda")
 NAMES = ("out", "lse", "dq", "dk", "dv")
 # Absolute tolerances per result. fp32: the kernel sums at most 40 products of order-1 numbers per
 # element; rounding measured at ~1e-6 (fp32 eps 1.2e-7), so 2e-5 leaves 10x headroom while a wrong
@@ -47,9 +47,9 @@ TOLERANCE = {torch.float32: dict(out=2e-5, lse=2e-5, grad=2e-5),
 # The CI profile's example count scaled up: one example costs about 0.2 s in the interpreter.
 EXAMPLES = 4 * settings.default.max_examples
 
-cpu_only = pytest.mark.skipif(not fa.INTERPRETED, reason="interpreter tests: tiny drawn shapes would "
+cpu_only = pytest.mark.skipif(not flash.INTERPRETED, reason="interpreter tests: tiny drawn shapes would "
                               "make a GPU compile and autotune for every example; the GPU tests below apply")
-gpu_only = pytest.mark.skipif(fa.INTERPRETED, reason="needs CUDA (compiled Triton, bf16)")
+gpu_only = pytest.mark.skipif(flash.INTERPRETED, reason="needs CUDA (compiled Triton, bf16)")
 
 
 def random_inputs(batch, heads, seq_q, seq_k, head_dim, dtype, seed, lse_grad=False, kv_heads=None):
@@ -63,7 +63,7 @@ def random_inputs(batch, heads, seq_q, seq_k, head_dim, dtype, seed, lse_grad=Fa
 
 def float64_reference(q, k, v, dout, dlse, causal, q_offset=0, k_offset=0):
     q, k, v, dout, dlse = (None if t is None else t.double() for t in (q, k, v, dout, dlse))
-    return fa.outputs_and_grads(partial(fa.naive_attention, causal=causal, q_offset=q_offset,
+    return flash.outputs_and_grads(partial(flash.naive_attention, causal=causal, q_offset=q_offset,
                                         k_offset=k_offset), q, k, v, dout, dlse)
 
 
@@ -72,7 +72,7 @@ def assert_close_to_reference(results, reference, dtype, tol: dict | None = None
     for name, got, want in zip(NAMES, results, reference, strict=True):
         assert got.shape == want.shape and got.dtype == (torch.float32 if name == "lse" else dtype)
         assert not got.isnan().any(), f"{name} has NaNs"
-        error = fa.max_diff(got, want)
+        error = flash.max_diff(got, want)
         assert error <= tol.get(name, tol["grad"]), f"{name}: max |error| {error:.2e} > {tol}"
 
 
@@ -88,10 +88,10 @@ def assert_close_to_reference(results, reference, dtype, tol: dict | None = None
 def test_attention_matches_float64(batch, kv_heads, group, seq, head_dim, causal, dtype, seed):
     """group: query heads per K/V head (grouped-query attention; 1: multi-head)."""
     q, k, v, dout, _ = random_inputs(batch, kv_heads * group, seq, seq, head_dim, dtype, seed, kv_heads=kv_heads)
-    ours = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 0, 0, causal), q, k, v, dout)
+    ours = flash.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, causal), q, k, v, dout)
     assert_close_to_reference(ours, float64_reference(q, k, v, dout, None, causal), dtype)
     # The GPT-facing function is the same kernel: bit-identical output.
-    assert torch.equal(fa.flash_attention(q, k, v, causal=causal), ours[0])
+    assert torch.equal(flash.flash_attention(q, k, v, causal=causal), ours[0])
 
 
 @cpu_only
@@ -107,7 +107,7 @@ def test_block_entry_with_offsets_and_lse_gradient(seq_q, seq_k, q_offset, k_off
     """The ring's entry: absolute positions, gradients into out and lse, rows with no visible key;
     4 query heads reading 2 K/V heads (the ring circulates K/V heads only)."""
     q, k, v, dout, dlse = random_inputs(2, 4, seq_q, seq_k, 16, dtype, seed, lse_grad=True, kv_heads=2)
-    ours = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, q_offset, k_offset, causal),
+    ours = flash.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, q_offset, k_offset, causal),
                                 q, k, v, dout, dlse)
     reference = float64_reference(q, k, v, dout, dlse, causal, q_offset, k_offset)
     assert_close_to_reference(ours, reference, dtype)
@@ -123,7 +123,7 @@ def test_causal_diagonal_at_every_block_alignment():
     masked range included; negative shifts leave the first rows with no key at all."""
     q, k, v, dout, dlse = random_inputs(1, 1, 40, 40, 16, torch.float32, seed=4, lse_grad=True)
     for shift in range(-48, 49):
-        ours = fa.outputs_and_grads(partial(fa.flash_block_attention, q_offset=48 + shift, k_offset=48,
+        ours = flash.outputs_and_grads(partial(flash.flash_block_attention, q_offset=48 + shift, k_offset=48,
                                             causal=True), q, k, v, dout, dlse)
         assert_close_to_reference(ours, float64_reference(q, k, v, dout, dlse, True, 48 + shift, 48),
                                   torch.float32)
@@ -134,9 +134,9 @@ def test_raw_launchers_with_merged_lse_gradient():
     """Lesson 05 calls the launchers from its own autograd.Function: forward -> (out, lse), and
     backward(q, k, v, out, lse, dout, dlse, causal, sm_scale, q_offset, k_offset)."""
     q, k, v, dout, dlse = random_inputs(1, 2, 29, 35, 32, torch.float32, seed=3, lse_grad=True)
-    out, lse = fa.flash_attention_forward(q, k, v, True, 0.3, 10, 5)
-    grads = fa.flash_attention_backward(q, k, v, out, lse, dout, dlse, True, 0.3, 10, 5)
-    reference = fa.outputs_and_grads(lambda *x: fa.naive_attention(*x, True, 0.3, 10, 5),
+    out, lse = flash.flash_attention_forward(q, k, v, True, 0.3, 10, 5)
+    grads = flash.flash_attention_backward(q, k, v, out, lse, dout, dlse, True, 0.3, 10, 5)
+    reference = flash.outputs_and_grads(lambda *x: flash.naive_attention(*x, True, 0.3, 10, 5),
                                      q.double(), k.double(), v.double(), dout.double(), dlse.double())
     assert_close_to_reference([out, lse, *grads], reference, torch.float32)
 
@@ -147,7 +147,7 @@ def test_gradient_into_lse_only(dtype):
     """A loss on the lse alone: out gets no gradient, so autograd hands FlashAttention.backward
     dout = None (the branch that substitutes zeros). Keys start at position 10: rows 0..9 see none."""
     q, k, v, _, dlse = random_inputs(2, 2, 29, 35, 16, dtype, seed=6, lse_grad=True)
-    ours = fa.outputs_and_grads(partial(fa.flash_block_attention, q_offset=0, k_offset=10, causal=True),
+    ours = flash.outputs_and_grads(partial(flash.flash_block_attention, q_offset=0, k_offset=10, causal=True),
                                 q, k, v, None, dlse)
     assert_close_to_reference(ours, float64_reference(q, k, v, None, dlse, True, 0, 10), dtype)
 
@@ -161,14 +161,14 @@ def test_grouped_kv_gradients_are_the_groups_sums(group):
     rounding, 2e-5 as above), and its out, lse and dQ are the same bits (the same per-head work)."""
     q, k, v, dout, dlse = random_inputs(2, 2 * group, 24, 40, 16, torch.float32, seed=9, lse_grad=True,
                                         kv_heads=2)
-    attn = partial(fa.flash_block_attention, q_offset=16, k_offset=0, causal=True)
-    grouped = fa.outputs_and_grads(attn, q, k, v, dout, dlse)
-    repeated = fa.outputs_and_grads(attn, q, *(t.repeat_interleave(group, 1) for t in (k, v)), dout, dlse)
+    attn = partial(flash.flash_block_attention, q_offset=16, k_offset=0, causal=True)
+    grouped = flash.outputs_and_grads(attn, q, k, v, dout, dlse)
+    repeated = flash.outputs_and_grads(attn, q, *(t.repeat_interleave(group, 1) for t in (k, v)), dout, dlse)
     for name, a, b in zip(NAMES[:3], grouped, repeated, strict=False):
         assert torch.equal(a, b), name
     for name, a, b in zip(NAMES[3:], grouped[3:], repeated[3:], strict=True):
         assert a.shape == k.shape, name
-        assert fa.max_diff(a, b.unflatten(1, (2, group)).sum(2)) <= 2e-5, name
+        assert flash.max_diff(a, b.unflatten(1, (2, group)).sum(2)) <= 2e-5, name
 
 
 def test_second_derivative_raises_instead_of_dropping_terms():
@@ -178,10 +178,10 @@ def test_second_derivative_raises_instead_of_dropping_terms():
     q, k, v, dout, _ = random_inputs(1, 2, 12, 12, 16, torch.float32, seed=8)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     with pytest.raises(RuntimeError, match="once differentiable: create_graph=True"):
-        torch.autograd.grad((fa.flash_attention(q, k, v) * dout).sum(), q, create_graph=True)
-    first, = torch.autograd.grad((fa.flash_attention(q, k, v) * dout).sum(), q)
-    expected, = torch.autograd.grad((fa.naive_attention(q, k, v)[0] * dout).sum(), q)
-    assert fa.max_diff(first, expected) <= TOLERANCE[torch.float32]["grad"]
+        torch.autograd.grad((flash.flash_attention(q, k, v) * dout).sum(), q, create_graph=True)
+    first, = torch.autograd.grad((flash.flash_attention(q, k, v) * dout).sum(), q)
+    expected, = torch.autograd.grad((flash.naive_attention(q, k, v)[0] * dout).sum(), q)
+    assert flash.max_diff(first, expected) <= TOLERANCE[torch.float32]["grad"]
 
 
 def test_backward_checks_its_inputs_and_casts_dout():
@@ -193,11 +193,11 @@ def test_backward_checks_its_inputs_and_casts_dout():
     for name, bad in [("out", good["out"][:, :, :-1]), ("dout", dout[..., :8]), ("lse", good["lse"][0]),
                       ("dlse", dlse[..., None]), ("lse", good["lse"].long()), ("dlse", dlse.to("meta"))]:
         with pytest.raises(ValueError, match=f"{name} must be a float tensor of shape"):
-            fa.flash_attention_backward(q, k, v, **(good | {name: bad}))
-    if fa.INTERPRETED:  # on a GPU, this tiny shape would autotune every config: the checks suffice
-        out, lse = fa.flash_attention_forward(q, k, v)
-        grads = fa.flash_attention_backward(q, k, v, out, lse, dout.float(), dlse)
-        for got, want in zip(grads, fa.flash_attention_backward(q, k, v, out, lse, dout, dlse), strict=True):
+            flash.flash_attention_backward(q, k, v, **(good | {name: bad}))
+    if flash.INTERPRETED:  # on a GPU, this tiny shape would autotune every config: the checks suffice
+        out, lse = flash.flash_attention_forward(q, k, v)
+        grads = flash.flash_attention_backward(q, k, v, out, lse, dout.float(), dlse)
+        for got, want in zip(grads, flash.flash_attention_backward(q, k, v, out, lse, dout, dlse), strict=True):
             assert got.dtype == torch.float16 and torch.equal(got, want)
 
 
@@ -209,8 +209,8 @@ def _ranges_kernel(BLOCK_INDEX, SEQ_Q, SEQ_K, SHIFT, OUT, n, BLOCK_M: tl.constex
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
     b, shift = tl.load(BLOCK_INDEX + i, mask=ok), tl.load(SHIFT + i, mask=ok)
-    full_end, hi = fa._key_range(b * BLOCK_M, tl.load(SEQ_K + i, mask=ok), shift, BLOCK_M, BLOCK_N, CAUSAL)
-    lo, full_start, q_end = fa._query_range(b * BLOCK_N, tl.load(SEQ_Q + i, mask=ok), shift, BLOCK_M,
+    full_end, hi = flash._key_range(b * BLOCK_M, tl.load(SEQ_K + i, mask=ok), shift, BLOCK_M, BLOCK_N, CAUSAL)
+    lo, full_start, q_end = flash._query_range(b * BLOCK_N, tl.load(SEQ_Q + i, mask=ok), shift, BLOCK_M,
                                             BLOCK_N, CAUSAL)
     zero = b * 0  # makes the values that are plain integers (non-causal) into vectors
     tl.store(OUT + i, full_end + zero, mask=ok)
@@ -271,31 +271,31 @@ def test_gpt_with_flash_attention_equals_reference(seq_len, kv_heads):
     """GPT(cfg, attn_fn=flash_attention) = the reference GPT (SDPA, grouped by enable_gqa when
     kv_heads < 4 heads): loss and every parameter's gradient. Tolerances: measured 5e-7 (loss) and
     2e-8 (gradients of size <= 0.1); a non-causal kernel would be off by 3e-3 and 6e-2."""
-    cfg = ddp.ModelConfig(n_kv_heads=kv_heads)
-    tokens, targets = (t.to(DEVICE) for t in ddp.synthetic_batch(cfg, 2, seq_len, step=0))
+    cfg = foundation.ModelConfig(n_kv_heads=kv_heads)
+    tokens, targets = (t.to(DEVICE) for t in foundation.synthetic_batch(cfg, 2, seq_len, step=0))
     losses, grads = [], []
-    for attn_fn in (ddp.causal_attention, fa.flash_attention):
-        model = ddp.GPT(cfg, attn_fn=attn_fn).to(DEVICE)
+    for attn_fn in (foundation.causal_attention, flash.flash_attention):
+        model = foundation.GPT(cfg, attn_fn=attn_fn).to(DEVICE)
         losses.append(model(tokens, targets))
         grads.append(dict(zip(dict(model.named_parameters()),
                               torch.autograd.grad(losses[-1], list(model.parameters())), strict=True)))
     assert abs(losses[0].item() - losses[1].item()) <= 1e-5
-    assert ddp.max_abs_diff(grads[0], grads[1]) <= 1e-6
+    assert foundation.max_abs_diff(grads[0], grads[1]) <= 1e-6
 
 
 def test_rejects_bad_input():
     q = torch.randn(1, 2, 8, 16, device=DEVICE)
     with pytest.raises(ValueError, match="16 <= head_dim <= 128"):
-        fa.flash_attention(q[..., :8], q[..., :8], q[..., :8])
+        flash.flash_attention(q[..., :8], q[..., :8], q[..., :8])
     with pytest.raises(ValueError, match="expected q"):
-        fa.flash_attention(q, q[:, :, :, :8], q[:, :, :, :8])
+        flash.flash_attention(q, q[:, :, :, :8], q[:, :, :, :8])
     with pytest.raises(ValueError, match="with kv_heads dividing heads"):  # 3 query heads, 2 K/V heads
-        fa.flash_attention(torch.randn(1, 3, 8, 16, device=DEVICE), q, q)
+        flash.flash_attention(torch.randn(1, 3, 8, 16, device=DEVICE), q, q)
     with pytest.raises(ValueError, match="must share one"):
-        fa.flash_attention(q, q.half(), q)
-    if fa.INTERPRETED:
+        flash.flash_attention(q, q.half(), q)
+    if flash.INTERPRETED:
         with pytest.raises(ValueError, match="bf16 needs a GPU"):
-            fa.flash_attention(*[q.bfloat16()] * 3)
+            flash.flash_attention(*[q.bfloat16()] * 3)
 
 
 @cpu_only
@@ -305,9 +305,9 @@ def test_interpreter_switch_in_a_fresh_process(triton_first):
     TRITON_INTERPRET=0; if triton was imported earlier (too late to switch), the import fails and
     says why, instead of failing later inside a kernel."""
     code = ("import importlib, torch\n" + ("import triton\n" if triton_first else "") +
-            "fa = importlib.import_module('07_flash_attention')\n"
+            "flash = importlib.import_module('07_flash_attention')\n"
             "q = torch.randn(1, 1, 20, 16)\n"
-            "print(fa.max_diff(fa.flash_attention(q, q, q), fa.naive_attention(q, q, q)[0]))\n")
+            "print(flash.max_diff(flash.flash_attention(q, q, q), flash.naive_attention(q, q, q)[0]))\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, TRITON_INTERPRET="0"), timeout=120)
     if triton_first:
@@ -333,13 +333,13 @@ def test_gpu_16bit_error_at_most_twice_pytorch(dtype, causal, head_dim):
     16-bit inputs, within 1e-4 of float64 (values ~10, fp32 rounding ~1e-6)."""
     q, k, v, dout, _ = random_inputs(*GPU_SHAPE, GPU_SHAPE[2], head_dim, dtype, seed=0)
     reference = float64_reference(q, k, v, dout, None, causal)
-    ours = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 0, 0, causal), q, k, v, dout)
-    torch_sdpa = fa.outputs_and_grads(lambda *x: (torch.nn.functional.scaled_dot_product_attention(
+    ours = flash.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, causal), q, k, v, dout)
+    torch_sdpa = flash.outputs_and_grads(lambda *x: (torch.nn.functional.scaled_dot_product_attention(
         *x, is_causal=causal), None), q, k, v, dout)
-    assert fa.max_diff(ours[1], reference[1]) <= 1e-4
+    assert flash.max_diff(ours[1], reference[1]) <= 1e-4
     for name, got, theirs, want in zip(NAMES, ours, torch_sdpa, reference, strict=True):
         if name != "lse":
-            ours_error, torch_error = fa.max_diff(got, want), fa.max_diff(theirs, want)
+            ours_error, torch_error = flash.max_diff(got, want), flash.max_diff(theirs, want)
             assert ours_error <= 2 * torch_error + 1e-4, \
                 f"{name}: {ours_error:.2e} vs torch {torch_error:.2e}"
 
@@ -349,7 +349,7 @@ def test_gpu_fp32_block_entry_with_offsets():
     """fp32 on the GPU uses exact fp32 dots (not TF32). Rows 0..199 see no key (keys start at
     position 200). Sums run over up to 500 terms here, not 40: tolerance 1e-4 (TF32 would be ~1e-2)."""
     q, k, v, dout, dlse = random_inputs(2, 3, 300, 500, 64, torch.float32, seed=1, lse_grad=True)
-    ours = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 0, 200, True), q, k, v, dout, dlse)
+    ours = flash.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 200, True), q, k, v, dout, dlse)
     assert_close_to_reference(ours, float64_reference(q, k, v, dout, dlse, True, 0, 200), torch.float32,
                               tol=dict(out=1e-4, lse=1e-4, grad=1e-4))
 
@@ -362,8 +362,8 @@ def test_gpu_causal_diagonal_at_block_boundaries():
     shape, so one compile: the shift is neither specialised nor in the tuning key."""
     q, k, v, dout, dlse = random_inputs(1, 2, 300, 300, 64, torch.float32, seed=5, lse_grad=True)
     for shift in sorted({edge + d for edge in (-128, -64, -32, 0, 32, 64, 128) for d in (-1, 0, 1)}):
-        attn = partial(fa.flash_block_attention, q_offset=200 + shift, k_offset=200, causal=True)
-        ours = fa.outputs_and_grads(attn, q, k, v, dout, dlse)
+        attn = partial(flash.flash_block_attention, q_offset=200 + shift, k_offset=200, causal=True)
+        ours = flash.outputs_and_grads(attn, q, k, v, dout, dlse)
         assert_close_to_reference(ours, float64_reference(q, k, v, dout, dlse, True, 200 + shift, 200),
                                   torch.float32, tol=dict(out=1e-4, lse=1e-4, grad=1e-4))
 
@@ -374,12 +374,12 @@ def test_gpu_grouped_query_attention_error_at_most_twice_pytorch():
     (as in test_gpu_16bit_error_at_most_twice_pytorch)."""
     q, k, v, dout, _ = random_inputs(*GPU_SHAPE, GPU_SHAPE[2], 128, torch.bfloat16, seed=3, kv_heads=1)
     reference = float64_reference(q, k, v, dout, None, True)
-    ours = fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 0, 0, True), q, k, v, dout)
-    torch_sdpa = fa.outputs_and_grads(lambda *x: (torch.nn.functional.scaled_dot_product_attention(
+    ours = flash.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, True), q, k, v, dout)
+    torch_sdpa = flash.outputs_and_grads(lambda *x: (torch.nn.functional.scaled_dot_product_attention(
         *x, is_causal=True, enable_gqa=True), None), q, k, v, dout)
     for name, got, theirs, want in zip(NAMES, ours, torch_sdpa, reference, strict=True):
         if name != "lse":
-            assert fa.max_diff(got, want) <= 2 * fa.max_diff(theirs, want) + 1e-4, name
+            assert flash.max_diff(got, want) <= 2 * flash.max_diff(theirs, want) + 1e-4, name
 
 
 @gpu_only
@@ -387,7 +387,7 @@ def test_gpu_deterministic():
     """No atomics: two forward + backward passes in one process (so with the same autotuned block
     sizes) are bit-identical, grouped-query dK/dV sums included."""
     q, k, v, dout, _ = random_inputs(*GPU_SHAPE, GPU_SHAPE[2], 128, torch.bfloat16, seed=2, kv_heads=2)
-    runs = [fa.outputs_and_grads(lambda *x: fa.flash_block_attention(*x, 0, 0, True), q, k, v, dout)
+    runs = [flash.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, True), q, k, v, dout)
             for _ in range(2)]
     for name, first, second in zip(NAMES, *runs, strict=True):
         assert torch.equal(first, second), name

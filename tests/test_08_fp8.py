@@ -32,7 +32,7 @@ from hypothesis import given, settings, strategies as st
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 fp8 = importlib.import_module("08_fp8")
-ddp = importlib.import_module("01_ddp")
+foundation = importlib.import_module("01_ddp")
 from test_02_zero import (ADAM_EPS, GRAD_ATOL, GRAD_RTOL, LOSS_ATOL, PARAM_ATOL,  # noqa: E402
                           assert_close_by_name)
 
@@ -482,7 +482,7 @@ def test_bad_input_gets_one_line_naming_the_constraint(call, message):
 
 
 def test_convert_to_float8_swaps_the_blocks_linears_only():
-    model = ddp.GPT(ddp.ModelConfig())
+    model = foundation.GPT(foundation.ModelConfig())
     params_before = dict(model.named_parameters())
     fp8.convert_to_float8(model)
     kinds = {name: type(m) for name, m in model.named_modules()}
@@ -499,7 +499,7 @@ def test_short_fp8_training_stays_close_to_full_precision():
     that falls by > 1 nat over the run); measured differences are ~1e-3, and a wrongly scaled input
     gradient moves it by ~0.5. AdamW is blind to a uniformly mis-scaled weight gradient, which is why
     the backward's values are checked on their own above. Identical curves would mean FP8 never ran."""
-    cfg = ddp.ModelConfig()
+    cfg = foundation.ModelConfig()
     full, float8 = (fp8.train_losses(cfg, 30, 8, 32, use_fp8) for use_fp8 in (False, True))
     assert full[0] - full[-1] > 1.0
     assert full != float8
@@ -550,9 +550,9 @@ FEW_EXAMPLES = max(3, settings.default.max_examples // 3)  # each example trains
 SPECIALS = ("none", "nan", "inf", "zero weight", "huge")
 
 
-def tiny_fp8_gpt(cfg: ddp.ModelConfig, special: str = "none", seed: int = 0) -> nn.Module:
+def tiny_fp8_gpt(cfg: foundation.ModelConfig, special: str = "none", seed: int = 0) -> nn.Module:
     """The GPT with Float8Linear layers, one weight given a special value (the same on every rank)."""
-    model = fp8.convert_to_float8(ddp.GPT(cfg))
+    model = fp8.convert_to_float8(foundation.GPT(cfg))
     weights = fp8.float8_weights(model)
     gen = torch.Generator().manual_seed(seed)
     weight = weights[int(torch.randint(len(weights), (), generator=gen))]
@@ -567,7 +567,7 @@ def tiny_fp8_gpt(cfg: ddp.ModelConfig, special: str = "none", seed: int = 0) -> 
     return model
 
 
-def gathered_casts(cfg: ddp.ModelConfig, special: str, seed: int):
+def gathered_casts(cfg: foundation.ModelConfig, special: str, seed: int):
     """On every rank: the (bytes, scale bits) each Float8Linear receives from Float8ZeRO's
     all-gather as the forward reaches it, and each unit's (offsets, shapes, owned range)."""
     model = tiny_fp8_gpt(cfg, special, seed)
@@ -602,7 +602,7 @@ def test_fp8_all_gather_is_the_whole_weights_cast_bit_for_bit(rank_pool, world, 
                                                               special, seed):
     """Shards that split rows, weights with NaN, inf, all zeros or near fp32's max: each rank casts
     its piece with the weight's global scale, and the gathered bytes are the whole weight's cast."""
-    cfg = ddp.ModelConfig(vocab_size=11, dim=dim, n_layers=n_layers, n_heads=1, ffn_dim=ffn_dim, seed=seed)
+    cfg = foundation.ModelConfig(vocab_size=11, dim=dim, n_layers=n_layers, n_heads=1, ffn_dim=ffn_dim, seed=seed)
     results = rank_pool.run(world, gathered_casts, cfg, special, seed)
     model = tiny_fp8_gpt(cfg, special, seed)
     for name, module in model.named_modules():
@@ -638,7 +638,7 @@ def train_counting_casts(cfg, steps, global_batch, seq_len, mode, microbatches):
 def test_float8_zero3_trains_like_unsharded_fp8_with_a_byte_per_weight_element(
         rank_pool, world, microbatches, dim, ffn_dim, seq_len, seed):
     steps, global_batch = 3, world * microbatches
-    cfg = ddp.ModelConfig(vocab_size=11, dim=dim, n_heads=1, ffn_dim=ffn_dim, seed=seed)
+    cfg = foundation.ModelConfig(vocab_size=11, dim=dim, n_heads=1, ffn_dim=ffn_dim, seed=seed)
     runs = {mode: rank_pool.run(world, train_counting_casts, cfg, steps, global_batch, seq_len, mode,
                                 microbatches) for mode in fp8.FLOAT8_ZERO_MODES}
     fp8_run, gathered, unsharded = (runs[mode][0][0] for mode in ("zero3-fp8", "zero3", "unsharded"))
@@ -654,7 +654,7 @@ def test_float8_zero3_trains_like_unsharded_fp8_with_a_byte_per_weight_element(
     # Bytes per step: all-gathers before each microbatch's forward and backward, 4 B per element of
     # the other parameters' units, 1 B per element of the weights' (padded: 02's layout); one
     # all-reduce per ZeRO for the clipping norm's square, one more for every weight's amax.
-    model = fp8.convert_to_float8(ddp.GPT(cfg))
+    model = fp8.convert_to_float8(foundation.GPT(cfg))
     weights, ring = fp8.float8_weights(model), Fraction(world - 1, world)
     (rest, padded_weights), n = fp8_run.stats["padded"], len(weights)
     for mode, weight_bytes, all_reduces in (("zero3", 4, 2), ("zero3-fp8", 1, 3)):
@@ -711,10 +711,10 @@ def test_weights_cast_once_per_step_changes_no_bit(monkeypatch):
         out.sum().backward()
 
 
-def float8_zero_misuse(cfg: ddp.ModelConfig) -> list[str]:
+def float8_zero_misuse(cfg: foundation.ModelConfig) -> list[str]:
     """On every rank: what Float8ZeRO refuses, each before any collective or wrong number."""
     messages = []
-    model = fp8.convert_to_float8(ddp.GPT(cfg))
+    model = fp8.convert_to_float8(foundation.GPT(cfg))
     zero = fp8.Float8ZeRO(model)
     tokens = torch.arange(4).view(1, 4)
     with pytest.raises(ValueError) as error, fp8.weights_cast_once(model):  # released between uses
@@ -735,9 +735,9 @@ def float8_zero_misuse(cfg: ddp.ModelConfig) -> list[str]:
 
 
 def test_float8_zero_refuses_stale_casts_and_unsharded_use(rank_pool):
-    cfg = ddp.ModelConfig(vocab_size=11, dim=10, n_heads=1, ffn_dim=7)
+    cfg = foundation.ModelConfig(vocab_size=11, dim=10, n_heads=1, ffn_dim=7)
     for messages in rank_pool.run(2, float8_zero_misuse, cfg):
         assert "weights_cast_once needs whole weights" in messages[0]
         assert re.search(r"FP8 cast of layers\.0\..* older than its weights: Float8ZeRO\.cast_shards",
                          messages[1])
-    rank_pool.expect_invalid(2, fp8.Float8ZeRO, ddp.GPT(cfg), match="this model has none: convert_to_float8")
+    rank_pool.expect_invalid(2, fp8.Float8ZeRO, foundation.GPT(cfg), match="this model has none: convert_to_float8")

@@ -43,9 +43,10 @@ from hypothesis import strategies as st
 
 from conftest import ROOT, run_script
 
-ddp = importlib.import_module("01_ddp")
-zero_lesson = importlib.import_module("02_zero")
-nine = importlib.import_module("09_full_train")
+foundation = importlib.import_module("01_ddp")
+zero = importlib.import_module("02_zero")
+fp8 = importlib.import_module("08_fp8")
+full_train = importlib.import_module("09_full_train")
 
 LOSS_ATOL, GRAD_ATOL, GRAD_RTOL, PARAM_ATOL, ADAM_EPS, LR, STEPS = 2e-5, 2e-6, 1e-4, 2e-5, 1e-6, 1e-3, 3
 NORM_RTOL = 2e-6
@@ -57,19 +58,19 @@ def train_on_mesh(cfg, sizes, train, steps: int):
     """On every rank: train `steps` steps on lesson 01's synthetic batches; return the losses, the
     step-0 gradient shards, the final parameter shards, the summary (with step 0's activations: the
     most bytes the layers held for backward at once) and the clipping norm per step."""
-    nine.validate(cfg, sizes, train, torch.distributed.get_world_size())  # before any collective
+    full_train.validate(cfg, sizes, train, torch.distributed.get_world_size())  # before any collective
     if sizes not in _meshes:
-        _meshes[sizes] = nine.build_mesh(sizes)
+        _meshes[sizes] = full_train.build_mesh(sizes)
     mesh = _meshes[sizes]
-    trainer = nine.Trainer(cfg, mesh, train, torch.device("cpu"))
+    trainer = full_train.Trainer(cfg, mesh, train, torch.device("cpu"))
     models = trainer.stages.values()
     layers = [block for model in models for block in model.layers.values()]
     params = [p for model in models for p in model.parameters()]
     losses, grads, norms = [], None, []
     for step in range(steps):
-        rows = nine.dp_rows(cfg, train, step, mesh)
+        rows = full_train.dp_rows(cfg, train, step, mesh)
         if step == 0:
-            loss, activations = nine.tp_lesson.activation_bytes(
+            loss, activations = full_train.tensor_parallel.activation_bytes(
                 lambda: trainer.forward_backward(rows), params, torch.device("cpu"), inside=layers)
             grads = trainer.shards("grads")
         else:
@@ -80,9 +81,9 @@ def train_on_mesh(cfg, sizes, train, steps: int):
 
 
 def check_against_reference(results, cfg, train, steps: int = STEPS, reference=None) -> dict[str, float]:
-    ref = reference or zero_lesson.train_reference(cfg, steps, train.global_batch, train.seq_len, lr=train.lr,
+    ref = reference or zero.train_reference(cfg, steps, train.global_batch, train.seq_len, lr=train.lr,
                                                    adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
-                                                   transform=nine.reference_transform(train))
+                                                   transform=full_train.reference_transform(train))
     diffs = {}
     for losses, *_ in results:
         assert losses == pytest.approx(ref.losses, abs=LOSS_ATOL), (losses, ref.losses)
@@ -92,21 +93,21 @@ def check_against_reference(results, cfg, train, steps: int = STEPS, reference=N
         assert norms == pytest.approx(ref.grad_norms, rel=NORM_RTOL), (norms, ref.grad_norms)
     diffs["norm"] = max(abs(a / b - 1) for a, b in zip(results[0][-1], ref.grad_norms))
     for index, key, expected in ((1, "grads", ref.first_grads), (2, "params", ref.params)):
-        got = nine.assemble([piece for r in results for piece in r[index]])
+        got = full_train.assemble([piece for r in results for piece in r[index]])
         assert sorted(got) == sorted(expected), "some parameter is held by no rank"
         for name, tensor in got.items():
             assert not tensor.isnan().any(), f"{name}: some element is held by no rank"
             tol = dict(atol=GRAD_ATOL, rtol=GRAD_RTOL) if key == "grads" else dict(atol=PARAM_ATOL, rtol=0)
             torch.testing.assert_close(tensor, expected[name], **tol, msg=lambda m: f"{key} {name}: {m}")
-        diffs[key] = ddp.max_abs_diff(got, expected)
+        diffs[key] = foundation.max_abs_diff(got, expected)
     return diffs
 
 
-MOE = nine.moe_lesson.MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=8, aux_loss_coef=0.0)
+MOE = full_train.expert_parallel.MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=8, aux_loss_coef=0.0)
 
 
-def small_model(n_layers: int = 2, seed: int = 0) -> "ddp.ModelConfig":
-    return ddp.ModelConfig(vocab_size=30, dim=16, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=24,
+def small_model(n_layers: int = 2, seed: int = 0) -> "foundation.ModelConfig":
+    return foundation.ModelConfig(vocab_size=30, dim=16, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=24,
                            seed=seed)
 
 
@@ -129,7 +130,7 @@ def _shape(results, name: str) -> tuple[int, ...]:
 
 
 # Meshes with each dimension in {1, 2, 4} and at most 8 ranks, in order of size (shrinks to small).
-MESHES = sorted((nine.MeshSizes(dp, pp, cp, tp) for dp in (1, 2, 4) for pp in (1, 2, 4) for cp in (1, 2, 4)
+MESHES = sorted((full_train.MeshSizes(dp, pp, cp, tp) for dp in (1, 2, 4) for pp in (1, 2, 4) for cp in (1, 2, 4)
                  for tp in (1, 2, 4) if dp * pp * cp * tp <= 8), key=lambda m: (m.world, m.dp, m.pp, m.cp))
 
 
@@ -139,7 +140,7 @@ def configurations(draw):
     moe = draw(st.booleans(), label="moe")
     if moe:  # expert parallelism borrows from dp x cp
         ep = draw(st.sampled_from([e for e in (1, 2, 4) if (sizes.dp * sizes.cp) % e == 0]), label="ep")
-        sizes = nine.MeshSizes(sizes.dp, sizes.pp, sizes.cp, sizes.tp, ep)
+        sizes = full_train.MeshSizes(sizes.dp, sizes.pp, sizes.cp, sizes.tp, ep)
     schedule = draw(st.sampled_from(["1f1b", "gpipe", "zb-h1", "interleaved"] if sizes.pp > 1 else ["1f1b"]))
     virtual = 2 if schedule == "interleaved" else 1
     microbatches = draw(st.sampled_from([1, 2, 4]))
@@ -149,22 +150,22 @@ def configurations(draw):
     bf16 = not moe and draw(st.booleans(), label="bf16")  # MoE's routing may flip on bf16 rounding
     seq_len = 2 * sizes.cp * sizes.tp * draw(st.integers(1, 2))
     n_kv_heads = draw(st.sampled_from([h for h in (2, 4) if h % sizes.tp == 0] or [4]))
-    cfg = ddp.ModelConfig(vocab_size=draw(st.sampled_from([30, 32])), dim=16, n_heads=4, n_kv_heads=n_kv_heads,
+    cfg = foundation.ModelConfig(vocab_size=draw(st.sampled_from([30, 32])), dim=16, n_heads=4, n_kv_heads=n_kv_heads,
                           ffn_dim=24, n_layers=sizes.pp * virtual + draw(st.integers(0, 1)),
                           seed=draw(st.integers(0, 9)))
-    train = nine.TrainConfig(global_batch=sizes.dp * microbatches * draw(st.integers(1, 2)), seq_len=seq_len,
+    train = full_train.TrainConfig(global_batch=sizes.dp * microbatches * draw(st.integers(1, 2)), seq_len=seq_len,
                              zero_stage=draw(st.integers(0, 3)), schedule=schedule, microbatches=microbatches,
                              virtual=virtual, sequence_parallel=sequence_parallel, lr=LR, adam_eps=ADAM_EPS,
                              max_grad_norm=0.5, moe=MOE if moe else None, mixed_precision=bf16,
-                             recompute=draw(st.sampled_from(nine.tp_lesson.RECOMPUTE_MODES), label="recompute"))
+                             recompute=draw(st.sampled_from(full_train.tensor_parallel.RECOMPUTE_MODES), label="recompute"))
     return cfg, sizes, train
 
 
 def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, recompute="none"):
     """A configuration the 15 drawn examples may miss, run on every CI pass."""
-    sizes = nine.MeshSizes(*dims, **({"ep": ep} if ep else {}))
+    sizes = full_train.MeshSizes(*dims, **({"ep": ep} if ep else {}))
     cfg = small_model(n_layers)
-    train = nine.TrainConfig(global_batch=sizes.dp * microbatches, seq_len=4 * sizes.cp * sizes.tp,
+    train = full_train.TrainConfig(global_batch=sizes.dp * microbatches, seq_len=4 * sizes.cp * sizes.tp,
                              zero_stage=zero_stage, schedule=schedule, microbatches=microbatches,
                              virtual=2 if schedule == "interleaved" else 1, sequence_parallel=sp, lr=LR,
                              adam_eps=ADAM_EPS, max_grad_norm=0.5, moe=MOE if ep else None, recompute=recompute)
@@ -186,13 +187,13 @@ def test_any_mesh_equals_one_device(rank_pool, configuration):
     cfg, sizes, train = configuration
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
     if train.mixed_precision:  # bf16 against its one-device twin (test_bf16_... below says why 5e-4)
-        ref = zero_lesson.train_reference(cfg, STEPS, train.global_batch, train.seq_len, lr=LR,
+        ref = zero.train_reference(cfg, STEPS, train.global_batch, train.seq_len, lr=LR,
                                           adam_eps=ADAM_EPS, max_grad_norm=0.5, mixed_precision=True)
         assert results[0][0] == pytest.approx(ref.losses, abs=5e-4)
     else:
         check_against_reference(results, cfg, train)
     check_copies_agree(results)
-    plans = nine.plan(cfg, sizes, train)  # in this process: no group, nothing built
+    plans = full_train.plan(cfg, sizes, train)  # in this process: no group, nothing built
     for rank, (_, _, _, summary, _) in enumerate(results):
         mine = plans[sizes.coords(rank)["pp"]]
         assert summary["plan"] == mine and summary["params"] == mine.params
@@ -207,8 +208,8 @@ def test_any_mesh_equals_one_device(rank_pool, configuration):
 
 
 def test_sixteen_ranks_every_dimension_two(rank_pool):
-    cfg, sizes = small_model(), nine.MeshSizes(dp=2, pp=2, cp=2, tp=2, ep=2)
-    train = nine.TrainConfig(global_batch=8, seq_len=16, zero_stage=2, microbatches=2, sequence_parallel=True,
+    cfg, sizes = small_model(), full_train.MeshSizes(dp=2, pp=2, cp=2, tp=2, ep=2)
+    train = full_train.TrainConfig(global_batch=8, seq_len=16, zero_stage=2, microbatches=2, sequence_parallel=True,
                              lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5, moe=MOE)
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=400)
     check_against_reference(results, cfg, train)
@@ -219,7 +220,7 @@ def test_sixteen_ranks_every_dimension_two(rank_pool):
 
 def normwise_differences(results, expected: dict[str, torch.Tensor]) -> dict[str, float]:
     """||step-0 gradient - expected|| / ||expected|| per parameter, reassembled from the shards."""
-    got = nine.assemble([piece for r in results for piece in r[1]])
+    got = full_train.assemble([piece for r in results for piece in r[1]])
     assert sorted(got) == sorted(expected)
     return {name: ((g - expected[name].float()).norm() / expected[name].float().norm()).item()
             for name, g in got.items()}
@@ -235,10 +236,10 @@ def test_fp8_flag_trains_close_to_fp32(rank_pool):
     aligns. Random roundings give ~u/sqrt(3) per operand, ~0.08, and the upstream gradient's own
     rounding adds about as much in quadrature: ~0.11, the largest measured 0.112. A reduction missed
     or done twice is off by >= 25%."""
-    cfg, sizes = small_model(), nine.MeshSizes(dp=2, tp=2)
-    train = nine.TrainConfig(global_batch=4, seq_len=8, microbatches=1, fp8=True, lr=LR, adam_eps=ADAM_EPS)
+    cfg, sizes = small_model(), full_train.MeshSizes(dp=2, tp=2)
+    train = full_train.TrainConfig(global_batch=4, seq_len=8, microbatches=1, fp8=True, lr=LR, adam_eps=ADAM_EPS)
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
-    ref = zero_lesson.train_reference(cfg, STEPS, train.global_batch, train.seq_len, lr=LR, adam_eps=ADAM_EPS)
+    ref = zero.train_reference(cfg, STEPS, train.global_batch, train.seq_len, lr=LR, adam_eps=ADAM_EPS)
     differences = [abs(a - b) for a, b in zip(results[0][0], ref.losses)]
     assert 1e-7 < max(differences) < 5e-3, differences
     tolerance = sum(torch.finfo(dtype).eps / 2 for dtype in (torch.float8_e5m2, torch.float8_e4m3fn))
@@ -249,15 +250,14 @@ def test_fp8_flag_trains_close_to_fp32(rank_pool):
         assert summary["traffic"] == summary["traffic_formula"]
 
 
-fp8_lesson = importlib.import_module("08_fp8")
 FP8_LOSS_ATOL, FP8_GRAD_RTOL = 5e-3, 0.35
 
 
-class Fp32GatherUnit(fp8_lesson.Float8GatherUnit):
+class Fp32GatherUnit(fp8.Float8GatherUnit):
     """Float8ZeRO's unit (same layout, same per-step casts) gathering and binding like 02's: fp32
     weights, which each forward casts."""
-    gather_input, bind, release = (zero_lesson.FlatUnit.gather_input, zero_lesson.FlatUnit.bind,
-                                   zero_lesson.FlatUnit.release)
+    gather_input, bind, release = (zero.FlatUnit.gather_input, zero.FlatUnit.bind,
+                                   zero.FlatUnit.release)
 
 
 def train_fp8_on_mesh(cfg, sizes, train, steps: int, fp8_gathers: bool = True):
@@ -265,23 +265,23 @@ def train_fp8_on_mesh(cfg, sizes, train, steps: int, fp8_gathers: bool = True):
     fp32 (Fp32GatherUnit). Also returns the e4m3 elements cast that no Float8Linear received as
     input: the weights' casts."""
     elements = {"cast": 0, "inputs": 0}
-    real_cast, real_unit = fp8_lesson.cast_to_fp8, fp8_lesson.Float8ZeRO.unit_type
+    real_cast, real_unit = fp8.cast_to_fp8, fp8.Float8ZeRO.unit_type
 
     def counting_cast(x, scale, dtype):
-        elements["cast"] += x.numel() if dtype == fp8_lesson.E4M3 else 0
+        elements["cast"] += x.numel() if dtype == fp8.E4M3 else 0
         return real_cast(x, scale, dtype)
 
     def count_input(module, args):
-        elements["inputs"] += args[0].numel() if isinstance(module, fp8_lesson.Float8Linear) else 0
+        elements["inputs"] += args[0].numel() if isinstance(module, fp8.Float8Linear) else 0
 
     hook = torch.nn.modules.module.register_module_forward_pre_hook(count_input)
-    fp8_lesson.cast_to_fp8 = counting_cast
-    fp8_lesson.Float8ZeRO.unit_type = real_unit if fp8_gathers else Fp32GatherUnit
+    fp8.cast_to_fp8 = counting_cast
+    fp8.Float8ZeRO.unit_type = real_unit if fp8_gathers else Fp32GatherUnit
     try:
         return *train_on_mesh(cfg, sizes, train, steps), elements["cast"] - elements["inputs"]
     finally:
         hook.remove()
-        fp8_lesson.cast_to_fp8, fp8_lesson.Float8ZeRO.unit_type = real_cast, real_unit
+        fp8.cast_to_fp8, fp8.Float8ZeRO.unit_type = real_cast, real_unit
 
 
 @settings(max_examples=max(2, settings.default.max_examples // 5))  # two meshes trained per example
@@ -309,16 +309,16 @@ def test_fp8_zero3_gathers_a_byte_per_weight_element_and_follows_its_fp8_twin(ra
         if train.schedule != "zb-h1":  # zb-h1's W may re-gather a unit; None: no formula
             assert all(summary["traffic"][k] == f for k, f in summary["traffic_formula"].items()
                        if f is not None), (summary["traffic"], summary["traffic_formula"])
-    model = fp8_lesson.convert_to_float8(ddp.GPT(cfg))
-    weights = set(fp8_lesson.float8_weights(model))
+    model = fp8.convert_to_float8(foundation.GPT(cfg))
+    weights = set(fp8.float8_weights(model))
     names = {name for name, p in model.named_parameters() if p in weights}
     held = sum(values.numel() for r in runs[0] for spec, values in r[2] if spec.name in names)
     assert sum(r[5] for r in runs[0]) == (STEPS + 1) * held, "each weight element: one cast per step"
 
-    reference = zero_lesson.train_reference(cfg, STEPS, train.global_batch, train.seq_len, lr=train.lr,
+    reference = zero.train_reference(cfg, STEPS, train.global_batch, train.seq_len, lr=train.lr,
                                             adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
-                                            transform=fp8_lesson.convert_to_float8)
-    losses, grads = runs[0][0][0], nine.assemble([piece for r in runs[0] for piece in r[1]])
+                                            transform=fp8.convert_to_float8)
+    losses, grads = runs[0][0][0], full_train.assemble([piece for r in runs[0] for piece in r[1]])
     if sizes.world == 1 and train.microbatches == 1:
         check_against_reference([r[:5] for r in runs[0]], cfg, train, reference=reference)
     assert losses == pytest.approx(reference.losses, abs=FP8_LOSS_ATOL), (losses, reference.losses)
@@ -336,11 +336,11 @@ def test_bf16_mixed_precision_follows_its_one_device_twin(rank_pool):
     rounding off by at most u = 2^-8; a layer-0 weight's gradient passes the roundings of the
     layers above, forward and backward: 8u = 2^-5 allowed, the largest measured 0.0107 (2.7u). A
     reduction missed or done twice is off by >= 25%."""
-    cfg, sizes = small_model(), nine.MeshSizes(pp=2, cp=2, tp=2)
-    train = nine.TrainConfig(global_batch=4, seq_len=8, microbatches=2, zero_stage=3, sequence_parallel=True,
+    cfg, sizes = small_model(), full_train.MeshSizes(pp=2, cp=2, tp=2)
+    train = full_train.TrainConfig(global_batch=4, seq_len=8, microbatches=2, zero_stage=3, sequence_parallel=True,
                              lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5, mixed_precision=True)
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
-    ref = zero_lesson.train_reference(cfg, STEPS, 4, 8, lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5,
+    ref = zero.train_reference(cfg, STEPS, 4, 8, lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5,
                                       mixed_precision=True)
     assert results[0][0] == pytest.approx(ref.losses, abs=5e-4)
     gradients = normwise_differences(results, ref.first_grads)
@@ -348,7 +348,7 @@ def test_bf16_mixed_precision_follows_its_one_device_twin(rank_pool):
 
 
 def test_mesh_coordinates_and_groups():
-    sizes = nine.MeshSizes(dp=2, pp=2, cp=2, tp=2)
+    sizes = full_train.MeshSizes(dp=2, pp=2, cp=2, tp=2)
     assert [sizes.coords(r)["tp"] for r in range(4)] == [0, 1, 0, 1], "tp must vary fastest"
     assert sizes.coords(13) == dict(dp=1, pp=1, cp=0, tp=1)
     assert all(sizes.rank(**sizes.coords(r)) == r for r in range(sizes.world))
@@ -356,63 +356,63 @@ def test_mesh_coordinates_and_groups():
         groups = sizes.groups(dims)
         assert len(groups) == n_groups and sorted(r for g in groups for r in g) == list(range(16))
     assert sizes.groups(("tp",))[0] == [0, 1] and sizes.groups(("dp", "cp"))[0] == [0, 2, 8, 10]
-    assert "rank 13: dp=1 pp=1 cp=0 tp=1\n" in nine.rank_map(sizes)
-    with_ep = nine.MeshSizes(dp=2, pp=2, cp=2, tp=2, ep=4)
+    assert "rank 13: dp=1 pp=1 cp=0 tp=1\n" in full_train.rank_map(sizes)
+    with_ep = full_train.MeshSizes(dp=2, pp=2, cp=2, tp=2, ep=4)
     assert with_ep.expert_groups(False)[0] == [0, 2, 8, 10] and with_ep.expert_groups(True)[0] == [0]
-    assert "rank 10: dp=1 pp=0 cp=1 tp=0 ep=3" in nine.rank_map(with_ep)
-    ep2 = nine.MeshSizes(dp=2, cp=2, ep=2)  # ep groups: cp pairs; expert-data groups: the dp pairs
+    assert "rank 10: dp=1 pp=0 cp=1 tp=0 ep=3" in full_train.rank_map(with_ep)
+    ep2 = full_train.MeshSizes(dp=2, cp=2, ep=2)  # ep groups: cp pairs; expert-data groups: the dp pairs
     assert ep2.expert_groups(False) == [[0, 1], [2, 3]] and ep2.expert_groups(True) == [[0, 2], [1, 3]]
 
 
 def test_invalid_configurations_list_every_violation(rank_pool):
-    cfg = ddp.ModelConfig(vocab_size=30, dim=12, n_layers=1, n_heads=3, ffn_dim=20)
-    train = nine.TrainConfig(global_batch=3, seq_len=6, zero_stage=4, microbatches=2, sequence_parallel=True)
-    rank_pool.expect_invalid(4, train_on_mesh, cfg, nine.MeshSizes(dp=2, pp=2, tp=2), train, 1,
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_layers=1, n_heads=3, ffn_dim=20)
+    train = full_train.TrainConfig(global_batch=3, seq_len=6, zero_stage=4, microbatches=2, sequence_parallel=True)
+    rank_pool.expect_invalid(4, train_on_mesh, cfg, full_train.MeshSizes(dp=2, pp=2, tp=2), train, 1,
                              match=r"(?s)2 x 2 x 1 x 2 = 8 is not the world size 4.*n_heads=3 is not "
                                    r"divisible by tp=2.*stage=4.*global_batch=3 is not divisible by dp=2")
-    good = nine.TrainConfig(global_batch=4, seq_len=6, microbatches=2)
-    rank_pool.expect_invalid(4, train_on_mesh, small_model(1), nine.MeshSizes(pp=2, cp=2), good, 1,
+    good = full_train.TrainConfig(global_batch=4, seq_len=6, microbatches=2)
+    rank_pool.expect_invalid(4, train_on_mesh, small_model(1), full_train.MeshSizes(pp=2, cp=2), good, 1,
                              match=r"(?s)seq_len=6 is not divisible by 2 x cp = 4.*n_layers=1 cannot fill")
-    moe_train = nine.TrainConfig(global_batch=4, seq_len=8, moe=nine.moe_lesson.MoEConfig(n_experts=3))
-    rank_pool.expect_invalid(4, train_on_mesh, small_model(), nine.MeshSizes(dp=2, tp=2, ep=4), moe_train, 1,
+    moe_train = full_train.TrainConfig(global_batch=4, seq_len=8, moe=full_train.expert_parallel.MoEConfig(n_experts=3))
+    rank_pool.expect_invalid(4, train_on_mesh, small_model(), full_train.MeshSizes(dp=2, tp=2, ep=4), moe_train, 1,
                              match=r"(?s)ep=4 must divide dp x cp = 2.*")
-    rank_pool.expect_invalid(4, train_on_mesh, small_model(), nine.MeshSizes(dp=4, ep=2), moe_train, 1,
+    rank_pool.expect_invalid(4, train_on_mesh, small_model(), full_train.MeshSizes(dp=4, ep=2), moe_train, 1,
                              match=r"(?s)n_experts=3 is not divisible by ep=2.*dropless and unbalanced")
     with pytest.raises(ValueError, match="ep=2 needs an MoE model"):
-        nine.validate(small_model(), nine.MeshSizes(dp=2, ep=2), good, 2)
+        full_train.validate(small_model(), full_train.MeshSizes(dp=2, ep=2), good, 2)
     with pytest.raises(ValueError, match="global_batch=0 must be >= 1"):
-        nine.validate(small_model(), nine.MeshSizes(), nine.TrainConfig(global_batch=0), 1)
+        full_train.validate(small_model(), full_train.MeshSizes(), full_train.TrainConfig(global_batch=0), 1)
     with pytest.raises(ValueError, match="every mesh size must be >= 1"):
-        nine.validate(small_model(), nine.MeshSizes(dp=0), good, 1)
+        full_train.validate(small_model(), full_train.MeshSizes(dp=0), good, 1)
 
 
 def nan_step(cfg, sizes, train):
     """One NaN weight on the first stage: the loss, the norm and every parameter element on every
     rank, both stages, come out NaN (clipping by a NaN norm must not hide it)."""
-    trainer = nine.Trainer(cfg, nine.build_mesh(sizes), train, torch.device("cpu"))
+    trainer = full_train.Trainer(cfg, full_train.build_mesh(sizes), train, torch.device("cpu"))
     if 0 in trainer.stages:
         with torch.no_grad():
             trainer.stages[0].layers["0"].attn_norm.weight[0] = float("nan")
-    loss = trainer.forward_backward(nine.dp_rows(cfg, train, 0, trainer.mesh))
+    loss = trainer.forward_backward(full_train.dp_rows(cfg, train, 0, trainer.mesh))
     norm = trainer.update()
     return loss, norm, all(values.isnan().all() for _, values in trainer.shards("params"))
 
 
 def test_a_nan_propagates_to_every_rank(rank_pool):
-    sizes = nine.MeshSizes(dp=2, pp=2)
-    train = nine.TrainConfig(global_batch=4, seq_len=8, microbatches=2, zero_stage=0, max_grad_norm=1.0)
+    sizes = full_train.MeshSizes(dp=2, pp=2)
+    train = full_train.TrainConfig(global_batch=4, seq_len=8, microbatches=2, zero_stage=0, max_grad_norm=1.0)
     for loss, norm, every_param_nan in rank_pool.run(sizes.world, nan_step, small_model(), sizes, train):
         assert math.isnan(loss) and math.isnan(norm) and every_param_nan
 
 
 def wrong_rows(cfg, sizes, train):
-    trainer = nine.Trainer(cfg, nine.build_mesh(sizes), train, torch.device("cpu"))
+    trainer = full_train.Trainer(cfg, full_train.build_mesh(sizes), train, torch.device("cpu"))
     trainer.forward_backward(torch.zeros(train.global_batch, train.seq_len, dtype=torch.long))
 
 
 def test_rows_of_the_wrong_shape_are_refused(rank_pool):
-    train = nine.TrainConfig(global_batch=4, seq_len=8)
-    rank_pool.expect_invalid(2, wrong_rows, small_model(), nine.MeshSizes(dp=2), train,
+    train = full_train.TrainConfig(global_batch=4, seq_len=8)
+    rank_pool.expect_invalid(2, wrong_rows, small_model(), full_train.MeshSizes(dp=2), train,
                              match=r"rows of shape \(4, 8\): this dp rank expects .* = \(2, 9\)")
 
 
@@ -427,41 +427,41 @@ def test_main_runs_and_prints_the_check():
 def plan_main(monkeypatch, capsys, *options: str) -> str:
     """09's main with --plan, in this process: it builds nothing and starts no rank."""
     monkeypatch.setattr(sys, "argv", ["09_full_train.py", "--plan", *options])
-    nine.main()
+    full_train.main()
     assert not torch.distributed.is_initialized()
     return capsys.readouterr().out
 
 
-def preset(name: str) -> "ddp.ModelConfig":
-    return ddp.ModelConfig(**{"vocab_size": 256, **nine.MODELS[name][0]})
+def preset(name: str) -> "foundation.ModelConfig":
+    return foundation.ModelConfig(**{"vocab_size": 256, **full_train.MODELS[name][0]})
 
 
 def test_plan_of_llama3_70b_on_256_gpus_prints_the_fastest_meshes_that_fit(monkeypatch, capsys):
     out = plan_main(monkeypatch, capsys, "--model", "llama3-70b", "--gpus", "256")
     assert "llama3-70b: 70.6B parameters" in out and "batch 1,024 x 8,192 tokens" in out
     meshes = re.findall(r"\n(\d)\. dp=(\d+) pp=(\d+) cp=(\d+) tp=(\d+)", out)
-    assert [int(m[0]) for m in meshes] == list(range(1, nine.TOP_MESHES + 1))
+    assert [int(m[0]) for m in meshes] == list(range(1, full_train.TOP_MESHES + 1))
     assert all(math.prod(map(int, m[1:])) == 256 and int(m[4]) <= 8 for m in meshes)
     fullest = [float(x) for x in re.findall(r"fullest GPU ([\d.]+) GB", out)]
-    assert len(fullest) == nine.TOP_MESHES and max(fullest) <= 80
+    assert len(fullest) == full_train.TOP_MESHES and max(fullest) <= 80
     steps = [float(x) for x in re.findall(r"no overlap ([\d.]+) s", out)]
     assert steps == sorted(steps), "fastest first"
 
 
 @given(gpus=st.sampled_from([8, 16, 64]), memory_gb=st.floats(8, 160), more=st.floats(1, 4),
-       model=st.sampled_from(["1b", "llama3-8b"]), zero=st.integers(0, 3),
-       recompute=st.sampled_from(nine.tp_lesson.RECOMPUTE_MODES), sequence_parallel=st.booleans())
+       model=st.sampled_from(["1b", "llama3-8b"]), zero_stage=st.integers(0, 3),
+       recompute=st.sampled_from(full_train.tensor_parallel.RECOMPUTE_MODES), sequence_parallel=st.booleans())
 def test_the_search_returns_valid_meshes_that_fit_and_more_memory_never_slows_it(
-        gpus, memory_gb, more, model, zero, recompute, sequence_parallel):
-    cfg, (_, seq_len, batch, _) = preset(model), nine.MODELS[model]
-    train = nine.TrainConfig(global_batch=batch, seq_len=seq_len, zero_stage=zero, mixed_precision=True,
+        gpus, memory_gb, more, model, zero_stage, recompute, sequence_parallel):
+    cfg, (_, seq_len, batch, _) = preset(model), full_train.MODELS[model]
+    train = full_train.TrainConfig(global_batch=batch, seq_len=seq_len, zero_stage=zero_stage, mixed_precision=True,
                              recompute=recompute, sequence_parallel=sequence_parallel)
-    search = lambda gb: nine.search_meshes(cfg, train, gpus, dict.fromkeys(nine.DIMS), None, 1,  # noqa: E731
-                                           nine.Cluster(memory=gb * 1e9))
+    search = lambda gb: full_train.search_meshes(cfg, train, gpus, dict.fromkeys(full_train.DIMS), None, 1,  # noqa: E731
+                                           full_train.Cluster(memory=gb * 1e9))
     valid, fitting, _ = search(memory_gb)
     for sizes, run, plans, _ in valid:
-        nine.validate(cfg, sizes, run, gpus)  # raises if it does not accept the mesh
-        assert sizes.tp <= 8 and plans == nine.plan(cfg, sizes, run)
+        full_train.validate(cfg, sizes, run, gpus)  # raises if it does not accept the mesh
+        assert sizes.tp <= 8 and plans == full_train.plan(cfg, sizes, run)
     fits = [v for v in valid if max(p.total for p in v[2]) <= memory_gb * 1e9]
     assert sorted(map(id, fitting)) == sorted(map(id, fits)), "every mesh that fits, and only those"
     _, with_more, _ = search(memory_gb * more)
@@ -484,13 +484,13 @@ def test_llama3_405b_on_metas_mesh_is_planned_without_building_it():
     """tp 8, pp 16, dp 64 on 8,192 GPUs (Meta's): nothing is built; the pipeline ranks' TP-local
     parameters x 8 add up to the model's (vocabulary 128,256, heads and ffn all divide by 8: no
     padding) and 7 more copies of the norms, which every tp rank holds whole."""
-    cfg, sizes = preset("llama3-405b"), nine.MeshSizes(dp=64, pp=16, tp=8)
-    train = nine.TrainConfig(global_batch=2048, seq_len=8192, microbatches=32, mixed_precision=True,
+    cfg, sizes = preset("llama3-405b"), full_train.MeshSizes(dp=64, pp=16, tp=8)
+    train = full_train.TrainConfig(global_batch=2048, seq_len=8192, microbatches=32, mixed_precision=True,
                              sequence_parallel=True, recompute="full")
-    nine.validate(cfg, sizes, train, 8192)
-    plans = nine.plan(cfg, sizes, train)
+    full_train.validate(cfg, sizes, train, 8192)
+    plans = full_train.plan(cfg, sizes, train)
     assert [p.layers for p in plans] == [8] * 14 + [7] * 2
-    norms, model = (2 * cfg.n_layers + 1) * cfg.dim, sum(map(math.prod, ddp.parameter_shapes(cfg).values()))
+    norms, model = (2 * cfg.n_layers + 1) * cfg.dim, sum(map(math.prod, foundation.parameter_shapes(cfg).values()))
     assert sum(p.params for p in plans) * 8 - 7 * norms == model
     assert [p.in_flight for p in plans] == list(range(16, 0, -1))
 
@@ -509,7 +509,7 @@ RESUME_ATOL = 2e-5
 # --- data ---------------------------------------------------------------------------------------
 
 def test_default_corpus_is_the_standard_library_in_sorted_order():
-    tokens = nine.read_tokens(None, max_bytes=5000)
+    tokens = full_train.read_tokens(None, max_bytes=5000)
     first = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[0].read_bytes()
     assert len(tokens) == 5000 and tokens.dtype == torch.uint8
     assert bytes(tokens[:min(len(first), 5000)].tolist()) == first[:5000]
@@ -517,12 +517,12 @@ def test_default_corpus_is_the_standard_library_in_sorted_order():
 
 def test_bad_data_files_give_one_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
-        nine.read_tokens(tmp_path / "missing.txt")
+        full_train.read_tokens(tmp_path / "missing.txt")
     (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(ValueError, match="the file is empty"):
-        nine.read_tokens(tmp_path / "empty.txt")
+        full_train.read_tokens(tmp_path / "empty.txt")
     (tmp_path / "text.txt").write_bytes(b"hello")
-    assert bytes(nine.read_tokens(tmp_path / "text.txt").tolist()) == b"hello"
+    assert bytes(full_train.read_tokens(tmp_path / "text.txt").tolist()) == b"hello"
 
 
 @given(length=st.integers(1, 200), seq_len=st.integers(1, 8), batch=st.integers(1, 4))
@@ -532,19 +532,19 @@ def test_split_refuses_exactly_the_texts_too_short_for_a_batch(length, seq_len, 
     tokens = torch.arange(length)
     n_val = int(length * 0.1)
     if min(n_val, length - n_val) >= batch * seq_len + 1:
-        train, val = nine.split_tokens(tokens, seq_len, batch)
+        train, val = full_train.split_tokens(tokens, seq_len, batch)
         assert torch.equal(torch.cat([train, val]), tokens) and len(val) == n_val
         for part in (train, val):  # each part yields a batch
-            assert next(nine.ShardedLoader(part, seq_len, batch)).shape == (batch, seq_len + 1)
+            assert next(full_train.ShardedLoader(part, seq_len, batch)).shape == (batch, seq_len + 1)
     else:
         with pytest.raises(ValueError, match=f"each part needs >= global_batch x seq_len \\+ 1 = "
                                              f"{batch} x {seq_len} \\+ 1"):
-            nine.split_tokens(tokens, seq_len, batch)
+            full_train.split_tokens(tokens, seq_len, batch)
 
 
 def loaders(length: int, seq_len: int, batch: int, dp: int, seed: int = 0) -> list:
     tokens = torch.arange(length)  # window i starts with token i * seq_len: its id is readable
-    return [nine.ShardedLoader(tokens, seq_len, batch, r, dp, seed) for r in range(dp)]
+    return [full_train.ShardedLoader(tokens, seq_len, batch, r, dp, seed) for r in range(dp)]
 
 
 def global_batch(ranks: list) -> torch.Tensor:
@@ -590,16 +590,16 @@ def test_loader_resumes_on_the_uninterrupted_batches_even_on_another_dp(before, 
 
 def test_loader_errors():
     with pytest.raises(ValueError, match="divisible by dp=4 and dp_rank=0"):
-        nine.ShardedLoader(torch.arange(100), 4, 6, 0, 4)
+        full_train.ShardedLoader(torch.arange(100), 4, 6, 0, 4)
     with pytest.raises(ValueError, match="dp_rank=2 in \\[0, 2\\)"):
-        nine.ShardedLoader(torch.arange(100), 4, 6, 2, 2)
+        full_train.ShardedLoader(torch.arange(100), 4, 6, 2, 2)
     with pytest.raises(ValueError, match="seq_len=0 and global_batch=2 must be >= 1"):
-        nine.ShardedLoader(torch.arange(100), 0, 2)
+        full_train.ShardedLoader(torch.arange(100), 0, 2)
     with pytest.raises(ValueError, match="fewer than global_batch=4 windows of seq_len \\+ 1 = 5"):
-        nine.ShardedLoader(torch.arange(16), 4, 4)
-    saved = nine.ShardedLoader(torch.arange(100), 4, 4, seed=1).state_dict()
-    for other in (nine.ShardedLoader(torch.arange(100), 4, 2, seed=1), nine.ShardedLoader(torch.arange(60), 4, 4, seed=1),
-                  nine.ShardedLoader(torch.arange(100), 4, 4, seed=2)):  # a batch past the epoch's end, other data
+        full_train.ShardedLoader(torch.arange(16), 4, 4)
+    saved = full_train.ShardedLoader(torch.arange(100), 4, 4, seed=1).state_dict()
+    for other in (full_train.ShardedLoader(torch.arange(100), 4, 2, seed=1), full_train.ShardedLoader(torch.arange(60), 4, 4, seed=1),
+                  full_train.ShardedLoader(torch.arange(100), 4, 4, seed=2)):  # a batch past the epoch's end, other data
         with pytest.raises(ValueError, match="the checkpoint's data position counts other windows"):
             other.load_state_dict(saved)
 
@@ -607,7 +607,7 @@ def test_loader_errors():
 # --- learning rate, MFU, sampling ---------------------------------------------------------------
 
 def test_learning_rate_corners():
-    lr = lambda step, warmup=10: nine.learning_rate(step, 1.0, warmup, 110, 0.1)  # noqa: E731
+    lr = lambda step, warmup=10: full_train.learning_rate(step, 1.0, warmup, 110, 0.1)  # noqa: E731
     assert lr(0) == pytest.approx(0.1) and lr(9) == 1.0 and lr(10) == 1.0  # warmup, then the top
     assert lr(60) == pytest.approx(0.55)  # half way down the cosine: the middle of max and min
     assert lr(110) == pytest.approx(0.1) and lr(500) == 0.1  # the floor, and after
@@ -618,13 +618,13 @@ def test_learning_rate_corners():
 
 @given(n_heads=st.sampled_from([2, 4]), groups=st.sampled_from([1, 2]), layers=st.integers(1, 3))
 def test_flops_per_token_count_the_model_but_its_embedding(n_heads, groups, layers):
-    cfg = ddp.ModelConfig(vocab_size=50, dim=8 * n_heads, n_layers=layers, n_heads=n_heads,
+    cfg = foundation.ModelConfig(vocab_size=50, dim=8 * n_heads, n_layers=layers, n_heads=n_heads,
                           n_kv_heads=n_heads // groups, ffn_dim=24)
-    counted = sum(p.numel() for n, p in ddp.GPT(cfg).named_parameters() if not n.startswith("embed"))
-    assert nine.flops_per_token(cfg, 7) == 6 * counted + 12 * layers * cfg.dim * 7
+    counted = sum(p.numel() for n, p in foundation.GPT(cfg).named_parameters() if not n.startswith("embed"))
+    assert full_train.flops_per_token(cfg, 7) == 6 * counted + 12 * layers * cfg.dim * 7
     # by hand: dim 8, 2 heads of 4, ffn 16, 1 layer, vocab 10, T = 4: N = 256 (q k v o) + 384 (MLP)
     # + 16 + 8 (norms) + 80 (LM head) = 744; 6N + 12 L H Q T = 4464 + 384
-    assert nine.flops_per_token(ddp.ModelConfig(vocab_size=10, dim=8, n_layers=1, n_heads=2, ffn_dim=16), 4) == 4848
+    assert full_train.flops_per_token(foundation.ModelConfig(vocab_size=10, dim=8, n_layers=1, n_heads=2, ffn_dim=16), 4) == 4848
 
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
@@ -632,27 +632,27 @@ def test_flops_per_token_count_the_model_but_its_embedding(n_heads, groups, laye
                                         ("NVIDIA A100-SXM4-80GB", 312e12), ("Tesla T4", None)])
 def test_peak_flops_table(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert nine.peak_bf16_flops(torch.device("cuda", 0)) == peak
-    assert nine.peak_bf16_flops(torch.device("cpu")) is None
+    assert full_train.peak_bf16_flops(torch.device("cuda", 0)) == peak
+    assert full_train.peak_bf16_flops(torch.device("cpu")) is None
 
 
 def test_greedy_sample_continues_with_the_most_likely_byte():
-    model = ddp.GPT(ddp.ModelConfig(vocab_size=256, dim=16, n_heads=2, ffn_dim=32, seed=1))
-    new = nine.greedy_sample(model, b"def ", 12)
+    model = foundation.GPT(foundation.ModelConfig(vocab_size=256, dim=16, n_heads=2, ffn_dim=32, seed=1))
+    new = full_train.greedy_sample(model, b"def ", 12)
     assert len(new) == 12 and model.training, "the model's mode is restored"
     with torch.no_grad():  # teacher-forced: one forward over the whole text predicts the same bytes
         assert model(torch.tensor(list(b"def " + new))[None])[0, 3:-1].argmax(-1).tolist() == list(new)
-    assert nine.greedy_sample(model, b"x", 0) == b""
-    for bad_model, prompt in ((model, b""), (ddp.GPT(ddp.ModelConfig()), b"a")):
+    assert full_train.greedy_sample(model, b"x", 0) == b""
+    for bad_model, prompt in ((model, b""), (foundation.GPT(foundation.ModelConfig()), b"a")):
         with pytest.raises(ValueError, match="non-empty prompt and a byte-level model"):
-            nine.greedy_sample(bad_model, prompt, 3)
+            full_train.greedy_sample(bad_model, prompt, 3)
 
 
 # --- the real Trainer: checkpoints, resume, the NaN guard -----------------------------------------
 
-BYTES = ddp.ModelConfig(vocab_size=256, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=24)
-TEXT = nine.read_tokens(None, max_bytes=6000)
-PER_ELEMENT = 4 * len(nine.CHECKPOINT_KINDS)  # fp32 parameter + AdamW's two moments
+BYTES = foundation.ModelConfig(vocab_size=256, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=24)
+TEXT = full_train.read_tokens(None, max_bytes=6000)
+PER_ELEMENT = 4 * len(full_train.CHECKPOINT_KINDS)  # fp32 parameter + AdamW's two moments
 
 
 class Interrupted(Exception):
@@ -666,24 +666,24 @@ def train_run(sizes, train, run, stop_at=None, poison_at=None, poison="params"):
     losses, the validation losses, the bytes read on resume and the bytes of this rank's slices
     (its ZeRO shards' real elements, by ShardSpec.global_indices), or the error's text."""
     if sizes not in _meshes:
-        _meshes[sizes] = nine.build_mesh(sizes)
-    trainer = nine.Trainer(BYTES, _meshes[sizes], train, torch.device("cpu"))
-    train_tokens, val_tokens = nine.split_tokens(TEXT, train.seq_len, train.global_batch)
-    loader = nine.ShardedLoader(train_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
+        _meshes[sizes] = full_train.build_mesh(sizes)
+    trainer = full_train.Trainer(BYTES, _meshes[sizes], train, torch.device("cpu"))
+    train_tokens, val_tokens = full_train.split_tokens(TEXT, train.seq_len, train.global_batch)
+    loader = full_train.ShardedLoader(train_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
                                 sizes.dp, run.seed)
 
     def progress(step, loss, seconds):
         if step == poison_at and poison == "params":
             next(iter(trainer.stages.values())).layers["0"].mlp_norm.weight.data.fill_(math.nan)
         elif step == poison_at and trainer.mesh.rank == 1:
-            zero = trainer.zeros[0][2]
-            zero.optimizer.state[zero.units[0].master]["exp_avg_sq"].fill_(math.inf)
+            zero_opt = trainer.zeros[0][2]
+            zero_opt.optimizer.state[zero_opt.units[0].master]["exp_avg_sq"].fill_(math.inf)
         if step == stop_at:
             raise Interrupted
 
     try:
-        out = nine.train_loop(trainer, loader, val_tokens, run, progress)
-    except (Interrupted, FloatingPointError, nine.CheckpointError) as error:
+        out = full_train.train_loop(trainer, loader, val_tokens, run, progress)
+    except (Interrupted, FloatingPointError, full_train.CheckpointError) as error:
         return str(error)
     slices = sum(int((spec.global_indices() >= 0).sum()) for spec, *_ in trainer.shard_specs())
     return dict(losses=out["losses"], val=out["val"], read=out["read"], slices=PER_ELEMENT * slices)
@@ -692,10 +692,10 @@ def train_run(sizes, train, run, stop_at=None, poison_at=None, poison="params"):
 def one_device_validation(folder, train, run) -> float:
     """The validation loss of the checkpoint's model on one device: the mean over the first
     run.eval_batches global batches of the validation windows, as train_loop reads them."""
-    model = ddp.GPT(BYTES)
-    nine.load_model(model, folder)
-    _, val_tokens = nine.split_tokens(TEXT, train.seq_len, train.global_batch)
-    windows = nine.ShardedLoader(val_tokens, train.seq_len, train.global_batch, seed=run.seed)
+    model = foundation.GPT(BYTES)
+    full_train.load_model(model, folder)
+    _, val_tokens = full_train.split_tokens(TEXT, train.seq_len, train.global_batch)
+    windows = full_train.ShardedLoader(val_tokens, train.seq_len, train.global_batch, seed=run.seed)
     with torch.no_grad():
         losses = [model(rows[:, :-1], rows[:, 1:]).item()
                   for rows in (next(windows) for _ in range(run.eval_batches))]
@@ -703,9 +703,9 @@ def one_device_validation(folder, train, run) -> float:
 
 
 def test_resume_reads_only_its_slices_and_equals_the_uninterrupted_run_on_any_mesh(rank_pool, tmp_path):
-    tp_dp = nine.MeshSizes(dp=2, tp=2)
-    train = nine.TrainConfig(global_batch=8, seq_len=8, lr=3e-3, max_grad_norm=1.0)
-    run = nine.RunConfig(steps=6, warmup=2, eval_every=3, save_every=3, folder=str(tmp_path / "a"))
+    tp_dp = full_train.MeshSizes(dp=2, tp=2)
+    train = full_train.TrainConfig(global_batch=8, seq_len=8, lr=3e-3, max_grad_norm=1.0)
+    run = full_train.RunConfig(steps=6, warmup=2, eval_every=3, save_every=3, folder=str(tmp_path / "a"))
     full = rank_pool.run(4, train_run, tp_dp, train, run)[0]
     assert full["losses"][5] < full["losses"][0] - 0.05, "it learns"
     # The validation loss the run prints is one device's mean over the same windows (fp32 sums in
@@ -713,8 +713,8 @@ def test_resume_reads_only_its_slices_and_equals_the_uninterrupted_run_on_any_me
     assert full["val"][6] == pytest.approx(one_device_validation(run.folder, train, run), abs=RESUME_ATOL)
     interrupted = dataclasses.replace(run, folder=str(tmp_path / "b"))
     assert rank_pool.run(4, train_run, tp_dp, train, interrupted, stop_at=4) == [""] * 4  # after step 3's save
-    assert nine.latest_checkpoint(interrupted.folder).name == "step_00000003"
-    others = ((nine.MeshSizes(dp=4), 1), (nine.MeshSizes(pp=2, tp=2), 0), (tp_dp, 3))  # other meshes, stages
+    assert full_train.latest_checkpoint(interrupted.folder).name == "step_00000003"
+    others = ((full_train.MeshSizes(dp=4), 1), (full_train.MeshSizes(pp=2, tp=2), 0), (tp_dp, 3))  # other meshes, stages
     for sizes, stage in others:
         shutil.copytree(interrupted.folder, tmp_path / f"{sizes.dp}{sizes.pp}{stage}")
     resumed = dataclasses.replace(interrupted, resume=True)
@@ -735,9 +735,9 @@ def test_resume_reads_only_its_slices_and_equals_the_uninterrupted_run_on_any_me
 def test_fp8_zero3_resumes_bitwise(rank_pool, tmp_path):
     """Under --fp8 --zero 3 each rank keeps the e4m3 casts of its weight shards (lesson 08's
     Float8ZeRO): a resume must cast them anew from the loaded masters, then go on bit for bit."""
-    sizes = nine.MeshSizes(dp=2, tp=2)
-    train = nine.TrainConfig(global_batch=8, seq_len=8, lr=3e-3, max_grad_norm=1.0, fp8=True, zero_stage=3)
-    run = nine.RunConfig(steps=4, warmup=2, eval_every=100, save_every=2, folder=str(tmp_path / "a"))
+    sizes = full_train.MeshSizes(dp=2, tp=2)
+    train = full_train.TrainConfig(global_batch=8, seq_len=8, lr=3e-3, max_grad_norm=1.0, fp8=True, zero_stage=3)
+    run = full_train.RunConfig(steps=4, warmup=2, eval_every=100, save_every=2, folder=str(tmp_path / "a"))
     full = rank_pool.run(4, train_run, sizes, train, run)[0]
     interrupted = dataclasses.replace(run, folder=str(tmp_path / "b"))
     assert rank_pool.run(4, train_run, sizes, train, interrupted, stop_at=3) == [""] * 4  # after step 2's save
@@ -747,15 +747,15 @@ def test_fp8_zero3_resumes_bitwise(rank_pool, tmp_path):
 
 # Replicated pieces: at ZeRO-0 both dp ranks hold every element, both tp ranks the norms (and the experts).
 @pytest.mark.parametrize("sizes, train", [
-    (nine.MeshSizes(dp=2, tp=2), nine.TrainConfig(global_batch=4, seq_len=8, zero_stage=0)),
-    (nine.MeshSizes(dp=2, tp=2, ep=2), nine.TrainConfig(global_batch=4, seq_len=8, moe=MOE)),
+    (full_train.MeshSizes(dp=2, tp=2), full_train.TrainConfig(global_batch=4, seq_len=8, zero_stage=0)),
+    (full_train.MeshSizes(dp=2, tp=2, ep=2), full_train.TrainConfig(global_batch=4, seq_len=8, moe=MOE)),
 ], ids=["zero0-dp2-tp2", "moe-ep2-tp2"])
 def test_each_element_is_written_once(rank_pool, tmp_path, sizes, train):
-    run = nine.RunConfig(steps=1, warmup=1, eval_every=1, folder=str(tmp_path))
+    run = full_train.RunConfig(steps=1, warmup=1, eval_every=1, folder=str(tmp_path))
     rank_pool.run(sizes.world, train_run, sizes, train, run)
-    model = (nine.reference_transform(train) or (lambda m: m))(ddp.GPT(BYTES))
+    model = (full_train.reference_transform(train) or (lambda m: m))(foundation.GPT(BYTES))
     n = sum(p.numel() for p in model.parameters())
-    target = nine.latest_checkpoint(tmp_path)
+    target = full_train.latest_checkpoint(tmp_path)
     pieces = read_pieces(target)
     payload = sum(t.untyped_storage().nbytes() for _, data in pieces for t in data.values())
     assert payload == PER_ELEMENT * n, (payload, PER_ELEMENT * n)
@@ -763,7 +763,7 @@ def test_each_element_is_written_once(rank_pool, tmp_path, sizes, train):
     # per piece its ShardSpec and three zip records (< 1 KB). Pieces held twice would double the payload.
     metadata = sum(f.stat().st_size for f in target.iterdir()) - payload
     assert metadata < (target / "meta.json").stat().st_size + 6_000 * sizes.world + 1_000 * len(pieces)
-    nine.load_model(model, tmp_path)  # the reader refuses an element held by no piece, or by two
+    full_train.load_model(model, tmp_path)  # the reader refuses an element held by no piece, or by two
 
 
 DAMAGES = {  # what is done to step_00000003, what the message says
@@ -783,8 +783,8 @@ def flip_bytes(path: Path) -> None:
 
 def test_a_damaged_checkpoint_is_one_line_on_every_rank_naming_the_file_and_the_last_good(rank_pool,
                                                                                           tmp_path):
-    sizes, train = nine.MeshSizes(dp=2), nine.TrainConfig(global_batch=4, seq_len=8)
-    run = nine.RunConfig(steps=3, warmup=1, eval_every=3, save_every=1, folder=str(tmp_path / "run"))
+    sizes, train = full_train.MeshSizes(dp=2), full_train.TrainConfig(global_batch=4, seq_len=8)
+    run = full_train.RunConfig(steps=3, warmup=1, eval_every=3, save_every=1, folder=str(tmp_path / "run"))
     full = rank_pool.run(2, train_run, sizes, train, run)[0]
     assert sorted(p.name for p in Path(run.folder).glob("step_*")) == ["step_00000002", "step_00000003"]
     for case, (damage, what) in DAMAGES.items():
@@ -804,14 +804,14 @@ def test_a_damaged_checkpoint_is_one_line_on_every_rank_naming_the_file_and_the_
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(rank_pool, tmp_path):
-    sizes, train = nine.MeshSizes(dp=2), nine.TrainConfig(global_batch=4, seq_len=8, zero_stage=2)
-    run = nine.RunConfig(steps=6, warmup=1, eval_every=6, save_every=2, folder=str(tmp_path))
+    sizes, train = full_train.MeshSizes(dp=2), full_train.TrainConfig(global_batch=4, seq_len=8, zero_stage=2)
+    run = full_train.RunConfig(steps=6, warmup=1, eval_every=6, save_every=2, folder=str(tmp_path))
     for message in rank_pool.run(2, train_run, sizes, train, run, poison_at=2):
         assert message == (f"step 3: the loss is nan; stopping without saving, the last good checkpoint is "
                            f"{tmp_path / 'step_00000002'}")
-    assert nine.latest_checkpoint(tmp_path).name == "step_00000002"
-    model = ddp.GPT(BYTES)
-    assert nine.load_model(model, tmp_path)["step"] == 2
+    assert full_train.latest_checkpoint(tmp_path).name == "step_00000002"
+    model = foundation.GPT(BYTES)
+    assert full_train.load_model(model, tmp_path)["step"] == 2
     assert all(p.isfinite().all() for p in model.parameters())
 
 
@@ -819,46 +819,46 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkp
 def test_no_checkpoint_holds_a_non_finite_number(rank_pool, tmp_path, poison):
     """Step 1's update leaves a NaN weight (every rank) or an inf second moment (rank 1's shard
     only, so every rank must learn it from rank 1): step 2's checkpoint is not written."""
-    sizes, train = nine.MeshSizes(dp=2), nine.TrainConfig(global_batch=4, seq_len=8, zero_stage=2)
-    run = nine.RunConfig(steps=4, warmup=1, eval_every=4, save_every=1, folder=str(tmp_path))
+    sizes, train = full_train.MeshSizes(dp=2), full_train.TrainConfig(global_batch=4, seq_len=8, zero_stage=2)
+    run = full_train.RunConfig(steps=4, warmup=1, eval_every=4, save_every=1, folder=str(tmp_path))
     for message in rank_pool.run(2, train_run, sizes, train, run, poison_at=1, poison=poison):
         assert message == (f"step 1's update left parameters or AdamW moments that are not finite: "
                            f"step_00000002 is not written, the last good checkpoint is "
                            f"{tmp_path / 'step_00000001'}")
     assert [p.name for p in tmp_path.glob("step_*")] == ["step_00000001"]
-    target, meta = nine.open_checkpoint(tmp_path, nine.checkpoint_config(BYTES))
-    reader = nine.CheckpointReader(target, meta)
-    for name, p in ddp.GPT(BYTES).named_parameters():
-        whole = nine.ShardSpec(name, tuple(p.shape), 0, None, 0, 0, tuple(p.shape), 0, p.numel())
+    target, meta = full_train.open_checkpoint(tmp_path, full_train.checkpoint_config(BYTES))
+    reader = full_train.CheckpointReader(target, meta)
+    for name, p in foundation.GPT(BYTES).named_parameters():
+        whole = full_train.ShardSpec(name, tuple(p.shape), 0, None, 0, 0, tuple(p.shape), 0, p.numel())
         assert all(t.isfinite().all() for t in reader.read(whole).values()), name
 
 
 def save_one(folder, step: int, pieces: list, config: dict | None = None) -> None:
-    nine.save_checkpoint(folder, step, [(spec, {"params": values}) for spec, values in pieces],
+    full_train.save_checkpoint(folder, step, [(spec, {"params": values}) for spec, values in pieces],
                          {"loader": {}}, config or {}, 0, 1, lambda x: [x])
 
 
 def read_whole(folder, name: str, shape: tuple[int, ...], config: dict | None = None) -> torch.Tensor:
-    reader = nine.CheckpointReader(*nine.open_checkpoint(folder, config or {}))
-    whole = nine.ShardSpec(name, shape, 0, None, 0, 0, shape, 0, math.prod(shape))
+    reader = full_train.CheckpointReader(*full_train.open_checkpoint(folder, config or {}))
+    whole = full_train.ShardSpec(name, shape, 0, None, 0, 0, shape, 0, math.prod(shape))
     return reader.read(whole, ("params",))["params"].view(shape)
 
 
 def test_another_model_configuration_and_uncovered_or_doubled_elements_are_refused(tmp_path):
-    cfg = ddp.ModelConfig(vocab_size=256, dim=16, n_heads=2, ffn_dim=32)
-    rows = nine.ShardSpec("w", (4, 3), 0, 0, 0, 2, (2, 3), 0, 6)  # rows 0-1 of 4 (tp rank 0 of 2)
-    save_one(tmp_path, 1, [(rows, torch.ones(6))], nine.checkpoint_config(cfg))
-    other = nine.checkpoint_config(ddp.ModelConfig(vocab_size=256, dim=32, n_heads=2, ffn_dim=32, seed=5))
+    cfg = foundation.ModelConfig(vocab_size=256, dim=16, n_heads=2, ffn_dim=32)
+    rows = full_train.ShardSpec("w", (4, 3), 0, 0, 0, 2, (2, 3), 0, 6)  # rows 0-1 of 4 (tp rank 0 of 2)
+    save_one(tmp_path, 1, [(rows, torch.ones(6))], full_train.checkpoint_config(cfg))
+    other = full_train.checkpoint_config(foundation.ModelConfig(vocab_size=256, dim=32, n_heads=2, ffn_dim=32, seed=5))
     with pytest.raises(ValueError, match="another model configuration: dim=16 \\(this model: 32\\); refusing"):
-        nine.open_checkpoint(tmp_path, other)
+        full_train.open_checkpoint(tmp_path, other)
     with pytest.raises(ValueError, match="do not cover every element of w exactly once"):
-        read_whole(tmp_path, "w", (4, 3), nine.checkpoint_config(cfg))
-    whole = nine.ShardSpec("w", (4, 3), 0, None, 0, 0, (4, 3), 0, 12)
+        read_whole(tmp_path, "w", (4, 3), full_train.checkpoint_config(cfg))
+    whole = full_train.ShardSpec("w", (4, 3), 0, None, 0, 0, (4, 3), 0, 12)
     save_one(tmp_path / "twice", 1, [(rows, torch.ones(6)), (whole, torch.ones(12))])
     with pytest.raises(ValueError, match="do not cover every element of w exactly once"):
         read_whole(tmp_path / "twice", "w", (4, 3))
     with pytest.raises(ValueError, match="holds no complete checkpoint"):
-        nine.open_checkpoint(tmp_path / "nothing", {})
+        full_train.open_checkpoint(tmp_path / "nothing", {})
 
 
 @given(data=st.data())
@@ -877,15 +877,15 @@ def test_piece_runs_are_the_global_indices_in_runs(data):
         length = min(local[dim], shape[dim] - start)
     flat_start = data.draw(st.integers(0, math.prod(local)))
     flat_stop = data.draw(st.integers(flat_start, math.prod(local)))
-    spec = nine.ShardSpec("w", shape, 0, dim, start, length, tuple(local), flat_start, flat_stop, ep_start)
+    spec = full_train.ShardSpec("w", shape, 0, dim, start, length, tuple(local), flat_start, flat_stop, ep_start)
     index = spec.global_indices()
     expected = [(int(i), p) for p, i in enumerate(index.tolist()) if i >= 0]
-    got = [(g + k, o + k) for g, o, n in nine.piece_runs(spec).tolist() for k in range(n)]
+    got = [(g + k, o + k) for g, o, n in full_train.piece_runs(spec).tolist() for k in range(n)]
     assert got == expected
 
 
 def test_a_fresh_run_saving_at_an_earlier_runs_step_replaces_it(tmp_path):
-    spec = nine.ShardSpec("w", (6,), 0, None, 0, 0, (6,), 0, 6)
+    spec = full_train.ShardSpec("w", (6,), 0, None, 0, 0, (6,), 0, 6)
     for value in (1.0, 7.0):  # two runs into one folder, each saving at step 200
         save_one(tmp_path, 200, [(spec, torch.full((6,), value))])
     assert torch.equal(read_whole(tmp_path, "w", (6,)), torch.full((6,), 7.0))
@@ -893,11 +893,11 @@ def test_a_fresh_run_saving_at_an_earlier_runs_step_replaces_it(tmp_path):
 
 KILLED_SAVE = """
 import importlib, os, signal, sys, torch
-nine = importlib.import_module("09_full_train")
+full_train = importlib.import_module("09_full_train")
 folder, where = sys.argv[1:]
 kill = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
-spec = nine.ShardSpec("w", (1000,), 0, None, 0, 0, (1000,), 0, 1000)
-save = lambda step, exchange: nine.save_checkpoint(
+spec = full_train.ShardSpec("w", (1000,), 0, None, 0, 0, (1000,), 0, 1000)
+save = lambda step, exchange: full_train.save_checkpoint(
     folder, step, [(spec, {"params": torch.full((1000,), float(step))})], {"loader": {}}, {}, 0, 1, exchange)
 save(1, lambda x: [x])
 if where == "writing":
@@ -913,7 +913,7 @@ def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path,
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     partial = tmp_path / "step_00000002" / ("rank00000.pt.tmp" if where == "writing" else "rank00000.pt")
     assert partial.exists(), "the process died inside the second save"
-    assert nine.open_checkpoint(tmp_path, {})[1]["step"] == 1
+    assert full_train.open_checkpoint(tmp_path, {})[1]["step"] == 1
     assert torch.equal(read_whole(tmp_path, "w", (1000,)), torch.ones(1000))
 
 
@@ -932,8 +932,8 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     out = run_script("09_full_train.py", *common, "--checkpoint-dir", str(a))
     assert "attention flash" in out and "recompute selective" in out and "final: 2 timed steps" in out
-    assert "Greedy sample from the checkpoint" in out and nine.latest_checkpoint(a).name == "step_00000003"
-    n = sum(p.numel() for p in ddp.GPT(nine.build_model_config(argparse.Namespace(
+    assert "Greedy sample from the checkpoint" in out and full_train.latest_checkpoint(a).name == "step_00000003"
+    n = sum(p.numel() for p in foundation.GPT(full_train.build_model_config(argparse.Namespace(
         check=False, model="tiny", kv_heads=None, seed=0))).parameters())
     assert f"B on disk = (params + 2 AdamW moments) x 4 B x {n:,} parameters, each element once " in out
     shutil.copytree(a, b)
@@ -964,10 +964,10 @@ def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, list, str]:
     """09's main() in this process, up to the launch, which is recorded, not run: (exit code,
     stderr, [the number of processes launched], stdout)."""
     launched = []
-    monkeypatch.setattr(nine.ddp, "launch", lambda fn, args, nproc: launched.append(nproc))
+    monkeypatch.setattr(full_train.foundation, "launch", lambda fn, args, nproc: launched.append(nproc))
     monkeypatch.setattr(sys, "argv", ["09_full_train.py", *argv])
     try:
-        nine.main()
+        full_train.main()
         code = 0
     except SystemExit as exit_:
         code = exit_.code
@@ -1006,7 +1006,7 @@ def test_under_torchrun_rank_0_alone_prints_an_invalid_option(monkeypatch, capsy
 
 def test_a_checkpoint_dir_in_use_or_that_is_a_file_is_refused_before_launch(monkeypatch, capsys, tmp_path):
     monkeypatch.delenv("RANK", raising=False)
-    held = nine.lock_checkpoints(tmp_path / "run")  # this process is "the running run"
+    held = full_train.lock_checkpoints(tmp_path / "run")  # this process is "the running run"
     code, err, launched, _ = run_main(monkeypatch, capsys, "--checkpoint-dir", str(tmp_path / "run"))
     assert code == 2 and not launched and err.count("\n") == 1, err
     assert f"--checkpoint-dir {tmp_path / 'run'} is in use by a running run (pid {os.getpid()} on " in err

@@ -30,11 +30,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-fa = importlib.import_module("07_flash_attention")  # first: without a GPU it turns the interpreter on
+flash = importlib.import_module("07_flash_attention")  # first: without a GPU it turns the interpreter on
 fp8 = importlib.import_module("08_fp8")
 import triton  # noqa: E402
 
-PINNED = triton.__version__ == fa.PINNED_TRITON
+PINNED = triton.__version__ == flash.PINNED_TRITON
 HEAD_DIMS = (64, 128)
 
 
@@ -49,13 +49,13 @@ def attention_jobs() -> list[tuple[str, tuple, str, int, int]]:
     same shared memory); fp32's one config per kernel at head dim 64 on sm_90: each fp32 compile takes
     15-40 s (CUDA-core dots unrolled); --gpu-report shows fp32 at 128 fits (<= 70 KiB)."""
     jobs = []
-    for kernel, table in fa.GPU_TABLES.items():
+    for kernel, table in flash.GPU_TABLES.items():
         for head_dim in HEAD_DIMS:
-            kept = fa.kept_configs(table, head_dim, 2)
+            kept = flash.kept_configs(table, head_dim, 2)
             jobs += [(kernel, config, "bf16", head_dim, 90) for config in kept]
             jobs += [(kernel, largest(kept), "fp16", head_dim, 90),
                      (kernel, largest(kept), "bf16", head_dim, 80)]
-        jobs += [(kernel, config, "fp32", 64, 90) for config in fa.kept_configs(table, 64, 4)]
+        jobs += [(kernel, config, "fp32", 64, 90) for config in flash.kept_configs(table, 64, 4)]
     return jobs
 
 
@@ -83,7 +83,7 @@ def fp8_cast_jobs() -> list[dict]:
 
 def tf32_default_job() -> dict:
     """An fp32 forward without input_precision: Triton's default for fp32 dots is TF32."""
-    job = fa.attention_compile_job("_fwd_kernel", "fp32", 64, 64, 64, 4, 3)
+    job = flash.attention_compile_job("_fwd_kernel", "fp32", 64, 64, 64, 4, 3)
     job["constexprs"]["PRECISION"] = None
     return job
 
@@ -92,7 +92,7 @@ def tf32_default_job() -> dict:
 def compiled() -> dict:
     """All compiles in one batch, two processes at a time (the cores of a laptop or the CI runner)."""
     attention, fp8_jobs = attention_jobs(), fp8_cast_jobs()
-    results = fa.compile_for_gpu([fa.attention_compile_job(kernel, dtype, head_dim, *config, capability=cap)
+    results = flash.compile_for_gpu([flash.attention_compile_job(kernel, dtype, head_dim, *config, capability=cap)
                                   for kernel, config, dtype, head_dim, cap in attention]
                                  + fp8_jobs + [tf32_default_job()])
     return dict(attention=dict(zip(attention, results, strict=False)),
@@ -101,14 +101,14 @@ def compiled() -> dict:
 
 def test_every_compiled_kernel_fits_the_targets_shared_memory(compiled):
     for (kernel, config, dtype, head_dim, capability), got in compiled["attention"].items():
-        assert got["shared"] <= fa.SHARED_PER_BLOCK[capability], \
+        assert got["shared"] <= flash.SHARED_PER_BLOCK[capability], \
             f"{kernel} {config} {dtype} head_dim {head_dim} sm_{capability}: {got['shared']} B"
     for got in compiled["fp8"]:
-        assert got["shared"] <= fa.SHARED_PER_BLOCK[90]
+        assert got["shared"] <= flash.SHARED_PER_BLOCK[90]
 
 
 @pytest.mark.skipif(not PINNED, reason=f"register use changes between Triton versions: the configs were "
-                    f"pruned with Triton {fa.PINNED_TRITON}, this is {triton.__version__}")
+                    f"pruned with Triton {flash.PINNED_TRITON}, this is {triton.__version__}")
 def test_kept_16bit_configs_do_not_spill_on_sm90(compiled):
     spilling = [(key, got["spill_stores"], got["spill_loads"]) for key, got in compiled["attention"].items()
                 if key[2] != "fp32" and key[4] == 90 and got["spill_stores"] + got["spill_loads"]]
@@ -118,7 +118,7 @@ def test_kept_16bit_configs_do_not_spill_on_sm90(compiled):
 
 def test_fp32_kernels_use_exact_fp32_dots_not_tf32(compiled):
     fp32 = {key: got for key, got in compiled["attention"].items() if key[2] == "fp32"}
-    assert len(fp32) == len(fa.GPU_TABLES)
+    assert len(fp32) == len(flash.GPU_TABLES)
     assert not [key for key, got in fp32.items() if got["tf32"]]
     # The check can fail: without input_precision="ieee" the finder sees TF32 tensor-core instructions.
     assert compiled["tf32_default"]["tf32"]
@@ -136,7 +136,7 @@ def test_a_job_missing_a_kernel_argument_is_refused_by_name():
     job = fp8_cast_jobs()[0]
     del job["signature"]["INF_BITS"], job["constexprs"]["INF_BITS"]
     with pytest.raises(RuntimeError, match=r"the signature must name _amax_cast_kernel's arguments \["):
-        fa.compile_for_gpu([job], processes=1)
+        flash.compile_for_gpu([job], processes=1)
 
 
 @pytest.mark.parametrize("head_dim", [16, 24, 64, 96, 128])
@@ -144,9 +144,9 @@ def test_a_job_missing_a_kernel_argument_is_refused_by_name():
 def test_prune_times_only_the_listed_configs(head_dim, dtype):
     """The prune function the autotuners get on a GPU (the interpreter has one config and no prune)."""
     q = torch.empty(1, 1, 1, head_dim, dtype=dtype)
-    for table in fa.GPU_TABLES.values():
+    for table in flash.GPU_TABLES.values():
         everything = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                       for m, n, w, s in dict.fromkeys(c for kept in table.values() for c in kept)]
-        pruned = fa._prune(table)(everything, {"Q": q}, HEAD_DIM=head_dim)
+        pruned = flash._prune(table)(everything, {"Q": q}, HEAD_DIM=head_dim)
         got = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in pruned]
-        assert sorted(got) == sorted(fa.kept_configs(table, head_dim, q.element_size())) and got
+        assert sorted(got) == sorted(flash.kept_configs(table, head_dim, q.element_size())) and got
