@@ -67,6 +67,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+# Without a GPU, the Triton kernels of lessons 07 and 08 run in Triton's interpreter. Triton decides
+# interpreted or compiled as each @triton.jit function is defined, its own library's included, so the
+# switch is set here, in the module every lesson imports first, before anything imports triton (torch
+# does not). A process compiling kernels for a GPU that is not here (07's --compile-worker) keeps the
+# compiler.
+if not torch.cuda.is_available() and sys.argv[1:] != ["--compile-worker"]:
+    os.environ["TRITON_INTERPRET"] = "1"
+
 # ----------------------------------------------------------------------------------------------
 # Launch
 # ----------------------------------------------------------------------------------------------

@@ -257,7 +257,8 @@ class ZeRO:
         self.units = [self.unit_type(named, self.world, rank, stage, self.dtype) for _, named in units]
         # AdamW is elementwise: torch's own, run on the shards, is the unsharded update restricted
         # to this rank's elements (lesson 01's settings: one place to change them).
-        self.optimizer = foundation.make_optimizer(nn.ParameterList(u.master for u in self.units), lr, adam_eps)
+        masters = nn.ParameterList(u.master for u in self.units)
+        self.optimizer = foundation.make_optimizer(masters, lr, adam_eps)
         self.max_gathers_in_flight = self.prefetched_gathers = 0
         self.sync_gradients = True
         for index, (unit, (module, _)) in enumerate(zip(self.units, units)):
@@ -315,7 +316,8 @@ class ZeRO:
         send = unit.flatten([p.grad for p in unit.params], self.dtype)
         for p in unit.params:
             p.grad = None  # the full gradient is freed: only the send buffer lives until the wait
-        unit.scatter = (foundation.reduce_scatter(unit.grad_shard, send, group=self.group, async_op=True), send)
+        work = foundation.reduce_scatter(unit.grad_shard, send, group=self.group, async_op=True)
+        unit.scatter = (work, send)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -514,7 +516,7 @@ def train_reference(cfg: "foundation.ModelConfig", steps: int, global_batch: int
         result.losses.append(loss.item())
         if step == 0:
             result.first_grads = foundation.cpu_copy((n, p.grad) for n, p in model.named_parameters()
-                                              if p.grad is not None)
+                                                     if p.grad is not None)
         for master, p in zip(masters, model.parameters(), strict=True):
             master.grad = None if p.grad is None else p.grad.float()
         result.grad_norms.append(torch.nn.utils.clip_grad_norm_(masters, max_grad_norm).item())
@@ -527,7 +529,8 @@ def train_reference(cfg: "foundation.ModelConfig", steps: int, global_batch: int
     result.params = foundation.cpu_copy(zip(names, masters))
     adam = [optimizer.state[m] for m in masters]
     result.state = {"params": result.params, "step": int(max(s.get("step", 0) for s in adam)),
-                    **{key: foundation.cpu_copy((n, s[key]) for n, s in zip(names, adam) if s) for key in ADAM_KEYS}}
+                    **{key: foundation.cpu_copy((n, s[key]) for n, s in zip(names, adam) if s)
+                       for key in ADAM_KEYS}}
     return result
 
 
@@ -733,10 +736,11 @@ def main() -> None:
                 raise ValueError(f"global_batch={args.global_batch} is not divisible by the group size "
                                  f"{world}")
             foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
-                             foundation.ModelConfig(**DEMO_MODEL), args.global_batch, args.seq_len, world)
+                                    foundation.ModelConfig(**DEMO_MODEL), args.global_batch, args.seq_len,
+                                    world)
 
-    foundation.launch_lesson(parser, args, bench if args.bench else demo, ("steps", "global_batch", "seq_len"),
-                      validate)
+    foundation.launch_lesson(parser, args, bench if args.bench else demo,
+                             ("steps", "global_batch", "seq_len"), validate)
 
 
 if __name__ == "__main__":

@@ -775,10 +775,11 @@ def main() -> None:
                              f"runs sequence parallelism)")
         if not args.bench:
             foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}, --vocab {args.vocab}",
-                             foundation.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL), args.batch, seq_len, tp)
+                                    foundation.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL), args.batch,
+                                    seq_len, tp)
 
     foundation.launch_lesson(parser, args, bench if args.bench else demo,
-                      ("steps", "batch", "seq_len", "vocab", "bench_batch"), validate)
+                             ("steps", "batch", "seq_len", "vocab", "bench_batch"), validate)
 
 
 if __name__ == "__main__":

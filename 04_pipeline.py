@@ -439,13 +439,14 @@ def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule
     result, logs, losses = foundation.TrainResult([], {}, {}), [], []
     with foundation.comm_meter() as meter:
         for step in range(steps):
-            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
+            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step,
+                                                         data_seed=data_seed)
             log = run_schedule(plan, stages, tokens.to(device), targets.to(device), group, work_s)
             logs.append(log)
             losses.append(log.loss if log.loss is not None else torch.zeros((), device=device))
             if step == 0:
                 result.first_grads = foundation.cpu_copy((n, p.grad) for n, p in named_parameters(stages)
-                                                  if p.grad is not None)
+                                                         if p.grad is not None)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     losses = torch.stack(losses).double()  # outside the meter: only the last stage has the loss
@@ -676,10 +677,10 @@ def main() -> None:
             raise ValueError(f"--bench: torch's Schedule1F1B needs microbatches >= pp = {pp}")
         if not args.bench:
             foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
-                             foundation.ModelConfig(), args.global_batch, args.seq_len, pp)
+                                    foundation.ModelConfig(), args.global_batch, args.seq_len, pp)
 
     foundation.launch_lesson(parser, args, bench if args.bench else demo,
-                      ("steps", "global_batch", "seq_len", "microbatches", "virtual"), validate)
+                             ("steps", "global_batch", "seq_len", "microbatches", "virtual"), validate)
 
 
 if __name__ == "__main__":

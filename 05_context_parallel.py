@@ -75,8 +75,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# Without a GPU lesson 07's kernels run in Triton's interpreter, switched on by importing it first.
-flash = importlib.import_module("07_flash_attention")
 foundation = importlib.import_module("01_ddp")
 
 METHODS = ("ring", "ulysses")
@@ -95,6 +93,26 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     weight_a = torch.where(empty_a, 0.0, torch.where(empty_b, 1.0, torch.sigmoid(diff)))[..., None]
     weight_a = weight_a.to(out_a.dtype)  # the lse may be float64 (the ring's), the outputs fp32
     return weight_a * out_a + (1 - weight_a) * out_b, lse
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    sm_scale: float | None = None, q_offset: int = 0, k_offset: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full attention the O(N^2)-memory way, with the blocks' contract: (out, lse), out = 0 and
+    lse = -inf (and finite gradients) for rows that see no key, positions at q_offset.. and k_offset..
+    What the ring and Ulysses must compute (and lesson 07's kernels): it repeats grouped K/V heads
+    to the query heads, so autograd sums dK, dV over each group."""
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    rows = q_offset + torch.arange(q.shape[2], device=q.device)
+    cols = k_offset + torch.arange(k.shape[2], device=q.device)
+    visible = (rows[:, None] >= cols) | (not causal)
+    has_key = visible.any(-1)
+    scores = (scale * q @ k.transpose(-2, -1)).masked_fill(~visible, float("-inf"))
+    # logsumexp of an all -inf row has a NaN gradient: give such rows zeros, then mask them out.
+    lse = torch.logsumexp(scores.masked_fill(~has_key[:, None], 0.0), dim=-1)
+    out = torch.exp(scores - lse[..., None]) @ v
+    return out, lse.masked_fill(~has_key, float("-inf"))
 
 
 def grouped_scores(q, k, q_offset: int, k_offset: int, causal: bool) -> torch.Tensor:
@@ -148,11 +166,6 @@ def torch_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset:
     return dq.flatten(1, 2), dk.sum(2), dv.sum(2)
 
 
-def flash_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
-    return flash.flash_attention_backward(q, k, v, out, lse, dout, dlse, causal=causal, q_offset=q_offset,
-                                       k_offset=k_offset)  # out in fp32: its delta stays exact
-
-
 @dataclass(frozen=True)
 class BlockAttention:
     """forward(q, k, v, q_offset, k_offset, causal) -> (out, lse), differentiable (Ulysses uses
@@ -163,7 +176,6 @@ class BlockAttention:
 
 
 TORCH_BLOCK = BlockAttention("torch", torch_block_forward, torch_block_backward)
-FLASH_BLOCK = BlockAttention("triton (lesson 07)", flash.flash_block_attention, flash_block_backward)
 
 
 @dataclass
@@ -447,15 +459,16 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
     cp, rank = foundation.group_size(group), dist.get_rank(group)
     layout = validate_context_parallel(seq_len, cfg.n_heads, cp, method, zigzag, cfg.n_kv_heads)
     # This rank's share of the global mean loss (THE MODEL above): local mean / cp.
+    share = lambda logits, targets: foundation.cross_entropy_loss(logits, targets) / cp
     model = foundation.GPT(cfg, attn_fn=ContextParallelAttention(group, method, zigzag, block),
-                    loss_fn=lambda logits, targets: foundation.cross_entropy_loss(logits, targets) / cp).to(device)
+                           loss_fn=share).to(device)
     optimizer = foundation.make_optimizer(model, lr, adam_eps)  # GPT's seeded init agrees on every rank
     positions = layout.positions(rank, device)
     result, losses = foundation.TrainResult([], {}, {}), []
     with foundation.comm_meter() as meter:
         for step in range(steps):
-            tokens, targets = (layout.shard(t, rank, dim=1).to(device) for t in
-                               foundation.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed))
+            batch = foundation.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
+            tokens, targets = (layout.shard(t, rank, dim=1).to(device) for t in batch)
             loss = model(tokens, targets, positions=positions)
             loss.backward()
             grads = [p.grad for p in model.parameters() if p.requires_grad]  # replicated: sum the parts
@@ -475,6 +488,22 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
 
 
 # Demo -------------------------------------------------------------------------------------------
+
+
+def outputs_and_grads(attn, q, k, v, dout, dlse=None) -> list[torch.Tensor | None]:
+    """[out, lse, dq, dk, dv] of attn(q, k, v) -> (out, lse or None) under the loss
+    sum(out * dout) + sum(lse * dlse) (rows with lse = -inf excluded; dout None: no out term)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = attn(q, k, v)
+    loss = 0.0 if dout is None else (out * dout).sum()
+    if dlse is not None:
+        loss = loss + (lse.masked_fill(lse.isinf(), 0.0) * dlse).sum()
+    return [out, lse, *torch.autograd.grad(loss, (q, k, v), materialize_grads=True)]  # zeros, not None
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b|, where equal values (the -inf of rows that see no key) count as 0."""
+    return torch.where(a == b, 0.0, (a.double() - b.double()).abs()).max().item()
 
 
 def attention_inputs(batch: int, heads: int, seq_len: int, head_dim: int, seed: int,
@@ -506,7 +535,7 @@ def sharded_attention(batch: int, heads: int, seq_len: int, head_dim: int, *, me
               "ulysses": lambda q, k, v: ulysses_attention(q, k, v, group, zigzag, causal, block,
                                                            with_lse=True)}
     with foundation.comm_meter() as meter:
-        results = flash.outputs_and_grads(attend[method], *shards)
+        results = outputs_and_grads(attend[method], *shards)
     return [t.detach() for t in results], meter, work
 
 
@@ -520,7 +549,6 @@ def _gather_rows(values: list[float], device) -> list[list[float]]:
 def demo(args: argparse.Namespace) -> None:
     device = foundation.init_distributed()
     rank, cp = dist.get_rank(), dist.get_world_size()
-    block = FLASH_BLOCK if args.block == "triton" else TORCH_BLOCK
     say = print if rank == 0 else (lambda *a, **k: None)
     b, h, kv, s, d = 2, args.heads, args.kv_heads, args.seq_len, args.head_dim
     variants = [("ring, contiguous", "ring", False), ("ring, zigzag", "ring", True),
@@ -528,23 +556,23 @@ def demo(args: argparse.Namespace) -> None:
     if h % cp or kv % cp:
         variants.pop()
         say(f"(Ulysses left out: --heads {h} and --kv-heads {kv} must both be divisible by {cp} ranks)")
-    say(f"Context parallelism on {cp} ranks ({dist.get_backend()}, {device.type}), block attention: "
-        f"{block.name}.\n\nmax |difference| from full attention in float64 (fp32, causal; batch {b}, "
-        f"{h} query heads reading {kv} K/V heads, seq {s}, head dim {d}):")
+    say(f"Context parallelism on {cp} ranks ({dist.get_backend()}, {device.type}).\n\nmax |difference| "
+        f"from full attention in float64 (fp32, causal; batch {b}, {h} query heads reading {kv} K/V heads, "
+        f"seq {s}, head dim {d}):")
     say(f"  {'':<20}" + "".join(f"{n:>10}" for n in ("out", "lse", "dq", "dk", "dv")))
     inputs = attention_inputs(b, h, s, d, seed=0, dtype=torch.float64, device=device, kv_heads=kv)
-    reference = flash.outputs_and_grads(lambda q, k, v: flash.naive_attention(q, k, v, True), *inputs)
+    reference = outputs_and_grads(lambda q, k, v: naive_attention(q, k, v, True), *inputs)
     byte_rows = []
     for name, method, zigzag in variants:
         got, meter, _ = sharded_attention(b, h, s, d, method=method, zigzag=zigzag, causal=True,
-                                          block=block, device=device, kv_heads=kv)
+                                          device=device, kv_heads=kv)
         layout = SequenceLayout(s, cp, zigzag)
-        diffs = [flash.max_diff(g, layout.shard(r, rank, dim=2)) for g, r in zip(got, reference, strict=True)]
+        diffs = [max_diff(g, layout.shard(r, rank, dim=2)) for g, r in zip(got, reference, strict=True)]
         say(f"  {name:<20}" + "".join(f"{max(col):>10.1e}" for col in zip(*_gather_rows(diffs, device))))
         formula = attention_bytes(method, b * h * s // cp * d, b * kv * s // cp * d, cp,
                                   with_lse_elems=b * h * s // cp)
         _, repeated, _ = sharded_attention(b, h, s, d, method=method, zigzag=zigzag, causal=True,
-                                           block=block, device=device)  # K/V repeated to h heads
+                                           device=device)  # K/V repeated to h heads
         byte_rows.append((name, meter.traffic(COMM_OP[method]), sum(formula.values()),
                           repeated.traffic(COMM_OP[method])))
 
@@ -553,7 +581,7 @@ def demo(args: argparse.Namespace) -> None:
     for name, zigzag in (("contiguous", False), ("zigzag", True)):
         for _ in range(2):  # the first run warms up (allocator, kernel compilation): time the second
             _, _, work = sharded_attention(1, h, args.work_seq_len, d, method="ring", zigzag=zigzag,
-                                           causal=True, block=block, device=device, kv_heads=kv)
+                                           causal=True, device=device, kv_heads=kv)
         rows = _gather_rows([work.blocks, work.scores, work.seconds], device)
         say(f"  {name:<11}" + "  ".join(f"r{r}: {int(bl):>2} / {int(sc):>8,} / {sec:.3f}s"
                                         for r, (bl, sc, sec) in enumerate(rows)))
@@ -571,10 +599,11 @@ def demo(args: argparse.Namespace) -> None:
     cfg = foundation.ModelConfig(n_heads=h, n_kv_heads=kv, seed=1)
     say(f"\nthe whole GPT ({cfg.n_layers} layers, {h} query / {kv} K/V heads), batch {args.global_batch} x "
         f"seq {s}, {args.steps} AdamW steps, against one device:")
-    ref = foundation.train_single_device(cfg, args.steps, args.global_batch, s, device=device) if rank == 0 else None
+    ref = None if rank else foundation.train_single_device(cfg, args.steps, args.global_batch, s,
+                                                           device=device)
     for name, method, zigzag in variants:
         result, meter = train_context_parallel(cfg, args.steps, args.global_batch, s, method=method,
-                                               zigzag=zigzag, block=block, device=device)
+                                               zigzag=zigzag, device=device)
         if rank == 0:
             loss_diff = max(abs(a - r) for a, r in zip(result.losses, ref.losses, strict=True))
             say(f"  {name:<20} step-0 loss {result.losses[0]:.6f} (one device {ref.losses[0]:.6f}), "
@@ -604,8 +633,6 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=2, help="sequences per step of the GPT runs")
     parser.add_argument("--steps", type=int, default=3,
                         help="AdamW steps of the GPT runs and of the reference")
-    parser.add_argument("--block", choices=("torch", "triton"), default="torch",
-                        help="block attention: torch, or lesson 07's kernel (interpreted on a CPU: slow)")
     args = parser.parse_args()
 
     def validate(cp: int) -> None:
@@ -615,10 +642,10 @@ def main() -> None:
         scores = {"the float64 reference attention's scores": 8 * 2 * args.heads * args.seq_len ** 2,
                   "the work comparison's block scores": 8 * args.heads * args.work_seq_len ** 2 // cp}
         foundation.check_memory(f"--seq-len {args.seq_len}, --work-seq-len {args.work_seq_len}", cfg,
-                         args.global_batch, args.seq_len, cp, scores)
+                                args.global_batch, args.seq_len, cp, scores)
 
     foundation.launch_lesson(parser, args, demo, ("seq_len", "heads", "kv_heads", "head_dim", "work_seq_len",
-                                           "global_batch", "steps"), validate)
+                                                  "global_batch", "steps"), validate)
 
 
 if __name__ == "__main__":

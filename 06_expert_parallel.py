@@ -378,7 +378,8 @@ def train_moe(cfg: "foundation.ModelConfig", moe_cfg: MoEConfig, steps: int, glo
     result, grads, local_losses = MoETrainResult([], {}, {}), {}, []
     with foundation.comm_meter() as meter:
         for step in range(steps):
-            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, rank, ep, data_seed)
+            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, rank, ep,
+                                                         data_seed)
             loss = model(tokens.to(device), targets.to(device))
             loss.backward()
             if expert_parallel:
@@ -550,10 +551,10 @@ def main() -> None:
                 raise ValueError(f"{name}={size} is not divisible by ep={ep}")
         if not args.bench:
             foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
-                             foundation.ModelConfig(), args.global_batch, args.seq_len, ep)
+                                    foundation.ModelConfig(), args.global_batch, args.seq_len, ep)
 
     foundation.launch_lesson(parser, args, bench if args.bench else demo,
-                      ("steps", "global_batch", "seq_len", "bench_tokens", "bench_dim"), validate)
+                             ("steps", "global_batch", "seq_len", "bench_tokens", "bench_dim"), validate)
 
 
 if __name__ == "__main__":

@@ -63,8 +63,9 @@ x BLOCK_N x d x 2 bytes per 16-bit K or V tile): a block asking for more than th
 launch. `--gpu-report` compiles every config for sm_90, no GPU needed, and prints shared memory,
 registers and ptxas's spill bytes; the autotuner times only the spill-free configs that fit.
 
-USE: GPT(cfg, attn_fn=flash_attention); lesson 05's ring calls flash_block_attention, or the raw
-flash_attention_forward / flash_attention_backward from its own autograd.Function. RUN IT: python
+USE: GPT(cfg, attn_fn=flash_attention); FLASH_BLOCK is lesson 05's block attention on these kernels
+(flash_block_attention forward, flash_attention_backward with the ring's global out and lse), which
+05's ring and Ulysses take as their block (lesson 09 does on a GPU). RUN IT: python
 07_flash_attention.py [--bench (GPU: TFLOP/s against SDPA's flash backend, bf16) | --gpu-report].
 Look at the max differences against float64 beside PyTorch's attention in the same dtype, the lse
 exact to fp32 even from fp16 inputs, and the memory never used.
@@ -88,15 +89,12 @@ import torch
 import torch.nn.functional as F
 
 # `07_flash_attention.py --compile-worker`, the child process compile_for_gpu starts, compiles for a GPU
-# that is not here: it needs Triton's compiler, so it never turns the interpreter on.
+# that is not here: lesson 01 leaves it Triton's compiler (elsewhere, without a GPU, it switches on the
+# interpreter, before anything imports triton: so lesson 05, which imports 01, comes first).
 COMPILE_WORKER = __name__ == "__main__" and sys.argv[1:] == ["--compile-worker"]
 if COMPILE_WORKER:
-    os.environ["TRITON_INTERPRET"] = "0"
-    sys.modules["07_flash_attention"] = sys.modules[__name__]  # lesson 08 imports this module by name
-elif not torch.cuda.is_available():
-    # Triton picks interpreted or compiled as each @triton.jit function is defined, tl.zeros, tl.sum, ...
-    # included: set it before anything imports triton (torch does not; lesson 08 imports this first).
-    os.environ["TRITON_INTERPRET"] = "1"
+    sys.modules["07_flash_attention"] = sys.modules[__name__]  # its jobs import this module by name
+context_parallel = importlib.import_module("05_context_parallel")
 
 import triton
 import triton.language as tl
@@ -105,7 +103,7 @@ from triton.runtime.interpreter import InterpretedFunction
 INTERPRETED = triton.knobs.runtime.interpret
 if INTERPRETED and not isinstance(tl.zeros, InterpretedFunction):
     raise ImportError("triton was imported before TRITON_INTERPRET=1 was set, so its library is "
-                      "compiled-only: without a GPU, import this module before triton (or set the flag)")
+                      "compiled-only: without a GPU, import a lesson (01_ddp sets the flag) before triton")
 LOG2E, LN2 = tl.constexpr(1.4426950408889634), tl.constexpr(0.6931471805599453)
 
 
@@ -449,7 +447,8 @@ class FlashAttention(torch.autograd.Function):
         # does not require grad (once_differentiable looks only at whether dout requires grad).
         if torch.is_grad_enabled():
             raise RuntimeError("flash_attention is once differentiable: create_graph=True (a second "
-                               "derivative) is not supported; use naive_attention or SDPA for that")
+                               "derivative) is not supported; use lesson 05's naive_attention or SDPA "
+                               "for that")
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
         grads = flash_attention_backward(q, k, v, out, lse, dout, dlse, *ctx.args)
@@ -475,23 +474,15 @@ def flash_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_o
     return FlashAttention.apply(q, k, v, causal, sm_scale, q_offset, k_offset)
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    sm_scale: float | None = None, q_offset: int = 0, k_offset: int = 0
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The O(N^2)-memory version with the same contract: (out, lse), out = 0 and lse = -inf (and
-    finite gradients) for rows that see no key. The reference the kernels are tested against: it
-    repeats grouped K/V heads to the query heads, so autograd sums dK, dV over each group."""
-    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    rows = q_offset + torch.arange(q.shape[2], device=q.device)
-    cols = k_offset + torch.arange(k.shape[2], device=q.device)
-    visible = (rows[:, None] >= cols) | (not causal)
-    has_key = visible.any(-1)
-    scores = (scale * q @ k.transpose(-2, -1)).masked_fill(~visible, float("-inf"))
-    # logsumexp of an all -inf row has a NaN gradient: give such rows zeros, then mask them out.
-    lse = torch.logsumexp(scores.masked_fill(~has_key[:, None], 0.0), dim=-1)
-    out = torch.exp(scores - lse[..., None]) @ v
-    return out, lse.masked_fill(~has_key, float("-inf"))
+def flash_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
+    """dq, dk, dv of one block from the ring's global out and lse: the backward kernels as they are."""
+    return flash_attention_backward(q, k, v, out, lse, dout, dlse, causal=causal, q_offset=q_offset,
+                                    k_offset=k_offset)  # out in fp32: its delta stays exact
+
+
+# Lesson 05's ring (and Ulysses) with these kernels as its block attention: lesson 09 uses it on a GPU.
+FLASH_BLOCK = context_parallel.BlockAttention("triton (lesson 07)", flash_block_attention,
+                                              flash_block_backward)
 
 
 # Compiling for a GPU that is not here -----------------------------------------------------------
@@ -588,22 +579,6 @@ def gpu_report() -> None:
 # Demo and benchmark -----------------------------------------------------------------------------
 
 
-def outputs_and_grads(attn, q, k, v, dout, dlse=None) -> list[torch.Tensor | None]:
-    """[out, lse, dq, dk, dv] of attn(q, k, v) -> (out, lse or None) under the loss
-    sum(out * dout) + sum(lse * dlse) (rows with lse = -inf excluded; dout None: no out term)."""
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out, lse = attn(q, k, v)
-    loss = 0.0 if dout is None else (out * dout).sum()
-    if dlse is not None:
-        loss = loss + (lse.masked_fill(lse.isinf(), 0.0) * dlse).sum()
-    return [out, lse, *torch.autograd.grad(loss, (q, k, v), materialize_grads=True)]  # zeros, not None
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b|, where equal values (the -inf of rows that see no key) count as 0."""
-    return torch.where(a == b, 0.0, (a.double() - b.double()).abs()).max().item()
-
-
 def _sdpa(q, k, v, causal: bool) -> tuple[torch.Tensor, None]:
     grouped = k.shape[1] != q.shape[1]
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=grouped), None
@@ -615,8 +590,9 @@ def demo(args: argparse.Namespace) -> None:
 
     def compare(label: str, attn, exact, *inputs: torch.Tensor) -> list[torch.Tensor | None]:
         """Prints max |attn's results - exact's from float64 inputs| ('-': SDPA gives no lse)."""
-        got, ref = outputs_and_grads(attn, *inputs), outputs_and_grads(exact, *(t.double() for t in inputs))
-        print(f"{label:<24}" + "".join(f"{'-' if a is None else f'{max_diff(a, b):.1e}':>9}"
+        got = context_parallel.outputs_and_grads(attn, *inputs)
+        ref = context_parallel.outputs_and_grads(exact, *(t.double() for t in inputs))
+        print(f"{label:<24}" + "".join(f"{'-' if a is None else f'{context_parallel.max_diff(a, b):.1e}':>9}"
                                        for a, b in zip(got, ref, strict=True)))
         return got
 
@@ -624,17 +600,18 @@ def demo(args: argparse.Namespace) -> None:
           f"seq, head_dim) = {shape}.\nmax |difference| against float64 attention on the same inputs:\n"
           + " " * 24 + "".join(f"{name:>9}" for name in ("out", "lse", "dq", "dk", "dv")))
     flash = partial(flash_block_attention, q_offset=0, k_offset=0)
+    exact = context_parallel.naive_attention
     for dtype in [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16]):
         q, k, v, dout = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(4))
         for causal, (name, attn) in itertools.product((False, True), (("ours", flash), ("torch", _sdpa))):
             compare(f"{str(dtype)[6:]} {'causal' if causal else 'full'} {name}", partial(attn, causal=causal),
-                    partial(naive_attention, causal=causal), q, k, v, dout)
+                    partial(exact, causal=causal), q, k, v, dout)
     print(f"grouped-query attention: the {args.heads} query heads read one K/V head (its dK, dV sum "
           f"over the {args.heads}):")
     q, dout = (torch.randn(shape, generator=gen).to(device) for _ in range(2))
     k, v = (torch.randn(shape[0], 1, *shape[2:], generator=gen).to(device) for _ in range(2))
     for name, attn in (("ours", flash), ("torch", _sdpa)):
-        compare(f"float32 causal {name}", partial(attn, causal=True), partial(naive_attention, causal=True),
+        compare(f"float32 causal {name}", partial(attn, causal=True), partial(exact, causal=True),
                 q, k, v, dout)
     # One ring step: queries at positions 64.. attend to keys at 96..: in each (batch, head) the first
     # 32 query rows see no key.
@@ -642,7 +619,7 @@ def demo(args: argparse.Namespace) -> None:
     dlse = torch.randn(shape[:3], generator=gen).to(device)
     where = dict(q_offset=64, k_offset=96, causal=True)
     print("\nblock entry, queries at 64.., keys at 96.., causal, gradients into out and lse, fp32:")
-    ours = compare("", partial(flash_block_attention, **where), partial(naive_attention, **where),
+    ours = compare("", partial(flash_block_attention, **where), partial(exact, **where),
                    q, k, v, dout, dlse)
     no_key, heads = ours[1].isinf(), args.batch * args.heads
     print(f"{int(no_key[0, 0].sum())} rows of each (batch, head) see no key ({int(no_key.sum())} over the "

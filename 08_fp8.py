@@ -77,15 +77,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Without a GPU the kernel runs in Triton's interpreter, which must be switched on before triton is
-# first imported: lesson 07 does that (and says so if it is too late), so it is imported first.
-flash = importlib.import_module("07_flash_attention")
+# First: without a GPU, lesson 01 switches on Triton's interpreter, before anything imports triton.
+foundation = importlib.import_module("01_ddp")
+zero = importlib.import_module("02_zero")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-foundation = importlib.import_module("01_ddp")
-zero = importlib.import_module("02_zero")
-INTERPRETED = flash.INTERPRETED  # else the kernel is compiled and needs CUDA tensors
+INTERPRETED = triton.knobs.runtime.interpret  # else the kernel is compiled and needs CUDA tensors
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FORMATS = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 E4M3, E5M2 = FORMATS.values()
@@ -589,8 +587,8 @@ def train_losses(cfg: foundation.ModelConfig, steps: int, batch: int, seq_len: i
                  lr: float = 3e-3) -> list[float]:
     """Lesson 01's reference training on its synthetic batches, optionally with Float8Linear."""
     return foundation.train_single_device(cfg, steps, batch, seq_len, lr=lr,
-                                   progress=f"training, {'FP8' if float8 else 'fp32'}",
-                                   transform=convert_to_float8 if float8 else None).losses
+                                          progress=f"training, {'FP8' if float8 else 'fp32'}",
+                                          transform=convert_to_float8 if float8 else None).losses
 
 
 FLOAT8_ZERO_MODES = ("unsharded", "zero3", "zero3-fp8")
@@ -693,7 +691,8 @@ def communication_demo(args: argparse.Namespace) -> None:
             ref = runs[mode][0]
             print(f"max |difference| of the FP8-gather run from {label}: loss "
                   f"{max(abs(a - b) for a, b in zip(fp8.losses, ref.losses)):.1e}, step-0 gradients "
-                  f"{foundation.max_abs_diff(fp8.first_grads, ref.first_grads):.1e}, parameters after {steps} steps "
+                  f"{foundation.max_abs_diff(fp8.first_grads, ref.first_grads):.1e}, parameters after "
+                  f"{steps} steps "
                   f"{foundation.max_abs_diff(fp8.params, ref.params):.1e}")
         print("Notice: a byte per gathered weight element, one small all-reduce per step, and the same bits "
               "as casting whole weights:\nthe cast is elementwise and each weight's scale global (the "
@@ -761,7 +760,8 @@ def bench(args: argparse.Namespace) -> None:
     print(f"{'dim -> ffn':>14}{'bf16':>9}{'Float8Linear':>14}{'speed-up':>10}")
     for dim, ffn_dim in ((4096, 14336), (8192, 28672)):  # Llama-3 8B and 70B MLPs
         x = torch.randn(args.bench_tokens, dim, device=dev, dtype=bf16, requires_grad=True)
-        mlp = foundation.SwiGLU(foundation.ModelConfig(dim=dim, ffn_dim=ffn_dim, n_heads=dim // 128)).to(dev, bf16)
+        mlp_cfg = foundation.ModelConfig(dim=dim, ffn_dim=ffn_dim, n_heads=dim // 128)
+        mlp = foundation.SwiGLU(mlp_cfg).to(dev, bf16)
         grad_out, ms = torch.randn_like(x), []
         for module in (mlp, convert_to_float8(copy.deepcopy(mlp))):
             step, params = compile_fn(module), [x, *module.parameters()]  # do_bench runs it at once:
@@ -789,8 +789,8 @@ def main() -> None:
     if args.batch % (2 * foundation.launch_world_size(args.nproc)):
         parser.error(f"--batch {args.batch} is not divisible by 2 microbatches x {args.nproc} ranks")
     try:
-        foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}", foundation.ModelConfig(), args.batch,
-                         args.seq_len, 1)
+        foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}", foundation.ModelConfig(),
+                                args.batch, args.seq_len, 1)
     except ValueError as error:  # one line, as launch_lesson's
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     demo(args)

@@ -358,7 +358,7 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
                                             tensor_parallel_plan(train.moe))
     attention = flash.flash_attention if train.attention == "flash" else None
     if mesh.sizes.cp > 1:
-        ring_block = context_parallel.FLASH_BLOCK if device.type == "cuda" else context_parallel.TORCH_BLOCK  # 07's kernel
+        ring_block = flash.FLASH_BLOCK if device.type == "cuda" else context_parallel.TORCH_BLOCK  # 07's kernel
         attention = context_parallel.ContextParallelAttention(mesh.groups["cp"], "ring", zigzag=True, block=ring_block)
     for block in model.layers.values() if attention else ():
         block.attn.attn_fn = attention

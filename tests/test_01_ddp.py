@@ -43,8 +43,8 @@ def model_configs(draw) -> "foundation.ModelConfig":
     n_heads = draw(st.sampled_from([1, 2, 4]))
     head_dim = draw(st.sampled_from([4, 8]))
     return foundation.ModelConfig(vocab_size=draw(st.sampled_from([16, 50, 64])), dim=n_heads * head_dim,
-                           n_layers=draw(st.integers(1, 2)), n_heads=n_heads,
-                           ffn_dim=draw(st.sampled_from([16, 24])), seed=draw(st.integers(0, 99)))
+                                  n_layers=draw(st.integers(1, 2)), n_heads=n_heads,
+                                  ffn_dim=draw(st.sampled_from([16, 24])), seed=draw(st.integers(0, 99)))
 
 
 # --- the reference model ----------------------------------------------------------------------
@@ -109,7 +109,7 @@ def test_grouped_query_attention_equals_attention_with_repeated_kv_heads(n_heads
     # key/value head i // g: build that multi-head model from the GQA weights and compare logits.
     n_kv = max(1, n_heads // kv_divisor)
     cfg = foundation.ModelConfig(vocab_size=32, dim=8 * n_heads, n_heads=n_heads, n_kv_heads=n_kv,
-                          ffn_dim=16, seed=seed)
+                                 ffn_dim=16, seed=seed)
     gqa, mha = foundation.GPT(cfg), foundation.GPT(foundation.ModelConfig(**{**vars(cfg), "n_kv_heads": n_heads}))
     state = gqa.state_dict()
     for name, w in state.items():
@@ -256,7 +256,7 @@ def test_attention_scores_depend_on_relative_positions_only(cfg, seq_len, shift)
 @given(n_heads=st.sampled_from([2, 4]), groups=st.sampled_from([1, 2]), layers=st.integers(0, 3))
 def test_parameter_shapes_are_the_models(n_heads, groups, layers):
     cfg = foundation.ModelConfig(vocab_size=37, dim=8 * n_heads, n_layers=layers, n_heads=n_heads,
-                          n_kv_heads=n_heads // groups, ffn_dim=20)
+                                 n_kv_heads=n_heads // groups, ffn_dim=20)
     built = [(name, tuple(p.shape)) for name, p in foundation.GPT(cfg).named_parameters()]
     assert list(foundation.parameter_shapes(cfg).items()) == built
 
@@ -411,7 +411,7 @@ def exercise_collectives() -> dict:
         # a ring shift with batched p2p: send to the right, receive from the left
         from_left = torch.empty(2)
         for work in foundation.batch_p2p([("send", torch.full((2,), float(rank)), (rank + 1) % n),
-                                   ("recv", from_left, (rank - 1) % n)]):
+                                          ("recv", from_left, (rank - 1) % n)]):
             work.wait()
         out["ring"] = from_left
         if rank in pair:
@@ -584,7 +584,7 @@ def train_on_strided_subgroups(cfg, steps, global_batch, seq_len):
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
     group = groups[dist.get_rank() % 2]
     return foundation.train_data_parallel(cfg, steps, global_batch, seq_len, mode="bucketed", accum_steps=2,
-                                   bucket_bytes=2048, adam_eps=ADAM_EPS, group=group)
+                                          bucket_bytes=2048, adam_eps=ADAM_EPS, group=group)
 
 
 def test_data_parallel_on_a_subgroup(rank_pool):
@@ -807,3 +807,14 @@ def test_a_shortened_option_is_an_error_not_a_guess():
     with pytest.raises(SystemExit):
         parser.parse_args(["--bench-step", "3"])
     assert parser.parse_args(["--bench-steps", "3"]).bench_steps == 3
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name)
+def test_a_lesson_imports_only_earlier_lessons(lesson):
+    """The reading order (DESIGN.md): a reader of lesson N has met lessons 1..N-1 only, so lesson N
+    imports no lesson numbered N or later (read from the source: every import_module call)."""
+    imported = [node.args[0].value for node in ast.walk(ast.parse(lesson.read_text()))
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
+                and node.args and isinstance(node.args[0], ast.Constant) and str(node.args[0].value)[:2].isdigit()]
+    later = [name for name in imported if int(name[:2]) >= int(lesson.name[:2])]
+    assert not later, f"{lesson.name} imports {later}"

@@ -218,7 +218,7 @@ def load_misshapen(cfg, stage, name, misshape):
     model = foundation.GPT(cfg)
     optimizer = zero.ZeRO(model, stage)
     model(*foundation.synthetic_batch(cfg, dist.get_world_size(), 4, 0, dist.get_rank(),
-                               dist.get_world_size())).backward()
+                                      dist.get_world_size())).backward()
     optimizer.step()
     before = optimizer.full_state_dict()
     state = {**before, "params": {**before["params"], name: misshape(before["params"][name])}}
@@ -293,7 +293,7 @@ def bf16_parameters_after_a_step(cfg, stage):
     model = foundation.GPT(cfg)
     optimizer = zero.ZeRO(model, stage, mixed_precision=True)
     tokens, targets = foundation.synthetic_batch(cfg, 2 * dist.get_world_size(), 6, 0, dist.get_rank(),
-                                          dist.get_world_size())
+                                                 dist.get_world_size())
     model(tokens, targets).backward()
     optimizer.step()
     masters = optimizer.full_state_dict()["params"]

@@ -47,9 +47,9 @@ def tp_configs(draw):
     n_heads = n_kv_heads * draw(st.sampled_from([1, 2]))  # 2: grouped-query attention
     head_dim = draw(st.sampled_from([2, 4]))
     cfg = foundation.ModelConfig(vocab_size=draw(st.sampled_from([3, 16, 17, 50, 64])),  # 3 < tp = 4
-                          dim=n_heads * head_dim, n_layers=draw(st.integers(1, 2)), n_heads=n_heads,
-                          n_kv_heads=n_kv_heads, ffn_dim=tp * draw(st.integers(1, 6)),
-                          seed=draw(st.integers(0, 99)))
+                                 dim=n_heads * head_dim, n_layers=draw(st.integers(1, 2)), n_heads=n_heads,
+                                 n_kv_heads=n_kv_heads, ffn_dim=tp * draw(st.integers(1, 6)),
+                                 seed=draw(st.integers(0, 99)))
     sequence_parallel = draw(st.booleans())
     seq_len = tp * draw(st.integers(1, 3)) if sequence_parallel else draw(st.integers(1, 9))
     return tp, cfg, sequence_parallel, seq_len
@@ -105,7 +105,7 @@ def test_frozen_parameters_stay_frozen_and_the_rest_trains_as_on_one_device(rank
         reference.losses.append(loss.item())
         if step == 0:
             reference.first_grads = foundation.cpu_copy((n, p.grad) for n, p in model.named_parameters()
-                                                 if p.grad is not None)
+                                                        if p.grad is not None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     reference.params = foundation.cpu_copy(model.named_parameters())
@@ -166,7 +166,7 @@ def train_on_strided_subgroups(cfg, sequence_parallel):
     """4 ranks, two tensor-parallel groups {0, 2} and {1, 3}: nothing may assume the world group."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
     return tensor_parallel.train_tensor_parallel(cfg, 2, 2, 4, sequence_parallel=sequence_parallel,
-                                     adam_eps=ADAM_EPS, group=groups[dist.get_rank() % 2])
+                                                 adam_eps=ADAM_EPS, group=groups[dist.get_rank() % 2])
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -349,12 +349,12 @@ def test_korthikanti_formulas_are_the_papers(model):
     sbh, scores = s * b * h, 5 * a * s / h
     assert tensor_parallel.korthikanti_bytes(cfg, b, s, 1, False) == pytest.approx(sbh * (34 + scores), rel=1e-12)
     assert tensor_parallel.korthikanti_bytes(cfg, b, s, t, False) == pytest.approx(sbh * (10 + 24 / t + scores / t),
-                                                                       rel=1e-12)
+                                                                                   rel=1e-12)
     assert tensor_parallel.korthikanti_bytes(cfg, b, s, t, True) == pytest.approx(sbh * (34 / t + scores / t),
-                                                                      rel=1e-12)
+                                                                                  rel=1e-12)
     for tp in (1, 2, t):  # t = 1: nothing to split, with or without SP
         assert tensor_parallel.korthikanti_bytes(cfg, b, s, tp, True) == pytest.approx(sbh * (34 + scores) / tp,
-                                                                           rel=1e-12)
+                                                                                       rel=1e-12)
 
 
 @pytest.mark.parametrize("model, saving", [("175B (GPT-3)", 0.70), ("530B (MT-NLG)", 0.65)])
@@ -453,7 +453,7 @@ def layer_bytes(blocks, cfg, batch: int, seq_len: int, shards: int = 1, dtype=to
 def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, groups, layers, batch,
                                                                          seq_len, seed):
     cfg = foundation.ModelConfig(vocab_size=40, dim=4 * n_heads, n_layers=layers, n_heads=n_heads,
-                          n_kv_heads=max(1, n_heads // groups), ffn_dim=12, seed=seed)
+                                 n_kv_heads=max(1, n_heads // groups), ffn_dim=12, seed=seed)
     batch_data = foundation.synthetic_batch(cfg, batch, seq_len, step=0)
     runs, saved = {}, {}
     for mode in tensor_parallel.RECOMPUTE_MODES:
@@ -466,7 +466,7 @@ def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, 
         for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):  # every layer, bf16 too
             stack = layer_bytes(list(model.to(dtype).layers.values()), cfg, batch, seq_len, dtype=dtype)
             assert stack == tensor_parallel.layer_activation_formula(cfg, batch, seq_len, 1, False, mode, size,
-                                                         layers=layers), (mode, dtype)
+                                                                     layers=layers), (mode, dtype)
     assert_same_training(runs)
     assert saved["full"] < saved["selective"] < saved["none"]
 

@@ -220,7 +220,7 @@ def assert_matches_reference(runs, reference) -> None:
 
 def check_against_single_device(rank_pool, pp, name, m, virtual, seed=0, per_micro=1, seq_len=5):
     cfg = foundation.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24, seed=seed,
-                          n_layers=pp * virtual + seed % 2)
+                                 n_layers=pp * virtual + seed % 2)
     steps, batch = 3, m * per_micro
     runs = rank_pool.run(pp, pipeline.train_pipeline, cfg, steps, batch, seq_len, schedule=name,
                          microbatches=m, virtual=virtual, adam_eps=ADAM_EPS)
@@ -270,7 +270,7 @@ def pipelines_on_subgroups(cfg, steps: int, batch: int, seq_len: int):
     common = dict(microbatches=2, adam_eps=ADAM_EPS)
     return (pipeline.train_pipeline(cfg, steps, batch, seq_len, schedule="zb-h1", group=pairs[rank % 2], **common),
             pipeline.train_pipeline(cfg, steps, batch, seq_len, schedule="interleaved", virtual=2,
-                              group=singles[rank], **common))
+                                    group=singles[rank], **common))
 
 
 def test_pipelines_on_subgroups_and_on_one_rank(rank_pool):
@@ -384,7 +384,7 @@ def test_measured_timeline_drawing_bubble_and_trace():
                torch.tensor([[0, 1, 0, 1.0, 4.0]], dtype=torch.float64)]
     assert pipeline.measured_bubble(records) == pytest.approx(1 - 6 / 8)
     assert pipeline.draw_measured(records, pp=2, width=8).splitlines() == ["rank 0 |FFFF..bb|",
-                                                                     "rank 1 |..FFFFFF|"]
+                                                                           "rank 1 |..FFFFFF|"]
     events = json.loads(json.dumps(pipeline.trace_events("1f1b", 3, records)))
     slices = [e for e in events if e["ph"] == "X"]
     assert [(e["tid"], e["name"], e["ts"], e["dur"]) for e in slices] == \

@@ -10,8 +10,6 @@ Tolerances, measured then widened with margin:
   configurations (sequences up to 40, unit-normal inputs and upstream gradients) we measured
   <= 1.4e-6, where PyTorch's own fp32 attention was up to 1.9e-6 from float64. A missing block, a
   wrong mask or a dK/dV accumulator delivered to the wrong owner changes results by O(0.1-1).
-- ring and Ulysses with lesson 07's kernel against the torch block (both fp32): atol 1e-5; we
-  measured <= 9.5e-7 (each is ~1e-6 from float64, lesson 07).
 - the whole model: lesson 01's loss, gradient and parameter tolerances (see tests/test_01_ddp.py);
   the sums run in another order. A halved or doubled loss or gradient is off by 50-100%.
 """
@@ -31,11 +29,10 @@ from hypothesis import strategies as st
 from conftest import run_script
 from test_01_ddp import ADAM_EPS, assert_matches_reference
 
-context_parallel = importlib.import_module("05_context_parallel")  # first: imports lesson 07 (interpreter switch)
-flash = importlib.import_module("07_flash_attention")
+context_parallel = importlib.import_module("05_context_parallel")
 foundation = importlib.import_module("01_ddp")
 
-ATTN_ATOL, ATTN_RTOL, MERGE_ATOL, KERNEL_ATOL = 1e-5, 1e-4, 1e-12, 1e-5
+ATTN_ATOL, ATTN_RTOL, MERGE_ATOL = 1e-5, 1e-4, 1e-12
 VARIANTS = [("ring", False), ("ring", True), ("ulysses", False), ("ulysses", True)]  # (method, zigzag)
 
 
@@ -135,7 +132,7 @@ def test_sharded_attention_equals_full_attention(rank_pool, cp, variant, causal,
                          zigzag=zigzag, causal=causal, seed=seed, kv_heads=kv_heads)
     layout = context_parallel.SequenceLayout(seq, cp, zigzag)
     inputs = context_parallel.attention_inputs(batch, heads, seq, head_dim, seed, dtype=torch.float64, kv_heads=kv_heads)
-    reference = flash.outputs_and_grads(lambda q, k, v: flash.naive_attention(q, k, v, causal), *inputs)
+    reference = context_parallel.outputs_and_grads(lambda q, k, v: context_parallel.naive_attention(q, k, v, causal), *inputs)
     for name, i in zip(("out", "lse", "dq", "dk", "dv"), range(5), strict=True):
         got = layout.unshard([results[i] for results, _, _ in runs], dim=2)
         torch.testing.assert_close(got.double(), reference[i], atol=ATTN_ATOL, rtol=ATTN_RTOL,
@@ -143,7 +140,7 @@ def test_sharded_attention_equals_full_attention(rank_pool, cp, variant, causal,
 
     tokens = batch * seq // cp
     formula = sum(context_parallel.attention_bytes(method, tokens * heads * head_dim, tokens * kv_heads * head_dim, cp,
-                                        with_lse_elems=tokens * heads).values())
+                                                   with_lse_elems=tokens * heads).values())
     for rank, (_, meter, work) in enumerate(runs):
         if method == "ring":
             assert meter.traffic("send") == formula
@@ -157,7 +154,7 @@ def test_sharded_attention_equals_full_attention(rank_pool, cp, variant, causal,
 
 def ring_bytes(kv_heads: int) -> Fraction:
     _, meter, _ = context_parallel.sharded_attention(1, 8, 16, 4, method="ring", zigzag=True, causal=True,
-                                          kv_heads=kv_heads)
+                                                     kv_heads=kv_heads)
     return meter.traffic("send")
 
 
@@ -178,9 +175,9 @@ def large_logit_errors(method: str, zigzag: bool) -> list[float]:
     q, k = q * scale, k * scale
     attend = {"ring": lambda *x: context_parallel.ring_attention(*x, None, zigzag, True),
               "ulysses": lambda *x: context_parallel.ulysses_attention(*x, None, zigzag, True)}[method]
-    got = flash.outputs_and_grads(attend, *(layout.shard(t, dist.get_rank(), dim=2) for t in (q, k, v, dout)))
-    exact = flash.outputs_and_grads(lambda *x: flash.naive_attention(*x, True), *(t.double() for t in (q, k, v, dout)))
-    return [flash.max_diff(g, layout.shard(e, dist.get_rank(), dim=2))
+    got = context_parallel.outputs_and_grads(attend, *(layout.shard(t, dist.get_rank(), dim=2) for t in (q, k, v, dout)))
+    exact = context_parallel.outputs_and_grads(lambda *x: context_parallel.naive_attention(*x, True), *(t.double() for t in (q, k, v, dout)))
+    return [context_parallel.max_diff(g, layout.shard(e, dist.get_rank(), dim=2))
             for i, (g, e) in enumerate(zip(got, exact, strict=True)) if i != 1]
 
 
@@ -193,9 +190,9 @@ def test_large_logits_lose_no_more_than_one_device_attention(rank_pool, method, 
     q, k, v, dout, _ = context_parallel.attention_inputs(1, heads, seq, head_dim, seed=5, kv_heads=kv_heads)
     q, k = q * scale, k * scale
     sdpa = lambda *x: (F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True), None)
-    one_device = flash.outputs_and_grads(sdpa, q, k, v, dout)
-    exact = flash.outputs_and_grads(lambda *x: flash.naive_attention(*x, True), *(t.double() for t in (q, k, v, dout)))
-    bound = [4 * flash.max_diff(a, b) + 1e-5 for i, (a, b) in enumerate(zip(one_device, exact)) if i != 1]
+    one_device = context_parallel.outputs_and_grads(sdpa, q, k, v, dout)
+    exact = context_parallel.outputs_and_grads(lambda *x: context_parallel.naive_attention(*x, True), *(t.double() for t in (q, k, v, dout)))
+    bound = [4 * context_parallel.max_diff(a, b) + 1e-5 for i, (a, b) in enumerate(zip(one_device, exact)) if i != 1]
     for errors in rank_pool.run(3, large_logit_errors, method, zigzag):
         for name, error, limit in zip(("out", "dq", "dk", "dv"), errors, bound, strict=True):
             assert error <= limit, f"{name}: {error:.2e} > {limit:.2e}"
@@ -217,7 +214,7 @@ def sharded_nan_attention(method: str, zigzag: bool, where: str) -> list[torch.T
               "ulysses": lambda *x: context_parallel.ulysses_attention(*x, None, zigzag, True, with_lse=True)}[method]
     shards = [layout.shard(t, dist.get_rank(), dim=2) for t in nan_inputs(where)]
     gathered = []
-    for shard in flash.outputs_and_grads(attend, *shards)[:3]:
+    for shard in context_parallel.outputs_and_grads(attend, *shards)[:3]:
         parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, shard.contiguous())
         gathered.append(layout.unshard(parts, dim=2))
@@ -227,21 +224,17 @@ def sharded_nan_attention(method: str, zigzag: bool, where: str) -> list[torch.T
 @pytest.mark.parametrize("where", ["k", "v"])
 def test_a_nan_reaches_every_row_that_attends_to_it_on_every_path(rank_pool, where):
     """The semantics of a NaN key or value at position j, the same on every path (the ring,
-    contiguous and zigzag; Ulysses; one device, SDPA and lesson 07's kernel): every row i >= j that attends to it gets NaN in
-    out, and in the lse (a key) and dq; the lse of a NaN value's rows stays finite (it does not
+    contiguous and zigzag; Ulysses; one device, and SDPA; lesson 07's kernel in its own tests): every
+    row i >= j that attends to it gets NaN in out, and in the lse (a key) and dq; the lse of a NaN value's rows stays finite (it does not
     read values). Rows before j may be NaN too (a masked P = 0 times a NaN value, inside a block):
     which ones depends on the blocks, so it is not part of the contract."""
     paths = {f"{method}{' zigzag' if zigzag else ''}": rank_pool.run(2, sharded_nan_attention, method,
                                                                        zigzag, where)[0]
              for method, zigzag in (("ring", False), ("ring", True), ("ulysses", True))}
     q, k, v, dout = nan_inputs(where)
-    paths["one device"] = flash.outputs_and_grads(lambda *x: flash.naive_attention(*x, True), q, k, v, dout)[:3]
+    paths["one device"] = context_parallel.outputs_and_grads(lambda *x: context_parallel.naive_attention(*x, True), q, k, v, dout)[:3]
     sdpa = lambda *x: (F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True), None)
-    paths["one device, SDPA"] = flash.outputs_and_grads(sdpa, q, k, v, dout)[:3]
-    device = "cpu" if flash.INTERPRETED else "cuda"
-    kernel = flash.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, True),
-                                  *(t.to(device) for t in (q, k, v, dout)))[:3]
-    paths["one device, lesson 07's kernel"] = [t.cpu() for t in kernel]
+    paths["one device, SDPA"] = context_parallel.outputs_and_grads(sdpa, q, k, v, dout)[:3]
     for name, (out, lse, dq) in paths.items():
         attends = slice(2, 4), slice(NAN_AT, None)  # query heads 2, 3 read K/V head 1
         assert out[0][attends].isnan().all() and dq[0][attends].isnan().all(), name
@@ -260,38 +253,6 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not():
     assert max(zigzag) / max(contiguous) == Fraction(9, 16)
 
 
-def kernel_block() -> "context_parallel.BlockAttention":
-    """Lesson 07's kernel as the ring's block. The pool's gloo ranks hold CPU tensors, which only the
-    interpreter takes: on a GPU machine each call moves its inputs to CUDA and its results back."""
-    if flash.INTERPRETED:
-        return context_parallel.FLASH_BLOCK
-
-    def on_cuda(fn):
-        def call(*args):
-            results = fn(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args))
-            return tuple(t.cpu() for t in results)
-        return call
-    return context_parallel.BlockAttention(context_parallel.FLASH_BLOCK.name, on_cuda(context_parallel.FLASH_BLOCK.forward),
-                                on_cuda(context_parallel.FLASH_BLOCK.backward))
-
-
-def with_both_blocks(method: str, causal: bool):
-    results = {}
-    for block in (context_parallel.TORCH_BLOCK, kernel_block()):
-        results[block.name], _, _ = context_parallel.sharded_attention(1, 4, 8, 16, method=method, zigzag=True,
-                                                            causal=causal, block=block, seed=3, kv_heads=2)
-    return results
-
-
-@pytest.mark.parametrize("method", context_parallel.METHODS)
-@pytest.mark.parametrize("causal", [True, False])
-def test_the_triton_kernel_as_block_equals_the_torch_block(rank_pool, method, causal):
-    for results in rank_pool.run(2, with_both_blocks, method, causal, timeout=300):
-        torch_results, flash_results = results.values()
-        for a, b in zip(flash_results, torch_results, strict=True):
-            torch.testing.assert_close(a, b, atol=KERNEL_ATOL, rtol=0)
-
-
 # --- the whole model --------------------------------------------------------------------------
 
 @st.composite
@@ -303,8 +264,8 @@ def cp_model_setups(draw):
                                        and (method == "ring" or d % cp == 0)]))
     head_dim = draw(st.sampled_from([4, 8]))
     cfg = foundation.ModelConfig(vocab_size=draw(st.sampled_from([16, 50])), dim=n_heads * head_dim,
-                          n_layers=draw(st.integers(1, 2)), n_heads=n_heads, n_kv_heads=n_kv_heads,
-                          ffn_dim=16, seed=draw(st.integers(0, 99)))
+                                 n_layers=draw(st.integers(1, 2)), n_heads=n_heads, n_kv_heads=n_kv_heads,
+                                 ffn_dim=16, seed=draw(st.integers(0, 99)))
     seq = (2 * cp if zigzag else cp) * draw(st.integers(1, 3))
     return cfg, cp, method, zigzag, seq, draw(st.integers(1, 2))
 
@@ -335,7 +296,7 @@ def train_on_strided_subgroups(cfg, steps, batch, seq, method):
     """4 ranks, two cp groups {0, 2} and {1, 3}: ring peers are group ranks, not global ones."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
     return context_parallel.train_context_parallel(cfg, steps, batch, seq, method=method, zigzag=True,
-                                        adam_eps=ADAM_EPS, group=groups[dist.get_rank() % 2])
+                                                   adam_eps=ADAM_EPS, group=groups[dist.get_rank() % 2])
 
 
 @pytest.mark.parametrize("method", context_parallel.METHODS)

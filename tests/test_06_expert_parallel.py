@@ -50,10 +50,10 @@ INIT_STD = 0.5  # layer tests: outputs of order 1 (not 1e-4), so that an absolut
 def moe_configs(draw, ep: int = 1) -> "expert_parallel.MoEConfig":
     n_experts = ep * draw(st.sampled_from([1, 2, 3]))
     return expert_parallel.MoEConfig(n_experts=n_experts, top_k=draw(st.integers(1, min(2, n_experts))),
-                         expert_ffn_dim=draw(st.sampled_from([4, 8])),
-                         capacity_factor=draw(st.sampled_from([None, 0.5, 1.0, 1.5])),
-                         aux_loss_coef=draw(st.sampled_from([0.0, 0.1])),
-                         bias_update_rate=draw(st.sampled_from([0.0, 0.05])))
+                                     expert_ffn_dim=draw(st.sampled_from([4, 8])),
+                                     capacity_factor=draw(st.sampled_from([None, 0.5, 1.0, 1.5])),
+                                     aux_loss_coef=draw(st.sampled_from([0.0, 0.1])),
+                                     bias_update_rate=draw(st.sampled_from([0.0, 0.05])))
 
 
 def naive_queue_kept(experts_per_rank: list[torch.Tensor], cfg: "expert_parallel.MoEConfig") -> list[torch.Tensor]:

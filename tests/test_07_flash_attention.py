@@ -26,11 +26,14 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from test_05_context_parallel import NAN_AT, nan_inputs
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-flash = importlib.import_module("07_flash_attention")  # first: without a GPU it turns the interpreter on
-foundation = importlib.import_module("01_ddp")
+foundation = importlib.import_module("01_ddp")  # first: without a GPU it turns the interpreter on
+context_parallel = importlib.import_module("05_context_parallel")
+flash = importlib.import_module("07_flash_attention")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -63,8 +66,8 @@ def random_inputs(batch, heads, seq_q, seq_k, head_dim, dtype, seed, lse_grad=Fa
 
 def float64_reference(q, k, v, dout, dlse, causal, q_offset=0, k_offset=0):
     q, k, v, dout, dlse = (None if t is None else t.double() for t in (q, k, v, dout, dlse))
-    return flash.outputs_and_grads(partial(flash.naive_attention, causal=causal, q_offset=q_offset,
-                                        k_offset=k_offset), q, k, v, dout, dlse)
+    return context_parallel.outputs_and_grads(partial(context_parallel.naive_attention, causal=causal, q_offset=q_offset,
+                                           k_offset=k_offset), q, k, v, dout, dlse)
 
 
 def assert_close_to_reference(results, reference, dtype, tol: dict | None = None) -> None:
@@ -72,7 +75,7 @@ def assert_close_to_reference(results, reference, dtype, tol: dict | None = None
     for name, got, want in zip(NAMES, results, reference, strict=True):
         assert got.shape == want.shape and got.dtype == (torch.float32 if name == "lse" else dtype)
         assert not got.isnan().any(), f"{name} has NaNs"
-        error = flash.max_diff(got, want)
+        error = context_parallel.max_diff(got, want)
         assert error <= tol.get(name, tol["grad"]), f"{name}: max |error| {error:.2e} > {tol}"
 
 
@@ -88,7 +91,7 @@ def assert_close_to_reference(results, reference, dtype, tol: dict | None = None
 def test_attention_matches_float64(batch, kv_heads, group, seq, head_dim, causal, dtype, seed):
     """group: query heads per K/V head (grouped-query attention; 1: multi-head)."""
     q, k, v, dout, _ = random_inputs(batch, kv_heads * group, seq, seq, head_dim, dtype, seed, kv_heads=kv_heads)
-    ours = flash.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, causal), q, k, v, dout)
+    ours = context_parallel.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, causal), q, k, v, dout)
     assert_close_to_reference(ours, float64_reference(q, k, v, dout, None, causal), dtype)
     # The GPT-facing function is the same kernel: bit-identical output.
     assert torch.equal(flash.flash_attention(q, k, v, causal=causal), ours[0])
@@ -107,8 +110,8 @@ def test_block_entry_with_offsets_and_lse_gradient(seq_q, seq_k, q_offset, k_off
     """The ring's entry: absolute positions, gradients into out and lse, rows with no visible key;
     4 query heads reading 2 K/V heads (the ring circulates K/V heads only)."""
     q, k, v, dout, dlse = random_inputs(2, 4, seq_q, seq_k, 16, dtype, seed, lse_grad=True, kv_heads=2)
-    ours = flash.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, q_offset, k_offset, causal),
-                                q, k, v, dout, dlse)
+    ours = context_parallel.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, q_offset, k_offset, causal),
+                                   q, k, v, dout, dlse)
     reference = float64_reference(q, k, v, dout, dlse, causal, q_offset, k_offset)
     assert_close_to_reference(ours, reference, dtype)
     no_key = reference[1] == float("-inf")
@@ -123,8 +126,8 @@ def test_causal_diagonal_at_every_block_alignment():
     masked range included; negative shifts leave the first rows with no key at all."""
     q, k, v, dout, dlse = random_inputs(1, 1, 40, 40, 16, torch.float32, seed=4, lse_grad=True)
     for shift in range(-48, 49):
-        ours = flash.outputs_and_grads(partial(flash.flash_block_attention, q_offset=48 + shift, k_offset=48,
-                                            causal=True), q, k, v, dout, dlse)
+        ours = context_parallel.outputs_and_grads(partial(flash.flash_block_attention, q_offset=48 + shift, k_offset=48,
+                                               causal=True), q, k, v, dout, dlse)
         assert_close_to_reference(ours, float64_reference(q, k, v, dout, dlse, True, 48 + shift, 48),
                                   torch.float32)
 
@@ -136,8 +139,8 @@ def test_raw_launchers_with_merged_lse_gradient():
     q, k, v, dout, dlse = random_inputs(1, 2, 29, 35, 32, torch.float32, seed=3, lse_grad=True)
     out, lse = flash.flash_attention_forward(q, k, v, True, 0.3, 10, 5)
     grads = flash.flash_attention_backward(q, k, v, out, lse, dout, dlse, True, 0.3, 10, 5)
-    reference = flash.outputs_and_grads(lambda *x: flash.naive_attention(*x, True, 0.3, 10, 5),
-                                     q.double(), k.double(), v.double(), dout.double(), dlse.double())
+    reference = context_parallel.outputs_and_grads(lambda *x: context_parallel.naive_attention(*x, True, 0.3, 10, 5),
+                                        q.double(), k.double(), v.double(), dout.double(), dlse.double())
     assert_close_to_reference([out, lse, *grads], reference, torch.float32)
 
 
@@ -147,8 +150,8 @@ def test_gradient_into_lse_only(dtype):
     """A loss on the lse alone: out gets no gradient, so autograd hands FlashAttention.backward
     dout = None (the branch that substitutes zeros). Keys start at position 10: rows 0..9 see none."""
     q, k, v, _, dlse = random_inputs(2, 2, 29, 35, 16, dtype, seed=6, lse_grad=True)
-    ours = flash.outputs_and_grads(partial(flash.flash_block_attention, q_offset=0, k_offset=10, causal=True),
-                                q, k, v, None, dlse)
+    ours = context_parallel.outputs_and_grads(partial(flash.flash_block_attention, q_offset=0, k_offset=10, causal=True),
+                                   q, k, v, None, dlse)
     assert_close_to_reference(ours, float64_reference(q, k, v, None, dlse, True, 0, 10), dtype)
 
 
@@ -162,13 +165,13 @@ def test_grouped_kv_gradients_are_the_groups_sums(group):
     q, k, v, dout, dlse = random_inputs(2, 2 * group, 24, 40, 16, torch.float32, seed=9, lse_grad=True,
                                         kv_heads=2)
     attn = partial(flash.flash_block_attention, q_offset=16, k_offset=0, causal=True)
-    grouped = flash.outputs_and_grads(attn, q, k, v, dout, dlse)
-    repeated = flash.outputs_and_grads(attn, q, *(t.repeat_interleave(group, 1) for t in (k, v)), dout, dlse)
+    grouped = context_parallel.outputs_and_grads(attn, q, k, v, dout, dlse)
+    repeated = context_parallel.outputs_and_grads(attn, q, *(t.repeat_interleave(group, 1) for t in (k, v)), dout, dlse)
     for name, a, b in zip(NAMES[:3], grouped, repeated, strict=False):
         assert torch.equal(a, b), name
     for name, a, b in zip(NAMES[3:], grouped[3:], repeated[3:], strict=True):
         assert a.shape == k.shape, name
-        assert flash.max_diff(a, b.unflatten(1, (2, group)).sum(2)) <= 2e-5, name
+        assert context_parallel.max_diff(a, b.unflatten(1, (2, group)).sum(2)) <= 2e-5, name
 
 
 def test_second_derivative_raises_instead_of_dropping_terms():
@@ -180,8 +183,8 @@ def test_second_derivative_raises_instead_of_dropping_terms():
     with pytest.raises(RuntimeError, match="once differentiable: create_graph=True"):
         torch.autograd.grad((flash.flash_attention(q, k, v) * dout).sum(), q, create_graph=True)
     first, = torch.autograd.grad((flash.flash_attention(q, k, v) * dout).sum(), q)
-    expected, = torch.autograd.grad((flash.naive_attention(q, k, v)[0] * dout).sum(), q)
-    assert flash.max_diff(first, expected) <= TOLERANCE[torch.float32]["grad"]
+    expected, = torch.autograd.grad((context_parallel.naive_attention(q, k, v)[0] * dout).sum(), q)
+    assert context_parallel.max_diff(first, expected) <= TOLERANCE[torch.float32]["grad"]
 
 
 def test_backward_checks_its_inputs_and_casts_dout():
@@ -211,7 +214,7 @@ def _ranges_kernel(BLOCK_INDEX, SEQ_Q, SEQ_K, SHIFT, OUT, n, BLOCK_M: tl.constex
     b, shift = tl.load(BLOCK_INDEX + i, mask=ok), tl.load(SHIFT + i, mask=ok)
     full_end, hi = flash._key_range(b * BLOCK_M, tl.load(SEQ_K + i, mask=ok), shift, BLOCK_M, BLOCK_N, CAUSAL)
     lo, full_start, q_end = flash._query_range(b * BLOCK_N, tl.load(SEQ_Q + i, mask=ok), shift, BLOCK_M,
-                                            BLOCK_N, CAUSAL)
+                                               BLOCK_N, CAUSAL)
     zero = b * 0  # makes the values that are plain integers (non-causal) into vectors
     tl.store(OUT + i, full_end + zero, mask=ok)
     tl.store(OUT + n + i, hi + zero, mask=ok)
@@ -301,20 +304,69 @@ def test_rejects_bad_input():
 @cpu_only
 @pytest.mark.parametrize("triton_first", [False, True])
 def test_interpreter_switch_in_a_fresh_process(triton_first):
-    """Without a GPU, importing the module turns the interpreter on even if the environment says
-    TRITON_INTERPRET=0; if triton was imported earlier (too late to switch), the import fails and
-    says why, instead of failing later inside a kernel."""
+    """Without a GPU, importing a lesson (01's device set-up) turns the interpreter on even if the
+    environment says TRITON_INTERPRET=0; if triton was imported earlier (too late to switch), the
+    kernel's import fails and says why, instead of failing later inside a kernel."""
     code = ("import importlib, torch\n" + ("import triton\n" if triton_first else "") +
             "flash = importlib.import_module('07_flash_attention')\n"
             "q = torch.randn(1, 1, 20, 16)\n"
-            "print(flash.max_diff(flash.flash_attention(q, q, q), flash.naive_attention(q, q, q)[0]))\n")
+            "exact = flash.context_parallel.naive_attention(q, q, q)[0]\n"
+            "print((flash.flash_attention(q, q, q) - exact).abs().max().item())\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, TRITON_INTERPRET="0"), timeout=120)
     if triton_first:
-        assert run.returncode != 0 and "import this module before triton" in run.stderr
+        assert run.returncode != 0 and "import a lesson (01_ddp sets the flag) before triton" in run.stderr
     else:
         assert run.returncode == 0, run.stderr
         assert float(run.stdout) < 1e-5
+
+
+def kernel_block() -> "context_parallel.BlockAttention":
+    """Lesson 07's kernel as the ring's block. The pool's gloo ranks hold CPU tensors, which only the
+    interpreter takes: on a GPU machine each call moves its inputs to CUDA and its results back."""
+    if flash.INTERPRETED:
+        return flash.FLASH_BLOCK
+
+    def on_cuda(fn):
+        def call(*args):
+            results = fn(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args))
+            return tuple(t.cpu() for t in results)
+        return call
+    return context_parallel.BlockAttention(flash.FLASH_BLOCK.name, on_cuda(flash.FLASH_BLOCK.forward),
+                                           on_cuda(flash.FLASH_BLOCK.backward))
+
+
+def with_both_blocks(method: str, causal: bool):
+    results = {}
+    for block in (context_parallel.TORCH_BLOCK, kernel_block()):
+        results[block.name], _, _ = context_parallel.sharded_attention(
+            1, 4, 8, 16, method=method, zigzag=True, causal=causal, block=block, seed=3, kv_heads=2)
+    return results
+
+
+@pytest.mark.parametrize("method", context_parallel.METHODS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_triton_kernel_as_ring_block_equals_the_torch_block(rank_pool, method, causal):
+    """Lesson 05's ring and Ulysses with this lesson's kernel as their block (FLASH_BLOCK): the same
+    out, lse, dq, dk, dv as with 05's torch block, both fp32: atol 1e-5 (measured <= 9.5e-7, each
+    is ~1e-6 from float64); 4 query heads reading 2 K/V heads."""
+    for results in rank_pool.run(2, with_both_blocks, method, causal, timeout=300):
+        torch_results, flash_results = results.values()
+        for a, b in zip(flash_results, torch_results, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_a_nan_reaches_every_row_that_attends_to_it(where):
+    """Lesson 05's NaN contract on the kernel: a NaN key or value at position j makes NaN every row
+    i >= j of the query heads that read it, in out and dq (and the lse, for a key); a NaN value
+    leaves the lse finite; the other heads stay finite."""
+    q, k, v, dout = (t.to(DEVICE) for t in nan_inputs(where))
+    out, lse, dq = context_parallel.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, True),
+                                                      q, k, v, dout)[:3]
+    attends = slice(2, 4), slice(NAN_AT, None)  # query heads 2, 3 read K/V head 1
+    assert out[0][attends].isnan().all() and dq[0][attends].isnan().all()
+    assert not out[0, :2].isnan().any()
+    assert lse[0][attends].isnan().all() if where == "k" else lse.isfinite().all()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,13 +385,13 @@ def test_gpu_16bit_error_at_most_twice_pytorch(dtype, causal, head_dim):
     16-bit inputs, within 1e-4 of float64 (values ~10, fp32 rounding ~1e-6)."""
     q, k, v, dout, _ = random_inputs(*GPU_SHAPE, GPU_SHAPE[2], head_dim, dtype, seed=0)
     reference = float64_reference(q, k, v, dout, None, causal)
-    ours = flash.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, causal), q, k, v, dout)
-    torch_sdpa = flash.outputs_and_grads(lambda *x: (torch.nn.functional.scaled_dot_product_attention(
+    ours = context_parallel.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, causal), q, k, v, dout)
+    torch_sdpa = context_parallel.outputs_and_grads(lambda *x: (torch.nn.functional.scaled_dot_product_attention(
         *x, is_causal=causal), None), q, k, v, dout)
-    assert flash.max_diff(ours[1], reference[1]) <= 1e-4
+    assert context_parallel.max_diff(ours[1], reference[1]) <= 1e-4
     for name, got, theirs, want in zip(NAMES, ours, torch_sdpa, reference, strict=True):
         if name != "lse":
-            ours_error, torch_error = flash.max_diff(got, want), flash.max_diff(theirs, want)
+            ours_error, torch_error = context_parallel.max_diff(got, want), context_parallel.max_diff(theirs, want)
             assert ours_error <= 2 * torch_error + 1e-4, \
                 f"{name}: {ours_error:.2e} vs torch {torch_error:.2e}"
 
@@ -349,7 +401,7 @@ def test_gpu_fp32_block_entry_with_offsets():
     """fp32 on the GPU uses exact fp32 dots (not TF32). Rows 0..199 see no key (keys start at
     position 200). Sums run over up to 500 terms here, not 40: tolerance 1e-4 (TF32 would be ~1e-2)."""
     q, k, v, dout, dlse = random_inputs(2, 3, 300, 500, 64, torch.float32, seed=1, lse_grad=True)
-    ours = flash.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 200, True), q, k, v, dout, dlse)
+    ours = context_parallel.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 200, True), q, k, v, dout, dlse)
     assert_close_to_reference(ours, float64_reference(q, k, v, dout, dlse, True, 0, 200), torch.float32,
                               tol=dict(out=1e-4, lse=1e-4, grad=1e-4))
 
@@ -363,7 +415,7 @@ def test_gpu_causal_diagonal_at_block_boundaries():
     q, k, v, dout, dlse = random_inputs(1, 2, 300, 300, 64, torch.float32, seed=5, lse_grad=True)
     for shift in sorted({edge + d for edge in (-128, -64, -32, 0, 32, 64, 128) for d in (-1, 0, 1)}):
         attn = partial(flash.flash_block_attention, q_offset=200 + shift, k_offset=200, causal=True)
-        ours = flash.outputs_and_grads(attn, q, k, v, dout, dlse)
+        ours = context_parallel.outputs_and_grads(attn, q, k, v, dout, dlse)
         assert_close_to_reference(ours, float64_reference(q, k, v, dout, dlse, True, 200 + shift, 200),
                                   torch.float32, tol=dict(out=1e-4, lse=1e-4, grad=1e-4))
 
@@ -374,12 +426,12 @@ def test_gpu_grouped_query_attention_error_at_most_twice_pytorch():
     (as in test_gpu_16bit_error_at_most_twice_pytorch)."""
     q, k, v, dout, _ = random_inputs(*GPU_SHAPE, GPU_SHAPE[2], 128, torch.bfloat16, seed=3, kv_heads=1)
     reference = float64_reference(q, k, v, dout, None, True)
-    ours = flash.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, True), q, k, v, dout)
-    torch_sdpa = flash.outputs_and_grads(lambda *x: (torch.nn.functional.scaled_dot_product_attention(
+    ours = context_parallel.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, True), q, k, v, dout)
+    torch_sdpa = context_parallel.outputs_and_grads(lambda *x: (torch.nn.functional.scaled_dot_product_attention(
         *x, is_causal=True, enable_gqa=True), None), q, k, v, dout)
     for name, got, theirs, want in zip(NAMES, ours, torch_sdpa, reference, strict=True):
         if name != "lse":
-            assert flash.max_diff(got, want) <= 2 * flash.max_diff(theirs, want) + 1e-4, name
+            assert context_parallel.max_diff(got, want) <= 2 * context_parallel.max_diff(theirs, want) + 1e-4, name
 
 
 @gpu_only
@@ -387,7 +439,7 @@ def test_gpu_deterministic():
     """No atomics: two forward + backward passes in one process (so with the same autotuned block
     sizes) are bit-identical, grouped-query dK/dV sums included."""
     q, k, v, dout, _ = random_inputs(*GPU_SHAPE, GPU_SHAPE[2], 128, torch.bfloat16, seed=2, kv_heads=2)
-    runs = [flash.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, True), q, k, v, dout)
+    runs = [context_parallel.outputs_and_grads(lambda *x: flash.flash_block_attention(*x, 0, 0, True), q, k, v, dout)
             for _ in range(2)]
     for name, first, second in zip(NAMES, *runs, strict=True):
         assert torch.equal(first, second), name

@@ -93,8 +93,8 @@ def compiled() -> dict:
     """All compiles in one batch, two processes at a time (the cores of a laptop or the CI runner)."""
     attention, fp8_jobs = attention_jobs(), fp8_cast_jobs()
     results = flash.compile_for_gpu([flash.attention_compile_job(kernel, dtype, head_dim, *config, capability=cap)
-                                  for kernel, config, dtype, head_dim, cap in attention]
-                                 + fp8_jobs + [tf32_default_job()])
+                                     for kernel, config, dtype, head_dim, cap in attention]
+                                    + fp8_jobs + [tf32_default_job()])
     return dict(attention=dict(zip(attention, results, strict=False)),
                 fp8=results[len(attention):-1], tf32_default=results[-1])
 
