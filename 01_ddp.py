@@ -25,14 +25,16 @@ step, independent of batch size. Memory: every rank holds all parameters, gradie
 state (AdamW in fp32: 4 + 4 + 8 = 16 bytes per parameter), plus a gradient copy in the buckets.
 Lesson 02 (ZeRO) removes that redundancy.
 
-THE FOUNDATION (imported by lessons 02-09)
+THE FOUNDATION (imported by lessons 02-09; after the data-parallel code, under its own banner)
+- device set-up: without a GPU, Triton's interpreter for lessons 07 and 08's kernels.
 - init_distributed / launch: torchrun environment -> process group (NCCL + one GPU per local rank
   with CUDA, else gloo on CPU), with a timeout so a broken collective fails instead of hanging.
   `python 0X_name.py` with no torchrun starts its own local processes.
 - the comm meter: thin wrappers over every collective the course uses count each call's payload
   bytes per operation and group, and the per-rank traffic under the ring cost model above. They
   also hide torch 2.11 -> 2.13 API drift.
-- ModelConfig / GPT: the single-device reference model (Llama-style), and synthetic_batch.
+- ModelConfig / GPT: the single-device reference model (Llama-style, grouped-query attention), and
+  synthetic_batch. The code below uses them as a reader knows them: a model, a batch.
 
 RUN IT
     python 01_ddp.py                       # 4 local CPU processes (one per GPU on a GPU node)
@@ -66,6 +68,262 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
+
+# ----------------------------------------------------------------------------------------------
+# Data parallelism
+# ----------------------------------------------------------------------------------------------
+
+
+def broadcast_parameters(model: nn.Module, group=None) -> None:
+    """Start every rank from rank 0's weights and buffers (rank 0 of `group`, whatever its global
+    rank). GPT's seeded init already agrees everywhere; a checkpoint or a random init might not."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            broadcast(tensor, src=0, group=group)
+
+
+def all_reduce_gradients(model: nn.Module, group=None) -> None:
+    """(a) Naive DDP: one blocking all-reduce per parameter, after backward has finished."""
+    world = dist.get_world_size(group)
+    for name, param in model.named_parameters():
+        if not param.requires_grad:  # frozen: no gradient to average (as in torch DDP)
+            continue
+        if param.grad is None:  # skipping it would pair different tensors across ranks
+            raise RuntimeError(f"{name} got no gradient: unused parameters are not supported")
+        all_reduce(param.grad, group=group)
+        param.grad.div_(world)
+
+
+class GradBucket:
+    """A flat buffer holding the gradients of a few parameters, all-reduced in one call."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                  device=params[0].device)
+        self.views = self.buffer.split([p.numel() for p in params])  # slot i holds params[i]'s grad
+        self.slot = {p: i for i, p in enumerate(params)}
+        self.ready: set[int] = set()  # the slots filled since the last unpack
+        self.work = None  # the pending all-reduce
+
+    def add(self, param: nn.Parameter) -> None:
+        """Copy param's finished gradient into its slot of the buffer."""
+        if self.work is not None:
+            raise RuntimeError("a second backward outside no_sync() before finish_gradient_sync() "
+                               "would overwrite a bucket that is still being all-reduced")
+        self.views[self.slot[param]].copy_(param.grad.flatten())
+        self.ready.add(self.slot[param])
+
+    def unpack(self, world: int) -> None:
+        """Wait for the all-reduce, then write the averaged gradients back into param.grad."""
+        self.work.wait()
+        self.buffer.div_(world)
+        for p, view in zip(self.params, self.views):
+            p.grad.copy_(view.view_as(p))
+        self.ready.clear()
+        self.work = None
+
+
+def claim_gradient_sync(model: nn.Module, owner: str) -> None:
+    """Mark `model` as having its gradients synchronised by `owner`. A second wrapper (a re-run
+    notebook cell, a ZeRO optimizer over a DDP-wrapped model) would reduce every gradient twice, so
+    it is refused here, when it is built, before any collective."""
+    current = getattr(model, "gradient_sync_owner", None)
+    if current is not None:
+        raise ValueError(f"cannot wrap with {owner}: this model's gradients are already "
+                         f"synchronised by {current}; build one wrapper per model")
+    model.gradient_sync_owner = owner
+
+
+class BucketedDataParallel:
+    """(b) + (c): bucketed, overlapped gradient all-reduce, with no_sync() for accumulation.
+
+        ddp = BucketedDataParallel(model, group, bucket_bytes=1 << 20)
+        with ddp.no_sync():                  # micro-steps 1..K-1: accumulate locally
+            model(x, y).backward()
+        model(x, y).backward()               # last micro-step: buckets launch during backward
+        ddp.finish_gradient_sync()           # wait, average, write back; then optimizer.step()
+    """
+
+    def __init__(self, model: nn.Module, group=None, bucket_bytes: int = 25 << 20) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
+        # Reverse registration order approximates the order in which backward finishes gradients
+        # (the last layer's first), so the first bucket fills - and starts sending - earliest.
+        params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameter (requires_grad=True) to synchronise")
+        claim_gradient_sync(model, type(self).__name__)  # after the checks: a failed build claims nothing
+        self.model, self.group, self.world = model, group, dist.get_world_size(group)
+        broadcast_parameters(model, group)
+        groups: list[list[nn.Parameter]] = [[]]
+        for p in params:
+            if groups[-1] and (p.dtype != groups[-1][0].dtype or
+                               sum(q.nbytes for q in groups[-1]) + p.nbytes > bucket_bytes):
+                groups.append([])
+            groups[-1].append(p)
+        self.buckets = [GradBucket(group_params) for group_params in groups]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.sync_gradients, self.next_to_launch = True, 0
+        self.max_in_flight = self.finished_before_wait = 0  # statistics for the demo
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate into .grad; the next one outside communicates."""
+        self.sync_gradients = False
+        try:
+            yield
+        finally:
+            self.sync_gradients = True
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self.sync_gradients:
+            return
+        self.bucket_of[param].add(param)
+        # Collectives are matched by call order, so every rank must launch buckets in the same
+        # order: launch bucket i only after buckets 0..i-1, even if it happened to fill first.
+        for bucket in self.buckets[self.next_to_launch:]:
+            if len(bucket.ready) < len(bucket.params):
+                break
+            bucket.work = all_reduce(bucket.buffer, group=self.group, async_op=True)
+            self.next_to_launch += 1
+            in_flight = sum(b.work is not None and not b.work.is_completed() for b in self.buckets)
+            self.max_in_flight = max(self.max_in_flight, in_flight)
+
+    def finish_gradient_sync(self) -> None:
+        if not any(b.ready for b in self.buckets):
+            raise RuntimeError("no gradient reached the buckets: the last backward of a step must "
+                               "run outside no_sync()")
+        if self.next_to_launch != len(self.buckets):
+            missing = [name for name, p in self.model.named_parameters() if p in self.bucket_of
+                       and self.bucket_of[p].slot[p] not in self.bucket_of[p].ready]
+            raise RuntimeError(f"parameters got no gradient this step (unused parameters are not "
+                               f"supported): {missing[:5]}")
+        self.finished_before_wait = sum(b.work.is_completed() for b in self.buckets)
+        for bucket in self.buckets:
+            bucket.unpack(self.world)
+        self.next_to_launch = 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: the single-device reference and the data-parallel run, on the same global batches
+# ----------------------------------------------------------------------------------------------
+
+DP_MODES = ("naive", "bucketed")
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]                   # mean loss over the global batch, per optimizer step
+    first_grads: dict[str, torch.Tensor]  # averaged gradients of step 0, before the update
+    params: dict[str, torch.Tensor]       # parameters after the last step
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def make_optimizer(model: nn.Module, lr: float, eps: float = 1e-8) -> torch.optim.Optimizer:
+    """AdamW, betas (0.9, 0.999), weight decay 0.1 on every parameter. Its update g / (sqrt(v) + eps)
+    magnifies a gradient's rounding error by up to 1/eps: the tests raise eps to keep it small."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.1)
+
+
+def cpu_copy(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {name: t.detach().float().cpu().clone() for name, t in named}
+
+
+def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int,
+                        lr: float = 1e-3, adam_eps: float = 1e-8, device: torch.device | str = "cpu",
+                        data_seed: int = 0, transform: Callable[[nn.Module], nn.Module] | None = None,
+                        progress: str | None = None) -> TrainResult:
+    """The reference: one process, the whole global batch per step. `transform` rewrites the model
+    before training (lesson 08 swaps in FP8 linears, for instance); `progress` labels a tqdm bar."""
+    model = GPT(cfg)
+    model = (transform(model) if transform else model).to(device)
+    optimizer = make_optimizer(model, lr, adam_eps)
+    result = TrainResult([], {}, {})
+    for step in tqdm(range(steps), desc=progress, disable=progress is None, leave=False):
+        tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
+        loss = model(tokens.to(device), targets.to(device))
+        loss.backward()
+        result.losses.append(loss.item())
+        if step == 0:  # frozen parameters have none
+            result.first_grads = cpu_copy((n, p.grad) for n, p in model.named_parameters()
+                                          if p.grad is not None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    result.params = cpu_copy(model.named_parameters())
+    return result
+
+
+def validate_data_parallel(global_batch: int, world: int, accum_steps: int, mode: str) -> None:
+    """Raised identically on every rank before any collective, so no rank is left waiting."""
+    if mode not in DP_MODES:
+        raise ValueError(f"mode={mode!r} must be one of {DP_MODES}")
+    if accum_steps < 1:
+        raise ValueError(f"accum_steps={accum_steps} must be >= 1")
+    if global_batch % (world * accum_steps):
+        raise ValueError(f"global_batch={global_batch} is not divisible by world_size x accum_steps "
+                         f"= {world} x {accum_steps} = {world * accum_steps}")
+
+
+def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int, *,
+                        mode: str = "bucketed", accum_steps: int = 1, bucket_bytes: int = 1 << 20,
+                        lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
+                        device: torch.device | str = "cpu",
+                        data_seed: int = 0) -> tuple[TrainResult, CommMeter]:
+    """Train on this rank's share of the same global batches train_single_device sees: rows
+    [r B/N, (r+1) B/N), split into accum_steps micro-batches whose losses are scaled by 1/accum_steps,
+    so the accumulated gradient is that of the rank's mean loss and the all-reduce / N makes it the
+    global mean's. Returns the result and a meter of the communication inside the training loop."""
+    world, rank = group_size(group), dist.get_rank(group)
+    validate_data_parallel(global_batch, world, accum_steps, mode)
+    model = GPT(cfg).to(device)
+    ddp = BucketedDataParallel(model, group, bucket_bytes) if mode == "bucketed" else None
+    if ddp is None:
+        broadcast_parameters(model, group)  # BucketedDataParallel does it when it is built
+    sync = ddp.finish_gradient_sync if ddp else lambda: all_reduce_gradients(model, group)
+    optimizer = make_optimizer(model, lr, adam_eps)
+    result, local_losses = TrainResult([], {}, {}), []
+    with comm_meter() as meter:
+        for step in range(steps):
+            tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step, rank, world, data_seed)
+            step_loss = torch.zeros((), device=device)
+            micro_batches = zip(tokens.chunk(accum_steps), targets.chunk(accum_steps), strict=True)
+            for micro, (x, y) in enumerate(micro_batches):
+                accumulate_only = ddp is not None and micro < accum_steps - 1
+                with ddp.no_sync() if accumulate_only else contextlib.nullcontext():
+                    loss = model(x.to(device), y.to(device)) / accum_steps
+                    loss.backward()
+                step_loss += loss.detach()  # no .item(): it would stall a GPU every micro-step
+            sync()
+            local_losses.append(step_loss)
+            if step == 0:
+                result.first_grads = cpu_copy((n, p.grad) for n, p in model.named_parameters())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    # Outside the meter: the per-step losses averaged over ranks = the global-batch mean loss.
+    losses = torch.stack(local_losses).double()
+    all_reduce(losses, group=group)
+    result.losses = (losses / world).tolist()
+    result.params = cpu_copy(model.named_parameters())
+    if ddp is not None:
+        result.stats = dict(buckets=len(ddp.buckets), max_in_flight=ddp.max_in_flight,
+                            finished_before_wait=ddp.finished_before_wait)
+    return result, meter
+
+
+
+# ==============================================================================================
+# THE FOUNDATION, which every lesson imports: Triton's device set-up; launch (processes, process
+# groups); the comm meter (every collective, counted); the reference model (ModelConfig, GPT) and
+# its synthetic data. Read it once the lesson above is clear, or come back to it from lesson 02 on.
+# ==============================================================================================
+
+
+# ----------------------------------------------------------------------------------------------
+# Devices
+# ----------------------------------------------------------------------------------------------
 
 # Without a GPU, the Triton kernels of lessons 07 and 08 run in Triton's interpreter. Triton decides
 # interpreted or compiled as each @triton.jit function is defined, its own library's included, so the
@@ -603,250 +861,6 @@ def synthetic_batch(cfg: ModelConfig, global_batch: int, seq_len: int, step: int
 
 
 # ----------------------------------------------------------------------------------------------
-# Data parallelism
-# ----------------------------------------------------------------------------------------------
-
-
-def broadcast_parameters(model: nn.Module, group=None) -> None:
-    """Start every rank from rank 0's weights and buffers (rank 0 of `group`, whatever its global
-    rank). GPT's seeded init already agrees everywhere; a checkpoint or a random init might not."""
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            broadcast(tensor, src=0, group=group)
-
-
-def all_reduce_gradients(model: nn.Module, group=None) -> None:
-    """(a) Naive DDP: one blocking all-reduce per parameter, after backward has finished."""
-    world = dist.get_world_size(group)
-    for name, param in model.named_parameters():
-        if not param.requires_grad:  # frozen: no gradient to average (as in torch DDP)
-            continue
-        if param.grad is None:  # skipping it would pair different tensors across ranks
-            raise RuntimeError(f"{name} got no gradient: unused parameters are not supported")
-        all_reduce(param.grad, group=group)
-        param.grad.div_(world)
-
-
-class GradBucket:
-    """A flat buffer holding the gradients of a few parameters, all-reduced in one call."""
-
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                  device=params[0].device)
-        self.views = self.buffer.split([p.numel() for p in params])  # slot i holds params[i]'s grad
-        self.slot = {p: i for i, p in enumerate(params)}
-        self.ready: set[int] = set()  # the slots filled since the last unpack
-        self.work = None  # the pending all-reduce
-
-    def add(self, param: nn.Parameter) -> None:
-        """Copy param's finished gradient into its slot of the buffer."""
-        if self.work is not None:
-            raise RuntimeError("a second backward outside no_sync() before finish_gradient_sync() "
-                               "would overwrite a bucket that is still being all-reduced")
-        self.views[self.slot[param]].copy_(param.grad.flatten())
-        self.ready.add(self.slot[param])
-
-    def unpack(self, world: int) -> None:
-        """Wait for the all-reduce, then write the averaged gradients back into param.grad."""
-        self.work.wait()
-        self.buffer.div_(world)
-        for p, view in zip(self.params, self.views):
-            p.grad.copy_(view.view_as(p))
-        self.ready.clear()
-        self.work = None
-
-
-def claim_gradient_sync(model: nn.Module, owner: str) -> None:
-    """Mark `model` as having its gradients synchronised by `owner`. A second wrapper (a re-run
-    notebook cell, a ZeRO optimizer over a DDP-wrapped model) would reduce every gradient twice, so
-    it is refused here, when it is built, before any collective."""
-    current = getattr(model, "gradient_sync_owner", None)
-    if current is not None:
-        raise ValueError(f"cannot wrap with {owner}: this model's gradients are already "
-                         f"synchronised by {current}; build one wrapper per model")
-    model.gradient_sync_owner = owner
-
-
-class BucketedDataParallel:
-    """(b) + (c): bucketed, overlapped gradient all-reduce, with no_sync() for accumulation.
-
-        ddp = BucketedDataParallel(model, group, bucket_bytes=1 << 20)
-        with ddp.no_sync():                  # micro-steps 1..K-1: accumulate locally
-            model(x, y).backward()
-        model(x, y).backward()               # last micro-step: buckets launch during backward
-        ddp.finish_gradient_sync()           # wait, average, write back; then optimizer.step()
-    """
-
-    def __init__(self, model: nn.Module, group=None, bucket_bytes: int = 25 << 20) -> None:
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
-        # Reverse registration order approximates the order in which backward finishes gradients
-        # (the last layer's first), so the first bucket fills - and starts sending - earliest.
-        params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
-        if not params:
-            raise ValueError("the model has no trainable parameter (requires_grad=True) to synchronise")
-        claim_gradient_sync(model, type(self).__name__)  # after the checks: a failed build claims nothing
-        self.model, self.group, self.world = model, group, dist.get_world_size(group)
-        broadcast_parameters(model, group)
-        groups: list[list[nn.Parameter]] = [[]]
-        for p in params:
-            if groups[-1] and (p.dtype != groups[-1][0].dtype or
-                               sum(q.nbytes for q in groups[-1]) + p.nbytes > bucket_bytes):
-                groups.append([])
-            groups[-1].append(p)
-        self.buckets = [GradBucket(group_params) for group_params in groups]
-        self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.sync_gradients, self.next_to_launch = True, 0
-        self.max_in_flight = self.finished_before_wait = 0  # statistics for the demo
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside only accumulate into .grad; the next one outside communicates."""
-        self.sync_gradients = False
-        try:
-            yield
-        finally:
-            self.sync_gradients = True
-
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self.sync_gradients:
-            return
-        self.bucket_of[param].add(param)
-        # Collectives are matched by call order, so every rank must launch buckets in the same
-        # order: launch bucket i only after buckets 0..i-1, even if it happened to fill first.
-        for bucket in self.buckets[self.next_to_launch:]:
-            if len(bucket.ready) < len(bucket.params):
-                break
-            bucket.work = all_reduce(bucket.buffer, group=self.group, async_op=True)
-            self.next_to_launch += 1
-            in_flight = sum(b.work is not None and not b.work.is_completed() for b in self.buckets)
-            self.max_in_flight = max(self.max_in_flight, in_flight)
-
-    def finish_gradient_sync(self) -> None:
-        if not any(b.ready for b in self.buckets):
-            raise RuntimeError("no gradient reached the buckets: the last backward of a step must "
-                               "run outside no_sync()")
-        if self.next_to_launch != len(self.buckets):
-            missing = [name for name, p in self.model.named_parameters() if p in self.bucket_of
-                       and self.bucket_of[p].slot[p] not in self.bucket_of[p].ready]
-            raise RuntimeError(f"parameters got no gradient this step (unused parameters are not "
-                               f"supported): {missing[:5]}")
-        self.finished_before_wait = sum(b.work.is_completed() for b in self.buckets)
-        for bucket in self.buckets:
-            bucket.unpack(self.world)
-        self.next_to_launch = 0
-
-
-# ----------------------------------------------------------------------------------------------
-# Training: the single-device reference and the data-parallel run, on the same global batches
-# ----------------------------------------------------------------------------------------------
-
-DP_MODES = ("naive", "bucketed")
-
-
-@dataclass
-class TrainResult:
-    losses: list[float]                   # mean loss over the global batch, per optimizer step
-    first_grads: dict[str, torch.Tensor]  # averaged gradients of step 0, before the update
-    params: dict[str, torch.Tensor]       # parameters after the last step
-    stats: dict[str, int] = field(default_factory=dict)
-
-
-def make_optimizer(model: nn.Module, lr: float, eps: float = 1e-8) -> torch.optim.Optimizer:
-    """AdamW, betas (0.9, 0.999), weight decay 0.1 on every parameter. Its update g / (sqrt(v) + eps)
-    magnifies a gradient's rounding error by up to 1/eps: the tests raise eps to keep it small."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.1)
-
-
-def cpu_copy(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {name: t.detach().float().cpu().clone() for name, t in named}
-
-
-def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int,
-                        lr: float = 1e-3, adam_eps: float = 1e-8, device: torch.device | str = "cpu",
-                        data_seed: int = 0, transform: Callable[[nn.Module], nn.Module] | None = None,
-                        progress: str | None = None) -> TrainResult:
-    """The reference: one process, the whole global batch per step. `transform` rewrites the model
-    before training (lesson 08 swaps in FP8 linears, for instance); `progress` labels a tqdm bar."""
-    model = GPT(cfg)
-    model = (transform(model) if transform else model).to(device)
-    optimizer = make_optimizer(model, lr, adam_eps)
-    result = TrainResult([], {}, {})
-    for step in tqdm(range(steps), desc=progress, disable=progress is None, leave=False):
-        tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
-        loss = model(tokens.to(device), targets.to(device))
-        loss.backward()
-        result.losses.append(loss.item())
-        if step == 0:  # frozen parameters have none
-            result.first_grads = cpu_copy((n, p.grad) for n, p in model.named_parameters()
-                                          if p.grad is not None)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    result.params = cpu_copy(model.named_parameters())
-    return result
-
-
-def validate_data_parallel(global_batch: int, world: int, accum_steps: int, mode: str) -> None:
-    """Raised identically on every rank before any collective, so no rank is left waiting."""
-    if mode not in DP_MODES:
-        raise ValueError(f"mode={mode!r} must be one of {DP_MODES}")
-    if accum_steps < 1:
-        raise ValueError(f"accum_steps={accum_steps} must be >= 1")
-    if global_batch % (world * accum_steps):
-        raise ValueError(f"global_batch={global_batch} is not divisible by world_size x accum_steps "
-                         f"= {world} x {accum_steps} = {world * accum_steps}")
-
-
-def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int, *,
-                        mode: str = "bucketed", accum_steps: int = 1, bucket_bytes: int = 1 << 20,
-                        lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
-                        device: torch.device | str = "cpu",
-                        data_seed: int = 0) -> tuple[TrainResult, CommMeter]:
-    """Train on this rank's share of the same global batches train_single_device sees: rows
-    [r B/N, (r+1) B/N), split into accum_steps micro-batches whose losses are scaled by 1/accum_steps,
-    so the accumulated gradient is that of the rank's mean loss and the all-reduce / N makes it the
-    global mean's. Returns the result and a meter of the communication inside the training loop."""
-    world, rank = group_size(group), dist.get_rank(group)
-    validate_data_parallel(global_batch, world, accum_steps, mode)
-    model = GPT(cfg).to(device)
-    ddp = BucketedDataParallel(model, group, bucket_bytes) if mode == "bucketed" else None
-    if ddp is None:
-        broadcast_parameters(model, group)  # BucketedDataParallel does it when it is built
-    sync = ddp.finish_gradient_sync if ddp else lambda: all_reduce_gradients(model, group)
-    optimizer = make_optimizer(model, lr, adam_eps)
-    result, local_losses = TrainResult([], {}, {}), []
-    with comm_meter() as meter:
-        for step in range(steps):
-            tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step, rank, world, data_seed)
-            step_loss = torch.zeros((), device=device)
-            micro_batches = zip(tokens.chunk(accum_steps), targets.chunk(accum_steps), strict=True)
-            for micro, (x, y) in enumerate(micro_batches):
-                accumulate_only = ddp is not None and micro < accum_steps - 1
-                with ddp.no_sync() if accumulate_only else contextlib.nullcontext():
-                    loss = model(x.to(device), y.to(device)) / accum_steps
-                    loss.backward()
-                step_loss += loss.detach()  # no .item(): it would stall a GPU every micro-step
-            sync()
-            local_losses.append(step_loss)
-            if step == 0:
-                result.first_grads = cpu_copy((n, p.grad) for n, p in model.named_parameters())
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    # Outside the meter: the per-step losses averaged over ranks = the global-batch mean loss.
-    losses = torch.stack(local_losses).double()
-    all_reduce(losses, group=group)
-    result.losses = (losses / world).tolist()
-    result.params = cpu_copy(model.named_parameters())
-    if ddp is not None:
-        result.stats = dict(buckets=len(ddp.buckets), max_in_flight=ddp.max_in_flight,
-                            finished_before_wait=ddp.finished_before_wait)
-    return result, meter
-
-
-# ----------------------------------------------------------------------------------------------
 # Demo and benchmark
 # ----------------------------------------------------------------------------------------------
 
@@ -896,17 +910,24 @@ def demo(args: argparse.Namespace) -> None:
     exit_distributed()
 
 
-def timed_steps(step_fn: Callable[[], None], n: int, device: torch.device,
-                group=None) -> list[float]:
-    times = []
-    for _ in range(n):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        step_fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times
+def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, steps_per_round: int,
+                        device: torch.device, group=None) -> dict[str, float]:
+    """--bench's timing, in every lesson: the median seconds of a call of each named step, over
+    `rounds` rounds that take turns (ours, then PyTorch's, then ours...), so both see the same
+    machine load; the first round warms up (allocator, compilation, autotuning) and is dropped.
+    Each call starts at a barrier of the group, so a step is timed as its slowest rank ends it."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_ in range(rounds):
+        for name, step_fn in steps.items():
+            for _ in range(steps_per_round):
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                step_fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if round_ > 0:
+                    times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench(args: argparse.Namespace) -> None:
@@ -929,18 +950,12 @@ def bench(args: argparse.Namespace) -> None:
 
     steps = {"ours": lambda: train_step(ours_model, opts[0], ours.finish_gradient_sync),
              "torch DDP": lambda: train_step(theirs, opts[1], lambda: None)}
-    times = {name: [] for name in steps}
-    for round_ in range(args.bench_rounds):
-        for name, fn in steps.items():
-            t = timed_steps(fn, args.bench_steps, device)
-            if round_ > 0:  # the first round is warm-up
-                times[name] += t
+    med = interleaved_medians(steps, args.bench_rounds, args.bench_steps, device)
     if rank == 0:
         n_params = sum(p.numel() for p in ours_model.parameters())
-        med = {name: statistics.median(t) for name, t in times.items()}
         print(f"DDP step time on {world} ranks ({dist.get_backend()}, {device.type}), "
               f"{n_params / 1e6:.1f}M parameters, {args.bench_bucket_mb} MB buckets, "
-              f"median of {len(times['ours'])} steps:")
+              f"median of {args.bench_steps * (args.bench_rounds - 1)} steps:")
         for name, t in med.items():
             print(f"  {name:<10} {t * 1e3:8.1f} ms")
         print(f"  ratio ours / torch DDP = {med['ours'] / med['torch DDP']:.3f}")

@@ -51,7 +51,6 @@ import contextlib
 import importlib
 import itertools
 import math
-import statistics
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable, Iterable, Iterator
@@ -695,21 +694,17 @@ def bench(args: argparse.Namespace) -> None:
         torch.nn.utils.clip_grad_norm_(torch_model.parameters(), 1.0)
         torch_opt.step()
 
-    times = {"ZeRO-3": [], "FSDP2": []}
-    for round_ in range(args.bench_rounds):
-        for name, fn in (("ZeRO-3", ours_step), ("FSDP2", torch_step)):
-            t = foundation.timed_steps(fn, args.bench_steps, device)
-            if round_ > 0:  # the first round is warm-up
-                times[name] += t
+    med = foundation.interleaved_medians({"ZeRO-3": ours_step, "FSDP2": torch_step}, args.bench_rounds,
+                                         args.bench_steps, device)
     # After a step, as ours: the (sharded) parameters, gradients and AdamW state.
     state = [t for s in torch_opt.state.values() for t in s.values() if torch.is_tensor(t)]
     theirs = storage_bytes([*torch_model.parameters(), *(p.grad for p in torch_model.parameters()), *state],
                            set())
     ours = sum(zero.held_bytes().values())
     if rank == 0:
-        med = {name: statistics.median(t) for name, t in times.items()}
         print(f"ZeRO-3 vs FSDP2 fully_shard on {world} ranks ({dist.get_backend()}, {device.type}), "
-              f"{n_params / 1e6:.1f}M parameters, fp32, clipping, median of {len(times['FSDP2'])} steps:")
+              f"{n_params / 1e6:.1f}M parameters, fp32, clipping, median of "
+              f"{args.bench_steps * (args.bench_rounds - 1)} steps:")
         for name, t in med.items():
             print(f"  {name:<8} {t * 1e3:8.1f} ms per step")
         print(f"  step time ratio ZeRO-3 / FSDP2 = {med['ZeRO-3'] / med['FSDP2']:.3f}\n  bytes held per "

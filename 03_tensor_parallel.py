@@ -71,7 +71,6 @@ import fnmatch
 import functools
 import importlib
 import math
-import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -719,7 +718,7 @@ def bench(args: argparse.Namespace) -> None:
         models["DTensor", sp] = parallelize_module(foundation.GPT(cfg).to(device), mesh, dtensor_plan(sp))
     # eps 1e-6 as in the tests: Adam would magnify rounding on tiny gradients (see 01_ddp.py)
     optimizers = {key: foundation.make_optimizer(model, 1e-3, 1e-6) for key, model in models.items()}
-    losses, times = {key: [] for key in models}, {key: [] for key in models}
+    losses = {key: [] for key in models}
 
     def step(key) -> None:
         with loss_parallel() if key[0] == "DTensor" else contextlib.nullcontext():
@@ -729,21 +728,18 @@ def bench(args: argparse.Namespace) -> None:
         optimizers[key].step()
         optimizers[key].zero_grad(set_to_none=True)
 
-    for round_ in range(args.bench_rounds):
-        for key in models:
-            t = foundation.timed_steps(lambda: step(key), args.bench_steps, device)
-            if round_ > 0:  # the first round is warm-up
-                times[key] += t
+    med = foundation.interleaved_medians({key: functools.partial(step, key) for key in models},
+                                         args.bench_rounds, args.bench_steps, device)
     params = {key: {n: (p.full_tensor() if isinstance(p, DTensor) else unshard(p)).detach().cpu()
                     for n, p in model.named_parameters()} for key, model in models.items()}
     if rank == 0:
         n_params = sum(p.numel() for p in params["ours", False].values())
         print(f"TP step time on {tp} ranks ({dist.get_backend()}, {device.type}), "
               f"{n_params / 1e6:.1f}M parameters, batch {args.bench_batch} x 128, median of "
-              f"{len(times['ours', False])} steps; both trained the same "
+              f"{args.bench_steps * (args.bench_rounds - 1)} steps; both trained the same "
               f"{len(losses['ours', False])} steps on the same batch:")
         for sp in (False, True):
-            ours, theirs = (statistics.median(times[impl, sp]) for impl in ("ours", "DTensor"))
+            ours, theirs = (med[impl, sp] for impl in ("ours", "DTensor"))
             loss_diff = max(abs(a.item() - b.item()) for a, b in
                             zip(losses["ours", sp], losses["DTensor", sp], strict=True))
             print(f"  {'TP + SP' if sp else 'TP':<8} ours {ours * 1e3:7.1f} ms, DTensor "

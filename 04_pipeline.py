@@ -53,7 +53,6 @@ import importlib
 import itertools
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -611,14 +610,9 @@ def bench(args: argparse.Namespace) -> None:
         grads = [{n: p.grad for n, p in named_parameters(s)} for s in (ours, theirs)]
         diff = torch.tensor([foundation.max_abs_diff(*grads)], device=device)
         foundation.all_reduce(diff, op=dist.ReduceOp.MAX)
-        times = {ours_step: [], torch_step: []}
-        for round_ in range(args.bench_rounds):
-            for step_fn, measured in times.items():
-                t = foundation.timed_steps(step_fn, args.bench_steps, device)
-                if round_ > 0:  # the first round is warm-up
-                    measured += t
-        rows.append((f"{name} v={v}", torch_schedule.__name__, diff.item(),
-                     *(statistics.median(t) for t in times.values())))
+        med = foundation.interleaved_medians({"ours": ours_step, "torch": torch_step}, args.bench_rounds,
+                                             args.bench_steps, device)
+        rows.append((f"{name} v={v}", torch_schedule.__name__, diff.item(), med["ours"], med["torch"]))
     if rank == 0:
         n_params = sum(p.numel() for p in foundation.GPT(cfg).parameters())
         print(f"Pipeline step time on {pp} ranks ({dist.get_backend()}, {device.type}), "

@@ -499,22 +499,19 @@ def bench(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(rank + 1)
     x = torch.randn(args.bench_tokens, args.bench_dim, generator=gen).to(device)
     dispatchers = {"all-to-all": lambda: layer(x), "all-gather": lambda: all_gather_moe_forward(layer, x)}
-    traffic, times = {}, {name: [] for name in dispatchers}
+    outputs, traffic = {}, {}
     with torch.no_grad():
-        outputs = {name: fn() for name, fn in dispatchers.items()}
-        for round_ in range(args.bench_rounds):
-            for name, fn in dispatchers.items():
-                with foundation.comm_meter() as meter:
-                    t = foundation.timed_steps(fn, args.bench_steps, device)
-                traffic[name] = meter.traffic() / args.bench_steps
-                if round_ > 0:  # the first round is warm-up
-                    times[name] += t
+        for name, fn in dispatchers.items():
+            with foundation.comm_meter() as meter:
+                outputs[name] = fn()
+            traffic[name] = meter.traffic()
+        med = foundation.interleaved_medians(dispatchers, args.bench_rounds, args.bench_steps, device)
     if rank == 0:
-        med = {name: statistics.median(t) for name, t in times.items()}
         diff = (outputs["all-to-all"] - outputs["all-gather"]).abs().max().item()
         print(f"MoE layer forward on {world} ranks ({dist.get_backend()}, {device.type}): dim "
               f"{args.bench_dim}, {args.experts} experts, top-{args.top_k}, {args.bench_tokens} tokens "
-              f"per rank, median of {len(times['all-to-all'])} calls; outputs differ by {diff:.1e}.")
+              f"per rank, median of {args.bench_steps * (args.bench_rounds - 1)} calls; outputs differ by "
+              f"{diff:.1e}.")
         for name in dispatchers:
             print(f"  {name:<11} bytes leaving rank 0 {float(traffic[name]):>14,.0f}   "
                   f"time {med[name] * 1e3:8.2f} ms")
