@@ -1697,14 +1697,16 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_cluster_options(parser: argparse.ArgumentParser) -> None:
-    """The machines plan assumes (Cluster's defaults: H100 SXM nodes)."""
+    """The machines plan assumes (Cluster's: H100 SXM nodes)."""
     parser.add_argument("--gpus", type=int, help="GPUs (default: the product of the mesh sizes)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="tp stays in a node")
-    parser.add_argument("--gpu-memory", type=float, default=80, help="GB per GPU")
-    parser.add_argument("--peak-tflops", type=float, default=989, help="dense bf16, H100 SXM")
-    parser.add_argument("--mfu", type=float, default=0.43, help="the share of peak compute reaches")
-    parser.add_argument("--nvlink-gbps", type=float, default=450, help="GB/s per GPU each way in a node")
-    parser.add_argument("--network-gbps", type=float, default=50, help="GB/s per GPU each way between nodes")
+    parser.add_argument("--gpus-per-node", type=int, default=Cluster.gpus_per_node, help="tp stays in a node")
+    parser.add_argument("--gpu-memory", type=float, default=Cluster.memory / 1e9, help="GB per GPU")
+    parser.add_argument("--peak-tflops", type=float, default=Cluster.peak / 1e12, help="dense bf16 TFLOP/s")
+    parser.add_argument("--mfu", type=float, default=Cluster.mfu, help="the share of peak compute reaches")
+    parser.add_argument("--nvlink-gbps", type=float, default=Cluster.nvlink / 1e9,
+                        help="GB/s per GPU each way in a node")
+    parser.add_argument("--network-gbps", type=float, default=Cluster.network / 1e9,
+                        help="GB/s per GPU each way between nodes")
 
 
 COMMANDS = {  # name: (what it does, its options, its defaults where they differ from train's)
