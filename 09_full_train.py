@@ -1,13 +1,28 @@
 """Lesson 09: every technique at once. A (dp, pp, cp, tp) mesh, one model, proved equal to one device.
 
+Three programs, a sub-command each with its own options: `check` proves the mesh equal to one device,
+`train` (the default) trains on text, `plan` prices a run at scale. The sections, in order:
+  The mesh: MeshSizes (tp fastest), build_mesh (every group), rank_map                     all three
+  The configuration: TrainConfig; validate, every lesson's rule before any collective      all three
+  Held pieces: ShardSpec, assemble (which slice of which reference parameter a rank holds) check, train
+  The composed model and its step: build_stage_model; Trainer (forward_backward, update)   check, train
+  The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it) all three
+  Data, learning rate, MFU: ShardedLoader (bytes are tokens), learning_rate, flops_per_token train, plan
+  Checkpoints: a Trainer's pieces (shard_specs, shard_values); save, check and read them   train, check
+  The training run: MODELS, train_loop, train_run                                          train
+  The equivalence check: demo                                                              check
+  Planning at scale: step_time, search_meshes, plan_report                                 plan
+  The command line: each option defined once; the sub-commands' defaults (COMMANDS)        all three
+
 THE MESH
-world = dp x pp x cp x tp ranks, numbered with tp fastest: rank = ((d pp + p) cp + c) tp + t. So
-the ranks of a tensor-parallel group are adjacent (the same node, the fastest link: TP talks in
-every layer), then context, pipeline and data parallelism, which talk less often. Every rank creates
-every group of every dimension in the same order (dist.new_group is a collective over the world)
-and keeps those it belongs to. Expert parallelism needs no ranks of its own: the dp x cp ranks of
-one (pp, tp) position hold different tokens anyway, so an MoE layer may spread its experts over
-them (ep divides dp x cp); each expert is then data-parallel over the other dp x cp / ep ranks.
+world = dp x pp x cp x tp ranks (the mesh sets them: 09 has no --nproc), numbered with tp fastest:
+rank = ((d pp + p) cp + c) tp + t. So the ranks of a tensor-parallel group are adjacent (the same
+node, the fastest link: TP talks in every layer), then context, pipeline and data parallelism, which
+talk less often. Every rank creates every group of every dimension in the same order
+(dist.new_group is a collective over the world) and keeps those it belongs to. Expert parallelism
+needs no ranks of its own: the dp x cp ranks of one (pp, tp) position hold different tokens anyway,
+so an MoE layer may spread its experts over them (ep divides dp x cp); each expert is then
+data-parallel over the other dp x cp / ep ranks.
 
 ONE MODEL, TRANSFORMED IN ONE ORDER (each step an earlier lesson's own function)
   01 GPT(cfg) -> 06 convert_to_moe + apply_expert_parallel (--moe, --ep) -> 08 convert_to_float8
@@ -34,61 +49,44 @@ GRADIENTS EQUAL ONE DEVICE'S, because each reduction happens exactly once:
 MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's
 load depend on which tokens share a forward, which microbatches and sequence chunks change.
 
-COST per step per rank: plan() composes the lessons' own formulas, without building anything
-  tp: 03's comm_formula for the stage's layers, m microbatches (n/a under ZB-H1, whose W re-runs
-      part of the backward). cp: 05's ring per attention call (ZB-H1: the backward twice).
-  pp: 04's boundaries. dp x cp: 02's ZeRO traffic on the padded parameters (+ the norm's scalar);
-  --fp8 --zero 3: 08's for the Float8Linear weights (1 B an element, + their amaxes once a step).
-  ep: the all-to-alls depend on the routing (06 prints them): n/a.
-Memory: 02's formula on the stage's TP-local parameters (01's, 06's and 03's shapes, padded as ZeRO
-pads them); activations: 03's per-layer formula for the stage's layers x 04's microbatches in
-flight. The --check summary prints each rank's measurements beside its plan; the tests prove them
-equal on drawn meshes, ZeRO stages, schedules, recompute modes and precisions.
+COST per step per rank: plan() composes the lessons' own formulas without building anything. Sent:
+03's TP all-reduces, 05's ring hops, 04's boundary sends, 02's ZeRO traffic (08's for the FP8-gathered
+weights under --fp8 --zero 3); ep's all-to-alls depend on the routing (n/a). Held: 02's memory on the
+stage's TP-local parameters, 03's activations x 04's microbatches in flight. `check` prints them
+beside each rank's measurements (the tests prove them equal); `plan` prices a model and cluster that
+are not here against a GPU's memory, with a step time (PaLM's FLOPs / (peak x an assumed MFU),
+stretched by 04's bubble; each group's bytes / its link), searching the mesh sizes left out.
 
-PLANNING AT SCALE (--plan): the same plan() for a model and cluster that are not here, against a
-GPU's memory, with a step time: compute = PaLM's FLOPs / (peak x an assumed MFU) stretched by 04's
-bubble, each group's bytes / its link (NVLink inside a node, else the network), shown as the
-no-overlap and perfect-overlap bounds. Mesh sizes left out are searched (sizes that divide the
-GPUs, tp inside a node, what validate accepts) and the fastest that fit are printed.
-
-TRAINING ON TEXT (the default job; part 1's check is --check)
+TRAINING ON TEXT (`train`)
 Bytes are tokens (vocabulary 256: no tokenizer), from --data FILE or the standard library's own .py
-files. A ShardedLoader cuts windows of seq_len + 1 bytes in a seeded order per epoch; dp rank r takes
-rows [r B/d, (r+1) B/d) of each global batch, the Trainer slices them over cp and tp. AdamW, linear
-warmup then cosine, clipping over the whole mesh; fp32 on a CPU, 02's bf16 with fp32 masters on a GPU.
-- Checkpoints: every element of every parameter and AdamW moment is written once across the mesh,
-  by one holder (tp rank 0 for a piece replicated over tp, the group's rank 0 at ZeRO-0), as runs of
-  global indices (ShardSpec), beside each rank's RNG; meta.json holds the step, the loader's position
-  in global batches and every file's size and sha256. Files are written aside then renamed and
-  LATEST moves last, so a crash mid-save leaves the previous checkpoint; the last --keep stay.
-  --resume checks sizes and checksums (each rank hashes its share of the files), then reads, memory-
-  mapped, only the index ranges that meet the slices the rank holds: the mesh (dp, tp, pp, the ZeRO
-  stage) may change. Same mesh: bitwise the losses of an uninterrupted run; another mesh: the same
-  within fp32 rounding. A damaged checkpoint is one line naming the file and the previous one.
-- A NaN or inf loss stops every rank (the loss is global) before the update, naming the step and
-  the last good checkpoint; no checkpoint is written that holds a NaN or an inf.
+files, read in windows of seq_len + 1 in a seeded order (ShardedLoader). AdamW, linear warmup then
+cosine, clipping over the whole mesh; fp32 on a CPU, 02's bf16 with fp32 masters on a GPU.
+- Checkpoints: each element written once across the mesh, atomically, with sizes and checksums; a
+  resume reads only the slices a rank holds, so the mesh and ZeRO stage may change (bitwise the same
+  losses on the same mesh, within fp32 rounding on another); a damaged one is one line.
+- A NaN or inf loss stops every rank before the update, naming the step and the last good
+  checkpoint; no checkpoint is written that holds a NaN or an inf.
 - MFU = tokens/s x (6N + 12 L H Q T) / peak (PaLM; N without the embedding): 40-60% is good.
-- Activation memory: lesson 03's apply_recompute (--recompute selective | full) before the stage
-  cut; the run prints step one's activation bytes per rank beside layers x microbatches x 03's
-  formula and Korthikanti's. Validation runs the schedule with its backward (04 has no forward-only
-  mode) and drops the gradients.
+- --recompute selective | full: 03's apply_recompute before the stage cut; the run prints step one's
+  activation bytes per rank beside layers x microbatches x 03's formula and Korthikanti's.
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
     python 09_full_train.py --resume             # after a kill: on from the last checkpoint
     python 09_full_train.py --resume 200         # from an earlier kept checkpoint (--keep: the last 2)
     python 09_full_train.py --dp 1 --tp 1 --model 1b --attention flash --compile   # one H100
-    torchrun --nproc_per_node=8 09_full_train.py --check --dp 2 --tp 2 --pp 2     # part 1's check
-    python 09_full_train.py --check --dp 2 --cp 2 --tp 2 --sequence-parallel
-    python 09_full_train.py --check --dp 2 --tp 2 --pp 2 --ep 2   # MoE, experts over 2 dp ranks
-    python 09_full_train.py --plan --model llama3-70b --gpus 256  # the fastest meshes that fit
-Look at: the loss falling from ln 256 = 5.5 and the sample; tokens/s and MFU; with --check, the
-rank map, the max |difference| from one device (loss, every gradient reassembled from the shards,
+    torchrun --nproc_per_node=8 09_full_train.py check --dp 2 --tp 2 --pp 2
+    python 09_full_train.py check --dp 2 --cp 2 --tp 2 --sequence-parallel
+    python 09_full_train.py check --dp 2 --tp 2 --pp 2 --ep 2    # MoE, experts over 2 dp ranks
+    python 09_full_train.py plan --model llama3-70b --gpus 256   # the fastest meshes that fit
+Look at: the loss falling from ln 256 = 5.5 and the sample; tokens/s and MFU; with check, the rank
+map, the max |difference| from one device (loss, every gradient reassembled from the shards,
 parameters after the steps) and bytes per mesh dimension beside the formulas.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import fcntl
@@ -212,6 +210,10 @@ def rank_map(sizes: MeshSizes) -> str:
     return "\n".join(rows)
 
 
+def mesh_name(sizes: MeshSizes) -> str:
+    return " ".join(f"{d}={getattr(sizes, d)}" for d in DIMS) + (f" ep={sizes.ep}" if sizes.ep > 1 else "")
+
+
 # ----------------------------------------------------------------------------------------------
 # The whole configuration, checked before any collective
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +258,8 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
         problems.append(f"global_batch={train.global_batch} must be >= 1")
     tp, cp = max(sizes.tp, 1), max(sizes.cp, 1)
     check(tensor_parallel.validate_tensor_parallel, cfg, tp)
-    check(context_parallel.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", True, cfg.n_kv_heads)
+    check(context_parallel.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", True,
+          cfg.n_kv_heads)
     check(zero.validate_stage, train.zero_stage)
     if train.recompute not in tensor_parallel.RECOMPUTE_MODES or train.attention not in ("sdpa", "flash"):
         problems.append(f"recompute={train.recompute!r} must be one of {tensor_parallel.RECOMPUTE_MODES} and "
@@ -354,12 +357,13 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
             expert_parallel.apply_expert_parallel(model, mesh.groups["ep"])
     if train.fp8:
         model = fp8.convert_to_float8(model)
-    model = tensor_parallel.apply_tensor_parallel(model.to(device), mesh.groups["tp"], train.sequence_parallel,
-                                            tensor_parallel_plan(train.moe))
+    model = tensor_parallel.apply_tensor_parallel(model.to(device), mesh.groups["tp"],
+                                                  train.sequence_parallel, tensor_parallel_plan(train.moe))
     attention = flash.flash_attention if train.attention == "flash" else None
     if mesh.sizes.cp > 1:
-        ring_block = flash.FLASH_BLOCK if device.type == "cuda" else context_parallel.TORCH_BLOCK  # 07's kernel
-        attention = context_parallel.ContextParallelAttention(mesh.groups["cp"], "ring", zigzag=True, block=ring_block)
+        ring_block = flash.FLASH_BLOCK if device.type == "cuda" else context_parallel.TORCH_BLOCK  # 07's
+        attention = context_parallel.ContextParallelAttention(mesh.groups["cp"], "ring", zigzag=True,
+                                                              block=ring_block)
     for block in model.layers.values() if attention else ():
         block.attn.attn_fn = attention
     model = pipeline.cut_stage(tensor_parallel.apply_recompute(model, train.recompute), stage, n_stages)
@@ -369,11 +373,12 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
 
 
 class Trainer:
-    """One rank's part of the 4D-parallel training: its pipeline stages, each TP- and CP-parallel,
-    each with a ZeRO optimizer over dp x cp.
+    """One rank's part of the 4D-parallel training step: its pipeline stages, each TP- and
+    CP-parallel, each with a ZeRO optimizer over dp x cp. The slices it holds: shard_specs(trainer)
+    (Checkpoints); what it measured beside the plan: summary(trainer) (The plan).
 
         trainer = Trainer(cfg, mesh, train, device)
-        loss = trainer.forward_backward(rows)  # this dp rank's (global_batch / dp, seq_len + 1) token rows
+        loss = trainer.forward_backward(rows)  # this dp rank's rows, (global_batch / dp, seq_len + 1)
         trainer.update()
     """
 
@@ -409,8 +414,7 @@ class Trainer:
                         model, train.zero_stage, mesh.groups[kind], **settings,
                         owns=owns if experts or fp8_weights else None)))
             if fp8_weights:
-                self.zeros.append((stage, "dp_cp", fp8.Float8ZeRO(model, mesh.groups["dp_cp"],
-                                                                         **settings)))
+                self.zeros.append((stage, "dp_cp", fp8.Float8ZeRO(model, mesh.groups["dp_cp"], **settings)))
         rows = train.global_batch // sizes.dp // train.microbatches
         seq = train.seq_len // sizes.cp // (sizes.tp if train.sequence_parallel else 1)
         self.boundary_shape = (rows, seq, cfg.dim)
@@ -481,101 +485,9 @@ class Trainer:
             zero_opt.zero_grad()
         return loss
 
-    # --- what this rank holds ---------------------------------------------------------------
-
-    def param_specs(self) -> list[tuple[ShardSpec, object, object, int]]:
-        """(spec of the whole TP-local tensor, ZeRO, its unit, index in the unit) of every
-        parameter of this rank's stages."""
-        tp_rank, out = self.mesh.coords["tp"], []
-        ep_rank = dist.get_rank(self.mesh.groups["ep"])
-        for stage, kind, zero_opt in self.zeros:
-            for unit in zero_opt.units:
-                for i, (name, p) in enumerate(zip(unit.names, unit.params)):
-                    dim = getattr(p, "tp_shard_dim", None)
-                    full, start, length = list(unit.shapes[i]), 0, 0
-                    if dim is not None:
-                        full[dim] = p.tp_full_size
-                        start = tp_rank * unit.shapes[i][dim]
-                        length = max(0, min(unit.shapes[i][dim], p.tp_full_size - start))
-                    ep_start = None
-                    if kind == "ep_dp":
-                        ep_start, full[0] = ep_rank * full[0], full[0] * self.mesh.sizes.ep
-                    spec = ShardSpec(name, tuple(full), stage, dim, start, length, tuple(unit.shapes[i]),
-                                     0, unit.shapes[i].numel(), ep_start)
-                    out.append((spec, zero_opt, unit, i))
-        return out
-
-    def shard_specs(self) -> list[tuple[ShardSpec, object, object, int]]:
-        """The same for the pieces this rank's ZeRO shard holds (the held elements only)."""
-        out = []
-        for spec, zero_opt, unit, i in self.param_specs():
-            begin = max(unit.offsets[i], unit.owned.start) - unit.offsets[i]
-            end = min(unit.offsets[i + 1], unit.owned.stop) - unit.offsets[i]
-            if begin < end:
-                out.append((dataclasses.replace(spec, flat_start=begin, flat_stop=end), zero_opt, unit, i))
-        return out
-
-    @torch.no_grad()
-    def load(self, shards: dict[ShardSpec, dict[str, torch.Tensor]], step: int) -> None:
-        """Take this rank's ZeRO shards of the parameters and AdamW moments (each spec of
-        shard_specs() -> kind -> its values, e.g. read from a checkpoint saved on another mesh) and
-        continue from step `step`. Nothing but the shards is built: no whole tensor."""
-        flat = {id(unit): {kind: torch.zeros(unit.owned.stop - unit.owned.start) for kind in CHECKPOINT_KINDS}
-                for *_, zero_opt in self.zeros for unit in zero_opt.units}  # a unit's padding holds zeros
-        for spec, _, unit, i in self.shard_specs():
-            begin = unit.offsets[i] + spec.flat_start - unit.owned.start
-            for kind, values in shards[spec].items():
-                flat[id(unit)][kind][begin:begin + len(values)] = values
-        for *_, zero_opt in self.zeros:
-            zero_opt.load_shards([flat[id(unit)] for unit in zero_opt.units], step)
-        self.steps = step
-
-    def shards(self, kind: str = "params") -> list[tuple[ShardSpec, torch.Tensor]]:
-        """(spec, CPU values) of this rank's pieces: "params" (fp32 masters), "grads" (averaged,
-        before clipping: between forward_backward and update), or an AdamW state key."""
-        out = []
-        for spec, zero_opt, unit, i in self.shard_specs():
-            source = {"params": unit.master, "grads": unit.grad_shard}.get(kind)
-            if source is None:
-                source = zero_opt.optimizer.state[unit.master][kind]
-            begin = unit.offsets[i] + spec.flat_start - unit.owned.start
-            values = source[begin:begin + spec.flat_stop - spec.flat_start]
-            out.append((spec, values.detach().float().cpu().clone()))
-        return out
-
-    def summary(self) -> dict:
-        """Parameters held, bytes held against the plan's (02's formula), and bytes sent per step per
-        mesh dimension against the plan's (each lesson's formula); the plan of this rank."""
-        zeros = [z for *_, z in self.zeros]
-        mine = plan(self.cfg, self.mesh.sizes, self.train)[self.mesh.coords["pp"]]
-        held = {k: sum(z.held_bytes()[k] for z in zeros) for k in ("params", "grads", "optimizer")}
-        # Groups of different kinds may be the same ranks (cp and dp x cp when dp = 1): their
-        # operations tell them apart, else (ZeRO's and the router's all-gathers) they share an entry.
-        entries: list[tuple[list[str], tuple[int, ...], set[str]]] = []
-        for kind, group in self.mesh.groups.items():
-            if kind == "dp" or kind.startswith("ep") and self.mesh.sizes.ep == 1 or foundation.group_size(group) == 1:
-                continue  # dp alone carries nothing (ZeRO: dp x cp); ep = 1: dp x cp's ranks again
-            ranks, ops = foundation.group_ranks(group), set(GROUP_OPS[kind])
-            shared = [e for e in entries if e[1] == ranks and e[2] & ops]
-            if shared:
-                shared[0][0].append(kind)
-                shared[0][2].update(ops)
-            else:
-                entries.append(([kind], ranks, ops))
-        steps = max(self.steps, 1)
-        traffic, traffic_formula = {}, {}
-        for names, ranks, ops in entries:
-            traffic["+".join(names)] = sum(self.meter.traffic(op, ranks) for op in ops) / steps
-            parts = [mine.traffic.get(n, 0) for n in names]
-            traffic_formula["+".join(names)] = None if None in parts else sum(parts)
-        return dict(params=sum(u.offsets[-1] for z in zeros for u in z.units),
-                    shard=sum(spec.flat_stop - spec.flat_start for spec, *_ in self.shard_specs()),
-                    held=held, memory_formula={k: mine.memory[k] for k in held}, traffic=traffic,
-                    traffic_formula=traffic_formula, in_flight=self.in_flight, plan=mine)
-
 
 def build_trainer(cfg, sizes: MeshSizes, train: TrainConfig, device: torch.device) -> Trainer:
-    """Check everything on every rank before any collective, create the mesh's groups, build this rank's part."""
+    """Check everything on every rank before any collective, create the groups, build this rank's part."""
     validate(cfg, sizes, train, dist.get_world_size())
     return Trainer(cfg, build_mesh(sizes), train, device)
 
@@ -626,7 +538,7 @@ class RankPlan:
 
 def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     """Every pipeline rank's RankPlan from the earlier lessons' own formulas. Nothing is built, so
-    it prices meshes that are not here (--plan) as well as the running one (--check's summary, which
+    it prices meshes that are not here (plan) as well as the running one (check's summary, which
     the tests prove exact). Call validate first. FP8 is priced at its compute precision, but for
     --zero 3's Float8Linear weights (08's Float8ZeRO: 1 B gathers, e4m3 shards and scales held); the
     FP8 casts Float8Linear saves for backward are not modelled; MoE activations and ep's all-to-alls
@@ -639,12 +551,12 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     spans = pipeline.stage_layers(cfg.n_layers, n_stages)
     groups, split = {"dp_cp": sizes.dp * cp, "ep_dp": sizes.dp * cp // sizes.ep}, train.schedule == "zb-h1"
     norm = lambda n: Fraction(2 * (n - 1), n) * 4  # all-reducing the clipping norm's fp32 scalar over n
-    moe = train.moe and sum(map(math.prod, expert_parallel.moe_parameter_shapes(cfg.dim, train.moe,
-                                                                         sizes.ep).values()))  # per layer
+    moe = train.moe and sum(map(math.prod, expert_parallel.moe_parameter_shapes(
+        cfg.dim, train.moe, sizes.ep).values()))  # per layer
     tokens = b // m * s // tp  # a microbatch's tokens / tp: x a width, a rank's share (tp splits the heads)
     q, kv = tokens * cfg.dim, tokens * cfg.n_kv_heads * cfg.head_dim
     attention = context_parallel.ring_saved_bytes(q, tokens * cfg.n_heads) if cp > 1 else None  # None: SDPA's
-    stage_bytes = lambda stage: tensor_parallel.layer_activation_formula(  # 03: a microbatch's stage, its layers
+    stage_bytes = lambda stage: tensor_parallel.layer_activation_formula(  # 03: a microbatch's stage
         cfg, b // m, s, tp, train.sequence_parallel, train.recompute, e, attention, layers=len(spans[stage]))
     out = []
     for rank in range(pp):
@@ -672,9 +584,9 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
                                  + ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0)
                                  + (norm(n) if train.zero_stage else 0))
         if tp > 1 and not split:  # 03 (ZB-H1's W re-runs part of the backward: no formula)
-            ops = tensor_parallel.comm_formula(cfg, b, s, train.sequence_parallel, layers=layers, microbatches=m,
-                                         embed=0 in stages, head=n_stages - 1 in stages,
-                                         mlp=train.moe is None, elem_bytes=e, recompute=train.recompute)
+            ops = tensor_parallel.comm_formula(cfg, b, s, train.sequence_parallel, layers=layers,
+                                               microbatches=m, embed=0 in stages, head=n_stages - 1 in stages,
+                                               mlp=train.moe is None, elem_bytes=e, recompute=train.recompute)
             ring = Fraction(tp - 1, tp)
             traffic["tp"] = norm(tp) + sum(ring * payload * (2 if op == "all_reduce" else 1)
                                            for op, (_, payload) in ops.items())
@@ -702,8 +614,38 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     return out
 
 
+def summary(trainer: Trainer) -> dict:
+    """What the trainer measured beside its plan: parameters held, bytes held against 02's formula,
+    bytes sent per step in each group against the lessons' formulas; the plan of its rank."""
+    mesh, zeros = trainer.mesh, [z for *_, z in trainer.zeros]
+    mine = plan(trainer.cfg, mesh.sizes, trainer.train)[mesh.coords["pp"]]
+    held = {k: sum(z.held_bytes()[k] for z in zeros) for k in ("params", "grads", "optimizer")}
+    # Groups of different kinds may be the same ranks (cp and dp x cp when dp = 1): their
+    # operations tell them apart, else (ZeRO's and the router's all-gathers) they share an entry.
+    entries: list[tuple[list[str], tuple[int, ...], set[str]]] = []
+    for kind, group in mesh.groups.items():
+        if kind == "dp" or kind.startswith("ep") and mesh.sizes.ep == 1 or foundation.group_size(group) == 1:
+            continue  # dp alone carries nothing (ZeRO: dp x cp); ep = 1: dp x cp's ranks again
+        ranks, ops = foundation.group_ranks(group), set(GROUP_OPS[kind])
+        shared = [e for e in entries if e[1] == ranks and e[2] & ops]
+        if shared:
+            shared[0][0].append(kind)
+            shared[0][2].update(ops)
+        else:
+            entries.append(([kind], ranks, ops))
+    traffic, traffic_formula = {}, {}
+    for names, ranks, ops in entries:
+        traffic["+".join(names)] = sum(trainer.meter.traffic(op, ranks) for op in ops) / max(trainer.steps, 1)
+        parts = [mine.traffic.get(n, 0) for n in names]
+        traffic_formula["+".join(names)] = None if None in parts else sum(parts)
+    return dict(params=sum(u.offsets[-1] for z in zeros for u in z.units),
+                shard=sum(spec.flat_stop - spec.flat_start for spec, *_ in shard_specs(trainer)),
+                held=held, memory_formula={k: mine.memory[k] for k in held}, traffic=traffic,
+                traffic_formula=traffic_formula, in_flight=trainer.in_flight, plan=mine)
+
+
 # ----------------------------------------------------------------------------------------------
-# Data: bytes are tokens (vocabulary 256), windows of seq_len + 1 in a seeded order per epoch
+# Data (bytes are tokens, windows of seq_len + 1 in a seeded order per epoch), learning rate, MFU
 # ----------------------------------------------------------------------------------------------
 
 DEFAULT_CORPUS_BYTES = 2 << 20  # enough text for a CPU run; a fixed cap keeps it quick and fixed
@@ -716,11 +658,13 @@ def read_tokens(path: str | os.PathLike | None, max_bytes: int = DEFAULT_CORPUS_
         sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
         data = b"".join(source.read_bytes() for source in sources)[:max_bytes]
     elif not Path(path).is_file():
-        raise ValueError(f"--data {path}: {'a directory, not a file' if Path(path).is_dir() else 'no such file'}")
+        problem = "a directory, not a file" if Path(path).is_dir() else "no such file"
+        raise ValueError(f"--data {path}: {problem}")
     else:
         data = Path(path).read_bytes()
     if not data:
-        raise ValueError(f"--data {path}: the file is empty" if path else "found no .py file in the standard library")
+        raise ValueError(f"--data {path}: the file is empty" if path else
+                         "found no .py file in the standard library")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
@@ -747,7 +691,8 @@ class ShardedLoader:
                  dp_size: int = 1, seed: int = 0) -> None:
         if seq_len < 1 or global_batch < 1 or global_batch % dp_size or not 0 <= dp_rank < dp_size:
             raise ValueError(f"seq_len={seq_len} and global_batch={global_batch} must be >= 1, "
-                             f"global_batch divisible by dp={dp_size} and dp_rank={dp_rank} in [0, {dp_size})")
+                             f"global_batch divisible by dp={dp_size} and dp_rank={dp_rank} in [0, "
+                             f"{dp_size})")
         self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
         self.rows = slice(dp_rank * global_batch // dp_size, (dp_rank + 1) * global_batch // dp_size)
         self.seed, self.n_windows = seed, (len(tokens) - 1) // seq_len
@@ -774,17 +719,12 @@ class ShardedLoader:
                 "seq_len": self.seq_len, "global_batch": self.global_batch, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        differ = [f"{k}={state[k]} (now {getattr(self, k)})" for k in ("n_windows", "seq_len", "global_batch", "seed")
-                  if state[k] != getattr(self, k)]
+        differ = [f"{k}={state[k]} (now {getattr(self, k)})" for k, v in self.state_dict().items()
+                  if k not in ("epoch", "position") and state[k] != v]
         if differ:
             raise ValueError(f"the checkpoint's data position counts other windows: {', '.join(differ)}; "
                              f"resume with the same --data, --seq-len, --global-batch and --seed")
         self.epoch, self.position = state["epoch"], state["position"]
-
-
-# ----------------------------------------------------------------------------------------------
-# Learning rate and MFU
-# ----------------------------------------------------------------------------------------------
 
 
 def learning_rate(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float) -> float:
@@ -850,6 +790,84 @@ def checkpoint_config(cfg) -> dict:
 def whole(name: str, shape: tuple[int, ...]) -> ShardSpec:
     """The spec of a whole parameter (one device holds it)."""
     return ShardSpec(name, shape, 0, None, 0, 0, shape, 0, math.prod(shape))
+
+
+# --- a Trainer's pieces: the ShardSpec of each slice its ZeRO units hold ---------------------------
+
+
+def param_specs(trainer: Trainer) -> list[tuple[ShardSpec, object, object, int]]:
+    """(spec of the whole TP-local tensor, ZeRO, its unit, index in the unit) of every parameter of
+    the trainer's stages."""
+    tp_rank, sizes, out = trainer.mesh.coords["tp"], trainer.mesh.sizes, []
+    ep_rank = dist.get_rank(trainer.mesh.groups["ep"])
+    for stage, kind, zero_opt in trainer.zeros:
+        for unit in zero_opt.units:
+            for i, (name, p) in enumerate(zip(unit.names, unit.params)):
+                dim = getattr(p, "tp_shard_dim", None)
+                full, start, length = list(unit.shapes[i]), 0, 0
+                if dim is not None:
+                    full[dim] = p.tp_full_size
+                    start = tp_rank * unit.shapes[i][dim]
+                    length = max(0, min(unit.shapes[i][dim], p.tp_full_size - start))
+                ep_start = None
+                if kind == "ep_dp":
+                    ep_start, full[0] = ep_rank * full[0], full[0] * sizes.ep
+                spec = ShardSpec(name, tuple(full), stage, dim, start, length, tuple(unit.shapes[i]),
+                                 0, unit.shapes[i].numel(), ep_start)
+                out.append((spec, zero_opt, unit, i))
+    return out
+
+
+def shard_specs(trainer: Trainer) -> list[tuple[ShardSpec, object, object, int]]:
+    """The same for the pieces the trainer's ZeRO shards hold (the held elements only)."""
+    out = []
+    for spec, zero_opt, unit, i in param_specs(trainer):
+        begin = max(unit.offsets[i], unit.owned.start) - unit.offsets[i]
+        end = min(unit.offsets[i + 1], unit.owned.stop) - unit.offsets[i]
+        if begin < end:
+            out.append((dataclasses.replace(spec, flat_start=begin, flat_stop=end), zero_opt, unit, i))
+    return out
+
+
+def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[ShardSpec, torch.Tensor]]:
+    """(spec, CPU values) of the trainer's pieces: "params" (fp32 masters), "grads" (averaged,
+    before clipping: between forward_backward and update), or an AdamW state key."""
+    out = []
+    for spec, zero_opt, unit, i in shard_specs(trainer):
+        source = {"params": unit.master, "grads": unit.grad_shard}.get(kind)
+        if source is None:
+            source = zero_opt.optimizer.state[unit.master][kind]
+        begin = unit.offsets[i] + spec.flat_start - unit.owned.start
+        values = source[begin:begin + spec.flat_stop - spec.flat_start]
+        out.append((spec, values.detach().float().cpu().clone()))
+    return out
+
+
+@torch.no_grad()
+def load_shards(trainer: Trainer, shards: dict[ShardSpec, dict[str, torch.Tensor]], step: int) -> None:
+    """Give the trainer its ZeRO shards of the parameters and AdamW moments (each spec of
+    shard_specs() -> kind -> its values, e.g. read from a checkpoint saved on another mesh) and
+    continue from step `step`. Nothing but the shards is built: no whole tensor."""
+    flat = {id(unit): {kind: torch.zeros(unit.owned.stop - unit.owned.start) for kind in CHECKPOINT_KINDS}
+            for *_, zero_opt in trainer.zeros for unit in zero_opt.units}  # a unit's padding holds zeros
+    for spec, _, unit, i in shard_specs(trainer):
+        begin = unit.offsets[i] + spec.flat_start - unit.owned.start
+        for kind, values in shards[spec].items():
+            flat[id(unit)][kind][begin:begin + len(values)] = values
+    for *_, zero_opt in trainer.zeros:
+        zero_opt.load_shards([flat[id(unit)] for unit in zero_opt.units], step)
+    trainer.steps = step
+
+
+def checkpoint_pieces(trainer: Trainer) -> list:
+    """The pieces this rank writes, so that each element is written once across the mesh: a piece
+    replicated over tp (no tp_dim) by tp rank 0, one replicated over its ZeRO group (stage 0: every
+    rank holds the whole unit) by the group's rank 0."""
+    values = {kind: shard_values(trainer, kind) for kind in CHECKPOINT_KINDS}
+    return [(spec, {kind: values[kind][i][1] for kind in CHECKPOINT_KINDS})
+            for i, (spec, zero_opt, _, _) in enumerate(shard_specs(trainer))
+            if (spec.tp_dim is not None or trainer.mesh.coords["tp"] == 0)
+            and (zero_opt.stage > 0 or dist.get_rank(zero_opt.group) == 0)]
 
 
 def piece_runs(spec: ShardSpec) -> torch.Tensor:
@@ -965,11 +983,12 @@ def lock_checkpoints(folder: str | os.PathLike):
 
 def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     pointer = Path(folder) / "LATEST"
-    return Path(folder) / pointer.read_text().strip() if pointer.is_file() else None
+    return Path(folder) / pointer.read_text(errors="replace").strip() if pointer.is_file() else None
 
 
 def rng_state() -> dict[str, torch.Tensor]:
-    return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+    return {"cpu": torch.get_rng_state(), **cuda}
 
 
 def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list, meta: dict, config: dict, rank: int,
@@ -1058,11 +1077,8 @@ def open_checkpoint(folder: str | os.PathLike, config: dict, step: int | None = 
     A damaged one is a CheckpointError naming the step, the file, the previous complete checkpoint
     and the command that resumes from it."""
     root = Path(folder)
-    if step is not None:
-        target = root / f"step_{step:08d}"
-    elif (root / "LATEST").is_file():
-        target = root / (root / "LATEST").read_text(errors="replace").strip()
-    else:
+    target = root / f"step_{step:08d}" if step is not None else latest_checkpoint(folder)
+    if target is None:
         raise ValueError(f"{folder} holds no complete checkpoint (no LATEST file)")
     problem, meta = _problem(target, rank, world, checksums)
     if problem is not None:
@@ -1153,7 +1169,7 @@ LLAMA3 = dict(vocab_size=128_256, n_kv_heads=8, rope_theta=500_000.0)  # Meta's 
 MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256 (bytes are tokens) unless the model sets one
     "tiny": (dict(dim=128, n_layers=4, n_heads=4, ffn_dim=352), 128, 16, 3e-3),  # CPU: a few minutes
     "1b": (dict(dim=2048, n_layers=16, n_heads=16, ffn_dim=5632), 2048, 8, 3e-4),  # 0.82B: one H100
-    # For --plan. Peak lr from the Llama 3 paper; batches of 4M, 8M and 16M tokens (405B: Meta's last)
+    # For plan. Peak lr from the Llama 3 paper; batches of 4M, 8M and 16M tokens (405B: Meta's last)
     "llama3-8b": (dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **LLAMA3), 8192, 512, 3e-4),
     "llama3-70b": (dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **LLAMA3), 8192, 1024, 1.5e-4),
     "llama3-405b": (dict(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248, **LLAMA3), 8192, 2048, 8e-5),
@@ -1175,17 +1191,6 @@ class RunConfig:
     seed: int = 0
 
 
-def checkpoint_pieces(trainer: Trainer) -> list:
-    """The pieces this rank writes, so that each element is written once across the mesh: a piece
-    replicated over tp (no tp_dim) by tp rank 0, one replicated over its ZeRO group (stage 0: every
-    rank holds the whole unit) by the group's rank 0."""
-    shards = {kind: trainer.shards(kind) for kind in CHECKPOINT_KINDS}
-    return [(spec, {kind: shards[kind][i][1] for kind in CHECKPOINT_KINDS})
-            for i, (spec, zero_opt, _, _) in enumerate(trainer.shard_specs())
-            if (spec.tp_dim is not None or trainer.mesh.coords["tp"] == 0)
-            and (zero_opt.stage > 0 or dist.get_rank(zero_opt.group) == 0)]
-
-
 def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[int, Path, int]:
     """Restore the parameters, AdamW, the data position and this rank's RNG from the checked
     checkpoint; return its step, its folder and the bytes this rank read. A problem any rank finds
@@ -1201,12 +1206,12 @@ def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[int
         raise CheckpointError(problem)
     reader = CheckpointReader(target, meta)
     try:  # e.g. pieces missing for one stage's parameters: only its ranks see it
-        shards = {spec: reader.read(spec) for spec, *_ in trainer.shard_specs()}
+        shards = {spec: reader.read(spec) for spec, *_ in shard_specs(trainer)}
     except ValueError as error:
         problem = f"{target}: {error}"
     if (problem := first_problem(problem)) is not None:
         raise CheckpointError(problem)
-    trainer.load(shards, meta["step"])
+    load_shards(trainer, shards, meta["step"])
     loader.load_state_dict(meta["loader"])
     if rank < meta["world"]:
         torch.set_rng_state(reader.rng[rank]["cpu"])
@@ -1227,7 +1232,7 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
     if run.resume:
         start, target, out["read"] = resume(trainer, loader, run)
         kept.append(start)
-        elements = sum(int(piece_runs(spec)[:, 2].sum()) for spec, *_ in trainer.shard_specs())
+        elements = sum(int(piece_runs(spec)[:, 2].sum()) for spec, *_ in shard_specs(trainer))
         report = [None] * sizes.world if rank == 0 else None
         dist.gather_object((out["read"], 4 * len(CHECKPOINT_KINDS) * elements), report, dst=0)
         if rank == 0:
@@ -1259,7 +1264,8 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         if done % run.eval_every == 0 or done == run.steps:
             val = ShardedLoader(val_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
                                 sizes.dp, run.seed)
-            out["val"][done] = sum(trainer.evaluate(next(val)) for _ in range(run.eval_batches)) / run.eval_batches
+            losses = [trainer.evaluate(next(val)) for _ in range(run.eval_batches)]
+            out["val"][done] = sum(losses) / run.eval_batches
         if run.folder is not None and (done == run.steps or run.save_every and done % run.save_every == 0):
             pieces = checkpoint_pieces(trainer)
             finite = all(t.isfinite().all() for _, data in pieces for t in data.values())
@@ -1278,7 +1284,8 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
 def train_run(args: argparse.Namespace) -> None:
     """The default job: train on text, print progress, checkpoints, the figures, a sample."""
     device = foundation.init_distributed()
-    cfg, sizes, train, run = build_model_config(args), mesh_sizes(args), train_config(args, device), run_config(args)
+    cfg = dataclasses.replace(build_model_config(args), seed=args.seed)
+    sizes, train, run = mesh_sizes(args), train_config(args, device), run_config(args)
     problem = lock = None
     if run.folder is not None and dist.get_rank() == 0:  # held until this process ends
         try:
@@ -1289,19 +1296,21 @@ def train_run(args: argparse.Namespace) -> None:
         foundation.exit_distributed(problem)
     train_tokens, val_tokens = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
     trainer = build_trainer(cfg, sizes, train, device)
-    loader = ShardedLoader(train_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"], sizes.dp,
-                           run.seed)
-    rank0, peak, tokens_per_step = trainer.mesh.rank == 0, peak_bf16_flops(device), train.global_batch * train.seq_len
+    loader = ShardedLoader(train_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
+                           sizes.dp, run.seed)
+    rank0, peak = trainer.mesh.rank == 0, peak_bf16_flops(device)
+    tokens_per_step = train.global_batch * train.seq_len
     mfu = lambda rate: rate * flops_per_token(cfg, train.seq_len) / (sizes.world * peak)  # per device
     if rank0:
-        print(f"Training {cfg.n_layers} layers x dim {cfg.dim} ({flops_per_token(cfg, 0) // 6:,} matmul params) on "
-              f"{len(train_tokens):,} bytes of {args.data or 'the standard library'}: dp={sizes.dp} pp={sizes.pp} "
-              f"cp={sizes.cp} tp={sizes.tp} on {sizes.world} ranks ({device.type}, "
-              f"{'bf16 + fp32 masters' if train.mixed_precision else 'fp32'}), ZeRO-{train.zero_stage}, attention "
-              f"{train.attention}, recompute {train.recompute}{', compiled' if train.compile else ''}; "
-              f"batch {train.global_batch} x {train.seq_len} bytes, AdamW lr {train.lr:g} warmup {run.warmup} + cosine; "
-              + (f"checkpoints to {run.folder} every {run.save_every or run.steps} steps and at the end, the "
-                 f"last {run.keep} kept" if run.folder else "no checkpoints"))
+        saves = (f"checkpoints to {run.folder} every {run.save_every or run.steps} steps and at the end, the "
+                 f"last {run.keep} kept" if run.folder else "no checkpoints")
+        print(f"Training {cfg.n_layers} layers x dim {cfg.dim} ({flops_per_token(cfg, 0) // 6:,} matmul "
+              f"params) on {len(train_tokens):,} bytes of {args.data or 'the standard library'}: "
+              f"{mesh_name(sizes)} on {sizes.world} ranks ({device.type}, "
+              f"{'bf16 + fp32 masters' if train.mixed_precision else 'fp32'}), ZeRO-{train.zero_stage}, "
+              f"attention {train.attention}, recompute {train.recompute}"
+              f"{', compiled' if train.compile else ''}; batch {train.global_batch} x {train.seq_len} bytes, "
+              f"AdamW lr {train.lr:g} warmup {run.warmup} + cosine; {saves}")
     bars = []  # made at the first step: a resume that fails prints its line alone
 
     def progress(step: int, loss: float, seconds: float) -> None:
@@ -1322,7 +1331,7 @@ def train_run(args: argparse.Namespace) -> None:
         foundation.exit_distributed(str(failed), code=2 if isinstance(failed, CheckpointError) else 1)
     saved, numels = ([None] * sizes.world if rank0 else None for _ in range(2))
     dist.gather_object(result["activation_bytes"], saved, dst=0)
-    dist.gather_object({spec.name: math.prod(spec.full_shape) for spec, *_ in trainer.param_specs()}, numels,
+    dist.gather_object({spec.name: math.prod(spec.full_shape) for spec, *_ in param_specs(trainer)}, numels,
                        dst=0)
     if rank0:
         print_run(cfg, trainer, result, saved, tokens_per_step, peak and mfu)
@@ -1334,7 +1343,7 @@ def train_run(args: argparse.Namespace) -> None:
                   f"{n:,} parameters, each element once ({formula:,}) + {disk - formula:,} B of metadata "
                   f"(meta.json; each rank file's specs, RNG and headers)")
         if run.folder is not None and args.sample_bytes:
-            model = (reference_transform(train) or (lambda m: m))(foundation.GPT(cfg)).to(device)  # MoE: converted
+            model = (reference_transform(train) or (lambda m: m))(foundation.GPT(cfg)).to(device)  # MoE
             load_model(model, run.folder)
             prompt = args.prompt.encode()
             text = (prompt + greedy_sample(model, prompt, args.sample_bytes)).decode(errors="replace")
@@ -1353,15 +1362,16 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
               f"(ln 256 = {math.log(256):.3f}: a uniform guess); validation: "
               + ", ".join(f"{v:.3f} after {s}" for s, v in result["val"].items()))
     rank0, b = plan(cfg, sizes, train)[0], train.global_batch // sizes.dp // train.microbatches
-    paper = tensor_parallel.korthikanti_bytes(cfg, b, train.seq_len // sizes.cp, sizes.tp, train.sequence_parallel)
+    paper = tensor_parallel.korthikanti_bytes(cfg, b, train.seq_len // sizes.cp, sizes.tp,
+                                              train.sequence_parallel)
     what = "peak memory above the step's start" if trainer.device.type == "cuda" else "the most autograd held"
     formula = ("no formula for MoE layers" if train.moe else
                f"the plan of rank 0's {rank0.layers} layers, {rank0.in_flight} microbatches in flight: "
                f"{rank0.memory['activations']:,} (recompute {train.recompute}), Korthikanti "
                f"{rank0.layers * rank0.in_flight * paper:,.0f} (16-bit GPT-3 layer, no recompute)")
     if saved[0] is not None:
-        print(f"activations in step {result['measured']}, {what} per rank: " + ", ".join(f"{x:,}" for x in saved)
-              + f"; {formula}")
+        print(f"activations in step {result['measured']}, {what} per rank: "
+              + ", ".join(f"{x:,}" for x in saved) + f"; {formula}")
     timed = times[max(1, len(times) // 4):] or times  # the first steps warm up (and compile)
     if timed:
         step_s = sum(timed) / len(timed)
@@ -1374,45 +1384,8 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
 
 
 # ----------------------------------------------------------------------------------------------
-# The equivalence check (--check) and main
+# The equivalence check (check): the mesh against one device
 # ----------------------------------------------------------------------------------------------
-
-
-def build_model_config(args: argparse.Namespace) -> "foundation.ModelConfig":
-    """--check: a small demo model; else the --model preset, byte-level."""
-    if args.check:
-        return foundation.ModelConfig(vocab_size=127, dim=64, n_layers=4, n_heads=4,
-                               n_kv_heads=2 if args.kv_heads is None else args.kv_heads,
-                               ffn_dim=176)
-    preset = {"vocab_size": 256, **MODELS[args.model][0]}
-    return foundation.ModelConfig(**{**preset, "n_kv_heads": args.kv_heads or preset.get("n_kv_heads")},
-                           seed=args.seed)
-
-
-def mesh_sizes(args: argparse.Namespace) -> MeshSizes:
-    return MeshSizes(args.dp, args.pp, args.cp, args.tp, args.ep)
-
-
-def train_config(args: argparse.Namespace, device: torch.device | None = None) -> TrainConfig:
-    """The options, with the --check demo's or the --model preset's defaults where not given."""
-    _, seq_len, global_batch, lr = (None, 32, 8, 1e-3) if args.check else MODELS[args.model]
-    microbatches = 2 if args.check or (args.pp or 1) > 1 else 1
-    return TrainConfig(global_batch=args.global_batch or global_batch, seq_len=args.seq_len or seq_len,
-                       zero_stage=args.zero, schedule=args.schedule, microbatches=args.microbatches or microbatches,
-                       virtual=args.virtual, sequence_parallel=args.sequence_parallel, fp8=args.fp8,
-                       lr=args.lr or lr, mixed_precision=args.bf16 or device is not None and device.type == "cuda",
-                       adam_eps=1e-6, max_grad_norm=args.max_grad_norm, recompute=args.recompute,
-                       attention=args.attention, compile=args.compile,
-                       moe=expert_parallel.MoEConfig(n_experts=args.experts, top_k=2, expert_ffn_dim=64,
-                                                aux_loss_coef=0.0) if args.moe else None)
-
-
-def run_config(args: argparse.Namespace) -> RunConfig:
-    return RunConfig(steps=args.steps, warmup=args.warmup, eval_every=args.eval_every, save_every=args.save_every,
-                     folder=None if args.no_save else args.checkpoint_dir, keep=args.keep,
-                     resume=args.resume is not None,
-                     resume_step=None if args.resume in (None, "latest") else int(args.resume),
-                     seed=args.seed)
 
 
 def reference_transform(train: TrainConfig):
@@ -1423,13 +1396,13 @@ def reference_transform(train: TrainConfig):
 def dp_rows(cfg, train: TrainConfig, step: int, mesh: Mesh) -> torch.Tensor:
     """This dp rank's rows of lesson 01's global batch, as (rows, seq_len + 1) token sequences."""
     tokens, targets = foundation.synthetic_batch(cfg, train.global_batch, train.seq_len, step,
-                                          mesh.coords["dp"], mesh.sizes.dp)
+                                                 mesh.coords["dp"], mesh.sizes.dp)
     return torch.cat([tokens, targets[:, -1:]], dim=1)
 
 
 def print_summaries(sizes: MeshSizes, summaries: list[dict]) -> None:
     print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes held\n"
-          "(live storages) | 02's formula; bytes sent per step per mesh dimension, measured | formula (fp32):")
+          "(live storages) | 02's formula; bytes sent per step in each group, measured | formula (fp32):")
     for rank, s in enumerate(summaries):
         memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
         traffic = "  ".join(f"{k} {float(v):,.0f}|" + ("n/a" if (f := s["traffic_formula"][k]) is None
@@ -1448,20 +1421,21 @@ def demo(args: argparse.Namespace) -> None:
     for step in range(args.steps):
         losses.append(trainer.forward_backward(dp_rows(cfg, train, step, mesh)))
         if step == 0:
-            grads = trainer.shards("grads")
+            grads = shard_values(trainer, "grads")
         trainer.update()
     pieces = [None] * sizes.world if mesh.rank == 0 else None
-    dist.gather_object((grads, trainer.shards("params"), trainer.summary()), pieces, dst=0)
+    dist.gather_object((grads, shard_values(trainer), summary(trainer)), pieces, dst=0)
     if mesh.rank == 0:
         ref = zero.train_reference(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
-                                          adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
-                                          mixed_precision=train.mixed_precision,
-                                          transform=reference_transform(train))
+                                   adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
+                                   mixed_precision=train.mixed_precision,
+                                   transform=reference_transform(train))
         moe = train.moe and f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; "
         print(f"4D parallelism: dp={sizes.dp} pp={sizes.pp} cp={sizes.cp} tp={sizes.tp} on {sizes.world} "
               f"ranks ({dist.get_backend()}, {device.type}); ZeRO-{train.zero_stage}, {train.schedule} "
               f"with {train.microbatches} microbatches, SP {'on' if train.sequence_parallel else 'off'}"
-              f"{', FP8' if train.fp8 else ''}{', bf16' if train.mixed_precision else ''}; {moe or ''}global batch {train.global_batch} x {train.seq_len}.\n"
+              f"{', FP8' if train.fp8 else ''}{', bf16' if train.mixed_precision else ''}; {moe or ''}"
+              f"global batch {train.global_batch} x {train.seq_len}.\n"
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
         print(f"{'step':<6}{'4D loss':>12}{'one device':>12}")
         for step, (a, b) in enumerate(zip(losses, ref.losses)):
@@ -1470,23 +1444,23 @@ def demo(args: argparse.Namespace) -> None:
         params_full = assemble([p for _, q, _ in pieces for p in q])
         print(f"max |difference| from one device (AdamW + clip_grad_norm_ at {train.max_grad_norm}): loss "
               f"{max(abs(a - b) for a, b in zip(losses, ref.losses)):.1e}, step-0 gradients "
-              f"{foundation.max_abs_diff(grads_full, ref.first_grads):.1e}, parameters after {args.steps} steps "
-              f"{foundation.max_abs_diff(params_full, ref.params):.1e} (every element reassembled from ShardSpecs)"
-              + ("\n(FP8: the reference computes in fp32, so these are FP8's rounding, ~1e-3)" if train.fp8 else ""))
+              f"{foundation.max_abs_diff(grads_full, ref.first_grads):.1e}, parameters after {args.steps} "
+              f"steps {foundation.max_abs_diff(params_full, ref.params):.1e} (every element reassembled "
+              f"from ShardSpecs)" + ("\n(FP8: the reference computes in fp32, so these are FP8's rounding, "
+                                     "~1e-3)" if train.fp8 else ""))
         print_summaries(sizes, [s for _, _, s in pieces])
         print("Notice: the bytes held shrink with tp and pp (and dp x cp for ZeRO-3); each dimension's "
               "traffic is its own lesson's formula.")
     foundation.exit_distributed()
 
-
 # ----------------------------------------------------------------------------------------------
-# Planning a run at scale (--plan): the plan against a GPU's memory, and a step time
+# Planning a run at scale (plan): the plan against a GPU's memory, and a step time
 # ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """--plan's assumptions about the machines (defaults: H100 SXM nodes)."""
+    """plan's assumptions about the machines (defaults: H100 SXM nodes)."""
     gpus_per_node: int = 8
     memory: float = 80e9  # bytes per GPU
     peak: float = 989e12  # dense bf16 FLOP/s per GPU (PEAK_BF16_FLOPS)
@@ -1565,10 +1539,6 @@ def gigabytes(x) -> str:
     return "n/a" if x is None else f"{float(x) / 1e9:,.1f}" if x >= 1e9 else f"{float(x) / 1e9:.2g}"
 
 
-def mesh_name(sizes: MeshSizes) -> str:
-    return " ".join(f"{d}={getattr(sizes, d)}" for d in DIMS) + (f" ep={sizes.ep}" if sizes.ep > 1 else "")
-
-
 def describe(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: dict, table: bool) -> str:
     """The mesh and run; memory per pipeline rank (table: the first two, the fullest and the last two
     ranks, else the fullest); bytes sent per group; the step time's terms and bounds."""
@@ -1604,20 +1574,21 @@ def describe(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing
     return "\n".join(lines)
 
 
-TOP_MESHES = 3  # --plan's search prints this many
+TOP_MESHES = 3  # plan's search prints this many
 
 
 def plan_report(args: argparse.Namespace) -> str:
-    """--plan: the given mesh's breakdown, or the fastest meshes that fit; one line if none fits."""
+    """plan: the given mesh's breakdown, or the fastest meshes that fit; one line if none fits."""
     cfg, fixed = build_model_config(args), {d: getattr(args, d) for d in DIMS}
     train = dataclasses.replace(train_config(args), mixed_precision=True)  # a GPU run: bf16 + fp32 masters
     cluster = Cluster(args.gpus_per_node, args.gpu_memory * 1e9, args.peak_tflops * 1e12, args.mfu,
                       args.nvlink_gbps * 1e9, args.network_gbps * 1e9)
     gpus = args.gpus or (math.prod(fixed.values()) if None not in fixed.values() else 0)
     if gpus < 1 or None not in fixed.values() and math.prod(fixed.values()) != gpus:
-        raise ValueError(f"--plan needs --gpus N (or every mesh size: --dp --pp --cp --tp), and the sizes "
+        raise ValueError(f"plan needs --gpus N (or every mesh size: --dp --pp --cp --tp), and the sizes "
                          f"given multiply to it, not {fixed}")
-    n_params, memory = sum(map(math.prod, foundation.parameter_shapes(cfg).values())), f"{cluster.memory / 1e9:g} GB"
+    n_params = sum(map(math.prod, foundation.parameter_shapes(cfg).values()))
+    memory = f"{cluster.memory / 1e9:g} GB"
     header = (f"{args.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
               f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, ffn {cfg.ffn_dim}, vocabulary "
               f"{cfg.vocab_size:,}), bf16 + fp32 masters{' + FP8 GEMMs' if train.fp8 else ''}; batch "
@@ -1648,120 +1619,221 @@ def plan_report(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def check_options(args: argparse.Namespace) -> None:
-    """The options' own ranges, whatever the run (check, train or plan) uses."""
-    for name in ("global_batch", "seq_len", "microbatches", "lr"):  # None: the preset's; 0 is not "none"
-        if getattr(args, name) is not None and not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-    if not args.max_grad_norm > 0:
-        raise ValueError(f"--max-grad-norm must be > 0 (inf: no clipping), not {args.max_grad_norm}")
-    for name, value in (("warmup", args.warmup), ("save-every", args.save_every),
-                        ("sample-bytes", args.sample_bytes)):
-        if value < 0:
-            raise ValueError(f"--{name} must be >= 0")
-    if args.resume not in (None, "latest") and not args.resume.isdigit():
-        raise ValueError(f"--resume takes the step of a kept checkpoint (a number), not {args.resume!r}")
-    if args.sample_bytes and not args.prompt:
-        raise ValueError("--prompt must not be empty: the sample continues it (--no-sample: no sample)")
+# ----------------------------------------------------------------------------------------------
+# The command line: check | train | plan, each option defined once
+# ----------------------------------------------------------------------------------------------
 
 
-def main() -> None:
-    parser = foundation.lesson_parser(__doc__)
-    parser.add_argument("--check", action="store_true", help="part 1: the equivalence check with one device "
-                        "on synthetic data, and the per-rank summaries, instead of training")
+class Unset(collections.UserString):
+    """A default that other options decide: None once parsed; --help shows what decides it."""
+
+
+PRESET = Unset("the --model preset's")
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The model, the mesh and the techniques: every sub-command."""
     for dim in DIMS:
-        parser.add_argument(f"--{dim}", type=int, default=2 if dim in ("dp", "tp") else 1, help=f"mesh size: {dim}")
+        parser.add_argument(f"--{dim}", type=int, default=2 if dim in ("dp", "tp") else 1,
+                            help=f"mesh size: {dim}")
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism, borrowed from dp x cp")
     parser.add_argument("--moe", action="store_true", help="every MLP a mixture of experts (dropless)")
     parser.add_argument("--experts", type=int, default=4, help="experts per MoE layer")
     parser.add_argument("--zero", type=int, default=1, help="ZeRO stage over dp x cp")
-    parser.add_argument("--schedule", default="1f1b", choices=pipeline.SCHEDULES, help="lesson 04's pipeline schedule")
-    parser.add_argument("--microbatches", type=int, help="default: 2 with --check or pp > 1, else 1")
+    parser.add_argument("--schedule", default="1f1b", choices=pipeline.SCHEDULES,
+                        help="lesson 04's pipeline schedule")
+    parser.add_argument("--microbatches", type=int, default=Unset("1, or 2 with pp > 1"),
+                        help="microbatches per step")
     parser.add_argument("--virtual", type=int, default=1, help="stages per rank (interleaved)")
-    parser.add_argument("--sequence-parallel", action="store_true", help="lesson 03's SP inside the tp groups")
+    parser.add_argument("--sequence-parallel", action="store_true", help="lesson 03's SP in the tp groups")
     parser.add_argument("--fp8", action="store_true", help="lesson 08's Float8Linear layers")
+    parser.add_argument("--recompute", default="none", choices=tensor_parallel.RECOMPUTE_MODES,
+                        help="activation recompute (lesson 03): selective = attention's inside, full = each "
+                             "block")
+    parser.add_argument("--kv-heads", type=int, default=PRESET,
+                        help="key/value heads, grouped-query attention")
+    parser.add_argument("--global-batch", type=int, default=PRESET, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=PRESET, help="tokens per sequence")
+
+
+def add_step_options(parser: argparse.ArgumentParser) -> None:
+    """The training step: check and train."""
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps")
+    parser.add_argument("--lr", type=float, default=PRESET, help="peak learning rate")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="clip the whole mesh's gradient norm")
     parser.add_argument("--bf16", action="store_true", default=None,
                         help="bf16 compute, fp32 masters (02's); default: on with a GPU, off on a CPU")
-    parser.add_argument("--model", default="tiny", choices=MODELS, help="the preset (llama3-*: --plan only)")
-    parser.add_argument("--kv-heads", type=int, help="key/value heads, grouped-query attention (default: "
-                        "2 with --check, else the preset's query heads)")
-    parser.add_argument("--steps", type=int, help="default: 3 with --check, else 600")
-    parser.add_argument("--global-batch", type=int, help="default: 8 with --check, else the preset's")
-    parser.add_argument("--seq-len", type=int, help="default: 32 with --check, else the preset's")
-    parser.add_argument("--lr", type=float, help="peak lr; default: 1e-3 with --check, else the preset's")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the whole mesh's gradient norm")
-    parser.add_argument("--recompute", default="none", choices=tensor_parallel.RECOMPUTE_MODES,
-                        help="activation recompute (lesson 03): selective = attention's inside, full = each block")
-    parser.add_argument("--attention", default="sdpa", choices=("sdpa", "flash"), help="flash: lesson 07's kernel")
+    parser.add_argument("--attention", default="sdpa", choices=("sdpa", "flash"),
+                        help="flash: lesson 07's kernel")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
+
+
+def add_preset_option(parser: argparse.ArgumentParser) -> None:
+    """train and plan."""
+    parser.add_argument("--model", default="tiny", choices=MODELS, help="the preset (llama3-*: plan only)")
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The text, checkpoints and sample of train."""
     parser.add_argument("--data", help="a text file (default: the standard library's .py files)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the data order")
     parser.add_argument("--warmup", type=int, default=20, help="steps of linear warmup, then cosine decay")
     parser.add_argument("--eval-every", type=int, default=100, help="steps between validation losses")
-    parser.add_argument("--checkpoint-dir", default="checkpoints/09", help="one folder per run (--resume reads it)")
-    parser.add_argument("--save-every", type=int, default=100, help="steps between checkpoints; 0: only at the end")
-    parser.add_argument("--keep", type=int, default=2,
-                        help="the last checkpoints kept (a damaged one names the one before)")
+    parser.add_argument("--checkpoint-dir", default="checkpoints/09",
+                        help="one folder per run (--resume reads it)")
+    parser.add_argument("--save-every", type=int, default=100,
+                        help="steps between checkpoints; 0: only at the end")
+    parser.add_argument("--keep", type=int, default=2, help="the last checkpoints kept (a damaged one names "
+                        "the one before)")
     parser.add_argument("--no-save", action="store_true", help="no checkpoints (and no sample)")
     parser.add_argument("--resume", nargs="?", const="latest", metavar="STEP",
                         help="continue from the last checkpoint, or from step STEP (one of those kept)")
     parser.add_argument("--prompt", default="    return ",
                         help="the start of the greedy sample (default: 4 spaces, then 'return ')")
     parser.add_argument("--sample-bytes", type=int, default=100, help="bytes the sample generates")
-    parser.add_argument("--no-sample", dest="sample_bytes", action="store_const", const=0, help="no sample at the end")
-    parser.add_argument("--seed", type=int, default=0, help="the data order's seed")
-    parser.add_argument("--plan", action="store_true", help="print memory, traffic and step time per GPU of "
-                        "--model on --gpus GPUs (mesh sizes left out are searched); start nothing")
-    parser.add_argument("--gpus", type=int, help="--plan: GPUs (or the product of the mesh sizes)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="--plan: tp stays in a node")
-    parser.add_argument("--gpu-memory", type=float, default=80, help="--plan: GB per GPU")
-    parser.add_argument("--peak-tflops", type=float, default=989, help="--plan: dense bf16, H100 SXM")
-    parser.add_argument("--mfu", type=float, default=0.43, help="--plan: the share of peak compute reaches")
-    parser.add_argument("--nvlink-gbps", type=float, default=450, help="--plan: GB/s per GPU each way, node")
-    parser.add_argument("--network-gbps", type=float, default=50,
-                        help="--plan: GB/s per GPU each way between nodes")
-    args = parser.parse_args()
-    if args.plan:  # mesh sizes left out are searched
-        parser.set_defaults(**dict.fromkeys(DIMS))
-        args = parser.parse_args()
+    parser.add_argument("--no-sample", dest="sample_bytes", action="store_const", const=0,
+                        help="no sample at the end")
+
+
+def add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    """The machines plan assumes (Cluster's: H100 SXM nodes)."""
+    parser.add_argument("--gpus", type=int, help="GPUs (default: the product of the mesh sizes)")
+    parser.add_argument("--gpus-per-node", type=int, default=Cluster.gpus_per_node, help="tp stays in a node")
+    parser.add_argument("--gpu-memory", type=float, default=Cluster.memory / 1e9, help="GB per GPU")
+    parser.add_argument("--peak-tflops", type=float, default=Cluster.peak / 1e12, help="dense bf16 TFLOP/s")
+    parser.add_argument("--mfu", type=float, default=Cluster.mfu, help="the share of peak compute reaches")
+    parser.add_argument("--nvlink-gbps", type=float, default=Cluster.nvlink / 1e9,
+                        help="GB/s per GPU each way in a node")
+    parser.add_argument("--network-gbps", type=float, default=Cluster.network / 1e9,
+                        help="GB/s per GPU each way between nodes")
+
+
+COMMANDS = {  # name: (what it does, its options, its defaults where they differ from train's)
+    "check": ("prove the mesh equal to one device on synthetic data; each rank's bytes beside the plan",
+              (add_model_options, add_step_options),
+              dict(microbatches=2, kv_heads=2, global_batch=8, seq_len=32, lr=1e-3, steps=3)),
+    "train": ("train on text (the default): checkpoints, --resume, MFU, a sample",
+              (add_model_options, add_step_options, add_preset_option, add_run_options), {}),
+    "plan": ("memory, traffic and step time per GPU of --model on --gpus GPUs; mesh sizes left out: searched",
+             (add_model_options, add_preset_option, add_cluster_options),
+             dict(dict.fromkeys(DIMS, Unset("searched")),
+                  microbatches=Unset("global_batch / dp: one sequence each"))),
+}
+
+
+def parse_options(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The sub-command's parser and options: train's if argv starts with neither a sub-command nor
+    --help. 01's conventions: no abbreviations, one default shown per option, rank 0 prints."""
+    conventions = dict(allow_abbrev=False, formatter_class=foundation.DefaultsHelpFormatter)
+    parser = foundation.LessonParser(description=" ".join(__doc__.split("\n\n")[0].split()), **conventions)
+    commands = parser.add_subparsers(dest="command", title="sub-commands (none given: train)")
+    for name, (what, option_groups, defaults) in COMMANDS.items():
+        command = commands.add_parser(name, help=what, description=what, **conventions)
+        for add_options in option_groups:
+            add_options(command)
+        command.set_defaults(**defaults)
+    if not argv or argv[0] not in commands.choices and argv[0] not in ("-h", "--help"):
+        argv = ["train", *argv]
+    args = parser.parse_args(argv)
+    vars(args).update({name: None for name, value in vars(args).items() if isinstance(value, Unset)})
     args.moe = args.moe or args.ep > 1
-    args.steps = (3 if args.check else 600) if args.steps is None else args.steps
-    if args.plan:
+    return commands.choices[args.command], args
+
+
+def build_model_config(args: argparse.Namespace) -> "foundation.ModelConfig":
+    """check: a small demo model (vocabulary 127: tp pads it); train, plan: the --model preset,
+    byte-level unless it sets a vocabulary."""
+    if args.command == "check":
+        return foundation.ModelConfig(vocab_size=127, dim=64, n_layers=4, n_heads=4, n_kv_heads=args.kv_heads,
+                                      ffn_dim=176)
+    preset = {"vocab_size": 256, **MODELS[args.model][0]}
+    return foundation.ModelConfig(**{**preset, "n_kv_heads": args.kv_heads or preset.get("n_kv_heads")})
+
+
+def mesh_sizes(args: argparse.Namespace) -> MeshSizes:
+    return MeshSizes(args.dp, args.pp, args.cp, args.tp, args.ep)
+
+
+def train_config(args: argparse.Namespace, device: torch.device | None = None) -> TrainConfig:
+    """The options as a TrainConfig, the --model preset's sizes and lr where left out (plan has no
+    step options)."""
+    _, seq_len, global_batch, lr = MODELS[args.model] if "model" in args else (None, None, None, None)
+    step = {} if args.command == "plan" else dict(
+        lr=args.lr or lr, mixed_precision=args.bf16 or device is not None and device.type == "cuda",
+        adam_eps=1e-6, max_grad_norm=args.max_grad_norm, attention=args.attention, compile=args.compile)
+    moe = expert_parallel.MoEConfig(n_experts=args.experts, top_k=2, expert_ffn_dim=64, aux_loss_coef=0.0)
+    return TrainConfig(global_batch=args.global_batch or global_batch, seq_len=args.seq_len or seq_len,
+                       zero_stage=args.zero, schedule=args.schedule, virtual=args.virtual,
+                       microbatches=args.microbatches or (2 if (args.pp or 1) > 1 else 1),
+                       sequence_parallel=args.sequence_parallel, fp8=args.fp8, recompute=args.recompute,
+                       moe=moe if args.moe else None, **step)
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    return RunConfig(steps=args.steps, warmup=args.warmup, eval_every=args.eval_every,
+                     save_every=args.save_every, folder=None if args.no_save else args.checkpoint_dir,
+                     keep=args.keep, resume=args.resume is not None, seed=args.seed,
+                     resume_step=None if args.resume in (None, "latest") else int(args.resume))
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """The ranges of the sub-command's options that launch_lesson does not check (>= 1)."""
+    given = vars(args)
+    for name in ("global_batch", "seq_len", "microbatches", "lr"):  # None: others decide (0 is not None)
+        if given.get(name) is not None and not given[name] > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if not given.get("max_grad_norm", 1) > 0:
+        raise ValueError(f"--max-grad-norm must be > 0 (inf: no clipping), not {args.max_grad_norm}")
+    for name in ("warmup", "save_every", "sample_bytes"):
+        if given.get(name, 0) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if given.get("resume") not in (None, "latest") and not args.resume.isdigit():
+        raise ValueError(f"--resume takes the step of a kept checkpoint (a number), not {args.resume!r}")
+    if given.get("sample_bytes") and not args.prompt:
+        raise ValueError("--prompt must not be empty: the sample continues it (--no-sample: no sample)")
+
+
+def check_before_launch(args: argparse.Namespace, world: int) -> None:
+    """Every option where it is wrong, whether or not the run would reach it; for train also the
+    text, the checkpoint folder and the checkpoint to resume: a ValueError before any rank starts."""
+    check_options(args)
+    if args.command == "train" and "vocab_size" in MODELS[args.model][0]:
+        raise ValueError(f"--model {args.model} is for plan: its vocabulary needs a tokenizer, and bytes "
+                         f"are this course's tokens")
+    cfg, train = build_model_config(args), train_config(args)
+    validate(cfg, mesh_sizes(args), train, world)
+    if args.command == "check":
+        return
+    train_tokens, _ = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
+    if args.resume is not None and args.no_save:
+        raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")
+    if not args.no_save and "RANK" not in os.environ:  # under torchrun, rank 0 takes the lock (train_run)
+        lock_checkpoints(args.checkpoint_dir).close()  # a file, or a folder another run holds: refused
+    if args.resume is not None:  # damaged, another model, other data: refused before any rank starts
+        _, meta = open_checkpoint(args.checkpoint_dir, checkpoint_config(cfg), run_config(args).resume_step,
+                                  checksums=False)  # the ranks hash
+        ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=args.seed).load_state_dict(
+            meta["loader"])
+    elif not args.no_save and (earlier := latest_checkpoint(args.checkpoint_dir)):
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks
+                print(f"note: {earlier} is from an earlier run; this run replaces it at its first save "
+                  f"(--resume continues it instead)")
+
+
+def main() -> None:
+    parser, args = parse_options(sys.argv[1:])
+    if args.command == "plan":  # nothing to launch
         try:
             check_options(args)
             print(plan_report(args))
         except ValueError as error:
             parser.exit(2, f"{parser.prog}: error: {error}\n")
         return
-    sizes = mesh_sizes(args)
-    if "RANK" not in os.environ:
-        args.nproc = sizes.world  # the mesh sets how many local processes to start
-
-    def check(world: int) -> None:  # every option where it is wrong, whether or not this run uses it
-        rank0 = os.environ.get("RANK", "0") == "0"
-        check_options(args)
-        if not args.check and "vocab_size" in MODELS[args.model][0]:
-            raise ValueError(f"--model {args.model} is for --plan: its vocabulary needs a tokenizer, and "
-                             f"bytes are this course's tokens")
-        train = train_config(args)
-        validate(build_model_config(args), sizes, train, world)
-        if args.check:
-            return
-        train_tokens, _ = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
-        if args.resume is not None and args.no_save:
-            raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")
-        if not args.no_save and "RANK" not in os.environ:  # under torchrun, rank 0 takes the lock (train_run)
-            lock_checkpoints(args.checkpoint_dir).close()  # a file, or a folder another run holds: refused
-        if args.resume is not None:  # damaged, another model, other data: refused before any rank starts
-            _, meta = open_checkpoint(args.checkpoint_dir, checkpoint_config(build_model_config(args)),
-                                      run_config(args).resume_step, checksums=False)  # the ranks hash
-            ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=args.seed).load_state_dict(
-                meta["loader"])
-        elif not args.no_save and (earlier := latest_checkpoint(args.checkpoint_dir)) and rank0:
-            print(f"note: {earlier} is from an earlier run; this run replaces it at its first save (--resume "
-                  f"continues it instead)")
-
-    positive = ("steps", "eval_every", "keep", *DIMS, "ep")
-    foundation.launch_lesson(parser, args, demo if args.check else train_run, positive, check)
+    args.nproc = mesh_sizes(args).world  # the mesh sets how many local processes start (no --nproc)
+    positive = [name for name in ("steps", "eval_every", "keep", *DIMS, "ep") if name in args]
+    foundation.launch_lesson(parser, args, demo if args.command == "check" else train_run, positive,
+                             lambda world: check_before_launch(args, world))
 
 
 if __name__ == "__main__":

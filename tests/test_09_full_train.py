@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import itertools
 import math
 import os
 import re
@@ -72,12 +73,13 @@ def train_on_mesh(cfg, sizes, train, steps: int):
         if step == 0:
             loss, activations = full_train.tensor_parallel.activation_bytes(
                 lambda: trainer.forward_backward(rows), params, torch.device("cpu"), inside=layers)
-            grads = trainer.shards("grads")
+            grads = full_train.shard_values(trainer, "grads")
         else:
             loss = trainer.forward_backward(rows)
         losses.append(loss)
         norms.append(trainer.update())
-    return losses, grads, trainer.shards("params"), {**trainer.summary(), "activations": activations}, norms
+    summary = {**full_train.summary(trainer), "activations": activations}
+    return losses, grads, full_train.shard_values(trainer), summary, norms
 
 
 def check_against_reference(results, cfg, train, steps: int = STEPS, reference=None) -> dict[str, float]:
@@ -107,8 +109,8 @@ MOE = full_train.expert_parallel.MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=
 
 
 def small_model(n_layers: int = 2, seed: int = 0) -> "foundation.ModelConfig":
-    return foundation.ModelConfig(vocab_size=30, dim=16, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=24,
-                           seed=seed)
+    return foundation.ModelConfig(vocab_size=30, dim=16, n_layers=n_layers, n_heads=4, n_kv_heads=2,
+                                  ffn_dim=24, seed=seed)
 
 
 def check_copies_agree(results) -> None:
@@ -130,8 +132,8 @@ def _shape(results, name: str) -> tuple[int, ...]:
 
 
 # Meshes with each dimension in {1, 2, 4} and at most 8 ranks, in order of size (shrinks to small).
-MESHES = sorted((full_train.MeshSizes(dp, pp, cp, tp) for dp in (1, 2, 4) for pp in (1, 2, 4) for cp in (1, 2, 4)
-                 for tp in (1, 2, 4) if dp * pp * cp * tp <= 8), key=lambda m: (m.world, m.dp, m.pp, m.cp))
+MESHES = sorted((full_train.MeshSizes(*sizes) for sizes in itertools.product((1, 2, 4), repeat=4)
+                 if math.prod(sizes) <= 8), key=lambda m: (m.world, m.dp, m.pp, m.cp))
 
 
 @st.composite
@@ -150,14 +152,17 @@ def configurations(draw):
     bf16 = not moe and draw(st.booleans(), label="bf16")  # MoE's routing may flip on bf16 rounding
     seq_len = 2 * sizes.cp * sizes.tp * draw(st.integers(1, 2))
     n_kv_heads = draw(st.sampled_from([h for h in (2, 4) if h % sizes.tp == 0] or [4]))
-    cfg = foundation.ModelConfig(vocab_size=draw(st.sampled_from([30, 32])), dim=16, n_heads=4, n_kv_heads=n_kv_heads,
-                          ffn_dim=24, n_layers=sizes.pp * virtual + draw(st.integers(0, 1)),
-                          seed=draw(st.integers(0, 9)))
-    train = full_train.TrainConfig(global_batch=sizes.dp * microbatches * draw(st.integers(1, 2)), seq_len=seq_len,
-                             zero_stage=draw(st.integers(0, 3)), schedule=schedule, microbatches=microbatches,
-                             virtual=virtual, sequence_parallel=sequence_parallel, lr=LR, adam_eps=ADAM_EPS,
-                             max_grad_norm=0.5, moe=MOE if moe else None, mixed_precision=bf16,
-                             recompute=draw(st.sampled_from(full_train.tensor_parallel.RECOMPUTE_MODES), label="recompute"))
+    cfg = foundation.ModelConfig(vocab_size=draw(st.sampled_from([30, 32])), dim=16, n_heads=4,
+                                 n_kv_heads=n_kv_heads, ffn_dim=24,
+                                 n_layers=sizes.pp * virtual + draw(st.integers(0, 1)),
+                                 seed=draw(st.integers(0, 9)))
+    rows, zero_stage = draw(st.integers(1, 2)), draw(st.integers(0, 3))
+    recompute = draw(st.sampled_from(full_train.tensor_parallel.RECOMPUTE_MODES), label="recompute")
+    train = full_train.TrainConfig(global_batch=sizes.dp * microbatches * rows, seq_len=seq_len,
+                                   zero_stage=zero_stage, schedule=schedule, microbatches=microbatches,
+                                   virtual=virtual, sequence_parallel=sequence_parallel, lr=LR,
+                                   adam_eps=ADAM_EPS, max_grad_norm=0.5, moe=MOE if moe else None,
+                                   mixed_precision=bf16, recompute=recompute)
     return cfg, sizes, train
 
 
@@ -166,9 +171,10 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
     sizes = full_train.MeshSizes(*dims, **({"ep": ep} if ep else {}))
     cfg = small_model(n_layers)
     train = full_train.TrainConfig(global_batch=sizes.dp * microbatches, seq_len=4 * sizes.cp * sizes.tp,
-                             zero_stage=zero_stage, schedule=schedule, microbatches=microbatches,
-                             virtual=2 if schedule == "interleaved" else 1, sequence_parallel=sp, lr=LR,
-                             adam_eps=ADAM_EPS, max_grad_norm=0.5, moe=MOE if ep else None, recompute=recompute)
+                                   zero_stage=zero_stage, schedule=schedule, microbatches=microbatches,
+                                   virtual=2 if schedule == "interleaved" else 1, sequence_parallel=sp, lr=LR,
+                                   adam_eps=ADAM_EPS, max_grad_norm=0.5, moe=MOE if ep else None,
+                                   recompute=recompute)
     return (cfg, sizes, train)
 
 
@@ -209,8 +215,9 @@ def test_any_mesh_equals_one_device(rank_pool, configuration):
 
 def test_sixteen_ranks_every_dimension_two(rank_pool):
     cfg, sizes = small_model(), full_train.MeshSizes(dp=2, pp=2, cp=2, tp=2, ep=2)
-    train = full_train.TrainConfig(global_batch=8, seq_len=16, zero_stage=2, microbatches=2, sequence_parallel=True,
-                             lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5, moe=MOE)
+    train = full_train.TrainConfig(global_batch=8, seq_len=16, zero_stage=2, microbatches=2,
+                                   sequence_parallel=True, lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5,
+                                   moe=MOE)
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=400)
     check_against_reference(results, cfg, train)
     check_copies_agree(results)
@@ -237,7 +244,8 @@ def test_fp8_flag_trains_close_to_fp32(rank_pool):
     rounding adds about as much in quadrature: ~0.11, the largest measured 0.112. A reduction missed
     or done twice is off by >= 25%."""
     cfg, sizes = small_model(), full_train.MeshSizes(dp=2, tp=2)
-    train = full_train.TrainConfig(global_batch=4, seq_len=8, microbatches=1, fp8=True, lr=LR, adam_eps=ADAM_EPS)
+    train = full_train.TrainConfig(global_batch=4, seq_len=8, microbatches=1, fp8=True, lr=LR,
+                                   adam_eps=ADAM_EPS)
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
     ref = zero.train_reference(cfg, STEPS, train.global_batch, train.seq_len, lr=LR, adam_eps=ADAM_EPS)
     differences = [abs(a - b) for a, b in zip(results[0][0], ref.losses)]
@@ -337,8 +345,9 @@ def test_bf16_mixed_precision_follows_its_one_device_twin(rank_pool):
     layers above, forward and backward: 8u = 2^-5 allowed, the largest measured 0.0107 (2.7u). A
     reduction missed or done twice is off by >= 25%."""
     cfg, sizes = small_model(), full_train.MeshSizes(pp=2, cp=2, tp=2)
-    train = full_train.TrainConfig(global_batch=4, seq_len=8, microbatches=2, zero_stage=3, sequence_parallel=True,
-                             lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5, mixed_precision=True)
+    train = full_train.TrainConfig(global_batch=4, seq_len=8, microbatches=2, zero_stage=3,
+                                   sequence_parallel=True, lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5,
+                                   mixed_precision=True)
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
     ref = zero.train_reference(cfg, STEPS, 4, 8, lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5,
                                       mixed_precision=True)
@@ -366,16 +375,18 @@ def test_mesh_coordinates_and_groups():
 
 def test_invalid_configurations_list_every_violation(rank_pool):
     cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_layers=1, n_heads=3, ffn_dim=20)
-    train = full_train.TrainConfig(global_batch=3, seq_len=6, zero_stage=4, microbatches=2, sequence_parallel=True)
+    train = full_train.TrainConfig(global_batch=3, seq_len=6, zero_stage=4, microbatches=2,
+                                   sequence_parallel=True)
     rank_pool.expect_invalid(4, train_on_mesh, cfg, full_train.MeshSizes(dp=2, pp=2, tp=2), train, 1,
                              match=r"(?s)2 x 2 x 1 x 2 = 8 is not the world size 4.*n_heads=3 is not "
                                    r"divisible by tp=2.*stage=4.*global_batch=3 is not divisible by dp=2")
     good = full_train.TrainConfig(global_batch=4, seq_len=6, microbatches=2)
     rank_pool.expect_invalid(4, train_on_mesh, small_model(1), full_train.MeshSizes(pp=2, cp=2), good, 1,
                              match=r"(?s)seq_len=6 is not divisible by 2 x cp = 4.*n_layers=1 cannot fill")
-    moe_train = full_train.TrainConfig(global_batch=4, seq_len=8, moe=full_train.expert_parallel.MoEConfig(n_experts=3))
-    rank_pool.expect_invalid(4, train_on_mesh, small_model(), full_train.MeshSizes(dp=2, tp=2, ep=4), moe_train, 1,
-                             match=r"(?s)ep=4 must divide dp x cp = 2.*")
+    moe_train = full_train.TrainConfig(global_batch=4, seq_len=8,
+                                       moe=full_train.expert_parallel.MoEConfig(n_experts=3))
+    rank_pool.expect_invalid(4, train_on_mesh, small_model(), full_train.MeshSizes(dp=2, tp=2, ep=4),
+                             moe_train, 1, match=r"(?s)ep=4 must divide dp x cp = 2.*")
     rank_pool.expect_invalid(4, train_on_mesh, small_model(), full_train.MeshSizes(dp=4, ep=2), moe_train, 1,
                              match=r"(?s)n_experts=3 is not divisible by ep=2.*dropless and unbalanced")
     with pytest.raises(ValueError, match="ep=2 needs an MoE model"):
@@ -395,7 +406,7 @@ def nan_step(cfg, sizes, train):
             trainer.stages[0].layers["0"].attn_norm.weight[0] = float("nan")
     loss = trainer.forward_backward(full_train.dp_rows(cfg, train, 0, trainer.mesh))
     norm = trainer.update()
-    return loss, norm, all(values.isnan().all() for _, values in trainer.shards("params"))
+    return loss, norm, all(values.isnan().all() for _, values in full_train.shard_values(trainer))
 
 
 def test_a_nan_propagates_to_every_rank(rank_pool):
@@ -417,16 +428,16 @@ def test_rows_of_the_wrong_shape_are_refused(rank_pool):
 
 
 def test_main_runs_and_prints_the_check():
-    out = run_script("09_full_train.py", *"--check --dp 2 --tp 2 --ep 2 --steps 2 --seq-len 16".split())
+    out = run_script("09_full_train.py", *"check --dp 2 --tp 2 --ep 2 --steps 2 --seq-len 16".split())
     assert "max |difference| from one device" in out and "rank  3: dp=1 pp=0 cp=0 tp=1" in out
     assert "MoE 4 experts top-2 over ep=2" in out
 
 
-# --- the plan at scale: --plan ------------------------------------------------------------------
+# --- the plan at scale: plan -------------------------------------------------------------------
 
 def plan_main(monkeypatch, capsys, *options: str) -> str:
-    """09's main with --plan, in this process: it builds nothing and starts no rank."""
-    monkeypatch.setattr(sys, "argv", ["09_full_train.py", "--plan", *options])
+    """09's main with plan, in this process: it builds nothing and starts no rank."""
+    monkeypatch.setattr(sys, "argv", ["09_full_train.py", "plan", *options])
     full_train.main()
     assert not torch.distributed.is_initialized()
     return capsys.readouterr().out
@@ -454,10 +465,11 @@ def test_plan_of_llama3_70b_on_256_gpus_prints_the_fastest_meshes_that_fit(monke
 def test_the_search_returns_valid_meshes_that_fit_and_more_memory_never_slows_it(
         gpus, memory_gb, more, model, zero_stage, recompute, sequence_parallel):
     cfg, (_, seq_len, batch, _) = preset(model), full_train.MODELS[model]
-    train = full_train.TrainConfig(global_batch=batch, seq_len=seq_len, zero_stage=zero_stage, mixed_precision=True,
-                             recompute=recompute, sequence_parallel=sequence_parallel)
-    search = lambda gb: full_train.search_meshes(cfg, train, gpus, dict.fromkeys(full_train.DIMS), None, 1,  # noqa: E731
-                                           full_train.Cluster(memory=gb * 1e9))
+    train = full_train.TrainConfig(global_batch=batch, seq_len=seq_len, zero_stage=zero_stage,
+                                   mixed_precision=True, recompute=recompute,
+                                   sequence_parallel=sequence_parallel)
+    search = lambda gb: full_train.search_meshes(  # noqa: E731
+        cfg, train, gpus, dict.fromkeys(full_train.DIMS), None, 1, full_train.Cluster(memory=gb * 1e9))
     valid, fitting, _ = search(memory_gb)
     for sizes, run, plans, _ in valid:
         full_train.validate(cfg, sizes, run, gpus)  # raises if it does not accept the mesh
@@ -490,7 +502,8 @@ def test_llama3_405b_on_metas_mesh_is_planned_without_building_it():
     full_train.validate(cfg, sizes, train, 8192)
     plans = full_train.plan(cfg, sizes, train)
     assert [p.layers for p in plans] == [8] * 14 + [7] * 2
-    norms, model = (2 * cfg.n_layers + 1) * cfg.dim, sum(map(math.prod, foundation.parameter_shapes(cfg).values()))
+    norms = (2 * cfg.n_layers + 1) * cfg.dim
+    model = sum(map(math.prod, foundation.parameter_shapes(cfg).values()))
     assert sum(p.params for p in plans) * 8 - 7 * norms == model
     assert [p.in_flight for p in plans] == list(range(16, 0, -1))
 
@@ -598,8 +611,9 @@ def test_loader_errors():
     with pytest.raises(ValueError, match="fewer than global_batch=4 windows of seq_len \\+ 1 = 5"):
         full_train.ShardedLoader(torch.arange(16), 4, 4)
     saved = full_train.ShardedLoader(torch.arange(100), 4, 4, seed=1).state_dict()
-    for other in (full_train.ShardedLoader(torch.arange(100), 4, 2, seed=1), full_train.ShardedLoader(torch.arange(60), 4, 4, seed=1),
-                  full_train.ShardedLoader(torch.arange(100), 4, 4, seed=2)):  # a batch past the epoch's end, other data
+    for other in (full_train.ShardedLoader(torch.arange(100), 4, 2, seed=1),  # a batch past the epoch's end,
+                  full_train.ShardedLoader(torch.arange(60), 4, 4, seed=1),  # other data
+                  full_train.ShardedLoader(torch.arange(100), 4, 4, seed=2)):
         with pytest.raises(ValueError, match="the checkpoint's data position counts other windows"):
             other.load_state_dict(saved)
 
@@ -624,7 +638,8 @@ def test_flops_per_token_count_the_model_but_its_embedding(n_heads, groups, laye
     assert full_train.flops_per_token(cfg, 7) == 6 * counted + 12 * layers * cfg.dim * 7
     # by hand: dim 8, 2 heads of 4, ffn 16, 1 layer, vocab 10, T = 4: N = 256 (q k v o) + 384 (MLP)
     # + 16 + 8 (norms) + 80 (LM head) = 744; 6N + 12 L H Q T = 4464 + 384
-    assert full_train.flops_per_token(foundation.ModelConfig(vocab_size=10, dim=8, n_layers=1, n_heads=2, ffn_dim=16), 4) == 4848
+    by_hand = foundation.ModelConfig(vocab_size=10, dim=8, n_layers=1, n_heads=2, ffn_dim=16)
+    assert full_train.flops_per_token(by_hand, 4) == 4848
 
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
@@ -669,8 +684,8 @@ def train_run(sizes, train, run, stop_at=None, poison_at=None, poison="params"):
         _meshes[sizes] = full_train.build_mesh(sizes)
     trainer = full_train.Trainer(BYTES, _meshes[sizes], train, torch.device("cpu"))
     train_tokens, val_tokens = full_train.split_tokens(TEXT, train.seq_len, train.global_batch)
-    loader = full_train.ShardedLoader(train_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
-                                sizes.dp, run.seed)
+    loader = full_train.ShardedLoader(train_tokens, train.seq_len, train.global_batch,
+                                      trainer.mesh.coords["dp"], sizes.dp, run.seed)
 
     def progress(step, loss, seconds):
         if step == poison_at and poison == "params":
@@ -685,7 +700,7 @@ def train_run(sizes, train, run, stop_at=None, poison_at=None, poison="params"):
         out = full_train.train_loop(trainer, loader, val_tokens, run, progress)
     except (Interrupted, FloatingPointError, full_train.CheckpointError) as error:
         return str(error)
-    slices = sum(int((spec.global_indices() >= 0).sum()) for spec, *_ in trainer.shard_specs())
+    slices = sum(int((spec.global_indices() >= 0).sum()) for spec, *_ in full_train.shard_specs(trainer))
     return dict(losses=out["losses"], val=out["val"], read=out["read"], slices=PER_ELEMENT * slices)
 
 
@@ -712,9 +727,10 @@ def test_resume_reads_only_its_slices_and_equals_the_uninterrupted_run_on_any_me
     # another order: RESUME_ATOL); a sum over the eval batches, or one dp rank's rows alone, is not.
     assert full["val"][6] == pytest.approx(one_device_validation(run.folder, train, run), abs=RESUME_ATOL)
     interrupted = dataclasses.replace(run, folder=str(tmp_path / "b"))
-    assert rank_pool.run(4, train_run, tp_dp, train, interrupted, stop_at=4) == [""] * 4  # after step 3's save
+    assert rank_pool.run(4, train_run, tp_dp, train, interrupted, stop_at=4) == [""] * 4  # after step 3's
     assert full_train.latest_checkpoint(interrupted.folder).name == "step_00000003"
-    others = ((full_train.MeshSizes(dp=4), 1), (full_train.MeshSizes(pp=2, tp=2), 0), (tp_dp, 3))  # other meshes, stages
+    # other meshes (and ZeRO stages)
+    others = ((full_train.MeshSizes(dp=4), 1), (full_train.MeshSizes(pp=2, tp=2), 0), (tp_dp, 3))
     for sizes, stage in others:
         shutil.copytree(interrupted.folder, tmp_path / f"{sizes.dp}{sizes.pp}{stage}")
     resumed = dataclasses.replace(interrupted, resume=True)
@@ -736,11 +752,12 @@ def test_fp8_zero3_resumes_bitwise(rank_pool, tmp_path):
     """Under --fp8 --zero 3 each rank keeps the e4m3 casts of its weight shards (lesson 08's
     Float8ZeRO): a resume must cast them anew from the loaded masters, then go on bit for bit."""
     sizes = full_train.MeshSizes(dp=2, tp=2)
-    train = full_train.TrainConfig(global_batch=8, seq_len=8, lr=3e-3, max_grad_norm=1.0, fp8=True, zero_stage=3)
+    train = full_train.TrainConfig(global_batch=8, seq_len=8, lr=3e-3, max_grad_norm=1.0, fp8=True,
+                                   zero_stage=3)
     run = full_train.RunConfig(steps=4, warmup=2, eval_every=100, save_every=2, folder=str(tmp_path / "a"))
     full = rank_pool.run(4, train_run, sizes, train, run)[0]
     interrupted = dataclasses.replace(run, folder=str(tmp_path / "b"))
-    assert rank_pool.run(4, train_run, sizes, train, interrupted, stop_at=3) == [""] * 4  # after step 2's save
+    assert rank_pool.run(4, train_run, sizes, train, interrupted, stop_at=3) == [""] * 4  # after step 2's
     for result in rank_pool.run(4, train_run, sizes, train, dataclasses.replace(interrupted, resume=True)):
         assert result["losses"] == {s: full["losses"][s] for s in (2, 3)}, "bitwise"
 
@@ -848,8 +865,9 @@ def test_another_model_configuration_and_uncovered_or_doubled_elements_are_refus
     cfg = foundation.ModelConfig(vocab_size=256, dim=16, n_heads=2, ffn_dim=32)
     rows = full_train.ShardSpec("w", (4, 3), 0, 0, 0, 2, (2, 3), 0, 6)  # rows 0-1 of 4 (tp rank 0 of 2)
     save_one(tmp_path, 1, [(rows, torch.ones(6))], full_train.checkpoint_config(cfg))
-    other = full_train.checkpoint_config(foundation.ModelConfig(vocab_size=256, dim=32, n_heads=2, ffn_dim=32, seed=5))
-    with pytest.raises(ValueError, match="another model configuration: dim=16 \\(this model: 32\\); refusing"):
+    other = full_train.checkpoint_config(foundation.ModelConfig(vocab_size=256, dim=32, n_heads=2, ffn_dim=32,
+                                                                seed=5))
+    with pytest.raises(ValueError, match=r"another model configuration: dim=16 \(this model: 32\); refusing"):
         full_train.open_checkpoint(tmp_path, other)
     with pytest.raises(ValueError, match="do not cover every element of w exactly once"):
         read_whole(tmp_path, "w", (4, 3), full_train.checkpoint_config(cfg))
@@ -877,7 +895,8 @@ def test_piece_runs_are_the_global_indices_in_runs(data):
         length = min(local[dim], shape[dim] - start)
     flat_start = data.draw(st.integers(0, math.prod(local)))
     flat_stop = data.draw(st.integers(flat_start, math.prod(local)))
-    spec = full_train.ShardSpec("w", shape, 0, dim, start, length, tuple(local), flat_start, flat_stop, ep_start)
+    spec = full_train.ShardSpec("w", shape, 0, dim, start, length, tuple(local), flat_start, flat_stop,
+                                ep_start)
     index = spec.global_indices()
     expected = [(int(i), p) for p, i in enumerate(index.tolist()) if i >= 0]
     got = [(g + k, o + k) for g, o, n in full_train.piece_runs(spec).tolist() for k in range(n)]
@@ -932,12 +951,13 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     out = run_script("09_full_train.py", *common, "--checkpoint-dir", str(a))
     assert "attention flash" in out and "recompute selective" in out and "final: 2 timed steps" in out
-    assert "Greedy sample from the checkpoint" in out and full_train.latest_checkpoint(a).name == "step_00000003"
+    assert "Greedy sample from the checkpoint" in out
+    assert full_train.latest_checkpoint(a).name == "step_00000003"
     n = sum(p.numel() for p in foundation.GPT(full_train.build_model_config(argparse.Namespace(
-        check=False, model="tiny", kv_heads=None, seed=0))).parameters())
+        command="train", model="tiny", kv_heads=None))).parameters())
     assert f"B on disk = (params + 2 AdamW moments) x 4 B x {n:,} parameters, each element once " in out
     shutil.copytree(a, b)
-    resumed = run_script("09_full_train.py", *common, "--checkpoint-dir", str(b), "--resume", "2")
+    resumed = run_script("09_full_train.py", "train", *common, "--checkpoint-dir", str(b), "--resume", "2")
     assert f"resumed from {b / 'step_00000002'}: steps 2 to 3" in resumed
     last_loss = re.search(r"-> (\S+ at step 2)", out).group(1)
     assert f"train loss {last_loss} -> {last_loss}" in resumed
@@ -989,7 +1009,7 @@ def test_options_are_checked_before_launch_even_where_used_late(monkeypatch, cap
     if message is None:
         assert code == 0 and launched == [4] and not err, err
     else:
-        assert code == 2 and not launched and err.startswith(f"09_full_train.py: error: {message}"), err
+        assert code == 2 and not launched and err.startswith(f"09_full_train.py train: error: {message}"), err
         assert err.count("\n") == 1, err
 
 
@@ -1018,14 +1038,67 @@ def test_a_checkpoint_dir_in_use_or_that_is_a_file_is_refused_before_launch(monk
     assert err.endswith(f"--checkpoint-dir {tmp_path / 'file'} is a file, not a folder\n"), err
 
 
-def test_help_prints_one_default_per_option(monkeypatch, capsys):
+MODEL_OPTIONS = {"--dp", "--pp", "--cp", "--tp", "--ep", "--moe", "--experts", "--zero", "--schedule",
+                 "--microbatches", "--virtual", "--sequence-parallel", "--fp8", "--recompute", "--kv-heads",
+                 "--global-batch", "--seq-len"}
+STEP_OPTIONS = {"--steps", "--lr", "--max-grad-norm", "--bf16", "--attention", "--compile"}
+OWN_OPTIONS = {  # what each sub-command offers, and nothing else
+    "check": MODEL_OPTIONS | STEP_OPTIONS,
+    "train": MODEL_OPTIONS | STEP_OPTIONS | {"--model", "--data", "--seed", "--warmup", "--eval-every",
+                                             "--checkpoint-dir", "--save-every", "--keep", "--no-save",
+                                             "--resume", "--prompt", "--sample-bytes", "--no-sample"},
+    "plan": MODEL_OPTIONS | {"--model", "--gpus", "--gpus-per-node", "--gpu-memory", "--peak-tflops", "--mfu",
+                             "--nvlink-gbps", "--network-gbps"},
+}
+
+
+def help_of(monkeypatch, capsys, *argv: str) -> dict[str, str]:
+    """--help's text of each option, by option name."""
     monkeypatch.setenv("COLUMNS", "200")
-    code, _, _, text = run_main(monkeypatch, capsys, "--help")
-    assert code == 0
-    options = re.split(r"\n  (?=-)", text)[1:]
-    assert len(options) > 30 and "(default: None)" not in text
-    for option in options:
+    code, _, _, text = run_main(monkeypatch, capsys, *argv, "--help")
+    assert code == 0 and "(default: None)" not in text
+    return {option.split()[0].rstrip(","): option for option in re.split(r"\n  (?=-)", text)[1:]}
+
+
+@pytest.mark.parametrize("command", OWN_OPTIONS)
+def test_each_sub_command_shows_its_own_options_with_one_default_each(monkeypatch, capsys, command):
+    options = help_of(monkeypatch, capsys, command)
+    assert options.keys() == OWN_OPTIONS[command] | {"-h"}
+    for option in options.values():
         assert option.count("default") <= 1, option
+
+
+def test_no_sub_command_is_train_and_check_and_plan_defaults_differ_as_their_help_says(monkeypatch, capsys):
+    assert "{check,train,plan}" in run_main(monkeypatch, capsys, "--help")[3]
+    parse = lambda *argv: vars(full_train.parse_options(list(argv))[1])  # noqa: E731
+    train = parse("train")
+    assert parse() == train and parse("--resume") == {**train, "resume": "latest"}
+    differ = {"check": dict(steps=3, microbatches=2, global_batch=8, seq_len=32, lr=1e-3, kv_heads=2),
+              "plan": dict(dp=None, pp=None, cp=None, tp=None)}  # None: decided by other options
+    for command, defaults in differ.items():
+        args = parse(command)
+        changed = {k: v for k, v in args.items() if k in train and v != train[k]}
+        assert changed == dict(command=command, **defaults)
+        options = help_of(monkeypatch, capsys, command)
+        for name, value in defaults.items():
+            shown = "searched" if value is None else value
+            assert f"(default: {shown})" in options["--" + name.replace("_", "-")]
+    assert "(default: global_batch / dp: one sequence each)" in options["--microbatches"]
+    options = help_of(monkeypatch, capsys, "train")
+    assert all("(default: the --model preset's)" in options[name] for name in ("--global-batch", "--lr"))
+    assert "(default: 1, or 2 with pp > 1)" in options["--microbatches"]
+    resolved = full_train.train_config(full_train.parse_options(["--pp", "2"])[1])
+    _, seq_len, global_batch, lr = full_train.MODELS["tiny"]
+    assert (resolved.seq_len, resolved.global_batch, resolved.lr) == (seq_len, global_batch, lr)
+    assert resolved.microbatches == 2
+
+
+@pytest.mark.parametrize("argv", [["--nproc", "3"], ["check", "--nproc", "4"]])
+def test_the_mesh_sets_the_ranks_and_nproc_is_refused(monkeypatch, capsys, argv):
+    monkeypatch.delenv("RANK", raising=False)
+    code, err, launched, _ = run_main(monkeypatch, capsys, *argv)
+    assert code == 2 and not launched and f"unrecognized arguments: --nproc {argv[-1]}" in err, err
+    assert run_main(monkeypatch, capsys, "check", "--dp", "1", "--tp", "1", "--pp", "3")[::2] == (0, [3])
 
 
 def rank_processes(pid: int) -> list[int]:
@@ -1078,7 +1151,7 @@ def test_bad_data_is_one_clear_error_before_any_process_starts(tmp_path, text, m
 
 
 def test_kv_heads_option_is_checked_before_any_process_starts():
-    proc = subprocess.run([sys.executable, "09_full_train.py", "--check", "--kv-heads", "3"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "09_full_train.py", "check", "--kv-heads", "3"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "n_heads=4 is not divisible by n_kv_heads=3" in proc.stderr
