@@ -1191,9 +1191,9 @@ class RunConfig:
     seed: int = 0
 
 
-def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[int, Path, int]:
+def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Path, dict, int]:
     """Restore the parameters, AdamW, the data position and this rank's RNG from the checked
-    checkpoint; return its step, its folder and the bytes this rank read. A problem any rank finds
+    checkpoint; return its folder, its metadata and the bytes this rank read. A problem any rank finds
     (a damaged file, a piece missing) stops every rank with the same CheckpointError. The RNG draws
     nothing in this model (no dropout): it is restored for a model that does."""
     rank, world, problem = trainer.mesh.rank, trainer.mesh.sizes.world, None
@@ -1217,7 +1217,7 @@ def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[int
         torch.set_rng_state(reader.rng[rank]["cpu"])
         if trainer.device.type == "cuda" and "cuda" in reader.rng[rank]:
             torch.cuda.set_rng_state(reader.rng[rank]["cuda"], trainer.device)
-    return meta["step"], target, reader.bytes_read
+    return target, meta, reader.bytes_read
 
 
 def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor, run: RunConfig,
@@ -1229,16 +1229,28 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
     train, rank, sizes = trainer.train, trainer.mesh.rank, trainer.mesh.sizes
     out = dict(losses={}, times={}, val={}, activation_bytes=None, read=None, saved=None)
     start, kept = 0, []  # kept: this run's checkpoints, a resumed one included
+
+    def validation() -> float:  # the mean loss over the first eval_batches global batches of windows
+        windows = ShardedLoader(val_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
+                                sizes.dp, run.seed)
+        return sum(trainer.evaluate(next(windows)) for _ in range(run.eval_batches)) / run.eval_batches
+
     if run.resume:
-        start, target, out["read"] = resume(trainer, loader, run)
+        target, meta, out["read"] = resume(trainer, loader, run)
+        start = meta["step"]
         kept.append(start)
         elements = sum(int(piece_runs(spec)[:, 2].sum()) for spec, *_ in shard_specs(trainer))
         report = [None] * sizes.world if rank == 0 else None
         dist.gather_object((out["read"], 4 * len(CHECKPOINT_KINDS) * elements), report, dst=0)
+        again = validation() if meta.get("val") is not None and start < run.steps else None
         if rank == 0:
             print(f"resumed from {target}: steps {start} to {run.steps}. Bytes each rank read from it "
                   f"(memory-mapped) | its slices, (params + 2 AdamW moments) x 4 B x its shard's elements: "
                   + ", ".join(f"{a:,}|{b:,}" for a, b in report), flush=True)
+            if again is not None:
+                print(resumed_validation(meta, again, sizes), flush=True)
+            if start >= run.steps:
+                print(f"already at step {start} of --steps {run.steps}: nothing to train")
     last_good = lambda: (  # noqa: E731
         f"the last good checkpoint is {Path(run.folder) / f'step_{kept[-1]:08d}'}" if kept
         else "no checkpoint of this run is kept")
@@ -1258,14 +1270,11 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
                                      f"{last_good()}")
         trainer.update()
         out["losses"][step], out["times"][step] = loss, time.perf_counter() - t0
-        if progress is not None:
-            progress(step, loss, out["times"][step])
+        if progress is not None:  # with the latest validation loss
+            progress(step, loss, out["times"][step], out["val"][max(out["val"])] if out["val"] else None)
         done = step + 1
         if done % run.eval_every == 0 or done == run.steps:
-            val = ShardedLoader(val_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
-                                sizes.dp, run.seed)
-            losses = [trainer.evaluate(next(val)) for _ in range(run.eval_batches)]
-            out["val"][done] = sum(losses) / run.eval_batches
+            out["val"][done] = validation()
         if run.folder is not None and (done == run.steps or run.save_every and done % run.save_every == 0):
             pieces = checkpoint_pieces(trainer)
             finite = all(t.isfinite().all() for _, data in pieces for t in data.values())
@@ -1274,11 +1283,26 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
             if bad.item():
                 raise FloatingPointError(f"step {step}'s update left parameters or AdamW moments that are "
                                          f"not finite: step_{done:08d} is not written, {last_good()}")
-            out["saved"] = save_checkpoint(run.folder, done, pieces, {"loader": loader.state_dict()},
+            meta = {"loader": loader.state_dict(), "mesh": dataclasses.asdict(sizes),
+                    "val": out["val"].get(done)}  # what a resume compares its validation with
+            out["saved"] = save_checkpoint(run.folder, done, pieces, meta,
                                            checkpoint_config(trainer.cfg), rank, sizes.world, all_ranks,
                                            keep=kept[-(run.keep - 1):] if run.keep > 1 else ())
             kept.append(done)
     return out
+
+
+def resumed_validation(meta: dict, again: float, sizes: MeshSizes) -> str:
+    """The resumed weights' validation loss beside the one recorded at the save: the same weights,
+    so they differ by rounding only, whose sums change order when the mesh changes."""
+    saved = MeshSizes(**meta["mesh"])
+    line = (f"validation loss of the loaded weights {again:.6f}, when saved {meta['val']:.6f}: "
+            f"difference {abs(again - meta['val']):.1e}")
+    if saved == sizes:
+        return line + " (the same mesh: the same sums, so a resumed run repeats the uninterrupted one)"
+    return (line + f" (saved on {mesh_name(saved)}, resumed on {mesh_name(sizes)}: the same sums in another "
+            f"order; training amplifies such rounding, so the losses follow the uninterrupted run's closely "
+            f"at first, then drift: it ends near, not on, that run's loss)")
 
 
 def train_run(args: argparse.Namespace) -> None:
@@ -1313,13 +1337,13 @@ def train_run(args: argparse.Namespace) -> None:
               f"AdamW lr {train.lr:g} warmup {run.warmup} + cosine; {saves}")
     bars = []  # made at the first step: a resume that fails prints its line alone
 
-    def progress(step: int, loss: float, seconds: float) -> None:
+    def progress(step: int, loss: float, seconds: float, val: float | None) -> None:
         if not bars:
             bars.append(tqdm(total=run.steps, initial=step, disable=not rank0, desc="09", dynamic_ncols=True))
         rate = tokens_per_step / seconds
         bars[0].update(step + 1 - bars[0].n)
-        bars[0].set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}",
-                            **({"mfu": f"{mfu(rate):.1%}"} if peak else {}))
+        bars[0].set_postfix(loss=f"{loss:.3f}", **({"val": f"{val:.3f}"} if val is not None else {}),
+                            tok_s=f"{rate:,.0f}", **({"mfu": f"{mfu(rate):.1%}"} if peak else {}))
 
     try:
         result, failed = train_loop(trainer, loader, val_tokens, run, progress), None
@@ -1329,6 +1353,8 @@ def train_run(args: argparse.Namespace) -> None:
         bar.close()
     if failed is not None:
         foundation.exit_distributed(str(failed), code=2 if isinstance(failed, CheckpointError) else 1)
+    if not result["losses"]:  # a finished run resumed: said so, nothing more
+        foundation.exit_distributed()
     saved, numels = ([None] * sizes.world if rank0 else None for _ in range(2))
     dist.gather_object(result["activation_bytes"], saved, dst=0)
     dist.gather_object({spec.name: math.prod(spec.full_shape) for spec, *_ in param_specs(trainer)}, numels,
@@ -1353,6 +1379,27 @@ def train_run(args: argparse.Namespace) -> None:
     foundation.exit_distributed()
 
 
+def loss_curve(train: dict[int, float], val: dict[int, float], width: int = 64, height: int = 12) -> str:
+    """The losses drawn in text, step across and loss up: '.' training (each column's mean over its
+    steps), 'o' validation (recorded after `step` steps, so drawn at step - 1)."""
+    first, last = min(train), max(train)
+    values = [*train.values(), *val.values()]
+    lo, hi = min(values), max(values)
+    column = lambda step: min(width - 1, (step - first) * width // (last - first + 1))  # noqa: E731
+    row = lambda loss: round((hi - loss) / ((hi - lo) or 1) * (height - 1))  # noqa: E731
+    grid, columns = [[" "] * width for _ in range(height)], {}
+    for step, loss in train.items():
+        columns.setdefault(column(step), []).append(loss)
+    for c, losses in columns.items():
+        grid[row(sum(losses) / len(losses))][c] = "."
+    for step, loss in val.items():
+        grid[row(loss)][column(min(step - 1, last))] = "o"
+    labels = {0: f"{hi:.3f}", height // 2: "loss", height - 1: f"{lo:.3f}"}
+    lines = [f"{labels.get(r, ''):>7} |{''.join(cells)}".rstrip() for r, cells in enumerate(grid)]
+    return "\n".join([*lines, f"{'':>7} +{'-' * width}",
+                      f"{'':>8}{f'step {first}':<{width // 2}}{f'step {last}':>{width - width // 2}}"])
+
+
 def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_step: int, mfu) -> None:
     train, sizes = trainer.train, trainer.mesh.sizes
     losses, times = result["losses"], list(result["times"].values())
@@ -1361,6 +1408,7 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
         print(f"train loss {losses[first]:.3f} at step {first} -> {losses[last]:.3f} at step {last} "
               f"(ln 256 = {math.log(256):.3f}: a uniform guess); validation: "
               + ", ".join(f"{v:.3f} after {s}" for s, v in result["val"].items()))
+        print(f"The losses ('.' training, 'o' validation):\n{loss_curve(losses, result['val'])}")
     rank0, b = plan(cfg, sizes, train)[0], train.global_batch // sizes.dp // train.microbatches
     paper = tensor_parallel.korthikanti_bytes(cfg, b, train.seq_len // sizes.cp, sizes.tp,
                                               train.sequence_parallel)

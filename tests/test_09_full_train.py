@@ -687,7 +687,7 @@ def train_run(sizes, train, run, stop_at=None, poison_at=None, poison="params"):
     loader = full_train.ShardedLoader(train_tokens, train.seq_len, train.global_batch,
                                       trainer.mesh.coords["dp"], sizes.dp, run.seed)
 
-    def progress(step, loss, seconds):
+    def progress(step, loss, seconds, val):
         if step == poison_at and poison == "params":
             next(iter(trainer.stages.values())).layers["0"].mlp_norm.weight.data.fill_(math.nan)
         elif step == poison_at and trainer.mesh.rank == 1:
@@ -943,15 +943,17 @@ def read_pieces(folder: Path) -> list:
 
 def test_the_training_run_on_one_process_end_to_end(tmp_path):
     """World 1 (the single-GPU path, here on the CPU): lesson 07's kernel, selective recompute,
-    checkpoints, the sample. --resume 2 in a copy of the folder repeats step 2: the same loss and
-    validation as printed, and bitwise the same step-3 checkpoint. Then altered bytes and a
-    truncated file: one line (from the rank, and before launch), exit code 2."""
+    checkpoints, the sample, the loss curve. --resume 2 in a copy of the folder first evaluates the
+    loaded weights (the validation loss recorded at the save, bit for bit), then repeats step 2:
+    the same loss and validation as printed, and bitwise the same step-3 checkpoint; --resume of
+    the finished run says so and trains nothing. Then altered bytes and a truncated file: one line
+    (from the rank, and before launch), exit code 2."""
     common = ("--dp 1 --tp 1 --seq-len 16 --global-batch 2 --warmup 1 --steps 3 --save-every 2 "
-              "--sample-bytes 4 --attention flash --recompute selective").split()
+              "--eval-every 2 --sample-bytes 4 --attention flash --recompute selective").split()
     a, b = tmp_path / "a", tmp_path / "b"
     out = run_script("09_full_train.py", *common, "--checkpoint-dir", str(a))
     assert "attention flash" in out and "recompute selective" in out and "final: 2 timed steps" in out
-    assert "Greedy sample from the checkpoint" in out
+    assert "Greedy sample from the checkpoint" in out and "The losses ('.' training, 'o' validation):" in out
     assert full_train.latest_checkpoint(a).name == "step_00000003"
     n = sum(p.numel() for p in foundation.GPT(full_train.build_model_config(argparse.Namespace(
         command="train", model="tiny", kv_heads=None))).parameters())
@@ -961,7 +963,13 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
     assert f"resumed from {b / 'step_00000002'}: steps 2 to 3" in resumed
     last_loss = re.search(r"-> (\S+ at step 2)", out).group(1)
     assert f"train loss {last_loss} -> {last_loss}" in resumed
-    assert re.search(r"validation: .*", out).group() == re.search(r"validation: .*", resumed).group()
+    saved_val, final_val = re.search(r"validation: (\S+) after 2, (\S+) after 3", out).groups()
+    assert f"validation: {final_val} after 3" in resumed
+    again = re.search(r"validation loss of the loaded weights (\S+), when saved (\S+): difference 0.0e\+00 "
+                      r"\(the same mesh", resumed)
+    assert again and again.group(1) == again.group(2) and f"{float(again.group(2)):.3f}" == saved_val
+    finished = run_script("09_full_train.py", *common, "--checkpoint-dir", str(a), "--resume")
+    assert "already at step 3 of --steps 3: nothing to train" in finished and "train loss" not in finished
     pieces = zip(read_pieces(a / "step_00000003"), read_pieces(b / "step_00000003"), strict=True)
     for (spec_a, data_a), (spec_b, data_b) in pieces:
         assert spec_a == spec_b and all(torch.equal(data_a[k], data_b[k]) for k in data_a), spec_a
@@ -1155,3 +1163,26 @@ def test_kv_heads_option_is_checked_before_any_process_starts():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "n_heads=4 is not divisible by n_kv_heads=3" in proc.stderr
+
+
+def test_the_loss_curve_is_drawn_where_the_losses_are():
+    """Rows from the highest loss (top, labelled) to the lowest (bottom, labelled); a column per
+    1/width of the steps, '.' at its mean training loss, 'o' at each validation loss."""
+    train = {step: 5.0 - step / 100 for step in range(400)}  # falls a row every ~0.4 of 4 / 11
+    curve = full_train.loss_curve(train, {200: 4.5}, width=40, height=12).splitlines()
+    assert curve[0].startswith("  5.000 |.") and curve[11].startswith("  1.010 |")
+    assert curve[11].endswith(".") and len(curve[11]) == 9 + 40, "the last column is the last steps"
+    rows = [next(r for r, line in enumerate(curve[:12]) if len(line) > 9 + c and line[9 + c] == ".")
+            for c in range(40)]
+    assert rows == sorted(rows), "a falling loss is drawn falling"
+    assert curve[1][9 + 19] == "o", "the validation after 200 steps: at step 199's column, 4.5's row"
+    assert curve[12] == "        +" + "-" * 40 and "step 0" in curve[13] and curve[13].endswith("step 399")
+
+
+def test_a_resume_says_how_close_its_validation_is_and_why_on_another_mesh():
+    meta = {"mesh": dataclasses.asdict(full_train.MeshSizes(dp=2, tp=2)), "val": 1.5}
+    same = full_train.resumed_validation(meta, 1.5, full_train.MeshSizes(dp=2, tp=2))
+    assert "difference 0.0e+00 (the same mesh: the same sums" in same
+    other = full_train.resumed_validation(meta, 1.5 + 2 ** -20, full_train.MeshSizes(dp=4))
+    assert "difference 9.5e-07 (saved on dp=2 pp=1 cp=1 tp=2, resumed on dp=4 pp=1 cp=1 tp=1" in other
+    assert "then drift" in other
