@@ -65,6 +65,7 @@ foundation = importlib.import_module("01_ddp")
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 COMPUTE, SEND = ("F", "B", "W"), ("SEND_F", "SEND_B")
+ACTION_LABELS = {"F": "forward", "B": "backward", "W": "backward"}  # W: the weight half of B
 # Nominal cost of each action: a backward is two matmuls per forward one (input and weight gradient).
 UNIT_TIMES, UNIT_TIMES_SPLIT = {"F": 1, "B": 2}, {"F": 1, "B": 1, "W": 1}
 MB_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"  # one character per microbatch in the drawings
@@ -374,38 +375,39 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
             received = inbox.pop((a.kind, *key), None)  # from a peer or a local stage, if any
             start = time.perf_counter()  # after any wait for a peer: waiting is bubble, not work
             trains = schedule.trains[a.stage]
-            if a.kind == "F":  # the input needs a gradient if some stage before this one trains
-                x = received if a.stage > 0 else x_mbs[a.microbatch]
-                x.requires_grad_(schedule.needs_input_grad(a.stage))
-                out = module(x, y_mbs[a.microbatch]) / m if a.stage == last else module(x)
-                if a.stage == last:
-                    losses.append(out.detach())
-                else:
-                    outbox[("F", a.stage + 1, a.microbatch)] = out.detach()
-                saved[key] = x, out
-                log.peak_in_flight = max(log.peak_in_flight, len(saved) + len(wait_for_w))
-            elif a.kind == "B":  # a frozen stage with nothing before it that trains: nothing to do
-                x, out = saved.pop(key)
-                grad = received  # None on the last stage: out is the loss
-                if schedule.split_backward:  # input gradient only; the weights wait for W
+            with torch.profiler.record_function(ACTION_LABELS[a.kind]):  # a profile's names (09)
+                if a.kind == "F":  # the input needs a gradient if some stage before this one trains
+                    x = received if a.stage > 0 else x_mbs[a.microbatch]
+                    x.requires_grad_(schedule.needs_input_grad(a.stage))
+                    out = module(x, y_mbs[a.microbatch]) / m if a.stage == last else module(x)
+                    if a.stage == last:
+                        losses.append(out.detach())
+                    else:
+                        outbox[("F", a.stage + 1, a.microbatch)] = out.detach()
+                    saved[key] = x, out
+                    log.peak_in_flight = max(log.peak_in_flight, len(saved) + len(wait_for_w))
+                elif a.kind == "B":  # a frozen stage with nothing before it that trains: nothing to do
+                    x, out = saved.pop(key)
+                    grad = received  # None on the last stage: out is the loss
+                    if schedule.split_backward:  # input gradient only; the weights wait for W
+                        if x.requires_grad:
+                            (x_grad,) = torch.autograd.grad(out, x, grad, retain_graph=trains)
+                        if trains:
+                            wait_for_w[key] = (out, grad)
+                    elif out.requires_grad:
+                        torch.autograd.backward(out, grad)
+                        x_grad = x.grad
                     if x.requires_grad:
-                        (x_grad,) = torch.autograd.grad(out, x, grad, retain_graph=trains)
-                    if trains:
-                        wait_for_w[key] = (out, grad)
-                elif out.requires_grad:
-                    torch.autograd.backward(out, grad)
-                    x_grad = x.grad
-                if x.requires_grad:
-                    outbox[("B", a.stage - 1, a.microbatch)] = x_grad
-            elif trains:  # W: the weight gradients, accumulated like backward() would (frozen: none)
-                out, grad = wait_for_w.pop(key)
-                params = [p for p in module.parameters() if p.requires_grad]
-                for p, g in zip(params, torch.autograd.grad(out, params, grad), strict=True):
-                    if p.grad is None:
-                        p.grad = g
-                    else:  # in place: .grad may be a view into a flat buffer (ZeRO-0/1)
-                        p.grad.add_(g)
-                del out, grad  # W leaves B's path alone: its saved tensors go with the graph, now
+                        outbox[("B", a.stage - 1, a.microbatch)] = x_grad
+                elif trains:  # W: the weight gradients, accumulated like backward() would (frozen: none)
+                    out, grad = wait_for_w.pop(key)
+                    params = [p for p in module.parameters() if p.requires_grad]
+                    for p, g in zip(params, torch.autograd.grad(out, params, grad), strict=True):
+                        if p.grad is None:
+                            p.grad = g
+                        else:  # in place: .grad may be a view into a flat buffer (ZeRO-0/1)
+                            p.grad.add_(g)
+                    del out, grad  # W leaves B's path alone: its saved tensors go with the graph, now
             if work_s is not None:
                 time.sleep(max(0.0, start + work_s[a.kind] - time.perf_counter()))
             log.records.append((a.kind, *key, start - t0, time.perf_counter() - t0))

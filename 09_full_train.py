@@ -444,8 +444,9 @@ class Trainer:
                     accumulate.enter_context(fp8.weights_cast_once(model))  # 08: once per step
                 log = pipeline.run_schedule(self.plan, self.stages, tokens, targets, self.mesh.groups["pp"],
                                              boundary_shape=self.boundary_shape)
-            for *_, zero_opt in self.zeros:
-                zero_opt.finish_gradient_sync()
+            with torch.profiler.record_function("gradient sync"):  # names in a profile (--profile)
+                for *_, zero_opt in self.zeros:
+                    zero_opt.finish_gradient_sync()
         self.meter = zero.merge_meters([self.meter, meter])
         self.in_flight = max(self.in_flight, log.peak_in_flight)
         # Outside the meter: the last stage's local mean, averaged over dp x cp, sent to every stage.
@@ -461,7 +462,7 @@ class Trainer:
         def share(p: nn.Parameter) -> float:  # held by tp ranks alike: count once over tp
             return 1.0 if hasattr(p, "tp_shard_dim") else 1 / sizes.tp
 
-        with foundation.comm_meter() as meter:
+        with foundation.comm_meter() as meter, torch.profiler.record_function("optimizer"):
             squares = {kind: sum(z.grad_squares(share) for _, k, z in self.zeros if k == kind)
                        for kind in ("dp_cp", "ep_dp")}
             if sizes.ep > 1:  # each ep rank holds other experts
@@ -1189,6 +1190,8 @@ class RunConfig:
     resume: bool = False
     resume_step: int | None = None  # None: the one LATEST names
     seed: int = 0
+    profile: int = 0  # steps profiled after the measured one (0: none)
+    trace: str | None = None  # the profile's Chrome trace file
 
 
 def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Path, dict, int]:
@@ -1255,7 +1258,12 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         f"the last good checkpoint is {Path(run.folder) / f'step_{kept[-1]:08d}'}" if kept
         else "no checkpoint of this run is kept")
     out["measured"] = measured = min(start + 1, run.steps - 1)  # the second: the first compiles, autotunes
+    profiled, profiler = range(measured + 1, min(measured + 1 + run.profile, run.steps)), None
     for step in range(start, run.steps):
+        if profiled and step == profiled.start:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if trainer.device.type == "cuda" else []))
+            profiler.start()
         trainer.set_lr(learning_rate(step, train.lr, run.warmup, run.steps, train.lr * run.min_lr_ratio))
         rows = next(loader)
         t0 = time.perf_counter()
@@ -1268,8 +1276,15 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         if not math.isfinite(loss):  # the same global loss on every rank: every rank stops here
             raise FloatingPointError(f"step {step}: the loss is {loss}; stopping without saving, "
                                      f"{last_good()}")
-        trainer.update()
+        trainer.update()  # its .item() waits for the device: the time is the step's
         out["losses"][step], out["times"][step] = loss, time.perf_counter() - t0
+        if profiler is not None and step == profiled[-1]:
+            profiler.stop()
+            step_s = sum(out["times"][s] for s in profiled) / len(profiled)
+            out["profile"] = step_profile(profiler, len(profiled), step_s, trainer.device)
+            if run.trace and rank == 0:
+                profiler.export_chrome_trace(run.trace)
+            profiler = None
         if progress is not None:  # with the latest validation loss
             progress(step, loss, out["times"][step], out["val"][max(out["val"])] if out["val"] else None)
         done = step + 1
@@ -1400,6 +1415,40 @@ def loss_curve(train: dict[int, float], val: dict[int, float], width: int = 64, 
                       f"{'':>8}{f'step {first}':<{width // 2}}{f'step {last}':>{width - width // 2}}"])
 
 
+STEP_PARTS = ("forward", "backward", "gradient sync", "optimizer")  # record_function names: 04, Trainer
+
+
+def step_profile(prof: torch.profiler.profile, steps: int, step_s: float, device: torch.device,
+                 top: int = 8) -> str:
+    """Where a profiled step goes: each part's time on the device (on a CPU: the CPU's), the kernels
+    (CPU: operators) that take most, and on a GPU how long it sat idle in the step: waiting for the
+    CPU to launch work, or for a .item()."""
+    cuda, events = device.type == "cuda", prof.events()
+    ms = lambda us: us / 1e3 / steps  # noqa: E731  (microseconds over the steps -> ms per step)
+    lines = [f"profile of {steps} steps, {step_s * 1e3:,.1f} ms each (with the profiler's overhead); "
+             f"{'device' if cuda else 'CPU'} time per step of each part:"]
+    for name in STEP_PARTS:
+        us = sum(e.device_time_total if cuda else e.cpu_time_total for e in events if e.name == name)
+        lines.append(f"  {name:<14}{ms(us):10.1f} ms {ms(us) / (step_s * 1e3):6.1%}")
+    if cuda:  # the union of the kernels' intervals, against the span from the first to the last
+        spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+        busy, reached = 0.0, -math.inf
+        for begin, end in spans:
+            busy, reached = busy + max(0.0, end - max(begin, reached)), max(reached, end)
+        span = reached - spans[0][0] if spans else 0.0
+        idle = span - busy
+        lines.append(f"  the GPU ran kernels {ms(busy):.1f} ms and sat idle {ms(idle):.1f} ms of each step "
+                     f"({idle / max(span, 1):.1%}: waiting for the CPU's launches or a .item())")
+    own = lambda k: k.self_device_time_total if cuda else k.self_cpu_time_total  # noqa: E731
+    on_device = lambda k: k.device_type == torch.autograd.DeviceType.CUDA  # noqa: E731
+    kinds = [k for k in prof.key_averages() if own(k) > 0 and on_device(k) == cuda]
+    lines.append(f"  the {top} {'kernels' if cuda else 'operators'} that take most, ms per step (calls):")
+    for k in sorted(kinds, key=own, reverse=True)[:top]:
+        lines.append(f"  {ms(own(k)):10.2f} ({k.count // steps:>4})  {k.key[:80]}")
+    return "\n".join(lines)
+
+
 def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_step: int, mfu) -> None:
     train, sizes = trainer.train, trainer.mesh.sizes
     losses, times = result["losses"], list(result["times"].values())
@@ -1429,6 +1478,8 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
                  f"{peak_bf16_flops(trainer.device) / 1e12:.0f} TFLOP/s per device)" if mfu else "")
               + f"; attention {train.attention}, compile {'on' if train.compile else 'off'}, "
                 f"recompute {train.recompute}")
+    if "profile" in result:
+        print(result["profile"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1740,6 +1791,10 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default="    return ",
                         help="the start of the greedy sample (default: 4 spaces, then 'return ')")
     parser.add_argument("--sample-bytes", type=int, default=100, help="bytes the sample generates")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="profile STEPS steps after the second (torch.profiler): forward, backward, "
+                        "gradient sync and optimizer, the top kernels, the GPU's idle time")
+    parser.add_argument("--trace", metavar="FILE", help="with --profile: its Chrome trace (chrome://tracing)")
     parser.add_argument("--no-sample", dest="sample_bytes", action="store_const", const=0,
                         help="no sample at the end")
 
@@ -1821,7 +1876,8 @@ def train_config(args: argparse.Namespace, device: torch.device | None = None) -
 def run_config(args: argparse.Namespace) -> RunConfig:
     return RunConfig(steps=args.steps, warmup=args.warmup, eval_every=args.eval_every,
                      save_every=args.save_every, folder=None if args.no_save else args.checkpoint_dir,
-                     keep=args.keep, resume=args.resume is not None, seed=args.seed,
+                     keep=args.keep, resume=args.resume is not None, seed=args.seed, profile=args.profile,
+                     trace=args.trace,
                      resume_step=None if args.resume in (None, "latest") else int(args.resume))
 
 
@@ -1833,11 +1889,16 @@ def check_options(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     if not given.get("max_grad_norm", 1) > 0:
         raise ValueError(f"--max-grad-norm must be > 0 (inf: no clipping), not {args.max_grad_norm}")
-    for name in ("warmup", "save_every", "sample_bytes"):
+    for name in ("warmup", "save_every", "sample_bytes", "profile"):
         if given.get(name, 0) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if given.get("resume") not in (None, "latest") and not args.resume.isdigit():
         raise ValueError(f"--resume takes the step of a kept checkpoint (a number), not {args.resume!r}")
+    if given.get("trace") and not args.profile:
+        raise ValueError("--trace writes --profile's trace: give --profile STEPS too")
+    if given.get("profile") and args.steps < 3:
+        raise ValueError(f"--profile needs --steps >= 3 (the first two compile and measure), "
+                         f"not {args.steps}")
     if given.get("sample_bytes") and not args.prompt:
         raise ValueError("--prompt must not be empty: the sample continues it (--no-sample: no sample)")
 
