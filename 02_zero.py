@@ -361,12 +361,17 @@ class ZeRO:
         sums the parts of all ranks, and a parameter held by t of them counts 1/t on each."""
         squares = torch.zeros((), device=self.units[0].shard.device)
         for unit in self.units:
-            grad = unit.grad_shard.float()
+            runs = []  # [share, begin, end) in the shard: neighbours of equal share merged, one reduction
             for p, begin, end in zip(unit.params, unit.offsets, unit.offsets[1:]):
-                begin, end = max(begin, unit.owned.start), min(end, unit.owned.stop)
-                if begin < end:
-                    part = grad[begin - unit.owned.start:end - unit.owned.start]
-                    squares += part.pow(2).sum() * share(p)
+                begin = max(begin, unit.owned.start) - unit.owned.start
+                end = min(end, unit.owned.stop) - unit.owned.start
+                if begin < end and runs and runs[-1][0] == share(p) and runs[-1][2] == begin:
+                    runs[-1][2] = end
+                elif begin < end:
+                    runs.append([share(p), begin, end])
+            for weight, begin, end in runs:  # summed in fp32, without an fp32 copy of a bf16 gradient
+                part = unit.grad_shard[begin:end]
+                squares += torch.linalg.vector_norm(part, dtype=torch.float32).square() * weight
         if self.stage > 0:  # each rank has its shard's share of the sum
             foundation.all_reduce(squares, group=self.group)
         return squares
@@ -393,7 +398,7 @@ class ZeRO:
         """After the master shard changed: its compute copy, and (stages 1-2) the full parameters."""
         if unit.master.data_ptr() != unit.shard.data_ptr():
             unit.shard.copy_(unit.master)  # mixed precision: round the fp32 master to bf16
-        if self.stage in (1, 2):  # in place of the old full parameters; stage 3 gathers later
+        if self.stage in (1, 2) and self.world > 1:  # in place of the old full ones; stage 3 gathers later
             foundation.all_gather(unit.flat_param, unit.shard.clone(), group=self.group)
 
     def step(self) -> torch.Tensor:
