@@ -343,11 +343,12 @@ def validate_ties(model: nn.Module, plan: dict) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool = False,
-                          plan: dict | None = None) -> nn.Module:
+                          plan: dict | None = None, check_ids: bool = True) -> nn.Module:
     """Shard the lesson-01 GPT in place over `group`: every rank keeps its slice of the weights it
     already holds (identical on every rank: seeded init, or broadcast here), the loss becomes the
     vocab-parallel cross-entropy. model(tokens) then returns this rank's vocabulary slice of the
-    logits; model(tokens, targets) the full mean loss."""
+    logits; model(tokens, targets) the full mean loss. check_ids=False: the caller checks the ids
+    where it is cheap (lesson 09: its rows, on the CPU, before they move to the GPU)."""
     tp, rank = foundation.group_size(group), dist.get_rank(group)
     validate_tensor_parallel(model.cfg, tp)
     if any(hasattr(p, "tp_shard_dim") for p in model.parameters()):
@@ -382,7 +383,7 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
                              f"(sequence parallelism splits the sequence)")
         # A shard would silently ignore an id no rank holds (one device raises). min/max cost a
         # device sync per step on a GPU: the price of an error instead of a wrong loss.
-        for ids in (tokens, targets):
+        for ids in (tokens, targets) if check_ids else ():
             if ids is not None and ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
                 raise ValueError(f"token and target ids must lie in [0, {vocab_size})")
 

@@ -351,7 +351,8 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
     inbox, arriving, sent, saved, wait_for_w = {}, {}, [], {}, {}
     outbox = inbox if schedule.pp == 1 else {}  # one rank owns every stage: hand over directly
     log, losses = StepLog(), []
-    dist.barrier(group=group)
+    if schedule.pp > 1:  # the ranks' timelines start together (one rank: a barrier only stalls a GPU)
+        dist.barrier(group=group)
     t0 = time.perf_counter()
     for compute, run in itertools.groupby(schedule.actions[rank], lambda a: a.kind in COMPUTE):
         if not compute:  # consecutive transfers: one batched isend/irecv

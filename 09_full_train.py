@@ -101,6 +101,7 @@ import shutil
 import socket
 import sys
 import sysconfig
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -357,8 +358,8 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
             expert_parallel.apply_expert_parallel(model, mesh.groups["ep"])
     if train.fp8:
         model = fp8.convert_to_float8(model)
-    model = tensor_parallel.apply_tensor_parallel(model.to(device), mesh.groups["tp"],
-                                                  train.sequence_parallel, tensor_parallel_plan(train.moe))
+    model = tensor_parallel.apply_tensor_parallel(model.to(device), mesh.groups["tp"], train.sequence_parallel,
+                                                  tensor_parallel_plan(train.moe), check_ids=False)
     attention = flash.flash_attention if train.attention == "flash" else None
     if mesh.sizes.cp > 1:
         ring_block = flash.FLASH_BLOCK if device.type == "cuda" else context_parallel.TORCH_BLOCK  # 07's
@@ -434,6 +435,8 @@ class Trainer:
             raise ValueError(f"rows of shape {tuple(rows.shape)}: this dp rank expects "
                              f"(global_batch / dp, seq_len + 1) = ({self.train.global_batch // sizes.dp}, "
                              f"{self.train.seq_len + 1})")
+        if rows.numel() and (rows.min() < 0 or rows.max() >= self.cfg.vocab_size):  # on the CPU: no GPU wait
+            raise ValueError(f"token and target ids must lie in [0, {self.cfg.vocab_size})")
         tokens, targets = (self.layout.shard(t, at["cp"], dim=1).to(self.device)
                            for t in (rows[:, :-1], rows[:, 1:]))
         with foundation.comm_meter() as meter:
@@ -455,8 +458,10 @@ class Trainer:
             foundation.all_reduce(loss, group=self.mesh.groups[kind])
         return loss.item() / (sizes.dp * sizes.cp)
 
-    def update(self) -> float:
-        """Clip by the norm over the whole mesh, AdamW on every shard; returns the norm."""
+    def update(self) -> torch.Tensor:
+        """Clip by the norm over the whole mesh, AdamW on every shard; returns the norm, on the device:
+        reading it (.item()) would make the CPU wait for the GPU, which could not then run this update
+        while the CPU prepares the next step."""
         sizes = self.mesh.sizes
 
         def share(p: nn.Parameter) -> float:  # held by tp ranks alike: count once over tp
@@ -476,7 +481,7 @@ class Trainer:
                 zero_opt.zero_grad()
         self.meter = zero.merge_meters([self.meter, meter])
         self.steps += 1
-        return squares.sqrt().item()
+        return squares.sqrt()
 
     def evaluate(self, rows: torch.Tensor) -> float:
         """The loss on rows without training: lesson 04's schedules have no forward-only mode, so
@@ -1170,6 +1175,8 @@ LLAMA3 = dict(vocab_size=128_256, n_kv_heads=8, rope_theta=500_000.0)  # Meta's 
 MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256 (bytes are tokens) unless the model sets one
     "tiny": (dict(dim=128, n_layers=4, n_heads=4, ffn_dim=352), 128, 16, 3e-3),  # CPU: a few minutes
     "1b": (dict(dim=2048, n_layers=16, n_heads=16, ffn_dim=5632), 2048, 8, 3e-4),  # 0.82B: one H100
+    # Llama 3 8B's layer (dim 4096, GQA 32/8, ffn 14336), 8 of them: 1.7B, --fp8's GEMMs at full width
+    "2b": (dict(dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336), 2048, 8, 3e-4),
     # For plan. Peak lr from the Llama 3 paper; batches of 4M, 8M and 16M tokens (405B: Meta's last)
     "llama3-8b": (dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **LLAMA3), 8192, 512, 3e-4),
     "llama3-70b": (dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **LLAMA3), 8192, 1024, 1.5e-4),
@@ -1276,15 +1283,17 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         if not math.isfinite(loss):  # the same global loss on every rank: every rank stops here
             raise FloatingPointError(f"step {step}: the loss is {loss}; stopping without saving, "
                                      f"{last_good()}")
-        trainer.update()  # its .item() waits for the device: the time is the step's
+        trainer.update()  # no wait: timed on the CPU, which the next step's loss.item() keeps in step
         out["losses"][step], out["times"][step] = loss, time.perf_counter() - t0
         if profiler is not None and step == profiled[-1]:
             profiler.stop()
             step_s = sum(out["times"][s] for s in profiled) / len(profiled)
-            out["profile"] = step_profile(profiler, len(profiled), step_s, trainer.device)
-            if run.trace and rank == 0:
-                profiler.export_chrome_trace(run.trace)
-            profiler = None
+            trace = Path(run.trace if run.trace and rank == 0 else tempfile.mkstemp(".json")[1])
+            profiler.export_chrome_trace(str(trace))
+            out["profile"] = step_profile(json.loads(trace.read_text()), len(profiled), step_s)
+            if trace != Path(run.trace or ""):
+                trace.unlink()
+            profiler, out["profiled"] = None, list(profiled)
         if progress is not None:  # with the latest validation loss
             progress(step, loss, out["times"][step], out["val"][max(out["val"])] if out["val"] else None)
         done = step + 1
@@ -1418,40 +1427,50 @@ def loss_curve(train: dict[int, float], val: dict[int, float], width: int = 64, 
 STEP_PARTS = ("forward", "backward", "gradient sync", "optimizer")  # record_function names: 04, Trainer
 
 
-def step_profile(prof: torch.profiler.profile, steps: int, step_s: float, device: torch.device,
-                 top: int = 8) -> str:
-    """Where a profiled step goes: each part's time on the device (on a CPU: the CPU's), the kernels
-    (CPU: operators) that take most, and on a GPU how long it sat idle in the step: waiting for the
-    CPU to launch work, or for a .item()."""
-    cuda, events = device.type == "cuda", prof.events()
+def step_profile(trace: dict, steps: int, step_s: float, top: int = 8) -> str:
+    """Where a profiled step goes, read off the profiler's Chrome trace: each part's time (on a GPU, the
+    kernels launched inside its range, from any thread: autograd runs backward on a thread of its own;
+    on a CPU, the range itself), the kernels (CPU: operators) that take most and, on a GPU, how long it
+    sat idle in the steps: waiting for the CPU to launch work, or for a .item()."""
+    events = trace["traceEvents"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    parts = [e for e in events if e.get("cat") == "user_annotation" and e["name"] in STEP_PARTS]
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ms = lambda us: us / 1e3 / steps  # noqa: E731  (microseconds over the steps -> ms per step)
+    spent = dict.fromkeys(STEP_PARTS, 0.0)
+    for part in parts if not kernels else ():
+        spent[part["name"]] += part["dur"]
+    for kernel in kernels:
+        at = launched.get(kernel["args"].get("correlation"), -math.inf)
+        part = next((p["name"] for p in parts if p["ts"] <= at <= p["ts"] + p["dur"]), None)
+        if part is not None:
+            spent[part] += kernel["dur"]
     lines = [f"profile of {steps} steps, {step_s * 1e3:,.1f} ms each (with the profiler's overhead); "
-             f"{'device' if cuda else 'CPU'} time per step of each part:"]
-    for name in STEP_PARTS:
-        us = sum(e.device_time_total if cuda else e.cpu_time_total for e in events if e.name == name)
-        lines.append(f"  {name:<14}{ms(us):10.1f} ms {ms(us) / (step_s * 1e3):6.1%}")
-    if cuda:  # the union of the kernels' intervals, against the span from the first to the last
-        spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                       if e.device_type == torch.autograd.DeviceType.CUDA)
+             f"{'GPU' if kernels else 'CPU'} time per step of each part:"]
+    lines += [f"  {name:<14}{ms(us):10.1f} ms {ms(us) / (step_s * 1e3):6.1%}" for name, us in spent.items()]
+    if kernels:  # the union of the kernels' intervals, against the span from the first to the last
         busy, reached = 0.0, -math.inf
-        for begin, end in spans:
-            busy, reached = busy + max(0.0, end - max(begin, reached)), max(reached, end)
-        span = reached - spans[0][0] if spans else 0.0
-        idle = span - busy
+        for kernel in sorted(kernels, key=lambda e: e["ts"]):
+            end = kernel["ts"] + kernel["dur"]
+            busy, reached = busy + max(0.0, end - max(kernel["ts"], reached)), max(reached, end)
+        idle = reached - min(e["ts"] for e in kernels) - busy
         lines.append(f"  the GPU ran kernels {ms(busy):.1f} ms and sat idle {ms(idle):.1f} ms of each step "
-                     f"({idle / max(span, 1):.1%}: waiting for the CPU's launches or a .item())")
-    own = lambda k: k.self_device_time_total if cuda else k.self_cpu_time_total  # noqa: E731
-    on_device = lambda k: k.device_type == torch.autograd.DeviceType.CUDA  # noqa: E731
-    kinds = [k for k in prof.key_averages() if own(k) > 0 and on_device(k) == cuda]
-    lines.append(f"  the {top} {'kernels' if cuda else 'operators'} that take most, ms per step (calls):")
-    for k in sorted(kinds, key=own, reverse=True)[:top]:
-        lines.append(f"  {ms(own(k)):10.2f} ({k.count // steps:>4})  {k.key[:80]}")
+                     f"(waiting for the CPU's launches or a .item())")
+    by_name = collections.defaultdict(lambda: [0.0, 0])  # name: [microseconds, calls]
+    for e in kernels or [e for e in events if e.get("cat") == "cpu_op"]:
+        by_name[e["name"]][0] += e["dur"]  # CPU operators: inclusive times (they nest)
+        by_name[e["name"]][1] += 1
+    lines.append(f"  the {top} {'kernels' if kernels else 'operators'} that take most, ms per step (calls):")
+    for name, (us, calls) in sorted(by_name.items(), key=lambda item: -item[1][0])[:top]:
+        lines.append(f"  {ms(us):10.2f} ({calls // steps:>4})  {name[:80]}")
     return "\n".join(lines)
 
 
 def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_step: int, mfu) -> None:
     train, sizes = trainer.train, trainer.mesh.sizes
-    losses, times = result["losses"], list(result["times"].values())
+    losses = result["losses"]
+    times = [t for step, t in result["times"].items() if step not in result.get("profiled", ())]
     if losses:
         first, last = min(losses), max(losses)
         print(f"train loss {losses[first]:.3f} at step {first} -> {losses[last]:.3f} at step {last} "
