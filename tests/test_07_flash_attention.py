@@ -156,6 +156,34 @@ def test_gradient_into_lse_only(dtype):
 
 
 @cpu_only
+@given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2]), seq=st.integers(1, 24),
+       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2 ** 16))
+@settings(max_examples=EXAMPLES // 2, deadline=None)
+def test_reads_lesson_01_layout_without_copies(batch, kv_heads, group, seq, dtype, seed):
+    """Lesson 01 passes q, k, v as (batch, seq, heads, head_dim) projections seen through
+    .transpose(1, 2). The kernels read that layout in place: the same bits as from contiguous copies,
+    out comes back in q's layout (01's transpose back is then a view), and autograd saves the inputs
+    themselves, not copies. A v in another layout than k is copied to k's, with the same result."""
+    heads = kv_heads * group
+    q, k, v, dout, _ = random_inputs(batch, heads, seq, seq, 16, dtype, seed, kv_heads=kv_heads)
+    as_01 = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout)]
+    attention = partial(flash.flash_block_attention, q_offset=0, k_offset=0, causal=True)
+    saved = []
+
+    def keep_pointer(t):
+        saved.append(t.data_ptr())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(keep_pointer, lambda t: t):
+        ours = context_parallel.outputs_and_grads(attention, *as_01)
+    assert set(saved) >= {t.data_ptr() for t in as_01[:3]}
+    assert ours[0].stride() == as_01[0].stride()
+    contiguous = context_parallel.outputs_and_grads(attention, q, k, v, dout)
+    mixed = context_parallel.outputs_and_grads(attention, as_01[0], as_01[1], v, as_01[3])
+    for name, a, b, c in zip(NAMES, ours, contiguous, mixed, strict=True):
+        assert torch.equal(a, b) and torch.equal(c, b), name
+
+
+@cpu_only
 @pytest.mark.parametrize("group", [2, 4])
 def test_grouped_kv_gradients_are_the_groups_sums(group):
     """A K/V head read by g query heads gets the sum of their g gradients (the chain rule for one
