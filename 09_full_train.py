@@ -358,8 +358,9 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
             expert_parallel.apply_expert_parallel(model, mesh.groups["ep"])
     if train.fp8:
         model = fp8.convert_to_float8(model)
-    model = tensor_parallel.apply_tensor_parallel(model.to(device), mesh.groups["tp"], train.sequence_parallel,
-                                                  tensor_parallel_plan(train.moe), check_ids=False)
+    model = tensor_parallel.apply_tensor_parallel(model.to(device), mesh.groups["tp"],
+                                                  train.sequence_parallel, tensor_parallel_plan(train.moe),
+                                                  check_ids=False)  # forward_backward checks the rows
     attention = flash.flash_attention if train.attention == "flash" else None
     if mesh.sizes.cp > 1:
         ring_block = flash.FLASH_BLOCK if device.type == "cuda" else context_parallel.TORCH_BLOCK  # 07's

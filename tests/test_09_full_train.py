@@ -427,6 +427,47 @@ def test_rows_of_the_wrong_shape_are_refused(rank_pool):
                              match=r"rows of shape \(4, 8\): this dp rank expects .* = \(2, 9\)")
 
 
+def test_the_profile_attributes_kernels_by_their_launch_from_any_thread():
+    """A trace in the profiler's format: forward on the main thread launches kernel A; backward's
+    range is on the main thread, but autograd's own thread launches kernel B inside it; kernel C is
+    launched outside every part. Each part gets the kernels launched in its range; the GPU's idle
+    time is the span from the first kernel's start to the last one's end, less their union."""
+    ms = 1000  # the trace's times are in microseconds
+    def kernel(name, ts, dur, correlation):
+        return {"cat": "kernel", "name": name, "ts": ts * ms, "dur": dur * ms,
+                "args": {"correlation": correlation}}
+
+    def launch(cat, ts, correlation, tid):
+        return {"cat": cat, "name": "launch", "ts": ts * ms, "args": {"correlation": correlation}, "tid": tid}
+    events = [{"cat": "user_annotation", "name": "forward", "ts": 0, "dur": 100 * ms, "tid": 1},
+              {"cat": "user_annotation", "name": "backward", "ts": 100 * ms, "dur": 200 * ms, "tid": 1},
+              launch("cuda_runtime", 50, 1, 1), launch("cuda_driver", 150, 2, 2),
+              launch("cuda_runtime", 310, 3, 1),
+              kernel("A", 60, 80, 1), kernel("B", 200, 50, 2), kernel("C", 320, 30, 3)]
+    text = full_train.step_profile({"traceEvents": events}, steps=1, step_s=0.4)
+    spent = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()[1:3]}
+    assert spent == {"forward": 80.0, "backward": 50.0}, text
+    busy, span = 80 + 50 + 30, 350 - 60
+    assert f"ran kernels {busy:.1f} ms and sat idle {span - busy:.1f} ms" in text, text
+
+
+def out_of_vocabulary_rows(cfg, sizes, train, bad_id):
+    trainer = full_train.Trainer(cfg, full_train.build_mesh(sizes), train, torch.device("cpu"))
+    rows = torch.zeros(train.global_batch // sizes.dp, train.seq_len + 1, dtype=torch.long)
+    rows[0, -1] = bad_id  # a target only: the vocab-parallel loss would skip it
+    trainer.forward_backward(rows)
+
+
+@pytest.mark.parametrize("bad_id", [30, -1])
+def test_ids_outside_the_vocabulary_are_refused_on_the_cpu(rank_pool, bad_id):
+    """09 checks its rows before they move to the device (03's check on device tensors would make
+    the CPU wait for the GPU every step); a tp shard would otherwise skip an id no rank holds."""
+    train = full_train.TrainConfig(global_batch=4, seq_len=8)
+    rank_pool.expect_invalid(2, out_of_vocabulary_rows, small_model(), full_train.MeshSizes(tp=2), train,
+                             bad_id,
+                             match=r"token and target ids must lie in \[0, 30\)")
+
+
 def test_main_runs_and_prints_the_check():
     out = run_script("09_full_train.py", *"check --dp 2 --tp 2 --ep 2 --steps 2 --seq-len 16".split())
     assert "max |difference| from one device" in out and "rank  3: dp=1 pp=0 cp=0 tp=1" in out
@@ -1054,7 +1095,8 @@ OWN_OPTIONS = {  # what each sub-command offers, and nothing else
     "check": MODEL_OPTIONS | STEP_OPTIONS,
     "train": MODEL_OPTIONS | STEP_OPTIONS | {"--model", "--data", "--seed", "--warmup", "--eval-every",
                                              "--checkpoint-dir", "--save-every", "--keep", "--no-save",
-                                             "--resume", "--prompt", "--sample-bytes", "--no-sample"},
+                                             "--resume", "--prompt", "--sample-bytes", "--no-sample",
+                                             "--profile", "--trace"},
     "plan": MODEL_OPTIONS | {"--model", "--gpus", "--gpus-per-node", "--gpu-memory", "--peak-tflops", "--mfu",
                              "--nvlink-gbps", "--network-gbps"},
 }
