@@ -75,6 +75,7 @@ RUN IT
     python 09_full_train.py --resume             # after a kill: on from the last checkpoint
     python 09_full_train.py --resume 200         # from an earlier kept checkpoint (--keep: the last 2)
     python 09_full_train.py --dp 1 --tp 1 --model 1b --attention flash --compile   # one H100
+    python 09_full_train.py --dp 1 --tp 1 --model 1b --compile --profile 3   # where the GPU's step goes
     torchrun --nproc_per_node=8 09_full_train.py check --dp 2 --tp 2 --pp 2
     python 09_full_train.py check --dp 2 --cp 2 --tp 2 --sequence-parallel
     python 09_full_train.py check --dp 2 --tp 2 --pp 2 --ep 2    # MoE, experts over 2 dp ranks
