@@ -220,6 +220,11 @@ class TrainResult:
     first_grads: dict[str, torch.Tensor]  # averaged gradients of step 0, before the update
     params: dict[str, torch.Tensor]       # parameters after the last step
     stats: dict[str, int] = field(default_factory=dict)
+    grad_norms: list[float] = field(default_factory=list)  # global norm before clipping, per step
+    state: dict = field(default_factory=dict)               # params and AdamW state at the end
+
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's moments
 
 
 def make_optimizer(model: nn.Module, lr: float, eps: float = 1e-8) -> torch.optim.Optimizer:
@@ -237,15 +242,28 @@ def cpu_copy(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tenso
     return {name: t.detach().float().cpu().clone() for name, t in named}
 
 
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[name] - b[name]).abs().max().item() for name in b)
+
+
 def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int,
-                        lr: float = 1e-3, adam_eps: float = 1e-8, device: torch.device | str = "cpu",
+                        lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
+                        mixed_precision: bool = False, device: torch.device | str = "cpu",
                         data_seed: int = 0, transform: Callable[[nn.Module], nn.Module] | None = None,
                         progress: str | None = None) -> TrainResult:
-    """The reference: one process, the whole global batch per step. `transform` rewrites the model
-    before training (lesson 08 swaps in FP8 linears, for instance); `progress` labels a tqdm bar."""
+    """The reference every lesson's parallel run must equal: one process, the whole global batch per
+    step, torch's clip_grad_norm_ (at inf it scales by exactly 1) and AdamW. mixed_precision: a bf16
+    model computes, AdamW updates fp32 master copies of the initial values, rounded back into the
+    model after each step (lesson 02's ZeRO does the same). `transform` rewrites the model first
+    (08 swaps in FP8 linears, 09 makes MLPs MoE; frozen parameters get no update, as in AdamW);
+    `progress` labels a tqdm bar."""
     model = GPT(cfg)
     model = (transform(model) if transform else model).to(device)
-    optimizer = make_optimizer(model, lr, adam_eps)
+    names = [name for name, _ in model.named_parameters()]
+    masters = [nn.Parameter(p.detach().clone()) if mixed_precision else p for p in model.parameters()]
+    if mixed_precision:
+        model.to(torch.bfloat16)
+    optimizer = make_optimizer(nn.ParameterList(masters), lr, adam_eps)
     result = TrainResult([], {}, {})
     for step in tqdm(range(steps), desc=progress, disable=progress is None, leave=False):
         tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
@@ -255,9 +273,19 @@ def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len
         if step == 0:  # frozen parameters have none
             result.first_grads = cpu_copy((n, p.grad) for n, p in model.named_parameters()
                                           if p.grad is not None)
+        for master, p in zip(masters, model.parameters(), strict=True):
+            master.grad = None if p.grad is None else p.grad.float()
+        result.grad_norms.append(nn.utils.clip_grad_norm_(masters, max_grad_norm).item())
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    result.params = cpu_copy(model.named_parameters())
+        with torch.no_grad():
+            for master, p in zip(masters, model.parameters(), strict=True):
+                if master is not p:
+                    p.copy_(master)
+                master.grad = p.grad = None
+    result.params = cpu_copy(zip(names, masters))
+    adam = [optimizer.state[m] for m in masters]
+    result.state = {"params": result.params, "step": int(max(s.get("step", 0) for s in adam)),
+                    **{key: cpu_copy((n, s[key]) for n, s in zip(names, adam) if s) for key in ADAM_KEYS}}
     return result
 
 
@@ -433,12 +461,14 @@ def lesson_parser(doc: str, bench_help: str | None = None,
 
 
 def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn: Callable,
-                  positive: tuple[str, ...] = (), validate: Callable[[int], None] | None = None) -> None:
+                  positive: tuple[str, ...] = (), validate: Callable[[int], None] | None = None,
+                  first: Callable[[argparse.Namespace], None] | None = None) -> None:
     """The end of every lesson's main(): options in `positive` must be >= 1 and validate(world)
     checks the sizes against the world that will run, before any process starts; a failure is one
-    line (once, under torchrun too) and exit code 2, not a usage text or a traceback from every rank."""
+    line (once, under torchrun too) and exit code 2, not a usage text or a traceback from every rank.
+    Then first(args), if given, runs in this process (08's one-device part), then fn on every rank."""
     try:
-        for name in (*positive, "nproc", *(("bench_steps",) if "bench" in args else ())):
+        for name in (*positive, "nproc", *(("bench_steps",) if "bench_steps" in args else ())):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if getattr(args, "bench_rounds", 2) < 2:
@@ -448,6 +478,8 @@ def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn:
             validate(world)
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
+    if first is not None:
+        first(args)
     launch(fn, args, nproc=args.nproc)
 
 
@@ -508,6 +540,26 @@ def exit_distributed(error: str | None = None, code: int = 2) -> None:
     os._exit(0 if error is None else code)
 
 
+def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, steps_per_round: int,
+                        device: torch.device, group=None) -> dict[str, float]:
+    """--bench's timing, in every lesson: the median seconds of a call of each named step, over
+    `rounds` rounds that take turns (ours, then PyTorch's, then ours...), so both see the same
+    machine load; the first round warms up (allocator, compilation, autotuning) and is dropped.
+    Each call starts at a barrier of the group, so a step is timed as its slowest rank ends it."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_ in range(rounds):
+        for name, step_fn in steps.items():
+            for _ in range(steps_per_round):
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                step_fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if round_ > 0:
+                    times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 # ----------------------------------------------------------------------------------------------
 # The comm meter: every collective in the course goes through these wrappers
 # ----------------------------------------------------------------------------------------------
@@ -553,6 +605,14 @@ class CommMeter:
 
     def traffic(self, op: str | None = None, group=ANY_GROUP) -> Fraction:
         return sum((s.traffic_bytes for s in self._select(op, group)), Fraction(0))
+
+    def __iadd__(self, other: CommMeter) -> CommMeter:
+        """meter += other: other's counts added to meter's (a run's meter from its steps' meters)."""
+        for key, stats in other.stats.items():
+            self.stats[key].calls += stats.calls
+            self.stats[key].payload_bytes += stats.payload_bytes
+            self.stats[key].traffic_bytes += stats.traffic_bytes
+        return self
 
 
 _active_meters: list[CommMeter] = []
@@ -870,10 +930,6 @@ def synthetic_batch(cfg: ModelConfig, global_batch: int, seq_len: int, step: int
 # ----------------------------------------------------------------------------------------------
 
 
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max((a[name] - b[name]).abs().max().item() for name in b)
-
-
 def demo(args: argparse.Namespace) -> None:
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -913,26 +969,6 @@ def demo(args: argparse.Namespace) -> None:
         print("Notice: every version computes the single-device step, and the bytes moved per step "
               "depend on the parameter count only, not on batch size or accumulation.")
     exit_distributed()
-
-
-def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, steps_per_round: int,
-                        device: torch.device, group=None) -> dict[str, float]:
-    """--bench's timing, in every lesson: the median seconds of a call of each named step, over
-    `rounds` rounds that take turns (ours, then PyTorch's, then ours...), so both see the same
-    machine load; the first round warms up (allocator, compilation, autotuning) and is dropped.
-    Each call starts at a barrier of the group, so a step is timed as its slowest rank ends it."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for round_ in range(rounds):
-        for name, step_fn in steps.items():
-            for _ in range(steps_per_round):
-                dist.barrier(group=group)
-                start = time.perf_counter()
-                step_fn()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if round_ > 0:
-                    times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench(args: argparse.Namespace) -> None:

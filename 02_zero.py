@@ -62,7 +62,7 @@ import torch.nn as nn
 foundation = importlib.import_module("01_ddp")
 
 STAGES = (0, 1, 2, 3)
-ADAM_KEYS, ADAM_MOMENT_BYTES = ("exp_avg", "exp_avg_sq"), 8  # AdamW's moments, fp32
+ADAM_KEYS, ADAM_MOMENT_BYTES = foundation.ADAM_KEYS, 8  # AdamW's moments, fp32
 STEP_COUNTER_BYTES = 4  # torch's AdamW keeps `step` as one fp32 scalar tensor per parameter tensor
 
 # ----------------------------------------------------------------------------------------------
@@ -485,67 +485,14 @@ class ZeRO:
 
 
 # ----------------------------------------------------------------------------------------------
-# Training: ZeRO on N ranks, and one device with the same clipping and rounding
+# Training: ZeRO on N ranks (its one-device twin: 01's train_single_device)
 # ----------------------------------------------------------------------------------------------
 
 
 @dataclass
 class ZeroResult(foundation.TrainResult):
-    grad_norms: list[float] = field(default_factory=list)  # global norm before clipping, per step
-    state: dict = field(default_factory=dict)               # full params and AdamW state at the end
     held: dict[str, int] = field(default_factory=dict)      # bytes held per rank after the last step
     formula: dict[str, Fraction] = field(default_factory=dict)
-
-
-def train_reference(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq_len: int, *,
-                    lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
-                    mixed_precision: bool = False, device: torch.device | str = "cpu",
-                    transform: Callable[[nn.Module], nn.Module] | None = None) -> ZeroResult:
-    """One device, the whole batch, torch's clip_grad_norm_ and AdamW: what every stage must equal.
-    Mixed precision is the twin of ZeRO's: a bf16 model computes, AdamW updates fp32 master copies
-    (taken from the fp32 initial values), which are rounded back into the model after each step.
-    transform as in foundation.train_single_device (lesson 09 converts to MoE; the tests tie weights, add a
-    parameter to the model, freeze some: no gradient, no update, as torch's AdamW skips them)."""
-    model = foundation.GPT(cfg)
-    model = (transform(model) if transform else model).to(device)
-    names = [name for name, _ in model.named_parameters()]
-    masters = [nn.Parameter(p.detach().clone()) if mixed_precision else p for p in model.parameters()]
-    model.to(torch.bfloat16 if mixed_precision else torch.float32)
-    optimizer = foundation.make_optimizer(nn.ParameterList(masters), lr, adam_eps)
-    result = ZeroResult([], {}, {})
-    for step in range(steps):
-        tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
-        loss = model(tokens.to(device), targets.to(device))
-        loss.backward()
-        result.losses.append(loss.item())
-        if step == 0:
-            result.first_grads = foundation.cpu_copy((n, p.grad) for n, p in model.named_parameters()
-                                                     if p.grad is not None)
-        for master, p in zip(masters, model.parameters(), strict=True):
-            master.grad = None if p.grad is None else p.grad.float()
-        result.grad_norms.append(torch.nn.utils.clip_grad_norm_(masters, max_grad_norm).item())
-        optimizer.step()
-        with torch.no_grad():
-            for master, p in zip(masters, model.parameters(), strict=True):
-                if master is not p:
-                    p.copy_(master)
-                master.grad = p.grad = None
-    result.params = foundation.cpu_copy(zip(names, masters))
-    adam = [optimizer.state[m] for m in masters]
-    result.state = {"params": result.params, "step": int(max(s.get("step", 0) for s in adam)),
-                    **{key: foundation.cpu_copy((n, s[key]) for n, s in zip(names, adam) if s)
-                       for key in ADAM_KEYS}}
-    return result
-
-
-def merge_meters(meters: list["foundation.CommMeter"]) -> "foundation.CommMeter":
-    total = foundation.CommMeter()
-    for meter in meters:
-        for key, stats in meter.stats.items():
-            total.stats[key].calls += stats.calls
-            total.stats[key].payload_bytes += stats.payload_bytes
-            total.stats[key].traffic_bytes += stats.traffic_bytes
-    return total
 
 
 def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq_len: int, *, stage: int,
@@ -553,7 +500,8 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
                mixed_precision: bool = False, prefetch: bool = True, resume_after: int | None = None,
                group=None, device: torch.device | str = "cpu",
                transform: Callable | None = None) -> tuple[ZeroResult, "foundation.CommMeter"]:
-    """Train on this rank's slice of the global batches train_reference sees (transform: as there).
+    """Train on this rank's slice of the global batches that 01's train_single_device sees (transform:
+    as there; its clipping and mixed precision are ZeRO's one-device twin).
     resume_after=k: after k steps, gather the full state, build a fresh model and ZeRO optimizer,
     load it and go on.
     Returns the result and a meter of the training steps' communication (not of the test probes:
@@ -569,7 +517,7 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
                            mixed_precision=mixed_precision, prefetch=prefetch)
 
     model, zero = build()
-    result, meters, local_losses = ZeroResult([], {}, {}), [], []
+    result, steps_meter, local_losses = ZeroResult([], {}, {}), foundation.CommMeter(), []
     for step in range(steps):
         if step == resume_after:
             state = zero.full_state_dict()
@@ -584,7 +532,8 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
             result.first_grads = zero.gather_full([u.grad_shard for u in zero.units])
         with foundation.comm_meter() as update_meter:
             result.grad_norms.append(zero.clip_and_update().item())
-        meters += [meter, update_meter]
+        steps_meter += meter
+        steps_meter += update_meter
         local_losses.append(loss.detach())
         zero.zero_grad()
     result.held, result.formula = zero.held_bytes(), zero.memory_formula()  # after the last step
@@ -596,7 +545,7 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
     result.stats = dict(units=len(zero.units), padded_params=sum(u.padded for u in zero.units),
                         max_gathers_in_flight=zero.max_gathers_in_flight,
                         prefetched_gathers=zero.prefetched_gathers)
-    return result, merge_meters(meters)
+    return result, steps_meter
 
 
 # ----------------------------------------------------------------------------------------------
@@ -666,7 +615,7 @@ def demo(args: argparse.Namespace) -> None:
     runs = {(mixed, stage): train_zero(*shape, stage=stage, mixed_precision=mixed, **kwargs)
             for mixed in (False, True) for stage in STAGES}
     if dist.get_rank() == 0:
-        references = {mixed: train_reference(*shape, mixed_precision=mixed, **kwargs)
+        references = {mixed: foundation.train_single_device(*shape, mixed_precision=mixed, **kwargs)
                       for mixed in (False, True)}
         print(f"ZeRO on {dist.get_world_size()} ranks ({dist.get_backend()}, {device.type}); global "
               f"batch {args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")

@@ -524,6 +524,67 @@ def float8_zero_traffic(padded: int, n_weights: int, n: int, grad_bytes: int = 4
     return {**traffic, "all_reduce": Fraction(2 * (n - 1), n) * AMAX_BYTES * n_weights}
 
 
+FLOAT8_ZERO_MODES = ("unsharded", "zero3", "zero3-fp8")
+
+
+def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int, seq_len: int, *, mode: str,
+                      microbatches: int = 1, lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
+                      device: torch.device | str = "cpu") -> tuple[zero.ZeroResult, foundation.CommMeter]:
+    """The FP8 GPT on this rank's slice of lesson 02's batches, in microbatches. mode "unsharded":
+    data parallel (02's ZeRO-0), each weight cast once per step; "zero3": 02's ZeRO-3, fp32
+    all-gathers, a cast in each forward; "zero3-fp8": the weights under Float8ZeRO. Returns the
+    result (stats: padded elements and casts) and a meter of the steps (not of the probes)."""
+    world, rank = foundation.group_size(group), dist.get_rank(group)
+    if mode not in FLOAT8_ZERO_MODES:
+        raise ValueError(f"mode={mode!r} must be one of {FLOAT8_ZERO_MODES}")
+    if microbatches < 1 or global_batch % (world * microbatches):
+        raise ValueError(f"global_batch={global_batch} is not divisible by the group size x microbatches "
+                         f"= {world} x {microbatches}")
+    model = convert_to_float8(foundation.GPT(cfg)).to(device)
+    weights, settings = set(float8_weights(model)), dict(lr=lr, adam_eps=adam_eps)
+    if mode == "unsharded":
+        zeros = [zero.ZeRO(model, 0, group, **settings)]
+    else:
+        rest = zero.ZeRO(model, 3, group, owns=lambda p: p not in weights, **settings)
+        zeros = [rest, Float8ZeRO(model, group, **settings) if mode == "zero3-fp8"
+                 else zero.ZeRO(model, 3, group, owns=lambda p: p in weights, **settings)]
+    initial_casts = getattr(zeros[-1], "weight_casts", 0)
+    result, steps_meter, local_losses = zero.ZeroResult([], {}, {}), foundation.CommMeter(), []
+    for step in range(steps):
+        tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, rank, world)
+        with foundation.comm_meter() as meter:
+            with contextlib.ExitStack() as accumulate:
+                for zero_opt in zeros:
+                    accumulate.enter_context(zero_opt.no_sync())
+                if mode == "unsharded":
+                    accumulate.enter_context(weights_cast_once(model))
+                loss = 0.0
+                for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True):
+                    microbatch_loss = model(x.to(device), y.to(device)) / microbatches
+                    microbatch_loss.backward()
+                    loss += microbatch_loss.detach()
+            for zero_opt in zeros:
+                zero_opt.finish_gradient_sync()
+        if step == 0:
+            for zero_opt in zeros:
+                result.first_grads.update(zero_opt.gather_full([u.grad_shard for u in zero_opt.units]))
+        with foundation.comm_meter() as update_meter:
+            squares = sum(zero_opt.grad_squares() for zero_opt in zeros)
+            for zero_opt in zeros:
+                zero_opt.clip_and_update(squares)
+                zero_opt.zero_grad()
+        steps_meter += meter
+        steps_meter += update_meter
+        local_losses.append(loss)
+    losses = torch.stack(local_losses).double()
+    foundation.all_reduce(losses, group=group)
+    result.losses = (losses / world).tolist()
+    result.params = {k: v for z in zeros for k, v in z.full_state_dict()["params"].items()}
+    result.stats = dict(padded=[sum(u.padded for u in z.units) for z in zeros], n_weights=len(weights),
+                        weight_casts=getattr(zeros[-1], "weight_casts", 0) - initial_casts)
+    return result, steps_meter
+
+
 # ----------------------------------------------------------------------------------------------
 # Measurements, demo and benchmark
 # ----------------------------------------------------------------------------------------------
@@ -590,66 +651,6 @@ def train_losses(cfg: foundation.ModelConfig, steps: int, batch: int, seq_len: i
     return foundation.train_single_device(cfg, steps, batch, seq_len, lr=lr,
                                           progress=f"training, {'FP8' if float8 else 'fp32'}",
                                           transform=convert_to_float8 if float8 else None).losses
-
-
-FLOAT8_ZERO_MODES = ("unsharded", "zero3", "zero3-fp8")
-
-
-def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int, seq_len: int, *, mode: str,
-                      microbatches: int = 1, lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
-                      device: torch.device | str = "cpu") -> tuple[zero.ZeroResult, foundation.CommMeter]:
-    """The FP8 GPT on this rank's slice of lesson 02's batches, in microbatches. mode "unsharded":
-    data parallel (02's ZeRO-0), each weight cast once per step; "zero3": 02's ZeRO-3, fp32
-    all-gathers, a cast in each forward; "zero3-fp8": the weights under Float8ZeRO. Returns the
-    result (stats: padded elements and casts) and a meter of the steps (not of the probes)."""
-    world, rank = foundation.group_size(group), dist.get_rank(group)
-    if mode not in FLOAT8_ZERO_MODES:
-        raise ValueError(f"mode={mode!r} must be one of {FLOAT8_ZERO_MODES}")
-    if microbatches < 1 or global_batch % (world * microbatches):
-        raise ValueError(f"global_batch={global_batch} is not divisible by the group size x microbatches "
-                         f"= {world} x {microbatches}")
-    model = convert_to_float8(foundation.GPT(cfg)).to(device)
-    weights, settings = set(float8_weights(model)), dict(lr=lr, adam_eps=adam_eps)
-    if mode == "unsharded":
-        zeros = [zero.ZeRO(model, 0, group, **settings)]
-    else:
-        rest = zero.ZeRO(model, 3, group, owns=lambda p: p not in weights, **settings)
-        zeros = [rest, Float8ZeRO(model, group, **settings) if mode == "zero3-fp8"
-                 else zero.ZeRO(model, 3, group, owns=lambda p: p in weights, **settings)]
-    initial_casts = getattr(zeros[-1], "weight_casts", 0)
-    result, meters, local_losses = zero.ZeroResult([], {}, {}), [], []
-    for step in range(steps):
-        tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, rank, world)
-        with foundation.comm_meter() as meter:
-            with contextlib.ExitStack() as accumulate:
-                for zero_opt in zeros:
-                    accumulate.enter_context(zero_opt.no_sync())
-                if mode == "unsharded":
-                    accumulate.enter_context(weights_cast_once(model))
-                loss = 0.0
-                for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True):
-                    microbatch_loss = model(x.to(device), y.to(device)) / microbatches
-                    microbatch_loss.backward()
-                    loss += microbatch_loss.detach()
-            for zero_opt in zeros:
-                zero_opt.finish_gradient_sync()
-        if step == 0:
-            for zero_opt in zeros:
-                result.first_grads.update(zero_opt.gather_full([u.grad_shard for u in zero_opt.units]))
-        with foundation.comm_meter() as update_meter:
-            squares = sum(zero_opt.grad_squares() for zero_opt in zeros)
-            for zero_opt in zeros:
-                zero_opt.clip_and_update(squares)
-                zero_opt.zero_grad()
-        meters += [meter, update_meter]
-        local_losses.append(loss)
-    losses = torch.stack(local_losses).double()
-    foundation.all_reduce(losses, group=group)
-    result.losses = (losses / world).tolist()
-    result.params = {k: v for z in zeros for k, v in z.full_state_dict()["params"].items()}
-    result.stats = dict(padded=[sum(u.padded for u in z.units) for z in zeros], n_weights=len(weights),
-                        weight_casts=getattr(zeros[-1], "weight_casts", 0) - initial_casts)
-    return result, zero.merge_meters(meters)
 
 
 def communication_demo(args: argparse.Namespace) -> None:
@@ -740,8 +741,6 @@ def demo(args: argparse.Namespace) -> None:
 
 def bench(args: argparse.Namespace) -> None:
     """FP8 vs bf16 GEMMs and a Float8Linear SwiGLU MLP forward+backward on the GPU."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-        raise SystemExit("--bench needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     compile_fn = (lambda fn: fn) if args.eager else torch.compile
     median_ms = functools.partial(triton.testing.do_bench, return_mode="median")
@@ -786,21 +785,21 @@ def main() -> None:
                         help="--bench: tokens (GEMM rows) of the MLP")
     parser.add_argument("--eager", action="store_true", help="bench without torch.compile")
     args = parser.parse_args()
-    for name in ("steps", "batch", "seq_len", "bench_tokens", "nproc"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.bench:
-        bench(args)
-        return
-    if args.batch % (2 * foundation.launch_world_size(args.nproc)):
-        parser.error(f"--batch {args.batch} is not divisible by 2 microbatches x {args.nproc} ranks")
-    try:
-        foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}", foundation.ModelConfig(),
-                                args.batch, args.seq_len, 1)
-    except ValueError as error:  # one line, as launch_lesson's
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
-    demo(args)
-    foundation.launch(communication_demo, args, nproc=args.nproc)
+
+    def validate(world: int) -> None:
+        if args.bench and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+            raise ValueError("--bench needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
+        if not args.bench:
+            if args.batch % (2 * world):
+                raise ValueError(f"--batch {args.batch} is not divisible by 2 microbatches x {world} ranks")
+            foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}",
+                                    foundation.ModelConfig(), args.batch, args.seq_len, 1)
+
+    if args.bench:  # one GPU, no process group
+        args.nproc = 1
+    foundation.launch_lesson(parser, args, bench if args.bench else communication_demo,
+                             ("steps", "batch", "seq_len", "bench_tokens"), validate,
+                             first=None if args.bench else demo)
 
 
 if __name__ == "__main__":

@@ -452,7 +452,7 @@ class Trainer:
             with torch.profiler.record_function("gradient sync"):  # names in a profile (--profile)
                 for *_, zero_opt in self.zeros:
                     zero_opt.finish_gradient_sync()
-        self.meter = zero.merge_meters([self.meter, meter])
+        self.meter += meter
         self.in_flight = max(self.in_flight, log.peak_in_flight)
         # Outside the meter: the last stage's local mean, averaged over dp x cp, sent to every stage.
         loss = (log.loss if log.loss is not None else torch.zeros((), device=self.device)).double()
@@ -481,7 +481,7 @@ class Trainer:
             for *_, zero_opt in self.zeros:
                 zero_opt.clip_and_update(squares)
                 zero_opt.zero_grad()
-        self.meter = zero.merge_meters([self.meter, meter])
+        self.meter += meter
         self.steps += 1
         return squares.sqrt()
 
@@ -1546,10 +1546,10 @@ def demo(args: argparse.Namespace) -> None:
     pieces = [None] * sizes.world if mesh.rank == 0 else None
     dist.gather_object((grads, shard_values(trainer), summary(trainer)), pieces, dst=0)
     if mesh.rank == 0:
-        ref = zero.train_reference(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
-                                   adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
-                                   mixed_precision=train.mixed_precision,
-                                   transform=reference_transform(train))
+        ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
+                                             adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
+                                             mixed_precision=train.mixed_precision,
+                                             transform=reference_transform(train))
         moe = train.moe and f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; "
         print(f"4D parallelism: dp={sizes.dp} pp={sizes.pp} cp={sizes.cp} tp={sizes.tp} on {sizes.world} "
               f"ranks ({dist.get_backend()}, {device.type}); ZeRO-{train.zero_stage}, {train.schedule} "

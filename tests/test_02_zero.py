@@ -75,7 +75,7 @@ def test_zero_equals_single_device(rank_pool, cfg, world, stage, per_rank, seq_l
     kwargs = dict(adam_eps=ADAM_EPS, max_grad_norm=max_grad_norm)
     runs = rank_pool.run(world, zero.train_zero, cfg, steps, global_batch, seq_len, stage=stage,
                          prefetch=prefetch, resume_after=resume_after, **kwargs)
-    reference = zero.train_reference(cfg, steps, global_batch, seq_len, **kwargs)
+    reference = foundation.train_single_device(cfg, steps, global_batch, seq_len, **kwargs)
     assert_matches_reference(runs[0][0], reference)
     for rank, (result, _) in enumerate(runs[1:], start=1):
         for name, param in runs[0][0].params.items():
@@ -106,7 +106,7 @@ def test_uneven_sizes_clipping_and_traffic_ratios(rank_pool):
     """3 ranks, every module's size odd: padding in every unit; clipping active at every step;
     traffic 1x DDP for stages 1-2 and 1.5x DDP for stage 3 on the padded count."""
     cfg = foundation.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=7)
-    reference = zero.train_reference(cfg, 3, 6, 5, adam_eps=ADAM_EPS, max_grad_norm=0.01)
+    reference = foundation.train_single_device(cfg, 3, 6, 5, adam_eps=ADAM_EPS, max_grad_norm=0.01)
     assert min(reference.grad_norms) > 0.01, "clipping must be active for this test to mean anything"
     psi = sum(t.numel() for t in reference.params.values())
     for stage in zero.STAGES:
@@ -120,16 +120,6 @@ def test_uneven_sizes_clipping_and_traffic_ratios(rank_pool):
         ddp_traffic = 3 * Fraction(2 * 2, 3) * 4 * padded  # 3 steps of DDP on the padded count
         expected = {0: 0, 1: 1, 2: 1, 3: Fraction(3, 2)}[stage]
         assert traffic == expected * ddp_traffic
-
-
-def test_reference_is_lesson_01s_without_clipping():
-    cfg = foundation.ModelConfig(vocab_size=32, dim=16, n_heads=2, ffn_dim=24)
-    ours = zero.train_reference(cfg, 3, 4, 6, adam_eps=ADAM_EPS)
-    theirs = foundation.train_single_device(cfg, 3, 4, 6, adam_eps=ADAM_EPS)
-    assert ours.losses == theirs.losses
-    for name in theirs.params:
-        assert torch.equal(ours.first_grads[name], theirs.first_grads[name])
-        assert torch.equal(ours.params[name], theirs.params[name])
 
 
 def load_then_gather(cfg, stage, state):
@@ -194,7 +184,7 @@ def test_tied_root_and_frozen_parameters_train_as_on_one_device(rank_pool, trans
     world, steps, kwargs = 3, 3, dict(adam_eps=ADAM_EPS, max_grad_norm=1.0, transform=transform)
     runs = rank_pool.run(world, zero.train_zero, cfg, steps, world, 4, stage=stage, resume_after=1,
                          **kwargs)
-    reference = zero.train_reference(cfg, steps, world, 4, **kwargs)
+    reference = foundation.train_single_device(cfg, steps, world, 4, **kwargs)
     result = runs[0][0]
     assert_matches_reference(result, reference)
     model = transform(foundation.GPT(cfg))
@@ -265,7 +255,7 @@ def test_mixed_precision_equals_its_one_device_twin(rank_pool, world, stage):
     kwargs = dict(adam_eps=ADAM_EPS, max_grad_norm=1.0, mixed_precision=True)
     result = rank_pool.run(world, zero.train_zero, cfg, steps, global_batch, seq_len, stage=stage,
                            **kwargs)[0][0]
-    twin = zero.train_reference(cfg, steps, global_batch, seq_len, **kwargs)
+    twin = foundation.train_single_device(cfg, steps, global_batch, seq_len, **kwargs)
     initial = foundation.cpu_copy(foundation.GPT(cfg).named_parameters())
     if world == 1:  # the same bf16 gradients: only the fp32 norm's summation order differs
         assert_matches_reference(result, twin)
@@ -385,7 +375,7 @@ def accumulated_gradients(cfg, stage: int, global_batch: int, seq_len: int, micr
 def test_no_sync_accumulates_microbatches(rank_pool, stage):
     # The gradient of the mean over microbatches of their mean losses is the batch's: one device.
     cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
-    reference = zero.train_reference(cfg, 1, 8, 6)
+    reference = foundation.train_single_device(cfg, 1, 8, 6)
     for all_inside in (False, True):
         for grads in rank_pool.run(2, accumulated_gradients, cfg, stage, 8, 6, 2, all_inside):
             assert_close_by_name(grads, reference.first_grads, "accumulated gradient",

@@ -16,8 +16,8 @@ were 6.0e-7 on losses, 1.8e-7 on step-0 gradients and 4.1e-7 on parameters after
   almost blind to a common factor on the gradient. A norm that counts a tp-replicated parameter
   once per tp rank, or misses the experts of the other ep ranks (~1e-4 of the squares here), is off
   by more than 1e-5 relative.
-MoE models are dropless without balancing (09 refuses the rest); the reference is 02's
-train_reference (AdamW + clip_grad_norm_) on the same model converted by lesson 06.
+MoE models are dropless without balancing (09 refuses the rest); the reference is 01's
+train_single_device (AdamW + clip_grad_norm_) on the same model converted by lesson 06.
 """
 from __future__ import annotations
 
@@ -83,9 +83,9 @@ def train_on_mesh(cfg, sizes, train, steps: int):
 
 
 def check_against_reference(results, cfg, train, steps: int = STEPS, reference=None) -> dict[str, float]:
-    ref = reference or zero.train_reference(cfg, steps, train.global_batch, train.seq_len, lr=train.lr,
-                                                   adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
-                                                   transform=full_train.reference_transform(train))
+    ref = reference or foundation.train_single_device(
+        cfg, steps, train.global_batch, train.seq_len, lr=train.lr, adam_eps=train.adam_eps,
+        max_grad_norm=train.max_grad_norm, transform=full_train.reference_transform(train))
     diffs = {}
     for losses, *_ in results:
         assert losses == pytest.approx(ref.losses, abs=LOSS_ATOL), (losses, ref.losses)
@@ -193,8 +193,8 @@ def test_any_mesh_equals_one_device(rank_pool, configuration):
     cfg, sizes, train = configuration
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
     if train.mixed_precision:  # bf16 against its one-device twin (test_bf16_... below says why 5e-4)
-        ref = zero.train_reference(cfg, STEPS, train.global_batch, train.seq_len, lr=LR,
-                                          adam_eps=ADAM_EPS, max_grad_norm=0.5, mixed_precision=True)
+        ref = foundation.train_single_device(cfg, STEPS, train.global_batch, train.seq_len, lr=LR,
+                                             adam_eps=ADAM_EPS, max_grad_norm=0.5, mixed_precision=True)
         assert results[0][0] == pytest.approx(ref.losses, abs=5e-4)
     else:
         check_against_reference(results, cfg, train)
@@ -247,7 +247,8 @@ def test_fp8_flag_trains_close_to_fp32(rank_pool):
     train = full_train.TrainConfig(global_batch=4, seq_len=8, microbatches=1, fp8=True, lr=LR,
                                    adam_eps=ADAM_EPS)
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
-    ref = zero.train_reference(cfg, STEPS, train.global_batch, train.seq_len, lr=LR, adam_eps=ADAM_EPS)
+    ref = foundation.train_single_device(cfg, STEPS, train.global_batch, train.seq_len, lr=LR,
+                                         adam_eps=ADAM_EPS)
     differences = [abs(a - b) for a, b in zip(results[0][0], ref.losses)]
     assert 1e-7 < max(differences) < 5e-3, differences
     tolerance = sum(torch.finfo(dtype).eps / 2 for dtype in (torch.float8_e5m2, torch.float8_e4m3fn))
@@ -323,9 +324,9 @@ def test_fp8_zero3_gathers_a_byte_per_weight_element_and_follows_its_fp8_twin(ra
     held = sum(values.numel() for r in runs[0] for spec, values in r[2] if spec.name in names)
     assert sum(r[5] for r in runs[0]) == (STEPS + 1) * held, "each weight element: one cast per step"
 
-    reference = zero.train_reference(cfg, STEPS, train.global_batch, train.seq_len, lr=train.lr,
-                                            adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
-                                            transform=fp8.convert_to_float8)
+    reference = foundation.train_single_device(cfg, STEPS, train.global_batch, train.seq_len, lr=train.lr,
+                                               adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
+                                               transform=fp8.convert_to_float8)
     losses, grads = runs[0][0][0], full_train.assemble([piece for r in runs[0] for piece in r[1]])
     if sizes.world == 1 and train.microbatches == 1:
         check_against_reference([r[:5] for r in runs[0]], cfg, train, reference=reference)
@@ -349,8 +350,8 @@ def test_bf16_mixed_precision_follows_its_one_device_twin(rank_pool):
                                    sequence_parallel=True, lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5,
                                    mixed_precision=True)
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
-    ref = zero.train_reference(cfg, STEPS, 4, 8, lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5,
-                                      mixed_precision=True)
+    ref = foundation.train_single_device(cfg, STEPS, 4, 8, lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5,
+                                         mixed_precision=True)
     assert results[0][0] == pytest.approx(ref.losses, abs=5e-4)
     gradients = normwise_differences(results, ref.first_grads)
     assert max(gradients.values()) < 8 * torch.finfo(torch.bfloat16).eps / 2, gradients

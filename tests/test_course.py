@@ -1,0 +1,124 @@
+"""The course as a whole: what every lesson must do, read from their sources or run through their
+main() up to the launch (no rank starts), and the multi-rank harness the lessons' tests stand on."""
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import ROOT, RankFailure
+
+foundation = importlib.import_module("01_ddp")
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+LESSONS = sorted(ROOT.glob("0[1-9]_*.py"))
+MAX_LINE = 110
+
+# --- every lesson's main(): one line before any rank starts -------------------------------------
+
+# Imported now, at collection: lesson 05 imports lesson 07, which must switch Triton to its
+# interpreter before anything imports triton (an AdamW step in an earlier test would).
+LESSON_MODULES = {name: importlib.import_module(name) for name in (
+    "02_zero", "03_tensor_parallel", "04_pipeline", "05_context_parallel", "06_expert_parallel", "08_fp8")}
+
+
+@pytest.mark.parametrize("script, message", [
+    ("02_zero", "global_batch=16 is not divisible by the group size 3"),
+    ("03_tensor_parallel", "n_heads=8 is not divisible by tp=3"),
+    ("04_pipeline", "microbatches=8 is not a multiple of pp=3"),
+    ("05_context_parallel", "seq_len=64 is not divisible by 2 x cp = 6"),
+    ("06_expert_parallel", "n_experts=8 is not divisible by ep=3"),
+    ("08_fp8", "--batch 16 is not divisible by 2 microbatches x 3 ranks"),
+])
+def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script, message):
+    """Every lesson ends its main() in launch_lesson: its defaults are checked against the 3 local
+    ranks that would start, not a stray WORLD_SIZE=1, in one line before any rank starts."""
+    lesson = LESSON_MODULES[script]
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--nproc", "3"])
+    monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    with pytest.raises(SystemExit) as exit_:
+        lesson.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{script}.py: error: ") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("script, options, at_least", [
+    ("01_ddp", ["--global-batch", "4000000000"], 4_000_000_000 * 64 * 128 * 4),  # the fp32 logits
+    ("02_zero", ["--seq-len", "1000000000"], 16 * 1_000_000_000 * 125 * 4),
+    ("03_tensor_parallel", ["--vocab", "1000000000000"], 1_000_000_000_000 * 64 * 4),  # the embedding
+    ("03_tensor_parallel", ["--seq-len", "1000000000"], 4 * 1_000_000_000 * 127 * 4),
+    ("04_pipeline", ["--global-batch", "4000000000"], 4_000_000_000 * 32 * 128 * 4),
+    ("06_expert_parallel", ["--global-batch", "4000000000"], 4_000_000_000 * 32 * 128 * 4),
+    ("05_context_parallel", ["--seq-len", "1000000"], 8 * 2 * 8 * 1_000_000 ** 2),  # float64 scores
+    ("08_fp8", ["--seq-len", "10000000000"], 16 * 10_000_000_000 * 128 * 4),
+])
+def test_every_lesson_refuses_sizes_that_cannot_be_allocated(monkeypatch, capsys, script, options, at_least):
+    """Before: every rank started, then an allocator's traceback after seconds. Now one line before
+    launch, with a lower bound on the bytes needed (at least the largest tensor's, derived here)."""
+    lesson = LESSON_MODULES.get(script, foundation)
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--nproc", "2", *options])
+    monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    with pytest.raises(SystemExit) as exit_:
+        lesson.main()
+    err = capsys.readouterr().err
+    needed = re.search(r"would need at least ([\d,]+) bytes .*; this machine has ([\d,]+)$", err)
+    assert exit_.value.code == 2 and err.count("\n") == 1 and needed, err
+    assert int(needed.group(1).replace(",", "")) >= at_least > int(needed.group(2).replace(",", ""))
+
+
+# --- every lesson's source ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name)
+def test_every_option_of_every_lesson_says_what_it_is(lesson):
+    """--help gives every option a sentence: each add_argument call of the lesson has a help text
+    (read from the source, so no process starts)."""
+    calls = [node for node in ast.walk(ast.parse(lesson.read_text()))
+             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"]
+    silent = [ast.unparse(call) for call in calls if not any(k.arg == "help" for k in call.keywords)]
+    assert calls and not silent
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name)
+def test_a_lesson_imports_only_earlier_lessons(lesson):
+    """The reading order (DESIGN.md): a reader of lesson N has met lessons 1..N-1 only, so lesson N
+    imports no lesson numbered N or later (read from the source: every import_module call)."""
+    imported = [node.args[0].value for node in ast.walk(ast.parse(lesson.read_text()))
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
+                and node.args and isinstance(node.args[0], ast.Constant) and str(node.args[0].value)[:2].isdigit()]
+    later = [name for name in imported if int(name[:2]) >= int(lesson.name[:2])]
+    assert not later, f"{lesson.name} imports {later}"
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name)
+def test_every_line_of_every_lesson_fits_the_style(lesson):
+    """Lines of at most 110 characters (the style's limit), so that two files fit side by side."""
+    long = [f"line {i}: {len(line)} characters" for i, line in enumerate(lesson.read_text().splitlines(), 1)
+            if len(line) > MAX_LINE]
+    assert not long, long
+
+
+# --- the harness itself --------------------------------------------------------------------------
+
+def rank_one_raises_while_rank_zero_waits():
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 broke before the all-reduce")
+    foundation.all_reduce(torch.ones(1))  # never joined by rank 1: rank 0 waits in it
+
+
+def test_harness_names_the_failing_and_the_silent_rank(rank_pool):
+    with pytest.raises(RankFailure) as failure:
+        rank_pool.run(2, rank_one_raises_while_rank_zero_waits, timeout=5)
+    assert "rank 1 broke before the all-reduce" in failure.value.errors[1]
+    assert failure.value.errors[0].startswith("no answer")
+    assert rank_pool.run(2, dist.get_rank) == [0, 1], "a fresh pool replaces the broken one"
