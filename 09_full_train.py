@@ -108,6 +108,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -125,6 +126,22 @@ fp8 = importlib.import_module("08_fp8")
 
 DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
 
+# Each command-line option is a field of the dataclass it sets (MeshSizes, TrainConfig, RunConfig,
+# Cluster, ModelOptions): option() keeps its help and its range rule beside it; the command line
+# (last section) is generated from the fields and checks every rule once, before any work.
+RULES = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+         "in (0, 1]": lambda v: 0 < v <= 1}  # false for NaN: refused too
+EVERY, STEPPING, TRAIN, PLAN = ("check", "train", "plan"), ("check", "train"), ("train",), ("plan",)
+
+
+def option(default, help: str, rule: str | None = None, commands: tuple[str, ...] = EVERY, **argparse_kwargs):
+    """A dataclass field that is also the option --field-name of these sub-commands; rule: a key of
+    RULES; argparse_kwargs: option="--other-name", choices, type, metavar, nargs, const, and
+    off=(flag, value, help): a second option that sets the field to value."""
+    return dataclasses.field(default=default, metadata=dict(help=help, rule=rule, commands=commands,
+                                                            argparse=argparse_kwargs))
+
+
 # ----------------------------------------------------------------------------------------------
 # The mesh
 # ----------------------------------------------------------------------------------------------
@@ -132,11 +149,11 @@ DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
 
 @dataclass(frozen=True)
 class MeshSizes:
-    dp: int = 1
-    pp: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1  # not a dimension: expert parallelism borrows ranks from dp x cp
+    dp: int = option(1, "data-parallel ranks (ZeRO shards over dp x cp)", ">= 1")
+    pp: int = option(1, "pipeline-parallel ranks", ">= 1")
+    cp: int = option(1, "context-parallel ranks (ring attention)", ">= 1")
+    tp: int = option(1, "tensor-parallel ranks (adjacent: one node)", ">= 1")
+    ep: int = option(1, "expert-parallel ranks, borrowed from dp x cp (not a dimension)", ">= 1")
 
     @property
     def world(self) -> int:
@@ -223,22 +240,27 @@ def mesh_name(sizes: MeshSizes) -> str:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    global_batch: int = 8
-    seq_len: int = 16
-    zero_stage: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    virtual: int = 1  # pipeline stages per rank (interleaved 1F1B)
-    sequence_parallel: bool = False
-    fp8: bool = False
-    lr: float = 1e-3
+    global_batch: int = option(8, "sequences per step", ">= 1")
+    seq_len: int = option(16, "tokens per sequence", ">= 1")
+    zero_stage: int = option(1, "ZeRO stage over dp x cp", ">= 0", option="--zero", metavar="STAGE")
+    schedule: str = option("1f1b", "lesson 04's pipeline schedule", choices=pipeline.SCHEDULES)
+    microbatches: int = option(1, "microbatches per step", ">= 1")
+    virtual: int = option(1, "pipeline stages per rank (interleaved 1F1B)", ">= 1")
+    sequence_parallel: bool = option(False, "lesson 03's SP in the tp groups")
+    fp8: bool = option(False, "lesson 08's Float8Linear layers")
+    lr: float = option(1e-3, "peak learning rate", "> 0", STEPPING)
     adam_eps: float = 1e-8
-    max_grad_norm: float = math.inf
+    max_grad_norm: float = option(math.inf, "clip the whole mesh's gradient norm (inf: no clipping)", "> 0",
+                                  STEPPING)
     moe: "expert_parallel.MoEConfig | None" = None  # every MLP an MoE layer (lesson 06)
-    mixed_precision: bool = False  # bf16 compute, fp32 masters in ZeRO (lesson 02)
-    recompute: str = "none"  # lesson 03's activation recompute: none | selective | full
-    attention: str = "sdpa"  # without cp: "flash" is lesson 07's kernel (cp > 1: the ring)
-    compile: bool = False  # torch.compile each block (07's kernel stays opaque to it)
+    mixed_precision: bool = option(False, "bf16 compute, fp32 masters (lesson 02's)", None, STEPPING,
+                                   option="--bf16")
+    recompute: str = option("none", "activation recompute (lesson 03): selective = attention's inside, "
+                            "full = each block", choices=tensor_parallel.RECOMPUTE_MODES)
+    attention: str = option("sdpa", "flash: lesson 07's kernel (cp > 1: the ring)", None, STEPPING,
+                            choices=("sdpa", "flash"))
+    compile: bool = option(False, "torch.compile each block (07's kernel stays opaque to it)", None,
+                           STEPPING)
 
 
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
@@ -343,10 +365,11 @@ def assemble(pieces: list[tuple[ShardSpec, torch.Tensor]], fill: float = math.na
 # ----------------------------------------------------------------------------------------------
 
 
-def tensor_parallel_plan(moe) -> dict:
-    """03's plan; an MoE layer is not split over tp: each tp rank runs it on its tokens."""
-    plan = tensor_parallel.TENSOR_PARALLEL_PLAN
-    return plan if moe is None else {name: style for name, style in plan.items() if ".mlp" not in name}
+def tensor_parallel_styles(moe) -> dict:
+    """03's style of each module (TENSOR_PARALLEL_PLAN); an MoE layer is not split over tp: each tp
+    rank runs it on its tokens."""
+    styles = tensor_parallel.TENSOR_PARALLEL_PLAN
+    return styles if moe is None else {name: style for name, style in styles.items() if ".mlp" not in name}
 
 
 def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages: int,
@@ -360,7 +383,7 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
     if train.fp8:
         model = fp8.convert_to_float8(model)
     model = tensor_parallel.apply_tensor_parallel(model.to(device), mesh.groups["tp"],
-                                                  train.sequence_parallel, tensor_parallel_plan(train.moe),
+                                                  train.sequence_parallel, tensor_parallel_styles(train.moe),
                                                   check_ids=False)  # forward_backward checks the rows
     attention = flash.flash_attention if train.attention == "flash" else None
     if mesh.sizes.cp > 1:
@@ -373,6 +396,15 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
     for block in model.layers.values() if train.compile else ():
         block.compile()  # in place: parameter names stay
     return model
+
+
+@dataclass(frozen=True)
+class StageZeRO:
+    """One ZeRO optimizer of a stage: over dp x cp ("dp_cp"), or over the ranks that hold the same
+    experts ("ep_dp"); zero is lesson 02's ZeRO, or 08's Float8ZeRO for FP8 weights under ZeRO-3."""
+    stage: int
+    kind: str  # the group kind it reduces over
+    zero: "zero.ZeRO"
 
 
 class Trainer:
@@ -389,18 +421,18 @@ class Trainer:
         validate(cfg, mesh.sizes, train, dist.get_world_size())
         self.cfg, self.mesh, self.train, self.device = cfg, mesh, train, device
         sizes, at = mesh.sizes, mesh.coords
-        self.plan = pipeline.make_schedule(train.schedule, sizes.pp, train.microbatches, train.virtual)
+        self.schedule = pipeline.make_schedule(train.schedule, sizes.pp, train.microbatches, train.virtual)
         self.layout = context_parallel.SequenceLayout(train.seq_len, sizes.cp, zigzag=True)
         positions = self.layout.positions(at["cp"], device)
         self.stages = {}
-        for stage in range(at["pp"], self.plan.n_stages, sizes.pp):
-            model = build_stage_model(cfg, mesh, train, stage, self.plan.n_stages, device)
+        for stage in range(at["pp"], self.schedule.n_stages, sizes.pp):
+            model = build_stage_model(cfg, mesh, train, stage, self.schedule.n_stages, device)
             model.register_forward_pre_hook(  # global positions: RoPE on CP chunks and SP shards
                 lambda _, args, kwargs: (args, {**kwargs, "positions": positions}), with_kwargs=True)
             self.stages[stage] = model
-        # (stage, the group kind it reduces over, ZeRO). Experts get their own ZeRO over the ranks
-        # holding the same ones; their gradients arrive summed over ep (06's all-to-all): / ep here.
-        self.zeros = []
+        # Experts get their own ZeRO over the ranks holding the same ones; their gradients arrive
+        # summed over ep (06's all-to-all): / ep here.
+        self.zeros: list[StageZeRO] = []
         for stage, model in self.stages.items():
             experts = ({p for layer in expert_parallel.moe_layers(model) for p in layer.expert_parameters()}
                        if sizes.ep > 1 else set())
@@ -413,11 +445,12 @@ class Trainer:
             for kind, owns in (("dp_cp", lambda p, e=experts | fp8_weights: p not in e),
                                ("ep_dp", lambda p, e=experts: p in e)):
                 if kind == "dp_cp" or experts:
-                    self.zeros.append((stage, kind, zero.ZeRO(
+                    self.zeros.append(StageZeRO(stage, kind, zero.ZeRO(
                         model, train.zero_stage, mesh.groups[kind], **settings,
                         owns=owns if experts or fp8_weights else None)))
             if fp8_weights:
-                self.zeros.append((stage, "dp_cp", fp8.Float8ZeRO(model, mesh.groups["dp_cp"], **settings)))
+                self.zeros.append(StageZeRO(stage, "dp_cp", fp8.Float8ZeRO(model, mesh.groups["dp_cp"],
+                                                                           **settings)))
         rows = train.global_batch // sizes.dp // train.microbatches
         seq = train.seq_len // sizes.cp // (sizes.tp if train.sequence_parallel else 1)
         self.boundary_shape = (rows, seq, cfg.dim)
@@ -425,8 +458,8 @@ class Trainer:
         self.steps = self.in_flight = 0  # in_flight: the most microbatch-stage pairs held at once (04)
 
     def set_lr(self, lr: float) -> None:
-        for *_, zero_opt in self.zeros:
-            for group in zero_opt.optimizer.param_groups:
+        for part in self.zeros:
+            for group in part.zero.optimizer.param_groups:
                 group["lr"] = lr
 
     def forward_backward(self, rows: torch.Tensor) -> float:
@@ -443,15 +476,15 @@ class Trainer:
                            for t in (rows[:, :-1], rows[:, 1:]))
         with foundation.comm_meter() as meter:
             with contextlib.ExitStack() as accumulate:
-                for *_, zero_opt in self.zeros:
-                    accumulate.enter_context(zero_opt.no_sync())
+                for part in self.zeros:
+                    accumulate.enter_context(part.zero.no_sync())
                 for model in self.stages.values() if self.train.fp8 and self.train.zero_stage < 3 else ():
                     accumulate.enter_context(fp8.weights_cast_once(model))  # 08: once per step
-                log = pipeline.run_schedule(self.plan, self.stages, tokens, targets, self.mesh.groups["pp"],
-                                             boundary_shape=self.boundary_shape)
+                log = pipeline.run_schedule(self.schedule, self.stages, tokens, targets,
+                                            self.mesh.groups["pp"], boundary_shape=self.boundary_shape)
             with torch.profiler.record_function("gradient sync"):  # names in a profile (--profile)
-                for *_, zero_opt in self.zeros:
-                    zero_opt.finish_gradient_sync()
+                for part in self.zeros:
+                    part.zero.finish_gradient_sync()
         self.meter += meter
         self.in_flight = max(self.in_flight, log.peak_in_flight)
         # Outside the meter: the last stage's local mean, averaged over dp x cp, sent to every stage.
@@ -470,7 +503,7 @@ class Trainer:
             return 1.0 if hasattr(p, "tp_shard_dim") else 1 / sizes.tp
 
         with foundation.comm_meter() as meter, torch.profiler.record_function("optimizer"):
-            squares = {kind: sum(z.grad_squares(share) for _, k, z in self.zeros if k == kind)
+            squares = {kind: sum(p.zero.grad_squares(share) for p in self.zeros if p.kind == kind)
                        for kind in ("dp_cp", "ep_dp")}
             if sizes.ep > 1:  # each ep rank holds other experts
                 foundation.all_reduce(squares["ep_dp"], group=self.mesh.groups["ep"])
@@ -478,9 +511,9 @@ class Trainer:
             for kind in ("tp", "pp"):
                 if getattr(sizes, kind) > 1:
                     foundation.all_reduce(squares, group=self.mesh.groups[kind])
-            for *_, zero_opt in self.zeros:
-                zero_opt.clip_and_update(squares)
-                zero_opt.zero_grad()
+            for part in self.zeros:
+                part.zero.clip_and_update(squares)
+                part.zero.zero_grad()
         self.meter += meter
         self.steps += 1
         return squares.sqrt()
@@ -489,8 +522,8 @@ class Trainer:
         """The loss on rows without training: lesson 04's schedules have no forward-only mode, so
         the backward runs and its gradients are dropped (the next step overwrites them)."""
         loss = self.forward_backward(rows)
-        for *_, zero_opt in self.zeros:
-            zero_opt.zero_grad()
+        for part in self.zeros:
+            part.zero.zero_grad()
         return loss
 
 
@@ -505,25 +538,32 @@ def build_trainer(cfg, sizes: MeshSizes, train: TrainConfig, device: torch.devic
 # ----------------------------------------------------------------------------------------------
 
 
-def unit_sizes(cfg, tp: int, moe, ep: int, fp8_gathers: bool = False) -> dict[str, tuple[int, int, int, int]]:
-    """Elements one rank holds of each kind of ZeRO unit ("embed", "layers", "norm", "lm_head"),
-    as (in dp x cp's ZeRO, in the experts' ZeRO over ep_dp, in 08's Float8ZeRO, the number of
-    Float8Linear weights there): 01's, 06's and 03's shapes, nothing built. fp8_gathers: --fp8
-    --zero 3, whose Float8Linear weights (a layer's 2-D weights: 08 converts every linear but the
-    LM head) have a ZeRO of their own."""
+class UnitSizes(NamedTuple):
+    """Elements one rank holds of a kind of ZeRO unit, by the ZeRO that holds them."""
+    dense: int = 0    # in dp x cp's ZeRO
+    experts: int = 0  # in the experts' ZeRO over ep_dp
+    float8: int = 0   # in 08's Float8ZeRO (--fp8 --zero 3)
+    float8_weights: int = 0  # the number of Float8Linear weights there
+
+
+def unit_sizes(cfg, tp: int, moe, ep: int, fp8_gathers: bool = False) -> dict[str, UnitSizes]:
+    """UnitSizes of each kind of ZeRO unit ("embed", "layers", "norm", "lm_head"): 01's, 06's and
+    03's shapes, nothing built. fp8_gathers: --fp8 --zero 3, whose Float8Linear weights (a layer's
+    2-D weights: 08 converts every linear but the LM head) have a ZeRO of their own."""
     shapes = foundation.parameter_shapes(dataclasses.replace(cfg, n_layers=1))
     if moe is not None:
         shapes = {name: shape for name, shape in shapes.items() if ".mlp." not in name}
         experts = expert_parallel.moe_parameter_shapes(cfg.dim, moe, ep)
         shapes |= {f"layers.0.mlp.{name}": shape for name, shape in experts.items()}
-    out: dict[str, tuple[int, int, int, int]] = {}
+    out: dict[str, UnitSizes] = {}
     for name, shape in shapes.items():
         expert = ep > 1 and name.rpartition(".")[2] in expert_parallel.MoE.expert_names
         float8 = fp8_gathers and name.startswith("layers.") and len(shape) == 2
-        numel = math.prod(tensor_parallel.tp_local_shape(name, shape, tp, tensor_parallel_plan(moe)))
-        dense, experts, weights, count = out.get(name.split(".")[0], (0, 0, 0, 0))
-        out[name.split(".")[0]] = (dense + numel * (not expert and not float8), experts + numel * expert,
-                                   weights + numel * float8, count + float8)
+        numel = math.prod(tensor_parallel.tp_local_shape(name, shape, tp, tensor_parallel_styles(moe)))
+        unit = out.get(name.split(".")[0], UnitSizes())
+        out[name.split(".")[0]] = UnitSizes(unit.dense + numel * (not expert and not float8),
+                                            unit.experts + numel * expert, unit.float8 + numel * float8,
+                                            unit.float8_weights + float8)
     return out
 
 
@@ -574,8 +614,8 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
         for st in stages:  # 02: a ZeRO per stage (and one for its experts) on its padded units
             held = ([units["embed"]] * (st == 0) + [units["layers"]] * len(spans[st])
                     + [units["norm"], units["lm_head"]] * (st == n_stages - 1))
-            for kind, part in (("dp_cp", 0), ("ep_dp", 1), ("dp_cp", 2)):  # 2: 08's Float8ZeRO
-                numels, n = [u[part] for u in held if u[part]], groups[kind]
+            for kind, part in (("dp_cp", "dense"), ("ep_dp", "experts"), ("dp_cp", "float8")):
+                numels, n = [getattr(u, part) for u in held if getattr(u, part)], groups[kind]
                 if not numels:
                     continue
                 padded, params = sum(zero.padded_size(x, n) for x in numels), params + sum(numels)
@@ -583,8 +623,8 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
                                                                   train.mixed_precision).items():
                     memory[key] += value
                 ops = zero.zero_traffic_per_step(padded, n, train.zero_stage, e, e)
-                if part == 2:  # + each rank's e4m3 shard and every weight's scale; 1 B gathers, amaxes
-                    weights = sum(u[3] for u in held)
+                if part == "float8":  # + each rank's e4m3 shard and every weight's scale; 1 B gathers, amaxes
+                    weights = sum(u.float8_weights for u in held)
                     memory["params"] += Fraction(padded, n) + fp8.AMAX_BYTES * weights
                     ops = fp8.float8_zero_traffic(padded, weights, n, e)
                 gathers = m if train.zero_stage == 3 else 1  # ZeRO-3: around each microbatch's F and B
@@ -625,7 +665,7 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
 def summary(trainer: Trainer) -> dict:
     """What the trainer measured beside its plan: parameters held, bytes held against 02's formula,
     bytes sent per step in each group against the lessons' formulas; the plan of its rank."""
-    mesh, zeros = trainer.mesh, [z for *_, z in trainer.zeros]
+    mesh, zeros = trainer.mesh, [part.zero for part in trainer.zeros]
     mine = plan(trainer.cfg, mesh.sizes, trainer.train)[mesh.coords["pp"]]
     held = {k: sum(z.held_bytes()[k] for z in zeros) for k in ("params", "grads", "optimizer")}
     # Groups of different kinds may be the same ranks (cp and dp x cp when dp = 1): their
@@ -650,6 +690,91 @@ def summary(trainer: Trainer) -> dict:
                 shard=sum(spec.flat_stop - spec.flat_start for spec, *_ in shard_specs(trainer)),
                 held=held, memory_formula={k: mine.memory[k] for k in held}, traffic=traffic,
                 traffic_formula=traffic_formula, in_flight=trainer.in_flight, plan=mine)
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning a run at scale: the plan against a GPU's memory, and a step time
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """plan's assumptions about the machines (defaults: H100 SXM nodes)."""
+    gpus: int | None = option(None, "GPUs (default: the product of the mesh sizes)", ">= 1", PLAN, type=int)
+    gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", ">= 1", PLAN)
+    gpu_memory: float = option(80.0, "GB per GPU", "> 0", PLAN)
+    peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU (PEAK_BF16_FLOPS)", "> 0", PLAN)
+    mfu: float = option(0.43, "the share of peak compute reaches (09's MFU on one H100: README)", "in (0, 1]",
+                        PLAN)
+    nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node (NVLink 4: 900 both ways)", "> 0",
+                                PLAN)
+    network_gbps: float = option(50.0, "GB/s per GPU each way between nodes (a 400 Gb/s NIC per GPU)", "> 0",
+                                 PLAN)
+
+
+def inside_node(sizes: MeshSizes, kind: str, gpus_per_node: int) -> bool:
+    """Whether every group of this kind lies in one node: ranks are numbered tp fastest, so a group
+    stays within aligned blocks of (its slowest dimension's size x the faster dimensions' sizes)."""
+    moving = [d for d in DIMS if d in GROUP_DIMS.get(kind, ("dp", "cp")) and getattr(sizes, d) > 1]
+    block = math.prod(getattr(sizes, d) for d in DIMS[DIMS.index(moving[0]):]) if moving else 1
+    return gpus_per_node % block == 0
+
+
+def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster) -> dict:
+    """Seconds per step. Compute: the step's FLOPs as MFU counts them (PaLM's) plus the forward
+    that recompute re-runs, / (GPUs x peak x mfu), stretched by 04's bubble. Communication: each
+    group's bytes (its busiest rank's) / its link, NVLink inside a node, else the network. Bounds:
+    no overlap (the sum) and perfect overlap (the longest of compute, NVLink's and the network's)."""
+    tokens, per_token = train.global_batch * train.seq_len, flops_per_token(cfg, train.seq_len)
+    rerun = {"none": 0, "selective": per_token - flops_per_token(cfg, 0),  # attention's inside
+             "full": per_token - flops_per_token(dataclasses.replace(cfg, n_layers=0), train.seq_len)}
+    bubble = pipeline.bubble_formula(train.schedule, sizes.pp, train.microbatches, train.virtual)
+    peak = cluster.peak_tflops * 1e12 * cluster.mfu
+    compute = tokens * (per_token + rerun[train.recompute] / 3) / (sizes.world * peak)
+    links, comm = {"NVLink": 0.0, "network": 0.0}, {}
+    for kind in dict.fromkeys(k for p in plans for k in p.traffic):
+        sent = [p.traffic.get(kind, 0) for p in plans]
+        link = "NVLink" if inside_node(sizes, kind, cluster.gpus_per_node) else "network"
+        comm[kind] = None if None in sent else (float(max(sent)), link)
+        speed = 1e9 * (cluster.nvlink_gbps if link == "NVLink" else cluster.network_gbps)
+        links[link] += 0 if comm[kind] is None else comm[kind][0] / speed
+    compute /= 1 - bubble
+    return dict(flops=tokens * per_token, compute=compute, bubble=bubble, comm=comm,
+                no_overlap=compute + sum(links.values()), overlap=max(compute, *links.values()))
+
+
+def mesh_candidates(gpus: int, fixed: dict[str, int | None], gpus_per_node: int, ep: int):
+    """Every (dp, pp, cp, tp) whose product is gpus, tp within a node, the sizes given kept."""
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    for tp, cp, pp in itertools.product(divisors, repeat=3):
+        if gpus % (tp * cp * pp) == 0 and gpus_per_node % tp == 0:
+            sizes = MeshSizes(gpus // (tp * cp * pp), pp, cp, tp, ep)
+            if all(fixed[d] in (None, getattr(sizes, d)) for d in DIMS):
+                yield sizes
+
+
+def planned(cfg, sizes: MeshSizes, train: TrainConfig, microbatches: int | None, cluster: Cluster) -> tuple:
+    """(sizes, train as run on them, plans, step time), or validate's ValueError. microbatches None:
+    one sequence each (global_batch / dp)."""
+    train = dataclasses.replace(train, microbatches=microbatches or max(train.global_batch // sizes.dp, 1))
+    validate(cfg, sizes, train, sizes.world)
+    plans = plan(cfg, sizes, train)
+    return sizes, train, plans, step_time(cfg, sizes, train, plans, cluster)
+
+
+def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | None], microbatches: int | None,
+                  ep: int, cluster: Cluster) -> tuple[list, list, str]:
+    """The meshes of gpus GPUs that validate accepts, as planned() gives them; those that fit in a
+    GPU's memory, fastest first (no-overlap bound, then perfect-overlap); the first refusal."""
+    valid, refusals = [], []
+    for sizes in mesh_candidates(gpus, fixed, cluster.gpus_per_node, ep):
+        try:
+            valid.append(planned(cfg, sizes, train, microbatches, cluster))
+        except ValueError as error:
+            refusals.append(f"{mesh_name(sizes)}: {error}".replace("\n", " "))
+    fitting = sorted((v for v in valid if max(p.total for p in v[2]) <= cluster.gpu_memory * 1e9),
+                     key=lambda v: (v[3]["no_overlap"], v[3]["overlap"]))
+    return valid, fitting, refusals[0] if refusals else "no sizes multiply to it (tp divides --gpus-per-node)"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -772,6 +897,43 @@ def flops_per_token(cfg, seq_len: int) -> int:
     return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
+def text_prompt(tokens: torch.Tensor, max_bytes: int = 100) -> bytes:
+    """Whole lines of the text from its second line on, at most max_bytes (or the first max_bytes of
+    one longer line): a prompt like the text the model learnt, here Python code."""
+    text = bytes(tokens[:4 * max_bytes].tolist())
+    start = text.find(b"\n") + 1
+    end = text.rfind(b"\n", start, start + max_bytes) + 1
+    return text[start:end] if end > start else text[start:start + max_bytes]
+
+
+@torch.no_grad()
+def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: int = 20,
+           seed: int = 0) -> bytes:
+    """n_new bytes continuing prompt (a byte-level lesson-01 GPT on one device), each drawn from the
+    top_k most likely next bytes with probabilities softmax(logits / temperature), by a generator
+    seeded with `seed`: the same sample every run. Greedy decoding (top_k = 1: always the most likely
+    byte) repeats itself: in a small model a frequent byte such as "_" or " " is often the single
+    most likely one, and once emitted it makes itself more likely still, so the text locks into a
+    loop ("self.______"). Sampling takes a less likely byte now and then, which breaks the loop; a
+    temperature below 1 and the top-k cut keep it from the tail of improbable bytes. The whole text
+    is re-read each step: simple, and a sample is short."""
+    if not prompt or model.cfg.vocab_size != 256 or not temperature > 0 or top_k < 1 or n_new < 0:
+        raise ValueError(f"sample needs a non-empty prompt, a byte-level model (vocab_size 256, not "
+                         f"{model.cfg.vocab_size}), temperature > 0 (not {temperature}), top_k >= 1 "
+                         f"(not {top_k}) and n_new >= 0 (not {n_new})")
+    device = next(model.parameters()).device
+    generator = torch.Generator(device).manual_seed(seed)
+    tokens = torch.tensor(list(prompt), device=device)[None]
+    was_training = model.training
+    model.eval()
+    for _ in range(n_new):
+        likely, index = (model(tokens)[:, -1].float() / temperature).topk(min(top_k, 256))
+        drawn = torch.multinomial(likely.softmax(-1), 1, generator=generator)
+        tokens = torch.cat([tokens, index.gather(-1, drawn)], dim=1)
+    model.train(was_training)
+    return bytes(tokens[0, len(prompt):].tolist())
+
+
 # ----------------------------------------------------------------------------------------------
 # Checkpoints: each element written once, by one holder; a resume reads only the slices it holds
 # ----------------------------------------------------------------------------------------------
@@ -808,7 +970,8 @@ def param_specs(trainer: Trainer) -> list[tuple[ShardSpec, object, object, int]]
     the trainer's stages."""
     tp_rank, sizes, out = trainer.mesh.coords["tp"], trainer.mesh.sizes, []
     ep_rank = dist.get_rank(trainer.mesh.groups["ep"])
-    for stage, kind, zero_opt in trainer.zeros:
+    for part in trainer.zeros:
+        stage, kind, zero_opt = part.stage, part.kind, part.zero
         for unit in zero_opt.units:
             for i, (name, p) in enumerate(zip(unit.names, unit.params)):
                 dim = getattr(p, "tp_shard_dim", None)
@@ -857,13 +1020,13 @@ def load_shards(trainer: Trainer, shards: dict[ShardSpec, dict[str, torch.Tensor
     shard_specs() -> kind -> its values, e.g. read from a checkpoint saved on another mesh) and
     continue from step `step`. Nothing but the shards is built: no whole tensor."""
     flat = {id(unit): {kind: torch.zeros(unit.owned.stop - unit.owned.start) for kind in CHECKPOINT_KINDS}
-            for *_, zero_opt in trainer.zeros for unit in zero_opt.units}  # a unit's padding holds zeros
+            for part in trainer.zeros for unit in part.zero.units}  # a unit's padding holds zeros
     for spec, _, unit, i in shard_specs(trainer):
         begin = unit.offsets[i] + spec.flat_start - unit.owned.start
         for kind, values in shards[spec].items():
             flat[id(unit)][kind][begin:begin + len(values)] = values
-    for *_, zero_opt in trainer.zeros:
-        zero_opt.load_shards([flat[id(unit)] for unit in zero_opt.units], step)
+    for part in trainer.zeros:
+        part.zero.load_shards([flat[id(unit)] for unit in part.zero.units], step)
     trainer.steps = step
 
 
@@ -1152,23 +1315,6 @@ def load_model(model: nn.Module, folder: str | os.PathLike) -> dict:
     return meta
 
 
-@torch.no_grad()
-def greedy_sample(model: nn.Module, prompt: bytes, n_new: int) -> bytes:
-    """n_new bytes continuing prompt, each the most likely next byte (a byte-level lesson-01 GPT
-    on one device). The whole text is re-read each step: simple, and a sample is short."""
-    if not prompt or model.cfg.vocab_size != 256:
-        raise ValueError(f"greedy_sample needs a non-empty prompt and a byte-level model (vocab_size "
-                         f"256, not {model.cfg.vocab_size})")
-    device = next(model.parameters()).device
-    tokens = torch.tensor(list(prompt), device=device)[None]
-    was_training = model.training
-    model.eval()
-    for _ in range(n_new):
-        tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    model.train(was_training)
-    return bytes(tokens[0, len(prompt):].tolist())
-
-
 # ----------------------------------------------------------------------------------------------
 # The training run
 # ----------------------------------------------------------------------------------------------
@@ -1188,19 +1334,32 @@ MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256 (bytes are toke
 
 @dataclass
 class RunConfig:
-    steps: int = 600
-    warmup: int = 20
+    steps: int = option(600, "optimizer steps", ">= 1", STEPPING)
+    warmup: int = option(20, "steps of linear warmup, then cosine decay", ">= 0", TRAIN)
     min_lr_ratio: float = 0.1
-    eval_every: int = 100
+    eval_every: int = option(100, "steps between validation losses", ">= 1", TRAIN)
     eval_batches: int = 2
-    save_every: int = 100  # 0: only at the end
-    folder: str | None = "checkpoints/09"  # None: no checkpoints
-    keep: int = 2  # the last checkpoints kept: a damaged one names the one before
-    resume: bool = False
+    save_every: int = option(100, "steps between checkpoints; 0: only at the end", ">= 0", TRAIN)
+    folder: str | None = option("checkpoints/09", "one folder per run (--resume reads it)", None, TRAIN,
+                                option="--checkpoint-dir", metavar="DIR",
+                                off=("--no-save", None, "no checkpoints (and no sample)"))
+    keep: int = option(2, "the last checkpoints kept (a damaged one names the one before)", ">= 1", TRAIN)
+    resume: bool = option(False, "continue from the last checkpoint, or from step STEP (one of those kept)",
+                          None, TRAIN, type=str, nargs="?", const="latest", metavar="STEP")
     resume_step: int | None = None  # None: the one LATEST names
-    seed: int = 0
-    profile: int = 0  # steps profiled after the measured one (0: none)
-    trace: str | None = None  # the profile's Chrome trace file
+    seed: int = option(0, "seeds the initial weights, the data order and the sample", None, TRAIN)
+    profile: int = option(0, "profile STEPS steps after the second (torch.profiler): forward, backward, "
+                          "gradient sync and optimizer, the top kernels, the GPU's idle time", ">= 0", TRAIN,
+                          metavar="STEPS")
+    trace: str | None = option(None, "with --profile: its Chrome trace (chrome://tracing)", None, TRAIN,
+                               metavar="FILE")
+    data: str | None = option(None, "a text file (default: the standard library's .py files)", None, TRAIN)
+    prompt: str | None = option(None, "the start of the sample (default: whole lines of the validation "
+                                "text)", None, TRAIN)
+    sample_bytes: int = option(200, "bytes the sample generates", ">= 0", TRAIN,
+                               off=("--no-sample", 0, "no sample at the end"))
+    temperature: float = option(0.8, "the sample's temperature: softmax(logits / T)", "> 0", TRAIN)
+    top_k: int = option(20, "the sample draws from the top_k likeliest bytes (1: greedy)", ">= 1", TRAIN)
 
 
 def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Path, dict, int]:
@@ -1331,6 +1490,11 @@ def resumed_validation(meta: dict, again: float, sizes: MeshSizes) -> str:
             f"at first, then drift: it ends near, not on, that run's loss)")
 
 
+# ==============================================================================================
+# RUN IT: the three programs (train, check, plan), what they print, the command line
+# ==============================================================================================
+
+
 def train_run(args: argparse.Namespace) -> None:
     """The default job: train on text, print progress, checkpoints, the figures, a sample."""
     device = foundation.init_distributed()
@@ -1394,12 +1558,15 @@ def train_run(args: argparse.Namespace) -> None:
             print(f"checkpoint {result['saved']}: {disk:,} B on disk = (params + 2 AdamW moments) x 4 B x "
                   f"{n:,} parameters, each element once ({formula:,}) + {disk - formula:,} B of metadata "
                   f"(meta.json; each rank file's specs, RNG and headers)")
-        if run.folder is not None and args.sample_bytes:
+        if run.folder is not None and run.sample_bytes:
             model = (reference_transform(train) or (lambda m: m))(foundation.GPT(cfg)).to(device)  # MoE
             load_model(model, run.folder)
-            prompt = args.prompt.encode()
-            text = (prompt + greedy_sample(model, prompt, args.sample_bytes)).decode(errors="replace")
-            print(f"Greedy sample from the checkpoint (a one-device lesson-01 GPT):\n{text}")
+            prompt = run.prompt.encode() if run.prompt is not None else text_prompt(val_tokens)
+            new = sample(model, prompt, run.sample_bytes, run.temperature, run.top_k, run.seed)
+            print(f"Sample from the checkpoint (a one-device lesson-01 GPT; temperature {run.temperature:g}, "
+                  f"top-k {run.top_k}, seed {run.seed}), after {len(prompt)} bytes of prompt"
+                  f"{'' if run.prompt is not None else ' from the validation text'}:\n"
+                  + (prompt + new).decode(errors="replace"))
     if lock is not None:
         lock.close()
     foundation.exit_distributed()
@@ -1547,9 +1714,9 @@ def demo(args: argparse.Namespace) -> None:
     dist.gather_object((grads, shard_values(trainer), summary(trainer)), pieces, dst=0)
     if mesh.rank == 0:
         ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
-                                             adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
-                                             mixed_precision=train.mixed_precision,
-                                             transform=reference_transform(train))
+                                   adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
+                                   mixed_precision=train.mixed_precision,
+                                   transform=reference_transform(train))
         moe = train.moe and f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; "
         print(f"4D parallelism: dp={sizes.dp} pp={sizes.pp} cp={sizes.cp} tp={sizes.tp} on {sizes.world} "
               f"ranks ({dist.get_backend()}, {device.type}); ZeRO-{train.zero_stage}, {train.schedule} "
@@ -1574,85 +1741,10 @@ def demo(args: argparse.Namespace) -> None:
     foundation.exit_distributed()
 
 # ----------------------------------------------------------------------------------------------
-# Planning a run at scale (plan): the plan against a GPU's memory, and a step time
+# plan's report: the given mesh's breakdown, or the fastest meshes that fit
 # ----------------------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class Cluster:
-    """plan's assumptions about the machines (defaults: H100 SXM nodes)."""
-    gpus_per_node: int = 8
-    memory: float = 80e9  # bytes per GPU
-    peak: float = 989e12  # dense bf16 FLOP/s per GPU (PEAK_BF16_FLOPS)
-    mfu: float = 0.43  # the share of peak compute reaches: 09's MFU on one H100 (README)
-    nvlink: float = 450e9  # bytes/s per GPU each way inside a node (NVLink 4: 900 GB/s both ways)
-    network: float = 50e9  # bytes/s per GPU each way between nodes (one 400 Gb/s NIC per GPU)
-
-
 GROUP_NAMES = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_cp": "dp x cp", "ep_dp": "experts' dp", "ep": "ep"}
-
-
-def inside_node(sizes: MeshSizes, kind: str, gpus_per_node: int) -> bool:
-    """Whether every group of this kind lies in one node: ranks are numbered tp fastest, so a group
-    stays within aligned blocks of (its slowest dimension's size x the faster dimensions' sizes)."""
-    moving = [d for d in DIMS if d in GROUP_DIMS.get(kind, ("dp", "cp")) and getattr(sizes, d) > 1]
-    block = math.prod(getattr(sizes, d) for d in DIMS[DIMS.index(moving[0]):]) if moving else 1
-    return gpus_per_node % block == 0
-
-
-def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster) -> dict:
-    """Seconds per step. Compute: the step's FLOPs as MFU counts them (PaLM's) plus the forward
-    that recompute re-runs, / (GPUs x peak x mfu), stretched by 04's bubble. Communication: each
-    group's bytes (its busiest rank's) / its link, NVLink inside a node, else the network. Bounds:
-    no overlap (the sum) and perfect overlap (the longest of compute, NVLink's and the network's)."""
-    tokens, per_token = train.global_batch * train.seq_len, flops_per_token(cfg, train.seq_len)
-    rerun = {"none": 0, "selective": per_token - flops_per_token(cfg, 0),  # attention's inside
-             "full": per_token - flops_per_token(dataclasses.replace(cfg, n_layers=0), train.seq_len)}
-    bubble = pipeline.bubble_formula(train.schedule, sizes.pp, train.microbatches, train.virtual)
-    compute = tokens * (per_token + rerun[train.recompute] / 3) / (sizes.world * cluster.peak * cluster.mfu)
-    links, comm = {"NVLink": 0.0, "network": 0.0}, {}
-    for kind in dict.fromkeys(k for p in plans for k in p.traffic):
-        sent = [p.traffic.get(kind, 0) for p in plans]
-        link = "NVLink" if inside_node(sizes, kind, cluster.gpus_per_node) else "network"
-        comm[kind] = None if None in sent else (float(max(sent)), link)
-        links[link] += 0 if comm[kind] is None else comm[kind][0] / getattr(cluster, link.lower())
-    compute /= 1 - bubble
-    return dict(flops=tokens * per_token, compute=compute, bubble=bubble, comm=comm,
-                no_overlap=compute + sum(links.values()), overlap=max(compute, *links.values()))
-
-
-def mesh_candidates(gpus: int, fixed: dict[str, int | None], gpus_per_node: int, ep: int):
-    """Every (dp, pp, cp, tp) whose product is gpus, tp within a node, the sizes given kept."""
-    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
-    for tp, cp, pp in itertools.product(divisors, repeat=3):
-        if gpus % (tp * cp * pp) == 0 and gpus_per_node % tp == 0:
-            sizes = MeshSizes(gpus // (tp * cp * pp), pp, cp, tp, ep)
-            if all(fixed[d] in (None, getattr(sizes, d)) for d in DIMS):
-                yield sizes
-
-
-def planned(cfg, sizes: MeshSizes, train: TrainConfig, microbatches: int | None, cluster: Cluster) -> tuple:
-    """(sizes, train as run on them, plans, step time), or validate's ValueError. microbatches None:
-    one sequence each (global_batch / dp)."""
-    train = dataclasses.replace(train, microbatches=microbatches or max(train.global_batch // sizes.dp, 1))
-    validate(cfg, sizes, train, sizes.world)
-    plans = plan(cfg, sizes, train)
-    return sizes, train, plans, step_time(cfg, sizes, train, plans, cluster)
-
-
-def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | None], microbatches: int | None,
-                  ep: int, cluster: Cluster) -> tuple[list, list, str]:
-    """The meshes of gpus GPUs that validate accepts, as planned() gives them; those that fit in a
-    GPU's memory, fastest first (no-overlap bound, then perfect-overlap); the first refusal."""
-    valid, refusals = [], []
-    for sizes in mesh_candidates(gpus, fixed, cluster.gpus_per_node, ep):
-        try:
-            valid.append(planned(cfg, sizes, train, microbatches, cluster))
-        except ValueError as error:
-            refusals.append(f"{mesh_name(sizes)}: {error}".replace("\n", " "))
-    fitting = sorted((v for v in valid if max(p.total for p in v[2]) <= cluster.memory),
-                     key=lambda v: (v[3]["no_overlap"], v[3]["overlap"]))
-    return valid, fitting, refusals[0] if refusals else "no sizes multiply to it (tp divides --gpus-per-node)"
 
 
 def gigabytes(x) -> str:
@@ -1701,149 +1793,99 @@ def plan_report(args: argparse.Namespace) -> str:
     """plan: the given mesh's breakdown, or the fastest meshes that fit; one line if none fits."""
     cfg, fixed = build_model_config(args), {d: getattr(args, d) for d in DIMS}
     train = dataclasses.replace(train_config(args), mixed_precision=True)  # a GPU run: bf16 + fp32 masters
-    cluster = Cluster(args.gpus_per_node, args.gpu_memory * 1e9, args.peak_tflops * 1e12, args.mfu,
-                      args.nvlink_gbps * 1e9, args.network_gbps * 1e9)
+    cluster, memory = Cluster(**options_of(Cluster, args)), args.gpu_memory * 1e9
     gpus = args.gpus or (math.prod(fixed.values()) if None not in fixed.values() else 0)
     if gpus < 1 or None not in fixed.values() and math.prod(fixed.values()) != gpus:
         raise ValueError(f"plan needs --gpus N (or every mesh size: --dp --pp --cp --tp), and the sizes "
                          f"given multiply to it, not {fixed}")
     n_params = sum(map(math.prod, foundation.parameter_shapes(cfg).values()))
-    memory = f"{cluster.memory / 1e9:g} GB"
     header = (f"{args.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
               f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, ffn {cfg.ffn_dim}, vocabulary "
               f"{cfg.vocab_size:,}), bf16 + fp32 masters{' + FP8 GEMMs' if train.fp8 else ''}; batch "
-              f"{train.global_batch:,} x {train.seq_len:,} tokens; {gpus:,} GPUs of {memory}, "
+              f"{train.global_batch:,} x {train.seq_len:,} tokens; {gpus:,} GPUs of {args.gpu_memory:g} GB, "
               f"{cluster.gpus_per_node} per node.\nAssumed: compute at {cluster.mfu:.0%} of "
-              f"{cluster.peak / 1e12:g} TFLOP/s; {cluster.nvlink / 1e9:g} GB/s per GPU each way in a node, "
-              f"{cluster.network / 1e9:g} across nodes. Not counted: logits and loss, the\nembedding's "
+              f"{cluster.peak_tflops:g} TFLOP/s; {cluster.nvlink_gbps:g} GB/s per GPU each way in a node, "
+              f"{cluster.network_gbps:g} across nodes. Not counted: logits and loss, the\nembedding's "
               f"output, temporaries, CUDA and NCCL buffers, fragmentation.")
     valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, args.microbatches, args.ep, cluster)
     if None not in fixed.values() and valid:  # the mesh given
         need = max(p.total for p in valid[0][2])
-        verdict = (f"fits: {gigabytes(need)} of {memory} on the fullest GPU" if need <= cluster.memory else
-                   f"does not fit: the fullest GPU needs {gigabytes(need)} GB, "
-                   f"{gigabytes(need - cluster.memory)} GB ({need / cluster.memory - 1:.0%}) more than its "
-                   f"{memory}")
+        verdict = (f"fits: {gigabytes(need)} of {args.gpu_memory:g} GB on the fullest GPU" if need <= memory
+                   else
+                   f"does not fit: the fullest GPU needs {gigabytes(need)} GB, {gigabytes(need - memory)} GB "
+                   f"({need / memory - 1:.0%}) more than its {args.gpu_memory:g} GB")
         return "\n".join([header, describe(*valid[0], table=True), verdict])
     if not valid:
         return f"no mesh of {gpus:,} GPUs passes validate: {refusal}"
     if not fitting:
         sizes, run, plans, _ = min(valid, key=lambda v: max(p.total for p in v[2]))
         need = max(p.total for p in plans)
-        return (f"{args.model} does not fit on {gpus:,} GPUs of {memory}: the leanest of {len(valid)} valid "
-                f"meshes ({describe(sizes, run, plans, valid[0][3], False).splitlines()[0]}) needs "
-                f"{gigabytes(need)} GB on its fullest GPU, {need / cluster.memory:.1f}x the memory")
+        leanest = describe(sizes, run, plans, valid[0][3], False).splitlines()[0]
+        return (f"{args.model} does not fit on {gpus:,} GPUs of {args.gpu_memory:g} GB: the leanest of "
+                f"{len(valid)} valid meshes ({leanest}) needs {gigabytes(need)} GB on its fullest GPU, "
+                f"{need / memory:.1f}x the memory")
     lines = [header, f"{len(valid)} meshes pass validate, {len(fitting)} fit; the fastest:"]
-    for rank, option in enumerate(fitting[:TOP_MESHES], start=1):
-        lines.append(f"{rank}. " + describe(*option, table=False).replace("\n", "\n   "))
+    for rank, choice in enumerate(fitting[:TOP_MESHES], start=1):
+        lines.append(f"{rank}. " + describe(*choice, table=False).replace("\n", "\n   "))
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
-# The command line: check | train | plan, each option defined once
+# The command line: check | train | plan, generated from the option fields
 # ----------------------------------------------------------------------------------------------
 
 
-class Unset(collections.UserString):
-    """A default that other options decide: None once parsed; --help shows what decides it."""
+@dataclass(frozen=True)
+class ModelOptions:
+    """The command line's choice of model (a ModelConfig and an MoEConfig, made by build_model_config
+    and train_config)."""
+    model: str = option("tiny", "the preset (llama3-*: plan only)", None, ("train", "plan"), choices=MODELS)
+    kv_heads: int | None = option(None, "key/value heads, grouped-query attention", ">= 1", type=int)
+    moe: bool = option(False, "every MLP a mixture of experts (dropless)")
+    experts: int = option(4, "experts per MoE layer", ">= 1")
 
 
-PRESET = Unset("the --model preset's")
-
-
-def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """The model, the mesh and the techniques: every sub-command."""
-    for dim in DIMS:
-        parser.add_argument(f"--{dim}", type=int, default=2 if dim in ("dp", "tp") else 1,
-                            help=f"mesh size: {dim}")
-    parser.add_argument("--ep", type=int, default=1, help="expert parallelism, borrowed from dp x cp")
-    parser.add_argument("--moe", action="store_true", help="every MLP a mixture of experts (dropless)")
-    parser.add_argument("--experts", type=int, default=4, help="experts per MoE layer")
-    parser.add_argument("--zero", type=int, default=1, help="ZeRO stage over dp x cp")
-    parser.add_argument("--schedule", default="1f1b", choices=pipeline.SCHEDULES,
-                        help="lesson 04's pipeline schedule")
-    parser.add_argument("--microbatches", type=int, default=Unset("1, or 2 with pp > 1"),
-                        help="microbatches per step")
-    parser.add_argument("--virtual", type=int, default=1, help="stages per rank (interleaved)")
-    parser.add_argument("--sequence-parallel", action="store_true", help="lesson 03's SP in the tp groups")
-    parser.add_argument("--fp8", action="store_true", help="lesson 08's Float8Linear layers")
-    parser.add_argument("--recompute", default="none", choices=tensor_parallel.RECOMPUTE_MODES,
-                        help="activation recompute (lesson 03): selective = attention's inside, full = each "
-                             "block")
-    parser.add_argument("--kv-heads", type=int, default=PRESET,
-                        help="key/value heads, grouped-query attention")
-    parser.add_argument("--global-batch", type=int, default=PRESET, help="sequences per step")
-    parser.add_argument("--seq-len", type=int, default=PRESET, help="tokens per sequence")
-
-
-def add_step_options(parser: argparse.ArgumentParser) -> None:
-    """The training step: check and train."""
-    parser.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    parser.add_argument("--lr", type=float, default=PRESET, help="peak learning rate")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0,
-                        help="clip the whole mesh's gradient norm")
-    parser.add_argument("--bf16", action="store_true", default=None,
-                        help="bf16 compute, fp32 masters (02's); default: on with a GPU, off on a CPU")
-    parser.add_argument("--attention", default="sdpa", choices=("sdpa", "flash"),
-                        help="flash: lesson 07's kernel")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each block")
-
-
-def add_preset_option(parser: argparse.ArgumentParser) -> None:
-    """train and plan."""
-    parser.add_argument("--model", default="tiny", choices=MODELS, help="the preset (llama3-*: plan only)")
-
-
-def add_run_options(parser: argparse.ArgumentParser) -> None:
-    """The text, checkpoints and sample of train."""
-    parser.add_argument("--data", help="a text file (default: the standard library's .py files)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the data order")
-    parser.add_argument("--warmup", type=int, default=20, help="steps of linear warmup, then cosine decay")
-    parser.add_argument("--eval-every", type=int, default=100, help="steps between validation losses")
-    parser.add_argument("--checkpoint-dir", default="checkpoints/09",
-                        help="one folder per run (--resume reads it)")
-    parser.add_argument("--save-every", type=int, default=100,
-                        help="steps between checkpoints; 0: only at the end")
-    parser.add_argument("--keep", type=int, default=2, help="the last checkpoints kept (a damaged one names "
-                        "the one before)")
-    parser.add_argument("--no-save", action="store_true", help="no checkpoints (and no sample)")
-    parser.add_argument("--resume", nargs="?", const="latest", metavar="STEP",
-                        help="continue from the last checkpoint, or from step STEP (one of those kept)")
-    parser.add_argument("--prompt", default="    return ",
-                        help="the start of the greedy sample (default: 4 spaces, then 'return ')")
-    parser.add_argument("--sample-bytes", type=int, default=100, help="bytes the sample generates")
-    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                        help="profile STEPS steps after the second (torch.profiler): forward, backward, "
-                        "gradient sync and optimizer, the top kernels, the GPU's idle time")
-    parser.add_argument("--trace", metavar="FILE", help="with --profile: its Chrome trace (chrome://tracing)")
-    parser.add_argument("--no-sample", dest="sample_bytes", action="store_const", const=0,
-                        help="no sample at the end")
-
-
-def add_cluster_options(parser: argparse.ArgumentParser) -> None:
-    """The machines plan assumes (Cluster's: H100 SXM nodes)."""
-    parser.add_argument("--gpus", type=int, help="GPUs (default: the product of the mesh sizes)")
-    parser.add_argument("--gpus-per-node", type=int, default=Cluster.gpus_per_node, help="tp stays in a node")
-    parser.add_argument("--gpu-memory", type=float, default=Cluster.memory / 1e9, help="GB per GPU")
-    parser.add_argument("--peak-tflops", type=float, default=Cluster.peak / 1e12, help="dense bf16 TFLOP/s")
-    parser.add_argument("--mfu", type=float, default=Cluster.mfu, help="the share of peak compute reaches")
-    parser.add_argument("--nvlink-gbps", type=float, default=Cluster.nvlink / 1e9,
-                        help="GB/s per GPU each way in a node")
-    parser.add_argument("--network-gbps", type=float, default=Cluster.network / 1e9,
-                        help="GB/s per GPU each way between nodes")
-
-
-COMMANDS = {  # name: (what it does, its options, its defaults where they differ from train's)
+OPTIONS = (MeshSizes, ModelOptions, TrainConfig, RunConfig, Cluster)  # in --help's order
+PRESET = "the --model preset's"
+DEMO = dict(dp=2, tp=2, max_grad_norm=1.0)  # where check and train depart from the fields' defaults
+COMMANDS = {  # name: what it does; its defaults where not the fields'; its options left None: what decides
     "check": ("prove the mesh equal to one device on synthetic data; each rank's bytes beside the plan",
-              (add_model_options, add_step_options),
-              dict(microbatches=2, kv_heads=2, global_batch=8, seq_len=32, lr=1e-3, steps=3)),
-    "train": ("train on text (the default): checkpoints, --resume, MFU, a sample",
-              (add_model_options, add_step_options, add_preset_option, add_run_options), {}),
+              dict(DEMO, steps=3, microbatches=2, kv_heads=2, global_batch=8, seq_len=32, lr=1e-3),
+              dict(mixed_precision="off")),
+    "train": ("train on text (the default): checkpoints, --resume, MFU, a sample", DEMO,
+              dict(microbatches="1, or 2 with pp > 1", mixed_precision="on with a GPU, off on a CPU",
+                   kv_heads=PRESET, global_batch=PRESET, seq_len=PRESET, lr=PRESET)),
     "plan": ("memory, traffic and step time per GPU of --model on --gpus GPUs; mesh sizes left out: searched",
-             (add_model_options, add_preset_option, add_cluster_options),
-             dict(dict.fromkeys(DIMS, Unset("searched")),
-                  microbatches=Unset("global_batch / dp: one sequence each"))),
+             {}, dict(dict.fromkeys(DIMS, "searched"), microbatches="global_batch / dp: one sequence each",
+                      kv_heads=PRESET, global_batch=PRESET, seq_len=PRESET)),
 }
+
+
+def option_fields(command: str) -> list[dataclasses.Field]:
+    """The fields that are options of this sub-command, in --help's order."""
+    fields = (f for cls in OPTIONS for f in dataclasses.fields(cls))
+    return [f for f in fields if command in f.metadata.get("commands", ())]
+
+
+def flag(field: dataclasses.Field) -> str:
+    return field.metadata["argparse"].get("option", "--" + field.name.replace("_", "-"))
+
+
+def add_options(parser: argparse.ArgumentParser, command: str, defaults: dict, decided: dict) -> None:
+    """command's options, one per field: a flag for a bool, else a value of the default's type."""
+    for field in option_fields(command):
+        kwargs = {k: v for k, v in field.metadata["argparse"].items() if k not in ("option", "off")}
+        if isinstance(field.default, bool) and "type" not in kwargs:
+            kwargs["action"] = "store_true"
+        elif field.default is not None:
+            kwargs.setdefault("type", type(field.default))
+        default = None if field.name in decided else defaults.get(field.name, field.default)
+        what = f" (default: {decided[field.name]})" if field.name in decided else ""
+        parser.add_argument(flag(field), dest=field.name, default=default, help=field.metadata["help"] + what,
+                            **kwargs)
+        if "off" in field.metadata["argparse"]:
+            name, value, help = field.metadata["argparse"]["off"]
+            parser.add_argument(name, dest=field.name, action="store_const", const=value, help=help)
 
 
 def parse_options(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -1852,17 +1894,20 @@ def parse_options(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Na
     conventions = dict(allow_abbrev=False, formatter_class=foundation.DefaultsHelpFormatter)
     parser = foundation.LessonParser(description=" ".join(__doc__.split("\n\n")[0].split()), **conventions)
     commands = parser.add_subparsers(dest="command", title="sub-commands (none given: train)")
-    for name, (what, option_groups, defaults) in COMMANDS.items():
-        command = commands.add_parser(name, help=what, description=what, **conventions)
-        for add_options in option_groups:
-            add_options(command)
-        command.set_defaults(**defaults)
+    for name, (what, defaults, decided) in COMMANDS.items():
+        add_options(commands.add_parser(name, help=what, description=what, **conventions), name, defaults,
+                    decided)
     if not argv or argv[0] not in commands.choices and argv[0] not in ("-h", "--help"):
         argv = ["train", *argv]
     args = parser.parse_args(argv)
-    vars(args).update({name: None for name, value in vars(args).items() if isinstance(value, Unset)})
     args.moe = args.moe or args.ep > 1
     return commands.choices[args.command], args
+
+
+def options_of(cls, args: argparse.Namespace) -> dict:
+    """The values args gives the fields of cls that are options of its sub-command."""
+    offered = option_fields(args.command)
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f in offered}
 
 
 def build_model_config(args: argparse.Namespace) -> "foundation.ModelConfig":
@@ -1876,58 +1921,49 @@ def build_model_config(args: argparse.Namespace) -> "foundation.ModelConfig":
 
 
 def mesh_sizes(args: argparse.Namespace) -> MeshSizes:
-    return MeshSizes(args.dp, args.pp, args.cp, args.tp, args.ep)
+    return MeshSizes(**options_of(MeshSizes, args))
 
 
 def train_config(args: argparse.Namespace, device: torch.device | None = None) -> TrainConfig:
-    """The options as a TrainConfig, the --model preset's sizes and lr where left out (plan has no
-    step options)."""
+    """The options as a TrainConfig; those left None: the --model preset's sizes and lr, 1 microbatch
+    (2 with pp > 1), bf16 on a GPU."""
     _, seq_len, global_batch, lr = MODELS[args.model] if "model" in args else (None, None, None, None)
-    step = {} if args.command == "plan" else dict(
-        lr=args.lr or lr, mixed_precision=args.bf16 or device is not None and device.type == "cuda",
-        adam_eps=1e-6, max_grad_norm=args.max_grad_norm, attention=args.attention, compile=args.compile)
+    decided = dict(global_batch=global_batch, seq_len=seq_len, lr=lr, microbatches=1 + ((args.pp or 1) > 1),
+                   mixed_precision=device is not None and device.type == "cuda")
+    given = {k: decided[k] if v is None else v for k, v in options_of(TrainConfig, args).items()}
     moe = expert_parallel.MoEConfig(n_experts=args.experts, top_k=2, expert_ffn_dim=64, aux_loss_coef=0.0)
-    return TrainConfig(global_batch=args.global_batch or global_batch, seq_len=args.seq_len or seq_len,
-                       zero_stage=args.zero, schedule=args.schedule, virtual=args.virtual,
-                       microbatches=args.microbatches or (2 if (args.pp or 1) > 1 else 1),
-                       sequence_parallel=args.sequence_parallel, fp8=args.fp8, recompute=args.recompute,
-                       moe=moe if args.moe else None, **step)
+    return TrainConfig(**given, adam_eps=1e-6, moe=moe if args.moe else None)
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
-    return RunConfig(steps=args.steps, warmup=args.warmup, eval_every=args.eval_every,
-                     save_every=args.save_every, folder=None if args.no_save else args.checkpoint_dir,
-                     keep=args.keep, resume=args.resume is not None, seed=args.seed, profile=args.profile,
-                     trace=args.trace,
-                     resume_step=None if args.resume in (None, "latest") else int(args.resume))
+    """The options as a RunConfig: --resume (a STEP, or "latest") as resume and resume_step."""
+    step = None if args.resume in (False, "latest") else int(args.resume)
+    return RunConfig(**{**options_of(RunConfig, args), "resume": bool(args.resume), "resume_step": step})
 
 
 def check_options(args: argparse.Namespace) -> None:
-    """The ranges of the sub-command's options that launch_lesson does not check (>= 1)."""
-    given = vars(args)
-    for name in ("global_batch", "seq_len", "microbatches", "lr"):  # None: others decide (0 is not None)
-        if given.get(name) is not None and not given[name] > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-    if not given.get("max_grad_norm", 1) > 0:
-        raise ValueError(f"--max-grad-norm must be > 0 (inf: no clipping), not {args.max_grad_norm}")
-    for name in ("warmup", "save_every", "sample_bytes", "profile"):
-        if given.get(name, 0) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
-    if given.get("resume") not in (None, "latest") and not args.resume.isdigit():
+    """Every option's rule (beside its field), then the rules between options: a ValueError naming
+    the option, before any work."""
+    for field in option_fields(args.command):
+        rule, value = field.metadata["rule"], getattr(args, field.name)
+        if rule is not None and value is not None and not RULES[rule](value):
+            raise ValueError(f"{flag(field)} must be {rule}, not {value}")
+    if args.command != "train":
+        return
+    if args.resume not in (False, "latest") and not args.resume.isdigit():
         raise ValueError(f"--resume takes the step of a kept checkpoint (a number), not {args.resume!r}")
-    if given.get("trace") and not args.profile:
+    if args.trace and not args.profile:
         raise ValueError("--trace writes --profile's trace: give --profile STEPS too")
-    if given.get("profile") and args.steps < 3:
-        raise ValueError(f"--profile needs --steps >= 3 (the first two compile and measure), "
-                         f"not {args.steps}")
-    if given.get("sample_bytes") and not args.prompt:
+    if args.profile and args.steps < 3:
+        raise ValueError(f"--profile needs --steps >= 3 (the first two compile and measure), not "
+                         f"{args.steps}")
+    if args.sample_bytes and args.prompt == "":
         raise ValueError("--prompt must not be empty: the sample continues it (--no-sample: no sample)")
 
 
 def check_before_launch(args: argparse.Namespace, world: int) -> None:
     """Every option where it is wrong, whether or not the run would reach it; for train also the
     text, the checkpoint folder and the checkpoint to resume: a ValueError before any rank starts."""
-    check_options(args)
     if args.command == "train" and "vocab_size" in MODELS[args.model][0]:
         raise ValueError(f"--model {args.model} is for plan: its vocabulary needs a tokenizer, and bytes "
                          f"are this course's tokens")
@@ -1936,16 +1972,16 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
     if args.command == "check":
         return
     train_tokens, _ = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
-    if args.resume is not None and args.no_save:
+    if args.resume and args.folder is None:
         raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")
-    if not args.no_save and "RANK" not in os.environ:  # under torchrun, rank 0 takes the lock (train_run)
-        lock_checkpoints(args.checkpoint_dir).close()  # a file, or a folder another run holds: refused
-    if args.resume is not None:  # damaged, another model, other data: refused before any rank starts
-        _, meta = open_checkpoint(args.checkpoint_dir, checkpoint_config(cfg), run_config(args).resume_step,
+    if args.folder is not None and "RANK" not in os.environ:  # under torchrun, rank 0 locks (train_run)
+        lock_checkpoints(args.folder).close()  # a file, or a folder another run holds: refused
+    if args.resume:  # damaged, another model, other data: refused before any rank starts
+        _, meta = open_checkpoint(args.folder, checkpoint_config(cfg), run_config(args).resume_step,
                                   checksums=False)  # the ranks hash
         ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=args.seed).load_state_dict(
             meta["loader"])
-    elif not args.no_save and (earlier := latest_checkpoint(args.checkpoint_dir)):
+    elif args.folder is not None and (earlier := latest_checkpoint(args.folder)):
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks
                 print(f"note: {earlier} is from an earlier run; this run replaces it at its first save "
                   f"(--resume continues it instead)")
@@ -1953,16 +1989,15 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
 
 def main() -> None:
     parser, args = parse_options(sys.argv[1:])
-    if args.command == "plan":  # nothing to launch
-        try:
-            check_options(args)
+    try:
+        check_options(args)
+        if args.command == "plan":  # nothing to launch
             print(plan_report(args))
-        except ValueError as error:
-            parser.exit(2, f"{parser.prog}: error: {error}\n")
-        return
+            return
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     args.nproc = mesh_sizes(args).world  # the mesh sets how many local processes start (no --nproc)
-    positive = [name for name in ("steps", "eval_every", "keep", *DIMS, "ep") if name in args]
-    foundation.launch_lesson(parser, args, demo if args.command == "check" else train_run, positive,
+    foundation.launch_lesson(parser, args, demo if args.command == "check" else train_run, (),
                              lambda world: check_before_launch(args, world))
 
 

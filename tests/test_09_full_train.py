@@ -511,7 +511,7 @@ def test_the_search_returns_valid_meshes_that_fit_and_more_memory_never_slows_it
                                    mixed_precision=True, recompute=recompute,
                                    sequence_parallel=sequence_parallel)
     search = lambda gb: full_train.search_meshes(  # noqa: E731
-        cfg, train, gpus, dict.fromkeys(full_train.DIMS), None, 1, full_train.Cluster(memory=gb * 1e9))
+        cfg, train, gpus, dict.fromkeys(full_train.DIMS), None, 1, full_train.Cluster(gpu_memory=gb))
     valid, fitting, _ = search(memory_gb)
     for sizes, run, plans, _ in valid:
         full_train.validate(cfg, sizes, run, gpus)  # raises if it does not accept the mesh
@@ -532,6 +532,26 @@ def test_a_model_that_cannot_fit_is_one_line_saying_by_how_much(monkeypatch, cap
     out = plan_main(monkeypatch, capsys, *"--model llama3-70b --dp 4 --pp 1 --cp 1 --tp 8".split())
     assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GB, [\d,.]+ GB \(\d+%\) more than its "
                      r"80 GB\n$", out)
+
+
+@pytest.mark.parametrize("options, message", [
+    ("--gpu-memory 0", "--gpu-memory must be > 0, not 0.0"),
+    ("--gpu-memory -5", "--gpu-memory must be > 0, not -5.0"),
+    ("--mfu 0", "--mfu must be in (0, 1], not 0.0"),
+    ("--mfu 5", "--mfu must be in (0, 1], not 5.0"),
+    ("--peak-tflops 0", "--peak-tflops must be > 0, not 0.0"),
+    ("--nvlink-gbps 0", "--nvlink-gbps must be > 0, not 0.0"),
+    ("--network-gbps 0", "--network-gbps must be > 0, not 0.0"),
+    ("--gpus-per-node 0", "--gpus-per-node must be >= 1, not 0"),
+    ("--dp 0", "--dp must be >= 1, not 0"),
+])
+def test_plan_refuses_an_impossible_input_in_one_line_before_any_work(monkeypatch, capsys, options, message):
+    """Zeros divided the step time (a ZeroDivisionError), a negative memory or an MFU of 5 were
+    planned, --dp 0 was "no sizes multiply to it": each is one line naming the option, exit 2."""
+    monkeypatch.setattr(full_train, "search_meshes", lambda *args: pytest.fail("planned"))
+    code, err, _, out = run_main(monkeypatch, capsys, "plan", "--model", "llama3-8b", "--gpus", "8",
+                                 *options.split())
+    assert (code, out, err) == (2, "", f"09_full_train.py plan: error: {message}\n")
 
 
 def test_llama3_405b_on_metas_mesh_is_planned_without_building_it():
@@ -693,16 +713,39 @@ def test_peak_flops_table(monkeypatch, name, peak):
     assert full_train.peak_bf16_flops(torch.device("cpu")) is None
 
 
-def test_greedy_sample_continues_with_the_most_likely_byte():
+def test_the_sample_is_seeded_draws_from_the_top_k_and_top_k_1_is_greedy():
+    """sample draws each byte from the top_k likeliest with softmax(logits / T), by a generator seeded
+    with `seed`: the same seed, the same bytes; another seed, others (a random model at T = 1 is near
+    uniform over 256 bytes). Teacher-forced, one forward over the whole text ranks every byte drawn
+    among its position's top_k; with top_k = 1, first: greedy decoding."""
     model = foundation.GPT(foundation.ModelConfig(vocab_size=256, dim=16, n_heads=2, ffn_dim=32, seed=1))
-    new = full_train.greedy_sample(model, b"def ", 12)
-    assert len(new) == 12 and model.training, "the model's mode is restored"
-    with torch.no_grad():  # teacher-forced: one forward over the whole text predicts the same bytes
-        assert model(torch.tensor(list(b"def " + new))[None])[0, 3:-1].argmax(-1).tolist() == list(new)
-    assert full_train.greedy_sample(model, b"x", 0) == b""
-    for bad_model, prompt in ((model, b""), (foundation.GPT(foundation.ModelConfig()), b"a")):
-        with pytest.raises(ValueError, match="non-empty prompt and a byte-level model"):
-            full_train.greedy_sample(bad_model, prompt, 3)
+    drawn = full_train.sample(model, b"def ", 40, temperature=1.0, top_k=256, seed=3)
+    assert len(drawn) == 40 and model.training, "the model's mode is restored"
+    assert full_train.sample(model, b"def ", 40, temperature=1.0, top_k=256, seed=3) == drawn
+    assert full_train.sample(model, b"def ", 40, temperature=1.0, top_k=256, seed=4) != drawn
+    for top_k in (1, 5):
+        new = full_train.sample(model, b"def ", 30, temperature=1.0, top_k=top_k, seed=0)
+        with torch.no_grad():
+            logits = model(torch.tensor(list(b"def " + new))[None])[0, 3:-1]
+        chosen = logits.gather(-1, torch.tensor(list(new))[:, None])
+        assert (logits > chosen).sum(-1).max() < top_k, top_k  # how many bytes were likelier
+    assert full_train.sample(model, b"x", 0) == b""
+    bad = {"prompt": dict(prompt=b""), "not bytes": dict(model=foundation.GPT(foundation.ModelConfig())),
+           "temperature 0": dict(temperature=0.0), "temperature nan": dict(temperature=math.nan),
+           "top_k 0": dict(top_k=0), "n_new -1": dict(n_new=-1)}
+    for case, change in bad.items():
+        arguments = dict(model=model, prompt=b"a", n_new=3) | change
+        with pytest.raises(ValueError, match="sample needs a non-empty prompt, a byte-level model"):
+            full_train.sample(**arguments)
+
+
+def test_the_prompt_is_whole_lines_of_the_text_from_its_second_line():
+    text = b"a partial line\n    def f(x):\n        return x\n# the rest"
+    tokens = torch.tensor(list(text), dtype=torch.uint8)
+    first, second = b"    def f(x):\n", b"        return x\n"
+    assert full_train.text_prompt(tokens, max_bytes=len(first + second)) == first + second
+    assert full_train.text_prompt(tokens, max_bytes=len(first + second) - 1) == first
+    assert full_train.text_prompt(tokens, max_bytes=5) == first[:5], "a line longer than max_bytes: cut"
 
 
 # --- the real Trainer: checkpoints, resume, the NaN guard -----------------------------------------
@@ -733,7 +776,7 @@ def train_run(sizes, train, run, stop_at=None, poison_at=None, poison="params"):
         if step == poison_at and poison == "params":
             next(iter(trainer.stages.values())).layers["0"].mlp_norm.weight.data.fill_(math.nan)
         elif step == poison_at and trainer.mesh.rank == 1:
-            zero_opt = trainer.zeros[0][2]
+            zero_opt = trainer.zeros[0].zero
             zero_opt.optimizer.state[zero_opt.units[0].master]["exp_avg_sq"].fill_(math.inf)
         if step == stop_at:
             raise Interrupted
@@ -995,7 +1038,7 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     out = run_script("09_full_train.py", *common, "--checkpoint-dir", str(a))
     assert "attention flash" in out and "recompute selective" in out and "final: 2 timed steps" in out
-    assert "Greedy sample from the checkpoint" in out and "The losses ('.' training, 'o' validation):" in out
+    assert "Sample from the checkpoint" in out and "The losses ('.' training, 'o' validation):" in out
     assert full_train.latest_checkpoint(a).name == "step_00000003"
     n = sum(p.numel() for p in foundation.GPT(full_train.build_model_config(argparse.Namespace(
         command="train", model="tiny", kv_heads=None))).parameters())
@@ -1051,6 +1094,8 @@ def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, list, str]:
     (["--max-grad-norm", "-1"], "--max-grad-norm must be > 0"),
     (["--save-every", "-1"], "--save-every must be >= 0"),
     (["--dp", "0"], "--dp must be >= 1"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--top-k", "0"], "--top-k must be >= 1"),
     (["--warmup", "0"], None),  # no warmup is a valid choice
 ])
 def test_options_are_checked_before_launch_even_where_used_late(monkeypatch, capsys, tmp_path, argv, message):
@@ -1097,7 +1142,7 @@ OWN_OPTIONS = {  # what each sub-command offers, and nothing else
     "train": MODEL_OPTIONS | STEP_OPTIONS | {"--model", "--data", "--seed", "--warmup", "--eval-every",
                                              "--checkpoint-dir", "--save-every", "--keep", "--no-save",
                                              "--resume", "--prompt", "--sample-bytes", "--no-sample",
-                                             "--profile", "--trace"},
+                                             "--temperature", "--top-k", "--profile", "--trace"},
     "plan": MODEL_OPTIONS | {"--model", "--gpus", "--gpus-per-node", "--gpu-memory", "--peak-tflops", "--mfu",
                              "--nvlink-gbps", "--network-gbps"},
 }
