@@ -2,17 +2,17 @@
 
 Three programs, a sub-command each with its own options: `check` proves the mesh equal to one device,
 `train` (the default) trains on text, `plan` prices a run at scale. The sections, in order:
-  The mesh: MeshSizes (tp fastest), build_mesh (every group), rank_map                     all three
-  The configuration: TrainConfig; validate, every lesson's rule before any collective      all three
-  Held pieces: ShardSpec, assemble (which slice of which reference parameter a rank holds) check, train
-  The composed model and its step: build_stage_model; Trainer (forward_backward, update)   check, train
-  The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it) all three
-  Data, learning rate, MFU: ShardedLoader (bytes are tokens), learning_rate, flops_per_token train, plan
-  Checkpoints: a Trainer's pieces (shard_specs, shard_values); save, check and read them   train, check
-  The training run: MODELS, train_loop, train_run                                          train
-  The equivalence check: demo                                                              check
-  Planning at scale: step_time, search_meshes, plan_report                                 plan
-  The command line: each option defined once; the sub-commands' defaults (COMMANDS)        all three
+  Options: option(), a dataclass field that is also a command-line option, its rule beside it  all
+  The mesh: MeshSizes (tp fastest), build_mesh (every group), rank_map                         all
+  The configuration: TrainConfig; validate, every lesson's rule before any collective          all
+  Held pieces: ShardSpec, assemble (which slice of which reference parameter a rank holds)     check, train
+  The composed model and its step: build_stage_model; Trainer (forward_backward, update)       check, train
+  The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it)    all
+  Planning at scale: Cluster, step_time, search_meshes                                         plan
+  Data, learning rate, MFU, sampling: ShardedLoader (bytes are tokens), flops_per_token, sample train
+  Checkpoints: a Trainer's pieces (shard_specs, shard_values); save, check and read them       train, check
+  The training run: MODELS, RunConfig, train_loop                                              train
+  RUN IT: train_run and its printing; check's demo; plan_report; the command line (COMMANDS)   all
 
 THE MESH
 world = dp x pp x cp x tp ranks (the mesh sets them: 09 has no --nproc), numbered with tp fastest:
@@ -142,6 +142,25 @@ def option(default, help: str, rule: str | None = None, commands: tuple[str, ...
                                                             argparse=argparse_kwargs))
 
 
+def flag(field: dataclasses.Field) -> str:
+    return field.metadata["argparse"].get("option", "--" + field.name.replace("_", "-"))
+
+
+def broken_rules(values, fields: Sequence[dataclasses.Field], flagged: bool = False) -> list[str]:
+    """The rules and choices beside these fields that values (a config, or the parsed options, where
+    None is left to other options) break, each naming the field (flagged: its option) and value."""
+    out = []
+    for f in fields:
+        value, rule = getattr(values, f.name), f.metadata.get("rule")
+        choices = f.metadata.get("argparse", {}).get("choices")
+        named = f"{flag(f)} must be" if flagged else f"{f.name}={value!r} must be"
+        if value is not None and rule is not None and not RULES[rule](value):
+            out.append(f"{named} {rule}" + (f", not {value}" if flagged else ""))
+        elif value is not None and choices is not None and value not in choices:
+            out.append(f"{named} one of {tuple(choices)}")
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # The mesh
 # ----------------------------------------------------------------------------------------------
@@ -250,22 +269,19 @@ class TrainConfig:
     fp8: bool = option(False, "lesson 08's Float8Linear layers")
     lr: float = option(1e-3, "peak learning rate", "> 0", STEPPING)
     adam_eps: float = 1e-8
-    max_grad_norm: float = option(math.inf, "clip the whole mesh's gradient norm (inf: no clipping)", "> 0",
-                                  STEPPING)
+    max_grad_norm: float = option(math.inf, "clip the mesh's gradient norm (inf: none)", "> 0", STEPPING)
     moe: "expert_parallel.MoEConfig | None" = None  # every MLP an MoE layer (lesson 06)
-    mixed_precision: bool = option(False, "bf16 compute, fp32 masters (lesson 02's)", None, STEPPING,
-                                   option="--bf16")
-    recompute: str = option("none", "activation recompute (lesson 03): selective = attention's inside, "
-                            "full = each block", choices=tensor_parallel.RECOMPUTE_MODES)
-    attention: str = option("sdpa", "flash: lesson 07's kernel (cp > 1: the ring)", None, STEPPING,
+    mixed_precision: bool = option(False, "bf16 compute, fp32 masters", commands=STEPPING, option="--bf16")
+    recompute: str = option("none", "activation recompute (03): selective = attention's inside, full = each "
+                            "block", choices=tensor_parallel.RECOMPUTE_MODES)
+    attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring)", commands=STEPPING,
                             choices=("sdpa", "flash"))
-    compile: bool = option(False, "torch.compile each block (07's kernel stays opaque to it)", None,
-                           STEPPING)
+    compile: bool = option(False, "torch.compile each block (07's kernel: opaque to it)", commands=STEPPING)
 
 
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     """Every violation, each lesson's rule in its own words, in one ValueError."""
-    problems = []
+    problems = broken_rules(sizes, dataclasses.fields(sizes)) + broken_rules(train, dataclasses.fields(train))
 
     def check(rule, *args, rename: tuple[str, str] = ("", "")) -> None:
         try:
@@ -273,21 +289,14 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
         except ValueError as error:
             problems.append(str(error).replace(*rename) if rename[0] else str(error))
 
-    if min(getattr(sizes, d) for d in DIMS) < 1:
-        problems.append(f"every mesh size must be >= 1, got {sizes}")
-    elif sizes.world != world:
+    if min(getattr(sizes, d) for d in DIMS) >= 1 and sizes.world != world:
         problems.append(f"dp x pp x cp x tp = {sizes.dp} x {sizes.pp} x {sizes.cp} x {sizes.tp} = "
                         f"{sizes.world} is not the world size {world}")
-    if train.global_batch < 1:
-        problems.append(f"global_batch={train.global_batch} must be >= 1")
     tp, cp = max(sizes.tp, 1), max(sizes.cp, 1)
     check(tensor_parallel.validate_tensor_parallel, cfg, tp)
     check(context_parallel.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", True,
           cfg.n_kv_heads)
     check(zero.validate_stage, train.zero_stage)
-    if train.recompute not in tensor_parallel.RECOMPUTE_MODES or train.attention not in ("sdpa", "flash"):
-        problems.append(f"recompute={train.recompute!r} must be one of {tensor_parallel.RECOMPUTE_MODES} and "
-                        f"attention={train.attention!r} one of ('sdpa', 'flash')")
     if train.global_batch % max(sizes.dp, 1):
         problems.append(f"global_batch={train.global_batch} is not divisible by dp={sizes.dp}")
     else:
@@ -299,10 +308,10 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
                         f"{cp} tokens over tp={tp}: not divisible")
     if sizes.ep > 1 and train.moe is None:
         problems.append(f"ep={sizes.ep} needs an MoE model (--moe)")
-    if sizes.ep < 1 or (sizes.dp * sizes.cp) % sizes.ep:
+    if sizes.ep >= 1 and (sizes.dp * sizes.cp) % sizes.ep:
         problems.append(f"ep={sizes.ep} must divide dp x cp = {sizes.dp * sizes.cp}: expert "
                         f"parallelism borrows its ranks from them")
-    elif train.moe is not None:
+    elif sizes.ep >= 1 and train.moe is not None:
         if train.moe.n_experts % sizes.ep:
             problems.append(f"n_experts={train.moe.n_experts} is not divisible by ep={sizes.ep}")
         if train.moe.capacity_factor is not None or train.moe.aux_loss_coef or train.moe.bias_update_rate:
@@ -704,12 +713,9 @@ class Cluster:
     gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", ">= 1", PLAN)
     gpu_memory: float = option(80.0, "GB per GPU", "> 0", PLAN)
     peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU (PEAK_BF16_FLOPS)", "> 0", PLAN)
-    mfu: float = option(0.43, "the share of peak compute reaches (09's MFU on one H100: README)", "in (0, 1]",
-                        PLAN)
-    nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node (NVLink 4: 900 both ways)", "> 0",
-                                PLAN)
-    network_gbps: float = option(50.0, "GB/s per GPU each way between nodes (a 400 Gb/s NIC per GPU)", "> 0",
-                                 PLAN)
+    mfu: float = option(0.43, "the share of peak compute reaches (09's on one H100)", "in (0, 1]", PLAN)
+    nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node (NVLink 4)", "> 0", PLAN)
+    network_gbps: float = option(50.0, "GB/s per GPU each way between nodes (a 400 Gb/s NIC)", "> 0", PLAN)
 
 
 def inside_node(sizes: MeshSizes, kind: str, gpus_per_node: int) -> bool:
@@ -1340,22 +1346,21 @@ class RunConfig:
     eval_every: int = option(100, "steps between validation losses", ">= 1", TRAIN)
     eval_batches: int = 2
     save_every: int = option(100, "steps between checkpoints; 0: only at the end", ">= 0", TRAIN)
-    folder: str | None = option("checkpoints/09", "one folder per run (--resume reads it)", None, TRAIN,
+    folder: str | None = option("checkpoints/09", "a folder per run (--resume reads it)", commands=TRAIN,
                                 option="--checkpoint-dir", metavar="DIR",
                                 off=("--no-save", None, "no checkpoints (and no sample)"))
     keep: int = option(2, "the last checkpoints kept (a damaged one names the one before)", ">= 1", TRAIN)
     resume: bool = option(False, "continue from the last checkpoint, or from step STEP (one of those kept)",
-                          None, TRAIN, type=str, nargs="?", const="latest", metavar="STEP")
+                          commands=TRAIN, type=str, nargs="?", const="latest", metavar="STEP")
     resume_step: int | None = None  # None: the one LATEST names
-    seed: int = option(0, "seeds the initial weights, the data order and the sample", None, TRAIN)
+    seed: int = option(0, "seeds the initial weights, the data order and the sample", commands=TRAIN)
     profile: int = option(0, "profile STEPS steps after the second (torch.profiler): forward, backward, "
                           "gradient sync and optimizer, the top kernels, the GPU's idle time", ">= 0", TRAIN,
                           metavar="STEPS")
-    trace: str | None = option(None, "with --profile: its Chrome trace (chrome://tracing)", None, TRAIN,
-                               metavar="FILE")
-    data: str | None = option(None, "a text file (default: the standard library's .py files)", None, TRAIN)
-    prompt: str | None = option(None, "the start of the sample (default: whole lines of the validation "
-                                "text)", None, TRAIN)
+    trace: str | None = option(None, "with --profile: its Chrome trace (chrome://tracing)", commands=TRAIN)
+    data: str | None = option(None, "a text file (default: the standard library's .py files)", commands=TRAIN)
+    prompt: str | None = option(None, "the sample's start (default: lines of the validation text)",
+                                commands=TRAIN)
     sample_bytes: int = option(200, "bytes the sample generates", ">= 0", TRAIN,
                                off=("--no-sample", 0, "no sample at the end"))
     temperature: float = option(0.8, "the sample's temperature: softmax(logits / T)", "> 0", TRAIN)
@@ -1714,13 +1719,13 @@ def demo(args: argparse.Namespace) -> None:
     dist.gather_object((grads, shard_values(trainer), summary(trainer)), pieces, dst=0)
     if mesh.rank == 0:
         ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
-                                   adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
-                                   mixed_precision=train.mixed_precision,
-                                   transform=reference_transform(train))
+                                             adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
+                                             mixed_precision=train.mixed_precision,
+                                             transform=reference_transform(train))
         moe = train.moe and f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; "
-        print(f"4D parallelism: dp={sizes.dp} pp={sizes.pp} cp={sizes.cp} tp={sizes.tp} on {sizes.world} "
-              f"ranks ({dist.get_backend()}, {device.type}); ZeRO-{train.zero_stage}, {train.schedule} "
-              f"with {train.microbatches} microbatches, SP {'on' if train.sequence_parallel else 'off'}"
+        print(f"4D parallelism: {mesh_name(sizes)} on {sizes.world} ranks ({dist.get_backend()}, "
+              f"{device.type}); ZeRO-{train.zero_stage}, {train.schedule} with {train.microbatches} "
+              f"microbatches, SP {'on' if train.sequence_parallel else 'off'}"
               f"{', FP8' if train.fp8 else ''}{', bf16' if train.mixed_precision else ''}; {moe or ''}"
               f"global batch {train.global_batch} x {train.seq_len}.\n"
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
@@ -1739,6 +1744,7 @@ def demo(args: argparse.Namespace) -> None:
         print("Notice: the bytes held shrink with tp and pp (and dp x cp for ZeRO-3); each dimension's "
               "traffic is its own lesson's formula.")
     foundation.exit_distributed()
+
 
 # ----------------------------------------------------------------------------------------------
 # plan's report: the given mesh's breakdown, or the fastest meshes that fit
@@ -1839,7 +1845,7 @@ def plan_report(args: argparse.Namespace) -> str:
 class ModelOptions:
     """The command line's choice of model (a ModelConfig and an MoEConfig, made by build_model_config
     and train_config)."""
-    model: str = option("tiny", "the preset (llama3-*: plan only)", None, ("train", "plan"), choices=MODELS)
+    model: str = option("tiny", "the preset (llama3-*: plan only)", commands=TRAIN + PLAN, choices=MODELS)
     kv_heads: int | None = option(None, "key/value heads, grouped-query attention", ">= 1", type=int)
     moe: bool = option(False, "every MLP a mixture of experts (dropless)")
     experts: int = option(4, "experts per MoE layer", ">= 1")
@@ -1867,10 +1873,6 @@ def option_fields(command: str) -> list[dataclasses.Field]:
     return [f for f in fields if command in f.metadata.get("commands", ())]
 
 
-def flag(field: dataclasses.Field) -> str:
-    return field.metadata["argparse"].get("option", "--" + field.name.replace("_", "-"))
-
-
 def add_options(parser: argparse.ArgumentParser, command: str, defaults: dict, decided: dict) -> None:
     """command's options, one per field: a flag for a bool, else a value of the default's type."""
     for field in option_fields(command):
@@ -1884,8 +1886,8 @@ def add_options(parser: argparse.ArgumentParser, command: str, defaults: dict, d
         parser.add_argument(flag(field), dest=field.name, default=default, help=field.metadata["help"] + what,
                             **kwargs)
         if "off" in field.metadata["argparse"]:
-            name, value, help = field.metadata["argparse"]["off"]
-            parser.add_argument(name, dest=field.name, action="store_const", const=value, help=help)
+            name, value, text = field.metadata["argparse"]["off"]
+            parser.add_argument(name, dest=field.name, action="store_const", const=value, help=text)
 
 
 def parse_options(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -1944,10 +1946,9 @@ def run_config(args: argparse.Namespace) -> RunConfig:
 def check_options(args: argparse.Namespace) -> None:
     """Every option's rule (beside its field), then the rules between options: a ValueError naming
     the option, before any work."""
-    for field in option_fields(args.command):
-        rule, value = field.metadata["rule"], getattr(args, field.name)
-        if rule is not None and value is not None and not RULES[rule](value):
-            raise ValueError(f"{flag(field)} must be {rule}, not {value}")
+    problems = broken_rules(args, option_fields(args.command), flagged=True)
+    if problems:
+        raise ValueError(problems[0])
     if args.command != "train":
         return
     if args.resume not in (False, "latest") and not args.resume.isdigit():
@@ -1962,8 +1963,9 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def check_before_launch(args: argparse.Namespace, world: int) -> None:
-    """Every option where it is wrong, whether or not the run would reach it; for train also the
-    text, the checkpoint folder and the checkpoint to resume: a ValueError before any rank starts."""
+    """The sizes against the world that will run (validate), whether or not the run would reach
+    them; for train also the text, the checkpoint folder and the checkpoint to resume: a ValueError
+    before any rank starts."""
     if args.command == "train" and "vocab_size" in MODELS[args.model][0]:
         raise ValueError(f"--model {args.model} is for plan: its vocabulary needs a tokenizer, and bytes "
                          f"are this course's tokens")

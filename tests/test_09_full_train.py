@@ -394,7 +394,7 @@ def test_invalid_configurations_list_every_violation(rank_pool):
         full_train.validate(small_model(), full_train.MeshSizes(dp=2, ep=2), good, 2)
     with pytest.raises(ValueError, match="global_batch=0 must be >= 1"):
         full_train.validate(small_model(), full_train.MeshSizes(), full_train.TrainConfig(global_batch=0), 1)
-    with pytest.raises(ValueError, match="every mesh size must be >= 1"):
+    with pytest.raises(ValueError, match="dp=0 must be >= 1"):
         full_train.validate(small_model(), full_train.MeshSizes(dp=0), good, 1)
 
 
