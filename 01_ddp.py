@@ -282,7 +282,8 @@ def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len
                 if master is not p:
                     p.copy_(master)
                 master.grad = p.grad = None
-    result.params = cpu_copy(zip(names, masters))
+    master = dict(zip(model.parameters(), masters))  # as state_dict(): a tied parameter under each name
+    result.params = cpu_copy((n, master[p]) for n, p in model.named_parameters(remove_duplicate=False))
     adam = [optimizer.state[m] for m in masters]
     result.state = {"params": result.params, "step": int(max(s.get("step", 0) for s in adam)),
                     **{key: cpu_copy((n, s[key]) for n, s in zip(names, adam) if s) for key in ADAM_KEYS}}

@@ -10,7 +10,7 @@ Three programs, a sub-command each with its own options: `check` proves the mesh
   The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it)    all
   Planning at scale: Cluster, step_time, search_meshes                                         plan
   Data, learning rate, MFU, sampling: ShardedLoader (bytes are tokens), flops_per_token, sample train
-  Checkpoints: a Trainer's pieces (shard_specs, shard_values); save, check and read them       train, check
+  Checkpoints: a Trainer's pieces (shard_specs, spec_piece) in lesson 02's protocol            train, check
   The training run: MODELS, RunConfig, train_loop                                              train
   RUN IT: train_run and its printing; check's demo; plan_report; the command line (COMMANDS)   all
 
@@ -61,11 +61,14 @@ TRAINING ON TEXT (`train`)
 Bytes are tokens (vocabulary 256: no tokenizer), from --data FILE or the standard library's own .py
 files, read in windows of seq_len + 1 in a seeded order (ShardedLoader). AdamW, linear warmup then
 cosine, clipping over the whole mesh; fp32 on a CPU, 02's bf16 with fp32 masters on a GPU.
-- Checkpoints: each element written once across the mesh, atomically, with sizes and checksums; a
-  resume reads only the slices a rank holds, so the mesh and ZeRO stage may change (bitwise the same
-  losses on the same mesh, within fp32 rounding on another); a damaged one is one line.
-- A NaN or inf loss stops every rank before the update, naming the step and the last good
-  checkpoint; no checkpoint is written that holds a NaN or an inf.
+- Checkpoints: lesson 02's protocol on a ShardSpec's runs (tp, stage, expert slices): each element
+  written once across the mesh, atomically, with sizes and checksums; a resume reads only the slices
+  a rank holds, so the mesh and ZeRO stage may change (bitwise the same losses on the same mesh,
+  within fp32 rounding on another); a damaged one, a folder that cannot be written, a save that
+  fails: one line.
+- A NaN or inf loss stops every rank before the update, an inf or NaN gradient norm before the next
+  validation or save, naming the step and the last good checkpoint; no checkpoint is written that
+  holds a NaN or an inf.
 - MFU = tokens/s x (6N + 12 L H Q T) / peak (PaLM; N without the embedding): 40-60% is good.
 - --recompute selective | full: 03's apply_recompute before the stage cut; the run prints step one's
   activation bytes per rank beside layers x microbatches x 03's formula and Korthikanti's.
@@ -90,21 +93,17 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import fcntl
-import hashlib
 import importlib
 import itertools
 import json
 import math
 import os
 import shlex
-import shutil
-import socket
 import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -941,34 +940,8 @@ def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoints: each element written once, by one holder; a resume reads only the slices it holds
+# Checkpoints: a Trainer's pieces in lesson 02's protocol (each element once, a resume reads its slices)
 # ----------------------------------------------------------------------------------------------
-#   folder/step_00000100/rank00000.pt ...   the pieces a rank is the designated holder of (their real
-#                                           elements: parameters, AdamW moments), and its RNG
-#   folder/step_00000100/meta.json          step, loader state, world size, model configuration, and
-#                                           every rank file's bytes and sha256
-#   folder/LATEST                           the last complete checkpoint, written last, atomically
-#   folder/LOCK                             held by the run that writes here (a second one is refused)
-
-CHECKPOINT_KINDS = ("params", *zero.ADAM_KEYS)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used, or a folder that cannot be written: one line, what to do."""
-
-
-def checkpoint_config(cfg) -> dict:
-    """What must match for a checkpoint to load: every field that shapes the model. Not the seed,
-    which only draws the initial weights that a checkpoint replaces."""
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k != "seed"}
-
-
-def whole(name: str, shape: tuple[int, ...]) -> ShardSpec:
-    """The spec of a whole parameter (one device holds it)."""
-    return ShardSpec(name, shape, 0, None, 0, 0, shape, 0, math.prod(shape))
-
-
-# --- a Trainer's pieces: the ShardSpec of each slice its ZeRO units hold ---------------------------
 
 
 def param_specs(trainer: Trainer) -> list[tuple[ShardSpec, object, object, int]]:
@@ -1025,7 +998,7 @@ def load_shards(trainer: Trainer, shards: dict[ShardSpec, dict[str, torch.Tensor
     """Give the trainer its ZeRO shards of the parameters and AdamW moments (each spec of
     shard_specs() -> kind -> its values, e.g. read from a checkpoint saved on another mesh) and
     continue from step `step`. Nothing but the shards is built: no whole tensor."""
-    flat = {id(unit): {kind: torch.zeros(unit.owned.stop - unit.owned.start) for kind in CHECKPOINT_KINDS}
+    flat = {id(unit): {kind: torch.zeros(unit.owned.stop - unit.owned.start) for kind in zero.CHECKPOINT_KINDS}
             for part in trainer.zeros for unit in part.zero.units}  # a unit's padding holds zeros
     for spec, _, unit, i in shard_specs(trainer):
         begin = unit.offsets[i] + spec.flat_start - unit.owned.start
@@ -1036,22 +1009,11 @@ def load_shards(trainer: Trainer, shards: dict[ShardSpec, dict[str, torch.Tensor
     trainer.steps = step
 
 
-def checkpoint_pieces(trainer: Trainer) -> list:
-    """The pieces this rank writes, so that each element is written once across the mesh: a piece
-    replicated over tp (no tp_dim) by tp rank 0, one replicated over its ZeRO group (stage 0: every
-    rank holds the whole unit) by the group's rank 0."""
-    values = {kind: shard_values(trainer, kind) for kind in CHECKPOINT_KINDS}
-    return [(spec, {kind: values[kind][i][1] for kind in CHECKPOINT_KINDS})
-            for i, (spec, zero_opt, _, _) in enumerate(shard_specs(trainer))
-            if (spec.tp_dim is not None or trainer.mesh.coords["tp"] == 0)
-            and (zero_opt.stage > 0 or dist.get_rank(zero_opt.group) == 0)]
-
-
-def piece_runs(spec: ShardSpec) -> torch.Tensor:
-    """The real elements of spec's piece as runs of consecutive global indices, in piece order: rows
-    (first global index, offset in the piece, length). A row of the TP-local tensor from its split
-    dimension on is contiguous in the global tensor, so a piece is at most one run per row: planning
-    a read costs rows, where spec.global_indices() costs every element."""
+def spec_piece(spec: ShardSpec) -> zero.Piece:
+    """spec's piece for lesson 02's checkpoints: the real elements of its flat range as runs of
+    consecutive global indices. A row of the TP-local tensor from its split dimension on is contiguous
+    in the global tensor, so a piece is at most one run per row: planning a read costs rows, where
+    spec.global_indices() costs every element."""
     shape, local = spec.full_shape, spec.local_shape
     dim = spec.tp_dim if spec.tp_dim is not None else (0 if spec.ep_start is not None else None)
     if dim is None:  # held whole (replicated over tp, not an expert): one run
@@ -1067,172 +1029,23 @@ def piece_runs(spec: ShardSpec) -> torch.Tensor:
         first = rows.flatten() * shape[dim] * inner + start * inner
         runs = torch.stack([first, torch.arange(len(first)) * local[dim] * inner,
                             torch.full_like(first, real * inner)], 1)
-    begin = runs[:, 1].clamp(min=spec.flat_start)
-    end = (runs[:, 1] + runs[:, 2]).clamp(max=spec.flat_stop)
-    runs = torch.stack([runs[:, 0] + begin - runs[:, 1], begin - spec.flat_start, end - begin], 1)
-    return runs[begin < end]
+        # a run that goes on where the one before ended (tp = 1: whole rows) joins it
+        starts = torch.cat([torch.tensor([True]), (runs[1:, :2] != runs[:-1, :2] + runs[:-1, 2:]).any(1)])
+        lengths = torch.zeros(int(starts.sum()), dtype=runs.dtype).index_add_(0, starts.cumsum(0) - 1,
+                                                                              runs[:, 2])
+        runs = torch.cat([runs[starts, :2], lengths[:, None]], 1)
+    return zero.Piece(spec.name, shape, runs, math.prod(local)).narrow(spec.flat_start, spec.flat_stop)
 
 
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Two pieces' runs (each sorted and disjoint) -> the elements they share, as rows (offset in a,
-    offset in b, length). The runs of b that meet a run of a lie between two binary searches."""
-    a_start, b_start = a[:, 0].contiguous(), b[:, 0].contiguous()
-    a_end, b_end = a_start + a[:, 2], b_start + b[:, 2]
-    first = torch.searchsorted(b_end, a_start, right=True)  # b's first run that ends after a's starts
-    count = (torch.searchsorted(b_start, a_end) - first).clamp(min=0)
-    i = torch.repeat_interleave(torch.arange(len(a)), count)
-    j = first[i] + torch.arange(len(i)) - torch.repeat_interleave(count.cumsum(0) - count, count)
-    begin, end = torch.maximum(a_start[i], b_start[j]), torch.minimum(a_end[i], b_end[j])
-    return torch.stack([a[i, 1] + begin - a_start[i], b[j, 1] + begin - b_start[j], end - begin], 1)
-
-
-class _HashingFile:
-    """A file that hashes and counts what is written to it (torch.save writes to any .write)."""
-
-    def __init__(self, file) -> None:
-        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
-
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        self.size += memoryview(data).nbytes
-        return self.file.write(data)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
-def _atomic_write(path: Path, write: Callable[[_HashingFile], object]) -> tuple[int, str]:
-    """A reader sees the old file or the whole new one, never a part: write aside, then rename.
-    Returns the bytes written and their sha256, computed while writing."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        out = _HashingFile(f)
-        write(out)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return out.size, out.sha256.hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def all_ranks(obj: object) -> list:
-    """Every rank's obj, in rank order, on every rank (an all-gather: it also waits for all)."""
-    objects = [None] * dist.get_world_size()
-    dist.all_gather_object(objects, obj)
-    return objects
-
-
-def first_problem(problem: str | None) -> str | None:
-    """The lowest rank's problem (None: no rank has one), on every rank: they all stop, or none."""
-    return next((p for p in all_ranks(problem) if p is not None), None)
-
-
-def lock_checkpoints(folder: str | os.PathLike):
-    """Hold folder/LOCK while the returned file stays open. The kernel releases an flock when its
-    process ends, killed too, so a crash leaves no stale lock. A folder another run holds, or a
-    --checkpoint-dir that is a file, is refused in one line."""
-    root = Path(folder)
-    if root.exists() and not root.is_dir():
-        raise CheckpointError(f"--checkpoint-dir {folder} is a file, not a folder")
-    root.mkdir(parents=True, exist_ok=True)
-    handle = open(root / "LOCK", "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise CheckpointError(f"--checkpoint-dir {folder} is in use by a running run ({holder}): wait for "
-                              f"it to end, or choose another --checkpoint-dir") from None
-    handle.truncate(0)
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                 f"{shlex.join(sys.argv)}")
-    handle.flush()
-    return handle
-
-
-def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
-    pointer = Path(folder) / "LATEST"
-    return Path(folder) / pointer.read_text(errors="replace").strip() if pointer.is_file() else None
-
-
-def rng_state() -> dict[str, torch.Tensor]:
-    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-    return {"cpu": torch.get_rng_state(), **cuda}
-
-
-def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list, meta: dict, config: dict, rank: int,
-                    world: int, exchange: Callable[[object], list], keep: Sequence[int] = ()) -> Path:
-    """Every rank calls this with the pieces it is the designated holder of, [(ShardSpec, {kind:
-    tensor})], on a filesystem every rank sees; exchange(x) returns every rank's x (all_ranks). Each
-    rank file is written aside and renamed; meta.json records every file's size and sha256; LATEST
-    moves last, so a crash before leaves the previous checkpoint. Then the step folders other than
-    this one and `keep` (this run's earlier steps) are deleted."""
-    root = Path(folder)
-    target = root / f"step_{step:08d}"
-    target.mkdir(parents=True, exist_ok=True)
-    real = lambda spec, t: torch.cat([t[o:o + n] for _, o, n in piece_runs(spec).tolist()])  # noqa: E731
-    rows = [(dataclasses.astuple(spec), {kind: real(spec, t) for kind, t in data.items()})
-            for spec, data in pieces]
-    name = f"rank{rank:05d}.pt"
-    size, sha256 = _atomic_write(target / name, lambda f: torch.save({"pieces": rows, "rng": rng_state()}, f))
-    files = {n: {"bytes": b, "sha256": h} for n, b, h in exchange((name, size, sha256))}
-    missing = [n for n in files if not (target / n).exists()]
-    if missing:  # every rank sees the same files: all raise, none waits in the next exchange
-        raise RuntimeError(f"{target}: {missing} are not there (is {root} on a filesystem every rank "
-                           f"sees?); LATEST not moved")
-    if rank == 0:
-        record = json.dumps({**meta, "step": step, "world": world, "config": config, "files": files})
-        _atomic_write(target / "meta.json", lambda f: f.write(record.encode()))
-        for stale in target.iterdir():  # an earlier run's save at this step, on more ranks
-            if stale.name not in files and stale.name != "meta.json":
-                stale.unlink()
-        _atomic_write(root / "LATEST", lambda f: f.write(target.name.encode()))
-        kept = {target.name, *(f"step_{s:08d}" for s in keep)}
-        for old in root.glob("step_*"):
-            if old.name not in kept:
-                shutil.rmtree(old)
-    exchange(None)
-    return target
-
-
-def _problem(target: Path, rank: int = 0, world: int = 1, checksums: bool = True) -> tuple[str | None, dict]:
-    """What is wrong with the checkpoint folder target (None: nothing), and its metadata. Every file
-    must be there at its recorded size; with checksums, this rank hashes every world-th file from
-    its rank (between them, the ranks of a resume read each file once)."""
-    if not target.is_dir():
-        return "its folder is missing", {}
-    try:
-        meta = json.loads((target / "meta.json").read_text(encoding="utf-8"))
-        files = [(name, record["bytes"], record["sha256"]) for name, record in meta["files"].items()]
-        lacking = sorted({"step", "world", "loader", "config"} - meta.keys())
-    except FileNotFoundError:
-        return "meta.json is missing", {}
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        return f"meta.json cannot be read ({type(error).__name__}: {error})", {}
-    if lacking:
-        return f"meta.json lacks {', '.join(lacking)}", {}
-    for i, (name, size, sha256) in enumerate(files):
-        path = target / name
-        if not path.is_file():
-            return f"{name} is missing", meta
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size:,} bytes where meta.json records {size:,}", meta
-        if checksums and i % world == rank and _sha256(path) != sha256:
-            return f"{name} does not match the sha256 that meta.json records (altered bytes)", meta
-    return None, meta
-
-
-def _step_of(path: Path) -> int | None:
-    number = path.name.removeprefix("step_")
-    return int(number) if path.name.startswith("step_") and number.isdigit() else None
+def checkpoint_pieces(trainer: Trainer) -> list[tuple[zero.Piece, dict[str, torch.Tensor]]]:
+    """The pieces this rank writes, so that each element is written once across the mesh: a piece
+    replicated over tp (no tp_dim) by tp rank 0, one replicated over its ZeRO group (stage 0: every
+    rank holds the whole unit) by the group's rank 0."""
+    values = {kind: shard_values(trainer, kind) for kind in zero.CHECKPOINT_KINDS}
+    return [(spec_piece(spec), {kind: values[kind][i][1] for kind in zero.CHECKPOINT_KINDS})
+            for i, (spec, zero_opt, _, _) in enumerate(shard_specs(trainer))
+            if (spec.tp_dim is not None or trainer.mesh.coords["tp"] == 0)
+            and (zero_opt.stage > 0 or dist.get_rank(zero_opt.group) == 0)]
 
 
 def resume_command(step: int) -> str:
@@ -1247,78 +1060,6 @@ def resume_command(step: int) -> str:
     return shlex.join([*launcher, script, *words, "--resume", str(step)])
 
 
-def open_checkpoint(folder: str | os.PathLike, config: dict, step: int | None = None, rank: int = 0,
-                    world: int = 1, checksums: bool = True) -> tuple[Path, dict]:
-    """The checkpoint of `step` (None: the one LATEST names) and its metadata, checked: every file at
-    its recorded size, this rank's share of them hashed (checksums), the same model configuration.
-    A damaged one is a CheckpointError naming the step, the file, the previous complete checkpoint
-    and the command that resumes from it."""
-    root = Path(folder)
-    target = root / f"step_{step:08d}" if step is not None else latest_checkpoint(folder)
-    if target is None:
-        raise ValueError(f"{folder} holds no complete checkpoint (no LATEST file)")
-    problem, meta = _problem(target, rank, world, checksums)
-    if problem is not None:
-        number = _step_of(target)
-        earlier = sorted((p for p in root.glob("step_*") if _step_of(p) is not None and p.is_dir()
-                          and (number is None or _step_of(p) < number)), key=_step_of, reverse=True)
-        previous = next((p for p in earlier if _problem(p, checksums=False)[0] is None), None)
-        where = f"step {number} ({target})" if number is not None else f"{target} (named by LATEST)"
-        advice = (f"the previous complete checkpoint is step {_step_of(previous)} ({previous}); resume from "
-                  f"it: {resume_command(_step_of(previous))}" if previous else
-                  "no earlier complete checkpoint is kept: train afresh without --resume")
-        raise CheckpointError(f"checkpoint {where} cannot be used: {problem}; {advice}")
-    if meta["config"] != config:
-        diff = ", ".join(f"{k}={meta['config'].get(k)} (this model: {config.get(k)})"
-                         for k in sorted(meta["config"].keys() | config.keys())
-                         if meta["config"].get(k) != config.get(k))
-        raise ValueError(f"{target} was saved by another model configuration: {diff}; refusing to load it")
-    return target, meta
-
-
-class CheckpointReader:
-    """A checked checkpoint's rank files, memory-mapped: read(spec) copies out only the runs that
-    spec's piece shares with the saved pieces; nothing else of the files enters memory but their
-    specs and RNG states. bytes_read counts what was copied."""
-
-    def __init__(self, target: Path, meta: dict) -> None:
-        self.saved: dict[str, list[tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {}
-        self.rng = []  # by saved rank
-        for name in meta["files"]:
-            file = torch.load(target / name, mmap=True, weights_only=True)
-            self.rng.append(file["rng"])
-            for fields, data in file["pieces"]:
-                spec = ShardSpec(*fields)
-                runs = piece_runs(spec)
-                runs[:, 1] = runs[:, 2].cumsum(0) - runs[:, 2]  # saved compactly: the real elements only
-                self.saved.setdefault(spec.name, []).append((runs, data))
-        self.bytes_read = 0
-
-    def read(self, spec: ShardSpec, kinds: tuple[str, ...] = CHECKPOINT_KINDS) -> dict[str, torch.Tensor]:
-        """spec's piece (its flat range) of each kind; padding holds zeros, as lesson 03 pads."""
-        want = piece_runs(spec)
-        out = {kind: torch.zeros(spec.flat_stop - spec.flat_start) for kind in kinds}
-        covered = 0
-        for runs, data in self.saved.get(spec.name, ()):
-            for to, at, n in overlaps(want, runs).tolist():
-                for kind in kinds:
-                    out[kind][to:to + n] = data[kind][at:at + n]
-                covered += n
-        if covered != int(want[:, 2].sum()):
-            raise ValueError(f"the saved pieces do not cover every element of {spec.name} exactly once")
-        self.bytes_read += covered * 4 * len(kinds)
-        return out
-
-
-def load_model(model: nn.Module, folder: str | os.PathLike) -> dict:
-    """The last checkpoint's parameters into a whole one-device model (to sample from); returns the
-    metadata."""
-    target, meta = open_checkpoint(folder, checkpoint_config(model.cfg))
-    reader = CheckpointReader(target, meta)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(reader.read(whole(name, tuple(param.shape)), ("params",))["params"].view(param.shape))
-    return meta
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1374,19 +1115,19 @@ def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Pat
     nothing in this model (no dropout): it is restored for a model that does."""
     rank, world, problem = trainer.mesh.rank, trainer.mesh.sizes.world, None
     try:  # each rank hashes its share of the files; all agree before any reads a file
-        target, meta = open_checkpoint(run.folder, checkpoint_config(trainer.cfg), run.resume_step, rank,
-                                       world)
+        target, meta = zero.open_checkpoint(run.folder, zero.checkpoint_config(trainer.cfg), run.resume_step,
+                                            rank, world, resume_command=resume_command)
     except ValueError as error:
         problem = str(error)
-    if (problem := first_problem(problem)) is not None:
-        raise CheckpointError(problem)
-    reader = CheckpointReader(target, meta)
+    if (problem := zero.first_problem(problem)) is not None:
+        raise zero.CheckpointError(problem)
+    reader = zero.CheckpointReader(target, meta)
     try:  # e.g. pieces missing for one stage's parameters: only its ranks see it
-        shards = {spec: reader.read(spec) for spec, *_ in shard_specs(trainer)}
+        shards = {spec: reader.read(spec_piece(spec)) for spec, *_ in shard_specs(trainer)}
     except ValueError as error:
         problem = f"{target}: {error}"
-    if (problem := first_problem(problem)) is not None:
-        raise CheckpointError(problem)
+    if (problem := zero.first_problem(problem)) is not None:
+        raise zero.CheckpointError(problem)
     load_shards(trainer, shards, meta["step"])
     loader.load_state_dict(meta["loader"])
     if rank < meta["world"]:
@@ -1399,8 +1140,9 @@ def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Pat
 def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor, run: RunConfig,
                progress=None) -> dict:
     """Steps from the resumed one (or 0) to run.steps: the learning-rate schedule, the NaN guard
-    (stop before the update: the last good checkpoint stays), validation and checkpoints (never one
-    that holds a non-finite number). Returns per-step losses and times, validation losses, one
+    (a loss that is not finite stops before the update, a gradient norm before any later save or
+    validation: the last good checkpoint stays), validation and checkpoints (never one that holds a
+    non-finite number). Returns per-step losses and times, validation losses, one
     step's activation bytes, the bytes read on resume and the last checkpoint (on every rank)."""
     train, rank, sizes = trainer.train, trainer.mesh.rank, trainer.mesh.sizes
     out = dict(losses={}, times={}, val={}, activation_bytes=None, read=None, saved=None)
@@ -1415,9 +1157,9 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         target, meta, out["read"] = resume(trainer, loader, run)
         start = meta["step"]
         kept.append(start)
-        elements = sum(int(piece_runs(spec)[:, 2].sum()) for spec, *_ in shard_specs(trainer))
+        elements = sum(spec_piece(spec).elements() for spec, *_ in shard_specs(trainer))
         report = [None] * sizes.world if rank == 0 else None
-        dist.gather_object((out["read"], 4 * len(CHECKPOINT_KINDS) * elements), report, dst=0)
+        dist.gather_object((out["read"], 4 * len(zero.CHECKPOINT_KINDS) * elements), report, dst=0)
         again = validation() if meta.get("val") is not None and start < run.steps else None
         if rank == 0:
             print(f"resumed from {target}: steps {start} to {run.steps}. Bytes each rank read from it "
@@ -1430,6 +1172,15 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
     last_good = lambda: (  # noqa: E731
         f"the last good checkpoint is {Path(run.folder) / f'step_{kept[-1]:08d}'}" if kept
         else "no checkpoint of this run is kept")
+    unchecked = None  # (step, its gradient norm on the device): read after a sync that makes it free
+
+    def check_update() -> None:
+        nonlocal unchecked
+        if unchecked is not None and not math.isfinite(norm := unchecked[1].item()):
+            raise FloatingPointError(f"step {unchecked[0]}: the gradient norm is {norm}, so its update left "
+                                     f"weights that are not finite; stopping without saving, {last_good()}")
+        unchecked = None
+
     out["measured"] = measured = min(start + 1, run.steps - 1)  # the second: the first compiles, autotunes
     profiled, profiler = range(measured + 1, min(measured + 1 + run.profile, run.steps)), None
     for step in range(start, run.steps):
@@ -1446,10 +1197,11 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
                 lambda: trainer.forward_backward(rows), params, trainer.device)
         else:
             loss = trainer.forward_backward(rows)
+        check_update()  # the step before's norm: ready, as this loss is
         if not math.isfinite(loss):  # the same global loss on every rank: every rank stops here
             raise FloatingPointError(f"step {step}: the loss is {loss}; stopping without saving, "
                                      f"{last_good()}")
-        trainer.update()  # no wait: timed on the CPU, which the next step's loss.item() keeps in step
+        unchecked = (step, trainer.update())  # no wait: timed on the CPU, which the next loss keeps in step
         out["losses"][step], out["times"][step] = loss, time.perf_counter() - t0
         if profiler is not None and step == profiled[-1]:
             profiler.stop()
@@ -1463,9 +1215,13 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         if progress is not None:  # with the latest validation loss
             progress(step, loss, out["times"][step], out["val"][max(out["val"])] if out["val"] else None)
         done = step + 1
-        if done % run.eval_every == 0 or done == run.steps:
+        evaluate = done % run.eval_every == 0 or done == run.steps
+        save = run.folder is not None and (done == run.steps or run.save_every and done % run.save_every == 0)
+        if evaluate or save:
+            check_update()
+        if evaluate:
             out["val"][done] = validation()
-        if run.folder is not None and (done == run.steps or run.save_every and done % run.save_every == 0):
+        if save:
             pieces = checkpoint_pieces(trainer)
             finite = all(t.isfinite().all() for _, data in pieces for t in data.values())
             bad = torch.tensor(float(not finite), device=trainer.device)
@@ -1475,9 +1231,9 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
                                          f"not finite: step_{done:08d} is not written, {last_good()}")
             meta = {"loader": loader.state_dict(), "mesh": dataclasses.asdict(sizes),
                     "val": out["val"].get(done)}  # what a resume compares its validation with
-            out["saved"] = save_checkpoint(run.folder, done, pieces, meta,
-                                           checkpoint_config(trainer.cfg), rank, sizes.world, all_ranks,
-                                           keep=kept[-(run.keep - 1):] if run.keep > 1 else ())
+            config, keep = zero.checkpoint_config(trainer.cfg), kept[-(run.keep - 1):] if run.keep > 1 else ()
+            out["saved"] = zero.save_checkpoint(run.folder, done, pieces, meta, config, rank, sizes.world,
+                                                zero.all_ranks, keep)
             kept.append(done)
     return out
 
@@ -1508,10 +1264,12 @@ def train_run(args: argparse.Namespace) -> None:
     problem = lock = None
     if run.folder is not None and dist.get_rank() == 0:  # held until this process ends
         try:
-            lock = lock_checkpoints(run.folder)
-        except CheckpointError as error:
+            lock = zero.lock_checkpoints(run.folder)
+            if unfinished := zero.remove_unfinished_saves(run.folder):  # a run killed while saving
+                print(f"removed what an interrupted save left in {run.folder}: {', '.join(unfinished)}")
+        except zero.CheckpointError as error:
             problem = str(error)
-    if (problem := first_problem(problem)) is not None:
+    if (problem := zero.first_problem(problem)) is not None:
         foundation.exit_distributed(problem)
     train_tokens, val_tokens = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
     trainer = build_trainer(cfg, sizes, train, device)
@@ -1542,12 +1300,12 @@ def train_run(args: argparse.Namespace) -> None:
 
     try:
         result, failed = train_loop(trainer, loader, val_tokens, run, progress), None
-    except (CheckpointError, FloatingPointError) as error:  # found by every rank alike: one line each
+    except (zero.CheckpointError, FloatingPointError) as error:  # found by every rank alike: one line each
         failed = error
     for bar in bars:
         bar.close()
     if failed is not None:
-        foundation.exit_distributed(str(failed), code=2 if isinstance(failed, CheckpointError) else 1)
+        foundation.exit_distributed(str(failed), code=2 if isinstance(failed, zero.CheckpointError) else 1)
     if not result["losses"]:  # a finished run resumed: said so, nothing more
         foundation.exit_distributed()
     saved, numels = ([None] * sizes.world if rank0 else None for _ in range(2))
@@ -1558,14 +1316,14 @@ def train_run(args: argparse.Namespace) -> None:
         print_run(cfg, trainer, result, saved, tokens_per_step, peak and mfu)
         if result["saved"] is not None:
             n = sum({k: v for part in numels for k, v in part.items()}.values())
-            formula = 4 * len(CHECKPOINT_KINDS) * n
+            formula = 4 * len(zero.CHECKPOINT_KINDS) * n
             disk = sum(f.stat().st_size for f in result["saved"].iterdir())
             print(f"checkpoint {result['saved']}: {disk:,} B on disk = (params + 2 AdamW moments) x 4 B x "
                   f"{n:,} parameters, each element once ({formula:,}) + {disk - formula:,} B of metadata "
                   f"(meta.json; each rank file's specs, RNG and headers)")
         if run.folder is not None and run.sample_bytes:
             model = (reference_transform(train) or (lambda m: m))(foundation.GPT(cfg)).to(device)  # MoE
-            load_model(model, run.folder)
+            zero.load_model(model, run.folder)
             prompt = run.prompt.encode() if run.prompt is not None else text_prompt(val_tokens)
             new = sample(model, prompt, run.sample_bytes, run.temperature, run.top_k, run.seed)
             print(f"Sample from the checkpoint (a one-device lesson-01 GPT; temperature {run.temperature:g}, "
@@ -1977,13 +1735,13 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
     if args.resume and args.folder is None:
         raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")
     if args.folder is not None and "RANK" not in os.environ:  # under torchrun, rank 0 locks (train_run)
-        lock_checkpoints(args.folder).close()  # a file, or a folder another run holds: refused
+        zero.lock_checkpoints(args.folder).close()  # a file, unwritable, held by another run: refused
     if args.resume:  # damaged, another model, other data: refused before any rank starts
-        _, meta = open_checkpoint(args.folder, checkpoint_config(cfg), run_config(args).resume_step,
-                                  checksums=False)  # the ranks hash
+        _, meta = zero.open_checkpoint(args.folder, zero.checkpoint_config(cfg), run_config(args).resume_step,
+                                       checksums=False, resume_command=resume_command)  # the ranks hash
         ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=args.seed).load_state_dict(
             meta["loader"])
-    elif args.folder is not None and (earlier := latest_checkpoint(args.folder)):
+    elif args.folder is not None and (earlier := zero.latest_checkpoint(args.folder)):
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks
                 print(f"note: {earlier} is from an earlier run; this run replaces it at its first save "
                   f"(--resume continues it instead)")
