@@ -998,7 +998,8 @@ def load_shards(trainer: Trainer, shards: dict[ShardSpec, dict[str, torch.Tensor
     """Give the trainer its ZeRO shards of the parameters and AdamW moments (each spec of
     shard_specs() -> kind -> its values, e.g. read from a checkpoint saved on another mesh) and
     continue from step `step`. Nothing but the shards is built: no whole tensor."""
-    flat = {id(unit): {kind: torch.zeros(unit.owned.stop - unit.owned.start) for kind in zero.CHECKPOINT_KINDS}
+    flat = {id(unit): {kind: torch.zeros(unit.owned.stop - unit.owned.start)
+                       for kind in zero.CHECKPOINT_KINDS}
             for part in trainer.zeros for unit in part.zero.units}  # a unit's padding holds zeros
     for spec, _, unit, i in shard_specs(trainer):
         begin = unit.offsets[i] + spec.flat_start - unit.owned.start
