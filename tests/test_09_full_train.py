@@ -780,7 +780,7 @@ def train_run(sizes, train, run, stop_at=None, poison_at=None, poison="params"):
     def poisoned_forward_backward(rows):
         loss = forward_backward(rows)
         if trainer.steps == poison_at and poison == "inf gradient" and trainer.mesh.rank == 1:
-            trainer.zeros[0][2].units[0].grad_shard[0] = math.inf
+            trainer.zeros[0].zero.units[0].grad_shard[0] = math.inf
         return math.inf if trainer.steps == poison_at and poison == "inf loss" else loss
 
     trainer.forward_backward = poisoned_forward_backward
