@@ -349,6 +349,16 @@ def tensor_parallel_plan(moe) -> dict:
     return plan if moe is None else {name: style for name, style in plan.items() if ".mlp" not in name}
 
 
+def fullgraph_blocker(sizes: MeshSizes, train: TrainConfig) -> str | None:
+    """Why torch.compile cannot take a block as one graph on this mesh (None: it can; 07's kernel and
+    03's collectives are operators it records as they are)."""
+    if sizes.cp > 1:
+        return "cp > 1: 05's ring sends K/V blocks from inside its own autograd function"
+    if train.moe is not None:
+        return "--moe: 06's routing gives each expert a data-dependent number of tokens"
+    return None
+
+
 def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages: int,
                       device: torch.device) -> nn.Module:
     """The module docstring's order: GPT -> MoE + EP -> FP8 -> TP (+SP) -> CP attention -> stage cut."""
@@ -370,8 +380,11 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
     for block in model.layers.values() if attention else ():
         block.attn.attn_fn = attention
     model = pipeline.cut_stage(tensor_parallel.apply_recompute(model, train.recompute), stage, n_stages)
+    blocker = fullgraph_blocker(mesh.sizes, train) if train.compile else None
+    if blocker and mesh.rank == 0 and stage == 0:
+        print(f"--compile: each block in several graphs, not one ({blocker})", flush=True)
     for block in model.layers.values() if train.compile else ():
-        block.compile()  # in place: parameter names stay
+        block.compile(fullgraph=blocker is None)  # in place: parameter names stay
     return model
 
 
