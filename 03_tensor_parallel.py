@@ -392,8 +392,8 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
                     module = style(module, ctx)
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent), attr, module)
-    if tp > 1:  # at tp = 1 the logits are whole: the model's own loss, no collective
-        model.loss_fn = VocabParallelLoss(vocab_shard(vocab_size, tp, rank)[0], vocab_size, group)
+    model.loss_fn = (VocabParallelLoss(vocab_shard(vocab_size, tp, rank)[0], vocab_size, group) if tp > 1
+                     else foundation.cross_entropy_loss)  # tp = 1: the logits are whole, no collective
     if sequence_parallel and tp > 1:
         # Outside the regions each rank sees only its tokens, so a replicated parameter (the norm
         # weights) gets a partial gradient: sum it over the group (f on the parameter).

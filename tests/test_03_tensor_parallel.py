@@ -322,7 +322,7 @@ def test_one_layer_activation_memory_and_communication_equal_the_formulas(rank_p
 
 def hooks_and_loss_at_tp_1(sequence_parallel: bool) -> tuple[int, bool]:
     """The hooks apply_tensor_parallel registered (besides the model's own input check), and whether
-    the loss is still the reference's."""
+    the loss is the reference's cross-entropy."""
     model = tensor_parallel.apply_tensor_parallel(foundation.GPT(foundation.ModelConfig()), None, sequence_parallel)
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules() if m is not model)
     hooks += sum(bool(p._backward_hooks) for p in model.parameters())
@@ -332,7 +332,7 @@ def hooks_and_loss_at_tp_1(sequence_parallel: bool) -> tuple[int, bool]:
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_at_tp_1_nothing_is_inserted(rank_pool, sequence_parallel):
     """f and g would move nothing at tp = 1: no hook, no autograd function (which torch.compile's
-    tracer could not follow, lesson 09), no SP gradient hook; the loss stays the model's own."""
+    tracer could not follow, lesson 09), no SP gradient hook; the loss is plain cross-entropy."""
     assert rank_pool.run(1, hooks_and_loss_at_tp_1, sequence_parallel) == [(0, True)]
 
 
