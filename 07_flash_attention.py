@@ -730,7 +730,7 @@ def demo(args: argparse.Namespace) -> None:
     print(f"\nmemory: naive attention's fp32 scores, batch x heads x seq^2 x 4 B = {scores:,} B here, are "
           f"never built;\nthe kernels keep lse and delta, batch x heads x seq x 8 B = {stats:,} B. At 16 "
           f"heads, seq 16384, bf16: 8 GiB of scores against 2 MiB.\nNotice: fp32 agrees to rounding; in "
-          f"fp16 our errors are PyTorch's own (P and dS are rounded to fp16); the lse stays exact to fp32.")
+          f"16 bits our errors are PyTorch's own (P and dS rounded to 16 bits); the lse is exact to fp32.")
 
 
 def bench(head_dims: list[int], seqs: list[int], group: int = 1) -> None:
