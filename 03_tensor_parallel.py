@@ -16,7 +16,7 @@ Chaining them costs one reduction per pair (Megatron-LM, Shoeybi et al. 2019):
 - SwiGLU MLP: gate and up column-parallel (silu(gate) * up is elementwise, so it stays local), down
   row-parallel. t must divide ffn_dim.
 
-THE CONJUGATE OPERATORS (autograd functions; each region is  f -> local work -> g)
+THE CONJUGATE OPERATORS (autograd functions; each region is  f -> local work -> g; none at t = 1)
   f: forward identity,   backward all-reduce   (the input is used by every rank: sum its gradients)
   g: forward all-reduce, backward identity     (the output is a sum of partials)
 An all-reduce of a (b, s, h) activation costs 2(t-1)/t x b s h x bytes per rank (ring). Per layer
@@ -86,28 +86,57 @@ foundation = importlib.import_module("01_ddp")
 # ----------------------------------------------------------------------------------------------
 # The conjugate communication operators
 # ----------------------------------------------------------------------------------------------
+# Each collective is one PyTorch operator (torch.library.custom_op): torch.compile's tracer records
+# it as a node whose output shape its fake implementation gives, and keeps a block in one graph
+# around it, while the comm meter's Python runs at every call. Traced through instead, the meter
+# would count only while the tracer runs, and its side effects break the graph.
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-def _all_reduced(x: torch.Tensor, group) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)  # x may be shared: never reduce in place
-    foundation.all_reduce(out, group=group)
+def _group_name(group) -> str:  # an operator takes a process group by its name
+    return (group or dist.group.WORLD).group_name
+
+
+_group_of = dist.distributed_c10d._resolve_process_group  # name -> process group
+
+
+def _collective_output(x: torch.Tensor, group_name: str, kind: str) -> torch.Tensor:
+    n = foundation.group_size(_group_of(group_name))  # also: this rank is in the group
+    rows = {"gather": x.shape[0] * n, "scatter": x.shape[0] // n}.get(kind, x.shape[0])
+    return x.new_empty((rows, *x.shape[1:]))
+
+
+@torch.library.custom_op("lesson03::collective", mutates_args=())
+def _collective(x: torch.Tensor, group_name: str, kind: str) -> torch.Tensor:
+    """A new tensor (x may be shared: never reduced in place): kind "sum" or "max", x all-reduced;
+    "gather", every rank's x concatenated along dim 0; "scatter", this rank's dim-0 chunk of the sum."""
+    group, out = _group_of(group_name), _collective_output(x, group_name, kind)
+    if kind == "gather":
+        foundation.all_gather(out, x, group)
+    elif kind == "scatter":
+        foundation.reduce_scatter(out, x, group)
+    else:
+        foundation.all_reduce(out.copy_(x), group, REDUCE_OPS[kind])
     return out
+
+
+_collective.register_fake(_collective_output)
+
+
+def _all_reduced(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    return _collective(x, _group_name(group), op)
 
 
 def _gathered(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """Every rank's x concatenated along dim (default: (b, s/t, h) sequence shards -> (b, s, h)).
     The collective concatenates along dim 0, so go through dim-first and back."""
-    shard = x.movedim(dim, 0).contiguous()
-    out = shard.new_empty((shard.shape[0] * foundation.group_size(group), *shard.shape[1:]))
-    foundation.all_gather(out, shard, group=group)
+    out = _collective(x.movedim(dim, 0).contiguous(), _group_name(group), "gather")
     return out.movedim(0, dim).contiguous()  # else each linear reading it saves its own copy
 
 
 def _reduce_scattered(x: torch.Tensor, group) -> torch.Tensor:
     """(b, s, h) partial sums -> this rank's (b, s/t, h) slice of their sum."""
-    full = x.transpose(0, 1).contiguous()
-    out = full.new_empty((full.shape[0] // foundation.group_size(group), *full.shape[1:]))
-    foundation.reduce_scatter(out, full, group=group)
+    out = _collective(x.transpose(0, 1).contiguous(), _group_name(group), "scatter")
     return out.transpose(0, 1).contiguous()
 
 
@@ -187,17 +216,15 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.dtype = logits.dtype
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding: e^-inf = 0
-        row_max = logits.max(dim=1).values
-        foundation.all_reduce(row_max, group=group, op=dist.ReduceOp.MAX)
+        row_max = _all_reduced(logits.max(dim=1).values, group, "max")
         exp = (logits - row_max[:, None]).exp()
-        sum_exp = exp.sum(dim=1)
-        foundation.all_reduce(sum_exp, group=group)
+        sum_exp = _all_reduced(exp.sum(dim=1), group)
         local_target = targets - first_id
         mine = (local_target >= 0) & (local_target < logits.shape[1])
         local_target = local_target.masked_fill(~mine, 0)
         picked = logits.gather(1, local_target[:, None]).squeeze(1) - row_max
-        target_logit = torch.where(mine, picked, torch.zeros_like(picked))  # never -inf * 0
-        foundation.all_reduce(target_logit, group=group)
+        picked = torch.where(mine, picked, torch.zeros_like(picked))  # never -inf * 0
+        target_logit = _all_reduced(picked, group)
         ctx.save_for_backward(exp / sum_exp[:, None], local_target, mine)
         return (sum_exp.log() - target_logit).mean()
 
@@ -277,16 +304,19 @@ def vocab_parallel(embedding: nn.Embedding, ctx: Context) -> nn.Module:
 
 
 def enter_region(module: nn.Module, ctx: Context) -> nn.Module:
-    """f on the module's input (with SP: all-gather along the sequence); other arguments pass."""
+    """f on the module's input (with SP: all-gather along the sequence); other arguments pass.
+    At tp = 1 f and g have nothing to communicate: no hook, no autograd function."""
     f = GatherSequence if ctx.sequence_parallel else CopyToRegion
-    module.register_forward_pre_hook(lambda _, args: (f.apply(args[0], ctx.group), *args[1:]))
+    if ctx.tp > 1:
+        module.register_forward_pre_hook(lambda _, args: (f.apply(args[0], ctx.group), *args[1:]))
     return module
 
 
 def exit_region(module: nn.Module, ctx: Context) -> nn.Module:
     """g on the module's output (with SP: reduce-scatter along the sequence)."""
     g = ReduceScatterSequence if ctx.sequence_parallel else ReduceFromRegion
-    module.register_forward_hook(lambda _, args, out: g.apply(out, ctx.group))
+    if ctx.tp > 1:
+        module.register_forward_hook(lambda _, args, out: g.apply(out, ctx.group))
     return module
 
 
@@ -305,15 +335,12 @@ TENSOR_PARALLEL_PLAN = {  # module name pattern -> styles; unlisted parameters s
 }
 
 
-SHARD_DIMS = {column_parallel: 0, row_parallel: 1, vocab_parallel: 0}  # the dimension each style splits
-
-
 def tp_local_shape(name: str, shape: tuple[int, ...], tp: int, plan: dict | None = None) -> tuple[int, ...]:
     """The shape parameter `name` (its reference name) has on every rank of apply_tensor_parallel
     over tp ranks with `plan`, without building it: _shard's slice of a split one, padding included."""
     module = name.rpartition(".")[0]
     for pattern, styles in (plan or TENSOR_PARALLEL_PLAN).items():
-        dims = [SHARD_DIMS[style] for style in styles if style in SHARD_DIMS]
+        dims = [SPLIT_DIM[style] for style in styles if style in SPLIT_DIM]
         if dims and fnmatch.fnmatchcase(module, pattern):
             return (*shape[:dims[0]], -(-shape[dims[0]] // tp), *shape[dims[0] + 1:])
     return tuple(shape)
@@ -365,8 +392,9 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
                     module = style(module, ctx)
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent), attr, module)
-    model.loss_fn = VocabParallelLoss(vocab_shard(vocab_size, tp, rank)[0], vocab_size, group)
-    if sequence_parallel:
+    model.loss_fn = (VocabParallelLoss(vocab_shard(vocab_size, tp, rank)[0], vocab_size, group) if tp > 1
+                     else foundation.cross_entropy_loss)  # tp = 1: the logits are whole, no collective
+    if sequence_parallel and tp > 1:
         # Outside the regions each rank sees only its tokens, so a replicated parameter (the norm
         # weights) gets a partial gradient: sum it over the group (f on the parameter).
         for param in model.parameters():
@@ -436,16 +464,18 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
 def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, layers: int | None = None,
                  embed: bool = True, head: bool = True, microbatches: int = 1, mlp: bool = True,
                  elem_bytes: int = 4, recompute: str = "none") -> dict[str, tuple[int, int]]:
-    """op -> (calls, payload bytes) in one training step (forward + backward) of the model, whatever
-    t (the traffic per rank is (t-1)/t of the payload, twice that for an all-reduce). Activation
+    """op -> (calls, payload bytes) in one training step (forward + backward) of the model, any t > 1
+    (the traffic per rank is (t-1)/t of the payload, twice that for an all-reduce). Activation
     collectives move b x s x h elements of elem_bytes (bf16 compute: 2): 4 per layer, 1 for the
     embedding (forward), 1 for the LM head's input (backward); with SP each of them is an all-gather
     and a reduce-scatter. The loss adds 3 all-reduces of b x s fp32 numbers; SP adds one all-reduce of
-    h per norm. A pipeline stage (lesson 09) has `layers` layers, maybe no embedding or head, and runs
-    every collective once per microbatch (the payloads add up to the batch's); mlp=False: the MLPs
-    are not split (lesson 09's MoE layers), only attention is a region. recompute="full" re-runs
-    each block's forward in backward up to its last saved tensor (down_proj's input), so the
-    attention's g (SP: also both regions' f, all-gathers) runs again, the MLP's g does not."""
+    h per norm. At t = 1 there is nothing: apply_tensor_parallel inserts no collective.
+    The keywords describe lesson 09's pieces, here because this lesson owns its traffic's formula:
+    a pipeline stage has `layers` layers, maybe no embedding or head, and runs every collective
+    once per microbatch (the payloads add up to the batch's); mlp=False: the MLPs are not split
+    (09's MoE layers), only attention is a region. recompute="full" re-runs each block's forward
+    in backward up to its last saved tensor (down_proj's input), so the attention's g (SP: also
+    both regions' f, all-gathers) runs again, the MLP's g does not."""
     layers, m = cfg.n_layers if layers is None else layers, microbatches
     bsh, loss = batch * seq_len * cfg.dim * elem_bytes, (3 * head * m, 3 * head * batch * seq_len * 4)
     activations, norms = (2 + 2 * mlp) * layers + embed + head, 2 * layers + head
@@ -653,8 +683,9 @@ def demo(args: argparse.Namespace) -> None:
         print(f"\n{label[sp]}: max |difference| from one device: step-0 gradients "
               f"{foundation.max_abs_diff(result.first_grads, reference.first_grads):.2e}, parameters at "
               f"the end {foundation.max_abs_diff(result.params, reference.params):.2e}")
-        print(f"  communication per step (measured = formula), b x s x h = {bsh:,} B:")
-        for op, expected in comm_formula(cfg, b, s, sp).items():
+        print(f"  communication per step (measured = formula), b x s x h = {bsh:,} B:"
+              + ("" if tp > 1 else " none at tp = 1"))
+        for op, expected in (comm_formula(cfg, b, s, sp) if tp > 1 else {}).items():
             got = (meter.calls(op) // args.steps, meter.payload(op) // args.steps)
             print(f"    {op:<15}{got[0]:>4} calls {got[1]:>10,} B payload, "
                   f"{float(meter.traffic(op)) / args.steps:>10,.0f} B traffic per rank  "

@@ -35,8 +35,7 @@ place, as they read contiguous (batch, heads, seq, head_dim): element d of row r
 at (b stride_b + h stride_h + r ROW) x head_dim + d, strides counted in rows of head_dim (ROW, a
 compile-time constant: 1, or the number of heads). lse and delta are laid out like q without its head
 dim, so one offset, b stride_b + h stride_h, finds a head in all of them. out is returned in q's layout
-(01's transpose back is then a view): the copies in and out that this saves took ~3% of lesson
-09's compiled 1b step on an H100 (6.4 ms of ~208); eager, the step went from 289 to 281 ms.
+(01's transpose back is then a view): no copies in or out (the README has what that saved on an H100).
 
 THE IO ARGUMENT, per (batch, head), in elements. Naive attention writes S, reads it for the softmax,
 writes P and reads it for P V: ~4 N^2 of HBM traffic (more in the backward), N^2 of memory. A program
@@ -71,6 +70,16 @@ need more. Shared memory holds the tiles streamed in, num_stages deep (software 
 x BLOCK_N x d x 2 bytes per 16-bit K or V tile): a block asking for more than the limit cannot
 launch. `--gpu-report` compiles every config for sm_90, no GPU needed, and prints shared memory,
 registers and ptxas's spill bytes; the autotuner times only the spill-free configs that fit.
+
+AN OPERATOR, SO THAT A COMPILED MODEL KEEPS ONE GRAPH. torch.compile's tracer follows Python and
+records PyTorch operators; it cannot follow a Triton launch (the autotuner's Python, the launcher),
+so a plain call would end the graph there: the model would run as pieces, the CPU re-entering
+Python between them while the GPU waits. Registered as operators (torch.library.custom_op), the
+forward and the backward are single nodes that the compiler places but never opens: a fake
+implementation gives each output's shape, dtype and strides without running anything, and
+register_autograd joins the backward operator to the forward's. torch.library.opcheck tests such a
+registration: the schema (no input mutated or aliased), fake against real outputs, the autograd
+formula, and all of it traced as the compiler traces it.
 
 USE: GPT(cfg, attn_fn=flash_attention); FLASH_BLOCK is lesson 05's block attention on these kernels
 (flash_block_attention forward, flash_attention_backward with the ring's global out and lse), which
@@ -116,59 +125,9 @@ if INTERPRETED and not isinstance(tl.zeros, InterpretedFunction):
 LOG2E, LN2 = tl.constexpr(1.4426950408889634), tl.constexpr(0.6931471805599453)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head-dim tile width, dtype bytes), what the autotuner
-# times: on sm_90 with Triton 3.7.1 the 16-bit ones are spill-free, and all fit an H100's and an A100's
-# shared memory. fp32's exact dots run on CUDA cores (spilling on sm_90 at any tile): one small tile.
-# python 07_flash_attention.py --gpu-report shows every config's figures.
-FWD_GPU = {(64, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
-           (128, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2)],
-           (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
-# dK/dV programs own BLOCK_N keys and step over queries BLOCK_M at a time; dQ programs the reverse.
-# At head dim 128 the backward's accumulators (dK and dV: 2 x BLOCK_N x 128 fp32) need 8 warps;
-# there 64 x 128 (255 registers) spills since the kernels read any layout (LAYOUT): not kept.
-DKDV_GPU = {(64, 2): [(32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
-            (128, 2): [(32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 8, 3)],
-            (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
-DQ_GPU = {(64, 2): [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3)],
-          (128, 2): [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3)],
-          (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
-
-
-def kept_configs(gpu: dict, head_dim: int, element_bytes: int) -> list[tuple[int, int, int, int]]:
-    """A table's configs for this head dim (padded to 64 at least: smaller tiles only use fewer
-    registers) and dtype size (2: bf16, fp16; 4: fp32)."""
-    return gpu[max(64, triton.next_power_of_2(head_dim)), element_bytes]
-
-
-def _prune(gpu: dict):
-    """The autotuner's early_config_prune (called only with several configs: not in the interpreter):
-    of all the configs, time only the table's for this launch's head dim and dtype."""
-    def prune(configs: list[triton.Config], named_args: dict, **meta) -> list[triton.Config]:
-        kept = kept_configs(gpu, meta["HEAD_DIM"], named_args["Q"].element_size())
-        return [c for c in configs
-                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in kept]
-    return prune
-
-
-def _autotuned(gpu: dict, cpu: tuple[int, int]):
-    """Decorates a kernel: jit-compiled, and autotuned over every config of a table (in order, once
-    each), pruned per launch; the interpreter runs one, (BLOCK_M, BLOCK_N) = cpu, with M != N too.
-    Tuned per bucket of lengths (next power of two; the kernels ignore the bucket arguments), not per
-    exact length, which varies (ring chunks, evaluation), since each new key compiles and times every
-    config. Lengths, buckets, offsets are not specialised: no recompilation per length, offset, seq = 1."""
-    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-               for m, n, w, s in dict.fromkeys(c for kept in gpu.values() for c in kept)]
-    if INTERPRETED:
-        configs = [triton.Config({"BLOCK_M": cpu[0], "BLOCK_N": cpu[1]})]
-    tune = triton.autotune(configs, key=["seq_q_bucket", "seq_k_bucket", "HEAD_DIM", "CAUSAL"],
-                           prune_configs_by={"early_config_prune": _prune(gpu)})
-    jit = triton.jit(do_not_specialize=["seq_q", "seq_k", "seq_q_bucket", "seq_k_bucket", "shift"])
-    return lambda kernel: tune(jit(kernel))
-
-
-# Kernels. Tensors are contiguous (batch, heads, seq, head_dim): the head of program bh starts at
-# bh x seq x head_dim. One program per (block of rows, batch x head). head_dim is padded to a power
-# of two, BLOCK_D, for tl.arange; the padding lanes load zeros and are never stored. -------------
+# Kernels. One program per (block of rows, batch x head). A head's rows lie ROW x head_dim elements
+# apart from its first, which the batch and head strides find (LAYOUT above). head_dim is padded to a
+# power of two, BLOCK_D, for tl.arange; the padding lanes load zeros and are never stored. ----------
 
 
 @triton.jit
@@ -228,6 +187,85 @@ def _query_range(start_n, seq_q, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
     return lo, full_start, q_end
 
 
+@triton.jit
+def _attend(acc, l_i, m_i, q, K, V, rows, start, end, seq_k, shift, qk_scale, KV_ROW: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+            PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """THE RECURRENCE (module docstring) for a block of query rows over the key blocks [start, end),
+    scores in log2 units; MASKED: blocks that cross the diagonal or the end of the sequence."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        kv, kv_ok = _tile(cols, seq_k, KV_ROW, HEAD_DIM, BLOCK_D)
+        k = _load_keys(K + kv, kv_ok, MASKED, HEAD_DIM, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where(_visible(rows, cols, seq_k, shift, CAUSAL), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = m_new
+        if MASKED:
+            # A row that has seen no key yet has m = -inf: subtract 0 instead of -inf so that
+            # exp2 sees -inf - 0 (= 0), never -inf - (-inf) (= NaN).
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_keys(V + kv, kv_ok, MASKED, HEAD_DIM, BLOCK_D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head-dim tile width, dtype bytes), what the autotuner
+# times: on sm_90 with Triton 3.7.1 the 16-bit ones are spill-free, and all fit an H100's and an A100's
+# shared memory. fp32's exact dots run on CUDA cores (spilling on sm_90 at any tile): one small tile.
+# python 07_flash_attention.py --gpu-report shows every config's figures.
+FWD_GPU = {(64, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
+           (128, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2)],
+           (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
+# dK/dV programs own BLOCK_N keys and step over queries BLOCK_M at a time; dQ programs the reverse.
+# At head dim 128 the backward's accumulators (dK and dV: 2 x BLOCK_N x 128 fp32) need 8 warps;
+# there 64 x 128 (255 registers) spills since the kernels read any layout (LAYOUT): not kept.
+DKDV_GPU = {(64, 2): [(32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
+            (128, 2): [(32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 8, 3)],
+            (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
+DQ_GPU = {(64, 2): [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3)],
+          (128, 2): [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3)],
+          (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
+
+
+def kept_configs(gpu: dict, head_dim: int, element_bytes: int) -> list[tuple[int, int, int, int]]:
+    """A table's configs for this head dim (padded to 64 at least: smaller tiles only use fewer
+    registers) and dtype size (2: bf16, fp16; 4: fp32)."""
+    return gpu[max(64, triton.next_power_of_2(head_dim)), element_bytes]
+
+
+def _prune(gpu: dict):
+    """The autotuner's early_config_prune (called only with several configs: not in the interpreter):
+    of all the configs, time only the table's for this launch's head dim and dtype."""
+    def prune(configs: list[triton.Config], named_args: dict, **meta) -> list[triton.Config]:
+        kept = kept_configs(gpu, meta["HEAD_DIM"], named_args["Q"].element_size())
+        return [c for c in configs
+                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in kept]
+    return prune
+
+
+def _autotuned(gpu: dict, cpu: tuple[int, int]):
+    """Decorates a kernel: jit-compiled, and autotuned over every config of a table (in order, once
+    each), pruned per launch; the interpreter runs one, (BLOCK_M, BLOCK_N) = cpu, with M != N too.
+    Tuned per bucket of lengths (next power of two; the kernels ignore the bucket arguments), not per
+    exact length, which varies (ring chunks, evaluation), since each new key compiles and times every
+    config; the timings are kept on disk (cache_results), so a later run reuses them. Lengths,
+    buckets, offsets are not specialised: no recompilation per length, offset, seq = 1."""
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+               for m, n, w, s in dict.fromkeys(c for kept in gpu.values() for c in kept)]
+    if INTERPRETED:
+        configs = [triton.Config({"BLOCK_M": cpu[0], "BLOCK_N": cpu[1]})]
+    tune = triton.autotune(configs, key=["seq_q_bucket", "seq_k_bucket", "HEAD_DIM", "CAUSAL"],
+                           prune_configs_by={"early_config_prune": _prune(gpu)}, cache_results=True)
+    jit = triton.jit(do_not_specialize=["seq_q", "seq_k", "seq_q_bucket", "seq_k_bucket", "shift"])
+    return lambda kernel: tune(jit(kernel))
+
+
 @_autotuned(FWD_GPU, cpu=(32, 16))
 def _fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift, sm_scale, group, heads,
                 q_batch, q_head, kv_batch, kv_head, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -249,26 +287,11 @@ def _fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shi
     m_i, l_i = tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full_end, hi = _key_range(start_m, seq_k, shift, BLOCK_M, BLOCK_N, CAUSAL)
-    for masked in tl.static_range(2):  # unrolled at compile time: [0, full_end) unmasked, then [full_end, hi)
-        for start_n in range(full_end if masked else 0, hi if masked else full_end, BLOCK_N):
-            cols = start_n + tl.arange(0, BLOCK_N)
-            kv, kv_ok = _tile(cols, seq_k, KV_ROW, HEAD_DIM, BLOCK_D)
-            k = _load_keys(K + kv, kv_ok, masked, HEAD_DIM, BLOCK_D)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
-            if masked:
-                s = tl.where(_visible(rows, cols, seq_k, shift, CAUSAL), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_sub = m_new
-            if masked:
-                # A row that has seen no key yet has m = -inf: subtract 0 instead of -inf so that
-                # exp2 sees -inf - 0 (= 0), never -inf - (-inf) (= NaN).
-                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_sub)
-            p = tl.exp2(s - m_sub[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_keys(V + kv, kv_ok, masked, HEAD_DIM, BLOCK_D)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+    # The recurrence over [0, full_end) without a mask, then over [full_end, hi) with one.
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, rows, 0, full_end, seq_k, shift, qk_scale, KV_ROW,
+                            HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, PRECISION, MASKED=False)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, rows, full_end, hi, seq_k, shift, qk_scale, KV_ROW,
+                            HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, PRECISION, MASKED=True)
     # Rows that saw no key have acc = 0, l = 0, m = -inf: out = 0 / 1 = 0, lse = -inf + log2(1).
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     tl.store(OUT + qo, (acc / l_safe[:, None]).to(OUT.dtype.element_ty), mask=q_ok)
@@ -383,7 +406,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_
     tl.store(DQ + qo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_ok)
 
 
-# Launchers: the raw kernels, for callers with their own autograd (lesson 05's ring) -------------
+# Launchers, registered as operators; lesson 05's ring calls them from its own autograd -----------
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -439,6 +462,16 @@ def _grid(seq: int, block: str, x: torch.Tensor):  # block: "BLOCK_M" or "BLOCK_
     return lambda meta: (triton.cdiv(seq, meta[block]), x.shape[0] * x.shape[1])  # x's (batch, heads)
 
 
+def _outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty out and lse for q as the kernels read it: out in q's layout, lse in _row_stats'."""
+    q = _dense(q)
+    return torch.empty_like(q), _row_stats(q)
+
+
+# The kernels as PyTorch operators (AN OPERATOR above). Exact strides: the compiler hands each call the
+# layout it was traced with, so the fake outputs' strides are the real ones.
+@torch.library.custom_op("lesson07::flash_attention_forward", mutates_args=(),
+                         tags=(torch.Tag.needs_exact_strides,))
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                             sm_scale: float | None = None, q_offset: int = 0,
                             k_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -448,12 +481,29 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     _validate(q, k, v)
     q, k = _dense(q), _dense(k)
     v = _as_layout(v, k)
-    out, lse = torch.empty_like(q), _row_stats(q)
+    out, lse = _outputs(q)
     args, meta = _launch_args(q, k, q_offset, k_offset, causal, sm_scale)
     _fwd_kernel[_grid(q.shape[2], "BLOCK_M", q)](q, k, v, out, lse, *args, **meta)
     return out, lse
 
 
+@flash_attention_forward.register_fake
+def _(q, k, v, causal=True, sm_scale=None, q_offset=0, k_offset=0):
+    _validate(q, k, v)
+    return _outputs(q)
+
+
+def _check_backward(q, k, v, out, lse, dout, dlse) -> None:
+    _validate(q, k, v)
+    for name, t, shape in (("out", out, q.shape), ("dout", dout, q.shape), ("lse", lse, q.shape[:3]),
+                           ("dlse", dlse, q.shape[:3])):
+        if t is not None and (t.shape != shape or t.device != q.device or not t.is_floating_point()):
+            raise ValueError(f"{name} must be a float tensor of shape {tuple(shape)} on {q.device}, to match "
+                             f"q {tuple(q.shape)}; got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+@torch.library.custom_op("lesson07::flash_attention_backward", mutates_args=(),
+                         tags=(torch.Tag.needs_exact_strides,))
 def flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                              lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,
                              causal: bool = True, sm_scale: float | None = None, q_offset: int = 0,
@@ -461,12 +511,7 @@ def flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """-> dq, dk, dv, given the forward's out and lse (or a ring's merged global out and lse).
     out and dout have q's shape, lse and dlse q.shape[:3]; dout is cast to q's dtype (the dots need
     it), out and dlse may be in any float dtype (they enter fp32 arithmetic)."""
-    _validate(q, k, v)
-    for name, t, shape in (("out", out, q.shape), ("dout", dout, q.shape), ("lse", lse, q.shape[:3]),
-                           ("dlse", dlse, q.shape[:3])):
-        if t is not None and (t.shape != shape or t.device != q.device or not t.is_floating_point()):
-            raise ValueError(f"{name} must be a float tensor of shape {tuple(shape)} on {q.device}, to match "
-                             f"q {tuple(q.shape)}; got {t.dtype} {tuple(t.shape)} on {t.device}")
+    _check_backward(q, k, v, out, lse, dout, dlse)
     q, k = _dense(q), _dense(k)
     v, out, dout = _as_layout(v, k), _as_layout(out, q), _as_layout(dout.to(q.dtype), q)
     delta = _row_stats(q)
@@ -482,48 +527,46 @@ def flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return dq, dk, dv
 
 
-class FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, sm_scale: float | None, q_offset: int, k_offset: int):
-        q, k = _dense(q), _dense(k)  # saved as the kernels read them: not copied again in backward
-        v = _as_layout(v, k)
-        out, lse = flash_attention_forward(q, k, v, causal, sm_scale, q_offset, k_offset)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (causal, sm_scale, q_offset, k_offset)
-        ctx.set_materialize_grads(False)  # an unused out or lse gets None, not a tensor of zeros
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        # Grad mode is on here only under create_graph=True: refuse, rather than return a dq that silently
-        # does not require grad (once_differentiable looks only at whether dout requires grad).
-        if torch.is_grad_enabled():
-            raise RuntimeError("flash_attention is once differentiable: create_graph=True (a second "
-                               "derivative) is not supported; use lesson 05's naive_attention or SDPA "
-                               "for that")
-        q, k, v, out, lse = ctx.saved_tensors
-        dout = torch.zeros_like(out) if dout is None else dout
-        grads = flash_attention_backward(q, k, v, out, lse, dout, dlse, *ctx.args)
-        return *grads, None, None, None, None
+@flash_attention_backward.register_fake
+def _(q, k, v, out, lse, dout, dlse=None, causal=True, sm_scale=None, q_offset=0, k_offset=0):
+    _check_backward(q, k, v, out, lse, dout, dlse)
+    k = _dense(k)
+    return torch.empty_like(_dense(q)), torch.empty_like(k), torch.empty_like(k)
 
 
-# torch.compile of a model that calls these compiles everything around them and calls our kernels
-# as they are: its tracer cannot follow Triton's autotuner (torch 2.11 fails with "ListVariable is
-# already tracked for mutation"), and there is nothing left to fuse inside a fused kernel.
-@torch.compiler.disable
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    sm_scale: float | None = None) -> torch.Tensor:
-    """A drop-in attention function for the reference model: GPT(cfg, attn_fn=flash_attention)."""
-    return FlashAttention.apply(q, k, v, causal, sm_scale, 0, 0)[0]
+def _save_for_backward(ctx, inputs, output) -> None:
+    q, k, v, *ctx.args = inputs  # causal, sm_scale, q_offset, k_offset
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.set_materialize_grads(False)  # an unused out or lse gets None, not a tensor of zeros
 
 
-@torch.compiler.disable
+def _backward(ctx, dout, dlse):
+    # Grad mode is on here only under create_graph=True: refuse, rather than return a dq that silently
+    # does not require grad.
+    if torch.is_grad_enabled():
+        raise RuntimeError("flash_attention is once differentiable: create_graph=True (a second "
+                           "derivative) is not supported; use lesson 05's naive_attention or SDPA for that")
+    q, k, v, out, lse = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    return *flash_attention_backward(q, k, v, out, lse, dout, dlse, *ctx.args), None, None, None, None
+
+
+flash_attention_forward.register_autograd(_backward, setup_context=_save_for_backward)
+
+
 def flash_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                           k_offset: int, causal: bool, sm_scale: float | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query block to one key block at absolute positions (causal mask
     q_offset + i >= k_offset + j) -> (out, lse); differentiable through both, for ring attention."""
-    return FlashAttention.apply(q, k, v, causal, sm_scale, q_offset, k_offset)
+    q, k = _dense(q), _dense(k)  # here, so that autograd saves them as the kernels read them
+    return flash_attention_forward(q, k, _as_layout(v, k), causal, sm_scale, q_offset, k_offset)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    sm_scale: float | None = None) -> torch.Tensor:
+    """A drop-in attention function for the reference model: GPT(cfg, attn_fn=flash_attention)."""
+    return flash_block_attention(q, k, v, 0, 0, causal, sm_scale)[0]
 
 
 def flash_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
@@ -657,7 +700,9 @@ def demo(args: argparse.Namespace) -> None:
           + " " * 24 + "".join(f"{name:>9}" for name in ("out", "lse", "dq", "dk", "dv")))
     flash = partial(flash_block_attention, q_offset=0, k_offset=0)
     exact = context_parallel.naive_attention
-    for dtype in [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16]):
+    # 16-bit: fp16 in the interpreter (its bf16 dots are wrong), bf16 on a GPU, where each dtype and
+    # mask compiles and times every config once (the timings then come from Triton's cache).
+    for dtype in (torch.float32, torch.float16 if INTERPRETED else torch.bfloat16):
         q, k, v, dout = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(4))
         for causal, (name, attn) in itertools.product((False, True), (("ours", flash), ("torch", _sdpa))):
             compare(f"{str(dtype)[6:]} {'causal' if causal else 'full'} {name}", partial(attn, causal=causal),
@@ -685,7 +730,7 @@ def demo(args: argparse.Namespace) -> None:
     print(f"\nmemory: naive attention's fp32 scores, batch x heads x seq^2 x 4 B = {scores:,} B here, are "
           f"never built;\nthe kernels keep lse and delta, batch x heads x seq x 8 B = {stats:,} B. At 16 "
           f"heads, seq 16384, bf16: 8 GiB of scores against 2 MiB.\nNotice: fp32 agrees to rounding; in "
-          f"fp16 our errors are PyTorch's own (P and dS are rounded to fp16); the lse stays exact to fp32.")
+          f"16 bits our errors are PyTorch's own (P and dS rounded to 16 bits); the lse is exact to fp32.")
 
 
 def bench(head_dims: list[int], seqs: list[int], group: int = 1) -> None:

@@ -645,10 +645,18 @@ def spike_demo(history_len: int = 16, spike: float = 100.0, seed: int = 0) -> di
             "current SQNR": sqnr(x, dequantize_tiles(*quantize_tensorwise(x)))}
 
 
+def training_device() -> torch.device:
+    """The lesson's device where its GEMMs take FP8 operands: the CPU, or a GPU of compute capability
+    8.9 or more (Ada, Hopper: an A100 has no FP8 tensor cores, so it trains on the CPU)."""
+    if DEVICE.type == "cpu" or torch.cuda.get_device_capability(DEVICE) >= (8, 9):
+        return DEVICE
+    return torch.device("cpu")
+
+
 def train_losses(cfg: foundation.ModelConfig, steps: int, batch: int, seq_len: int, float8: bool,
                  lr: float = 3e-3) -> list[float]:
     """Lesson 01's reference training on its synthetic batches, optionally with Float8Linear."""
-    return foundation.train_single_device(cfg, steps, batch, seq_len, lr=lr,
+    return foundation.train_single_device(cfg, steps, batch, seq_len, lr=lr, device=training_device(),
                                           progress=f"training, {'FP8' if float8 else 'fp32'}",
                                           transform=convert_to_float8 if float8 else None).losses
 
@@ -725,7 +733,7 @@ def demo(args: argparse.Namespace) -> None:
           f"{spike['clipped']:.1%} of values, SQNR {spike['delayed SQNR']:.1f} dB; current scaling "
           f"SQNR {spike['current SQNR']:.1f} dB.")
     print(f"\nTraining the tiny GPT for {args.steps} AdamW steps (batch {args.batch} x {args.seq_len}), "
-          f"fp32 then FP8 (Float8Linear), the losses side by side:")
+          f"fp32 then FP8 (Float8Linear), on the {training_device().type}, the losses side by side:")
     fp32, float8 = (train_losses(foundation.ModelConfig(), args.steps, args.batch, args.seq_len, use_fp8)
                     for use_fp8 in (False, True))
     print(f"  {'step':>6}{'fp32':>9}{'FP8':>9}{'FP8 - fp32':>12}")
@@ -792,6 +800,9 @@ def main() -> None:
         if not args.bench:
             if args.batch % (2 * world):
                 raise ValueError(f"--batch {args.batch} is not divisible by 2 microbatches x {world} ranks")
+            if training_device().type == "cuda" and args.batch * args.seq_len % 16:
+                raise ValueError(f"--batch x --seq-len = {args.batch * args.seq_len} rows: FP8 GEMMs on CUDA "
+                                 f"need a multiple of 16")
             foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}",
                                     foundation.ModelConfig(), args.batch, args.seq_len, 1)
 

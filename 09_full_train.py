@@ -380,6 +380,18 @@ def tensor_parallel_styles(moe) -> dict:
     return styles if moe is None else {name: style for name, style in styles.items() if ".mlp" not in name}
 
 
+def fullgraph_blocker(sizes: MeshSizes, train: TrainConfig) -> str | None:
+    """Why torch.compile cannot take a block as one graph on this mesh (None: it can; 07's kernel and
+    03's collectives are operators it records as they are); with ep > 1 it cannot take it at all."""
+    if sizes.ep > 1:
+        return "blocks left eager: ep > 1, the tracer fails on 06's all-to-all, sized by the routing"
+    if sizes.cp > 1:
+        return "each block in several graphs: cp > 1, 05's ring sends K/V from its own autograd function"
+    if train.moe is not None:
+        return "each block in several graphs: --moe, 06's routing sizes each expert's tokens by the data"
+    return None
+
+
 def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages: int,
                       device: torch.device) -> nn.Module:
     """The module docstring's order: GPT -> MoE + EP -> FP8 -> TP (+SP) -> CP attention -> stage cut."""
@@ -401,8 +413,11 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
     for block in model.layers.values() if attention else ():
         block.attn.attn_fn = attention
     model = pipeline.cut_stage(tensor_parallel.apply_recompute(model, train.recompute), stage, n_stages)
-    for block in model.layers.values() if train.compile else ():
-        block.compile()  # in place: parameter names stay
+    blocker = fullgraph_blocker(mesh.sizes, train) if train.compile else None
+    if blocker and mesh.rank == 0 and stage == 0:
+        print(f"--compile: {blocker}", flush=True)
+    for block in model.layers.values() if train.compile and mesh.sizes.ep == 1 else ():
+        block.compile(fullgraph=blocker is None)  # in place: parameter names stay
     return model
 
 

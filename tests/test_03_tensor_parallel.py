@@ -71,8 +71,9 @@ def test_tensor_parallel_equals_single_device(rank_pool, setup, batch):
             assert torch.equal(other.params[name], param), f"rank {rank} disagrees on {name}"
 
     # Communication in the training steps (forward + backward, every layer, the embedding, the LM
-    # head's input and the loss), per rank: calls and payload per the formula, ring traffic.
-    formula = tensor_parallel.comm_formula(cfg, batch, seq_len, sequence_parallel)
+    # head's input and the loss), per rank: calls and payload per the formula, ring traffic. At
+    # tp = 1 there is nothing to communicate: no collective at all.
+    formula = tensor_parallel.comm_formula(cfg, batch, seq_len, sequence_parallel) if tp > 1 else {}
     share = {"all_reduce": Fraction(2 * (tp - 1), tp), "all_gather": Fraction(tp - 1, tp),
              "reduce_scatter": Fraction(tp - 1, tp)}
     for _, meter in runs:
@@ -312,10 +313,27 @@ def test_one_layer_activation_memory_and_communication_equal_the_formulas(rank_p
         for saved, meter in rank_pool.run(tp, tensor_parallel.measure_layer, cfg, 3, 8, sequence_parallel):
             assert saved == formula
             assert sum(meter.traffic(op) for op in ops) == megatron, "same volume with SP"
+            assert (meter.calls() == 0) == (tp == 1), "tp = 1: no collective at all"
     if tp > 1:  # SP shrinks exactly the norms' share
         saved = (tensor_parallel.activation_formula(cfg, 3, 8, tp, False)
                  - tensor_parallel.activation_formula(cfg, 3, 8, tp, True))
         assert saved == 4 * 2 * (2 * 3 * 8 * 32 + 3 * 8) * (tp - 1) // tp
+
+
+def hooks_and_loss_at_tp_1(sequence_parallel: bool) -> tuple[int, bool]:
+    """The hooks apply_tensor_parallel registered (besides the model's own input check), and whether
+    the loss is the reference's cross-entropy."""
+    model = tensor_parallel.apply_tensor_parallel(foundation.GPT(foundation.ModelConfig()), None, sequence_parallel)
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules() if m is not model)
+    hooks += sum(bool(p._backward_hooks) for p in model.parameters())
+    return hooks, model.loss_fn is foundation.cross_entropy_loss
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_at_tp_1_nothing_is_inserted(rank_pool, sequence_parallel):
+    """f and g would move nothing at tp = 1: no hook, no autograd function (which torch.compile's
+    tracer could not follow, lesson 09), no SP gradient hook; the loss is plain cross-entropy."""
+    assert rank_pool.run(1, hooks_and_loss_at_tp_1, sequence_parallel) == [(0, True)]
 
 
 @pytest.mark.parametrize("n_kv_heads", [1, 2, 4])

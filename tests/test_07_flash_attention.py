@@ -314,6 +314,33 @@ def test_gpt_with_flash_attention_equals_reference(seq_len, kv_heads):
     assert foundation.max_abs_diff(grads[0], grads[1]) <= 1e-6
 
 
+def test_operators_pass_opcheck():
+    """torch.library.opcheck on both operators, fp32 (one config each: no autotuning on a GPU either),
+    grouped-query, offsets that leave rows with no key: the schema (nothing mutated or aliased), the
+    fake implementations against the real outputs (shapes, dtypes, strides, in lesson 01's layout
+    too), the registered autograd, and all of it traced by AOTAutograd with dynamic shapes."""
+    q, k, v, dout, dlse = random_inputs(1, 4, 20, 24, 16, torch.float32, seed=10, lse_grad=True,
+                                        kv_heads=2)
+    as_01 = [t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    out, lse = flash.flash_attention_forward(q, k, v, True, None, 0, 8)
+    cases = [(torch.ops.lesson07.flash_attention_forward, (*as_01, True, None, 0, 8)),
+             (torch.ops.lesson07.flash_attention_backward, (q, k, v, out, lse, dout, dlse, True, 0.3, 0, 8))]
+    for op, args in cases:
+        results = torch.library.opcheck(op.default, args)
+        assert set(results.values()) == {"SUCCESS"}, (op, results)
+
+
+def test_a_gpt_with_the_kernel_traces_as_one_graph():
+    """The reason for the operators: torch.compile's tracer records each attention call as one node,
+    so the whole model is one graph (with @torch.compiler.disable on flash_attention: a break at
+    every layer)."""
+    cfg = foundation.ModelConfig(dim=32, n_heads=2, n_kv_heads=1)
+    model = foundation.GPT(cfg, attn_fn=flash.flash_attention).to(DEVICE)
+    batch = (t.to(DEVICE) for t in foundation.synthetic_batch(cfg, 2, 12, 0))
+    explained = torch._dynamo.explain(model)(*batch)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 def test_rejects_bad_input():
     q = torch.randn(1, 2, 8, 16, device=DEVICE)
     with pytest.raises(ValueError, match="16 <= head_dim <= 128"):
