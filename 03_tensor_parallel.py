@@ -457,7 +457,8 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     first_grads = foundation.cpu_copy((n, unshard(g, group, like=p)) for n, g, p in grads)
-    params = foundation.cpu_copy((n, unshard(p, group)) for n, p in model.named_parameters())
+    params = foundation.cpu_copy((n, unshard(p, group))  # as state_dict(): a tied one under each name
+                                 for n, p in model.named_parameters(remove_duplicate=False))
     return foundation.TrainResult([loss.item() for loss in losses], first_grads, params), meter
 
 
