@@ -612,7 +612,8 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
         if pp > 1:  # 04: one activation forward and one gradient back per boundary and microbatch
             boundaries = sum((st < n_stages - 1) + (st > 0) for st in stages)
             seq = s // (tp if train.sequence_parallel else 1)
-            traffic["pp"] = norm(pp) + boundaries * b * seq * cfg.dim * e
+            traffic["pp"] = (norm(pp) + pipeline.stage_trains_traffic(pp, train.virtual)  # + 04's check
+                             + boundaries * b * seq * cfg.dim * e)
         if sizes.ep > 1:
             traffic["ep"] = None  # 06's all-to-alls depend on the routing
         memory["activations"] = None if train.moe else pipeline.held_at_peak(
