@@ -42,7 +42,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT, run_script
+from conftest import ROOT, SCRIPT_TIMEOUT_S, run_script
 
 foundation = importlib.import_module("01_ddp")
 zero = importlib.import_module("02_zero")
@@ -191,7 +191,7 @@ def test_any_mesh_equals_one_device(rank_pool, configuration):
     """And the plan (09's formulas, which --plan applies at scale) is what each rank measures: its
     parameters, bytes held, activations held at once, microbatches in flight, bytes sent per group."""
     cfg, sizes, train = configuration
-    results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
+    results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS)
     if train.mixed_precision:  # bf16 against its one-device twin (test_bf16_... below says why 5e-4)
         ref = zero.train_reference(cfg, STEPS, train.global_batch, train.seq_len, lr=LR,
                                           adam_eps=ADAM_EPS, max_grad_norm=0.5, mixed_precision=True)
@@ -218,7 +218,7 @@ def test_sixteen_ranks_every_dimension_two(rank_pool):
     train = full_train.TrainConfig(global_batch=8, seq_len=16, zero_stage=2, microbatches=2,
                                    sequence_parallel=True, lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5,
                                    moe=MOE)
-    results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=400)
+    results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS)
     check_against_reference(results, cfg, train)
     check_copies_agree(results)
     for *_, s, _ in results:
@@ -246,7 +246,7 @@ def test_fp8_flag_trains_close_to_fp32(rank_pool):
     cfg, sizes = small_model(), full_train.MeshSizes(dp=2, tp=2)
     train = full_train.TrainConfig(global_batch=4, seq_len=8, microbatches=1, fp8=True, lr=LR,
                                    adam_eps=ADAM_EPS)
-    results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
+    results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS)
     ref = zero.train_reference(cfg, STEPS, train.global_batch, train.seq_len, lr=LR, adam_eps=ADAM_EPS)
     differences = [abs(a - b) for a, b in zip(results[0][0], ref.losses)]
     assert 1e-7 < max(differences) < 5e-3, differences
@@ -307,7 +307,7 @@ def test_fp8_zero3_gathers_a_byte_per_weight_element_and_follows_its_fp8_twin(ra
     one microbatch casts exactly as the twin does: fp32 rounding only."""
     cfg, sizes, train = configuration
     train = dataclasses.replace(train, fp8=True, zero_stage=3)
-    runs = [rank_pool.run(sizes.world, train_fp8_on_mesh, cfg, sizes, train, STEPS, fp8_gathers, timeout=300)
+    runs = [rank_pool.run(sizes.world, train_fp8_on_mesh, cfg, sizes, train, STEPS, fp8_gathers)
             for fp8_gathers in (True, False)]
     for (losses, grads, params, summary, norms, _), fp32_gathers in zip(*runs, strict=True):
         assert losses == fp32_gathers[0] and norms == fp32_gathers[4]
@@ -348,7 +348,7 @@ def test_bf16_mixed_precision_follows_its_one_device_twin(rank_pool):
     train = full_train.TrainConfig(global_batch=4, seq_len=8, microbatches=2, zero_stage=3,
                                    sequence_parallel=True, lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5,
                                    mixed_precision=True)
-    results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS, timeout=300)
+    results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS)
     ref = zero.train_reference(cfg, STEPS, 4, 8, lr=LR, adam_eps=ADAM_EPS, max_grad_norm=0.5,
                                       mixed_precision=True)
     assert results[0][0] == pytest.approx(ref.losses, abs=5e-4)
@@ -1202,7 +1202,7 @@ def test_bad_data_is_one_clear_error_before_any_process_starts(tmp_path, text, m
 
 def test_kv_heads_option_is_checked_before_any_process_starts():
     proc = subprocess.run([sys.executable, "09_full_train.py", "check", "--kv-heads", "3"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "n_heads=4 is not divisible by n_kv_heads=3" in proc.stderr
 
