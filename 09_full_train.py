@@ -567,6 +567,8 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     tokens = b // m * s // tp  # a microbatch's tokens / tp: x a width, a rank's share (tp splits the heads)
     q, kv = tokens * cfg.dim, tokens * cfg.n_kv_heads * cfg.head_dim
     attention = context_parallel.ring_saved_bytes(q, tokens * cfg.n_heads) if cp > 1 else None  # None: SDPA's
+    if attention and e == 4 and cfg.n_heads == tp:  # one fp32 head a rank: flattening it copies nothing, so
+        attention -= 4 * q  # out_proj's input is the merged output the ring keeps, one storage (measured once)
     stage_bytes = lambda stage: tensor_parallel.layer_activation_formula(  # 03: a microbatch's stage
         cfg, b // m, s, tp, train.sequence_parallel, train.recompute, e, attention, layers=len(spans[stage]))
     out = []

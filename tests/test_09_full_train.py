@@ -188,6 +188,10 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
 @example(configuration=pinned((2, 1, 2, 2), 3, "1f1b", 2, True, recompute="full"))
 @example(configuration=pinned((1, 2, 2, 1), 1, "gpipe", 2, False, recompute="selective"))
 @example(configuration=pinned((1, 2, 1, 1), 0, "zb-h1", 4, False))  # W frees the last stage's B path
+@example(configuration=(foundation.ModelConfig(vocab_size=30, dim=16, n_layers=1, n_heads=4, ffn_dim=24),
+                        full_train.MeshSizes(cp=2, tp=4), full_train.TrainConfig(  # one head a rank: the
+                            global_batch=1, seq_len=16, zero_stage=0, lr=LR,  # ring's output is out_proj's
+                            adam_eps=ADAM_EPS, max_grad_norm=0.5)))  # input (the plan counted it twice)
 def test_any_mesh_equals_one_device(rank_pool, configuration):
     """And the plan (09's formulas, which --plan applies at scale) is what each rank measures: its
     parameters, bytes held, activations held at once, microbatches in flight, bytes sent per group."""
