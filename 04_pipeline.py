@@ -31,12 +31,14 @@ peer that waits on it (the tests check every list under the strictest point-to-p
 receive is waited for just before the compute that needs it, a send only at the end of the step:
 no device-specific synchronisation.
 FROZEN STAGES (fine-tuning with a frozen embedding stage): the plan knows which stages train
-(stage_trains, one all-reduce before training). A stage with nothing to train does no W, and its
-input gradient is computed and sent back only if some stage before it trains.
+(stage_trains, one all-reduce of a flag per stage). A stage with nothing to train does no W, and its
+input gradient is computed and sent back only if some stage before it trains. Each step starts with
+the same all-reduce, so every rank sees a plan that does not match the stages and raises alike.
 
 COST
 Per step a stage boundary carries m activations forward and m gradients back: rank r sends
-(its stages that are not last + those not first) x m x (b/m) x seq x dim x bytes.
+(its stages that are not last + those not first) x m x (b/m) x seq x dim x bytes, plus the check's
+all-reduce of p v fp32 flags, 2(p-1)/p x 4 p v bytes.
 
 RUN IT
     python 04_pipeline.py                    # 4 local ranks; torchrun --nproc_per_node=4 works too
@@ -56,6 +58,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -311,12 +314,19 @@ def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
 
 def stage_trains(stages: dict[int, nn.Module], n_stages: int, group=None) -> tuple[bool, ...]:
     """Per stage, whether any of its parameters trains: each rank knows its own stages, one
-    all-reduce tells every rank all of them (before training; make_schedule needs it)."""
+    all-reduce of a flag per stage tells every rank all of them (make_schedule needs them before
+    training; run_schedule checks them at every step). One rank holds every stage: nothing to send."""
     flags = torch.zeros(n_stages, device=next(next(iter(stages.values())).parameters()).device)
     for stage, module in stages.items():
         flags[stage] = any(p.requires_grad for p in module.parameters())
-    foundation.all_reduce(flags, group=group, op=dist.ReduceOp.MAX)
+    if foundation.group_size(group) > 1:
+        foundation.all_reduce(flags, group=group, op=dist.ReduceOp.MAX)
     return tuple(bool(f) for f in flags.tolist())
+
+
+def stage_trains_traffic(pp: int, virtual: int = 1) -> Fraction:
+    """Bytes one rank sends in stage_trains' all-reduce of pp x virtual fp32 flags (ring)."""
+    return Fraction(2 * (pp - 1), pp) * 4 * pp * virtual
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,10 +350,14 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
     one microbatch's activations between stages, (b/m, seq, dim) unless a stage keeps them split
     (sequence parallelism: (b/m, seq/t, dim))."""
     rank, m, last = dist.get_rank(group), schedule.microbatches, schedule.n_stages - 1
-    for stage, module in stages.items():
-        if any(p.requires_grad for p in module.parameters()) != schedule.trains[stage]:
-            raise ValueError(f"stage {stage}'s parameters do not match the schedule's trains[{stage}]="
-                             f"{schedule.trains[stage]}: make it with stage_trains()")
+    # Every rank checks every stage, so all of them raise alike: a rank that checked only its own
+    # would go on to wait for a peer that raised. The all-reduce also starts the timelines together.
+    trains = stage_trains(stages, schedule.n_stages, group)
+    wrong = [stage for stage, flag in enumerate(trains) if flag != schedule.trains[stage]]
+    if wrong:
+        s, state = wrong[0], "trains" if trains[wrong[0]] else "is frozen"
+        raise ValueError(f"stage {s} (rank {s % schedule.pp}) {state}, but the schedule's trains[{s}]="
+                         f"{schedule.trains[s]}: make the schedule with stage_trains()")
     x_mbs, y_mbs = tokens.chunk(m), targets.chunk(m)
     shape = boundary_shape or (*x_mbs[0].shape, next(iter(stages.values())).cfg.dim)
     dtype = next(next(iter(stages.values())).parameters()).dtype  # activations: the weights' (bf16...)
@@ -351,8 +365,6 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
     inbox, arriving, sent, saved, wait_for_w = {}, {}, [], {}, {}
     outbox = inbox if schedule.pp == 1 else {}  # one rank owns every stage: hand over directly
     log, losses = StepLog(), []
-    if schedule.pp > 1:  # the ranks' timelines start together (one rank: a barrier only stalls a GPU)
-        dist.barrier(group=group)
     t0 = time.perf_counter()
     for compute, run in itertools.groupby(schedule.actions[rank], lambda a: a.kind in COMPUTE):
         if not compute:  # consecutive transfers: one batched isend/irecv

@@ -593,8 +593,9 @@ def demo(args: argparse.Namespace) -> None:
     for name, measured, formula, repeated in byte_rows:
         say(f"  {name:<20}{float(measured):>12,.0f} B   formula {float(formula):>12,.0f} B   "
             f"repeated K/V {float(repeated):>12,.0f} B")
-    say(f"  ring: 2(P-1) A_kv forward + 4(P-1) A_kv backward; Ulysses: 4(P-1)/P (A + A_kv) per pass + lse; "
-        f"A = one shard of q = {b * h * s // cp * d * 4:,} B, A_kv of k = {b * kv * s // cp * d * 4:,} B")
+    say(f"  ring: 2(P-1) A_kv forward + 4(P-1) A_kv backward; Ulysses: 2(P-1)/P (A + A_kv) + (P-1)/P L per "
+        f"pass;\n  A = one shard of q = {b * h * s // cp * d * 4:,} B, A_kv of k = "
+        f"{b * kv * s // cp * d * 4:,} B, L of the lse = {b * h * s // cp * 4:,} B")
 
     cfg = foundation.ModelConfig(n_heads=h, n_kv_heads=kv, seed=1)
     say(f"\nthe whole GPT ({cfg.n_layers} layers, {h} query / {kv} K/V heads), batch {args.global_batch} x "

@@ -53,14 +53,28 @@ the all-gathers move 2m (N-1)/N x 1 B x Psi_8 instead of 2 B (bf16) or 4 B (fp32
 2 (N-1)/N x 4 B per weight for the amaxes; each rank keeps its cast shard (Psi_8 / N bytes). The
 gradients still reduce-scatter in full precision into fp32 masters (Float8ZeRO).
 
+FP8 UNDER TENSOR PARALLELISM (lesson 03; torchao's float8 on DTensor). A rank that scales by its own
+piece of a split tensor casts with another scale than one device would: TP would change the FP8
+numbers, and training (the demo's parameters by ~5e-3 in 3 steps). So every amax of a split tensor
+is the MAX over the tp group (tensor_parallel_scales): the weights' (one all-reduce of them all per
+step, where each is cast once per step), and per call the operand split where it is cast: a
+column-parallel layer's output gradient (split by output features), a row-parallel one's input
+(split by input features), a layer 03 leaves whole but runs on sequence shards (SP) both. Then every
+FP8 number is one device's; only the sums split over ranks add in another order. Per step, L layers,
+m microbatches: 2 (t-1)/t x 4 B x L (7 + 7 m), the amaxes of 7 weights and of 7 split operands a
+layer, tiny beside Megatron's activations.
+
 RUN IT
-    python 08_fp8.py          # CPU, ~12 s on 2 cores: SQNR tables, the spike demo, 60 steps of the
+    python 08_fp8.py          # CPU: SQNR tables, the spike demo, 60 steps of the
                               # tiny GPT in fp32 and in FP8 (--steps 300: the long run, ~20 s),
-                              # then ZeRO-3 with fp32 vs FP8 all-gathers on --nproc 4 local ranks
+                              # then ZeRO-3 with fp32 vs FP8 all-gathers and the FP8 GPT under
+                              # tensor parallelism on --nproc 4 local ranks
     python 08_fp8.py --bench  # GPU: FP8 vs bf16 GEMM TFLOP/s, Float8Linear MLP speed-up
 Look at: cast SQNR ~30 dB (e4m3) / ~25 dB (e5m2); delayed scaling's SQNR collapsing on the spike
 while current scaling's does not; the fp32 and FP8 losses side by side, within a few thousandths;
-the all-gather bytes at a quarter for the weights, beside the formula, and no bit changed.
+the all-gather bytes at a quarter for the weights, beside the formula, and no bit changed; under
+tensor parallelism, the amaxes' bytes beside the formula, one device's FP8 to fp32 rounding with
+whole-tensor scales and FP8 rounding's own size without them.
 """
 from __future__ import annotations
 
@@ -81,6 +95,7 @@ import torch.nn.functional as F
 # First: without a GPU, lesson 01 switches on Triton's interpreter, before anything imports triton.
 foundation = importlib.import_module("01_ddp")
 zero = importlib.import_module("02_zero")
+tensor_parallel = importlib.import_module("03_tensor_parallel")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -109,6 +124,14 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.full_like(amax, fp8_max(dtype)) / amax
 
 
+def all_reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
+    """The MAX of amax (fp32, contiguous) over the group: one all-reduce of 4 B each, through 03's
+    collective operator (so a compiled block keeps one graph). Non-negative floats order like their
+    bits read as int32, NaN above inf: an integer MAX keeps a NaN that a float MAX may drop (as the
+    Triton kernel below does)."""
+    return tensor_parallel._all_reduced(amax.view(torch.int32), group, "max").view(amax.dtype)
+
+
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Saturating cast of x * scale: a finite value beyond +-fp8_max clips to it; NaN stays NaN, +-inf
     stays +-inf in e5m2 and becomes NaN in e4m3fn (torch's own cast would saturate it to 448)."""
@@ -130,10 +153,12 @@ def check_matrix(x: torch.Tensor) -> None:
 
 
 # Tensorwise, rowwise and blockwise current scaling are one operation at three tile shapes.
-def quantize_tiles(x: torch.Tensor, tile: tuple[int | None, int | None],
-                   dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tiles(x: torch.Tensor, tile: tuple[int | None, int | None], dtype: torch.dtype = E4M3,
+                   group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Current scaling with one scale per (tile_rows x tile_cols) tile of a 2-D x (None: the whole
-    dimension). Returns (fp8 tensor, scales of shape (rows / tile_rows, cols / tile_cols))."""
+    dimension). Returns (fp8 tensor, scales of shape (rows / tile_rows, cols / tile_cols)). group: x
+    is this rank's piece of a tensor split over the group (tensor parallelism), each tile's amax the
+    MAX over the pieces (all_reduce_amax), so its scale is the whole tensor's."""
     check_matrix(x)
     rows, cols = x.shape
     tile_rows, tile_cols = (whole if size is None else size for size, whole in zip(tile, x.shape))
@@ -142,7 +167,10 @@ def quantize_tiles(x: torch.Tensor, tile: tuple[int | None, int | None],
     if rows % tile_rows or cols % tile_cols:
         raise ValueError(f"shape {tuple(x.shape)} is not divisible by the tile {tuple(tile)}")
     tiles = x.float().reshape(rows // tile_rows, tile_rows, cols // tile_cols, tile_cols)
-    scale = amax_to_scale(tiles.abs().amax(dim=(1, 3)), dtype)
+    amax = tiles.abs().amax(dim=(1, 3))
+    if group is not None:
+        amax = all_reduce_amax(amax, group)
+    scale = amax_to_scale(amax, dtype)
     return cast_to_fp8(tiles, scale[:, None, :, None], dtype).reshape(rows, cols), scale
 
 
@@ -153,8 +181,9 @@ def dequantize_tiles(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 # The recipes of the docstring, by name:
-def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_tiles(x, (None, None), dtype)  # scale shape (1, 1)
+def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3,
+                        group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_tiles(x, (None, None), dtype, group)  # scale shape (1, 1)
 
 
 def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,36 +346,38 @@ def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
 class _Float8Matmul(torch.autograd.Function):
     """x (M, K) @ weight (N, K)^T, all three GEMMs in FP8: e4m3 x and weight, e5m2 gradient. The
     weight's cast is weight.float8_cast when this step made one (weights_cast_once, Float8ZeRO's
-    all-gather), else it is made here."""
+    all-gather), else it is made here. Each *_group: the group whose ranks hold the other pieces of
+    that operand (its amax is their MAX), or None: the whole operand is here."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x_q, x_scale = quantize_tensorwise(x, E4M3)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, x_group, weight_group,
+                grad_group) -> torch.Tensor:
+        x_q, x_scale = quantize_tensorwise(x, E4M3, x_group)
         step_cast = getattr(weight, "float8_cast", None)
-        w_q, w_scale = step_cast or quantize_tensorwise(weight, E4M3)
+        w_q, w_scale = step_cast or quantize_tensorwise(weight, E4M3, weight_group)
         if step_cast is None:
             ctx.save_for_backward(x_q, x_scale, w_q, w_scale)  # FP8: half the memory of bf16
         else:  # read again by backward: ZeRO-3 frees it after forward and gathers it again
             ctx.save_for_backward(x_q, x_scale)
             ctx.weight = weight
-        ctx.dtypes = x.dtype, weight.dtype
+        ctx.dtypes, ctx.grad_group = (x.dtype, weight.dtype), grad_group
         return scaled_mm(x_q, x_scale, w_q, w_scale, x.dtype)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x_q, x_scale, *w_cast = ctx.saved_tensors
         w_cast = w_cast or ctx.weight.float8_cast
         if w_cast is None:
             raise RuntimeError("the weight's FP8 cast of this step is gone: run backward inside "
                                "weights_cast_once() (Float8ZeRO gathers it again by itself)")
         w_q, w_scale = w_cast
-        g_q, g_scale = quantize_tensorwise(grad_out, E5M2)
+        g_q, g_scale = quantize_tensorwise(grad_out, E5M2, ctx.grad_group)
         # Tensorwise scales survive transposition, so the saved casts are reused, only re-laid out:
-        needs_x, needs_w = ctx.needs_input_grad  # grad_x = g W, grad_w = g^T x: each only if asked for
+        needs_x, needs_w, *_ = ctx.needs_input_grad  # grad_x = g W, grad_w = g^T x: each only if asked for
         grad_x = scaled_mm(g_q, g_scale, w_q.t().contiguous(), w_scale, ctx.dtypes[0]) if needs_x else None
         grad_w = (scaled_mm(g_q.t().contiguous(), g_scale, x_q.t().contiguous(), x_scale, ctx.dtypes[1])
                   if needs_w else None)
-        return grad_x, grad_w
+        return grad_x, grad_w, None, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -355,6 +386,10 @@ class Float8Linear(nn.Linear):
     zero weight gradient): with no amax to scale by, it skips FP8."""
 
     DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # FP8 GEMMs output these
+    # Tensor parallelism (tensor_parallel_scales): the group the weight's amax is the MAX over, and
+    # which of "input" and "grad_output" arrive split over it where they are cast.
+    amax_group = None
+    split: frozenset[str] = frozenset()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Float8Linear":
@@ -369,7 +404,10 @@ class Float8Linear(nn.Linear):
                              f"alike), got input {x.dtype} and weight {self.weight.dtype}")
         if x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
-        out = _Float8Matmul.apply(x.reshape(-1, self.in_features), self.weight)
+        x_group, grad_group = (self.amax_group if operand in self.split else None
+                               for operand in ("input", "grad_output"))
+        out = _Float8Matmul.apply(x.reshape(-1, self.in_features), self.weight, x_group, self.amax_group,
+                                  grad_group)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
@@ -400,14 +438,19 @@ def float8_weights(model: nn.Module) -> list[nn.Parameter]:
 def weights_cast_once(model: nn.Module) -> Iterator[None]:
     """Around the forward and backward passes of one optimizer step (all its microbatches): each
     Float8Linear weight is cast on entry, the cast used inside, dropped on exit. Whole weights only:
-    ZeRO-3 releases them between uses (Float8ZeRO casts its shards instead)."""
-    weights = float8_weights(model)
+    ZeRO-3 releases them between uses (Float8ZeRO casts its shards instead). Tensor-parallel weights:
+    one all-reduce (MAX) of all their amaxes gives each the whole weight's scale."""
+    weights, group = float8_weights(model), tensor_parallel_group(model)
     if any(w.numel() == 0 for w in weights):
         raise ValueError("weights_cast_once needs whole weights, not ZeRO-3's released ones: "
                          "Float8ZeRO casts their shards once per step")
     try:
-        for w in weights:
-            w.float8_cast = quantize_tensorwise(w.detach(), E4M3)
+        if weights:
+            amaxes = torch.stack([w.detach().float().abs().amax() for w in weights])
+            if group is not None:
+                amaxes = all_reduce_amax(amaxes, group)
+            for w, scale in zip(weights, amax_to_scale(amaxes, E4M3).view(-1, 1, 1), strict=True):
+                w.float8_cast = cast_to_fp8(w.detach(), scale, E4M3), scale
         yield
     finally:
         for w in weights:
@@ -468,6 +511,7 @@ class Float8ZeRO(zero.ZeRO):
                              "convert_to_float8 it first")
         super().__init__(model, 3, group, owns=lambda p: p in weights, **kwargs)
         self.weight_casts = 0  # pieces cast so far: one per weight and step on each rank holding some
+        self.tensor_parallel_group = tensor_parallel_group(model)  # the weights' other TP shards
         self.cast_shards()
 
     def clip_and_update(self, squares: torch.Tensor | None = None) -> torch.Tensor:
@@ -482,13 +526,14 @@ class Float8ZeRO(zero.ZeRO):
     @torch.no_grad()
     def cast_shards(self) -> None:
         """The amax of this rank's piece of every weight; one all-reduce (MAX) of all of them gives
-        every weight's amax, so the scale the whole weight would get; each piece is cast with it."""
+        every weight's amax, so the scale the whole weight would get; each piece is cast with it.
+        Under tensor parallelism a second one (MAX over tp) makes it the amax of the whole weight."""
         pieces = [unit.shard[piece].float() for unit in self.units for piece in unit.pieces()]
         nothing = torch.zeros((), device=pieces[0].device)  # the amax of a weight with no piece here
         amaxes = torch.stack([piece.abs().amax() if piece.numel() else nothing for piece in pieces])
-        # Non-negative floats order like their bits read as int32, NaN above inf: an integer MAX
-        # keeps a NaN that a float MAX may drop (as in the Triton kernel above).
-        foundation.all_reduce(amaxes.view(torch.int32), group=self.group, op=dist.ReduceOp.MAX)
+        amaxes = all_reduce_amax(amaxes, self.group)
+        if self.tensor_parallel_group is not None:
+            amaxes = all_reduce_amax(amaxes, self.tensor_parallel_group)
         scales = iter(amax_to_scale(amaxes, E4M3))
         for unit in self.units:
             unit.cast_shard = torch.zeros_like(unit.shard, dtype=torch.uint8)
@@ -583,6 +628,89 @@ def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int
     result.stats = dict(padded=[sum(u.padded for u in z.units) for z in zeros], n_weights=len(weights),
                         weight_casts=getattr(zeros[-1], "weight_casts", 0) - initial_casts)
     return result, steps_meter
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 under tensor parallelism: every scale the whole tensor's
+# ----------------------------------------------------------------------------------------------
+
+
+def tensor_parallel_scales(model: nn.Module, group=None, sequence_parallel: bool = False) -> nn.Module:
+    """After lesson 03 split model over group (with SP or not): each Float8Linear takes the scales
+    one device would, from amaxes MAX-reduced over the group for its weight and for the operand that
+    arrives split where it is cast: a column-parallel layer's output gradient (split by output
+    features), a row-parallel layer's input (split by input features), or (SP) both for a layer that
+    03 does not split, outside its regions, on sequence shards (lesson 06's router)."""
+    if foundation.group_size(group) == 1:
+        return model
+    split = {tensor_parallel.SPLIT_DIM[tensor_parallel.column_parallel]: {"grad_output"},
+             tensor_parallel.SPLIT_DIM[tensor_parallel.row_parallel]: {"input"},
+             None: {"input", "grad_output"} if sequence_parallel else set()}
+    for layer in model.modules():
+        if isinstance(layer, Float8Linear):
+            layer.amax_group = dist.group.WORLD if group is None else group
+            layer.split = frozenset(split[getattr(layer.weight, "tp_shard_dim", None)])
+    return model
+
+
+def tensor_parallel_group(model: nn.Module):
+    """The group model's Float8Linear layers reduce their amaxes over (tensor_parallel_scales), or None."""
+    groups = {layer.amax_group for layer in model.modules() if isinstance(layer, Float8Linear)}
+    if len(groups) > 1:
+        raise ValueError(f"the Float8Linear layers of one model reduce amaxes over {len(groups)} different "
+                         f"groups: tensor_parallel_scales once, after apply_tensor_parallel")
+    return next(iter(groups), None)
+
+
+def tensor_parallel_amax_traffic(tp: int, layers: int, microbatches: int = 1, *, mlp: bool = True,
+                                 sequence_parallel: bool = False, recompute: str = "none") -> Fraction:
+    """Bytes one rank sends per step in tensor_parallel_scales' all-reduces (MAX of 4 B amaxes) over
+    tp ranks, for `layers` layers of the FP8 GPT split by 03's plan: one all-reduce of every weight's
+    amax (cast once per step: weights_cast_once, Float8ZeRO); per microbatch and layer, one amax for
+    each operand split where it is cast: the output gradients of q, k, v, gate and up (column-parallel)
+    and the inputs of out and down (row-parallel). mlp=False (06's MoE layers, not split over tp):
+    attention's 4, and with SP the router's input and output gradient. recompute="full" casts each
+    layer's row-parallel inputs again in backward (and with SP the router's input)."""
+    weights = 7 if mlp else 5  # q, k, v, out + gate, up, down | the router
+    split = 7 if mlp else 4 + 2 * sequence_parallel
+    again = (2 if mlp else 1 + sequence_parallel) if recompute == "full" else 0
+    return Fraction(2 * (tp - 1), tp) * AMAX_BYTES * layers * (weights + microbatches * (split + again))
+
+
+def train_float8_tensor_parallel(cfg: foundation.ModelConfig, steps: int, global_batch: int, seq_len: int, *,
+                                 sequence_parallel: bool = False, microbatches: int = 1,
+                                 whole_tensor_scales: bool = True, lr: float = 1e-3, adam_eps: float = 1e-8,
+                                 group=None, device: torch.device | str = "cpu"):
+    """Lesson 03's tensor parallelism of the FP8 GPT over group, every rank on the whole batch, in
+    microbatches, each weight cast once per step. whole_tensor_scales=False: each rank scales by its
+    own pieces (what tensor_parallel_scales prevents). Returns a TrainResult (step-0 gradients and
+    final parameters reassembled) and a meter of the steps."""
+    if microbatches < 1 or global_batch % microbatches:
+        raise ValueError(f"global_batch={global_batch} is not divisible by microbatches={microbatches}")
+    model = convert_to_float8(foundation.GPT(cfg)).to(device)
+    model = tensor_parallel.apply_tensor_parallel(model, group, sequence_parallel)
+    if whole_tensor_scales:
+        tensor_parallel_scales(model, group, sequence_parallel)
+    optimizer, result = foundation.make_optimizer(model, lr, adam_eps), foundation.TrainResult([], {}, {})
+    with foundation.comm_meter() as meter:
+        for step in range(steps):
+            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
+            loss = 0.0
+            with weights_cast_once(model):
+                for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True):
+                    microbatch_loss = model(x.to(device), y.to(device)) / microbatches
+                    microbatch_loss.backward()
+                    loss += microbatch_loss.detach()
+            result.losses.append(loss)
+            if step == 0:
+                grads = [(n, p.grad.clone(), p) for n, p in model.named_parameters() if p.grad is not None]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    result.losses = [loss.item() for loss in result.losses]
+    unshard = tensor_parallel.unshard
+    result.first_grads = foundation.cpu_copy((n, unshard(g, group, like=p)) for n, g, p in grads)
+    result.params = foundation.cpu_copy((n, unshard(p, group)) for n, p in model.named_parameters())
+    return result, meter
 
 
 # ----------------------------------------------------------------------------------------------
@@ -707,6 +835,40 @@ def communication_demo(args: argparse.Namespace) -> None:
         print("Notice: a byte per gathered weight element, one small all-reduce per step, and the same bits "
               "as casting whole weights:\nthe cast is elementwise and each weight's scale global (the "
               "unsharded run sums its gradients in another order).")
+    tensor_parallel_demo(args, device, steps)
+
+
+def tensor_parallel_demo(args: argparse.Namespace, device: torch.device, steps: int) -> None:
+    """On each rank: the FP8 GPT split over all ranks (train_float8_tensor_parallel), with and without
+    SP and with each rank's own scales; rank 0 prints the differences from one device's FP8 and the
+    amaxes' all-reduce bytes beside the formula."""
+    cfg, tp = foundation.ModelConfig(), dist.get_world_size()
+    eps = 1e-6  # not AdamW's 1e-8, which turns fp32 rounding on gradients near 0 into lr-sized moves (01)
+    runs = {(sp, whole): train_float8_tensor_parallel(cfg, steps, args.batch, args.seq_len, adam_eps=eps,
+                                                      sequence_parallel=sp, whole_tensor_scales=whole,
+                                                      device=device)
+            for sp, whole in ((False, True), (True, True), (False, False))}
+    if dist.get_rank() == 0:
+        reference = foundation.train_single_device(cfg, steps, args.batch, args.seq_len, adam_eps=eps,
+                                                   device=device, transform=convert_to_float8)
+        ring = Fraction(2 * (tp - 1), tp)
+        print(f"\nThe FP8 GPT under tensor parallelism over {tp} ranks (lesson 03), {steps} steps of batch "
+              f"{args.batch} x {args.seq_len}, against one device's FP8:\n  {'scales from':<30}max "
+              f"|difference|: {'loss':>7}{'step-0 gradients':>17}{'parameters':>11}   amax all-reduces per "
+              f"step, measured | formula 2(t-1)/t x 4 B x L (7 + 7m)")
+        for (sp, whole), (result, meter) in runs.items():
+            megatron = tensor_parallel.comm_formula(cfg, args.batch, args.seq_len, sp)["all_reduce"][1]
+            measured = (meter.traffic("all_reduce") - steps * ring * megatron) / steps
+            formula = tensor_parallel_amax_traffic(tp, cfg.n_layers, sequence_parallel=sp) if whole else 0
+            label = ("whole tensors'" if whole else "each rank's own pieces'") + (", SP" if sp else "")
+            loss, same = max(abs(a - b) for a, b in zip(result.losses, reference.losses)), measured == formula
+            print(f"  {label:<48}{loss:>7.1e}"
+                  f"{foundation.max_abs_diff(result.first_grads, reference.first_grads):>17.1e}"
+                  f"{foundation.max_abs_diff(result.params, reference.params):>11.1e}   "
+                  f"{float(measured):,.0f} B | {float(formula):,.0f} B{'' if same else ' (!=)'}")
+        print("Notice: with the whole tensors' scales every FP8 number is one device's (what remains is the "
+              "order of the split sums);\nwith each rank's own, the FP8 roundings differ everywhere, "
+              "for a few bytes of amaxes less.")
     foundation.exit_distributed()
 
 
@@ -803,6 +965,11 @@ def main() -> None:
             if training_device().type == "cuda" and args.batch * args.seq_len % 16:
                 raise ValueError(f"--batch x --seq-len = {args.batch * args.seq_len} rows: FP8 GEMMs on CUDA "
                                  f"need a multiple of 16")
+            # the tensor-parallel demo splits the GPT's heads, its MLP and (SP) the sequence over the ranks
+            tensor_parallel.validate_tensor_parallel(foundation.ModelConfig(), world)
+            if args.seq_len % world:
+                raise ValueError(f"--seq-len {args.seq_len} is not divisible by the {world} ranks (sequence "
+                                 f"parallelism)")
             foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}",
                                     foundation.ModelConfig(), args.batch, args.seq_len, 1)
 

@@ -50,8 +50,9 @@ MoE here is dropless without balancing: capacity drops, the aux loss and the sel
 load depend on which tokens share a forward, which microbatches and sequence chunks change.
 
 COST per step per rank: plan() composes the lessons' own formulas without building anything. Sent:
-03's TP all-reduces, 05's ring hops, 04's boundary sends, 02's ZeRO traffic (08's for the FP8-gathered
-weights under --fp8 --zero 3); ep's all-to-alls depend on the routing (n/a). Held: 02's memory on the
+03's TP all-reduces (+ 08's amaxes under --fp8), 05's ring hops, 04's boundary sends and stage check,
+02's ZeRO traffic (08's for the FP8-gathered weights under --fp8 --zero 3); ep's all-to-alls depend on
+the routing (n/a). Held: 02's memory on the
 stage's TP-local parameters, 03's activations x 04's microbatches in flight. `check` prints them
 beside each rank's measurements (the tests prove them equal); `plan` prices a model and cluster that
 are not here against a GPU's memory, with a step time (PaLM's FLOPs / (peak x an assumed MFU),
@@ -405,6 +406,8 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
     model = tensor_parallel.apply_tensor_parallel(model.to(device), mesh.groups["tp"],
                                                   train.sequence_parallel, tensor_parallel_styles(train.moe),
                                                   check_ids=False)  # forward_backward checks the rows
+    if train.fp8:  # 08: the scales of whole tensors, whatever tp splits
+        fp8.tensor_parallel_scales(model, mesh.groups["tp"], train.sequence_parallel)
     attention = flash.flash_attention if train.attention == "flash" else None
     if mesh.sizes.cp > 1:
         ring_block = flash.FLASH_BLOCK if device.type == "cuda" else context_parallel.TORCH_BLOCK  # 07's
@@ -627,6 +630,8 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     tokens = b // m * s // tp  # a microbatch's tokens / tp: x a width, a rank's share (tp splits the heads)
     q, kv = tokens * cfg.dim, tokens * cfg.n_kv_heads * cfg.head_dim
     attention = context_parallel.ring_saved_bytes(q, tokens * cfg.n_heads) if cp > 1 else None  # None: SDPA's
+    if attention and e == 4 and cfg.n_heads == tp:  # one fp32 head a rank: flattening it copies nothing, so
+        attention -= 4 * q  # out_proj reads the merged output the ring keeps: one storage, counted once
     stage_bytes = lambda stage: tensor_parallel.layer_activation_formula(  # 03: a microbatch's stage
         cfg, b // m, s, tp, train.sequence_parallel, train.recompute, e, attention, layers=len(spans[stage]))
     out = []
@@ -663,6 +668,10 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
                                            for op, (_, payload) in ops.items())
             if train.sequence_parallel and moe:  # SP sums every replicated gradient over tp: the MoE's too
                 traffic["tp"] += 2 * ring * m * layers * moe * e
+            if train.fp8:  # 08: the amaxes of split weights, activations and gradients
+                traffic["tp"] += fp8.tensor_parallel_amax_traffic(tp, layers, m, mlp=train.moe is None,
+                                                                  sequence_parallel=train.sequence_parallel,
+                                                                  recompute=train.recompute)
         elif tp > 1:
             traffic["tp"] = None
         forwards = 1 if train.recompute == "none" else 2  # recompute re-runs the ring's forward
@@ -675,7 +684,8 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
         if pp > 1:  # 04: one activation forward and one gradient back per boundary and microbatch
             boundaries = sum((st < n_stages - 1) + (st > 0) for st in stages)
             seq = s // (tp if train.sequence_parallel else 1)
-            traffic["pp"] = norm(pp) + boundaries * b * seq * cfg.dim * e
+            traffic["pp"] = (norm(pp) + pipeline.stage_trains_traffic(pp, train.virtual)  # + 04's check
+                             + boundaries * b * seq * cfg.dim * e)
         if sizes.ep > 1:
             traffic["ep"] = None  # 06's all-to-alls depend on the routing
         memory["activations"] = None if train.moe else pipeline.held_at_peak(

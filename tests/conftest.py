@@ -6,7 +6,7 @@ asks the pool to run a module-level function (of a numbered script or of a test 
 rank and gets the per-rank return values back:
 
     def test_something(rank_pool):
-        results = rank_pool.run(4, some_module.some_function, arg, timeout=60)   # list, by rank
+        results = rank_pool.run(4, some_module.some_function, arg)   # list, by rank
 
 If a rank raises, the test fails with every failing rank's traceback; if a rank does not answer in
 time (a collective that some rank never joined), the test fails naming the silent ranks and the
@@ -47,7 +47,13 @@ settings.register_profile("dev", max_examples=60, deadline=None, print_blob=True
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-COLLECTIVE_TIMEOUT_S = 60  # inside the workers: a collective some rank never joins raises after this
+# Timeouts turn a hang into a failure; they never judge speed. An idle 2-core machine runs the slowest
+# awaited call (lesson 09's 16-rank mesh, its pool's start-up, 09's `check` demo) in under a minute, a
+# loaded one 5-10x slower (a load average of 30 was seen), and more helpers may share it: each limit
+# leaves 10x over the loaded time. A hang costs that wait, once.
+COLLECTIVE_TIMEOUT_S = 600  # inside the workers: a collective some rank never joins raises after this
+CALL_TIMEOUT_S = 600        # a call on every rank of a pool (its start-up too)
+SCRIPT_TIMEOUT_S = 900      # a lesson run as `python 0X_name.py`
 
 
 class RankFailure(AssertionError):
@@ -85,7 +91,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
 class RankPool:
     """world_size gloo worker processes that run functions on request."""
 
-    def __init__(self, world_size: int, startup_timeout: float = 180) -> None:
+    def __init__(self, world_size: int, startup_timeout: float = CALL_TIMEOUT_S) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.healthy = True
@@ -125,7 +131,7 @@ class RankPool:
                     if p.is_alive() else f"no answer (process died, exit code {p.exitcode})")
                 for r, p in enumerate(self.procs) if r not in answers}
 
-    def run(self, fn: Callable, *args: Any, timeout: float = 120, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable, *args: Any, timeout: float = CALL_TIMEOUT_S, **kwargs: Any) -> list[Any]:
         payload = pickle.dumps((fn, args, kwargs))  # an unpicklable argument fails here, loudly
         self.calls += 1
         for q in self.tasks:
@@ -161,7 +167,7 @@ class RankPools:
     def __init__(self) -> None:
         self.pools: dict[int, RankPool] = {}
 
-    def run(self, world_size: int, fn: Callable, *args: Any, timeout: float = 120,
+    def run(self, world_size: int, fn: Callable, *args: Any, timeout: float = CALL_TIMEOUT_S,
             **kwargs: Any) -> list[Any]:
         pool = self.pools.get(world_size)
         if pool is None:
@@ -177,7 +183,7 @@ class RankPools:
             raise
 
     def expect_invalid(self, world_size: int, fn: Callable, *args: Any, match: str,
-                       timeout: float = 30, **kwargs: Any) -> None:
+                       timeout: float = CALL_TIMEOUT_S, **kwargs: Any) -> None:
         """Assert that fn raises a ValueError matching `match` on every rank: a size check that runs
         before any collective, so that no rank is left waiting for the others."""
         with pytest.raises(RankFailure) as failure:
@@ -192,7 +198,7 @@ class RankPools:
             pool.close(deadline)
 
 
-def run_script(script: str, *args: str, timeout: float = 180) -> str:
+def run_script(script: str, *args: str, timeout: float = SCRIPT_TIMEOUT_S) -> str:
     """`python <script> <args>` as a reader runs it (its own local ranks, on the CPU even on a GPU
     machine); its whole process group is killed if it overruns. Asserts exit 0 and no resource
     tracker's warning at exit (a semaphore a rank left behind); returns stdout."""

@@ -692,7 +692,7 @@ def wrap_twice(cfg):
 
 def test_wrapping_a_model_twice_fails_when_built(rank_pool):
     with pytest.raises(RankFailure) as failure:
-        rank_pool.run(2, wrap_twice, foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32), timeout=30)
+        rank_pool.run(2, wrap_twice, foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32))
     for tb in failure.value.errors.values():
         assert "ValueError: cannot wrap with BucketedDataParallel: this model's gradients are already " \
                "synchronised by BucketedDataParallel" in tb

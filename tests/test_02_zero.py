@@ -110,6 +110,24 @@ def test_zero_equals_single_device(rank_pool, cfg, world, stage, per_rank, seq_l
         assert set(op for op, _ in meter.stats) <= {"all_reduce", "reduce_scatter", "all_gather"}
 
 
+@pytest.mark.parametrize("mixed_precision", [False, True])
+@pytest.mark.parametrize("stage", zero.STAGES)
+def test_memory_formula_counts_adamw_step_counter_of_every_unit(rank_pool, stage, mixed_precision):
+    """The bytes held equal 02's own formula (memory_formula, which the demo and lesson 09's plan
+    print), and that formula is the paper's on the padded count plus torch AdamW's `step`, one fp32
+    scalar tensor per flat unit: without the counters it would be 4 B x units short."""
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20, n_layers=3)
+    world = 2
+    result = rank_pool.run(world, zero.train_zero, cfg, 1, world, 4, stage=stage,
+                           mixed_precision=mixed_precision)[0][0]
+    padded, units = result.stats["padded_params"], result.stats["units"]
+    size, master = (2, 4) if mixed_precision else (4, 0)  # bf16 compute keeps fp32 masters
+    paper = zero.zero_memory_per_rank(padded, world, stage, size, size, master + zero.ADAM_MOMENT_BYTES)
+    assert units == cfg.n_layers + 3, "embed, each layer, norm, lm_head: one unit each"
+    assert result.formula == {**paper, "optimizer": paper["optimizer"] + 4 * units}
+    assert result.held == result.formula
+
+
 def test_uneven_sizes_clipping_and_traffic_ratios(rank_pool):
     """3 ranks, every module's size odd: padding in every unit; clipping active at every step;
     traffic 1x DDP for stages 1-2 and 1.5x DDP for stage 3 on the padded count."""

@@ -19,11 +19,12 @@ import importlib
 import json
 import re
 from collections import defaultdict
+from fractions import Fraction
 
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from conftest import run_script
@@ -168,6 +169,8 @@ def test_the_rendezvous_model_catches_mismatches_and_deadlocks():
 
 
 @given(plan=schedules())
+@example(plan=pipeline.make_schedule("zb-h1", 4, 2))  # m < p: the last rank's F, B chain sets the length
+@example(plan=pipeline.make_schedule("zb-h1", 3, 1))
 def test_planned_bubble_equals_the_formula(plan):
     step = max(end for _, end in plan.nominal.values())
     busy = sum(end - start for start, end in plan.nominal.values())
@@ -233,7 +236,10 @@ def check_against_single_device(rank_pool, pp, name, m, virtual, seed=0, per_mic
         mine = range(rank, pp * virtual, pp)
         expected = sum((s < pp * virtual - 1) + (s > 0) for s in mine) * boundary * steps
         assert meter.traffic("send") == expected and meter.payload("recv") == expected
-        assert meter.calls() == meter.calls("send") + meter.calls("recv"), "only point-to-point"
+        # and each step's check of the stages (run_schedule: one all-reduce of a flag per stage)
+        assert meter.calls() == meter.calls("send") + meter.calls("recv") + steps
+        assert meter.traffic("all_reduce") == steps * Fraction(2 * (pp - 1), pp) * 4 * pp * virtual
+        assert meter.traffic("all_reduce") == steps * pipeline.stage_trains_traffic(pp, virtual)
         plan = pipeline.make_schedule(name, pp, m, virtual)
         assert {log.peak_in_flight for log in logs} == {plan.in_flight_bound(rank)}
         assert [r[:3] for r in logs[0].records] == \
@@ -324,6 +330,25 @@ def test_frozen_parameters_get_no_gradient_and_the_rest_are_unchanged(rank_pool,
             assert grads[n] is None, n
         else:
             torch.testing.assert_close(grads[n], p.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+
+
+def run_a_schedule_that_says_every_stage_trains(cfg, name: str) -> None:
+    """Stage 0 frozen, the schedule made without trains= (every stage trains): rank 0 alone can see
+    the mismatch, rank 1's stage matches."""
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    stages = {rank: freeze_stages(foundation.GPT(cfg), (0,), pp) if rank == 0 else foundation.GPT(cfg)}
+    stages = {s: pipeline.cut_stage(model, s, pp) for s, model in stages.items()}
+    pipeline.run_schedule(pipeline.make_schedule(name, pp, 2), stages, *foundation.synthetic_batch(cfg, 2, 4, 0))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_a_schedule_that_does_not_match_the_stages_fails_on_every_rank(rank_pool, name):
+    """Before: rank 0 raised, and rank 1, already inside the step's first collective, died with
+    'Connection closed by peer' (or hung until the timeout)."""
+    cfg = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=2)
+    rank_pool.expect_invalid(2, run_a_schedule_that_says_every_stage_trains, cfg, name,
+                             match=r"stage 0 \(rank 0\) is frozen, but the schedule's trains\[0\]=True: make "
+                                   r"the schedule with stage_trains\(\)")
 
 
 def freeze_stages(model, frozen: tuple[int, ...], n_stages: int):

@@ -340,9 +340,38 @@ def test_bad_sizes_fail_on_every_rank_before_any_collective(rank_pool, fn, args,
 # --- the script itself ------------------------------------------------------------------------
 
 def test_script_runs_as_plain_python():
-    stdout = run_script("05_context_parallel.py", "--nproc", "2", "--seq-len", "16",
+    """Every number the demo prints beside a formula is that formula, computed here from the options
+    (--seq-len 16 on P = 2 ranks; the defaults: 8 query heads, 4 K/V heads, head dim 16, batch 2 per
+    attention call; the GPT: dim 64 over 8 heads, global batch 2), and the measurement equals it."""
+    cp, s, h, kv, d = 2, 16, 8, 4, 16
+    stdout = run_script("05_context_parallel.py", "--nproc", str(cp), "--seq-len", str(s),
                         "--work-seq-len", "32", "--steps", "1")
     for line in ("ring, zigzag", "Ulysses", "slowest / mean: scores 1.00"):
         assert line in stdout
-    measured_and_formula = re.findall(r"([\d,]+) B,? +formula +([\d,]+) B", stdout)
-    assert len(measured_and_formula) == 6 and all(a == b for a, b in measured_and_formula)
+    number = r"([\d,]+) B"
+    sizes = re.search(rf"A = one shard of q = {number}, A_kv of k = {number}, L of the lse = {number}", stdout)
+    a, a_kv, lse = (int(x.replace(",", "")) for x in sizes.groups())
+    assert (a, a_kv, lse) == (2 * h * s // cp * d * 4, 2 * kv * s // cp * d * 4, 2 * h * s // cp * 4), stdout
+
+    def ring(a_kv: int) -> int:  # the printed formulas: forward + backward
+        return 2 * (cp - 1) * a_kv + 4 * (cp - 1) * a_kv
+
+    def ulysses(a: int, a_kv: int, lse: int = lse) -> Fraction:
+        return 2 * (Fraction(2 * (cp - 1), cp) * (a + a_kv) + Fraction(cp - 1, cp) * lse)
+
+    calls = re.findall(rf"^  (ring, contiguous|ring, zigzag|Ulysses) +{number} +formula +{number} +repeated K/V +"
+                       rf"{number}$", stdout, re.M)
+    expected = {"ring": (ring(a_kv), ring(a)), "Ulysses": (ulysses(a, a_kv), ulysses(a, a))}
+    assert len(calls) == 3, stdout
+    for name, measured, formula, repeated in calls:
+        formula_value, repeated_value = expected[name.split(",")[0]]
+        assert int(measured.replace(",", "")) == int(formula.replace(",", "")) == formula_value, (name, stdout)
+        assert int(repeated.replace(",", "")) == repeated_value, (name, stdout)
+    # The GPT: per layer and step, a microbatch of 2 x s / P tokens, dim 64, 4 K/V heads of 64 / 8.
+    tokens = 2 * s // cp
+    a, a_kv = tokens * 64 * 4, tokens * kv * (64 // h) * 4
+    model = re.findall(rf"(send|all_to_all) per layer per step {number}, formula {number}", stdout)
+    assert [op for op, *_ in model] == ["send", "send", "all_to_all"], stdout
+    for op, measured, formula in model:
+        value = ring(a_kv) if op == "send" else ulysses(a, a_kv, lse=0)  # the model asks for no lse
+        assert int(measured.replace(",", "")) == int(formula.replace(",", "")) == value, stdout

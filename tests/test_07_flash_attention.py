@@ -26,6 +26,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from conftest import SCRIPT_TIMEOUT_S
 from test_05_context_parallel import NAN_AT, nan_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -368,7 +369,7 @@ def test_interpreter_switch_in_a_fresh_process(triton_first):
             "exact = flash.context_parallel.naive_attention(q, q, q)[0]\n"
             "print((flash.flash_attention(q, q, q) - exact).abs().max().item())\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, TRITON_INTERPRET="0"), timeout=120)
+                         env=dict(os.environ, TRITON_INTERPRET="0"), timeout=SCRIPT_TIMEOUT_S)
     if triton_first:
         assert run.returncode != 0 and "import a lesson (01_ddp sets the flag) before triton" in run.stderr
     else:
@@ -405,7 +406,7 @@ def test_the_triton_kernel_as_ring_block_equals_the_torch_block(rank_pool, metho
     """Lesson 05's ring and Ulysses with this lesson's kernel as their block (FLASH_BLOCK): the same
     out, lse, dq, dk, dv as with 05's torch block, both fp32: atol 1e-5 (measured <= 9.5e-7, each
     is ~1e-6 from float64); 4 query heads reading 2 K/V heads."""
-    for results in rank_pool.run(2, with_both_blocks, method, causal, timeout=300):
+    for results in rank_pool.run(2, with_both_blocks, method, causal):
         torch_results, flash_results = results.values()
         for a, b in zip(flash_results, torch_results, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 fp8 = importlib.import_module("08_fp8")
 foundation = importlib.import_module("01_ddp")
+tensor_parallel = importlib.import_module("03_tensor_parallel")
 from test_02_zero import (ADAM_EPS, GRAD_ATOL, GRAD_RTOL, LOSS_ATOL, PARAM_ATOL,  # noqa: E402
                           assert_close_by_name)
 
@@ -664,7 +666,13 @@ def test_float8_zero3_trains_like_unsharded_fp8_with_a_byte_per_weight_element(
             assert meter.traffic("reduce_scatter") == steps * ring * 4 * (rest + padded_weights)
             assert meter.calls("all_reduce") == steps * all_reduces
             assert meter.traffic("all_reduce") == steps * 2 * ring * 4 * (2 + (n if weight_bytes == 1 else 0))
-    assert fp8.float8_zero_traffic(padded_weights, n, world)["all_gather"] == 2 * ring * padded_weights
+    # 08's formula (what lesson 09's plan prices): its parts per step and microbatch, as measured
+    # above; the amaxes' part is what the FP8 run all-reduces beyond the two ZeRO's clipping norms.
+    formula, (_, meter, _) = fp8.float8_zero_traffic(padded_weights, n, world), runs["zero3-fp8"][0]
+    assert formula["all_gather"] == 2 * ring * padded_weights
+    assert formula["reduce_scatter"] == ring * 4 * padded_weights
+    assert meter.traffic("all_reduce") - steps * 2 * ring * 4 * 2 == steps * formula["all_reduce"]
+    assert formula["all_reduce"] == 2 * ring * 4 * n
 
     # Casts per step: each Float8Linear call casts its input (n per microbatch); the weights are
     # cast once per step whatever the microbatches: whole on every unsharded rank, in pieces under
@@ -686,9 +694,8 @@ def test_weights_cast_once_per_step_changes_no_bit(monkeypatch):
     """Three microbatches inside weights_cast_once: the weights are cast once, not three times, and
     the outputs and gradients are those of a cast per forward; the cast is dropped on exit, so a
     backward outside the step it was made for is refused rather than run on a stale cast."""
-    calls, real = [], fp8.quantize_tensorwise
-    monkeypatch.setattr(fp8, "quantize_tensorwise",
-                        lambda x, dtype=E4M3: calls.append(dtype) or real(x, dtype))
+    calls, real = [], fp8.cast_to_fp8
+    monkeypatch.setattr(fp8, "cast_to_fp8", lambda x, scale, dtype: calls.append(dtype) or real(x, scale, dtype))
     torch.manual_seed(0)
     model = fp8.convert_to_float8(nn.Sequential(nn.Linear(12, 8), nn.Linear(8, 4)))
     microbatches = [torch.randn(5, 12) for _ in range(3)]
@@ -741,3 +748,114 @@ def test_float8_zero_refuses_stale_casts_and_unsharded_use(rank_pool):
         assert re.search(r"FP8 cast of layers\.0\..* older than its weights: Float8ZeRO\.cast_shards",
                          messages[1])
     rank_pool.expect_invalid(2, fp8.Float8ZeRO, foundation.GPT(cfg), match="this model has none: convert_to_float8")
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 under tensor parallelism: every scale the whole tensor's
+# ----------------------------------------------------------------------------------------------
+# A layer split over tp ranks casts its pieces with the whole tensors' scales (one MAX all-reduce of
+# the amaxes), so the FP8 numbers are one device's bit for bit: bytes and scales compared exactly.
+# Only the sums split over ranks (a row-parallel output, a column-parallel input gradient, a
+# replicated weight's gradient over sequence shards) are added in another order: fp32 rounding of
+# sums of K <= 32 products, rtol 1e-5. Per-shard scales (what tensor_parallel_scales prevents)
+# change nearly every byte of a split operand whose pieces have different amaxes.
+
+SPLITS = {"column": (None, 1), "row": (1, None), "sequence": (0, 0)}  # the dims x and grad_out are split along
+
+
+def record_fp8_operands(fn, *args, **kwargs):
+    """fn(*args, **kwargs) with the operands of every FP8 GEMM (08's scaled_mm) recorded, in call
+    order, as (bytes, FP8 format, scale): FP8 tensors do not pickle, bytes do."""
+    operands, real = [], fp8.scaled_mm
+
+    def recording(a_q, a_scale, b_q, b_scale, out_dtype):
+        operands.extend((q.view(torch.uint8).clone(), q.dtype, scale.clone())
+                        for q, scale in ((a_q, a_scale), (b_q, b_scale)))
+        return real(a_q, a_scale, b_q, b_scale, out_dtype)
+
+    fp8.scaled_mm = recording
+    try:
+        return fn(*args, **kwargs), operands
+    finally:
+        fp8.scaled_mm = real
+
+
+def split_layer_step(kind: str, weight: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor):
+    """A Float8Linear holding `weight`: on every rank of the world split as lesson 03 splits a `kind`
+    layer ("sequence": not split, on sequence shards under SP), forward on this rank's part of x,
+    backward from its part of grad_out; one device (no process group): whole. Returns the output,
+    input gradient and weight gradient."""
+    layer = fp8.Float8Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    if dist.is_initialized():
+        tp, rank = dist.get_world_size(), dist.get_rank()
+        ctx = tensor_parallel.Context(None, tp, rank, sequence_parallel=kind == "sequence")
+        if kind != "sequence":
+            {"column": tensor_parallel.column_parallel, "row": tensor_parallel.row_parallel}[kind](layer, ctx)
+        fp8.tensor_parallel_scales(layer, None, sequence_parallel=kind == "sequence")
+        x, grad_out = (t if dim is None else t.chunk(tp, dim)[rank] for t, dim in zip((x, grad_out), SPLITS[kind]))
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    out.backward(grad_out)
+    return out.detach(), x.grad, layer.weight.grad
+
+
+def reassembled(pieces: list[torch.Tensor], whole_shape: torch.Size) -> torch.Tensor:
+    """The ranks' pieces put together along the dimension they split, or their common value."""
+    if all(p.shape == whole_shape for p in pieces):
+        assert all(torch.equal(p, pieces[0]) for p in pieces), "a replicated operand differs between ranks"
+        return pieces[0]
+    dim = next(d for d, (a, b) in enumerate(zip(pieces[0].shape, whole_shape)) if a != b)
+    return torch.cat(pieces, dim)
+
+
+@given(tp=st.sampled_from([2, 4]), kind=st.sampled_from(list(SPLITS)), rows=st.integers(1, 3),
+       cols=st.integers(1, 3), outs=st.integers(1, 3), outlier=st.floats(1.0, 100.0), seed=st.integers(0, 1000))
+def test_a_split_layer_casts_one_devices_fp8_numbers(rank_pool, tp, kind, rows, cols, outs, outlier, seed):
+    m, k, n = tp * rows, tp * 4 * cols, tp * 2 * outs
+    x, grad_out = sample((m, k), seed, 0.0, 0.0), sample((m, n), seed + 1, -3.0, 0.0)
+    weight = sample((n, k), seed + 2, -1.5, 0.0)
+    x[0, -1] *= outlier  # the last rank's pieces hold the largest values: per-shard amaxes differ
+    grad_out[-1, -1] *= outlier
+    weight[-1, -1] *= outlier
+    ranks = rank_pool.run(tp, record_fp8_operands, split_layer_step, kind, weight, x, grad_out)
+    (out, grad_x, grad_w), operands = record_fp8_operands(split_layer_step, kind, weight, x, grad_out)
+    assert len(operands) == 6, "three FP8 GEMMs: forward, input gradient, weight gradient"
+    for i, (q, _, scale) in enumerate(operands):
+        assert torch.equal(reassembled([r[1][i][0] for r in ranks], q.shape), q), (kind, i)
+        assert all(torch.equal(r[1][i][2], scale) for r in ranks), (kind, i, "scale")
+    x_dim, grad_dim = SPLITS[kind]
+    for index, whole, dim in ((0, out, grad_dim), (1, grad_x, x_dim), (2, grad_w, 0 if kind == "column" else 1)):
+        pieces = [r[0][index] for r in ranks]
+        got = sum(pieces) if dim is None or (kind == "sequence" and index == 2) else torch.cat(pieces, dim)
+        torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5 * whole.abs().max().item())
+
+
+@settings(max_examples=FEW_EXAMPLES)
+@given(tp=st.sampled_from([2, 4]), sequence_parallel=st.booleans(), microbatches=st.integers(1, 2),
+       n_layers=st.integers(1, 2), seed=st.integers(0, 1000))
+def test_tensor_parallel_amax_all_reduces_move_what_the_formula_says(rank_pool, tp, sequence_parallel,
+                                                                   microbatches, n_layers, seed):
+    """Per step: one all-reduce of every weight's amax (weights cast once per step), and one of a
+    single amax for each operand split where it is cast: per layer and microbatch the output
+    gradients of q, k, v, gate, up (column-parallel) and the inputs of out and down (row-parallel):
+    7 weights, 7 casts, 4 B each, on the ring. The rest of the all-reduces is lesson 03's formula."""
+    cfg = foundation.ModelConfig(vocab_size=11, dim=4 * tp, n_layers=n_layers, n_heads=tp, ffn_dim=3 * tp, seed=seed)
+    steps, batch, seq_len, ring = 2, 2 * microbatches, 2 * tp, Fraction(tp - 1, tp)
+    megatron_calls, megatron_payload = tensor_parallel.comm_formula(
+        cfg, batch, seq_len, sequence_parallel, microbatches=microbatches)["all_reduce"]
+    for whole_tensor_scales in (True, False):
+        runs = rank_pool.run(tp, fp8.train_float8_tensor_parallel, cfg, steps, batch, seq_len,
+                             sequence_parallel=sequence_parallel, microbatches=microbatches,
+                             whole_tensor_scales=whole_tensor_scales, adam_eps=ADAM_EPS)
+        for _, meter in runs:
+            calls = meter.calls("all_reduce") - steps * megatron_calls
+            amax_bytes = meter.traffic("all_reduce") - steps * 2 * ring * megatron_payload
+            if not whole_tensor_scales:
+                assert calls == amax_bytes == 0
+                continue
+            assert calls == steps * (1 + microbatches * 7 * n_layers)
+            assert amax_bytes == steps * 2 * ring * 4 * n_layers * (7 + microbatches * 7)
+            assert amax_bytes == steps * fp8.tensor_parallel_amax_traffic(
+                tp, n_layers, microbatches, sequence_parallel=sequence_parallel)
