@@ -136,6 +136,40 @@ def zero_memory_formula(padded: int, units: int, n: int, stage: int,
     return formula
 
 
+def zero_step_bytes(psi: int, n: int, stage: int, microbatches: int, mixed_precision: bool) -> int:
+    """Memory traffic of ZeRO's own passes on one rank per step, outside the collectives, each pass
+    reading and writing its tensors once (lesson 09 prices it at the HBM's bandwidth); G = 2 mixed,
+    4 fp32. On the psi full gradients: each microbatch's added into .grad (3 G; stages 2-3 keep the
+    first one), then zeroed (stages 0-1: G) or flattened to send (2-3: 2 G). On the shard (psi / n;
+    stage 0: psi): / n (2 G), the norm (G), the fp32 copy and clip (mixed: G + 4 + 8; fp32 in place:
+    8), fused AdamW (reads the fp32 master, moments and gradient, writes three: 28), the bf16 copy
+    of the master (mixed: 4 + 2), and stages 1-2's copy of the shard sent to the all-gather (2 G)."""
+    g, shard = 2 if mixed_precision else 4, psi if stage == 0 else -(-psi // n)
+    full = 3 * g * (microbatches - (stage >= 2)) + g * (1 + (stage >= 2))
+    clip = g + 12 if mixed_precision else 8
+    step = 3 * g + clip + 28 + 6 * mixed_precision + 2 * g * (stage in (1, 2) and n > 1)
+    return full * psi + step * shard
+
+
+def zero_exposed_seconds(psi: int, n: int, stage: int, units: int, microbatches: int, elem_bytes: int,
+                         send: Callable[[float, int], float], last_backward: float,
+                         unit_compute: tuple[float, float], hide: bool = True) -> float:
+    """Seconds of a step's ZeRO traffic (zero_traffic_per_step; send(bytes, calls) prices it on the
+    link) that compute does not hide: the gradients' reduction overlaps the last microbatch's
+    backward, all but its last unit's; stages 1-2's all-gather of the new parameters is exposed
+    (this ZeRO gathers after the step, before the next forward); stage 3's gather of each unit,
+    before its forward and its backward, hides behind the previous unit's compute (unit_compute:
+    one unit's forward and backward), but for the first unit's. hide=False: none of it hidden."""
+    ops = zero_traffic_per_step(psi, n, stage, elem_bytes, elem_bytes)
+    exposed = lambda comm, behind: max(0.0, comm - behind) if hide else comm  # noqa: E731
+    reduce = send(ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0), units)
+    gather = send(ops.get("all_gather", 0), units)
+    if stage == 3:
+        one = gather / 2 / units
+        gather = one + microbatches * (units - 1) * sum(exposed(one, t) for t in unit_compute)
+    return max(reduce / units, exposed(reduce, last_backward)) + gather
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
     """Bytes of the storages behind tensors that are not in `seen` yet, each once (views and
     aliases share a storage); adds them to `seen`."""

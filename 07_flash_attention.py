@@ -580,6 +580,36 @@ FLASH_BLOCK = context_parallel.BlockAttention("triton (lesson 07)", flash_block_
                                               flash_block_backward)
 
 
+# What attention costs: `--bench` on one H100 SXM (README, "On a GPU"), forward + backward TFLOP/s by
+# (head_dim, causal) at each of BENCH_SEQS: this kernel ("flash"), SDPA's FlashAttention-2 backend
+# ("sdpa") and SDPA's cuDNN backend ("cudnn"). Lesson 09's planner prices attention with them.
+BENCH_SEQS = (1024, 2048, 4096, 8192, 16384)
+ATTENTION_TFLOPS_H100 = {
+    (64, False): dict(flash=(294.6, 309.0, 317.9, 319.8, 329.3), sdpa=(228.1, 257.1, 279.7, 290.5, 289.0),
+                      cudnn=(360.4, 399.7, 434.1, 447.3, 453.7)),
+    (64, True): dict(flash=(217.8, 259.6, 278.7, 292.3, 305.8), sdpa=(163.0, 211.4, 245.2, 266.7, 283.2),
+                     cudnn=(255.7, 328.7, 374.9, 415.8, 434.6)),
+    (128, False): dict(flash=(319.7, 337.2, 353.9, 363.9, 374.3), sdpa=(243.6, 285.6, 307.6, 310.7, 315.7),
+                       cudnn=(433.4, 493.9, 538.9, 555.7, 567.9)),
+    (128, True): dict(flash=(243.9, 293.4, 320.8, 343.0, 366.5), sdpa=(178.2, 230.9, 265.9, 291.1, 304.9),
+                      cudnn=(320.7, 397.9, 456.0, 500.6, 539.3)),
+}
+
+
+def attention_seconds(batch: int, heads: int, seq: int, head_dim: int, kernel: str, cp: int = 1,
+                      speed: float = 1.0) -> tuple[float, float]:
+    """(forward, backward) of causal attention of `batch` sequences of `seq` tokens over `heads`
+    query heads, at the measured rate of `kernel` nearest in head dim and length (x speed: another
+    GPU's peak over the H100's), FLOPs as the papers count them: forward 4 N^2 d a head, halved by
+    the mask; backward 2.5x. cp > 1: seq is a rank's share of 05's zigzag ring, which computes 1/cp
+    of the causal attention over cp x seq tokens: cp / 2 unmasked blocks of seq x seq."""
+    forward = 4 * batch * heads * seq ** 2 * head_dim * cp / 2
+    rates = ATTENTION_TFLOPS_H100[min((64, 128), key=lambda d: abs(d - head_dim)), cp == 1][kernel]
+    rate = rates[min(range(len(BENCH_SEQS)), key=lambda i: max(BENCH_SEQS[i] / seq, seq / BENCH_SEQS[i]))]
+    both = 3.5 * forward / (rate * 1e12 * speed)
+    return both / 3.5, both * 2.5 / 3.5
+
+
 # Compiling for a GPU that is not here -----------------------------------------------------------
 
 PINNED_TRITON = "3.7.1"  # the Triton the configs were pruned with (register use varies by version)

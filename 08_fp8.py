@@ -424,6 +424,32 @@ def convert_to_float8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) ->
     return model
 
 
+# What a GEMM costs: this lesson's `--bench` on one H100 SXM (README, "On a GPU"), TFLOP/s of a @ b.t()
+# at M = N = K: bf16, and tensorwise FP8 with the amax and cast of both operands included. Lesson
+# 09's planner prices every linear layer with them.
+GEMM_TFLOPS_H100 = {4096: (770, 713), 8192: (709, 808), 16384: (746, 1028)}  # M=N=K: (bf16, FP8 + scaling)
+
+
+def gemm_seconds(m: int, k: int, n: int, hbm_bytes_per_s: float, float8: bool = False,
+                 speed: float = 1.0) -> float:
+    """A roofline for (m x k) @ (k x n): the longer of its FLOPs at the measured rate of the GEMM
+    nearest in FLOPs (x speed: another GPU's peak over the H100's) and its bytes (inputs in bf16 or
+    FP8, a bf16 output) at the memory's bandwidth. A thin GEMM (few tokens) is bandwidth-bound."""
+    flops = 2 * m * k * n
+    size = min(GEMM_TFLOPS_H100, key=lambda x: max(2 * x ** 3 / flops, flops / (2 * x ** 3)))
+    moved = (m * k + k * n) * (1 if float8 else 2) + 2 * m * n
+    return max(flops / (GEMM_TFLOPS_H100[size][float8] * 1e12 * speed), moved / hbm_bytes_per_s)
+
+
+def linear_seconds(tokens: int, in_features: int, out_features: int, hbm_bytes_per_s: float,
+                   float8: bool = False, speed: float = 1.0) -> tuple[float, float]:
+    """A linear layer's (forward, backward): y = x W^T, then dx = dy W and dW = dy^T x, three GEMMs
+    of the same FLOPs in other shapes (Float8Linear: all three in FP8)."""
+    t, k, n = tokens, in_features, out_features
+    gemm = lambda *mkn: gemm_seconds(*mkn, hbm_bytes_per_s, float8, speed)  # noqa: E731
+    return gemm(t, k, n), gemm(t, n, k) + gemm(n, t, k)
+
+
 # ----------------------------------------------------------------------------------------------
 # FP8 communication: each weight cast once per step; ZeRO-3 all-gathers the casts
 # ----------------------------------------------------------------------------------------------

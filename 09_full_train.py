@@ -8,7 +8,7 @@ Three programs, a sub-command each with its own options: `check` proves the mesh
   Held pieces: ShardSpec, assemble (which slice of which reference parameter a rank holds)     check, train
   The composed model and its step: build_stage_model; Trainer (forward_backward, update)       check, train
   The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it)    all
-  Planning at scale: Cluster, step_time, search_meshes                                         plan
+  Planning at scale: Cluster, step_time (from the operations), search_meshes                plan
   Data, learning rate, MFU, sampling: ShardedLoader (bytes are tokens), flops_per_token, sample train
   Checkpoints: a Trainer's pieces (shard_specs, spec_piece) in lesson 02's protocol            train, check
   The training run: MODELS, RunConfig, train_loop                                              train
@@ -55,8 +55,16 @@ COST per step per rank: plan() composes the lessons' own formulas without buildi
 the routing (n/a). Held: 02's memory on the
 stage's TP-local parameters, 03's activations x 04's microbatches in flight. `check` prints them
 beside each rank's measurements (the tests prove them equal); `plan` prices a model and cluster that
-are not here against a GPU's memory, with a step time (PaLM's FLOPs / (peak x an assumed MFU),
-stretched by 04's bubble; each group's bytes / its link), searching the mesh sizes left out.
+are not here against a GPU's memory, predicts its step time, and searches the mesh sizes left out.
+
+THE STEP TIME (plan's step_time), from the operations, each priced by the lesson that owns it: a
+microbatch's linears at their TP-local shapes (08's roofline: the GEMM rate measured on an H100, or
+the bytes at the HBM's bandwidth), attention at 07's measured rate, elementwise work (03) and the
+optimizer (02) at the HBM's bandwidth, recompute's forward again. Messages go at their link's speed
+plus a latency, exposed where nothing hides them: TP's all (between GEMMs), the ring's hops beyond a
+block's attention, the gradient reduction beyond the last microbatch's backward, ZeRO-1/2's gather
+after the step, ZeRO-3's beyond the previous layer, the pipeline's sends in its fill and drain. The
+slowest rank's microbatches / (1 - 04's bubble) span the pipeline. README: against published runs.
 
 TRAINING ON TEXT (`train`)
 Bytes are tokens (vocabulary 256: no tokenizer), from --data FILE or the standard library's own .py
@@ -274,8 +282,7 @@ class TrainConfig:
     mixed_precision: bool = option(False, "bf16 compute, fp32 masters", commands=STEPPING, option="--bf16")
     recompute: str = option("none", "activation recompute (03): selective = attention's inside, full = each "
                             "block", choices=tensor_parallel.RECOMPUTE_MODES)
-    attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring)", commands=STEPPING,
-                            choices=("sdpa", "flash"))
+    attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring)", choices=("sdpa", "flash"))
     compile: bool = option(False, "torch.compile each block (07's kernel: opaque to it)", commands=STEPPING)
 
 
@@ -572,20 +579,27 @@ class UnitSizes(NamedTuple):
     float8_weights: int = 0  # the number of Float8Linear weights there
 
 
-def unit_sizes(cfg, tp: int, moe, ep: int, fp8_gathers: bool = False) -> dict[str, UnitSizes]:
-    """UnitSizes of each kind of ZeRO unit ("embed", "layers", "norm", "lm_head"): 01's, 06's and
-    03's shapes, nothing built. fp8_gathers: --fp8 --zero 3, whose Float8Linear weights (a layer's
-    2-D weights: 08 converts every linear but the LM head) have a ZeRO of their own."""
+def local_shapes(cfg, tp: int, moe, ep: int) -> dict[str, tuple[int, ...]]:
+    """Each parameter of a one-layer model ("embed", "layers.0. ...", "norm", "lm_head") as one rank
+    holds it: 01's shapes, 06's experts in place of the MLP, 03's tp slice; nothing built."""
     shapes = foundation.parameter_shapes(dataclasses.replace(cfg, n_layers=1))
     if moe is not None:
         shapes = {name: shape for name, shape in shapes.items() if ".mlp." not in name}
         experts = expert_parallel.moe_parameter_shapes(cfg.dim, moe, ep)
         shapes |= {f"layers.0.mlp.{name}": shape for name, shape in experts.items()}
+    return {name: tensor_parallel.tp_local_shape(name, shape, tp, tensor_parallel_styles(moe))
+            for name, shape in shapes.items()}
+
+
+def unit_sizes(cfg, tp: int, moe, ep: int, fp8_gathers: bool = False) -> dict[str, UnitSizes]:
+    """UnitSizes of each kind of ZeRO unit ("embed", "layers", "norm", "lm_head"). fp8_gathers: --fp8
+    --zero 3, whose Float8Linear weights (a layer's 2-D weights: 08 converts every linear but the LM
+    head) have a ZeRO of their own."""
     out: dict[str, UnitSizes] = {}
-    for name, shape in shapes.items():
+    for name, shape in local_shapes(cfg, tp, moe, ep).items():
         expert = ep > 1 and name.rpartition(".")[2] in expert_parallel.MoE.expert_names
         float8 = fp8_gathers and name.startswith("layers.") and len(shape) == 2
-        numel = math.prod(tensor_parallel.tp_local_shape(name, shape, tp, tensor_parallel_styles(moe)))
+        numel = math.prod(shape)
         unit = out.get(name.split(".")[0], UnitSizes())
         out[name.split(".")[0]] = UnitSizes(unit.dense + numel * (not expert and not float8),
                                             unit.experts + numel * expert, unit.float8 + numel * float8,
@@ -732,14 +746,20 @@ def summary(trainer: Trainer) -> dict:
 
 @dataclass(frozen=True)
 class Cluster:
-    """plan's assumptions about the machines (defaults: H100 SXM nodes)."""
+    """plan's machines, by default H100 SXM nodes: NVIDIA's datasheet (989 dense bf16 TFLOP/s, 3.35 TB/s
+    HBM3, NVLink 4 at 450 GB/s each way) and the DGX H100's 400 Gb/s NIC per GPU. GEMMs and attention
+    run at the course's own H100 measurements (08's and 07's tables), x peak_tflops / 989."""
     gpus: int | None = option(None, "GPUs (default: the product of the mesh sizes)", ">= 1", PLAN, type=int)
     gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", ">= 1", PLAN)
     gpu_memory: float = option(80.0, "GB per GPU", "> 0", PLAN)
-    peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU (PEAK_BF16_FLOPS)", "> 0", PLAN)
-    mfu: float = option(0.43, "the share of peak compute reaches (09's on one H100)", "in (0, 1]", PLAN)
+    peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU: scales the H100's measured rates", "> 0",
+                                PLAN)
+    hbm_tbps: float = option(3.35, "TB/s of GPU memory (elementwise work, the optimizer, thin GEMMs)", "> 0",
+                             PLAN)
     nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node (NVLink 4)", "> 0", PLAN)
     network_gbps: float = option(50.0, "GB/s per GPU each way between nodes (a 400 Gb/s NIC)", "> 0", PLAN)
+    latency: float = 10e-6  # s a collective or send costs beyond its bytes: NCCL's tuning model
+    # (src/graph/tuning.cc) puts a ring's base latency at 4-8 us, plus 0.5-3 us a hop on NVLink
 
 
 def inside_node(sizes: MeshSizes, kind: str, gpus_per_node: int) -> bool:
@@ -750,27 +770,89 @@ def inside_node(sizes: MeshSizes, kind: str, gpus_per_node: int) -> bool:
     return gpus_per_node % block == 0
 
 
-def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster) -> dict:
-    """Seconds per step. Compute: the step's FLOPs as MFU counts them (PaLM's) plus the forward
-    that recompute re-runs, / (GPUs x peak x mfu), stretched by 04's bubble. Communication: each
-    group's bytes (its busiest rank's) / its link, NVLink inside a node, else the network. Bounds:
-    no overlap (the sum) and perfect overlap (the longest of compute, NVLink's and the network's)."""
-    tokens, per_token = train.global_batch * train.seq_len, flops_per_token(cfg, train.seq_len)
-    rerun = {"none": 0, "selective": per_token - flops_per_token(cfg, 0),  # attention's inside
-             "full": per_token - flops_per_token(dataclasses.replace(cfg, n_layers=0), train.seq_len)}
-    bubble = pipeline.bubble_formula(train.schedule, sizes.pp, train.microbatches, train.virtual)
-    peak = cluster.peak_tflops * 1e12 * cluster.mfu
-    compute = tokens * (per_token + rerun[train.recompute] / 3) / (sizes.world * peak)
+PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble")  # a step's, as printed
+
+
+def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster,
+              hide: bool = True) -> dict:
+    """Seconds per step, predicted from the operations (the module docstring's STEP TIME). parts: the
+    slowest pipeline rank's (bubble: its idle time in the pipeline's span). The bounds: hide=False,
+    none of the communication hidden; the compute alone, or the busiest link's bytes."""
+    tp, cp, pp, m, n, moe = sizes.tp, sizes.cp, sizes.pp, train.microbatches, sizes.dp * sizes.cp, train.moe
+    e, rows, s = 2 if train.mixed_precision else 4, train.global_batch // sizes.dp // m, train.seq_len // cp
+    tokens, hbm = rows * s, cluster.hbm_tbps * 1e12  # a microbatch's tokens on a rank
+    speed = cluster.peak_tflops * 1e12 / dict(PEAK_BF16_FLOPS)["H100"]
+    link = lambda kind: 1e9 * (cluster.nvlink_gbps if inside_node(sizes, kind, cluster.gpus_per_node)
+                               else cluster.network_gbps)
+    send = lambda kind, nbytes, calls=1: float(nbytes) / link(kind) + calls * cluster.latency
+    exposed = lambda comm, behind: max(0.0, comm - behind) if hide else comm
+    shapes = local_shapes(cfg, tp, moe, sizes.ep)
+
+    def linears(prefix: str) -> list[float]:  # (forward, backward); 06's experts share top_k x the tokens
+        out = [0.0, 0.0]
+        for *experts, n_out, n_in in (v for k, v in shapes.items() if k.startswith(prefix) and len(v) > 1):
+            count = experts[0] if experts else 1
+            f, b = fp8.linear_seconds(tokens * (moe.top_k if experts else 1) // count, n_in, n_out, hbm,
+                                      train.fp8 and not experts and prefix == "layers.", speed)
+            out = [out[0] + count * f, out[1] + count * b]
+        return out
+
+    elementwise = lambda **at: [x / hbm for x in tensor_parallel.elementwise_bytes(
+        cfg, tokens, tp, train.sequence_parallel, mlp=moe is None, elem_bytes=e, **at)]
+    attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim,
+                                        "flash" if cp > 1 else train.attention, cp, speed)  # 09's ring: 07's
+    layer = {"GEMMs": linears("layers."), "attention": list(attention),
+             "elementwise": elementwise(layers=1, embed=False, head=False)}
+    rerun = {"none": (), "selective": ("attention",), "full": tuple(layer)}[train.recompute]
+    layer = {k: [f, b + f * (k in rerun)] for k, (f, b) in layer.items()}  # recompute: the forward again
+    ranks = []
+    for p in plans:
+        first, last = 0 in p.stages, pp * train.virtual - 1 in p.stages
+        ends = {"GEMMs": linears("lm_head") if last else [0, 0], "attention": [0, 0],
+                "elementwise": elementwise(layers=0, embed=first, head=last)}
+        work = {k: [p.layers * layer[k][i] + ends[k][i] for i in (0, 1)] for k in layer}
+        parts = {k: m * sum(v) for k, v in work.items()} | dict.fromkeys(("TP", "CP", "DP"), 0.0)
+        if tp > 1:  # (ZB-H1's W re-runs part of the backward's: priced as 1F1B's)
+            ops = tensor_parallel.comm_formula(cfg, rows * m, s, train.sequence_parallel, layers=p.layers,
+                                               embed=first, head=last, microbatches=m, mlp=moe is None,
+                                               elem_bytes=e, recompute=train.recompute)
+            parts["TP"] = sum(send("tp", Fraction(tp - 1, tp) * payload * (1 + (op == "all_reduce")), calls)
+                              for op, (calls, payload) in ops.items())
+        if cp > 1:  # each of the cp - 1 hops behind one block's attention; recompute: the forward's twice
+            hops = context_parallel.attention_bytes("ring", tokens * cfg.dim // tp,
+                                                    tokens * cfg.n_kv_heads * cfg.head_dim // tp, cp, e)
+            f, b = (exposed(send("cp", hops[d] / (cp - 1)), t / cp) for d, t in zip(hops, attention))
+            parts["CP"] = m * p.layers * (cp - 1) * (f * (1 + (train.recompute != "none")) + b)
+        after = zero.zero_step_bytes(p.params, n, train.zero_stage, m, train.mixed_precision) / hbm
+        if n > 1:  # 02's over dp x cp; units: each layer, the embedding, the norm and head
+            unit, units = [sum(v[i] for v in layer.values()) for i in (0, 1)], p.layers + first + 2 * last
+            last_backward = sum(v[1] for v in work.values())
+            parts["DP"] = zero.zero_exposed_seconds(p.params, n, train.zero_stage, units, m, e,
+                                                    lambda *x: send("dp_cp", *x), last_backward, unit, hide)
+        ranks.append((parts, after))
+    bubble = pipeline.bubble_formula(train.schedule, pp, m, train.virtual)
+    busy = [sum(parts.values()) - parts["DP"] for parts, _ in ranks]
+    message = rows * s // (tp if train.sequence_parallel else 1) * cfg.dim * e  # a boundary's, each way
+    sends = 2 * (pp - 1) if hide else 2 * m * (pp * train.virtual - 1)  # the fill and drain's; all
+    fill = (pp > 1) * sends * send("pp", message)
+    span = max(busy) / (1 - bubble) + fill
+    totals = [span + parts["DP"] + after for parts, after in ranks]
+    slowest = totals.index(max(totals))
+    parts, after = ranks[slowest]
+    parts = {**parts, "elementwise": parts["elementwise"] + after, "PP": fill,
+             "bubble": span - fill - busy[slowest]}
+    compute = max(sum(r[k] for k in layer) for r, _ in ranks) / (1 - bubble) + max(a for _, a in ranks)
     links, comm = {"NVLink": 0.0, "network": 0.0}, {}
     for kind in dict.fromkeys(k for p in plans for k in p.traffic):
         sent = [p.traffic.get(kind, 0) for p in plans]
-        link = "NVLink" if inside_node(sizes, kind, cluster.gpus_per_node) else "network"
-        comm[kind] = None if None in sent else (float(max(sent)), link)
-        speed = 1e9 * (cluster.nvlink_gbps if link == "NVLink" else cluster.network_gbps)
-        links[link] += 0 if comm[kind] is None else comm[kind][0] / speed
-    compute /= 1 - bubble
-    return dict(flops=tokens * per_token, compute=compute, bubble=bubble, comm=comm,
-                no_overlap=compute + sum(links.values()), overlap=max(compute, *links.values()))
+        where = "NVLink" if inside_node(sizes, kind, cluster.gpus_per_node) else "network"
+        comm[kind] = None if None in sent else (float(max(sent)), where)
+        links[where] += 0 if comm[kind] is None else comm[kind][0] / link(kind)
+    flops = train.global_batch * train.seq_len * flops_per_token(cfg, train.seq_len)  # PaLM's, as MFU counts
+    return dict(step=max(totals), parts={k: parts[k] for k in PARTS}, bubble=bubble, busy=busy, span=span,
+                flops=flops, mfu=flops / (max(totals) * sizes.world * cluster.peak_tflops * 1e12), comm=comm,
+                overlap=max(compute, *links.values()),
+                no_overlap=step_time(cfg, sizes, train, plans, cluster, hide=False)["step"] if hide else None)
 
 
 def mesh_candidates(gpus: int, fixed: dict[str, int | None], gpus_per_node: int, ep: int):
@@ -795,7 +877,7 @@ def planned(cfg, sizes: MeshSizes, train: TrainConfig, microbatches: int | None,
 def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | None], microbatches: int | None,
                   ep: int, cluster: Cluster) -> tuple[list, list, str]:
     """The meshes of gpus GPUs that validate accepts, as planned() gives them; those that fit in a
-    GPU's memory, fastest first (no-overlap bound, then perfect-overlap); the first refusal."""
+    GPU's memory, fastest first (by the predicted step); the first refusal."""
     valid, refusals = [], []
     for sizes in mesh_candidates(gpus, fixed, cluster.gpus_per_node, ep):
         try:
@@ -803,7 +885,7 @@ def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | Non
         except ValueError as error:
             refusals.append(f"{mesh_name(sizes)}: {error}".replace("\n", " "))
     fitting = sorted((v for v in valid if max(p.total for p in v[2]) <= cluster.gpu_memory * 1e9),
-                     key=lambda v: (v[3]["no_overlap"], v[3]["overlap"]))
+                     key=lambda v: v[3]["step"])
     return valid, fitting, refusals[0] if refusals else "no sizes multiply to it (tp divides --gpus-per-node)"
 
 
@@ -1103,6 +1185,18 @@ MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256 (bytes are toke
     "llama3-70b": (dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **LLAMA3), 8192, 1024, 1.5e-4),
     "llama3-405b": (dict(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248, **LLAMA3), 8192, 2048, 8e-5),
 }
+# Published GPT-style runs plan is checked against (README), (dim, layers, batch): Megatron-Core's H100
+# table (vocabulary 131,072, 4,096 tokens) and MosaicML's MPT (50,368, 2,048). Heads of 128; their GELU
+# MLP of 4 x dim is priced as our SwiGLU with its parameters (ffn 8 dim / 3).
+MEGATRON_H100 = {"1.7b": (2048, 24, 192), "7.1b": (4096, 30, 192), "16b": (6144, 32, 192),
+                 "32b": (7168, 48, 192), "70b": (8192, 84, 384), "119b": (10240, 92, 768),
+                 "177b": (12288, 96, 1152), "314b": (16384, 96, 1536), "462b": (18432, 112, 3072)}
+MPT = {"1b": (2048, 24, 112), "7b": (4096, 32, 48), "70b": (8192, 80, 4096)}
+gpt_style = lambda dim, layers, vocab: dict(dim=dim, n_layers=layers, n_heads=dim // 128,  # noqa: E731
+                                            ffn_dim=round(dim / 3) * 8, vocab_size=vocab)
+MODELS |= {f"megatron-{k}": (gpt_style(d, n, 131_072), 4096, b, 1e-4)
+           for k, (d, n, b) in MEGATRON_H100.items()}
+MODELS |= {f"mpt-{k}": (gpt_style(d, n, 50_368), 2048, b, 1e-4) for k, (d, n, b) in MPT.items()}
 
 
 @dataclass
@@ -1564,15 +1658,18 @@ def describe(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing
     else:
         lines.append(f"fullest GPU {gigabytes(totals[fullest])} GB (pp {fullest}: "
                      + ", ".join(f"{k} {gigabytes(v)}" for k, v in plans[fullest].memory.items()) + ")")
-    useful = [timing["flops"] / sizes.world / timing[k] / 1e12 for k in ("no_overlap", "overlap")]
     lines.append("sent per GPU per step (its busiest pipeline rank): " + (", ".join(
         f"{GROUP_NAMES[k]} " + ("n/a (no formula)" if v is None else f"{gigabytes(v[0])} GB ({v[1]})")
         for k, v in timing["comm"].items()) or "nothing"))
-    seconds = {k: f"{timing[k]:,.1f}" if timing[k] >= 1 else f"{timing[k]:.2g}"
-               for k in ("compute", "no_overlap", "overlap")}
-    lines.append(f"step: compute {seconds['compute']} s (bubble {timing['bubble']:.0%}); no overlap "
-                 f"{seconds['no_overlap']} s, perfect overlap {seconds['overlap']} s: "
-                 f"{useful[0]:,.0f}-{useful[1]:,.0f} TFLOP/s per GPU")
+    t, seconds = timing, lambda x: f"{x:,.1f}" if x >= 10 else f"{x:.3g}"
+    part = {k: seconds(v) for k, v in t["parts"].items()}
+    useful = (f"{t['flops'] / sizes.world / t['step'] / 1e12:,.0f} TFLOP/s per GPU, MFU {t['mfu']:.0%}"
+              if train.moe is None else "MFU n/a (flops_per_token counts dense MLPs)")
+    lines += [f"step {seconds(t['step'])} s predicted: {useful}; "
+              f"bounds {seconds(t['overlap'])} s (perfect overlap) to {seconds(t['no_overlap'])} s (none)",
+              f"  GEMMs {part['GEMMs']} + attention {part['attention']} + elementwise "
+              f"{part['elementwise']} + exposed TP {part['TP']}, DP {part['DP']}, PP {part['PP']}, CP "
+              f"{part['CP']} + bubble {part['bubble']} s ({t['bubble']:.0%})"]
     return "\n".join(lines)
 
 
@@ -1593,10 +1690,12 @@ def plan_report(args: argparse.Namespace) -> str:
               f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, ffn {cfg.ffn_dim}, vocabulary "
               f"{cfg.vocab_size:,}), bf16 + fp32 masters{' + FP8 GEMMs' if train.fp8 else ''}; batch "
               f"{train.global_batch:,} x {train.seq_len:,} tokens; {gpus:,} GPUs of {args.gpu_memory:g} GB, "
-              f"{cluster.gpus_per_node} per node.\nAssumed: compute at {cluster.mfu:.0%} of "
-              f"{cluster.peak_tflops:g} TFLOP/s; {cluster.nvlink_gbps:g} GB/s per GPU each way in a node, "
-              f"{cluster.network_gbps:g} across nodes. Not counted: logits and loss, the\nembedding's "
-              f"output, temporaries, CUDA and NCCL buffers, fragmentation.")
+              f"{cluster.gpus_per_node} per node.\nPriced: GEMMs and attention ({train.attention}) at the "
+              f"course's H100 rates x {cluster.peak_tflops:g} / 989 TFLOP/s, the rest at "
+              f"{cluster.hbm_tbps:g} TB/s; {cluster.nvlink_gbps:g} GB/s per GPU each way in a node, "
+              f"{cluster.network_gbps:g} across nodes,\n{cluster.latency * 1e6:g} us a message. Memory "
+              f"leaves out the logits and loss, the embedding's output, temporaries, CUDA and NCCL buffers, "
+              f"fragmentation.")
     valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, args.microbatches, args.ep, cluster)
     if None not in fixed.values() and valid:  # the mesh given
         need = max(p.total for p in valid[0][2])
@@ -1629,7 +1728,8 @@ def plan_report(args: argparse.Namespace) -> str:
 class ModelOptions:
     """The command line's choice of model (a ModelConfig and an MoEConfig, made by build_model_config
     and train_config)."""
-    model: str = option("tiny", "the preset (llama3-*: plan only)", commands=TRAIN + PLAN, choices=MODELS)
+    model: str = option("tiny", "the preset (llama3-*, megatron-*, mpt-*: plan only)", commands=TRAIN + PLAN,
+                        choices=MODELS)
     kv_heads: int | None = option(None, "key/value heads, grouped-query attention", ">= 1", type=int)
     moe: bool = option(False, "every MLP a mixture of experts (dropless)")
     experts: int = option(4, "experts per MoE layer", ">= 1")

@@ -739,6 +739,43 @@ def test_memory_model_shards_exactly_what_each_stage_shards(psi, n):
             assert mem[key] == (full[key] / n if stage > i else full[key])
 
 
+# --- the time model (lesson 09's planner) ---------------------------------------------------------
+
+@pytest.mark.parametrize("stage", zero.STAGES)
+def test_zero_hides_its_traffic_behind_compute_where_it_can(stage):
+    """send at 1 B/s, no latency: seconds are bytes. Behind a long backward the reduction shows only
+    its last unit's share; with no compute to hide behind, all of it. Stages 1-2's gather after the
+    step never hides. Stage 3 gathers each unit before its forward and its backward in each
+    microbatch: all but the first hide behind the previous unit, or show entirely. hide=False: all."""
+    psi, n, units, m, send = 1200, 4, 10, 3, lambda nbytes, calls: float(nbytes)
+    ops = zero.zero_traffic_per_step(psi, n, stage, 2, 2)
+    reduce, gather = ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0), ops.get("all_gather", 0)
+    one = gather / 2 / units  # a unit's gather (stage 3)
+    exposed = lambda last_backward, unit, **hide: zero.zero_exposed_seconds(  # noqa: E731
+        psi, n, stage, units, m, 2, send, last_backward, (unit, unit), **hide)
+    gathers = (one, one + 2 * m * (units - 1) * one) if stage == 3 else (gather, gather)
+    assert exposed(1e9, 1e9) == pytest.approx(float(reduce / units + gathers[0]))
+    assert exposed(0.0, 0.0) == pytest.approx(float(reduce + gathers[1]))
+    assert exposed(1e9, 1e9, hide=False) == exposed(0.0, 0.0)
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_the_steps_memory_traffic_counts_each_pass_of_this_zero(mixed_precision):
+    """Bytes per element of ZeRO's passes outside its collectives, as step() runs them: on the full
+    gradients the microbatches' accumulation (3 G each; stages 2-3 keep the first) and the zeroing
+    (0-1: G) or flattening (2-3: 2 G); on the shard / n, the norm (G), fp32 copy and clip (mixed:
+    G + 12; fp32: 8), fused AdamW (28), the bf16 copy (mixed: 6), stages 1-2's send copy (2 G)."""
+    g, psi, n, m = (2 if mixed_precision else 4), 1000, 4, 3
+    per_shard = 3 * g + (g + 12 if mixed_precision else 8) + 28 + 6 * mixed_precision
+    full = {0: 3 * g * m + g, 1: 3 * g * m + g, 2: 3 * g * (m - 1) + 2 * g, 3: 3 * g * (m - 1) + 2 * g}
+    for stage in zero.STAGES:
+        shard = psi if stage == 0 else psi // n
+        send_copy = 2 * g * (stage in (1, 2))
+        assert zero.zero_step_bytes(psi, n, stage, m, mixed_precision) == (
+            full[stage] * psi + (per_shard + send_copy) * shard)
+    assert zero.zero_step_bytes(psi, 1, 1, m, mixed_precision) == (full[1] + per_shard) * psi  # no send copy
+
+
 # --- the script itself -------------------------------------------------------------------------
 
 def test_script_runs_as_plain_python():

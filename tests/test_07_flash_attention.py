@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 from functools import partial
@@ -499,3 +500,34 @@ def test_gpu_deterministic():
             for _ in range(2)]
     for name, first, second in zip(NAMES, *runs, strict=True):
         assert torch.equal(first, second), name
+
+
+# --- what attention costs: the measured rates lesson 09's planner prices it with -------------------
+
+def test_the_planners_attention_rates_are_the_readmes_measurements():
+    """ATTENTION_TFLOPS_H100 is README's `--bench` table (forward + backward: ours, SDPA's flash,
+    cuDNN), every one of its 20 rows: a re-measured README cannot leave the planner behind."""
+    text = (ROOT / "README.md").read_text()
+    rows = re.findall(r"\n\| (64|128) \| (\d+) \| (no|yes) \|(?: [\d.]+ \|){6} ([\d.]+) \| ([\d.]+) \| [\d.]+ \| "
+                      r"([\d.]+) \|", text)
+    assert len(rows) == 2 * len(flash.BENCH_SEQS) * 2
+    for head_dim, seq, causal, *rates in rows:
+        measured = flash.ATTENTION_TFLOPS_H100[int(head_dim), causal == "yes"]
+        at = flash.BENCH_SEQS.index(int(seq))
+        assert [measured[k][at] for k in ("flash", "sdpa", "cudnn")] == [float(r) for r in rates]
+
+
+@pytest.mark.parametrize("kernel", ["flash", "sdpa", "cudnn"])
+def test_attention_is_priced_by_the_papers_flops_at_the_nearest_measured_rate(kernel):
+    """Forward 4 N^2 d a head, halved by the causal mask, backward 2.5x, at the measured rate of the
+    nearest head dim and length; a rank of a zigzag ring over cp ranks does 1/cp of the causal work
+    over cp x seq tokens, at the rate of unmasked blocks of its length."""
+    rate = lambda d, causal, seq: flash.ATTENTION_TFLOPS_H100[d, causal][kernel][  # noqa: E731
+        flash.BENCH_SEQS.index(seq)] * 1e12
+    forward, backward = flash.attention_seconds(2, 16, 2048, 128, kernel)
+    assert forward == pytest.approx(4 * 2 * 16 * 2048 ** 2 * 128 / 2 / rate(128, True, 2048), rel=1e-12)
+    assert backward == pytest.approx(2.5 * forward, rel=1e-12)
+    assert flash.attention_seconds(2, 16, 2000, 120, kernel)[0] * rate(128, True, 2048) == pytest.approx(
+        4 * 2 * 16 * 2000 ** 2 * 120 / 2, rel=1e-12)  # nearest: head dim 128, length 2048
+    ring = flash.attention_seconds(1, 8, 4096, 64, kernel, cp=4, speed=2.0)[0]
+    assert ring * 4 * rate(64, False, 4096) * 2.0 == pytest.approx(4 * 8 * (4 * 4096) ** 2 * 64 / 2, rel=1e-12)

@@ -859,3 +859,26 @@ def test_tensor_parallel_amax_all_reduces_move_what_the_formula_says(rank_pool, 
             assert amax_bytes == steps * 2 * ring * 4 * n_layers * (7 + microbatches * 7)
             assert amax_bytes == steps * fp8.tensor_parallel_amax_traffic(
                 tp, n_layers, microbatches, sequence_parallel=sequence_parallel)
+
+
+# --- what a GEMM costs: the measured rates lesson 09's planner prices every linear layer with -------
+
+def test_the_planners_gemm_rates_are_the_readmes_measurements():
+    """GEMM_TFLOPS_H100 is README's `--bench` table (bf16, tensorwise FP8 with its scaling)."""
+    rows = re.findall(r"\n\| (\d+) \| (\d+) \| \d+ \| (\d+) \| [\d.]+x \|", (ROOT / "README.md").read_text())
+    assert {int(n): (int(bf16), int(float8)) for n, bf16, float8 in rows} == fp8.GEMM_TFLOPS_H100
+
+
+def test_a_gemm_is_priced_by_its_flops_or_its_bytes_whichever_is_longer():
+    """A roofline: a square GEMM runs at its measured rate; one of 16 rows is bound by the memory
+    (its bytes / the bandwidth); the nearest measured size in FLOPs sets the rate; a linear's
+    backward is two GEMMs of its forward's FLOPs."""
+    hbm = 3.35e12
+    for n, (bf16, float8) in fp8.GEMM_TFLOPS_H100.items():
+        assert fp8.gemm_seconds(n, n, n, hbm) == pytest.approx(2 * n ** 3 / (bf16 * 1e12), rel=1e-12)
+        assert fp8.gemm_seconds(n, n, n, hbm, float8=True, speed=0.5) == pytest.approx(
+            2 * n ** 3 / (float8 * 0.5e12), rel=1e-12)
+    assert fp8.gemm_seconds(16, 8192, 8192, hbm) == pytest.approx((2 * (16 * 8192 + 8192 ** 2) + 2 * 16 * 8192) / hbm)
+    assert fp8.gemm_seconds(16384, 2048, 2048, hbm) == pytest.approx(2 * 16384 * 2048 ** 2 / 770e12, rel=1e-12)
+    forward, backward = fp8.linear_seconds(16384, 2048, 5632, hbm)
+    assert backward == pytest.approx(2 * forward, rel=1e-12)
