@@ -16,13 +16,12 @@ Three programs, a sub-command each with its own options: `check` proves the mesh
 
 THE MESH
 world = dp x pp x cp x tp ranks (the mesh sets them: 09 has no --nproc), numbered with tp fastest:
-rank = ((d pp + p) cp + c) tp + t. So the ranks of a tensor-parallel group are adjacent (the same
-node, the fastest link: TP talks in every layer), then context, pipeline and data parallelism, which
-talk less often. Every rank creates every group of every dimension in the same order
-(dist.new_group is a collective over the world) and keeps those it belongs to. Expert parallelism
-needs no ranks of its own: the dp x cp ranks of one (pp, tp) position hold different tokens anyway,
-so an MoE layer may spread its experts over them (ep divides dp x cp); each expert is then
-data-parallel over the other dp x cp / ep ranks.
+rank = ((d pp + p) cp + c) tp + t. So a tensor-parallel group's ranks are adjacent (one node, the
+fastest link: TP talks in every layer), then context, pipeline and data parallelism, which talk less.
+Every rank creates every group of every dimension in the same order (dist.new_group is a collective
+over the world) and keeps its own. Expert parallelism needs no ranks of its own: the dp x cp ranks of
+one (pp, tp) position hold different tokens anyway, so an MoE layer may spread its experts over them
+(ep divides dp x cp); each expert is then data-parallel over the other dp x cp / ep ranks.
 
 ONE MODEL, TRANSFORMED IN ONE ORDER (each step an earlier lesson's own function)
   01 GPT(cfg) -> 06 convert_to_moe + apply_expert_parallel (--moe, --ep) -> 08 convert_to_float8
@@ -39,11 +38,11 @@ GRADIENTS EQUAL ONE DEVICE'S, because each reduction happens exactly once:
 - tp: Megatron's f/g inside the model; with SP every replicated parameter's partial gradient is
   summed over tp (03's hook). Nothing else reduces over tp.
 - pp: each stage owns its parameters; microbatch losses are divided by m (04).
-- dp x cp: every rank's loss is the mean over its own tokens (its rows, its sequence chunks, equal
-  counts) and the ring returns every dK/dV to its owner, so the mean over dp x cp of the ranks'
-  gradients is the batch's: ZeRO's reduce-scatter (or all-reduce) / (dp cp), once per step after
-  the last microbatch (ZeRO.no_sync around the schedule). An expert's gradient arrives summed over
-  the ep group (06's backward all-to-all): / ep, then its own ZeRO / (dp cp / ep).
+- dp x cp: every rank's loss is the mean over its own tokens (equal counts) and the ring returns
+  every dK/dV to its owner, so the mean over dp x cp of the ranks' gradients is the batch's: ZeRO's
+  reduce-scatter (or all-reduce) / (dp cp), once per step after the last microbatch (ZeRO.no_sync
+  around the schedule). An expert's gradient arrives summed over the ep group (06's backward
+  all-to-all): / ep, then its own ZeRO / (dp cp / ep).
 - clipping: ||g||^2 sums ZeRO's shards, then the ep (experts), tp and pp ranks; a parameter
   replicated over tp counts 1/tp on each. Every rank then scales alike.
 MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's
@@ -51,43 +50,37 @@ load depend on which tokens share a forward, which microbatches and sequence chu
 
 COST per step per rank: plan() composes the lessons' own formulas without building anything. Sent:
 03's TP all-reduces (+ 08's amaxes under --fp8), 05's ring hops, 04's boundary sends and stage check,
-02's ZeRO traffic (08's for the FP8-gathered weights under --fp8 --zero 3); ep's all-to-alls depend on
-the routing (n/a). Held: 02's memory on the
-stage's TP-local parameters, 03's activations x 04's microbatches in flight. `check` prints them
-beside each rank's measurements (the tests prove them equal); `plan` prices a model and cluster that
-are not here against a GPU's memory, predicts its step time, and searches the mesh sizes left out.
-
-THE STEP TIME (plan's step_time), from the operations, each priced by the lesson that owns it: a
-microbatch's linears at their TP-local shapes (08's roofline: the GEMM rate measured on an H100, or
-the bytes at the HBM's bandwidth), attention at 07's measured rate, elementwise work (03) and the
-optimizer (02) at the HBM's bandwidth, recompute's forward again. Messages go at their link's speed
-plus a latency, exposed where nothing hides them: TP's all (between GEMMs), the ring's hops beyond a
-block's attention, the gradient reduction beyond the last microbatch's backward, ZeRO-1/2's gather
-after the step, ZeRO-3's beyond the previous layer, the pipeline's sends in its fill and drain. The
-slowest rank's microbatches / (1 - 04's bubble) span the pipeline. README: against published runs.
+02's ZeRO traffic (08's for FP8-gathered weights); ep's all-to-alls depend on the routing (n/a).
+Held: 02's memory on the stage's TP-local parameters, 03's activations x 04's microbatches in
+flight. `check` prints them beside each rank's measurements (the tests prove them equal); `plan`
+prices a model and cluster that are not here against a GPU's memory and searches the mesh sizes
+left out. Its STEP TIME comes from the operations, each priced by the lesson that owns it: the
+linears at their TP-local shapes (08's roofline: the GEMM rate measured on an H100, or the bytes at
+the HBM's bandwidth), attention at 07's measured rate, elementwise work (03) and the optimizer (02)
+at the HBM's bandwidth, recompute's forward again. Messages go at their link's speed plus a latency,
+exposed where nothing hides them: TP's all, the ring's hops beyond a block's attention, the gradient
+reduction beyond the last microbatch's backward, ZeRO-1/2's gather after the step, ZeRO-3's beyond
+the previous layer, the pipeline's sends in its fill and drain. The slowest rank's microbatches /
+(1 - 04's bubble) span the pipeline. README: against published runs.
 
 TRAINING ON TEXT (`train`)
-Bytes are tokens (vocabulary 256: no tokenizer), from --data FILE or the standard library's own .py
+Bytes are tokens (vocabulary 256: no tokenizer), from --data FILE or the standard library's .py
 files, read in windows of seq_len + 1 in a seeded order (ShardedLoader). AdamW, linear warmup then
 cosine, clipping over the whole mesh; fp32 on a CPU, 02's bf16 with fp32 masters on a GPU.
-- Checkpoints: lesson 02's protocol on a ShardSpec's runs (tp, stage, expert slices): each element
-  written once across the mesh, atomically, with sizes and checksums; a resume reads only the slices
-  a rank holds, so the mesh and ZeRO stage may change (bitwise the same losses on the same mesh,
-  within fp32 rounding on another); a damaged one, a folder that cannot be written, a save that
-  fails: one line.
-- A NaN or inf loss stops every rank before the update, an inf or NaN gradient norm before the next
-  validation or save, naming the step and the last good checkpoint; no checkpoint is written that
-  holds a NaN or an inf.
+- Checkpoints: lesson 02's protocol on a ShardSpec's runs: each element written once across the
+  mesh, atomically, with sizes and checksums; a resume reads only the slices a rank holds, so the
+  mesh and ZeRO stage may change (bitwise the same losses on the same mesh, within fp32 rounding on
+  another); a damaged one, a folder that cannot be written, a save that fails: one line.
+- A NaN or inf loss stops every rank before the update, a non-finite gradient norm before the next
+  validation or save, naming the step and the last good checkpoint (none holds a NaN or an inf).
 - MFU = tokens/s x (6N + 12 L H Q T) / peak (PaLM; N without the embedding): 40-60% is good.
 - --recompute selective | full: 03's apply_recompute before the stage cut; the run prints step one's
   activation bytes per rank beside layers x microbatches x 03's formula and Korthikanti's.
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
-    python 09_full_train.py --resume             # after a kill: on from the last checkpoint
-    python 09_full_train.py --resume 200         # from an earlier kept checkpoint (--keep: the last 2)
-    python 09_full_train.py --dp 1 --tp 1 --model 1b --attention flash --compile   # one H100
-    python 09_full_train.py --dp 1 --tp 1 --model 1b --compile --profile 3   # where the GPU's step goes
+    python 09_full_train.py --resume             # after a kill: on from the last checkpoint (or STEP)
+    python 09_full_train.py --dp 1 --tp 1 --model 1b --attention flash --compile --profile 3  # one H100
     torchrun --nproc_per_node=8 09_full_train.py check --dp 2 --tp 2 --pp 2
     python 09_full_train.py check --dp 2 --cp 2 --tp 2 --sequence-parallel
     python 09_full_train.py check --dp 2 --tp 2 --pp 2 --ep 2    # MoE, experts over 2 dp ranks
@@ -137,8 +130,7 @@ DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
 # Each command-line option is a field of the dataclass it sets (MeshSizes, TrainConfig, RunConfig,
 # Cluster, ModelOptions): option() keeps its help and its range rule beside it; the command line
 # (last section) is generated from the fields and checks every rule once, before any work.
-RULES = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
-         "in (0, 1]": lambda v: 0 < v <= 1}  # false for NaN: refused too
+RULES = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0}  # NaN: refused too
 EVERY, STEPPING, TRAIN, PLAN = ("check", "train", "plan"), ("check", "train"), ("train",), ("plan",)
 
 
@@ -169,9 +161,7 @@ def broken_rules(values, fields: Sequence[dataclasses.Field], flagged: bool = Fa
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# The mesh
-# ----------------------------------------------------------------------------------------------
+# --- The mesh -------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -260,9 +250,7 @@ def mesh_name(sizes: MeshSizes) -> str:
     return " ".join(f"{d}={getattr(sizes, d)}" for d in DIMS) + (f" ep={sizes.ep}" if sizes.ep > 1 else "")
 
 
-# ----------------------------------------------------------------------------------------------
-# The whole configuration, checked before any collective
-# ----------------------------------------------------------------------------------------------
+# --- The whole configuration, checked before any collective ---------------------------------------
 
 
 @dataclass(frozen=True)
@@ -294,7 +282,7 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
         try:
             rule(*args)
         except ValueError as error:
-            problems.append(str(error).replace(*rename) if rename[0] else str(error))
+            problems.append(str(error).replace(*rename))
 
     if min(getattr(sizes, d) for d in DIMS) >= 1 and sizes.world != world:
         problems.append(f"dp x pp x cp x tp = {sizes.dp} x {sizes.pp} x {sizes.cp} x {sizes.tp} = "
@@ -330,9 +318,7 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
         raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
 
-# ----------------------------------------------------------------------------------------------
-# Where each held parameter comes from: the contract for reassembly and checkpoints
-# ----------------------------------------------------------------------------------------------
+# --- Where each held parameter comes from: the contract for reassembly and checkpoints ------------
 
 
 @dataclass(frozen=True)
@@ -376,9 +362,7 @@ def assemble(pieces: list[tuple[ShardSpec, torch.Tensor]], fill: float = math.na
     return full
 
 
-# ----------------------------------------------------------------------------------------------
-# The composed model and its step
-# ----------------------------------------------------------------------------------------------
+# --- The composed model and its step --------------------------------------------------------------
 
 
 def tensor_parallel_styles(moe) -> dict:
@@ -560,15 +544,7 @@ class Trainer:
         return loss
 
 
-def build_trainer(cfg, sizes: MeshSizes, train: TrainConfig, device: torch.device) -> Trainer:
-    """Check everything on every rank before any collective, create the groups, build this rank's part."""
-    validate(cfg, sizes, train, dist.get_world_size())
-    return Trainer(cfg, build_mesh(sizes), train, device)
-
-
-# ----------------------------------------------------------------------------------------------
-# The plan: what every rank holds and sends, by the lessons' formulas, for any mesh and model
-# ----------------------------------------------------------------------------------------------
+# --- The plan: what every rank holds and sends, by the lessons' formulas, for any mesh and model ---
 
 
 class UnitSizes(NamedTuple):
@@ -739,9 +715,7 @@ def summary(trainer: Trainer) -> dict:
                 traffic_formula=traffic_formula, in_flight=trainer.in_flight, plan=mine)
 
 
-# ----------------------------------------------------------------------------------------------
-# Planning a run at scale: the plan against a GPU's memory, and a step time
-# ----------------------------------------------------------------------------------------------
+# --- Planning a run at scale: the plan against a GPU's memory, and a step time --------------------
 
 
 @dataclass(frozen=True)
@@ -855,16 +829,6 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
                 no_overlap=step_time(cfg, sizes, train, plans, cluster, hide=False)["step"] if hide else None)
 
 
-def mesh_candidates(gpus: int, fixed: dict[str, int | None], gpus_per_node: int, ep: int):
-    """Every (dp, pp, cp, tp) whose product is gpus, tp within a node, the sizes given kept."""
-    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
-    for tp, cp, pp in itertools.product(divisors, repeat=3):
-        if gpus % (tp * cp * pp) == 0 and gpus_per_node % tp == 0:
-            sizes = MeshSizes(gpus // (tp * cp * pp), pp, cp, tp, ep)
-            if all(fixed[d] in (None, getattr(sizes, d)) for d in DIMS):
-                yield sizes
-
-
 def planned(cfg, sizes: MeshSizes, train: TrainConfig, microbatches: int | None, cluster: Cluster) -> tuple:
     """(sizes, train as run on them, plans, step time), or validate's ValueError. microbatches None:
     one sequence each (global_batch / dp)."""
@@ -876,10 +840,16 @@ def planned(cfg, sizes: MeshSizes, train: TrainConfig, microbatches: int | None,
 
 def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | None], microbatches: int | None,
                   ep: int, cluster: Cluster) -> tuple[list, list, str]:
-    """The meshes of gpus GPUs that validate accepts, as planned() gives them; those that fit in a
-    GPU's memory, fastest first (by the predicted step); the first refusal."""
+    """The meshes of gpus GPUs (tp within a node, the sizes given kept) that validate accepts, as
+    planned() gives them; those that fit in a GPU's memory, fastest first (by the predicted step); the
+    first refusal."""
     valid, refusals = [], []
-    for sizes in mesh_candidates(gpus, fixed, cluster.gpus_per_node, ep):
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    for tp, cp, pp in itertools.product(divisors, repeat=3):
+        sizes = MeshSizes(gpus // (tp * cp * pp), pp, cp, tp, ep)
+        if gpus % (tp * cp * pp) or cluster.gpus_per_node % tp or any(
+                fixed[d] not in (None, getattr(sizes, d)) for d in DIMS):
+            continue
         try:
             valid.append(planned(cfg, sizes, train, microbatches, cluster))
         except ValueError as error:
@@ -889,9 +859,7 @@ def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | Non
     return valid, fitting, refusals[0] if refusals else "no sizes multiply to it (tp divides --gpus-per-node)"
 
 
-# ----------------------------------------------------------------------------------------------
-# Data (bytes are tokens, windows of seq_len + 1 in a seeded order per epoch), learning rate, MFU
-# ----------------------------------------------------------------------------------------------
+# --- Data (bytes are tokens, windows of seq_len + 1 in a seeded order per epoch), learning rate, MFU
 
 DEFAULT_CORPUS_BYTES = 2 << 20  # enough text for a CPU run; a fixed cap keeps it quick and fixed
 
@@ -1003,9 +971,8 @@ def flops_per_token(cfg, seq_len: int) -> int:
     weight (2 forward, 4 backward), then the attention scores and weighted sum over context T.
     N: every parameter but the token embedding, whose lookup multiplies nothing (the untied LM head
     does). Recompute's extra forward is not counted: MFU counts useful work only."""
-    kv = cfg.n_kv_heads * cfg.head_dim
-    per_layer = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim
-    n = cfg.n_layers * per_layer + cfg.dim + cfg.dim * cfg.vocab_size
+    n = sum(math.prod(shape) for name, shape in foundation.parameter_shapes(cfg).items()
+            if name != "embed.weight")
     return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
@@ -1022,13 +989,10 @@ def text_prompt(tokens: torch.Tensor, max_bytes: int = 100) -> bytes:
 def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: int = 20,
            seed: int = 0) -> bytes:
     """n_new bytes continuing prompt (a byte-level lesson-01 GPT on one device), each drawn from the
-    top_k most likely next bytes with probabilities softmax(logits / temperature), by a generator
-    seeded with `seed`: the same sample every run. Greedy decoding (top_k = 1: always the most likely
-    byte) repeats itself: in a small model a frequent byte such as "_" or " " is often the single
-    most likely one, and once emitted it makes itself more likely still, so the text locks into a
-    loop ("self.______"). Sampling takes a less likely byte now and then, which breaks the loop; a
-    temperature below 1 and the top-k cut keep it from the tail of improbable bytes. The whole text
-    is re-read each step: simple, and a sample is short."""
+    top_k likeliest next bytes with probabilities softmax(logits / temperature), seeded: the same
+    sample every run. Greedy decoding (top_k = 1) locks a small model into a loop ("self.______": a
+    frequent byte, once emitted, makes itself likelier still); a less likely byte now and then breaks
+    it, and T < 1 with the top-k cut keeps off the improbable tail. The whole text is re-read each step."""
     if not prompt or model.cfg.vocab_size != 256 or not temperature > 0 or top_k < 1 or n_new < 0:
         raise ValueError(f"sample needs a non-empty prompt, a byte-level model (vocab_size 256, not "
                          f"{model.cfg.vocab_size}), temperature > 0 (not {temperature}), top_k >= 1 "
@@ -1046,44 +1010,35 @@ def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8
     return bytes(tokens[0, len(prompt):].tolist())
 
 
-# ----------------------------------------------------------------------------------------------
-# Checkpoints: a Trainer's pieces in lesson 02's protocol (each element once, a resume reads its slices)
-# ----------------------------------------------------------------------------------------------
+# --- Checkpoints: a Trainer's pieces in lesson 02's protocol (each element once, a resume reads its slices)
 
 
 def param_specs(trainer: Trainer) -> list[tuple[ShardSpec, object, object, int]]:
     """(spec of the whole TP-local tensor, ZeRO, its unit, index in the unit) of every parameter of
     the trainer's stages."""
-    tp_rank, sizes, out = trainer.mesh.coords["tp"], trainer.mesh.sizes, []
+    tp_rank, ep, out = trainer.mesh.coords["tp"], trainer.mesh.sizes.ep, []
     ep_rank = dist.get_rank(trainer.mesh.groups["ep"])
     for part in trainer.zeros:
-        stage, kind, zero_opt = part.stage, part.kind, part.zero
-        for unit in zero_opt.units:
+        for unit in part.zero.units:
             for i, (name, p) in enumerate(zip(unit.names, unit.params)):
-                dim = getattr(p, "tp_shard_dim", None)
-                full, start, length = list(unit.shapes[i]), 0, 0
+                local, dim = tuple(unit.shapes[i]), getattr(p, "tp_shard_dim", None)
+                full, start, length = list(local), 0, 0
                 if dim is not None:
-                    full[dim] = p.tp_full_size
-                    start = tp_rank * unit.shapes[i][dim]
-                    length = max(0, min(unit.shapes[i][dim], p.tp_full_size - start))
-                ep_start = None
-                if kind == "ep_dp":
-                    ep_start, full[0] = ep_rank * full[0], full[0] * sizes.ep
-                spec = ShardSpec(name, tuple(full), stage, dim, start, length, tuple(unit.shapes[i]),
-                                 0, unit.shapes[i].numel(), ep_start)
-                out.append((spec, zero_opt, unit, i))
+                    full[dim], start = p.tp_full_size, tp_rank * local[dim]
+                    length = max(0, min(local[dim], p.tp_full_size - start))
+                experts = part.kind == "ep_dp"  # dim 0: ep x the experts this rank holds
+                full[0] *= ep if experts else 1
+                out.append((ShardSpec(name, tuple(full), part.stage, dim, start, length, local, 0,
+                                      math.prod(local), ep_rank * local[0] if experts else None),
+                            part.zero, unit, i))
     return out
 
 
 def shard_specs(trainer: Trainer) -> list[tuple[ShardSpec, object, object, int]]:
-    """The same for the pieces the trainer's ZeRO shards hold (the held elements only)."""
-    out = []
-    for spec, zero_opt, unit, i in param_specs(trainer):
-        begin = max(unit.offsets[i], unit.owned.start) - unit.offsets[i]
-        end = min(unit.offsets[i + 1], unit.owned.stop) - unit.offsets[i]
-        if begin < end:
-            out.append((dataclasses.replace(spec, flat_start=begin, flat_stop=end), zero_opt, unit, i))
-    return out
+    """The same for the elements the trainer's ZeRO shards hold (02's shard_parts)."""
+    return [(dataclasses.replace(spec, flat_start=start, flat_stop=stop), zero_opt, unit, i)
+            for spec, zero_opt, unit, i in param_specs(trainer)
+            for j, start, stop in zero.shard_parts(unit) if j == i]
 
 
 def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[ShardSpec, torch.Tensor]]:
@@ -1170,9 +1125,7 @@ def resume_command(step: int) -> str:
 
 
 
-# ----------------------------------------------------------------------------------------------
-# The training run
-# ----------------------------------------------------------------------------------------------
+# --- The training run -----------------------------------------------------------------------------
 
 LLAMA3 = dict(vocab_size=128_256, n_kv_heads=8, rope_theta=500_000.0)  # Meta's published configurations
 MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256 (bytes are tokens) unless the model sets one
@@ -1392,7 +1345,7 @@ def train_run(args: argparse.Namespace) -> None:
     if (problem := zero.first_problem(problem)) is not None:
         foundation.exit_distributed(problem)
     train_tokens, val_tokens = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
-    trainer = build_trainer(cfg, sizes, train, device)
+    trainer = Trainer(cfg, build_mesh(sizes), train, device)  # the launcher validated every rank
     loader = ShardedLoader(train_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
                            sizes.dp, run.seed)
     rank0, peak = trainer.mesh.rank == 0, peak_bf16_flops(device)
@@ -1428,14 +1381,13 @@ def train_run(args: argparse.Namespace) -> None:
         foundation.exit_distributed(str(failed), code=2 if isinstance(failed, zero.CheckpointError) else 1)
     if not result["losses"]:  # a finished run resumed: said so, nothing more
         foundation.exit_distributed()
-    saved, numels = ([None] * sizes.world if rank0 else None for _ in range(2))
-    dist.gather_object(result["activation_bytes"], saved, dst=0)
-    dist.gather_object({spec.name: math.prod(spec.full_shape) for spec, *_ in param_specs(trainer)}, numels,
-                       dst=0)
+    ranks = [None] * sizes.world if rank0 else None  # each rank's activation bytes and parameters' sizes
+    numels = {spec.name: math.prod(spec.full_shape) for spec, *_ in param_specs(trainer)}
+    dist.gather_object((result["activation_bytes"], numels), ranks, dst=0)
     if rank0:
-        print_run(cfg, trainer, result, saved, tokens_per_step, peak and mfu)
+        print_run(cfg, trainer, result, [a for a, _ in ranks], tokens_per_step, peak and mfu)
         if result["saved"] is not None:
-            n = sum({k: v for part in numels for k, v in part.items()}.values())
+            n = sum({k: v for _, part in ranks for k, v in part.items()}.values())
             formula = 4 * len(zero.CHECKPOINT_KINDS) * n
             disk = sum(f.stat().st_size for f in result["saved"].iterdir())
             print(f"checkpoint {result['saved']}: {disk:,} B on disk = (params + 2 AdamW moments) x 4 B x "
@@ -1520,15 +1472,13 @@ def step_profile(trace: dict, steps: int, step_s: float, top: int = 8) -> str:
 
 
 def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_step: int, mfu) -> None:
-    train, sizes = trainer.train, trainer.mesh.sizes
-    losses = result["losses"]
-    times = [t for step, t in result["times"].items() if step not in result.get("profiled", ())]
-    if losses:
-        first, last = min(losses), max(losses)
-        print(f"train loss {losses[first]:.3f} at step {first} -> {losses[last]:.3f} at step {last} "
-              f"(ln 256 = {math.log(256):.3f}: a uniform guess); validation: "
-              + ", ".join(f"{v:.3f} after {s}" for s, v in result["val"].items()))
-        print(f"The losses ('.' training, 'o' validation):\n{loss_curve(losses, result['val'])}")
+    """A run that trained a step: its losses and their curve, activations beside the formulas, speed."""
+    train, sizes, losses = trainer.train, trainer.mesh.sizes, result["losses"]
+    first, last = min(losses), max(losses)
+    print(f"train loss {losses[first]:.3f} at step {first} -> {losses[last]:.3f} at step {last} "
+          f"(ln 256 = {math.log(256):.3f}: a uniform guess); validation: "
+          + ", ".join(f"{v:.3f} after {s}" for s, v in result["val"].items()))
+    print(f"The losses ('.' training, 'o' validation):\n{loss_curve(losses, result['val'])}")
     rank0, b = plan(cfg, sizes, train)[0], train.global_batch // sizes.dp // train.microbatches
     paper = tensor_parallel.korthikanti_bytes(cfg, b, train.seq_len // sizes.cp, sizes.tp,
                                               train.sequence_parallel)
@@ -1540,22 +1490,20 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
     if saved[0] is not None:
         print(f"activations in step {result['measured']}, {what} per rank: "
               + ", ".join(f"{x:,}" for x in saved) + f"; {formula}")
+    times = [t for step, t in result["times"].items() if step not in result.get("profiled", ())]
     timed = times[max(1, len(times) // 4):] or times  # the first steps warm up (and compile)
-    if timed:
-        step_s = sum(timed) / len(timed)
-        rate = tokens_per_step / step_s
-        print(f"final: {len(timed)} timed steps, {step_s * 1e3:,.1f} ms/step, {rate:,.0f} tokens/s"
-              + (f", MFU {mfu(rate):.1%} (PaLM {flops_per_token(cfg, train.seq_len):,} FLOP/token, bf16 peak "
-                 f"{peak_bf16_flops(trainer.device) / 1e12:.0f} TFLOP/s per device)" if mfu else "")
-              + f"; attention {train.attention}, compile {'on' if train.compile else 'off'}, "
-                f"recompute {train.recompute}")
+    step_s = sum(timed) / len(timed)  # the first step trained is never profiled
+    rate = tokens_per_step / step_s
+    print(f"final: {len(timed)} timed steps, {step_s * 1e3:,.1f} ms/step, {rate:,.0f} tokens/s"
+          + (f", MFU {mfu(rate):.1%} (PaLM {flops_per_token(cfg, train.seq_len):,} FLOP/token, bf16 peak "
+             f"{peak_bf16_flops(trainer.device) / 1e12:.0f} TFLOP/s per device)" if mfu else "")
+          + f"; attention {train.attention}, compile {'on' if train.compile else 'off'}, "
+            f"recompute {train.recompute}")
     if "profile" in result:
         print(result["profile"])
 
 
-# ----------------------------------------------------------------------------------------------
-# The equivalence check (check): the mesh against one device
-# ----------------------------------------------------------------------------------------------
+# --- The equivalence check (check): the mesh against one device -----------------------------------
 
 
 def reference_transform(train: TrainConfig):
@@ -1586,7 +1534,7 @@ def print_summaries(sizes: MeshSizes, summaries: list[dict]) -> None:
 def demo(args: argparse.Namespace) -> None:
     device = foundation.init_distributed()
     sizes, cfg, train = mesh_sizes(args), build_model_config(args), train_config(args)
-    trainer = build_trainer(cfg, sizes, train, device)
+    trainer = Trainer(cfg, build_mesh(sizes), train, device)  # the launcher validated every rank
     mesh, losses = trainer.mesh, []
     for step in range(args.steps):
         losses.append(trainer.forward_backward(dp_rows(cfg, train, step, mesh)))
@@ -1624,9 +1572,7 @@ def demo(args: argparse.Namespace) -> None:
     foundation.exit_distributed()
 
 
-# ----------------------------------------------------------------------------------------------
-# plan's report: the given mesh's breakdown, or the fastest meshes that fit
-# ----------------------------------------------------------------------------------------------
+# --- plan's report: the given mesh's breakdown, or the fastest meshes that fit --------------------
 
 GROUP_NAMES = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_cp": "dp x cp", "ep_dp": "experts' dp", "ep": "ep"}
 
@@ -1719,9 +1665,7 @@ def plan_report(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------------
-# The command line: check | train | plan, generated from the option fields
-# ----------------------------------------------------------------------------------------------
+# --- The command line: check | train | plan, generated from the option fields ---------------------
 
 
 @dataclass(frozen=True)
@@ -1831,19 +1775,17 @@ def check_options(args: argparse.Namespace) -> None:
     """Every option's rule (beside its field), then the rules between options: a ValueError naming
     the option, before any work."""
     problems = broken_rules(args, option_fields(args.command), flagged=True)
+    between = () if args.command != "train" else (
+        (args.resume not in (False, "latest") and not args.resume.isdigit(),
+         f"--resume takes the step of a kept checkpoint (a number), not {args.resume!r}"),
+        (args.trace and not args.profile, "--trace writes --profile's trace: give --profile STEPS too"),
+        (args.profile and args.steps < 3,
+         f"--profile needs --steps >= 3 (the first two compile and measure), not {args.steps}"),
+        (args.sample_bytes and args.prompt == "",
+         "--prompt must not be empty: the sample continues it (--no-sample: no sample)"))
+    problems += [message for broken, message in between if broken]
     if problems:
         raise ValueError(problems[0])
-    if args.command != "train":
-        return
-    if args.resume not in (False, "latest") and not args.resume.isdigit():
-        raise ValueError(f"--resume takes the step of a kept checkpoint (a number), not {args.resume!r}")
-    if args.trace and not args.profile:
-        raise ValueError("--trace writes --profile's trace: give --profile STEPS too")
-    if args.profile and args.steps < 3:
-        raise ValueError(f"--profile needs --steps >= 3 (the first two compile and measure), not "
-                         f"{args.steps}")
-    if args.sample_bytes and args.prompt == "":
-        raise ValueError("--prompt must not be empty: the sample continues it (--no-sample: no sample)")
 
 
 def check_before_launch(args: argparse.Namespace, world: int) -> None:
@@ -1867,10 +1809,10 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
                                        checksums=False, resume_command=resume_command)  # the ranks hash
         ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=args.seed).load_state_dict(
             meta["loader"])
-    elif args.folder is not None and (earlier := zero.latest_checkpoint(args.folder)):
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks
-                print(f"note: {earlier} is from an earlier run; this run replaces it at its first save "
-                  f"(--resume continues it instead)")
+    elif args.folder is not None and (earlier := zero.latest_checkpoint(args.folder)) and (
+            os.environ.get("RANK", "0") == "0"):  # under torchrun every rank checks, rank 0 says so
+        print(f"note: {earlier} is from an earlier run; this run replaces it at its first save "
+              f"(--resume continues it instead)")
 
 
 def main() -> None:
