@@ -5,12 +5,12 @@ Three programs, a sub-command each with its own options: `check` proves the mesh
   Options: option(), a dataclass field that is also a command-line option, its rule beside it  all
   The mesh: MeshSizes (tp fastest), build_mesh (every group), rank_map                         all
   The configuration: TrainConfig; validate, every lesson's rule before any collective          all
-  Held pieces: ShardSpec, assemble (which slice of which reference parameter a rank holds)     check, train
+  Held pieces: ShardSpec, spec_piece (which slice of which reference parameter), assemble   check, train
   The composed model and its step: build_stage_model; Trainer (forward_backward, update)       check, train
   The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it)    all
   Planning at scale: Cluster, step_time (from the operations), search_meshes                plan
   Data, learning rate, MFU, sampling: ShardedLoader (bytes are tokens), flops_per_token, sample train
-  Checkpoints: a Trainer's pieces (shard_specs, spec_piece) in lesson 02's protocol            train, check
+  Checkpoints: a Trainer's pieces (param_specs, shard_specs) in lesson 02's protocol          train, check
   The training run: MODELS, RunConfig, train_loop                                              train
   RUN IT: train_run and its printing; check's demo; plan_report; the command line (COMMANDS)   all
 
@@ -335,18 +335,33 @@ class ShardSpec:
     flat_stop: int                 # the flattened TP-local tensor
     ep_start: int | None = None    # an MoE expert tensor: the first expert held (dim 0)
 
-    def global_indices(self) -> torch.Tensor:
-        """For each element of this rank's shard: its index in the flattened global parameter,
-        -1 for padding."""
-        index = torch.arange(math.prod(self.full_shape)).view(self.full_shape)
-        if self.ep_start is not None:
-            index = index.narrow(0, self.ep_start, self.local_shape[0])
-        if self.tp_dim is not None:
-            index = index.narrow(self.tp_dim, self.tp_start, self.tp_length)
-            pad = list(self.local_shape)
-            pad[self.tp_dim] -= self.tp_length
-            index = torch.cat([index, index.new_full(pad, -1)], self.tp_dim)
-        return index.flatten()[self.flat_start:self.flat_stop]
+
+def spec_piece(spec: ShardSpec) -> zero.Piece:
+    """spec's piece for lesson 02's checkpoints: the real elements of its flat range as runs of
+    consecutive global indices. A row of the TP-local tensor from its split dimension on is contiguous
+    in the global tensor, so a piece is at most one run per row: planning a read costs rows, where
+    each element's index would cost every element."""
+    shape, local = spec.full_shape, spec.local_shape
+    dim = spec.tp_dim if spec.tp_dim is not None else (0 if spec.ep_start is not None else None)
+    if dim is None:  # held whole (replicated over tp, not an expert): one run
+        runs = torch.tensor([[0, 0, math.prod(shape)]])
+    else:
+        inner = math.prod(shape[dim + 1:])
+        start, real = (spec.tp_start, spec.tp_length) if spec.tp_dim is not None else (0, local[0])
+        rows = torch.arange(math.prod(shape[:dim])).view(shape[:dim])
+        if spec.ep_start is not None and dim > 0:  # this rank's experts: a narrower dim 0
+            rows = rows.narrow(0, spec.ep_start, local[0])
+        elif spec.ep_start is not None:
+            start += spec.ep_start
+        first = rows.flatten() * shape[dim] * inner + start * inner
+        runs = torch.stack([first, torch.arange(len(first)) * local[dim] * inner,
+                            torch.full_like(first, real * inner)], 1)
+        # a run that goes on where the one before ended (tp = 1: whole rows) joins it
+        starts = torch.cat([torch.tensor([True]), (runs[1:, :2] != runs[:-1, :2] + runs[:-1, 2:]).any(1)])
+        lengths = torch.zeros(int(starts.sum()), dtype=runs.dtype).index_add_(0, starts.cumsum(0) - 1,
+                                                                              runs[:, 2])
+        runs = torch.cat([runs[starts, :2], lengths[:, None]], 1)
+    return zero.Piece(spec.name, shape, runs, math.prod(local)).narrow(spec.flat_start, spec.flat_stop)
 
 
 def assemble(pieces: list[tuple[ShardSpec, torch.Tensor]], fill: float = math.nan) -> dict[str, torch.Tensor]:
@@ -354,11 +369,9 @@ def assemble(pieces: list[tuple[ShardSpec, torch.Tensor]], fill: float = math.na
     an element no piece holds stays `fill`."""
     full = {}
     for spec, values in pieces:
-        if spec.name not in full:
-            full[spec.name] = torch.full(spec.full_shape, fill, dtype=torch.float32)
-        index = spec.global_indices()
-        real = index >= 0
-        full[spec.name].view(-1)[index[real]] = values.float()[real]
+        flat = full.setdefault(spec.name, torch.full(spec.full_shape, fill)).view(-1)
+        for first, offset, length in spec_piece(spec).runs.tolist():
+            flat[first:first + length] = values[offset:offset + length].float()
     return full
 
 
@@ -415,8 +428,7 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
     return model
 
 
-@dataclass(frozen=True)
-class StageZeRO:
+class StageZeRO(NamedTuple):
     """One ZeRO optimizer of a stage: over dp x cp ("dp_cp"), or over the ranks that hold the same
     experts ("ep_dp"); zero is lesson 02's ZeRO, or 08's Float8ZeRO for FP8 weights under ZeRO-3."""
     stage: int
@@ -449,6 +461,8 @@ class Trainer:
             self.stages[stage] = model
         # Experts get their own ZeRO over the ranks holding the same ones; their gradients arrive
         # summed over ep (06's all-to-all): / ep here.
+        settings = dict(lr=train.lr, adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
+                        mixed_precision=train.mixed_precision)
         self.zeros: list[StageZeRO] = []
         for stage, model in self.stages.items():
             experts = ({p for layer in expert_parallel.moe_layers(model) for p in layer.expert_parameters()}
@@ -457,17 +471,15 @@ class Trainer:
                 p.register_hook(lambda grad: grad / sizes.ep)
             # 08: under ZeRO-3 the Float8Linear weights get a ZeRO of their own, all-gathered in FP8
             fp8_weights = set(fp8.float8_weights(model) if train.fp8 and train.zero_stage == 3 else ())
-            settings = dict(lr=train.lr, adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
-                            mixed_precision=train.mixed_precision)
-            for kind, owns in (("dp_cp", lambda p, e=experts | fp8_weights: p not in e),
-                               ("ep_dp", lambda p, e=experts: p in e)):
-                if kind == "dp_cp" or experts:
-                    self.zeros.append(StageZeRO(stage, kind, zero.ZeRO(
-                        model, train.zero_stage, mesh.groups[kind], **settings,
-                        owns=owns if experts or fp8_weights else None)))
+            dense = (lambda p, e=experts | fp8_weights: p not in e) if experts or fp8_weights else None
+            parts = [("dp_cp", zero.ZeRO(model, train.zero_stage, mesh.groups["dp_cp"], **settings,
+                                         owns=dense))]
+            if experts:
+                parts.append(("ep_dp", zero.ZeRO(model, train.zero_stage, mesh.groups["ep_dp"], **settings,
+                                                 owns=lambda p, e=experts: p in e)))
             if fp8_weights:
-                self.zeros.append(StageZeRO(stage, "dp_cp", fp8.Float8ZeRO(model, mesh.groups["dp_cp"],
-                                                                           **settings)))
+                parts.append(("dp_cp", fp8.Float8ZeRO(model, mesh.groups["dp_cp"], **settings)))
+            self.zeros += [StageZeRO(stage, kind, part) for kind, part in parts]
         rows = train.global_batch // sizes.dp // train.microbatches
         seq = train.seq_len // sizes.cp // (sizes.tp if train.sequence_parallel else 1)
         self.boundary_shape = (rows, seq, cfg.dim)
@@ -960,9 +972,7 @@ PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835
 
 def peak_bf16_flops(device: torch.device) -> float | None:
     """The device's peak dense bf16 FLOP/s, None on a CPU or an unknown GPU (no MFU shown)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
@@ -1072,34 +1082,6 @@ def load_shards(trainer: Trainer, shards: dict[ShardSpec, dict[str, torch.Tensor
     trainer.steps = step
 
 
-def spec_piece(spec: ShardSpec) -> zero.Piece:
-    """spec's piece for lesson 02's checkpoints: the real elements of its flat range as runs of
-    consecutive global indices. A row of the TP-local tensor from its split dimension on is contiguous
-    in the global tensor, so a piece is at most one run per row: planning a read costs rows, where
-    spec.global_indices() costs every element."""
-    shape, local = spec.full_shape, spec.local_shape
-    dim = spec.tp_dim if spec.tp_dim is not None else (0 if spec.ep_start is not None else None)
-    if dim is None:  # held whole (replicated over tp, not an expert): one run
-        runs = torch.tensor([[0, 0, math.prod(shape)]])
-    else:
-        inner = math.prod(shape[dim + 1:])
-        start, real = (spec.tp_start, spec.tp_length) if spec.tp_dim is not None else (0, local[0])
-        rows = torch.arange(math.prod(shape[:dim])).view(shape[:dim])
-        if spec.ep_start is not None and dim > 0:  # this rank's experts: a narrower dim 0
-            rows = rows.narrow(0, spec.ep_start, local[0])
-        elif spec.ep_start is not None:
-            start += spec.ep_start
-        first = rows.flatten() * shape[dim] * inner + start * inner
-        runs = torch.stack([first, torch.arange(len(first)) * local[dim] * inner,
-                            torch.full_like(first, real * inner)], 1)
-        # a run that goes on where the one before ended (tp = 1: whole rows) joins it
-        starts = torch.cat([torch.tensor([True]), (runs[1:, :2] != runs[:-1, :2] + runs[:-1, 2:]).any(1)])
-        lengths = torch.zeros(int(starts.sum()), dtype=runs.dtype).index_add_(0, starts.cumsum(0) - 1,
-                                                                              runs[:, 2])
-        runs = torch.cat([runs[starts, :2], lengths[:, None]], 1)
-    return zero.Piece(spec.name, shape, runs, math.prod(local)).narrow(spec.flat_start, spec.flat_stop)
-
-
 def checkpoint_pieces(trainer: Trainer) -> list[tuple[zero.Piece, dict[str, torch.Tensor]]]:
     """The pieces this rank writes, so that each element is written once across the mesh: a piece
     replicated over tp (no tp_dim) by tp rank 0, one replicated over its ZeRO group (stage 0: every
@@ -1123,8 +1105,6 @@ def resume_command(step: int) -> str:
     return shlex.join([*launcher, script, *words, "--resume", str(step)])
 
 
-
-
 # --- The training run -----------------------------------------------------------------------------
 
 LLAMA3 = dict(vocab_size=128_256, n_kv_heads=8, rope_theta=500_000.0)  # Meta's published configurations
@@ -1145,11 +1125,10 @@ MEGATRON_H100 = {"1.7b": (2048, 24, 192), "7.1b": (4096, 30, 192), "16b": (6144,
                  "32b": (7168, 48, 192), "70b": (8192, 84, 384), "119b": (10240, 92, 768),
                  "177b": (12288, 96, 1152), "314b": (16384, 96, 1536), "462b": (18432, 112, 3072)}
 MPT = {"1b": (2048, 24, 112), "7b": (4096, 32, 48), "70b": (8192, 80, 4096)}
-gpt_style = lambda dim, layers, vocab: dict(dim=dim, n_layers=layers, n_heads=dim // 128,  # noqa: E731
-                                            ffn_dim=round(dim / 3) * 8, vocab_size=vocab)
-MODELS |= {f"megatron-{k}": (gpt_style(d, n, 131_072), 4096, b, 1e-4)
-           for k, (d, n, b) in MEGATRON_H100.items()}
-MODELS |= {f"mpt-{k}": (gpt_style(d, n, 50_368), 2048, b, 1e-4) for k, (d, n, b) in MPT.items()}
+MODELS |= {f"{family}-{k}": (dict(dim=d, n_layers=n, n_heads=d // 128, ffn_dim=round(d / 3) * 8,
+                                  vocab_size=vocab), seq_len, b, 1e-4)
+           for family, runs, vocab, seq_len in (("megatron", MEGATRON_H100, 131_072, 4096),
+                                                ("mpt", MPT, 50_368, 2048)) for k, (d, n, b) in runs.items()}
 
 
 @dataclass
@@ -1212,11 +1191,11 @@ def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Pat
 
 def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor, run: RunConfig,
                progress=None) -> dict:
-    """Steps from the resumed one (or 0) to run.steps: the learning-rate schedule, the NaN guard
-    (a loss that is not finite stops before the update, a gradient norm before any later save or
-    validation: the last good checkpoint stays), validation and checkpoints (never one that holds a
-    non-finite number). Returns per-step losses and times, validation losses, one
-    step's activation bytes, the bytes read on resume and the last checkpoint (on every rank)."""
+    """Steps from the resumed one (or 0) to run.steps: the learning-rate schedule, the NaN guard (a
+    loss that is not finite stops before the update, a gradient norm before any later save or
+    validation), validation and checkpoints (never a non-finite one). Returns per-step losses and
+    times, validation losses, one step's activation bytes, the bytes read on resume and the last
+    checkpoint (on every rank)."""
     train, rank, sizes = trainer.train, trainer.mesh.rank, trainer.mesh.sizes
     out = dict(losses={}, times={}, val={}, activation_bytes=None, read=None, saved=None)
     start, kept = 0, []  # kept: this run's checkpoints, a resumed one included
@@ -1461,13 +1440,13 @@ def step_profile(trace: dict, steps: int, step_s: float, top: int = 8) -> str:
         idle = reached - min(e["ts"] for e in kernels) - busy
         lines.append(f"  the GPU ran kernels {ms(busy):.1f} ms and sat idle {ms(idle):.1f} ms of each step "
                      f"(waiting for the CPU's launches or a .item())")
-    by_name = collections.defaultdict(lambda: [0.0, 0])  # name: [microseconds, calls]
-    for e in kernels or [e for e in events if e.get("cat") == "cpu_op"]:
-        by_name[e["name"]][0] += e["dur"]  # CPU operators: inclusive times (they nest)
-        by_name[e["name"]][1] += 1
+    ops = kernels or [e for e in events if e.get("cat") == "cpu_op"]  # CPU operators: inclusive times
+    took, calls = collections.Counter(), collections.Counter(e["name"] for e in ops)
+    for e in ops:
+        took[e["name"]] += e["dur"]
     lines.append(f"  the {top} {'kernels' if kernels else 'operators'} that take most, ms per step (calls):")
-    for name, (us, calls) in sorted(by_name.items(), key=lambda item: -item[1][0])[:top]:
-        lines.append(f"  {ms(us):10.2f} ({calls // steps:>4})  {name[:80]}")
+    lines += [f"  {ms(us):10.2f} ({calls[name] // steps:>4})  {name[:80]}"
+              for name, us in took.most_common(top)]
     return "\n".join(lines)
 
 
@@ -1555,9 +1534,8 @@ def demo(args: argparse.Namespace) -> None:
               f"{', FP8' if train.fp8 else ''}{', bf16' if train.mixed_precision else ''}; {moe or ''}"
               f"global batch {train.global_batch} x {train.seq_len}.\n"
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
-        print(f"{'step':<6}{'4D loss':>12}{'one device':>12}")
-        for step, (a, b) in enumerate(zip(losses, ref.losses)):
-            print(f"{step:<6}{a:>12.6f}{b:>12.6f}")
+        print(f"{'step':<6}{'4D loss':>12}{'one device':>12}\n" + "\n".join(
+            f"{step:<6}{a:>12.6f}{b:>12.6f}" for step, (a, b) in enumerate(zip(losses, ref.losses))))
         grads_full = assemble([p for g, _, _ in pieces for p in g])
         params_full = assemble([p for _, q, _ in pieces for p in q])
         print(f"max |difference| from one device (AdamW + clip_grad_norm_ at {train.max_grad_norm}): loss "
@@ -1611,11 +1589,11 @@ def describe(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing
     part = {k: seconds(v) for k, v in t["parts"].items()}
     useful = (f"{t['flops'] / sizes.world / t['step'] / 1e12:,.0f} TFLOP/s per GPU, MFU {t['mfu']:.0%}"
               if train.moe is None else "MFU n/a (flops_per_token counts dense MLPs)")
+    compute = " + ".join(f"{k} {part[k]}" for k in ("GEMMs", "attention", "elementwise"))
     lines += [f"step {seconds(t['step'])} s predicted: {useful}; "
               f"bounds {seconds(t['overlap'])} s (perfect overlap) to {seconds(t['no_overlap'])} s (none)",
-              f"  GEMMs {part['GEMMs']} + attention {part['attention']} + elementwise "
-              f"{part['elementwise']} + exposed TP {part['TP']}, DP {part['DP']}, PP {part['PP']}, CP "
-              f"{part['CP']} + bubble {part['bubble']} s ({t['bubble']:.0%})"]
+              f"  {compute} + exposed " + ", ".join(f"{k} {part[k]}" for k in ("TP", "DP", "PP", "CP"))
+              + f" + bubble {part['bubble']} s ({t['bubble']:.0%})"]
     return "\n".join(lines)
 
 

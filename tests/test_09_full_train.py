@@ -117,13 +117,27 @@ def small_model(n_layers: int = 2, seed: int = 0) -> "foundation.ModelConfig":
                                   ffn_dim=24, seed=seed)
 
 
+def global_indices(spec) -> torch.Tensor:
+    """For each element of spec's shard: its index in the flattened global parameter, -1 for padding
+    (element by element: what spec_piece's runs are checked against)."""
+    index = torch.arange(math.prod(spec.full_shape)).view(spec.full_shape)
+    if spec.ep_start is not None:
+        index = index.narrow(0, spec.ep_start, spec.local_shape[0])
+    if spec.tp_dim is not None:
+        index = index.narrow(spec.tp_dim, spec.tp_start, spec.tp_length)
+        pad = list(spec.local_shape)
+        pad[spec.tp_dim] -= spec.tp_length
+        index = torch.cat([index, index.new_full(pad, -1)], spec.tp_dim)
+    return index.flatten()[spec.flat_start:spec.flat_stop]
+
+
 def check_copies_agree(results) -> None:
     """Every element of every parameter is held somewhere, and its copies (tp-replicated norms,
     ZeRO-0-2's dp x cp replicas) hold the same value."""
     seen: dict[str, dict[int, float]] = {}
     for _, _, params, *_ in results:
         for spec, values in params:
-            index = spec.global_indices()
+            index = global_indices(spec)
             copies = seen.setdefault(spec.name, {})
             for i, v in zip(index[index >= 0].tolist(), values[index >= 0].tolist()):
                 assert abs(copies.setdefault(i, v) - v) <= 1e-6, f"{spec.name}[{i}]: copies differ"
@@ -1023,7 +1037,7 @@ def train_run(sizes, train, run, stop_at=None, poison_at=None, poison="params"):
     step's forward_backward, poison="inf loss": its loss is inf (every rank), "inf gradient": one
     element of rank 1's gradient shard is inf (an overflow). Returns the losses, the validation
     losses, the bytes read on resume and the bytes of this rank's slices (its ZeRO shards' real
-    elements, by ShardSpec.global_indices), or the error's text."""
+    elements, by global_indices), or the error's text."""
     if sizes not in _meshes:
         _meshes[sizes] = full_train.build_mesh(sizes)
     trainer = full_train.Trainer(BYTES, _meshes[sizes], train, torch.device("cpu"))
@@ -1054,7 +1068,7 @@ def train_run(sizes, train, run, stop_at=None, poison_at=None, poison="params"):
         out = full_train.train_loop(trainer, loader, val_tokens, run, progress)
     except (Interrupted, FloatingPointError, zero.CheckpointError) as error:
         return str(error)
-    slices = sum(int((spec.global_indices() >= 0).sum()) for spec, *_ in full_train.shard_specs(trainer))
+    slices = sum(int((global_indices(spec) >= 0).sum()) for spec, *_ in full_train.shard_specs(trainer))
     return dict(losses=out["losses"], val=out["val"], read=out["read"], slices=PER_ELEMENT * slices)
 
 
@@ -1246,7 +1260,7 @@ def test_spec_pieces_are_the_global_indices_in_runs(data):
     flat_stop = data.draw(st.integers(flat_start, math.prod(local)))
     spec = full_train.ShardSpec("w", shape, 0, dim, start, length, tuple(local), flat_start, flat_stop,
                                 ep_start)
-    index = spec.global_indices()
+    index = global_indices(spec)
     expected = [(int(i), p) for p, i in enumerate(index.tolist()) if i >= 0]
     got = [(g + k, o + k) for g, o, n in full_train.spec_piece(spec).runs.tolist() for k in range(n)]
     assert got == expected
