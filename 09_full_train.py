@@ -2,17 +2,17 @@
 
 Three programs, a sub-command each with its own options: `check` proves the mesh equal to one device,
 `train` (the default) trains on text, `plan` prices a run at scale. The sections, in order:
-  Options: option(), a dataclass field that is also a command-line option, its rule beside it  all
-  The mesh: MeshSizes (tp fastest), build_mesh (every group), rank_map                         all
-  The configuration: TrainConfig; validate, every lesson's rule before any collective          all
-  Held pieces: ShardSpec, spec_piece (which slice of which reference parameter), assemble   check, train
-  The composed model and its step: build_stage_model; Trainer (forward_backward, update)       check, train
-  The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it)    all
-  Planning at scale: Cluster, step_time (from the operations), search_meshes                plan
-  Data, learning rate, MFU, sampling: ShardedLoader (bytes are tokens), flops_per_token, sample train
-  Checkpoints: a Trainer's pieces (param_specs, shard_specs) in lesson 02's protocol          train, check
-  The training run: MODELS, RunConfig, train_loop                                              train
-  RUN IT: train_run and its printing; check's demo; plan_report; the command line (COMMANDS)   all
+  Options: option(), a dataclass field that is also a command-line option, its rule beside it    all
+  The mesh: MeshSizes (tp fastest), build_mesh (every group), rank_map                           all
+  The configuration: TrainConfig; validate, every lesson's rule before any collective            all
+  Held pieces: ShardSpec, spec_piece (which slice of which reference parameter), assemble        check, train
+  The composed model and its step: build_stage_model; Trainer (forward_backward, update)         check, train
+  The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it)      all
+  Planning at scale: Cluster, step_time (from the operations), search_meshes                     plan
+  Data, learning rate, MFU, sampling: ShardedLoader (bytes are tokens), flops_per_token, sample  train
+  Checkpoints: a Trainer's pieces (param_specs, shard_specs) in lesson 02's protocol             train, check
+  The training run: MODELS, RunConfig, train_loop                                                train
+  RUN IT: train_run and its printing; check's demo; plan_report; the command line (COMMANDS)     all
 
 THE MESH
 world = dp x pp x cp x tp ranks (the mesh sets them: 09 has no --nproc), numbered with tp fastest:
