@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import datetime
 import math
 import os
@@ -125,9 +124,8 @@ class GradBucket:
 
 
 def claim_gradient_sync(model: nn.Module, owner: str) -> None:
-    """Mark `model` as having its gradients synchronised by `owner`. A second wrapper (a re-run
-    notebook cell, a ZeRO optimizer over a DDP-wrapped model) would reduce every gradient twice, so
-    it is refused here, when it is built, before any collective."""
+    """Mark `model`'s gradients as synchronised by `owner`. A second wrapper (a re-run notebook cell,
+    ZeRO over a DDP-wrapped model) would reduce every gradient twice: refused when built."""
     current = getattr(model, "gradient_sync_owner", None)
     if current is not None:
         raise ValueError(f"cannot wrap with {owner}: this model's gradients are already "
@@ -349,27 +347,20 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
 
 
 # ==============================================================================================
-# THE FOUNDATION, which every lesson imports: Triton's device set-up; launch (processes, process
-# groups); the comm meter (every collective, counted); the reference model (ModelConfig, GPT) and
-# its synthetic data. Read it once the lesson above is clear, or come back to it from lesson 02 on.
+# THE FOUNDATION, which every lesson imports (the docstring's list). Read it once the lesson above
+# is clear, or come back to it from lesson 02 on.
 # ==============================================================================================
 
-
 # ----------------------------------------------------------------------------------------------
-# Devices
+# Devices and launch
 # ----------------------------------------------------------------------------------------------
 
-# Without a GPU, the Triton kernels of lessons 07 and 08 run in Triton's interpreter. Triton decides
-# interpreted or compiled as each @triton.jit function is defined, its own library's included, so the
-# switch is set here, in the module every lesson imports first, before anything imports triton (torch
-# does not). A process compiling kernels for a GPU that is not here (07's --compile-worker) keeps the
-# compiler.
+# Without a GPU, lessons 07 and 08's Triton kernels run in Triton's interpreter. Triton decides as
+# each @triton.jit function is defined (its own library's too), so the switch is set here, in the
+# module every lesson imports first, before anything imports triton. A process compiling kernels for
+# a GPU that is not here (07's --compile-worker) keeps the compiler.
 if not torch.cuda.is_available() and sys.argv[1:] != ["--compile-worker"]:
     os.environ["TRITON_INTERPRET"] = "1"
-
-# ----------------------------------------------------------------------------------------------
-# Launch
-# ----------------------------------------------------------------------------------------------
 
 
 def init_distributed(timeout_s: float = 120.0) -> torch.device:
@@ -413,8 +404,8 @@ def _launched_rank(local_rank: int, fn: Callable, args: tuple, nproc: int, port:
 
 
 def launch_world_size(nproc: int) -> int:
-    """The ranks launch() runs: torchrun's WORLD_SIZE if RANK is set, else nproc (the local processes
-    get their own environment, so a stray WORLD_SIZE does not count). Validate sizes against it."""
+    """The ranks launch() runs: torchrun's WORLD_SIZE if RANK is set, else nproc (local processes get
+    their own environment: a stray WORLD_SIZE does not count). Validate sizes against it."""
     missing = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if "RANK" in os.environ and missing:
         raise ValueError(f"RANK is set but {', '.join(missing)} not: a partial torchrun environment "
@@ -423,14 +414,8 @@ def launch_world_size(nproc: int) -> int:
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows every option's default once: also for options without a help text, and not a
-    second one (or "(default: None)") after a text that states it."""
-
-    def _format_action(self, action: argparse.Action) -> str:
-        if action.help is None and action.default not in (None, argparse.SUPPRESS):
-            action = copy.copy(action)
-            action.help = "(default: %(default)s)"
-        return super()._format_action(action)
+    """--help shows every option's default once: not a second one (or "(default: None)") after a
+    help text that states it (every option has one: tests/test_course.py)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         stated = action.default in (None, False) or "default" in (action.help or "")  # False: a flag
@@ -464,10 +449,9 @@ def lesson_parser(doc: str, bench_help: str | None = None,
 def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn: Callable,
                   positive: tuple[str, ...] = (), validate: Callable[[int], None] | None = None,
                   first: Callable[[argparse.Namespace], None] | None = None) -> None:
-    """The end of every lesson's main(): options in `positive` must be >= 1 and validate(world)
-    checks the sizes against the world that will run, before any process starts; a failure is one
-    line (once, under torchrun too) and exit code 2, not a usage text or a traceback from every rank.
-    Then first(args), if given, runs in this process (08's one-device part), then fn on every rank."""
+    """The end of every lesson's main(): options in `positive` must be >= 1, validate(world) checks
+    sizes against the world that will run; a failure is one line (once, under torchrun too) and exit
+    2 before any process starts. Then first(args) here (08's one-device part), then fn on every rank."""
     try:
         for name in (*positive, "nproc", *(("bench_steps",) if "bench_steps" in args else ())):
             if getattr(args, name) < 1:
@@ -486,10 +470,9 @@ def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn:
 
 def check_memory(what: str, cfg: "ModelConfig", batch: int, seq_len: int, ranks: int,
                  more: dict[str, int] | None = None) -> None:
-    """For validate(world): refuse sizes whose largest tensors alone exceed this machine's memory.
-    A lower bound: every rank draws the whole batch (synthetic_batch: 17 bytes a token) and holds
-    the fp32 embedding and LM head; the batch's fp32 logits exist once, however they are split.
-    more: other tensors the lesson builds, bytes by what they are."""
+    """For validate(world): refuse sizes whose largest tensors alone exceed this machine's memory. A
+    lower bound: every rank draws the whole batch (synthetic_batch: 17 bytes a token) and holds the
+    fp32 embedding and LM head; the fp32 logits exist once. more: the lesson's other tensors' bytes."""
     parts = {f"the batch, embedding, LM head and logits of {ranks} ranks":
              ranks * (17 * batch * (seq_len + 1) + 2 * 4 * cfg.vocab_size * cfg.dim)
              + 4 * batch * seq_len * cfg.vocab_size, **(more or {})}
@@ -543,10 +526,9 @@ def exit_distributed(error: str | None = None, code: int = 2) -> None:
 
 def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, steps_per_round: int,
                         device: torch.device, group=None) -> dict[str, float]:
-    """--bench's timing, in every lesson: the median seconds of a call of each named step, over
-    `rounds` rounds that take turns (ours, then PyTorch's, then ours...), so both see the same
-    machine load; the first round warms up (allocator, compilation, autotuning) and is dropped.
-    Each call starts at a barrier of the group, so a step is timed as its slowest rank ends it."""
+    """--bench's timing: each named step's median seconds over `rounds` rounds taking turns (ours,
+    PyTorch's, ours...) so both see the same load; the first round warms up (allocator, compilation,
+    autotuning) and is dropped. Each call starts at a group barrier: timed as its slowest rank ends."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for round_ in range(rounds):
         for name, step_fn in steps.items():
@@ -564,11 +546,10 @@ def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, steps
 # ----------------------------------------------------------------------------------------------
 # The comm meter: every collective in the course goes through these wrappers
 # ----------------------------------------------------------------------------------------------
-# A meter counts, per (operation, group), the calls, the payload (the bytes of the tensor handed to
-# the collective) and the traffic: the bytes one rank sends under the textbook algorithm (ring for
-# all-reduce / all-gather / reduce-scatter, direct for all-to-all and point-to-point), a Fraction so
-# that "measured == formula" holds exactly. Meters are scoped, not global:
-#     with comm_meter() as meter: train_step()  # then meter.traffic("all_reduce")
+# A meter counts, per (operation, group), the calls, the payload (the tensor handed to the collective)
+# and the traffic: what one rank sends under the textbook algorithm (ring for all-reduce / all-gather /
+# reduce-scatter, direct for all-to-all and point-to-point), a Fraction so that "measured == formula"
+# holds exactly. Scoped, not global: `with comm_meter() as meter: step()`, then meter.traffic(op).
 
 
 ANY_GROUP = object()
@@ -680,8 +661,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
     row_bytes = input.nbytes // max(input.shape[0], 1)
     kept_rows = input_splits[me] if input_splits is not None else input.shape[0] // n
     _record("all_to_all", group, input.nbytes, Fraction(input.nbytes - kept_rows * row_bytes))
-    return dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
-                                  async_op=async_op)
+    return dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
