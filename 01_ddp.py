@@ -26,15 +26,13 @@ state (AdamW in fp32: 4 + 4 + 8 = 16 bytes per parameter), plus a gradient copy 
 Lesson 02 (ZeRO) removes that redundancy.
 
 THE FOUNDATION (imported by lessons 02-09; after the data-parallel code, under its own banner)
-- device set-up: without a GPU, Triton's interpreter for lessons 07 and 08's kernels.
-- init_distributed / launch: torchrun environment -> process group (NCCL + one GPU per local rank
-  with CUDA, else gloo on CPU), with a timeout so a broken collective fails instead of hanging.
-  `python 0X_name.py` with no torchrun starts its own local processes.
-- the comm meter: thin wrappers over every collective the course uses count each call's payload
-  bytes per operation and group, and the per-rank traffic under the ring cost model above. They
-  also hide torch 2.11 -> 2.13 API drift.
-- ModelConfig / GPT: the single-device reference model (Llama-style, grouped-query attention), and
-  synthetic_batch. The code below uses them as a reader knows them: a model, a batch.
+- launch: torchrun's environment -> a process group (NCCL, one GPU per local rank; else gloo on
+  CPU) with a timeout, so a broken collective fails instead of hanging; `python 0X_name.py` starts
+  its own local processes. Without a GPU, Triton's interpreter runs lessons 07 and 08's kernels.
+- the comm meter: wrappers over every collective count each call's payload and per-rank traffic
+  (the ring cost model above) by operation and group, and hide torch 2.11 -> 2.13 API drift.
+- ModelConfig / GPT, the single-device reference (Llama-style, grouped-query attention), and
+  synthetic_batch: the code below uses them as a reader knows them, a model and a batch.
 
 RUN IT
     python 01_ddp.py                       # 4 local CPU processes (one per GPU on a GPU node)
@@ -146,8 +144,8 @@ class BucketedDataParallel:
     def __init__(self, model: nn.Module, group=None, bucket_bytes: int = 25 << 20) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
-        # Reverse registration order approximates the order in which backward finishes gradients
-        # (the last layer's first), so the first bucket fills - and starts sending - earliest.
+        # Reverse registration order is roughly backward's (the last layer's gradients first), so the
+        # first bucket fills, and starts sending, earliest.
         params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameter (requires_grad=True) to synchronise")
@@ -227,9 +225,8 @@ ADAM_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's moments
 
 def make_optimizer(model: nn.Module, lr: float, eps: float = 1e-8) -> torch.optim.Optimizer:
     """AdamW, betas (0.9, 0.999), weight decay 0.1 on every parameter. Its update g / (sqrt(v) + eps)
-    magnifies a gradient's rounding error by up to 1/eps: the tests raise eps to keep it small.
-    On a GPU torch's fused AdamW: one kernel reads each parameter, gradient and moment once and writes
-    them once, where the default (foreach) makes a pass per operation, ~3x the bytes (lesson 09)."""
+    magnifies a gradient's rounding error by up to 1/eps: the tests raise eps to keep it small. On a
+    GPU, torch's fused AdamW: one kernel reads and writes each tensor once (foreach: ~3x the bytes)."""
     params = list(model.parameters())
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.1,
@@ -251,10 +248,9 @@ def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len
                         progress: str | None = None) -> TrainResult:
     """The reference every lesson's parallel run must equal: one process, the whole global batch per
     step, torch's clip_grad_norm_ (at inf it scales by exactly 1) and AdamW. mixed_precision: a bf16
-    model computes, AdamW updates fp32 master copies of the initial values, rounded back into the
-    model after each step (lesson 02's ZeRO does the same). `transform` rewrites the model first
-    (08 swaps in FP8 linears, 09 makes MLPs MoE; frozen parameters get no update, as in AdamW);
-    `progress` labels a tqdm bar."""
+    model computes, AdamW updates fp32 masters of the initial values, rounded back into the model
+    after each step (as lesson 02's ZeRO). `transform` rewrites the model first (08: FP8 linears, 09:
+    MoE MLPs; frozen parameters get no update, as in AdamW); `progress` labels a tqdm bar."""
     model = GPT(cfg)
     model = (transform(model) if transform else model).to(device)
     names = [name for name, _ in model.named_parameters()]
@@ -345,7 +341,6 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
     return result, meter
 
 
-
 # ==============================================================================================
 # THE FOUNDATION, which every lesson imports (the docstring's list). Read it once the lesson above
 # is clear, or come back to it from lesson 02 on.
@@ -364,9 +359,8 @@ if not torch.cuda.is_available() and sys.argv[1:] != ["--compile-worker"]:
 
 
 def init_distributed(timeout_s: float = 120.0) -> torch.device:
-    """Join the torchrun environment's process group; return this rank's device. With CUDA: NCCL,
-    one GPU per local rank; without: gloo on CPU. The timeout turns a collective that some rank
-    never joins into an error instead of a silent hang."""
+    """Join torchrun's process group and return this rank's device: with CUDA, NCCL and one GPU per
+    local rank, else gloo on CPU. The timeout makes a collective some rank never joins an error."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -396,9 +390,8 @@ def _launched_rank(local_rank: int, fn: Callable, args: tuple, nproc: int, port:
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Like torchrun: N processes x all cores each would oversubscribe the CPU many times over.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
-    # tqdm's default lock is a multiprocessing semaphore, for forked children to share. A spawned
-    # rank shares it with no one, and exit_distributed's os._exit skips its release, so the launcher's
-    # resource tracker would find it "leaked" at exit: one process needs only a thread lock.
+    # tqdm's default lock is a multiprocessing semaphore, which a spawned rank shares with no one and
+    # exit_distributed's os._exit never releases ("leaked" at exit): a thread lock is all it needs.
     tqdm.set_lock(threading.RLock())
     fn(*args)
 
@@ -690,8 +683,7 @@ def recv(tensor: torch.Tensor, src: int, group=None) -> None:
 
 def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
     """ops: ("send" | "recv", tensor, peer rank within the group); returns the works to wait on.
-    Launched together, a ring exchange cannot deadlock as a blocking send-then-recv on each rank
-    would."""
+    Launched together, a ring exchange cannot deadlock as blocking send-then-recv on each rank would."""
     group_size(group)
     p2p_ops = []
     for kind, tensor, peer in ops:
@@ -737,11 +729,10 @@ class ModelConfig:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The reference attention function, causal: q (batch, heads, seq, head_dim), k and v (batch,
-    kv_heads, seq, head_dim) -> q's shape. With grouped-query attention (kv_heads < heads) query
-    head i reads K/V head i // (heads / kv_heads): SDPA's enable_gqa groups them itself, so no
-    repeated K/V is built or saved. GPT calls whatever function it is given with this signature:
-    lesson 05 swaps in ring attention, lesson 07 the Triton FlashAttention kernel."""
+    """The reference attention, causal: q (batch, heads, seq, head_dim), k and v (batch, kv_heads,
+    seq, head_dim) -> q's shape. With grouped-query attention (kv_heads < heads) query head i reads
+    K/V head i // (heads / kv_heads): SDPA's enable_gqa groups them, building no repeated K/V. GPT
+    calls any function of this signature: lesson 05's ring attention, lesson 07's Triton kernel."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -786,8 +777,7 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).unflatten(-1, (-1, self.head_dim)), cos, sin)
         k = apply_rope(self.k_proj(x).unflatten(-1, (-1, self.head_dim)), cos, sin)
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
-        # K and V keep their n_kv_heads heads: the attention function groups the query heads
-        # (causal_attention), so K/V bytes held, saved for backward and sent are the K/V heads'.
+        # K/V keep their n_kv_heads heads: the attention function groups the queries (causal_attention).
         out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.out_proj(out.transpose(1, 2).flatten(2))
 

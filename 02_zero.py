@@ -15,14 +15,11 @@ state of its own 1/N (Rajbhandari et al., "ZeRO", 2020):
   is already in flight (prefetch).
 Stage 0, plain data parallelism (an all-reduce of the gradients), is the tables' baseline.
 UNITS: the embedding, each block, the final norm and the head each flatten their parameters into one
-vector (a unit); the model's own unit, gathered around its whole forward (FSDP2's root), takes what
-no single one of them holds: a parameter registered on the model itself, or one tied between two
-(an LM head that is the embedding): one slot, one gradient, one checkpoint entry, counted once.
-Frozen parameters (requires_grad=False) are never updated nor synchronised, as in torch; they stay
-whole on every rank, outside the units (FSDP2 also shards them: their P bytes are the difference).
-UNEVEN SIZES: each unit's vector is zero-padded to a multiple of N; rank r owns elements
-[r s, (r+1) s), s = padded / N. Padding has zero value, gradient and moments, so AdamW keeps it
-zero: it never changes the result.
+vector (a unit), zero-padded to a multiple of N (the padding's value, gradient and moments stay zero);
+rank r owns [r s, (r+1) s), s = padded / N. The model's own unit, gathered around its whole forward
+(FSDP2's root), takes a parameter registered on the model itself or tied between two modules (an LM
+head that is the embedding: one slot, one gradient, one checkpoint entry). Frozen parameters are
+never updated nor synchronised, as in torch: they stay whole on every rank (FSDP2 shards them too).
 GRADIENT CLIPPING must see the whole gradient: ||g||^2 is the sum over ranks of their shards'
 squared norms (one scalar all-reduce). Clipping each shard by its own norm is the classic bug.
 
@@ -37,15 +34,14 @@ plus an all-gather, (N-1)/N (G + P) Psi: the same. Stage 3 gathers the parameter
 and backward): (N-1)/N (G + 2P) Psi = 1.5x DDP.
 
 SAVING AND LOADING SHARDED STATE: a model no rank holds whole
-Gathering the whole state to one rank to write it would not fit there, so each rank writes what it
-holds, as pieces: a piece = (name, the whole tensor's shape, the runs of consecutive elements of the
-tensor flattened that this rank holds). A ZeRO shard is one run per parameter it touches; a tensor-
-parallel slice of a matrix's columns (lesson 09) one run per row. Each element is written once, by
-one of its holders (stage 0: every rank holds all, the group's rank 0 writes). Each rank file is
-written aside and renamed; meta.json records every file's bytes and sha256; LATEST moves last, so a
-crash leaves the previous checkpoint whole; a damaged file is one line naming it and the previous
-complete step; a lock file keeps a second run out of the folder. A resume on another group size or
-stage reads, for each piece it holds now, only the saved runs that overlap it (memory-mapped files).
+No rank could hold the whole state to write it, so each writes what it holds, as pieces: (name, the
+whole tensor's shape, the runs of consecutive elements of the flattened tensor that the rank holds):
+a ZeRO shard is one run per parameter, a tensor-parallel slice of columns (lesson 09) one run per row.
+Each element is written once, by one of its holders. Rank files are written aside and renamed,
+meta.json records their bytes and sha256, LATEST moves last: a crash leaves the previous checkpoint
+whole, a damaged file is one line naming it and the previous complete step, a lock file keeps a
+second run out. A resume on another group size or stage reads, for each piece it holds now, only the
+saved runs that overlap it (memory-mapped files).
 COST: on disk (parameters + 2 AdamW moments) x 4 B x Psi, whatever N, + metadata; a resume reads
 12 B x its shard's elements on each rank (12 Psi / N), never the whole.
 
@@ -128,9 +124,8 @@ def padded_size(numel: int, n: int) -> int:
 
 def zero_memory_formula(padded: int, units: int, n: int, stage: int,
                         mixed_precision: bool) -> dict[str, Fraction]:
-    """What a ZeRO below holds per rank for `units` flat vectors of `padded` elements in all: the
-    formula above (fp32: P = G = 4, K = 8; mixed precision: P = G = 2, K = 12 with the fp32
-    masters) plus AdamW's step counter per unit."""
+    """What a ZeRO below holds per rank for `units` flat vectors of `padded` elements in all: COST's
+    formula (fp32 or mixed precision, with its fp32 masters) plus AdamW's step counter per unit."""
     size, master = (2, 4) if mixed_precision else (4, 0)
     formula = zero_memory_per_rank(padded, n, stage, size, size, master + ADAM_MOMENT_BYTES)
     formula["optimizer"] += STEP_COUNTER_BYTES * units
@@ -155,12 +150,11 @@ def zero_step_bytes(psi: int, n: int, stage: int, microbatches: int, mixed_preci
 def zero_exposed_seconds(psi: int, n: int, stage: int, units: int, microbatches: int, elem_bytes: int,
                          send: Callable[[float, int], float], last_backward: float,
                          unit_compute: tuple[float, float], hide: bool = True) -> float:
-    """Seconds of a step's ZeRO traffic (zero_traffic_per_step; send(bytes, calls) prices it on the
-    link) that compute does not hide: the gradients' reduction overlaps the last microbatch's
-    backward, all but its last unit's; stages 1-2's all-gather of the new parameters is exposed
-    (this ZeRO gathers after the step, before the next forward); stage 3's gather of each unit,
-    before its forward and its backward, hides behind the previous unit's compute (unit_compute:
-    one unit's forward and backward), but for the first unit's. hide=False: none of it hidden."""
+    """Seconds of a step's ZeRO traffic (zero_traffic_per_step, priced by send(bytes, calls)) that
+    compute does not hide: the gradients' reduction overlaps the last microbatch's backward but for
+    its last unit's; stages 1-2's all-gather (after the step, before the next forward) is exposed;
+    stage 3's gather of each unit, before its forward and its backward, hides behind the previous
+    unit's compute (unit_compute: one unit's forward, backward) but for the first. hide=False: none."""
     ops = zero_traffic_per_step(psi, n, stage, elem_bytes, elem_bytes)
     exposed = lambda comm, behind: max(0.0, comm - behind) if hide else comm  # noqa: E731
     reduce = send(ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0), units)
@@ -273,9 +267,8 @@ class FlatUnit:
 
 
 def shard_parts(unit: FlatUnit) -> list[tuple[int, int, int]]:
-    """(i, start, stop) for each parameter i with elements in this rank's shard: its flat elements
-    [start, stop), which lie at unit.offsets[i] + start - unit.owned.start in the shard. They follow
-    one another in the shard, from its start (the padding is last)."""
+    """(i, start, stop) for each parameter i with elements [start, stop) in this rank's shard, in
+    order: they follow one another from the shard's start, at unit.offsets[i] + start - owned.start."""
     parts = [(i, max(begin, unit.owned.start) - begin, min(end, unit.owned.stop) - begin)
              for i, (begin, end) in enumerate(zip(unit.offsets, unit.offsets[1:]))]
     return [(i, start, stop) for i, start, stop in parts if start < stop]
@@ -326,8 +319,7 @@ class ZeRO:
         # to this rank's elements (lesson 01's settings: one place to change them).
         masters = nn.ParameterList(u.master for u in self.units)
         self.optimizer = foundation.make_optimizer(masters, lr, adam_eps)
-        self.max_gathers_in_flight = self.prefetched_gathers = 0
-        self.sync_gradients = True
+        self.sync_gradients, self.max_gathers_in_flight, self.prefetched_gathers = True, 0, 0
         for index, (unit, (module, _)) in enumerate(zip(self.units, units)):
             for i, p in enumerate(unit.params if stage >= 2 else ()):
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit, i=i: self._on_grad_ready(unit, i))
@@ -404,8 +396,7 @@ class ZeRO:
                 foundation.reduce_scatter(unit.grad_shard, unit.flat_grad, group=self.group)
             else:
                 if unit.scatter is None:  # accumulated under no_sync(), or by autograd.grad
-                    missing = [n for n, p in zip(unit.names, unit.params) if p.grad is None]
-                    if missing:
+                    if missing := [n for n, p in zip(unit.names, unit.params) if p.grad is None]:
                         raise RuntimeError(f"parameters got no gradient this step (unused "
                                            f"parameters are not supported): {missing[:5]}")
                     if self.stage == 3:
@@ -506,10 +497,9 @@ class ZeRO:
         return {"params": unit.master, **{k: adam.get(k, torch.zeros_like(unit.master)) for k in ADAM_KEYS}}
 
     def full_state_dict(self) -> dict:
-        """Unsharded fp32 parameters and AdamW state by parameter name (gathered on every rank). The
-        parameters as torch's state_dict() gives them, a tied one under each of its names (the same
-        values), so a strict load_state_dict takes them; the moments under the first name; frozen
-        parameters have no state."""
+        """Unsharded fp32 parameters and AdamW state by parameter name, gathered on every rank: the
+        parameters as torch's state_dict() gives them (a tied one under each of its names, so a strict
+        load_state_dict takes them), the moments under the first name; frozen ones have no state."""
         shards = [self.shard_state(u) for u in self.units]
         state = {key: self.gather_full([s[key] for s in shards]) for key in CHECKPOINT_KINDS}
         params = state["params"] = {**state["params"], **foundation.cpu_copy(self.frozen)}
@@ -546,9 +536,8 @@ class ZeRO:
         cut here, a checkpoint's pieces: load_zero_pieces, lesson 09)."""
         for unit, values in zip(self.units, shards, strict=True):
             unit.master.copy_(values["params"])
-            self.optimizer.state[unit.master] = {"step": torch.tensor(float(step)),
-                                                 **{key: values[key].to(unit.master.device).clone()
-                                                    for key in ADAM_KEYS}}
+            moments = {key: values[key].to(unit.master.device).clone() for key in ADAM_KEYS}
+            self.optimizer.state[unit.master] = {"step": torch.tensor(float(step)), **moments}
             self._refresh_compute_params(unit)
 
 
@@ -709,10 +698,9 @@ def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list[tuple[Pie
                     exchange: Callable[[object], list] = lambda x: [x], keep: Sequence[int] = ()) -> Path:
     """Every rank calls this with the pieces it writes (each element once across the ranks) and their
     values of each kind, on a filesystem every rank sees; exchange(x) returns every rank's x (all_ranks).
-    Rank files are written aside and renamed, meta.json records their sizes and sha256, LATEST moves
-    last (a crash before leaves the previous checkpoint), then step folders but this one and `keep` go.
-    A write failing on any rank is a CheckpointError on every rank naming the folder, the error and the
-    last complete checkpoint."""
+    Rank files, then meta.json, then LATEST (a crash before leaves the previous checkpoint), then the
+    step folders but this one and `keep` go. A write failing on any rank is a CheckpointError on every
+    rank naming the folder, the error and the last complete checkpoint."""
     root = Path(folder)
     target, name = root / f"step_{step:08d}", f"rank{rank:05d}.pt"
     # Each piece's name, shape, runs as (first, length) and the elements they cover, packed.
@@ -825,9 +813,8 @@ def open_checkpoint(folder: str | os.PathLike, config: dict, step: int | None = 
 
 
 class CheckpointReader:
-    """A checked checkpoint's rank files, memory-mapped: read(piece) copies out only the runs that
-    the piece shares with the saved pieces; nothing else of the files enters memory but their runs
-    and RNG states. bytes_read counts what was copied."""
+    """A checked checkpoint's rank files, memory-mapped: read(piece) copies out only the runs the piece
+    shares with the saved ones (the rest of the files: their runs and RNG states); bytes_read counts it."""
 
     def __init__(self, target: Path, meta: dict) -> None:
         self.saved: dict[str, list[tuple[tuple[int, ...], torch.Tensor, dict[str, torch.Tensor]]]] = {}
@@ -880,9 +867,8 @@ def shard_pieces(unit: FlatUnit) -> Iterator[tuple[Piece, slice]]:
 
 
 def zero_pieces(optimizer: ZeRO) -> list[tuple[Piece, dict[str, torch.Tensor]]]:
-    """The pieces this rank writes of a ZeRO, with their values of each kind: each parameter's elements
-    in its shard (stage 0: every rank holds all, the group's rank 0 writes), frozen parameters (whole on
-    every rank, no moments) by rank 0."""
+    """The pieces this rank writes of a ZeRO, with their values of each kind: its shard's (stage 0: the
+    group's rank 0 writes all), and the frozen parameters (whole on every rank, no moments) by rank 0."""
     first, out = dist.get_rank(optimizer.group) == 0, []
     for unit in optimizer.units if optimizer.stage > 0 or first else ():
         state = optimizer.shard_state(unit)
@@ -988,13 +974,11 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
         print(f"  {label[mixed]} ZeRO-{stage}" + "".join(f"{d:>11.1e}" for d in diffs))
     print("  (fp32: the same sums in another order. bf16: gradients rounded to 8 bits after sums in\n"
           "   another order; Adam turns that into lr-sized moves of the few elements whose gradient is ~0)")
-
     print("\nThe paper's table, GB per rank: Psi = 7.5B, N = 64, P = G = 2 (fp16), K = 12:")
     for stage in STAGES:
         mem = zero_memory_per_rank(7_500_000_000, 64, stage)
         print(f"  ZeRO-{stage} {float(sum(mem.values())) / 1e9:7.2f} GB = "
               + " + ".join(f"{float(v) / 1e9:.2f} {k}" for k, v in mem.items()))
-
     psi = sum(t.numel() for t in references[False].params.values())
     padded = runs[False, 0][0].stats["padded_params"]
     print(f"\nThe tiny model on {world} ranks: {psi:,} parameters, padded module by module to {padded:,}.\n"
@@ -1004,7 +988,6 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
         cells = "  ".join(f"{k} {result.held[k]:>9,}|{int(result.formula[k]):<9,}" for k in result.held)
         same = "equal" if result.held == result.formula else "DIFFERENT"
         print(f"  {label[mixed]} ZeRO-{stage}  {cells} {same}")
-
     ddp_bytes = Fraction(2 * (world - 1), world) * 4 * padded  # DDP over the same padded buffers
     print(f"\nTraffic per rank per step, fp32, ring (DDP: 2(N-1)/N x 4 B x padded Psi = "
           f"{float(ddp_bytes):,.0f} B):")
@@ -1028,16 +1011,15 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
 def checkpoint_demo(cfg: foundation.ModelConfig, saved: dict, device: torch.device) -> None:
     """A ZeRO-3 on every rank saves the state `saved` (the fp32 ZeRO-3 run's, gathered to compare
     with); ZeRO-1 on half the ranks loads it, then one device's model: each reads what it holds."""
-    rank, world, step = dist.get_rank(), dist.get_world_size(), saved["step"]
+    rank, world, step, config = dist.get_rank(), dist.get_world_size(), saved["step"], checkpoint_config(cfg)
     optimizer = ZeRO(foundation.GPT(cfg).to(device), 3)
     optimizer.load_full_state_dict(saved)  # a real run saves the ZeRO it trains, without gathering
     folder = all_ranks(tempfile.mkdtemp(prefix="02_zero.") if rank == 0 else None)[0]  # one machine
-    target = save_checkpoint(folder, step, zero_pieces(optimizer), {}, checkpoint_config(cfg), rank,
-                             world, all_ranks)
+    target = save_checkpoint(folder, step, zero_pieces(optimizer), {}, config, rank, world, all_ranks)
     half = max(1, world // 2)
     group, report = dist.new_group(list(range(half))), None
     if rank < half:
-        reader = CheckpointReader(*open_checkpoint(folder, checkpoint_config(cfg), rank=rank, world=half))
+        reader = CheckpointReader(*open_checkpoint(folder, config, rank=rank, world=half))
         smaller = ZeRO(foundation.GPT(cfg).to(device), 1, group)
         load_zero_pieces(smaller, reader, step)
         loaded = smaller.full_state_dict()
