@@ -144,8 +144,7 @@ class BucketedDataParallel:
     def __init__(self, model: nn.Module, group=None, bucket_bytes: int = 25 << 20) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
-        # Reverse registration order is roughly backward's (the last layer's gradients first), so the
-        # first bucket fills, and starts sending, earliest.
+        # Reverse registration order is roughly backward's: the first bucket fills, and sends, earliest.
         params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameter (requires_grad=True) to synchronise")

@@ -191,9 +191,8 @@ def zero_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def unit_parameters(model: nn.Module, owns: Callable[[nn.Parameter], bool]
                     ) -> list[tuple[nn.Module, list[tuple[str, nn.Parameter]]]]:
     """(module, its unit's (name, parameter) pairs) for each unit that has any: the model's own first,
-    then zero_units(model). A trainable parameter is in one unit, under its first name: the unit module
-    it is registered under, else the model's own (registered outside them all, like a logit scale, or
-    under several, like a tied embedding and LM head: one flat slot, one gradient, one entry)."""
+    then zero_units(model). A trainable parameter is in the unit of the module it is registered under,
+    under its first name, or in the model's own if none or several hold it (see UNITS)."""
     units = [("", model), *zero_units(model)]
     home: dict[nn.Parameter, int] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -309,8 +308,7 @@ class ZeRO:
                 foundation.broadcast(p.detach(), src=0, group=group)
         self.model, self.stage, self.group, self.prefetch = model, stage, group, prefetch
         self.max_grad_norm, self.dtype = max_grad_norm, torch.bfloat16 if mixed_precision else torch.float32
-        # Frozen parameters (as in torch: no gradient, no update) stay whole on every rank, in the
-        # compute dtype: no flat slot, no optimizer state, no traffic.
+        # Frozen parameters (see UNITS) stay whole, in the compute dtype: no slot, no state, no traffic.
         self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and owned(p)]
         for _, p in self.frozen:
             p.data = p.data.to(self.dtype)
