@@ -26,15 +26,13 @@ state (AdamW in fp32: 4 + 4 + 8 = 16 bytes per parameter), plus a gradient copy 
 Lesson 02 (ZeRO) removes that redundancy.
 
 THE FOUNDATION (imported by lessons 02-09; after the data-parallel code, under its own banner)
-- device set-up: without a GPU, Triton's interpreter for lessons 07 and 08's kernels.
-- init_distributed / launch: torchrun environment -> process group (NCCL + one GPU per local rank
-  with CUDA, else gloo on CPU), with a timeout so a broken collective fails instead of hanging.
-  `python 0X_name.py` with no torchrun starts its own local processes.
-- the comm meter: thin wrappers over every collective the course uses count each call's payload
-  bytes per operation and group, and the per-rank traffic under the ring cost model above. They
-  also hide torch 2.11 -> 2.13 API drift.
-- ModelConfig / GPT: the single-device reference model (Llama-style, grouped-query attention), and
-  synthetic_batch. The code below uses them as a reader knows them: a model, a batch.
+- launch: torchrun's environment -> a process group (NCCL, one GPU per local rank; else gloo on
+  CPU) with a timeout, so a broken collective fails instead of hanging; `python 0X_name.py` starts
+  its own local processes. Without a GPU, Triton's interpreter runs lessons 07 and 08's kernels.
+- the comm meter: wrappers over every collective count each call's payload and per-rank traffic
+  (the ring cost model above) by operation and group, and hide torch 2.11 -> 2.13 API drift.
+- ModelConfig / GPT, the single-device reference (Llama-style, grouped-query attention), and
+  synthetic_batch: the code below uses them as a reader knows them, a model and a batch.
 
 RUN IT
     python 01_ddp.py                       # 4 local CPU processes (one per GPU on a GPU node)
@@ -48,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import datetime
 import math
 import os
@@ -125,9 +122,8 @@ class GradBucket:
 
 
 def claim_gradient_sync(model: nn.Module, owner: str) -> None:
-    """Mark `model` as having its gradients synchronised by `owner`. A second wrapper (a re-run
-    notebook cell, a ZeRO optimizer over a DDP-wrapped model) would reduce every gradient twice, so
-    it is refused here, when it is built, before any collective."""
+    """Mark `model`'s gradients as synchronised by `owner`. A second wrapper (a re-run notebook cell,
+    ZeRO over a DDP-wrapped model) would reduce every gradient twice: refused when built."""
     current = getattr(model, "gradient_sync_owner", None)
     if current is not None:
         raise ValueError(f"cannot wrap with {owner}: this model's gradients are already "
@@ -148,8 +144,7 @@ class BucketedDataParallel:
     def __init__(self, model: nn.Module, group=None, bucket_bytes: int = 25 << 20) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
-        # Reverse registration order approximates the order in which backward finishes gradients
-        # (the last layer's first), so the first bucket fills - and starts sending - earliest.
+        # Reverse registration order is roughly backward's: the first bucket fills, and sends, earliest.
         params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameter (requires_grad=True) to synchronise")
@@ -229,9 +224,8 @@ ADAM_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's moments
 
 def make_optimizer(model: nn.Module, lr: float, eps: float = 1e-8) -> torch.optim.Optimizer:
     """AdamW, betas (0.9, 0.999), weight decay 0.1 on every parameter. Its update g / (sqrt(v) + eps)
-    magnifies a gradient's rounding error by up to 1/eps: the tests raise eps to keep it small.
-    On a GPU torch's fused AdamW: one kernel reads each parameter, gradient and moment once and writes
-    them once, where the default (foreach) makes a pass per operation, ~3x the bytes (lesson 09)."""
+    magnifies a gradient's rounding error by up to 1/eps: the tests raise eps to keep it small. On a
+    GPU, torch's fused AdamW: one kernel reads and writes each tensor once (foreach: ~3x the bytes)."""
     params = list(model.parameters())
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.1,
@@ -253,10 +247,9 @@ def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len
                         progress: str | None = None) -> TrainResult:
     """The reference every lesson's parallel run must equal: one process, the whole global batch per
     step, torch's clip_grad_norm_ (at inf it scales by exactly 1) and AdamW. mixed_precision: a bf16
-    model computes, AdamW updates fp32 master copies of the initial values, rounded back into the
-    model after each step (lesson 02's ZeRO does the same). `transform` rewrites the model first
-    (08 swaps in FP8 linears, 09 makes MLPs MoE; frozen parameters get no update, as in AdamW);
-    `progress` labels a tqdm bar."""
+    model computes, AdamW updates fp32 masters of the initial values, rounded back into the model
+    after each step (as lesson 02's ZeRO). `transform` rewrites the model first (08: FP8 linears, 09:
+    MoE MLPs; frozen parameters get no update, as in AdamW); `progress` labels a tqdm bar."""
     model = GPT(cfg)
     model = (transform(model) if transform else model).to(device)
     names = [name for name, _ in model.named_parameters()]
@@ -347,35 +340,26 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
     return result, meter
 
 
-
 # ==============================================================================================
-# THE FOUNDATION, which every lesson imports: Triton's device set-up; launch (processes, process
-# groups); the comm meter (every collective, counted); the reference model (ModelConfig, GPT) and
-# its synthetic data. Read it once the lesson above is clear, or come back to it from lesson 02 on.
+# THE FOUNDATION, which every lesson imports (the docstring's list). Read it once the lesson above
+# is clear, or come back to it from lesson 02 on.
 # ==============================================================================================
 
-
 # ----------------------------------------------------------------------------------------------
-# Devices
+# Devices and launch
 # ----------------------------------------------------------------------------------------------
 
-# Without a GPU, the Triton kernels of lessons 07 and 08 run in Triton's interpreter. Triton decides
-# interpreted or compiled as each @triton.jit function is defined, its own library's included, so the
-# switch is set here, in the module every lesson imports first, before anything imports triton (torch
-# does not). A process compiling kernels for a GPU that is not here (07's --compile-worker) keeps the
-# compiler.
+# Without a GPU, lessons 07 and 08's Triton kernels run in Triton's interpreter. Triton decides as
+# each @triton.jit function is defined (its own library's too), so the switch is set here, in the
+# module every lesson imports first, before anything imports triton. A process compiling kernels for
+# a GPU that is not here (07's --compile-worker) keeps the compiler.
 if not torch.cuda.is_available() and sys.argv[1:] != ["--compile-worker"]:
     os.environ["TRITON_INTERPRET"] = "1"
 
-# ----------------------------------------------------------------------------------------------
-# Launch
-# ----------------------------------------------------------------------------------------------
-
 
 def init_distributed(timeout_s: float = 120.0) -> torch.device:
-    """Join the torchrun environment's process group; return this rank's device. With CUDA: NCCL,
-    one GPU per local rank; without: gloo on CPU. The timeout turns a collective that some rank
-    never joins into an error instead of a silent hang."""
+    """Join torchrun's process group and return this rank's device: with CUDA, NCCL and one GPU per
+    local rank, else gloo on CPU. The timeout makes a collective some rank never joins an error."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -405,16 +389,15 @@ def _launched_rank(local_rank: int, fn: Callable, args: tuple, nproc: int, port:
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Like torchrun: N processes x all cores each would oversubscribe the CPU many times over.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
-    # tqdm's default lock is a multiprocessing semaphore, for forked children to share. A spawned
-    # rank shares it with no one, and exit_distributed's os._exit skips its release, so the launcher's
-    # resource tracker would find it "leaked" at exit: one process needs only a thread lock.
+    # tqdm's default lock is a multiprocessing semaphore, which a spawned rank shares with no one and
+    # exit_distributed's os._exit never releases ("leaked" at exit): a thread lock is all it needs.
     tqdm.set_lock(threading.RLock())
     fn(*args)
 
 
 def launch_world_size(nproc: int) -> int:
-    """The ranks launch() runs: torchrun's WORLD_SIZE if RANK is set, else nproc (the local processes
-    get their own environment, so a stray WORLD_SIZE does not count). Validate sizes against it."""
+    """The ranks launch() runs: torchrun's WORLD_SIZE if RANK is set, else nproc (local processes get
+    their own environment: a stray WORLD_SIZE does not count). Validate sizes against it."""
     missing = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if "RANK" in os.environ and missing:
         raise ValueError(f"RANK is set but {', '.join(missing)} not: a partial torchrun environment "
@@ -423,14 +406,8 @@ def launch_world_size(nproc: int) -> int:
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows every option's default once: also for options without a help text, and not a
-    second one (or "(default: None)") after a text that states it."""
-
-    def _format_action(self, action: argparse.Action) -> str:
-        if action.help is None and action.default not in (None, argparse.SUPPRESS):
-            action = copy.copy(action)
-            action.help = "(default: %(default)s)"
-        return super()._format_action(action)
+    """--help shows every option's default once: not a second one (or "(default: None)") after a
+    help text that states it (every option has one: tests/test_course.py)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         stated = action.default in (None, False) or "default" in (action.help or "")  # False: a flag
@@ -464,10 +441,9 @@ def lesson_parser(doc: str, bench_help: str | None = None,
 def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn: Callable,
                   positive: tuple[str, ...] = (), validate: Callable[[int], None] | None = None,
                   first: Callable[[argparse.Namespace], None] | None = None) -> None:
-    """The end of every lesson's main(): options in `positive` must be >= 1 and validate(world)
-    checks the sizes against the world that will run, before any process starts; a failure is one
-    line (once, under torchrun too) and exit code 2, not a usage text or a traceback from every rank.
-    Then first(args), if given, runs in this process (08's one-device part), then fn on every rank."""
+    """The end of every lesson's main(): options in `positive` must be >= 1, validate(world) checks
+    sizes against the world that will run; a failure is one line (once, under torchrun too) and exit
+    2 before any process starts. Then first(args) here (08's one-device part), then fn on every rank."""
     try:
         for name in (*positive, "nproc", *(("bench_steps",) if "bench_steps" in args else ())):
             if getattr(args, name) < 1:
@@ -486,10 +462,9 @@ def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn:
 
 def check_memory(what: str, cfg: "ModelConfig", batch: int, seq_len: int, ranks: int,
                  more: dict[str, int] | None = None) -> None:
-    """For validate(world): refuse sizes whose largest tensors alone exceed this machine's memory.
-    A lower bound: every rank draws the whole batch (synthetic_batch: 17 bytes a token) and holds
-    the fp32 embedding and LM head; the batch's fp32 logits exist once, however they are split.
-    more: other tensors the lesson builds, bytes by what they are."""
+    """For validate(world): refuse sizes whose largest tensors alone exceed this machine's memory. A
+    lower bound: every rank draws the whole batch (synthetic_batch: 17 bytes a token) and holds the
+    fp32 embedding and LM head; the fp32 logits exist once. more: the lesson's other tensors' bytes."""
     parts = {f"the batch, embedding, LM head and logits of {ranks} ranks":
              ranks * (17 * batch * (seq_len + 1) + 2 * 4 * cfg.vocab_size * cfg.dim)
              + 4 * batch * seq_len * cfg.vocab_size, **(more or {})}
@@ -543,10 +518,9 @@ def exit_distributed(error: str | None = None, code: int = 2) -> None:
 
 def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, steps_per_round: int,
                         device: torch.device, group=None) -> dict[str, float]:
-    """--bench's timing, in every lesson: the median seconds of a call of each named step, over
-    `rounds` rounds that take turns (ours, then PyTorch's, then ours...), so both see the same
-    machine load; the first round warms up (allocator, compilation, autotuning) and is dropped.
-    Each call starts at a barrier of the group, so a step is timed as its slowest rank ends it."""
+    """--bench's timing: each named step's median seconds over `rounds` rounds taking turns (ours,
+    PyTorch's, ours...) so both see the same load; the first round warms up (allocator, compilation,
+    autotuning) and is dropped. Each call starts at a group barrier: timed as its slowest rank ends."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for round_ in range(rounds):
         for name, step_fn in steps.items():
@@ -564,11 +538,10 @@ def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, steps
 # ----------------------------------------------------------------------------------------------
 # The comm meter: every collective in the course goes through these wrappers
 # ----------------------------------------------------------------------------------------------
-# A meter counts, per (operation, group), the calls, the payload (the bytes of the tensor handed to
-# the collective) and the traffic: the bytes one rank sends under the textbook algorithm (ring for
-# all-reduce / all-gather / reduce-scatter, direct for all-to-all and point-to-point), a Fraction so
-# that "measured == formula" holds exactly. Meters are scoped, not global:
-#     with comm_meter() as meter: train_step()  # then meter.traffic("all_reduce")
+# A meter counts, per (operation, group), the calls, the payload (the tensor handed to the collective)
+# and the traffic: what one rank sends under the textbook algorithm (ring for all-reduce / all-gather /
+# reduce-scatter, direct for all-to-all and point-to-point), a Fraction so that "measured == formula"
+# holds exactly. Scoped, not global: `with comm_meter() as meter: step()`, then meter.traffic(op).
 
 
 ANY_GROUP = object()
@@ -680,8 +653,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
     row_bytes = input.nbytes // max(input.shape[0], 1)
     kept_rows = input_splits[me] if input_splits is not None else input.shape[0] // n
     _record("all_to_all", group, input.nbytes, Fraction(input.nbytes - kept_rows * row_bytes))
-    return dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
-                                  async_op=async_op)
+    return dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
@@ -710,8 +682,7 @@ def recv(tensor: torch.Tensor, src: int, group=None) -> None:
 
 def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
     """ops: ("send" | "recv", tensor, peer rank within the group); returns the works to wait on.
-    Launched together, a ring exchange cannot deadlock as a blocking send-then-recv on each rank
-    would."""
+    Launched together, a ring exchange cannot deadlock as blocking send-then-recv on each rank would."""
     group_size(group)
     p2p_ops = []
     for kind, tensor, peer in ops:
@@ -757,11 +728,10 @@ class ModelConfig:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The reference attention function, causal: q (batch, heads, seq, head_dim), k and v (batch,
-    kv_heads, seq, head_dim) -> q's shape. With grouped-query attention (kv_heads < heads) query
-    head i reads K/V head i // (heads / kv_heads): SDPA's enable_gqa groups them itself, so no
-    repeated K/V is built or saved. GPT calls whatever function it is given with this signature:
-    lesson 05 swaps in ring attention, lesson 07 the Triton FlashAttention kernel."""
+    """The reference attention, causal: q (batch, heads, seq, head_dim), k and v (batch, kv_heads,
+    seq, head_dim) -> q's shape. With grouped-query attention (kv_heads < heads) query head i reads
+    K/V head i // (heads / kv_heads): SDPA's enable_gqa groups them, building no repeated K/V. GPT
+    calls any function of this signature: lesson 05's ring attention, lesson 07's Triton kernel."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -806,8 +776,7 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).unflatten(-1, (-1, self.head_dim)), cos, sin)
         k = apply_rope(self.k_proj(x).unflatten(-1, (-1, self.head_dim)), cos, sin)
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
-        # K and V keep their n_kv_heads heads: the attention function groups the query heads
-        # (causal_attention), so K/V bytes held, saved for backward and sent are the K/V heads'.
+        # K/V keep their n_kv_heads heads: the attention function groups the queries (causal_attention).
         out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.out_proj(out.transpose(1, 2).flatten(2))
 

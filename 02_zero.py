@@ -15,14 +15,11 @@ state of its own 1/N (Rajbhandari et al., "ZeRO", 2020):
   is already in flight (prefetch).
 Stage 0, plain data parallelism (an all-reduce of the gradients), is the tables' baseline.
 UNITS: the embedding, each block, the final norm and the head each flatten their parameters into one
-vector (a unit); the model's own unit, gathered around its whole forward (FSDP2's root), takes what
-no single one of them holds: a parameter registered on the model itself, or one tied between two
-(an LM head that is the embedding): one slot, one gradient, one checkpoint entry, counted once.
-Frozen parameters (requires_grad=False) are never updated nor synchronised, as in torch; they stay
-whole on every rank, outside the units (FSDP2 also shards them: their P bytes are the difference).
-UNEVEN SIZES: each unit's vector is zero-padded to a multiple of N; rank r owns elements
-[r s, (r+1) s), s = padded / N. Padding has zero value, gradient and moments, so AdamW keeps it
-zero: it never changes the result.
+vector (a unit), zero-padded to a multiple of N (the padding's value, gradient and moments stay zero);
+rank r owns [r s, (r+1) s), s = padded / N. The model's own unit, gathered around its whole forward
+(FSDP2's root), takes a parameter registered on the model itself or tied between two modules (an LM
+head that is the embedding: one slot, one gradient, one checkpoint entry). Frozen parameters are
+never updated nor synchronised, as in torch: they stay whole on every rank (FSDP2 shards them too).
 GRADIENT CLIPPING must see the whole gradient: ||g||^2 is the sum over ranks of their shards'
 squared norms (one scalar all-reduce). Clipping each shard by its own norm is the classic bug.
 
@@ -37,15 +34,14 @@ plus an all-gather, (N-1)/N (G + P) Psi: the same. Stage 3 gathers the parameter
 and backward): (N-1)/N (G + 2P) Psi = 1.5x DDP.
 
 SAVING AND LOADING SHARDED STATE: a model no rank holds whole
-Gathering the whole state to one rank to write it would not fit there, so each rank writes what it
-holds, as pieces: a piece = (name, the whole tensor's shape, the runs of consecutive elements of the
-tensor flattened that this rank holds). A ZeRO shard is one run per parameter it touches; a tensor-
-parallel slice of a matrix's columns (lesson 09) one run per row. Each element is written once, by
-one of its holders (stage 0: every rank holds all, the group's rank 0 writes). Each rank file is
-written aside and renamed; meta.json records every file's bytes and sha256; LATEST moves last, so a
-crash leaves the previous checkpoint whole; a damaged file is one line naming it and the previous
-complete step; a lock file keeps a second run out of the folder. A resume on another group size or
-stage reads, for each piece it holds now, only the saved runs that overlap it (memory-mapped files).
+No rank could hold the whole state to write it, so each writes what it holds, as pieces: (name, the
+whole tensor's shape, the runs of consecutive elements of the flattened tensor that the rank holds):
+a ZeRO shard is one run per parameter, a tensor-parallel slice of columns (lesson 09) one run per row.
+Each element is written once, by one of its holders. Rank files are written aside and renamed,
+meta.json records their bytes and sha256, LATEST moves last: a crash leaves the previous checkpoint
+whole, a damaged file is one line naming it and the previous complete step, a lock file keeps a
+second run out. A resume on another group size or stage reads, for each piece it holds now, only the
+saved runs that overlap it (memory-mapped files).
 COST: on disk (parameters + 2 AdamW moments) x 4 B x Psi, whatever N, + metadata; a resume reads
 12 B x its shard's elements on each rank (12 Psi / N), never the whole.
 
@@ -88,6 +84,7 @@ foundation = importlib.import_module("01_ddp")
 
 STAGES = (0, 1, 2, 3)
 ADAM_KEYS, ADAM_MOMENT_BYTES = foundation.ADAM_KEYS, 8  # AdamW's moments, fp32
+CHECKPOINT_KINDS = ("params", *ADAM_KEYS)  # what a shard holds of each element: fp32 value, moments
 STEP_COUNTER_BYTES = 4  # torch's AdamW keeps `step` as one fp32 scalar tensor per parameter tensor
 
 # ----------------------------------------------------------------------------------------------
@@ -127,9 +124,8 @@ def padded_size(numel: int, n: int) -> int:
 
 def zero_memory_formula(padded: int, units: int, n: int, stage: int,
                         mixed_precision: bool) -> dict[str, Fraction]:
-    """What a ZeRO below holds per rank for `units` flat vectors of `padded` elements in all: the
-    formula above (fp32: P = G = 4, K = 8; mixed precision: P = G = 2, K = 12 with the fp32
-    masters) plus AdamW's step counter per unit."""
+    """What a ZeRO below holds per rank for `units` flat vectors of `padded` elements in all: COST's
+    formula (fp32 or mixed precision, with its fp32 masters) plus AdamW's step counter per unit."""
     size, master = (2, 4) if mixed_precision else (4, 0)
     formula = zero_memory_per_rank(padded, n, stage, size, size, master + ADAM_MOMENT_BYTES)
     formula["optimizer"] += STEP_COUNTER_BYTES * units
@@ -154,12 +150,11 @@ def zero_step_bytes(psi: int, n: int, stage: int, microbatches: int, mixed_preci
 def zero_exposed_seconds(psi: int, n: int, stage: int, units: int, microbatches: int, elem_bytes: int,
                          send: Callable[[float, int], float], last_backward: float,
                          unit_compute: tuple[float, float], hide: bool = True) -> float:
-    """Seconds of a step's ZeRO traffic (zero_traffic_per_step; send(bytes, calls) prices it on the
-    link) that compute does not hide: the gradients' reduction overlaps the last microbatch's
-    backward, all but its last unit's; stages 1-2's all-gather of the new parameters is exposed
-    (this ZeRO gathers after the step, before the next forward); stage 3's gather of each unit,
-    before its forward and its backward, hides behind the previous unit's compute (unit_compute:
-    one unit's forward and backward), but for the first unit's. hide=False: none of it hidden."""
+    """Seconds of a step's ZeRO traffic (zero_traffic_per_step, priced by send(bytes, calls)) that
+    compute does not hide: the gradients' reduction overlaps the last microbatch's backward but for
+    its last unit's; stages 1-2's all-gather (after the step, before the next forward) is exposed;
+    stage 3's gather of each unit, before its forward and its backward, hides behind the previous
+    unit's compute (unit_compute: one unit's forward, backward) but for the first. hide=False: none."""
     ops = zero_traffic_per_step(psi, n, stage, elem_bytes, elem_bytes)
     exposed = lambda comm, behind: max(0.0, comm - behind) if hide else comm  # noqa: E731
     reduce = send(ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0), units)
@@ -195,11 +190,9 @@ def zero_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def unit_parameters(model: nn.Module, owns: Callable[[nn.Parameter], bool]
                     ) -> list[tuple[nn.Module, list[tuple[str, nn.Parameter]]]]:
-    """(module, its unit's (name, parameter) pairs) for every unit that has any: the model itself
-    first, then zero_units(model). Each trainable parameter is in one unit, under its first name (as
-    model.named_parameters() gives it): that of the unit module it is registered under, or the
-    model's own unit if it is registered outside them all (a logit scale on the model) or under
-    several (a tied embedding and LM head: one flat slot, one gradient, one checkpoint entry)."""
+    """(module, its unit's (name, parameter) pairs) for each unit that has any: the model's own first,
+    then zero_units(model). A trainable parameter is in the unit of the module it is registered under,
+    under its first name, or in the model's own if none or several hold it (see UNITS)."""
     units = [("", model), *zero_units(model)]
     home: dict[nn.Parameter, int] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -272,6 +265,14 @@ class FlatUnit:
         self.gathered = None
 
 
+def shard_parts(unit: FlatUnit) -> list[tuple[int, int, int]]:
+    """(i, start, stop) for each parameter i with elements [start, stop) in this rank's shard, in
+    order: they follow one another from the shard's start, at unit.offsets[i] + start - owned.start."""
+    parts = [(i, max(begin, unit.owned.start) - begin, min(end, unit.owned.stop) - begin)
+             for i, (begin, end) in enumerate(zip(unit.offsets, unit.offsets[1:]))]
+    return [(i, start, stop) for i, start, stop in parts if start < stop]
+
+
 class ZeRO:
     """Shards AdamW (stage 1), gradients (2) and parameters (3) of `model` over `group`.
 
@@ -307,8 +308,7 @@ class ZeRO:
                 foundation.broadcast(p.detach(), src=0, group=group)
         self.model, self.stage, self.group, self.prefetch = model, stage, group, prefetch
         self.max_grad_norm, self.dtype = max_grad_norm, torch.bfloat16 if mixed_precision else torch.float32
-        # Frozen parameters (as in torch: no gradient, no update) stay whole on every rank, in the
-        # compute dtype: no flat slot, no optimizer state, no traffic.
+        # Frozen parameters (see UNITS) stay whole, in the compute dtype: no slot, no state, no traffic.
         self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and owned(p)]
         for _, p in self.frozen:
             p.data = p.data.to(self.dtype)
@@ -317,8 +317,7 @@ class ZeRO:
         # to this rank's elements (lesson 01's settings: one place to change them).
         masters = nn.ParameterList(u.master for u in self.units)
         self.optimizer = foundation.make_optimizer(masters, lr, adam_eps)
-        self.max_gathers_in_flight = self.prefetched_gathers = 0
-        self.sync_gradients = True
+        self.sync_gradients, self.max_gathers_in_flight, self.prefetched_gathers = True, 0, 0
         for index, (unit, (module, _)) in enumerate(zip(self.units, units)):
             for i, p in enumerate(unit.params if stage >= 2 else ()):
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit, i=i: self._on_grad_ready(unit, i))
@@ -377,16 +376,10 @@ class ZeRO:
         work = foundation.reduce_scatter(unit.grad_shard, send, group=self.group, async_op=True)
         unit.scatter = (work, send)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Gradient accumulation (microbatches, a pipeline's schedule): backward passes inside only
-        accumulate the full gradients in .grad; finish_gradient_sync() reduce-scatters them once.
-        Stages 0-1 always accumulate locally, so for them this changes nothing."""
-        self.sync_gradients = False
-        try:
-            yield
-        finally:
-            self.sync_gradients = True
+    # Gradient accumulation (microbatches, a pipeline's schedule): lesson 01's no_sync(). Backward
+    # passes inside only accumulate the full gradients in .grad; finish_gradient_sync() reduce-scatters
+    # them once. Stages 0-1 always accumulate locally: for them it changes nothing.
+    no_sync = foundation.BucketedDataParallel.no_sync
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -401,8 +394,7 @@ class ZeRO:
                 foundation.reduce_scatter(unit.grad_shard, unit.flat_grad, group=self.group)
             else:
                 if unit.scatter is None:  # accumulated under no_sync(), or by autograd.grad
-                    missing = [n for n, p in zip(unit.names, unit.params) if p.grad is None]
-                    if missing:
+                    if missing := [n for n, p in zip(unit.names, unit.params) if p.grad is None]:
                         raise RuntimeError(f"parameters got no gradient this step (unused "
                                            f"parameters are not supported): {missing[:5]}")
                     if self.stage == 3:
@@ -420,17 +412,13 @@ class ZeRO:
         sums the parts of all ranks, and a parameter held by t of them counts 1/t on each."""
         squares = torch.zeros((), device=self.units[0].shard.device)
         for unit in self.units:
-            runs = []  # [share, begin, end) in the shard: neighbours of equal share merged, one reduction
-            for p, begin, end in zip(unit.params, unit.offsets, unit.offsets[1:]):
-                begin = max(begin, unit.owned.start) - unit.owned.start
-                end = min(end, unit.owned.stop) - unit.owned.start
-                if begin < end and runs and runs[-1][0] == share(p) and runs[-1][2] == begin:
-                    runs[-1][2] = end
-                elif begin < end:
-                    runs.append([share(p), begin, end])
-            for weight, begin, end in runs:  # summed in fp32, without an fp32 copy of a bf16 gradient
-                part = unit.grad_shard[begin:end]
-                squares += torch.linalg.vector_norm(part, dtype=torch.float32).square() * weight
+            parts = [(share(unit.params[i]), stop - start) for i, start, stop in shard_parts(unit)]
+            begin = 0  # the parts follow one another: neighbours of equal share are one reduction
+            for weight, run in itertools.groupby(parts, key=lambda part: part[0]):
+                end = begin + sum(length for _, length in run)
+                grads = unit.grad_shard[begin:end]  # summed in fp32, without an fp32 copy of a bf16 one
+                squares += torch.linalg.vector_norm(grads, dtype=torch.float32).square() * weight
+                begin = end
         if self.stage > 0:  # each rank has its shard's share of the sum
             foundation.all_reduce(squares, group=self.group)
         return squares
@@ -478,8 +466,7 @@ class ZeRO:
         own = [p for u in self.units for p in u.params]
         params = [*own, *(p for _, p in self.frozen),
                   *(t for u in self.units for t in (u.flat_param, u.shard))]
-        grads = [*(p.grad for p in own),
-                 *(t for u in self.units for t in (u.flat_grad, u.grad_shard))]
+        grads = [*(p.grad for p in own), *(t for u in self.units for t in (u.flat_grad, u.grad_shard))]
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         return {"params": storage_bytes(params, seen), "grads": storage_bytes(grads, seen),
                 "optimizer": storage_bytes([*(u.master for u in self.units), *state], seen)}
@@ -502,19 +489,23 @@ class ZeRO:
             full.update(foundation.cpu_copy(zip(unit.names, unit.views(flat), strict=True)))
         return full
 
+    def shard_state(self, unit: FlatUnit) -> dict[str, torch.Tensor]:
+        """This rank's shard of unit's fp32 parameters and AdamW moments (zeros before a step)."""
+        adam = self.optimizer.state.get(unit.master, {})
+        return {"params": unit.master, **{k: adam.get(k, torch.zeros_like(unit.master)) for k in ADAM_KEYS}}
+
     def full_state_dict(self) -> dict:
-        """Unsharded fp32 parameters and AdamW state by parameter name (gathered on every rank). The
-        parameters as torch's state_dict() gives them, a tied one under each of its names (the same
-        values), so a strict load_state_dict takes them; the moments under the first name; frozen
-        parameters have no state."""
-        adam = [self.optimizer.state.get(u.master, {}) for u in self.units]
-        moments = {key: self.gather_full([s.get(key, torch.zeros_like(u.master))
-                                           for u, s in zip(self.units, adam)]) for key in ADAM_KEYS}
-        params = {**self.gather_full([u.master for u in self.units]), **foundation.cpu_copy(self.frozen)}
+        """Unsharded fp32 parameters and AdamW state by parameter name, gathered on every rank: the
+        parameters as torch's state_dict() gives them (a tied one under each of its names, so a strict
+        load_state_dict takes them), the moments under the first name; frozen ones have no state."""
+        shards = [self.shard_state(u) for u in self.units]
+        state = {key: self.gather_full([s[key] for s in shards]) for key in CHECKPOINT_KINDS}
+        params = state["params"] = {**state["params"], **foundation.cpu_copy(self.frozen)}
         first = {p: name for name, p in self.model.named_parameters()}
         params.update((name, params[first[p]]) for name, p in
                       self.model.named_parameters(remove_duplicate=False) if first[p] in params)
-        return {"params": params, **moments, "step": int(adam[0].get("step", 0))}
+        step = self.optimizer.state.get(self.units[0].master, {}).get("step", 0)
+        return {**state, "step": int(step)}
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
@@ -522,7 +513,7 @@ class ZeRO:
         parameter is read under its first name (torch's state_dict() has it under each). Every entry
         is checked first, so a missing or misshapen one changes nothing on any rank."""
         expected = [("params", name, p.shape) for name, p in self.frozen] + [
-            (key, name, shape) for unit in self.units for key in ("params", *ADAM_KEYS)
+            (key, name, shape) for unit in self.units for key in CHECKPOINT_KINDS
             for name, shape in zip(unit.names, unit.shapes)]
         for key, name, shape in expected:
             value = state.get(key, {}).get(name)
@@ -535,17 +526,16 @@ class ZeRO:
             p.copy_(state["params"][name])
         self.load_shards([{key: unit.flatten([state[key][n].to(unit.master.device) for n in unit.names],
                                              torch.float32)[unit.owned]
-                           for key in ("params", *ADAM_KEYS)} for unit in self.units], state["step"])
+                           for key in CHECKPOINT_KINDS} for unit in self.units], state["step"])
 
     @torch.no_grad()
     def load_shards(self, shards: list[dict[str, torch.Tensor]], step: int) -> None:
-        """This rank's shards, one {"params", *ADAM_KEYS: values of unit.owned} per unit, from
-        anywhere (a full state cut here, or a checkpoint that stores shards: lesson 09)."""
+        """This rank's shards, one {kind: values of unit.owned} per unit, from anywhere (a full state
+        cut here, a checkpoint's pieces: load_zero_pieces, lesson 09)."""
         for unit, values in zip(self.units, shards, strict=True):
             unit.master.copy_(values["params"])
-            self.optimizer.state[unit.master] = {"step": torch.tensor(float(step)),
-                                                 **{key: values[key].to(unit.master.device).clone()
-                                                    for key in ADAM_KEYS}}
+            moments = {key: values[key].to(unit.master.device).clone() for key in ADAM_KEYS}
+            self.optimizer.state[unit.master] = {"step": torch.tensor(float(step)), **moments}
             self._refresh_compute_params(unit)
 
 
@@ -558,8 +548,6 @@ class ZeRO:
 #                                           every rank file's bytes and sha256
 #   folder/LATEST                           the last complete checkpoint, written last, atomically
 #   folder/LOCK                             held by the run that writes here (a second one is refused)
-
-CHECKPOINT_KINDS = ("params", *ADAM_KEYS)
 
 
 class CheckpointError(ValueError):
@@ -623,11 +611,8 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> int:
 
 
 def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def all_ranks(obj: object) -> list:
@@ -650,17 +635,12 @@ def lock_checkpoints(folder: str | os.PathLike) -> IO:
     """Hold folder/LOCK while the returned file stays open (the kernel releases an flock when its
     process ends, killed too: no stale lock). A folder that is a file, that cannot be written, or
     that a running run holds is refused in one line."""
-    root = Path(folder)
+    root, handle = Path(folder), None
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} is a file, not a folder")
-    unwritable = lambda error: CheckpointError(  # noqa: E731
-        f"checkpoint folder {folder} cannot be written ({os_error(error)})")
     try:
         root.mkdir(parents=True, exist_ok=True)
         handle = open(root / "LOCK", "a+")
-    except OSError as error:
-        raise unwritable(error) from None
-    try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         fd, probe = tempfile.mkstemp(".tmp", dir=root)  # an earlier run's LOCK may be writable where
         os.close(fd)                                     # the folder is not (read-only since)
@@ -669,16 +649,17 @@ def lock_checkpoints(folder: str | os.PathLike) -> IO:
         handle.write(f"pid {os.getpid()} on {socket.gethostname()} since "
                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {shlex.join(sys.argv)}")
         handle.flush()
-    except BlockingIOError:
+        return handle
+    except BlockingIOError:  # flock: another process holds it
         handle.seek(0)
         holder = handle.read().strip() or "another process"
         handle.close()
         raise CheckpointError(f"checkpoint folder {folder} is in use by a running run ({holder}): wait for "
                               f"it to end, or choose another folder") from None
     except OSError as error:
-        handle.close()
-        raise unwritable(error) from None
-    return handle
+        if handle is not None:
+            handle.close()
+        raise CheckpointError(f"checkpoint folder {folder} cannot be written ({os_error(error)})") from None
 
 
 def step_of(path: Path) -> int | None:
@@ -704,11 +685,6 @@ def remove_unfinished_saves(folder: str | os.PathLike) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in unfinished)
 
 
-def rng_state() -> dict[str, torch.Tensor]:
-    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-    return {"cpu": torch.get_rng_state(), **cuda}
-
-
 def checkpoint_config(cfg: foundation.ModelConfig) -> dict:
     """What must match for a checkpoint to load: every field that shapes the model. Not the seed,
     which only draws the initial weights that a checkpoint replaces."""
@@ -719,22 +695,22 @@ def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list[tuple[Pie
                     meta: dict, config: dict, rank: int = 0, world: int = 1,
                     exchange: Callable[[object], list] = lambda x: [x], keep: Sequence[int] = ()) -> Path:
     """Every rank calls this with the pieces it writes (each element once across the ranks) and their
-    values of each kind, on a filesystem every rank sees; exchange(x) returns every rank's x
-    (all_ranks). Each rank file is written aside and renamed; meta.json records every file's size and
-    sha256; LATEST moves last, so a crash before leaves the previous checkpoint. Then the step folders
-    other than this one and `keep` are deleted. A write that fails on any rank is a CheckpointError
-    on every rank, naming the folder, the error and the last complete checkpoint."""
+    values of each kind, on a filesystem every rank sees; exchange(x) returns every rank's x (all_ranks).
+    Rank files, then meta.json, then LATEST (a crash before leaves the previous checkpoint), then the
+    step folders but this one and `keep` go. A write failing on any rank is a CheckpointError on every
+    rank naming the folder, the error and the last complete checkpoint."""
     root = Path(folder)
     target, name = root / f"step_{step:08d}", f"rank{rank:05d}.pt"
-    rows = []  # (name, shape, the runs' (first, length), the elements they cover, packed)
-    for piece, data in pieces:
-        if len(piece.runs):
-            real = [torch.cat([t[o:o + n] for _, o, n in piece.runs.tolist()]) for t in data.values()]
-            pairs = piece.runs[:, [0, 2]].tolist()
-            rows.append((piece.name, tuple(piece.shape), pairs, dict(zip(data, real))))
+    # Each piece's name, shape, runs as (first, length) and the elements they cover, packed.
+    rows = [(piece.name, tuple(piece.shape), piece.runs[:, [0, 2]].tolist(),
+             {kind: torch.cat([t[o:o + n] for _, o, n in piece.runs.tolist()]) for kind, t in data.items()})
+            for piece, data in pieces if len(piece.runs)]
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
     try:
         target.mkdir(parents=True, exist_ok=True)
-        size = atomic_write(target / name, lambda f: torch.save({"pieces": rows, "rng": rng_state()}, f))
+        size = atomic_write(target / name, lambda f: torch.save({"pieces": rows, "rng": rng}, f))
         record = (name, size, file_sha256(target / name), None)
     except OSError as error:
         record = (name, 0, "", os_error(error))
@@ -835,9 +811,8 @@ def open_checkpoint(folder: str | os.PathLike, config: dict, step: int | None = 
 
 
 class CheckpointReader:
-    """A checked checkpoint's rank files, memory-mapped: read(piece) copies out only the runs that
-    the piece shares with the saved pieces; nothing else of the files enters memory but their runs
-    and RNG states. bytes_read counts what was copied."""
+    """A checked checkpoint's rank files, memory-mapped: read(piece) copies out only the runs the piece
+    shares with the saved ones (the rest of the files: their runs and RNG states); bytes_read counts it."""
 
     def __init__(self, target: Path, meta: dict) -> None:
         self.saved: dict[str, list[tuple[tuple[int, ...], torch.Tensor, dict[str, torch.Tensor]]]] = {}
@@ -882,31 +857,23 @@ def load_model(model: nn.Module, folder: str | os.PathLike) -> dict:
 # --- ZeRO's shards as pieces ----------------------------------------------------------------------
 
 
-def shard_parts(unit: FlatUnit) -> list[tuple[int, int, int]]:
-    """(i, start, stop) for each parameter i with elements in this rank's shard: its flat elements
-    [start, stop), which lie at unit.offsets[i] + start - unit.owned.start in the shard."""
-    parts = [(i, max(begin, unit.owned.start) - begin, min(end, unit.owned.stop) - begin)
-             for i, (begin, end) in enumerate(zip(unit.offsets, unit.offsets[1:]))]
-    return [(i, start, stop) for i, start, stop in parts if start < stop]
+def shard_pieces(unit: FlatUnit) -> Iterator[tuple[Piece, slice]]:
+    """Each parameter's elements in this rank's shard of unit: their piece, and where they lie in it."""
+    for i, start, stop in shard_parts(unit):
+        at = unit.offsets[i] + start - unit.owned.start
+        yield whole_piece(unit.names[i], unit.shapes[i]).narrow(start, stop), slice(at, at + stop - start)
 
 
 def zero_pieces(optimizer: ZeRO) -> list[tuple[Piece, dict[str, torch.Tensor]]]:
-    """The pieces this rank writes of a ZeRO, with their values of each kind: each parameter's elements
-    in its shard (stage 0: every rank holds all, the group's rank 0 writes), frozen parameters (whole on
-    every rank, no moments) by rank 0."""
-    first = dist.get_rank(optimizer.group) == 0
-    out = []
+    """The pieces this rank writes of a ZeRO, with their values of each kind: its shard's (stage 0: the
+    group's rank 0 writes all), and the frozen parameters (whole on every rank, no moments) by rank 0."""
+    first, out = dist.get_rank(optimizer.group) == 0, []
     for unit in optimizer.units if optimizer.stage > 0 or first else ():
-        state = optimizer.optimizer.state.get(unit.master, {})
-        sources = {"params": unit.master, **{k: state.get(k, torch.zeros_like(unit.master))
-                                             for k in ADAM_KEYS}}
-        for i, start, stop in shard_parts(unit):
-            at = unit.offsets[i] + start - unit.owned.start
-            out.append((whole_piece(unit.names[i], unit.shapes[i]).narrow(start, stop),
-                        {k: v[at:at + stop - start].detach().float().cpu() for k, v in sources.items()}))
-    out += [(whole_piece(n, p.shape), {"params": p.detach().float().cpu().flatten()})
-            for n, p in optimizer.frozen if first]
-    return out
+        state = optimizer.shard_state(unit)
+        out += [(piece, {k: v[at].detach().float().cpu() for k, v in state.items()})
+                for piece, at in shard_pieces(unit)]
+    return out + [(whole_piece(n, p.shape), {"params": p.detach().float().cpu().flatten()})
+                  for n, p in optimizer.frozen if first]
 
 
 @torch.no_grad()
@@ -916,10 +883,9 @@ def load_zero_pieces(optimizer: ZeRO, reader: CheckpointReader, step: int) -> No
     shards = []
     for unit in optimizer.units:
         values = {k: torch.zeros(unit.owned.stop - unit.owned.start) for k in CHECKPOINT_KINDS}  # padding: 0
-        for i, start, stop in shard_parts(unit):
-            at = unit.offsets[i] + start - unit.owned.start
-            for k, v in reader.read(whole_piece(unit.names[i], unit.shapes[i]).narrow(start, stop)).items():
-                values[k][at:at + stop - start] = v
+        for piece, at in shard_pieces(unit):
+            for k, v in reader.read(piece).items():
+                values[k][at] = v
         shards.append(values)
     for name, p in optimizer.frozen:
         p.copy_(reader.read(whole_piece(name, p.shape), ("params",))["params"].view(p.shape))
@@ -942,12 +908,10 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
                mixed_precision: bool = False, prefetch: bool = True, resume_after: int | None = None,
                group=None, device: torch.device | str = "cpu",
                transform: Callable | None = None) -> tuple[ZeroResult, "foundation.CommMeter"]:
-    """Train on this rank's slice of the global batches that 01's train_single_device sees (transform:
-    as there; its clipping and mixed precision are ZeRO's one-device twin).
-    resume_after=k: after k steps, gather the full state, build a fresh model and ZeRO optimizer,
-    load it and go on.
-    Returns the result and a meter of the training steps' communication (not of the test probes:
-    the reassembled step-0 gradients, the checkpoint)."""
+    """Train on this rank's slice of the global batches 01's train_single_device sees (transform: as
+    there; its clipping and mixed precision are ZeRO's one-device twin). resume_after=k: after k steps
+    gather the full state, build a fresh model and ZeRO, load it, go on. Returns the result and a meter
+    of the training steps' communication (not of the test probes: step-0 gradients, full states)."""
     world, rank = foundation.group_size(group), dist.get_rank(group)
     if global_batch % world:
         raise ValueError(f"global_batch={global_batch} is not divisible by the group size {world}")
@@ -1008,13 +972,11 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
         print(f"  {label[mixed]} ZeRO-{stage}" + "".join(f"{d:>11.1e}" for d in diffs))
     print("  (fp32: the same sums in another order. bf16: gradients rounded to 8 bits after sums in\n"
           "   another order; Adam turns that into lr-sized moves of the few elements whose gradient is ~0)")
-
     print("\nThe paper's table, GB per rank: Psi = 7.5B, N = 64, P = G = 2 (fp16), K = 12:")
     for stage in STAGES:
         mem = zero_memory_per_rank(7_500_000_000, 64, stage)
         print(f"  ZeRO-{stage} {float(sum(mem.values())) / 1e9:7.2f} GB = "
               + " + ".join(f"{float(v) / 1e9:.2f} {k}" for k, v in mem.items()))
-
     psi = sum(t.numel() for t in references[False].params.values())
     padded = runs[False, 0][0].stats["padded_params"]
     print(f"\nThe tiny model on {world} ranks: {psi:,} parameters, padded module by module to {padded:,}.\n"
@@ -1024,7 +986,6 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
         cells = "  ".join(f"{k} {result.held[k]:>9,}|{int(result.formula[k]):<9,}" for k in result.held)
         same = "equal" if result.held == result.formula else "DIFFERENT"
         print(f"  {label[mixed]} ZeRO-{stage}  {cells} {same}")
-
     ddp_bytes = Fraction(2 * (world - 1), world) * 4 * padded  # DDP over the same padded buffers
     print(f"\nTraffic per rank per step, fp32, ring (DDP: 2(N-1)/N x 4 B x padded Psi = "
           f"{float(ddp_bytes):,.0f} B):")
@@ -1045,26 +1006,20 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
           "traffic stays DDP's until ZeRO-3 adds a second all-gather (1.5 x DDP).")
 
 
-def checkpoint_demo(cfg: foundation.ModelConfig, args: argparse.Namespace, device: torch.device) -> None:
-    """ZeRO-3 on every rank trains and saves; ZeRO-1 on half the ranks loads it, then one device's
-    model: each reads only what it holds."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = foundation.GPT(cfg).to(device)
-    optimizer = ZeRO(model, 3, max_grad_norm=args.max_grad_norm)
-    for step in range(args.steps):
-        tokens, targets = foundation.synthetic_batch(cfg, args.global_batch, args.seq_len, step, rank, world)
-        model(tokens.to(device), targets.to(device)).backward()
-        optimizer.step()
-    saved = optimizer.full_state_dict()  # only to compare below: a real run never gathers it
+def checkpoint_demo(cfg: foundation.ModelConfig, saved: dict, device: torch.device) -> None:
+    """A ZeRO-3 on every rank saves the state `saved` (the fp32 ZeRO-3 run's, gathered to compare
+    with); ZeRO-1 on half the ranks loads it, then one device's model: each reads what it holds."""
+    rank, world, step, config = dist.get_rank(), dist.get_world_size(), saved["step"], checkpoint_config(cfg)
+    optimizer = ZeRO(foundation.GPT(cfg).to(device), 3)
+    optimizer.load_full_state_dict(saved)  # a real run saves the ZeRO it trains, without gathering
     folder = all_ranks(tempfile.mkdtemp(prefix="02_zero.") if rank == 0 else None)[0]  # one machine
-    target = save_checkpoint(folder, args.steps, zero_pieces(optimizer), {}, checkpoint_config(cfg), rank,
-                             world, all_ranks)
+    target = save_checkpoint(folder, step, zero_pieces(optimizer), {}, config, rank, world, all_ranks)
     half = max(1, world // 2)
     group, report = dist.new_group(list(range(half))), None
     if rank < half:
-        reader = CheckpointReader(*open_checkpoint(folder, checkpoint_config(cfg), rank=rank, world=half))
+        reader = CheckpointReader(*open_checkpoint(folder, config, rank=rank, world=half))
         smaller = ZeRO(foundation.GPT(cfg).to(device), 1, group)
-        load_zero_pieces(smaller, reader, args.steps)
+        load_zero_pieces(smaller, reader, step)
         loaded = smaller.full_state_dict()
         same = all(torch.equal(loaded[k][n], saved[k][n]) for k in CHECKPOINT_KINDS for n in saved[k])
         elements = sum(stop - start for unit in smaller.units for _, start, stop in shard_parts(unit))
@@ -1076,7 +1031,7 @@ def checkpoint_demo(cfg: foundation.ModelConfig, args: argparse.Namespace, devic
         one_same = all(torch.equal(p, saved["params"][n]) for n, p in one.named_parameters())
         psi = sum(p.numel() for p in one.parameters())
         disk, formula = sum(f.stat().st_size for f in target.iterdir()), 4 * len(CHECKPOINT_KINDS) * psi
-        print(f"\nA sharded checkpoint: ZeRO-3 on {world} ranks saved step {args.steps} as {world} rank "
+        print(f"\nA sharded checkpoint: ZeRO-3 on {world} ranks saved step {step} as {world} rank "
               f"files + meta.json: {disk:,} B on disk = (params + 2 AdamW moments) x 4 B x {psi:,} "
               f"parameters, each element once ({formula:,}) + {disk - formula:,} B of metadata (runs, RNG, "
               f"headers).\nZeRO-1 on {half} rank{'s' * (half > 1)} loads it; bytes each rank read "
@@ -1109,7 +1064,7 @@ def demo(args: argparse.Namespace) -> None:
         print(f"ZeRO on {dist.get_world_size()} ranks ({dist.get_backend()}, {device.type}); global "
               f"batch {args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")
         print_tables(runs, references, dist.get_world_size(), args.steps)
-    checkpoint_demo(cfg, args, device)
+    checkpoint_demo(cfg, runs[False, 3][0].state, device)
     foundation.exit_distributed()
 
 
