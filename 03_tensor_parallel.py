@@ -28,11 +28,9 @@ Embedding: rank r holds rows [r V/t, (r+1) V/t); an id outside them looks up zer
 partial embeddings. LM head: column-parallel over the vocabulary, and the cross-entropy never
 materialises the full logits: loss = log sum_v e^(z_v - m) - (z_target - m) needs 3 all-reduces of
 one number per token: the max m (MAX), the sum of exponentials and the target logit (SUM); the
-gradient softmax - onehot is local. A vocabulary that t does not divide is padded to a multiple of
-t; padded logits are -inf, so the padding never changes the loss nor receives a gradient. Both split
-the (V, h) table by rows, so a tied LM head (GPT-2, Llama 3.2: the head is the embedding) stays one
-parameter on each rank, its gradient the sum of both uses; a tie whose ends a plan splits in
-different ways is refused before any communication.
+gradient softmax - onehot is local. The vocabulary is padded to a multiple of t with -inf logits (no
+loss, no gradient). Both split the (V, h) table by rows, so a tied LM head (Llama 3.2) stays one
+parameter, its gradient the sum of both uses; a plan that splits a tie's ends differently is refused.
 
 SEQUENCE PARALLELISM (Korthikanti et al. 2022)
 Between the regions (norms, residual adds) plain TP computes the same thing on every rank and
@@ -47,13 +45,10 @@ ACTIVATION MEMORY (what autograd saves per layer; Korthikanti's accounting)
 GPT-3 in 16 bits: s b h (34 + 5 a s / h) bytes without TP; s b h (10 + 24/t + 5 a s / (h t)) with
 TP (10: the norms' inputs, dropout masks and the regions' inputs, replicated); s b h / t (34 +
 5 a s / h) with TP + SP, where the paper re-gathers each region's input in backward instead of
-storing it. We store it, so here SP removes only the norms' t-fold replication: main() prints what
-our layer (fp32, SwiGLU, RMSNorm, fused attention, no dropout) saves beside activation_formula.
-RECOMPUTE (the paper's other lever): apply_recompute(model, "selective") lets each attention
-function keep only q, k, v and recompute its inside in backward (Megatron's selective: the 5 a s / h
-scores term, or with a fused kernel only its log-sum-exp); "full" keeps only each block's input and
-reruns the whole block, ~1/3 more compute for ~1/(layer's saved / input) of the memory. Gradients
-are bitwise the same; lesson 09 prints measured bytes per mode (layer_activation_formula).
+storing it. We store it, so here SP removes only the norms' t-fold replication (activation_formula).
+RECOMPUTE (apply_recompute): "selective" keeps only each attention function's q, k, v and recomputes
+its inside (Megatron's: the 5 a s / h scores term; a fused kernel's log-sum-exp); "full" keeps only
+each block's input and reruns the block, ~1/3 more compute. Gradients are bitwise the same.
 
 RUN IT
     python 03_tensor_parallel.py                       # 4 local CPU ranks, tp = 4
@@ -66,6 +61,7 @@ how much of them plain TP leaves replicated.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import fnmatch
 import functools
@@ -127,17 +123,16 @@ def _all_reduced(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     return _collective(x, _group_name(group), op)
 
 
-def _gathered(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    """Every rank's x concatenated along dim (default: (b, s/t, h) sequence shards -> (b, s, h)).
-    The collective concatenates along dim 0, so go through dim-first and back."""
-    out = _collective(x.movedim(dim, 0).contiguous(), _group_name(group), "gather")
+def _gathered(x: torch.Tensor, group, dim: int = 1, kind: str = "gather") -> torch.Tensor:
+    """Every rank's x concatenated along dim (default: (b, s/t, h) sequence shards -> (b, s, h));
+    kind "scatter": this rank's slice along dim of the sum. The collective works along dim 0: go
+    through dim-first and back."""
+    out = _collective(x.movedim(dim, 0).contiguous(), _group_name(group), kind)
     return out.movedim(0, dim).contiguous()  # else each linear reading it saves its own copy
 
 
-def _reduce_scattered(x: torch.Tensor, group) -> torch.Tensor:
-    """(b, s, h) partial sums -> this rank's (b, s/t, h) slice of their sum."""
-    out = _collective(x.transpose(0, 1).contiguous(), _group_name(group), "scatter")
-    return out.transpose(0, 1).contiguous()
+def _reduce_scattered(x: torch.Tensor, group) -> torch.Tensor:  # (b, s, h) partial sums -> (b, s/t, h)
+    return _gathered(x, group, 1, "scatter")
 
 
 def _identity(x: torch.Tensor, group) -> torch.Tensor:
@@ -170,13 +165,11 @@ class ReduceFromRegion(conjugate(_all_reduced, _identity)):
 
 
 class GatherSequence(conjugate(_gathered, _reduce_scattered)):
-    """SP's f: all-gather along the sequence forward; reduce-scatter backward.
-    Cost: (t-1)/t x full size per rank in each direction."""
+    """SP's f: all-gather along the sequence forward; reduce-scatter backward. Cost: (t-1)/t x size."""
 
 
 class ReduceScatterSequence(conjugate(_reduce_scattered, _gathered)):
-    """SP's g: reduce-scatter along the sequence forward; all-gather backward.
-    Cost: (t-1)/t x full size per rank in each direction."""
+    """SP's g: reduce-scatter along the sequence forward; all-gather backward. Same cost."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,15 +328,19 @@ TENSOR_PARALLEL_PLAN = {  # module name pattern -> styles; unlisted parameters s
 }
 
 
+def split_dim(name: str, plan: dict | None = None) -> int | None:
+    """The dimension `plan` splits parameter `name` (its reference name) along; None: replicated."""
+    module, _, attr = name.rpartition(".")
+    dims = [SPLIT_DIM[style] for pattern, styles in (plan or TENSOR_PARALLEL_PLAN).items()
+            if fnmatch.fnmatchcase(module, pattern) for style in styles if style in SPLIT_DIM]
+    return dims[0] if dims and attr == "weight" else None
+
+
 def tp_local_shape(name: str, shape: tuple[int, ...], tp: int, plan: dict | None = None) -> tuple[int, ...]:
-    """The shape parameter `name` (its reference name) has on every rank of apply_tensor_parallel
-    over tp ranks with `plan`, without building it: _shard's slice of a split one, padding included."""
-    module = name.rpartition(".")[0]
-    for pattern, styles in (plan or TENSOR_PARALLEL_PLAN).items():
-        dims = [SPLIT_DIM[style] for style in styles if style in SPLIT_DIM]
-        if dims and fnmatch.fnmatchcase(module, pattern):
-            return (*shape[:dims[0]], -(-shape[dims[0]] // tp), *shape[dims[0] + 1:])
-    return tuple(shape)
+    """The shape parameter `name` has on every rank of apply_tensor_parallel over tp ranks with `plan`,
+    without building it: _shard's slice of a split one, padding included."""
+    dim = split_dim(name, plan)
+    return tuple(shape) if dim is None else (*shape[:dim], -(-shape[dim] // tp), *shape[dim + 1:])
 
 
 def validate_tensor_parallel(cfg, tp: int) -> None:
@@ -356,26 +353,23 @@ def validate_tensor_parallel(cfg, tp: int) -> None:
 def validate_ties(model: nn.Module, plan: dict) -> None:
     """A parameter registered under several names (tied) must be split the same way under each,
     else no one shard can serve them all."""
-    split = {f"{name}.weight": SPLIT_DIM[style] for name, _ in model.named_modules()
-             for pattern, styles in plan.items() if fnmatch.fnmatchcase(name, pattern)
-             for style in styles if style in SPLIT_DIM}
     names: dict[nn.Parameter, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, []).append(name)
     for tied in names.values():
-        if len({split.get(n) for n in tied}) > 1:
-            how = ", ".join(f"{n} " + (f"along dim {split[n]}" if n in split else "not at all") for n in tied)
+        dims = {name: split_dim(name, plan) for name in tied}
+        if len(set(dims.values())) > 1:
+            how = ", ".join(f"{n} {'not at all' if d is None else f'along dim {d}'}" for n, d in dims.items())
             raise ValueError(f"{' and '.join(tied)} are one tied parameter, but the plan splits them "
                              f"differently ({how}): untie them or split both ends alike")
 
 
 def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool = False,
                           plan: dict | None = None, check_ids: bool = True) -> nn.Module:
-    """Shard the lesson-01 GPT in place over `group`: every rank keeps its slice of the weights it
-    already holds (identical on every rank: seeded init, or broadcast here), the loss becomes the
-    vocab-parallel cross-entropy. model(tokens) then returns this rank's vocabulary slice of the
-    logits; model(tokens, targets) the full mean loss. check_ids=False: the caller checks the ids
-    where it is cheap (lesson 09: its rows, on the CPU, before they move to the GPU)."""
+    """Shard the lesson-01 GPT in place over `group` (each rank keeps its slice of the weights,
+    broadcast over the group first); model(tokens) returns this rank's vocabulary slice of the logits,
+    model(tokens, targets) the full mean loss. check_ids=False: the caller checks the ids where it
+    is cheap (lesson 09: on the CPU, before they move to the GPU)."""
     tp, rank = foundation.group_size(group), dist.get_rank(group)
     validate_tensor_parallel(model.cfg, tp)
     if any(hasattr(p, "tp_shard_dim") for p in model.parameters()):
@@ -437,9 +431,8 @@ def unshard(param: torch.Tensor, group=None, like: nn.Parameter | None = None) -
 def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
                           sequence_parallel: bool = False, lr: float = 1e-3, adam_eps: float = 1e-8,
                           group=None, device: torch.device | str = "cpu", transform=None):
-    """Every rank of the group trains on the whole global batch with its shards. Returns the
-    result with full (reassembled) step-0 gradients and final parameters, and a meter of the
-    communication inside the training steps. `transform` as in foundation.train_single_device."""
+    """Every rank trains on the whole global batch with its shards. Returns the result (step-0
+    gradients and final parameters reassembled) and a meter of the steps' communication."""
     model = foundation.GPT(cfg)
     model = apply_tensor_parallel((transform(model) if transform else model).to(device), group,
                                   sequence_parallel)
@@ -465,18 +458,15 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
 def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, layers: int | None = None,
                  embed: bool = True, head: bool = True, microbatches: int = 1, mlp: bool = True,
                  elem_bytes: int = 4, recompute: str = "none") -> dict[str, tuple[int, int]]:
-    """op -> (calls, payload bytes) in one training step (forward + backward) of the model, any t > 1
-    (the traffic per rank is (t-1)/t of the payload, twice that for an all-reduce). Activation
-    collectives move b x s x h elements of elem_bytes (bf16 compute: 2): 4 per layer, 1 for the
-    embedding (forward), 1 for the LM head's input (backward); with SP each of them is an all-gather
-    and a reduce-scatter. The loss adds 3 all-reduces of b x s fp32 numbers; SP adds one all-reduce of
-    h per norm. At t = 1 there is nothing: apply_tensor_parallel inserts no collective.
-    The keywords describe lesson 09's pieces, here because this lesson owns its traffic's formula:
-    a pipeline stage has `layers` layers, maybe no embedding or head, and runs every collective
-    once per microbatch (the payloads add up to the batch's); mlp=False: the MLPs are not split
-    (09's MoE layers), only attention is a region. recompute="full" re-runs each block's forward
-    in backward up to its last saved tensor (down_proj's input), so the attention's g (SP: also
-    both regions' f, all-gathers) runs again, the MLP's g does not."""
+    """op -> (calls, payload bytes) in one training step (forward + backward), any t > 1 (traffic per
+    rank: (t-1)/t of the payload, twice that for an all-reduce; at t = 1 nothing is inserted).
+    Activation collectives move b x s x h elements of elem_bytes (bf16 compute: 2): 4 per layer, 1 for
+    the embedding (forward), 1 for the LM head's input (backward); with SP each is an all-gather and a
+    reduce-scatter. The loss adds 3 all-reduces of b x s fp32 numbers; SP one all-reduce of h per norm.
+    The keywords are lesson 09's pieces, here because this lesson owns its traffic's formula: a
+    pipeline stage of `layers` layers, maybe without embedding or head, runs each collective once per
+    microbatch; mlp=False: 09's MoE layers, only attention is a region; recompute="full" reruns each
+    block up to down_proj's input, so attention's g (SP: also both regions' f) runs again, the MLP's g not."""
     layers, m = cfg.n_layers if layers is None else layers, microbatches
     bsh, loss = batch * seq_len * cfg.dim * elem_bytes, (3 * head * m, 3 * head * batch * seq_len * 4)
     activations, norms = (2 + 2 * mlp) * layers + embed + head, 2 * layers + head
@@ -492,13 +482,12 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
 def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, layers: int, embed: bool,
                       head: bool, mlp: bool = True, elem_bytes: int = 2) -> tuple[int, int]:
     """Memory traffic (forward, backward) of one rank's elementwise work on a microbatch of `tokens`
-    tokens through a stage (comm_formula's layers, embed, head, mlp), each operation reading its
-    inputs and writing its output once (as torch.compile fuses it). Per layer, between the regions
-    (all the tokens, or / t with SP): two RMSNorms (h in, h out) and two residual adds (2h, h); on
-    the rank's heads and ffn / t: RoPE on q and k, SwiGLU's silu(gate) x up (2f, f). The embedding's
-    lookup; the final norm and the vocab-parallel loss, two fp32 passes over the V / t logits.
-    Backward reads what forward read and the output's gradient, writes the inputs' gradients: a norm
-    3h, an add 3h, RoPE the same, SwiGLU 5f, the embedding's scatter-add 3h, the loss two passes."""
+    tokens through a stage (comm_formula's keywords), each operation reading its inputs and writing
+    its output once (torch.compile fuses them). Per layer, between the regions (/ t with SP): two
+    RMSNorms (h in, h out), two residual adds (2h, h); on the rank's heads and ffn / t: RoPE on q and
+    k, silu(gate) x up (2f, f). Plus the embedding's lookup, the final norm, and the loss's two fp32
+    passes over the V / t logits. Backward reads what forward read and the output's gradient, writes
+    the inputs' gradients: a norm or an add 3h, SwiGLU 5f, the embedding 3h, the loss two passes."""
     h, e, mid = cfg.dim, elem_bytes, tokens // (tp if sequence_parallel else 1)  # mid: between the regions
     qk, f = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // tp, cfg.ffn_dim // tp * mlp
     loss = head * 2 * 4 * -(-cfg.vocab_size // tp) * tokens
@@ -509,9 +498,8 @@ def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, lay
 
 def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool,
                   device: torch.device | str = "cpu") -> tuple[int, "foundation.CommMeter"]:
-    """Layer 0 of the tensor-parallel GPT, forward and backward on this rank's activations (b, s, h)
-    (with SP: (b, s/t, h)): the bytes autograd saves for backward (parameters excluded, each
-    storage once) and the layer's collectives."""
+    """Layer 0 of the tensor-parallel GPT, forward and backward on this rank's (b, s, h) (SP: (b, s/t,
+    h)) activations: the bytes autograd saves for backward (activation_bytes) and its collectives."""
     layer = apply_tensor_parallel(foundation.GPT(cfg).to(device), None, sequence_parallel).layers["0"]
     shards = dist.get_world_size() if sequence_parallel else 1
     x = torch.randn(batch, seq_len // shards, cfg.dim, device=device, requires_grad=True)
@@ -522,32 +510,24 @@ def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool,
     return saved, meter
 
 
-def sdpa_saved_bytes(cfg, batch: int, seq_len: int, tp: int) -> int:
-    """What SDPA (and lesson 07's kernel) keeps beyond its inputs q, k, v: the fp32 log-sum-exp, one
-    per query head and token (the output is kept by out_proj as its input)."""
-    return 4 * seq_len * batch * cfg.n_heads // tp
-
-
 def activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool, elem_bytes: int = 4,
                        attention_saves: int | None = None) -> int:
-    """Korthikanti's accounting for our layer, activations of elem_bytes (fp32: 4, bf16: 2), a =
-    n_heads, f = ffn_dim:
-    - each norm saves its input in fp32 (in bf16 its own fp32 copy), its normalised input (s b h
-      each) and 1/rms (s b, fp32): replicated in plain TP, split by t along the sequence with SP;
-    - each region's input (s b h, saved by the column-parallel linears): replicated in both (SP
-      stores the all-gathered input);
-    - sharded by t: q after RoPE and the attention output (s b h each), k after RoPE and v (s b h_kv
-      each, h_kv = n_kv_heads x head_dim: grouped-query attention keeps K/V unrepeated); the MLP's
-      gate, silu(gate), up and their product (s b f);
-    - what the attention function keeps beyond q, k, v: attention_saves bytes, by default SDPA's
-      (sdpa_saved_bytes; lesson 05's ring keeps more);
+    """Korthikanti's accounting for our layer (fp32, SwiGLU, RMSNorm, fused attention, no dropout),
+    activations of elem_bytes (bf16: 2), f = ffn_dim:
+    - each norm: its input in fp32, its normalised input (s b h each) and 1/rms (s b, fp32):
+      replicated in plain TP, split by t along the sequence with SP;
+    - each region's input (s b h, saved by the column-parallel linears; SP: the gathered one);
+    - sharded by t: q and the attention output (s b h each), k and v (s b h_kv each: grouped-query
+      attention keeps K/V unrepeated); the MLP's gate, silu(gate), up and their product (s b f);
+    - attention_saves bytes the attention function keeps beyond q, k, v (default: SDPA's and
+      lesson 07's fp32 log-sum-exp, one per query head and token);
     - the RoPE tables (s x head_dim, fp32) the layer reads."""
     s, b, h, f, e = seq_len, batch, cfg.dim, cfg.ffn_dim, elem_bytes
     h_kv = cfg.n_kv_heads * cfg.head_dim
     norms = 2 * ((4 + e) * s * b * h + 4 * s * b)
     replicated = 2 * e * s * b * h + 4 * s * cfg.head_dim  # the regions' inputs, the RoPE tables
     sharded = e * (2 * s * b * h + 2 * s * b * h_kv + 4 * s * b * f)
-    attention = sdpa_saved_bytes(cfg, b, s, tp) if attention_saves is None else attention_saves
+    attention = 4 * s * b * cfg.n_heads // tp if attention_saves is None else attention_saves
     return (norms // tp if sequence_parallel else norms) + replicated + sharded // tp + attention
 
 
@@ -565,23 +545,16 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def recomputed(fn: Callable) -> Callable:
-    """fn whose intermediate results are not saved for backward but recomputed from its saved
-    inputs when backward reaches it (collectives inside fn run again, in the same order on every
-    rank, so a tensor- or context-parallel fn stays correct)."""
-
-    @functools.wraps(fn)
-    def run(*args: torch.Tensor) -> torch.Tensor:
-        return checkpoint(fn, *args, use_reentrant=False)
-
-    return run
+    """fn whose intermediate results are recomputed from its saved inputs when backward reaches it
+    (collectives inside fn run again, in the same order on every rank: TP and CP stay correct)."""
+    return functools.wraps(fn)(functools.partial(checkpoint, fn, use_reentrant=False))
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
-    """selective: each attention function (SDPA, lesson 05's ring, lesson 07's kernel: whichever is
-    plugged in) keeps only its inputs q, k, v, while the projections keep their outputs (Megatron's
-    selective recompute). full: each block keeps only its input and recomputes everything else,
-    its tensor-parallel collectives included. Parameter names stay (the wrappers are attributes,
-    not modules), and ZeRO-3 still gathers a block's parameters before its recompute."""
+    """selective: each attention function (whichever is plugged in) keeps only its inputs q, k, v.
+    full: each block keeps only its input and recomputes the rest, its collectives included.
+    Parameter names stay (the wrappers are attributes), and ZeRO-3 still gathers a block's
+    parameters before its recompute."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"recompute mode {mode!r} must be one of {RECOMPUTE_MODES}")
     if getattr(model, "recompute", "none") != "none":
@@ -610,7 +583,7 @@ def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Ten
         return out, torch.cuda.max_memory_allocated(device) - before
     params, inside = list(params), list(inside)
     live: dict[int, list[int]] = {}  # storage -> [bytes, saved tensors on it]
-    count = dict(now=0, peak=0, depth=0)
+    count = collections.Counter()  # bytes held now, their peak; depth: inside those modules' forwards
 
     class Saved:  # what autograd keeps instead of the tensor: dropped when backward frees it
         def __init__(self, t: torch.Tensor) -> None:
@@ -635,13 +608,8 @@ def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Ten
     def unpack(saved):
         return saved.tensor if isinstance(saved, Saved) else saved
 
-    def enter(*_) -> None:
-        count["depth"] += 1
-
-    def leave(*_) -> None:
-        count["depth"] -= 1
-
-    hooks = [h for m in inside for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    hooks = [h for m in inside for h in (m.register_forward_pre_hook(lambda *_: count.update(depth=1)),
+                                         m.register_forward_hook(lambda *_: count.subtract(depth=1)))]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = run()
@@ -660,9 +628,8 @@ def layer_activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_pa
     if mode == "full":
         per_layer = elem_bytes * seq_len * batch * cfg.dim // (tp if sequence_parallel else 1) + tables
     else:
-        attention = sdpa_saved_bytes(cfg, batch, seq_len, tp) if attention_saves is None else attention_saves
-        per_layer = activation_formula(cfg, batch, seq_len, tp, sequence_parallel, elem_bytes, attention)
-        per_layer -= attention if mode == "selective" else 0
+        per_layer = activation_formula(cfg, batch, seq_len, tp, sequence_parallel, elem_bytes,
+                                       0 if mode == "selective" else attention_saves)
     return layers * per_layer - max(layers - 1, 0) * tables
 
 
@@ -677,28 +644,25 @@ BENCH_MODEL = dict(vocab_size=8192, dim=256, n_layers=4, n_heads=8, n_kv_heads=4
 
 def demo(args: argparse.Namespace) -> None:
     device = foundation.init_distributed()
-    rank, tp = dist.get_rank(), dist.get_world_size()
-    cfg = foundation.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL)
+    tp, cfg = dist.get_world_size(), foundation.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL)
     b, s, bsh = args.batch, args.seq_len, args.batch * args.seq_len * cfg.dim * 4
     label = {False: "TP", True: "TP + SP"}
-    runs, memory, layer_meters = {}, {}, {}
-    for sp in (False, True):
-        runs[sp] = train_tensor_parallel(cfg, args.steps, b, s, sequence_parallel=sp, device=device)
-        memory[sp], layer_meters[sp] = measure_layer(cfg, b, s, sp, device)
-    if rank != 0:
+    # with SP or not: (result, the steps' meter, layer 0's saved bytes, layer 0's meter)
+    runs = {sp: (*train_tensor_parallel(cfg, args.steps, b, s, sequence_parallel=sp, device=device),
+                 *measure_layer(cfg, b, s, sp, device)) for sp in (False, True)}
+    if dist.get_rank() != 0:
         foundation.exit_distributed()
     reference = foundation.train_single_device(cfg, args.steps, b, s, device=device)
     print(f"Tensor parallelism over tp={tp} ranks ({dist.get_backend()}, {device.type}): "
           f"{cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} query / {cfg.n_kv_heads} key-value "
           f"heads, ffn {cfg.ffn_dim}, vocab {cfg.vocab_size} (padded to "
-          f"{math.ceil(cfg.vocab_size / tp) * tp}); batch {b} x {s} tokens, {args.steps} AdamW "
-          f"steps.\n")
+          f"{math.ceil(cfg.vocab_size / tp) * tp}); batch {b} x {s} tokens, {args.steps} AdamW steps.\n")
     print(f"{'step':<6}{'TP':>12}{'TP + SP':>12}{'single device':>16}")
     for step in range(args.steps):
-        print(f"{step:<6}{runs[False][0].losses[step]:>12.6f}{runs[True][0].losses[step]:>12.6f}"
-              f"{reference.losses[step]:>16.6f}")
+        print(f"{step:<6}" + "".join(f"{result.losses[step]:>12.6f}" for result, *_ in runs.values())
+              + f"{reference.losses[step]:>16.6f}")
     megatron = 4 * Fraction(2 * (tp - 1), tp) * bsh  # 4 ring all-reduces of b s h per layer
-    for sp, (result, meter) in runs.items():
+    for sp, (result, meter, _, layer) in runs.items():
         print(f"\n{label[sp]}: max |difference| from one device: step-0 gradients "
               f"{foundation.max_abs_diff(result.first_grads, reference.first_grads):.2e}, parameters at "
               f"the end {foundation.max_abs_diff(result.params, reference.params):.2e}")
@@ -709,7 +673,6 @@ def demo(args: argparse.Namespace) -> None:
             print(f"    {op:<15}{got[0]:>4} calls {got[1]:>10,} B payload, "
                   f"{float(meter.traffic(op)) / args.steps:>10,.0f} B traffic per rank  "
                   + ("= formula" if got == expected else "MISMATCH with formula"))
-        layer = layer_meters[sp]
         ops = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
         measured = sum(layer.traffic(op) for op in ops)
         print("  one layer, forward + backward (measured on layer 0): "
@@ -721,8 +684,8 @@ def demo(args: argparse.Namespace) -> None:
                  if sp else ""))
     print(f"\nactivations saved by one layer, per rank:{'measured (fp32)':>18}{'our formula':>14}"
           f"{'Korthikanti, GPT-3 16-bit layer':>34}")
-    for sp in (False, True):
-        print(f"  {label[sp]:<40}{memory[sp]:>16,} B{activation_formula(cfg, b, s, tp, sp):>12,} B"
+    for sp, (_, _, saved, _) in runs.items():
+        print(f"  {label[sp]:<40}{saved:>16,} B{activation_formula(cfg, b, s, tp, sp):>12,} B"
               f"{korthikanti_bytes(cfg, b, s, tp, sp):>32,.0f} B")
     print(f"  tp = 1 for scale: {activation_formula(cfg, b, s, 1, False):,} B. Plain TP leaves the "
           f"norms replicated; SP shards them too. What stays whole with SP is the all-gathered "
@@ -759,8 +722,7 @@ def bench(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     device = foundation.init_distributed()
-    rank, tp = dist.get_rank(), dist.get_world_size()
-    cfg = foundation.ModelConfig(**BENCH_MODEL)
+    rank, tp, cfg = dist.get_rank(), dist.get_world_size(), foundation.ModelConfig(**BENCH_MODEL)
     mesh = init_device_mesh(device.type, (tp,))
     tokens, targets = (t.to(device) for t in foundation.synthetic_batch(cfg, args.bench_batch, 128, 0))
     models = {}
@@ -802,28 +764,25 @@ def bench(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = foundation.lesson_parser(__doc__, bench_help="step time against DTensor", bench_steps=3)
-    parser.add_argument("--steps", type=int, default=3,
-                        help="AdamW steps, with and without SP, and of the reference")
-    parser.add_argument("--batch", type=int, default=4,
-                        help="sequences per step (every tp rank sees them all)")
-    parser.add_argument("--seq-len", type=int, default=32,
-                        help="tokens per sequence (SP: divisible by the ranks)")
-    parser.add_argument("--vocab", type=int, default=127,
-                        help="vocabulary size; not a multiple of tp: padded")
-    parser.add_argument("--bench-batch", type=int, default=4,
-                        help="--bench: sequences of 128 tokens per step")
+    for option, default, what in (("--steps", 3, "AdamW steps, with and without SP, and of the reference"),
+                                  ("--batch", 4, "sequences per step (every tp rank sees them all)"),
+                                  ("--seq-len", 32, "tokens per sequence (SP: divisible by the ranks)"),
+                                  ("--vocab", 127, "vocabulary size; not a multiple of tp: padded"),
+                                  ("--bench-batch", 4, "--bench: sequences of 128 tokens per step")):
+        parser.add_argument(option, type=int, default=default, help=what)
     args = parser.parse_args()
 
     def validate(tp: int) -> None:
-        validate_tensor_parallel(foundation.ModelConfig(**(BENCH_MODEL if args.bench else DEMO_MODEL)), tp)
+        cfg = foundation.ModelConfig(**BENCH_MODEL) if args.bench else foundation.ModelConfig(
+            vocab_size=args.vocab, **DEMO_MODEL)
+        validate_tensor_parallel(cfg, tp)
         seq_len = 128 if args.bench else args.seq_len
         if seq_len % tp:
             raise ValueError(f"sequence length {seq_len} is not divisible by tp={tp} (the demo "
                              f"runs sequence parallelism)")
         if not args.bench:
-            foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}, --vocab {args.vocab}",
-                                    foundation.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL), args.batch,
-                                    seq_len, tp)
+            foundation.check_memory(f"--batch {args.batch} x --seq-len {seq_len}, --vocab {args.vocab}",
+                                    cfg, args.batch, seq_len, tp)
 
     foundation.launch_lesson(parser, args, bench if args.bench else demo,
                              ("steps", "batch", "seq_len", "vocab", "bench_batch"), validate)

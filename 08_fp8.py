@@ -10,71 +10,60 @@ Weights and activations have a stable range and want precision: e4m3. Gradients 
 orders of magnitude and want range: e5m2. That split is the "hybrid" recipe.
 SATURATION: x.to(fp8) may overflow to inf (e5m2; torch 2.13's CPU e4m3fn cast saturates to 448,
 older ones give NaN), so every cast here clamps finite values to +-fp8_max first, as the hardware's
-.satfinite conversion does. NON-FINITE INPUT never becomes a finite FP8 number (torch path and Triton
-kernel alike): NaN stays NaN; +-inf stays +-inf in e5m2 and is NaN in e4m3fn, which has no inf
-(torch's CPU cast and .satfinite would saturate it). Like torch's amax, a tile's amax is NaN if it
-holds a NaN (scale NaN: the whole tile NaN), inf if it holds an inf (scale 0: inf x 0 = NaN there,
-finite values 0); dequantised, either tile reads back as NaN.
+.satfinite conversion does. NON-FINITE INPUT never becomes a finite FP8 number (torch and Triton
+alike): NaN stays NaN, +-inf stays +-inf in e5m2 and is NaN in e4m3fn (no inf); a tile holding one
+has amax NaN or inf (scale NaN or 0: inf x 0 = NaN) and reads back as NaN.
 
-THE SCALE RULE: q = cast(x * s) with s = fp8_max / amax puts the largest |x| on fp8_max, using the
-whole range; x ~ q / s. Safely: amax is clamped to >= 1e-12 (an all-zero tensor casts to zeros), and
-s is an fp32 tensor / tensor division (torch computes `number / tensor` as a reciprocal product, an
-ulp off). torch._scaled_mm takes *dequantisation* scales, 1/s. Error: SQNR in dB (6 dB ~ 1 bit).
+THE SCALE RULE: q = cast(x * s) with s = fp8_max / amax puts the largest |x| on fp8_max; x ~ q / s.
+amax is clamped to >= 1e-12 (an all-zero tensor casts to zeros), and s is an fp32 tensor / tensor
+division (torch's `number / tensor` is a reciprocal product, an ulp off). torch._scaled_mm takes
+*dequantisation* scales, 1/s. Error: SQNR in dB (6 dB ~ 1 bit).
 
 SCALING RECIPES (the granularity of s, and when it is known)
 - tensorwise current ("dynamic"): one s from this tensor's amax. Never overflows; but the amax
   reduction must finish before the cast starts (an extra memory pass), and one outlier pushes
   every other value towards the subnormals.
 - delayed (Transformer Engine): s from the max of the last H amaxes, over 2^margin, is known before
-  x is read: one fused pass casts with it and records x's amax for later steps. But a spike above
-  the whole history saturates until the history catches up; a margin buys headroom with precision.
-- rowwise: one s per row (token of x, output channel of W): an outlier token hurts only its row.
-  Row scales factor out of out[i,j] = sum_k A[i,k] B[j,k], so the GEMM applies them in its
-  epilogue; the backward's transposed operands must be re-quantised along the other dimension.
+  x is read: one fused pass casts with it and records x's amax. But a spike above the whole history
+  saturates until the history catches up; a margin buys headroom with precision.
+- rowwise: one s per row (token of x, output channel of W): an outlier hurts only its row. Row
+  scales factor out of out[i,j] = sum_k A[i,k] B[j,k] (the GEMM's epilogue applies them); the
+  backward's transposed operands must be re-quantised along the other dimension.
 - blockwise (DeepSeek-V3): 1 x 128 activation tiles, 128 x 128 weight blocks. Best SQNR under
   outliers, but scales vary along K: the GEMM rescales each 128-wide K chunk's partial sum (in
   fp32 on CUDA cores, escaping the H100 FP8 MMA's ~14-bit accumulator), a dedicated kernel.
 
 FLOAT8LINEAR (tensorwise, hybrid): y = x W^T with x, W in e4m3; grad_x = g W and grad_W = g^T x
-with the output gradient g in e5m2: all three GEMMs on FP8 tensor cores; backward keeps the casts.
-On an H100, FP8 tensor cores peak at 2x bf16 (1979 vs 989 dense TFLOP/s); the price, an amax
-reduction and a cast per operand (memory-bound passes), amortises only on large GEMMs fused by
-torch.compile: published end-to-end gains are 1.2-1.5x. `--bench` measures both.
+with the output gradient g in e5m2: all three GEMMs on FP8 tensor cores. An H100's FP8 peak is 2x
+bf16 (1979 vs 989 dense TFLOP/s); an amax and a cast per operand (memory-bound passes) amortise
+only on large GEMMs fused by torch.compile: published end-to-end gains are 1.2-1.5x (`--bench`).
 
-FP8 COMMUNICATION (ZeRO-3, lesson 02; torchao's "float8 all-gather" for FSDP2). The weights do not
-change inside an optimizer step, so each is cast once per step, not in every microbatch's forward
-(weights_cast_once). Sharded, the cast moves before the all-gather: each rank takes the amax of its
-own piece of every weight, one all-reduce (MAX) of all those amaxes gives every rank each weight's
-global amax, hence the very scale the whole weight would get, and each rank casts its piece with
-it. Since the cast is elementwise with one global scale, the gathered bytes are bit for bit the
-cast of the whole weight, wherever the shard boundaries fall (mid-row too), and they feed the FP8
-GEMM as they are. Per step, for Psi_8 Float8Linear weight elements on N ranks and m microbatches,
-the all-gathers move 2m (N-1)/N x 1 B x Psi_8 instead of 2 B (bf16) or 4 B (fp32), plus
-2 (N-1)/N x 4 B per weight for the amaxes; each rank keeps its cast shard (Psi_8 / N bytes). The
-gradients still reduce-scatter in full precision into fp32 masters (Float8ZeRO).
+FP8 COMMUNICATION (ZeRO-3, lesson 02; torchao's "float8 all-gather"). A weight does not change
+inside an optimizer step: cast it once per step (weights_cast_once), and, sharded, before the
+all-gather: one all-reduce (MAX) of each rank's amaxes of its pieces gives every weight's global
+amax, so each rank casts its piece with the whole weight's scale, and the gathered bytes are bit
+for bit the whole weight's cast, wherever the shard boundaries fall. Per step, for Psi_8
+Float8Linear weight elements, N ranks, m microbatches: all-gathers of 2m (N-1)/N x 1 B x Psi_8
+instead of 2 B (bf16) or 4 B (fp32), plus 2 (N-1)/N x 4 B per weight for the amaxes; each rank
+keeps its cast shard (Psi_8 / N B). Gradients reduce-scatter in full precision (Float8ZeRO).
 
-FP8 UNDER TENSOR PARALLELISM (lesson 03; torchao's float8 on DTensor). A rank that scales by its own
-piece of a split tensor casts with another scale than one device would: TP would change the FP8
-numbers, and training (the demo's parameters by ~5e-3 in 3 steps). So every amax of a split tensor
-is the MAX over the tp group (tensor_parallel_scales): the weights' (one all-reduce of them all per
-step, where each is cast once per step), and per call the operand split where it is cast: a
-column-parallel layer's output gradient (split by output features), a row-parallel one's input
-(split by input features), a layer 03 leaves whole but runs on sequence shards (SP) both. Then every
-FP8 number is one device's; only the sums split over ranks add in another order. Per step, L layers,
-m microbatches: 2 (t-1)/t x 4 B x L (7 + 7 m), the amaxes of 7 weights and of 7 split operands a
-layer, tiny beside Megatron's activations.
+FP8 UNDER TENSOR PARALLELISM (lesson 03; torchao's float8 on DTensor). A rank scaling by its own
+piece of a split tensor casts with another scale than one device (the demo's parameters move by
+~5e-3 in 3 steps), so every amax of a split tensor is the MAX over the tp group
+(tensor_parallel_scales): the weights' (once per step) and, per call, the operand split where it is
+cast: a column-parallel layer's output gradient, a row-parallel one's input, both for a layer 03
+leaves whole on sequence shards (SP). Per step, L layers, m microbatches: 2 (t-1)/t x 4 B x
+L (7 + 7 m), the amaxes of 7 weights and 7 split operands a layer, tiny beside the activations.
 
 RUN IT
-    python 08_fp8.py          # CPU: SQNR tables, the spike demo, 60 steps of the
-                              # tiny GPT in fp32 and in FP8 (--steps 300: the long run, ~20 s),
-                              # then ZeRO-3 with fp32 vs FP8 all-gathers and the FP8 GPT under
-                              # tensor parallelism on --nproc 4 local ranks
+    python 08_fp8.py          # CPU: SQNR tables, the spike demo, 60 steps of the tiny GPT in fp32 and
+                              # in FP8 (--steps 300: the long run), ZeRO-3 with fp32 vs FP8 all-gathers
+                              # and the FP8 GPT under tensor parallelism on --nproc 4 local ranks
     python 08_fp8.py --bench  # GPU: FP8 vs bf16 GEMM TFLOP/s, Float8Linear MLP speed-up
-Look at: cast SQNR ~30 dB (e4m3) / ~25 dB (e5m2); delayed scaling's SQNR collapsing on the spike
-while current scaling's does not; the fp32 and FP8 losses side by side, within a few thousandths;
-the all-gather bytes at a quarter for the weights, beside the formula, and no bit changed; under
-tensor parallelism, the amaxes' bytes beside the formula, one device's FP8 to fp32 rounding with
-whole-tensor scales and FP8 rounding's own size without them.
+Look at: cast SQNR ~30 dB (e4m3) / ~25 dB (e5m2); delayed scaling collapsing on the spike, current
+scaling not; the fp32 and FP8 losses within a few thousandths; the weights' all-gather bytes at a
+quarter, beside the formula, no bit changed; under TP, the amaxes' bytes beside the formula, and
+one device's FP8 to fp32 rounding with whole-tensor scales, to FP8 rounding without them.
 """
 from __future__ import annotations
 
@@ -108,6 +97,7 @@ AMAX_BYTES = 4  # an fp32 amax
 # Bit patterns the kernel writes for non-finite values: S.1111.111 (e4m3fn) and S.11111.11 (e5m2) are
 # NaN; S.11111.00 is e5m2's inf; e4m3fn has no inf, so an inf is written as NaN.
 NAN_BITS, INF_BITS = 0x7F, {E4M3: 0x7F, E5M2: 0x7C}
+Quantized = tuple[torch.Tensor, torch.Tensor]  # (FP8 values, their scales)
 
 # ----------------------------------------------------------------------------------------------
 # The scale rule, the saturating cast and the scaling recipes
@@ -125,16 +115,13 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def all_reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
-    """The MAX of amax (fp32, contiguous) over the group: one all-reduce of 4 B each, through 03's
-    collective operator (so a compiled block keeps one graph). Non-negative floats order like their
-    bits read as int32, NaN above inf: an integer MAX keeps a NaN that a float MAX may drop (as the
-    Triton kernel below does)."""
+    """The MAX of amax (fp32, contiguous) over the group, through 03's collective operator (a compiled
+    block keeps one graph), on its bits read as int32 as the Triton kernel below does (see there)."""
     return tensor_parallel._all_reduced(amax.view(torch.int32), group, "max").view(amax.dtype)
 
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Saturating cast of x * scale: a finite value beyond +-fp8_max clips to it; NaN stays NaN, +-inf
-    stays +-inf in e5m2 and becomes NaN in e4m3fn (torch's own cast would saturate it to 448)."""
+    """Saturating cast of x * scale that keeps non-finite values (torch's e4m3fn cast saturates inf)."""
     y = x.float() * scale
     is_inf = x.isinf() & y.isinf()  # an inf input; a finite one whose product overflows saturates
     inf = y if INF_BITS[dtype] != NAN_BITS else torch.full_like(y, torch.nan)  # e4m3fn: no inf
@@ -154,7 +141,7 @@ def check_matrix(x: torch.Tensor) -> None:
 
 # Tensorwise, rowwise and blockwise current scaling are one operation at three tile shapes.
 def quantize_tiles(x: torch.Tensor, tile: tuple[int | None, int | None], dtype: torch.dtype = E4M3,
-                   group=None) -> tuple[torch.Tensor, torch.Tensor]:
+                   group=None) -> Quantized:
     """Current scaling with one scale per (tile_rows x tile_cols) tile of a 2-D x (None: the whole
     dimension). Returns (fp8 tensor, scales of shape (rows / tile_rows, cols / tile_cols)). group: x
     is this rank's piece of a tensor split over the group (tensor parallelism), each tile's amax the
@@ -181,19 +168,16 @@ def dequantize_tiles(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 # The recipes of the docstring, by name:
-def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3,
-                        group=None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3, group=None) -> Quantized:
     return quantize_tiles(x, (None, None), dtype, group)  # scale shape (1, 1)
 
 
-def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> Quantized:
     return quantize_tiles(x, (1, None), dtype)  # scale shape (rows, 1)
 
 
-def quantize_blockwise(x: torch.Tensor, block: tuple[int, int],
-                       dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3: block (1, 128) for activations, (128, 128) for weights."""
-    return quantize_tiles(x, block, dtype)
+def quantize_blockwise(x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = E4M3) -> Quantized:
+    return quantize_tiles(x, block, dtype)  # DeepSeek-V3: (1, 128) for activations, (128, 128) for weights
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,7 +288,7 @@ class DelayedScaling:
         scale = amax_to_scale(amax, self.dtype) / 2.0 ** self.margin
         return scale.where((amax > 0) & amax.isfinite(), 1.0).view(1, 1)  # the guard
 
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(self, x: torch.Tensor) -> Quantized:
         if x.dim() == 0 or x.numel() == 0:
             raise ValueError(f"x must be non-empty with >= 1 dimension (rows of its last), got shape "
                              f"{tuple(x.shape)}")
@@ -345,9 +329,8 @@ def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
 
 class _Float8Matmul(torch.autograd.Function):
     """x (M, K) @ weight (N, K)^T, all three GEMMs in FP8: e4m3 x and weight, e5m2 gradient. The
-    weight's cast is weight.float8_cast when this step made one (weights_cast_once, Float8ZeRO's
-    all-gather), else it is made here. Each *_group: the group whose ranks hold the other pieces of
-    that operand (its amax is their MAX), or None: the whole operand is here."""
+    weight's cast: weight.float8_cast if this step made one, else made here. Each *_group: the group
+    holding the other pieces of that operand (its amax is their MAX), or None."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, x_group, weight_group,
@@ -386,10 +369,7 @@ class Float8Linear(nn.Linear):
     zero weight gradient): with no amax to scale by, it skips FP8."""
 
     DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # FP8 GEMMs output these
-    # Tensor parallelism (tensor_parallel_scales): the group the weight's amax is the MAX over, and
-    # which of "input" and "grad_output" arrive split over it where they are cast.
-    amax_group = None
-    split: frozenset[str] = frozenset()
+    amax_groups = (None, None, None)  # _Float8Matmul's x_group, weight_group, grad_group
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Float8Linear":
@@ -404,19 +384,15 @@ class Float8Linear(nn.Linear):
                              f"alike), got input {x.dtype} and weight {self.weight.dtype}")
         if x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
-        x_group, grad_group = (self.amax_group if operand in self.split else None
-                               for operand in ("input", "grad_output"))
-        out = _Float8Matmul.apply(x.reshape(-1, self.in_features), self.weight, x_group, self.amax_group,
-                                  grad_group)
+        out = _Float8Matmul.apply(x.reshape(-1, self.in_features), self.weight, *self.amax_groups)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
 
 def convert_to_float8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
-    """Swap, in place, every nn.Linear of model not named in skip for a Float8Linear (the embedding
-    is a lookup, not a GEMM). lm_head stays high precision: a 6% error on a logit is that error in
-    log-probability times the logit, and its gradient (softmax - one-hot) starts all of backprop; FP8
-    recipes keep the first and last layers in bf16 (vocab sizes are not always multiples of 16)."""
+    """Swap, in place, every nn.Linear of model not named in skip for a Float8Linear. lm_head stays
+    high precision, as in FP8 recipes: a 6% error on a logit is that error in log-probability times
+    the logit, and its gradient (softmax - one-hot) starts all of backprop."""
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and f"{parent_name}.{name}".lstrip(".") not in skip:
@@ -462,10 +438,9 @@ def float8_weights(model: nn.Module) -> list[nn.Parameter]:
 
 @contextlib.contextmanager
 def weights_cast_once(model: nn.Module) -> Iterator[None]:
-    """Around the forward and backward passes of one optimizer step (all its microbatches): each
-    Float8Linear weight is cast on entry, the cast used inside, dropped on exit. Whole weights only:
-    ZeRO-3 releases them between uses (Float8ZeRO casts its shards instead). Tensor-parallel weights:
-    one all-reduce (MAX) of all their amaxes gives each the whole weight's scale."""
+    """Around one optimizer step's forward and backward passes: each Float8Linear weight is cast on
+    entry, used inside, dropped on exit. Whole weights only (Float8ZeRO casts ZeRO-3's shards); under
+    TP one all-reduce (MAX) of all their amaxes gives each the whole weight's scale."""
     weights, group = float8_weights(model), tensor_parallel_group(model)
     if any(w.numel() == 0 for w in weights):
         raise ValueError("weights_cast_once needs whole weights, not ZeRO-3's released ones: "
@@ -484,9 +459,8 @@ def weights_cast_once(model: nn.Module) -> Iterator[None]:
 
 
 class Float8GatherUnit(zero.FlatUnit):
-    """A ZeRO-3 unit of Float8Linear weights whose all-gather carries their e4m3 casts, made by
-    Float8ZeRO.cast_shards. Weights only: every rank's shard must be the same number of bytes, so
-    1-byte casts cannot share a unit with full-precision parameters (the norms)."""
+    """A ZeRO-3 unit of Float8Linear weights whose all-gather carries their e4m3 casts (made by
+    Float8ZeRO.cast_shards). Weights only: every rank's shard must be the same number of bytes."""
 
     cast_shard: torch.Tensor | None = None  # this rank's shard cast to e4m3, as bytes (padding: 0)
     scales: tuple[torch.Tensor, ...] = ()   # each weight's global scale
@@ -505,9 +479,8 @@ class Float8GatherUnit(zero.FlatUnit):
         return self.cast_shard  # uint8: gloo has no FP8 type, and an all-gather only moves bytes
 
     def bind(self, flat: torch.Tensor) -> None:
-        """Each weight's cast is a view of the gathered bytes. The full-precision weight never
-        exists here: the parameter becomes a stride-0 view of one zero, which gives autograd the
-        shape it checks the weight's gradient against, for 4 bytes."""
+        """Each weight's cast is a view of the gathered bytes; the parameter, a stride-0 view of one
+        zero, gives autograd the shape it checks the gradient against, for 4 bytes."""
         for p, shape, cast, scale in zip(self.params, self.shapes, self.views(flat.view(E4M3)),
                                          self.scales, strict=True):
             p.data = self.released.new_zeros(()).expand(shape)
@@ -551,9 +524,8 @@ class Float8ZeRO(zero.ZeRO):
 
     @torch.no_grad()
     def cast_shards(self) -> None:
-        """The amax of this rank's piece of every weight; one all-reduce (MAX) of all of them gives
-        every weight's amax, so the scale the whole weight would get; each piece is cast with it.
-        Under tensor parallelism a second one (MAX over tp) makes it the amax of the whole weight."""
+        """Each piece of a weight here cast with the whole weight's scale: one all-reduce (MAX) of
+        all the pieces' amaxes (under TP a second one, over tp)."""
         pieces = [unit.shard[piece].float() for unit in self.units for piece in unit.pieces()]
         nothing = torch.zeros((), device=pieces[0].device)  # the amax of a weight with no piece here
         amaxes = torch.stack([piece.abs().amax() if piece.numel() else nothing for piece in pieces])
@@ -578,19 +550,14 @@ class Float8ZeRO(zero.ZeRO):
 
     def memory_formula(self) -> dict[str, Fraction]:
         formula = super().memory_formula()  # + 1 B per element of the shard, 4 B per weight's scale
-        padded = sum(u.padded for u in self.units)
-        formula["params"] += Fraction(padded, self.world) + AMAX_BYTES * self.n_weights
+        padded, n_weights = sum(u.padded for u in self.units), sum(len(u.params) for u in self.units)
+        formula["params"] += Fraction(padded, self.world) + AMAX_BYTES * n_weights
         return formula
-
-    @property
-    def n_weights(self) -> int:
-        return sum(len(u.params) for u in self.units)
 
 
 def float8_zero_traffic(padded: int, n_weights: int, n: int, grad_bytes: int = 4) -> dict[str, Fraction]:
     """Ring bytes one rank sends per step (one microbatch) for Float8ZeRO's padded weights: 02's
-    ZeRO-3 traffic with 1 B parameters (gathered for forward and backward), the gradients' own
-    reduce-scatter, and the amaxes' all-reduce (the clipping norm's scalar aside)."""
+    ZeRO-3 traffic with 1 B parameters, and the amaxes' all-reduce (the clipping norm's aside)."""
     traffic = zero.zero_traffic_per_step(padded, n, 3, param_bytes=1, grad_bytes=grad_bytes)
     return {**traffic, "all_reduce": Fraction(2 * (n - 1), n) * AMAX_BYTES * n_weights}
 
@@ -601,10 +568,9 @@ FLOAT8_ZERO_MODES = ("unsharded", "zero3", "zero3-fp8")
 def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int, seq_len: int, *, mode: str,
                       microbatches: int = 1, lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
                       device: torch.device | str = "cpu") -> tuple[zero.ZeroResult, foundation.CommMeter]:
-    """The FP8 GPT on this rank's slice of lesson 02's batches, in microbatches. mode "unsharded":
-    data parallel (02's ZeRO-0), each weight cast once per step; "zero3": 02's ZeRO-3, fp32
-    all-gathers, a cast in each forward; "zero3-fp8": the weights under Float8ZeRO. Returns the
-    result (stats: padded elements and casts) and a meter of the steps (not of the probes)."""
+    """02's train_zero for the FP8 GPT, in microbatches. mode "unsharded": data parallel (ZeRO-0),
+    each weight cast once per step; "zero3": 02's ZeRO-3, fp32 all-gathers, a cast in each forward;
+    "zero3-fp8": the weights under Float8ZeRO. stats: padded elements and casts."""
     world, rank = foundation.group_size(group), dist.get_rank(group)
     if mode not in FLOAT8_ZERO_MODES:
         raise ValueError(f"mode={mode!r} must be one of {FLOAT8_ZERO_MODES}")
@@ -662,26 +628,27 @@ def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int
 
 
 def tensor_parallel_scales(model: nn.Module, group=None, sequence_parallel: bool = False) -> nn.Module:
-    """After lesson 03 split model over group (with SP or not): each Float8Linear takes the scales
-    one device would, from amaxes MAX-reduced over the group for its weight and for the operand that
-    arrives split where it is cast: a column-parallel layer's output gradient (split by output
-    features), a row-parallel layer's input (split by input features), or (SP) both for a layer that
-    03 does not split, outside its regions, on sequence shards (lesson 06's router)."""
+    """After lesson 03 split model over group: each Float8Linear takes the scales one device would,
+    amaxes MAX-reduced over the group for its weight and the operand split where it is cast: a
+    column-parallel layer's output gradient, a row-parallel layer's input, both (SP) for a layer 03
+    leaves whole on sequence shards (lesson 06's router)."""
     if foundation.group_size(group) == 1:
         return model
-    split = {tensor_parallel.SPLIT_DIM[tensor_parallel.column_parallel]: {"grad_output"},
-             tensor_parallel.SPLIT_DIM[tensor_parallel.row_parallel]: {"input"},
-             None: {"input", "grad_output"} if sequence_parallel else set()}
+    group = dist.group.WORLD if group is None else group  # None: no tensor parallelism
+    column, row = (tensor_parallel.SPLIT_DIM[style] for style in (tensor_parallel.column_parallel,
+                                                                  tensor_parallel.row_parallel))
     for layer in model.modules():
         if isinstance(layer, Float8Linear):
-            layer.amax_group = dist.group.WORLD if group is None else group
-            layer.split = frozenset(split[getattr(layer.weight, "tp_shard_dim", None)])
+            dim = getattr(layer.weight, "tp_shard_dim", None)
+            on_shards = dim is None and sequence_parallel  # whole, outside the regions
+            split = (dim == row or on_shards, True, dim == column or on_shards)  # x, weight, grad
+            layer.amax_groups = tuple(group if is_split else None for is_split in split)
     return model
 
 
 def tensor_parallel_group(model: nn.Module):
     """The group model's Float8Linear layers reduce their amaxes over (tensor_parallel_scales), or None."""
-    groups = {layer.amax_group for layer in model.modules() if isinstance(layer, Float8Linear)}
+    groups = {layer.amax_groups[1] for layer in model.modules() if isinstance(layer, Float8Linear)}
     if len(groups) > 1:
         raise ValueError(f"the Float8Linear layers of one model reduce amaxes over {len(groups)} different "
                          f"groups: tensor_parallel_scales once, after apply_tensor_parallel")
@@ -690,13 +657,11 @@ def tensor_parallel_group(model: nn.Module):
 
 def tensor_parallel_amax_traffic(tp: int, layers: int, microbatches: int = 1, *, mlp: bool = True,
                                  sequence_parallel: bool = False, recompute: str = "none") -> Fraction:
-    """Bytes one rank sends per step in tensor_parallel_scales' all-reduces (MAX of 4 B amaxes) over
-    tp ranks, for `layers` layers of the FP8 GPT split by 03's plan: one all-reduce of every weight's
-    amax (cast once per step: weights_cast_once, Float8ZeRO); per microbatch and layer, one amax for
-    each operand split where it is cast: the output gradients of q, k, v, gate and up (column-parallel)
-    and the inputs of out and down (row-parallel). mlp=False (06's MoE layers, not split over tp):
-    attention's 4, and with SP the router's input and output gradient. recompute="full" casts each
-    layer's row-parallel inputs again in backward (and with SP the router's input)."""
+    """Bytes one rank sends per step in tensor_parallel_scales' all-reduces (4 B amaxes) over tp
+    ranks for `layers` layers: every weight's amax once per step; per microbatch and layer, one for
+    each split operand: the output gradients of q, k, v, gate, up and the inputs of out, down.
+    mlp=False (06's MoE layers): attention's 4, with SP the router's input and output gradient.
+    recompute="full" casts each layer's row-parallel inputs (SP: the router's) again in backward."""
     weights = 7 if mlp else 5  # q, k, v, out + gate, up, down | the router
     split = 7 if mlp else 4 + 2 * sequence_parallel
     again = (2 if mlp else 1 + sequence_parallel) if recompute == "full" else 0
@@ -707,10 +672,9 @@ def train_float8_tensor_parallel(cfg: foundation.ModelConfig, steps: int, global
                                  sequence_parallel: bool = False, microbatches: int = 1,
                                  whole_tensor_scales: bool = True, lr: float = 1e-3, adam_eps: float = 1e-8,
                                  group=None, device: torch.device | str = "cpu"):
-    """Lesson 03's tensor parallelism of the FP8 GPT over group, every rank on the whole batch, in
-    microbatches, each weight cast once per step. whole_tensor_scales=False: each rank scales by its
-    own pieces (what tensor_parallel_scales prevents). Returns a TrainResult (step-0 gradients and
-    final parameters reassembled) and a meter of the steps."""
+    """03's train_tensor_parallel for the FP8 GPT, in microbatches, each weight cast once per step.
+    whole_tensor_scales=False: each rank scales by its own pieces (what tensor_parallel_scales
+    prevents)."""
     if microbatches < 1 or global_batch % microbatches:
         raise ValueError(f"global_batch={global_batch} is not divisible by microbatches={microbatches}")
     model = convert_to_float8(foundation.GPT(cfg)).to(device)
@@ -802,9 +766,8 @@ def spike_demo(history_len: int = 16, spike: float = 100.0, seed: int = 0) -> di
 def training_device() -> torch.device:
     """The lesson's device where its GEMMs take FP8 operands: the CPU, or a GPU of compute capability
     8.9 or more (Ada, Hopper: an A100 has no FP8 tensor cores, so it trains on the CPU)."""
-    if DEVICE.type == "cpu" or torch.cuda.get_device_capability(DEVICE) >= (8, 9):
-        return DEVICE
-    return torch.device("cpu")
+    fp8_tensor_cores = DEVICE.type == "cpu" or torch.cuda.get_device_capability(DEVICE) >= (8, 9)
+    return DEVICE if fp8_tensor_cores else torch.device("cpu")
 
 
 def train_losses(cfg: foundation.ModelConfig, steps: int, batch: int, seq_len: int, float8: bool,
@@ -856,8 +819,7 @@ def communication_demo(args: argparse.Namespace) -> None:
             print(f"max |difference| of the FP8-gather run from {label}: loss "
                   f"{max(abs(a - b) for a, b in zip(fp8.losses, ref.losses)):.1e}, step-0 gradients "
                   f"{foundation.max_abs_diff(fp8.first_grads, ref.first_grads):.1e}, parameters after "
-                  f"{steps} steps "
-                  f"{foundation.max_abs_diff(fp8.params, ref.params):.1e}")
+                  f"{steps} steps {foundation.max_abs_diff(fp8.params, ref.params):.1e}")
         print("Notice: a byte per gathered weight element, one small all-reduce per step, and the same bits "
               "as casting whole weights:\nthe cast is elementwise and each weight's scale global (the "
               "unsharded run sums its gradients in another order).")
@@ -865,9 +827,8 @@ def communication_demo(args: argparse.Namespace) -> None:
 
 
 def tensor_parallel_demo(args: argparse.Namespace, device: torch.device, steps: int) -> None:
-    """On each rank: the FP8 GPT split over all ranks (train_float8_tensor_parallel), with and without
-    SP and with each rank's own scales; rank 0 prints the differences from one device's FP8 and the
-    amaxes' all-reduce bytes beside the formula."""
+    """train_float8_tensor_parallel over all ranks: with and without SP, and with each rank's own
+    scales; rank 0 prints the differences from one device's FP8 and the amax bytes beside the formula."""
     cfg, tp = foundation.ModelConfig(), dist.get_world_size()
     eps = 1e-6  # not AdamW's 1e-8, which turns fp32 rounding on gradients near 0 into lr-sized moves (01)
     runs = {(sp, whole): train_float8_tensor_parallel(cfg, steps, args.batch, args.seq_len, adam_eps=eps,
@@ -977,8 +938,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--bench", action="store_true", help="GPU: FP8 vs bf16 GEMMs and MLP")
-    parser.add_argument("--bench-tokens", type=int, default=16384,
-                        help="--bench: tokens (GEMM rows) of the MLP")
+    parser.add_argument("--bench-tokens", type=int, default=16384, help="--bench: GEMM rows of the MLP")
     parser.add_argument("--eager", action="store_true", help="bench without torch.compile")
     args = parser.parse_args()
 
