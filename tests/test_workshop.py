@@ -8,15 +8,16 @@ proofs of every exercise are not run twice each):
   sources: no process starts);
 - blanking changes exactly the chosen bodies: the blanked module's syntax tree is the original's with
   those bodies replaced by (docstring, raise), nothing else; the body's full-line comments stay;
-- a copy with no exercise is the course byte for byte. So a solved exercise (its body written back)
-  is the course, whose proofs pass: that is the rest of this suite, in the ci profile. In the grade
-  profile check runs them for a representative set here (SOLVED: rank pools and pure tests); for
-  all of them, before a workshop: python tests/workshop.py check --all (the course's own lessons);
-- every proof of every exercise fails on its blank, naming the exercise: two pytest sessions, not
-  one per exercise. Each blanks a wave of exercises whose needs are written in its copy (the first
-  wave those that need none, the second the rest), so a proof meets its own exercise's blank first;
+- a copy with no exercise is the course byte for byte, so a solved exercise (its body written back)
+  is the course's own code;
+- every proof of every exercise fails on its blank, naming the exercise, and passes solved: three
+  pytest sessions, not one per exercise. The first two each blank a wave of exercises whose needs
+  are written in their copy (the first wave those that need none, the second the rest), so a proof
+  meets its own exercise's blank first. The second also grades the first wave's exercises written
+  right whose proofs run nothing the second wave blanks (SOLVED); the third grades every other
+  exercise on the course itself, the solutions;
 - three plausible wrong answers, planted in first-wave exercises of the second copy, fail their
-  checks, the proof named on each line; four first-wave exercises written right pass there;
+  checks, the proof named on each line;
 - bad commands: one line, exit status 2, nothing written.
 """
 from __future__ import annotations
@@ -182,7 +183,8 @@ PLANTED = {
     "04.1": ("04_pipeline.py", "min(m, pp - rank - 1)", "min(m, pp - rank)"),  # a warm-up forward too many
     "05.1": ("05_context_parallel.py", "lse_a - F.logsigmoid(diff)", "lse_a + F.logsigmoid(diff)"),  # a sign
 }
-SOLVED = ("02.1", "03.2", "06.1", "08.1")  # first-wave exercises written right in the second copy
+# First-wave exercises written right in the second copy, whose proofs call nothing the second wave blanks.
+SOLVED = ("01.2", "02.1", "02.2", "03.1", "03.2", "05.2", "06.1", "07.1", "08.1")
 
 
 def plant(copy: Path, exercise_id: str) -> None:
@@ -198,10 +200,10 @@ def plant(copy: Path, exercise_id: str) -> None:
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory) -> list[tuple[list, subprocess.CompletedProcess]]:
-    """Two check sessions, each on its own copy: (the exercises it graded, its output). The first
-    blanks the first wave. The second blanks the second wave, whose needs are written there, three
-    of them wrong (PLANTED), and also grades SOLVED: first-wave exercises written right, whose
-    proofs run nothing the second wave blanks."""
+    """Three check sessions: (the exercises it graded, its output). The first blanks the first wave
+    in a copy. The second blanks the second wave in another, whose needs are written there, three of
+    them wrong (PLANTED), and also grades SOLVED. The third grades every other exercise on the
+    course's own lessons, where all are solved."""
     assert len(WAVES) == 2, "two sessions for all the exercises: a third wave costs CI time, think first"
     assert set(PLANTED) | set(SOLVED) <= set(WAVES[0]) and not set(PLANTED) & set(SOLVED)
     sessions = []
@@ -214,6 +216,8 @@ def graded(tmp_path_factory) -> list[tuple[list, subprocess.CompletedProcess]]:
         graded_ids = [*wave, *extra]
         result = run_workshop("check", *graded_ids, "--copy", copy, timeout=CHECK_TIMEOUT)
         sessions.append(([workshop.BY_ID[i] for i in graded_ids], result))
+    rest = [e for e in EXERCISES if e.id not in SOLVED]
+    sessions.append((rest, run_workshop("check", *(e.id for e in rest), timeout=CHECK_TIMEOUT)))
     return sessions
 
 
@@ -244,12 +248,17 @@ def test_a_planted_wrong_answer_fails_its_check_naming_the_proof(graded, exercis
         assert "NotImplementedError" not in lines[node][2] and "Error" in lines[node][2], lines[node]
 
 
-def test_solved_exercises_pass_their_checks(graded):
-    _, result = graded[1]
-    lines = proof_lines(result.stdout)
-    for e in (workshop.BY_ID[i] for i in SOLVED):
-        assert all(lines[node][1] == "passed" for node in e.node_ids), result.stdout
-        assert f"{e.id} {e.title}: {len(e.proofs)} of {len(e.proofs)} proofs passed\n" in result.stdout
+def test_every_solved_exercise_passes_its_check(graded):
+    """SOLVED in the second copy, every other exercise on the course (the third session)."""
+    (_, second), (rest, third) = graded[1:]
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert_one_line_each(third, rest)
+    assert {e.id for e in rest} | set(SOLVED) == set(workshop.BY_ID)
+    for ids, result in ((SOLVED, second), ([e.id for e in rest], third)):
+        lines = proof_lines(result.stdout)
+        for e in (workshop.BY_ID[i] for i in ids):
+            assert all(lines[node][1] == "passed" for node in e.node_ids), result.stdout
+            assert f"{e.id} {e.title}: {len(e.proofs)} of {len(e.proofs)} proofs passed\n" in result.stdout
 
 
 def test_the_error_line_of_a_failure():
