@@ -74,10 +74,12 @@ class _LessonFinder(importlib.abc.MetaPathFinder):
         self.folder = folder
 
     def find_spec(self, name, path=None, target=None):
+        if path is not None or not LESSON_NAME.fullmatch(name):
+            return None
         file = self.folder / f"{name}.py"
-        if path is None and LESSON_NAME.fullmatch(name) and file.is_file():
-            return importlib.util.spec_from_file_location(name, file)
-        return None
+        if not file.is_file():  # never the course's own lesson in its place
+            raise ModuleNotFoundError(f"no {file.name} in {self.folder}", name=name)
+        return importlib.util.spec_from_file_location(name, file)
 
 
 def use_lessons(folder: Path) -> None:

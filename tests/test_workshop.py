@@ -25,8 +25,10 @@ from __future__ import annotations
 import ast
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -39,14 +41,25 @@ TESTS = Path(workshop.__file__).resolve().parent
 COURSE = TESTS.parent
 PROOF_LINE = re.compile(r"^(?P<owners>\d\d\.\d(?:,\d\d\.\d)*)  (?P<status>passed|FAILED|skipped|not run) +"
                         r"(?P<node>\S+)  (?P<detail>.*)$")
-CHECK_TIMEOUT = 1200  # a hang guard only: each session below takes ~1 min on 2 idle cores
+# Hang guards only (conftest's rule: 10x a loaded machine's time): list and copy take a second, each check
+# session below a few minutes on 2 idle cores, over 20 on a machine shared by several test runs.
+COMMAND_TIMEOUT, CHECK_TIMEOUT = 600, 3600
 
 
-def run_workshop(*args, timeout: float = 60) -> subprocess.CompletedProcess:
-    """The tool as an instructor runs it, on the CPU even on a GPU machine."""
+def run_workshop(*args, timeout: float = COMMAND_TIMEOUT) -> subprocess.CompletedProcess:
+    """The tool as an instructor runs it, on the CPU even on a GPU machine. On a timeout its whole
+    process group (the rank pools' workers too) is killed and what it printed is shown."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, str(TESTS / "workshop.py"), *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    command = [sys.executable, str(TESTS / "workshop.py"), *map(str, args)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(command[1:])} did not finish in {timeout} s; it printed:\n{stdout}{stderr}")
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def proof_lines(stdout: str) -> dict[str, tuple[str, str, str]]:
@@ -199,7 +212,7 @@ def plant(copy: Path, exercise_id: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def graded(tmp_path_factory) -> list[tuple[list, subprocess.CompletedProcess]]:
+def graded() -> list[tuple[list, subprocess.CompletedProcess]]:
     """Three check sessions: (the exercises it graded, its output). The first blanks the first wave
     in a copy. The second blanks the second wave in another, whose needs are written there, three of
     them wrong (PLANTED), and also grades SOLVED. The third grades every other exercise on the
@@ -208,13 +221,14 @@ def graded(tmp_path_factory) -> list[tuple[list, subprocess.CompletedProcess]]:
     assert set(PLANTED) | set(SOLVED) <= set(WAVES[0]) and not set(PLANTED) & set(SOLVED)
     sessions = []
     for wave, extra in ((WAVES[0], []), (WAVES[1], [*PLANTED, *SOLVED])):
-        copy = tmp_path_factory.mktemp("workshop") / "copy"
-        assert run_workshop("copy", copy, "--exercises", ",".join(wave)).returncode == 0
-        for exercise_id in extra if wave is WAVES[1] else ():
-            if exercise_id in PLANTED:
+        # Not tmp_path_factory's folders: another pytest run of this user may delete them meanwhile.
+        with tempfile.TemporaryDirectory(prefix="workshop-") as folder:
+            copy = Path(folder) / "copy"
+            assert run_workshop("copy", copy, "--exercises", ",".join(wave)).returncode == 0
+            for exercise_id in set(extra) & set(PLANTED):
                 plant(copy, exercise_id)
-        graded_ids = [*wave, *extra]
-        result = run_workshop("check", *graded_ids, "--copy", copy, timeout=CHECK_TIMEOUT)
+            graded_ids = [*wave, *extra]
+            result = run_workshop("check", *graded_ids, "--copy", copy, timeout=CHECK_TIMEOUT)
         sessions.append(([workshop.BY_ID[i] for i in graded_ids], result))
     rest = [e for e in EXERCISES if e.id not in SOLVED]
     sessions.append((rest, run_workshop("check", *(e.id for e in rest), timeout=CHECK_TIMEOUT)))
