@@ -12,13 +12,19 @@ If a rank raises, the test fails with every failing rank's traceback; if a rank 
 time (a collective that some rank never joined), the test fails naming the silent ranks and the
 pool is replaced. Nothing hangs.
 
-Hypothesis profiles: `ci` (the default; few examples, derandomized so CI is reproducible) and `dev`
-(many more examples): HYPOTHESIS_PROFILE=dev python -m pytest tests
+Hypothesis profiles: `ci` (the default; few examples, derandomized so CI is reproducible), `dev`
+(many more examples): HYPOTHESIS_PROFILE=dev python -m pytest tests, and `grade` (tests/workshop.py's
+check: fewer examples, no shrinking, one failure reported: a verdict, not a diagnosis).
+
+`--lessons DIR` runs the suite on the lessons of DIR (a workshop copy, tests/workshop.py) instead of
+this course's: in this process, in the rank pools' workers, and in the scripts run_script starts.
 """
 from __future__ import annotations
 
 import datetime
 import importlib
+import importlib.abc
+import importlib.util
 import multiprocessing as mp
 import os
 import pickle
@@ -33,7 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -45,6 +51,9 @@ settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", max_examples=60, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("grade", max_examples=5, deadline=None, derandomize=True, database=None,
+                          phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Timeouts turn a hang into a failure; they never judge speed. An idle 2-core machine runs the slowest
@@ -54,6 +63,44 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 COLLECTIVE_TIMEOUT_S = 600  # inside the workers: a collective some rank never joins raises after this
 CALL_TIMEOUT_S = 600        # a call on every rank of a pool (its start-up too)
 SCRIPT_TIMEOUT_S = 900      # a lesson run as `python 0X_name.py`
+LESSON_NAME = re.compile(r"0[1-9]_\w+")
+
+
+class _LessonFinder(importlib.abc.MetaPathFinder):
+    """Imports every lesson ("02_zero") from one folder, whatever sys.path says (a test module may
+    put the course's own folder first)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def find_spec(self, name, path=None, target=None):
+        if path is not None or not LESSON_NAME.fullmatch(name):
+            return None
+        file = self.folder / f"{name}.py"
+        if not file.is_file():  # never the course's own lesson in its place
+            raise ModuleNotFoundError(f"no {file.name} in {self.folder}", name=name)
+        return importlib.util.spec_from_file_location(name, file)
+
+
+def use_lessons(folder: Path) -> None:
+    """Lessons come from folder from now on, in this process; the pools' workers and run_script
+    follow ROOT. Called before any test module imports a lesson (pytest_configure)."""
+    global ROOT
+    ROOT = folder
+    sys.path.insert(0, str(folder))
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _LessonFinder)]
+    sys.meta_path.insert(0, _LessonFinder(folder))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--lessons", type=Path, metavar="DIR",
+                     help="import the lessons from DIR (a workshop copy) instead of this course's folder")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    folder = config.getoption("--lessons")
+    if folder is not None:
+        use_lessons(folder.resolve())
 
 
 class RankFailure(AssertionError):
@@ -65,8 +112,9 @@ class RankFailure(AssertionError):
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue,
-            sys_path: list[str]) -> None:
+            sys_path: list[str], lessons: str) -> None:
     sys.path[:] = sys_path
+    use_lessons(Path(lessons))
     import torch
     import torch.distributed as dist
 
@@ -98,8 +146,8 @@ class RankPool:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = importlib.import_module("01_ddp").free_port()
-        self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, world_size, port, self.tasks[r], self.results, list(sys.path)))
+        self.procs = [ctx.Process(target=_worker, daemon=True, args=(r, world_size, port, self.tasks[r],
+                                                                     self.results, list(sys.path), str(ROOT)))
                       for r in range(world_size)]
         for p in self.procs:
             p.start()

@@ -1,0 +1,316 @@
+"""The workshop's exercises: for each lesson, the functions at its heart that a participant writes.
+
+Data only; tests/workshop.py blanks them in a copy of the course and grades them with their proofs,
+tests of the course's own suite (node ids within the lesson's test file). An exercise names one
+function or method, or two that are one idea, by qualified name in its lesson; the lessons keep
+those names. `needs`: the exercises whose code its proofs also run, to be solved first (their
+blank would be met before this one's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Exercise:
+    id: str                      # "02.1": lesson 02, exercise 1
+    file: str                    # the lesson
+    names: tuple[str, ...]       # qualified names of the functions whose bodies are blanked
+    title: str                   # what the raise says: no quotes, backslashes or parentheses
+    task: str                    # what the code must do, what it may call, where the lesson explains it
+    hint: str
+    minutes: int                 # estimated time for a participant who has read the lesson
+    proofs: tuple[str, ...]      # tests of the lesson's test file (tests/test_<lesson>.py), by node id
+    needs: tuple[str, ...] = ()
+
+    @property
+    def test_file(self) -> str:
+        return f"test_{self.file}"
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        """The proofs as pytest node ids relative to tests/."""
+        return tuple(f"{self.test_file}::{proof}" for proof in self.proofs)
+
+
+EXERCISES = (
+    Exercise(
+        "01.1", "01_ddp.py", ("all_reduce_gradients",), "naive data parallelism",
+        task="After backward, leave in every trainable parameter's .grad the mean of the group's gradients: "
+             "one blocking all_reduce (01's wrapper, which meters it) per parameter, then a division by "
+             "the group's size. Frozen parameters (requires_grad=False) are skipped; a trainable one "
+             "without a gradient raises RuntimeError('<name> got no gradient: unused parameters are not "
+             "supported'). Docstring: THE IDEA, THREE VERSIONS (a).",
+        hint="The sum of N rank-mean gradients / N is the gradient of the global batch's mean loss; "
+             "dist.get_world_size(group) is N.",
+        minutes=10,
+        proofs=("test_frozen_parameters_are_skipped_and_unused_trainable_ones_refused[naive]",)),
+    Exercise(
+        "01.2", "01_ddp.py", ("BucketedDataParallel._on_grad_ready", "GradBucket.unpack"),
+        "bucketed all-reduce, launched from the gradient hook",
+        task="_on_grad_ready runs as each gradient is complete: outside no_sync(), copy it into its bucket "
+             "(GradBucket.add), then launch the async all_reduce (async_op=True, its work in bucket.work) "
+             "of every full bucket from self.next_to_launch on, in order, stopping at the first that is "
+             "not full; keep self.max_in_flight, the most launched and unfinished at once. unpack: wait "
+             "for the bucket's all-reduce, divide by the world size, copy each view back into its "
+             "parameter's .grad, empty `ready` and forget the work. Docstring: THREE VERSIONS (b).",
+        hint="A bucket is full when len(bucket.ready) == len(bucket.params). Collectives are matched by "
+             "call order: a later bucket that fills first must wait for the earlier ones.",
+        minutes=20,
+        proofs=("test_buckets_launch_in_order_even_if_a_later_one_fills_first",
+                "test_buckets_fill_in_reverse_order_and_launch_during_backward",
+                "test_frozen_parameters_are_skipped_and_unused_trainable_ones_refused[bucketed]")),
+
+    Exercise(
+        "02.1", "02_zero.py", ("ZeRO._on_grad_ready", "ZeRO._reduce_scatter"),
+        "ZeRO-2: reduce-scatter each unit from the backward hook",
+        task="_on_grad_ready(unit, i) runs when parameter i of a unit has its gradient: raise "
+             "RuntimeError('a second backward before step() ...') if the unit's reduce-scatter is still "
+             "pending (unit.scatter); once all of the unit's parameters are ready, clear unit.ready, "
+             "release the unit's parameters in stage 3, and reduce-scatter it unless under no_sync(). "
+             "_reduce_scatter(unit): flatten the gradients (unit.flatten, in self.dtype), free them "
+             "(p.grad = None), launch an async reduce_scatter into unit.grad_shard and keep "
+             "(work, send buffer) in unit.scatter. Docstring: THE IDEA (stage 2), COST.",
+        hint="finish_gradient_sync waits on unit.scatter[0] and divides by the group size: the hook only "
+             "launches. The send buffer must outlive the call until the wait.",
+        minutes=20,
+        proofs=("test_no_sync_accumulates_microbatches[2]",)),
+    Exercise(
+        "02.2", "02_zero.py", ("ZeRO.grad_squares",), "the global gradient norm from shards",
+        task="Return ||g||^2 of the averaged gradient over the whole group, as an fp32 scalar: each unit's "
+             "grad_shard holds this rank's slice unit.owned of the unit's flat vector (padding included); "
+             "weigh each parameter's elements by share(p), sum their squares in fp32, then (stages 1-3, "
+             "where each rank has a part) all_reduce the scalar. Docstring: GRADIENT CLIPPING.",
+        hint="Parameter j of a unit covers [unit.offsets[j], unit.offsets[j + 1]) of the flat vector; "
+             "intersect that with unit.owned and shift by unit.owned.start. Clipping each shard by its "
+             "own norm is the classic bug.",
+        minutes=20,
+        proofs=("test_tied_root_and_frozen_parameters_train_as_on_one_device[tie_embedding-1]",
+                "test_tied_root_and_frozen_parameters_train_as_on_one_device[freeze_some-0]")),
+    Exercise(
+        "02.3", "02_zero.py", ("ZeRO._gather", "ZeRO._after_forward"),
+        "ZeRO-3: gather before use, free after, prefetch the next",
+        task="_gather(index, next_index), a module's forward pre-hook (and, in backward, a hook on its "
+             "output's gradient): count a gather that was already in flight in self.prefetched_gathers, "
+             "launch unit index's all-gather if none is (_launch_gather), wait for it, bind the gathered "
+             "vector to the parameters (unit.bind), and, with self.prefetch, launch next_index's gather "
+             "if that unit exists. _after_forward(index, output): release the unit's parameters, and if "
+             "output requires grad, register a hook on it that gathers them again for backward, "
+             "prefetching index - 1. Docstring: THE IDEA (stage 3), COST (1.5x DDP).",
+        hint="A unit still gathered from an earlier use has gather_work None: nothing to wait for. "
+             "Backward visits the units in reverse: its next one is index - 1.",
+        minutes=25,
+        proofs=("test_zero3_gathers_one_module_at_a_time_and_prefetches[True]",
+                "test_zero3_gathers_one_module_at_a_time_and_prefetches[False]",
+                "test_no_sync_accumulates_microbatches[3]"),
+        needs=("02.1", "02.2")),
+
+    Exercise(
+        "03.1", "03_tensor_parallel.py", ("conjugate.Conjugate.forward", "conjugate.Conjugate.backward"),
+        "the conjugate f/g operators as one autograd function",
+        task="conjugate(forward, backward) builds the four operators f, g and SP's pair: the autograd "
+             "function applies forward(x, group) to the input and backward(grad, group) to the gradient. "
+             "forward keeps the group in ctx; backward returns the gradient of x and None for the group. "
+             "Docstring: THE CONJUGATE OPERATORS, SEQUENCE PARALLELISM.",
+        hint="f = (identity, all-reduce): every rank uses the same input, so its gradient is the sum of "
+             "the ranks' gradients; g = (all-reduce, identity) is its mirror.",
+        minutes=10,
+        proofs=("test_conjugate_operators_match_their_definitions[2]",)),
+    Exercise(
+        "03.2", "03_tensor_parallel.py", ("VocabParallelCrossEntropy.forward",),
+        "vocab-parallel cross-entropy without the full logits",
+        task="Mean cross-entropy from this rank's columns [first_id, first_id + V/t) of the logits: "
+             "compute in at least fp32 (ctx.dtype = the input's), padding ids (>= vocab_size) are -inf; "
+             "three all-reduces of one number per row (_all_reduced): the row max (\"max\"), the sum of "
+             "exp(logit - max), the target's shifted logit (only the rank holding the target contributes "
+             "it; the others 0, never -inf x 0). Save for backward (softmax, local targets clamped to 0 "
+             "where not held, held mask) and return mean(log sum - target). Docstring: VOCAB PARALLELISM.",
+        hint="loss = log sum_v e^(z_v - m) - (z_target - m); backward is given and reads exactly "
+             "ctx.saved_tensors = (exp / sum_exp[:, None], local_target, mine).",
+        minutes=20,
+        proofs=("test_vocab_parallel_loss_and_embedding_match_their_definitions[2-7]",
+                "test_vocab_parallel_loss_and_embedding_match_their_definitions[2-16]")),
+    Exercise(
+        "03.3", "03_tensor_parallel.py", ("enter_region", "exit_region"),
+        "f before a region, g after it",
+        task="enter_region registers a forward pre-hook that passes the module's first argument through f "
+             "(CopyToRegion; with sequence parallelism GatherSequence) and leaves the others; exit_region "
+             "a forward hook that passes the output through g (ReduceFromRegion; with SP "
+             "ReduceScatterSequence). At tp = 1 nothing is registered. Both return the module. "
+             "Docstring: THE CONJUGATE OPERATORS, SEQUENCE PARALLELISM.",
+        hint="A forward pre-hook returning a tuple replaces the arguments; a forward hook returning a "
+             "tensor replaces the output. The operators take (x, ctx.group).",
+        minutes=10,
+        proofs=("test_at_tp_1_nothing_is_inserted[False]",
+                "test_frozen_parameters_stay_frozen_and_the_rest_trains_as_on_one_device[False]",
+                "test_frozen_parameters_stay_frozen_and_the_rest_trains_as_on_one_device[True]"),
+        needs=("03.1", "03.2")),
+
+    Exercise(
+        "04.1", "04_pipeline.py", ("compute_order",), "the order of forwards and backwards on a rank",
+        task="Return rank's compute actions for schedule \"gpipe\", \"1f1b\", \"zb-h1\" or \"interleaved\": "
+             "warm-up forwards, then one forward and one backward at a time (GPipe: every forward first); "
+             "ZB-H1 adds each microbatch's W, rank r postponing its first r to the end; interleaved runs "
+             "its v stages (rank, rank + pp, ...) on microbatches in groups of pp, backward through the "
+             "chunks in reverse. Actions: Action(kind, stage, microbatch). Docstring: SCHEDULES ARE DATA.",
+        hint="1F1B's warm-up on rank r is min(m, pp - r - 1) forwards. Interleaved: total m v actions of "
+             "each kind, warm-up min(m v, 2 (pp - r - 1) + (v - 1) pp).",
+        minutes=35,
+        proofs=("test_schedule_shapes_on_a_known_case",
+                "test_schedules_are_complete_ordered_and_never_deadlock",
+                "test_every_schedule_equals_single_device[1f1b-2]")),
+    Exercise(
+        "04.2", "04_pipeline.py", ("bubble_formula",), "the bubble of each schedule",
+        task="The idle fraction of a step, with unit times F = 1, B = 2 (ZB-H1: F = B = W = 1), for each "
+             "schedule: the share of the step a rank spends waiting, the same on every rank. GPipe and 1F1B "
+             "share theirs; interleaved divides the warm-up by v; ZB-H1 fills the tail with W's, and for "
+             "m < p the last rank's F, B, F, B chain sets the length. Docstring: SCHEDULES ARE DATA.",
+        hint="Draw p = 2, m = 3 by hand (str(make_schedule('1f1b', 2, 3)) draws it): the step lasts "
+             "m + p - 1 forward-backward slots. ZB-H1 for m >= p: (p - 1) / (3m + p - 1).",
+        minutes=15,
+        proofs=("test_planned_bubble_equals_the_formula",),
+        needs=("04.1",)),
+
+    Exercise(
+        "05.1", "05_context_parallel.py", ("merge_partials",), "merging two partial attentions by lse",
+        task="Attention over the keys of A and B from (out_a, lse_a) and (out_b, lse_b): "
+             "weights sigmoid(lse_a - lse_b) and its complement, lse = lse_a - logsigmoid(lse_a - lse_b). "
+             "A block with lse = -inf had no key: the result is the other block's, and no -inf - -inf may "
+             "appear, even in backward. Cast the weight to out_a's dtype. Docstring: THE MERGE RULE.",
+        hint="torch.where(empty_a | empty_b, 0.0, lse_a - lse_b) keeps the difference finite; the "
+             "weight broadcasts over the head dimension with [..., None].",
+        minutes=15,
+        proofs=("test_merge_rule_equals_the_unsplit_softmax",
+                "test_merge_propagates_nan")),
+    Exercise(
+        "05.2", "05_context_parallel.py",
+        ("SequenceLayout.chunks", "SequenceLayout.shard", "SequenceLayout.unshard"), "the zigzag layout",
+        task="chunks(rank): the chunk indices rank holds, (r,) contiguous, (r, 2P-1-r) zigzag; shard(x, "
+             "rank, dim): those chunks of x along dim, concatenated in that order; unshard(shards, dim): "
+             "the whole sequence back from every rank's shard. Docstring: LOAD BALANCE.",
+        hint="x.narrow(dim, c * self.chunk_len, self.chunk_len) is chunk c.",
+        minutes=10,
+        proofs=("test_layout_shards_tile_the_sequence",)),
+    Exercise(
+        "05.3", "05_context_parallel.py", ("RingAttention.forward",), "the forward of ring attention",
+        task="Attention of this rank's queries over the whole sequence: for each K/V block the ring "
+             "delivers (_kv_ring: owner, stacked k and v), compute each pair of chunks _block_pairs yields "
+             "with block.forward (through `compute`, which times it when `work` is given) and merge it "
+             "into a running fp32 out and float64 lse (-inf at first) with merge_partials. Save q, k, v, "
+             "out, lse and ctx.args = (group, layout, causal, block, compute) for the given backward, "
+             "set_materialize_grads(False); return out in q's dtype and the lse in fp32. "
+             "Docstring: RING ATTENTION.",
+        hint="The block call: compute(block.forward, q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], "
+             "q_off, k_off, masked).",
+        minutes=25,
+        proofs=("test_sharded_attention_equals_full_attention",),
+        needs=("05.1", "05.2")),
+
+    Exercise(
+        "06.1", "06_expert_parallel.py", ("dispatch", "combine"), "dispatch and combine over all-to-all",
+        task="dispatch(x, plan): the rows of the kept assignments (plan.kept_slots // plan.top_k), "
+             "exchanged over the group (exchange: rows plan.send_splits[j] go to rank j, "
+             "plan.recv_splits[j] arrive from it), then regrouped by local expert (plan.by_expert). "
+             "combine(y, plan, n_tokens): the reverse: undo the regrouping, exchange back, and place "
+             "each row in its (token, slot) of a zero (n_tokens, top_k, dim) tensor. "
+             "Docstring: EXPERT PARALLELISM.",
+        hint="The inverse of a permutation p is torch.argsort(p); exchange's backward is the reverse "
+             "all-to-all, so autograd needs nothing more.",
+        minutes=20,
+        proofs=("test_moe_layer_equals_a_per_token_loop",
+                "test_dispatch_then_combine_restores_input_and_gradient")),
+    Exercise(
+        "06.2", "06_expert_parallel.py", ("sync_gradients",), "gradients of an expert-parallel model",
+        task="After backward, make every gradient the global mean loss's: replicated weights all-reduce "
+             "over the group and divide by ep; experts, already summed over the group's tokens by the "
+             "backward all-to-all, only divide by ep. Skip frozen parameters; a trainable one without a "
+             "gradient raises RuntimeError('<name> got no gradient'). Docstring: EXPERT PARALLELISM.",
+        hint="moe_layers(model) and layer.expert_parameters() find the experts. All-reducing an expert "
+             "too, or forgetting / ep, doubles its gradient at ep = 2.",
+        minutes=10,
+        proofs=("test_frozen_parameters_are_skipped_and_the_rest_still_matches",
+                "test_expert_parallel_layer_equals_one_device[2]"),
+        needs=("06.1",)),
+
+    Exercise(
+        "07.1", "07_flash_attention.py", ("_key_range", "_query_range"), "which blocks a program visits",
+        task="_key_range: for the query block at start_m, keys [0, full_end) are visible to every row (no "
+             "mask), [full_end, hi) need one, the rest are skipped. _query_range: for the key block at "
+             "start_n, queries [0, lo) see none of its keys, [lo, full_start) need a mask, [full_start, "
+             "q_end) see all. Causal visibility with absolute positions: row + shift >= col. "
+             "Docstring: CAUSAL.",
+        hint="Without the causal mask only the sequence's end needs a mask. Round to block multiples "
+             "with // BLOCK * BLOCK and tl.cdiv, clamp with tl.minimum / tl.maximum.",
+        minutes=25,
+        proofs=("test_block_skipping_matches_brute_force_visibility[True-32-16]",
+                "test_block_skipping_matches_brute_force_visibility[True-16-32]",
+                "test_block_skipping_matches_brute_force_visibility[False-64-64]")),
+    Exercise(
+        "07.2", "07_flash_attention.py", ("_attend",), "the online-softmax recurrence",
+        task="For the key blocks [start, end), BLOCK_N at a time: load K (_tile, _load_keys), scores "
+             "s = q k^T x qk_scale (log2 units), masked to -inf where not _visible if MASKED, then the "
+             "recurrence: m_new = max(m, rowmax s), alpha = exp2(m - m_new), p = exp2(s - m_new), "
+             "l = alpha l + rowsum p, acc = alpha acc + p V. Return (acc, l, m). Docstring: THE "
+             "RECURRENCE, PRECISION.",
+        hint="A row that has seen no key has m = -inf: subtract 0 instead of -inf (masked blocks only), "
+             "else exp2 meets -inf - -inf. Dots: tl.dot(..., input_precision=PRECISION); p.to(v.dtype).",
+        minutes=30,
+        proofs=("test_attention_matches_float64",
+                "test_gpt_with_flash_attention_equals_reference[24-4]"),
+        needs=("07.1",)),
+
+    Exercise(
+        "08.1", "08_fp8.py", ("amax_to_scale",), "the scale rule",
+        task="s = fp8_max(dtype) / amax in fp32, finite and positive for every finite amax, zero included "
+             "(clamp the amax at AMAX_EPS). Docstring: THE SCALE RULE.",
+        hint="A tensor of amaxes gives a tensor of scales: torch.full_like(amax, fp8_max(dtype)) / amax.",
+        minutes=5,
+        proofs=("test_scale_is_finite_and_maps_amax_to_fp8_max",)),
+    Exercise(
+        "08.2", "08_fp8.py", ("cast_to_fp8",), "the saturating cast",
+        task="x * scale (in fp32) cast to dtype, saturating: a finite value beyond +-fp8_max clips to it "
+             "(also one whose product overflows fp32 to inf); NaN stays NaN; an infinite input stays "
+             "+-inf in e5m2 and becomes NaN in e4m3fn, which has no inf (INF_BITS, NAN_BITS). "
+             "Docstring: THE FORMATS, SATURATION.",
+        hint="torch's own cast saturates e4m3fn's inf to 448 and overflows e5m2: clamp first, then put "
+             "the infinite inputs back with torch.where.",
+        minutes=15,
+        proofs=("test_format_limits_and_saturating_cast",
+                "test_finite_values_whose_scaled_product_overflows_fp32_saturate[dtype0]",
+                "test_round_trip_and_saturation_of_every_recipe"),
+        needs=("08.1",)),
+    Exercise(
+        "08.3", "08_fp8.py", ("DelayedScaling.scale", "DelayedScaling.quantize"), "delayed scaling",
+        task="scale(first_amax): the (1, 1) scale of the next quantize: from the max of the amax history "
+             "once there is one, else from first_amax (None: None), divided by 2^margin; guard: 1 while "
+             "that amax is 0 or not finite. quantize(x): refuse an empty or 0-d x (ValueError), move the "
+             "history to x's device, quantize with that scale through fused_amax_cast (the first call "
+             "uses x's own amax), push the new amax at the front of the history, count the call; "
+             "return (q shaped like x, scale). Docstring: SCALING RECIPES (delayed).",
+        hint="fused_amax_cast(rows, dtype=..., scale=...) returns (q, scale, amax); rows are x reshaped "
+             "to (-1, x.shape[-1]). Newest first: torch.cat([amax.view(1), history[:-1]]).",
+        minutes=20,
+        proofs=("test_delayed_scaling_history_window_and_margin",
+                "test_delayed_scaling_clips_a_spike_until_it_enters_the_history",
+                "test_delayed_scaling_after_an_all_zero_call[dtype0]",
+                "test_delayed_scaling_after_a_non_finite_call[dtype0-nan]"),
+        needs=("08.1",)),
+
+    Exercise(
+        "09.1", "09_full_train.py", ("MeshSizes.coords", "MeshSizes.rank"), "the rank map",
+        task="coords(rank) -> {dim: index} for the dims of DIMS (dp, pp, cp, tp), tp varying fastest; "
+             "rank(**coords) its inverse: rank = ((d pp + p) cp + c) tp + t. Docstring: THE MESH.",
+        hint="divmod by the sizes from the fastest dimension (reversed(DIMS)) to the slowest.",
+        minutes=10,
+        proofs=("test_mesh_coordinates_and_groups",)),
+    Exercise(
+        "09.2", "09_full_train.py", ("MeshSizes.groups",), "the process groups of a mesh",
+        task="Every group of ranks that differ only along `dims` (a tuple of dims): one per combination "
+             "of the other dims' indices, in mesh order, each group's ranks in mesh order. Use rank(). "
+             "Docstring: THE MESH.",
+        hint="itertools.product over the fixed dims' ranges, and inside over the moving dims' ranges.",
+        minutes=15,
+        proofs=("test_mesh_coordinates_and_groups",
+                "test_a_nan_propagates_to_every_rank"),
+        needs=("09.1",)),
+)

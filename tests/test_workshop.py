@@ -1,0 +1,293 @@
+"""The workshop (tests/workshop.py, tests/exercises.py): copies with exercises blanked, graded by the
+course's own proofs.
+
+What is proved here, and why this way (the suite must stay within ~10 minutes on 2 cores, so the
+proofs of every exercise are not run twice each):
+- the list: two to four exercises per lesson, each naming functions of its lesson that have a body
+  to write, proofs that are tests of the lesson's test file, needs that come earlier (read from the
+  sources: no process starts);
+- blanking changes exactly the chosen bodies: the blanked module's syntax tree is the original's with
+  those bodies replaced by (docstring, raise), nothing else; the body's full-line comments stay;
+- a copy with no exercise is the course byte for byte, so a solved exercise (its body written back)
+  is the course's own code;
+- every proof of every exercise fails on its blank, naming the exercise, and passes solved: three
+  pytest sessions, not one per exercise. The first two each blank a wave of exercises whose needs
+  are written in their copy (the first wave those that need none, the second the rest), so a proof
+  meets its own exercise's blank first. The second also grades the first wave's exercises written
+  right whose proofs run nothing the second wave blanks (SOLVED); the third grades every other
+  exercise on the course itself, the solutions;
+- three plausible wrong answers, planted in first-wave exercises of the second copy, fail their
+  checks, the proof named on each line;
+- bad commands: one line, exit status 2, nothing written.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+import workshop
+from exercises import EXERCISES
+
+TESTS = Path(workshop.__file__).resolve().parent
+COURSE = TESTS.parent
+PROOF_LINE = re.compile(r"^(?P<owners>\d\d\.\d(?:,\d\d\.\d)*)  (?P<status>passed|FAILED|skipped|not run) +"
+                        r"(?P<node>\S+)  (?P<detail>.*)$")
+# Hang guards only (conftest's rule: 10x a loaded machine's time): list and copy take a second, each check
+# session below a few minutes on 2 idle cores, over 20 on a machine shared by several test runs.
+COMMAND_TIMEOUT, CHECK_TIMEOUT = 600, 3600
+
+
+def run_workshop(*args, timeout: float = COMMAND_TIMEOUT) -> subprocess.CompletedProcess:
+    """The tool as an instructor runs it, on the CPU even on a GPU machine. On a timeout its whole
+    process group (the rank pools' workers too) is killed and what it printed is shown."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, str(TESTS / "workshop.py"), *map(str, args)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(command[1:])} did not finish in {timeout} s; it printed:\n{stdout}{stderr}")
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def proof_lines(stdout: str) -> dict[str, tuple[str, str, str]]:
+    """node id -> (owners, status, detail) from check's output."""
+    found = {}
+    for line in stdout.splitlines():
+        if match := PROOF_LINE.match(line):
+            found[match["node"]] = (match["owners"], match["status"], match["detail"])
+    return found
+
+
+def assert_one_line_each(result: subprocess.CompletedProcess, exercises: list) -> None:
+    """A header, one line per proof, one per exercise, the verdict: no traceback anywhere."""
+    proofs = {node for e in exercises for node in e.node_ids}
+    assert len(result.stdout.splitlines()) == 1 + len(proofs) + len(exercises) + 1, result.stdout
+    assert "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+# --- the list ----------------------------------------------------------------------------------
+
+def test_two_to_four_exercises_per_lesson_each_a_function_with_a_body_and_real_proofs():
+    ids = [e.id for e in EXERCISES]
+    assert len(set(ids)) == len(ids) and all(re.fullmatch(r"0[1-9]\.[1-9]", i) for i in ids)
+    per_lesson = Counter(e.file for e in EXERCISES)
+    assert sorted(per_lesson) == list(workshop.LESSONS) and all(2 <= n <= 4 for n in per_lesson.values())
+    seen = set()
+    for e in EXERCISES:
+        assert e.file[:2] == e.id[:2], e.id
+        assert not re.search(r"[\"'\\()]", e.title), f"{e.id}: the title goes into the raise's message"
+        assert 1 <= e.minutes <= 60 and e.task and e.hint and e.proofs, e.id
+        assert set(e.needs) <= seen, f"{e.id} needs an exercise listed after it"
+        seen.add(e.id)
+        source = (COURSE / e.file).read_text()
+        for name in e.names:
+            first, last, _ = workshop.body_span(source, workshop.function_node(ast.parse(source), name))
+            assert first <= last, name
+        tests = {node.name for node in ast.walk(ast.parse((TESTS / e.test_file).read_text()))
+                 if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+        assert {proof.split("[")[0] for proof in e.proofs} <= tests, f"{e.id}: a proof is not a test"
+
+
+def test_the_readmes_workshop_table_is_the_list():
+    """The README's table (id and minutes of every exercise) says what tests/exercises.py says."""
+    section = (COURSE / "README.md").read_text().split("\n## Workshop\n")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if re.match(r"\| 0[1-9] \|", line)]
+    listed = {i: int(m) for row in rows for i, m in re.findall(r"(\d\d\.\d) [^,(|]+ \((\d+)\)", row)}
+    assert listed == {e.id: e.minutes for e in EXERCISES}
+
+
+def test_blanking_replaces_the_chosen_bodies_and_nothing_else():
+    """Per lesson, all its exercises at once: the blanked syntax tree equals the original's with
+    each chosen body replaced by its docstring (if any) and the exercise's raise; every full-line
+    comment of those bodies is kept, in order; every line fits the style's 110 characters."""
+    by_file = defaultdict(list)
+    for e in EXERCISES:
+        by_file[e.file].append(e)
+    for file, exercises in by_file.items():
+        source = (COURSE / file).read_text()
+        blanked = workshop.blank(source, exercises)
+        expected, comments = ast.parse(source), []
+        for e in exercises:
+            for name in e.names:
+                node = workshop.function_node(expected, name)
+                first, last, _ = workshop.body_span(source, node)
+                comments += [line.strip() for line in source.splitlines()[first - 1:last]
+                             if line.strip().startswith("#")]
+                message = ast.Constant(f"Exercise {e.id}: {e.title}")
+                raise_ = ast.Raise(ast.Call(ast.Name("NotImplementedError", ast.Load()), [message], []))
+                docstring = node.body[:1] if ast.get_docstring(node, clean=False) is not None else []
+                node.body = [*docstring, raise_]
+        assert ast.dump(ast.parse(blanked)) == ast.dump(expected), file
+        kept = iter(line.strip() for line in blanked.splitlines())
+        assert all(comment in kept for comment in comments), f"{file}: a comment of a blanked body was lost"
+        assert max(map(len, blanked.splitlines())) <= 110, file
+    assert any(by_file.values()), "nothing was checked"
+
+
+# --- copies and bad commands -------------------------------------------------------------------
+
+def test_a_copy_without_exercises_is_the_course_byte_for_byte(tmp_path):
+    result = run_workshop("copy", tmp_path / "copy")
+    assert result.returncode == 0, result.stderr
+    copied = sorted(p.relative_to(tmp_path / "copy") for p in (tmp_path / "copy").rglob("*") if p.is_file())
+    expected = sorted(workshop.course_files(COURSE))
+    assert copied == expected and Path("tests/conftest.py") in copied and len(workshop.LESSONS) == 9
+    for path in expected:
+        assert (tmp_path / "copy" / path).read_bytes() == (COURSE / path).read_bytes(), path
+
+
+def snapshot(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("command, message", [
+    (["copy", "{dir}", "--all"], r"is not an empty folder: copy writes into a new or empty one"),
+    (["copy", "{new}", "--exercises", "02.1,99.9"], r"unknown exercise 99\.9: the exercises are 01\.1, "),
+    (["check", "99.9", "--copy", "{dir}"], r"unknown exercise 99\.9"),
+    (["list", "02.1", "99.9"], r"unknown exercise 99\.9"),
+    (["check", "02.1", "--copy", "{dir}"], r"is not a workshop copy: it lacks 01_ddp\.py, 02_zero\.py, "
+                                           r"03_tensor_parallel\.py and 6 more lessons$"),
+    (["check", "02.1", "--copy", "{new}"], r"is not a workshop copy"),
+    (["check"], r"check needs exercise ids"),
+], ids=["copy into a non-empty folder", "copy an unknown exercise", "check an unknown exercise",
+        "list an unknown exercise", "check a folder that is not a copy", "check a folder that is not there",
+        "check nothing"])
+def test_a_bad_command_is_one_line_exit_2_and_writes_nothing(tmp_path, command, message):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("a participant's notes\n")
+    before = snapshot(tmp_path)
+    result = run_workshop(*(arg.format(dir=folder, new=tmp_path / "new") for arg in command))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("workshop.py: error: "), result.stderr
+    assert re.search(message, result.stderr.rstrip("\n")), result.stderr
+    assert snapshot(tmp_path) == before and not (tmp_path / "new").exists()
+
+
+# --- grading: blanks fail their proofs; planted bugs fail; solved exercises pass ---------------------
+
+def waves() -> list[list[str]]:
+    """Exercises grouped so that none needs another of its group: depth 0 needs nothing, depth
+    d needs exercises of depths < d only (solved in that wave's copy)."""
+    depth: dict[str, int] = {}
+    for e in EXERCISES:
+        depth[e.id] = 1 + max((depth[n] for n in e.needs), default=-1)
+    return [[i for i, d in depth.items() if d == level] for level in range(max(depth.values()) + 1)]
+
+
+WAVES = waves()
+# Wrong answers a participant could plausibly write, planted in exercises of the first wave, which
+# the second wave's copy has written: (lesson, the right text in the exercise's body, the wrong one).
+PLANTED = {
+    "01.1": ("01_ddp.py", "        param.grad.div_(world)\n", ""),  # no division by the group size
+    "04.1": ("04_pipeline.py", "min(m, pp - rank - 1)", "min(m, pp - rank)"),  # a warm-up forward too many
+    "05.1": ("05_context_parallel.py", "lse_a - F.logsigmoid(diff)", "lse_a + F.logsigmoid(diff)"),  # a sign
+}
+# First-wave exercises written right in the second copy, whose proofs call nothing the second wave blanks.
+SOLVED = ("01.2", "02.1", "02.2", "03.1", "03.2", "05.2", "06.1", "07.1", "08.1")
+
+
+def plant(copy: Path, exercise_id: str) -> None:
+    file, right, wrong = PLANTED[exercise_id]
+    source = (copy / file).read_text()
+    (name,) = workshop.BY_ID[exercise_id].names
+    first, last, _ = workshop.body_span(source, workshop.function_node(ast.parse(source), name))
+    lines = source.splitlines(keepends=True)
+    body = "".join(lines[first - 1:last])
+    assert body.count(right) == 1, f"{exercise_id}: the right answer is not in {name} as planted"
+    (copy / file).write_text("".join(lines[:first - 1]) + body.replace(right, wrong) + "".join(lines[last:]))
+
+
+@pytest.fixture(scope="module")
+def graded() -> list[tuple[list, subprocess.CompletedProcess]]:
+    """Three check sessions: (the exercises it graded, its output). The first blanks the first wave
+    in a copy. The second blanks the second wave in another, whose needs are written there, three of
+    them wrong (PLANTED), and also grades SOLVED. The third grades every other exercise on the
+    course's own lessons, where all are solved."""
+    assert len(WAVES) == 2, "two sessions for all the exercises: a third wave costs CI time, think first"
+    assert set(PLANTED) | set(SOLVED) <= set(WAVES[0]) and not set(PLANTED) & set(SOLVED)
+    sessions = []
+    for wave, extra in ((WAVES[0], []), (WAVES[1], [*PLANTED, *SOLVED])):
+        # Not tmp_path_factory's folders: another pytest run of this user may delete them meanwhile.
+        with tempfile.TemporaryDirectory(prefix="workshop-") as folder:
+            copy = Path(folder) / "copy"
+            assert run_workshop("copy", copy, "--exercises", ",".join(wave)).returncode == 0
+            for exercise_id in set(extra) & set(PLANTED):
+                plant(copy, exercise_id)
+            graded_ids = [*wave, *extra]
+            result = run_workshop("check", *graded_ids, "--copy", copy, timeout=CHECK_TIMEOUT)
+        sessions.append(([workshop.BY_ID[i] for i in graded_ids], result))
+    rest = [e for e in EXERCISES if e.id not in SOLVED]
+    sessions.append((rest, run_workshop("check", *(e.id for e in rest), timeout=CHECK_TIMEOUT)))
+    return sessions
+
+
+@pytest.mark.parametrize("wave", [0, 1], ids=["first wave", "second wave"])
+def test_every_blanked_exercise_fails_each_of_its_proofs_naming_itself(graded, wave):
+    exercises, result = graded[wave]
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert_one_line_each(result, exercises)
+    lines = proof_lines(result.stdout)
+    for e in (workshop.BY_ID[i] for i in WAVES[wave]):
+        for node in e.node_ids:
+            owners, status, detail = lines[node]
+            assert owners == e.id and status == "FAILED", lines[node]
+            assert re.fullmatch(rf"\(([\d.]+ s|not collected)\)  NotImplementedError: Exercise {e.id}: "
+                                rf"{re.escape(e.title)}", detail), lines[node]
+        n = len(e.proofs)
+        assert f"{e.id} {e.title}: 0 of {n} proofs passed, {n} did not" in result.stdout
+
+
+@pytest.mark.parametrize("exercise_id", PLANTED)
+def test_a_planted_wrong_answer_fails_its_check_naming_the_proof(graded, exercise_id):
+    _, result = graded[1]
+    lines = proof_lines(result.stdout)
+    failed = [node for node in workshop.BY_ID[exercise_id].node_ids if lines[node][1] == "FAILED"]
+    assert failed, f"{exercise_id}: every proof passed a wrong answer:\n{result.stdout}"
+    for node in failed:
+        assert f"{exercise_id}  FAILED   {node}  (" in result.stdout
+        assert "NotImplementedError" not in lines[node][2] and "Error" in lines[node][2], lines[node]
+
+
+def test_every_solved_exercise_passes_its_check(graded):
+    """SOLVED in the second copy, every other exercise on the course (the third session)."""
+    (_, second), (rest, third) = graded[1:]
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert_one_line_each(third, rest)
+    assert {e.id for e in rest} | set(SOLVED) == set(workshop.BY_ID)
+    for ids, result in ((SOLVED, second), ([e.id for e in rest], third)):
+        lines = proof_lines(result.stdout)
+        for e in (workshop.BY_ID[i] for i in ids):
+            assert all(lines[node][1] == "passed" for node in e.node_ids), result.stdout
+            assert f"{e.id} {e.title}: {len(e.proofs)} of {len(e.proofs)} proofs passed\n" in result.stdout
+
+
+def test_the_error_line_of_a_failure():
+    """first_error_line on reports of the shapes the suite produces."""
+    rank_failure = ("E   conftest.RankFailure: train_zero failed on ranks [0, 1] of 2 (timeout 120s):\n"
+                    "E   --- rank 0 ---\nE   Traceback (most recent call last):\n"
+                    'E     File "02_zero.py", line 3, in step\nE       raise RuntimeError("boom")\n'
+                    "E   RuntimeError: boom\n")
+    assert workshop.first_error_line(rank_failure) == "RuntimeError: boom (on a rank)"
+    close = ("    torch.testing.assert_close(a, b)\nE   AssertionError: gradient of embed.weight: "
+             "Tensor-likes are not close!\nE   \nE   Mismatched elements: 3 / 8 (37.5%)\n"
+             "E   Greatest absolute difference: 0.03125 at index (1,) (up to 1e-06 allowed)\n")
+    assert workshop.first_error_line(close) == ("AssertionError: gradient of embed.weight: Tensor-likes are "
+                                                "not close! (greatest absolute difference 0.03125)")
+    blank = "triton.runtime.errors.InterpreterError: NotImplementedError('Exercise 07.2: the recurrence')"
+    assert workshop.first_error_line(blank) == "NotImplementedError: Exercise 07.2: the recurrence"
+    assert workshop.first_error_line("E   assert 3 == 2\nE    +  where 2 = f()") == "assert 3 == 2"
+    assert len(workshop.first_error_line("E   " + "x" * 500)) == 200

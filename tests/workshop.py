@@ -1,0 +1,342 @@
+"""The workshop: participants write the heart of each lesson, and the course's own tests grade it.
+
+    python tests/workshop.py list [ID ...]                     the exercises; with ids, their tasks
+    python tests/workshop.py copy DIR [--exercises 02.1,04.1 | --all]
+    python tests/workshop.py check ID [ID ...] [--copy DIR]    (--all: every exercise)
+
+copy writes the course (README.md, requirements.txt, the lessons, tests/) into DIR, new or empty, with
+each chosen exercise's bodies replaced by their full-line comments and raise NotImplementedError(
+"Exercise 02.1: ..."): signature, decorators and docstring stay, and every other byte. Later lessons
+import the exercised functions as before, so they work once the exercise is solved.
+
+check runs an exercise's proofs (tests/exercises.py) on the lessons of DIR: by default the course
+this tests/ folder belongs to, so a participant runs it inside their copy, and an instructor grades any
+copy with the course's own tests (--copy DIR). One pytest session in this process: conftest's
+--lessons DIR, the `grade` hypothesis profile (few examples, no shrinking), and a plugin that prints
+one line per proof as it finishes: passed, or the first line of its error (with the greatest
+difference when tensors differ). Run from the course itself, check grades the solutions: all pass.
+
+Exit status: 0 every proof passed, 1 some did not, 2 bad usage (one line on stderr, nothing written).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import io
+import re
+import shutil
+import sys
+import time
+import tokenize
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from exercises import EXERCISES, Exercise
+
+TESTS = Path(__file__).resolve().parent
+COURSE = TESTS.parent
+LESSONS = tuple(sorted(path.name for path in COURSE.glob("0[1-9]_*.py")))
+BY_ID = {exercise.id: exercise for exercise in EXERCISES}
+BLANK = re.compile(r'raise NotImplementedError\("(Exercise \d\d\.\d): ')
+
+
+class UsageError(Exception):
+    """A command that cannot run: reported in one line, exit status 2, nothing written."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Blanking: a function's body after its docstring becomes its comments and a raise
+# ----------------------------------------------------------------------------------------------
+
+
+def function_node(tree: ast.Module, qualname: str) -> ast.FunctionDef:
+    """The function or method `qualname` ("ZeRO._gather", "conjugate.Conjugate.forward")."""
+    scope: list[ast.stmt] = tree.body
+    node = None
+    for part in qualname.split("."):
+        node = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            raise LookupError(f"{qualname}: no {part!r} there")
+        scope = node.body
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        raise LookupError(f"{qualname} is not a function")
+    return node
+
+
+def comment_lines(source: str) -> set[int]:
+    """Line numbers (1-based) that hold only a comment."""
+    lines = source.splitlines()
+    return {token.start[0] for token in tokenize.generate_tokens(io.StringIO(source).readline)
+            if token.type == tokenize.COMMENT and not lines[token.start[0] - 1][:token.start[1]].strip()}
+
+
+def body_span(source: str, node: ast.FunctionDef) -> tuple[int, int, str]:
+    """(first, last) 1-based lines of the body after its docstring, and the body's indentation."""
+    body = node.body
+    has_doc = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+        and isinstance(body[0].value.value, str)
+    code = body[1:] if has_doc else body
+    if not code or code[0].lineno == node.lineno:
+        raise LookupError(f"{node.name} has no body of its own lines to blank")
+    lines = source.splitlines()
+    if has_doc:
+        first = body[0].end_lineno + 1
+    else:  # the body's leading comments belong to it: back up to the signature's last line
+        first = code[0].lineno
+        while lines[first - 2].strip() == "" or lines[first - 2].lstrip().startswith("#"):
+            first -= 1
+    indent = lines[code[0].lineno - 1][:code[0].col_offset]
+    return first, code[-1].end_lineno, indent
+
+
+def blank(source: str, exercises: list[Exercise]) -> str:
+    """source with the exercises' functions blanked; every other line as it was, byte for byte."""
+    tree, comments = ast.parse(source), comment_lines(source)
+    spans = sorted((*body_span(source, function_node(tree, name)), exercise)
+                   for exercise in exercises for name in exercise.names)
+    lines = source.splitlines(keepends=True)
+    for (_, last, _, _), (first, _, _, _) in zip(spans, spans[1:]):
+        if first <= last:
+            raise LookupError("two blanked bodies overlap")
+    for first, last, indent, exercise in reversed(spans):
+        hints = [f"{indent}{lines[i - 1].strip()}\n" for i in range(first, last + 1) if i in comments]
+        raise_line = f'{indent}raise NotImplementedError("Exercise {exercise.id}: {exercise.title}")\n'
+        lines[first - 1:last] = [*hints, raise_line]
+    return "".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# The commands
+# ----------------------------------------------------------------------------------------------
+
+
+def select(ids: list[str]) -> list[Exercise]:
+    unknown = [i for i in ids if i not in BY_ID]
+    if unknown:
+        raise UsageError(f"unknown exercise {', '.join(unknown)}: the exercises are {', '.join(BY_ID)}")
+    return [BY_ID[i] for i in dict.fromkeys(ids)]
+
+
+def course_files(root: Path) -> list[Path]:
+    """What a copy holds, relative to the course: README, requirements, the lessons, the tests."""
+    return [Path("README.md"), Path("requirements.txt"), *map(Path, LESSONS),
+            *(Path("tests") / p.name for p in sorted((root / "tests").glob("*.py")))]
+
+
+def blanked_in(folder: Path) -> list[str]:
+    """The exercises whose raise is still in folder's lessons (a participant's to-do list)."""
+    return sorted({m.group(1)[len("Exercise "):] for name in LESSONS if (folder / name).is_file()
+                   for m in BLANK.finditer((folder / name).read_text())})
+
+
+def copy(dest: Path, exercises: list[Exercise]) -> None:
+    if blanked_in(COURSE):
+        raise UsageError(f"{COURSE} is itself a workshop copy (exercises {', '.join(blanked_in(COURSE))} are "
+                         f"blank): make copies from the course")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UsageError(f"{dest} is not an empty folder: copy writes into a new or empty one, and "
+                         f"overwrites nothing")
+    by_file = defaultdict(list)
+    for exercise in exercises:
+        by_file[exercise.file].append(exercise)
+    blanked = {name: blank((COURSE / name).read_bytes().decode(), chosen) for name, chosen in by_file.items()}
+    for path in course_files(COURSE):
+        (dest / path).parent.mkdir(parents=True, exist_ok=True)
+        if path.name in blanked:
+            (dest / path).write_bytes(blanked[path.name].encode())
+            shutil.copymode(COURSE / path, dest / path)
+        else:
+            shutil.copy2(COURSE / path, dest / path)
+    chosen = ", ".join(e.id for e in exercises) or "none (the course as it is)"
+    print(f"wrote the course into {dest}; exercises blanked: {chosen}")
+    if exercises:
+        minutes = sum(e.minutes for e in exercises)
+        print(f"about {minutes} minutes of work; a participant runs, inside the copy:\n"
+              f"    python tests/workshop.py list {exercises[0].id}\n"
+              f"    python tests/workshop.py check {exercises[0].id}")
+
+
+def list_exercises(exercises: list[Exercise], detailed: bool) -> None:
+    todo = set(blanked_in(COURSE))
+    for e in exercises:
+        needs = f"  (after {', '.join(e.needs)})" if e.needs else ""
+        mark = "  [to do in this copy]" if e.id in todo else ""
+        print(f"{e.id}  {e.minutes:>3} min  {e.title}{needs}{mark}")
+        if detailed:
+            print(f"    {e.file}: {', '.join(e.names)}")
+            for label, text in (("task", e.task), ("hint", e.hint)):
+                print(f"    {label}: {text}")
+            print("    proofs (python tests/workshop.py check " + e.id + "):")
+            for node_id in e.node_ids:
+                print(f"      {node_id}")
+    if not detailed:
+        print(f"{len(exercises)} exercises, {sum(e.minutes for e in exercises)} minutes in all; "
+              f"`list ID` gives an exercise's task")
+
+
+# ----------------------------------------------------------------------------------------------
+# Grading: the proofs, one pytest session, one line each
+# ----------------------------------------------------------------------------------------------
+
+EXERCISE_ERROR = re.compile(r"Exercise \d\d\.\d: [^\n'\"\\)]*")
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt)\b")
+GREATEST = re.compile(r"Greatest absolute difference: (\S+)")
+
+
+def first_error_line(text: str, width: int = 200) -> str:
+    """The line of a failure's report that says what went wrong: a blank exercise, else the first
+    error message (a rank's own error, for a failure on the rank pool), with the greatest
+    difference when tensors were compared."""
+    if found := EXERCISE_ERROR.search(text):
+        return f"NotImplementedError: {found.group(0).strip()}"
+    errors = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+    lines = errors or [line.strip() for line in text.splitlines() if line.strip()][-1:] or ["(no message)"]
+    line = lines[0]
+    if "RankFailure" in line:
+        on_rank = [l for l in lines[1:] if EXCEPTION_LINE.match(l) or l.startswith("no answer")]
+        line = f"{on_rank[0]} (on a rank)" if on_rank else line
+    if (greatest := GREATEST.search(text)) and "difference" not in line:
+        line += f" (greatest absolute difference {greatest.group(1)})"
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
+@dataclass
+class ProofResult:
+    seconds: float = 0.0
+    passed: bool = False
+    error: str | None = None
+    skipped: str | None = None
+
+
+@dataclass
+class Grader:
+    """A pytest plugin: records each proof's outcome and prints its line when it finishes."""
+    owners: dict[str, list[str]]  # node id -> the exercises it proves
+    out: object
+    results: dict[str, ProofResult] = field(default_factory=lambda: defaultdict(ProofResult))
+    collect_errors: dict[str, str] = field(default_factory=dict)  # test file -> error line
+
+    def pytest_collection_modifyitems(self, config, items: list) -> None:
+        """Only the proofs run. They are chosen here, not named on the command line: a test file that
+        cannot be imported (a blank called while the module loads) would end the whole session."""
+        chosen = [item for item in items if item.nodeid in self.owners]
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in self.owners])
+        items[:] = chosen
+
+    def pytest_collectreport(self, report) -> None:
+        if report.failed:
+            self.collect_errors[report.nodeid.split("::")[0]] = first_error_line(report.longreprtext)
+
+    def pytest_runtest_logreport(self, report) -> None:
+        result = self.results[report.nodeid]
+        result.seconds += report.duration
+        if report.failed and result.error is None:
+            result.error = first_error_line(report.longreprtext)
+        elif report.skipped:
+            result.skipped = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else "skipped"
+        elif report.when == "call" and report.passed:
+            result.passed = True
+
+    def pytest_runtest_logfinish(self, nodeid: str, location) -> None:
+        self.write(nodeid, self.results[nodeid])
+
+    def line(self, nodeid: str, result: ProofResult | None) -> str:
+        owners = ",".join(self.owners.get(nodeid, ["?"]))
+        if result is None:
+            error = self.collect_errors.get(nodeid.split("::")[0])
+            if error:  # its test file failed to import: the proof fails
+                return f"{owners}  FAILED   {nodeid}  (not collected)  {error}"
+            return f"{owners}  not run  {nodeid}  not run (not collected)"
+        if result.error:
+            return f"{owners}  FAILED   {nodeid}  ({result.seconds:.1f} s)  {result.error}"
+        if result.skipped:
+            return f"{owners}  skipped  {nodeid}  {result.skipped}"
+        return f"{owners}  passed   {nodeid}  ({result.seconds:.1f} s)"
+
+    def write(self, nodeid: str, result: ProofResult | None) -> None:
+        print(self.line(nodeid, result), file=self.out, flush=True)
+
+
+def is_copy(folder: Path) -> bool:
+    return folder.is_dir() and all((folder / name).is_file() for name in LESSONS)
+
+
+def check(exercises: list[Exercise], folder: Path) -> int:
+    if not is_copy(folder):
+        missing = [name for name in LESSONS if not (folder / name).is_file()]
+        raise UsageError(f"{folder} is not a workshop copy: it lacks {', '.join(missing[:3])}"
+                         + (f" and {len(missing) - 3} more lessons" if len(missing) > 3 else ""))
+    import pytest  # here: list and copy need no test framework
+
+    owners: dict[str, list[str]] = defaultdict(list)
+    for exercise in exercises:
+        for node_id in exercise.node_ids:
+            owners[node_id].append(exercise.id)
+    out, captured = sys.stdout, io.StringIO()
+    grader = Grader(owners, out)
+    print(f"checking {', '.join(e.id for e in exercises)} on the lessons of {folder}", flush=True)
+    start = time.perf_counter()
+    # --lessons=DIR as one argument: pytest looks for conftests in every argument that is a folder
+    test_files = dict.fromkeys(node_id.split("::")[0] for node_id in owners)
+    args = [*(str(TESTS / name) for name in test_files), f"--lessons={folder}", f"--rootdir={TESTS}",
+            "-p", "no:cacheprovider", "--hypothesis-profile=grade", "--continue-on-collection-errors", "-q",
+            "--showlocals"]  # a test that catches the blank's NotImplementedError (a RuntimeError) holds it
+    with contextlib.redirect_stdout(captured):
+        code = pytest.main(args, plugins=[grader])
+    for node_id in owners:  # what never ran (a lesson that does not import, a proof that is gone)
+        if node_id not in grader.results:
+            grader.write(node_id, None)
+    if code == pytest.ExitCode.USAGE_ERROR or code == pytest.ExitCode.INTERNAL_ERROR:
+        said = captured.getvalue().splitlines()
+        reason = next((l for l in said if l.startswith(("ERROR", "INTERNALERROR"))), f"exit code {int(code)}")
+        print(f"pytest could not run the proofs: {reason}", file=out)
+    verdicts = []
+    for exercise in exercises:
+        results = [grader.results.get(n) for n in exercise.node_ids]
+        passed = sum(bool(r and r.passed and not r.error) for r in results)
+        failed = sum(not (r and (r.passed or r.skipped) and not r.error) for r in results)
+        verdicts.append(failed == 0 and passed > 0)
+        print(f"{exercise.id} {exercise.title}: {passed} of {len(results)} proofs passed"
+              + ("" if verdicts[-1] else f", {failed} did not"), file=out)
+    print(f"{'solved' if all(verdicts) else 'not yet'} ({time.perf_counter() - start:.0f} s)", file=out)
+    return 0 if all(verdicts) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="workshop.py", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
+    commands = parser.add_subparsers(dest="command", required=True)
+    listing = commands.add_parser("list", help="the exercises, with times; with ids, each one's task")
+    listing.add_argument("ids", nargs="*", help="exercise ids such as 02.1")
+    copying = commands.add_parser("copy", help="write the course into a new or empty folder, exercises blank")
+    copying.add_argument("dest", type=Path, help="the folder to write")
+    which = copying.add_mutually_exclusive_group()
+    which.add_argument("--exercises", default="", help="comma-separated ids to blank, e.g. 02.1,04.1")
+    which.add_argument("--all", action="store_true", help="blank every exercise")
+    checking = commands.add_parser("check", help="run the proofs of exercises on a copy's lessons")
+    checking.add_argument("ids", nargs="*", help="exercise ids such as 02.1")
+    checking.add_argument("--all", action="store_true", help="every exercise")
+    checking.add_argument("--copy", type=Path, default=COURSE,
+                          help="the folder whose lessons are graded (default: the course of this tests/)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "list":
+            list_exercises(select(args.ids) if args.ids else list(EXERCISES), detailed=bool(args.ids))
+            return 0
+        if args.command == "copy":
+            ids = list(BY_ID) if args.all else [i for i in args.exercises.split(",") if i]
+            copy(args.dest.resolve(), select(ids))
+            return 0
+        if not args.ids and not args.all:
+            raise UsageError("check needs exercise ids (python tests/workshop.py list shows them) or --all")
+        return check(list(EXERCISES) if args.all else select(args.ids), args.copy.resolve())
+    except UsageError as error:
+        print(f"workshop.py: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
