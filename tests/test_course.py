@@ -108,6 +108,13 @@ def test_every_line_of_every_lesson_fits_the_style(lesson):
     assert not long, long
 
 
+def test_the_readme_is_a_course_map_not_a_lab_report():
+    """The README stays within DESIGN's 3,500 words (as `wc -w` counts them): results beyond one compact
+    table per lesson belong in the lessons' "Look at" lines."""
+    words = len((ROOT / "README.md").read_text().split())
+    assert words <= 3500, f"README.md has {words} words"
+
+
 # --- the harness itself --------------------------------------------------------------------------
 
 def rank_one_raises_while_rank_zero_waits():
