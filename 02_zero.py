@@ -37,11 +37,10 @@ SAVING AND LOADING SHARDED STATE: a model no rank holds whole
 No rank could hold the whole state to write it, so each writes what it holds, as pieces: (name, the
 whole tensor's shape, the runs of consecutive elements of the flattened tensor that the rank holds):
 a ZeRO shard is one run per parameter, a tensor-parallel slice of columns (lesson 09) one run per row.
-Each element is written once, by one of its holders. Rank files are written aside and renamed,
-meta.json records their bytes and sha256, LATEST moves last: a crash leaves the previous checkpoint
-whole, a damaged file is one line naming it and the previous complete step, a lock file keeps a
-second run out. A resume on another group size or stage reads, for each piece it holds now, only the
-saved runs that overlap it (memory-mapped files).
+Each element is written once, by one of its holders; meta.json records each rank file's bytes and
+sha256 and LATEST moves last, so a crash leaves the previous checkpoint whole and a damaged file is
+one line naming it and the previous complete step. A resume on another group size or stage reads,
+for each piece it holds now, only the saved runs that overlap it (memory-mapped files).
 COST: on disk (parameters + 2 AdamW moments) x 4 B x Psi, whatever N, + metadata; a resume reads
 12 B x its shard's elements on each rank (12 Psi / N), never the whole.
 
@@ -191,8 +190,7 @@ def zero_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def unit_parameters(model: nn.Module, owns: Callable[[nn.Parameter], bool]
                     ) -> list[tuple[nn.Module, list[tuple[str, nn.Parameter]]]]:
     """(module, its unit's (name, parameter) pairs) for each unit that has any: the model's own first,
-    then zero_units(model). A trainable parameter is in the unit of the module it is registered under,
-    under its first name, or in the model's own if none or several hold it (see UNITS)."""
+    then zero_units(model). A trainable parameter's unit is its module's, or the model's own (UNITS)."""
     units = [("", model), *zero_units(model)]
     home: dict[nn.Parameter, int] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -206,8 +204,7 @@ def unit_parameters(model: nn.Module, owns: Callable[[nn.Parameter], bool]
 
 
 class FlatUnit:
-    """One unit's (name, parameter) pairs as one flat vector padded to a multiple of N; rank r owns
-    [r s, (r+1) s) and keeps, by stage, the full or the sharded parameters and gradients (see COST)."""
+    """A unit's parameters as one flat vector (see UNITS), by stage full or sharded (see COST)."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], world: int, rank: int, stage: int,
                  dtype: torch.dtype) -> None:
@@ -376,9 +373,8 @@ class ZeRO:
         work = foundation.reduce_scatter(unit.grad_shard, send, group=self.group, async_op=True)
         unit.scatter = (work, send)
 
-    # Gradient accumulation (microbatches, a pipeline's schedule): lesson 01's no_sync(). Backward
-    # passes inside only accumulate the full gradients in .grad; finish_gradient_sync() reduce-scatters
-    # them once. Stages 0-1 always accumulate locally: for them it changes nothing.
+    # Microbatches, a pipeline's schedule: lesson 01's no_sync(). Backward passes inside only add to the
+    # full gradients in .grad (stages 0-1 always do); finish_gradient_sync() reduce-scatters them once.
     no_sync = foundation.BucketedDataParallel.no_sync
 
     # --- the step ---------------------------------------------------------------------------
@@ -696,9 +692,8 @@ def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list[tuple[Pie
                     exchange: Callable[[object], list] = lambda x: [x], keep: Sequence[int] = ()) -> Path:
     """Every rank calls this with the pieces it writes (each element once across the ranks) and their
     values of each kind, on a filesystem every rank sees; exchange(x) returns every rank's x (all_ranks).
-    Rank files, then meta.json, then LATEST (a crash before leaves the previous checkpoint), then the
-    step folders but this one and `keep` go. A write failing on any rank is a CheckpointError on every
-    rank naming the folder, the error and the last complete checkpoint."""
+    Rank files, meta.json, LATEST, then the step folders but this one and `keep` go. A write failing on
+    any rank is a CheckpointError on every rank naming the folder, the error and the last complete step."""
     root = Path(folder)
     target, name = root / f"step_{step:08d}", f"rank{rank:05d}.pt"
     # Each piece's name, shape, runs as (first, length) and the elements they cover, packed.
