@@ -10,7 +10,7 @@ Three programs, a sub-command each with its own options: `check` proves the mesh
   The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it)      all
   Planning at scale: Cluster, step_time (from the operations), search_meshes                     plan
   Data, learning rate, MFU, sampling: ShardedLoader (bytes are tokens), flops_per_token, sample  train
-  Checkpoints: a Trainer's pieces (param_specs, shard_specs) in lesson 02's protocol             train, check
+  Checkpoints: a Trainer's pieces (shard_specs) in lesson 02's protocol                         train, check
   The training run: MODELS, RunConfig, train_loop                                                train
   RUN IT: train_run and its printing; check's demo; plan_report; the command line (COMMANDS)     all
 
@@ -48,34 +48,10 @@ GRADIENTS EQUAL ONE DEVICE'S, because each reduction happens exactly once:
 MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's
 load depend on which tokens share a forward, which microbatches and sequence chunks change.
 
-COST per step per rank: plan() composes the lessons' own formulas without building anything. Sent:
-03's TP all-reduces (+ 08's amaxes under --fp8), 05's ring hops, 04's boundary sends and stage check,
-02's ZeRO traffic (08's for FP8-gathered weights); ep's all-to-alls depend on the routing (n/a).
-Held: 02's memory on the stage's TP-local parameters, 03's activations x 04's microbatches in
-flight. `check` prints them beside each rank's measurements (the tests prove them equal); `plan`
-prices a model and cluster that are not here against a GPU's memory and searches the mesh sizes
-left out. Its STEP TIME comes from the operations, each priced by the lesson that owns it: the
-linears at their TP-local shapes (08's roofline: the GEMM rate measured on an H100, or the bytes at
-the HBM's bandwidth), attention at 07's measured rate, elementwise work (03) and the optimizer (02)
-at the HBM's bandwidth, recompute's forward again. Messages go at their link's speed plus a latency,
-exposed where nothing hides them: TP's all, the ring's hops beyond a block's attention, the gradient
-reduction beyond the last microbatch's backward, ZeRO-1/2's gather after the step, ZeRO-3's beyond
-the previous layer, the pipeline's sends in its fill and drain. The slowest rank's microbatches /
-(1 - 04's bubble) span the pipeline. README: against published runs.
-
-TRAINING ON TEXT (`train`)
-Bytes are tokens (vocabulary 256: no tokenizer), from --data FILE or the standard library's .py
-files, read in windows of seq_len + 1 in a seeded order (ShardedLoader). AdamW, linear warmup then
-cosine, clipping over the whole mesh; fp32 on a CPU, 02's bf16 with fp32 masters on a GPU.
-- Checkpoints: lesson 02's protocol on a ShardSpec's runs: each element written once across the
-  mesh, atomically, with sizes and checksums; a resume reads only the slices a rank holds, so the
-  mesh and ZeRO stage may change (bitwise the same losses on the same mesh, within fp32 rounding on
-  another); a damaged one, a folder that cannot be written, a save that fails: one line.
-- A NaN or inf loss stops every rank before the update, a non-finite gradient norm before the next
-  validation or save, naming the step and the last good checkpoint (none holds a NaN or an inf).
-- MFU = tokens/s x (6N + 12 L H Q T) / peak (PaLM; N without the embedding): 40-60% is good.
-- --recompute selective | full: 03's apply_recompute before the stage cut; the run prints step one's
-  activation bytes per rank beside layers x microbatches x 03's formula and Korthikanti's.
+COST: plan() composes the lessons' own formulas for what each rank holds and sends, without
+building anything: `check` prints them beside each rank's measurements (the tests prove them equal),
+`plan` prices models and clusters that are not here, with step_time() (README: against published
+runs). `train` trains on bytes of text with lesson 02's checkpoints, a NaN guard, MFU and a sample.
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
@@ -612,6 +588,19 @@ class RankPlan:
         return sum(v for v in self.memory.values() if v is not None)
 
 
+def tp_messages(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: bool, head: bool) -> list:
+    """03's collectives in a step of a pipeline rank's stages as (calls, bytes a rank sends): a ring
+    all-reduce sends 2 (tp - 1) / tp of its payload, an all-gather or reduce-scatter half that."""
+    ops = tensor_parallel.comm_formula(cfg, train.global_batch // sizes.dp, train.seq_len // sizes.cp,
+                                       train.sequence_parallel, layers=layers, embed=embed, head=head,
+                                       microbatches=train.microbatches, mlp=train.moe is None,
+                                       elem_bytes=2 if train.mixed_precision else 4,
+                                       recompute=train.recompute)
+    ring = Fraction(sizes.tp - 1, sizes.tp)
+    return [(calls, ring * payload * (2 if op == "all_reduce" else 1))
+            for op, (calls, payload) in ops.items()]
+
+
 def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     """Every pipeline rank's RankPlan from the earlier lessons' own formulas. Nothing is built, so
     it prices meshes that are not here (plan) as well as the running one (check's summary, which
@@ -662,14 +651,10 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
                                  + ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0)
                                  + (norm(n) if train.zero_stage else 0))
         if tp > 1 and not split:  # 03 (ZB-H1's W re-runs part of the backward: no formula)
-            ops = tensor_parallel.comm_formula(cfg, b, s, train.sequence_parallel, layers=layers,
-                                               microbatches=m, embed=0 in stages, head=n_stages - 1 in stages,
-                                               mlp=train.moe is None, elem_bytes=e, recompute=train.recompute)
-            ring = Fraction(tp - 1, tp)
-            traffic["tp"] = norm(tp) + sum(ring * payload * (2 if op == "all_reduce" else 1)
-                                           for op, (_, payload) in ops.items())
+            messages = tp_messages(cfg, sizes, train, layers, 0 in stages, n_stages - 1 in stages)
+            traffic["tp"] = norm(tp) + sum(sent for _, sent in messages)
             if train.sequence_parallel and moe:  # SP sums every replicated gradient over tp: the MoE's too
-                traffic["tp"] += 2 * ring * m * layers * moe * e
+                traffic["tp"] += 2 * Fraction(tp - 1, tp) * m * layers * moe * e
             if train.fp8:  # 08: the amaxes of split weights, activations and gradients
                 traffic["tp"] += fp8.tensor_parallel_amax_traffic(tp, layers, m, mlp=train.moe is None,
                                                                   sequence_parallel=train.sequence_parallel,
@@ -761,9 +746,16 @@ PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble") 
 
 def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster,
               hide: bool = True) -> dict:
-    """Seconds per step, predicted from the operations (the module docstring's STEP TIME). parts: the
-    slowest pipeline rank's (bubble: its idle time in the pipeline's span). The bounds: hide=False,
-    none of the communication hidden; the compute alone, or the busiest link's bytes."""
+    """Seconds per step from the operations, each priced by the lesson that owns it: the linears at
+    their TP-local shapes (08's roofline: the GEMM rate measured on an H100, or the bytes at the HBM's
+    bandwidth), attention at 07's measured rate, elementwise work (03) and the optimizer (02) at the
+    HBM's bandwidth, recompute's forward again. Messages go at their link's speed plus a latency,
+    exposed where nothing hides them: TP's all, the ring's hops beyond a block's attention, the
+    gradient reduction beyond the last microbatch's backward, ZeRO-1/2's gather after the step,
+    ZeRO-3's beyond the previous layer, the pipeline's sends in its fill and drain. The slowest rank's
+    microbatches / (1 - 04's bubble) span the pipeline. parts: that rank's (bubble: its idle time in
+    the span). The bounds: hide=False, no communication hidden; the compute alone, or the busiest
+    link's bytes."""
     tp, cp, pp, m, n, moe = sizes.tp, sizes.cp, sizes.pp, train.microbatches, sizes.dp * sizes.cp, train.moe
     e, rows, s = 2 if train.mixed_precision else 4, train.global_batch // sizes.dp // m, train.seq_len // cp
     tokens, hbm = rows * s, cluster.hbm_tbps * 1e12  # a microbatch's tokens on a rank
@@ -799,11 +791,8 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
         work = {k: [p.layers * layer[k][i] + ends[k][i] for i in (0, 1)] for k in layer}
         parts = {k: m * sum(v) for k, v in work.items()} | dict.fromkeys(("TP", "CP", "DP"), 0.0)
         if tp > 1:  # (ZB-H1's W re-runs part of the backward's: priced as 1F1B's)
-            ops = tensor_parallel.comm_formula(cfg, rows * m, s, train.sequence_parallel, layers=p.layers,
-                                               embed=first, head=last, microbatches=m, mlp=moe is None,
-                                               elem_bytes=e, recompute=train.recompute)
-            parts["TP"] = sum(send("tp", Fraction(tp - 1, tp) * payload * (1 + (op == "all_reduce")), calls)
-                              for op, (calls, payload) in ops.items())
+            parts["TP"] = sum(send("tp", sent, calls)
+                              for calls, sent in tp_messages(cfg, sizes, train, p.layers, first, last))
         if cp > 1:  # each of the cp - 1 hops behind one block's attention; recompute: the forward's twice
             hops = context_parallel.attention_bytes("ring", tokens * cfg.dim // tp,
                                                     tokens * cfg.n_kv_heads * cfg.head_dim // tp, cp, e)
@@ -980,7 +969,7 @@ def flops_per_token(cfg, seq_len: int) -> int:
     """PaLM (Chowdhery et al. 2022, appendix B): 6N + 12 L H Q T for forward + backward: 6 per
     weight (2 forward, 4 backward), then the attention scores and weighted sum over context T.
     N: every parameter but the token embedding, whose lookup multiplies nothing (the untied LM head
-    does). Recompute's extra forward is not counted: MFU counts useful work only."""
+    does). Recompute's extra forward is not counted: MFU (40-60% is good) counts useful work only."""
     n = sum(math.prod(shape) for name, shape in foundation.parameter_shapes(cfg).items()
             if name != "embed.weight")
     return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
@@ -1023,45 +1012,35 @@ def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8
 # --- Checkpoints: a Trainer's pieces in lesson 02's protocol (each element once, a resume reads its slices)
 
 
-def param_specs(trainer: Trainer) -> list[tuple[ShardSpec, object, object, int]]:
-    """(spec of the whole TP-local tensor, ZeRO, its unit, index in the unit) of every parameter of
-    the trainer's stages."""
+def shard_specs(trainer: Trainer) -> list[tuple[ShardSpec, "zero.ZeRO", "zero.FlatUnit", slice]]:
+    """(spec, its ZeRO, its unit, where its values lie in the unit's shard) of each parameter's
+    elements in the trainer's ZeRO shards (02's shard_parts)."""
     tp_rank, ep, out = trainer.mesh.coords["tp"], trainer.mesh.sizes.ep, []
     ep_rank = dist.get_rank(trainer.mesh.groups["ep"])
     for part in trainer.zeros:
+        experts = part.kind == "ep_dp"  # dim 0: ep x the experts this rank holds
         for unit in part.zero.units:
-            for i, (name, p) in enumerate(zip(unit.names, unit.params)):
-                local, dim = tuple(unit.shapes[i]), getattr(p, "tp_shard_dim", None)
-                full, start, length = list(local), 0, 0
+            for i, start, stop in zero.shard_parts(unit):
+                p, local = unit.params[i], tuple(unit.shapes[i])
+                full, dim, tp_start, length = list(local), getattr(p, "tp_shard_dim", None), 0, 0
                 if dim is not None:
-                    full[dim], start = p.tp_full_size, tp_rank * local[dim]
-                    length = max(0, min(local[dim], p.tp_full_size - start))
-                experts = part.kind == "ep_dp"  # dim 0: ep x the experts this rank holds
+                    full[dim], tp_start = p.tp_full_size, tp_rank * local[dim]
+                    length = max(0, min(local[dim], p.tp_full_size - tp_start))
                 full[0] *= ep if experts else 1
-                out.append((ShardSpec(name, tuple(full), part.stage, dim, start, length, local, 0,
-                                      math.prod(local), ep_rank * local[0] if experts else None),
-                            part.zero, unit, i))
+                at = unit.offsets[i] + start - unit.owned.start
+                out.append((ShardSpec(unit.names[i], tuple(full), part.stage, dim, tp_start, length, local,
+                                      start, stop, ep_rank * local[0] if experts else None),
+                            part.zero, unit, slice(at, at + stop - start)))
     return out
 
 
-def shard_specs(trainer: Trainer) -> list[tuple[ShardSpec, object, object, int]]:
-    """The same for the elements the trainer's ZeRO shards hold (02's shard_parts)."""
-    return [(dataclasses.replace(spec, flat_start=start, flat_stop=stop), zero_opt, unit, i)
-            for spec, zero_opt, unit, i in param_specs(trainer)
-            for j, start, stop in zero.shard_parts(unit) if j == i]
-
-
 def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[ShardSpec, torch.Tensor]]:
-    """(spec, CPU values) of the trainer's pieces: "params" (fp32 masters), "grads" (averaged,
-    before clipping: between forward_backward and update), or an AdamW state key."""
+    """(spec, CPU values) of the trainer's shards: "params" (fp32 masters), an AdamW moment, or
+    "grads" (averaged, before clipping: between forward_backward and update)."""
     out = []
-    for spec, zero_opt, unit, i in shard_specs(trainer):
-        source = {"params": unit.master, "grads": unit.grad_shard}.get(kind)
-        if source is None:
-            source = zero_opt.optimizer.state[unit.master][kind]
-        begin = unit.offsets[i] + spec.flat_start - unit.owned.start
-        values = source[begin:begin + spec.flat_stop - spec.flat_start]
-        out.append((spec, values.detach().float().cpu().clone()))
+    for spec, zero_opt, unit, at in shard_specs(trainer):
+        source = unit.grad_shard if kind == "grads" else zero_opt.shard_state(unit)[kind]
+        out.append((spec, source[at].detach().float().cpu().clone()))
     return out
 
 
@@ -1073,10 +1052,9 @@ def load_shards(trainer: Trainer, shards: dict[ShardSpec, dict[str, torch.Tensor
     flat = {id(unit): {kind: torch.zeros(unit.owned.stop - unit.owned.start)
                        for kind in zero.CHECKPOINT_KINDS}
             for part in trainer.zeros for unit in part.zero.units}  # a unit's padding holds zeros
-    for spec, _, unit, i in shard_specs(trainer):
-        begin = unit.offsets[i] + spec.flat_start - unit.owned.start
+    for spec, _, unit, at in shard_specs(trainer):
         for kind, values in shards[spec].items():
-            flat[id(unit)][kind][begin:begin + len(values)] = values
+            flat[id(unit)][kind][at] = values
     for part in trainer.zeros:
         part.zero.load_shards([flat[id(unit)] for unit in part.zero.units], step)
     trainer.steps = step
@@ -1085,10 +1063,10 @@ def load_shards(trainer: Trainer, shards: dict[ShardSpec, dict[str, torch.Tensor
 def checkpoint_pieces(trainer: Trainer) -> list[tuple[zero.Piece, dict[str, torch.Tensor]]]:
     """The pieces this rank writes, so that each element is written once across the mesh: a piece
     replicated over tp (no tp_dim) by tp rank 0, one replicated over its ZeRO group (stage 0: every
-    rank holds the whole unit) by the group's rank 0."""
-    values = {kind: shard_values(trainer, kind) for kind in zero.CHECKPOINT_KINDS}
-    return [(spec_piece(spec), {kind: values[kind][i][1] for kind in zero.CHECKPOINT_KINDS})
-            for i, (spec, zero_opt, _, _) in enumerate(shard_specs(trainer))
+    rank holds the whole unit) by the group's rank 0 (as 02's zero_pieces)."""
+    return [(spec_piece(spec), {kind: values[at].detach().float().cpu()
+                                for kind, values in zero_opt.shard_state(unit).items()})
+            for spec, zero_opt, unit, at in shard_specs(trainer)
             if (spec.tp_dim is not None or trainer.mesh.coords["tp"] == 0)
             and (zero_opt.stage > 0 or dist.get_rank(zero_opt.group) == 0)]
 
@@ -1361,7 +1339,7 @@ def train_run(args: argparse.Namespace) -> None:
     if not result["losses"]:  # a finished run resumed: said so, nothing more
         foundation.exit_distributed()
     ranks = [None] * sizes.world if rank0 else None  # each rank's activation bytes and parameters' sizes
-    numels = {spec.name: math.prod(spec.full_shape) for spec, *_ in param_specs(trainer)}
+    numels = {spec.name: math.prod(spec.full_shape) for spec, *_ in shard_specs(trainer)}
     dist.gather_object((result["activation_bytes"], numels), ranks, dst=0)
     if rank0:
         print_run(cfg, trainer, result, [a for a, _ in ranks], tokens_per_step, peak and mfu)
