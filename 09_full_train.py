@@ -1338,13 +1338,13 @@ def train_run(args: argparse.Namespace) -> None:
         foundation.exit_distributed(str(failed), code=2 if isinstance(failed, zero.CheckpointError) else 1)
     if not result["losses"]:  # a finished run resumed: said so, nothing more
         foundation.exit_distributed()
-    ranks = [None] * sizes.world if rank0 else None  # each rank's activation bytes and parameters' sizes
-    numels = {spec.name: math.prod(spec.full_shape) for spec, *_ in shard_specs(trainer)}
-    dist.gather_object((result["activation_bytes"], numels), ranks, dst=0)
+    activations = [None] * sizes.world if rank0 else None
+    dist.gather_object(result["activation_bytes"], activations, dst=0)
     if rank0:
-        print_run(cfg, trainer, result, [a for a, _ in ranks], tokens_per_step, peak and mfu)
-        if result["saved"] is not None:
-            n = sum({k: v for _, part in ranks for k, v in part.items()}.values())
+        print_run(trainer, result, activations, peak and mfu)
+        if result["saved"] is not None:  # the parameters: plan's one layer (tp = ep = 1: whole) x layers
+            n = sum(math.prod(shape) * (cfg.n_layers if name.startswith("layers.") else 1)
+                    for name, shape in local_shapes(cfg, 1, train.moe, 1).items())
             formula = 4 * len(zero.CHECKPOINT_KINDS) * n
             disk = sum(f.stat().st_size for f in result["saved"].iterdir())
             print(f"checkpoint {result['saved']}: {disk:,} B on disk = (params + 2 AdamW moments) x 4 B x "
@@ -1428,9 +1428,9 @@ def step_profile(trace: dict, steps: int, step_s: float, top: int = 8) -> str:
     return "\n".join(lines)
 
 
-def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_step: int, mfu) -> None:
+def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
     """A run that trained a step: its losses and their curve, activations beside the formulas, speed."""
-    train, sizes, losses = trainer.train, trainer.mesh.sizes, result["losses"]
+    cfg, train, sizes, losses = trainer.cfg, trainer.train, trainer.mesh.sizes, result["losses"]
     first, last = min(losses), max(losses)
     print(f"train loss {losses[first]:.3f} at step {first} -> {losses[last]:.3f} at step {last} "
           f"(ln 256 = {math.log(256):.3f}: a uniform guess); validation: "
@@ -1450,12 +1450,10 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
     times = [t for step, t in result["times"].items() if step not in result.get("profiled", ())]
     timed = times[max(1, len(times) // 4):] or times  # the first steps warm up (and compile)
     step_s = sum(timed) / len(timed)  # the first step trained is never profiled
-    rate = tokens_per_step / step_s
+    rate = train.global_batch * train.seq_len / step_s
     print(f"final: {len(timed)} timed steps, {step_s * 1e3:,.1f} ms/step, {rate:,.0f} tokens/s"
           + (f", MFU {mfu(rate):.1%} (PaLM {flops_per_token(cfg, train.seq_len):,} FLOP/token, bf16 peak "
-             f"{peak_bf16_flops(trainer.device) / 1e12:.0f} TFLOP/s per device)" if mfu else "")
-          + f"; attention {train.attention}, compile {'on' if train.compile else 'off'}, "
-            f"recompute {train.recompute}")
+             f"{peak_bf16_flops(trainer.device) / 1e12:.0f} TFLOP/s per device)" if mfu else ""))
     if "profile" in result:
         print(result["profile"])
 
@@ -1473,19 +1471,6 @@ def dp_rows(cfg, train: TrainConfig, step: int, mesh: Mesh) -> torch.Tensor:
     tokens, targets = foundation.synthetic_batch(cfg, train.global_batch, train.seq_len, step,
                                                  mesh.coords["dp"], mesh.sizes.dp)
     return torch.cat([tokens, targets[:, -1:]], dim=1)
-
-
-def print_summaries(sizes: MeshSizes, summaries: list[dict]) -> None:
-    print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes held\n"
-          "(live storages) | 02's formula; bytes sent per step in each group, measured | formula (fp32):")
-    for rank, s in enumerate(summaries):
-        memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
-        traffic = "  ".join(f"{k} {float(v):,.0f}|" + ("n/a" if (f := s["traffic_formula"][k]) is None
-                                                       else f"{float(f):,.0f}" + ("" if v == f else " (!=)"))
-                            for k, v in s["traffic"].items())
-        coords = ",".join(str(i) for i in sizes.coords(rank).values())
-        print(f"  rank {rank:>2} ({coords}) {s['params']:>7,} params, ZeRO shard {s['shard']:>7,} | "
-              f"{memory} | {traffic}")
 
 
 def demo(args: argparse.Namespace) -> None:
@@ -1522,7 +1507,17 @@ def demo(args: argparse.Namespace) -> None:
               f"steps {foundation.max_abs_diff(params_full, ref.params):.1e} (every element reassembled "
               f"from ShardSpecs)" + ("\n(FP8: the reference computes in fp32, so these are FP8's rounding, "
                                      "~1e-3)" if train.fp8 else ""))
-        print_summaries(sizes, [s for _, _, s in pieces])
+        print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes "
+              "held\n(live storages) | 02's formula; bytes sent per step in each group, measured | formula "
+              "(fp32):")
+        for rank, (_, _, s) in enumerate(pieces):
+            memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
+            traffic = "  ".join(f"{k} {float(v):,.0f}|" + ("n/a" if (f := s["traffic_formula"][k]) is None
+                                                           else f"{float(f):,.0f}" + " (!=)" * (v != f))
+                                for k, v in s["traffic"].items())
+            coords = ",".join(str(i) for i in sizes.coords(rank).values())
+            print(f"  rank {rank:>2} ({coords}) {s['params']:>7,} params, ZeRO shard {s['shard']:>7,} | "
+                  f"{memory} | {traffic}")
         print("Notice: the bytes held shrink with tp and pp (and dp x cp for ZeRO-3); each dimension's "
               "traffic is its own lesson's formula.")
     foundation.exit_distributed()
@@ -1540,10 +1535,9 @@ def gigabytes(x) -> str:
 def describe(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: dict, table: bool) -> str:
     """The mesh and run; memory per pipeline rank (table: the first two, the fullest and the last two
     ranks, else the fullest); bytes sent per group; the step time's terms and bounds."""
-    rows = train.global_batch // sizes.dp // train.microbatches
     lines = [f"{mesh_name(sizes)}, ZeRO-{train.zero_stage}, {train.schedule} x {train.microbatches} "
-             f"microbatches of {rows}, recompute {train.recompute},"
-             f" SP {'on' if train.sequence_parallel else 'off'}"]
+             f"microbatches of {train.global_batch // sizes.dp // train.microbatches}, recompute "
+             f"{train.recompute}, SP {'on' if train.sequence_parallel else 'off'}"]
     totals = [p.total for p in plans]
     fullest = totals.index(max(totals))
     if table:
