@@ -1044,22 +1044,6 @@ def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[ShardSpec
     return out
 
 
-@torch.no_grad()
-def load_shards(trainer: Trainer, shards: dict[ShardSpec, dict[str, torch.Tensor]], step: int) -> None:
-    """Give the trainer its ZeRO shards of the parameters and AdamW moments (each spec of
-    shard_specs() -> kind -> its values, e.g. read from a checkpoint saved on another mesh) and
-    continue from step `step`. Nothing but the shards is built: no whole tensor."""
-    flat = {id(unit): {kind: torch.zeros(unit.owned.stop - unit.owned.start)
-                       for kind in zero.CHECKPOINT_KINDS}
-            for part in trainer.zeros for unit in part.zero.units}  # a unit's padding holds zeros
-    for spec, _, unit, at in shard_specs(trainer):
-        for kind, values in shards[spec].items():
-            flat[id(unit)][kind][at] = values
-    for part in trainer.zeros:
-        part.zero.load_shards([flat[id(unit)] for unit in part.zero.units], step)
-    trainer.steps = step
-
-
 def checkpoint_pieces(trainer: Trainer) -> list[tuple[zero.Piece, dict[str, torch.Tensor]]]:
     """The pieces this rank writes, so that each element is written once across the mesh: a piece
     replicated over tp (no tp_dim) by tp rank 0, one replicated over its ZeRO group (stage 0: every
@@ -1074,12 +1058,11 @@ def checkpoint_pieces(trainer: Trainer) -> list[tuple[zero.Piece, dict[str, torc
 def resume_command(step: int) -> str:
     """This run's command line (a run of this script; else the bare script) with --resume STEP."""
     ours = Path(sys.argv[0]).name == Path(__file__).name
-    words = sys.argv[1:] if ours else []
+    script, words = (sys.argv[0], sys.argv[1:]) if ours else (Path(__file__).name, [])
     words = [w for i, w in enumerate(words)
              if not w.startswith("--resume") and not (w.isdigit() and words[i - 1:i] == ["--resume"])]
     launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', 1)}"]
                 if "TORCHELASTIC_RUN_ID" in os.environ else ["python"])
-    script = sys.argv[0] if ours else Path(__file__).name
     return shlex.join([*launcher, script, *words, "--resume", str(step)])
 
 
@@ -1138,11 +1121,14 @@ class RunConfig:
     top_k: int = option(20, "the sample draws from the top_k likeliest bytes (1: greedy)", ">= 1", TRAIN)
 
 
+@torch.no_grad()
 def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Path, dict, int]:
     """Restore the parameters, AdamW, the data position and this rank's RNG from the checked
-    checkpoint; return its folder, its metadata and the bytes this rank read. A problem any rank finds
-    (a damaged file, a piece missing) stops every rank with the same CheckpointError. The RNG draws
-    nothing in this model (no dropout): it is restored for a model that does."""
+    checkpoint; return its folder, its metadata and the bytes this rank read. Each rank reads only the
+    runs that overlap its shards and builds no whole tensor, so the checkpoint may come from another
+    mesh or ZeRO stage. A problem any rank finds (a damaged file, a piece missing) stops every rank
+    with the same CheckpointError. The RNG draws nothing in this model (no dropout): it is restored
+    for a model that does."""
     rank, world, problem = trainer.mesh.rank, trainer.mesh.sizes.world, None
     try:  # each rank hashes its share of the files; all agree before any reads a file
         target, meta = zero.open_checkpoint(run.folder, zero.checkpoint_config(trainer.cfg), run.resume_step,
@@ -1152,13 +1138,19 @@ def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Pat
     if (problem := zero.first_problem(problem)) is not None:
         raise zero.CheckpointError(problem)
     reader = zero.CheckpointReader(target, meta)
+    shards = {id(unit): {kind: torch.zeros(len(unit.master)) for kind in zero.CHECKPOINT_KINDS}
+              for part in trainer.zeros for unit in part.zero.units}  # a unit's padding holds zeros
     try:  # e.g. pieces missing for one stage's parameters: only its ranks see it
-        shards = {spec: reader.read(spec_piece(spec)) for spec, *_ in shard_specs(trainer)}
+        for spec, _, unit, at in shard_specs(trainer):
+            for kind, values in reader.read(spec_piece(spec)).items():
+                shards[id(unit)][kind][at] = values
     except ValueError as error:
         problem = f"{target}: {error}"
     if (problem := zero.first_problem(problem)) is not None:
         raise zero.CheckpointError(problem)
-    load_shards(trainer, shards, meta["step"])
+    for part in trainer.zeros:
+        part.zero.load_shards([shards[id(unit)] for unit in part.zero.units], meta["step"])
+    trainer.steps = meta["step"]
     loader.load_state_dict(meta["loader"])
     if rank < meta["world"]:
         torch.set_rng_state(reader.rng[rank]["cpu"])
