@@ -952,9 +952,8 @@ def learning_rate(step: int, max_lr: float, warmup_steps: int, total_steps: int,
     return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-# Dense bf16 tensor-core peaks from NVIDIA's datasheets, which print twice these "with sparsity":
-# H100 SXM 989 TFLOP/s, H100 PCIe 756, H100 NVL and H200 NVL 835, H200 SXM 989, A100 312 (SXM4
-# and PCIe). Looked up by substring of torch.cuda.get_device_name(); the first match wins.
+# Dense bf16 tensor-core peaks, FLOP/s, from NVIDIA's datasheets (which print twice these, "with
+# sparsity"), by a substring of torch.cuda.get_device_name(): the first match wins (A100: SXM4, PCIe).
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12),
                    ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 
@@ -1207,8 +1206,7 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
     profiled, profiler = range(measured + 1, min(measured + 1 + run.profile, run.steps)), None
     for step in range(start, run.steps):
         if profiled and step == profiled.start:
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
-                [torch.profiler.ProfilerActivity.CUDA] if trainer.device.type == "cuda" else []))
+            profiler = torch.profiler.profile()  # the CPU, and the GPU where there is one
             profiler.start()
         trainer.set_lr(learning_rate(step, train.lr, run.warmup, run.steps, train.lr * run.min_lr_ratio))
         rows = next(loader)
