@@ -1624,8 +1624,7 @@ PRESET = "the --model preset's"
 DEMO = dict(dp=2, tp=2, max_grad_norm=1.0)  # where check and train depart from the fields' defaults
 COMMANDS = {  # name: what it does; its defaults where not the fields'; its options left None: what decides
     "check": ("prove the mesh equal to one device on synthetic data; each rank's bytes beside the plan",
-              dict(DEMO, steps=3, microbatches=2, kv_heads=2, global_batch=8, seq_len=32, lr=1e-3),
-              dict(mixed_precision="off")),
+              dict(DEMO, steps=3, microbatches=2, kv_heads=2, seq_len=32), dict(mixed_precision="off")),
     "train": ("train on text (the default): checkpoints, --resume, MFU, a sample", DEMO,
               dict(microbatches="1, or 2 with pp > 1", mixed_precision="on with a GPU, off on a CPU",
                    kv_heads=PRESET, global_batch=PRESET, seq_len=PRESET, lr=PRESET)),
