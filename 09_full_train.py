@@ -1534,7 +1534,7 @@ def describe(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing
         lines.append("GB held per GPU   params   grads   optim   activ   total")
         ends = {0, 1, fullest, len(plans) - 2, len(plans) - 1}
         shown = sorted(ends if len(plans) > 6 else range(len(plans)))
-        for rank in (r for r in shown if r >= 0):
+        for rank in shown:
             p, pairs = plans[rank], "microbatch-stages" if train.virtual > 1 else "microbatches"
             what = (("embedding + " if 0 in p.stages else "") + f"{p.layers} layers"
                     + (" + head" if len(plans) * train.virtual - 1 in p.stages else ""))
