@@ -103,9 +103,8 @@ fp8 = importlib.import_module("08_fp8")
 
 DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
 
-# Each command-line option is a field of the dataclass it sets (MeshSizes, TrainConfig, RunConfig,
-# Cluster, ModelOptions): option() keeps its help and its range rule beside it; the command line
-# (last section) is generated from the fields and checks every rule once, before any work.
+# Each command-line option is a field of the dataclass it sets, its help and range rule beside it; the
+# command line (last section) is generated from the fields and checks every rule once, before any work.
 RULES = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0}  # NaN: refused too
 EVERY, STEPPING, TRAIN, PLAN = ("check", "train", "plan"), ("check", "train"), ("train",), ("plan",)
 
