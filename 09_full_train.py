@@ -1501,9 +1501,10 @@ def demo(args: argparse.Namespace) -> None:
               "(fp32):")
         for rank, (_, _, s) in enumerate(pieces):
             memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
-            traffic = "  ".join(f"{k} {float(v):,.0f}|" + ("n/a" if (f := s["traffic_formula"][k]) is None
-                                                           else f"{float(f):,.0f}" + " (!=)" * (v != f))
-                                for k, v in s["traffic"].items())
+            traffic = "  ".join(
+                f"{k} {float(v):,.0f}|" + ("n/a" if (f := s["traffic_formula"][k]) is None
+                                           else f"{float(f):,.0f}" + ("" if v == f else " (!=)"))
+                for k, v in s["traffic"].items())
             coords = ",".join(str(i) for i in sizes.coords(rank).values())
             print(f"  rank {rank:>2} ({coords}) {s['params']:>7,} params, ZeRO shard {s['shard']:>7,} | "
                   f"{memory} | {traffic}")
