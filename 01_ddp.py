@@ -104,7 +104,6 @@ class GradBucket:
         self.work = None  # the pending all-reduce
 
     def add(self, param: nn.Parameter) -> None:
-        """Copy param's finished gradient into its slot of the buffer."""
         if self.work is not None:
             raise RuntimeError("a second backward outside no_sync() before finish_gradient_sync() "
                                "would overwrite a bucket that is still being all-reduced")
@@ -668,21 +667,10 @@ def global_rank(group, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def send(tensor: torch.Tensor, dst: int, group=None) -> None:
-    group_size(group)
-    _record("send", group, tensor.nbytes, Fraction(tensor.nbytes))
-    dist.send(tensor, dst=global_rank(group, dst), group=group)
-
-
-def recv(tensor: torch.Tensor, src: int, group=None) -> None:
-    group_size(group)
-    _record("recv", group, tensor.nbytes, Fraction(0))
-    dist.recv(tensor, src=global_rank(group, src), group=group)
-
-
 def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
-    """ops: ("send" | "recv", tensor, peer rank within the group); returns the works to wait on.
-    Launched together, a ring exchange cannot deadlock as blocking send-then-recv on each rank would."""
+    """Point-to-point: ops are ("send" | "recv", tensor, peer rank within the group); returns the
+    works to wait on. Launched together, a ring exchange cannot deadlock as blocking send-then-recv
+    on each rank would. Traffic: what a rank sends."""
     group_size(group)
     p2p_ops = []
     for kind, tensor, peer in ops:
@@ -975,16 +963,14 @@ def bench(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = lesson_parser(__doc__, bench_help="step time against torch DDP")
-    parser.add_argument("--steps", type=int, default=5,
-                        help="AdamW steps of each run and of the one-device reference")
-    parser.add_argument("--global-batch", type=int, default=16,
-                        help="sequences per step, split over the ranks")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    parser.add_argument("--accum", type=int, default=2, help="micro-steps per optimizer step")
-    parser.add_argument("--bucket-kib", type=int, default=128,
-                        help="gradient bucket size in KiB (small: several buckets)")
-    parser.add_argument("--bench-bucket-mb", type=int, default=25,
-                        help="--bench: both DDPs' bucket size in MB")
+    for option, default, what in (
+            ("--steps", 5, "AdamW steps of each run and of the one-device reference"),
+            ("--global-batch", 16, "sequences per step, split over the ranks"),
+            ("--seq-len", 64, "tokens per sequence"),
+            ("--accum", 2, "micro-steps per optimizer step"),
+            ("--bucket-kib", 128, "gradient bucket size in KiB (small: several buckets)"),
+            ("--bench-bucket-mb", 25, "--bench: both DDPs' bucket size in MB")):
+        parser.add_argument(option, type=int, default=default, help=what)
     args = parser.parse_args()
 
     def validate(world: int) -> None:
