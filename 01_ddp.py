@@ -656,15 +656,11 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
-    """src is the rank *within the group* (translated here, so callers never need global ranks).
-    Traffic: S per rank, as in a pipelined chain where each rank forwards what it receives."""
+    """src is the rank *within the group*, so callers never need global ranks. Traffic: S per rank,
+    as in a pipelined chain where each rank forwards what it receives."""
     group_size(group)
     _record("broadcast", group, tensor.nbytes, Fraction(tensor.nbytes))
-    return dist.broadcast(tensor, src=global_rank(group, src), group=group, async_op=async_op)
-
-
-def global_rank(group, group_rank: int) -> int:
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+    return dist.broadcast(tensor, group=group, async_op=async_op, group_src=src)
 
 
 def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
@@ -678,7 +674,7 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
             raise ValueError(f"p2p op kind must be 'send' or 'recv', got {kind!r}")
         _record(kind, group, tensor.nbytes, Fraction(tensor.nbytes if kind == "send" else 0))
         fn = dist.isend if kind == "send" else dist.irecv
-        p2p_ops.append(dist.P2POp(fn, tensor, global_rank(group, peer), group))
+        p2p_ops.append(dist.P2POp(fn, tensor, group=group, group_peer=peer))
     return dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
 
 
