@@ -123,9 +123,8 @@ def _all_reduced(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
 
 
 def _gathered(x: torch.Tensor, group, dim: int = 1, kind: str = "gather") -> torch.Tensor:
-    """Every rank's x concatenated along dim (default: (b, s/t, h) sequence shards -> (b, s, h));
-    kind "scatter": this rank's slice along dim of the sum. The collective works along dim 0: go
-    through dim-first and back."""
+    """Every rank's x concatenated along dim (default: (b, s/t, h) sequence shards -> (b, s, h)), or
+    with kind "scatter" this rank's slice of the sum; through dim 0, where the collective works."""
     out = _collective(x.movedim(dim, 0).contiguous(), _group_name(group), kind)
     return out.movedim(0, dim).contiguous()  # else each linear reading it saves its own copy
 
