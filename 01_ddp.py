@@ -104,7 +104,6 @@ class GradBucket:
         self.work = None  # the pending all-reduce
 
     def add(self, param: nn.Parameter) -> None:
-        """Copy param's finished gradient into its slot of the buffer."""
         if self.work is not None:
             raise RuntimeError("a second backward outside no_sync() before finish_gradient_sync() "
                                "would overwrite a bucket that is still being all-reduced")
@@ -657,32 +656,17 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
-    """src is the rank *within the group* (translated here, so callers never need global ranks).
-    Traffic: S per rank, as in a pipelined chain where each rank forwards what it receives."""
+    """src is the rank *within the group*, so callers never need global ranks. Traffic: S per rank,
+    as in a pipelined chain where each rank forwards what it receives."""
     group_size(group)
     _record("broadcast", group, tensor.nbytes, Fraction(tensor.nbytes))
-    return dist.broadcast(tensor, src=global_rank(group, src), group=group, async_op=async_op)
-
-
-def global_rank(group, group_rank: int) -> int:
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
-def send(tensor: torch.Tensor, dst: int, group=None) -> None:
-    group_size(group)
-    _record("send", group, tensor.nbytes, Fraction(tensor.nbytes))
-    dist.send(tensor, dst=global_rank(group, dst), group=group)
-
-
-def recv(tensor: torch.Tensor, src: int, group=None) -> None:
-    group_size(group)
-    _record("recv", group, tensor.nbytes, Fraction(0))
-    dist.recv(tensor, src=global_rank(group, src), group=group)
+    return dist.broadcast(tensor, group=group, async_op=async_op, group_src=src)
 
 
 def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
-    """ops: ("send" | "recv", tensor, peer rank within the group); returns the works to wait on.
-    Launched together, a ring exchange cannot deadlock as blocking send-then-recv on each rank would."""
+    """Point-to-point: ops are ("send" | "recv", tensor, peer rank within the group); returns the
+    works to wait on. Launched together, a ring exchange cannot deadlock as blocking send-then-recv
+    on each rank would. Traffic: what a rank sends."""
     group_size(group)
     p2p_ops = []
     for kind, tensor, peer in ops:
@@ -690,7 +674,7 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
             raise ValueError(f"p2p op kind must be 'send' or 'recv', got {kind!r}")
         _record(kind, group, tensor.nbytes, Fraction(tensor.nbytes if kind == "send" else 0))
         fn = dist.isend if kind == "send" else dist.irecv
-        p2p_ops.append(dist.P2POp(fn, tensor, global_rank(group, peer), group))
+        p2p_ops.append(dist.P2POp(fn, tensor, group=group, group_peer=peer))
     return dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
 
 
@@ -975,16 +959,14 @@ def bench(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = lesson_parser(__doc__, bench_help="step time against torch DDP")
-    parser.add_argument("--steps", type=int, default=5,
-                        help="AdamW steps of each run and of the one-device reference")
-    parser.add_argument("--global-batch", type=int, default=16,
-                        help="sequences per step, split over the ranks")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    parser.add_argument("--accum", type=int, default=2, help="micro-steps per optimizer step")
-    parser.add_argument("--bucket-kib", type=int, default=128,
-                        help="gradient bucket size in KiB (small: several buckets)")
-    parser.add_argument("--bench-bucket-mb", type=int, default=25,
-                        help="--bench: both DDPs' bucket size in MB")
+    for option, default, what in (
+            ("--steps", 5, "AdamW steps of each run and of the one-device reference"),
+            ("--global-batch", 16, "sequences per step, split over the ranks"),
+            ("--seq-len", 64, "tokens per sequence"),
+            ("--accum", 2, "micro-steps per optimizer step"),
+            ("--bucket-kib", 128, "gradient bucket size in KiB (small: several buckets)"),
+            ("--bench-bucket-mb", 25, "--bench: both DDPs' bucket size in MB")):
+        parser.add_argument(option, type=int, default=default, help=what)
     args = parser.parse_args()
 
     def validate(world: int) -> None:

@@ -86,7 +86,6 @@ foundation = importlib.import_module("01_ddp")
 # it as a node whose output shape its fake implementation gives, and keeps a block in one graph
 # around it, while the comm meter's Python runs at every call. Traced through instead, the meter
 # would count only while the tracer runs, and its side effects break the graph.
-REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 def _group_name(group) -> str:  # an operator takes a process group by its name
@@ -112,7 +111,7 @@ def _collective(x: torch.Tensor, group_name: str, kind: str) -> torch.Tensor:
     elif kind == "scatter":
         foundation.reduce_scatter(out, x, group)
     else:
-        foundation.all_reduce(out.copy_(x), group, REDUCE_OPS[kind])
+        foundation.all_reduce(out.copy_(x), group, getattr(dist.ReduceOp, kind.upper()))
     return out
 
 
@@ -124,9 +123,8 @@ def _all_reduced(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
 
 
 def _gathered(x: torch.Tensor, group, dim: int = 1, kind: str = "gather") -> torch.Tensor:
-    """Every rank's x concatenated along dim (default: (b, s/t, h) sequence shards -> (b, s, h));
-    kind "scatter": this rank's slice along dim of the sum. The collective works along dim 0: go
-    through dim-first and back."""
+    """Every rank's x concatenated along dim (default: (b, s/t, h) sequence shards -> (b, s, h)), or
+    with kind "scatter" this rank's slice of the sum; through dim 0, where the collective works."""
     out = _collective(x.movedim(dim, 0).contiguous(), _group_name(group), kind)
     return out.movedim(0, dim).contiguous()  # else each linear reading it saves its own copy
 
@@ -184,8 +182,7 @@ def vocab_shard(vocab_size: int, tp: int, rank: int) -> tuple[int, int]:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r's rows of the (padded) table; ids outside them look up zeros. The caller sums the
-    partial embeddings over the group (exit_region)."""
+    """Rank r's rows of the (padded) table; ids outside them look up zeros (exit_region sums them)."""
 
     def __init__(self, weight_shard: nn.Parameter, first_id: int) -> None:
         super().__init__()
@@ -199,8 +196,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy from this rank's vocabulary slice of the logits (N, V/t).
-    Communication (forward only): 3 all-reduces of N fp32 numbers: max, sum of exp, target logit."""
+    """Mean cross-entropy over all V from this rank's slice (N, V/t) of the logits: 3 all-reduces of N."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, first_id: int, vocab_size: int,
@@ -275,8 +271,6 @@ def _shard(weight: torch.Tensor, dim: int, ctx: Context) -> nn.Parameter:
 
 
 # A style is a function (module, ctx) -> module; the plan lists the styles of each module name.
-
-
 def column_parallel(linear: nn.Linear, ctx: Context) -> nn.Module:
     """Split by output features (weight rows): needs the whole input, gives a slice."""
     linear.weight = _shard(linear.weight, 0, ctx)
@@ -460,13 +454,12 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
                  elem_bytes: int = 4, recompute: str = "none") -> dict[str, tuple[int, int]]:
     """op -> (calls, payload bytes) in one training step (forward + backward), any t > 1 (traffic per
     rank: (t-1)/t of the payload, twice that for an all-reduce; at t = 1 nothing is inserted).
-    Activation collectives move b x s x h elements of elem_bytes (bf16 compute: 2): 4 per layer, 1 for
-    the embedding (forward), 1 for the LM head's input (backward); with SP each is an all-gather and a
-    reduce-scatter. The loss adds 3 all-reduces of b x s fp32 numbers; SP one all-reduce of h per norm.
-    The keywords are lesson 09's pieces, here because this lesson owns its traffic's formula: a
-    pipeline stage of `layers` layers, maybe without embedding or head, runs each collective once per
-    microbatch; mlp=False: 09's MoE layers, only attention is a region; recompute="full" reruns each
-    block up to down_proj's input, so attention's g (SP: also both regions' f) runs again, the MLP's g not."""
+    Activation collectives move b x s x h elements of elem_bytes: 4 per layer (mlp=False: 2), 1 for the
+    embedding, 1 for the LM head's input; with SP each is an all-gather and a reduce-scatter. The loss
+    adds 3 all-reduces of b x s fp32 numbers; SP one all-reduce of h per norm. recompute="full" reruns
+    attention's g (SP: also both regions' f), not the MLP's g: each block reruns up to down_proj's input.
+    The keywords describe lesson 09's pipeline stages (`layers` of them, each collective once per
+    microbatch); they are here because this lesson owns the formula of its traffic."""
     layers, m = cfg.n_layers if layers is None else layers, microbatches
     bsh, loss = batch * seq_len * cfg.dim * elem_bytes, (3 * head * m, 3 * head * batch * seq_len * 4)
     activations, norms = (2 + 2 * mlp) * layers + embed + head, 2 * layers + head
@@ -551,10 +544,8 @@ def recomputed(fn: Callable) -> Callable:
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
-    """selective: each attention function (whichever is plugged in) keeps only its inputs q, k, v.
-    full: each block keeps only its input and recomputes the rest, its collectives included.
-    Parameter names stay (the wrappers are attributes), and ZeRO-3 still gathers a block's
-    parameters before its recompute."""
+    """The module docstring's modes, whichever attention function is plugged in. Parameter names stay
+    (the wrappers are attributes); ZeRO-3 still gathers a block's parameters before its recompute."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"recompute mode {mode!r} must be one of {RECOMPUTE_MODES}")
     if getattr(model, "recompute", "none") != "none":

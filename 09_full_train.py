@@ -10,7 +10,7 @@ Three programs, a sub-command each with its own options: `check` proves the mesh
   The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it)      all
   Planning at scale: Cluster, step_time (from the operations), search_meshes                     plan
   Data, learning rate, MFU, sampling: ShardedLoader (bytes are tokens), flops_per_token, sample  train
-  Checkpoints: a Trainer's pieces (param_specs, shard_specs) in lesson 02's protocol             train, check
+  Checkpoints: a Trainer's pieces (shard_specs) in lesson 02's protocol                         train, check
   The training run: MODELS, RunConfig, train_loop                                                train
   RUN IT: train_run and its printing; check's demo; plan_report; the command line (COMMANDS)     all
 
@@ -48,34 +48,10 @@ GRADIENTS EQUAL ONE DEVICE'S, because each reduction happens exactly once:
 MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's
 load depend on which tokens share a forward, which microbatches and sequence chunks change.
 
-COST per step per rank: plan() composes the lessons' own formulas without building anything. Sent:
-03's TP all-reduces (+ 08's amaxes under --fp8), 05's ring hops, 04's boundary sends and stage check,
-02's ZeRO traffic (08's for FP8-gathered weights); ep's all-to-alls depend on the routing (n/a).
-Held: 02's memory on the stage's TP-local parameters, 03's activations x 04's microbatches in
-flight. `check` prints them beside each rank's measurements (the tests prove them equal); `plan`
-prices a model and cluster that are not here against a GPU's memory and searches the mesh sizes
-left out. Its STEP TIME comes from the operations, each priced by the lesson that owns it: the
-linears at their TP-local shapes (08's roofline: the GEMM rate measured on an H100, or the bytes at
-the HBM's bandwidth), attention at 07's measured rate, elementwise work (03) and the optimizer (02)
-at the HBM's bandwidth, recompute's forward again. Messages go at their link's speed plus a latency,
-exposed where nothing hides them: TP's all, the ring's hops beyond a block's attention, the gradient
-reduction beyond the last microbatch's backward, ZeRO-1/2's gather after the step, ZeRO-3's beyond
-the previous layer, the pipeline's sends in its fill and drain. The slowest rank's microbatches /
-(1 - 04's bubble) span the pipeline. README: against published runs.
-
-TRAINING ON TEXT (`train`)
-Bytes are tokens (vocabulary 256: no tokenizer), from --data FILE or the standard library's .py
-files, read in windows of seq_len + 1 in a seeded order (ShardedLoader). AdamW, linear warmup then
-cosine, clipping over the whole mesh; fp32 on a CPU, 02's bf16 with fp32 masters on a GPU.
-- Checkpoints: lesson 02's protocol on a ShardSpec's runs: each element written once across the
-  mesh, atomically, with sizes and checksums; a resume reads only the slices a rank holds, so the
-  mesh and ZeRO stage may change (bitwise the same losses on the same mesh, within fp32 rounding on
-  another); a damaged one, a folder that cannot be written, a save that fails: one line.
-- A NaN or inf loss stops every rank before the update, a non-finite gradient norm before the next
-  validation or save, naming the step and the last good checkpoint (none holds a NaN or an inf).
-- MFU = tokens/s x (6N + 12 L H Q T) / peak (PaLM; N without the embedding): 40-60% is good.
-- --recompute selective | full: 03's apply_recompute before the stage cut; the run prints step one's
-  activation bytes per rank beside layers x microbatches x 03's formula and Korthikanti's.
+COST: plan() composes the lessons' own formulas for what each rank holds and sends, without
+building anything: `check` prints them beside each rank's measurements (the tests prove them equal),
+`plan` prices models and clusters that are not here, with step_time() (README: against published
+runs). `train` trains on bytes of text with lesson 02's checkpoints, a NaN guard, MFU and a sample.
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
@@ -127,9 +103,8 @@ fp8 = importlib.import_module("08_fp8")
 
 DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
 
-# Each command-line option is a field of the dataclass it sets (MeshSizes, TrainConfig, RunConfig,
-# Cluster, ModelOptions): option() keeps its help and its range rule beside it; the command line
-# (last section) is generated from the fields and checks every rule once, before any work.
+# Each command-line option is a field of the dataclass it sets, its help and range rule beside it; the
+# command line (last section) is generated from the fields and checks every rule once, before any work.
 RULES = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0}  # NaN: refused too
 EVERY, STEPPING, TRAIN, PLAN = ("check", "train", "plan"), ("check", "train"), ("train",), ("plan",)
 
@@ -612,6 +587,19 @@ class RankPlan:
         return sum(v for v in self.memory.values() if v is not None)
 
 
+def tp_messages(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: bool, head: bool) -> list:
+    """03's collectives in a step of a pipeline rank's stages as (calls, bytes a rank sends): a ring
+    all-reduce sends 2 (tp - 1) / tp of its payload, an all-gather or reduce-scatter half that."""
+    ops = tensor_parallel.comm_formula(cfg, train.global_batch // sizes.dp, train.seq_len // sizes.cp,
+                                       train.sequence_parallel, layers=layers, embed=embed, head=head,
+                                       microbatches=train.microbatches, mlp=train.moe is None,
+                                       elem_bytes=2 if train.mixed_precision else 4,
+                                       recompute=train.recompute)
+    ring = Fraction(sizes.tp - 1, sizes.tp)
+    return [(calls, ring * payload * (2 if op == "all_reduce" else 1))
+            for op, (calls, payload) in ops.items()]
+
+
 def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     """Every pipeline rank's RankPlan from the earlier lessons' own formulas. Nothing is built, so
     it prices meshes that are not here (plan) as well as the running one (check's summary, which
@@ -662,14 +650,10 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
                                  + ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0)
                                  + (norm(n) if train.zero_stage else 0))
         if tp > 1 and not split:  # 03 (ZB-H1's W re-runs part of the backward: no formula)
-            ops = tensor_parallel.comm_formula(cfg, b, s, train.sequence_parallel, layers=layers,
-                                               microbatches=m, embed=0 in stages, head=n_stages - 1 in stages,
-                                               mlp=train.moe is None, elem_bytes=e, recompute=train.recompute)
-            ring = Fraction(tp - 1, tp)
-            traffic["tp"] = norm(tp) + sum(ring * payload * (2 if op == "all_reduce" else 1)
-                                           for op, (_, payload) in ops.items())
+            messages = tp_messages(cfg, sizes, train, layers, 0 in stages, n_stages - 1 in stages)
+            traffic["tp"] = norm(tp) + sum(sent for _, sent in messages)
             if train.sequence_parallel and moe:  # SP sums every replicated gradient over tp: the MoE's too
-                traffic["tp"] += 2 * ring * m * layers * moe * e
+                traffic["tp"] += 2 * Fraction(tp - 1, tp) * m * layers * moe * e
             if train.fp8:  # 08: the amaxes of split weights, activations and gradients
                 traffic["tp"] += fp8.tensor_parallel_amax_traffic(tp, layers, m, mlp=train.moe is None,
                                                                   sequence_parallel=train.sequence_parallel,
@@ -761,9 +745,16 @@ PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble") 
 
 def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster,
               hide: bool = True) -> dict:
-    """Seconds per step, predicted from the operations (the module docstring's STEP TIME). parts: the
-    slowest pipeline rank's (bubble: its idle time in the pipeline's span). The bounds: hide=False,
-    none of the communication hidden; the compute alone, or the busiest link's bytes."""
+    """Seconds per step from the operations, each priced by the lesson that owns it: the linears at
+    their TP-local shapes (08's roofline: the GEMM rate measured on an H100, or the bytes at the HBM's
+    bandwidth), attention at 07's measured rate, elementwise work (03) and the optimizer (02) at the
+    HBM's bandwidth, recompute's forward again. Messages go at their link's speed plus a latency,
+    exposed where nothing hides them: TP's all, the ring's hops beyond a block's attention, the
+    gradient reduction beyond the last microbatch's backward, ZeRO-1/2's gather after the step,
+    ZeRO-3's beyond the previous layer, the pipeline's sends in its fill and drain. The slowest rank's
+    microbatches / (1 - 04's bubble) span the pipeline. parts: that rank's (bubble: its idle time in
+    the span). The bounds: hide=False, no communication hidden; the compute alone, or the busiest
+    link's bytes."""
     tp, cp, pp, m, n, moe = sizes.tp, sizes.cp, sizes.pp, train.microbatches, sizes.dp * sizes.cp, train.moe
     e, rows, s = 2 if train.mixed_precision else 4, train.global_batch // sizes.dp // m, train.seq_len // cp
     tokens, hbm = rows * s, cluster.hbm_tbps * 1e12  # a microbatch's tokens on a rank
@@ -799,11 +790,8 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
         work = {k: [p.layers * layer[k][i] + ends[k][i] for i in (0, 1)] for k in layer}
         parts = {k: m * sum(v) for k, v in work.items()} | dict.fromkeys(("TP", "CP", "DP"), 0.0)
         if tp > 1:  # (ZB-H1's W re-runs part of the backward's: priced as 1F1B's)
-            ops = tensor_parallel.comm_formula(cfg, rows * m, s, train.sequence_parallel, layers=p.layers,
-                                               embed=first, head=last, microbatches=m, mlp=moe is None,
-                                               elem_bytes=e, recompute=train.recompute)
-            parts["TP"] = sum(send("tp", Fraction(tp - 1, tp) * payload * (1 + (op == "all_reduce")), calls)
-                              for op, (calls, payload) in ops.items())
+            parts["TP"] = sum(send("tp", sent, calls)
+                              for calls, sent in tp_messages(cfg, sizes, train, p.layers, first, last))
         if cp > 1:  # each of the cp - 1 hops behind one block's attention; recompute: the forward's twice
             hops = context_parallel.attention_bytes("ring", tokens * cfg.dim // tp,
                                                     tokens * cfg.n_kv_heads * cfg.head_dim // tp, cp, e)
@@ -963,9 +951,8 @@ def learning_rate(step: int, max_lr: float, warmup_steps: int, total_steps: int,
     return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-# Dense bf16 tensor-core peaks from NVIDIA's datasheets, which print twice these "with sparsity":
-# H100 SXM 989 TFLOP/s, H100 PCIe 756, H100 NVL and H200 NVL 835, H200 SXM 989, A100 312 (SXM4
-# and PCIe). Looked up by substring of torch.cuda.get_device_name(); the first match wins.
+# Dense bf16 tensor-core peaks, FLOP/s, from NVIDIA's datasheets (which print twice these, "with
+# sparsity"), by a substring of torch.cuda.get_device_name(): the first match wins (A100: SXM4, PCIe).
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12),
                    ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 
@@ -980,7 +967,7 @@ def flops_per_token(cfg, seq_len: int) -> int:
     """PaLM (Chowdhery et al. 2022, appendix B): 6N + 12 L H Q T for forward + backward: 6 per
     weight (2 forward, 4 backward), then the attention scores and weighted sum over context T.
     N: every parameter but the token embedding, whose lookup multiplies nothing (the untied LM head
-    does). Recompute's extra forward is not counted: MFU counts useful work only."""
+    does). Recompute's extra forward is not counted: MFU (40-60% is good) counts useful work only."""
     n = sum(math.prod(shape) for name, shape in foundation.parameter_shapes(cfg).items()
             if name != "embed.weight")
     return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
@@ -1023,72 +1010,45 @@ def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8
 # --- Checkpoints: a Trainer's pieces in lesson 02's protocol (each element once, a resume reads its slices)
 
 
-def param_specs(trainer: Trainer) -> list[tuple[ShardSpec, object, object, int]]:
-    """(spec of the whole TP-local tensor, ZeRO, its unit, index in the unit) of every parameter of
-    the trainer's stages."""
+def shard_specs(trainer: Trainer) -> list[tuple[ShardSpec, "zero.ZeRO", "zero.FlatUnit", slice]]:
+    """(spec, its ZeRO, its unit, where its values lie in the unit's shard) of each parameter's
+    elements in the trainer's ZeRO shards (02's shard_parts)."""
     tp_rank, ep, out = trainer.mesh.coords["tp"], trainer.mesh.sizes.ep, []
     ep_rank = dist.get_rank(trainer.mesh.groups["ep"])
     for part in trainer.zeros:
+        experts = part.kind == "ep_dp"  # dim 0: ep x the experts this rank holds
         for unit in part.zero.units:
-            for i, (name, p) in enumerate(zip(unit.names, unit.params)):
-                local, dim = tuple(unit.shapes[i]), getattr(p, "tp_shard_dim", None)
-                full, start, length = list(local), 0, 0
+            for i, start, stop in zero.shard_parts(unit):
+                p, local = unit.params[i], tuple(unit.shapes[i])
+                full, dim, tp_start, length = list(local), getattr(p, "tp_shard_dim", None), 0, 0
                 if dim is not None:
-                    full[dim], start = p.tp_full_size, tp_rank * local[dim]
-                    length = max(0, min(local[dim], p.tp_full_size - start))
-                experts = part.kind == "ep_dp"  # dim 0: ep x the experts this rank holds
+                    full[dim], tp_start = p.tp_full_size, tp_rank * local[dim]
+                    length = max(0, min(local[dim], p.tp_full_size - tp_start))
                 full[0] *= ep if experts else 1
-                out.append((ShardSpec(name, tuple(full), part.stage, dim, start, length, local, 0,
-                                      math.prod(local), ep_rank * local[0] if experts else None),
-                            part.zero, unit, i))
+                at = unit.offsets[i] + start - unit.owned.start
+                out.append((ShardSpec(unit.names[i], tuple(full), part.stage, dim, tp_start, length, local,
+                                      start, stop, ep_rank * local[0] if experts else None),
+                            part.zero, unit, slice(at, at + stop - start)))
     return out
-
-
-def shard_specs(trainer: Trainer) -> list[tuple[ShardSpec, object, object, int]]:
-    """The same for the elements the trainer's ZeRO shards hold (02's shard_parts)."""
-    return [(dataclasses.replace(spec, flat_start=start, flat_stop=stop), zero_opt, unit, i)
-            for spec, zero_opt, unit, i in param_specs(trainer)
-            for j, start, stop in zero.shard_parts(unit) if j == i]
 
 
 def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[ShardSpec, torch.Tensor]]:
-    """(spec, CPU values) of the trainer's pieces: "params" (fp32 masters), "grads" (averaged,
-    before clipping: between forward_backward and update), or an AdamW state key."""
+    """(spec, CPU values) of the trainer's shards: "params" (fp32 masters), an AdamW moment, or
+    "grads" (averaged, before clipping: between forward_backward and update)."""
     out = []
-    for spec, zero_opt, unit, i in shard_specs(trainer):
-        source = {"params": unit.master, "grads": unit.grad_shard}.get(kind)
-        if source is None:
-            source = zero_opt.optimizer.state[unit.master][kind]
-        begin = unit.offsets[i] + spec.flat_start - unit.owned.start
-        values = source[begin:begin + spec.flat_stop - spec.flat_start]
-        out.append((spec, values.detach().float().cpu().clone()))
+    for spec, zero_opt, unit, at in shard_specs(trainer):
+        source = unit.grad_shard if kind == "grads" else zero_opt.shard_state(unit)[kind]
+        out.append((spec, source[at].detach().float().cpu().clone()))
     return out
-
-
-@torch.no_grad()
-def load_shards(trainer: Trainer, shards: dict[ShardSpec, dict[str, torch.Tensor]], step: int) -> None:
-    """Give the trainer its ZeRO shards of the parameters and AdamW moments (each spec of
-    shard_specs() -> kind -> its values, e.g. read from a checkpoint saved on another mesh) and
-    continue from step `step`. Nothing but the shards is built: no whole tensor."""
-    flat = {id(unit): {kind: torch.zeros(unit.owned.stop - unit.owned.start)
-                       for kind in zero.CHECKPOINT_KINDS}
-            for part in trainer.zeros for unit in part.zero.units}  # a unit's padding holds zeros
-    for spec, _, unit, i in shard_specs(trainer):
-        begin = unit.offsets[i] + spec.flat_start - unit.owned.start
-        for kind, values in shards[spec].items():
-            flat[id(unit)][kind][begin:begin + len(values)] = values
-    for part in trainer.zeros:
-        part.zero.load_shards([flat[id(unit)] for unit in part.zero.units], step)
-    trainer.steps = step
 
 
 def checkpoint_pieces(trainer: Trainer) -> list[tuple[zero.Piece, dict[str, torch.Tensor]]]:
     """The pieces this rank writes, so that each element is written once across the mesh: a piece
     replicated over tp (no tp_dim) by tp rank 0, one replicated over its ZeRO group (stage 0: every
-    rank holds the whole unit) by the group's rank 0."""
-    values = {kind: shard_values(trainer, kind) for kind in zero.CHECKPOINT_KINDS}
-    return [(spec_piece(spec), {kind: values[kind][i][1] for kind in zero.CHECKPOINT_KINDS})
-            for i, (spec, zero_opt, _, _) in enumerate(shard_specs(trainer))
+    rank holds the whole unit) by the group's rank 0 (as 02's zero_pieces)."""
+    return [(spec_piece(spec), {kind: values[at].detach().float().cpu()
+                                for kind, values in zero_opt.shard_state(unit).items()})
+            for spec, zero_opt, unit, at in shard_specs(trainer)
             if (spec.tp_dim is not None or trainer.mesh.coords["tp"] == 0)
             and (zero_opt.stage > 0 or dist.get_rank(zero_opt.group) == 0)]
 
@@ -1096,12 +1056,11 @@ def checkpoint_pieces(trainer: Trainer) -> list[tuple[zero.Piece, dict[str, torc
 def resume_command(step: int) -> str:
     """This run's command line (a run of this script; else the bare script) with --resume STEP."""
     ours = Path(sys.argv[0]).name == Path(__file__).name
-    words = sys.argv[1:] if ours else []
+    script, words = (sys.argv[0], sys.argv[1:]) if ours else (Path(__file__).name, [])
     words = [w for i, w in enumerate(words)
              if not w.startswith("--resume") and not (w.isdigit() and words[i - 1:i] == ["--resume"])]
     launcher = (["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', 1)}"]
                 if "TORCHELASTIC_RUN_ID" in os.environ else ["python"])
-    script = sys.argv[0] if ours else Path(__file__).name
     return shlex.join([*launcher, script, *words, "--resume", str(step)])
 
 
@@ -1160,11 +1119,14 @@ class RunConfig:
     top_k: int = option(20, "the sample draws from the top_k likeliest bytes (1: greedy)", ">= 1", TRAIN)
 
 
+@torch.no_grad()
 def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Path, dict, int]:
     """Restore the parameters, AdamW, the data position and this rank's RNG from the checked
-    checkpoint; return its folder, its metadata and the bytes this rank read. A problem any rank finds
-    (a damaged file, a piece missing) stops every rank with the same CheckpointError. The RNG draws
-    nothing in this model (no dropout): it is restored for a model that does."""
+    checkpoint; return its folder, its metadata and the bytes this rank read. Each rank reads only the
+    runs that overlap its shards and builds no whole tensor, so the checkpoint may come from another
+    mesh or ZeRO stage. A problem any rank finds (a damaged file, a piece missing) stops every rank
+    with the same CheckpointError. The RNG draws nothing in this model (no dropout): it is restored
+    for a model that does."""
     rank, world, problem = trainer.mesh.rank, trainer.mesh.sizes.world, None
     try:  # each rank hashes its share of the files; all agree before any reads a file
         target, meta = zero.open_checkpoint(run.folder, zero.checkpoint_config(trainer.cfg), run.resume_step,
@@ -1174,13 +1136,19 @@ def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Pat
     if (problem := zero.first_problem(problem)) is not None:
         raise zero.CheckpointError(problem)
     reader = zero.CheckpointReader(target, meta)
+    shards = {id(unit): {kind: torch.zeros(len(unit.master)) for kind in zero.CHECKPOINT_KINDS}
+              for part in trainer.zeros for unit in part.zero.units}  # a unit's padding holds zeros
     try:  # e.g. pieces missing for one stage's parameters: only its ranks see it
-        shards = {spec: reader.read(spec_piece(spec)) for spec, *_ in shard_specs(trainer)}
+        for spec, _, unit, at in shard_specs(trainer):
+            for kind, values in reader.read(spec_piece(spec)).items():
+                shards[id(unit)][kind][at] = values
     except ValueError as error:
         problem = f"{target}: {error}"
     if (problem := zero.first_problem(problem)) is not None:
         raise zero.CheckpointError(problem)
-    load_shards(trainer, shards, meta["step"])
+    for part in trainer.zeros:
+        part.zero.load_shards([shards[id(unit)] for unit in part.zero.units], meta["step"])
+    trainer.steps = meta["step"]
     loader.load_state_dict(meta["loader"])
     if rank < meta["world"]:
         torch.set_rng_state(reader.rng[rank]["cpu"])
@@ -1237,8 +1205,7 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
     profiled, profiler = range(measured + 1, min(measured + 1 + run.profile, run.steps)), None
     for step in range(start, run.steps):
         if profiled and step == profiled.start:
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
-                [torch.profiler.ProfilerActivity.CUDA] if trainer.device.type == "cuda" else []))
+            profiler = torch.profiler.profile()  # the CPU, and the GPU where there is one
             profiler.start()
         trainer.set_lr(learning_rate(step, train.lr, run.warmup, run.steps, train.lr * run.min_lr_ratio))
         rows = next(loader)
@@ -1360,13 +1327,13 @@ def train_run(args: argparse.Namespace) -> None:
         foundation.exit_distributed(str(failed), code=2 if isinstance(failed, zero.CheckpointError) else 1)
     if not result["losses"]:  # a finished run resumed: said so, nothing more
         foundation.exit_distributed()
-    ranks = [None] * sizes.world if rank0 else None  # each rank's activation bytes and parameters' sizes
-    numels = {spec.name: math.prod(spec.full_shape) for spec, *_ in param_specs(trainer)}
-    dist.gather_object((result["activation_bytes"], numels), ranks, dst=0)
+    activations = [None] * sizes.world if rank0 else None
+    dist.gather_object(result["activation_bytes"], activations, dst=0)
     if rank0:
-        print_run(cfg, trainer, result, [a for a, _ in ranks], tokens_per_step, peak and mfu)
-        if result["saved"] is not None:
-            n = sum({k: v for _, part in ranks for k, v in part.items()}.values())
+        print_run(trainer, result, activations, peak and mfu)
+        if result["saved"] is not None:  # the parameters: plan's one layer (tp = ep = 1: whole) x layers
+            n = sum(math.prod(shape) * (cfg.n_layers if name.startswith("layers.") else 1)
+                    for name, shape in local_shapes(cfg, 1, train.moe, 1).items())
             formula = 4 * len(zero.CHECKPOINT_KINDS) * n
             disk = sum(f.stat().st_size for f in result["saved"].iterdir())
             print(f"checkpoint {result['saved']}: {disk:,} B on disk = (params + 2 AdamW moments) x 4 B x "
@@ -1450,9 +1417,9 @@ def step_profile(trace: dict, steps: int, step_s: float, top: int = 8) -> str:
     return "\n".join(lines)
 
 
-def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_step: int, mfu) -> None:
+def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
     """A run that trained a step: its losses and their curve, activations beside the formulas, speed."""
-    train, sizes, losses = trainer.train, trainer.mesh.sizes, result["losses"]
+    cfg, train, sizes, losses = trainer.cfg, trainer.train, trainer.mesh.sizes, result["losses"]
     first, last = min(losses), max(losses)
     print(f"train loss {losses[first]:.3f} at step {first} -> {losses[last]:.3f} at step {last} "
           f"(ln 256 = {math.log(256):.3f}: a uniform guess); validation: "
@@ -1472,12 +1439,10 @@ def print_run(cfg, trainer: Trainer, result: dict, saved: list[int], tokens_per_
     times = [t for step, t in result["times"].items() if step not in result.get("profiled", ())]
     timed = times[max(1, len(times) // 4):] or times  # the first steps warm up (and compile)
     step_s = sum(timed) / len(timed)  # the first step trained is never profiled
-    rate = tokens_per_step / step_s
+    rate = train.global_batch * train.seq_len / step_s
     print(f"final: {len(timed)} timed steps, {step_s * 1e3:,.1f} ms/step, {rate:,.0f} tokens/s"
           + (f", MFU {mfu(rate):.1%} (PaLM {flops_per_token(cfg, train.seq_len):,} FLOP/token, bf16 peak "
-             f"{peak_bf16_flops(trainer.device) / 1e12:.0f} TFLOP/s per device)" if mfu else "")
-          + f"; attention {train.attention}, compile {'on' if train.compile else 'off'}, "
-            f"recompute {train.recompute}")
+             f"{peak_bf16_flops(trainer.device) / 1e12:.0f} TFLOP/s per device)" if mfu else ""))
     if "profile" in result:
         print(result["profile"])
 
@@ -1495,19 +1460,6 @@ def dp_rows(cfg, train: TrainConfig, step: int, mesh: Mesh) -> torch.Tensor:
     tokens, targets = foundation.synthetic_batch(cfg, train.global_batch, train.seq_len, step,
                                                  mesh.coords["dp"], mesh.sizes.dp)
     return torch.cat([tokens, targets[:, -1:]], dim=1)
-
-
-def print_summaries(sizes: MeshSizes, summaries: list[dict]) -> None:
-    print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes held\n"
-          "(live storages) | 02's formula; bytes sent per step in each group, measured | formula (fp32):")
-    for rank, s in enumerate(summaries):
-        memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
-        traffic = "  ".join(f"{k} {float(v):,.0f}|" + ("n/a" if (f := s["traffic_formula"][k]) is None
-                                                       else f"{float(f):,.0f}" + ("" if v == f else " (!=)"))
-                            for k, v in s["traffic"].items())
-        coords = ",".join(str(i) for i in sizes.coords(rank).values())
-        print(f"  rank {rank:>2} ({coords}) {s['params']:>7,} params, ZeRO shard {s['shard']:>7,} | "
-              f"{memory} | {traffic}")
 
 
 def demo(args: argparse.Namespace) -> None:
@@ -1544,7 +1496,18 @@ def demo(args: argparse.Namespace) -> None:
               f"steps {foundation.max_abs_diff(params_full, ref.params):.1e} (every element reassembled "
               f"from ShardSpecs)" + ("\n(FP8: the reference computes in fp32, so these are FP8's rounding, "
                                      "~1e-3)" if train.fp8 else ""))
-        print_summaries(sizes, [s for _, _, s in pieces])
+        print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes "
+              "held\n(live storages) | 02's formula; bytes sent per step in each group, measured | formula "
+              "(fp32):")
+        for rank, (_, _, s) in enumerate(pieces):
+            memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
+            traffic = "  ".join(
+                f"{k} {float(v):,.0f}|" + ("n/a" if (f := s["traffic_formula"][k]) is None
+                                           else f"{float(f):,.0f}" + ("" if v == f else " (!=)"))
+                for k, v in s["traffic"].items())
+            coords = ",".join(str(i) for i in sizes.coords(rank).values())
+            print(f"  rank {rank:>2} ({coords}) {s['params']:>7,} params, ZeRO shard {s['shard']:>7,} | "
+                  f"{memory} | {traffic}")
         print("Notice: the bytes held shrink with tp and pp (and dp x cp for ZeRO-3); each dimension's "
               "traffic is its own lesson's formula.")
     foundation.exit_distributed()
@@ -1562,17 +1525,16 @@ def gigabytes(x) -> str:
 def describe(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: dict, table: bool) -> str:
     """The mesh and run; memory per pipeline rank (table: the first two, the fullest and the last two
     ranks, else the fullest); bytes sent per group; the step time's terms and bounds."""
-    rows = train.global_batch // sizes.dp // train.microbatches
     lines = [f"{mesh_name(sizes)}, ZeRO-{train.zero_stage}, {train.schedule} x {train.microbatches} "
-             f"microbatches of {rows}, recompute {train.recompute},"
-             f" SP {'on' if train.sequence_parallel else 'off'}"]
+             f"microbatches of {train.global_batch // sizes.dp // train.microbatches}, recompute "
+             f"{train.recompute}, SP {'on' if train.sequence_parallel else 'off'}"]
     totals = [p.total for p in plans]
     fullest = totals.index(max(totals))
     if table:
         lines.append("GB held per GPU   params   grads   optim   activ   total")
         ends = {0, 1, fullest, len(plans) - 2, len(plans) - 1}
         shown = sorted(ends if len(plans) > 6 else range(len(plans)))
-        for rank in (r for r in shown if r >= 0):
+        for rank in shown:
             p, pairs = plans[rank], "microbatch-stages" if train.virtual > 1 else "microbatches"
             what = (("embedding + " if 0 in p.stages else "") + f"{p.layers} layers"
                     + (" + head" if len(plans) * train.virtual - 1 in p.stages else ""))
@@ -1662,8 +1624,7 @@ PRESET = "the --model preset's"
 DEMO = dict(dp=2, tp=2, max_grad_norm=1.0)  # where check and train depart from the fields' defaults
 COMMANDS = {  # name: what it does; its defaults where not the fields'; its options left None: what decides
     "check": ("prove the mesh equal to one device on synthetic data; each rank's bytes beside the plan",
-              dict(DEMO, steps=3, microbatches=2, kv_heads=2, global_batch=8, seq_len=32, lr=1e-3),
-              dict(mixed_precision="off")),
+              dict(DEMO, steps=3, microbatches=2, kv_heads=2, seq_len=32), dict(mixed_precision="off")),
     "train": ("train on text (the default): checkpoints, --resume, MFU, a sample", DEMO,
               dict(microbatches="1, or 2 with pp > 1", mixed_precision="on with a GPU, off on a CPU",
                    kv_heads=PRESET, global_batch=PRESET, seq_len=PRESET, lr=PRESET)),

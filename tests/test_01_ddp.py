@@ -446,10 +446,9 @@ def exercise_collectives() -> dict:
             foundation.broadcast(b, src=1, group=sub)  # group rank 1 = global rank n - 1
             out["broadcast"] = b
             msg = torch.full((5,), 7.0) if rank == pair[0] else torch.empty(5)
-            if rank == pair[0]:
-                foundation.send(msg, dst=1, group=sub)
-            else:
-                foundation.recv(msg, src=0, group=sub)
+            op = ("send", msg, 1) if rank == pair[0] else ("recv", msg, 0)  # peers: group ranks
+            for work in foundation.batch_p2p([op], group=sub):
+                work.wait()
             out["send_recv"] = msg
     out["meter"] = meter
     return out
