@@ -1,18 +1,18 @@
 """Lesson 09: every technique at once. A (dp, pp, cp, tp) mesh, one model, proved equal to one device.
 
-Three programs, a sub-command each with its own options: `check` proves the mesh equal to one device,
-`train` (the default) trains on text, `plan` prices a run at scale. The sections, in order:
+Two programs, a sub-command each with its own options: `check` proves the mesh equal to one device,
+`train` (the default) trains on text; lesson 10's planner prices a run at scale with plan(). The
+sections, in order:
   Options: option(), a dataclass field that is also a command-line option, its rule beside it    all
   The mesh: MeshSizes (tp fastest), build_mesh (every group), rank_map                           all
   The configuration: TrainConfig; validate, every lesson's rule before any collective            all
   Held pieces: ShardSpec, spec_piece (which slice of which reference parameter), assemble        check, train
   The composed model and its step: build_stage_model; Trainer (forward_backward, update)         check, train
   The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it)      all
-  Planning at scale: Cluster, step_time (from the operations), search_meshes                     plan
   Data, learning rate, MFU, sampling: ShardedLoader (bytes are tokens), flops_per_token, sample  train
   Checkpoints: a Trainer's pieces (shard_specs) in lesson 02's protocol                         train, check
   The training run: MODELS, RunConfig, train_loop                                                train
-  RUN IT: train_run and its printing; check's demo; plan_report; the command line (COMMANDS)     all
+  RUN IT: train_run and its printing; check's demo; the command line (COMMANDS)                  all
 
 THE MESH
 world = dp x pp x cp x tp ranks (the mesh sets them: 09 has no --nproc), numbered with tp fastest:
@@ -50,8 +50,8 @@ load depend on which tokens share a forward, which microbatches and sequence chu
 
 COST: plan() composes the lessons' own formulas for what each rank holds and sends, without
 building anything: `check` prints them beside each rank's measurements (the tests prove them equal),
-`plan` prices models and clusters that are not here, with step_time() (README: against published
-runs). `train` trains on bytes of text with lesson 02's checkpoints, a NaN guard, MFU and a sample.
+lesson 10 prices models and clusters that are not here with them. `train` trains on bytes of text
+with lesson 02's checkpoints, a NaN guard, MFU and a sample.
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
@@ -60,7 +60,6 @@ RUN IT
     torchrun --nproc_per_node=8 09_full_train.py check --dp 2 --tp 2 --pp 2
     python 09_full_train.py check --dp 2 --cp 2 --tp 2 --sequence-parallel
     python 09_full_train.py check --dp 2 --tp 2 --pp 2 --ep 2    # MoE, experts over 2 dp ranks
-    python 09_full_train.py plan --model llama3-70b --gpus 256   # the fastest meshes that fit
 Look at: the loss falling from ln 256 = 5.5 and the sample; tokens/s and MFU; with check, the rank
 map, the max |difference| from one device (loss, every gradient reassembled from the shards,
 parameters after the steps) and bytes per mesh dimension beside the formulas.
@@ -602,7 +601,7 @@ def tp_messages(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: b
 
 def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     """Every pipeline rank's RankPlan from the earlier lessons' own formulas. Nothing is built, so
-    it prices meshes that are not here (plan) as well as the running one (check's summary, which
+    it prices meshes that are not here (lesson 10) as well as the running one (check's summary, which
     the tests prove exact). Call validate first. FP8 is priced at its compute precision, but for
     --zero 3's Float8Linear weights (08's Float8ZeRO: 1 B gathers, e4m3 shards and scales held); the
     FP8 casts Float8Linear saves for backward are not modelled; MoE activations and ep's all-to-alls
@@ -709,154 +708,6 @@ def summary(trainer: Trainer) -> dict:
                 shard=sum(spec.flat_stop - spec.flat_start for spec, *_ in shard_specs(trainer)),
                 held=held, memory_formula={k: mine.memory[k] for k in held}, traffic=traffic,
                 traffic_formula=traffic_formula, in_flight=trainer.in_flight, plan=mine)
-
-
-# --- Planning a run at scale: the plan against a GPU's memory, and a step time --------------------
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """plan's machines, by default H100 SXM nodes: NVIDIA's datasheet (989 dense bf16 TFLOP/s, 3.35 TB/s
-    HBM3, NVLink 4 at 450 GB/s each way) and the DGX H100's 400 Gb/s NIC per GPU. GEMMs and attention
-    run at the course's own H100 measurements (08's and 07's tables), x peak_tflops / 989."""
-    gpus: int | None = option(None, "GPUs (default: the product of the mesh sizes)", ">= 1", PLAN, type=int)
-    gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", ">= 1", PLAN)
-    gpu_memory: float = option(80.0, "GB per GPU", "> 0", PLAN)
-    peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU: scales the H100's measured rates", "> 0",
-                                PLAN)
-    hbm_tbps: float = option(3.35, "TB/s of GPU memory (elementwise work, the optimizer, thin GEMMs)", "> 0",
-                             PLAN)
-    nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node (NVLink 4)", "> 0", PLAN)
-    network_gbps: float = option(50.0, "GB/s per GPU each way between nodes (a 400 Gb/s NIC)", "> 0", PLAN)
-    latency: float = 10e-6  # s a collective or send costs beyond its bytes: NCCL's tuning model
-    # (src/graph/tuning.cc) puts a ring's base latency at 4-8 us, plus 0.5-3 us a hop on NVLink
-
-
-def inside_node(sizes: MeshSizes, kind: str, gpus_per_node: int) -> bool:
-    """Whether every group of this kind lies in one node: ranks are numbered tp fastest, so a group
-    stays within aligned blocks of (its slowest dimension's size x the faster dimensions' sizes)."""
-    moving = [d for d in DIMS if d in GROUP_DIMS.get(kind, ("dp", "cp")) and getattr(sizes, d) > 1]
-    block = math.prod(getattr(sizes, d) for d in DIMS[DIMS.index(moving[0]):]) if moving else 1
-    return gpus_per_node % block == 0
-
-
-PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble")  # a step's, as printed
-
-
-def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster,
-              hide: bool = True) -> dict:
-    """Seconds per step from the operations, each priced by the lesson that owns it: the linears at
-    their TP-local shapes (08's roofline: the GEMM rate measured on an H100, or the bytes at the HBM's
-    bandwidth), attention at 07's measured rate, elementwise work (03) and the optimizer (02) at the
-    HBM's bandwidth, recompute's forward again. Messages go at their link's speed plus a latency,
-    exposed where nothing hides them: TP's all, the ring's hops beyond a block's attention, the
-    gradient reduction beyond the last microbatch's backward, ZeRO-1/2's gather after the step,
-    ZeRO-3's beyond the previous layer, the pipeline's sends in its fill and drain. The slowest rank's
-    microbatches / (1 - 04's bubble) span the pipeline. parts: that rank's (bubble: its idle time in
-    the span). The bounds: hide=False, no communication hidden; the compute alone, or the busiest
-    link's bytes."""
-    tp, cp, pp, m, n, moe = sizes.tp, sizes.cp, sizes.pp, train.microbatches, sizes.dp * sizes.cp, train.moe
-    e, rows, s = 2 if train.mixed_precision else 4, train.global_batch // sizes.dp // m, train.seq_len // cp
-    tokens, hbm = rows * s, cluster.hbm_tbps * 1e12  # a microbatch's tokens on a rank
-    speed = cluster.peak_tflops * 1e12 / dict(PEAK_BF16_FLOPS)["H100"]
-    link = lambda kind: 1e9 * (cluster.nvlink_gbps if inside_node(sizes, kind, cluster.gpus_per_node)
-                               else cluster.network_gbps)
-    send = lambda kind, nbytes, calls=1: float(nbytes) / link(kind) + calls * cluster.latency
-    exposed = lambda comm, behind: max(0.0, comm - behind) if hide else comm
-    shapes = local_shapes(cfg, tp, moe, sizes.ep)
-
-    def linears(prefix: str) -> list[float]:  # (forward, backward); 06's experts share top_k x the tokens
-        out = [0.0, 0.0]
-        for *experts, n_out, n_in in (v for k, v in shapes.items() if k.startswith(prefix) and len(v) > 1):
-            count = experts[0] if experts else 1
-            f, b = fp8.linear_seconds(tokens * (moe.top_k if experts else 1) // count, n_in, n_out, hbm,
-                                      train.fp8 and not experts and prefix == "layers.", speed)
-            out = [out[0] + count * f, out[1] + count * b]
-        return out
-
-    elementwise = lambda **at: [x / hbm for x in tensor_parallel.elementwise_bytes(
-        cfg, tokens, tp, train.sequence_parallel, mlp=moe is None, elem_bytes=e, **at)]
-    attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim,
-                                        "flash" if cp > 1 else train.attention, cp, speed)  # 09's ring: 07's
-    layer = {"GEMMs": linears("layers."), "attention": list(attention),
-             "elementwise": elementwise(layers=1, embed=False, head=False)}
-    rerun = {"none": (), "selective": ("attention",), "full": tuple(layer)}[train.recompute]
-    layer = {k: [f, b + f * (k in rerun)] for k, (f, b) in layer.items()}  # recompute: the forward again
-    ranks = []
-    for p in plans:
-        first, last = 0 in p.stages, pp * train.virtual - 1 in p.stages
-        ends = {"GEMMs": linears("lm_head") if last else [0, 0], "attention": [0, 0],
-                "elementwise": elementwise(layers=0, embed=first, head=last)}
-        work = {k: [p.layers * layer[k][i] + ends[k][i] for i in (0, 1)] for k in layer}
-        parts = {k: m * sum(v) for k, v in work.items()} | dict.fromkeys(("TP", "CP", "DP"), 0.0)
-        if tp > 1:  # (ZB-H1's W re-runs part of the backward's: priced as 1F1B's)
-            parts["TP"] = sum(send("tp", sent, calls)
-                              for calls, sent in tp_messages(cfg, sizes, train, p.layers, first, last))
-        if cp > 1:  # each of the cp - 1 hops behind one block's attention; recompute: the forward's twice
-            hops = context_parallel.attention_bytes("ring", tokens * cfg.dim // tp,
-                                                    tokens * cfg.n_kv_heads * cfg.head_dim // tp, cp, e)
-            f, b = (exposed(send("cp", hops[d] / (cp - 1)), t / cp) for d, t in zip(hops, attention))
-            parts["CP"] = m * p.layers * (cp - 1) * (f * (1 + (train.recompute != "none")) + b)
-        after = zero.zero_step_bytes(p.params, n, train.zero_stage, m, train.mixed_precision) / hbm
-        if n > 1:  # 02's over dp x cp; units: each layer, the embedding, the norm and head
-            unit, units = [sum(v[i] for v in layer.values()) for i in (0, 1)], p.layers + first + 2 * last
-            last_backward = sum(v[1] for v in work.values())
-            parts["DP"] = zero.zero_exposed_seconds(p.params, n, train.zero_stage, units, m, e,
-                                                    lambda *x: send("dp_cp", *x), last_backward, unit, hide)
-        ranks.append((parts, after))
-    bubble = pipeline.bubble_formula(train.schedule, pp, m, train.virtual)
-    busy = [sum(parts.values()) - parts["DP"] for parts, _ in ranks]
-    message = rows * s // (tp if train.sequence_parallel else 1) * cfg.dim * e  # a boundary's, each way
-    sends = 2 * (pp - 1) if hide else 2 * m * (pp * train.virtual - 1)  # the fill and drain's; all
-    fill = (pp > 1) * sends * send("pp", message)
-    span = max(busy) / (1 - bubble) + fill
-    totals = [span + parts["DP"] + after for parts, after in ranks]
-    slowest = totals.index(max(totals))
-    parts, after = ranks[slowest]
-    parts = {**parts, "elementwise": parts["elementwise"] + after, "PP": fill,
-             "bubble": span - fill - busy[slowest]}
-    compute = max(sum(r[k] for k in layer) for r, _ in ranks) / (1 - bubble) + max(a for _, a in ranks)
-    links, comm = {"NVLink": 0.0, "network": 0.0}, {}
-    for kind in dict.fromkeys(k for p in plans for k in p.traffic):
-        sent = [p.traffic.get(kind, 0) for p in plans]
-        where = "NVLink" if inside_node(sizes, kind, cluster.gpus_per_node) else "network"
-        comm[kind] = None if None in sent else (float(max(sent)), where)
-        links[where] += 0 if comm[kind] is None else comm[kind][0] / link(kind)
-    flops = train.global_batch * train.seq_len * flops_per_token(cfg, train.seq_len)  # PaLM's, as MFU counts
-    return dict(step=max(totals), parts={k: parts[k] for k in PARTS}, bubble=bubble, busy=busy, span=span,
-                flops=flops, mfu=flops / (max(totals) * sizes.world * cluster.peak_tflops * 1e12), comm=comm,
-                overlap=max(compute, *links.values()),
-                no_overlap=step_time(cfg, sizes, train, plans, cluster, hide=False)["step"] if hide else None)
-
-
-def planned(cfg, sizes: MeshSizes, train: TrainConfig, microbatches: int | None, cluster: Cluster) -> tuple:
-    """(sizes, train as run on them, plans, step time), or validate's ValueError. microbatches None:
-    one sequence each (global_batch / dp)."""
-    train = dataclasses.replace(train, microbatches=microbatches or max(train.global_batch // sizes.dp, 1))
-    validate(cfg, sizes, train, sizes.world)
-    plans = plan(cfg, sizes, train)
-    return sizes, train, plans, step_time(cfg, sizes, train, plans, cluster)
-
-
-def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | None], microbatches: int | None,
-                  ep: int, cluster: Cluster) -> tuple[list, list, str]:
-    """The meshes of gpus GPUs (tp within a node, the sizes given kept) that validate accepts, as
-    planned() gives them; those that fit in a GPU's memory, fastest first (by the predicted step); the
-    first refusal."""
-    valid, refusals = [], []
-    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
-    for tp, cp, pp in itertools.product(divisors, repeat=3):
-        sizes = MeshSizes(gpus // (tp * cp * pp), pp, cp, tp, ep)
-        if gpus % (tp * cp * pp) or cluster.gpus_per_node % tp or any(
-                fixed[d] not in (None, getattr(sizes, d)) for d in DIMS):
-            continue
-        try:
-            valid.append(planned(cfg, sizes, train, microbatches, cluster))
-        except ValueError as error:
-            refusals.append(f"{mesh_name(sizes)}: {error}".replace("\n", " "))
-    fitting = sorted((v for v in valid if max(p.total for p in v[2]) <= cluster.gpu_memory * 1e9),
-                     key=lambda v: v[3]["step"])
-    return valid, fitting, refusals[0] if refusals else "no sizes multiply to it (tp divides --gpus-per-node)"
 
 
 # --- Data (bytes are tokens, windows of seq_len + 1 in a seeded order per epoch), learning rate, MFU
@@ -1066,28 +917,12 @@ def resume_command(step: int) -> str:
 
 # --- The training run -----------------------------------------------------------------------------
 
-LLAMA3 = dict(vocab_size=128_256, n_kv_heads=8, rope_theta=500_000.0)  # Meta's published configurations
 MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256 (bytes are tokens) unless the model sets one
     "tiny": (dict(dim=128, n_layers=4, n_heads=4, ffn_dim=352), 128, 16, 3e-3),  # CPU: a few minutes
     "1b": (dict(dim=2048, n_layers=16, n_heads=16, ffn_dim=5632), 2048, 8, 3e-4),  # 0.82B: one H100
     # Llama 3 8B's layer (dim 4096, GQA 32/8, ffn 14336), 8 of them: 1.7B, --fp8's GEMMs at full width
     "2b": (dict(dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336), 2048, 8, 3e-4),
-    # For plan. Peak lr from the Llama 3 paper; batches of 4M, 8M and 16M tokens (405B: Meta's last)
-    "llama3-8b": (dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **LLAMA3), 8192, 512, 3e-4),
-    "llama3-70b": (dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **LLAMA3), 8192, 1024, 1.5e-4),
-    "llama3-405b": (dict(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248, **LLAMA3), 8192, 2048, 8e-5),
-}
-# Published GPT-style runs plan is checked against (README), (dim, layers, batch): Megatron-Core's H100
-# table (vocabulary 131,072, 4,096 tokens) and MosaicML's MPT (50,368, 2,048). Heads of 128; their GELU
-# MLP of 4 x dim is priced as our SwiGLU with its parameters (ffn 8 dim / 3).
-MEGATRON_H100 = {"1.7b": (2048, 24, 192), "7.1b": (4096, 30, 192), "16b": (6144, 32, 192),
-                 "32b": (7168, 48, 192), "70b": (8192, 84, 384), "119b": (10240, 92, 768),
-                 "177b": (12288, 96, 1152), "314b": (16384, 96, 1536), "462b": (18432, 112, 3072)}
-MPT = {"1b": (2048, 24, 112), "7b": (4096, 32, 48), "70b": (8192, 80, 4096)}
-MODELS |= {f"{family}-{k}": (dict(dim=d, n_layers=n, n_heads=d // 128, ffn_dim=round(d / 3) * 8,
-                                  vocab_size=vocab), seq_len, b, 1e-4)
-           for family, runs, vocab, seq_len in (("megatron", MEGATRON_H100, 131_072, 4096),
-                                                ("mpt", MPT, 50_368, 2048)) for k, (d, n, b) in runs.items()}
+}  # lesson 10 adds published models, whose vocabularies need a tokenizer
 
 
 @dataclass
@@ -1513,98 +1348,6 @@ def demo(args: argparse.Namespace) -> None:
     foundation.exit_distributed()
 
 
-# --- plan's report: the given mesh's breakdown, or the fastest meshes that fit --------------------
-
-GROUP_NAMES = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_cp": "dp x cp", "ep_dp": "experts' dp", "ep": "ep"}
-
-
-def gigabytes(x) -> str:
-    return "n/a" if x is None else f"{float(x) / 1e9:,.1f}" if x >= 1e9 else f"{float(x) / 1e9:.2g}"
-
-
-def describe(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: dict, table: bool) -> str:
-    """The mesh and run; memory per pipeline rank (table: the first two, the fullest and the last two
-    ranks, else the fullest); bytes sent per group; the step time's terms and bounds."""
-    lines = [f"{mesh_name(sizes)}, ZeRO-{train.zero_stage}, {train.schedule} x {train.microbatches} "
-             f"microbatches of {train.global_batch // sizes.dp // train.microbatches}, recompute "
-             f"{train.recompute}, SP {'on' if train.sequence_parallel else 'off'}"]
-    totals = [p.total for p in plans]
-    fullest = totals.index(max(totals))
-    if table:
-        lines.append("GB held per GPU   params   grads   optim   activ   total")
-        ends = {0, 1, fullest, len(plans) - 2, len(plans) - 1}
-        shown = sorted(ends if len(plans) > 6 else range(len(plans)))
-        for rank in shown:
-            p, pairs = plans[rank], "microbatch-stages" if train.virtual > 1 else "microbatches"
-            what = (("embedding + " if 0 in p.stages else "") + f"{p.layers} layers"
-                    + (" + head" if len(plans) * train.virtual - 1 in p.stages else ""))
-            lines += ["  ..."] * (rank > 0 and rank - 1 not in shown) + [
-                f"  pp {rank:<11}" + "".join(f"{gigabytes(p.memory[k]):>8}" for k in p.memory)
-                + f"{gigabytes(totals[rank]):>8}  {what}, in flight: {p.in_flight} {pairs}"]
-    else:
-        lines.append(f"fullest GPU {gigabytes(totals[fullest])} GB (pp {fullest}: "
-                     + ", ".join(f"{k} {gigabytes(v)}" for k, v in plans[fullest].memory.items()) + ")")
-    lines.append("sent per GPU per step (its busiest pipeline rank): " + (", ".join(
-        f"{GROUP_NAMES[k]} " + ("n/a (no formula)" if v is None else f"{gigabytes(v[0])} GB ({v[1]})")
-        for k, v in timing["comm"].items()) or "nothing"))
-    t, seconds = timing, lambda x: f"{x:,.1f}" if x >= 10 else f"{x:.3g}"
-    part = {k: seconds(v) for k, v in t["parts"].items()}
-    useful = (f"{t['flops'] / sizes.world / t['step'] / 1e12:,.0f} TFLOP/s per GPU, MFU {t['mfu']:.0%}"
-              if train.moe is None else "MFU n/a (flops_per_token counts dense MLPs)")
-    compute = " + ".join(f"{k} {part[k]}" for k in ("GEMMs", "attention", "elementwise"))
-    lines += [f"step {seconds(t['step'])} s predicted: {useful}; "
-              f"bounds {seconds(t['overlap'])} s (perfect overlap) to {seconds(t['no_overlap'])} s (none)",
-              f"  {compute} + exposed " + ", ".join(f"{k} {part[k]}" for k in ("TP", "DP", "PP", "CP"))
-              + f" + bubble {part['bubble']} s ({t['bubble']:.0%})"]
-    return "\n".join(lines)
-
-
-TOP_MESHES = 3  # plan's search prints this many
-
-
-def plan_report(args: argparse.Namespace) -> str:
-    """plan: the given mesh's breakdown, or the fastest meshes that fit; one line if none fits."""
-    cfg, fixed = build_model_config(args), {d: getattr(args, d) for d in DIMS}
-    train = dataclasses.replace(train_config(args), mixed_precision=True)  # a GPU run: bf16 + fp32 masters
-    cluster, memory = Cluster(**options_of(Cluster, args)), args.gpu_memory * 1e9
-    gpus = args.gpus or (math.prod(fixed.values()) if None not in fixed.values() else 0)
-    if gpus < 1 or None not in fixed.values() and math.prod(fixed.values()) != gpus:
-        raise ValueError(f"plan needs --gpus N (or every mesh size: --dp --pp --cp --tp), and the sizes "
-                         f"given multiply to it, not {fixed}")
-    n_params = sum(map(math.prod, foundation.parameter_shapes(cfg).values()))
-    header = (f"{args.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
-              f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, ffn {cfg.ffn_dim}, vocabulary "
-              f"{cfg.vocab_size:,}), bf16 + fp32 masters{' + FP8 GEMMs' if train.fp8 else ''}; batch "
-              f"{train.global_batch:,} x {train.seq_len:,} tokens; {gpus:,} GPUs of {args.gpu_memory:g} GB, "
-              f"{cluster.gpus_per_node} per node.\nPriced: GEMMs and attention ({train.attention}) at the "
-              f"course's H100 rates x {cluster.peak_tflops:g} / 989 TFLOP/s, the rest at "
-              f"{cluster.hbm_tbps:g} TB/s; {cluster.nvlink_gbps:g} GB/s per GPU each way in a node, "
-              f"{cluster.network_gbps:g} across nodes,\n{cluster.latency * 1e6:g} us a message. Memory "
-              f"leaves out the logits and loss, the embedding's output, temporaries, CUDA and NCCL buffers, "
-              f"fragmentation.")
-    valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, args.microbatches, args.ep, cluster)
-    if None not in fixed.values() and valid:  # the mesh given
-        need = max(p.total for p in valid[0][2])
-        verdict = (f"fits: {gigabytes(need)} of {args.gpu_memory:g} GB on the fullest GPU" if need <= memory
-                   else
-                   f"does not fit: the fullest GPU needs {gigabytes(need)} GB, {gigabytes(need - memory)} GB "
-                   f"({need / memory - 1:.0%}) more than its {args.gpu_memory:g} GB")
-        return "\n".join([header, describe(*valid[0], table=True), verdict])
-    if not valid:
-        return f"no mesh of {gpus:,} GPUs passes validate: {refusal}"
-    if not fitting:
-        sizes, run, plans, _ = min(valid, key=lambda v: max(p.total for p in v[2]))
-        need = max(p.total for p in plans)
-        leanest = describe(sizes, run, plans, valid[0][3], False).splitlines()[0]
-        return (f"{args.model} does not fit on {gpus:,} GPUs of {args.gpu_memory:g} GB: the leanest of "
-                f"{len(valid)} valid meshes ({leanest}) needs {gigabytes(need)} GB on its fullest GPU, "
-                f"{need / memory:.1f}x the memory")
-    lines = [header, f"{len(valid)} meshes pass validate, {len(fitting)} fit; the fastest:"]
-    for rank, choice in enumerate(fitting[:TOP_MESHES], start=1):
-        lines.append(f"{rank}. " + describe(*choice, table=False).replace("\n", "\n   "))
-    return "\n".join(lines)
-
-
 # --- The command line: check | train | plan, generated from the option fields ---------------------
 
 
@@ -1612,14 +1355,13 @@ def plan_report(args: argparse.Namespace) -> str:
 class ModelOptions:
     """The command line's choice of model (a ModelConfig and an MoEConfig, made by build_model_config
     and train_config)."""
-    model: str = option("tiny", "the preset (llama3-*, megatron-*, mpt-*: plan only)", commands=TRAIN + PLAN,
-                        choices=MODELS)
+    model: str = option("tiny", "the preset", commands=TRAIN, choices=MODELS)
     kv_heads: int | None = option(None, "key/value heads, grouped-query attention", ">= 1", type=int)
     moe: bool = option(False, "every MLP a mixture of experts (dropless)")
     experts: int = option(4, "experts per MoE layer", ">= 1")
 
 
-OPTIONS = (MeshSizes, ModelOptions, TrainConfig, RunConfig, Cluster)  # in --help's order
+OPTIONS = (MeshSizes, ModelOptions, TrainConfig, RunConfig)  # in --help's order (10 adds its Cluster)
 PRESET = "the --model preset's"
 DEMO = dict(dp=2, tp=2, max_grad_norm=1.0)  # where check and train depart from the fields' defaults
 COMMANDS = {  # name: what it does; its defaults where not the fields'; its options left None: what decides
@@ -1628,21 +1370,19 @@ COMMANDS = {  # name: what it does; its defaults where not the fields'; its opti
     "train": ("train on text (the default): checkpoints, --resume, MFU, a sample", DEMO,
               dict(microbatches="1, or 2 with pp > 1", mixed_precision="on with a GPU, off on a CPU",
                    kv_heads=PRESET, global_batch=PRESET, seq_len=PRESET, lr=PRESET)),
-    "plan": ("memory, traffic and step time per GPU of --model on --gpus GPUs; mesh sizes left out: searched",
-             {}, dict(dict.fromkeys(DIMS, "searched"), microbatches="global_batch / dp: one sequence each",
-                      kv_heads=PRESET, global_batch=PRESET, seq_len=PRESET)),
 }
 
 
-def option_fields(command: str) -> list[dataclasses.Field]:
-    """The fields that are options of this sub-command, in --help's order."""
-    fields = (f for cls in OPTIONS for f in dataclasses.fields(cls))
+def option_fields(command: str, classes: tuple = OPTIONS) -> list[dataclasses.Field]:
+    """The fields of classes that are options of this sub-command, in --help's order."""
+    fields = (f for cls in classes for f in dataclasses.fields(cls))
     return [f for f in fields if command in f.metadata.get("commands", ())]
 
 
-def add_options(parser: argparse.ArgumentParser, command: str, defaults: dict, decided: dict) -> None:
+def add_options(parser: argparse.ArgumentParser, command: str, defaults: dict, decided: dict,
+                classes: tuple = OPTIONS) -> None:
     """command's options, one per field: a flag for a bool, else a value of the default's type."""
-    for field in option_fields(command):
+    for field in option_fields(command, classes):
         kwargs = {k: v for k, v in field.metadata["argparse"].items() if k not in ("option", "off")}
         if isinstance(field.default, bool) and "type" not in kwargs:
             kwargs["action"] = "store_true"
@@ -1675,17 +1415,17 @@ def parse_options(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Na
 
 def options_of(cls, args: argparse.Namespace) -> dict:
     """The values args gives the fields of cls that are options of its sub-command."""
-    offered = option_fields(args.command)
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f in offered}
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+            if args.command in f.metadata.get("commands", ())}
 
 
-def build_model_config(args: argparse.Namespace) -> "foundation.ModelConfig":
-    """check: a small demo model (vocabulary 127: tp pads it); train, plan: the --model preset,
+def build_model_config(args: argparse.Namespace, models: dict = MODELS) -> "foundation.ModelConfig":
+    """check: a small demo model (vocabulary 127: tp pads it); train and 10's plan: the --model preset,
     byte-level unless it sets a vocabulary."""
     if args.command == "check":
         return foundation.ModelConfig(vocab_size=127, dim=64, n_layers=4, n_heads=4, n_kv_heads=args.kv_heads,
                                       ffn_dim=176)
-    preset = {"vocab_size": 256, **MODELS[args.model][0]}
+    preset = {"vocab_size": 256, **models[args.model][0]}
     return foundation.ModelConfig(**{**preset, "n_kv_heads": args.kv_heads or preset.get("n_kv_heads")})
 
 
@@ -1693,10 +1433,11 @@ def mesh_sizes(args: argparse.Namespace) -> MeshSizes:
     return MeshSizes(**options_of(MeshSizes, args))
 
 
-def train_config(args: argparse.Namespace, device: torch.device | None = None) -> TrainConfig:
+def train_config(args: argparse.Namespace, device: torch.device | None = None,
+                 models: dict = MODELS) -> TrainConfig:
     """The options as a TrainConfig; those left None: the --model preset's sizes and lr, 1 microbatch
     (2 with pp > 1), bf16 on a GPU."""
-    _, seq_len, global_batch, lr = MODELS[args.model] if "model" in args else (None, None, None, None)
+    _, seq_len, global_batch, lr = models[args.model] if "model" in args else (None, None, None, None)
     decided = dict(global_batch=global_batch, seq_len=seq_len, lr=lr, microbatches=1 + ((args.pp or 1) > 1),
                    mixed_precision=device is not None and device.type == "cuda")
     given = {k: decided[k] if v is None else v for k, v in options_of(TrainConfig, args).items()}
@@ -1731,9 +1472,6 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
     """The sizes against the world that will run (validate), whether or not the run would reach
     them; for train also the text, the checkpoint folder and the checkpoint to resume: a ValueError
     before any rank starts."""
-    if args.command == "train" and "vocab_size" in MODELS[args.model][0]:
-        raise ValueError(f"--model {args.model} is for plan: its vocabulary needs a tokenizer, and bytes "
-                         f"are this course's tokens")
     cfg, train = build_model_config(args), train_config(args)
     validate(cfg, mesh_sizes(args), train, world)
     if args.command == "check":
@@ -1758,9 +1496,6 @@ def main() -> None:
     parser, args = parse_options(sys.argv[1:])
     try:
         check_options(args)
-        if args.command == "plan":  # nothing to launch
-            print(plan_report(args))
-            return
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     args.nproc = mesh_sizes(args).world  # the mesh sets how many local processes start (no --nproc)

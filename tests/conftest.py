@@ -63,7 +63,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 COLLECTIVE_TIMEOUT_S = 600  # inside the workers: a collective some rank never joins raises after this
 CALL_TIMEOUT_S = 600        # a call on every rank of a pool (its start-up too)
 SCRIPT_TIMEOUT_S = 900      # a lesson run as `python 0X_name.py`
-LESSON_NAME = re.compile(r"0[1-9]_\w+")
+LESSON_NAME = re.compile(r"\d\d_\w+")
 
 
 class _LessonFinder(importlib.abc.MetaPathFinder):

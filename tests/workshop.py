@@ -37,7 +37,7 @@ from exercises import EXERCISES, Exercise
 
 TESTS = Path(__file__).resolve().parent
 COURSE = TESTS.parent
-LESSONS = tuple(sorted(path.name for path in COURSE.glob("0[1-9]_*.py")))
+LESSONS = tuple(sorted(path.name for path in COURSE.glob("[0-9][0-9]_*.py")))
 BY_ID = {exercise.id: exercise for exercise in EXERCISES}
 BLANK = re.compile(r'raise NotImplementedError\("(Exercise \d\d\.\d): ')
 
