@@ -771,7 +771,7 @@ def train_losses(cfg: foundation.ModelConfig, steps: int, batch: int, seq_len: i
                                           transform=convert_to_float8 if float8 else None).losses
 
 
-def max_differences(run, reference) -> tuple[float, float, float]:
+def max_differences(run: foundation.TrainResult, reference: foundation.TrainResult) -> tuple[float, ...]:
     """max |difference| of the losses, the step-0 gradients and the last parameters."""
     return (max(abs(a - b) for a, b in zip(run.losses, reference.losses, strict=True)),
             foundation.max_abs_diff(run.first_grads, reference.first_grads),
