@@ -48,12 +48,11 @@ instead of 2 B (bf16) or 4 B (fp32), plus 2 (N-1)/N x 4 B per weight for the ama
 keeps its cast shard (Psi_8 / N B). Gradients reduce-scatter in full precision (Float8ZeRO).
 
 FP8 UNDER TENSOR PARALLELISM (lesson 03; torchao's float8 on DTensor). A rank scaling by its own
-piece of a split tensor casts with another scale than one device (the demo's parameters move by
-~5e-3 in 3 steps), so every amax of a split tensor is the MAX over the tp group
-(tensor_parallel_scales): the weights' (once per step) and, per call, the operand split where it is
-cast: a column-parallel layer's output gradient, a row-parallel one's input, both for a layer 03
-leaves whole on sequence shards (SP). Per step, L layers, m microbatches: 2 (t-1)/t x 4 B x
-L (7 + 7 m), the amaxes of 7 weights and 7 split operands a layer, tiny beside the activations.
+piece of a split tensor casts with another scale than one device, so every amax of a split tensor
+is the MAX over the tp group (tensor_parallel_scales): the weights' (once per step) and, per call,
+the operand split where it is cast: a column-parallel layer's output gradient, a row-parallel one's
+input, both for a layer 03 leaves whole on sequence shards (SP). Per step, L layers, m microbatches:
+2 (t-1)/t x 4 B x L (7 + 7 m), the amaxes of 7 weights and 7 split operands a layer.
 
 RUN IT
     python 08_fp8.py          # CPU: SQNR tables, the spike demo, 60 steps of the tiny GPT in fp32 and
@@ -494,12 +493,8 @@ class Float8GatherUnit(zero.FlatUnit):
 
 class Float8ZeRO(zero.ZeRO):
     """ZeRO-3 of model's Float8Linear weights, all-gathered in FP8 (the docstring's FP8
-    COMMUNICATION); everything else is lesson 02's. The other parameters need a ZeRO of their own:
-        weights = set(float8_weights(model))
-        rest, fp8 = ZeRO(model, 3, owns=lambda p: p not in weights), Float8ZeRO(model)
-        ...backward; squares = rest.grad_squares() + fp8.grad_squares()
-        rest.clip_and_update(squares); fp8.clip_and_update(squares)  # fp8 also recasts its shards
-    """
+    COMMUNICATION); everything else is lesson 02's. The other parameters need a ZeRO of their own,
+    both clipped by one norm: train_float8_zero shows the pair. clip_and_update recasts the shards."""
 
     unit_type = Float8GatherUnit
 
@@ -628,10 +623,8 @@ def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int
 
 
 def tensor_parallel_scales(model: nn.Module, group=None, sequence_parallel: bool = False) -> nn.Module:
-    """After lesson 03 split model over group: each Float8Linear takes the scales one device would,
-    amaxes MAX-reduced over the group for its weight and the operand split where it is cast: a
-    column-parallel layer's output gradient, a row-parallel layer's input, both (SP) for a layer 03
-    leaves whole on sequence shards (lesson 06's router)."""
+    """After lesson 03 split model over group: each Float8Linear takes the scales one device would
+    (the docstring's FP8 UNDER TENSOR PARALLELISM; a layer whole on SP's sequence shards: 06's router)."""
     if foundation.group_size(group) == 1:
         return model
     group = dist.group.WORLD if group is None else group  # None: no tensor parallelism
@@ -778,13 +771,19 @@ def train_losses(cfg: foundation.ModelConfig, steps: int, batch: int, seq_len: i
                                           transform=convert_to_float8 if float8 else None).losses
 
 
+def max_differences(run: foundation.TrainResult, reference: foundation.TrainResult) -> tuple[float, ...]:
+    """max |difference| of the losses, the step-0 gradients and the last parameters."""
+    return (max(abs(a - b) for a, b in zip(run.losses, reference.losses, strict=True)),
+            foundation.max_abs_diff(run.first_grads, reference.first_grads),
+            foundation.max_abs_diff(run.params, reference.params))
+
+
 def communication_demo(args: argparse.Namespace) -> None:
-    """On each rank: the three modes of train_float8_zero; rank 0 prints bytes, counts, differences."""
+    """On each rank: the three modes of train_float8_zero, then tensor_parallel_demo; rank 0 prints."""
     device = foundation.init_distributed()
     world, steps, m = dist.get_world_size(), 3, 2
-    shape = (foundation.ModelConfig(), steps, args.batch, args.seq_len)
-    runs = {mode: train_float8_zero(*shape, mode=mode, microbatches=m, device=device)
-            for mode in FLOAT8_ZERO_MODES}
+    runs = {mode: train_float8_zero(foundation.ModelConfig(), steps, args.batch, args.seq_len, mode=mode,
+                                    microbatches=m, device=device) for mode in FLOAT8_ZERO_MODES}
     casts = [None] * world if dist.get_rank() == 0 else None
     dist.gather_object(runs["zero3-fp8"][0].stats["weight_casts"] // steps, casts, dst=0)
     if dist.get_rank() == 0:
@@ -812,14 +811,11 @@ def communication_demo(args: argparse.Namespace) -> None:
         print(f"Weight pieces cast per step, rank by rank: {casts} = the {n} weights + {sum(casts) - n} "
               f"where a shard boundary cuts one:\n  each element once per step (fp32 gathers: each weight "
               f"in each of the {m} forwards, {m * n} casts per rank).")
-        fp8 = runs["zero3-fp8"][0]
         for mode, label in (("zero3", "the fp32-gather run"),
                             ("unsharded", "the unsharded run (ZeRO-0, each weight cast once per step)")):
-            ref = runs[mode][0]
-            print(f"max |difference| of the FP8-gather run from {label}: loss "
-                  f"{max(abs(a - b) for a, b in zip(fp8.losses, ref.losses)):.1e}, step-0 gradients "
-                  f"{foundation.max_abs_diff(fp8.first_grads, ref.first_grads):.1e}, parameters after "
-                  f"{steps} steps {foundation.max_abs_diff(fp8.params, ref.params):.1e}")
+            loss, grads, params = max_differences(runs["zero3-fp8"][0], runs[mode][0])
+            print(f"max |difference| of the FP8-gather run from {label}: loss {loss:.1e}, step-0 gradients "
+                  f"{grads:.1e}, parameters after {steps} steps {params:.1e}")
         print("Notice: a byte per gathered weight element, one small all-reduce per step, and the same bits "
               "as casting whole weights:\nthe cast is elementwise and each weight's scale global (the "
               "unsharded run sums its gradients in another order).")
@@ -848,11 +844,9 @@ def tensor_parallel_demo(args: argparse.Namespace, device: torch.device, steps: 
             measured = (meter.traffic("all_reduce") - steps * ring * megatron) / steps
             formula = tensor_parallel_amax_traffic(tp, cfg.n_layers, sequence_parallel=sp) if whole else 0
             label = ("whole tensors'" if whole else "each rank's own pieces'") + (", SP" if sp else "")
-            loss, same = max(abs(a - b) for a, b in zip(result.losses, reference.losses)), measured == formula
-            print(f"  {label:<48}{loss:>7.1e}"
-                  f"{foundation.max_abs_diff(result.first_grads, reference.first_grads):>17.1e}"
-                  f"{foundation.max_abs_diff(result.params, reference.params):>11.1e}   "
-                  f"{float(measured):,.0f} B | {float(formula):,.0f} B{'' if same else ' (!=)'}")
+            loss, grads, params = max_differences(result, reference)
+            print(f"  {label:<48}{loss:>7.1e}{grads:>17.1e}{params:>11.1e}   {float(measured):,.0f} B | "
+                  f"{float(formula):,.0f} B{'' if measured == formula else ' (!=)'}")
         print("Notice: with the whole tensors' scales every FP8 number is one device's (what remains is the "
               "order of the split sums);\nwith each rank's own, the FP8 roundings differ everywhere, "
               "for a few bytes of amaxes less.")

@@ -23,12 +23,14 @@ proofs of every exercise are not run twice each):
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -46,20 +48,43 @@ PROOF_LINE = re.compile(r"^(?P<owners>\d\d\.\d(?:,\d\d\.\d)*)  (?P<status>passed
 COMMAND_TIMEOUT, CHECK_TIMEOUT = 600, 3600
 
 
+class WorkshopRun:
+    """The tool as an instructor runs it, on the CPU even on a GPU machine, started now and awaited by
+    result(): several can run at once (their output goes to files, so no pipe fills and blocks one)."""
+
+    def __init__(self, *args) -> None:
+        self.command = [sys.executable, str(TESTS / "workshop.py"), *map(str, args)]
+        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(self.command, stdout=self.out, stderr=self.err, text=True,
+                                     env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, start_new_session=True)
+        self.started = time.monotonic()
+
+    def result(self, timeout: float = COMMAND_TIMEOUT) -> subprocess.CompletedProcess:
+        """Its exit status and output. On a timeout its whole process group (the rank pools' workers
+        too) is killed and what it printed is shown."""
+        try:
+            self.proc.wait(timeout=max(0.0, self.started + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            timed_out = True
+        else:
+            timed_out = False
+        for stream in (self.out, self.err):
+            stream.seek(0)
+        stdout, stderr = self.out.read(), self.err.read()
+        if timed_out:
+            pytest.fail(f"{' '.join(self.command[1:])} did not finish in {timeout} s; it printed:\n"
+                        f"{stdout}{stderr}")
+        return subprocess.CompletedProcess(self.command, self.proc.returncode, stdout, stderr)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
 def run_workshop(*args, timeout: float = COMMAND_TIMEOUT) -> subprocess.CompletedProcess:
-    """The tool as an instructor runs it, on the CPU even on a GPU machine. On a timeout its whole
-    process group (the rank pools' workers too) is killed and what it printed is shown."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    command = [sys.executable, str(TESTS / "workshop.py"), *map(str, args)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{' '.join(command[1:])} did not finish in {timeout} s; it printed:\n{stdout}{stderr}")
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+    return WorkshopRun(*args).result(timeout)
 
 
 def proof_lines(stdout: str) -> dict[str, tuple[str, str, str]]:
@@ -216,23 +241,25 @@ def graded() -> list[tuple[list, subprocess.CompletedProcess]]:
     """Three check sessions: (the exercises it graded, its output). The first blanks the first wave
     in a copy. The second blanks the second wave in another, whose needs are written there, three of
     them wrong (PLANTED), and also grades SOLVED. The third grades every other exercise on the
-    course's own lessons, where all are solved."""
+    course's own lessons, where all are solved. The three run at once: each spends much of its time
+    waiting (for its rank pools to start, for gloo), so together they keep both cores busy."""
     assert len(WAVES) == 2, "two sessions for all the exercises: a third wave costs CI time, think first"
     assert set(PLANTED) | set(SOLVED) <= set(WAVES[0]) and not set(PLANTED) & set(SOLVED)
-    sessions = []
-    for wave, extra in ((WAVES[0], []), (WAVES[1], [*PLANTED, *SOLVED])):
-        # Not tmp_path_factory's folders: another pytest run of this user may delete them meanwhile.
-        with tempfile.TemporaryDirectory(prefix="workshop-") as folder:
-            copy = Path(folder) / "copy"
+    with contextlib.ExitStack() as cleanup:
+        checks = []
+        for wave, extra in ((WAVES[0], []), (WAVES[1], [*PLANTED, *SOLVED])):
+            # Not tmp_path_factory's folders: another pytest run of this user may delete them meanwhile.
+            copy = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="workshop-"))) / "copy"
             assert run_workshop("copy", copy, "--exercises", ",".join(wave)).returncode == 0
             for exercise_id in set(extra) & set(PLANTED):
                 plant(copy, exercise_id)
             graded_ids = [*wave, *extra]
-            result = run_workshop("check", *graded_ids, "--copy", copy, timeout=CHECK_TIMEOUT)
-        sessions.append(([workshop.BY_ID[i] for i in graded_ids], result))
-    rest = [e for e in EXERCISES if e.id not in SOLVED]
-    sessions.append((rest, run_workshop("check", *(e.id for e in rest), timeout=CHECK_TIMEOUT)))
-    return sessions
+            checks.append((graded_ids, WorkshopRun("check", *graded_ids, "--copy", copy)))
+            cleanup.callback(checks[-1][1].stop)  # before its copy is deleted, if a session failed
+        rest = [e.id for e in EXERCISES if e.id not in SOLVED]
+        checks.append((rest, WorkshopRun("check", *rest)))
+        cleanup.callback(checks[-1][1].stop)
+        return [([workshop.BY_ID[i] for i in ids], run.result(CHECK_TIMEOUT)) for ids, run in checks]
 
 
 @pytest.mark.parametrize("wave", [0, 1], ids=["first wave", "second wave"])
