@@ -1304,7 +1304,7 @@ def test_sigint_to_the_launcher_alone_stops_its_ranks_before_it_says_so():
         ranks = rank_processes(proc.pid)
         assert len(ranks) == 2, err.decode()
         os.kill(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
+        proc.wait(timeout=300)  # a hang guard: it took > 60 s once on a loaded 2-core CI run (2026-11-26)
         reader.join(timeout=10)
         text = err.decode(errors="replace")
         assert proc.returncode == 130, text
