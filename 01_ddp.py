@@ -847,7 +847,7 @@ class GPT(nn.Module):
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and shape in GPT(cfg), in registration order, without building it
-    (lesson 09 plans models far too big for this machine)."""
+    (lessons 09 and 10 plan models far too big for this machine)."""
     d, kv, f = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
     layer = {"attn_norm.weight": (d,), "attn.q_proj.weight": (d, d), "attn.k_proj.weight": (kv, d),
              "attn.v_proj.weight": (kv, d), "attn.out_proj.weight": (d, d), "mlp_norm.weight": (d,),

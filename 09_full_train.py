@@ -1106,7 +1106,7 @@ def resumed_validation(meta: dict, again: float, sizes: MeshSizes) -> str:
 
 
 # ==============================================================================================
-# RUN IT: the three programs (train, check, plan), what they print, the command line
+# RUN IT: the two programs (train, check), what they print, the command line
 # ==============================================================================================
 
 
@@ -1348,7 +1348,7 @@ def demo(args: argparse.Namespace) -> None:
     foundation.exit_distributed()
 
 
-# --- The command line: check | train | plan, generated from the option fields ---------------------
+# --- The command line: check | train, generated from the option fields (10's plan reuses them) ----
 
 
 @dataclass(frozen=True)
