@@ -316,11 +316,9 @@ def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
             raise ValueError("cuBLAS has no e5m2 x e5m2 GEMM: make one operand e4m3")
         if a_scale.numel() > 1 and out_dtype != torch.bfloat16:
             raise ValueError(f"rowwise-scaled FP8 GEMMs on CUDA need out_dtype=bfloat16, got {out_dtype}")
-    elif a_scale.numel() > 1 or b_scale.numel() > 1:
-        # torch 2.11's CPU kernel takes per-tensor scales only: scale the unit-scaled product's rows
-        # and columns after it, the same sum (each dot product still runs over raw FP8 values).
-        one = torch.ones((), device=a_q.device)
-        product = torch._scaled_mm(a_q, b_q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    else:  # torch's CPU _scaled_mm is a scalar loop (1024x128 @ 128x384: 0.9 s, fp32's GEMM 1 ms):
+        # the same sum in fp32, where FP8 values and their products are exact; then the scales
+        product = a_q.float() @ b_q.float().t()
         return (product / a_scale.reshape(-1, 1) / b_scale.reshape(1, -1)).to(out_dtype)
     return torch._scaled_mm(a_q, b_q.t(), scale_a=a_scale.reciprocal(),
                             scale_b=b_scale.reciprocal().reshape(1, -1), out_dtype=out_dtype)
