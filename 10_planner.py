@@ -108,8 +108,9 @@ def pipeline_span(busy: list[float], bubble: float, boundary: float, pp: int, mi
                   virtual: int, hide: bool) -> tuple[float, float]:
     """(span, fill): the pipeline's seconds, and of them the fill and drain's sends (boundary seconds
     each: the first forward's pp - 1 hops before the last rank starts, the last backward's after it
-    ends; hide=False: every microbatch's, both ways, over all pp x virtual - 1 boundaries; one stage:
-    none). Outside them the slowest rank is busy max(busy) and idle 04's bubble, its idle fraction."""
+    ends; hide=False: every microbatch's, both ways, over all pp x virtual - 1 boundaries; pp = 1:
+    none, one rank holds every stage). Outside them the slowest rank is busy max(busy) and idle 04's
+    bubble, its idle fraction."""
     fill = (pp > 1) * boundary * (2 * (pp - 1) if hide else 2 * microbatches * (pp * virtual - 1))
     return max(busy) / (1 - bubble) + fill, fill
 

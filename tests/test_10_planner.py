@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from conftest import ROOT
@@ -189,14 +189,16 @@ def test_inside_node_exactly_when_no_group_of_the_kind_crosses_a_node():
 @given(busy=st.lists(st.floats(1e-3, 10.0), min_size=1, max_size=8), bubble=st.floats(0.0, 0.9),
        boundary=st.floats(1e-6, 1e-2), pp=st.integers(1, 8), microbatches=st.integers(1, 16),
        virtual=st.integers(1, 3), hide=st.booleans())
+@example(busy=[1.0], bubble=0.0, boundary=1e-3, pp=1, microbatches=2, virtual=2, hide=False)
 def test_the_pipeline_span_idles_the_slowest_rank_the_bubble_plus_the_fill_and_drain(
         busy, bubble, boundary, pp, microbatches, virtual, hide):
     """Outside the fill and drain's sends, the slowest rank is busy max(busy) and idle the bubble's
     fraction of the span (04's bubble is that idle fraction; stretched by 1 + bubble, it would idle
     bubble / (1 + bubble)). The sends: with overlap, those the first forward and the last backward
     make (pp - 1 each); without, every microbatch's, both ways, at each of the pp x virtual - 1
-    boundaries between consecutive stages; one stage sends nothing. Tolerance: span - fill rounds
-    off about 1e-16 x the fill (under 10 s), which the idle fraction divides by >= 1e-3 s."""
+    boundaries between consecutive stages; pp = 1 sends nothing (one rank holds its stages: the
+    example). Tolerance: span - fill rounds off about 1e-16 x the fill (under 10 s), which the idle
+    fraction divides by >= 1e-3 s."""
     span, fill = planner.pipeline_span(busy, bubble, boundary, pp, microbatches, virtual, hide)
     crossings = 0 if pp == 1 else 2 * (pp - 1) if hide else 2 * microbatches * (pp * virtual - 1)
     assert fill == pytest.approx(crossings * boundary, rel=1e-12), f"fill: not {crossings} boundary sends"
