@@ -104,6 +104,17 @@ def inside_node(sizes: MeshSizes, kind: str, gpus_per_node: int) -> bool:
     return gpus_per_node % block == 0
 
 
+def pipeline_span(busy: list[float], bubble: float, boundary: float, pp: int, microbatches: int,
+                  virtual: int, hide: bool) -> tuple[float, float]:
+    """(span, fill): the pipeline's seconds, and of them the fill and drain's sends (boundary seconds
+    each: the first forward's pp - 1 hops before the last rank starts, the last backward's after it
+    ends; hide=False: every microbatch's, both ways, over all pp x virtual - 1 boundaries; pp = 1:
+    none, one rank holds every stage). Outside them the slowest rank is busy max(busy) and idle 04's
+    bubble, its idle fraction."""
+    fill = (pp > 1) * boundary * (2 * (pp - 1) if hide else 2 * microbatches * (pp * virtual - 1))
+    return max(busy) / (1 - bubble) + fill, fill
+
+
 PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble")  # a step's, as printed
 
 
@@ -171,9 +182,7 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
     bubble = pipeline.bubble_formula(train.schedule, pp, m, train.virtual)
     busy = [sum(parts.values()) - parts["DP"] for parts, _ in ranks]
     message = rows * s // (tp if train.sequence_parallel else 1) * cfg.dim * e  # a boundary's, each way
-    sends = 2 * (pp - 1) if hide else 2 * m * (pp * train.virtual - 1)  # the fill and drain's; all
-    fill = (pp > 1) * sends * send("pp", message)
-    span = max(busy) / (1 - bubble) + fill
+    span, fill = pipeline_span(busy, bubble, send("pp", message), pp, m, train.virtual, hide)
     totals = [span + parts["DP"] + after for parts, after in ranks]
     slowest = totals.index(max(totals))
     parts, after = ranks[slowest]

@@ -313,4 +313,27 @@ EXERCISES = (
         proofs=("test_mesh_coordinates_and_groups",
                 "test_a_nan_propagates_to_every_rank"),
         needs=("09.1",)),
+
+    Exercise(
+        "10.1", "10_planner.py", ("inside_node",), "whether a group stays inside a node",
+        task="Return whether every group of this kind (its dims: full_train.GROUP_DIMS, dp x cp for a "
+             "kind not there) has all its ranks on one node of gpus_per_node consecutive ranks. Ranks "
+             "are numbered tp fastest (09's MeshSizes.rank), so only the group's dims of size > 1 move, "
+             "and a group lies in an aligned block of its slowest moving dim's size x the sizes of all "
+             "faster dims. Docstring: THE STEP TIME; inside_node's own.",
+        hint="Draw dp = 1, pp = 1, cp = 2, tp = 2 on nodes of 2: the cp groups are 0, 2 and 1, 3. "
+             "A block no bigger than a node can still straddle two: the node must hold whole blocks.",
+        minutes=10,
+        proofs=("test_inside_node_exactly_when_no_group_of_the_kind_crosses_a_node",)),
+    Exercise(
+        "10.2", "10_planner.py", ("pipeline_span",), "the span of the pipeline",
+        task="Return (span, fill): fill, the sends nothing hides, boundary seconds each: with overlap "
+             "(hide) the first forward's pp - 1 boundary crossings and the last backward's, without it "
+             "every microbatch's both ways over the pp x virtual - 1 boundaries, none at pp = 1; span, "
+             "the slowest rank's busy seconds stretched so that 04's bubble is its idle fraction, plus "
+             "fill. Docstring: THE STEP TIME; pipeline_span's own.",
+        hint="A rank idle a fraction b of a span T is busy (1 - b) T. Compare 1F1B at pp = 8, m = 8 "
+             "(bubble 7/15): dividing by 1 - b and multiplying by 1 + b differ by 1.9x.",
+        minutes=10,
+        proofs=("test_the_pipeline_span_idles_the_slowest_rank_the_bubble_plus_the_fill_and_drain",)),
 )

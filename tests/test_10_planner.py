@@ -9,13 +9,14 @@ stated accuracy: a change that moves a prediction further is a change to the mod
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 import re
 import sys
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from conftest import ROOT
@@ -166,6 +167,44 @@ def test_the_prediction_moves_the_right_way_when_one_input_changes():
     assert slow["parts"]["GEMMs"] == fast["parts"]["GEMMs"] and slow["step"] > fast["step"]
     assert slow["parts"]["DP"] > fast["parts"]["DP"] and slow["parts"]["PP"] > fast["parts"]["PP"]
 
+
+
+def test_inside_node_exactly_when_no_group_of_the_kind_crosses_a_node():
+    """Every mesh of sizes 1-3 and every kind of group, on nodes of each size that divides the world
+    (and of twice the world): inside_node is true iff each group, derived here from the grid of ranks
+    (tp fastest: rank = ((d pp + p) cp + c) tp + t), has its ranks on one node. A block that merely
+    fits in a node (not aligned to it), or one of the group's own sizes only, fails here."""
+    for shape in itertools.product((1, 2, 3), repeat=len(full_train.DIMS)):
+        world, grid = math.prod(shape), torch.arange(math.prod(shape)).reshape(shape)
+        for kind, dims in full_train.GROUP_DIMS.items():
+            moving = [full_train.DIMS.index(d) for d in dims]
+            held = [axis for axis in range(len(shape)) if axis not in moving]
+            groups = grid.permute(*held, *moving).reshape(-1, math.prod(shape[axis] for axis in moving))
+            for per_node in [g for g in range(1, world + 1) if world % g == 0] + [2 * world]:
+                expected = bool((groups // per_node == groups[:, :1] // per_node).all())
+                assert planner.inside_node(full_train.MeshSizes(*shape), kind, per_node) == expected, (
+                    f"dp, pp, cp, tp = {shape}, nodes of {per_node}: {kind} groups inside a node: {expected}")
+
+
+@given(busy=st.lists(st.floats(1e-3, 10.0), min_size=1, max_size=8), bubble=st.floats(0.0, 0.9),
+       boundary=st.floats(1e-6, 1e-2), pp=st.integers(1, 8), microbatches=st.integers(1, 16),
+       virtual=st.integers(1, 3), hide=st.booleans())
+@example(busy=[1.0], bubble=0.0, boundary=1e-3, pp=1, microbatches=2, virtual=2, hide=False)
+def test_the_pipeline_span_idles_the_slowest_rank_the_bubble_plus_the_fill_and_drain(
+        busy, bubble, boundary, pp, microbatches, virtual, hide):
+    """Outside the fill and drain's sends, the slowest rank is busy max(busy) and idle the bubble's
+    fraction of the span (04's bubble is that idle fraction; stretched by 1 + bubble, it would idle
+    bubble / (1 + bubble)). The sends: with overlap, those the first forward and the last backward
+    make (pp - 1 each); without, every microbatch's, both ways, at each of the pp x virtual - 1
+    boundaries between consecutive stages; pp = 1 sends nothing (one rank holds its stages: the
+    example). Tolerance: span - fill rounds off about 1e-16 x the fill (under 10 s), which the idle
+    fraction divides by >= 1e-3 s."""
+    span, fill = planner.pipeline_span(busy, bubble, boundary, pp, microbatches, virtual, hide)
+    crossings = 0 if pp == 1 else 2 * (pp - 1) if hide else 2 * microbatches * (pp * virtual - 1)
+    assert fill == pytest.approx(crossings * boundary, rel=1e-12), f"fill: not {crossings} boundary sends"
+    pipeline_seconds = span - fill
+    idle = (pipeline_seconds - max(busy)) / pipeline_seconds
+    assert idle == pytest.approx(bubble, rel=1e-9, abs=1e-9), f"idles {idle:.6g} of the span, not {bubble}"
 
 # The README's table: label -> (preset, mesh (dp, pp, cp, tp), plan's options, the published figure:
 # ms a step, tokens/s per GPU, or TFLOP/s per GPU as 09's flops_per_token counts them: PaLM's (Meta's

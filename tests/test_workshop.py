@@ -16,7 +16,7 @@ proofs of every exercise are not run twice each):
   meets its own exercise's blank first. The second also grades the first wave's exercises written
   right whose proofs run nothing the second wave blanks (SOLVED); the third grades every other
   exercise on the course itself, the solutions;
-- three plausible wrong answers, planted in first-wave exercises of the second copy, fail their
+- five plausible wrong answers, planted in first-wave exercises of the second copy, fail their
   checks, the proof named on each line;
 - bad commands: one line, exit status 2, nothing written.
 """
@@ -107,10 +107,9 @@ def assert_one_line_each(result: subprocess.CompletedProcess, exercises: list) -
 
 def test_two_to_four_exercises_per_lesson_each_a_function_with_a_body_and_real_proofs():
     ids = [e.id for e in EXERCISES]
-    assert len(set(ids)) == len(ids) and all(re.fullmatch(r"0[1-9]\.[1-9]", i) for i in ids)
+    assert len(set(ids)) == len(ids) and all(re.fullmatch(r"(0[1-9]|10)\.[1-9]", i) for i in ids)
     per_lesson = Counter(e.file for e in EXERCISES)
-    graded = [lesson for lesson in workshop.LESSONS if lesson != "10_planner.py"]  # 10: no exercise yet
-    assert sorted(per_lesson) == graded and all(2 <= n <= 4 for n in per_lesson.values())
+    assert sorted(per_lesson) == list(workshop.LESSONS) and all(2 <= n <= 4 for n in per_lesson.values())
     seen = set()
     for e in EXERCISES:
         assert e.file[:2] == e.id[:2], e.id
@@ -130,7 +129,7 @@ def test_two_to_four_exercises_per_lesson_each_a_function_with_a_body_and_real_p
 def test_the_readmes_workshop_table_is_the_list():
     """The README's table (id and minutes of every exercise) says what tests/exercises.py says."""
     section = (COURSE / "README.md").read_text().split("\n## Workshop\n")[1].split("\n## ")[0]
-    rows = [line for line in section.splitlines() if re.match(r"\| 0[1-9] \|", line)]
+    rows = [line for line in section.splitlines() if re.match(r"\| (0[1-9]|10) \|", line)]
     listed = {i: int(m) for row in rows for i, m in re.findall(r"(\d\d\.\d) [^,(|]+ \((\d+)\)", row)}
     assert listed == {e.id: e.minutes for e in EXERCISES}
 
@@ -221,6 +220,8 @@ PLANTED = {
     "01.1": ("01_ddp.py", "        param.grad.div_(world)\n", ""),  # no division by the group size
     "04.1": ("04_pipeline.py", "min(m, pp - rank - 1)", "min(m, pp - rank)"),  # a warm-up forward too many
     "05.1": ("05_context_parallel.py", "lse_a - F.logsigmoid(diff)", "lse_a + F.logsigmoid(diff)"),  # a sign
+    "10.1": ("10_planner.py", "gpus_per_node % block == 0", "block <= gpus_per_node"),  # fits, unaligned
+    "10.2": ("10_planner.py", "max(busy) / (1 - bubble)", "max(busy) * (1 + bubble)"),  # stretched wrong
 }
 # First-wave exercises written right in the second copy, whose proofs call nothing the second wave blanks.
 SOLVED = ("01.2", "02.1", "02.2", "03.1", "03.2", "05.2", "06.1", "07.1", "08.1")
@@ -240,7 +241,7 @@ def plant(copy: Path, exercise_id: str) -> None:
 @pytest.fixture(scope="module")
 def graded() -> list[tuple[list, subprocess.CompletedProcess]]:
     """Three check sessions: (the exercises it graded, its output). The first blanks the first wave
-    in a copy. The second blanks the second wave in another, whose needs are written there, three of
+    in a copy. The second blanks the second wave in another, whose needs are written there, five of
     them wrong (PLANTED), and also grades SOLVED. The third grades every other exercise on the
     course's own lessons, where all are solved. The three run at once: each spends much of its time
     waiting (for its rank pools to start, for gloo), so together they keep both cores busy."""
