@@ -407,12 +407,18 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if stated else super()._get_help_string(action)
 
 
+def prints_here() -> bool:
+    """Under torchrun every rank runs main(): rank 0 alone prints what is said once (the help, an
+    option's error, 10's plan). A RANK torchrun did not set (left in a shell) silences nothing."""
+    return os.environ.get("RANK", "0") == "0" or "TORCHELASTIC_RUN_ID" not in os.environ
+
+
 class LessonParser(argparse.ArgumentParser):
-    """Under torchrun every rank parses the same options: rank 0 alone prints the help or an
-    error, and every rank exits with the same code (2 for an error)."""
+    """Every rank parses the same options and exits with the same code (2 for an error); the help
+    or an error is printed where prints_here()."""
 
     def _print_message(self, message: str, file=None) -> None:
-        if os.environ.get("RANK", "0") == "0":
+        if prints_here():
             super()._print_message(message, file)
 
 
