@@ -49,7 +49,6 @@ import contextlib
 import datetime
 import math
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -377,15 +376,10 @@ def init_distributed(timeout_s: float = 120.0) -> torch.device:
     return device
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launched_rank(local_rank: int, fn: Callable, args: tuple, nproc: int, port: int) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
-                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")  # rank 0 too joins launch()'s store
     # Like torchrun: N processes x all cores each would oversubscribe the CPU many times over.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     # tqdm's default lock is a multiprocessing semaphore, which a spawned rank shares with no one and
@@ -413,12 +407,18 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if stated else super()._get_help_string(action)
 
 
+def prints_here() -> bool:
+    """Under torchrun every rank runs main(): rank 0 alone prints what is said once (the help, an
+    option's error, 10's plan). A RANK torchrun did not set (left in a shell) silences nothing."""
+    return os.environ.get("RANK", "0") == "0" or "TORCHELASTIC_RUN_ID" not in os.environ
+
+
 class LessonParser(argparse.ArgumentParser):
-    """Under torchrun every rank parses the same options: rank 0 alone prints the help or an
-    error, and every rank exits with the same code (2 for an error)."""
+    """Every rank parses the same options and exits with the same code (2 for an error); the help
+    or an error is printed where prints_here()."""
 
     def _print_message(self, message: str, file=None) -> None:
-        if os.environ.get("RANK", "0") == "0":
+        if prints_here():
             super()._print_message(message, file)
 
 
@@ -480,7 +480,10 @@ def launch(fn: Callable, *args, nproc: int) -> None:
     if "RANK" in os.environ:
         fn(*args)
         return
-    ranks = mp.start_processes(_launched_rank, args=(fn, args, nproc, free_port()), nprocs=nproc,
+    # The rendezvous store is served from here, as torchrun's agent serves it, on a port the system
+    # picks and this process holds: a port chosen here and bound later by rank 0 could be taken between.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ranks = mp.start_processes(_launched_rank, args=(fn, args, nproc, store.port), nprocs=nproc,
                                start_method="spawn", join=False)
     try:
         while not ranks.join(grace_period=10):  # a rank fails: the others get 10 s to stop themselves

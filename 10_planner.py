@@ -345,7 +345,9 @@ def main() -> None:
         problems = full_train.broken_rules(args, full_train.option_fields("plan", OPTIONS), flagged=True)
         if problems:
             raise ValueError(problems[0])
-        print(plan_report(args))
+        report = plan_report(args)
+        if foundation.prints_here():  # once under torchrun, though nothing needs it
+            print(report)
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
 

@@ -121,7 +121,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     results.put(("ready", rank, "ok", b""))
@@ -158,7 +158,11 @@ class RankPool:
         self.healthy = True
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        port = importlib.import_module("01_ddp").free_port()
+        import torch.distributed as dist
+
+        # Every rank joins this store (01_ddp.launch's way): its port is never free for another process.
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port = self.store.port
         self.procs = [ctx.Process(target=_worker, daemon=True, args=(r, world_size, port, self.tasks[r],
                                                                      self.results, list(sys.path), str(ROOT)))
                       for r in range(world_size)]

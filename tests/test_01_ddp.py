@@ -21,6 +21,7 @@ import dataclasses
 import importlib
 import math
 import re
+import socket
 import sys
 from fractions import Fraction
 
@@ -738,6 +739,23 @@ def test_launch_world_size(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert foundation.launch_world_size(3) == 1, "under torchrun, torchrun's world size"
+
+
+def _join_and_leave() -> None:
+    foundation.init_distributed()
+    foundation.exit_distributed()
+
+
+def test_launch_rendezvous_survives_a_port_taken_by_another_process(monkeypatch):
+    """A port chosen, released, then bound by rank 0's store can be taken in between (a parallel test
+    did, once: EADDRINUSE). Here it is taken before any rank starts: launch must not depend on it."""
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(foundation, "free_port", lambda: taken.getsockname()[1], raising=False)
+        foundation.launch(_join_and_leave, nproc=2)
 
 
 # --- the script itself ------------------------------------------------------------------------

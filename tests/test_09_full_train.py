@@ -1173,6 +1173,7 @@ def test_under_torchrun_rank_0_alone_prints_an_invalid_option(monkeypatch, capsy
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun sets it; a shell's stray RANK lacks it
     for rank in ("1", "0"):
         monkeypatch.setenv("RANK", rank)
         for argv in (["--max-grad-norm", "0"], ["--dp", "x"]):  # ours, and argparse's own

@@ -109,6 +109,22 @@ def test_plan_refuses_an_impossible_input_in_one_line_before_any_work(monkeypatc
     assert (code, out, err) == (2, "", f"10_planner.py: error: {message}\n")
 
 
+@pytest.mark.parametrize("rank, torchrun, prints", [
+    ("0", True, True), ("1", True, False), ("1", False, True)],
+    ids=["torchrun rank 0", "torchrun rank 1", "a shell's stray RANK=1"])
+def test_under_torchrun_the_plan_and_an_error_are_printed_once(monkeypatch, capsys, rank, torchrun, prints):
+    """torchrun --nproc_per_node=2 printed the plan twice; a RANK left in a shell silenced the errors."""
+    for name, value in dict(RANK=rank, WORLD_SIZE="2", LOCAL_RANK=rank, MASTER_ADDR="localhost",
+                            MASTER_PORT="29500", TORCHELASTIC_RUN_ID="none").items():
+        monkeypatch.setenv(name, value)
+    if not torchrun:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    code, out, err = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "8")
+    assert code == 0 and not err and out.startswith("llama3-8b: 8.03B parameters") == prints, (out, err)
+    code, out, err = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "0")
+    assert code == 2 and not out and err.startswith("10_planner.py: error: --gpus") == prints, err
+
+
 def test_llama3_405b_on_metas_mesh_is_planned_without_building_it():
     """tp 8, pp 16, dp 64 on 8,192 GPUs (Meta's): nothing is built; the pipeline ranks' TP-local
     parameters x 8 add up to the model's (vocabulary 128,256, heads and ffn all divide by 8: no
