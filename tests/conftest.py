@@ -263,11 +263,16 @@ class RankPools:
             pool.close(deadline)
 
 
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def run_script(script: str, *args: str, timeout: float = SCRIPT_TIMEOUT_S) -> str:
     """`python <script> <args>` as a reader runs it (its own local ranks, on the CPU even on a GPU
     machine); its whole process group is killed if it overruns. Asserts exit 0 and no resource
     tracker's warning at exit (a semaphore a rank left behind); returns stdout."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    # a reader's shell, not a torchrun rank's: a RANK left exported would wait for a world that is gone
+    env = {name: value for name, value in os.environ.items() if name not in TORCHRUN_VARIABLES
+           and not name.startswith("TORCHELASTIC_")} | {"CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

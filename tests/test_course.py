@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import ROOT, RankFailure
+from conftest import ROOT, RankFailure, run_script
 
 foundation = importlib.import_module("01_ddp")
 
@@ -133,3 +133,13 @@ def test_harness_names_the_failing_and_the_silent_rank(rank_pool):
     assert "rank 1 broke before the all-reduce" in failure.value.errors[1]
     assert failure.value.errors[0].startswith("no answer")
     assert rank_pool.run(2, dist.get_rank) == [0, 1], "a fresh pool replaces the broken one"
+
+
+def test_a_script_test_runs_as_from_a_readers_shell_whatever_torchrun_left_exported(monkeypatch):
+    """A shell left by a torchrun job (RANK=1 ...): run_script starts the lesson without those, so a
+    script test neither waits for a world that is gone nor runs as a silent rank 1."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "left-over")
+    for name, value in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="localhost",
+                            MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)
+    assert "llama3-8b" in run_script("10_planner.py", "--model", "llama3-8b", "--gpus", "8")
