@@ -527,7 +527,7 @@ class ZeRO:
     @torch.no_grad()
     def load_shards(self, shards: list[dict[str, torch.Tensor]], step: int) -> None:
         """This rank's shards, one {kind: values of unit.owned} per unit, from anywhere (a full state
-        cut here, a checkpoint's pieces: load_zero_pieces, lesson 09)."""
+        cut here, a checkpoint's pieces: read_shards)."""
         for unit, values in zip(self.units, shards, strict=True):
             unit.master.copy_(values["params"])
             moments = {key: values[key].to(unit.master.device).clone() for key in ADAM_KEYS}
@@ -852,39 +852,51 @@ def load_model(model: nn.Module, folder: str | os.PathLike) -> dict:
 # --- ZeRO's shards as pieces ----------------------------------------------------------------------
 
 
-def shard_pieces(unit: FlatUnit) -> Iterator[tuple[Piece, slice]]:
-    """Each parameter's elements in this rank's shard of unit: their piece, and where they lie in it."""
+def whole_tensor(unit: FlatUnit, i: int) -> Piece:
+    return whole_piece(unit.names[i], unit.shapes[i])
+
+
+PieceOf = Callable[[FlatUnit, int], Piece]  # parameter i of a unit as this rank holds it before ZeRO
+
+
+def shard_pieces(unit: FlatUnit, piece_of: PieceOf = whole_tensor) -> Iterator[tuple[int, Piece, slice]]:
+    """(i, piece, where its values lie in this rank's shard) for each parameter i with elements in the
+    shard. piece_of: the parameter before ZeRO flattens it (here the whole tensor; lesson 09: a rank's
+    tensor- or expert-parallel slice of the reference model's), narrowed to the shard's elements."""
     for i, start, stop in shard_parts(unit):
         at = unit.offsets[i] + start - unit.owned.start
-        yield whole_piece(unit.names[i], unit.shapes[i]).narrow(start, stop), slice(at, at + stop - start)
+        yield i, piece_of(unit, i).narrow(start, stop), slice(at, at + stop - start)
 
 
-def zero_pieces(optimizer: ZeRO) -> list[tuple[Piece, dict[str, torch.Tensor]]]:
-    """The pieces this rank writes of a ZeRO, with their values of each kind: its shard's (stage 0: the
-    group's rank 0 writes all), and the frozen parameters (whole on every rank, no moments) by rank 0."""
+def zero_pieces(optimizer: ZeRO, piece_of: PieceOf = whole_tensor, writes: Callable[[nn.Parameter], bool]
+                = lambda p: True) -> list[tuple[Piece, dict[str, torch.Tensor]]]:
+    """The pieces this rank writes of a ZeRO, with their values of each kind: its shard's of the
+    parameters `writes` accepts (stage 0: the group's rank 0 writes all; lesson 09: tp rank 0 those
+    replicated over tp), and the frozen parameters (whole on every rank, no moments) by rank 0."""
     first, out = dist.get_rank(optimizer.group) == 0, []
     for unit in optimizer.units if optimizer.stage > 0 or first else ():
         state = optimizer.shard_state(unit)
         out += [(piece, {k: v[at].detach().float().cpu() for k, v in state.items()})
-                for piece, at in shard_pieces(unit)]
+                for i, piece, at in shard_pieces(unit, piece_of) if writes(unit.params[i])]
     return out + [(whole_piece(n, p.shape), {"params": p.detach().float().cpu().flatten()})
                   for n, p in optimizer.frozen if first]
 
 
 @torch.no_grad()
-def load_zero_pieces(optimizer: ZeRO, reader: CheckpointReader, step: int) -> None:
-    """Give a ZeRO of any group size and stage its shards from a checkpoint of any other: it reads
-    only the saved runs that overlap them, and builds no whole tensor."""
+def read_shards(optimizer: ZeRO, reader: CheckpointReader, piece_of: PieceOf = whole_tensor) -> list[dict]:
+    """A ZeRO's shards (of any group size and stage) from a checkpoint of any other, for its
+    load_shards: only the saved runs that overlap them are read, no whole tensor is built; frozen
+    parameters are copied in as read. No collective: ranks can agree that all read before any loads."""
     shards = []
     for unit in optimizer.units:
         values = {k: torch.zeros(unit.owned.stop - unit.owned.start) for k in CHECKPOINT_KINDS}  # padding: 0
-        for piece, at in shard_pieces(unit):
+        for _, piece, at in shard_pieces(unit, piece_of):
             for k, v in reader.read(piece).items():
                 values[k][at] = v
         shards.append(values)
     for name, p in optimizer.frozen:
         p.copy_(reader.read(whole_piece(name, p.shape), ("params",))["params"].view(p.shape))
-    optimizer.load_shards(shards, step)
+    return shards
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1014,7 +1026,7 @@ def checkpoint_demo(cfg: foundation.ModelConfig, saved: dict, device: torch.devi
     if rank < half:
         reader = CheckpointReader(*open_checkpoint(folder, config, rank=rank, world=half))
         smaller = ZeRO(foundation.GPT(cfg).to(device), 1, group)
-        load_zero_pieces(smaller, reader, step)
+        smaller.load_shards(read_shards(smaller, reader), step)
         loaded = smaller.full_state_dict()
         same = all(torch.equal(loaded[k][n], saved[k][n]) for k in CHECKPOINT_KINDS for n in saved[k])
         elements = sum(stop - start for unit in smaller.units for _, start, stop in shard_parts(unit))

@@ -6,11 +6,11 @@ sections, in order:
   Options: option(), a dataclass field that is also a command-line option, its rule beside it    all
   The mesh: MeshSizes (tp fastest), build_mesh (every group), rank_map                           all
   The configuration: TrainConfig; validate, every lesson's rule before any collective            all
-  Held pieces: ShardSpec, spec_piece (which slice of which reference parameter), assemble        check, train
+  Held pieces: held_piece (a rank's elements of a reference parameter: 02's Piece), assemble  check, train
   The composed model and its step: build_stage_model; Trainer (forward_backward, update)         check, train
   The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it)      all
   Data, learning rate, MFU, sampling: ShardedLoader (bytes are tokens), flops_per_token, sample  train
-  Checkpoints: a Trainer's pieces (shard_specs) in lesson 02's protocol                         train, check
+  Checkpoints: a Trainer's pieces (piece_of) in lesson 02's protocol                          train, check
   The training run: MODELS, RunConfig, train_loop                                                train
   RUN IT: train_run and its printing; check's demo; the command line (COMMANDS)                  all
 
@@ -295,56 +295,41 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
 # --- Where each held parameter comes from: the contract for reassembly and checkpoints ------------
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """This rank's piece of one parameter of the lesson-01 reference model."""
-    name: str                      # the reference model's parameter name
-    full_shape: tuple[int, ...]    # its global shape
-    stage: int                     # the pipeline stage that holds it
-    tp_dim: int | None             # the dim split over tp (None: replicated over tp)
-    tp_start: int                  # first global index along tp_dim of this rank's TP shard
-    tp_length: int                 # real (unpadded) length of the TP shard along tp_dim
-    local_shape: tuple[int, ...]   # this rank's TP-local tensor (padded to a multiple of tp)
-    flat_start: int                # this rank's ZeRO shard: elements [flat_start, flat_stop) of
-    flat_stop: int                 # the flattened TP-local tensor
-    ep_start: int | None = None    # an MoE expert tensor: the first expert held (dim 0)
-
-
-def spec_piece(spec: ShardSpec) -> zero.Piece:
-    """spec's piece for lesson 02's checkpoints: the real elements of its flat range as runs of
-    consecutive global indices. A row of the TP-local tensor from its split dimension on is contiguous
-    in the global tensor, so a piece is at most one run per row: planning a read costs rows, where
-    each element's index would cost every element."""
-    shape, local = spec.full_shape, spec.local_shape
-    dim = spec.tp_dim if spec.tp_dim is not None else (0 if spec.ep_start is not None else None)
+def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim: int | None = None,
+               tp_start: int = 0, tp_length: int = 0, ep_start: int | None = None) -> zero.Piece:
+    """The elements of the reference parameter `name` (global `shape`) that one rank's tensor of shape
+    `local` holds, as lesson 02's piece: its TP slice (tp_length real elements from tp_start along
+    tp_dim, padded to local's length) and, an expert tensor, the experts from ep_start (dim 0). A row
+    of the local tensor from the split dimension on is contiguous in the global tensor, so a piece is
+    at most one run of consecutive global indices per row: planning a read costs rows, where each
+    element's index would cost every element."""
+    dim = tp_dim if tp_dim is not None else (0 if ep_start is not None else None)
     if dim is None:  # held whole (replicated over tp, not an expert): one run
-        runs = torch.tensor([[0, 0, math.prod(shape)]])
-    else:
-        inner = math.prod(shape[dim + 1:])
-        start, real = (spec.tp_start, spec.tp_length) if spec.tp_dim is not None else (0, local[0])
-        rows = torch.arange(math.prod(shape[:dim])).view(shape[:dim])
-        if spec.ep_start is not None and dim > 0:  # this rank's experts: a narrower dim 0
-            rows = rows.narrow(0, spec.ep_start, local[0])
-        elif spec.ep_start is not None:
-            start += spec.ep_start
-        first = rows.flatten() * shape[dim] * inner + start * inner
-        runs = torch.stack([first, torch.arange(len(first)) * local[dim] * inner,
-                            torch.full_like(first, real * inner)], 1)
-        # a run that goes on where the one before ended (tp = 1: whole rows) joins it
-        starts = torch.cat([torch.tensor([True]), (runs[1:, :2] != runs[:-1, :2] + runs[:-1, 2:]).any(1)])
-        lengths = torch.zeros(int(starts.sum()), dtype=runs.dtype).index_add_(0, starts.cumsum(0) - 1,
-                                                                              runs[:, 2])
-        runs = torch.cat([runs[starts, :2], lengths[:, None]], 1)
-    return zero.Piece(spec.name, shape, runs, math.prod(local)).narrow(spec.flat_start, spec.flat_stop)
+        return zero.whole_piece(name, shape)
+    inner = math.prod(shape[dim + 1:])
+    start, real = (tp_start, tp_length) if tp_dim is not None else (0, local[0])
+    rows = torch.arange(math.prod(shape[:dim])).view(shape[:dim])
+    if ep_start is not None and dim > 0:  # this rank's experts: a narrower dim 0
+        rows = rows.narrow(0, ep_start, local[0])
+    elif ep_start is not None:
+        start += ep_start
+    first = rows.flatten() * shape[dim] * inner + start * inner
+    runs = torch.stack([first, torch.arange(len(first)) * local[dim] * inner,
+                        torch.full_like(first, real * inner)], 1)
+    # a run that goes on where the one before ended (tp = 1: whole rows) joins it
+    starts = torch.cat([torch.tensor([True]), (runs[1:, :2] != runs[:-1, :2] + runs[:-1, 2:]).any(1)])
+    lengths = torch.zeros(int(starts.sum()), dtype=runs.dtype).index_add_(0, starts.cumsum(0) - 1,
+                                                                          runs[:, 2])
+    return zero.Piece(name, shape, torch.cat([runs[starts, :2], lengths[:, None]], 1), math.prod(local))
 
 
-def assemble(pieces: list[tuple[ShardSpec, torch.Tensor]], fill: float = math.nan) -> dict[str, torch.Tensor]:
-    """Whole parameters (or gradients, moments) by reference name from every rank's (spec, values);
+def assemble(pieces: list[tuple["zero.Piece", torch.Tensor]], fill: float = math.nan) -> dict:
+    """Whole parameters (or gradients, moments) by reference name from every rank's (piece, values);
     an element no piece holds stays `fill`."""
     full = {}
-    for spec, values in pieces:
-        flat = full.setdefault(spec.name, torch.full(spec.full_shape, fill)).view(-1)
-        for first, offset, length in spec_piece(spec).runs.tolist():
+    for piece, values in pieces:
+        flat = full.setdefault(piece.name, torch.full(piece.shape, fill)).view(-1)
+        for first, offset, length in piece.runs.tolist():
             flat[first:first + length] = values[offset:offset + length].float()
     return full
 
@@ -412,7 +397,7 @@ class StageZeRO(NamedTuple):
 
 class Trainer:
     """One rank's part of the 4D-parallel training step: its pipeline stages, each TP- and
-    CP-parallel, each with a ZeRO optimizer over dp x cp. The slices it holds: shard_specs(trainer)
+    CP-parallel, each with a ZeRO optimizer over dp x cp. The slices it holds: shard_values(trainer)
     (Checkpoints); what it measured beside the plan: summary(trainer) (The plan).
 
         trainer = Trainer(cfg, mesh, train, device)
@@ -704,8 +689,9 @@ def summary(trainer: Trainer) -> dict:
         traffic["+".join(names)] = sum(trainer.meter.traffic(op, ranks) for op in ops) / max(trainer.steps, 1)
         parts = [mine.traffic.get(n, 0) for n in names]
         traffic_formula["+".join(names)] = None if None in parts else sum(parts)
-    return dict(params=sum(u.offsets[-1] for z in zeros for u in z.units),
-                shard=sum(spec.flat_stop - spec.flat_start for spec, *_ in shard_specs(trainer)),
+    units = [unit for z in zeros for unit in z.units]
+    return dict(params=sum(unit.offsets[-1] for unit in units),
+                shard=sum(stop - start for unit in units for _, start, stop in zero.shard_parts(unit)),
                 held=held, memory_formula={k: mine.memory[k] for k in held}, traffic=traffic,
                 traffic_formula=traffic_formula, in_flight=trainer.in_flight, plan=mine)
 
@@ -861,47 +847,42 @@ def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8
 # --- Checkpoints: a Trainer's pieces in lesson 02's protocol (each element once, a resume reads its slices)
 
 
-def shard_specs(trainer: Trainer) -> list[tuple[ShardSpec, "zero.ZeRO", "zero.FlatUnit", slice]]:
-    """(spec, its ZeRO, its unit, where its values lie in the unit's shard) of each parameter's
-    elements in the trainer's ZeRO shards (02's shard_parts)."""
-    tp_rank, ep, out = trainer.mesh.coords["tp"], trainer.mesh.sizes.ep, []
+def piece_of(trainer: Trainer, kind: str) -> "zero.PieceOf":
+    """Lesson 02's piece_of for the trainer's ZeROs of this kind: a parameter of a unit as this rank
+    holds it, its TP slice (03's tp_shard_dim) and, in the experts' ZeRO ("ep_dp"), its ep rank's experts."""
+    tp_rank, ep = trainer.mesh.coords["tp"], trainer.mesh.sizes.ep if kind == "ep_dp" else 1
     ep_rank = dist.get_rank(trainer.mesh.groups["ep"])
-    for part in trainer.zeros:
-        experts = part.kind == "ep_dp"  # dim 0: ep x the experts this rank holds
-        for unit in part.zero.units:
-            for i, start, stop in zero.shard_parts(unit):
-                p, local = unit.params[i], tuple(unit.shapes[i])
-                full, dim, tp_start, length = list(local), getattr(p, "tp_shard_dim", None), 0, 0
-                if dim is not None:
-                    full[dim], tp_start = p.tp_full_size, tp_rank * local[dim]
-                    length = max(0, min(local[dim], p.tp_full_size - tp_start))
-                full[0] *= ep if experts else 1
-                at = unit.offsets[i] + start - unit.owned.start
-                out.append((ShardSpec(unit.names[i], tuple(full), part.stage, dim, tp_start, length, local,
-                                      start, stop, ep_rank * local[0] if experts else None),
-                            part.zero, unit, slice(at, at + stop - start)))
-    return out
+
+    def held(unit: zero.FlatUnit, i: int) -> zero.Piece:
+        p, local = unit.params[i], tuple(unit.shapes[i])
+        full, dim, tp_start, length = list(local), getattr(p, "tp_shard_dim", None), 0, 0
+        if dim is not None:
+            full[dim], tp_start = p.tp_full_size, tp_rank * local[dim]
+            length = max(0, min(local[dim], p.tp_full_size - tp_start))
+        full[0] *= ep  # the experts: dim 0 is ep x the experts this rank holds
+        return held_piece(unit.names[i], tuple(full), local, dim, tp_start, length,
+                          ep_rank * local[0] if ep > 1 else None)
+    return held
 
 
-def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[ShardSpec, torch.Tensor]]:
-    """(spec, CPU values) of the trainer's shards: "params" (fp32 masters), an AdamW moment, or
+def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[zero.Piece, torch.Tensor]]:
+    """(piece, CPU values) of the trainer's shards: "params" (fp32 masters), an AdamW moment, or
     "grads" (averaged, before clipping: between forward_backward and update)."""
     out = []
-    for spec, zero_opt, unit, at in shard_specs(trainer):
-        source = unit.grad_shard if kind == "grads" else zero_opt.shard_state(unit)[kind]
-        out.append((spec, source[at].detach().float().cpu().clone()))
+    for part in trainer.zeros:
+        for unit in part.zero.units:
+            source = unit.grad_shard if kind == "grads" else part.zero.shard_state(unit)[kind]
+            out += [(piece, source[at].detach().float().cpu().clone())
+                    for _, piece, at in zero.shard_pieces(unit, piece_of(trainer, part.kind))]
     return out
 
 
 def checkpoint_pieces(trainer: Trainer) -> list[tuple[zero.Piece, dict[str, torch.Tensor]]]:
-    """The pieces this rank writes, so that each element is written once across the mesh: a piece
-    replicated over tp (no tp_dim) by tp rank 0, one replicated over its ZeRO group (stage 0: every
-    rank holds the whole unit) by the group's rank 0 (as 02's zero_pieces)."""
-    return [(spec_piece(spec), {kind: values[at].detach().float().cpu()
-                                for kind, values in zero_opt.shard_state(unit).items()})
-            for spec, zero_opt, unit, at in shard_specs(trainer)
-            if (spec.tp_dim is not None or trainer.mesh.coords["tp"] == 0)
-            and (zero_opt.stage > 0 or dist.get_rank(zero_opt.group) == 0)]
+    """The pieces this rank writes, so that each element is written once across the mesh: 02's rule
+    for each ZeRO (zero_pieces), and a parameter replicated over tp by tp rank 0 alone."""
+    first_tp = trainer.mesh.coords["tp"] == 0
+    return [pair for part in trainer.zeros for pair in zero.zero_pieces(
+        part.zero, piece_of(trainer, part.kind), lambda p: hasattr(p, "tp_shard_dim") or first_tp)]
 
 
 def resume_command(step: int) -> str:
@@ -971,18 +952,14 @@ def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Pat
     if (problem := zero.first_problem(problem)) is not None:
         raise zero.CheckpointError(problem)
     reader = zero.CheckpointReader(target, meta)
-    shards = {id(unit): {kind: torch.zeros(len(unit.master)) for kind in zero.CHECKPOINT_KINDS}
-              for part in trainer.zeros for unit in part.zero.units}  # a unit's padding holds zeros
     try:  # e.g. pieces missing for one stage's parameters: only its ranks see it
-        for spec, _, unit, at in shard_specs(trainer):
-            for kind, values in reader.read(spec_piece(spec)).items():
-                shards[id(unit)][kind][at] = values
+        shards = [zero.read_shards(part.zero, reader, piece_of(trainer, part.kind)) for part in trainer.zeros]
     except ValueError as error:
         problem = f"{target}: {error}"
     if (problem := zero.first_problem(problem)) is not None:
         raise zero.CheckpointError(problem)
-    for part in trainer.zeros:
-        part.zero.load_shards([shards[id(unit)] for unit in part.zero.units], meta["step"])
+    for part, shard in zip(trainer.zeros, shards):
+        part.zero.load_shards(shard, meta["step"])
     trainer.steps = meta["step"]
     loader.load_state_dict(meta["loader"])
     if rank < meta["world"]:
@@ -1012,7 +989,7 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         target, meta, out["read"] = resume(trainer, loader, run)
         start = meta["step"]
         kept.append(start)
-        elements = sum(spec_piece(spec).elements() for spec, *_ in shard_specs(trainer))
+        elements = sum(piece.elements() for piece, _ in shard_values(trainer))
         report = [None] * sizes.world if rank == 0 else None
         dist.gather_object((out["read"], 4 * len(zero.CHECKPOINT_KINDS) * elements), report, dst=0)
         again = validation() if meta.get("val") is not None and start < run.steps else None
@@ -1260,14 +1237,11 @@ def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
           f"(ln 256 = {math.log(256):.3f}: a uniform guess); validation: "
           + ", ".join(f"{v:.3f} after {s}" for s, v in result["val"].items()))
     print(f"The losses ('.' training, 'o' validation):\n{loss_curve(losses, result['val'])}")
-    rank0, b = plan(cfg, sizes, train)[0], train.global_batch // sizes.dp // train.microbatches
-    paper = tensor_parallel.korthikanti_bytes(cfg, b, train.seq_len // sizes.cp, sizes.tp,
-                                              train.sequence_parallel)
+    rank0 = plan(cfg, sizes, train)[0]
     what = "peak memory above the step's start" if trainer.device.type == "cuda" else "the most autograd held"
     formula = ("no formula for MoE layers" if train.moe else
                f"the plan of rank 0's {rank0.layers} layers, {rank0.in_flight} microbatches in flight: "
-               f"{rank0.memory['activations']:,} (recompute {train.recompute}), Korthikanti "
-               f"{rank0.layers * rank0.in_flight * paper:,.0f} (16-bit GPT-3 layer, no recompute)")
+               f"{rank0.memory['activations']:,} (03's formula, recompute {train.recompute})")
     if saved[0] is not None:
         print(f"activations in step {result['measured']}, {what} per rank: "
               + ", ".join(f"{x:,}" for x in saved) + f"; {formula}")
@@ -1329,8 +1303,8 @@ def demo(args: argparse.Namespace) -> None:
               f"{max(abs(a - b) for a, b in zip(losses, ref.losses)):.1e}, step-0 gradients "
               f"{foundation.max_abs_diff(grads_full, ref.first_grads):.1e}, parameters after {args.steps} "
               f"steps {foundation.max_abs_diff(params_full, ref.params):.1e} (every element reassembled "
-              f"from ShardSpecs)" + ("\n(FP8: the reference computes in fp32, so these are FP8's rounding, "
-                                     "~1e-3)" if train.fp8 else ""))
+              f"from the ranks' pieces)" + ("\n(FP8: the reference computes in fp32, so these are FP8's "
+                                           "rounding, ~1e-3)" if train.fp8 else ""))
         print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes "
               "held\n(live storages) | 02's formula; bytes sent per step in each group, measured | formula "
               "(fp32):")

@@ -510,7 +510,7 @@ def load_zero(cfg, stage: int, folder: str):
     rank, world = dist.get_rank(), dist.get_world_size()
     target, meta = zero.open_checkpoint(folder, zero.checkpoint_config(cfg), rank=rank, world=world)
     reader = zero.CheckpointReader(target, meta)
-    zero.load_zero_pieces(optimizer, reader, meta["step"])
+    optimizer.load_shards(zero.read_shards(optimizer, reader), meta["step"])
     elements = sum(stop - start for unit in optimizer.units for _, start, stop in zero.shard_parts(unit))
     frozen = sum(p.numel() for _, p in optimizer.frozen)  # whole on every rank: parameters only
     return optimizer.full_state_dict(), reader.bytes_read, 12 * elements + 4 * frozen

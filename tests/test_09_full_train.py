@@ -5,7 +5,7 @@ the dev profile's 60 drawn meshes, the pinned examples and the 16-rank run) the 
 were 6.0e-7 on losses, 1.8e-7 on step-0 gradients and 4.1e-7 on parameters after 3 steps.
 - loss per step: atol 2e-5 (33x). The parallel loss is a mean of means (microbatches, dp x cp
   ranks, vocabulary shards), the same sums in another order.
-- step-0 gradients, every element of every parameter reassembled from the ShardSpecs: atol 2e-6
+- step-0 gradients, every element of every parameter reassembled from the ranks' pieces: atol 2e-6
   (11x) + rtol 1e-4. A real bug (a reduction done twice or missed, a microbatch loss not divided by
   m, a norm or expert gradient not summed over tp, an expert gradient not divided by ep) is off by
   the gradient itself, >= 25% relative.
@@ -117,18 +117,40 @@ def small_model(n_layers: int = 2, seed: int = 0) -> "foundation.ModelConfig":
                                   ffn_dim=24, seed=seed)
 
 
-def global_indices(spec) -> torch.Tensor:
-    """For each element of spec's shard: its index in the flattened global parameter, -1 for padding
-    (element by element: what spec_piece's runs are checked against)."""
-    index = torch.arange(math.prod(spec.full_shape)).view(spec.full_shape)
-    if spec.ep_start is not None:
-        index = index.narrow(0, spec.ep_start, spec.local_shape[0])
-    if spec.tp_dim is not None:
-        index = index.narrow(spec.tp_dim, spec.tp_start, spec.tp_length)
-        pad = list(spec.local_shape)
-        pad[spec.tp_dim] -= spec.tp_length
-        index = torch.cat([index, index.new_full(pad, -1)], spec.tp_dim)
-    return index.flatten()[spec.flat_start:spec.flat_stop]
+def global_indices(shape, local, tp_dim, tp_start, tp_length, ep_start, flat_start, flat_stop):
+    """For each element [flat_start, flat_stop) of a rank's tensor of shape local: its index in the
+    flattened global parameter (shape), -1 for padding (element by element: what held_piece's runs are
+    checked against)."""
+    index = torch.arange(math.prod(shape)).view(shape)
+    if ep_start is not None:
+        index = index.narrow(0, ep_start, local[0])
+    if tp_dim is not None:
+        index = index.narrow(tp_dim, tp_start, tp_length)
+        pad = list(local)
+        pad[tp_dim] -= tp_length
+        index = torch.cat([index, index.new_full(pad, -1)], tp_dim)
+    return index.flatten()[flat_start:flat_stop]
+
+
+def held_elements(trainer) -> int:
+    """The real (not padding) elements of a trainer's ZeRO shards, element by element from each
+    parameter's TP attributes (03) and this rank's experts (06)."""
+    tp_rank, count = trainer.mesh.coords["tp"], 0
+    ep_rank = full_train.dist.get_rank(trainer.mesh.groups["ep"])
+    for part in trainer.zeros:
+        ep = trainer.mesh.sizes.ep if part.kind == "ep_dp" else 1
+        for unit in part.zero.units:
+            for i, start, stop in zero.shard_parts(unit):
+                p, local = unit.params[i], tuple(unit.shapes[i])
+                shape, dim, tp_start, length = list(local), getattr(p, "tp_shard_dim", None), 0, 0
+                if dim is not None:
+                    shape[dim], tp_start = p.tp_full_size, tp_rank * local[dim]
+                    length = max(0, min(local[dim], p.tp_full_size - tp_start))
+                shape[0] *= ep
+                index = global_indices(tuple(shape), local, dim, tp_start, length,
+                                       ep_rank * local[0] if ep > 1 else None, start, stop)
+                count += int((index >= 0).sum())
+    return count
 
 
 def check_copies_agree(results) -> None:
@@ -136,17 +158,17 @@ def check_copies_agree(results) -> None:
     ZeRO-0-2's dp x cp replicas) hold the same value."""
     seen: dict[str, dict[int, float]] = {}
     for _, _, params, *_ in results:
-        for spec, values in params:
-            index = global_indices(spec)
-            copies = seen.setdefault(spec.name, {})
-            for i, v in zip(index[index >= 0].tolist(), values[index >= 0].tolist()):
-                assert abs(copies.setdefault(i, v) - v) <= 1e-6, f"{spec.name}[{i}]: copies differ"
+        for piece, values in params:
+            copies = seen.setdefault(piece.name, {})
+            for first, offset, length in piece.runs.tolist():
+                for i, v in enumerate(values[offset:offset + length].tolist(), first):
+                    assert abs(copies.setdefault(i, v) - v) <= 1e-6, f"{piece.name}[{i}]: copies differ"
     for name, copies in seen.items():
         assert len(copies) == math.prod(_shape(results, name)), f"{name}: some element is held by no rank"
 
 
 def _shape(results, name: str) -> tuple[int, ...]:
-    return next(spec.full_shape for r in results for spec, _ in r[2] if spec.name == name)
+    return next(piece.shape for r in results for piece, _ in r[2] if piece.name == name)
 
 
 # Meshes with each dimension in {1, 2, 4} and at most 8 ranks, in order of size (shrinks to small).
@@ -401,7 +423,8 @@ def test_fp8_zero3_gathers_a_byte_per_weight_element_and_follows_its_fp8_twin(ra
     for (losses, grads, params, summary, norms, _), fp32_gathers in zip(*runs, strict=True):
         assert losses == fp32_gathers[0] and norms == fp32_gathers[4]
         for ours, theirs in ((grads, fp32_gathers[1]), (params, fp32_gathers[2])):
-            assert all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(ours, theirs, strict=True))
+            assert all(a[0].name == b[0].name and torch.equal(a[0].runs, b[0].runs) and torch.equal(a[1], b[1])
+                       for a, b in zip(ours, theirs, strict=True))
         assert summary["held"] == summary["memory_formula"]
         if train.schedule != "zb-h1":  # zb-h1's W may re-gather a unit; None: no formula
             assert all(summary["traffic"][k] == f for k, f in summary["traffic_formula"].items()
@@ -409,7 +432,7 @@ def test_fp8_zero3_gathers_a_byte_per_weight_element_and_follows_its_fp8_twin(ra
     model = fp8.convert_to_float8(foundation.GPT(cfg))
     weights = set(fp8.float8_weights(model))
     names = {name for name, p in model.named_parameters() if p in weights}
-    held = sum(values.numel() for r in runs[0] for spec, values in r[2] if spec.name in names)
+    held = sum(values.numel() for r in runs[0] for piece, values in r[2] if piece.name in names)
     assert sum(r[5] for r in runs[0]) == (STEPS + 1) * held, "each weight element: one cast per step"
 
     reference = foundation.train_single_device(cfg, STEPS, train.global_batch, train.seq_len, lr=train.lr,
@@ -861,8 +884,8 @@ def train_run(sizes, train, run, stop_at=None, poison_at=None, poison="params"):
         out = full_train.train_loop(trainer, loader, val_tokens, run, progress)
     except (Interrupted, FloatingPointError, zero.CheckpointError) as error:
         return str(error)
-    slices = sum(int((global_indices(spec) >= 0).sum()) for spec, *_ in full_train.shard_specs(trainer))
-    return dict(losses=out["losses"], val=out["val"], read=out["read"], slices=PER_ELEMENT * slices)
+    return dict(losses=out["losses"], val=out["val"], read=out["read"],
+                slices=PER_ELEMENT * held_elements(trainer))
 
 
 def one_device_validation(folder, train, run) -> float:
@@ -942,7 +965,8 @@ def test_each_element_is_written_once(rank_pool, tmp_path, sizes, train):
     payload = sum(t.untyped_storage().nbytes() for _, data in pieces for t in data.values())
     assert payload == PER_ELEMENT * n, (payload, PER_ELEMENT * n)
     # The rest is metadata: meta.json; per rank file its RNG (5,056 B) and the zip's directory (< 1 KB);
-    # per piece its ShardSpec and three zip records (< 1 KB). Pieces held twice would double the payload.
+    # per piece its name, shape, runs and three zip records (< 1 KB). Pieces held twice would double
+    # the payload.
     metadata = sum(f.stat().st_size for f in target.iterdir()) - payload
     assert metadata < (target / "meta.json").stat().st_size + 6_000 * sizes.world + 1_000 * len(pieces)
     zero.load_model(model, tmp_path)  # the reader refuses an element held by no piece, or by two
@@ -1036,8 +1060,8 @@ def test_no_checkpoint_holds_a_non_finite_number(rank_pool, tmp_path, poison):
 
 
 @given(data=st.data())
-def test_spec_pieces_are_the_global_indices_in_runs(data):
-    """spec_piece plans reads in rows: the same elements, in the same order, as global_indices."""
+def test_held_pieces_are_the_global_indices_in_runs(data):
+    """held_piece plans reads in rows: the same elements, in the same order, as global_indices."""
     shape = tuple(data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=3), label="shape"))
     dim = data.draw(st.sampled_from([None, *range(len(shape))]), label="tp_dim")
     ep = data.draw(st.booleans(), label="expert") and (dim is None or dim > 0)
@@ -1051,11 +1075,10 @@ def test_spec_pieces_are_the_global_indices_in_runs(data):
         length = min(local[dim], shape[dim] - start)
     flat_start = data.draw(st.integers(0, math.prod(local)))
     flat_stop = data.draw(st.integers(flat_start, math.prod(local)))
-    spec = full_train.ShardSpec("w", shape, 0, dim, start, length, tuple(local), flat_start, flat_stop,
-                                ep_start)
-    index = global_indices(spec)
+    index = global_indices(shape, tuple(local), dim, start, length, ep_start, flat_start, flat_stop)
     expected = [(int(i), p) for p, i in enumerate(index.tolist()) if i >= 0]
-    got = [(g + k, o + k) for g, o, n in full_train.spec_piece(spec).runs.tolist() for k in range(n)]
+    piece = full_train.held_piece("w", shape, tuple(local), dim, start, length, ep_start)
+    got = [(g + k, o + k) for g, o, n in piece.narrow(flat_start, flat_stop).runs.tolist() for k in range(n)]
     assert got == expected
 
 
