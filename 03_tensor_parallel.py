@@ -644,27 +644,26 @@ def demo(args: argparse.Namespace) -> None:
     for step in range(args.steps):
         print(f"{step:<6}" + "".join(f"{result.losses[step]:>12.6f}" for result, *_ in runs.values())
               + f"{reference.losses[step]:>16.6f}")
+    print(f"\n{'max |difference| from one device':<42}{'step-0 gradients':>18}{'end parameters':>16}")
+    for sp, (result, *_) in runs.items():
+        grads = foundation.max_abs_diff(result.first_grads, reference.first_grads)
+        params = foundation.max_abs_diff(result.params, reference.params)
+        print(f"  {label[sp]:<40}{grads:>18.2e}{params:>16.2e}")
     megatron = 4 * Fraction(2 * (tp - 1), tp) * bsh  # 4 ring all-reduces of b s h per layer
-    for sp, (result, meter, _, layer) in runs.items():
-        print(f"\n{label[sp]}: max |difference| from one device: step-0 gradients "
-              f"{foundation.max_abs_diff(result.first_grads, reference.first_grads):.2e}, parameters at "
-              f"the end {foundation.max_abs_diff(result.params, reference.params):.2e}")
-        print(f"  communication per step (measured = formula), b x s x h = {bsh:,} B:"
-              + ("" if tp > 1 else " none at tp = 1"))
+    print(f"\ncommunication, b x s x h = {bsh:,} B{'calls':>16}{'payload':>12}{'traffic per rank':>19}"
+          + ("" if tp > 1 else ": none at tp = 1"))
+    for sp, (_, meter, _, layer) in runs.items():
         for op, expected in (comm_formula(cfg, b, s, sp) if tp > 1 else {}).items():
-            got = (meter.calls(op) // args.steps, meter.payload(op) // args.steps)
-            print(f"    {op:<15}{got[0]:>4} calls {got[1]:>10,} B payload, "
-                  f"{float(meter.traffic(op)) / args.steps:>10,.0f} B traffic per rank  "
-                  + ("= formula" if got == expected else "MISMATCH with formula"))
+            calls, payload = meter.calls(op) // args.steps, meter.payload(op) // args.steps
+            traffic = float(meter.traffic(op)) / args.steps
+            print(f"  {label[sp]:<8} a step: {op:<15}{calls:>6}{payload:>10,} B{traffic:>17,.0f} B"
+                  + ("  = formula" if (calls, payload) == expected else "  MISMATCH with formula"))
         ops = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
         measured = sum(layer.traffic(op) for op in ops)
-        print("  one layer, forward + backward (measured on layer 0): "
-              + ", ".join(f"{layer.calls(op)} {op}" for op in ops)
-              + f" of b s h = {float(measured):,.0f} B traffic per rank; Megatron's 4 all-reduces "
-              f"of b s h = {float(megatron):,.0f} B  "
-              + ("= formula" if measured == megatron else "MISMATCH")
-              + (f"; plus {layer.calls('all_reduce')} all-reduces of the norms' h-sized gradients"
-                 if sp else ""))
+        print(f"  {label[sp]:<8} a layer: " + " + ".join(f"{layer.calls(op)} {op}" for op in ops)
+              + f" = {float(measured):,.0f} B; Megatron's 4 all-reduces of b s h: {float(megatron):,.0f} B"
+              + ("  = formula" if measured == megatron else "  MISMATCH")
+              + (f"; plus {layer.calls('all_reduce')} all-reduces of norm gradients" if sp else ""))
     print(f"\nactivations saved by one layer, per rank:{'measured (fp32)':>18}{'our formula':>14}"
           f"{'Korthikanti, GPT-3 16-bit layer':>34}")
     for sp, (_, _, saved, _) in runs.items():
