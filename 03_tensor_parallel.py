@@ -454,12 +454,12 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
                  elem_bytes: int = 4, recompute: str = "none") -> dict[str, tuple[int, int]]:
     """op -> (calls, payload bytes) in one training step (forward + backward), any t > 1 (traffic per
     rank: (t-1)/t of the payload, twice that for an all-reduce; at t = 1 nothing is inserted).
-    Activation collectives move b x s x h elements of elem_bytes: 4 per layer (mlp=False: 2), 1 for the
-    embedding, 1 for the LM head's input; with SP each is an all-gather and a reduce-scatter. The loss
-    adds 3 all-reduces of b x s fp32 numbers; SP one all-reduce of h per norm. recompute="full" reruns
+    Activation collectives move b x s x h elements of elem_bytes: 4 per layer, 1 for the embedding,
+    1 for the LM head's input; with SP each is an all-gather and a reduce-scatter. The loss adds 3
+    all-reduces of b x s fp32 numbers; SP one all-reduce of h per norm. recompute="full" reruns
     attention's g (SP: also both regions' f), not the MLP's g: each block reruns up to down_proj's input.
-    The keywords describe lesson 09's pipeline stages (`layers` of them, each collective once per
-    microbatch); they are here because this lesson owns the formula of its traffic."""
+    The keywords let lesson 09 apply this lesson's formula to a pipeline stage: `layers` layers, each
+    collective once per microbatch, embedding and head or not, MoE layers (mlp=False: 2 per layer)."""
     layers, m = cfg.n_layers if layers is None else layers, microbatches
     bsh, loss = batch * seq_len * cfg.dim * elem_bytes, (3 * head * m, 3 * head * batch * seq_len * 4)
     activations, norms = (2 + 2 * mlp) * layers + embed + head, 2 * layers + head
