@@ -25,14 +25,11 @@ step, independent of batch size. Memory: every rank holds all parameters, gradie
 state (AdamW in fp32: 4 + 4 + 8 = 16 bytes per parameter), plus a gradient copy in the buckets.
 Lesson 02 (ZeRO) removes that redundancy.
 
-THE FOUNDATION (imported by lessons 02-09; after the data-parallel code, under its own banner)
-- launch: torchrun's environment -> a process group (NCCL, one GPU per local rank; else gloo on
-  CPU) with a timeout, so a broken collective fails instead of hanging; `python 0X_name.py` starts
-  its own local processes. Without a GPU, Triton's interpreter runs lessons 07 and 08's kernels.
-- the comm meter: wrappers over every collective count each call's payload and per-rank traffic
-  (the ring cost model above) by operation and group, and hide torch 2.11 -> 2.13 API drift.
-- ModelConfig / GPT, the single-device reference (Llama-style, grouped-query attention), and
-  synthetic_batch: the code below uses them as a reader knows them, a model and a batch.
+THE FOUNDATION (imported by lessons 02-10; under its own banner after the data-parallel code): the
+launcher (`python 0X_name.py` starts its own ranks, as torchrun would), the comm meter (wrappers
+that count every collective's bytes by operation and group, under the ring cost model above), and
+ModelConfig / GPT, the single-device reference (Llama-style, grouped-query attention), with
+synthetic_batch: the code below uses them as a reader knows them, a model and a batch.
 
 RUN IT
     python 01_ddp.py                       # 4 local CPU processes (one per GPU on a GPU node)
@@ -241,7 +238,7 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int,
                         lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
                         mixed_precision: bool = False, device: torch.device | str = "cpu",
-                        data_seed: int = 0, transform: Callable[[nn.Module], nn.Module] | None = None,
+                        transform: Callable[[nn.Module], nn.Module] | None = None,
                         progress: str | None = None) -> TrainResult:
     """The reference every lesson's parallel run must equal: one process, the whole global batch per
     step, torch's clip_grad_norm_ (at inf it scales by exactly 1) and AdamW. mixed_precision: a bf16
@@ -257,7 +254,7 @@ def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len
     optimizer = make_optimizer(nn.ParameterList(masters), lr, adam_eps)
     result = TrainResult([], {}, {})
     for step in tqdm(range(steps), desc=progress, disable=progress is None, leave=False):
-        tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
+        tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step)
         loss = model(tokens.to(device), targets.to(device))
         loss.backward()
         result.losses.append(loss.item())
@@ -295,8 +292,7 @@ def validate_data_parallel(global_batch: int, world: int, accum_steps: int, mode
 def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int, *,
                         mode: str = "bucketed", accum_steps: int = 1, bucket_bytes: int = 1 << 20,
                         lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
-                        device: torch.device | str = "cpu",
-                        data_seed: int = 0) -> tuple[TrainResult, CommMeter]:
+                        device: torch.device | str = "cpu") -> tuple[TrainResult, CommMeter]:
     """Train on this rank's share of the same global batches train_single_device sees: rows
     [r B/N, (r+1) B/N), split into accum_steps micro-batches whose losses are scaled by 1/accum_steps,
     so the accumulated gradient is that of the rank's mean loss and the all-reduce / N makes it the
@@ -312,7 +308,7 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
     result, local_losses = TrainResult([], {}, {}), []
     with comm_meter() as meter:
         for step in range(steps):
-            tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step, rank, world, data_seed)
+            tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step, rank, world)
             step_loss = torch.zeros((), device=device)
             micro_batches = zip(tokens.chunk(accum_steps), targets.chunk(accum_steps), strict=True)
             for micro, (x, y) in enumerate(micro_batches):
@@ -519,15 +515,15 @@ def exit_distributed(error: str | None = None, code: int = 2) -> None:
 
 
 def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, steps_per_round: int,
-                        device: torch.device, group=None) -> dict[str, float]:
+                        device: torch.device) -> dict[str, float]:
     """--bench's timing: each named step's median seconds over `rounds` rounds taking turns (ours,
     PyTorch's, ours...) so both see the same load; the first round warms up (allocator, compilation,
-    autotuning) and is dropped. Each call starts at a group barrier: timed as its slowest rank ends."""
+    autotuning) and is dropped. Each call starts at a barrier: timed as its slowest rank ends."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for round_ in range(rounds):
         for name, step_fn in steps.items():
             for _ in range(steps_per_round):
-                dist.barrier(group=group)
+                dist.barrier()
                 start = time.perf_counter()
                 step_fn()
                 if device.type == "cuda":
@@ -907,16 +903,13 @@ def demo(args: argparse.Namespace) -> None:
         for step in range(args.steps):
             print(f"{step:<6}" + "".join(f"{r.losses[step]:>24.6f}" for r, _ in results.values())
                   + f"{reference.losses[step]:>16.6f}")
-        print(f"\nmax |difference| from the single device:  {'step-0 gradients':>18}"
-              f"{'parameters at the end':>24}")
-        for name, (result, _) in results.items():
-            print(f"  {name:<40}{max_abs_diff(result.first_grads, reference.first_grads):>18.2e}"
-                  f"{max_abs_diff(result.params, reference.params):>24.2e}")
-        print("\nall-reduced per optimizer step (gradient sync only):")
-        for name, (_, meter) in results.items():
-            print(f"  {name:<24} {meter.calls('all_reduce') // args.steps:>4} calls, payload "
-                  f"{meter.payload('all_reduce') // args.steps:,} B, traffic per rank "
-                  f"{float(meter.traffic('all_reduce') / args.steps):,.0f} B")
+        print(f"\n{'max |difference| from one device':>58}{'all-reduces per step':>30}\n"
+              f"{'step-0 gradients':>42}{'end parameters':>18}{'calls':>8}{'traffic per rank':>20}")
+        for name, (result, meter) in results.items():
+            calls, traffic = meter.calls("all_reduce") // args.steps, meter.traffic("all_reduce") / args.steps
+            grads = max_abs_diff(result.first_grads, reference.first_grads)
+            params = max_abs_diff(result.params, reference.params)
+            print(f"  {name:<24}{grads:>16.2e}{params:>18.2e}{calls:>8}{float(traffic):>18,.0f} B")
         print(f"  ring formula 2(N-1)/N x gradient bytes = 2x{world - 1}/{world} x {grad_bytes:,} "
               f"= {float(Fraction(2 * (world - 1), world) * grad_bytes):,.0f} B")
         stats = results["bucketed"][0].stats
@@ -954,9 +947,8 @@ def bench(args: argparse.Namespace) -> None:
         print(f"DDP step time on {world} ranks ({dist.get_backend()}, {device.type}), "
               f"{n_params / 1e6:.1f}M parameters, {args.bench_bucket_mb} MB buckets, "
               f"median of {args.bench_steps * (args.bench_rounds - 1)} steps:")
-        for name, t in med.items():
-            print(f"  {name:<10} {t * 1e3:8.1f} ms")
-        print(f"  ratio ours / torch DDP = {med['ours'] / med['torch DDP']:.3f}")
+        print(f"  ours {med['ours'] * 1e3:.1f} ms, torch DDP {med['torch DDP'] * 1e3:.1f} ms, "
+              f"ratio ours / torch DDP = {med['ours'] / med['torch DDP']:.3f}")
     exit_distributed()
 
 

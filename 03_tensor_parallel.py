@@ -45,7 +45,7 @@ ACTIVATION MEMORY (what autograd saves per layer; Korthikanti's accounting)
 GPT-3 in 16 bits: s b h (34 + 5 a s / h) bytes without TP; s b h (10 + 24/t + 5 a s / (h t)) with
 TP (10: the norms' inputs, dropout masks and the regions' inputs, replicated); s b h / t (34 +
 5 a s / h) with TP + SP, where the paper re-gathers each region's input in backward instead of
-storing it. We store it, so here SP removes only the norms' t-fold replication (activation_formula).
+storing it. We store it, so here SP removes only the norms' t-fold replication (layer_activation_formula).
 RECOMPUTE (apply_recompute): "selective" keeps only each attention function's q, k, v and recomputes
 its inside (Megatron's: the 5 a s / h scores term; a fused kernel's log-sum-exp); "full" keeps only
 each block's input and reruns the block, ~1/3 more compute. Gradients are bitwise the same.
@@ -454,12 +454,12 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
                  elem_bytes: int = 4, recompute: str = "none") -> dict[str, tuple[int, int]]:
     """op -> (calls, payload bytes) in one training step (forward + backward), any t > 1 (traffic per
     rank: (t-1)/t of the payload, twice that for an all-reduce; at t = 1 nothing is inserted).
-    Activation collectives move b x s x h elements of elem_bytes: 4 per layer (mlp=False: 2), 1 for the
-    embedding, 1 for the LM head's input; with SP each is an all-gather and a reduce-scatter. The loss
-    adds 3 all-reduces of b x s fp32 numbers; SP one all-reduce of h per norm. recompute="full" reruns
+    Activation collectives move b x s x h elements of elem_bytes: 4 per layer, 1 for the embedding,
+    1 for the LM head's input; with SP each is an all-gather and a reduce-scatter. The loss adds 3
+    all-reduces of b x s fp32 numbers; SP one all-reduce of h per norm. recompute="full" reruns
     attention's g (SP: also both regions' f), not the MLP's g: each block reruns up to down_proj's input.
-    The keywords describe lesson 09's pipeline stages (`layers` of them, each collective once per
-    microbatch); they are here because this lesson owns the formula of its traffic."""
+    The keywords let lesson 09 apply this lesson's formula to a pipeline stage: `layers` layers, each
+    collective once per microbatch, embedding and head or not, MoE layers (mlp=False: 2 per layer)."""
     layers, m = cfg.n_layers if layers is None else layers, microbatches
     bsh, loss = batch * seq_len * cfg.dim * elem_bytes, (3 * head * m, 3 * head * batch * seq_len * 4)
     activations, norms = (2 + 2 * mlp) * layers + embed + head, 2 * layers + head
@@ -489,49 +489,8 @@ def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, lay
     return forward * e + loss, backward * e + loss
 
 
-def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool,
-                  device: torch.device | str = "cpu") -> tuple[int, "foundation.CommMeter"]:
-    """Layer 0 of the tensor-parallel GPT, forward and backward on this rank's (b, s, h) (SP: (b, s/t,
-    h)) activations: the bytes autograd saves for backward (activation_bytes) and its collectives."""
-    layer = apply_tensor_parallel(foundation.GPT(cfg).to(device), None, sequence_parallel).layers["0"]
-    shards = dist.get_world_size() if sequence_parallel else 1
-    x = torch.randn(batch, seq_len // shards, cfg.dim, device=device, requires_grad=True)
-    cos, sin = foundation.rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta)
-    with foundation.comm_meter() as meter:
-        out, saved = activation_bytes(lambda: layer(x, cos, sin), layer.parameters(), torch.device("cpu"))
-        out.sum().backward()
-    return saved, meter
-
-
-def activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool, elem_bytes: int = 4,
-                       attention_saves: int | None = None) -> int:
-    """Korthikanti's accounting for our layer (fp32, SwiGLU, RMSNorm, fused attention, no dropout),
-    activations of elem_bytes (bf16: 2), f = ffn_dim:
-    - each norm: its input in fp32, its normalised input (s b h each) and 1/rms (s b, fp32):
-      replicated in plain TP, split by t along the sequence with SP;
-    - each region's input (s b h, saved by the column-parallel linears; SP: the gathered one);
-    - sharded by t: q and the attention output (s b h each), k and v (s b h_kv each: grouped-query
-      attention keeps K/V unrepeated); the MLP's gate, silu(gate), up and their product (s b f);
-    - attention_saves bytes the attention function keeps beyond q, k, v (default: SDPA's and
-      lesson 07's fp32 log-sum-exp, one per query head and token);
-    - the RoPE tables (s x head_dim, fp32) the layer reads."""
-    s, b, h, f, e = seq_len, batch, cfg.dim, cfg.ffn_dim, elem_bytes
-    h_kv = cfg.n_kv_heads * cfg.head_dim
-    norms = 2 * ((4 + e) * s * b * h + 4 * s * b)
-    replicated = 2 * e * s * b * h + 4 * s * cfg.head_dim  # the regions' inputs, the RoPE tables
-    sharded = e * (2 * s * b * h + 2 * s * b * h_kv + 4 * s * b * f)
-    attention = 4 * s * b * cfg.n_heads // tp if attention_saves is None else attention_saves
-    return (norms // tp if sequence_parallel else norms) + replicated + sharded // tp + attention
-
-
-def korthikanti_bytes(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> float:
-    """The paper's per-layer activations (GPT-3 layer, 16-bit, attention scores stored)."""
-    sbh, scores = seq_len * batch * cfg.dim, 5 * cfg.n_heads * seq_len / cfg.dim
-    return sbh * (34 + scores) / tp if sequence_parallel else sbh * (10 + (24 + scores) / tp)
-
-
 # ----------------------------------------------------------------------------------------------
-# Activation recompute: trade a second forward for the activations backward would keep
+# Activation memory, and recompute: a second forward instead of the activations backward would keep
 # ----------------------------------------------------------------------------------------------
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -610,18 +569,51 @@ def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Ten
     return out, count["peak"]
 
 
-def layer_activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool, mode: str,
-                             elem_bytes: int = 4, attention_saves: int | None = None, layers: int = 1) -> int:
-    """activation_formula under each recompute mode, for `layers` consecutive layers of one forward,
-    which share its RoPE tables. selective drops what the attention function kept beyond its
-    inputs; full keeps the block's input and the RoPE tables it reads."""
-    tables = 4 * seq_len * cfg.head_dim
+def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool,
+                  device: torch.device | str = "cpu") -> tuple[int, "foundation.CommMeter"]:
+    """Layer 0 of the tensor-parallel GPT, forward and backward on this rank's (b, s, h) (SP: (b, s/t,
+    h)) activations: the bytes autograd saves for backward (activation_bytes) and its collectives."""
+    layer = apply_tensor_parallel(foundation.GPT(cfg).to(device), None, sequence_parallel).layers["0"]
+    shards = dist.get_world_size() if sequence_parallel else 1
+    x = torch.randn(batch, seq_len // shards, cfg.dim, device=device, requires_grad=True)
+    cos, sin = foundation.rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta)
+    with foundation.comm_meter() as meter:
+        out, saved = activation_bytes(lambda: layer(x, cos, sin), layer.parameters(), torch.device("cpu"))
+        out.sum().backward()
+    return saved, meter
+
+
+def layer_activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+                             mode: str = "none", elem_bytes: int = 4, attention_saves: int | None = None,
+                             layers: int = 1) -> int:
+    """The bytes `layers` consecutive layers of one forward save per rank, in Korthikanti's accounting
+    for our layer (SwiGLU, RMSNorm, fused attention, no dropout; activations of elem_bytes, bf16: 2;
+    f = ffn_dim). Without recompute, per layer:
+    - each norm: its input in fp32, its normalised input (s b h each) and 1/rms (s b, fp32):
+      replicated in plain TP, split by t along the sequence with SP;
+    - each region's input (s b h, saved by the column-parallel linears; SP: the gathered one);
+    - sharded by t: q and the attention output (s b h each), k and v (s b h_kv each: grouped-query
+      attention keeps K/V unrepeated); the MLP's gate, silu(gate), up and their product (s b f);
+    - attention_saves bytes the attention function keeps beyond q, k, v (default: SDPA's and
+      lesson 07's fp32 log-sum-exp, one per query head and token; "selective" recompute: none).
+    "full" recompute keeps only each block's input. The layers share the RoPE tables (s x head_dim,
+    fp32) they read."""
+    s, b, h, f, e = seq_len, batch, cfg.dim, cfg.ffn_dim, elem_bytes
     if mode == "full":
-        per_layer = elem_bytes * seq_len * batch * cfg.dim // (tp if sequence_parallel else 1) + tables
+        per_layer = e * s * b * h // (tp if sequence_parallel else 1)
     else:
-        per_layer = activation_formula(cfg, batch, seq_len, tp, sequence_parallel, elem_bytes,
-                                       0 if mode == "selective" else attention_saves)
-    return layers * per_layer - max(layers - 1, 0) * tables
+        norms = 2 * ((4 + e) * s * b * h + 4 * s * b)
+        sharded = e * (2 * s * b * h + 2 * s * b * cfg.n_kv_heads * cfg.head_dim + 4 * s * b * f)
+        attention = 4 * s * b * cfg.n_heads // tp if attention_saves is None else attention_saves
+        per_layer = ((norms // tp if sequence_parallel else norms) + 2 * e * s * b * h  # the regions' inputs
+                     + sharded // tp + (0 if mode == "selective" else attention))
+    return layers * per_layer + (4 * s * cfg.head_dim if layers else 0)  # the RoPE tables
+
+
+def korthikanti_bytes(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> float:
+    """The paper's per-layer activations (GPT-3 layer, 16-bit, attention scores stored)."""
+    sbh, scores = seq_len * batch * cfg.dim, 5 * cfg.n_heads * seq_len / cfg.dim
+    return sbh * (34 + scores) / tp if sequence_parallel else sbh * (10 + (24 + scores) / tp)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -652,33 +644,32 @@ def demo(args: argparse.Namespace) -> None:
     for step in range(args.steps):
         print(f"{step:<6}" + "".join(f"{result.losses[step]:>12.6f}" for result, *_ in runs.values())
               + f"{reference.losses[step]:>16.6f}")
+    print(f"\n{'max |difference| from one device':<42}{'step-0 gradients':>18}{'end parameters':>16}")
+    for sp, (result, *_) in runs.items():
+        grads = foundation.max_abs_diff(result.first_grads, reference.first_grads)
+        params = foundation.max_abs_diff(result.params, reference.params)
+        print(f"  {label[sp]:<40}{grads:>18.2e}{params:>16.2e}")
     megatron = 4 * Fraction(2 * (tp - 1), tp) * bsh  # 4 ring all-reduces of b s h per layer
-    for sp, (result, meter, _, layer) in runs.items():
-        print(f"\n{label[sp]}: max |difference| from one device: step-0 gradients "
-              f"{foundation.max_abs_diff(result.first_grads, reference.first_grads):.2e}, parameters at "
-              f"the end {foundation.max_abs_diff(result.params, reference.params):.2e}")
-        print(f"  communication per step (measured = formula), b x s x h = {bsh:,} B:"
-              + ("" if tp > 1 else " none at tp = 1"))
+    print(f"\ncommunication, b x s x h = {bsh:,} B{'calls':>16}{'payload':>12}{'traffic per rank':>19}"
+          + ("" if tp > 1 else ": none at tp = 1"))
+    for sp, (_, meter, _, layer) in runs.items():
         for op, expected in (comm_formula(cfg, b, s, sp) if tp > 1 else {}).items():
-            got = (meter.calls(op) // args.steps, meter.payload(op) // args.steps)
-            print(f"    {op:<15}{got[0]:>4} calls {got[1]:>10,} B payload, "
-                  f"{float(meter.traffic(op)) / args.steps:>10,.0f} B traffic per rank  "
-                  + ("= formula" if got == expected else "MISMATCH with formula"))
+            calls, payload = meter.calls(op) // args.steps, meter.payload(op) // args.steps
+            traffic = float(meter.traffic(op)) / args.steps
+            print(f"  {label[sp]:<8} a step: {op:<15}{calls:>6}{payload:>10,} B{traffic:>17,.0f} B"
+                  + ("  = formula" if (calls, payload) == expected else "  MISMATCH with formula"))
         ops = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
         measured = sum(layer.traffic(op) for op in ops)
-        print("  one layer, forward + backward (measured on layer 0): "
-              + ", ".join(f"{layer.calls(op)} {op}" for op in ops)
-              + f" of b s h = {float(measured):,.0f} B traffic per rank; Megatron's 4 all-reduces "
-              f"of b s h = {float(megatron):,.0f} B  "
-              + ("= formula" if measured == megatron else "MISMATCH")
-              + (f"; plus {layer.calls('all_reduce')} all-reduces of the norms' h-sized gradients"
-                 if sp else ""))
+        print(f"  {label[sp]:<8} a layer: " + " + ".join(f"{layer.calls(op)} {op}" for op in ops)
+              + f" = {float(measured):,.0f} B; Megatron's 4 all-reduces of b s h: {float(megatron):,.0f} B"
+              + ("  = formula" if measured == megatron else "  MISMATCH")
+              + (f"; plus {layer.calls('all_reduce')} all-reduces of norm gradients" if sp else ""))
     print(f"\nactivations saved by one layer, per rank:{'measured (fp32)':>18}{'our formula':>14}"
           f"{'Korthikanti, GPT-3 16-bit layer':>34}")
     for sp, (_, _, saved, _) in runs.items():
-        print(f"  {label[sp]:<40}{saved:>16,} B{activation_formula(cfg, b, s, tp, sp):>12,} B"
+        print(f"  {label[sp]:<40}{saved:>16,} B{layer_activation_formula(cfg, b, s, tp, sp):>12,} B"
               f"{korthikanti_bytes(cfg, b, s, tp, sp):>32,.0f} B")
-    print(f"  tp = 1 for scale: {activation_formula(cfg, b, s, 1, False):,} B. Plain TP leaves the "
+    print(f"  tp = 1 for scale: {layer_activation_formula(cfg, b, s, 1, False):,} B. Plain TP leaves the "
           f"norms replicated; SP shards them too. What stays whole with SP is the all-gathered "
           f"input of each region, which Megatron re-gathers in backward instead of storing.")
     foundation.exit_distributed()
