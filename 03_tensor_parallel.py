@@ -472,23 +472,6 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
             "all_reduce": (m * norms + loss[0], m * norms * cfg.dim * elem_bytes + loss[1])}
 
 
-def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, layers: int, embed: bool,
-                      head: bool, mlp: bool = True, elem_bytes: int = 2) -> tuple[int, int]:
-    """Memory traffic (forward, backward) of one rank's elementwise work on a microbatch of `tokens`
-    tokens through a stage (comm_formula's keywords), each operation reading its inputs and writing
-    its output once (torch.compile fuses them). Per layer, between the regions (/ t with SP): two
-    RMSNorms (h in, h out), two residual adds (2h, h); on the rank's heads and ffn / t: RoPE on q and
-    k, silu(gate) x up (2f, f). Plus the embedding's lookup, the final norm, and the loss's two fp32
-    passes over the V / t logits. Backward reads what forward read and the output's gradient, writes
-    the inputs' gradients: a norm or an add 3h, SwiGLU 5f, the embedding 3h, the loss two passes."""
-    h, e, mid = cfg.dim, elem_bytes, tokens // (tp if sequence_parallel else 1)  # mid: between the regions
-    qk, f = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // tp, cfg.ffn_dim // tp * mlp
-    loss = head * 2 * 4 * -(-cfg.vocab_size // tp) * tokens
-    forward = layers * (10 * h * mid + (2 * qk + 3 * f) * tokens) + 2 * h * (embed * tokens + head * mid)
-    backward = layers * (12 * h * mid + (2 * qk + 5 * f) * tokens) + 3 * h * (embed * tokens + head * mid)
-    return forward * e + loss, backward * e + loss
-
-
 # ----------------------------------------------------------------------------------------------
 # Activation memory, and recompute: a second forward instead of the activations backward would keep
 # ----------------------------------------------------------------------------------------------

@@ -115,6 +115,23 @@ def pipeline_span(busy: list[float], bubble: float, boundary: float, pp: int, mi
     return max(busy) / (1 - bubble) + fill, fill
 
 
+def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, layers: int, embed: bool,
+                      head: bool, mlp: bool = True, elem_bytes: int = 2) -> tuple[int, int]:
+    """Memory traffic (forward, backward) of one rank's elementwise work on a microbatch of `tokens`
+    tokens through a stage (03's comm_formula keywords), each operation reading its inputs and writing
+    its output once (torch.compile fuses them). Per layer, between the regions (/ t with SP): two
+    RMSNorms (h in, h out), two residual adds (2h, h); on the rank's heads and ffn / t: RoPE on q and
+    k, silu(gate) x up (2f, f). Plus the embedding's lookup, the final norm, and the loss's two fp32
+    passes over the V / t logits. Backward reads what forward read and the output's gradient, writes
+    the inputs' gradients: a norm or an add 3h, SwiGLU 5f, the embedding 3h, the loss two passes."""
+    h, e, mid = cfg.dim, elem_bytes, tokens // (tp if sequence_parallel else 1)  # mid: between the regions
+    qk, f = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // tp, cfg.ffn_dim // tp * mlp
+    loss = head * 2 * 4 * -(-cfg.vocab_size // tp) * tokens
+    forward = layers * (10 * h * mid + (2 * qk + 3 * f) * tokens) + 2 * h * (embed * tokens + head * mid)
+    backward = layers * (12 * h * mid + (2 * qk + 5 * f) * tokens) + 3 * h * (embed * tokens + head * mid)
+    return forward * e + loss, backward * e + loss
+
+
 PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble")  # a step's, as printed
 
 
@@ -149,7 +166,7 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
             out = [out[0] + count * f, out[1] + count * b]
         return out
 
-    elementwise = lambda **at: [x / hbm for x in tensor_parallel.elementwise_bytes(
+    elementwise = lambda **at: [x / hbm for x in elementwise_bytes(
         cfg, tokens, tp, train.sequence_parallel, mlp=moe is None, elem_bytes=e, **at)]
     attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim,
                                         "flash" if cp > 1 else train.attention, cp, speed)  # 09's ring: 07's

@@ -571,23 +571,3 @@ def test_recompute_under_zero3(rank_pool):
     for runs in rank_pool.run(2, recompute_zero3, cfg, 4, 6):
         assert_same_training(runs)
 
-
-# --- the time model (lesson 09's planner) ---------------------------------------------------------
-
-@pytest.mark.parametrize("tp", [2, 4])
-def test_sequence_parallelism_leaves_no_elementwise_work_replicated(tp):
-    """With SP every elementwise byte of a stage with the final norm and loss is split t ways
-    (norms and residual adds by tokens, RoPE and SwiGLU by heads and ffn, the loss by vocabulary):
-    t ranks move what one device moves. Plain TP repeats the norms and adds (10h forward, 12h
-    backward per token and layer) on every rank. The embedding's lookup is every rank's."""
-    cfg = foundation.ModelConfig(vocab_size=512, dim=64, n_layers=3, n_heads=8, n_kv_heads=4, ffn_dim=176)
-    tokens, at = 96, dict(layers=3, embed=False, head=True, elem_bytes=2)
-    one = tensor_parallel.elementwise_bytes(cfg, tokens, 1, False, **at)
-    sp = tensor_parallel.elementwise_bytes(cfg, tokens, tp, True, **at)
-    plain = tensor_parallel.elementwise_bytes(cfg, tokens, tp, False, **at)
-    assert [tp * x for x in sp] == list(one)
-    extra = [(tp - 1) * (per_layer * 3 + norm) * cfg.dim * tokens * 2 for per_layer, norm in ((10, 2), (12, 3))]
-    assert [tp * x - y for x, y in zip(plain, one)] == extra
-    embed = tensor_parallel.elementwise_bytes(cfg, tokens, tp, True, layers=0, embed=True, head=False)
-    assert list(embed) == [2 * cfg.dim * tokens * 2, 3 * cfg.dim * tokens * 2]
-

@@ -151,6 +151,24 @@ def timed(model: str, mesh: tuple[int, int, int, int], microbatches: int | None 
     return planner.planned(cfg, full_train.MeshSizes(*mesh), run, microbatches, planner.Cluster())
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallelism_leaves_no_elementwise_work_replicated(tp):
+    """With SP every elementwise byte of a stage with the final norm and loss is split t ways
+    (norms and residual adds by tokens, RoPE and SwiGLU by heads and ffn, the loss by vocabulary):
+    t ranks move what one device moves. Plain TP repeats the norms and adds (10h forward, 12h
+    backward per token and layer) on every rank. The embedding's lookup is every rank's."""
+    cfg = foundation.ModelConfig(vocab_size=512, dim=64, n_layers=3, n_heads=8, n_kv_heads=4, ffn_dim=176)
+    tokens, at = 96, dict(layers=3, embed=False, head=True, elem_bytes=2)
+    one = planner.elementwise_bytes(cfg, tokens, 1, False, **at)
+    sp = planner.elementwise_bytes(cfg, tokens, tp, True, **at)
+    plain = planner.elementwise_bytes(cfg, tokens, tp, False, **at)
+    assert [tp * x for x in sp] == list(one)
+    extra = [(tp - 1) * (per_layer * 3 + norm) * cfg.dim * tokens * 2 for per_layer, norm in ((10, 2), (12, 3))]
+    assert [tp * x - y for x, y in zip(plain, one)] == extra
+    embed = planner.elementwise_bytes(cfg, tokens, tp, True, layers=0, embed=True, head=False)
+    assert list(embed) == [2 * cfg.dim * tokens * 2, 3 * cfg.dim * tokens * 2]
+
+
 @pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
 def test_the_step_is_its_parts_and_the_pipeline_spans_the_slowest_rank_over_one_minus_the_bubble(
         schedule, virtual):
