@@ -857,7 +857,7 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def synthetic_batch(cfg: ModelConfig, global_batch: int, seq_len: int, step: int, rank: int = 0,
-                    world_size: int = 1, data_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                    world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, targets) rows [rank*b, (rank+1)*b) of the global batch for this step, b = B / N.
     Every rank draws the same global batch and keeps its slice, so a parallel run's data is the
     single-device run's by construction. The text is learnable: each next token follows a fixed
@@ -866,8 +866,8 @@ def synthetic_batch(cfg: ModelConfig, global_batch: int, seq_len: int, step: int
         raise ValueError(f"global_batch={global_batch} and seq_len={seq_len} must be >= 1")
     if global_batch % world_size:
         raise ValueError(f"global_batch={global_batch} is not divisible by world_size={world_size}")
-    table = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(data_seed))
-    gen = torch.Generator().manual_seed(data_seed * 1_000_003 + step + 1)
+    table = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(step + 1)
     seq = torch.empty(global_batch, seq_len + 1, dtype=torch.long)
     seq[:, 0] = torch.randint(cfg.vocab_size, (global_batch,), generator=gen)
     noise = torch.randint(cfg.vocab_size, (global_batch, seq_len), generator=gen)

@@ -438,7 +438,7 @@ def named_parameters(stages: dict[int, nn.Module]):
 
 def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule: str = "1f1b",
                    microbatches: int = 4, virtual: int = 1, lr: float = 1e-3, adam_eps: float = 1e-8,
-                   group=None, device: torch.device | str = "cpu", data_seed: int = 0,
+                   group=None, device: torch.device | str = "cpu",
                    work_s: dict[str, float] | None = None, transform=None):
     """Returns (TrainResult of this rank's parameters, its CommMeter, one StepLog per step).
     Every rank draws the whole batch; the first stage reads the tokens, the last the targets.
@@ -453,8 +453,7 @@ def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule
     result, logs, losses = foundation.TrainResult([], {}, {}), [], []
     with foundation.comm_meter() as meter:
         for step in range(steps):
-            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step,
-                                                         data_seed=data_seed)
+            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
             log = run_schedule(plan, stages, tokens.to(device), targets.to(device), group, work_s)
             logs.append(log)
             losses.append(log.loss if log.loss is not None else torch.zeros((), device=device))

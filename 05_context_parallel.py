@@ -452,8 +452,8 @@ def ring_saved_bytes(q_elems: int, lse_elems: int) -> int:
 
 def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, method: str = "ring",
                            zigzag: bool = True, block: BlockAttention = TORCH_BLOCK, lr: float = 1e-3,
-                           adam_eps: float = 1e-8, group=None, device: torch.device | str = "cpu",
-                           data_seed: int = 0) -> tuple["foundation.TrainResult", "foundation.CommMeter"]:
+                           adam_eps: float = 1e-8, group=None, device: torch.device | str = "cpu"
+                           ) -> tuple["foundation.TrainResult", "foundation.CommMeter"]:
     """The same training as foundation.train_single_device, each rank holding seq_len / cp tokens of every
     row. Returns the result (global losses, summed gradients) and a meter of the training loop."""
     cp, rank = foundation.group_size(group), dist.get_rank(group)
@@ -467,7 +467,7 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
     result, losses = foundation.TrainResult([], {}, {}), []
     with foundation.comm_meter() as meter:
         for step in range(steps):
-            batch = foundation.synthetic_batch(cfg, global_batch, seq_len, step, data_seed=data_seed)
+            batch = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
             tokens, targets = (layout.shard(t, rank, dim=1).to(device) for t in batch)
             loss = model(tokens, targets, positions=positions)
             loss.backward()

@@ -362,8 +362,8 @@ class MoETrainResult(foundation.TrainResult):
 
 def train_moe(cfg: "foundation.ModelConfig", moe_cfg: MoEConfig, steps: int, global_batch: int,
               seq_len: int, *, expert_parallel: bool = False, group=None, lr: float = 1e-3,
-              adam_eps: float = 1e-8, device: torch.device | str = "cpu",
-              data_seed: int = 0) -> tuple[MoETrainResult, "foundation.CommMeter"]:
+              adam_eps: float = 1e-8, device: torch.device | str = "cpu"
+              ) -> tuple[MoETrainResult, "foundation.CommMeter"]:
     """One device on the whole batch, or (expert_parallel) this rank's rows of it with the experts
     sharded over `group`. Returns the result (gradients and parameters reassembled) and a meter of
     the training loop's communication."""
@@ -378,8 +378,7 @@ def train_moe(cfg: "foundation.ModelConfig", moe_cfg: MoEConfig, steps: int, glo
     result, grads, local_losses = MoETrainResult([], {}, {}), {}, []
     with foundation.comm_meter() as meter:
         for step in range(steps):
-            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, rank, ep,
-                                                         data_seed)
+            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, rank, ep)
             loss = model(tokens.to(device), targets.to(device))
             loss.backward()
             if expert_parallel:
