@@ -9,10 +9,11 @@ what a running mesh measures. This lesson sets them against a GPU's memory and p
 
 THE STEP TIME, from the operations (step_time): each one priced by the lesson that owns it, no MFU
 assumed. GEMMs at their TP-local shapes by 08's roofline (the rate measured on an H100, or the bytes
-at the HBM's bandwidth); attention at 07's measured rate; elementwise work (03) and the optimizer (02)
-at the HBM's bandwidth; recompute's forward again. Messages go at their link's speed (NVLink inside a
-node, the NIC across: ranks are numbered tp fastest, so inside_node knows which groups stay in one)
-plus a latency, exposed where nothing hides them. The slowest pipeline rank's microbatches / (1 - 04's
+at the HBM's bandwidth); attention at 07's measured rate; elementwise work (elementwise_bytes, split as
+03 splits the layer) and the optimizer (02) at the HBM's bandwidth; recompute's forward again.
+Messages go at their link's speed (NVLink inside a node, the NIC across: ranks are numbered tp
+fastest, so inside_node knows which groups stay in one) plus a latency, exposed where nothing hides
+them. The slowest pipeline rank's microbatches / (1 - 04's
 bubble) span the pipeline. Two bounds frame it: perfect overlap, and none.
 
 THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that 09's validate
