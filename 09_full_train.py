@@ -1281,8 +1281,8 @@ def demo(args: argparse.Namespace) -> None:
         if step == 0:
             grads = shard_values(trainer, "grads")
         trainer.update()
-    pieces = [None] * sizes.world if mesh.rank == 0 else None
-    dist.gather_object((grads, shard_values(trainer), summary(trainer)), pieces, dst=0)
+    ranks = [None] * sizes.world if mesh.rank == 0 else None  # each rank's (grads, params, summary)
+    dist.gather_object((grads, shard_values(trainer), summary(trainer)), ranks, dst=0)
     if mesh.rank == 0:
         ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
                                              adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
@@ -1297,8 +1297,8 @@ def demo(args: argparse.Namespace) -> None:
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
         print(f"{'step':<6}{'4D loss':>12}{'one device':>12}\n" + "\n".join(
             f"{step:<6}{a:>12.6f}{b:>12.6f}" for step, (a, b) in enumerate(zip(losses, ref.losses))))
-        grads_full = assemble([p for g, _, _ in pieces for p in g])
-        params_full = assemble([p for _, q, _ in pieces for p in q])
+        grads_full = assemble([pair for g, _, _ in ranks for pair in g])
+        params_full = assemble([pair for _, q, _ in ranks for pair in q])
         print(f"max |difference| from one device (AdamW + clip_grad_norm_ at {train.max_grad_norm}): loss "
               f"{max(abs(a - b) for a, b in zip(losses, ref.losses)):.1e}, step-0 gradients "
               f"{foundation.max_abs_diff(grads_full, ref.first_grads):.1e}, parameters after {args.steps} "
@@ -1308,7 +1308,7 @@ def demo(args: argparse.Namespace) -> None:
         print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes "
               "held\n(live storages) | 02's formula; bytes sent per step in each group, measured | formula "
               "(fp32):")
-        for rank, (_, _, s) in enumerate(pieces):
+        for rank, (_, _, s) in enumerate(ranks):
             memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
             traffic = "  ".join(
                 f"{k} {float(v):,.0f}|" + ("n/a" if (f := s["traffic_formula"][k]) is None
