@@ -1120,13 +1120,12 @@ def bench(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = foundation.lesson_parser(__doc__, bench_help="ZeRO-3 against FSDP2 fully_shard")
-    parser.add_argument("--steps", type=int, default=5,
-                        help="AdamW steps of every stage and of the reference")
-    parser.add_argument("--global-batch", type=int, default=16,
-                        help="sequences per step, split over the ranks")
-    parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0,
-                        help="clip the global gradient norm to this (inf: no clipping)")
+    for option, default, what in (
+            ("--steps", 5, "AdamW steps of every stage and of the reference"),
+            ("--global-batch", 16, "sequences per step, split over the ranks"),
+            ("--seq-len", 32, "tokens per sequence"),
+            ("--max-grad-norm", 1.0, "clip the global gradient norm to this (inf: no clipping)")):
+        parser.add_argument(option, type=type(default), default=default, help=what)
     args = parser.parse_args()
 
     def validate(world: int) -> None:
