@@ -15,9 +15,7 @@ alike): NaN stays NaN, +-inf stays +-inf in e5m2 and is NaN in e4m3fn (no inf); 
 has amax NaN or inf (scale NaN or 0: inf x 0 = NaN) and reads back as NaN.
 
 THE SCALE RULE: q = cast(x * s) with s = fp8_max / amax puts the largest |x| on fp8_max; x ~ q / s.
-amax is clamped to >= 1e-12 (an all-zero tensor casts to zeros), and s is an fp32 tensor / tensor
-division (torch's `number / tensor` is a reciprocal product, an ulp off). torch._scaled_mm takes
-*dequantisation* scales, 1/s. Error: SQNR in dB (6 dB ~ 1 bit).
+torch._scaled_mm takes *dequantisation* scales, 1/s. Error: SQNR in dB (6 dB ~ 1 bit).
 
 SCALING RECIPES (the granularity of s, and when it is known)
 - tensorwise current ("dynamic"): one s from this tensor's amax. Never overflows; but the amax
@@ -108,9 +106,9 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """s = fp8_max / amax in fp32, finite for every finite amax (zero included)."""
+    """s = fp8_max / amax in fp32, finite for every finite amax (zero: an all-zero x casts to zeros)."""
     amax = amax.float().clamp(min=AMAX_EPS)
-    return torch.full_like(amax, fp8_max(dtype)) / amax
+    return torch.full_like(amax, fp8_max(dtype)) / amax  # torch's `number / tensor` is an ulp off
 
 
 def all_reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
@@ -761,14 +759,6 @@ def training_device() -> torch.device:
     return DEVICE if fp8_tensor_cores else torch.device("cpu")
 
 
-def train_losses(cfg: foundation.ModelConfig, steps: int, batch: int, seq_len: int, float8: bool,
-                 lr: float = 3e-3) -> list[float]:
-    """Lesson 01's reference training on its synthetic batches, optionally with Float8Linear."""
-    return foundation.train_single_device(cfg, steps, batch, seq_len, lr=lr, device=training_device(),
-                                          progress=f"training, {'FP8' if float8 else 'fp32'}",
-                                          transform=convert_to_float8 if float8 else None).losses
-
-
 def max_differences(run: foundation.TrainResult, reference: foundation.TrainResult) -> tuple[float, ...]:
     """max |difference| of the losses, the step-0 gradients and the last parameters."""
     return (max(abs(a - b) for a, b in zip(run.losses, reference.losses, strict=True)),
@@ -875,8 +865,10 @@ def demo(args: argparse.Namespace) -> None:
           f"SQNR {spike['current SQNR']:.1f} dB.")
     print(f"\nTraining the tiny GPT for {args.steps} AdamW steps (batch {args.batch} x {args.seq_len}), "
           f"fp32 then FP8 (Float8Linear), on the {training_device().type}, the losses side by side:")
-    fp32, float8 = (train_losses(foundation.ModelConfig(), args.steps, args.batch, args.seq_len, use_fp8)
-                    for use_fp8 in (False, True))
+    fp32, float8 = (foundation.train_single_device(foundation.ModelConfig(), args.steps, args.batch,
+                                                   args.seq_len, lr=3e-3, device=training_device(),
+                                                   transform=transform, progress=f"training, {label}").losses
+                    for label, transform in (("fp32", None), ("FP8", convert_to_float8)))
     print(f"  {'step':>6}{'fp32':>9}{'FP8':>9}{'FP8 - fp32':>12}")
     for step in sorted({*range(0, args.steps, max(1, args.steps // 6)), args.steps - 1}):
         print(f"  {step:>6}{fp32[step]:>9.4f}{float8[step]:>9.4f}{float8[step] - fp32[step]:>+12.4f}")
