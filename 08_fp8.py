@@ -706,30 +706,31 @@ def realistic_activations(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, cols, generator=gen) * channel_scale
 
 
-def cast_sqnrs(x: torch.Tensor) -> dict[str, dict[str, float]]:
-    """{format: {recipe: SQNR of x's round trip}} for activations x."""
-    tiles = {"tensorwise": tuple(x.shape), "rowwise": (1, x.shape[1]), "blockwise": (1, 128)}
-    return {name: {recipe: sqnr(x, dequantize_tiles(*quantize_tiles(x, tile, dtype)))
-                   for recipe, tile in tiles.items()} for name, dtype in FORMATS.items()}
+def sqnr_table(x: torch.Tensor, w: torch.Tensor) -> dict[str, dict[str, float]]:
+    """SQNR (dB) of every recipe on activations x and a weight w: x's casts in both formats, x @ w^T
+    in e4m3, and Float8Linear holding w. Blockwise has no CPU kernel: its GEMM dequantises and
+    multiplies in fp32, the same sum a blockwise kernel computes chunk by chunk."""
+    tiles = {"tensorwise": ((None, None),) * 2, "rowwise": ((1, None),) * 2,  # (x's tile, w's tile)
+             "blockwise": ((1, 128), (128, 128))}
+    table = {f"cast {name}": {recipe: sqnr(x, dequantize_tiles(*quantize_tiles(x, x_tile, dtype)))
+                              for recipe, (x_tile, _) in tiles.items()} for name, dtype in FORMATS.items()}
+    exact, gemm = x @ w.t(), {}
+    for recipe, (x_tile, w_tile) in tiles.items():
+        (x_q, x_scale), (w_q, w_scale) = quantize_tiles(x, x_tile), quantize_tiles(w, w_tile)
+        if recipe == "blockwise":
+            approx = dequantize_tiles(x_q, x_scale) @ dequantize_tiles(w_q, w_scale).t()
+        else:
+            approx = scaled_mm(x_q, x_scale, w_q, w_scale, torch.float32)
+        gemm[recipe] = sqnr(exact, approx)
+    return {**table, "GEMM e4m3": gemm, "Float8Linear": float8_linear_sqnrs(x, w)}
 
 
-def gemm_sqnrs(x: torch.Tensor, w: torch.Tensor) -> dict[str, float]:
-    """x @ w^T in e4m3 under each recipe. Blockwise has no CPU kernel: it dequantises and multiplies
-    in fp32, the same sum a blockwise kernel computes chunk by chunk."""
-    exact = x @ w.t()
-    result = {recipe: sqnr(exact, scaled_mm(*quantize(x), *quantize(w), torch.float32))
-              for recipe, quantize in (("tensorwise", quantize_tensorwise), ("rowwise", quantize_rowwise))}
-    x_deq = dequantize_tiles(*quantize_blockwise(x, (1, 128)))
-    result["blockwise"] = sqnr(exact, x_deq @ dequantize_tiles(*quantize_blockwise(w, (128, 128))).t())
-    return result
-
-
-def float8_linear_sqnrs(x: torch.Tensor, out_features: int, seed: int = 0) -> dict[str, float]:
-    """Float8Linear against nn.Linear with the same weight: output, input and weight gradients."""
-    gen = torch.Generator().manual_seed(seed)
-    linear = nn.Linear(x.shape[1], out_features, bias=False)
-    nn.init.normal_(linear.weight, std=0.02, generator=gen)  # the GPT's initialisation
-    linear, grad_out, runs = linear.to(x), torch.randn(x.shape[0], out_features, generator=gen).to(x), []
+def float8_linear_sqnrs(x: torch.Tensor, weight: torch.Tensor) -> dict[str, float]:
+    """Float8Linear against nn.Linear holding the same weight: output, input and weight gradients."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.to(x))
+    grad_out = torch.randn(x.shape[0], weight.shape[0], generator=torch.Generator().manual_seed(0)).to(x)
+    runs = []
     for module in (linear, Float8Linear.from_linear(copy.deepcopy(linear))):
         inp = x.clone().requires_grad_()
         (out := module(inp)).backward(grad_out)
@@ -850,9 +851,7 @@ def demo(args: argparse.Namespace) -> None:
     x = realistic_activations(1024, 512, seed=1)
     w = torch.randn(768, 512, generator=torch.Generator().manual_seed(1)) * 0.02
     print("\nSQNR on activations with outlier channels (x: 1024 x 512, W: 768 x 512):")
-    rows = {f"cast {name}": values for name, values in cast_sqnrs(x).items()}
-    rows.update({"GEMM e4m3": gemm_sqnrs(x, w), "Float8Linear": float8_linear_sqnrs(x, 768)})
-    for label, values in rows.items():
+    for label, values in sqnr_table(x, w).items():
         print(f"  {label:<16}" + "   ".join(f"{k}: {v:5.1f} dB" for k, v in values.items()))
     x64 = x[:64].to(DEVICE)  # interpreted on the CPU, compiled (CUDA tensors only) on a GPU
     (q, scale, amax), (ref_q, ref_scale) = fused_amax_cast(x64, 128), quantize_blockwise(x64, (1, 128))
@@ -889,12 +888,11 @@ def bench(args: argparse.Namespace) -> None:
           f"scaling {'eager' if args.eager else 'under torch.compile'}")
     print(f"{'M=N=K':>7}{'bf16':>7}" + "".join(f"{r + ' ' + c:>17}" for r in ("tensorwise", "rowwise")
                                              for c in ("GEMM", "+ scaling", "speed-up", "with scaling")))
-    quantizers = {"tensorwise": (quantize_tensorwise, compile_fn(quantize_tensorwise)),
-                  "rowwise": (quantize_rowwise, compile_fn(quantize_rowwise))}
+    quantizers = [(eager, compile_fn(eager)) for eager in (quantize_tensorwise, quantize_rowwise)]
     for n in (4096, 8192, 16384):
         a, b = (torch.randn(n, n, device=dev, dtype=bf16) for _ in range(2))
         bf16_ms, row = median_ms(lambda: a @ b.t()), ""  # noqa: B023 - do_bench runs it at once
-        for eager_quantize, quantize in quantizers.values():
+        for eager_quantize, quantize in quantizers:
             (a_q, a_s), (b_q, b_s) = eager_quantize(a), eager_quantize(b)
             ms = [median_ms(fn) for fn in (lambda: scaled_mm(a_q, a_s, b_q, b_s, bf16),  # noqa: B023
                                            lambda: scaled_mm(*quantize(a), *quantize(b), bf16))]  # noqa: B023
