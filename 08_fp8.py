@@ -806,8 +806,7 @@ def communication_demo(args: argparse.Namespace) -> None:
             print(f"max |difference| of the FP8-gather run from {label}: loss {loss:.1e}, step-0 gradients "
                   f"{grads:.1e}, parameters after {steps} steps {params:.1e}")
         print("Notice: a byte per gathered weight element, one small all-reduce per step, and the same bits "
-              "as casting whole weights:\nthe cast is elementwise and each weight's scale global (the "
-              "unsharded run sums its gradients in another order).")
+              "as casting whole weights\n(the unsharded run sums its gradients in another order).")
     tensor_parallel_demo(args, device, steps)
 
 
@@ -843,14 +842,9 @@ def tensor_parallel_demo(args: argparse.Namespace, device: torch.device, steps: 
 
 
 def demo(args: argparse.Namespace) -> None:
-    print(f"{'format':<14}{'max':>9}{'min normal':>12}{'min subnormal':>15}{'max rel. error':>16}")
-    for name, dtype in FORMATS.items():
-        f = torch.finfo(dtype)
-        print(f"{name:<14}{f.max:>9.0f}{f.smallest_normal:>12.3g}"
-              f"{f.smallest_normal * f.eps:>15.3g}{f.eps / 2:>16.2%}")
     x = realistic_activations(1024, 512, seed=1)
     w = torch.randn(768, 512, generator=torch.Generator().manual_seed(1)) * 0.02
-    print("\nSQNR on activations with outlier channels (x: 1024 x 512, W: 768 x 512):")
+    print("SQNR on activations with outlier channels (x: 1024 x 512, W: 768 x 512):")
     for label, values in sqnr_table(x, w).items():
         print(f"  {label:<16}" + "   ".join(f"{k}: {v:5.1f} dB" for k, v in values.items()))
     x64 = x[:64].to(DEVICE)  # interpreted on the CPU, compiled (CUDA tensors only) on a GPU
