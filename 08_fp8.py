@@ -15,9 +15,7 @@ alike): NaN stays NaN, +-inf stays +-inf in e5m2 and is NaN in e4m3fn (no inf); 
 has amax NaN or inf (scale NaN or 0: inf x 0 = NaN) and reads back as NaN.
 
 THE SCALE RULE: q = cast(x * s) with s = fp8_max / amax puts the largest |x| on fp8_max; x ~ q / s.
-amax is clamped to >= 1e-12 (an all-zero tensor casts to zeros), and s is an fp32 tensor / tensor
-division (torch's `number / tensor` is a reciprocal product, an ulp off). torch._scaled_mm takes
-*dequantisation* scales, 1/s. Error: SQNR in dB (6 dB ~ 1 bit).
+torch._scaled_mm takes *dequantisation* scales, 1/s. Error: SQNR in dB (6 dB ~ 1 bit).
 
 SCALING RECIPES (the granularity of s, and when it is known)
 - tensorwise current ("dynamic"): one s from this tensor's amax. Never overflows; but the amax
@@ -108,9 +106,9 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """s = fp8_max / amax in fp32, finite for every finite amax (zero included)."""
+    """s = fp8_max / amax in fp32, finite for every finite amax (zero: an all-zero x casts to zeros)."""
     amax = amax.float().clamp(min=AMAX_EPS)
-    return torch.full_like(amax, fp8_max(dtype)) / amax
+    return torch.full_like(amax, fp8_max(dtype)) / amax  # torch's `number / tensor` is an ulp off
 
 
 def all_reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
@@ -708,30 +706,31 @@ def realistic_activations(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, cols, generator=gen) * channel_scale
 
 
-def cast_sqnrs(x: torch.Tensor) -> dict[str, dict[str, float]]:
-    """{format: {recipe: SQNR of x's round trip}} for activations x."""
-    tiles = {"tensorwise": tuple(x.shape), "rowwise": (1, x.shape[1]), "blockwise": (1, 128)}
-    return {name: {recipe: sqnr(x, dequantize_tiles(*quantize_tiles(x, tile, dtype)))
-                   for recipe, tile in tiles.items()} for name, dtype in FORMATS.items()}
+def sqnr_table(x: torch.Tensor, w: torch.Tensor) -> dict[str, dict[str, float]]:
+    """SQNR (dB) of every recipe on activations x and a weight w: x's casts in both formats, x @ w^T
+    in e4m3, and Float8Linear holding w. Blockwise has no CPU kernel: its GEMM dequantises and
+    multiplies in fp32, the same sum a blockwise kernel computes chunk by chunk."""
+    tiles = {"tensorwise": ((None, None),) * 2, "rowwise": ((1, None),) * 2,  # (x's tile, w's tile)
+             "blockwise": ((1, 128), (128, 128))}
+    table = {f"cast {name}": {recipe: sqnr(x, dequantize_tiles(*quantize_tiles(x, x_tile, dtype)))
+                              for recipe, (x_tile, _) in tiles.items()} for name, dtype in FORMATS.items()}
+    exact, gemm = x @ w.t(), {}
+    for recipe, (x_tile, w_tile) in tiles.items():
+        (x_q, x_scale), (w_q, w_scale) = quantize_tiles(x, x_tile), quantize_tiles(w, w_tile)
+        if recipe == "blockwise":
+            approx = dequantize_tiles(x_q, x_scale) @ dequantize_tiles(w_q, w_scale).t()
+        else:
+            approx = scaled_mm(x_q, x_scale, w_q, w_scale, torch.float32)
+        gemm[recipe] = sqnr(exact, approx)
+    return {**table, "GEMM e4m3": gemm, "Float8Linear": float8_linear_sqnrs(x, w)}
 
 
-def gemm_sqnrs(x: torch.Tensor, w: torch.Tensor) -> dict[str, float]:
-    """x @ w^T in e4m3 under each recipe. Blockwise has no CPU kernel: it dequantises and multiplies
-    in fp32, the same sum a blockwise kernel computes chunk by chunk."""
-    exact = x @ w.t()
-    result = {recipe: sqnr(exact, scaled_mm(*quantize(x), *quantize(w), torch.float32))
-              for recipe, quantize in (("tensorwise", quantize_tensorwise), ("rowwise", quantize_rowwise))}
-    x_deq = dequantize_tiles(*quantize_blockwise(x, (1, 128)))
-    result["blockwise"] = sqnr(exact, x_deq @ dequantize_tiles(*quantize_blockwise(w, (128, 128))).t())
-    return result
-
-
-def float8_linear_sqnrs(x: torch.Tensor, out_features: int, seed: int = 0) -> dict[str, float]:
-    """Float8Linear against nn.Linear with the same weight: output, input and weight gradients."""
-    gen = torch.Generator().manual_seed(seed)
-    linear = nn.Linear(x.shape[1], out_features, bias=False)
-    nn.init.normal_(linear.weight, std=0.02, generator=gen)  # the GPT's initialisation
-    linear, grad_out, runs = linear.to(x), torch.randn(x.shape[0], out_features, generator=gen).to(x), []
+def float8_linear_sqnrs(x: torch.Tensor, weight: torch.Tensor) -> dict[str, float]:
+    """Float8Linear against nn.Linear holding the same weight: output, input and weight gradients."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.to(x))
+    grad_out = torch.randn(x.shape[0], weight.shape[0], generator=torch.Generator().manual_seed(0)).to(x)
+    runs = []
     for module in (linear, Float8Linear.from_linear(copy.deepcopy(linear))):
         inp = x.clone().requires_grad_()
         (out := module(inp)).backward(grad_out)
@@ -759,14 +758,6 @@ def training_device() -> torch.device:
     8.9 or more (Ada, Hopper: an A100 has no FP8 tensor cores, so it trains on the CPU)."""
     fp8_tensor_cores = DEVICE.type == "cpu" or torch.cuda.get_device_capability(DEVICE) >= (8, 9)
     return DEVICE if fp8_tensor_cores else torch.device("cpu")
-
-
-def train_losses(cfg: foundation.ModelConfig, steps: int, batch: int, seq_len: int, float8: bool,
-                 lr: float = 3e-3) -> list[float]:
-    """Lesson 01's reference training on its synthetic batches, optionally with Float8Linear."""
-    return foundation.train_single_device(cfg, steps, batch, seq_len, lr=lr, device=training_device(),
-                                          progress=f"training, {'FP8' if float8 else 'fp32'}",
-                                          transform=convert_to_float8 if float8 else None).losses
 
 
 def max_differences(run: foundation.TrainResult, reference: foundation.TrainResult) -> tuple[float, ...]:
@@ -815,8 +806,7 @@ def communication_demo(args: argparse.Namespace) -> None:
             print(f"max |difference| of the FP8-gather run from {label}: loss {loss:.1e}, step-0 gradients "
                   f"{grads:.1e}, parameters after {steps} steps {params:.1e}")
         print("Notice: a byte per gathered weight element, one small all-reduce per step, and the same bits "
-              "as casting whole weights:\nthe cast is elementwise and each weight's scale global (the "
-              "unsharded run sums its gradients in another order).")
+              "as casting whole weights\n(the unsharded run sums its gradients in another order).")
     tensor_parallel_demo(args, device, steps)
 
 
@@ -852,17 +842,10 @@ def tensor_parallel_demo(args: argparse.Namespace, device: torch.device, steps: 
 
 
 def demo(args: argparse.Namespace) -> None:
-    print(f"{'format':<14}{'max':>9}{'min normal':>12}{'min subnormal':>15}{'max rel. error':>16}")
-    for name, dtype in FORMATS.items():
-        f = torch.finfo(dtype)
-        print(f"{name:<14}{f.max:>9.0f}{f.smallest_normal:>12.3g}"
-              f"{f.smallest_normal * f.eps:>15.3g}{f.eps / 2:>16.2%}")
     x = realistic_activations(1024, 512, seed=1)
     w = torch.randn(768, 512, generator=torch.Generator().manual_seed(1)) * 0.02
-    print("\nSQNR on activations with outlier channels (x: 1024 x 512, W: 768 x 512):")
-    rows = {f"cast {name}": values for name, values in cast_sqnrs(x).items()}
-    rows.update({"GEMM e4m3": gemm_sqnrs(x, w), "Float8Linear": float8_linear_sqnrs(x, 768)})
-    for label, values in rows.items():
+    print("SQNR on activations with outlier channels (x: 1024 x 512, W: 768 x 512):")
+    for label, values in sqnr_table(x, w).items():
         print(f"  {label:<16}" + "   ".join(f"{k}: {v:5.1f} dB" for k, v in values.items()))
     x64 = x[:64].to(DEVICE)  # interpreted on the CPU, compiled (CUDA tensors only) on a GPU
     (q, scale, amax), (ref_q, ref_scale) = fused_amax_cast(x64, 128), quantize_blockwise(x64, (1, 128))
@@ -875,8 +858,10 @@ def demo(args: argparse.Namespace) -> None:
           f"SQNR {spike['current SQNR']:.1f} dB.")
     print(f"\nTraining the tiny GPT for {args.steps} AdamW steps (batch {args.batch} x {args.seq_len}), "
           f"fp32 then FP8 (Float8Linear), on the {training_device().type}, the losses side by side:")
-    fp32, float8 = (train_losses(foundation.ModelConfig(), args.steps, args.batch, args.seq_len, use_fp8)
-                    for use_fp8 in (False, True))
+    fp32, float8 = (foundation.train_single_device(foundation.ModelConfig(), args.steps, args.batch,
+                                                   args.seq_len, lr=3e-3, device=training_device(),
+                                                   transform=transform, progress=f"training, {label}").losses
+                    for label, transform in (("fp32", None), ("FP8", convert_to_float8)))
     print(f"  {'step':>6}{'fp32':>9}{'FP8':>9}{'FP8 - fp32':>12}")
     for step in sorted({*range(0, args.steps, max(1, args.steps // 6)), args.steps - 1}):
         print(f"  {step:>6}{fp32[step]:>9.4f}{float8[step]:>9.4f}{float8[step] - fp32[step]:>+12.4f}")
@@ -897,12 +882,11 @@ def bench(args: argparse.Namespace) -> None:
           f"scaling {'eager' if args.eager else 'under torch.compile'}")
     print(f"{'M=N=K':>7}{'bf16':>7}" + "".join(f"{r + ' ' + c:>17}" for r in ("tensorwise", "rowwise")
                                              for c in ("GEMM", "+ scaling", "speed-up", "with scaling")))
-    quantizers = {"tensorwise": (quantize_tensorwise, compile_fn(quantize_tensorwise)),
-                  "rowwise": (quantize_rowwise, compile_fn(quantize_rowwise))}
+    quantizers = [(eager, compile_fn(eager)) for eager in (quantize_tensorwise, quantize_rowwise)]
     for n in (4096, 8192, 16384):
         a, b = (torch.randn(n, n, device=dev, dtype=bf16) for _ in range(2))
         bf16_ms, row = median_ms(lambda: a @ b.t()), ""  # noqa: B023 - do_bench runs it at once
-        for eager_quantize, quantize in quantizers.values():
+        for eager_quantize, quantize in quantizers:
             (a_q, a_s), (b_q, b_s) = eager_quantize(a), eager_quantize(b)
             ms = [median_ms(fn) for fn in (lambda: scaled_mm(a_q, a_s, b_q, b_s, bf16),  # noqa: B023
                                            lambda: scaled_mm(*quantize(a), *quantize(b), bf16))]  # noqa: B023

@@ -213,11 +213,10 @@ def test_spike_breaks_delayed_scaling_but_not_current_scaling():
 def test_sqnr_thresholds(seed):
     x = fp8.realistic_activations(256, 512, seed)
     w = torch.randn(384, 512, generator=torch.Generator().manual_seed(seed)) * 0.02
-    for format_name, values in fp8.cast_sqnrs(x).items():
-        assert min(values.values()) >= (28.0 if format_name == "e4m3fn" else 23.0), (format_name, values)
-    for name, value in fp8.gemm_sqnrs(x, w).items():
-        assert value >= 25.0, (name, value)
-    linear = fp8.float8_linear_sqnrs(x, 384, seed)
+    table = fp8.sqnr_table(x, w)
+    for row, threshold in (("cast e4m3fn", 28.0), ("cast e5m2", 23.0), ("GEMM e4m3", 25.0)):
+        assert min(table[row].values()) >= threshold, (row, table[row])
+    linear = table["Float8Linear"]
     assert linear["output"] >= 18.0 and linear["grad_input"] >= 17.0 and linear["grad_weight"] >= 17.0, linear
 
 
@@ -522,7 +521,9 @@ def test_short_fp8_training_stays_close_to_full_precision():
     gradient moves it by ~0.5. AdamW is blind to a uniformly mis-scaled weight gradient, which is why
     the backward's values are checked on their own above. Identical curves would mean FP8 never ran."""
     cfg = foundation.ModelConfig()
-    full, float8 = (fp8.train_losses(cfg, 30, 8, 32, use_fp8) for use_fp8 in (False, True))
+    full, float8 = (foundation.train_single_device(cfg, 30, 8, 32, lr=3e-3, device=fp8.training_device(),
+                                                   transform=transform).losses
+                    for transform in (None, fp8.convert_to_float8))
     assert full[0] - full[-1] > 1.0
     assert full != float8
     tail = sum(float8[-5:]) / 5 - sum(full[-5:]) / 5
@@ -539,7 +540,8 @@ def test_cuda_float8_linear_bf16_sqnr_and_layout_errors():
     """All three cuBLAS GEMMs in bf16: the forward (e4m3 x e4m3) and the backward's e5m2 x e4m3 ones on
     the re-laid-out (.t().contiguous()) operands; then cuBLAS's shape rule."""
     x = fp8.realistic_activations(256, 512).to("cuda", torch.bfloat16)
-    result = fp8.float8_linear_sqnrs(x, 384)
+    weight = torch.randn(384, 512, generator=torch.Generator().manual_seed(0)) * 0.02
+    result = fp8.float8_linear_sqnrs(x, weight)
     assert result["output"] >= 18.0 and result["grad_input"] >= 17.0 and result["grad_weight"] >= 17.0, result
     layer = fp8.Float8Linear.from_linear(nn.Linear(512, 384, bias=False).to("cuda", torch.bfloat16))
     with pytest.raises(ValueError, match="divisible by 16, got M=10"):
