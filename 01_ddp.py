@@ -213,6 +213,13 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)  # global norm before clipping, per step
     state: dict = field(default_factory=dict)               # params and AdamW state at the end
 
+    def max_differences(self, reference: TrainResult) -> tuple[float, float, float]:
+        """max |difference| from reference's losses, step-0 gradients and last parameters (those this
+        result holds: a pipeline stage's are some of the reference's)."""
+        return (max(abs(a - b) for a, b in zip(self.losses, reference.losses, strict=True)),
+                max_abs_diff(reference.first_grads, self.first_grads),
+                max_abs_diff(reference.params, self.params))
+
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's moments
 
@@ -907,8 +914,7 @@ def demo(args: argparse.Namespace) -> None:
               f"{'step-0 gradients':>42}{'end parameters':>18}{'calls':>8}{'traffic per rank':>20}")
         for name, (result, meter) in results.items():
             calls, traffic = meter.calls("all_reduce") // args.steps, meter.traffic("all_reduce") / args.steps
-            grads = max_abs_diff(result.first_grads, reference.first_grads)
-            params = max_abs_diff(result.params, reference.params)
+            _, grads, params = result.max_differences(reference)
             print(f"  {name:<24}{grads:>16.2e}{params:>18.2e}{calls:>8}{float(traffic):>18,.0f} B")
         print(f"  ring formula 2(N-1)/N x gradient bytes = 2x{world - 1}/{world} x {grad_bytes:,} "
               f"= {float(Fraction(2 * (world - 1), world) * grad_bytes):,.0f} B")

@@ -629,8 +629,7 @@ def demo(args: argparse.Namespace) -> None:
               + f"{reference.losses[step]:>16.6f}")
     print(f"\n{'max |difference| from one device':<42}{'step-0 gradients':>18}{'end parameters':>16}")
     for sp, (result, *_) in runs.items():
-        grads = foundation.max_abs_diff(result.first_grads, reference.first_grads)
-        params = foundation.max_abs_diff(result.params, reference.params)
+        _, grads, params = result.max_differences(reference)
         print(f"  {label[sp]:<40}{grads:>18.2e}{params:>16.2e}")
     megatron = 4 * Fraction(2 * (tp - 1), tp) * bsh  # 4 ring all-reduces of b s h per layer
     print(f"\ncommunication, b x s x h = {bsh:,} B{'calls':>16}{'payload':>12}{'traffic per rank':>19}"

@@ -534,9 +534,7 @@ def demo(args: argparse.Namespace) -> None:
     for name, v in schedule_runs(args):
         result, meter, _ = train_pipeline(cfg, steps, batch, args.seq_len, schedule=name,
                                           microbatches=m, virtual=v, device=device)
-        stats = [max(abs(a - b) for a, b in zip(result.losses, ref.losses)),
-                 foundation.max_abs_diff(ref.first_grads, result.first_grads),
-                 foundation.max_abs_diff(ref.params, result.params), float(meter.traffic("send")) / steps,
+        stats = [*result.max_differences(ref), float(meter.traffic("send")) / steps,
                  sum((s < pp * v - 1) + (s > 0) for s in range(rank, pp * v, pp)) * boundary]
         unit = args.unit_ms / 1e3 / v
         work = {"F": unit, "B": unit if name == "zb-h1" else 2 * unit, "W": unit} if unit else None

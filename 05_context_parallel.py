@@ -606,12 +606,9 @@ def demo(args: argparse.Namespace) -> None:
         result, meter = train_context_parallel(cfg, args.steps, args.global_batch, s, method=method,
                                                zigzag=zigzag, device=device)
         if rank == 0:
-            loss_diff = max(abs(a - r) for a, r in zip(result.losses, ref.losses, strict=True))
+            losses, grads, params = result.max_differences(ref)
             say(f"  {name:<20} step-0 loss {result.losses[0]:.6f} (one device {ref.losses[0]:.6f}), "
-                f"max |diff|: "
-                f"losses {loss_diff:.1e}, step-0 gradients "
-                f"{foundation.max_abs_diff(result.first_grads, ref.first_grads):.1e}, parameters "
-                f"{foundation.max_abs_diff(result.params, ref.params):.1e}")
+                f"max |diff|: losses {losses:.1e}, step-0 gradients {grads:.1e}, parameters {params:.1e}")
         op = COMM_OP[method]
         layer = float(meter.traffic(op)) / (args.steps * cfg.n_layers)
         tokens = args.global_batch * s // cp

@@ -438,10 +438,9 @@ def demo(args: argparse.Namespace) -> None:
         for name, (moe_cfg, parallel, _, single) in runs.items():
             entropy = [loss - moe_cfg.aux_loss_coef * sum(aux)
                        for loss, aux in zip(parallel.losses, parallel.aux)]
-            print(f"{name:<16}{entropy[0]:>21.4f}{entropy[-1]:>7.4f}"
-                  f"{max(abs(a - b) for a, b in zip(parallel.losses, single.losses)):>30.2e}"
-                  f"{foundation.max_abs_diff(parallel.first_grads, single.first_grads):>14.2e}"
-                  f"{foundation.max_abs_diff(parallel.params, single.params):>10.2e}")
+            loss, grads, params = parallel.max_differences(single)
+            print(f"{name:<16}{entropy[0]:>21.4f}{entropy[-1]:>7.4f}{loss:>30.2e}{grads:>14.2e}"
+                  f"{params:>10.2e}")
         width = max(1, args.steps // 5)
         windows = slice(0, width), slice(args.steps - width, args.steps)
         print(f"\nFirst -> last {width} steps: imbalance max/mean tokens per expert (layer 0/1), layer 0's "

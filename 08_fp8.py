@@ -760,13 +760,6 @@ def training_device() -> torch.device:
     return DEVICE if fp8_tensor_cores else torch.device("cpu")
 
 
-def max_differences(run: foundation.TrainResult, reference: foundation.TrainResult) -> tuple[float, ...]:
-    """max |difference| of the losses, the step-0 gradients and the last parameters."""
-    return (max(abs(a - b) for a, b in zip(run.losses, reference.losses, strict=True)),
-            foundation.max_abs_diff(run.first_grads, reference.first_grads),
-            foundation.max_abs_diff(run.params, reference.params))
-
-
 def communication_demo(args: argparse.Namespace) -> None:
     """On each rank: the three modes of train_float8_zero, then tensor_parallel_demo; rank 0 prints."""
     device = foundation.init_distributed()
@@ -802,7 +795,7 @@ def communication_demo(args: argparse.Namespace) -> None:
               f"in each of the {m} forwards, {m * n} casts per rank).")
         for mode, label in (("zero3", "the fp32-gather run"),
                             ("unsharded", "the unsharded run (ZeRO-0, each weight cast once per step)")):
-            loss, grads, params = max_differences(runs["zero3-fp8"][0], runs[mode][0])
+            loss, grads, params = runs["zero3-fp8"][0].max_differences(runs[mode][0])
             print(f"max |difference| of the FP8-gather run from {label}: loss {loss:.1e}, step-0 gradients "
                   f"{grads:.1e}, parameters after {steps} steps {params:.1e}")
         print("Notice: a byte per gathered weight element, one small all-reduce per step, and the same bits "
@@ -832,7 +825,7 @@ def tensor_parallel_demo(args: argparse.Namespace, device: torch.device, steps: 
             measured = (meter.traffic("all_reduce") - steps * ring * megatron) / steps
             formula = tensor_parallel_amax_traffic(tp, cfg.n_layers, sequence_parallel=sp) if whole else 0
             label = ("whole tensors'" if whole else "each rank's own pieces'") + (", SP" if sp else "")
-            loss, grads, params = max_differences(result, reference)
+            loss, grads, params = result.max_differences(reference)
             print(f"  {label:<48}{loss:>7.1e}{grads:>17.1e}{params:>11.1e}   {float(measured):,.0f} B | "
                   f"{float(formula):,.0f} B{'' if measured == formula else ' (!=)'}")
         print("Notice: with the whole tensors' scales every FP8 number is one device's (what remains is the "
