@@ -87,8 +87,8 @@ class MoEConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= {least}")
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"capacity_factor={self.capacity_factor} must be positive "
+        if self.capacity_factor is not None and not 0 < self.capacity_factor < math.inf:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be positive and finite "
                              f"(or None: dropless, --dropless on the command line)")
 
 
@@ -446,12 +446,14 @@ def demo(args: argparse.Namespace) -> None:
         print(f"\nFirst -> last {width} steps: imbalance max/mean tokens per expert (layer 0/1), layer 0's "
               f"tokens per expert (last steps), dropped assignments per step and layer (of "
               f"{args.global_batch * args.seq_len * args.top_k}), aux loss:")
+        differ = []
         for name, (_, parallel, _, single) in runs.items():
             load = [torch.tensor(parallel.load[w]).sum(0) for w in windows]  # (layer, expert) each
             before, after = ("/".join(f"{x:.2f}" for x in (l.amax(1) / l.double().mean(1)).tolist())
                              for l in load)
             dropped = [statistics.mean(map(statistics.mean, parallel.dropped[w])) for w in windows]
             same = parallel.load == single.load and parallel.dropped == single.dropped
+            differ += [] if same else [name]
             print(f"  {name:<15} imbalance {before} -> {after}   {load[1][0].tolist()}   dropped "
                   f"{dropped[0]:.1f} -> {dropped[1]:.1f}   aux {statistics.mean(parallel.aux[0]):.3f} -> "
                   f"{statistics.mean(parallel.aux[-1]):.3f}   "
@@ -465,7 +467,10 @@ def demo(args: argparse.Namespace) -> None:
                   f"{parallel.formula_traffic / args.steps:>12,.0f} B   (+ counts all-gather "
                   f"{float(meter.traffic('all_gather')) / args.steps:,.0f} B)")
         print(f"  uniform routing, no drops: 4 x layers x T_rank k (ep-1)/ep x D x 4 B = {uniform:,} B")
-        print("Notice: EP computes the one-device model (same drops, same loads). Without balancing "
+        print("Notice: EP computes the one-device model (same drops, same loads" + (
+            ")." if not differ else f"; not in {', '.join(differ)}: over these steps a rounding "
+            f"difference tipped a near-tie in the router, and from there the runs part as any two "
+            f"trainings with other rounding do).") + " Without balancing "
               "the load drifts apart; the selection bias evens it without touching the loss; the aux "
               "loss, through the gradient, mostly holds it where it started and cuts the drops.")
     foundation.exit_distributed()
@@ -539,6 +544,8 @@ def main() -> None:
     args = parser.parse_args()
 
     def validate(ep: int) -> None:
+        if not args.lr > 0:  # NaN too: AdamW would refuse it on every rank
+            raise ValueError(f"--lr must be > 0, not {args.lr}")
         MoEConfig(args.experts, args.top_k, args.expert_ffn_dim,
                   None if args.dropless else args.capacity_factor)
         for name, size in (("n_experts", args.experts), ("global_batch", args.global_batch)):

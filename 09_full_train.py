@@ -1119,6 +1119,9 @@ def train_run(args: argparse.Namespace) -> None:
               f"attention {train.attention}, recompute {train.recompute}"
               f"{', compiled' if train.compile else ''}; batch {train.global_batch} x {train.seq_len} bytes, "
               f"AdamW lr {train.lr:g} warmup {run.warmup} + cosine; {saves}")
+        if train.attention == "flash" and device.type == "cpu":
+            print("note: --attention flash on a CPU runs 07's kernel in Triton's interpreter, minutes a "
+                  "step: it is for a GPU (sdpa trains here)", flush=True)
     bars = []  # made at the first step: a resume that fails prints its line alone
 
     def progress(step: int, loss: float, seconds: float, val: float | None) -> None:
@@ -1436,7 +1439,8 @@ def check_options(args: argparse.Namespace) -> None:
         (args.profile and args.steps < 3,
          f"--profile needs --steps >= 3 (the first two compile and measure), not {args.steps}"),
         (args.sample_bytes and args.prompt == "",
-         "--prompt must not be empty: the sample continues it (--no-sample: no sample)"))
+         "--prompt must not be empty: the sample continues it (--no-sample: no sample)"),
+        (args.folder == "", "--checkpoint-dir must name a folder (--no-save: no checkpoints)"))
     problems += [message for broken, message in between if broken]
     if problems:
         raise ValueError(problems[0])

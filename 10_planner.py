@@ -294,7 +294,8 @@ def describe(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing
     lines += [f"step {seconds(t['step'])} s predicted: {useful}; "
               f"bounds {seconds(t['overlap'])} s (perfect overlap) to {seconds(t['no_overlap'])} s (none)",
               f"  {compute} + exposed " + ", ".join(f"{k} {part[k]}" for k in ("TP", "DP", "PP", "CP"))
-              + f" + bubble {part['bubble']} s ({t['bubble']:.0%})"]
+              + f" + bubble {part['bubble']} s ({t['parts']['bubble'] / t['step']:.0%} of the step: 04's "
+              f"idle fraction {t['bubble']:.0%}, and the stages' imbalance)"]
     return "\n".join(lines)
 
 
@@ -309,8 +310,9 @@ def plan_report(args: argparse.Namespace) -> str:
     cluster, memory = Cluster(**full_train.options_of(Cluster, args)), args.gpu_memory * 1e9
     gpus = args.gpus or (math.prod(fixed.values()) if None not in fixed.values() else 0)
     if gpus < 1 or None not in fixed.values() and math.prod(fixed.values()) != gpus:
-        raise ValueError(f"plan needs --gpus N (or every mesh size: --dp --pp --cp --tp), and the sizes "
-                         f"given multiply to it, not {fixed}")
+        given = [f"--{d} {v}" for d, v in {"gpus": args.gpus, **fixed}.items() if v is not None]
+        raise ValueError(f"plan needs --gpus N or every mesh size (--dp --pp --cp --tp), sizes that multiply "
+                         f"to N; given: {' '.join(given) or 'neither'}")
     n_params = sum(map(math.prod, foundation.parameter_shapes(cfg).values()))
     header = (f"{args.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
               f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, ffn {cfg.ffn_dim}, vocabulary "

@@ -1192,6 +1192,14 @@ def test_options_are_checked_before_launch_even_where_used_late(monkeypatch, cap
         assert err.count("\n") == 1, err
 
 
+def test_an_empty_checkpoint_dir_is_refused_not_taken_as_the_current_folder(monkeypatch, capsys):
+    """--checkpoint-dir "" once said "no checkpoints" and then saved into the current folder."""
+    monkeypatch.delenv("RANK", raising=False)
+    code, err, launched, _ = run_main(monkeypatch, capsys, "--checkpoint-dir", "")
+    assert code == 2 and not launched and err.count("\n") == 1, err
+    assert err.startswith("09_full_train.py train: error: --checkpoint-dir must name a folder"), err
+
+
 def test_under_torchrun_rank_0_alone_prints_an_invalid_option(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -109,6 +109,19 @@ def test_plan_refuses_an_impossible_input_in_one_line_before_any_work(monkeypatc
     assert (code, out, err) == (2, "", f"10_planner.py: error: {message}\n")
 
 
+@pytest.mark.parametrize("options, given", [
+    ("", "neither"),
+    ("--gpus 8 --dp 2 --pp 1 --cp 1 --tp 2", "--gpus 8 --dp 2 --pp 1 --cp 1 --tp 2"),  # 4 GPUs, not 8
+    ("--dp 2 --pp 1 --cp 1", "--dp 2 --pp 1 --cp 1"),  # no --tp, no --gpus
+])
+def test_plan_without_a_gpu_count_says_what_it_needs_and_was_given(monkeypatch, capsys, options, given):
+    """The first command a student types (no options) printed a Python dict of Nones."""
+    monkeypatch.setattr(planner, "search_meshes", lambda *args: pytest.fail("planned"))
+    code, out, err = plan_main(monkeypatch, capsys, *options.split())
+    needs = "10_planner.py: error: plan needs --gpus N or every mesh size (--dp --pp --cp --tp), sizes that multiply"
+    assert (code, out) == (2, "") and err == f"{needs} to N; given: {given}\n", err
+
+
 @pytest.mark.parametrize("rank, torchrun, prints", [
     ("0", True, True), ("1", True, False), ("1", False, True)],
     ids=["torchrun rank 0", "torchrun rank 1", "a shell's stray RANK=1"])

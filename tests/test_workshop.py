@@ -180,6 +180,8 @@ def snapshot(folder: Path) -> dict[Path, bytes]:
 
 @pytest.mark.parametrize("command, message", [
     (["copy", "{dir}", "--all"], r"is not an empty folder: copy writes into a new or empty one"),
+    (["copy", "{file}", "--all"], r"notes\.txt is a file, not a folder"),
+    (["copy", "{file}/copy", "--all"], r"notes\.txt/copy cannot be created \(NotADirectoryError: "),
     (["copy", "{new}", "--exercises", "02.1,99.9"], r"unknown exercise 99\.9: the exercises are 01\.1, "),
     (["check", "99.9", "--copy", "{dir}"], r"unknown exercise 99\.9"),
     (["list", "02.1", "99.9"], r"unknown exercise 99\.9"),
@@ -187,7 +189,7 @@ def snapshot(folder: Path) -> dict[Path, bytes]:
                                            r"03_tensor_parallel\.py and 7 more lessons$"),
     (["check", "02.1", "--copy", "{new}"], r"is not a workshop copy"),
     (["check"], r"check needs exercise ids"),
-], ids=["copy into a non-empty folder", "copy an unknown exercise", "check an unknown exercise",
+], ids=["copy into a non-empty folder", "copy onto a file", "copy under a file", "copy an unknown exercise", "check an unknown exercise",
         "list an unknown exercise", "check a folder that is not a copy", "check a folder that is not there",
         "check nothing"])
 def test_a_bad_command_is_one_line_exit_2_and_writes_nothing(tmp_path, command, message):
@@ -195,7 +197,8 @@ def test_a_bad_command_is_one_line_exit_2_and_writes_nothing(tmp_path, command, 
     folder.mkdir()
     (folder / "notes.txt").write_text("a participant's notes\n")
     before = snapshot(tmp_path)
-    result = run_workshop(*(arg.format(dir=folder, new=tmp_path / "new") for arg in command))
+    result = run_workshop(*(arg.format(dir=folder, new=tmp_path / "new", file=folder / "notes.txt")
+                            for arg in command))
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("workshop.py: error: "), result.stderr
     assert re.search(message, result.stderr.rstrip("\n")), result.stderr

@@ -136,9 +136,15 @@ def copy(dest: Path, exercises: list[Exercise]) -> None:
     if blanked_in(COURSE):
         raise UsageError(f"{COURSE} is itself a workshop copy (exercises {', '.join(blanked_in(COURSE))} are "
                          f"blank): make copies from the course")
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+    if dest.exists() and not dest.is_dir():
+        raise UsageError(f"{dest} is a file, not a folder: copy writes into a new or empty folder")
+    if dest.exists() and any(dest.iterdir()):
         raise UsageError(f"{dest} is not an empty folder: copy writes into a new or empty one, and "
                          f"overwrites nothing")
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"{dest} cannot be created ({type(error).__name__}: {error.strerror})") from None
     by_file = defaultdict(list)
     for exercise in exercises:
         by_file[exercise.file].append(exercise)
