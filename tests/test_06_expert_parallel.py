@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import re
+import subprocess
+import sys
 from fractions import Fraction
 
 import pytest
@@ -31,7 +34,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import run_script
+from conftest import ROOT, run_script
 from test_01_ddp import assert_matches_reference  # the same tolerances, same reasons
 
 foundation = importlib.import_module("01_ddp")
@@ -154,6 +157,7 @@ def test_a_non_finite_token_stays_non_finite_and_alone(capacity_factor):
     (dict(top_k=0), r"top_k=0 must be between 1 and n_experts=8"),
     (dict(capacity_factor=0.0), r"capacity_factor=0.0 must be positive"),
     (dict(capacity_factor=-1.0), r"capacity_factor=-1.0 must be positive"),
+    (dict(capacity_factor=float("inf")), r"capacity_factor=inf must be positive and finite"),  # was a rank's
     (dict(n_experts=0, top_k=0), r"n_experts=0 must be >= 1"),
     (dict(expert_ffn_dim=0), r"expert_ffn_dim=0 must be >= 1"),
     (dict(aux_loss_coef=-0.1), r"aux_loss_coef=-0.1 must be >= 0"),
@@ -342,6 +346,15 @@ def test_bad_configuration_fails_on_every_rank_without_hanging(rank_pool, fn, ar
 
 
 # --- the script itself ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option", [["--lr", "nan"], ["--lr", "-1"], ["--capacity-factor", "inf"]])
+def test_a_bad_option_is_one_line_before_any_rank_starts(option):
+    """Each was a traceback from every rank (AdamW's, math.ceil's) after the ranks had started."""
+    proc = subprocess.run([sys.executable, "06_expert_parallel.py", *option], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("06_expert_parallel.py: error: ") and option[1] in proc.stderr, proc.stderr
+
 
 def test_script_runs_as_plain_python():
     stdout = run_script("06_expert_parallel.py", "--nproc", "2", "--steps", "2", "--global-batch",
