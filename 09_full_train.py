@@ -1153,7 +1153,7 @@ def train_run(args: argparse.Namespace) -> None:
             disk = sum(f.stat().st_size for f in result["saved"].iterdir())
             print(f"checkpoint {result['saved']}: {disk:,} B on disk = (params + 2 AdamW moments) x 4 B x "
                   f"{n:,} parameters, each element once ({formula:,}) + {disk - formula:,} B of metadata "
-                  f"(meta.json; each rank file's specs, RNG and headers)")
+                  f"(meta.json; each rank file's runs, RNG and headers)")
         if run.folder is not None and run.sample_bytes:
             model = (reference_transform(train) or (lambda m: m))(foundation.GPT(cfg)).to(device)  # MoE
             zero.load_model(model, run.folder)
