@@ -477,6 +477,14 @@ def test_mesh_coordinates_and_groups():
         groups = sizes.groups(dims)
         assert len(groups) == n_groups and sorted(r for g in groups for r in g) == list(range(16))
     assert sizes.groups(("tp",))[0] == [0, 1] and sizes.groups(("dp", "cp"))[0] == [0, 2, 8, 10]
+    for mesh in (sizes, full_train.MeshSizes(dp=3, pp=1, cp=2, tp=2), full_train.MeshSizes(dp=1, pp=3, cp=1, tp=2)):
+        grid = torch.arange(mesh.world).view(*(getattr(mesh, d) for d in full_train.DIMS))
+        for n in range(1, 5):  # every set of dims: the groups are the grid's lines along them, in mesh order
+            for dims in itertools.combinations(full_train.DIMS, n):
+                moving = [full_train.DIMS.index(d) for d in dims]
+                fixed = [i for i in range(4) if i not in moving]
+                lines = grid.permute(*fixed, *moving).reshape(-1, math.prod(grid.shape[i] for i in moving))
+                assert mesh.groups(dims) == lines.tolist(), (mesh, dims)
     assert "rank 13: dp=1 pp=1 cp=0 tp=1\n" in full_train.rank_map(sizes)
     with_ep = full_train.MeshSizes(dp=2, pp=2, cp=2, tp=2, ep=4)
     assert with_ep.expert_groups(False)[0] == [0, 2, 8, 10] and with_ep.expert_groups(True)[0] == [0]
