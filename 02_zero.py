@@ -868,8 +868,9 @@ def shard_pieces(unit: FlatUnit, piece_of: PieceOf = whole_tensor) -> Iterator[t
         yield i, piece_of(unit, i).narrow(start, stop), slice(at, at + stop - start)
 
 
-def zero_pieces(optimizer: ZeRO, piece_of: PieceOf = whole_tensor, writes: Callable[[nn.Parameter], bool]
-                = lambda p: True) -> list[tuple[Piece, dict[str, torch.Tensor]]]:
+def zero_pieces(optimizer: ZeRO, piece_of: PieceOf = whole_tensor,
+                writes: Callable[[nn.Parameter], bool] = lambda p: True
+                ) -> list[tuple[Piece, dict[str, torch.Tensor]]]:
     """The pieces this rank writes of a ZeRO, with their values of each kind: its shard's of the
     parameters `writes` accepts (stage 0: the group's rank 0 writes all; lesson 09: tp rank 0 those
     replicated over tp), and the frozen parameters (whole on every rank, no moments) by rank 0."""
