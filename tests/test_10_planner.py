@@ -55,6 +55,9 @@ def test_plan_of_llama3_70b_on_256_gpus_prints_the_fastest_meshes_that_fit(monke
     assert len(fullest) == planner.TOP_MESHES and max(fullest) <= 80
     steps = [float(x) for x in re.findall(r"\n   step ([\d.]+) s predicted", out)]
     assert len(steps) == planner.TOP_MESHES and steps == sorted(steps), "fastest first"
+    bubbles = re.findall(r" \+ bubble ([\d.]+) s \((\d+)% of the step", out)  # once 04's fraction alone
+    assert len(bubbles) == planner.TOP_MESHES
+    assert all(abs(100 * float(b) / step - int(share)) <= 1 for (b, share), step in zip(bubbles, steps)), bubbles
 
 
 @given(gpus=st.sampled_from([8, 16, 64]), memory_gb=st.floats(8, 160), more=st.floats(1, 4),
