@@ -93,12 +93,14 @@ def test_every_option_of_every_lesson_says_what_it_is(lesson):
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name)
 def test_a_lesson_imports_only_earlier_lessons(lesson):
-    """The reading order (DESIGN.md): a reader of lesson N has met lessons 1..N-1 only, so lesson N
-    imports no lesson numbered N or later (read from the source: every import_module call)."""
+    """The reading order (DESIGN.md): the files in name order (a lesson's second file, 08_fp8_distributed.py,
+    after its first, 08_fp8.py). A reader of a file has met the files before it only, so it imports no file
+    at or after its place (read from the source: every import_module call)."""
     imported = [node.args[0].value for node in ast.walk(ast.parse(lesson.read_text()))
                 if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
                 and node.args and isinstance(node.args[0], ast.Constant) and str(node.args[0].value)[:2].isdigit()]
-    later = [name for name in imported if int(name[:2]) >= int(lesson.name[:2])]
+    order = [path.stem for path in LESSONS]
+    later = [name for name in imported if order.index(name) >= order.index(lesson.stem)]
     assert not later, f"{lesson.name} imports {later}"
 
 
