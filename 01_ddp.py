@@ -425,13 +425,14 @@ class LessonParser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
 
-def lesson_parser(doc: str, bench_help: str | None = None,
-                  bench_steps: int = 5) -> argparse.ArgumentParser:
-    """The options every lesson shares: --nproc, and --bench with its steps and rounds."""
+def lesson_parser(doc: str, bench_help: str | None = None, bench_steps: int = 5,
+                  ranks: bool = True) -> argparse.ArgumentParser:
+    """The options lessons share: --nproc (not for one process: ranks=False), --bench and its steps."""
     parser = LessonParser(description=" ".join(doc.split("\n\n")[0].split()), allow_abbrev=False,
                           formatter_class=DefaultsHelpFormatter)  # a misspelt option is an error
-    nproc = torch.cuda.device_count() if torch.cuda.is_available() else 4
-    parser.add_argument("--nproc", type=int, default=nproc, help="ranks when not under torchrun")
+    if ranks:
+        nproc = torch.cuda.device_count() if torch.cuda.is_available() else 4
+        parser.add_argument("--nproc", type=int, default=nproc, help="ranks when not under torchrun")
     if bench_help is not None:
         parser.add_argument("--bench", action="store_true", help=bench_help)
         parser.add_argument("--bench-steps", type=int, default=bench_steps, help="timed steps per round")
@@ -440,25 +441,27 @@ def lesson_parser(doc: str, bench_help: str | None = None,
     return parser
 
 
-def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn: Callable,
-                  positive: tuple[str, ...] = (), validate: Callable[[int], None] | None = None,
-                  first: Callable[[argparse.Namespace], None] | None = None) -> None:
-    """The end of every lesson's main(): options in `positive` must be >= 1, validate(world) checks
-    sizes against the world that will run; a failure is one line (once, under torchrun too) and exit
-    2 before any process starts. Then first(args) here (08's one-device part), then fn on every rank."""
+def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, positive: tuple[str, ...] = (),
+                  validate: Callable[[int], None] | None = None) -> None:
+    """Options in `positive` (and --nproc, --bench-steps) must be >= 1, validate(world) checks sizes against
+    the world that will run (1 without --nproc): a failure is one line (once under torchrun), exit 2."""
     try:
-        for name in (*positive, "nproc", *(("bench_steps",) if "bench_steps" in args else ())):
+        for name in (*positive, *(name for name in ("nproc", "bench_steps") if name in args)):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if getattr(args, "bench_rounds", 2) < 2:
             raise ValueError("--bench-rounds must be >= 2 (the first round is warm-up)")
-        world = launch_world_size(args.nproc)
+        world = launch_world_size(args.nproc) if "nproc" in args else 1
         if validate is not None:
             validate(world)
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
-    if first is not None:
-        first(args)
+
+
+def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn: Callable,
+                  positive: tuple[str, ...] = (), validate: Callable[[int], None] | None = None) -> None:
+    """The end of every multi-rank lesson's main(): check_options, then fn(args) on every rank."""
+    check_options(parser, args, positive, validate)
     launch(fn, args, nproc=args.nproc)
 
 

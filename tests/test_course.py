@@ -24,7 +24,9 @@ MAX_LINE = 110
 # Imported now, at collection: lesson 05 imports lesson 07, which must switch Triton to its
 # interpreter before anything imports triton (an AdamW step in an earlier test would).
 LESSON_MODULES = {name: importlib.import_module(name) for name in (
-    "02_zero", "03_tensor_parallel", "04_pipeline", "05_context_parallel", "06_expert_parallel", "08_fp8")}
+    "02_zero", "03_tensor_parallel", "04_pipeline", "05_context_parallel", "06_expert_parallel", "08_fp8",
+    "08_fp8_distributed")}
+ONE_PROCESS = {"08_fp8"}  # lessons without ranks: no --nproc
 
 
 @pytest.mark.parametrize("script, message", [
@@ -33,11 +35,11 @@ LESSON_MODULES = {name: importlib.import_module(name) for name in (
     ("04_pipeline", "microbatches=8 is not a multiple of pp=3"),
     ("05_context_parallel", "seq_len=64 is not divisible by 2 x cp = 6"),
     ("06_expert_parallel", "n_experts=8 is not divisible by ep=3"),
-    ("08_fp8", "--batch 16 is not divisible by 2 microbatches x 3 ranks"),
+    ("08_fp8_distributed", "--batch 16 is not divisible by 2 microbatches x 3 ranks"),
 ])
 def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script, message):
-    """Every lesson ends its main() in launch_lesson: its defaults are checked against the 3 local
-    ranks that would start, not a stray WORLD_SIZE=1, in one line before any rank starts."""
+    """Every lesson of several ranks ends its main() in launch_lesson: its defaults are checked against
+    the 3 local ranks that would start, not a stray WORLD_SIZE=1, in one line before any rank starts."""
     lesson = LESSON_MODULES[script]
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
@@ -60,6 +62,7 @@ def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script
     ("06_expert_parallel", ["--global-batch", "4000000000"], 4_000_000_000 * 32 * 128 * 4),
     ("05_context_parallel", ["--seq-len", "1000000"], 8 * 2 * 8 * 1_000_000 ** 2),  # float64 scores
     ("08_fp8", ["--seq-len", "10000000000"], 16 * 10_000_000_000 * 128 * 4),
+    ("08_fp8_distributed", ["--seq-len", "10000000000"], 16 * 10_000_000_000 * 128 * 4),
 ])
 def test_every_lesson_refuses_sizes_that_cannot_be_allocated(monkeypatch, capsys, script, options, at_least):
     """Before: every rank started, then an allocator's traceback after seconds. Now one line before
@@ -67,8 +70,11 @@ def test_every_lesson_refuses_sizes_that_cannot_be_allocated(monkeypatch, capsys
     lesson = LESSON_MODULES.get(script, foundation)
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--nproc", "2", *options])
+    ranks = [] if script in ONE_PROCESS else ["--nproc", "2"]
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *ranks, *options])
     monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    if script in ONE_PROCESS:
+        monkeypatch.setattr(lesson, "demo", lambda *a: pytest.fail("ran the demo that must be refused"))
     with pytest.raises(SystemExit) as exit_:
         lesson.main()
     err = capsys.readouterr().err
