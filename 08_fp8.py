@@ -374,9 +374,9 @@ def convert_to_float8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) ->
     return model
 
 
-# What a GEMM costs: this lesson's `--bench` on one H100 SXM (README, "On a GPU"), TFLOP/s of a @ b.t()
+# What a GEMM costs: this lesson's `--bench` on one H100 SXM (README, "On one H100"), TFLOP/s of a @ b.t()
 # at M = N = K: bf16, and tensorwise FP8 with the amax and cast of both operands included. Lesson
-# 09's planner prices every linear layer with them.
+# 10's planner prices every linear layer with them.
 GEMM_TFLOPS_H100 = {4096: (770, 713), 8192: (709, 808), 16384: (746, 1028)}  # M=N=K: (bf16, FP8 + scaling)
 
 

@@ -506,7 +506,7 @@ def test_gpu_deterministic():
         assert torch.equal(first, second), name
 
 
-# --- what attention costs: the measured rates lesson 09's planner prices it with -------------------
+# --- what attention costs: the measured rates lesson 10's planner prices it with -------------------
 
 def test_the_planners_attention_rates_are_the_readmes_measurements():
     """ATTENTION_TFLOPS_H100 is README's `--bench` table (forward + backward: ours, SDPA's flash,
