@@ -1430,7 +1430,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     return RunConfig(**{**options_of(RunConfig, args), "resume": bool(args.resume), "resume_step": step})
 
 
-def check_options(args: argparse.Namespace) -> None:
+def check_rules(args: argparse.Namespace) -> None:
     """Every option's rule (beside its field), then the rules between options: a ValueError naming
     the option, before any work."""
     problems = broken_rules(args, option_fields(args.command), flagged=True)
@@ -1475,7 +1475,7 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
 def main() -> None:
     parser, args = parse_options(sys.argv[1:])
     try:
-        check_options(args)
+        check_rules(args)
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     args.nproc = mesh_sizes(args).world  # the mesh sets how many local processes start (no --nproc)

@@ -46,7 +46,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT, SCRIPT_TIMEOUT_S, run_script
-from test_08_fp8 import reassembled, record_fp8_operands
+from test_08_fp8_distributed import reassembled, record_fp8_operands
 
 foundation = importlib.import_module("01_ddp")
 zero = importlib.import_module("02_zero")
