@@ -93,6 +93,7 @@ from tqdm import tqdm
 
 foundation = importlib.import_module("01_ddp")
 zero = importlib.import_module("02_zero")
+checkpoints = importlib.import_module("02_zero_checkpoints")
 tensor_parallel = importlib.import_module("03_tensor_parallel")
 pipeline = importlib.import_module("04_pipeline")
 context_parallel = importlib.import_module("05_context_parallel")
@@ -297,7 +298,7 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
 
 
 def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim: int | None = None,
-               tp_start: int = 0, tp_length: int = 0, ep_start: int | None = None) -> zero.Piece:
+               tp_start: int = 0, tp_length: int = 0, ep_start: int | None = None) -> checkpoints.Piece:
     """The elements of the reference parameter `name` (global `shape`) that one rank's tensor of shape
     `local` holds, as lesson 02's piece: its TP slice (tp_length real elements from tp_start along
     tp_dim, padded to local's length) and, an expert tensor, the experts from ep_start (dim 0). A row
@@ -306,7 +307,7 @@ def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim
     element's index would cost every element."""
     dim = tp_dim if tp_dim is not None else (0 if ep_start is not None else None)
     if dim is None:  # held whole (replicated over tp, not an expert): one run
-        return zero.whole_piece(name, shape)
+        return checkpoints.whole_piece(name, shape)
     inner = math.prod(shape[dim + 1:])
     start, real = (tp_start, tp_length) if tp_dim is not None else (0, local[0])
     rows = torch.arange(math.prod(shape[:dim])).view(shape[:dim])
@@ -321,10 +322,11 @@ def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim
     starts = torch.cat([torch.tensor([True]), (runs[1:, :2] != runs[:-1, :2] + runs[:-1, 2:]).any(1)])
     lengths = torch.zeros(int(starts.sum()), dtype=runs.dtype).index_add_(0, starts.cumsum(0) - 1,
                                                                           runs[:, 2])
-    return zero.Piece(name, shape, torch.cat([runs[starts, :2], lengths[:, None]], 1), math.prod(local))
+    return checkpoints.Piece(name, shape, torch.cat([runs[starts, :2], lengths[:, None]], 1),
+                             math.prod(local))
 
 
-def assemble(pieces: list[tuple["zero.Piece", torch.Tensor]], fill: float = math.nan) -> dict:
+def assemble(pieces: list[tuple["checkpoints.Piece", torch.Tensor]], fill: float = math.nan) -> dict:
     """Whole parameters (or gradients, moments) by reference name from every rank's (piece, values);
     an element no piece holds stays `fill`."""
     full = {}
@@ -849,13 +851,13 @@ def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8
 # --- Checkpoints: a Trainer's pieces in lesson 02's protocol (each element once, a resume reads its slices)
 
 
-def piece_of(trainer: Trainer, kind: str) -> "zero.PieceOf":
+def piece_of(trainer: Trainer, kind: str) -> "checkpoints.PieceOf":
     """Lesson 02's piece_of for the trainer's ZeROs of this kind: a parameter of a unit as this rank
     holds it, its TP slice (03's tp_shard_dim) and, in the experts' ZeRO ("ep_dp"), its ep rank's experts."""
     tp_rank, ep = trainer.mesh.coords["tp"], trainer.mesh.sizes.ep if kind == "ep_dp" else 1
     ep_rank = dist.get_rank(trainer.mesh.groups["ep"])
 
-    def held(unit: zero.FlatUnit, i: int) -> zero.Piece:
+    def held(unit: zero.FlatUnit, i: int) -> checkpoints.Piece:
         p, local = unit.params[i], tuple(unit.shapes[i])
         full, dim, tp_start, length = list(local), getattr(p, "tp_shard_dim", None), 0, 0
         if dim is not None:
@@ -867,7 +869,7 @@ def piece_of(trainer: Trainer, kind: str) -> "zero.PieceOf":
     return held
 
 
-def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[zero.Piece, torch.Tensor]]:
+def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[checkpoints.Piece, torch.Tensor]]:
     """(piece, CPU values) of the trainer's shards: "params" (fp32 masters), an AdamW moment, or
     "grads" (averaged, before clipping: between forward_backward and update)."""
     out = []
@@ -875,15 +877,15 @@ def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[zero.Piec
         for unit in part.zero.units:
             source = unit.grad_shard if kind == "grads" else part.zero.shard_state(unit)[kind]
             out += [(piece, source[at].detach().float().cpu().clone())
-                    for _, piece, at in zero.shard_pieces(unit, piece_of(trainer, part.kind))]
+                    for _, piece, at in checkpoints.shard_pieces(unit, piece_of(trainer, part.kind))]
     return out
 
 
-def checkpoint_pieces(trainer: Trainer) -> list[tuple[zero.Piece, dict[str, torch.Tensor]]]:
+def checkpoint_pieces(trainer: Trainer) -> list[tuple[checkpoints.Piece, dict[str, torch.Tensor]]]:
     """The pieces this rank writes, so that each element is written once across the mesh: 02's rule
     for each ZeRO (zero_pieces), and a parameter replicated over tp by tp rank 0 alone."""
     first_tp = trainer.mesh.coords["tp"] == 0
-    return [pair for part in trainer.zeros for pair in zero.zero_pieces(
+    return [pair for part in trainer.zeros for pair in checkpoints.zero_pieces(
         part.zero, piece_of(trainer, part.kind), lambda p: hasattr(p, "tp_shard_dim") or first_tp)]
 
 
@@ -947,19 +949,21 @@ def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Pat
     for a model that does."""
     rank, world, problem = trainer.mesh.rank, trainer.mesh.sizes.world, None
     try:  # each rank hashes its share of the files; all agree before any reads a file
-        target, meta = zero.open_checkpoint(run.folder, zero.checkpoint_config(trainer.cfg), run.resume_step,
-                                            rank, world, resume_command=resume_command)
+        config = checkpoints.checkpoint_config(trainer.cfg)
+        target, meta = checkpoints.open_checkpoint(run.folder, config, run.resume_step, rank, world,
+                                                   resume_command=resume_command)
     except ValueError as error:
         problem = str(error)
-    if (problem := zero.first_problem(problem)) is not None:
-        raise zero.CheckpointError(problem)
-    reader = zero.CheckpointReader(target, meta)
+    if (problem := checkpoints.first_problem(problem)) is not None:
+        raise checkpoints.CheckpointError(problem)
+    reader = checkpoints.CheckpointReader(target, meta)
     try:  # e.g. pieces missing for one stage's parameters: only its ranks see it
-        shards = [zero.read_shards(part.zero, reader, piece_of(trainer, part.kind)) for part in trainer.zeros]
+        shards = [checkpoints.read_shards(part.zero, reader, piece_of(trainer, part.kind))
+                  for part in trainer.zeros]
     except ValueError as error:
         problem = f"{target}: {error}"
-    if (problem := zero.first_problem(problem)) is not None:
-        raise zero.CheckpointError(problem)
+    if (problem := checkpoints.first_problem(problem)) is not None:
+        raise checkpoints.CheckpointError(problem)
     for part, shard in zip(trainer.zeros, shards):
         part.zero.load_shards(shard, meta["step"])
     trainer.steps = meta["step"]
@@ -1064,9 +1068,10 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
                                          f"not finite: step_{done:08d} is not written, {last_good()}")
             meta = {"loader": loader.state_dict(), "mesh": dataclasses.asdict(sizes),
                     "val": out["val"].get(done)}  # what a resume compares its validation with
-            config, keep = zero.checkpoint_config(trainer.cfg), kept[-(run.keep - 1):] if run.keep > 1 else ()
-            out["saved"] = zero.save_checkpoint(run.folder, done, pieces, meta, config, rank, sizes.world,
-                                                zero.all_ranks, keep)
+            config = checkpoints.checkpoint_config(trainer.cfg)
+            keep = kept[-(run.keep - 1):] if run.keep > 1 else ()
+            out["saved"] = checkpoints.save_checkpoint(run.folder, done, pieces, meta, config, rank,
+                                                       sizes.world, checkpoints.all_ranks, keep)
             kept.append(done)
     return out
 
@@ -1097,12 +1102,12 @@ def train_run(args: argparse.Namespace) -> None:
     problem = lock = None
     if run.folder is not None and dist.get_rank() == 0:  # held until this process ends
         try:
-            lock = zero.lock_checkpoints(run.folder)
-            if unfinished := zero.remove_unfinished_saves(run.folder):  # a run killed while saving
+            lock = checkpoints.lock_checkpoints(run.folder)
+            if unfinished := checkpoints.remove_unfinished_saves(run.folder):  # a run killed while saving
                 print(f"removed what an interrupted save left in {run.folder}: {', '.join(unfinished)}")
-        except zero.CheckpointError as error:
+        except checkpoints.CheckpointError as error:
             problem = str(error)
-    if (problem := zero.first_problem(problem)) is not None:
+    if (problem := checkpoints.first_problem(problem)) is not None:
         foundation.exit_distributed(problem)
     train_tokens, val_tokens = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
     trainer = Trainer(cfg, build_mesh(sizes), train, device)  # the launcher validated every rank
@@ -1136,12 +1141,12 @@ def train_run(args: argparse.Namespace) -> None:
 
     try:
         result, failed = train_loop(trainer, loader, val_tokens, run, progress), None
-    except (zero.CheckpointError, FloatingPointError) as error:  # found by every rank alike: one line each
+    except (checkpoints.CheckpointError, FloatingPointError) as error:  # every rank finds it: one line each
         failed = error
     for bar in bars:
         bar.close()
     if failed is not None:
-        foundation.exit_distributed(str(failed), code=2 if isinstance(failed, zero.CheckpointError) else 1)
+        foundation.exit_distributed(str(failed), code=1 if isinstance(failed, FloatingPointError) else 2)
     if not result["losses"]:  # a finished run resumed: said so, nothing more
         foundation.exit_distributed()
     activations = [None] * sizes.world if rank0 else None
@@ -1158,7 +1163,7 @@ def train_run(args: argparse.Namespace) -> None:
                   f"(meta.json; each rank file's runs, RNG and headers)")
         if run.folder is not None and run.sample_bytes:
             model = (reference_transform(train) or (lambda m: m))(foundation.GPT(cfg)).to(device)  # MoE
-            zero.load_model(model, run.folder)
+            checkpoints.load_model(model, run.folder)
             prompt = run.prompt.encode() if run.prompt is not None else text_prompt(val_tokens)
             new = sample(model, prompt, run.sample_bytes, run.temperature, run.top_k, run.seed)
             print(f"Sample from the checkpoint (a one-device lesson-01 GPT; temperature {run.temperature:g}, "
@@ -1460,13 +1465,14 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
     if args.resume and args.folder is None:
         raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")
     if args.folder is not None and "RANK" not in os.environ:  # under torchrun, rank 0 locks (train_run)
-        zero.lock_checkpoints(args.folder).close()  # a file, unwritable, held by another run: refused
+        checkpoints.lock_checkpoints(args.folder).close()  # a file, unwritable, held by another run: refused
     if args.resume:  # damaged, another model, other data: refused before any rank starts
-        _, meta = zero.open_checkpoint(args.folder, zero.checkpoint_config(cfg), run_config(args).resume_step,
-                                       checksums=False, resume_command=resume_command)  # the ranks hash
+        _, meta = checkpoints.open_checkpoint(args.folder, checkpoints.checkpoint_config(cfg),
+                                              run_config(args).resume_step, checksums=False,
+                                              resume_command=resume_command)  # the ranks hash
         ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=args.seed).load_state_dict(
             meta["loader"])
-    elif args.folder is not None and (earlier := zero.latest_checkpoint(args.folder)) and (
+    elif args.folder is not None and (earlier := checkpoints.latest_checkpoint(args.folder)) and (
             os.environ.get("RANK", "0") == "0"):  # under torchrun every rank checks, rank 0 says so
         print(f"note: {earlier} is from an earlier run; this run replaces it at its first save "
               f"(--resume continues it instead)")

@@ -24,13 +24,14 @@ MAX_LINE = 110
 # Imported now, at collection: lesson 05 imports lesson 07, which must switch Triton to its
 # interpreter before anything imports triton (an AdamW step in an earlier test would).
 LESSON_MODULES = {name: importlib.import_module(name) for name in (
-    "02_zero", "03_tensor_parallel", "04_pipeline", "05_context_parallel", "06_expert_parallel", "08_fp8",
-    "08_fp8_distributed")}
+    "02_zero", "02_zero_checkpoints", "03_tensor_parallel", "04_pipeline", "05_context_parallel",
+    "06_expert_parallel", "08_fp8", "08_fp8_distributed")}
 ONE_PROCESS = {"08_fp8"}  # lessons without ranks: no --nproc
 
 
 @pytest.mark.parametrize("script, message", [
     ("02_zero", "global_batch=16 is not divisible by the group size 3"),
+    ("02_zero_checkpoints", "global_batch=16 is not divisible by the group size 3"),
     ("03_tensor_parallel", "n_heads=8 is not divisible by tp=3"),
     ("04_pipeline", "microbatches=8 is not a multiple of pp=3"),
     ("05_context_parallel", "seq_len=64 is not divisible by 2 x cp = 6"),
@@ -56,6 +57,7 @@ def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script
 @pytest.mark.parametrize("script, options, at_least", [
     ("01_ddp", ["--global-batch", "4000000000"], 4_000_000_000 * 64 * 128 * 4),  # the fp32 logits
     ("02_zero", ["--seq-len", "1000000000"], 16 * 1_000_000_000 * 125 * 4),
+    ("02_zero_checkpoints", ["--seq-len", "1000000000"], 16 * 1_000_000_000 * 125 * 4),
     ("03_tensor_parallel", ["--vocab", "1000000000000"], 1_000_000_000_000 * 64 * 4),  # the embedding
     ("03_tensor_parallel", ["--seq-len", "1000000000"], 4 * 1_000_000_000 * 127 * 4),
     ("04_pipeline", ["--global-batch", "4000000000"], 4_000_000_000 * 32 * 128 * 4),
