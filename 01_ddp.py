@@ -446,12 +446,15 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, pos
     """Options in `positive` (and --nproc, --bench-steps) must be >= 1, validate(world) checks sizes against
     the world that will run (1 without --nproc): a failure is one line (once under torchrun), exit 2."""
     try:
-        for name in (*positive, *(name for name in ("nproc", "bench_steps") if name in args)):
+        for name in (*positive, *(option for option in ("nproc", "bench_steps") if option in args)):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if getattr(args, "bench_rounds", 2) < 2:
             raise ValueError("--bench-rounds must be >= 2 (the first round is warm-up)")
         world = launch_world_size(args.nproc) if "nproc" in args else 1
+        if "nproc" not in args and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            raise ValueError(f"runs in one process: start it with python, not torchrun (WORLD_SIZE="
+                             f"{os.environ['WORLD_SIZE']})")
         if validate is not None:
             validate(world)
     except ValueError as error:
@@ -470,7 +473,7 @@ def check_memory(what: str, cfg: "ModelConfig", batch: int, seq_len: int, ranks:
     """For validate(world): refuse sizes whose largest tensors alone exceed this machine's memory. A
     lower bound: every rank draws the whole batch (synthetic_batch: 17 bytes a token) and holds the
     fp32 embedding and LM head; the fp32 logits exist once. more: the lesson's other tensors' bytes."""
-    parts = {f"the batch, embedding, LM head and logits of {ranks} ranks":
+    parts = {f"the batch, embedding, LM head and logits of {ranks} rank{'s' * (ranks > 1)}":
              ranks * (17 * batch * (seq_len + 1) + 2 * 4 * cfg.vocab_size * cfg.dim)
              + 4 * batch * seq_len * cfg.vocab_size, **(more or {})}
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -314,7 +314,7 @@ class _Float8Matmul(torch.autograd.Function):
         w_q, w_scale = step_cast or quantize_tensorwise(weight, E4M3, weight_group)
         if step_cast is None:
             ctx.save_for_backward(x_q, x_scale, w_q, w_scale)  # FP8: half the memory of bf16
-        else:  # read again by backward: ZeRO-3 frees it after forward and gathers it again
+        else:  # read again by backward: ZeRO-3 (08_fp8_distributed) frees it after forward, gathers it again
             ctx.save_for_backward(x_q, x_scale)
             ctx.weight = weight
         ctx.dtypes, ctx.grad_group = (x.dtype, weight.dtype), grad_group
@@ -326,7 +326,7 @@ class _Float8Matmul(torch.autograd.Function):
         w_cast = w_cast or ctx.weight.float8_cast
         if w_cast is None:
             raise RuntimeError("the weight's FP8 cast of this step is gone: run backward inside "
-                               "weights_cast_once() (Float8ZeRO gathers it again by itself)")
+                               "08_fp8_distributed's weights_cast_once() (its Float8ZeRO gathers it again)")
         w_q, w_scale = w_cast
         g_q, g_scale = quantize_tensorwise(grad_out, E5M2, ctx.grad_group)
         # Tensorwise scales survive transposition, so the saved casts are reused, only re-laid out:

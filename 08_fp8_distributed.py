@@ -18,16 +18,18 @@ piece of a split tensor casts with another scale than one device, so every amax 
 is the MAX over the tp group (tensor_parallel_scales): the weights' (once per step) and, per call,
 the operand split where it is cast: a column-parallel layer's output gradient, a row-parallel one's
 input, both for a layer 03 leaves whole on sequence shards (SP). Per step, L layers, m microbatches:
-2 (t-1)/t x 4 B x L (7 + 7 m), the amaxes of 7 weights and 7 split operands a layer.
-
+2 (t-1)/t x 4 B x L (7 + 7 m), the amaxes of 7 weights and 7 split operands a layer. These make
+every FP8 number of a step's casts one device's; the split sums still add in another order, and
+where that moves a value across an e4m3 rounding boundary (rare), AdamW turns the flip into an
+lr-sized move of that element: the runs stay close to one device's, not bit for bit.
 
 RUN IT
     python 08_fp8_distributed.py            # CPU: 4 local ranks (--nproc), a few seconds: ZeRO-3 of the
                                             # FP8 GPT with fp32 vs FP8 all-gathers, then FP8 under TP
     torchrun --nproc_per_node=4 08_fp8_distributed.py
 Look at: the weights' all-gather bytes at a quarter, beside the formula, no bit changed; under TP, the
-amaxes' bytes beside the formula, and one device's FP8 to fp32 rounding with whole-tensor scales, to FP8
-rounding without them.
+amaxes' bytes beside the formula, and the distance from one device's FP8 run with whole-tensor scales
+and without them.
 """
 from __future__ import annotations
 
@@ -252,7 +254,7 @@ def tensor_parallel_scales(model: nn.Module, group=None, sequence_parallel: bool
     (the docstring's FP8 UNDER TENSOR PARALLELISM; a layer whole on SP's sequence shards: 06's router)."""
     if foundation.group_size(group) == 1:
         return model
-    group = dist.group.WORLD if group is None else group  # None: no tensor parallelism
+    group = dist.group.WORLD if group is None else group  # None: torch's default group, the world
     column, row = (tensor_parallel.SPLIT_DIM[style] for style in (tensor_parallel.column_parallel,
                                                                   tensor_parallel.row_parallel))
     for layer in model.modules():
@@ -325,10 +327,14 @@ def train_float8_tensor_parallel(cfg: foundation.ModelConfig, steps: int, global
 # RUN IT: the demo and the command line
 # ----------------------------------------------------------------------------------------------
 
+# The demo's GPT: FFN 192 (not 176) so that its TP splits (96, 48) keep CUDA's FP8 GEMMs at multiples of 16.
+DEMO_MODEL = foundation.ModelConfig(ffn_dim=192)
+
+
 def zero_demo(args: argparse.Namespace, device: torch.device, steps: int) -> None:
     """On each rank: the three modes of train_float8_zero; rank 0 prints the bytes beside the formulas."""
     world, m = dist.get_world_size(), 2
-    runs = {mode: train_float8_zero(foundation.ModelConfig(), steps, args.batch, args.seq_len, mode=mode,
+    runs = {mode: train_float8_zero(DEMO_MODEL, steps, args.batch, args.seq_len, mode=mode,
                                     microbatches=m, device=device) for mode in FLOAT8_ZERO_MODES}
     casts = [None] * world if dist.get_rank() == 0 else None
     dist.gather_object(runs["zero3-fp8"][0].stats["weight_casts"] // steps, casts, dst=0)
@@ -369,7 +375,7 @@ def zero_demo(args: argparse.Namespace, device: torch.device, steps: int) -> Non
 def tensor_parallel_demo(args: argparse.Namespace, device: torch.device, steps: int) -> None:
     """train_float8_tensor_parallel over all ranks: with and without SP, and with each rank's own
     scales; rank 0 prints the differences from one device's FP8 and the amax bytes beside the formula."""
-    cfg, tp = foundation.ModelConfig(), dist.get_world_size()
+    cfg, tp = DEMO_MODEL, dist.get_world_size()
     eps = 1e-6  # not AdamW's 1e-8, which turns fp32 rounding on gradients near 0 into lr-sized moves (01)
     runs = {(sp, whole): train_float8_tensor_parallel(cfg, steps, args.batch, args.seq_len, adam_eps=eps,
                                                       sequence_parallel=sp, whole_tensor_scales=whole,
@@ -382,7 +388,7 @@ def tensor_parallel_demo(args: argparse.Namespace, device: torch.device, steps: 
         print(f"\nThe FP8 GPT under tensor parallelism over {tp} ranks (lesson 03), {steps} steps of batch "
               f"{args.batch} x {args.seq_len}, against one device's FP8:\n  {'scales from':<30}max "
               f"|difference|: {'loss':>7}{'step-0 gradients':>17}{'parameters':>11}   amax all-reduces per "
-              f"step, measured | formula 2(t-1)/t x 4 B x L (7 + 7m)")
+              f"step, measured | formula 2(t-1)/t x 4 B x L (7 + 7m), m = 1")
         for (sp, whole), (result, meter) in runs.items():
             megatron = tensor_parallel.comm_formula(cfg, args.batch, args.seq_len, sp)["all_reduce"][1]
             measured = (meter.traffic("all_reduce") - steps * ring * megatron) / steps
@@ -391,9 +397,11 @@ def tensor_parallel_demo(args: argparse.Namespace, device: torch.device, steps: 
             loss, grads, params = result.max_differences(reference)
             print(f"  {label:<48}{loss:>7.1e}{grads:>17.1e}{params:>11.1e}   {float(measured):,.0f} B | "
                   f"{float(formula):,.0f} B{'' if measured == formula else ' (!=)'}")
-        print("Notice: with the whole tensors' scales every FP8 number is one device's (what remains is the "
-              "order of the split sums);\nwith each rank's own, the FP8 roundings differ everywhere, "
-              "for a few bytes of amaxes less.")
+        print("Notice: with the whole tensors' scales a split layer casts one device's FP8 numbers (the "
+              "tests compare them byte for byte), but its split\nsums add in another order: where that tips "
+              "a value across an e4m3 rounding (rare), AdamW makes it an lr-sized move, close to one\n"
+              "device, not bit for bit. With each rank's own scales the FP8 roundings differ everywhere, for "
+              "a few bytes of amaxes less.")
 
 
 def demo(args: argparse.Namespace) -> None:
@@ -406,23 +414,25 @@ def demo(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = foundation.lesson_parser(__doc__)
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step (2 microbatches a rank)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (ZeRO-3: 2 microbatches)")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     args = parser.parse_args()
 
     def validate(world: int) -> None:
         if args.batch % (2 * world):
             raise ValueError(f"--batch {args.batch} is not divisible by 2 microbatches x {world} ranks")
-        if fp8.training_device().type == "cuda" and args.batch * args.seq_len % 16:
-            raise ValueError(f"--batch x --seq-len = {args.batch * args.seq_len} rows: FP8 GEMMs on CUDA "
-                             f"need a multiple of 16")
+        rows = {"a rank's ZeRO-3 microbatch": args.batch // (2 * world) * args.seq_len,
+                "a rank's sequence shard under SP": args.batch * args.seq_len // world}
+        if fp8.training_device().type == "cuda" and (odd := [f"{k} {n}" for k, n in rows.items() if n % 16]):
+            raise ValueError(f"FP8 GEMMs on CUDA need rows in multiples of 16, not {', '.join(odd)} (--batch "
+                             f"x --seq-len)")
         # the tensor-parallel demo splits the GPT's heads, its MLP and (SP) the sequence over the ranks
-        tensor_parallel.validate_tensor_parallel(foundation.ModelConfig(), world)
+        tensor_parallel.validate_tensor_parallel(DEMO_MODEL, world)
         if args.seq_len % world:
             raise ValueError(f"--seq-len {args.seq_len} is not divisible by the {world} ranks (sequence "
                              f"parallelism)")
-        foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}", foundation.ModelConfig(),
-                                args.batch, args.seq_len, world)
+        foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}", DEMO_MODEL, args.batch,
+                                args.seq_len, world)
 
     foundation.launch_lesson(parser, args, demo, ("batch", "seq_len"), validate)
 

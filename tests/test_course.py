@@ -54,6 +54,27 @@ def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script
     assert err.startswith(f"{script}.py: error: ") and message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("script", sorted(ONE_PROCESS))
+@pytest.mark.parametrize("world_size, options, message", [
+    (None, ["--steps", "0"], "--steps must be >= 1"),
+    ("2", [], "runs in one process: start it with python, not torchrun (WORLD_SIZE=2)"),
+])
+def test_a_lesson_of_one_process_refuses_bad_options_and_torchrun_before_its_demo(
+        monkeypatch, capsys, script, world_size, options, message):
+    """check_options, as launch_lesson's: one line and exit 2 before the demo runs; under torchrun every
+    rank would run the whole demo, so more than one process is refused."""
+    lesson = LESSON_MODULES[script]
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    if world_size is not None:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *options])
+    monkeypatch.setattr(lesson, "demo", lambda *a: pytest.fail("ran the demo that must be refused"))
+    with pytest.raises(SystemExit) as exit_:
+        lesson.main()
+    assert exit_.value.code == 2 and capsys.readouterr().err == f"{script}.py: error: {message}\n"
+
+
 @pytest.mark.parametrize("script, options, at_least", [
     ("01_ddp", ["--global-batch", "4000000000"], 4_000_000_000 * 64 * 128 * 4),  # the fp32 logits
     ("02_zero", ["--seq-len", "1000000000"], 16 * 1_000_000_000 * 125 * 4),
