@@ -207,7 +207,7 @@ def test_weights_cast_once_per_step_changes_no_bit(monkeypatch):
     assert all(getattr(w, "float8_cast", None) is None for w in fp8_distributed.float8_weights(model))
     with fp8_distributed.weights_cast_once(model):
         out = model(microbatches[0])
-    with pytest.raises(RuntimeError, match="cast of this step is gone: run backward inside 08_fp8_distributed.s weights_cast_once"):
+    with pytest.raises(RuntimeError, match="step is gone: run backward inside 08_fp8_distributed.s weights_cast_once"):
         out.sum().backward()
 
 

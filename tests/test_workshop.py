@@ -3,9 +3,9 @@ course's own proofs.
 
 What is proved here, and why this way (the suite must stay within ~10 minutes on 2 cores, so the
 proofs of every exercise are not run twice each):
-- the list: two to four exercises per lesson (its files together), each naming functions of its lesson that have a body
-  to write, proofs that are tests of the lesson's test file, needs that come earlier (read from the
-  sources: no process starts);
+- the list: two to four exercises per lesson (its files together), each naming functions of its lesson
+  that have a body to write, proofs that are tests of the lesson's test file, needs that come earlier
+  (read from the sources: no process starts);
 - blanking changes exactly the chosen bodies: the blanked module's syntax tree is the original's with
   those bodies replaced by (docstring, raise), nothing else; the body's full-line comments stay;
 - a copy with no exercise is the course byte for byte, so a solved exercise (its body written back)
@@ -108,7 +108,7 @@ def assert_one_line_each(result: subprocess.CompletedProcess, exercises: list) -
 def test_two_to_four_exercises_per_lesson_each_a_function_with_a_body_and_real_proofs():
     ids = [e.id for e in EXERCISES]
     assert len(set(ids)) == len(ids) and all(re.fullmatch(r"(0[1-9]|10)\.[1-9]", i) for i in ids)
-    per_lesson = Counter(e.file[:2] for e in EXERCISES)  # a lesson's files together: 08_fp8.py, 08_fp8_distributed.py
+    per_lesson = Counter(e.file[:2] for e in EXERCISES)  # a lesson's files together (08_fp8*.py)
     lessons = sorted({name[:2] for name in workshop.LESSONS})
     assert sorted(per_lesson) == lessons and all(2 <= n <= 4 for n in per_lesson.values()), per_lesson
     seen = set()
@@ -171,7 +171,8 @@ def test_a_copy_without_exercises_is_the_course_byte_for_byte(tmp_path):
     copied = sorted(p.relative_to(tmp_path / "copy") for p in (tmp_path / "copy").rglob("*") if p.is_file())
     expected = sorted(workshop.course_files(COURSE))
     lessons = {name[:2] for name in workshop.LESSONS}  # every lesson's files, the second ones too
-    assert copied == expected and Path("tests/conftest.py") in copied and lessons == {f"{i:02}" for i in range(1, 11)}
+    assert copied == expected and Path("tests/conftest.py") in copied
+    assert lessons == {f"{i:02}" for i in range(1, 11)}
     for path in expected:
         assert (tmp_path / "copy" / path).read_bytes() == (COURSE / path).read_bytes(), path
 
