@@ -10,7 +10,7 @@ sections, in order:
   The composed model and its step: build_stage_model; Trainer (forward_backward, update)         check, train
   The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it)      all
   Data, learning rate, MFU, sampling: ShardedLoader (bytes are tokens), flops_per_token, sample  train
-  Checkpoints: a Trainer's pieces (piece_of) in lesson 02's protocol                          train, check
+  Checkpoints: a Trainer's pieces (piece_of) in the protocol of 02_zero_checkpoints.py           train, check
   The training run: MODELS, RunConfig, train_loop                                                train
   RUN IT: train_run and its printing; check's demo; the command line (COMMANDS)                  all
 
