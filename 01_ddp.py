@@ -451,10 +451,9 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, pos
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if getattr(args, "bench_rounds", 2) < 2:
             raise ValueError("--bench-rounds must be >= 2 (the first round is warm-up)")
-        world = launch_world_size(args.nproc) if "nproc" in args else 1
-        if "nproc" not in args and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-            raise ValueError(f"runs in one process: start it with python, not torchrun (WORLD_SIZE="
-                             f"{os.environ['WORLD_SIZE']})")
+        world = launch_world_size(getattr(args, "nproc", 1))  # torchrun's, where RANK is set
+        if "nproc" not in args and world > 1:
+            raise ValueError(f"runs in one process: start it with python, not torchrun (WORLD_SIZE={world})")
         if validate is not None:
             validate(world)
     except ValueError as error:

@@ -55,24 +55,35 @@ def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script
 
 
 @pytest.mark.parametrize("script", sorted(ONE_PROCESS))
-@pytest.mark.parametrize("world_size, options, message", [
-    (None, ["--steps", "0"], "--steps must be >= 1"),
-    ("2", [], "runs in one process: start it with python, not torchrun (WORLD_SIZE=2)"),
+@pytest.mark.parametrize("env, options, message", [
+    ({}, ["--steps", "0"], "--steps must be >= 1"),
+    (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="localhost", MASTER_PORT="29500"), [],
+     "runs in one process: start it with python, not torchrun (WORLD_SIZE=2)"),
+    (dict(RANK="0"), [], "RANK is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT not: a partial torchrun"),
+    (dict(WORLD_SIZE="2"), [], None),  # left in a shell without RANK: not torchrun, the demo runs
 ])
 def test_a_lesson_of_one_process_refuses_bad_options_and_torchrun_before_its_demo(
-        monkeypatch, capsys, script, world_size, options, message):
+        monkeypatch, capsys, script, env, options, message):
     """check_options, as launch_lesson's: one line and exit 2 before the demo runs; under torchrun every
-    rank would run the whole demo, so more than one process is refused."""
+    rank would run the whole demo, so more than one process is refused (torchrun: RANK set, as for
+    the lessons that launch ranks; a stray WORLD_SIZE alone does not count)."""
     lesson = LESSON_MODULES[script]
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
-    if world_size is not None:
-        monkeypatch.setenv("WORLD_SIZE", world_size)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *options])
-    monkeypatch.setattr(lesson, "demo", lambda *a: pytest.fail("ran the demo that must be refused"))
+    ran = []
+    monkeypatch.setattr(lesson, "demo", ran.append)
+    if message is None:
+        lesson.main()
+        assert len(ran) == 1 and capsys.readouterr().err == ""
+        return
     with pytest.raises(SystemExit) as exit_:
         lesson.main()
-    assert exit_.value.code == 2 and capsys.readouterr().err == f"{script}.py: error: {message}\n"
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(f"{script}.py: error: {message}") and err.count("\n") == 1
+    assert not ran, "the demo ran"
 
 
 @pytest.mark.parametrize("script, options, at_least", [
