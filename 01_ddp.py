@@ -363,11 +363,7 @@ def init_distributed(timeout_s: float = 120.0) -> torch.device:
     local rank, else gloo on CPU. The timeout makes a collective some rank never joins an error."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"local rank {local_rank} needs GPU {local_rank}, but only "
-                             f"{torch.cuda.device_count()} are visible: use at most that many ranks "
-                             f"per node, or CUDA_VISIBLE_DEVICES= to run on the CPU")
+    if torch.cuda.is_available():  # as many ranks per node as GPUs: check_gpus_per_node, before launch
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend, device_id = "nccl", device  # device_id: NCCL communicators are created eagerly
@@ -399,6 +395,17 @@ def launch_world_size(nproc: int) -> int:
         raise ValueError(f"RANK is set but {', '.join(missing)} not: a partial torchrun environment "
                          f"(run under torchrun, or unset RANK to launch {nproc} local processes)")
     return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else nproc
+
+
+def check_gpus_per_node(world: int) -> None:
+    """With CUDA every rank of a node takes its own GPU (init_distributed): more ranks than GPUs is one
+    line here, before any rank starts, not a traceback from the ranks that find none."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if "RANK" in os.environ else world
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else ranks_here
+    if ranks_here > gpus:
+        raise ValueError(f"{ranks_here} ranks on this node need a GPU each, but {gpus} "
+                         f"{'is' if gpus == 1 else 'are'} visible: run at most {gpus} per node, or "
+                         f"CUDA_VISIBLE_DEVICES= to run on the CPU")
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -454,6 +461,7 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, pos
         world = launch_world_size(getattr(args, "nproc", 1))  # torchrun's, where RANK is set
         if "nproc" not in args and world > 1:
             raise ValueError(f"runs in one process: start it with python, not torchrun (WORLD_SIZE={world})")
+        check_gpus_per_node(world)
         if validate is not None:
             validate(world)
     except ValueError as error:

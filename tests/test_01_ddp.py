@@ -705,21 +705,32 @@ def test_wrapping_a_model_without_trainable_parameters_fails_and_claims_nothing(
     assert not hasattr(model, "gradient_sync_owner"), "a failed build must not claim the model"
 
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+TORCHRUN_8_RANKS_4_PER_NODE = {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
-@pytest.mark.parametrize("env, nproc, message", [
-    ({"WORLD_SIZE": "1"}, 3, "global_batch=16 is not divisible by world_size x accum_steps = 3 x 2 = 6"),
-    ({"RANK": "0"}, 2, "RANK is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT not: a partial torchrun "
-                       "environment (run under torchrun, or unset RANK to launch 2 local processes)"),
-], ids=["stray WORLD_SIZE", "partial torchrun environment"])
-def test_launcher_checks_the_world_that_will_run_in_one_line(monkeypatch, capsys, env, nproc, message):
+@pytest.mark.parametrize("env, nproc, gpus, message", [
+    ({"WORLD_SIZE": "1"}, 3, 0, "global_batch=16 is not divisible by world_size x accum_steps = 3 x 2 = 6"),
+    ({"RANK": "0"}, 2, 0, "RANK is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT not: a partial torchrun "
+                          "environment (run under torchrun, or unset RANK to launch 2 local processes)"),
+    ({}, 2, 1, "2 ranks on this node need a GPU each, but 1 is visible: run at most 1 per node, or "
+               "CUDA_VISIBLE_DEVICES= to run on the CPU"),
+    (TORCHRUN_8_RANKS_4_PER_NODE, 1, 2, "4 ranks on this node need a GPU each, but 2 are visible: run at "
+                                        "most 2 per node, or CUDA_VISIBLE_DEVICES= to run on the CPU"),
+], ids=["stray WORLD_SIZE", "partial torchrun environment", "more local ranks than GPUs",
+        "torchrun: more ranks per node than GPUs"])
+def test_launcher_checks_the_world_that_will_run_in_one_line(monkeypatch, capsys, env, nproc, gpus, message):
     """The defaults (global batch 16, accum 2) are checked against the ranks that would really start,
-    before any starts: a stray WORLD_SIZE is not what local processes get; RANK alone is no torchrun."""
+    before any starts: a stray WORLD_SIZE is not what local processes get; RANK alone is no torchrun;
+    with CUDA (faked: `gpus`) each rank of a node needs its own GPU (a lent H200 found 09's default
+    dp 2 x tp 2 mesh failing inside the ranks on its one GPU, with a traceback from each)."""
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(sys, "argv", ["01_ddp.py", "--nproc", str(nproc)])
     monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
     with pytest.raises(SystemExit) as exit_:
@@ -751,6 +762,7 @@ def test_launch_rendezvous_survives_a_port_taken_by_another_process(monkeypatch)
     did, once: EADDRINUSE). Here it is taken before any rank starts: launch must not depend on it."""
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # two ranks on the CPU, also on a one-GPU machine
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
