@@ -202,6 +202,7 @@ class BucketedDataParallel:
 # ----------------------------------------------------------------------------------------------
 
 DP_MODES = ("naive", "bucketed")
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's moments
 
 
 @dataclass
@@ -219,9 +220,6 @@ class TrainResult:
         return (max(abs(a - b) for a, b in zip(self.losses, reference.losses, strict=True)),
                 max_abs_diff(reference.first_grads, self.first_grads),
                 max_abs_diff(reference.params, self.params))
-
-
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's moments
 
 
 def make_optimizer(model: nn.Module, lr: float, eps: float = 1e-8) -> torch.optim.Optimizer:
@@ -342,13 +340,9 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
 
 
 # ==============================================================================================
-# THE FOUNDATION, which every lesson imports (the docstring's list). Read it once the lesson above
-# is clear, or come back to it from lesson 02 on.
+# THE FOUNDATION, which every lesson imports (the docstring's list), from devices and launch on.
+# Read it once the lesson above is clear, or come back to it from lesson 02 on.
 # ==============================================================================================
-
-# ----------------------------------------------------------------------------------------------
-# Devices and launch
-# ----------------------------------------------------------------------------------------------
 
 # Without a GPU, lessons 07 and 08's Triton kernels run in Triton's interpreter. Triton decides as
 # each @triton.jit function is defined (its own library's too), so the switch is set here, in the
@@ -363,7 +357,7 @@ def init_distributed(timeout_s: float = 120.0) -> torch.device:
     local rank, else gloo on CPU. The timeout makes a collective some rank never joins an error."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():  # as many ranks per node as GPUs: check_gpus_per_node, before launch
+    if torch.cuda.is_available():  # as many ranks per node as GPUs: check_options, before launch
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend, device_id = "nccl", device  # device_id: NCCL communicators are created eagerly
@@ -395,17 +389,6 @@ def launch_world_size(nproc: int) -> int:
         raise ValueError(f"RANK is set but {', '.join(missing)} not: a partial torchrun environment "
                          f"(run under torchrun, or unset RANK to launch {nproc} local processes)")
     return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else nproc
-
-
-def check_gpus_per_node(world: int) -> None:
-    """With CUDA every rank of a node takes its own GPU (init_distributed): more ranks than GPUs is one
-    line here, before any rank starts, not a traceback from the ranks that find none."""
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if "RANK" in os.environ else world
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else ranks_here
-    if ranks_here > gpus:
-        raise ValueError(f"{ranks_here} ranks on this node need a GPU each, but {gpus} "
-                         f"{'is' if gpus == 1 else 'are'} visible: run at most {gpus} per node, or "
-                         f"CUDA_VISIBLE_DEVICES= to run on the CPU")
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -461,7 +444,14 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, pos
         world = launch_world_size(getattr(args, "nproc", 1))  # torchrun's, where RANK is set
         if "nproc" not in args and world > 1:
             raise ValueError(f"runs in one process: start it with python, not torchrun (WORLD_SIZE={world})")
-        check_gpus_per_node(world)
+        # With CUDA every rank of a node takes its own GPU (init_distributed): more ranks than GPUs
+        # is one line here, before any rank starts, not a traceback from the ranks that find none.
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if "RANK" in os.environ else world
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else ranks_here
+        if ranks_here > gpus:
+            raise ValueError(f"{ranks_here} ranks on this node need a GPU each, but {gpus} "
+                             f"{'is' if gpus == 1 else 'are'} visible: run at most {gpus} per node, or "
+                             f"CUDA_VISIBLE_DEVICES= to run on the CPU")
         if validate is not None:
             validate(world)
     except ValueError as error:
@@ -576,12 +566,6 @@ class CommMeter:
     def __init__(self) -> None:
         self.stats: dict[tuple[str, tuple[int, ...]], OpStats] = defaultdict(OpStats)
 
-    def record(self, op: str, group: dist.ProcessGroup | None, payload: int, traffic: Fraction) -> None:
-        entry = self.stats[(op, group_ranks(group))]
-        entry.calls += 1
-        entry.payload_bytes += payload
-        entry.traffic_bytes += traffic
-
     # Queries: op=None sums over operations, group=ANY_GROUP over groups. A group is a process group
     # (None: the world, as in the wrappers) or a tuple of global ranks (usable off the ranks, too).
     def _select(self, op: str | None, group) -> list[OpStats]:
@@ -626,7 +610,10 @@ def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
 
 def _record(op: str, group, payload: int, traffic: Fraction) -> None:
     for meter in _active_meters:
-        meter.record(op, group, payload, traffic)
+        entry = meter.stats[(op, group_ranks(group))]
+        entry.calls += 1
+        entry.payload_bytes += payload
+        entry.traffic_bytes += traffic
 
 
 def group_size(group) -> int:
@@ -849,9 +836,8 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (batch, seq) -> logits (batch, seq, vocab), or the loss if targets are given.
-        Without an embed, tokens are hidden states (batch, seq, dim); without an lm_head, the hidden
-        states are returned. positions (seq,) default to 0..seq-1."""
+        """tokens (batch, seq) -> logits (batch, seq, vocab), or the loss if targets are given (hidden
+        states (batch, seq, dim) in or out where embed or lm_head is None); positions (seq,): 0..seq-1."""
         h = self.embed(tokens) if self.embed is not None else tokens
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
