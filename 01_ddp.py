@@ -298,10 +298,9 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
                         mode: str = "bucketed", accum_steps: int = 1, bucket_bytes: int = 1 << 20,
                         lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
                         device: torch.device | str = "cpu") -> tuple[TrainResult, CommMeter]:
-    """Train on this rank's share of the same global batches train_single_device sees: rows
-    [r B/N, (r+1) B/N), split into accum_steps micro-batches whose losses are scaled by 1/accum_steps,
-    so the accumulated gradient is that of the rank's mean loss and the all-reduce / N makes it the
-    global mean's. Returns the result and a meter of the communication inside the training loop."""
+    """Train on rows [r B/N, (r+1) B/N) of train_single_device's global batches, in accum_steps
+    micro-batches whose losses are scaled by 1/accum_steps: together, the gradient of the rank's mean
+    loss (THE IDEA). Returns the result and a meter of the communication inside the training loop."""
     world, rank = group_size(group), dist.get_rank(group)
     validate_data_parallel(global_batch, world, accum_steps, mode)
     model = GPT(cfg).to(device)
@@ -407,8 +406,7 @@ def prints_here() -> bool:
 
 
 class LessonParser(argparse.ArgumentParser):
-    """Every rank parses the same options and exits with the same code (2 for an error); the help
-    or an error is printed where prints_here()."""
+    """Every rank parses alike and exits with the same code (2 for an error), printing where prints_here()."""
 
     def _print_message(self, message: str, file=None) -> None:
         if prints_here():
@@ -766,7 +764,6 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).unflatten(-1, (-1, self.head_dim)), cos, sin)
         k = apply_rope(self.k_proj(x).unflatten(-1, (-1, self.head_dim)), cos, sin)
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
-        # K/V keep their n_kv_heads heads: the attention function groups the queries (causal_attention).
         out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.out_proj(out.transpose(1, 2).flatten(2))
 
@@ -927,8 +924,7 @@ def demo(args: argparse.Namespace) -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
-    """Ours (bucketed, overlapped) against torch.nn.parallel.DistributedDataParallel, same model,
-    same batch, same bucket size, interleaved so both see the same machine load."""
+    """Ours (bucketed, overlapped) against torch's DistributedDataParallel: same model, batch, buckets."""
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = ModelConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=8, ffn_dim=688)
