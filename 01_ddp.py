@@ -250,9 +250,7 @@ def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len
     model computes, AdamW updates fp32 masters of the initial values, rounded back into the model
     after each step (as lesson 02's ZeRO). `transform` rewrites the model first (08: FP8 linears, 09:
     MoE MLPs; frozen parameters get no update, as in AdamW); `progress` labels a tqdm bar."""
-    model = GPT(cfg)
-    model = (transform(model) if transform else model).to(device)
-    names = [name for name, _ in model.named_parameters()]
+    model = (transform(GPT(cfg)) if transform else GPT(cfg)).to(device)
     masters = [nn.Parameter(p.detach().clone()) if mixed_precision else p for p in model.parameters()]
     if mixed_precision:
         model.to(torch.bfloat16)
@@ -277,9 +275,9 @@ def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len
                 master.grad = p.grad = None
     master = dict(zip(model.parameters(), masters))  # as state_dict(): a tied parameter under each name
     result.params = cpu_copy((n, master[p]) for n, p in model.named_parameters(remove_duplicate=False))
-    adam = [optimizer.state[m] for m in masters]
-    result.state = {"params": result.params, "step": int(max(s.get("step", 0) for s in adam)),
-                    **{key: cpu_copy((n, s[key]) for n, s in zip(names, adam) if s) for key in ADAM_KEYS}}
+    adam = {n: optimizer.state[master[p]] for n, p in model.named_parameters()}
+    result.state = {"params": result.params, "step": int(max(s.get("step", 0) for s in adam.values())),
+                    **{key: cpu_copy((n, s[key]) for n, s in adam.items() if s) for key in ADAM_KEYS}}
     return result
 
 
