@@ -440,8 +440,7 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, pos
         world = launch_world_size(getattr(args, "nproc", 1))  # torchrun's, where RANK is set
         if "nproc" not in args and world > 1:
             raise ValueError(f"runs in one process: start it with python, not torchrun (WORLD_SIZE={world})")
-        # With CUDA every rank of a node takes its own GPU (init_distributed): more ranks than GPUs
-        # is one line here, before any rank starts, not a traceback from the ranks that find none.
+        # One GPU a rank (init_distributed): too many ranks for a node's GPUs fail here, not in the ranks.
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if "RANK" in os.environ else world
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else ranks_here
         if ranks_here > gpus:
