@@ -322,8 +322,7 @@ def split_dim(name: str, plan: dict | None = None) -> int | None:
 
 
 def tp_local_shape(name: str, shape: tuple[int, ...], tp: int, plan: dict | None = None) -> tuple[int, ...]:
-    """The shape parameter `name` has on every rank of apply_tensor_parallel over tp ranks with `plan`,
-    without building it: _shard's slice of a split one, padding included."""
+    """Parameter `name`'s shape on each rank of apply_tensor_parallel(plan), padded, without building it."""
     dim = split_dim(name, plan)
     return tuple(shape) if dim is None else (*shape[:dim], -(-shape[dim] // tp), *shape[dim + 1:])
 
@@ -336,8 +335,7 @@ def validate_tensor_parallel(cfg, tp: int) -> None:
 
 
 def validate_ties(model: nn.Module, plan: dict) -> None:
-    """A parameter registered under several names (tied) must be split the same way under each,
-    else no one shard can serve them all."""
+    """A parameter under several names (tied) is one shard: the plan must split it alike under each."""
     names: dict[nn.Parameter, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, []).append(name)
