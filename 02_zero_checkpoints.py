@@ -194,6 +194,23 @@ def remove_unfinished_saves(folder: str | os.PathLike) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in unfinished)
 
 
+def claim_folder(folder: str | os.PathLike) -> IO | None:
+    """A run's start: rank 0 locks folder (held while the returned file stays open, or until its
+    process ends) and removes what a killed save left, saying so. A problem stops every rank with the
+    same CheckpointError (the ranks agree by a collective)."""
+    lock = problem = None
+    if dist.get_rank() == 0:
+        try:
+            lock = lock_checkpoints(folder)
+            if unfinished := remove_unfinished_saves(folder):
+                print(f"removed what an interrupted save left in {folder}: {', '.join(unfinished)}")
+        except CheckpointError as error:
+            problem = str(error)
+    if (problem := first_problem(problem)) is not None:
+        raise CheckpointError(problem)
+    return lock
+
+
 def checkpoint_config(cfg: foundation.ModelConfig) -> dict:
     """What must match for a checkpoint to load: every field that shapes the model. Not the seed,
     which only draws the initial weights that a checkpoint replaces."""
@@ -415,6 +432,40 @@ def read_shards(optimizer: zero.ZeRO, reader: CheckpointReader,
     return shards
 
 
+def load_zeros(folder: str | os.PathLike, config: dict, step: int | None,
+               zeros: list[tuple[zero.ZeRO, PieceOf]], resume_command: Callable[[int], str] | None = None
+               ) -> tuple[Path, dict, CheckpointReader]:
+    """A resume on every rank: each ZeRO (with its piece_of) loads its shards from the checkpoint of
+    `step` (None: LATEST's). Each rank hashes its share of the files and reads only the runs that
+    overlap its pieces; a problem any rank finds (a damaged file, a piece missing) stops every rank
+    with the same CheckpointError, before any rank has loaded anything."""
+    rank, world, problem = dist.get_rank(), dist.get_world_size(), None
+    try:
+        target, meta = open_checkpoint(folder, config, step, rank, world, resume_command=resume_command)
+    except ValueError as error:
+        problem = str(error)
+    if (problem := first_problem(problem)) is not None:
+        raise CheckpointError(problem)
+    reader = CheckpointReader(target, meta)
+    try:  # e.g. pieces missing for one pipeline stage's parameters: only its ranks see it
+        shards = [read_shards(optimizer, reader, piece_of) for optimizer, piece_of in zeros]
+    except ValueError as error:
+        problem = f"{target}: {error}"
+    if (problem := first_problem(problem)) is not None:
+        raise CheckpointError(problem)
+    for (optimizer, _), shard in zip(zeros, shards):
+        optimizer.load_shards(shard, meta["step"])
+    return target, meta, reader
+
+
+def disk_bytes(target: Path, parameters: int) -> str:
+    """A checkpoint's bytes on disk beside the formula: each element of the state once, + metadata."""
+    disk, formula = sum(f.stat().st_size for f in target.iterdir()), 4 * len(zero.CHECKPOINT_KINDS) * parameters
+    return (f"{disk:,} B on disk = (params + 2 AdamW moments) x 4 B x {parameters:,} parameters, each element "
+            f"once ({formula:,}) + {disk - formula:,} B of metadata (meta.json; each rank file's runs, RNG and "
+            f"headers)")
+
+
 # ----------------------------------------------------------------------------------------------
 # RUN IT: the demo and the command line
 # ----------------------------------------------------------------------------------------------
@@ -444,12 +495,9 @@ def checkpoint_demo(cfg: foundation.ModelConfig, saved: dict, device: torch.devi
         one_read = load_model(one, folder)["bytes_read"]
         one_same = all(torch.equal(p, saved["params"][n]) for n, p in one.named_parameters())
         psi = sum(p.numel() for p in one.parameters())
-        disk, formula = sum(f.stat().st_size for f in target.iterdir()), 4 * len(zero.CHECKPOINT_KINDS) * psi
         print(f"A sharded checkpoint: ZeRO-3 on {world} ranks saved step {step} as {world} rank "
-              f"files + meta.json: {disk:,} B on disk = (params + 2 AdamW moments) x 4 B x {psi:,} "
-              f"parameters, each element once ({formula:,}) + {disk - formula:,} B of metadata (runs, RNG, "
-              f"headers).\nZeRO-1 on {half} rank{'s' * (half > 1)} loads it; bytes each rank read "
-              f"(memory-mapped) | its shard, (params + 2 moments) x 4 B x its elements:")
+              f"files + meta.json: {disk_bytes(target, psi)}.\nZeRO-1 on {half} rank{'s' * (half > 1)} loads "
+              f"it; bytes each rank read (memory-mapped) | its shard, (params + 2 moments) x 4 B x its elements:")
         for r, (read, shard, same) in enumerate(reports[:half]):
             print(f"  rank {r}: {read:,} | {shard:,} {'equal' if read == shard else 'DIFFERENT'}; the state "
                   f"{'equals' if same else 'DIFFERS from'} the saved one bit for bit")

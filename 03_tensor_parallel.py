@@ -82,17 +82,12 @@ foundation = importlib.import_module("01_ddp")
 # ----------------------------------------------------------------------------------------------
 # The conjugate communication operators
 # ----------------------------------------------------------------------------------------------
-# Each collective is one PyTorch operator (torch.library.custom_op): torch.compile's tracer records
-# it as a node whose output shape its fake implementation gives, and keeps a block in one graph
-# around it, while the comm meter's Python runs at every call. Traced through instead, the meter
-# would count only while the tracer runs, and its side effects break the graph.
+# Each collective is one PyTorch operator (torch.library.custom_op): torch.compile records it as one
+# node, shaped by its fake implementation, in a block's single graph, and the comm meter's Python runs
+# at every call. Traced through instead, the meter would count only while tracing, and break the graph.
 
 
-def _group_name(group) -> str:  # an operator takes a process group by its name
-    return (group or dist.group.WORLD).group_name
-
-
-_group_of = dist.distributed_c10d._resolve_process_group  # name -> process group
+_group_of = dist.distributed_c10d._resolve_process_group  # an operator takes a group by its name
 
 
 def _collective_output(x: torch.Tensor, group_name: str, kind: str) -> torch.Tensor:
@@ -119,18 +114,17 @@ _collective.register_fake(_collective_output)
 
 
 def _all_reduced(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
-    return _collective(x, _group_name(group), op)
+    return _collective(x, (group or dist.group.WORLD).group_name, op)
 
 
 def _gathered(x: torch.Tensor, group, dim: int = 1, kind: str = "gather") -> torch.Tensor:
     """Every rank's x concatenated along dim (default: (b, s/t, h) sequence shards -> (b, s, h)), or
     with kind "scatter" this rank's slice of the sum; through dim 0, where the collective works."""
-    out = _collective(x.movedim(dim, 0).contiguous(), _group_name(group), kind)
+    out = _collective(x.movedim(dim, 0).contiguous(), (group or dist.group.WORLD).group_name, kind)
     return out.movedim(0, dim).contiguous()  # else each linear reading it saves its own copy
 
 
-def _reduce_scattered(x: torch.Tensor, group) -> torch.Tensor:  # (b, s, h) partial sums -> (b, s/t, h)
-    return _gathered(x, group, 1, "scatter")
+_reduce_scattered = functools.partial(_gathered, dim=1, kind="scatter")  # (b, s, h) partials -> (b, s/t, h)
 
 
 def _identity(x: torch.Tensor, group) -> torch.Tensor:
@@ -241,8 +235,6 @@ class VocabParallelLoss:
 # ----------------------------------------------------------------------------------------------
 # The plan: how each module of the reference GPT is split
 # ----------------------------------------------------------------------------------------------
-# Sharded parameters carry (like Megatron's) the dimension they are split along and its full
-# size, so a checkpoint or a test can reassemble them: see unshard().
 
 
 @dataclass
@@ -261,11 +253,10 @@ def _shard(weight: torch.Tensor, dim: int, ctx: Context) -> nn.Parameter:
         return ctx.shards[weight]
     full_size = weight.shape[dim]
     per_rank = math.ceil(full_size / ctx.tp)
-    pad = [0, 0] * (weight.dim() - 1 - dim) + [0, per_rank * ctx.tp - full_size]
-    padded = F.pad(weight.detach(), pad)
+    padded = F.pad(weight.detach(), [0, 0] * (weight.dim() - 1 - dim) + [0, per_rank * ctx.tp - full_size])
     param = nn.Parameter(padded.narrow(dim, ctx.rank * per_rank, per_rank).clone(),
                          requires_grad=weight.requires_grad)  # a frozen weight stays frozen
-    param.tp_shard_dim, param.tp_full_size = dim, full_size
+    param.tp_shard_dim, param.tp_full_size = dim, full_size  # as Megatron's: unshard(), checkpoints
     ctx.shards[weight] = param
     return param
 
@@ -331,8 +322,7 @@ def split_dim(name: str, plan: dict | None = None) -> int | None:
 
 
 def tp_local_shape(name: str, shape: tuple[int, ...], tp: int, plan: dict | None = None) -> tuple[int, ...]:
-    """The shape parameter `name` has on every rank of apply_tensor_parallel over tp ranks with `plan`,
-    without building it: _shard's slice of a split one, padding included."""
+    """Parameter `name`'s shape on each rank of apply_tensor_parallel(plan), padded, without building it."""
     dim = split_dim(name, plan)
     return tuple(shape) if dim is None else (*shape[:dim], -(-shape[dim] // tp), *shape[dim + 1:])
 
@@ -345,8 +335,7 @@ def validate_tensor_parallel(cfg, tp: int) -> None:
 
 
 def validate_ties(model: nn.Module, plan: dict) -> None:
-    """A parameter registered under several names (tied) must be split the same way under each,
-    else no one shard can serve them all."""
+    """A parameter under several names (tied) is one shard: the plan must split it alike under each."""
     names: dict[nn.Parameter, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, []).append(name)
@@ -383,17 +372,15 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
     model.loss_fn = (VocabParallelLoss(vocab_shard(vocab_size, tp, rank)[0], vocab_size, group) if tp > 1
                      else foundation.cross_entropy_loss)  # tp = 1: the logits are whole, no collective
     if sequence_parallel and tp > 1:
-        # Outside the regions each rank sees only its tokens, so a replicated parameter (the norm
-        # weights) gets a partial gradient: sum it over the group (f on the parameter).
+        # a replicated parameter (the norm weights) sees only this rank's tokens: f on the parameter
         for param in model.parameters():
             if param.requires_grad and not hasattr(param, "tp_shard_dim"):
                 param.register_hook(lambda grad: _all_reduced(grad, group))
 
     def check_inputs(_, args, kwargs):
         tokens = args[0] if args else kwargs["tokens"]
+        tokens = None if tokens.is_floating_point() else tokens  # hidden states: a pipeline stage (09)
         targets = args[1] if len(args) > 1 else kwargs.get("targets")
-        if tokens.is_floating_point():  # hidden states: a later pipeline stage (lesson 09)
-            tokens = None
         if sequence_parallel and tokens is not None and tokens.shape[1] % tp:
             raise ValueError(f"sequence length {tokens.shape[1]} is not divisible by tp={tp} "
                              f"(sequence parallelism splits the sequence)")
@@ -452,14 +439,11 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
 def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, layers: int | None = None,
                  embed: bool = True, head: bool = True, microbatches: int = 1, mlp: bool = True,
                  elem_bytes: int = 4, recompute: str = "none") -> dict[str, tuple[int, int]]:
-    """op -> (calls, payload bytes) in one training step (forward + backward), any t > 1 (traffic per
-    rank: (t-1)/t of the payload, twice that for an all-reduce; at t = 1 nothing is inserted).
-    Activation collectives move b x s x h elements of elem_bytes: 4 per layer, 1 for the embedding,
-    1 for the LM head's input; with SP each is an all-gather and a reduce-scatter. The loss adds 3
-    all-reduces of b x s fp32 numbers; SP one all-reduce of h per norm. recompute="full" reruns
-    attention's g (SP: also both regions' f), not the MLP's g: each block reruns up to down_proj's input.
-    The keywords let lesson 09 apply this lesson's formula to a pipeline stage: `layers` layers, each
-    collective once per microbatch, embedding and head or not, MoE layers (mlp=False: 2 per layer)."""
+    """op -> (calls, payload bytes) in one training step, any t > 1: the module docstring's collectives,
+    activations of elem_bytes (traffic per rank: (t-1)/t of the payload, twice for an all-reduce).
+    recompute="full" reruns attention's g (SP: also both regions' f), not the MLP's g: each block reruns
+    up to down_proj's input. The other keywords are lesson 09's, for a pipeline stage: `layers` layers,
+    each collective once per microbatch, embedding and head or not, MoE layers (mlp=False: 2 a layer)."""
     layers, m = cfg.n_layers if layers is None else layers, microbatches
     bsh, loss = batch * seq_len * cfg.dim * elem_bytes, (3 * head * m, 3 * head * batch * seq_len * 4)
     activations, norms = (2 + 2 * mlp) * layers + embed + head, 2 * layers + head
@@ -497,7 +481,7 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
         if mode == "selective":
             block.attn.attn_fn = recomputed(block.attn.attn_fn)
         elif mode == "full":
-            block.forward = recomputed(block.forward)  # an attribute: parameter names stay
+            block.forward = recomputed(block.forward)
     return model
 
 
@@ -515,23 +499,21 @@ def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Ten
         torch.cuda.synchronize(device)
         return out, torch.cuda.max_memory_allocated(device) - before
     params, inside = list(params), list(inside)
-    live: dict[int, list[int]] = {}  # storage -> [bytes, saved tensors on it]
+    saved_on = collections.Counter()  # storage -> saved tensors on it: its bytes count while > 0
     count = collections.Counter()  # bytes held now, their peak; depth: inside those modules' forwards
 
     class Saved:  # what autograd keeps instead of the tensor: dropped when backward frees it
         def __init__(self, t: torch.Tensor) -> None:
             # detached: a saved output kept as itself would hold its own grad_fn (a reference cycle)
-            self.tensor, self.key = t.detach(), t.untyped_storage().data_ptr()
-            entry = live.setdefault(self.key, [t.untyped_storage().nbytes(), 0])
-            entry[1] += 1
-            count["now"] += entry[0] if entry[1] == 1 else 0
+            self.tensor, storage = t.detach(), t.untyped_storage()
+            self.key, self.nbytes = storage.data_ptr(), storage.nbytes()
+            count["now"] += 0 if saved_on[self.key] else self.nbytes
+            saved_on[self.key] += 1
             count["peak"] = max(count["peak"], count["now"])
 
         def __del__(self) -> None:
-            entry = live[self.key]
-            entry[1] -= 1
-            if not entry[1]:
-                count["now"] -= live.pop(self.key)[0]
+            saved_on[self.key] -= 1
+            count["now"] -= 0 if saved_on[self.key] else self.nbytes
 
     def pack(t: torch.Tensor):
         weights = {p.untyped_storage().data_ptr() for p in params}  # ZeRO-3 gathers them anew
@@ -672,9 +654,8 @@ def dtensor_plan(sequence_parallel: bool) -> dict:
                                        use_local_output=False)}
     if sequence_parallel:  # norms on sequence shards, each region's input gathered
         plan |= {"layers.*.*_norm": SequenceParallel(), "norm": SequenceParallel(),
-                 "layers.*.attn": PrepareModuleInput(  # its other inputs: the RoPE tables
-                     input_layouts=(Shard(1), None, None),
-                     desired_input_layouts=(Replicate(), None, None)),
+                 "layers.*.attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),  # None: RoPE
+                                                     desired_input_layouts=(Replicate(), None, None)),
                  "layers.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),),
                                                     desired_input_layouts=(Replicate(),))}
     return plan
@@ -737,10 +718,9 @@ def main() -> None:
     args = parser.parse_args()
 
     def validate(tp: int) -> None:
-        cfg = foundation.ModelConfig(**BENCH_MODEL) if args.bench else foundation.ModelConfig(
-            vocab_size=args.vocab, **DEMO_MODEL)
+        cfg, seq_len = ((foundation.ModelConfig(**BENCH_MODEL), 128) if args.bench
+                        else (foundation.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL), args.seq_len))
         validate_tensor_parallel(cfg, tp)
-        seq_len = 128 if args.bench else args.seq_len
         if seq_len % tp:
             raise ValueError(f"sequence length {seq_len} is not divisible by tp={tp} (the demo "
                              f"runs sequence parallelism)")

@@ -941,34 +941,15 @@ class RunConfig:
 
 @torch.no_grad()
 def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Path, dict, int]:
-    """Restore the parameters, AdamW, the data position and this rank's RNG from the checked
-    checkpoint; return its folder, its metadata and the bytes this rank read. Each rank reads only the
-    runs that overlap its shards and builds no whole tensor, so the checkpoint may come from another
-    mesh or ZeRO stage. A problem any rank finds (a damaged file, a piece missing) stops every rank
-    with the same CheckpointError. The RNG draws nothing in this model (no dropout): it is restored
-    for a model that does."""
-    rank, world, problem = trainer.mesh.rank, trainer.mesh.sizes.world, None
-    try:  # each rank hashes its share of the files; all agree before any reads a file
-        config = checkpoints.checkpoint_config(trainer.cfg)
-        target, meta = checkpoints.open_checkpoint(run.folder, config, run.resume_step, rank, world,
-                                                   resume_command=resume_command)
-    except ValueError as error:
-        problem = str(error)
-    if (problem := checkpoints.first_problem(problem)) is not None:
-        raise checkpoints.CheckpointError(problem)
-    reader = checkpoints.CheckpointReader(target, meta)
-    try:  # e.g. pieces missing for one stage's parameters: only its ranks see it
-        shards = [checkpoints.read_shards(part.zero, reader, piece_of(trainer, part.kind))
-                  for part in trainer.zeros]
-    except ValueError as error:
-        problem = f"{target}: {error}"
-    if (problem := checkpoints.first_problem(problem)) is not None:
-        raise checkpoints.CheckpointError(problem)
-    for part, shard in zip(trainer.zeros, shards):
-        part.zero.load_shards(shard, meta["step"])
+    """Restore the parameters and AdamW (02's load_zeros: from any mesh or ZeRO stage, each rank reading
+    its slices), the data position and this rank's RNG (no dropout here draws from it: restored for a
+    model that does); return the checkpoint's folder, its metadata and the bytes this rank read."""
+    target, meta, reader = checkpoints.load_zeros(
+        run.folder, checkpoints.checkpoint_config(trainer.cfg), run.resume_step,
+        [(part.zero, piece_of(trainer, part.kind)) for part in trainer.zeros], resume_command)
     trainer.steps = meta["step"]
     loader.load_state_dict(meta["loader"])
-    if rank < meta["world"]:
+    if (rank := trainer.mesh.rank) < meta["world"]:
         torch.set_rng_state(reader.rng[rank]["cpu"])
         if trainer.device.type == "cuda" and "cuda" in reader.rng[rank]:
             torch.cuda.set_rng_state(reader.rng[rank]["cuda"], trainer.device)
@@ -996,8 +977,7 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         start = meta["step"]
         kept.append(start)
         elements = sum(piece.elements() for piece, _ in shard_values(trainer))
-        report = [None] * sizes.world if rank == 0 else None
-        dist.gather_object((out["read"], 4 * len(zero.CHECKPOINT_KINDS) * elements), report, dst=0)
+        report = checkpoints.all_ranks((out["read"], 4 * len(zero.CHECKPOINT_KINDS) * elements))
         again = validation() if meta.get("val") is not None and start < run.steps else None
         if rank == 0:
             print(f"resumed from {target}: steps {start} to {run.steps}. Bytes each rank read from it "
@@ -1061,17 +1041,15 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         if save:
             pieces = checkpoint_pieces(trainer)
             finite = all(t.isfinite().all() for _, data in pieces for t in data.values())
-            bad = torch.tensor(float(not finite), device=trainer.device)
-            foundation.all_reduce(bad)  # any rank's: a checkpoint never holds a NaN or an inf
-            if bad.item():
+            if not all(checkpoints.all_ranks(finite)):  # a checkpoint never holds a NaN or an inf
                 raise FloatingPointError(f"step {step}'s update left parameters or AdamW moments that are "
                                          f"not finite: step_{done:08d} is not written, {last_good()}")
             meta = {"loader": loader.state_dict(), "mesh": dataclasses.asdict(sizes),
                     "val": out["val"].get(done)}  # what a resume compares its validation with
-            config = checkpoints.checkpoint_config(trainer.cfg)
             keep = kept[-(run.keep - 1):] if run.keep > 1 else ()
-            out["saved"] = checkpoints.save_checkpoint(run.folder, done, pieces, meta, config, rank,
-                                                       sizes.world, checkpoints.all_ranks, keep)
+            out["saved"] = checkpoints.save_checkpoint(
+                run.folder, done, pieces, meta, checkpoints.checkpoint_config(trainer.cfg), rank, sizes.world,
+                checkpoints.all_ranks, keep)
             kept.append(done)
     return out
 
@@ -1099,22 +1077,15 @@ def train_run(args: argparse.Namespace) -> None:
     device = foundation.init_distributed()
     cfg = dataclasses.replace(build_model_config(args), seed=args.seed)
     sizes, train, run = mesh_sizes(args), train_config(args, device), run_config(args)
-    problem = lock = None
-    if run.folder is not None and dist.get_rank() == 0:  # held until this process ends
-        try:
-            lock = checkpoints.lock_checkpoints(run.folder)
-            if unfinished := checkpoints.remove_unfinished_saves(run.folder):  # a run killed while saving
-                print(f"removed what an interrupted save left in {run.folder}: {', '.join(unfinished)}")
-        except checkpoints.CheckpointError as error:
-            problem = str(error)
-    if (problem := checkpoints.first_problem(problem)) is not None:
-        foundation.exit_distributed(problem)
+    try:  # rank 0 holds the folder's lock until lock.close()
+        lock = checkpoints.claim_folder(run.folder) if run.folder is not None else None
+    except checkpoints.CheckpointError as error:
+        foundation.exit_distributed(str(error))
     train_tokens, val_tokens = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
     trainer = Trainer(cfg, build_mesh(sizes), train, device)  # the launcher validated every rank
     loader = ShardedLoader(train_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
                            sizes.dp, run.seed)
     rank0, peak = trainer.mesh.rank == 0, peak_bf16_flops(device)
-    tokens_per_step = train.global_batch * train.seq_len
     mfu = lambda rate: rate * flops_per_token(cfg, train.seq_len) / (sizes.world * peak)  # per device
     if rank0:
         saves = (f"checkpoints to {run.folder} every {run.save_every or run.steps} steps and at the end, the "
@@ -1134,7 +1105,7 @@ def train_run(args: argparse.Namespace) -> None:
     def progress(step: int, loss: float, seconds: float, val: float | None) -> None:
         if not bars:
             bars.append(tqdm(total=run.steps, initial=step, disable=not rank0, desc="09", dynamic_ncols=True))
-        rate = tokens_per_step / seconds
+        rate = train.global_batch * train.seq_len / seconds
         bars[0].update(step + 1 - bars[0].n)
         bars[0].set_postfix(loss=f"{loss:.3f}", **({"val": f"{val:.3f}"} if val is not None else {}),
                             tok_s=f"{rate:,.0f}", **({"mfu": f"{mfu(rate):.1%}"} if peak else {}))
@@ -1149,18 +1120,13 @@ def train_run(args: argparse.Namespace) -> None:
         foundation.exit_distributed(str(failed), code=1 if isinstance(failed, FloatingPointError) else 2)
     if not result["losses"]:  # a finished run resumed: said so, nothing more
         foundation.exit_distributed()
-    activations = [None] * sizes.world if rank0 else None
-    dist.gather_object(result["activation_bytes"], activations, dst=0)
+    activations = checkpoints.all_ranks(result["activation_bytes"])
     if rank0:
         print_run(trainer, result, activations, peak and mfu)
         if result["saved"] is not None:  # the parameters: plan's one layer (tp = ep = 1: whole) x layers
             n = sum(math.prod(shape) * (cfg.n_layers if name.startswith("layers.") else 1)
                     for name, shape in local_shapes(cfg, 1, train.moe, 1).items())
-            formula = 4 * len(zero.CHECKPOINT_KINDS) * n
-            disk = sum(f.stat().st_size for f in result["saved"].iterdir())
-            print(f"checkpoint {result['saved']}: {disk:,} B on disk = (params + 2 AdamW moments) x 4 B x "
-                  f"{n:,} parameters, each element once ({formula:,}) + {disk - formula:,} B of metadata "
-                  f"(meta.json; each rank file's runs, RNG and headers)")
+            print(f"checkpoint {result['saved']}: {checkpoints.disk_bytes(result['saved'], n)}")
         if run.folder is not None and run.sample_bytes:
             model = (reference_transform(train) or (lambda m: m))(foundation.GPT(cfg)).to(device)  # MoE
             checkpoints.load_model(model, run.folder)
@@ -1291,8 +1257,7 @@ def demo(args: argparse.Namespace) -> None:
         if step == 0:
             grads = shard_values(trainer, "grads")
         trainer.update()
-    ranks = [None] * sizes.world if mesh.rank == 0 else None  # each rank's (grads, params, summary)
-    dist.gather_object((grads, shard_values(trainer), summary(trainer)), ranks, dst=0)
+    ranks = checkpoints.all_ranks((grads, shard_values(trainer), summary(trainer)))  # on every rank
     if mesh.rank == 0:
         ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
                                              adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
