@@ -460,10 +460,11 @@ def load_zeros(folder: str | os.PathLike, config: dict, step: int | None,
 
 def disk_bytes(target: Path, parameters: int) -> str:
     """A checkpoint's bytes on disk beside the formula: each element of the state once, + metadata."""
-    disk, formula = sum(f.stat().st_size for f in target.iterdir()), 4 * len(zero.CHECKPOINT_KINDS) * parameters
-    return (f"{disk:,} B on disk = (params + 2 AdamW moments) x 4 B x {parameters:,} parameters, each element "
-            f"once ({formula:,}) + {disk - formula:,} B of metadata (meta.json; each rank file's runs, RNG and "
-            f"headers)")
+    disk = sum(f.stat().st_size for f in target.iterdir())
+    formula = 4 * len(zero.CHECKPOINT_KINDS) * parameters
+    return (f"{disk:,} B on disk = (params + 2 AdamW moments) x 4 B x {parameters:,} parameters, each "
+            f"element once ({formula:,}) + {disk - formula:,} B of metadata (meta.json; each rank file's "
+            f"runs, RNG and headers)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -496,8 +497,9 @@ def checkpoint_demo(cfg: foundation.ModelConfig, saved: dict, device: torch.devi
         one_same = all(torch.equal(p, saved["params"][n]) for n, p in one.named_parameters())
         psi = sum(p.numel() for p in one.parameters())
         print(f"A sharded checkpoint: ZeRO-3 on {world} ranks saved step {step} as {world} rank "
-              f"files + meta.json: {disk_bytes(target, psi)}.\nZeRO-1 on {half} rank{'s' * (half > 1)} loads "
-              f"it; bytes each rank read (memory-mapped) | its shard, (params + 2 moments) x 4 B x its elements:")
+              f"files + meta.json: {disk_bytes(target, psi)}.\nZeRO-1 on {half} rank{'s' * (half > 1)} "
+              f"loads it; bytes each rank read (memory-mapped) | its shard, (params + 2 moments) x 4 B x its "
+              f"elements:")
         for r, (read, shard, same) in enumerate(reports[:half]):
             print(f"  rank {r}: {read:,} | {shard:,} {'equal' if read == shard else 'DIFFERENT'}; the state "
                   f"{'equals' if same else 'DIFFERS from'} the saved one bit for bit")
