@@ -48,10 +48,9 @@ GRADIENTS EQUAL ONE DEVICE'S, because each reduction happens exactly once:
 MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's
 load depend on which tokens share a forward, which microbatches and sequence chunks change.
 
-COST: plan() composes the lessons' own formulas for what each rank holds and sends, without
-building anything: `check` prints them beside each rank's measurements (the tests prove them equal),
-lesson 10 prices models and clusters that are not here with them. `train` trains on bytes of text
-with lesson 02's checkpoints, a NaN guard, MFU and a sample.
+COST: plan() composes the lessons' own formulas for what each rank holds and sends, building
+nothing: `check` prints them beside each rank's measurements (the tests prove them equal); lesson 10
+prices models and clusters that are not here. `train` adds 02's checkpoints, a NaN guard, MFU, a sample.
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
@@ -104,8 +103,6 @@ fp8_distributed = importlib.import_module("08_fp8_distributed")
 
 DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
 
-# Each command-line option is a field of the dataclass it sets, its help and range rule beside it; the
-# command line (last section) is generated from the fields and checks every rule once, before any work.
 RULES = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0}  # NaN: refused too
 EVERY, STEPPING, TRAIN, PLAN = ("check", "train", "plan"), ("check", "train"), ("train",), ("plan",)
 
@@ -376,9 +373,8 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
         fp8_distributed.tensor_parallel_scales(model, mesh.groups["tp"], train.sequence_parallel)
     attention = flash.flash_attention if train.attention == "flash" else None
     if mesh.sizes.cp > 1:
-        ring_block = flash.FLASH_BLOCK if device.type == "cuda" else context_parallel.TORCH_BLOCK  # 07's
-        attention = context_parallel.ContextParallelAttention(mesh.groups["cp"], "ring", zigzag=True,
-                                                              block=ring_block)
+        attention = context_parallel.ContextParallelAttention(mesh.groups["cp"], "ring", zigzag=True, block=(
+            flash.FLASH_BLOCK if device.type == "cuda" else context_parallel.TORCH_BLOCK))  # 07's on a GPU
     for block in model.layers.values() if attention else ():
         block.attn.attn_fn = attention
     model = pipeline.cut_stage(tensor_parallel.apply_recompute(model, train.recompute), stage, n_stages)
@@ -393,7 +389,6 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
 class StageZeRO(NamedTuple):
     """One ZeRO optimizer of a stage: over dp x cp ("dp_cp"), or over the ranks that hold the same
     experts ("ep_dp"); zero is lesson 02's ZeRO, or 08's Float8ZeRO for FP8 weights under ZeRO-3."""
-    stage: int
     kind: str  # the group kind it reduces over
     zero: "zero.ZeRO"
 
@@ -431,28 +426,22 @@ class Trainer:
                        if sizes.ep > 1 else set())
             for p in experts:
                 p.register_hook(lambda grad: grad / sizes.ep)
-            # 08: under ZeRO-3 the Float8Linear weights get a ZeRO of their own, all-gathered in FP8
             float8_zero = train.fp8 and train.zero_stage == 3
             fp8_weights = set(fp8_distributed.float8_weights(model) if float8_zero else ())
             dense = (lambda p, e=experts | fp8_weights: p not in e) if experts or fp8_weights else None
-            parts = [("dp_cp", zero.ZeRO(model, train.zero_stage, mesh.groups["dp_cp"], **settings,
-                                         owns=dense))]
+            self.zeros.append(StageZeRO("dp_cp", zero.ZeRO(model, train.zero_stage, mesh.groups["dp_cp"],
+                                                           **settings, owns=dense)))
             if experts:
-                parts.append(("ep_dp", zero.ZeRO(model, train.zero_stage, mesh.groups["ep_dp"], **settings,
-                                                 owns=lambda p, e=experts: p in e)))
+                self.zeros.append(StageZeRO("ep_dp", zero.ZeRO(model, train.zero_stage, mesh.groups["ep_dp"],
+                                                               **settings, owns=lambda p, e=experts: p in e)))
             if fp8_weights:
-                parts.append(("dp_cp", fp8_distributed.Float8ZeRO(model, mesh.groups["dp_cp"], **settings)))
-            self.zeros += [StageZeRO(stage, kind, part) for kind, part in parts]
+                self.zeros.append(StageZeRO("dp_cp", fp8_distributed.Float8ZeRO(model, mesh.groups["dp_cp"],
+                                                                                **settings)))
         rows = train.global_batch // sizes.dp // train.microbatches
         seq = train.seq_len // sizes.cp // (sizes.tp if train.sequence_parallel else 1)
         self.boundary_shape = (rows, seq, cfg.dim)
         self.meter = foundation.CommMeter()  # every step's communication, accumulated
         self.steps = self.in_flight = 0  # in_flight: the most microbatch-stage pairs held at once (04)
-
-    def set_lr(self, lr: float) -> None:
-        for part in self.zeros:
-            for group in part.zero.optimizer.param_groups:
-                group["lr"] = lr
 
     def forward_backward(self, rows: torch.Tensor) -> float:
         """Forward and backward of the schedule on this rank's rows, gradients averaged over
@@ -491,9 +480,7 @@ class Trainer:
         while the CPU prepares the next step."""
         sizes = self.mesh.sizes
 
-        def share(p: nn.Parameter) -> float:  # held by tp ranks alike: count once over tp
-            return 1.0 if hasattr(p, "tp_shard_dim") else 1 / sizes.tp
-
+        share = lambda p: 1.0 if hasattr(p, "tp_shard_dim") else 1 / sizes.tp  # noqa: E731 (1/tp a copy)
         with foundation.comm_meter() as meter, torch.profiler.record_function("optimizer"):
             squares = {kind: sum(p.zero.grad_squares(share) for p in self.zeros if p.kind == kind)
                        for kind in ("dp_cp", "ep_dp")}
@@ -509,14 +496,6 @@ class Trainer:
         self.meter += meter
         self.steps += 1
         return squares.sqrt()
-
-    def evaluate(self, rows: torch.Tensor) -> float:
-        """The loss on rows without training: lesson 04's schedules have no forward-only mode, so
-        the backward runs and its gradients are dropped (the next step overwrites them)."""
-        loss = self.forward_backward(rows)
-        for part in self.zeros:
-            part.zero.zero_grad()
-        return loss
 
 
 # --- The plan: what every rank holds and sends, by the lessons' formulas, for any mesh and model ---
@@ -589,12 +568,10 @@ def tp_messages(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: b
 
 
 def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
-    """Every pipeline rank's RankPlan from the earlier lessons' own formulas. Nothing is built, so
-    it prices meshes that are not here (lesson 10) as well as the running one (check's summary, which
-    the tests prove exact). Call validate first. FP8 is priced at its compute precision, but for
-    --zero 3's Float8Linear weights (08's Float8ZeRO: 1 B gathers, e4m3 shards and scales held); the
-    FP8 casts Float8Linear saves for backward are not modelled; MoE activations and ep's all-to-alls
-    depend on the routing: None."""
+    """Every pipeline rank's RankPlan from the earlier lessons' own formulas (COST); call validate
+    first. FP8 is priced at its compute precision, but for --zero 3's Float8Linear weights (08's
+    Float8ZeRO: 1 B gathers, e4m3 shards and scales held); the FP8 casts Float8Linear saves for
+    backward are not modelled; MoE activations and ep's all-to-alls depend on the routing: None."""
     e = 2 if train.mixed_precision else 4  # bytes of a compute parameter, gradient, activation
     tp, cp, pp, m = sizes.tp, sizes.cp, sizes.pp, train.microbatches
     b, s, n_stages = train.global_batch // sizes.dp, train.seq_len // cp, pp * train.virtual
@@ -744,9 +721,8 @@ class ShardedLoader:
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0) -> None:
         if seq_len < 1 or global_batch < 1 or global_batch % dp_size or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"seq_len={seq_len} and global_batch={global_batch} must be >= 1, "
-                             f"global_batch divisible by dp={dp_size} and dp_rank={dp_rank} in [0, "
-                             f"{dp_size})")
+            raise ValueError(f"seq_len={seq_len} and global_batch={global_batch} must be >= 1, global_batch "
+                             f"divisible by dp={dp_size} and dp_rank={dp_rank} in [0, {dp_size})")
         self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
         self.rows = slice(dp_rank * global_batch // dp_size, (dp_rank + 1) * global_batch // dp_size)
         self.seed, self.n_windows = seed, (len(tokens) - 1) // seq_len
@@ -970,7 +946,12 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
     def validation() -> float:  # the mean loss over the first eval_batches global batches of windows
         windows = ShardedLoader(val_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
                                 sizes.dp, run.seed)
-        return sum(trainer.evaluate(next(windows)) for _ in range(run.eval_batches)) / run.eval_batches
+        losses = []
+        for _ in range(run.eval_batches):  # 04's schedules have no forward-only mode: the backward runs,
+            losses.append(trainer.forward_backward(next(windows)))
+            for part in trainer.zeros:  # and its gradients are dropped
+                part.zero.zero_grad()
+        return sum(losses) / run.eval_batches
 
     if run.resume:
         target, meta, out["read"] = resume(trainer, loader, run)
@@ -1005,7 +986,9 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         if profiled and step == profiled.start:
             profiler = torch.profiler.profile()  # the CPU, and the GPU where there is one
             profiler.start()
-        trainer.set_lr(learning_rate(step, train.lr, run.warmup, run.steps, train.lr * run.min_lr_ratio))
+        lr = learning_rate(step, train.lr, run.warmup, run.steps, train.lr * run.min_lr_ratio)
+        for group in (group for part in trainer.zeros for group in part.zero.optimizer.param_groups):
+            group["lr"] = lr
         rows = next(loader)
         t0 = time.perf_counter()
         if step == measured:  # the tensors autograd saves (CPU) or the peak memory (GPU)
@@ -1302,8 +1285,7 @@ def demo(args: argparse.Namespace) -> None:
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """The command line's choice of model (a ModelConfig and an MoEConfig, made by build_model_config
-    and train_config)."""
+    """The command line's choice of model (build_model_config and train_config make its configs)."""
     model: str = option("tiny", "the preset", commands=TRAIN, choices=MODELS)
     kv_heads: int | None = option(None, "key/value heads, grouped-query attention", ">= 1", type=int)
     moe: bool = option(False, "every MLP a mixture of experts (dropless)")
@@ -1364,8 +1346,7 @@ def parse_options(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Na
 
 def options_of(cls, args: argparse.Namespace) -> dict:
     """The values args gives the fields of cls that are options of its sub-command."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-            if args.command in f.metadata.get("commands", ())}
+    return {f.name: getattr(args, f.name) for f in option_fields(args.command, (cls,))}
 
 
 def build_model_config(args: argparse.Namespace, models: dict = MODELS) -> "foundation.ModelConfig":
@@ -1400,9 +1381,9 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     return RunConfig(**{**options_of(RunConfig, args), "resume": bool(args.resume), "resume_step": step})
 
 
-def check_rules(args: argparse.Namespace) -> None:
-    """Every option's rule (beside its field), then the rules between options: a ValueError naming
-    the option, before any work."""
+def check_rules(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every option's rule (beside its field), then the rules between options: the first broken one
+    names its option in one line, exit 2, before any work."""
     problems = broken_rules(args, option_fields(args.command), flagged=True)
     between = () if args.command != "train" else (
         (args.resume not in (False, "latest") and not args.resume.isdigit(),
@@ -1415,7 +1396,7 @@ def check_rules(args: argparse.Namespace) -> None:
         (args.folder == "", "--checkpoint-dir must name a folder (--no-save: no checkpoints)"))
     problems += [message for broken, message in between if broken]
     if problems:
-        raise ValueError(problems[0])
+        parser.exit(2, f"{parser.prog}: error: {problems[0]}\n")
 
 
 def check_before_launch(args: argparse.Namespace, world: int) -> None:
@@ -1445,10 +1426,7 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
 
 def main() -> None:
     parser, args = parse_options(sys.argv[1:])
-    try:
-        check_rules(args)
-    except ValueError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    check_rules(parser, args)
     args.nproc = mesh_sizes(args).world  # the mesh sets how many local processes start (no --nproc)
     foundation.launch_lesson(parser, args, demo if args.command == "check" else train_run, (),
                              lambda world: check_before_launch(args, world))
