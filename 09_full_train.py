@@ -197,8 +197,7 @@ class Mesh:
 
 def build_mesh(sizes: MeshSizes) -> Mesh:
     """Create every group of every kind, in the same order on every rank; keep this rank's."""
-    rank = dist.get_rank()
-    mine = {}
+    rank, mine = dist.get_rank(), {}
     every = {kind: sizes.groups(dims) for kind, dims in GROUP_DIMS.items()}
     every |= {"ep": sizes.expert_groups(False), "ep_dp": sizes.expert_groups(True)}
     for kind, groups in every.items():
@@ -284,9 +283,8 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
             problems.append(f"n_experts={train.moe.n_experts} is not divisible by ep={sizes.ep}")
         if train.moe.capacity_factor is not None or train.moe.aux_loss_coef or train.moe.bias_update_rate:
             problems.append("MoE here is dropless and unbalanced (capacity_factor=None, aux_loss_coef=0, "
-                            "bias_update_rate=0): drops, the aux loss and the load behind the bias "
-                            "depend on which tokens share a forward, which microbatches, sequence "
-                            "chunks and shards change")
+                            "bias_update_rate=0): drops, the aux loss and the bias's load depend on which "
+                            "tokens share a forward, which microbatches, sequence chunks and shards change")
     if problems:
         raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
@@ -323,12 +321,12 @@ def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim
                              math.prod(local))
 
 
-def assemble(pieces: list[tuple["checkpoints.Piece", torch.Tensor]], fill: float = math.nan) -> dict:
+def assemble(pieces: list[tuple["checkpoints.Piece", torch.Tensor]]) -> dict:
     """Whole parameters (or gradients, moments) by reference name from every rank's (piece, values);
-    an element no piece holds stays `fill`."""
+    an element no piece holds stays NaN."""
     full = {}
     for piece, values in pieces:
-        flat = full.setdefault(piece.name, torch.full(piece.shape, fill)).view(-1)
+        flat = full.setdefault(piece.name, torch.full(piece.shape, math.nan)).view(-1)
         for first, offset, length in piece.runs.tolist():
             flat[first:first + length] = values[offset:offset + length].float()
     return full
@@ -575,8 +573,7 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     e = 2 if train.mixed_precision else 4  # bytes of a compute parameter, gradient, activation
     tp, cp, pp, m = sizes.tp, sizes.cp, sizes.pp, train.microbatches
     b, s, n_stages = train.global_batch // sizes.dp, train.seq_len // cp, pp * train.virtual
-    fp8_gathers = train.fp8 and train.zero_stage == 3
-    units = unit_sizes(cfg, tp, train.moe, sizes.ep, fp8_gathers)
+    units = unit_sizes(cfg, tp, train.moe, sizes.ep, fp8_gathers=train.fp8 and train.zero_stage == 3)
     spans = pipeline.stage_layers(cfg.n_layers, n_stages)
     groups, split = {"dp_cp": sizes.dp * cp, "ep_dp": sizes.dp * cp // sizes.ep}, train.schedule == "zb-h1"
     norm = lambda n: Fraction(2 * (n - 1), n) * 4  # all-reducing the clipping norm's fp32 scalar over n
@@ -936,9 +933,7 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
                progress=None) -> dict:
     """Steps from the resumed one (or 0) to run.steps: the learning-rate schedule, the NaN guard (a
     loss that is not finite stops before the update, a gradient norm before any later save or
-    validation), validation and checkpoints (never a non-finite one). Returns per-step losses and
-    times, validation losses, one step's activation bytes, the bytes read on resume and the last
-    checkpoint (on every rank)."""
+    validation), validation and checkpoints (never a non-finite one). Returns its figures, `out`."""
     train, rank, sizes = trainer.train, trainer.mesh.rank, trainer.mesh.sizes
     out = dict(losses={}, times={}, val={}, activation_bytes=None, read=None, saved=None)
     start, kept = 0, []  # kept: this run's checkpoints, a resumed one included
