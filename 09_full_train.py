@@ -336,8 +336,7 @@ def assemble(pieces: list[tuple["checkpoints.Piece", torch.Tensor]]) -> dict:
 
 
 def tensor_parallel_styles(moe) -> dict:
-    """03's style of each module (TENSOR_PARALLEL_PLAN); an MoE layer is not split over tp: each tp
-    rank runs it on its tokens."""
+    """03's style of each module (TENSOR_PARALLEL_PLAN) but an MoE layer's: not split over tp."""
     styles = tensor_parallel.TENSOR_PARALLEL_PLAN
     return styles if moe is None else {name: style for name, style in styles.items() if ".mlp" not in name}
 
