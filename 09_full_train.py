@@ -477,7 +477,7 @@ class Trainer:
         while the CPU prepares the next step."""
         sizes = self.mesh.sizes
 
-        share = lambda p: 1.0 if hasattr(p, "tp_shard_dim") else 1 / sizes.tp  # noqa: E731 (1/tp a copy)
+        share = lambda p: 1.0 if hasattr(p, "tp_shard_dim") else 1 / sizes.tp  # noqa: E731 (tp copies: 1/tp)
         with foundation.comm_meter() as meter, torch.profiler.record_function("optimizer"):
             squares = {kind: sum(p.zero.grad_squares(share) for p in self.zeros if p.kind == kind)
                        for kind in ("dp_cp", "ep_dp")}
