@@ -440,8 +440,9 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, pos
         world = launch_world_size(getattr(args, "nproc", 1))  # torchrun's, where RANK is set
         if "nproc" not in args and world > 1:
             raise ValueError(f"runs in one process: start it with python, not torchrun (WORLD_SIZE={world})")
-        # One GPU a rank (init_distributed): too many ranks for a node's GPUs fail here, not in the ranks.
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if "RANK" in os.environ else world
+        # One GPU a rank (init_distributed): too many for a node's GPUs fail here, not in the ranks (a
+        # launcher other than torchrun may not say how many share the node: LOCAL_WORLD_SIZE, else no check).
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if "RANK" in os.environ else world
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else ranks_here
         if ranks_here > gpus:
             raise ValueError(f"{ranks_here} ranks on this node need a GPU each, but {gpus} "

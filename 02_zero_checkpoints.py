@@ -7,9 +7,10 @@ a ZeRO shard is one run per parameter, a tensor-parallel slice of columns (lesso
 Each element is written once, by one of its holders.
 INTEGRITY: every file is written aside, then renamed; meta.json records each rank file's bytes and
 sha256, and LATEST moves last, so a crash leaves the previous checkpoint whole, and a damaged file is
-one line naming it and the previous complete step. A lock on the folder keeps a second run out.
-RESHARDING: a resume on another group size or stage reads, for each piece it holds now, only the saved
-runs that overlap it (two binary searches over sorted runs, in memory-mapped files).
+one line naming it and the previous complete step. A lock on the folder keeps a second run out
+(claim_folder, at a run's start). RESHARDING: a resume on another group size or stage reads, for each
+piece it holds now, only the saved runs that overlap it (two binary searches over sorted runs, in
+memory-mapped files); load_zeros has every rank agree that all could read before any loads.
 
 COST: on disk (parameters + 2 AdamW moments) x 4 B x Psi, whatever N, + metadata; a resume reads
 12 B x its shard's elements on each rank (12 Psi / N), never the whole.
@@ -124,16 +125,16 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def all_ranks(obj: object) -> list:
-    """Every rank's obj, in rank order, on every rank (an all-gather: it also waits for all)."""
-    objects = [None] * dist.get_world_size()
-    dist.all_gather_object(objects, obj)
+def all_ranks(obj: object, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's obj, in rank order, on every rank of group (an all-gather: it also waits for all)."""
+    objects = [None] * dist.get_world_size(group)
+    dist.all_gather_object(objects, obj, group=group)
     return objects
 
 
-def first_problem(problem: str | None) -> str | None:
+def first_problem(problem: str | None, group: dist.ProcessGroup | None = None) -> str | None:
     """The lowest rank's problem (None: no rank has one), on every rank: they all stop, or none."""
-    return next((p for p in all_ranks(problem) if p is not None), None)
+    return next((p for p in all_ranks(problem, group) if p is not None), None)
 
 
 def os_error(error: OSError) -> str:
@@ -433,25 +434,25 @@ def read_shards(optimizer: zero.ZeRO, reader: CheckpointReader,
 
 
 def load_zeros(folder: str | os.PathLike, config: dict, step: int | None,
-               zeros: list[tuple[zero.ZeRO, PieceOf]], resume_command: Callable[[int], str] | None = None
-               ) -> tuple[Path, dict, CheckpointReader]:
-    """A resume on every rank: each ZeRO (with its piece_of) loads its shards from the checkpoint of
-    `step` (None: LATEST's). Each rank hashes its share of the files and reads only the runs that
-    overlap its pieces; a problem any rank finds (a damaged file, a piece missing) stops every rank
-    with the same CheckpointError, before any rank has loaded anything."""
-    rank, world, problem = dist.get_rank(), dist.get_world_size(), None
+               zeros: list[tuple[zero.ZeRO, PieceOf]], resume_command: Callable[[int], str] | None = None,
+               group: dist.ProcessGroup | None = None) -> tuple[Path, dict, CheckpointReader]:
+    """A resume on every rank of group: each ZeRO (with its piece_of) loads its shards from the
+    checkpoint of `step` (None: LATEST's). Each rank hashes its share of the files and reads only the
+    runs that overlap its pieces; a problem any rank finds (a damaged file, a piece missing, a file that
+    cannot be read) stops every rank with the same CheckpointError, before any rank has loaded anything."""
+    rank, world, problem = dist.get_rank(group), dist.get_world_size(group), None
     try:
         target, meta = open_checkpoint(folder, config, step, rank, world, resume_command=resume_command)
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         problem = str(error)
-    if (problem := first_problem(problem)) is not None:
+    if (problem := first_problem(problem, group)) is not None:
         raise CheckpointError(problem)
-    reader = CheckpointReader(target, meta)
     try:  # e.g. pieces missing for one pipeline stage's parameters: only its ranks see it
+        reader = CheckpointReader(target, meta)
         shards = [read_shards(optimizer, reader, piece_of) for optimizer, piece_of in zeros]
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         problem = f"{target}: {error}"
-    if (problem := first_problem(problem)) is not None:
+    if (problem := first_problem(problem, group)) is not None:
         raise CheckpointError(problem)
     for (optimizer, _), shard in zip(zeros, shards):
         optimizer.load_shards(shard, meta["step"])
@@ -483,9 +484,8 @@ def checkpoint_demo(cfg: foundation.ModelConfig, saved: dict, device: torch.devi
     half = max(1, world // 2)
     group, report = dist.new_group(list(range(half))), None
     if rank < half:
-        reader = CheckpointReader(*open_checkpoint(folder, config, rank=rank, world=half))
         smaller = zero.ZeRO(foundation.GPT(cfg).to(device), 1, group)
-        smaller.load_shards(read_shards(smaller, reader), step)
+        _, _, reader = load_zeros(folder, config, step, [(smaller, whole_tensor)], group=group)
         loaded = smaller.full_state_dict()
         same = all(torch.equal(loaded[k][n], saved[k][n]) for k in zero.CHECKPOINT_KINDS for n in saved[k])
         elements = sum(stop - start for unit in smaller.units for _, start, stop in zero.shard_parts(unit))

@@ -940,10 +940,10 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
     def validation() -> float:  # the mean loss over the first eval_batches global batches of windows
         windows = ShardedLoader(val_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
                                 sizes.dp, run.seed)
-        losses = []
-        for _ in range(run.eval_batches):  # 04's schedules have no forward-only mode: the backward runs,
+        losses = []  # 04's schedules have no forward-only mode: the backward runs, its gradients dropped
+        for _ in range(run.eval_batches):
             losses.append(trainer.forward_backward(next(windows)))
-            for part in trainer.zeros:  # and its gradients are dropped
+            for part in trainer.zeros:
                 part.zero.zero_grad()
         return sum(losses) / run.eval_batches
 
@@ -981,8 +981,9 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
             profiler = torch.profiler.profile()  # the CPU, and the GPU where there is one
             profiler.start()
         lr = learning_rate(step, train.lr, run.warmup, run.steps, train.lr * run.min_lr_ratio)
-        for group in (group for part in trainer.zeros for group in part.zero.optimizer.param_groups):
-            group["lr"] = lr
+        for part in trainer.zeros:
+            for group in part.zero.optimizer.param_groups:
+                group["lr"] = lr
         rows = next(loader)
         t0 = time.perf_counter()
         if step == measured:  # the tensors autograd saves (CPU) or the peak memory (GPU)
@@ -1234,7 +1235,8 @@ def demo(args: argparse.Namespace) -> None:
         if step == 0:
             grads = shard_values(trainer, "grads")
         trainer.update()
-    ranks = checkpoints.all_ranks((grads, shard_values(trainer), summary(trainer)))  # on every rank
+    ranks = [None] * sizes.world if mesh.rank == 0 else None  # each rank's (grads, params, summary)
+    dist.gather_object((grads, shard_values(trainer), summary(trainer)), ranks, dst=0)
     if mesh.rank == 0:
         ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
                                              adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,

@@ -718,8 +718,10 @@ TORCHRUN_8_RANKS_4_PER_NODE = {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE
                "CUDA_VISIBLE_DEVICES= to run on the CPU"),
     (TORCHRUN_8_RANKS_4_PER_NODE, 1, 2, "4 ranks on this node need a GPU each, but 2 are visible: run at "
                                         "most 2 per node, or CUDA_VISIBLE_DEVICES= to run on the CPU"),
+    ({"RANK": "0", "WORLD_SIZE": "16", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, 1, 8,
+     "global_batch=16 is not divisible by world_size x accum_steps = 16 x 2 = 32"),
 ], ids=["stray WORLD_SIZE", "partial torchrun environment", "more local ranks than GPUs",
-        "torchrun: more ranks per node than GPUs"])
+        "torchrun: more ranks per node than GPUs", "ranks per node unknown: no GPU check"])
 def test_launcher_checks_the_world_that_will_run_in_one_line(monkeypatch, capsys, env, nproc, gpus, message):
     """The defaults (global batch 16, accum 2) are checked against the ranks that would really start,
     before any starts: a stray WORLD_SIZE is not what local processes get; RANK alone is no torchrun;

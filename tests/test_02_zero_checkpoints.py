@@ -4,6 +4,7 @@ a damaged, foreign or unfinished one is one line naming what is wrong and what t
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import importlib
 import itertools
@@ -241,10 +242,8 @@ def load_zero(cfg, stage: int, folder: str):
     """A fresh ZeRO of this stage over the pool, loaded from the checkpoint: its full state, the bytes
     this rank read and (params + 2 moments) x 4 B x its shard's elements."""
     optimizer = zero.ZeRO(freeze_some(foundation.GPT(cfg)), stage)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    target, meta = checkpoints.open_checkpoint(folder, checkpoints.checkpoint_config(cfg), rank=rank, world=world)
-    reader = checkpoints.CheckpointReader(target, meta)
-    optimizer.load_shards(checkpoints.read_shards(optimizer, reader), meta["step"])
+    _, _, reader = checkpoints.load_zeros(folder, checkpoints.checkpoint_config(cfg), None,
+                                          [(optimizer, checkpoints.whole_tensor)])
     elements = sum(stop - start for unit in optimizer.units for _, start, stop in zero.shard_parts(unit))
     frozen = sum(p.numel() for _, p in optimizer.frozen)  # whole on every rank: parameters only
     return optimizer.full_state_dict(), reader.bytes_read, 12 * elements + 4 * frozen
@@ -271,6 +270,65 @@ def test_a_zero3_checkpoint_on_4_ranks_loads_on_other_group_sizes_and_stages_rea
     one = freeze_some(foundation.GPT(cfg))
     assert checkpoints.load_model(one, tmp_path)["bytes_read"] == 4 * psi
     assert all(torch.equal(p, saved["params"][n]) for n, p in one.named_parameters())
+
+
+def load_with_a_gap_on_the_last_rank(cfg, folder: str) -> tuple[str, bool]:
+    """load_zeros where the last rank's piece_of names a tensor the checkpoint does not hold: only that
+    rank finds the problem (in read_shards). Returns the error and whether this rank's shard is as built."""
+    optimizer = zero.ZeRO(freeze_some(foundation.GPT(cfg)), 1)
+    last = dist.get_rank() == dist.get_world_size() - 1
+
+    def renamed_on_the_last_rank(unit: zero.FlatUnit, i: int) -> checkpoints.Piece:
+        piece = checkpoints.whole_tensor(unit, i)
+        return dataclasses.replace(piece, name="missing." + piece.name) if last else piece
+
+    before = [optimizer.shard_state(unit)["params"].clone() for unit in optimizer.units]
+    try:
+        checkpoints.load_zeros(folder, checkpoints.checkpoint_config(cfg), None,
+                               [(optimizer, renamed_on_the_last_rank)])
+    except checkpoints.CheckpointError as error:
+        return str(error), all(torch.equal(b, optimizer.shard_state(unit)["params"])
+                               for b, unit in zip(before, optimizer.units))
+    return "loaded", False
+
+
+def test_a_problem_one_rank_finds_stops_every_rank_before_any_loads(rank_pool, tmp_path):
+    """load_zeros' second agreement: the ranks that could read wait for the one that could not, raise
+    its error and have loaded nothing (the ranks of a resume never mix two states)."""
+    cfg = foundation.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=3)
+    rank_pool.run(2, save_zero, cfg, 1, str(tmp_path), 1, timeout=600)
+    results = rank_pool.run(2, load_with_a_gap_on_the_last_rank, cfg, str(tmp_path), timeout=600)
+    message = results[0][0]
+    assert message.startswith(f"{tmp_path / 'step_00000001'}: the saved pieces do not cover every element "
+                              f"of missing."), message
+    assert results == [(message, True)] * 2
+
+
+def claim_and_try_again(folder: str) -> tuple[str, bool]:
+    """claim_folder on every rank, then every rank tries to lock the folder again while rank 0 holds it."""
+    lock = checkpoints.claim_folder(folder)
+    try:
+        checkpoints.lock_checkpoints(folder).close()
+        again = "locked again"
+    except checkpoints.CheckpointError as error:
+        again = str(error)
+    checkpoints.all_ranks(None)  # every rank has tried before rank 0 lets go
+    if lock is not None:
+        lock.close()
+    return again, lock is not None
+
+
+def test_a_claimed_folder_stays_locked_for_the_run_and_loses_a_killed_saves_leftovers(rank_pool, tmp_path):
+    """claim_folder: rank 0 holds the lock while the run keeps the returned file (any other process, a
+    second run's included, is refused) and removes what a save killed midway left."""
+    run = tmp_path / "run"
+    (run / "step_00000003").mkdir(parents=True)
+    (run / "step_00000003" / "rank00001.pt.tmp").write_bytes(b"half")
+    results = rank_pool.run(2, claim_and_try_again, str(run), timeout=600)
+    assert [held for _, held in results] == [True, False], "rank 0 alone holds the lock"
+    assert all(f"checkpoint folder {run} is in use by a running run" in again for again, _ in results), results
+    assert not (run / "step_00000003").exists(), "a step folder without meta.json is an unfinished save"
+    checkpoints.lock_checkpoints(run).close()  # released once rank 0 closed it
 
 
 # --- the script itself -------------------------------------------------------------------------
