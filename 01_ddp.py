@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import math
 import os
@@ -53,7 +54,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -388,79 +389,6 @@ def launch_world_size(nproc: int) -> int:
     return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else nproc
 
 
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows every option's default once: not a second one (or "(default: None)") after a
-    help text that states it (every option has one: tests/test_course.py)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        stated = action.default in (None, False) or "default" in (action.help or "")  # False: a flag
-        return action.help if stated else super()._get_help_string(action)
-
-
-def prints_here() -> bool:
-    """Under torchrun every rank runs main(): rank 0 alone prints what is said once (the help, an
-    option's error, 10's plan). A RANK torchrun did not set (left in a shell) silences nothing."""
-    return os.environ.get("RANK", "0") == "0" or "TORCHELASTIC_RUN_ID" not in os.environ
-
-
-class LessonParser(argparse.ArgumentParser):
-    """Every rank parses alike and exits with the same code (2 for an error), printing where prints_here()."""
-
-    def _print_message(self, message: str, file=None) -> None:
-        if prints_here():
-            super()._print_message(message, file)
-
-
-def lesson_parser(doc: str, bench_help: str | None = None, bench_steps: int = 5,
-                  ranks: bool = True) -> argparse.ArgumentParser:
-    """The options lessons share: --nproc (not for one process: ranks=False), --bench and its steps."""
-    parser = LessonParser(description=" ".join(doc.split("\n\n")[0].split()), allow_abbrev=False,
-                          formatter_class=DefaultsHelpFormatter)  # a misspelt option is an error
-    if ranks:
-        nproc = torch.cuda.device_count() if torch.cuda.is_available() else 4
-        parser.add_argument("--nproc", type=int, default=nproc, help="ranks when not under torchrun")
-    if bench_help is not None:
-        parser.add_argument("--bench", action="store_true", help=bench_help)
-        parser.add_argument("--bench-steps", type=int, default=bench_steps, help="timed steps per round")
-        parser.add_argument("--bench-rounds", type=int, default=3,
-                            help="rounds of --bench-steps; the first warms up")
-    return parser
-
-
-def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, positive: tuple[str, ...] = (),
-                  validate: Callable[[int], None] | None = None) -> None:
-    """Options in `positive` (and --nproc, --bench-steps) must be >= 1, validate(world) checks sizes against
-    the world that will run (1 without --nproc): a failure is one line (once under torchrun), exit 2."""
-    try:
-        for name in (*positive, *(option for option in ("nproc", "bench_steps") if option in args)):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if getattr(args, "bench_rounds", 2) < 2:
-            raise ValueError("--bench-rounds must be >= 2 (the first round is warm-up)")
-        world = launch_world_size(getattr(args, "nproc", 1))  # torchrun's, where RANK is set
-        if "nproc" not in args and world > 1:
-            raise ValueError(f"runs in one process: start it with python, not torchrun (WORLD_SIZE={world})")
-        # One GPU a rank (init_distributed): too many for a node's GPUs fail here, not in the ranks (a
-        # launcher other than torchrun may not say how many share the node: LOCAL_WORLD_SIZE, else no check).
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if "RANK" in os.environ else world
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else ranks_here
-        if ranks_here > gpus:
-            raise ValueError(f"{ranks_here} ranks on this node need a GPU each, but {gpus} "
-                             f"{'is' if gpus == 1 else 'are'} visible: run at most {gpus} per node, or "
-                             f"CUDA_VISIBLE_DEVICES= to run on the CPU")
-        if validate is not None:
-            validate(world)
-    except ValueError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
-
-
-def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn: Callable,
-                  positive: tuple[str, ...] = (), validate: Callable[[int], None] | None = None) -> None:
-    """The end of every multi-rank lesson's main(): check_options, then fn(args) on every rank."""
-    check_options(parser, args, positive, validate)
-    launch(fn, args, nproc=args.nproc)
-
-
 def check_memory(what: str, cfg: "ModelConfig", batch: int, seq_len: int, ranks: int,
                  more: dict[str, int] | None = None) -> None:
     """For validate(world): refuse sizes whose largest tensors alone exceed this machine's memory. A
@@ -537,6 +465,182 @@ def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, steps
                 if round_ > 0:
                     times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def ratio_line(medians: dict[str, float]) -> str:
+    """--bench's verdict on two named steps, ours first: "ours 12.3 ms, torch DDP 10.1 ms, ratio ours
+    / torch DDP = 1.218"."""
+    (ours, mine), (theirs, other) = medians.items()
+    return f"{ours} {mine * 1e3:.1f} ms, {theirs} {other * 1e3:.1f} ms, ratio {ours} / {theirs} = {mine / other:.3f}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Options: every lesson's command line is made from dataclass fields, each with its help and rule
+# ----------------------------------------------------------------------------------------------
+
+COMPARE = {">=": lambda v, bound: v >= bound, ">": lambda v, bound: v > bound,
+           "<=": lambda v, bound: v <= bound}  # NaN breaks every rule
+
+
+def option(default, help: str, rule: str | tuple[str, ...] = (), commands: tuple[str, ...] | None = None,
+           **argparse_kwargs):
+    """A dataclass field that is also the option --field-name (of these sub-commands; None: of all).
+    rule: ">= 1", "> 0", "<= 128", or several; argparse_kwargs: option="--other-name", choices, type,
+    metavar, nargs, const, and off=(flag, value, help): a second option that sets the field to value."""
+    rules = (rule,) if isinstance(rule, str) else rule
+    return field(default=default, metadata=dict(help=help, rules=rules, commands=commands,
+                                                 argparse=argparse_kwargs))
+
+
+def flag(option_field) -> str:
+    return option_field.metadata["argparse"].get("option", "--" + option_field.name.replace("_", "-"))
+
+
+def option_fields(classes: tuple[type, ...], command: str | None = None) -> list:
+    """The fields of classes that are options (of this sub-command), in --help's order."""
+    found = (f for cls in classes for f in dataclasses.fields(cls) if "help" in f.metadata)
+    return [f for f in found if f.metadata["commands"] is None or command in f.metadata["commands"]]
+
+
+def broken_rules(values, fields: list, flagged: bool = False) -> list[str]:
+    """The rules and choices beside these fields that values (a config, or the parsed options, where
+    None is left to other options) break, each naming the field (flagged: its option) and value."""
+    out = []
+    for f in (f for f in fields if "help" in f.metadata):
+        value, choices = getattr(values, f.name), f.metadata["argparse"].get("choices")
+        named = f"{flag(f)} must be" if flagged else f"{f.name}={value!r} must be"
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            broken = [r for r in f.metadata["rules"] if v is not None and not COMPARE[r.split()[0]](
+                v, float(r.split()[1]))]
+            if broken:
+                out.append(f"{named} {broken[0]}" + (f", not {v}" if flagged else ""))
+                break
+            if v is not None and choices is not None and v not in choices:
+                out.append(f"{named} one of {tuple(choices)}")
+                break
+    return out
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every option's default once: not a second one (or "(default: None)") after a
+    help text that states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        stated = action.default in (None, False) or "default" in (action.help or "")  # False: a flag
+        return action.help if stated else super()._get_help_string(action)
+
+
+def prints_here() -> bool:
+    """Under torchrun every rank runs main(): rank 0 alone prints what is said once (the help, an
+    option's error, 09's plan). A RANK torchrun did not set (left in a shell) silences nothing."""
+    return os.environ.get("RANK", "0") == "0" or "TORCHELASTIC_RUN_ID" not in os.environ
+
+
+class LessonParser(argparse.ArgumentParser):
+    """Every rank parses alike and exits with the same code (2 for an error), printing where
+    prints_here(); no abbreviations (a misspelt option is an error, not a guess)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(allow_abbrev=False, formatter_class=DefaultsHelpFormatter, **kwargs)
+
+    def _print_message(self, message: str, file=None) -> None:
+        if prints_here():
+            super()._print_message(message, file)
+
+
+def add_options(parser: argparse.ArgumentParser, fields: list, defaults: dict, decided: dict) -> None:
+    """One option per field: a flag for a bool, else a value of the default's type; defaults: values
+    in place of the fields'; decided: options left None, with what decides them (shown in --help)."""
+    for f in fields:
+        kwargs = {k: v for k, v in f.metadata["argparse"].items() if k not in ("option", "off")}
+        if isinstance(f.default, bool) and "type" not in kwargs:
+            kwargs["action"] = "store_true"
+        elif f.default is not None:
+            kwargs.setdefault("type", type(f.default[0] if isinstance(f.default, tuple) else f.default))
+        default = None if f.name in decided else defaults.get(f.name, f.default)
+        what = f" (default: {decided[f.name]})" if f.name in decided else ""
+        parser.add_argument(flag(f), dest=f.name, default=default, help=f.metadata["help"] + what, **kwargs)
+        if "off" in f.metadata["argparse"]:
+            name, value, text = f.metadata["argparse"]["off"]
+            parser.add_argument(name, dest=f.name, action="store_const", const=value, help=text)
+
+
+class Command(NamedTuple):
+    """A sub-command: what it does, its defaults where not the fields', its options left None (with
+    what decides them), and the classes of options only it has."""
+    what: str
+    defaults: dict = {}
+    decided: dict = {}
+    classes: tuple[type, ...] = ()
+
+
+def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Command] | None = None,
+                  defaults: dict = {}, argv: list[str] | None = None
+                  ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The lesson's options, one per field of classes, each checked against its rule (one line, exit
+    2). commands: sub-commands, each with the fields that name it; argv starting with none of them
+    (nor --help) runs the first. Returns the parser that errors should exit through, and the options."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = LessonParser(description=" ".join(doc.split("\n\n")[0].split()))
+    if commands is None:
+        add_options(parser, option_fields(classes), defaults, {})
+        chosen, args = parser, parser.parse_args(argv)
+        fields = option_fields(classes)
+    else:
+        subparsers = parser.add_subparsers(dest="command", title=f"sub-commands (none given: {next(iter(commands))})")
+        for name, command in commands.items():
+            add_options(subparsers.add_parser(name, help=command.what, description=command.what),
+                        option_fields(classes + command.classes, name), command.defaults, command.decided)
+        if not argv or argv[0] not in subparsers.choices and argv[0] not in ("-h", "--help"):
+            argv = [next(iter(commands)), *argv]
+        args = parser.parse_args(argv)
+        chosen, fields = subparsers.choices[args.command], option_fields(classes + commands[args.command].classes,
+                                                                         args.command)
+    problems = broken_rules(args, fields, flagged=True)
+    if problems:
+        chosen.exit(2, f"{chosen.prog}: error: {problems[0]}\n")
+    return chosen, args
+
+
+@dataclass
+class Ranks:
+    """The option of every lesson that runs on several ranks."""
+    nproc: int = option(torch.cuda.device_count() if torch.cuda.is_available() else 4,
+                        "ranks when not under torchrun", ">= 1")
+
+
+@dataclass
+class BenchRounds:
+    """--bench's timing (interleaved_medians), beside a lesson's own --bench flag."""
+    bench_steps: int = option(5, "timed steps per round", ">= 1")
+    bench_rounds: int = option(3, "rounds of --bench-steps; the first warms up", ">= 2")
+
+
+def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn: Callable,
+                  validate: Callable[[int], None] | None = None) -> None:
+    """The end of every lesson's main(): validate(world) checks sizes against the world that will
+    run (1 for a lesson without --nproc), a failure is one line (once under torchrun), exit 2; then
+    fn(args) on every rank (here, for a lesson of one process)."""
+    try:
+        world = launch_world_size(getattr(args, "nproc", 1))  # torchrun's, where RANK is set
+        if "nproc" not in args and world > 1:
+            raise ValueError(f"runs in one process: start it with python, not torchrun (WORLD_SIZE={world})")
+        # One GPU a rank (init_distributed): too many for a node's GPUs fail here, not in the ranks (a
+        # launcher other than torchrun may not say how many share the node: LOCAL_WORLD_SIZE, else no check).
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if "RANK" in os.environ else world
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else ranks_here
+        if ranks_here > gpus:
+            raise ValueError(f"{ranks_here} ranks on this node need a GPU each, but {gpus} "
+                             f"{'is' if gpus == 1 else 'are'} visible: run at most {gpus} per node, or "
+                             f"CUDA_VISIBLE_DEVICES= to run on the CPU")
+        if validate is not None:
+            validate(world)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    if "nproc" in args:
+        launch(fn, args, nproc=args.nproc)
+    else:
+        fn(args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -663,6 +767,19 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
     group_size(group)
     _record("broadcast", group, tensor.nbytes, Fraction(tensor.nbytes))
     return dist.broadcast(tensor, group=group, async_op=async_op, group_src=src)
+
+
+def all_ranks(obj: object, group=None, dst: int | None = None) -> list | None:
+    """Every rank's obj, in rank order, on every rank of group (an all-gather: it also waits for all);
+    with dst (a rank within group), there only, None elsewhere. Python objects, pickled and not metered:
+    the demos' rows of figures and the ranks' agreements, not training traffic."""
+    objects = [None] * group_size(group)
+    if dst is None:
+        dist.all_gather_object(objects, obj, group=group)
+        return objects
+    here = dist.get_rank(group) == dst
+    dist.gather_object(obj, objects if here else None, group=group, group_dst=dst)
+    return objects if here else None
 
 
 def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
@@ -946,22 +1063,23 @@ def bench(args: argparse.Namespace) -> None:
         print(f"DDP step time on {world} ranks ({dist.get_backend()}, {device.type}), "
               f"{n_params / 1e6:.1f}M parameters, {args.bench_bucket_mb} MB buckets, "
               f"median of {args.bench_steps * (args.bench_rounds - 1)} steps:")
-        print(f"  ours {med['ours'] * 1e3:.1f} ms, torch DDP {med['torch DDP'] * 1e3:.1f} ms, "
-              f"ratio ours / torch DDP = {med['ours'] / med['torch DDP']:.3f}")
+        print("  " + ratio_line(med))
     exit_distributed()
 
 
+@dataclass
+class Options:
+    steps: int = option(5, "AdamW steps of each run and of the one-device reference", ">= 1")
+    global_batch: int = option(16, "sequences per step, split over the ranks", ">= 1")
+    seq_len: int = option(64, "tokens per sequence", ">= 1")
+    accum: int = option(2, "micro-steps per optimizer step", ">= 1")
+    bucket_kib: int = option(128, "gradient bucket size in KiB (small: several buckets)", ">= 1")
+    bench: bool = option(False, "step time against torch DDP")
+    bench_bucket_mb: int = option(25, "--bench: both DDPs' bucket size in MB", ">= 1")
+
+
 def main() -> None:
-    parser = lesson_parser(__doc__, bench_help="step time against torch DDP")
-    for option, default, what in (
-            ("--steps", 5, "AdamW steps of each run and of the one-device reference"),
-            ("--global-batch", 16, "sequences per step, split over the ranks"),
-            ("--seq-len", 64, "tokens per sequence"),
-            ("--accum", 2, "micro-steps per optimizer step"),
-            ("--bucket-kib", 128, "gradient bucket size in KiB (small: several buckets)"),
-            ("--bench-bucket-mb", 25, "--bench: both DDPs' bucket size in MB")):
-        parser.add_argument(option, type=int, default=default, help=what)
-    args = parser.parse_args()
+    parser, args = parse_options(__doc__, (Options, Ranks, BenchRounds))
 
     def validate(world: int) -> None:
         if not args.bench:
@@ -969,8 +1087,7 @@ def main() -> None:
             check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}", ModelConfig(),
                          args.global_batch, args.seq_len, world)
 
-    launch_lesson(parser, args, bench if args.bench else demo,
-                  ("steps", "global_batch", "seq_len", "accum", "bucket_kib", "bench_bucket_mb"), validate)
+    launch_lesson(parser, args, bench if args.bench else demo, validate)
 
 
 if __name__ == "__main__":

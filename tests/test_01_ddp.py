@@ -789,7 +789,50 @@ def test_script_runs_as_plain_python():
 
 def test_a_shortened_option_is_an_error_not_a_guess():
     """argparse would take --bench-step for --bench-steps (and 09's --microbatch for --microbatches)."""
-    parser = foundation.lesson_parser(foundation.__doc__, bench_help="a benchmark")
+    classes = (foundation.Options, foundation.BenchRounds)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--bench-step", "3"])
-    assert parser.parse_args(["--bench-steps", "3"]).bench_steps == 3
+        foundation.parse_options(foundation.__doc__, classes, argv=["--bench-step", "3"])
+    assert foundation.parse_options(foundation.__doc__, classes, argv=["--bench-steps", "3"])[1].bench_steps == 3
+
+
+@dataclasses.dataclass
+class RuledOptions:
+    """Every kind of rule the lessons' fields carry, for the machinery's test."""
+    count: int = foundation.option(1, "a count", ">= 1")
+    rate: float = foundation.option(0.5, "a rate", ("> 0", "<= 1"))
+    sizes: tuple = foundation.option((16,), "head sizes", (">= 16", "<= 128"), nargs="+")
+    kind: str = foundation.option("a", "a kind", choices=("a", "b"))
+    only_b: int = foundation.option(0, "an option of sub-command b", ">= 0", commands=("b",))
+    internal: int = 3  # no help: not an option
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--count", "0"], "--count must be >= 1, not 0"),
+    (["--rate", "nan"], "--rate must be > 0, not nan"),
+    (["--rate", "1.5"], "--rate must be <= 1, not 1.5"),
+    (["--sizes", "16", "256"], "--sizes must be <= 128, not 256"),
+    (["--kind", "c"], "argument --kind: invalid choice: 'c'"),
+    (["--internal", "4"], "unrecognized arguments: --internal 4"),
+    (["b", "--only-b", "-1"], "--only-b must be >= 0, not -1"),
+    (["a", "--only-b", "1"], "unrecognized arguments: --only-b 1"),
+    (["--count", "2", "--sizes", "32", "64"], None),
+])
+def test_an_option_is_a_field_with_its_rule_beside_it(capsys, argv, message):
+    """option(): the field's rule (several, a list's every element, NaN refused by each) is checked as
+    the command line is parsed, in one line naming the option and the value, exit 2; a field without a
+    help is no option; a sub-command's own fields are options of it only; none given: the first."""
+    commands = {"a": foundation.Command("the first"), "b": foundation.Command("the second")}
+    if message is None:
+        _, args = foundation.parse_options("doc", (RuledOptions,), commands, argv=argv)
+        assert (args.command, args.count, args.sizes, args.rate) == ("a", 2, [32, 64], 0.5)
+        return
+    with pytest.raises(SystemExit) as exit_:
+        foundation.parse_options("doc", (RuledOptions,), commands, argv=argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err.splitlines()[-1], err
+
+
+def test_a_config_names_the_field_that_breaks_its_rule():
+    """broken_rules on a config (09's validate): the field's name and value, not an option."""
+    assert foundation.broken_rules(RuledOptions(count=0, rate=2.0), dataclasses.fields(RuledOptions)) == [
+        "count=0 must be >= 1", "rate=2.0 must be <= 1"]
