@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import datetime
 import math
+import operator
 import os
 import statistics
 import sys
@@ -478,8 +479,7 @@ def ratio_line(medians: dict[str, float]) -> str:
 # Options: every lesson's command line is made from dataclass fields, each with its help and rule
 # ----------------------------------------------------------------------------------------------
 
-COMPARE = {">=": lambda v, bound: v >= bound, ">": lambda v, bound: v > bound,
-           "<=": lambda v, bound: v <= bound}  # NaN breaks every rule
+COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}  # NaN breaks every rule
 
 
 def option(default, help: str, rule: str | tuple[str, ...] = (), commands: tuple[str, ...] | None = None,
@@ -487,9 +487,8 @@ def option(default, help: str, rule: str | tuple[str, ...] = (), commands: tuple
     """A dataclass field that is also the option --field-name (of these sub-commands; None: of all).
     rule: ">= 1", "> 0", "<= 128", or several; argparse_kwargs: option="--other-name", choices, type,
     metavar, nargs, const, and off=(flag, value, help): a second option that sets the field to value."""
-    rules = (rule,) if isinstance(rule, str) else rule
-    return field(default=default, metadata=dict(help=help, rules=rules, commands=commands,
-                                                 argparse=argparse_kwargs))
+    return field(default=default, metadata=dict(help=help, rules=(rule,) if isinstance(rule, str) else rule,
+                                                 commands=commands, argparse=argparse_kwargs))
 
 
 def flag(option_field) -> str:
@@ -508,26 +507,13 @@ def broken_rules(values, fields: list, flagged: bool = False) -> list[str]:
     out = []
     for f in (f for f in fields if "help" in f.metadata):
         value, choices = getattr(values, f.name), f.metadata["argparse"].get("choices")
-        named = f"{flag(f)} must be" if flagged else f"{f.name}={value!r} must be"
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            broken = [r for r in f.metadata["rules"] if v is not None and not COMPARE[r.split()[0]](
-                v, float(r.split()[1]))]
-            if broken:
-                out.append(f"{named} {broken[0]}" + (f", not {v}" if flagged else ""))
-                break
-            if v is not None and choices is not None and v not in choices:
-                out.append(f"{named} one of {tuple(choices)}")
+        for v in [] if value is None else value if isinstance(value, (list, tuple)) else [value]:
+            broken = [r for r in f.metadata["rules"] if not COMPARE[r.split()[0]](v, float(r.split()[1]))]
+            if broken or (choices is not None and v not in choices):
+                must = broken[0] if broken else f"one of {tuple(choices)}"
+                out.append(f"{flag(f)} must be {must}, not {v}" if flagged else f"{f.name}={value!r} must be {must}")
                 break
     return out
-
-
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows every option's default once: not a second one (or "(default: None)") after a
-    help text that states it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        stated = action.default in (None, False) or "default" in (action.help or "")  # False: a flag
-        return action.help if stated else super()._get_help_string(action)
 
 
 def prints_here() -> bool:
@@ -541,7 +527,7 @@ class LessonParser(argparse.ArgumentParser):
     prints_here(); no abbreviations (a misspelt option is an error, not a guess)."""
 
     def __init__(self, **kwargs) -> None:
-        super().__init__(allow_abbrev=False, formatter_class=DefaultsHelpFormatter, **kwargs)
+        super().__init__(allow_abbrev=False, **kwargs)
 
     def _print_message(self, message: str, file=None) -> None:
         if prints_here():
@@ -550,7 +536,8 @@ class LessonParser(argparse.ArgumentParser):
 
 def add_options(parser: argparse.ArgumentParser, fields: list, defaults: dict, decided: dict) -> None:
     """One option per field: a flag for a bool, else a value of the default's type; defaults: values
-    in place of the fields'; decided: options left None, with what decides them (shown in --help)."""
+    in place of the fields'; decided: options left None, with what decides them. --help shows each
+    default once (not after a help text that states it)."""
     for f in fields:
         kwargs = {k: v for k, v in f.metadata["argparse"].items() if k not in ("option", "off")}
         if isinstance(f.default, bool) and "type" not in kwargs:
@@ -558,8 +545,10 @@ def add_options(parser: argparse.ArgumentParser, fields: list, defaults: dict, d
         elif f.default is not None:
             kwargs.setdefault("type", type(f.default[0] if isinstance(f.default, tuple) else f.default))
         default = None if f.name in decided else defaults.get(f.name, f.default)
-        what = f" (default: {decided[f.name]})" if f.name in decided else ""
-        parser.add_argument(flag(f), dest=f.name, default=default, help=f.metadata["help"] + what, **kwargs)
+        stated = default is None or default is False or "default" in f.metadata["help"]
+        shown = decided.get(f.name, None if stated else default)
+        parser.add_argument(flag(f), dest=f.name, default=default, **kwargs,
+                            help=f.metadata["help"] + ("" if shown is None else f" (default: {shown})"))
         if "off" in f.metadata["argparse"]:
             name, value, text = f.metadata["argparse"]["off"]
             parser.add_argument(name, dest=f.name, action="store_const", const=value, help=text)
@@ -582,22 +571,21 @@ def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Comma
     (nor --help) runs the first. Returns the parser that errors should exit through, and the options."""
     argv = sys.argv[1:] if argv is None else argv
     parser = LessonParser(description=" ".join(doc.split("\n\n")[0].split()))
+    parsers = {None: (parser, option_fields(classes))}
     if commands is None:
-        add_options(parser, option_fields(classes), defaults, {})
-        chosen, args = parser, parser.parse_args(argv)
-        fields = option_fields(classes)
+        add_options(parser, parsers[None][1], defaults, {})
     else:
-        subparsers = parser.add_subparsers(dest="command", title=f"sub-commands (none given: {next(iter(commands))})")
+        first = next(iter(commands))
+        subparsers = parser.add_subparsers(dest="command", title=f"sub-commands (none given: {first})")
         for name, command in commands.items():
-            add_options(subparsers.add_parser(name, help=command.what, description=command.what),
-                        option_fields(classes + command.classes, name), command.defaults, command.decided)
-        if not argv or argv[0] not in subparsers.choices and argv[0] not in ("-h", "--help"):
-            argv = [next(iter(commands)), *argv]
-        args = parser.parse_args(argv)
-        chosen, fields = subparsers.choices[args.command], option_fields(classes + commands[args.command].classes,
-                                                                         args.command)
-    problems = broken_rules(args, fields, flagged=True)
-    if problems:
+            parsers[name] = (subparsers.add_parser(name, help=command.what, description=command.what),
+                             option_fields(classes + command.classes, name))
+            add_options(*parsers[name], command.defaults, command.decided)
+        if not argv or argv[0] not in commands and argv[0] not in ("-h", "--help"):
+            argv = [first, *argv]
+    args = parser.parse_args(argv)
+    chosen, fields = parsers[getattr(args, "command", None)]
+    if problems := broken_rules(args, fields, flagged=True):
         chosen.exit(2, f"{chosen.prog}: error: {problems[0]}\n")
     return chosen, args
 
