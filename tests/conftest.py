@@ -96,6 +96,9 @@ def use_lessons(folder: Path) -> None:
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--lessons", type=Path, metavar="DIR",
                      help="import the lessons from DIR (a workshop copy) instead of this course's folder")
+    parser.addoption("--call-timeout", type=float, default=CALL_TIMEOUT_S, metavar="SECONDS",
+                     help="the longest a call on the ranks may take, whatever a test asks (the workshop's "
+                          "grading: a collective some rank never joins fails in a minute, not ten)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -208,8 +211,10 @@ class RankPool:
             # Reusable only if every failing rank raised a validation error before any collective;
             # anything else (a timeout, a rank stuck in a collective) may leave the group broken.
             self.healthy = not silent and all(status != "error" for status, _ in answers.values())
+            # In the order the ranks failed (answers arrive in that order), then the silent ones: the
+            # first is the cause, the others often its consequence (a peer's collective broke).
             errors = {**failed, **silent}
-            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors.items())
             raise RankFailure(f"{fn.__name__} failed on ranks {sorted(errors)} of {self.world_size}"
                               f" (timeout {timeout}s):\n{detail}", errors)
         return [pickle.loads(answers[r][1]) for r in range(self.world_size)]
@@ -227,10 +232,12 @@ class RankPool:
 
 
 class RankPools:
-    """One pool per world size, started on first use; a pool that lost a rank is replaced."""
+    """One pool per world size, started on first use; a pool that lost a rank is replaced. No call
+    waits longer than call_timeout (--call-timeout), whatever its test asks."""
 
-    def __init__(self) -> None:
+    def __init__(self, call_timeout: float = CALL_TIMEOUT_S) -> None:
         self.pools: dict[int, RankPool] = {}
+        self.call_timeout = call_timeout
 
     def run(self, world_size: int, fn: Callable, *args: Any, timeout: float = CALL_TIMEOUT_S,
             **kwargs: Any) -> list[Any]:
@@ -238,7 +245,7 @@ class RankPools:
         if pool is None:
             pool = self.pools[world_size] = RankPool(world_size)
         try:
-            return pool.run(fn, *args, timeout=timeout, **kwargs)
+            return pool.run(fn, *args, timeout=min(timeout, self.call_timeout), **kwargs)
         except RankFailure:
             # Validation errors raised by every rank before any collective leave the group usable;
             # anything else (a timeout, a rank stuck in a collective) may not.
@@ -286,7 +293,7 @@ def run_script(script: str, *args: str, timeout: float = SCRIPT_TIMEOUT_S) -> st
 
 
 @pytest.fixture(scope="session")
-def rank_pool():
-    pools = RankPools()
+def rank_pool(pytestconfig):
+    pools = RankPools(pytestconfig.getoption("--call-timeout"))
     yield pools
     pools.close()

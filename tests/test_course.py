@@ -6,6 +6,7 @@ import ast
 import importlib
 import re
 import sys
+import time
 
 import pytest
 import torch
@@ -175,6 +176,23 @@ def test_harness_names_the_failing_and_the_silent_rank(rank_pool):
     assert "rank 1 broke before the all-reduce" in failure.value.errors[1]
     assert failure.value.errors[0].startswith("no answer")
     assert rank_pool.run(2, dist.get_rank) == [0, 1], "a fresh pool replaces the broken one"
+
+
+def rank_one_fails_then_rank_zero():
+    if dist.get_rank() == 0:
+        time.sleep(2)  # rank 1's error is in long before (milliseconds on an idle machine)
+        raise RuntimeError("rank 0 failed second")
+    raise KeyError("rank 1 failed first")
+
+
+def test_harness_lists_the_failed_ranks_in_the_order_they_failed(rank_pool):
+    """The first to fail is the cause, the others often its consequence: the workshop's grade names
+    the first (first_error_line reads the first exception of the report)."""
+    with pytest.raises(RankFailure) as failure:
+        rank_pool.run(2, rank_one_fails_then_rank_zero, timeout=60)
+    assert list(failure.value.errors) == [1, 0]
+    report = str(failure.value)
+    assert report.index("--- rank 1 ---") < report.index("KeyError") < report.index("--- rank 0 ---")
 
 
 def test_a_script_test_runs_as_from_a_readers_shell_whatever_torchrun_left_exported(monkeypatch):

@@ -326,3 +326,42 @@ def test_the_error_line_of_a_failure():
     assert workshop.first_error_line(blank) == "NotImplementedError: Exercise 07.2: the recurrence"
     assert workshop.first_error_line("E   assert 3 == 2\nE    +  where 2 = f()") == "assert 3 == 2"
     assert len(workshop.first_error_line("E   " + "x" * 500)) == 200
+
+
+def test_the_error_line_names_the_first_rank_to_fail_and_a_collective_that_waits():
+    """The harness lists failed ranks in the order they failed (test_course proves it), so the
+    grade names the cause, not a peer's consequence; every rank silent at the call's limit (a
+    collective some rank never joins: 06.1 with its all-to-all's splits swapped) is a timeout."""
+    failed = ("E   conftest.RankFailure: step failed on ranks [1, 0] of 2 (timeout 60s):\nE   --- rank 1 ---\n"
+              "E   Traceback (most recent call last):\nE   KeyError: 'expert 3'\nE   \nE   --- rank 0 ---\n"
+              "E   Traceback (most recent call last):\nE   RuntimeError: Connection closed by peer\n")
+    assert workshop.first_error_line(failed) == "KeyError: 'expert 3' (on a rank)"
+    silent = ("E   conftest.RankFailure: step failed on ranks [0, 1] of 2 (timeout 60.0s):\nE   --- rank 0 ---\n"
+              "E   no answer (waiting, e.g. in a collective that a peer never joined)\nE   --- rank 1 ---\n"
+              "E   no answer (waiting, e.g. in a collective that a peer never joined)\n")
+    assert workshop.first_error_line(silent) == "timed out: a collective waits for a rank (no answer in 60 s)"
+
+
+def test_a_syntax_error_shows_its_message_place_and_caret():
+    """A participant's syntax error fails the lesson's import, where the proofs are collected."""
+    collected = ("tests/test_04_pipeline.py:33: in <module>\n    pipeline = importlib.import_module(...)\n"
+                 'E     File "/copy/04_pipeline.py", line 195\nE       return (pp - 1) / (m + pp - 1 if x\n'
+                 "E                         ^\nE   SyntaxError: '(' was never closed\n")
+    assert workshop.first_error_line(collected) == ("SyntaxError: '(' was never closed (04_pipeline.py, line 195)"
+                                                    "\n      return (pp - 1) / (m + pp - 1 if x"
+                                                    "\n                        ^")
+
+
+@pytest.mark.parametrize("outcomes, solved, line", [
+    ("pp", True, "2 of 2 proofs passed"),
+    ("ps", True, "1 of 2 proofs passed, 1 skipped"),
+    ("ss", False, "0 of 2 proofs passed, 2 skipped: it cannot be graded on this machine"),
+    ("pf", False, "1 of 2 proofs passed, 1 did not"),
+    ("p-", False, "1 of 2 proofs passed, 1 did not"),  # a proof that never ran (not collected)
+])
+def test_an_exercise_is_solved_when_no_proof_fails_and_one_ran(outcomes, solved, line):
+    """A proof skipped on this machine (a GPU's) proves nothing: all skipped is not solved."""
+    made = {"p": workshop.ProofResult(passed=True), "s": workshop.ProofResult(skipped="Skipped: needs CUDA"),
+            "f": workshop.ProofResult(passed=True, error="AssertionError"), "-": None}
+    exercise = workshop.BY_ID["07.2"]
+    assert workshop.verdict(exercise, [made[o] for o in outcomes]) == (solved, f"07.2 {exercise.title}: {line}")

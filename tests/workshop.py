@@ -26,6 +26,7 @@ import contextlib
 import io
 import re
 import shutil
+import signal
 import sys
 import time
 import tokenize
@@ -190,20 +191,38 @@ def list_exercises(exercises: list[Exercise], detailed: bool) -> None:
 EXERCISE_ERROR = re.compile(r"Exercise \d\d\.\d: [^\n'\"\\)]*")
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt)\b")
 GREATEST = re.compile(r"Greatest absolute difference: (\S+)")
+WHERE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+CALL_TIMEOUT = re.compile(r"\(timeout ([\d.]+)s\)")
+# A proof's call on the ranks waits at most GRADE_CALL_TIMEOUT_S (the pool then starts anew), and a proof
+# at most PROOF_TIMEOUT_S in all: the proofs' calls take seconds on an idle machine, so both leave 10x
+# over a loaded one, and a participant's hang (a collective one rank never joins, a loop) is a verdict
+# in a minute or two, not a wait.
+GRADE_CALL_TIMEOUT_S, PROOF_TIMEOUT_S = 60, 300
 
 
 def first_error_line(text: str, width: int = 200) -> str:
     """The line of a failure's report that says what went wrong: a blank exercise, else the first
-    error message (a rank's own error, for a failure on the rank pool), with the greatest
-    difference when tensors were compared."""
+    error message (on the rank pool: of the rank that failed first; every rank silent: a timeout),
+    with the greatest difference when tensors were compared. A syntax error where a lesson is
+    imported: its message and place, then the line and its caret, indented below."""
     if found := EXERCISE_ERROR.search(text):
         return f"NotImplementedError: {found.group(0).strip()}"
-    errors = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+    reported = [line[1:] for line in text.splitlines() if line.startswith("E ")]
+    errors = [line.strip() for line in reported]
+    if errors and (where := WHERE.fullmatch(errors[0])):
+        end = next((i for i, line in enumerate(errors) if EXCEPTION_LINE.match(line)), len(errors) - 1)
+        shown = [line for line in reported[1:end] if line.strip()]
+        indent = min((len(line) - len(line.lstrip()) for line in shown), default=0)
+        return (f"{errors[end]} ({Path(where['file']).name}, line {where['line']})"
+                + "".join(f"\n      {line[indent:]}" for line in shown))
     lines = errors or [line.strip() for line in text.splitlines() if line.strip()][-1:] or ["(no message)"]
     line = lines[0]
     if "RankFailure" in line:
-        on_rank = [l for l in lines[1:] if EXCEPTION_LINE.match(l) or l.startswith("no answer")]
-        line = f"{on_rank[0]} (on a rank)" if on_rank else line
+        on_rank = [l for l in lines[1:] if EXCEPTION_LINE.match(l)]
+        if on_rank:
+            line = f"{on_rank[0]} (on a rank)"
+        elif any(l.startswith("no answer (waiting") for l in lines) and (limit := CALL_TIMEOUT.search(line)):
+            line = f"timed out: a collective waits for a rank (no answer in {float(limit.group(1)):g} s)"
     if (greatest := GREATEST.search(text)) and "difference" not in line:
         line += f" (greatest absolute difference {greatest.group(1)})"
     return line if len(line) <= width else line[:width - 3] + "..."
@@ -246,6 +265,16 @@ class Grader:
         elif report.when == "call" and report.passed:
             result.passed = True
 
+    def pytest_runtest_setup(self, item) -> None:
+        """Arm the proof's alarm (its setup starts rank pools: it counts too); teardown disarms it."""
+        def expire(signum, frame):
+            raise TimeoutError(f"timed out: the proof ran past {PROOF_TIMEOUT_S} s (a loop that never ends?)")
+        signal.signal(signal.SIGALRM, expire)
+        signal.alarm(PROOF_TIMEOUT_S)
+
+    def pytest_runtest_teardown(self, item) -> None:
+        signal.alarm(0)
+
     def pytest_runtest_logfinish(self, nodeid: str, location) -> None:
         self.write(nodeid, self.results[nodeid])
 
@@ -264,6 +293,18 @@ class Grader:
 
     def write(self, nodeid: str, result: ProofResult | None) -> None:
         print(self.line(nodeid, result), file=self.out, flush=True)
+
+
+def verdict(exercise: Exercise, results: list[ProofResult | None]) -> tuple[bool, str]:
+    """Solved: no proof failed and at least one passed (a proof skipped here, a GPU's, proves
+    nothing); the exercise's line of the grade."""
+    passed = sum(bool(r and r.passed and not r.error) for r in results)
+    skipped = sum(bool(r and r.skipped and not r.passed and not r.error) for r in results)
+    failed = len(results) - passed - skipped
+    return failed == 0 and passed > 0, (
+        f"{exercise.id} {exercise.title}: {passed} of {len(results)} proofs passed"
+        + (f", {failed} did not" if failed else "") + (f", {skipped} skipped" if skipped else "")
+        + ("" if passed or failed else ": it cannot be graded on this machine"))
 
 
 def is_copy(folder: Path) -> bool:
@@ -289,6 +330,7 @@ def check(exercises: list[Exercise], folder: Path) -> int:
     test_files = dict.fromkeys(node_id.split("::")[0] for node_id in owners)
     args = [*(str(TESTS / name) for name in test_files), f"--lessons={folder}", f"--rootdir={TESTS}",
             "-p", "no:cacheprovider", "--hypothesis-profile=grade", "--continue-on-collection-errors", "-q",
+            f"--call-timeout={GRADE_CALL_TIMEOUT_S}",
             "--showlocals"]  # a test that catches the blank's NotImplementedError (a RuntimeError) holds it
     with contextlib.redirect_stdout(captured):
         code = pytest.main(args, plugins=[grader])
@@ -299,16 +341,12 @@ def check(exercises: list[Exercise], folder: Path) -> int:
         said = captured.getvalue().splitlines()
         reason = next((l for l in said if l.startswith(("ERROR", "INTERNALERROR"))), f"exit code {int(code)}")
         print(f"pytest could not run the proofs: {reason}", file=out)
-    verdicts = []
-    for exercise in exercises:
-        results = [grader.results.get(n) for n in exercise.node_ids]
-        passed = sum(bool(r and r.passed and not r.error) for r in results)
-        failed = sum(not (r and (r.passed or r.skipped) and not r.error) for r in results)
-        verdicts.append(failed == 0 and passed > 0)
-        print(f"{exercise.id} {exercise.title}: {passed} of {len(results)} proofs passed"
-              + ("" if verdicts[-1] else f", {failed} did not"), file=out)
-    print(f"{'solved' if all(verdicts) else 'not yet'} ({time.perf_counter() - start:.0f} s)", file=out)
-    return 0 if all(verdicts) else 1
+    verdicts = [verdict(exercise, [grader.results.get(n) for n in exercise.node_ids]) for exercise in exercises]
+    for solved, line in verdicts:
+        print(line, file=out)
+    solved = all(solved for solved, _ in verdicts)
+    print(f"{'solved' if solved else 'not yet'} ({time.perf_counter() - start:.0f} s)", file=out)
+    return 0 if solved else 1
 
 
 def main(argv: list[str] | None = None) -> int:
