@@ -486,7 +486,6 @@ def flag(option_field) -> str:
 
 
 def option_fields(classes: tuple[type, ...], command: str | None = None) -> list:
-    """The fields of classes that are options (of this sub-command), in --help's order."""
     found = (f for cls in classes for f in dataclasses.fields(cls) if "help" in f.metadata)
     return [f for f in found if f.metadata["commands"] is None or command in f.metadata["commands"]]
 
