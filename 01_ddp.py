@@ -430,9 +430,9 @@ def launch(fn: Callable, *args, nproc: int) -> None:
 
 
 def exit_distributed(error: str | None = None, code: int = 2) -> None:
-    """A rank's last call: wait for every rank, leave the group, os._exit. The interpreter's teardown
-    aborts 1 run in 5 while gloo's threads release the last tensors ("terminate called without an active
-    exception", pytorch PR #179291). error: one that every rank found (by a collective), in one line."""
+    """A rank's last call: wait for every rank, leave the group, os._exit: the interpreter's teardown
+    aborts (1 run in 5 here) while gloo's threads release the last tensors ("terminate called without an
+    active exception", pytorch PR #179291). error: one every rank found (by a collective): exit `code`."""
     if error is not None:
         print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
     dist.barrier()  # every rank has printed before the first exits (the launcher stops the rest)
@@ -499,7 +499,7 @@ def broken_rules(values, fields: list, flagged: bool = False) -> list[str]:
         for v in [] if value is None else value if isinstance(value, (list, tuple)) else [value]:
             broken = [r for r in f.metadata["rules"] if not COMPARE[r.split()[0]](v, float(r.split()[1]))]
             if broken or (choices is not None and v not in choices):
-                must = f"must be {broken[0] if broken else f'one of {tuple(choices)}'}"
+                must = "must be " + (broken[0] if broken else f"one of {tuple(choices)}")
                 out.append(f"{flag(f)} {must}, not {v}" if flagged else f"{f.name}={value!r} {must}")
                 break
     return out
@@ -512,7 +512,8 @@ def prints_here() -> bool:
 
 
 class LessonParser(argparse.ArgumentParser):
-    """Prints where prints_here(); no abbreviations (a misspelt option is an error, not a guess)."""
+    """Every rank parses alike and exits alike (2 on an error), printing only where prints_here(); no
+    abbreviations (a misspelt option is an error, not a guess)."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(allow_abbrev=False, **kwargs)
@@ -702,7 +703,7 @@ def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op:
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single; 2.11 needs the old names.
+# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor for *_single, which 2.11 lacks.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
