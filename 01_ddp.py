@@ -1,5 +1,17 @@
 """Lesson 01: data parallelism, and the foundation every later lesson stands on.
 
+The lesson, then THE FOUNDATION that lessons 02-09 import; the lesson uses the model and the data as a
+reader knows them (a GPT, a batch), built further down. The sections, in order:
+  Data parallelism: broadcast_parameters; (a) all_reduce_gradients; (b, c) GradBucket, BucketedDataParallel
+  Training: TrainResult; train_single_device (the reference every lesson equals), train_data_parallel
+THE FOUNDATION
+  Devices and launch: init_distributed, launch (plain python starts its ranks as torchrun would),
+    exit_distributed, check_memory; interleaved_medians and ratio_line (--bench's timing)
+  Options: option (a dataclass field that is also an option, its rule beside it), parse_options, launch_lesson
+  The comm meter: CommMeter, comm_meter; the wrappers all_reduce ... batch_p2p, all_ranks
+  The reference model: ModelConfig, GPT (Llama-style, grouped-query attention), synthetic_batch
+  Demo and benchmark: demo, bench, Options, main
+
 THE IDEA
 Every rank holds a full copy of the model and takes a different, equal-sized slice of the global
 batch. After backward each rank has the gradient of *its* mean loss; their average over the N ranks
@@ -24,12 +36,6 @@ A ring all-reduce of S bytes sends (and receives) 2(N-1)/N x S bytes per rank: a
 step, independent of batch size. Memory: every rank holds all parameters, gradients and optimizer
 state (AdamW in fp32: 4 + 4 + 8 = 16 bytes per parameter), plus a gradient copy in the buckets.
 Lesson 02 (ZeRO) removes that redundancy.
-
-THE FOUNDATION (imported by lessons 02-10; under its own banner after the data-parallel code): the
-launcher (`python 0X_name.py` starts its own ranks, as torchrun would), the comm meter (wrappers
-that count every collective's bytes by operation and group, under the ring cost model above), and
-ModelConfig / GPT, the single-device reference (Llama-style, grouped-query attention), with
-synthetic_batch: the code below uses them as a reader knows them, a model and a batch.
 
 RUN IT
     python 01_ddp.py                       # 4 local CPU processes (one per GPU on a GPU node)
@@ -64,11 +70,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-# ----------------------------------------------------------------------------------------------
-# Data parallelism
-# ----------------------------------------------------------------------------------------------
 
-
+# --- Data parallelism ---------------------------------------------------------------------------------------
 def broadcast_parameters(model: nn.Module, group=None) -> None:
     """Start every rank from rank 0's weights and buffers (rank 0 of `group`, whatever its global
     rank). GPT's seeded init already agrees everywhere; a checkpoint or a random init might not."""
@@ -94,8 +97,7 @@ class GradBucket:
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                  device=params[0].device)
+        self.buffer = params[0].new_zeros(sum(p.numel() for p in params))  # their dtype and device
         self.views = self.buffer.split([p.numel() for p in params])  # slot i holds params[i]'s grad
         self.slot = {p: i for i, p in enumerate(params)}
         self.ready: set[int] = set()  # the slots filled since the last unpack
@@ -199,10 +201,7 @@ class BucketedDataParallel:
         self.next_to_launch = 0
 
 
-# ----------------------------------------------------------------------------------------------
-# Training: the single-device reference and the data-parallel run, on the same global batches
-# ----------------------------------------------------------------------------------------------
-
+# --- Training: the single-device reference and the data-parallel run, on the same global batches ------------
 DP_MODES = ("naive", "bucketed")
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's moments
 
@@ -338,32 +337,27 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
     return result, meter
 
 
-# ==============================================================================================
-# THE FOUNDATION, which every lesson imports (the docstring's list), from devices and launch on.
-# Read it once the lesson above is clear, or come back to it from lesson 02 on.
-# ==============================================================================================
-
-# Without a GPU, lessons 07 and 08's Triton kernels run in Triton's interpreter. Triton decides as
-# each @triton.jit function is defined (its own library's too), so the switch is set here, in the
-# module every lesson imports first, before anything imports triton. A process started with
-# TRITON_INTERPRET=0 (tests/test_gpu_compile.py, compiling for a GPU that is not here) keeps the compiler.
+# ===========================================================================================================
+# THE FOUNDATION, which every later lesson imports (read it once the lesson above is clear, or from 02 on)
+# --- Devices and launch ------------------------------------------------------------------------------------
+# Without a GPU, lessons 07 and 08's Triton kernels run in Triton's interpreter, which Triton picks as each
+# @triton.jit function is defined: so here, in the module every lesson imports first. A process started
+# with TRITON_INTERPRET=0 (tests/test_gpu_compile.py compiles for an absent GPU) keeps the compiler.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def init_distributed(timeout_s: float = 120.0) -> torch.device:
     """Join torchrun's process group and return this rank's device: with CUDA, NCCL and one GPU per
-    local rank, else gloo on CPU. The timeout makes a collective some rank never joins an error."""
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():  # as many ranks per node as GPUs: check_options, before launch
-        device = torch.device("cuda", local_rank)
+    local rank (launch_lesson checks there are enough), else gloo on CPU. The timeout makes a
+    collective some rank never joins an error."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
-        backend, device_id = "nccl", device  # device_id: NCCL communicators are created eagerly
-    else:
-        device, backend, device_id = torch.device("cpu"), "gloo", None
-    if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device_id,
+    if not dist.is_initialized():  # device_id: NCCL creates its communicators eagerly
+        dist.init_process_group("nccl" if cuda else "gloo", rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), device_id=device if cuda else None,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return device
 
@@ -381,8 +375,8 @@ def _launched_rank(local_rank: int, fn: Callable, args: tuple, nproc: int, port:
 
 
 def launch_world_size(nproc: int) -> int:
-    """The ranks launch() runs: torchrun's WORLD_SIZE if RANK is set, else nproc (local processes get
-    their own environment: a stray WORLD_SIZE does not count). Validate sizes against it."""
+    """The ranks launch() runs, to validate sizes against: torchrun's WORLD_SIZE if RANK is set, else
+    nproc (local processes get their own environment: a stray WORLD_SIZE does not count)."""
     missing = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if "RANK" in os.environ and missing:
         raise ValueError(f"RANK is set but {', '.join(missing)} not: a partial torchrun environment "
@@ -405,8 +399,8 @@ def check_memory(what: str, cfg: "ModelConfig", batch: int, seq_len: int, ranks:
 
 
 def launch(fn: Callable, *args, nproc: int) -> None:
-    """Run fn(*args) on every rank: directly under torchrun, else in nproc fresh local processes
-    given the environment torchrun would set. fn must be module-level (it is pickled by name)."""
+    """fn(*args) on every rank: here under torchrun, else in nproc fresh local processes given the
+    environment torchrun would set (fn is pickled by name: module-level)."""
     launch_world_size(nproc)  # a partial torchrun environment fails here, not in every rank
     if "RANK" in os.environ:
         fn(*args)
@@ -436,10 +430,9 @@ def launch(fn: Callable, *args, nproc: int) -> None:
 
 
 def exit_distributed(error: str | None = None, code: int = 2) -> None:
-    """The last call of a rank: wait for every rank, leave the group, then os._exit, skipping the
-    interpreter's teardown: gloo's threads may still be releasing the last collective's tensors, and
-    abort ("terminate called without an active exception", pytorch PR #179291; 1 run in 5 here).
-    With an error that every rank found (they agreed on it by a collective): one line, exit `code`."""
+    """A rank's last call: wait for every rank, leave the group, os._exit: the interpreter's teardown
+    aborts (1 run in 5 here) while gloo's threads release the last tensors ("terminate called without an
+    active exception", pytorch PR #179291). error: one every rank found (by a collective): exit `code`."""
     if error is not None:
         print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
     dist.barrier()  # every rank has printed before the first exits (the launcher stops the rest)
@@ -469,16 +462,13 @@ def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, steps
 
 
 def ratio_line(medians: dict[str, float]) -> str:
-    """--bench's verdict on two named steps, ours first: "ours 12.3 ms, torch DDP 10.1 ms, ratio ours
-    / torch DDP = 1.218"."""
+    """--bench's verdict, ours first: "ours 12.3 ms, torch DDP 10.1 ms, ratio ours / torch DDP = 1.218"."""
     (ours, mine), (theirs, other) = medians.items()
-    return f"{ours} {mine * 1e3:.1f} ms, {theirs} {other * 1e3:.1f} ms, ratio {ours} / {theirs} = {mine / other:.3f}"
+    return (f"{ours} {mine * 1e3:.1f} ms, {theirs} {other * 1e3:.1f} ms, "
+            f"ratio {ours} / {theirs} = {mine / other:.3f}")
 
 
-# ----------------------------------------------------------------------------------------------
-# Options: every lesson's command line is made from dataclass fields, each with its help and rule
-# ----------------------------------------------------------------------------------------------
-
+# --- Options: every lesson's command line is made from dataclass fields, each with its help and rule --------
 COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}  # NaN breaks every rule
 
 
@@ -496,7 +486,6 @@ def flag(option_field) -> str:
 
 
 def option_fields(classes: tuple[type, ...], command: str | None = None) -> list:
-    """The fields of classes that are options (of this sub-command), in --help's order."""
     found = (f for cls in classes for f in dataclasses.fields(cls) if "help" in f.metadata)
     return [f for f in found if f.metadata["commands"] is None or command in f.metadata["commands"]]
 
@@ -510,8 +499,8 @@ def broken_rules(values, fields: list, flagged: bool = False) -> list[str]:
         for v in [] if value is None else value if isinstance(value, (list, tuple)) else [value]:
             broken = [r for r in f.metadata["rules"] if not COMPARE[r.split()[0]](v, float(r.split()[1]))]
             if broken or (choices is not None and v not in choices):
-                must = broken[0] if broken else f"one of {tuple(choices)}"
-                out.append(f"{flag(f)} must be {must}, not {v}" if flagged else f"{f.name}={value!r} must be {must}")
+                must = "must be " + (broken[0] if broken else f"one of {tuple(choices)}")
+                out.append(f"{flag(f)} {must}, not {v}" if flagged else f"{f.name}={value!r} {must}")
                 break
     return out
 
@@ -523,8 +512,8 @@ def prints_here() -> bool:
 
 
 class LessonParser(argparse.ArgumentParser):
-    """Every rank parses alike and exits with the same code (2 for an error), printing where
-    prints_here(); no abbreviations (a misspelt option is an error, not a guess)."""
+    """Every rank parses alike and exits alike (2 on an error), printing only where prints_here(); no
+    abbreviations (a misspelt option is an error, not a guess)."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(allow_abbrev=False, **kwargs)
@@ -631,15 +620,11 @@ def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn:
         fn(args)
 
 
-# ----------------------------------------------------------------------------------------------
-# The comm meter: every collective in the course goes through these wrappers
-# ----------------------------------------------------------------------------------------------
+# --- The comm meter: every collective in the course goes through these wrappers -----------------------------
 # A meter counts, per (operation, group), the calls, the payload (the tensor handed to the collective)
 # and the traffic: what one rank sends under the textbook algorithm (ring for all-reduce / all-gather /
 # reduce-scatter, direct for all-to-all and point-to-point), a Fraction so that "measured == formula"
 # holds exactly. Scoped, not global: `with comm_meter() as meter: step()`, then meter.traffic(op).
-
-
 ANY_GROUP = object()
 
 
@@ -718,8 +703,7 @@ def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op:
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and deprecated the
-# old names, which torch 2.11 still needs.
+# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor for *_single, which 2.11 lacks.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -785,11 +769,7 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
     return dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
 
 
-# ----------------------------------------------------------------------------------------------
-# The reference model: a small Llama-style decoder that every later lesson transforms
-# ----------------------------------------------------------------------------------------------
-
-
+# --- The reference model: a small Llama-style decoder that every later lesson transforms --------------------
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 128
@@ -929,9 +909,8 @@ class GPT(nn.Module):
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
-            std = self.cfg.init_std
-            if name.endswith(("out_proj.weight", "down_proj.weight")):
-                std /= math.sqrt(2 * self.cfg.n_layers)
+            residual = name.endswith(("out_proj.weight", "down_proj.weight"))
+            std = self.cfg.init_std / (math.sqrt(2 * self.cfg.n_layers) if residual else 1)
             param.copy_(torch.randn(param.shape, generator=gen) * std)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
@@ -984,11 +963,7 @@ def synthetic_batch(cfg: ModelConfig, global_batch: int, seq_len: int, step: int
     return seq[rows, :-1], seq[rows, 1:]
 
 
-# ----------------------------------------------------------------------------------------------
-# Demo and benchmark
-# ----------------------------------------------------------------------------------------------
-
-
+# --- Demo and benchmark -------------------------------------------------------------------------------------
 def demo(args: argparse.Namespace) -> None:
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -705,6 +705,49 @@ def test_wrapping_a_model_without_trainable_parameters_fails_and_claims_nothing(
     assert not hasattr(model, "gradient_sync_owner"), "a failed build must not claim the model"
 
 
+def accumulate_with_a_frozen_embedding_then_misuse(cfg):
+    """Two micro-steps, the first under no_sync(), with embed.weight frozen: the averaged gradients.
+    Then the pattern's two slips, each an error on every rank: a step whose backward passes all ran
+    under no_sync(), and a second backward before finish_gradient_sync()."""
+    model = foundation.GPT(cfg)
+    model.embed.weight.requires_grad_(False)
+    wrapper = foundation.BucketedDataParallel(model, bucket_bytes=2048)
+    tokens, targets = foundation.synthetic_batch(cfg, 4, 6, 0, dist.get_rank(), dist.get_world_size())
+    with wrapper.no_sync():
+        (model(tokens[:1], targets[:1]) / 2).backward()
+    (model(tokens[1:], targets[1:]) / 2).backward()
+    wrapper.finish_gradient_sync()
+    grads = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+    errors = []
+    for outside_no_sync in (0, 2):
+        model.zero_grad(set_to_none=True)
+        with wrapper.no_sync():
+            model(tokens, targets).backward()
+        try:
+            for _ in range(outside_no_sync):
+                model(tokens, targets).backward()
+            wrapper.finish_gradient_sync()
+        except RuntimeError as error:
+            errors.append(str(error))
+    for bucket in wrapper.buckets:  # the first backward's all-reduces, launched on every rank alike
+        bucket.work.wait()
+    return grads, errors
+
+
+def test_accumulation_skips_frozen_parameters_and_refuses_a_backward_out_of_place(rank_pool):
+    cfg = foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32)
+    model = foundation.GPT(cfg)
+    model.embed.weight.requires_grad_(False)
+    model(*foundation.synthetic_batch(cfg, 4, 6, 0)).backward()
+    for grads, errors in rank_pool.run(2, accumulate_with_a_frozen_embedding_then_misuse, cfg):
+        assert grads["embed.weight"] is None
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(grads[name], p.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+        assert len(errors) == 2 and "no gradient reached the buckets" in errors[0], errors
+        assert "a second backward outside no_sync() before finish_gradient_sync()" in errors[1], errors
+
+
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 TORCHRUN_8_RANKS_4_PER_NODE = {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
