@@ -44,8 +44,8 @@ the same all-reduce, so every rank sees a plan that does not match the stages an
 
 COST
 Per step a stage boundary carries m activations forward and m gradients back: rank r sends
-(its stages that are not last + those not first) x m x (b/m) x seq x dim x bytes, plus the check's
-all-reduce of p v fp32 flags, 2(p-1)/p x 4 p v bytes.
+(its stages that are not last + those not first) x m x (b/m) x seq x dim x bytes (none at p = 1:
+its stages hand over in place), plus the check's all-reduce of p v fp32 flags, 2(p-1)/p x 4 p v bytes.
 
 RUN IT
     python 04_pipeline.py                    # 4 local ranks; torchrun --nproc_per_node=4 works too
@@ -507,7 +507,7 @@ def demo(args: argparse.Namespace) -> None:
     small = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=cfg.n_layers)
     batch, m, steps = args.global_batch, args.microbatches, args.steps
     ref = foundation.train_single_device(cfg, steps, batch, args.seq_len, device=device)
-    boundary = batch * args.seq_len * cfg.dim * 4  # bytes over one stage boundary, one way, per step
+    boundary = batch * args.seq_len * cfg.dim * 4 * (pp > 1)  # a boundary's bytes a step; pp = 1: local
     report = []
     for name, v in schedule_runs(args):
         result, meter, _ = train_pipeline(cfg, steps, batch, args.seq_len, schedule=name,
@@ -523,7 +523,7 @@ def demo(args: argparse.Namespace) -> None:
                        foundation.all_ranks(logs[-1].records, dst=0)))
     if rank != 0:
         foundation.exit_distributed()
-    print(f"Pipeline parallelism on {pp} ranks ({dist.get_backend()}): {cfg.n_layers} layers, "
+    print(f"Pipeline parallelism on {pp} rank{'s' * (pp > 1)} ({dist.get_backend()}): {cfg.n_layers} layers, "
           f"global batch {args.global_batch} x {args.seq_len} in {m} microbatches, {args.steps} AdamW steps.")
     print(f"\n{'schedule':<16}{'loss diff':>11}{'grad diff':>11}{'param diff':>11}"
           f"   bytes sent per rank per step (formula)")

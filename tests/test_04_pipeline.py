@@ -435,6 +435,18 @@ def test_script_runs_as_plain_python(tmp_path):
     assert {e["pid"] for e in events} == {0, 1, 2, 3}
 
 
+def test_script_on_one_rank_sends_nothing_and_its_formula_says_so():
+    """--nproc 1, as a reader without a second process might try: one rank holds every stage, so no
+    byte is sent. Before, the interleaved row printed '0 (formula 262,144)': its two stages' boundary,
+    local on one rank, was counted as sent."""
+    stdout = run_script("04_pipeline.py", "--nproc", "1", "--steps", "1", "--global-batch", "2",
+                        "--seq-len", "4", "--microbatches", "2", "--unit-ms", "0")
+    rows = re.findall(r"^(\S+)(?: v=\d)?\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d.e+-]+)   (.*)$", stdout, re.M)
+    assert [(name, sent) for name, *_, sent in rows] == [(name, "0") for name in pipeline.SCHEDULES], stdout
+    assert all(float(loss) <= LOSS_ATOL and float(grad) <= GRAD_ATOL for _, loss, grad, *_ in rows), stdout
+    assert "on 1 rank (" in stdout and len(re.findall(r"^rank 0 \|", stdout, re.M)) == 8, stdout
+
+
 @pytest.mark.parametrize("options, message", [
     (["--trace", "{tmp}/missing/t.json"], "its folder does not exist"),
     (["--trace", "{tmp}"], "is a folder: name a file in it"),
