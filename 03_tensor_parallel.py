@@ -1,6 +1,14 @@
 """Lesson 03: tensor parallelism (Megatron), vocab-parallel embedding and cross-entropy, sequence
 parallelism, and grouped-query attention.
 
+The sections, in order (the technique starts at conjugate: Megatron's f and g):
+  The conjugate communication operators: _collective (one operator a collective), conjugate
+  Vocab-parallel embedding and cross-entropy: VocabParallelEmbedding, VocabParallelCrossEntropy
+  The plan: column_parallel, row_parallel, enter_region, exit_region; apply_tensor_parallel, unshard
+  Training, communication and memory: train_tensor_parallel, comm_formula
+  Activation memory, and recompute: apply_recompute, activation_bytes, layer_activation_formula
+  Demo and benchmark: demo, bench (against DTensor: dtensor_plan), the command line (Options, main)
+
 THE IDEA
 Data parallelism copies the model; tensor parallelism (TP) splits every big matrix over the t ranks
 of a group, so each rank stores and multiplies 1/t of the weights, on the same tokens.
@@ -134,7 +142,6 @@ def _identity(x: torch.Tensor, group) -> torch.Tensor:
 def conjugate(forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
     """A base autograd function: forward(x, group) on the input, backward(grad, group) on the
     gradient. The four operators below differ only in this pair."""
-
     class Conjugate(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
@@ -414,9 +421,8 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
                           group=None, device: torch.device | str = "cpu", transform=None):
     """Every rank trains on the whole global batch with its shards. Returns the result (step-0
     gradients and final parameters reassembled) and a meter of the steps' communication."""
-    model = foundation.GPT(cfg)
-    model = apply_tensor_parallel((transform(model) if transform else model).to(device), group,
-                                  sequence_parallel)
+    model = (transform or (lambda model: model))(foundation.GPT(cfg)).to(device)
+    model = apply_tensor_parallel(model, group, sequence_parallel)
     optimizer = foundation.make_optimizer(model, lr, adam_eps)
     losses = []
     with foundation.comm_meter() as meter:
@@ -426,8 +432,7 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
             loss.backward()
             losses.append(loss.detach())  # .item() here would sync the GPU every step
             if step == 0:
-                grads = [(n, p.grad.clone(), p) for n, p in model.named_parameters()
-                         if p.grad is not None]
+                grads = [(n, p.grad.clone(), p) for n, p in model.named_parameters() if p.grad is not None]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     first_grads = foundation.cpu_copy((n, unshard(g, group, like=p)) for n, g, p in grads)
@@ -667,7 +672,7 @@ def bench(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     device = foundation.init_distributed()
-    rank, tp, cfg = dist.get_rank(), dist.get_world_size(), foundation.ModelConfig(**BENCH_MODEL)
+    tp, cfg = dist.get_world_size(), foundation.ModelConfig(**BENCH_MODEL)
     mesh = init_device_mesh(device.type, (tp,))
     tokens, targets = (t.to(device) for t in foundation.synthetic_batch(cfg, args.bench_batch, 128, 0))
     models = {}
@@ -690,32 +695,33 @@ def bench(args: argparse.Namespace) -> None:
                                          args.bench_rounds, args.bench_steps, device)
     params = {key: {n: (p.full_tensor() if isinstance(p, DTensor) else unshard(p)).detach().cpu()
                     for n, p in model.named_parameters()} for key, model in models.items()}
-    if rank == 0:
-        n_params = sum(p.numel() for p in params["ours", False].values())
+    if dist.get_rank() == 0:
         print(f"TP step time on {tp} ranks ({dist.get_backend()}, {device.type}), "
-              f"{n_params / 1e6:.1f}M parameters, batch {args.bench_batch} x 128, median of "
-              f"{args.bench_steps * (args.bench_rounds - 1)} steps; both trained the same "
-              f"{len(losses['ours', False])} steps on the same batch:")
+              f"{sum(p.numel() for p in params['ours', False].values()) / 1e6:.1f}M parameters, batch "
+              f"{args.bench_batch} x 128, median of {args.bench_steps * (args.bench_rounds - 1)} steps; both "
+              f"trained the same {len(losses['ours', False])} steps on the same batch:")
         for sp in (False, True):
-            ours, theirs = (med[impl, sp] for impl in ("ours", "DTensor"))
-            loss_diff = max(abs(a.item() - b.item()) for a, b in
-                            zip(losses["ours", sp], losses["DTensor", sp], strict=True))
-            print(f"  {'TP + SP' if sp else 'TP':<8} ours {ours * 1e3:7.1f} ms, DTensor "
-                  f"{theirs * 1e3:7.1f} ms, ratio ours / DTensor = {ours / theirs:.3f}; max |loss "
-                  f"difference| {loss_diff:.1e}, max |parameter difference| "
-                  f"{foundation.max_abs_diff(params['ours', sp], params['DTensor', sp]):.1e}")
+            ours, theirs = ("ours", sp), ("DTensor", sp)
+            loss_diff = max(abs(a - b).item() for a, b in zip(losses[ours], losses[theirs], strict=True))
+            times = foundation.ratio_line({"ours": med[ours], "DTensor": med[theirs]})
+            print(f"  {'TP + SP' if sp else 'TP':<8} {times}; max |loss difference| {loss_diff:.1e}, "
+                  f"max |parameter difference| {foundation.max_abs_diff(params[ours], params[theirs]):.1e}")
     foundation.exit_distributed()
 
 
+@dataclass
+class Options:
+    steps: int = foundation.option(3, "AdamW steps, with and without SP, and of the reference", ">= 1")
+    batch: int = foundation.option(4, "sequences per step (every tp rank sees them all)", ">= 1")
+    seq_len: int = foundation.option(32, "tokens per sequence (SP: divisible by the ranks)", ">= 1")
+    vocab: int = foundation.option(127, "vocabulary size; not a multiple of tp: padded", ">= 1")
+    bench: bool = foundation.option(False, "step time against DTensor")
+    bench_batch: int = foundation.option(4, "--bench: sequences of 128 tokens per step", ">= 1")
+
+
 def main() -> None:
-    parser = foundation.lesson_parser(__doc__, bench_help="step time against DTensor", bench_steps=3)
-    for option, default, what in (("--steps", 3, "AdamW steps, with and without SP, and of the reference"),
-                                  ("--batch", 4, "sequences per step (every tp rank sees them all)"),
-                                  ("--seq-len", 32, "tokens per sequence (SP: divisible by the ranks)"),
-                                  ("--vocab", 127, "vocabulary size; not a multiple of tp: padded"),
-                                  ("--bench-batch", 4, "--bench: sequences of 128 tokens per step")):
-        parser.add_argument(option, type=int, default=default, help=what)
-    args = parser.parse_args()
+    parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks, foundation.BenchRounds),
+                                            defaults=dict(bench_steps=3))
 
     def validate(tp: int) -> None:
         cfg, seq_len = ((foundation.ModelConfig(**BENCH_MODEL), 128) if args.bench
@@ -728,8 +734,7 @@ def main() -> None:
             foundation.check_memory(f"--batch {args.batch} x --seq-len {seq_len}, --vocab {args.vocab}",
                                     cfg, args.batch, seq_len, tp)
 
-    foundation.launch_lesson(parser, args, bench if args.bench else demo,
-                             ("steps", "batch", "seq_len", "vocab", "bench_batch"), validate)
+    foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
 
 
 if __name__ == "__main__":

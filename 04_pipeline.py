@@ -1,5 +1,12 @@
 """Lesson 04: pipeline parallelism. GPipe, 1F1B, interleaved 1F1B and ZB-H1, with measured bubbles.
 
+The sections, in order:
+  Cutting the reference model into stages: validate_pipeline, stage_layers, cut_stage
+  Schedules as data: compute_order (a rank's forwards and backwards: the technique), bubble_formula,
+    in_flight_bound; simulate and place_communication (the transfers); make_schedule
+  The executor, one for every schedule: run_schedule; train_pipeline on lesson 01's batches
+  Measured timelines, demo and benchmark: draw_measured, trace_events; demo; bench; Options, main
+
 THE IDEA
 Cut the model by depth into stages: the first owns the embedding, the last the final norm, the head
 and the loss. The global batch is split into m microbatches so that the p ranks can work on
@@ -37,8 +44,8 @@ the same all-reduce, so every rank sees a plan that does not match the stages an
 
 COST
 Per step a stage boundary carries m activations forward and m gradients back: rank r sends
-(its stages that are not last + those not first) x m x (b/m) x seq x dim x bytes, plus the check's
-all-reduce of p v fp32 flags, 2(p-1)/p x 4 p v bytes.
+(its stages that are not last + those not first) x m x (b/m) x seq x dim x bytes (none at p = 1:
+its stages hand over in place), plus the check's all-reduce of p v fp32 flags, 2(p-1)/p x 4 p v bytes.
 
 RUN IT
     python 04_pipeline.py                    # 4 local ranks; torchrun --nproc_per_node=4 works too
@@ -104,43 +111,29 @@ def stage_layers(n_layers: int, n_stages: int) -> list[range]:
     return [range(begin, end) for begin, end in zip(starts, starts[1:])]
 
 
-def build_stage(cfg, stage: int, n_stages: int) -> nn.Module:
-    """The reference GPT with the modules this stage does not own set to None or deleted: its
-    parameters keep the reference names and values (initialisation runs on the whole model)."""
-    return cut_stage(foundation.GPT(cfg), stage, n_stages)
-
-
-def parameter_stages(model: nn.Module, n_stages: int) -> dict[str, set[int | None]]:
-    """Parameter name -> the stages whose modules hold it: embed on the first, a layer on its own,
-    norm and lm_head on the last; None for a parameter registered outside them (on the model)."""
-    layers = stage_layers(model.cfg.n_layers, n_stages)
-    home = {"embed": 0, "norm": n_stages - 1, "lm_head": n_stages - 1,
-            **{f"layers.{i}": s for s, held in enumerate(layers) for i in held}}
-    stages: dict[int, set[int | None]] = {}
-    first_name: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owner = next((home[m] for m in home if name.startswith(m + ".")), None)
-        stages.setdefault(id(p), set()).add(owner)
-        first_name.setdefault(id(p), name)
-    return {first_name[key]: held for key, held in stages.items()}
-
-
 def cut_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
     """In place: keep this stage's modules of a whole GPT, however transformed before (lesson 09
-    cuts a tensor- and context-parallel model). A parameter that two stages would hold (a tied
-    embedding and LM head) or that no stage owns (one on the model itself) would train apart on
-    each copy, silently: refused, on every rank alike, before any collective."""
-    if n_stages > 1:
-        shared = {name: held for name, held in parameter_stages(model, n_stages).items()
-                  if len(held) > 1 or None in held}
+    cuts a tensor- and context-parallel model); the rest are set to None or deleted, so its
+    parameters keep the reference names and values (initialisation ran on the whole model). A
+    parameter that two stages would hold (a tied embedding and LM head) or that no stage owns (one
+    on the model itself) would train apart on each copy, silently: refused, on every rank alike,
+    before any collective."""
+    layers = stage_layers(model.cfg.n_layers, n_stages)
+    if n_stages > 1:  # embed on the first stage, a layer on its own, norm and lm_head on the last
+        home = {"embed": 0, "norm": n_stages - 1, "lm_head": n_stages - 1,
+                **{f"layers.{i}": s for s, held in enumerate(layers) for i in held}}
+        holders: dict[nn.Parameter, tuple[str, set[int | None]]] = {}  # its first name, its stages
+        for name, p in model.named_parameters(remove_duplicate=False):
+            owner = next((home[m] for m in home if name.startswith(m + ".")), None)  # None: no stage's
+            holders.setdefault(p, (name, set()))[1].add(owner)
+        shared = {name: held for name, held in holders.values() if len(held) > 1 or None in held}
         if shared:
             raise ValueError("a pipeline stage owns its parameters, but " + "; ".join(
                 f"{name} is registered outside embed, layers, norm and lm_head" if None in held
                 else f"{name} is shared by stages {sorted(held)} (tied weights)"
                 for name, held in shared.items())
                 + f": untie them or use pp=1 (n_stages={n_stages})")
-    keep = stage_layers(model.cfg.n_layers, n_stages)[stage]
-    for name in [n for n in model.layers if int(n) not in keep]:
+    for name in [n for n in model.layers if int(n) not in layers[stage]]:
         del model.layers[name]
     if stage > 0:
         model.embed = None
@@ -198,8 +191,7 @@ def bubble_formula(schedule: str, pp: int, m: int, virtual: int = 1) -> float:
 
 
 def in_flight_bound(schedule: str, rank: int, pp: int, m: int, virtual: int = 1) -> int:
-    """Most microbatch-stage pairs whose activations `rank` holds at once (W frees them in ZB-H1,
-    B in the others)."""
+    """Most microbatch-stage pairs whose activations `rank` holds at once (until W in ZB-H1, else B)."""
     return {"gpipe": m, "1f1b": min(m, pp - rank), "zb-h1": min(m, pp),
             "interleaved": min(virtual * m, 2 * (pp - rank - 1) + (virtual - 1) * pp + 1)}[schedule]
 
@@ -277,9 +269,6 @@ class Schedule:
     @property
     def split_backward(self) -> bool:
         return self.name == "zb-h1"
-
-    def needs_input_grad(self, stage: int) -> bool:
-        return any(self.trains[:stage])
 
     def bubble_formula(self) -> float:
         return bubble_formula(self.name, self.pp, self.microbatches, self.virtual)
@@ -391,7 +380,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
             with torch.profiler.record_function(ACTION_LABELS[a.kind]):  # a profile's names (09)
                 if a.kind == "F":  # the input needs a gradient if some stage before this one trains
                     x = received if a.stage > 0 else x_mbs[a.microbatch]
-                    x.requires_grad_(schedule.needs_input_grad(a.stage))
+                    x.requires_grad_(any(schedule.trains[:a.stage]))
                     out = module(x, y_mbs[a.microbatch]) / m if a.stage == last else module(x)
                     if a.stage == last:
                         losses.append(out.detach())
@@ -450,19 +439,18 @@ def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule
               for s in range(rank, n_stages, pp)}
     plan = make_schedule(schedule, pp, microbatches, virtual, stage_trains(stages, n_stages, group))
     optimizer = foundation.make_optimizer(nn.ModuleList(stages.values()), lr, adam_eps)
-    result, logs, losses = foundation.TrainResult([], {}, {}), [], []
+    result, logs = foundation.TrainResult([], {}, {}), []
     with foundation.comm_meter() as meter:
         for step in range(steps):
             tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
-            log = run_schedule(plan, stages, tokens.to(device), targets.to(device), group, work_s)
-            logs.append(log)
-            losses.append(log.loss if log.loss is not None else torch.zeros((), device=device))
+            logs.append(run_schedule(plan, stages, tokens.to(device), targets.to(device), group, work_s))
             if step == 0:
                 result.first_grads = foundation.cpu_copy((n, p.grad) for n, p in named_parameters(stages)
                                                          if p.grad is not None)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    losses = torch.stack(losses).double()  # outside the meter: only the last stage has the loss
+    losses = torch.stack([torch.zeros((), device=device) if log.loss is None else log.loss
+                          for log in logs]).double()  # outside the meter: only the last stage has them
     foundation.all_reduce(losses, group=group)
     result.losses = losses.tolist()
     result.params = foundation.cpu_copy(named_parameters(stages))
@@ -474,45 +462,36 @@ def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule
 # ----------------------------------------------------------------------------------------------
 
 
-def gather_rows(rows: list[list[float]], group, device) -> list[torch.Tensor]:
-    """Every rank's (equally many) rows of numbers, on every rank, through 01's all_gather."""
-    local = torch.tensor(rows, dtype=torch.float64, device=device).reshape(len(rows), -1)
-    out = local.new_empty((foundation.group_size(group) * len(rows), local.shape[1]))
-    foundation.all_gather(out, local, group=group)
-    return list(out.cpu().chunk(foundation.group_size(group)))
-
-
-def measured_bubble(records: list[torch.Tensor]) -> float:
-    """1 - busy / (ranks x step time), from the recorded (kind, stage, mb, start, end) rows."""
-    step = max(r[:, 4].max().item() for r in records)
-    busy = sum((r[:, 4] - r[:, 3]).sum().item() for r in records)
+def measured_bubble(records: list[list[tuple]]) -> float:
+    """1 - busy / (ranks x step time), from every rank's StepLog.records."""
+    step = max(end for rec in records for *_, end in rec)
+    busy = sum(end - start for rec in records for *_, start, end in rec)
     return 1 - busy / (len(records) * step)
 
 
-def draw_measured(records: list[torch.Tensor], pp: int, width: int = 96) -> str:
+def draw_measured(records: list[list[tuple]], pp: int, width: int = 96) -> str:
     """One row per rank; each character a 1/width slice of the step: F, B, W (lower case: a later
     chunk of the interleaved schedule) or '.' idle."""
-    step, rows = max(r[:, 4].max().item() for r in records), []
+    step, rows = max(end for rec in records for *_, end in rec), []
     for rank, rec in enumerate(records):
         row = ["."] * width
-        for kind, stage, _, start, end in rec.tolist():
-            letter = COMPUTE[int(kind)] if stage < pp else COMPUTE[int(kind)].lower()
+        for kind, stage, _, start, end in rec:
             for c in range(int(start / step * width + 0.5), int(end / step * width + 0.5)):
-                row[min(c, width - 1)] = letter
+                row[min(c, width - 1)] = kind if stage < pp else kind.lower()
         rows.append(f"rank {rank} |{''.join(row)}|")
     return "\n".join(rows)
 
 
-def trace_events(name: int | str, pid: int, records: list[torch.Tensor]) -> list[dict]:
+def trace_events(name: int | str, pid: int, records: list[list[tuple]]) -> list[dict]:
     """Chrome trace-event JSON: one process per schedule, one thread per rank, times in us."""
     events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}]
     for rank, rec in enumerate(records):
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": rank,
                        "args": {"name": f"rank {rank}"}})
-        for kind, stage, mb, start, end in rec.tolist():
-            events.append({"ph": "X", "pid": pid, "tid": rank, "name": f"{COMPUTE[int(kind)]}{int(mb)}",
-                           "cat": COMPUTE[int(kind)], "ts": start * 1e6, "dur": (end - start) * 1e6,
-                           "args": {"stage": int(stage), "microbatch": int(mb)}})
+        for kind, stage, mb, start, end in rec:
+            events.append({"ph": "X", "pid": pid, "tid": rank, "name": f"{kind}{mb}", "cat": kind,
+                           "ts": start * 1e6, "dur": (end - start) * 1e6,
+                           "args": {"stage": stage, "microbatch": mb}})
     return events
 
 
@@ -524,12 +503,11 @@ def demo(args: argparse.Namespace) -> None:
     device = foundation.init_distributed()
     pp, rank = dist.get_world_size(), dist.get_rank()
     cfg = foundation.ModelConfig(n_layers=pp * args.virtual)
-    # The timelines pad every action to its unit time (balanced synthetic work), on a model small
-    # enough that its real compute stays well inside the padding.
+    # The timelines pad every action to its unit time, on a model whose real compute fits well inside
     small = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=cfg.n_layers)
     batch, m, steps = args.global_batch, args.microbatches, args.steps
     ref = foundation.train_single_device(cfg, steps, batch, args.seq_len, device=device)
-    boundary = batch * args.seq_len * cfg.dim * 4  # bytes over one stage boundary, one way, per step
+    boundary = batch * args.seq_len * cfg.dim * 4 * (pp > 1)  # a boundary's bytes a step; pp = 1: local
     report = []
     for name, v in schedule_runs(args):
         result, meter, _ = train_pipeline(cfg, steps, batch, args.seq_len, schedule=name,
@@ -540,24 +518,19 @@ def demo(args: argparse.Namespace) -> None:
         work = {"F": unit, "B": unit if name == "zb-h1" else 2 * unit, "W": unit} if unit else None
         _, _, logs = train_pipeline(small if work else cfg, 2, m, 4 if work else args.seq_len,
                                     schedule=name, microbatches=m, virtual=v, device=device, work_s=work)
-        per_rank = torch.cat(gather_rows([stats + [logs[-1].peak_in_flight]], None, device))
-        records = gather_rows([[COMPUTE.index(k), *rest] for k, *rest in logs[-1].records], None, device)
-        report.append((make_schedule(name, pp, m, v), per_rank, records))
-    if rank == 0:
-        print_demo(args, cfg, report)
-    foundation.exit_distributed()
-
-
-def print_demo(args: argparse.Namespace, cfg, report: list) -> None:
-    pp, m = report[0][0].pp, args.microbatches
-    print(f"Pipeline parallelism on {pp} ranks ({dist.get_backend()}): {cfg.n_layers} layers, "
+        report.append((make_schedule(name, pp, m, v),  # on rank 0: every rank's row, and its records
+                       foundation.all_ranks([*stats, logs[-1].peak_in_flight], dst=0),
+                       foundation.all_ranks(logs[-1].records, dst=0)))
+    if rank != 0:
+        foundation.exit_distributed()
+    print(f"Pipeline parallelism on {pp} rank{'s' * (pp > 1)} ({dist.get_backend()}): {cfg.n_layers} layers, "
           f"global batch {args.global_batch} x {args.seq_len} in {m} microbatches, {args.steps} AdamW steps.")
     print(f"\n{'schedule':<16}{'loss diff':>11}{'grad diff':>11}{'param diff':>11}"
           f"   bytes sent per rank per step (formula)")
-    for plan, per_rank, _ in report:
-        diffs = "".join(f"{d:>11.1e}" for d in per_rank[:, :3].max(0).values.tolist())
-        sent = ", ".join(f"{int(s):,}" + ("" if s == f else f" (formula {int(f):,})") for s, f in
-                         per_rank[:, 3:5].tolist())
+    for plan, per_rank, _ in report:  # a row: 3 differences, bytes sent, the formula's, peak held
+        diffs = "".join(f"{max(column):>11.1e}" for column in list(zip(*per_rank))[:3])
+        sent = ", ".join(f"{int(s):,}" + ("" if s == f else f" (formula {int(f):,})")
+                         for *_, s, f, _ in per_rank)
         print(f"{plan.name + (f' v={plan.virtual}' if plan.virtual > 1 else ''):<16}{diffs}   {sent}")
     print("(max |difference| from one device training on the whole batch: rounding only)")
     work = "real compute" if args.unit_ms == 0 else f"balanced synthetic work, F = {args.unit_ms} ms / v"
@@ -569,7 +542,7 @@ def print_demo(args: argparse.Namespace, cfg, report: list) -> None:
           f"minute, {os.cpu_count()} cores.")
     trace = []
     for pid, (plan, per_rank, records) in enumerate(report):
-        peaks, bounds = per_rank[:, 5].int().tolist(), [plan.in_flight_bound(r) for r in range(pp)]
+        peaks, bounds = [row[-1] for row in per_rank], [plan.in_flight_bound(r) for r in range(pp)]
         print(f"\n{plan.name}, p={pp}, m={m}, v={plan.virtual}: bubble measured "
               f"{measured_bubble(records):.3f}, formula {plan.bubble_formula():.3f}; "
               f"peak microbatches held per rank {peaks} (bound {bounds})")
@@ -581,6 +554,7 @@ def print_demo(args: argparse.Namespace, cfg, report: list) -> None:
         with open(args.trace, "w") as f:
             json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
         print(f"Wrote {args.trace}: open it in https://ui.perfetto.dev or chrome://tracing.")
+    foundation.exit_distributed()
 
 
 def bench(args: argparse.Namespace) -> None:
@@ -599,8 +573,8 @@ def bench(args: argparse.Namespace) -> None:
     rows = []
     for (name, v), torch_schedule in zip(schedule_runs(args), torch_schedules):
         plan = make_schedule(name, pp, m, v)
-        ours, theirs = ({s: build_stage(cfg, s, pp * v).to(device) for s in range(rank, pp * v, pp)}
-                        for _ in range(2))
+        ours, theirs = ({s: cut_stage(foundation.GPT(cfg), s, pp * v).to(device)
+                         for s in range(rank, pp * v, pp)} for _ in range(2))
         torch_stages = [torch_pp.PipelineStage(mod, s, pp * v, device) for s, mod in theirs.items()]
         multi = name in ("interleaved", "zb-h1")  # torch's multi-stage schedules take a list
         schedule = torch_schedule(torch_stages if multi else torch_stages[0], m,
@@ -619,24 +593,19 @@ def bench(args: argparse.Namespace) -> None:
             opts[1].step()
 
         ours_step(), torch_step()  # one step from the same weights: the gradients must agree
-        grads = [{n: p.grad for n, p in named_parameters(s)} for s in (ours, theirs)]
-        diff = torch.tensor([foundation.max_abs_diff(*grads)], device=device)
-        foundation.all_reduce(diff, op=dist.ReduceOp.MAX)
-        med = foundation.interleaved_medians({"ours": ours_step, "torch": torch_step}, args.bench_rounds,
-                                             args.bench_steps, device)
-        rows.append((f"{name} v={v}", torch_schedule.__name__, diff.item(), med["ours"], med["torch"]))
+        diff = max(foundation.all_ranks(foundation.max_abs_diff(
+            *({n: p.grad for n, p in named_parameters(s)} for s in (ours, theirs)))))
+        med = foundation.interleaved_medians({"ours": ours_step, torch_schedule.__name__: torch_step},
+                                             args.bench_rounds, args.bench_steps, device)
+        rows.append((f"{name} v={v}", diff, med))
     if rank == 0:
         n_params = sum(p.numel() for p in foundation.GPT(cfg).parameters())
         print(f"Pipeline step time on {pp} ranks ({dist.get_backend()}, {device.type}), "
               f"{n_params / 1e6:.1f}M parameters, batch {batch} x {seq} in {m} microbatches, "
               f"median of {args.bench_steps * (args.bench_rounds - 1)} steps:")
-        for ours_name, torch_name, diff, t_ours, t_torch in rows:
-            print(f"  ours {ours_name:<16} {t_ours * 1e3:8.1f} ms   {torch_name:<30} {t_torch * 1e3:8.1f} ms"
-                  f"   ratio {t_ours / t_torch:.3f}   max |grad diff| {diff:.1e}")
+        for name, diff, med in rows:
+            print(f"  {name:<16} {foundation.ratio_line(med)}; max |grad diff| {diff:.1e}")
     foundation.exit_distributed()
-
-
-MAX_UNIT_MS = 1000  # 4 schedules x 2 steps x (m + p - 1) x 3 units: minutes already
 
 
 def check_writable(option: str, path: str) -> None:
@@ -654,39 +623,35 @@ def check_writable(option: str, path: str) -> None:
         os.remove(path)
 
 
+@dataclass
+class Options:
+    steps: int = foundation.option(3, "AdamW steps of each schedule and of the reference", ">= 1")
+    global_batch: int = foundation.option(16, "sequences per step, cut into microbatches", ">= 1")
+    seq_len: int = foundation.option(32, "tokens per sequence", ">= 1")
+    microbatches: int = foundation.option(8, "microbatches per step (m)", ">= 1")
+    virtual: int = foundation.option(2, "stages per rank, interleaved schedule", ">= 1")
+    # at most 1000 ms: 4 schedules x 2 steps x (m + p - 1) x 3 units: minutes already
+    unit_ms: float = foundation.option(50, "synthetic forward time per rank for the timelines, at most "
+                                       "1000; 0: real compute", (">= 0", "<= 1000"), type=float)
+    trace: str | None = foundation.option(None, "write the measured timelines to FILE as Chrome trace-event "
+                                          "JSON (open it in Perfetto or chrome://tracing)", metavar="FILE")
+    bench: bool = foundation.option(False, "step time against torch.distributed.pipelining")
+
+
 def main() -> None:
-    parser = foundation.lesson_parser(__doc__, bench_help="step time against torch.distributed.pipelining")
-    parser.add_argument("--steps", type=int, default=3,
-                        help="AdamW steps of each schedule and of the reference")
-    parser.add_argument("--global-batch", type=int, default=16,
-                        help="sequences per step, cut into microbatches")
-    parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
-    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (m)")
-    parser.add_argument("--virtual", type=int, default=2, help="stages per rank, interleaved schedule")
-    parser.add_argument("--unit-ms", type=float, default=50, help="synthetic forward time per rank "
-                        f"for the timelines, at most {MAX_UNIT_MS:g}; 0: real compute")
-    parser.add_argument("--trace", metavar="FILE",
-                        help="write the measured timelines to FILE as Chrome trace-event "
-                        "JSON (open it in Perfetto or chrome://tracing)")
-    args = parser.parse_args()
+    parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks, foundation.BenchRounds))
 
     def validate(pp: int) -> None:
-        if not 0 <= args.unit_ms <= MAX_UNIT_MS:  # also refuses nan
-            raise ValueError(f"--unit-ms {args.unit_ms} must be a number of ms in [0, {MAX_UNIT_MS:g}] "
-                             f"(0: real compute)")
         if args.trace:
             check_writable("--trace", args.trace)
-        for name, v in schedule_runs(args):  # --bench: 2 rows per microbatch
+        for name, v in schedule_runs(args):  # --bench: 2 rows a microbatch; m >= pp, as torch's 1F1B needs
             validate_pipeline(pp * args.virtual, pp, 2 * args.microbatches if args.bench else
                               args.global_batch, args.microbatches, name, v)
-        if args.bench and args.microbatches < pp:
-            raise ValueError(f"--bench: torch's Schedule1F1B needs microbatches >= pp = {pp}")
         if not args.bench:
             foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
                                     foundation.ModelConfig(), args.global_batch, args.seq_len, pp)
 
-    foundation.launch_lesson(parser, args, bench if args.bench else demo,
-                             ("steps", "global_batch", "seq_len", "microbatches", "virtual"), validate)
+    foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
 
 
 if __name__ == "__main__":

@@ -433,6 +433,24 @@ def test_script_runs_as_plain_python():
     assert len(memory) == 2 and all(measured == formula for measured, formula in memory), stdout
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--seq-len", "30"], "sequence length 30 is not divisible by tp=4 (the demo runs sequence parallelism)"),
+    (["--bench", "--nproc", "3"], "n_heads=8 is not divisible by tp=3"),  # checked for --bench too
+    (["--vocab", "0"], "--vocab must be >= 1, not 0"),
+])
+def test_options_the_demo_cannot_run_are_refused_before_any_rank_starts(monkeypatch, capsys, options, message):
+    """What a reader may try: a sequence SP cannot split, --bench on ranks that cannot split its model,
+    a vocabulary of nothing: one line and exit 2 before any rank starts, not a traceback on every rank."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("sys.argv", ["03_tensor_parallel.py", "--nproc", "4", *options])
+    monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    with pytest.raises(SystemExit) as exit_:
+        tensor_parallel.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
 # --- activation recompute -----------------------------------------------------------------------
 
 def loss_and_grads(model, tokens, targets, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

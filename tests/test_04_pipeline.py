@@ -307,7 +307,7 @@ def step_with_frozen_parameters(cfg, name: str, m: int, batch: int, seq_len: int
     """One step of the executor on stages with some parameters frozen: their .grad stays None."""
     pp, rank = dist.get_world_size(), dist.get_rank()
     plan = pipeline.make_schedule(name, pp, m)
-    stages = {rank: pipeline.build_stage(cfg, rank, pp)}
+    stages = {rank: pipeline.cut_stage(foundation.GPT(cfg), rank, pp)}
     for n, p in stages[rank].named_parameters():
         p.requires_grad_(n not in FROZEN)
     tokens, targets = foundation.synthetic_batch(cfg, batch, seq_len, 0)
@@ -405,8 +405,7 @@ def test_bad_configuration_fails_on_every_rank_without_hanging(rank_pool, kwargs
 
 def test_measured_timeline_drawing_bubble_and_trace():
     """Two ranks, made-up records: rank 0 busy 0-2 (F) and 3-4 (b, a later chunk), rank 1 1-4."""
-    records = [torch.tensor([[0, 0, 0, 0.0, 2.0], [1, 2, 0, 3.0, 4.0]], dtype=torch.float64),
-               torch.tensor([[0, 1, 0, 1.0, 4.0]], dtype=torch.float64)]
+    records = [[("F", 0, 0, 0.0, 2.0), ("B", 2, 0, 3.0, 4.0)], [("F", 1, 0, 1.0, 4.0)]]
     assert pipeline.measured_bubble(records) == pytest.approx(1 - 6 / 8)
     assert pipeline.draw_measured(records, pp=2, width=8).splitlines() == ["rank 0 |FFFF..bb|",
                                                                            "rank 1 |..FFFFFF|"]
@@ -436,14 +435,26 @@ def test_script_runs_as_plain_python(tmp_path):
     assert {e["pid"] for e in events} == {0, 1, 2, 3}
 
 
+def test_script_on_one_rank_sends_nothing_and_its_formula_says_so():
+    """--nproc 1, as a reader without a second process might try: one rank holds every stage, so no
+    byte is sent. Before, the interleaved row printed '0 (formula 262,144)': its two stages' boundary,
+    local on one rank, was counted as sent."""
+    stdout = run_script("04_pipeline.py", "--nproc", "1", "--steps", "1", "--global-batch", "2",
+                        "--seq-len", "4", "--microbatches", "2", "--unit-ms", "0")
+    rows = re.findall(r"^(\S+)(?: v=\d)?\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d.e+-]+)   (.*)$", stdout, re.M)
+    assert [(name, sent) for name, *_, sent in rows] == [(name, "0") for name in pipeline.SCHEDULES], stdout
+    assert all(float(loss) <= LOSS_ATOL and float(grad) <= GRAD_ATOL for _, loss, grad, *_ in rows), stdout
+    assert "on 1 rank (" in stdout and len(re.findall(r"^rank 0 \|", stdout, re.M)) == 8, stdout
+
+
 @pytest.mark.parametrize("options, message", [
     (["--trace", "{tmp}/missing/t.json"], "its folder does not exist"),
     (["--trace", "{tmp}"], "is a folder: name a file in it"),
     (["--trace", "/proc/self/t.json"], "cannot be written"),  # even by root
-    (["--unit-ms", "nan"], "--unit-ms nan must be a number of ms in [0, 1000]"),
-    (["--unit-ms", "inf"], "--unit-ms inf must be"),
-    (["--unit-ms", "-1"], "--unit-ms -1.0 must be"),
-    (["--unit-ms", "1e9"], "--unit-ms 1000000000.0 must be"),
+    (["--unit-ms", "nan"], "--unit-ms must be >= 0, not nan"),  # the rules beside the option
+    (["--unit-ms", "inf"], "--unit-ms must be <= 1000, not inf"),
+    (["--unit-ms", "-1"], "--unit-ms must be >= 0, not -1.0"),
+    (["--unit-ms", "1e9"], "--unit-ms must be <= 1000, not 1000000000.0"),
 ])
 def test_options_that_would_fail_late_are_refused_before_any_rank_starts(monkeypatch, capsys, tmp_path,
                                                                          options, message):
