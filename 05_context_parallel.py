@@ -15,9 +15,8 @@ loss) and runs on the local shard; RoPE too, if each rank rotates its tokens by 
 positions (the reference GPT takes them explicitly). Attention needs every query to see every
 (earlier) key: that is what this lesson distributes, in two designs.
 
-THE MERGE RULE. Split a query row's keys into blocks A and B: each alone gives a normalised
-partial output o_A and its log-sum-exp l_A = log sum_j exp(s_j) (lesson 07's kernel returns both).
-The whole row is
+THE MERGE RULE. Split a query row's keys into blocks A and B: each alone gives a normalised partial
+output o_A and its log-sum-exp l_A = log sum_j exp(s_j) (lesson 07's kernel returns both). The row is
     o = (e^l_A o_A + e^l_B o_B) / (e^l_A + e^l_B) = sigmoid(l_A - l_B) o_A + sigmoid(l_B - l_A) o_B
     l = log(e^l_A + e^l_B)                       = l_A - logsigmoid(l_A - l_B)
 which never overflows (sigmoid and logsigmoid are stable for any difference): lesson 07's
@@ -39,7 +38,6 @@ late): every rank computes 2P+1 chunk pairs, 2 of them diagonal, the same work.
 
 ULYSSES (DeepSpeed). All-to-alls turn the q, k, v sequence shards into head shards: each rank holds
 all S tokens of H / P heads and runs ordinary attention; a fourth all-to-all turns the output back.
-It needs H divisible by P and moves a constant amount per rank whatever P is.
 
 GROUPED-QUERY ATTENTION (Llama 3: g query heads share each of the H_kv = H / g K/V heads). K and V keep
 their H_kv heads everywhere: the ring circulates them and their dK/dV accumulators, g times fewer bytes
@@ -183,14 +181,14 @@ TORCH_BLOCK = BlockAttention("torch", torch_block_forward, torch_block_backward)
 
 @dataclass
 class BlockWork:
-    """What one rank's ring computed: block calls, query x key score entries, seconds in them."""
+    """What one rank's ring computed: block calls, query x key score entries, seconds in them (on a CPU
+    the thread's CPU time, all the compute with one torch thread per rank: wall time would charge ranks
+    sharing cores for each other's work)."""
     blocks: int = 0
     scores: int = 0
     seconds: float = 0.0
 
     def timed(self, fn: Callable, q: torch.Tensor, k: torch.Tensor, *args):
-        # On a CPU the thread's CPU time, not wall time, which would charge ranks sharing cores for
-        # each other's work; it is all the compute with one torch thread per rank (torchrun, launch).
         clock = time.perf_counter if q.is_cuda else time.thread_time
         start = clock()
         result = fn(q, k, *args)
@@ -513,9 +511,8 @@ def attention_inputs(batch: int, heads: int, seq_len: int, head_dim: int, seed: 
 
 
 def sharded_attention(batch: int, heads: int, seq_len: int, head_dim: int, *, method: str, zigzag: bool,
-                      causal: bool, block: BlockAttention = TORCH_BLOCK, seed: int = 0,
-                      dtype: torch.dtype = torch.float32, group=None, device=None,
-                      kv_heads: int | None = None):
+                      causal: bool, block: BlockAttention = TORCH_BLOCK, seed: int = 0, dtype=torch.float32,
+                      group=None, device=None, kv_heads: int | None = None):
     """On every rank: [out, lse, dq, dk, dv] of this rank's shard under the loss
     sum(out dout) + sum(lse dlse), the meter of that forward + backward, and the ring's work."""
     cp, rank = foundation.group_size(group), dist.get_rank(group)
