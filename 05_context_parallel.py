@@ -421,9 +421,8 @@ class ContextParallelAttention:
 
 def attention_bytes(method: str, q_elems: int, kv_elems: int, cp: int, elem_bytes: int = 4,
                     with_lse_elems: int = 0) -> dict[str, Fraction]:
-    """The formula: bytes one rank sends per attention call, forward and backward, for a shard of
-    q_elems elements of q (and of its output) and kv_elems of each of k and v (fewer than q_elems
-    with grouped-query attention); with_lse_elems: Ulysses also returns the lse."""
+    """COST's formula: bytes one rank sends per attention call, forward and backward, for a shard of q_elems
+    elements of q (and of out) and kv_elems of each of k and v; with_lse_elems: Ulysses returns the lse."""
     a, a_kv = q_elems * elem_bytes, kv_elems * elem_bytes
     if method == "ring":
         return dict(forward=Fraction(2 * (cp - 1) * a_kv),
