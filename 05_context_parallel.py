@@ -1,14 +1,22 @@
 """Lesson 05: context parallelism: ring attention, zigzag load balancing, Ulysses.
 
+The sections, in order:
+  Merging partial attention: merge_partials (THE MERGE RULE); naive_attention (what all must compute);
+    the torch block, torch_block_forward and torch_block_backward; BlockAttention
+  Sharding the sequence: SequenceLayout (contiguous or zigzag: LOAD BALANCE), validate_context_parallel
+  Ring attention: _block_pairs (the causal skip), _kv_ring, RingAttention (THE BACKWARD RING too)
+  Ulysses: relayout (the all-to-alls), ulysses_attention; ContextParallelAttention; attention_bytes (COST)
+  The whole model under context parallelism: train_context_parallel (THE MODEL)
+  Demo: sharded_attention, demo; the command line: Options, main
+
 THE IDEA. A long sequence does not fit one device's activation memory, so each of the P ranks of a
 cp group holds S / P of its tokens. Everything but attention is per token (embedding, norms, MLP,
 loss) and runs on the local shard; RoPE too, if each rank rotates its tokens by their *global*
 positions (the reference GPT takes them explicitly). Attention needs every query to see every
 (earlier) key: that is what this lesson distributes, in two designs.
 
-THE MERGE RULE. Split a query row's keys into blocks A and B: each alone gives a normalised
-partial output o_A and its log-sum-exp l_A = log sum_j exp(s_j) (lesson 07's kernel returns both).
-The whole row is
+THE MERGE RULE. Split a query row's keys into blocks A and B: each alone gives a normalised partial
+output o_A and its log-sum-exp l_A = log sum_j exp(s_j) (lesson 07's kernel returns both). The row is
     o = (e^l_A o_A + e^l_B o_B) / (e^l_A + e^l_B) = sigmoid(l_A - l_B) o_A + sigmoid(l_B - l_A) o_B
     l = log(e^l_A + e^l_B)                       = l_A - logsigmoid(l_A - l_B)
 which never overflows (sigmoid and logsigmoid are stable for any difference): lesson 07's
@@ -30,14 +38,12 @@ late): every rank computes 2P+1 chunk pairs, 2 of them diagonal, the same work.
 
 ULYSSES (DeepSpeed). All-to-alls turn the q, k, v sequence shards into head shards: each rank holds
 all S tokens of H / P heads and runs ordinary attention; a fourth all-to-all turns the output back.
-It needs H divisible by P and moves a constant amount per rank whatever P is.
 
-GROUPED-QUERY ATTENTION (Llama 3: g query heads share each of the H_kv = H / g K/V heads). K and V
-keep their H_kv heads everywhere: the ring circulates them and their dK/dV accumulators, g times
-fewer bytes than K/V repeated to the query heads (a Llama-3-8B layer, 32 query / 8 K/V heads: 4x);
-a block computes each K/V head against its g query heads and sums their dK/dV. Ulysses gives rank j
-the query heads [j H/P, (j+1) H/P) and the K/V heads they read, [j H_kv/P, (j+1) H_kv/P): P must
-divide both head counts.
+GROUPED-QUERY ATTENTION (Llama 3: g query heads share each of the H_kv = H / g K/V heads). K and V keep
+their H_kv heads everywhere: the ring circulates them and their dK/dV accumulators, g times fewer bytes
+than K/V repeated to the query heads (a Llama-3-8B layer, 32 query / 8 K/V heads: 4x); a block computes
+each K/V head against its g query heads and sums their dK/dV. Ulysses gives rank j the query heads
+[j H/P, (j+1) H/P) and the K/V heads they read, [j H_kv/P, (j+1) H_kv/P): P must divide both counts.
 
 COST per attention call, one rank, shards of S/P tokens: A = b x H x S/P x d elements of q (e bytes
 each), A_kv = b x H_kv x S/P x d of k or of v:
@@ -58,9 +64,9 @@ delivered every dK/dV to its owner, each rank's gradients of the replicated weig
 the global gradient, so they are summed over the cp group. Dividing by P twice (shares, then a mean
 over ranks) halves the loss at cp = 2; local means with summed gradients double the gradients.
 
-RUN IT: python 05_context_parallel.py [--nproc 4]. Look at the max differences against full
-attention and the single-device model, zigzag's per-rank work beside contiguous's, and the bytes
-moved per layer beside the formulas.
+RUN IT: python 05_context_parallel.py [--nproc 4]. Look at the max differences against full attention
+and the single-device model, zigzag's per-rank work beside contiguous's, and the bytes moved per layer
+beside the formulas.
 """
 from __future__ import annotations
 
@@ -98,10 +104,9 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     sm_scale: float | None = None, q_offset: int = 0, k_offset: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full attention the O(N^2)-memory way, with the blocks' contract: (out, lse), out = 0 and
-    lse = -inf (and finite gradients) for rows that see no key, positions at q_offset.. and k_offset..
-    What the ring and Ulysses must compute (and lesson 07's kernels): it repeats grouped K/V heads
-    to the query heads, so autograd sums dK, dV over each group."""
+    """Full attention the O(N^2)-memory way, with the blocks' contract: (out, lse), out = 0 and lse =
+    -inf (and finite gradients) for rows that see no key, positions at q_offset.. and k_offset.. What
+    the ring, Ulysses and 07's kernels must compute; autograd sums dK, dV over each grouped K/V head."""
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     rows = q_offset + torch.arange(q.shape[2], device=q.device)
@@ -116,10 +121,9 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 
 def grouped_scores(q, k, q_offset: int, k_offset: int, causal: bool) -> torch.Tensor:
-    """scale q k^T in fp32, -inf where masked, as (batch, kv_heads, g, seq_q, seq_k): grouped-query
-    attention's g query heads of a K/V head are one more dimension, K broadcast over it (no copy).
-    The block's forward and backward both call this, so their scores are the same bits: at scores
-    of size 1000 one rounding apart (1e-4) would already move P by 1e-4 of itself."""
+    """scale q k^T in fp32, -inf where masked, as (batch, kv_heads, g, seq_q, seq_k): a K/V head's g query
+    heads are one more dimension, K broadcast over it (no copy). Forward and backward both call this, so
+    their scores are the same bits: at scores of 1000, one rounding apart (1e-4) moves P by 1e-4 of itself."""
     kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
     q, k = q.float().unflatten(1, (kv_heads, group)), k.float()[:, :, None]
     scores = q.shape[-1] ** -0.5 * q @ k.transpose(-2, -1)
@@ -131,10 +135,9 @@ def grouped_scores(q, k, q_offset: int, k_offset: int, causal: bool) -> torch.Te
 
 
 def torch_block_forward(q, k, v, q_offset: int, k_offset: int, causal: bool):
-    """(out fp32, lse float64) of queries at q_offset.. against keys at k_offset.., differentiable.
-    The softmax subtracts each row's max (exp(s - max) / sum, as PyTorch's attention does), never a
-    large lse: an fp32 lse of size L is only known to ulp(L) (5e-4 at L = 5000), and P = exp(s - lse)
-    would carry that error. The lse = max + log(sum) is kept in float64 for the same reason."""
+    """(out fp32, lse float64) of queries at q_offset.. against keys at k_offset.., differentiable. The
+    softmax subtracts each row's max (exp(s - max) / sum, as PyTorch's does), never a large lse: an fp32
+    lse of size L is known to ulp(L) (5e-4 at L = 5000), which P = exp(s - lse) would carry; so float64."""
     scores = grouped_scores(q, k, q_offset, k_offset, causal)
     top = scores.amax(-1, keepdim=True).detach()  # out and lse do not depend on it: no gradient
     top = torch.where(top == float("-inf"), 0.0, top)  # a row that sees no key: out 0, lse -inf
@@ -146,9 +149,8 @@ def torch_block_forward(q, k, v, q_offset: int, k_offset: int, causal: bool):
 
 
 def torch_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
-    """dq, dk, dv of one block given the *global* out and lse (lesson 07's backward, in torch):
-    P = exp(s - lse) is already the full softmax restricted to this block's keys. s - lse is taken
-    in float64 (the ring's lse is float64: see torch_block_forward); dK, dV sum over each group."""
+    """dq, dk, dv of one block from the *global* out and lse (THE BACKWARD RING; 07's backward in
+    torch). s - lse in float64 (the ring's lse is: see torch_block_forward); dK, dV sum each group."""
     kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
     scores = grouped_scores(q, k, q_offset, k_offset, causal)
     q, out, dout = (t.float().unflatten(1, (kv_heads, group)) for t in (q, out, dout))
@@ -161,9 +163,8 @@ def torch_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset:
         delta = delta - dlse.unflatten(1, (kv_heads, group))
     dscores = probs * (dout @ v.transpose(-2, -1) - delta[..., None])
     scale = q.shape[-1] ** -0.5
-    dq = scale * dscores @ k
     dk, dv = scale * dscores.transpose(-2, -1) @ q, probs.transpose(-2, -1) @ dout
-    return dq.flatten(1, 2), dk.sum(2), dv.sum(2)
+    return (scale * dscores @ k).flatten(1, 2), dk.sum(2), dv.sum(2)
 
 
 @dataclass(frozen=True)
@@ -180,14 +181,14 @@ TORCH_BLOCK = BlockAttention("torch", torch_block_forward, torch_block_backward)
 
 @dataclass
 class BlockWork:
-    """What one rank's ring computed: block calls, query x key score entries, seconds in them."""
+    """What one rank's ring computed: block calls, query x key score entries, seconds in them (on a CPU
+    the thread's CPU time, all the compute with one torch thread per rank: wall time would charge ranks
+    sharing cores for each other's work)."""
     blocks: int = 0
     scores: int = 0
     seconds: float = 0.0
 
     def timed(self, fn: Callable, q: torch.Tensor, k: torch.Tensor, *args):
-        # On a CPU the thread's CPU time, not wall time, which would charge ranks sharing cores for
-        # each other's work; it is all the compute with one torch thread per rank (torchrun, launch).
         clock = time.perf_counter if q.is_cuda else time.thread_time
         start = clock()
         result = fn(q, k, *args)
@@ -253,8 +254,7 @@ def validate_context_parallel(seq_len: int, n_heads: int, cp: int, method: str, 
         for name, heads in (("n_heads", n_heads), ("n_kv_heads", kv_heads)):
             if heads % cp:
                 raise ValueError(f"{name}={heads} is not divisible by cp={cp} (Ulysses gives each rank "
-                                 f"n_heads / cp whole query heads and the n_kv_heads / cp K/V heads "
-                                 f"they read)")
+                                 f"n_heads / cp whole query heads and the n_kv_heads / cp they read)")
     return layout
 
 
@@ -269,8 +269,8 @@ def local_layout(q: torch.Tensor, k: torch.Tensor, group, zigzag: bool,
 
 
 def _block_pairs(layout: SequenceLayout, me: int, owner: int, causal: bool):
-    """(index of my query chunk, index of the owner's key chunk, offsets, masked) to compute; a
-    pair whose keys all lie in the queries' future is skipped, only the diagonal is masked."""
+    """(my query chunk's rows, the owner's key chunk's columns, their offsets, masked) of each pair of
+    chunks to compute: the causal skip (RING ATTENTION above)."""
     n = layout.chunk_len
     for i, qc in enumerate(layout.chunks(me)):
         for j, kc in enumerate(layout.chunks(owner)):
@@ -310,8 +310,7 @@ class RingAttention(torch.autograd.Function):
         me = dist.get_rank(group)
         compute = work.timed if work is not None else (lambda fn, *args: fn(*args))
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        # float64: merged over P blocks, an fp32 lse of size L drifts by ulp(L) a merge, and the
-        # backward's P = exp(s - lse) by as much (see torch_block_forward)
+        # float64: an fp32 lse of size L drifts by ulp(L) a merge, and P = exp(s - lse) with it
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64, device=q.device)
         for owner, kv in _kv_ring(k, v, group, me, layout.cp):
             for rows, cols, q_off, k_off, masked in _block_pairs(layout, me, owner, causal):
@@ -365,37 +364,31 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
 # Ulysses: all-to-all from sequence shards to head shards and back -------------------------------
 
 
-def seq_to_heads(x: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
-    """(batch, heads, S / P, ...) sequence shard -> (batch, heads / P, S, ...) head shard (q's heads,
-    or K/V's: rank j gets query heads [j H/P, (j+1) H/P) and the K/V heads they read)."""
+def relayout(x: torch.Tensor, group, layout: SequenceLayout, to_heads: bool) -> torch.Tensor:
+    """to_heads: (batch, heads, S / P, ...) sequence shard -> (batch, heads / P, S, ...) head shard (ULYSSES
+    and GROUPED-QUERY ATTENTION above: which heads rank j gets); else the way back."""
     cp = layout.cp
-    send = x.unflatten(1, (cp, x.shape[1] // cp)).movedim(1, 0).contiguous()  # row j: heads of rank j
+    if to_heads:  # row j: my tokens of rank j's heads
+        send = x.unflatten(1, (cp, x.shape[1] // cp)).movedim(1, 0).contiguous()
+    else:  # row j: rank j's tokens of my heads
+        send = torch.stack([layout.shard(x, rank, dim=2) for rank in range(cp)]).contiguous()
     received = torch.empty_like(send)
     foundation.all_to_all(received, send, group=group)
-    return layout.unshard(list(received.unbind(0)), dim=2)  # row i: rank i's tokens of my heads
-
-
-def heads_to_seq(x: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
-    """The inverse: (batch, heads / P, S, ...) -> (batch, heads, S / P, ...)."""
-    send = torch.stack([layout.shard(x, rank, dim=2) for rank in range(layout.cp)]).contiguous()
-    received = torch.empty_like(send)
-    foundation.all_to_all(received, send, group=group)
-    return received.movedim(0, 1).flatten(1, 2)
+    return layout.unshard(list(received.unbind(0)), 2) if to_heads else received.movedim(0, 1).flatten(1, 2)
 
 
 class _Relayout(torch.autograd.Function):
-    """seq_to_heads (to_heads) or heads_to_seq; the gradient goes back the other way."""
+    """relayout, whose gradient goes back the other way."""
 
     @staticmethod
     def forward(ctx, x, group, layout: SequenceLayout, to_heads: bool):
         ctx.args = (group, layout, to_heads)
-        return (seq_to_heads if to_heads else heads_to_seq)(x, group, layout)
+        return relayout(x, group, layout, to_heads)
 
     @staticmethod
     def backward(ctx, grad):
         group, layout, to_heads = ctx.args
-        back = heads_to_seq if to_heads else seq_to_heads
-        return back(grad.contiguous(), group, layout), None, None, None
+        return relayout(grad.contiguous(), group, layout, not to_heads), None, None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, zigzag: bool = True,
@@ -428,22 +421,19 @@ class ContextParallelAttention:
 
 def attention_bytes(method: str, q_elems: int, kv_elems: int, cp: int, elem_bytes: int = 4,
                     with_lse_elems: int = 0) -> dict[str, Fraction]:
-    """The formula: bytes one rank sends per attention call, forward and backward, for a shard of
-    q_elems elements of q (and of its output) and kv_elems of each of k and v (fewer than q_elems
-    with grouped-query attention); with_lse_elems: Ulysses also returns the lse."""
+    """COST's formula: bytes one rank sends per attention call, forward and backward, for a shard of q_elems
+    elements of q (and of out) and kv_elems of each of k and v; with_lse_elems: Ulysses returns the lse."""
     a, a_kv = q_elems * elem_bytes, kv_elems * elem_bytes
     if method == "ring":
         return dict(forward=Fraction(2 * (cp - 1) * a_kv),
                     backward=Fraction(2 * (cp - 1) * a_kv + 2 * (cp - 1) * kv_elems * 4))
-    per_call = Fraction(cp - 1, cp)
-    lse = per_call * with_lse_elems * 4
-    return dict(forward=per_call * (2 * a + 2 * a_kv) + lse, backward=per_call * (2 * a + 2 * a_kv) + lse)
+    per_pass = Fraction(cp - 1, cp) * (2 * a + 2 * a_kv + 4 * with_lse_elems)  # the lse: fp32
+    return dict(forward=per_pass, backward=per_pass)
 
 
 def ring_saved_bytes(q_elems: int, lse_elems: int) -> int:
-    """What RingAttention keeps for backward beyond its inputs q, k, v: the merged output in fp32 (q's
-    elements) and the log-sum-exp in float64 (one per query head and token). Lesson 03's activation
-    formula takes it as the attention function's own (attention_saves)."""
+    """What RingAttention keeps for backward beyond q, k, v: the merged output in fp32 (q's elements) and
+    the lse in float64 (one per query head and token); 03's activation formula takes it (attention_saves)."""
     return 4 * q_elems + 8 * lse_elems
 
 
@@ -509,9 +499,8 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def attention_inputs(batch: int, heads: int, seq_len: int, head_dim: int, seed: int,
                      dtype: torch.dtype = torch.float32, device=None,
                      kv_heads: int | None = None) -> list[torch.Tensor]:
-    """q, k, v, dout and dlse: the whole sequence, identical on every rank (drawn on the CPU from
-    the seed). q and dout are (batch, heads, seq, head_dim), k and v (batch, kv_heads, seq,
-    head_dim) (kv_heads None: heads), dlse (batch, heads, seq)."""
+    """q, k, v, dout, dlse: the whole sequence, the same on every rank (drawn on the CPU from the seed);
+    k and v have kv_heads heads (None: heads), dlse is (batch, heads, seq)."""
     gen = torch.Generator().manual_seed(seed)
     q_shape = (batch, heads, seq_len, head_dim)
     kv_shape = (batch, heads if kv_heads is None else kv_heads, seq_len, head_dim)
@@ -521,9 +510,8 @@ def attention_inputs(batch: int, heads: int, seq_len: int, head_dim: int, seed: 
 
 
 def sharded_attention(batch: int, heads: int, seq_len: int, head_dim: int, *, method: str, zigzag: bool,
-                      causal: bool, block: BlockAttention = TORCH_BLOCK, seed: int = 0,
-                      dtype: torch.dtype = torch.float32, group=None, device=None,
-                      kv_heads: int | None = None):
+                      causal: bool, block: BlockAttention = TORCH_BLOCK, seed: int = 0, dtype=torch.float32,
+                      group=None, device=None, kv_heads: int | None = None):
     """On every rank: [out, lse, dq, dk, dv] of this rank's shard under the loss
     sum(out dout) + sum(lse dlse), the meter of that forward + backward, and the ring's work."""
     cp, rank = foundation.group_size(group), dist.get_rank(group)
@@ -537,13 +525,6 @@ def sharded_attention(batch: int, heads: int, seq_len: int, head_dim: int, *, me
     with foundation.comm_meter() as meter:
         results = outputs_and_grads(attend[method], *shards)
     return [t.detach() for t in results], meter, work
-
-
-def _gather_rows(values: list[float], device) -> list[list[float]]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    out = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)
-    foundation.all_gather(out, t)
-    return out.view(dist.get_world_size(), -1).tolist()
 
 
 def demo(args: argparse.Namespace) -> None:
@@ -562,19 +543,18 @@ def demo(args: argparse.Namespace) -> None:
     say(f"  {'':<20}" + "".join(f"{n:>10}" for n in ("out", "lse", "dq", "dk", "dv")))
     inputs = attention_inputs(b, h, s, d, seed=0, dtype=torch.float64, device=device, kv_heads=kv)
     reference = outputs_and_grads(lambda q, k, v: naive_attention(q, k, v, True), *inputs)
+    a, a_kv, lse = b * h * s // cp * d, b * kv * s // cp * d, b * h * s // cp  # one shard's elements
     byte_rows = []
     for name, method, zigzag in variants:
         got, meter, _ = sharded_attention(b, h, s, d, method=method, zigzag=zigzag, causal=True,
                                           device=device, kv_heads=kv)
         layout = SequenceLayout(s, cp, zigzag)
         diffs = [max_diff(g, layout.shard(r, rank, dim=2)) for g, r in zip(got, reference, strict=True)]
-        say(f"  {name:<20}" + "".join(f"{max(col):>10.1e}" for col in zip(*_gather_rows(diffs, device))))
-        formula = attention_bytes(method, b * h * s // cp * d, b * kv * s // cp * d, cp,
-                                  with_lse_elems=b * h * s // cp)
+        say(f"  {name:<20}" + "".join(f"{max(col):>10.1e}" for col in zip(*foundation.all_ranks(diffs))))
         _, repeated, _ = sharded_attention(b, h, s, d, method=method, zigzag=zigzag, causal=True,
                                            device=device)  # K/V repeated to h heads
-        byte_rows.append((name, meter.traffic(COMM_OP[method]), sum(formula.values()),
-                          repeated.traffic(COMM_OP[method])))
+        byte_rows.append((name, *(float(m.traffic(COMM_OP[method])) for m in (meter, repeated)),
+                          float(sum(attention_bytes(method, a, a_kv, cp, with_lse_elems=lse).values()))))
 
     say(f"\nper-rank work of causal ring attention, forward + backward (seq {args.work_seq_len}, "
         f"{h} heads, head dim {d}): block calls / query x key scores / seconds computing (CPU time on a CPU)")
@@ -582,20 +562,20 @@ def demo(args: argparse.Namespace) -> None:
         for _ in range(2):  # the first run warms up (allocator, kernel compilation): time the second
             _, _, work = sharded_attention(1, h, args.work_seq_len, d, method="ring", zigzag=zigzag,
                                            causal=True, device=device, kv_heads=kv)
-        rows = _gather_rows([work.blocks, work.scores, work.seconds], device)
-        say(f"  {name:<11}" + "  ".join(f"r{r}: {int(bl):>2} / {int(sc):>8,} / {sec:.3f}s"
+        rows = foundation.all_ranks([work.blocks, work.scores, work.seconds])
+        say(f"  {name:<11}" + "  ".join(f"r{r}: {bl:>2} / {sc:>8,} / {sec:.3f}s"
                                         for r, (bl, sc, sec) in enumerate(rows)))
         imbalance = [max(col) / (sum(col) / cp) for col in list(zip(*rows))[1:]]
         say(f"  {'':<11}slowest / mean: scores {imbalance[0]:.2f}, seconds {imbalance[1]:.2f}")
 
     say(f"\nbytes one rank sends per attention call, forward + backward (fp32, with the lse), {kv} K/V "
         f"heads; last column: the same call with K/V repeated to all {h} heads:")
-    for name, measured, formula, repeated in byte_rows:
-        say(f"  {name:<20}{float(measured):>12,.0f} B   formula {float(formula):>12,.0f} B   "
-            f"repeated K/V {float(repeated):>12,.0f} B")
+    for name, measured, repeated, formula in byte_rows:
+        say(f"  {name:<20}{measured:>12,.0f} B   formula {formula:>12,.0f} B   "
+            f"repeated K/V {repeated:>12,.0f} B")
     say(f"  ring: 2(P-1) A_kv forward + 4(P-1) A_kv backward; Ulysses: 2(P-1)/P (A + A_kv) + (P-1)/P L per "
-        f"pass;\n  A = one shard of q = {b * h * s // cp * d * 4:,} B, A_kv of k = "
-        f"{b * kv * s // cp * d * 4:,} B, L of the lse = {b * h * s // cp * 4:,} B")
+        f"pass;\n  A = one shard of q = {a * 4:,} B, A_kv of k = {a_kv * 4:,} B, "
+        f"L of the lse = {lse * 4:,} B")
 
     cfg = foundation.ModelConfig(n_heads=h, n_kv_heads=kv, seed=1)
     say(f"\nthe whole GPT ({cfg.n_layers} layers, {h} query / {kv} K/V heads), batch {args.global_batch} x "
@@ -620,18 +600,19 @@ def demo(args: argparse.Namespace) -> None:
     foundation.exit_distributed()
 
 
+@dataclass
+class Options:
+    seq_len: int = foundation.option(64, "tokens of the sharded sequence (divisible by 2 x ranks)", ">= 1")
+    heads: int = foundation.option(8, "query heads", ">= 1")
+    kv_heads: int = foundation.option(4, "key/value heads (grouped-query attention)", ">= 1")
+    head_dim: int = foundation.option(16, "size of each head", ">= 1")
+    work_seq_len: int = foundation.option(2048, "sequence of the work comparison", ">= 1")
+    global_batch: int = foundation.option(2, "sequences per step of the GPT runs", ">= 1")
+    steps: int = foundation.option(3, "AdamW steps of the GPT runs and of the reference", ">= 1")
+
+
 def main() -> None:
-    parser = foundation.lesson_parser(__doc__)
-    parser.add_argument("--seq-len", type=int, default=64,
-                        help="tokens of the sharded sequence (divisible by 2 x ranks)")
-    parser.add_argument("--heads", type=int, default=8, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=4, help="key/value heads (grouped-query attention)")
-    parser.add_argument("--head-dim", type=int, default=16, help="size of each head")
-    parser.add_argument("--work-seq-len", type=int, default=2048, help="sequence of the work comparison")
-    parser.add_argument("--global-batch", type=int, default=2, help="sequences per step of the GPT runs")
-    parser.add_argument("--steps", type=int, default=3,
-                        help="AdamW steps of the GPT runs and of the reference")
-    args = parser.parse_args()
+    parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks))
 
     def validate(cp: int) -> None:
         for seq_len in (args.seq_len, args.work_seq_len):
@@ -642,8 +623,7 @@ def main() -> None:
         foundation.check_memory(f"--seq-len {args.seq_len}, --work-seq-len {args.work_seq_len}", cfg,
                                 args.global_batch, args.seq_len, cp, scores)
 
-    foundation.launch_lesson(parser, args, demo, ("seq_len", "heads", "kv_heads", "head_dim", "work_seq_len",
-                                                  "global_batch", "steps"), validate)
+    foundation.launch_lesson(parser, args, demo, validate)
 
 
 if __name__ == "__main__":

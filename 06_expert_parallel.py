@@ -1,15 +1,19 @@
 """Lesson 06: mixture of experts (MoE), and expert parallelism over all-to-all.
 
-THE IDEA
-An MoE layer replaces a block's MLP by E small MLPs ("experts") and a router. Each token goes to
-only k of them: parameters grow E-fold, compute per token k-fold. The router maps a token to E
-logits, softmax -> probabilities p (T, E); the token's top-k experts' outputs are mixed with their
-probabilities renormalised to sum to 1 (k = 1 keeps the raw p, as Switch does: a weight of 1
-would cut the router off from the loss).
+The sections, in order (MoEConfig first: top-k, CAPACITY and BALANCE's knobs):
+  Dispatch: AllToAll (autograd reverses it), kept_per_source (CAPACITY), plan_dispatch, dispatch, combine
+  The MoE layer: MoE (route, forward with the aux loss, update_selection_bias: BALANCE), convert_to_moe
+  Expert parallelism: apply_expert_parallel, sync_gradients, all_to_all_traffic (COST); train_moe
+  Demo and benchmark: demo, all_gather_moe_forward (the other dispatcher), bench; Options, main
 
-BALANCE
-Left alone, the load drifts apart (a large model's router can collapse onto a few experts), and an
-overloaded expert drops tokens or, dropless, makes its rank the straggler. Two remedies:
+THE IDEA. An MoE layer replaces a block's MLP by E small MLPs ("experts") and a router. Each token goes
+to only k of them: parameters grow E-fold, compute per token k-fold. The router maps a token to E
+logits, softmax -> probabilities p (T, E); the token's top-k experts' outputs are mixed with their
+probabilities renormalised to sum to 1 (k = 1 keeps the raw p, as Switch does: a weight of 1 would
+cut the router off from the loss).
+
+BALANCE. Left alone, the load drifts apart (a large model's router can collapse onto a few experts),
+and an overloaded expert drops tokens or, dropless, makes its rank the straggler. Two remedies:
 - the Switch/GShard auxiliary loss  aux = E x sum_i f_i P_i,  f_i = the fraction of assignments
   to expert i (counted, no gradient), P_i = its mean router probability (differentiable). It is 1
   when f or P is uniform and grows when both concentrate on the same experts; its gradient lowers
@@ -18,16 +22,14 @@ overloaded expert drops tokens or, dropless, makes its rank the straggler. Two r
   CHOOSE the top-k, never to weight the outputs; after each step b_i += rate x sign(mean load -
   load_i), so under-loaded experts become easier to pick. The gradient never sees it.
 
-CAPACITY
-With a capacity factor c, expert i takes at most C = ceil(c x T x k / E) of the step's T x k
-assignments, T counting every token of the expert-parallel group. Assignments queue in global
-token order (rank 0's first, as rows of the global batch); those past C are dropped: the slot adds
-0 and the token flows on through the block's residual. So expert parallelism drops exactly the
-tokens one device would. capacity_factor=None is dropless.
+CAPACITY. With a capacity factor c, expert i takes at most C = ceil(c x T x k / E) of the step's T x k
+assignments, T counting every token of the expert-parallel group. Assignments queue in global token
+order (rank 0's first, as rows of the global batch); those past C are dropped: the slot adds 0 and the
+token flows on through the block's residual. So expert parallelism drops exactly the tokens one device
+would. capacity_factor=None is dropless.
 
-EXPERT PARALLELISM
-Each of the ep ranks of a group holds E/ep experts and its own slice of the batch (the group
-doubles as a data-parallel group: ep borrows ranks from dp x cp). A forward
+EXPERT PARALLELISM. Each of the ep ranks of a group holds E/ep experts and its own slice of the batch
+(the group doubles as a data-parallel group: ep borrows ranks from dp x cp). A forward
   1. routes locally and all-gathers the (ep, E) matrix of assignment counts: every rank then knows
      its queue positions, what it will receive from whom and the global load, with no further
      collective (Megatron's dispatcher gathers counts the same way);
@@ -40,20 +42,18 @@ expert's gradient already arrives summed over the group's tokens through the bac
 so it is only divided by ep. All-reducing it too, or forgetting the division, is the "gradients
 doubled at EP=2" bug; the tests compare every gradient with one device.
 
-COST (per MoE layer, per rank, element size s, model dim D)
-dispatch all-to-all: (assignments this rank sends to other ranks' experts) x D x s; the combine
-sends back what it received. Uniform routing and no drops make that T_rank x k x (ep-1)/ep x D x s
-each way, and as much again in backward. An all-gather dispatcher (every rank gathers all tokens,
-keeps its experts' share, reduce-scatters the results) moves (ep-1) x T_rank x D x s each way:
-ep / k times more.
+COST (per MoE layer, per rank, element size s, model dim D). The dispatch all-to-all: (assignments
+this rank sends to other ranks' experts) x D x s; the combine sends back what it received. Uniform
+routing and no drops make that T_rank x k x (ep-1)/ep x D x s each way, and as much again in backward.
+An all-gather dispatcher (every rank gathers all tokens, keeps its experts' share, reduce-scatters the
+results) moves (ep-1) x T_rank x D x s each way: ep / k times more.
 
 RUN IT
     python 06_expert_parallel.py                       # 4 local CPU ranks
     torchrun --nproc_per_node=4 06_expert_parallel.py
     python 06_expert_parallel.py --bench               # all-to-all vs all-gather dispatcher
-Look at: max |difference| from one device (rounding only); the imbalance max/mean tokens per
-expert and the dropped tokens under the aux loss, the selection bias and neither; all-to-all bytes
-beside the formula.
+Look at: max |difference| from one device (rounding only); the imbalance max/mean tokens per expert
+and the dropped tokens under the aux loss, the selection bias and neither; all-to-all bytes = formula.
 """
 from __future__ import annotations
 
@@ -92,14 +92,11 @@ class MoEConfig:
                              f"(or None: dropless, --dropless on the command line)")
 
 
-# ----------------------------------------------------------------------------------------------
-# Dispatch: capacity, the plan of which rows go where, and an all-to-all autograd can reverse
-# ----------------------------------------------------------------------------------------------
+# --- Dispatch: capacity, the plan of which rows go where, and an all-to-all autograd can reverse ---
 
 
 class AllToAll(torch.autograd.Function):
-    """Rows input_splits[j] go to rank j; backward is the reverse all-to-all, which sends the
-    gradient rows back where they came from."""
+    """Rows input_splits[j] go to rank j; backward, the reverse all-to-all, sends gradient rows back."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group):
@@ -170,16 +167,13 @@ def combine(y: torch.Tensor, plan: DispatchPlan, n_tokens: int) -> torch.Tensor:
     return slots.view(n_tokens, plan.top_k, y.shape[-1])
 
 
-# ----------------------------------------------------------------------------------------------
-# The MoE layer
-# ----------------------------------------------------------------------------------------------
+# --- The MoE layer --------------------------------------------------------------------------------
 
 
 class MoE(nn.Module):
-    """Router + E SwiGLU experts, stacked as (E, ...) tensors so that a rank can hold a slice.
-
-    After each forward it records aux_loss (this rank's share: the group mean is the aux loss of
-    the whole batch), load (assignments per expert over the group), dropped, and kept (ep, E)."""
+    """Router + E SwiGLU experts, stacked as (E, ...) tensors so that a rank can hold a slice. After each
+    forward it records aux_loss (this rank's share: the group mean is the whole batch's), load
+    (assignments per expert over the group), dropped, and kept (ep, E)."""
 
     expert_names = ("gate_proj", "up_proj", "down_proj")
 
@@ -190,8 +184,7 @@ class MoE(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         e, f = cfg.n_experts, cfg.expert_ffn_dim
         self.router = nn.Linear(dim, e, bias=False)
-        with torch.no_grad():
-            self.router.weight.copy_(torch.randn(e, dim, generator=gen) * init_std)
+        self.router.weight = nn.Parameter(torch.randn(e, dim, generator=gen) * init_std)
         self.gate_proj = nn.Parameter(torch.randn(e, f, dim, generator=gen) * init_std)
         self.up_proj = nn.Parameter(torch.randn(e, f, dim, generator=gen) * init_std)
         self.down_proj = nn.Parameter(torch.randn(e, dim, f, generator=gen) * init_std
@@ -283,9 +276,7 @@ def convert_to_moe(model: nn.Module, cfg: MoEConfig) -> nn.Module:
     return model
 
 
-# ----------------------------------------------------------------------------------------------
-# Expert parallelism, and training on one device or over a group on the same global batches
-# ----------------------------------------------------------------------------------------------
+# --- Expert parallelism, and training on one device or over a group on the same global batches ----
 
 
 def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
@@ -309,9 +300,8 @@ def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
 
 
 def sync_gradients(model: nn.Module, group=None) -> None:
-    """Each rank's loss is the mean over its own tokens; the model's loss is the mean over ranks.
-    Replicated weights: all-reduce, / ep. Experts: already summed over the group's tokens by the
-    backward all-to-all, so only / ep."""
+    """Each rank's loss is the mean over its own tokens, the model's the mean over ranks. Replicated
+    weights: all-reduce, / ep. Experts: summed over the group's tokens by the backward all-to-all: / ep."""
     ep = foundation.group_size(group)
     experts = {p for layer in moe_layers(model) for p in layer.expert_parameters()}
     for name, param in model.named_parameters():
@@ -325,9 +315,8 @@ def sync_gradients(model: nn.Module, group=None) -> None:
 
 
 def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU copies of name -> tensor (parameters or gradients), expert shards all-gathered over
-    their group into whole tensors: named and shaped like the single-device model's. Every rank
-    must pass the same names."""
+    """CPU copies of name -> tensor (parameters or gradients), expert shards all-gathered over their group:
+    named and shaped like the single-device model's. Every rank must pass the same names."""
     sharded = {id(p): layer for layer in moe_layers(model) if layer.group is not None
                for p in layer.expert_parameters()}
     out = {}
@@ -364,9 +353,8 @@ def train_moe(cfg: "foundation.ModelConfig", moe_cfg: MoEConfig, steps: int, glo
               seq_len: int, *, expert_parallel: bool = False, group=None, lr: float = 1e-3,
               adam_eps: float = 1e-8, device: torch.device | str = "cpu"
               ) -> tuple[MoETrainResult, "foundation.CommMeter"]:
-    """One device on the whole batch, or (expert_parallel) this rank's rows of it with the experts
-    sharded over `group`. Returns the result (gradients and parameters reassembled) and a meter of
-    the training loop's communication."""
+    """One device on the whole batch, or (expert_parallel) this rank's rows of it with the experts sharded
+    over `group` -> the result (gradients, parameters reassembled), a meter of the loop's communication."""
     ep, rank = (foundation.group_size(group), dist.get_rank(group)) if expert_parallel else (1, 0)
     if global_batch % ep:
         raise ValueError(f"global_batch={global_batch} is not divisible by ep={ep}")
@@ -407,9 +395,7 @@ def train_moe(cfg: "foundation.ModelConfig", moe_cfg: MoEConfig, steps: int, glo
     return result, meter
 
 
-# ----------------------------------------------------------------------------------------------
-# Demo and benchmark
-# ----------------------------------------------------------------------------------------------
+# --- Demo and benchmark ---------------------------------------------------------------------------
 
 BALANCING = {"aux loss": dict(aux_loss_coef=0.1, bias_update_rate=0.0),
              "selection bias": dict(aux_loss_coef=0.0, bias_update_rate=0.01),
@@ -419,9 +405,7 @@ BALANCING = {"aux loss": dict(aux_loss_coef=0.1, bias_update_rate=0.0),
 def demo(args: argparse.Namespace) -> None:
     device = foundation.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = foundation.ModelConfig()
-    capacity = None if args.dropless else args.capacity_factor
-    runs = {}
+    cfg, capacity, runs = foundation.ModelConfig(), args.capacity_factor, {}  # capacity None: --dropless
     for name, balancing in BALANCING.items():
         moe_cfg = MoEConfig(args.experts, args.top_k, args.expert_ffn_dim, capacity, **balancing)
         train = dict(cfg=cfg, moe_cfg=moe_cfg, steps=args.steps, global_batch=args.global_batch,
@@ -436,11 +420,9 @@ def demo(args: argparse.Namespace) -> None:
         print(f"{'balancing':<16}{'cross-entropy: first':>21}{'last':>7}{'max |EP - one device|: loss':>30}"
               f"{'step-0 grads':>14}{'params':>10}")
         for name, (moe_cfg, parallel, _, single) in runs.items():
-            entropy = [loss - moe_cfg.aux_loss_coef * sum(aux)
-                       for loss, aux in zip(parallel.losses, parallel.aux)]
+            first, last = (parallel.losses[i] - moe_cfg.aux_loss_coef * sum(parallel.aux[i]) for i in (0, -1))
             loss, grads, params = parallel.max_differences(single)
-            print(f"{name:<16}{entropy[0]:>21.4f}{entropy[-1]:>7.4f}{loss:>30.2e}{grads:>14.2e}"
-                  f"{params:>10.2e}")
+            print(f"{name:<16}{first:>21.4f}{last:>7.4f}{loss:>30.2e}{grads:>14.2e}{params:>10.2e}")
         width = max(1, args.steps // 5)
         windows = slice(0, width), slice(args.steps - width, args.steps)
         print(f"\nFirst -> last {width} steps: imbalance max/mean tokens per expert (layer 0/1), layer 0's "
@@ -512,42 +494,38 @@ def bench(args: argparse.Namespace) -> None:
     if rank == 0:
         diff = (outputs["all-to-all"] - outputs["all-gather"]).abs().max().item()
         print(f"MoE layer forward on {world} ranks ({dist.get_backend()}, {device.type}): dim "
-              f"{args.bench_dim}, {args.experts} experts, top-{args.top_k}, {args.bench_tokens} tokens "
-              f"per rank, median of {args.bench_steps * (args.bench_rounds - 1)} calls; outputs differ by "
+              f"{args.bench_dim}, {args.experts} experts, top-{args.top_k}, {args.bench_tokens} tokens per "
+              f"rank, median of {args.bench_steps * (args.bench_rounds - 1)} calls; outputs differ by "
               f"{diff:.1e}.")
-        for name in dispatchers:
-            print(f"  {name:<11} bytes leaving rank 0 {float(traffic[name]):>14,.0f}   "
-                  f"time {med[name] * 1e3:8.2f} ms")
-        bytes_ratio = float(traffic["all-to-all"] / traffic["all-gather"])
-        print(f"  ratio all-to-all / all-gather: bytes {bytes_ratio:.3f} (k/ep = {args.top_k / world:.3f} "
-              f"without drops, plus the counts), time {med['all-to-all'] / med['all-gather']:.3f}")
+        sent, gathered = (float(traffic[name]) for name in dispatchers)
+        print(f"  bytes leaving rank 0: all-to-all {sent:,.0f}, all-gather {gathered:,.0f}, ratio "
+              f"{sent / gathered:.3f} (k/ep = {args.top_k / world:.3f} without drops, plus the counts)")
+        print(f"  time: {foundation.ratio_line(med)}")
     foundation.exit_distributed()
 
 
+@dataclass
+class Options:
+    steps: int = foundation.option(60, "AdamW steps of each MoE run", ">= 1")
+    global_batch: int = foundation.option(16, "sequences per step, split over the ranks", ">= 1")
+    seq_len: int = foundation.option(32, "tokens per sequence", ">= 1")
+    lr: float = foundation.option(1e-2, "AdamW learning rate", "> 0")
+    experts: int = foundation.option(8, "experts per MoE layer (divisible by the ranks)", ">= 1")
+    top_k: int = foundation.option(2, "experts each token is routed to", ">= 1")
+    expert_ffn_dim: int = foundation.option(64, "hidden size of each expert's SwiGLU", ">= 1")
+    capacity_factor: float = foundation.option(
+        1.25, "an expert takes at most this x its even share of the routed tokens; the rest are dropped",
+        "> 0", off=("--dropless", None, "no capacity limit"))
+    bench: bool = foundation.option(False, "all-to-all vs all-gather dispatcher")
+    bench_tokens: int = foundation.option(2048, "--bench: tokens per rank", ">= 1")
+    bench_dim: int = foundation.option(256, "--bench: model width", ">= 1")
+
+
 def main() -> None:
-    parser = foundation.lesson_parser(__doc__, bench_help="all-to-all vs all-gather dispatcher")
-    parser.add_argument("--steps", type=int, default=60, help="AdamW steps of each MoE run")
-    parser.add_argument("--global-batch", type=int, default=16,
-                        help="sequences per step, split over the ranks")
-    parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
-    parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
-    parser.add_argument("--experts", type=int, default=8,
-                        help="experts per MoE layer (divisible by the ranks)")
-    parser.add_argument("--top-k", type=int, default=2, help="experts each token is routed to")
-    parser.add_argument("--expert-ffn-dim", type=int, default=64, help="hidden size of each expert's SwiGLU")
-    parser.add_argument("--capacity-factor", type=float, default=1.25,
-                        help="an expert takes at most this x its even "
-                        "share of the routed tokens; the rest are dropped")
-    parser.add_argument("--dropless", action="store_true", help="no capacity limit")
-    parser.add_argument("--bench-tokens", type=int, default=2048, help="tokens per rank")
-    parser.add_argument("--bench-dim", type=int, default=256, help="--bench: model width")
-    args = parser.parse_args()
+    parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks, foundation.BenchRounds))
 
     def validate(ep: int) -> None:
-        if not args.lr > 0:  # NaN too: AdamW would refuse it on every rank
-            raise ValueError(f"--lr must be > 0, not {args.lr}")
-        MoEConfig(args.experts, args.top_k, args.expert_ffn_dim,
-                  None if args.dropless else args.capacity_factor)
+        MoEConfig(args.experts, args.top_k, args.expert_ffn_dim, args.capacity_factor)  # top_k, inf
         for name, size in (("n_experts", args.experts), ("global_batch", args.global_batch)):
             if size % ep:
                 raise ValueError(f"{name}={size} is not divisible by ep={ep}")
@@ -555,8 +533,7 @@ def main() -> None:
             foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
                                     foundation.ModelConfig(), args.global_batch, args.seq_len, ep)
 
-    foundation.launch_lesson(parser, args, bench if args.bench else demo,
-                             ("steps", "global_batch", "seq_len", "bench_tokens", "bench_dim"), validate)
+    foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,15 @@
 """Lesson 07: FlashAttention-2 in Triton, forward and backward, that runs on a laptop.
 
+The sections, in order:
+  Kernels: _tile (a head's rows, in any LAYOUT); _key_range, _query_range (CAUSAL: the key blocks a
+    query block visits, and the reverse); _attend (THE RECURRENCE); the autotune tables FWD_GPU,
+    DKDV_GPU, DQ_GPU (THE ON-CHIP BUDGET); _fwd_kernel; THE BACKWARD: _bwd_delta_kernel,
+    _bwd_dkdv_kernel, _bwd_dq_kernel
+  Launchers, registered as operators: _launch_args; flash_attention_forward and flash_attention_backward
+    (AN OPERATOR); flash_attention (GPT's attn_fn), FLASH_BLOCK (05's ring block); ATTENTION_TFLOPS_H100
+    and attention_seconds (what attention costs, for 09's plan)
+  Demo and benchmark: demo, bench; the command line (Options, main)
+
 THE PROBLEM. out = softmax(scale Q K^T) V per (batch, head), for N queries and keys of head dim d.
 Done naively, the N x N scores S and probabilities P are written to GPU memory (HBM) and read back:
 O(N^2) memory (16 heads at N = 16k in bf16: 8 GiB per sequence) and O(N^2) slow traffic.
@@ -68,8 +78,9 @@ statistics and pointers: at most 255. What does not fit spills to local memory, 
 inner loop: the very traffic the kernel exists to avoid. More warps share the tiles; bigger tiles
 need more. Shared memory holds the tiles streamed in, num_stages deep (software pipelining: ~ stages
 x BLOCK_N x d x 2 bytes per 16-bit K or V tile): a block asking for more than the limit cannot
-launch. `--gpu-report` compiles every config for sm_90, no GPU needed, and prints shared memory,
-registers and ptxas's spill bytes; the autotuner times only the spill-free configs that fit.
+launch. The autotuner times only the spill-free configs that fit: tests/test_gpu_compile.py compiles
+every config for sm_90 without a GPU and reads registers and spills with Triton's ptxas (`python -m
+pytest tests/test_gpu_compile.py`, minutes; `python tests/test_gpu_compile.py` prints the table).
 
 AN OPERATOR, SO THAT A COMPILED MODEL KEEPS ONE GRAPH. torch.compile's tracer follows Python and
 records PyTorch operators; it cannot follow a Triton launch (the autotuner's Python, the launcher),
@@ -84,7 +95,7 @@ formula, and all of it traced as the compiler traces it.
 USE: GPT(cfg, attn_fn=flash_attention); FLASH_BLOCK is lesson 05's block attention on these kernels
 (flash_block_attention forward, flash_attention_backward with the ring's global out and lse), which
 05's ring and Ulysses take as their block (lesson 09 does on a GPU). RUN IT: python
-07_flash_attention.py [--bench (GPU: TFLOP/s against SDPA's flash backend, bf16) | --gpu-report].
+07_flash_attention.py [--bench (GPU: TFLOP/s against SDPA's flash backend, bf16)].
 Look at the max differences against float64 beside PyTorch's attention in the same dtype, the lse
 exact to fp32 even from fp16 inputs, and the memory never used.
 """
@@ -93,25 +104,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
-import json
-import os
-import re
-import subprocess
-import sys
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-# `07_flash_attention.py --compile-worker`, the child process compile_for_gpu starts, compiles for a GPU
-# that is not here: lesson 01 leaves it Triton's compiler (elsewhere, without a GPU, it switches on the
-# interpreter, before anything imports triton: so lesson 05, which imports 01, comes first).
-COMPILE_WORKER = __name__ == "__main__" and sys.argv[1:] == ["--compile-worker"]
-if COMPILE_WORKER:
-    sys.modules["07_flash_attention"] = sys.modules[__name__]  # its jobs import this module by name
+# Lesson 01 switches Triton to its interpreter when there is no GPU (unless TRITON_INTERPRET is set),
+# which must happen before anything imports triton: so the lessons come first.
+foundation = importlib.import_module("01_ddp")
 context_parallel = importlib.import_module("05_context_parallel")
 
 import triton
@@ -218,7 +219,7 @@ def _attend(acc, l_i, m_i, q, K, V, rows, start, end, seq_k, shift, qk_scale, KV
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head-dim tile width, dtype bytes), what the autotuner
 # times: on sm_90 with Triton 3.7.1 the 16-bit ones are spill-free, and all fit an H100's and an A100's
 # shared memory. fp32's exact dots run on CUDA cores (spilling on sm_90 at any tile): one small tile.
-# python 07_flash_attention.py --gpu-report shows every config's figures.
+# tests/test_gpu_compile.py proves it on every change (`python tests/test_gpu_compile.py`: the figures).
 FWD_GPU = {(64, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
            (128, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2)],
            (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
@@ -610,101 +611,6 @@ def attention_seconds(batch: int, heads: int, seq: int, head_dim: int, kernel: s
     return both / 3.5, both * 2.5 / 3.5
 
 
-# Compiling for a GPU that is not here -----------------------------------------------------------
-
-PINNED_TRITON = "3.7.1"  # the Triton the configs were pruned with (register use varies by version)
-SHARED_PER_BLOCK = {90: 227 * 1024, 80: 163 * 1024}  # bytes of shared memory a block may use: H100, A100
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"  # shipped with Triton
-
-
-def attention_compile_job(kernel: str, dtype: str, head_dim: int, block_m: int, block_n: int,
-                          num_warps: int, num_stages: int, capability: int = 90) -> dict:
-    """What compile_for_gpu needs to compile one of this lesson's kernels as a causal launch with q of
-    this dtype ("bf16", "fp16", "fp32") and head_dim would: pointers 16-byte aligned (as torch's are),
-    in lesson 01's layout for 16 query and 4 K/V heads (rows 16 and 4 head dims apart)."""
-    fn = globals()[kernel].fn  # the JITFunction under the autotuner
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), Q_ROW=16,
-                      KV_ROW=4, CAUSAL=True, PRECISION="ieee" if dtype == "fp32" else None,
-                      BLOCK_M=block_m, BLOCK_N=block_n)
-    signature = {name: "constexpr" if name in constexprs else "fp32" if name == "sm_scale" else
-                 ("*fp32" if name in ("LSE", "DELTA") else f"*{dtype}") if name.isupper() else "i32"
-                 for name in fn.arg_names}
-    strides = [name for name in fn.arg_names if name.endswith(("_batch", "_head"))]
-    return dict(module="07_flash_attention", kernel=kernel, signature=signature, constexprs=constexprs,
-                capability=capability, num_warps=num_warps, num_stages=num_stages,
-                divisible=strides)  # as Triton specialises them at a launch: multiples of 16
-
-
-def compile_for_gpu(jobs: list[dict], processes: int = 2) -> list[dict]:
-    """Compiles each job (a kernel, argument types, constexprs, target, warps, stages) for a GPU
-    that need not be here -> per job: shared (bytes per block), registers (per thread), spill_stores,
-    spill_loads (bytes, from ptxas -v), tf32 (whether the PTX has a TF32 instruction). Runs in
-    child processes, where the interpreter is off; Triton caches the compiles across runs."""
-    def worker(share: list[dict]) -> list[dict]:
-        run = subprocess.run([sys.executable, __file__, "--compile-worker"], input=json.dumps(share),
-                             capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"))
-        if run.returncode:
-            raise RuntimeError(f"the compile worker failed:\n{run.stderr}")
-        return json.loads(run.stdout)
-    with ThreadPoolExecutor(processes) as pool:
-        results = list(pool.map(worker, [jobs[i::processes] for i in range(processes)]))
-    return [results[i % processes][i // processes] for i in range(len(jobs))]
-
-
-def _compile_one(job: dict) -> dict:
-    """In the worker: triton.compile for the job's target, then ptxas -v (as Triton runs it) on the PTX."""
-    fn = getattr(importlib.import_module(job["module"]), job["kernel"])
-    fn = fn.fn if isinstance(fn, triton.runtime.Autotuner) else fn  # the JITFunction under an autotuner
-    if list(job["signature"]) != fn.arg_names:
-        raise ValueError(f"the signature must name {job['kernel']}'s arguments {fn.arg_names} in order")
-    aligned = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(job["signature"].items())
-               if t[0] == "*" or name in job.get("divisible", ())}
-    compiled = triton.compile(triton.compiler.ASTSource(fn, job["signature"], job["constexprs"], aligned),
-                              target=triton.backends.compiler.GPUTarget("cuda", job["capability"], 32),
-                              options=dict(num_warps=job["num_warps"], num_stages=job["num_stages"]))
-    ptx, arch = compiled.asm["ptx"], f"sm_{job['capability']}{'a' if job['capability'] >= 90 else ''}"
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as file:
-        file.write(ptx)
-        file.flush()
-        log = subprocess.run([str(PTXAS), "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}",
-                              file.name, "-o", os.devnull], capture_output=True, text=True, check=True).stderr
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return dict(shared=compiled.metadata.shared, registers=int(re.search(r"Used (\d+) registers", log)[1]),
-                spill_stores=int(spills[1]), spill_loads=int(spills[2]),
-                tf32=bool(re.search(r"\.tf32\b", ptx)))
-
-
-GPU_TABLES = {"_fwd_kernel": FWD_GPU, "_bwd_dkdv_kernel": DKDV_GPU, "_bwd_dq_kernel": DQ_GPU}
-
-
-def gpu_report() -> None:
-    """Compiles every kernel x config x 16-bit dtype x head dim (64, 128) for sm_90, and fp32's own
-    configs (its CUDA-core dots compile slowly), and prints what one block needs: shared memory,
-    registers per thread, spill bytes; and whether the autotuner tries it. No GPU needed."""
-    limit = SHARED_PER_BLOCK[90]
-    rows = [(kernel, config, dtype, head_dim) for kernel, table in GPU_TABLES.items()
-            for config in dict.fromkeys(c for (_, size), kept in table.items() if size == 2 for c in kept)
-            for dtype in ("bf16", "fp16") for head_dim in (64, 128)]
-    rows += [(kernel, config, "fp32", head_dim) for kernel, table in GPU_TABLES.items()
-             for head_dim in (64, 128) for config in kept_configs(table, head_dim, 4)]
-    results = compile_for_gpu([attention_compile_job(kernel, dtype, head_dim, *config)
-                               for kernel, config, dtype, head_dim in rows])
-    print(f"sm_90, Triton {triton.__version__}, causal; shared memory limit {limit // 1024} KiB "
-          f"a block, 255 registers a thread.\n{'kernel':<18}{'M x N':>9}{'warps':>6}{'stages':>7}"
-          f"{'dtype':>6}{'head':>5}{'shared':>9}{'regs':>6}{'spill st/ld B':>15}  autotuner")
-    for (kernel, (m, n, warps, stages), dtype, head_dim), got in zip(rows, results, strict=True):
-        spills = got["spill_stores"] + got["spill_loads"] > 0
-        why = [f"needs {got['shared'] / 1024:.0f} KiB > {limit // 1024}"] if got["shared"] > limit else []
-        why += ["spills"] if spills else []
-        if (m, n, warps, stages) in kept_configs(GPU_TABLES[kernel], head_dim, 4 if dtype == "fp32" else 2):
-            verdict = "tries it" + ("  <- SPILLS" if spills and dtype != "fp32" else "")
-        else:
-            verdict = "never: " + (", ".join(why) or "not listed for this head dim")
-        print(f"{kernel:<18}{f'{m}x{n}':>9}{warps:>6}{stages:>7}{dtype:>6}{head_dim:>5}"
-              f"{got['shared'] / 1024:>6.0f} KiB{got['registers']:>6}{got['spill_stores']:>8}/"
-              f"{got['spill_loads']:<6}  {verdict}")
-
-
 # Demo and benchmark -----------------------------------------------------------------------------
 
 
@@ -763,15 +669,16 @@ def demo(args: argparse.Namespace) -> None:
           f"16 bits our errors are PyTorch's own (P and dS rounded to 16 bits); the lse is exact to fp32.")
 
 
-def bench(head_dims: list[int], seqs: list[int], group: int = 1) -> None:
+def bench(args: argparse.Namespace) -> None:
     """TFLOP/s of forward, backward and both, ours against SDPA's flash backend (and cuDNN's, where
     torch offers it), bf16, 16k tokens per batch at model width 2048 (the FlashAttention-2 paper's
-    setting); group > 1: grouped-query attention, heads / group K/V heads (SDPA's enable_gqa).
+    setting); --bench-group g > 1: grouped-query attention, heads / g K/V heads (SDPA's enable_gqa).
     FLOPs as the papers count them: forward 4 N^2 d per (batch, head) (two N x N x d matmuls), half
     that when causal; backward 2.5 x forward (five matmuls; recomputation not counted); forward +
     backward 3.5 x forward. Ratios are ours / SDPA flash."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
+    group = args.bench_group
 
     def tflops(attn, q, k, v, dout, causal: bool, fwd_flops: float) -> list[float]:
         out = attn(q, k, v, causal)
@@ -793,7 +700,7 @@ def bench(head_dims: list[int], seqs: list[int], group: int = 1) -> None:
     print(f"{'head_dim':>8}{'seq':>7}{'causal':>8}" + "".join(
         f"{p + ' ' + n:>13}" for p in ("fwd", "bwd", "fwd+bwd") for n in ("ours", "flash", "ratio"))
         + f"{'cuDNN f+b':>11}")
-    for head_dim, seq, causal in itertools.product(head_dims, seqs, (False, True)):
+    for head_dim, seq, causal in itertools.product(args.bench_head_dims, args.bench_seqs, (False, True)):
         batch, heads = max(1, 16384 // seq), 2048 // head_dim
         q, k, v, dout = (torch.randn(batch, heads // (group if i in (1, 2) else 1), seq, head_dim,
                                      device="cuda", dtype=torch.bfloat16) for i in range(4))
@@ -810,39 +717,30 @@ def bench(head_dims: list[int], seqs: list[int], group: int = 1) -> None:
             flush=True)
 
 
+@dataclass
+class Options:
+    batch: int = foundation.option(2, "the demo's sequences", ">= 1")
+    heads: int = foundation.option(2, "the demo's query heads", ">= 1")
+    seq: int = foundation.option(100, "the demo's tokens per sequence (100: a multiple of no block size)",
+                                 ">= 1")
+    head_dim: int = foundation.option(32, "the demo's size of each head, 16 to 128", (">= 16", "<= 128"))
+    bench: bool = foundation.option(False, "GPU: TFLOP/s against SDPA (flash), bf16")
+    bench_head_dims: tuple[int, ...] = foundation.option((64, 128), "head dims --bench sweeps",
+                                                         (">= 16", "<= 128"), nargs="+")
+    bench_seqs: tuple[int, ...] = foundation.option(BENCH_SEQS, "sequence lengths --bench sweeps (16k tokens "
+                                                    "a batch)", ">= 1", nargs="+")
+    bench_group: int = foundation.option(1, "query heads per K/V head (grouped-query attention)",
+                                         choices=(1, 2, 4, 8))
+
+
 def main() -> None:
-    if COMPILE_WORKER:
-        print(json.dumps([_compile_one(job) for job in json.loads(sys.stdin.read())]))
-        return
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for name, default, what in (("--batch", 2, "sequences"), ("--heads", 2, "query heads"),
-                                ("--seq", 100, "tokens per sequence (100: a multiple of no block size)"),
-                                ("--head-dim", 32, "size of each head, 16 to 128")):
-        parser.add_argument(name, type=int, default=default, help=f"the demo's {what}")
-    parser.add_argument("--bench", action="store_true", help="GPU: TFLOP/s against SDPA (flash), bf16")
-    parser.add_argument("--bench-head-dims", type=int, nargs="+", default=[64, 128],
-                        help="head dims --bench sweeps")
-    parser.add_argument("--bench-seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
-                        help="sequence lengths --bench sweeps (16k tokens a batch)")
-    parser.add_argument("--bench-group", type=int, default=1, choices=(1, 2, 4, 8),
-                        help="query heads per K/V head (grouped-query attention)")
-    parser.add_argument("--gpu-report", action="store_true", help="no GPU needed: shared memory, registers "
-                        "and spills of every kernel and config, compiled for sm_90")
-    args = parser.parse_args()
-    for name in ("batch", "heads", "seq"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1")
-    if not 16 <= args.head_dim <= 128:
-        parser.error("--head-dim must be between 16 and 128")
-    if args.bench and INTERPRETED:
-        parser.error("--bench needs a CUDA GPU (on CPU the kernels run in Triton's interpreter)")
-    if args.gpu_report:
-        gpu_report()
-    elif args.bench:
-        bench(args.bench_head_dims, args.bench_seqs, args.bench_group)
-    else:
-        demo(args)
+    parser, args = foundation.parse_options(__doc__, (Options,))
+
+    def validate(world: int) -> None:
+        if args.bench and INTERPRETED:
+            raise ValueError("--bench needs a CUDA GPU (on CPU the kernels run in Triton's interpreter)")
+
+    foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
 
 
 if __name__ == "__main__":

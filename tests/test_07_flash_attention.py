@@ -365,16 +365,18 @@ def test_rejects_bad_input():
 @cpu_only
 @pytest.mark.parametrize("triton_first", [False, True])
 def test_interpreter_switch_in_a_fresh_process(triton_first):
-    """Without a GPU, importing a lesson (01's device set-up) turns the interpreter on even if the
-    environment says TRITON_INTERPRET=0; if triton was imported earlier (too late to switch), the
-    kernel's import fails and says why, instead of failing later inside a kernel."""
+    """Without a GPU, importing a lesson (01's device set-up) turns the interpreter on where the
+    environment does not choose (TRITON_INTERPRET=0 keeps the compiler: test_gpu_compile's worker); if
+    triton was imported earlier (too late to switch), the kernel's import fails and says why, instead of
+    failing later inside a kernel."""
     code = ("import importlib, torch\n" + ("import triton\n" if triton_first else "") +
             "flash = importlib.import_module('07_flash_attention')\n"
             "q = torch.randn(1, 1, 20, 16)\n"
             "exact = flash.context_parallel.naive_attention(q, q, q)[0]\n"
             "print((flash.flash_attention(q, q, q) - exact).abs().max().item())\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, TRITON_INTERPRET="0"), timeout=SCRIPT_TIMEOUT_S)
+                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+                         timeout=SCRIPT_TIMEOUT_S)
     if triton_first:
         assert run.returncode != 0 and "import a lesson (01_ddp sets the flag) before triton" in run.stderr
     else:
