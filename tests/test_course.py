@@ -3,6 +3,7 @@ main() up to the launch (no rank starts), and the multi-rank harness the lessons
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import re
 import sys
@@ -17,36 +18,41 @@ from conftest import ROOT, RankFailure, run_script
 foundation = importlib.import_module("01_ddp")
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-LESSONS = sorted(ROOT.glob("[0-9][0-9]_*.py"))
+NINE = ("01_ddp", "02_zero", "03_tensor_parallel", "04_pipeline", "05_context_parallel", "06_expert_parallel",
+        "07_flash_attention", "08_fp8", "09_full_train")
+LESSONS = [ROOT / f"{name}.py" for name in NINE]
 MAX_LINE = 110
 
 # --- every lesson's main(): one line before any rank starts -------------------------------------
 
-# Imported now, at collection: lesson 05 imports lesson 07, which must switch Triton to its
-# interpreter before anything imports triton (an AdamW step in an earlier test would).
-LESSON_MODULES = {name: importlib.import_module(name) for name in (
-    "02_zero", "02_zero_checkpoints", "03_tensor_parallel", "04_pipeline", "05_context_parallel",
-    "06_expert_parallel", "08_fp8", "08_fp8_distributed")}
-ONE_PROCESS = {"08_fp8"}  # lessons without ranks: no --nproc
+# Imported now, at collection: lessons 07 and 08 import triton, which must come after 01_ddp's
+# interpreter switch (an AdamW step in an earlier test would import it first).
+LESSON_MODULES = {name: importlib.import_module(name) for name in NINE}
+ONE_PROCESS = {"07_flash_attention": "--seq", "08_fp8": "--steps"}  # no --nproc: an option to break
 
 
-@pytest.mark.parametrize("script, message", [
-    ("02_zero", "global_batch=16 is not divisible by the group size 3"),
-    ("02_zero_checkpoints", "global_batch=16 is not divisible by the group size 3"),
-    ("03_tensor_parallel", "n_heads=8 is not divisible by tp=3"),
-    ("04_pipeline", "microbatches=8 is not a multiple of pp=3"),
-    ("05_context_parallel", "seq_len=64 is not divisible by 2 x cp = 6"),
-    ("06_expert_parallel", "n_experts=8 is not divisible by ep=3"),
-    ("08_fp8_distributed", "--batch 16 is not divisible by 2 microbatches x 3 ranks"),
+def test_the_course_is_its_nine_scripts():
+    """The brief's nine scripts and no other: a lesson that grows gets sections and a map, never a
+    second file (DESIGN.md, Layout)."""
+    assert sorted(path.name for path in ROOT.glob("*.py")) == [f"{name}.py" for name in NINE]
+
+
+@pytest.mark.parametrize("script, command, message", [
+    ("02_zero", [], "global_batch=16 is not divisible by the group size 3"),
+    ("03_tensor_parallel", [], "n_heads=8 is not divisible by tp=3"),
+    ("04_pipeline", [], "microbatches=8 is not a multiple of pp=3"),
+    ("05_context_parallel", [], "seq_len=64 is not divisible by 2 x cp = 6"),
+    ("06_expert_parallel", [], "n_experts=8 is not divisible by ep=3"),
+    ("08_fp8", ["distributed"], "--batch 16 is not divisible by 2 microbatches x 3 ranks"),
 ])
-def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script, message):
+def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script, command, message):
     """Every lesson of several ranks ends its main() in launch_lesson: its defaults are checked against
     the 3 local ranks that would start, not a stray WORLD_SIZE=1, in one line before any rank starts."""
     lesson = LESSON_MODULES[script]
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--nproc", "3"])
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *command, "--nproc", "3"])
     monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
     with pytest.raises(SystemExit) as exit_:
         lesson.main()
@@ -57,7 +63,7 @@ def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script
 
 @pytest.mark.parametrize("script", sorted(ONE_PROCESS))
 @pytest.mark.parametrize("env, options, message", [
-    ({}, ["--steps", "0"], "--steps must be >= 1"),
+    ({}, ["{option}", "0"], "{option} must be >= 1, not 0"),
     (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="localhost", MASTER_PORT="29500"), [],
      "runs in one process: start it with python, not torchrun (WORLD_SIZE=2)"),
     (dict(RANK="0"), [], "RANK is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT not: a partial torchrun"),
@@ -73,7 +79,8 @@ def test_a_lesson_of_one_process_refuses_bad_options_and_torchrun_before_its_dem
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", *options])
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *(o.format(option=ONE_PROCESS[script]) for o in options)])
+    message = message and message.format(option=ONE_PROCESS[script])
     ran = []
     monkeypatch.setattr(lesson, "demo", ran.append)
     if message is None:
@@ -90,25 +97,24 @@ def test_a_lesson_of_one_process_refuses_bad_options_and_torchrun_before_its_dem
 @pytest.mark.parametrize("script, options, at_least", [
     ("01_ddp", ["--global-batch", "4000000000"], 4_000_000_000 * 64 * 128 * 4),  # the fp32 logits
     ("02_zero", ["--seq-len", "1000000000"], 16 * 1_000_000_000 * 125 * 4),
-    ("02_zero_checkpoints", ["--seq-len", "1000000000"], 16 * 1_000_000_000 * 125 * 4),
     ("03_tensor_parallel", ["--vocab", "1000000000000"], 1_000_000_000_000 * 64 * 4),  # the embedding
     ("03_tensor_parallel", ["--seq-len", "1000000000"], 4 * 1_000_000_000 * 127 * 4),
     ("04_pipeline", ["--global-batch", "4000000000"], 4_000_000_000 * 32 * 128 * 4),
     ("06_expert_parallel", ["--global-batch", "4000000000"], 4_000_000_000 * 32 * 128 * 4),
     ("05_context_parallel", ["--seq-len", "1000000"], 8 * 2 * 8 * 1_000_000 ** 2),  # float64 scores
     ("08_fp8", ["--seq-len", "10000000000"], 16 * 10_000_000_000 * 128 * 4),
-    ("08_fp8_distributed", ["--seq-len", "10000000000"], 16 * 10_000_000_000 * 128 * 4),
+    ("08_fp8", ["distributed", "--seq-len", "10000000000"], 16 * 10_000_000_000 * 128 * 4),
 ])
 def test_every_lesson_refuses_sizes_that_cannot_be_allocated(monkeypatch, capsys, script, options, at_least):
     """Before: every rank started, then an allocator's traceback after seconds. Now one line before
     launch, with a lower bound on the bytes needed (at least the largest tensor's, derived here)."""
-    lesson = LESSON_MODULES.get(script, foundation)
+    lesson = LESSON_MODULES[script]
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
-    ranks = [] if script in ONE_PROCESS else ["--nproc", "2"]
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", *ranks, *options])
+    one_process = script in ONE_PROCESS and options[0] != "distributed"
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *options, *([] if one_process else ["--nproc", "2"])])
     monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
-    if script in ONE_PROCESS:
+    if one_process:
         monkeypatch.setattr(lesson, "demo", lambda *a: pytest.fail("ran the demo that must be refused"))
     with pytest.raises(SystemExit) as exit_:
         lesson.main()
@@ -121,22 +127,23 @@ def test_every_lesson_refuses_sizes_that_cannot_be_allocated(monkeypatch, capsys
 # --- every lesson's source ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name)
-def test_every_option_of_every_lesson_says_what_it_is(lesson):
-    """--help gives every option a sentence: each add_argument call of the lesson has a help text
-    (read from the source, so no process starts). Lesson 10 adds 09's option fields (add_options),
-    whose help texts 09's calls carry; test_10 reads its --help."""
-    calls = [node for node in ast.walk(ast.parse(lesson.read_text()))
-             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("add_argument", "add_options")]
-    silent = [ast.unparse(call) for call in calls
-              if call.func.attr == "add_argument" and not any(k.arg == "help" for k in call.keywords)]
-    assert calls and not silent
+def test_every_lesson_makes_its_command_line_from_option_fields(lesson):
+    """One option machinery, 01's: no other lesson builds a parser or adds an argument itself (read
+    from the source), and every option field a lesson defines has a help sentence for --help."""
+    calls = [ast.unparse(node) for node in ast.walk(ast.parse(lesson.read_text())) if isinstance(node, ast.Call)
+             and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("add_argument", "ArgumentParser")]
+    assert lesson.stem == "01_ddp" or not calls, calls
+    module = LESSON_MODULES[lesson.stem]
+    classes = [c for c in vars(module).values() if isinstance(c, type) and dataclasses.is_dataclass(c)
+               and c.__module__ == module.__name__]
+    fields = [f for c in classes for f in dataclasses.fields(c) if "help" in f.metadata]
+    assert fields and all(f.metadata["help"].strip() for f in fields), lesson.name
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name)
 def test_a_lesson_imports_only_earlier_lessons(lesson):
-    """The reading order (DESIGN.md): the files in name order (a lesson's second file, 08_fp8_distributed.py,
-    after its first, 08_fp8.py). A reader of a file has met the files before it only, so it imports no file
-    at or after its place (read from the source: every import_module call)."""
+    """The reading order (DESIGN.md): a reader of a lesson has met the lessons before it only, so it
+    imports no lesson at or after its place (read from the source: every import_module call)."""
     imported = [node.args[0].value for node in ast.walk(ast.parse(lesson.read_text()))
                 if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
                 and node.args and isinstance(node.args[0], ast.Constant) and str(node.args[0].value)[:2].isdigit()]
@@ -202,4 +209,4 @@ def test_a_script_test_runs_as_from_a_readers_shell_whatever_torchrun_left_expor
     for name, value in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="localhost",
                             MASTER_PORT="29500").items():
         monkeypatch.setenv(name, value)
-    assert "llama3-8b" in run_script("10_planner.py", "--model", "llama3-8b", "--gpus", "8")
+    assert "llama3-8b" in run_script("09_full_train.py", "plan", "--model", "llama3-8b", "--gpus", "8")
