@@ -223,7 +223,7 @@ def mesh_name(sizes: MeshSizes) -> str:
 class TrainConfig:
     global_batch: int = option(8, "sequences per step", ">= 1")
     seq_len: int = option(16, "tokens per sequence", ">= 1")
-    zero_stage: int = option(1, "ZeRO stage over dp x cp", ">= 0", option="--zero", metavar="STAGE")
+    zero_stage: int = option(1, "ZeRO stage over dp x cp", (">= 0", "<= 3"), option="--zero", metavar="STAGE")
     schedule: str = option("1f1b", "lesson 04's pipeline schedule", choices=pipeline.SCHEDULES)
     microbatches: int = option(1, "microbatches per step", ">= 1")
     virtual: int = option(1, "pipeline stages per rank (interleaved 1F1B)", ">= 1")
@@ -258,7 +258,6 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     check(tensor_parallel.validate_tensor_parallel, cfg, tp)
     check(context_parallel.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", True,
           cfg.n_kv_heads)
-    check(zero.validate_stage, train.zero_stage)
     if train.global_batch % max(sizes.dp, 1):
         problems.append(f"global_batch={train.global_batch} is not divisible by dp={sizes.dp}")
     else:
@@ -396,7 +395,7 @@ class Trainer:
     """
 
     def __init__(self, cfg, mesh: Mesh, train: TrainConfig, device: torch.device) -> None:
-        validate(cfg, mesh.sizes, train, dist.get_world_size())
+        validate(cfg, mesh.sizes, train, mesh.sizes.world)  # its ranks: the caller checked them (build_mesh)
         self.cfg, self.mesh, self.train, self.device = cfg, mesh, train, device
         sizes, at = mesh.sizes, mesh.coords
         self.schedule = pipeline.make_schedule(train.schedule, sizes.pp, train.microbatches, train.virtual)
@@ -1220,22 +1219,37 @@ def dp_rows(cfg, train: TrainConfig, step: int, mesh: Mesh) -> torch.Tensor:
     return torch.cat([tokens, targets[:, -1:]], dim=1)
 
 
-def demo(args: argparse.Namespace) -> None:
-    device = foundation.init_distributed()
-    sizes, cfg, train = mesh_sizes(args), build_model_config(args), train_config(args)
-    trainer = Trainer(cfg, build_mesh(sizes), train, device)  # the launcher validated every rank
-    mesh, losses = trainer.mesh, []
-    for step in range(args.steps):
+def check_steps(cfg, mesh: Mesh, train: TrainConfig, steps: int, device: torch.device) -> tuple:
+    """check's training on this rank of mesh: (losses, step-0 gradients and last parameters as
+    (piece, values) pairs, the Trainer)."""
+    trainer, losses = Trainer(cfg, mesh, train, device), []
+    for step in range(steps):
         losses.append(trainer.forward_backward(dp_rows(cfg, train, step, mesh)))
         if step == 0:
             grads = shard_values(trainer, "grads")
         trainer.update()
-    ranks = foundation.all_ranks((grads, shard_values(trainer), summary(trainer)), dst=0)  # on rank 0
-    if mesh.rank == 0:
-        ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
-                                             adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
-                                             mixed_precision=train.mixed_precision,
-                                             transform=reference_transform(train))
+    return losses, grads, shard_values(trainer), trainer
+
+
+def demo(args: argparse.Namespace) -> None:
+    device = foundation.init_distributed()
+    sizes, cfg, train = mesh_sizes(args), build_model_config(args), train_config(args)
+    losses, grads, params, trainer = check_steps(cfg, build_mesh(sizes), train, args.steps, device)
+    one = build_mesh(MeshSizes()) if train.fp8 else None  # rank 0 alone (every rank makes its groups)
+    ranks = foundation.all_ranks((grads, params, summary(trainer)), dst=0)  # on rank 0
+    if trainer.mesh.rank == 0:
+        if train.fp8:  # one device's FP8 on the same microbatches: the same scales, each microbatch's
+            microbatches = sizes.dp * train.microbatches
+            alone = dataclasses.replace(train, microbatches=microbatches, schedule="1f1b", virtual=1,
+                                        sequence_parallel=False)
+            ref_losses, ref_grads, ref_params, _ = check_steps(cfg, one, alone, args.steps, device)
+            ref = foundation.TrainResult(ref_losses, assemble(ref_grads), assemble(ref_params))
+        else:
+            ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len,
+                                                 lr=train.lr, adam_eps=train.adam_eps,
+                                                 max_grad_norm=train.max_grad_norm,
+                                                 mixed_precision=train.mixed_precision,
+                                                 transform=reference_transform(train))
         moe = train.moe and f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; "
         print(f"4D parallelism: {mesh_name(sizes)} on {sizes.world} ranks ({dist.get_backend()}, "
               f"{device.type}); ZeRO-{train.zero_stage}, {train.schedule} with {train.microbatches} "
@@ -1247,12 +1261,19 @@ def demo(args: argparse.Namespace) -> None:
             f"{step:<6}{a:>12.6f}{b:>12.6f}" for step, (a, b) in enumerate(zip(losses, ref.losses))))
         grads_full = assemble([pair for g, _, _ in ranks for pair in g])
         params_full = assemble([pair for _, q, _ in ranks for pair in q])
-        print(f"max |difference| from one device (AdamW + clip_grad_norm_ at {train.max_grad_norm}): loss "
+        one_device = (f"one device's FP8 run on the same {microbatches} microbatches (AdamW, clipping"
+                      if train.fp8 else "one device (AdamW + clip_grad_norm_")
+        print(f"max |difference| from {one_device} at {train.max_grad_norm}): loss "
               f"{max(abs(a - b) for a, b in zip(losses, ref.losses)):.1e}, step-0 gradients "
               f"{foundation.max_abs_diff(grads_full, ref.first_grads):.1e}, parameters after {args.steps} "
               f"steps {foundation.max_abs_diff(params_full, ref.params):.1e} (every element reassembled "
-              f"from the ranks' pieces)" + ("\n(FP8: the reference computes in fp32, so these are FP8's "
-                                           "rounding, ~1e-3)" if train.fp8 else ""))
+              f"from the ranks' pieces)")
+        if train.fp8:  # 08's scales are whole tensors' whatever tp, pp and dp split; a cp rank's, its part's
+            print("(FP8 with cp > 1: each rank scales its own part of a sequence, so these are FP8's "
+                  "rounding, ~1e-3)" if sizes.cp > 1 else "(FP8: the same scales, so the same FP8 "
+                  "numbers: step 0 differs by fp32's rounding. After the first update, that rounding puts\n"
+                  "a few weights on the other side of an FP8 rounding boundary: flips, which the steps after "
+                  "carry, as any rounding does)")
         print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes "
               "held\n(live storages) | 02's formula; bytes sent per step in each group, measured | formula "
               "(fp32):")
@@ -1308,15 +1329,20 @@ class Cluster:
     """The machines, by default H100 SXM nodes: NVIDIA's datasheet (989 dense bf16 TFLOP/s, 3.35 TB/s
     HBM3, NVLink 4 at 450 GB/s each way) and the DGX H100's 400 Gb/s NIC per GPU. GEMMs and attention
     run at the course's own H100 measurements (08's and 07's tables), x peak_tflops / 989."""
-    gpus: int | None = option(None, "GPUs (default: the product of the mesh sizes)", ">= 1", PLAN, type=int)
-    gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", ">= 1", PLAN)
-    gpu_memory: float = option(80.0, "GB per GPU", "> 0", PLAN)
-    peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU: scales the H100's measured rates", "> 0",
-                                PLAN)
-    hbm_tbps: float = option(3.35, "TB/s of GPU memory (elementwise work, the optimizer, thin GEMMs)", "> 0",
-                             PLAN)
-    nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node (NVLink 4)", "> 0", PLAN)
-    network_gbps: float = option(50.0, "GB/s per GPU each way between nodes (a 400 Gb/s NIC)", "> 0", PLAN)
+    # Each rate and size within about 1000x of an H100 node's, either way: beyond any chip or cluster of
+    # today, and a typo outside (0, 1e-300, inf, 1e308 priced a step at 0 s, then divided by it, or at
+    # 300 digits); NaN breaks every rule. --gpus at most a million: the search tries each divisor.
+    gpus: int | None = option(None, "GPUs (default: the product of the mesh sizes)", (">= 1", "<= 1e6"), PLAN,
+                              type=int)
+    gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", (">= 1", "<= 1e4"), PLAN)
+    gpu_memory: float = option(80.0, "GB per GPU", (">= 1", "<= 1e5"), PLAN)
+    peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU: scales the H100's measured rates",
+                                (">= 1", "<= 1e6"), PLAN)
+    hbm_tbps: float = option(3.35, "TB/s of GPU memory (elementwise work, the optimizer, thin GEMMs)",
+                             (">= 0.01", "<= 1e3"), PLAN)
+    nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node (NVLink 4)", (">= 1", "<= 1e5"), PLAN)
+    network_gbps: float = option(50.0, "GB/s per GPU each way between nodes (a 400 Gb/s NIC)",
+                                 (">= 0.1", "<= 1e5"), PLAN)
     latency: float = 10e-6  # s a collective or send costs beyond its bytes: NCCL's tuning model
     # (src/graph/tuning.cc) puts a ring's base latency at 4-8 us, plus 0.5-3 us a hop on NVLink
 
@@ -1520,7 +1546,8 @@ def plan_report(args: argparse.Namespace) -> str:
     """The given mesh's breakdown, or the fastest meshes that fit; one line if none fits."""
     cfg, fixed = build_model_config(args), {d: getattr(args, d) for d in DIMS}
     train = dataclasses.replace(train_config(args), mixed_precision=True)  # a GPU run: bf16 + fp32 masters
-    cluster, memory = Cluster(**options_of(Cluster, args)), args.gpu_memory * 1e9
+    cluster, memory = Cluster(**options_of(Cluster, args)), Fraction(args.gpu_memory) * 10 ** 9
+    over = lambda need: math.ceil(100 * need / memory)  # need / memory in %, rounded up: 100 fits
     gpus = args.gpus or (math.prod(fixed.values()) if None not in fixed.values() else 0)
     if gpus < 1 or None not in fixed.values() and math.prod(fixed.values()) != gpus:
         given = [f"--{d} {v}" for d, v in {"gpus": args.gpus, **fixed}.items() if v is not None]
@@ -1540,20 +1567,19 @@ def plan_report(args: argparse.Namespace) -> str:
     valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, args.microbatches, args.ep, cluster)
     if None not in fixed.values() and valid:  # the mesh given
         need = max(p.total for p in valid[0][2])
-        verdict = (f"fits: {gigabytes(need)} of {args.gpu_memory:g} GB on the fullest GPU" if need <= memory
-                   else
-                   f"does not fit: the fullest GPU needs {gigabytes(need)} GB, {gigabytes(need - memory)} GB "
-                   f"({need / memory - 1:.0%}) more than its {args.gpu_memory:g} GB")
+        verdict = (f"does not fit: the fullest GPU needs {gigabytes(need)} GB, {gigabytes(need - memory)} GB "
+                   f"({over(need) - 100}%) more than its {args.gpu_memory:g} GB" if need > memory else
+                   f"fits: {gigabytes(need)} of {args.gpu_memory:g} GB on the fullest GPU")
         return "\n".join([header, describe(*valid[0], table=True), verdict])
-    if not valid:
-        return f"no mesh of {gpus:,} GPUs passes validate: {refusal}"
+    if not valid:  # a refusal, like any other: exit 2
+        raise ValueError(f"no mesh of {gpus:,} GPUs passes validate: {refusal}")
     if not fitting:
         sizes, run, plans, _ = min(valid, key=lambda v: max(p.total for p in v[2]))
         need = max(p.total for p in plans)
         leanest = describe(sizes, run, plans, valid[0][3], False).splitlines()[0]
         return (f"{args.model} does not fit on {gpus:,} GPUs of {args.gpu_memory:g} GB: the leanest of "
                 f"{len(valid)} valid meshes ({leanest}) needs {gigabytes(need)} GB on its fullest GPU, "
-                f"{need / memory:.1f}x the memory")
+                f"{over(need) / 100:.2f}x the memory")
     lines = [header, f"{len(valid)} meshes pass validate, {len(fitting)} fit; the fastest:"]
     for rank, choice in enumerate(fitting[:TOP_MESHES], start=1):
         lines.append(f"{rank}. " + describe(*choice, table=False).replace("\n", "\n   "))

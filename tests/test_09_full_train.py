@@ -500,8 +500,8 @@ def test_invalid_configurations_list_every_violation(rank_pool):
     train = full_train.TrainConfig(global_batch=3, seq_len=6, zero_stage=4, microbatches=2,
                                    sequence_parallel=True)
     rank_pool.expect_invalid(4, train_on_mesh, cfg, full_train.MeshSizes(dp=2, pp=2, tp=2), train, 1,
-                             match=r"(?s)2 x 2 x 1 x 2 = 8 is not the world size 4.*n_heads=3 is not "
-                                   r"divisible by tp=2.*stage=4.*global_batch=3 is not divisible by dp=2")
+                             match=r"(?s)zero_stage=4 must be <= 3.*2 x 2 x 1 x 2 = 8 is not the world size 4"
+                                   r".*n_heads=3 is not divisible by tp=2.*global_batch=3 is not divisible by dp=2")
     good = full_train.TrainConfig(global_batch=4, seq_len=6, microbatches=2)
     rank_pool.expect_invalid(4, train_on_mesh, small_model(1), full_train.MeshSizes(pp=2, cp=2), good, 1,
                              match=r"(?s)seq_len=6 is not divisible by 2 x cp = 4.*n_layers=1 cannot fill")
@@ -594,6 +594,20 @@ def test_main_runs_and_prints_the_check():
     out = run_script("09_full_train.py", *"check --dp 2 --tp 2 --ep 2 --steps 2 --seq-len 16".split())
     assert "max |difference| from one device" in out and "rank  3: dp=1 pp=0 cp=0 tp=1" in out
     assert "MoE 4 experts top-2 over ep=2" in out
+
+
+def test_check_fp8_prints_its_differences_from_one_devices_fp8_run():
+    """check --fp8 beside one device's FP8 run on the same microbatches (dp x m of them, each cast
+    with its own scales, as the mesh casts them): the same FP8 numbers, so a step within this file's
+    fp32 tolerances (after it, fp32's rounding flips a few FP8 roundings: the printout says so).
+    Beside the fp32 reference it printed FP8's rounding as the mesh's figure (loss 5.9e-4, step-0
+    gradients 1.7e-3 at dp 2 x tp 2)."""
+    out = run_script("09_full_train.py", *"check --fp8 --steps 1 --seq-len 16".split())
+    loss, grads, params = map(float, re.search(
+        r"max \|difference\| from one device's FP8 run on the same 4 microbatches \(AdamW, clipping at 1.0\): "
+        r"loss (\S+), step-0 gradients (\S+), parameters after 1 steps (\S+) ", out).groups())
+    assert loss <= LOSS_ATOL and grads <= GRAD_ATOL and params <= PARAM_ATOL, (loss, grads, params)
+    assert "(FP8: the same scales, so the same FP8 numbers" in out
 
 
 # --- --compile: one graph per block -------------------------------------------------------------
@@ -834,6 +848,25 @@ def test_the_sample_is_seeded_draws_from_the_top_k_and_top_k_1_is_greedy():
         arguments = dict(model=model, prompt=b"a", n_new=3) | change
         with pytest.raises(ValueError, match="sample needs a non-empty prompt, a byte-level model"):
             full_train.sample(**arguments)
+
+
+def test_the_sample_draws_from_the_softmax_of_the_logits_over_the_temperature():
+    """At T = 0.5 with top_k 5, each draw is handed softmax(top-5 logits / 0.5), derived here from one
+    teacher-forced forward over the text drawn (T = 1 was the only temperature tested: a sample that
+    ignored T passed)."""
+    model = foundation.GPT(foundation.ModelConfig(vocab_size=256, dim=16, n_heads=2, ffn_dim=32, seed=1))
+    handed, multinomial = [], torch.multinomial
+
+    def recording(probabilities, n, generator=None):
+        handed.append(probabilities.clone())
+        return multinomial(probabilities, n, generator=generator)
+
+    with unittest.mock.patch.object(torch, "multinomial", recording):
+        new = full_train.sample(model, b"def ", 12, temperature=0.5, top_k=5, seed=0)
+    with torch.no_grad():
+        logits = model(torch.tensor(list(b"def " + new))[None])[0, 3:-1]
+    expected = (logits.topk(5).values / 0.5).softmax(-1)
+    torch.testing.assert_close(torch.cat(handed), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_the_prompt_is_whole_lines_of_the_text_from_its_second_line():
@@ -1279,7 +1312,8 @@ OWN_OPTIONS = {  # what each sub-command offers, and nothing else
 
 def parse_options(*argv: str) -> argparse.Namespace:
     """09's options as main() parses them (01's parse_options of 09's fields and sub-commands)."""
-    return foundation.parse_options(full_train.__doc__, full_train.OPTIONS, full_train.COMMANDS, argv=list(argv))[1]
+    return foundation.parse_options(full_train.__doc__, full_train.OPTIONS, full_train.COMMANDS,
+                                    argv=list(argv))[1]
 
 
 def help_of(monkeypatch, capsys, *argv: str) -> dict[str, str]:
@@ -1488,22 +1522,75 @@ def test_a_model_that_cannot_fit_is_one_line_saying_by_how_much(monkeypatch, cap
 
 
 @pytest.mark.parametrize("options, message", [
-    ("--gpu-memory 0", "--gpu-memory must be > 0, not 0.0"),
-    ("--gpu-memory -5", "--gpu-memory must be > 0, not -5.0"),
-    ("--hbm-tbps 0", "--hbm-tbps must be > 0, not 0.0"),
-    ("--hbm-tbps -3", "--hbm-tbps must be > 0, not -3.0"),
-    ("--peak-tflops 0", "--peak-tflops must be > 0, not 0.0"),
-    ("--nvlink-gbps 0", "--nvlink-gbps must be > 0, not 0.0"),
-    ("--network-gbps 0", "--network-gbps must be > 0, not 0.0"),
+    ("--gpu-memory 0", "--gpu-memory must be >= 1, not 0.0"),
+    ("--gpu-memory -5", "--gpu-memory must be >= 1, not -5.0"),
+    ("--hbm-tbps 0", "--hbm-tbps must be >= 0.01, not 0.0"),
+    ("--hbm-tbps -3", "--hbm-tbps must be >= 0.01, not -3.0"),
+    ("--peak-tflops 0", "--peak-tflops must be >= 1, not 0.0"),
+    ("--nvlink-gbps 0", "--nvlink-gbps must be >= 1, not 0.0"),
+    ("--network-gbps 0", "--network-gbps must be >= 0.1, not 0.0"),
     ("--gpus-per-node 0", "--gpus-per-node must be >= 1, not 0"),
     ("--dp 0", "--dp must be >= 1, not 0"),
+    ("--peak-tflops inf --hbm-tbps inf", "--peak-tflops must be <= 1e6, not inf"),
+    ("--peak-tflops 1e308 --hbm-tbps 1e308", "--peak-tflops must be <= 1e6, not 1e+308"),
+    ("--hbm-tbps inf", "--hbm-tbps must be <= 1e3, not inf"),
+    ("--network-gbps 1e-300", "--network-gbps must be >= 0.1, not 1e-300"),
+    ("--nvlink-gbps nan", "--nvlink-gbps must be >= 1, not nan"),
+    ("--gpu-memory inf", "--gpu-memory must be <= 1e5, not inf"),
+    ("--gpus 10000000", "--gpus must be <= 1e6, not 10000000"),
+    ("--zero 4", "--zero must be <= 3, not 4"),
 ])
 def test_plan_refuses_an_impossible_input_in_one_line_before_any_work(monkeypatch, capsys, options, message):
     """Zeros divided the step time (a ZeroDivisionError), a negative memory or bandwidth were
-    planned, --dp 0 was "no sizes multiply to it": each is one line naming the option, exit 2."""
+    planned, --dp 0 was "no sizes multiply to it"; inf and 1e308 rates priced a step at 0 s (a
+    ZeroDivisionError), --peak-tflops inf alone "3,751 TFLOP/s per GPU, MFU 0%", --network-gbps 1e-300
+    a step of 300 digits, --zero 4 reached validate: each is one line naming the option and its range
+    (Cluster states why), exit 2."""
     monkeypatch.setattr(full_train, "search_meshes", lambda *args: pytest.fail("planned"))
     code, out, err = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "8", *options.split())
     assert (code, out, err) == (2, "", f"09_full_train.py plan: error: {message}\n")
+
+
+@pytest.mark.parametrize("corner", ["--peak-tflops 1 --hbm-tbps 0.01 --nvlink-gbps 1 --network-gbps 0.1",
+                                    "--peak-tflops 1e6 --hbm-tbps 1e3 --nvlink-gbps 1e5 --network-gbps 1e5"])
+def test_plan_prices_a_step_at_each_end_of_the_rates_ranges(monkeypatch, capsys, corner):
+    """The ranges are what plan can price: at their ends a step of a few digits, its parts each a
+    number, MFU at most 100%."""
+    code, out, err = plan_main(monkeypatch, capsys, *"--model llama3-8b --dp 8 --pp 1 --cp 1 --tp 8".split(),
+                               *corner.split())
+    step, mfu = re.search(r"\nstep ([\d,.]+) s predicted: [\d,]+ TFLOP/s per GPU, MFU (\d+)%", out).groups()
+    assert code == 0 and not err and len(step) < 12 and int(mfu) <= 100, out
+    parts = re.findall(r" (?:GEMMs|attention|elementwise|TP|DP|PP|CP|bubble) ([\d,.e+-]+)", out)
+    assert len(parts) == 8 and all(math.isfinite(float(x.replace(",", ""))) for x in parts), out
+
+
+@pytest.mark.parametrize("options", ["--gpus 8 --microbatches 7", "--gpus 16 --tp 16",
+                                     "--gpus 8 --moe --ep 3"])
+def test_no_mesh_that_passes_validate_is_refused_like_any_other_input(monkeypatch, capsys, options):
+    """Microbatches that divide no mesh's batch, tp 16 on nodes of 8, an ep that divides no dp x cp:
+    one line, as before, but exit 2 (it was 0, on stdout)."""
+    code, out, err = plan_main(monkeypatch, capsys, "--model", "llama3-8b", *options.split())
+    assert (code, out) == (2, "") and err.count("\n") == 1, (code, out, err)
+    gpus = options.split()[1]
+    assert err.startswith(f"09_full_train.py plan: error: no mesh of {gpus} GPUs passes validate: "), err
+
+
+def test_a_gpu_just_too_small_never_reads_as_fitting(monkeypatch, capsys):
+    """A model 0.4% over the memory printed "1.0x the memory" (83.5 GB of 80 read as fitting), and a
+    mesh given "(0%) more": the ratio is rounded up, 1.01x and 1%."""
+    cfg = preset("llama3-70b")
+    train = full_train.TrainConfig(global_batch=1024, seq_len=8192, mixed_precision=True)
+    valid, _, _ = full_train.search_meshes(cfg, train, 8, dict.fromkeys(full_train.DIMS), None, 1,
+                                           full_train.Cluster())
+    for mesh, need in ((None, min(max(p.total for p in v[2]) for v in valid)),
+                       ((4, 1, 1, 2), max(p.total for p in timed("llama3-70b", (4, 1, 1, 2))[2]))):
+        given = ["--gpus", "8"] if mesh is None else [f"--{d}={n}" for d, n in zip(full_train.DIMS, mesh)]
+        memory = float(need) / 1e9 / 1.004
+        _, out, _ = plan_main(monkeypatch, capsys, "--model=llama3-70b", *given, f"--gpu-memory={memory!r}")
+        if mesh is None:
+            assert re.search(r"needs [\d,.]+ GB on its fullest GPU, 1\.01x the memory\n$", out), out
+        else:
+            assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GB, [\d,.]+ GB \(1%\) more", out)
 
 
 @pytest.mark.parametrize("options, given", [
@@ -1515,8 +1602,8 @@ def test_plan_without_a_gpu_count_says_what_it_needs_and_was_given(monkeypatch, 
     """The first command a student types (no options) printed a Python dict of Nones."""
     monkeypatch.setattr(full_train, "search_meshes", lambda *args: pytest.fail("planned"))
     code, out, err = plan_main(monkeypatch, capsys, *options.split())
-    needs = ("09_full_train.py plan: error: plan needs --gpus N or every mesh size (--dp --pp --cp --tp), sizes "
-             "that multiply")
+    needs = ("09_full_train.py plan: error: plan needs --gpus N or every mesh size (--dp --pp --cp --tp), "
+             "sizes that multiply")
     assert (code, out) == (2, "") and err == f"{needs} to N; given: {given}\n", err
 
 
@@ -1612,6 +1699,50 @@ def test_the_prediction_moves_the_right_way_when_one_input_changes():
     assert slow["parts"]["GEMMs"] == fast["parts"]["GEMMs"] and slow["step"] > fast["step"]
     assert slow["parts"]["DP"] > fast["parts"]["DP"] and slow["parts"]["PP"] > fast["parts"]["PP"]
 
+
+
+def test_each_ring_hop_hides_behind_one_blocks_attention_not_the_whole_call():
+    """05's ring sends cp - 1 hops of K/V, each while the rank computes one block, 1/cp of its
+    attention: exposed, microbatches x layers x (cp - 1) x (hop - block), forward and backward, where
+    a hop outlasts a block. On dp 4 x cp 8 x tp 8 (Llama 3 8B), tp fills each node, so cp's hops cross
+    the network and outlast a block: 1.44 s exposed (hidden behind the whole call, it was 0)."""
+    sizes, run, plans, timing = timed("llama3-8b", (4, 1, 8, 8))
+    cfg, cluster, cp, tp = preset("llama3-8b"), full_train.Cluster(), 8, 8
+    rows, s = run.global_batch // sizes.dp // run.microbatches, run.seq_len // cp
+    sent = full_train.context_parallel.attention_bytes("ring", rows * s * cfg.dim // tp,
+                                                       rows * s * cfg.n_kv_heads * cfg.head_dim // tp, cp, 2)
+    attention = full_train.flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, "flash", cp)
+    assert not full_train.inside_node(sizes, "cp", cluster.gpus_per_node)
+    hop = [float(sent[d]) / (cp - 1) / (cluster.network_gbps * 1e9) + cluster.latency
+           for d in ("forward", "backward")]
+    block = [seconds / cp for seconds in attention]
+    assert all(h > b for h, b in zip(hop, block)), (hop, block)
+    exposed = run.microbatches * plans[0].layers * (cp - 1) * sum(h - b for h, b in zip(hop, block))
+    assert timing["parts"]["CP"] == pytest.approx(exposed, rel=1e-9) and round(exposed, 2) == 1.44
+
+
+def test_a_thin_fp8_gemm_is_priced_at_its_bytes_a_bf16_output_at_two():
+    """08's roofline as plan prices a Float8Linear on few tokens (16): every GEMM bandwidth-bound, its
+    e4m3 operands 1 byte an element, its bf16 output 2 (the backward's dW = dy^T x outputs the whole
+    weight: at 1 byte it took half the time)."""
+    t, k, n, hbm = 16, 8192, 8192, 3.35e12
+    moved = lambda rows, inner, cols: rows * inner + inner * cols + 2 * rows * cols  # noqa: E731
+    forward, backward = full_train.fp8.linear_seconds(t, k, n, hbm, float8=True)
+    assert forward == pytest.approx(moved(t, k, n) / hbm, rel=1e-12)
+    assert backward == pytest.approx((moved(t, n, k) + moved(n, t, k)) / hbm, rel=1e-12)
+
+
+def test_attention_between_measured_lengths_takes_the_rate_nearest_by_ratio():
+    """07 measured its rates at 1,024 to 16,384 tokens, doubling; between two, the nearer on a log
+    scale: 3,000 tokens is 1.37x below 4,096 and 1.46x above 2,048, so 4,096's rate (by difference it
+    took 2,048's, 952 tokens off against 1,096). 2,896 is their geometric mean. Forward FLOPs 4 s^2 d
+    a head, halved by the causal mask; backward 2.5x."""
+    rates = full_train.flash.ATTENTION_TFLOPS_H100[128, True]["flash"]
+    for seq, measured in ((3000, 4096), (6000, 8192), (2900, 4096), (2890, 2048), (1400, 1024)):
+        forward, backward = full_train.flash.attention_seconds(1, 1, seq, 128, "flash")
+        expected = 2 * seq ** 2 * 128 / (rates[full_train.flash.BENCH_SEQS.index(measured)] * 1e12)
+        assert forward == pytest.approx(expected, rel=1e-12), (seq, measured)
+        assert backward == pytest.approx(2.5 * expected, rel=1e-12)
 
 
 def test_inside_node_exactly_when_no_group_of_the_kind_crosses_a_node():
