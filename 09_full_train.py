@@ -873,7 +873,7 @@ MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256 (bytes are toke
     "1b": (dict(dim=2048, n_layers=16, n_heads=16, ffn_dim=5632), 2048, 8, 3e-4),  # 0.82B: one H100
     # Llama 3 8B's layer (dim 4096, GQA 32/8, ffn 14336), 8 of them: 1.7B, --fp8's GEMMs at full width
     "2b": (dict(dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336), 2048, 8, 3e-4),
-}  # lesson 10 adds published models, whose vocabularies need a tokenizer
+}  # plan adds published models (PRESETS), whose vocabularies need a tokenizer
 
 
 @dataclass

@@ -234,7 +234,7 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
                             global_batch=1, seq_len=16, zero_stage=0, lr=LR,  # ring's output is out_proj's
                             adam_eps=ADAM_EPS, max_grad_norm=0.5)))  # input (the plan counted it twice)
 def test_any_mesh_equals_one_device(rank_pool, configuration):
-    """And the plan (09's formulas, which lesson 10 applies at scale) is what each rank measures: its
+    """And the plan (09's formulas, which `plan` applies at scale) is what each rank measures: its
     parameters, bytes held, activations held at once, microbatches in flight, bytes sent per group."""
     cfg, sizes, train = configuration
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS)
