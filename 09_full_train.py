@@ -1,9 +1,8 @@
 """Lesson 09: every technique at once. A (dp, pp, cp, tp) mesh, one model, proved equal to one device.
 
-Two programs, a sub-command each with its own options: `check` proves the mesh equal to one device,
-`train` (the default) trains on text; lesson 10's planner prices a run at scale with plan(). The
-sections, in order:
-  Options: option(), a dataclass field that is also a command-line option, its rule beside it    all
+Three programs, a sub-command each with its own options: `train` (the default) trains on text, `check`
+proves the mesh equal to one device, `plan` prices a run at scale on a cluster that is not here. The
+parts, in order:
   The mesh: MeshSizes (tp fastest), build_mesh (every group), rank_map                           all
   The configuration: TrainConfig; validate, every lesson's rule before any collective            all
   Held pieces: held_piece (a rank's elements of a reference parameter: 02's Piece), assemble  check, train
@@ -12,7 +11,9 @@ sections, in order:
   Data, learning rate, MFU, sampling: ShardedLoader (bytes are tokens), flops_per_token, sample  train
   Checkpoints: a Trainer's pieces (piece_of) in the protocol of 02_zero_checkpoints.py           train, check
   The training run: MODELS, RunConfig, train_loop                                                train
-  RUN IT: train_run and its printing; check's demo; the command line (COMMANDS)                  all
+  RUN IT: train_run and its printing; check's demo                                               train, check
+  Planning at scale: PRESETS, Cluster, step_time (a step's seconds), search_meshes, plan_report   plan
+  The command line: the option fields (01's option()), COMMANDS, main                            all
 
 THE MESH
 world = dp x pp x cp x tp ranks (the mesh sets them: 09 has no --nproc), numbered with tp fastest:
@@ -49,8 +50,24 @@ MoE here is dropless without balancing: capacity drops, the aux loss and the sel
 load depend on which tokens share a forward, which microbatches and sequence chunks change.
 
 COST: plan() composes the lessons' own formulas for what each rank holds and sends, building
-nothing: `check` prints them beside each rank's measurements (the tests prove them equal); lesson 10
-prices models and clusters that are not here. `train` adds 02's checkpoints, a NaN guard, MFU, a sample.
+nothing: `check` prints them beside each rank's measurements (the tests prove them equal); `plan`
+sets them against a GPU's memory for models and clusters that are not here and prices a step.
+`train` adds 02's checkpoints, a NaN guard, MFU, a sample.
+
+THE STEP TIME, from the operations (step_time): each one priced by the lesson that owns it, no MFU
+assumed. GEMMs at their TP-local shapes by 08's roofline (the rate measured on an H100, or the bytes
+at the HBM's bandwidth); attention at 07's measured rate; elementwise work (elementwise_bytes, split as
+03 splits the layer) and the optimizer (02) at the HBM's bandwidth; recompute's forward again.
+Messages go at their link's speed (NVLink inside a node, the NIC across: ranks are numbered tp
+fastest, so inside_node knows which groups stay in one) plus a latency, exposed where nothing hides
+them: TP's all, the ring's hops beyond a block's attention, the gradient reduction beyond the last
+microbatch's backward, ZeRO-1/2's gather after the step, ZeRO-3's beyond the previous layer, the
+pipeline's sends in its fill and drain. The slowest pipeline rank's microbatches / (1 - 04's bubble)
+span the pipeline (pipeline_span). Two bounds frame it: perfect overlap, and none.
+
+THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that validate accepts;
+those that fit in memory, fastest first. The README's planning table checks the predictions against
+published runs (Megatron-Core's H100 table, MosaicML's MPT, Meta's Llama 3 405B): PRESETS.
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
@@ -59,9 +76,14 @@ RUN IT
     torchrun --nproc_per_node=8 09_full_train.py check --dp 2 --tp 2 --pp 2
     python 09_full_train.py check --dp 2 --cp 2 --tp 2 --sequence-parallel
     python 09_full_train.py check --dp 2 --tp 2 --pp 2 --ep 2    # MoE, experts over 2 dp ranks
+    python 09_full_train.py plan --model llama3-70b --gpus 256   # the fastest meshes that fit
+    python 09_full_train.py plan --model llama3-405b --dp 64 --pp 16 --cp 1 --tp 8 --sequence-parallel \
+        --zero 2 --schedule interleaved --virtual 2                # Meta's mesh, per pipeline rank
 Look at: the loss falling from ln 256 = 5.5 and the sample; tokens/s and MFU; with check, the rank
 map, the max |difference| from one device (loss, every gradient reassembled from the shards,
-parameters after the steps) and bytes per mesh dimension beside the formulas.
+parameters after the steps) and bytes per mesh dimension beside the formulas; with plan, the
+fullest GPU's bytes beside its memory, which terms of the step are exposed communication and which
+the bubble, and how far apart the two bounds are.
 """
 from __future__ import annotations
 
@@ -79,7 +101,6 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -103,35 +124,8 @@ fp8_distributed = importlib.import_module("08_fp8_distributed")
 
 DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
 
-RULES = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0}  # NaN: refused too
-EVERY, STEPPING, TRAIN, PLAN = ("check", "train", "plan"), ("check", "train"), ("train",), ("plan",)
-
-
-def option(default, help: str, rule: str | None = None, commands: tuple[str, ...] = EVERY, **argparse_kwargs):
-    """A dataclass field that is also the option --field-name of these sub-commands; rule: a key of
-    RULES; argparse_kwargs: option="--other-name", choices, type, metavar, nargs, const, and
-    off=(flag, value, help): a second option that sets the field to value."""
-    return dataclasses.field(default=default, metadata=dict(help=help, rule=rule, commands=commands,
-                                                            argparse=argparse_kwargs))
-
-
-def flag(field: dataclasses.Field) -> str:
-    return field.metadata["argparse"].get("option", "--" + field.name.replace("_", "-"))
-
-
-def broken_rules(values, fields: Sequence[dataclasses.Field], flagged: bool = False) -> list[str]:
-    """The rules and choices beside these fields that values (a config, or the parsed options, where
-    None is left to other options) break, each naming the field (flagged: its option) and value."""
-    out = []
-    for f in fields:
-        value, rule = getattr(values, f.name), f.metadata.get("rule")
-        choices = f.metadata.get("argparse", {}).get("choices")
-        named = f"{flag(f)} must be" if flagged else f"{f.name}={value!r} must be"
-        if value is not None and rule is not None and not RULES[rule](value):
-            out.append(f"{named} {rule}" + (f", not {value}" if flagged else ""))
-        elif value is not None and choices is not None and value not in choices:
-            out.append(f"{named} one of {tuple(choices)}")
-    return out
+option = foundation.option  # 01's: a dataclass field that is also the option --field-name, its rule beside it
+STEPPING, TRAIN, PLAN = ("check", "train"), ("train",), ("plan",)  # an option's sub-commands (default: all)
 
 
 # --- The mesh -------------------------------------------------------------------------------------
@@ -229,7 +223,7 @@ def mesh_name(sizes: MeshSizes) -> str:
 class TrainConfig:
     global_batch: int = option(8, "sequences per step", ">= 1")
     seq_len: int = option(16, "tokens per sequence", ">= 1")
-    zero_stage: int = option(1, "ZeRO stage over dp x cp", ">= 0", option="--zero", metavar="STAGE")
+    zero_stage: int = option(1, "ZeRO stage over dp x cp", (">= 0", "<= 3"), option="--zero", metavar="STAGE")
     schedule: str = option("1f1b", "lesson 04's pipeline schedule", choices=pipeline.SCHEDULES)
     microbatches: int = option(1, "microbatches per step", ">= 1")
     virtual: int = option(1, "pipeline stages per rank (interleaved 1F1B)", ">= 1")
@@ -248,7 +242,8 @@ class TrainConfig:
 
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     """Every violation, each lesson's rule in its own words, in one ValueError."""
-    problems = broken_rules(sizes, dataclasses.fields(sizes)) + broken_rules(train, dataclasses.fields(train))
+    problems = [*foundation.broken_rules(sizes, dataclasses.fields(sizes)),
+                *foundation.broken_rules(train, dataclasses.fields(train))]
 
     def check(rule, *args, rename: tuple[str, str] = ("", "")) -> None:
         try:
@@ -263,7 +258,6 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     check(tensor_parallel.validate_tensor_parallel, cfg, tp)
     check(context_parallel.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", True,
           cfg.n_kv_heads)
-    check(zero.validate_stage, train.zero_stage)
     if train.global_batch % max(sizes.dp, 1):
         problems.append(f"global_batch={train.global_batch} is not divisible by dp={sizes.dp}")
     else:
@@ -401,7 +395,7 @@ class Trainer:
     """
 
     def __init__(self, cfg, mesh: Mesh, train: TrainConfig, device: torch.device) -> None:
-        validate(cfg, mesh.sizes, train, dist.get_world_size())
+        validate(cfg, mesh.sizes, train, mesh.sizes.world)  # its ranks: the caller checked them (build_mesh)
         self.cfg, self.mesh, self.train, self.device = cfg, mesh, train, device
         sizes, at = mesh.sizes, mesh.coords
         self.schedule = pipeline.make_schedule(train.schedule, sizes.pp, train.microbatches, train.virtual)
@@ -879,7 +873,7 @@ MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256 (bytes are toke
     "1b": (dict(dim=2048, n_layers=16, n_heads=16, ffn_dim=5632), 2048, 8, 3e-4),  # 0.82B: one H100
     # Llama 3 8B's layer (dim 4096, GQA 32/8, ffn 14336), 8 of them: 1.7B, --fp8's GEMMs at full width
     "2b": (dict(dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336), 2048, 8, 3e-4),
-}  # lesson 10 adds published models, whose vocabularies need a tokenizer
+}  # plan adds published models (PRESETS), whose vocabularies need a tokenizer
 
 
 @dataclass
@@ -1046,7 +1040,7 @@ def resumed_validation(meta: dict, again: float, sizes: MeshSizes) -> str:
 
 
 # ==============================================================================================
-# RUN IT: the two programs (train, check), what they print, the command line
+# RUN IT: the two programs that run on ranks (train, check) and what they print
 # ==============================================================================================
 
 
@@ -1098,7 +1092,7 @@ def train_run(args: argparse.Namespace) -> None:
         foundation.exit_distributed(str(failed), code=1 if isinstance(failed, FloatingPointError) else 2)
     if not result["losses"]:  # a finished run resumed: said so, nothing more
         foundation.exit_distributed()
-    activations = checkpoints.all_ranks(result["activation_bytes"])
+    activations = foundation.all_ranks(result["activation_bytes"])
     if rank0:
         print_run(trainer, result, activations, peak and mfu)
         if result["saved"] is not None:  # the parameters: plan's one layer (tp = ep = 1: whole) x layers
@@ -1225,23 +1219,37 @@ def dp_rows(cfg, train: TrainConfig, step: int, mesh: Mesh) -> torch.Tensor:
     return torch.cat([tokens, targets[:, -1:]], dim=1)
 
 
-def demo(args: argparse.Namespace) -> None:
-    device = foundation.init_distributed()
-    sizes, cfg, train = mesh_sizes(args), build_model_config(args), train_config(args)
-    trainer = Trainer(cfg, build_mesh(sizes), train, device)  # the launcher validated every rank
-    mesh, losses = trainer.mesh, []
-    for step in range(args.steps):
+def check_steps(cfg, mesh: Mesh, train: TrainConfig, steps: int, device: torch.device) -> tuple:
+    """check's training on this rank of mesh: (losses, step-0 gradients and last parameters as
+    (piece, values) pairs, the Trainer)."""
+    trainer, losses = Trainer(cfg, mesh, train, device), []
+    for step in range(steps):
         losses.append(trainer.forward_backward(dp_rows(cfg, train, step, mesh)))
         if step == 0:
             grads = shard_values(trainer, "grads")
         trainer.update()
-    ranks = [None] * sizes.world if mesh.rank == 0 else None  # each rank's (grads, params, summary)
-    dist.gather_object((grads, shard_values(trainer), summary(trainer)), ranks, dst=0)
-    if mesh.rank == 0:
-        ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len, lr=train.lr,
-                                             adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
-                                             mixed_precision=train.mixed_precision,
-                                             transform=reference_transform(train))
+    return losses, grads, shard_values(trainer), trainer
+
+
+def demo(args: argparse.Namespace) -> None:
+    device = foundation.init_distributed()
+    sizes, cfg, train = mesh_sizes(args), build_model_config(args), train_config(args)
+    losses, grads, params, trainer = check_steps(cfg, build_mesh(sizes), train, args.steps, device)
+    one = build_mesh(MeshSizes()) if train.fp8 else None  # rank 0 alone (every rank makes its groups)
+    ranks = foundation.all_ranks((grads, params, summary(trainer)), dst=0)  # on rank 0
+    if trainer.mesh.rank == 0:
+        if train.fp8:  # one device's FP8 on the same microbatches: the same scales, each microbatch's
+            microbatches = sizes.dp * train.microbatches
+            alone = dataclasses.replace(train, microbatches=microbatches, schedule="1f1b", virtual=1,
+                                        sequence_parallel=False)
+            ref_losses, ref_grads, ref_params, _ = check_steps(cfg, one, alone, args.steps, device)
+            ref = foundation.TrainResult(ref_losses, assemble(ref_grads), assemble(ref_params))
+        else:
+            ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len,
+                                                 lr=train.lr, adam_eps=train.adam_eps,
+                                                 max_grad_norm=train.max_grad_norm,
+                                                 mixed_precision=train.mixed_precision,
+                                                 transform=reference_transform(train))
         moe = train.moe and f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; "
         print(f"4D parallelism: {mesh_name(sizes)} on {sizes.world} ranks ({dist.get_backend()}, "
               f"{device.type}); ZeRO-{train.zero_stage}, {train.schedule} with {train.microbatches} "
@@ -1253,12 +1261,19 @@ def demo(args: argparse.Namespace) -> None:
             f"{step:<6}{a:>12.6f}{b:>12.6f}" for step, (a, b) in enumerate(zip(losses, ref.losses))))
         grads_full = assemble([pair for g, _, _ in ranks for pair in g])
         params_full = assemble([pair for _, q, _ in ranks for pair in q])
-        print(f"max |difference| from one device (AdamW + clip_grad_norm_ at {train.max_grad_norm}): loss "
+        one_device = (f"one device's FP8 run on the same {microbatches} microbatches (AdamW, clipping"
+                      if train.fp8 else "one device (AdamW + clip_grad_norm_")
+        print(f"max |difference| from {one_device} at {train.max_grad_norm}): loss "
               f"{max(abs(a - b) for a, b in zip(losses, ref.losses)):.1e}, step-0 gradients "
               f"{foundation.max_abs_diff(grads_full, ref.first_grads):.1e}, parameters after {args.steps} "
               f"steps {foundation.max_abs_diff(params_full, ref.params):.1e} (every element reassembled "
-              f"from the ranks' pieces)" + ("\n(FP8: the reference computes in fp32, so these are FP8's "
-                                           "rounding, ~1e-3)" if train.fp8 else ""))
+              f"from the ranks' pieces)")
+        if train.fp8:  # 08's scales are whole tensors' whatever tp, pp and dp split; a cp rank's, its part's
+            print("(FP8 with cp > 1: each rank scales its own part of a sequence, so these are FP8's "
+                  "rounding, ~1e-3)" if sizes.cp > 1 else "(FP8: the same scales, so the same FP8 "
+                  "numbers: step 0 differs by fp32's rounding. After the first update, that rounding puts\n"
+                  "a few weights on the other side of an FP8 rounding boundary: flips, which the steps after "
+                  "carry, as any rounding does)")
         print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes "
               "held\n(live storages) | 02's formula; bytes sent per step in each group, measured | formula "
               "(fp32):")
@@ -1276,82 +1291,342 @@ def demo(args: argparse.Namespace) -> None:
     foundation.exit_distributed()
 
 
-# --- The command line: check | train, generated from the option fields (10's plan reuses them) ----
+# ==============================================================================================
+# PLANNING AT SCALE (plan): a model and a cluster that are not here, priced from the lessons' own
+# formulas and measurements, nothing built
+# ==============================================================================================
+
+# 09's presets and published ones (Meta's Llama 3; the runs the README's planning table checks): (model,
+# seq_len, global_batch, lr). Peak lr from the Llama 3 paper; batches of 4M, 8M and 16M tokens (405B:
+# Meta's last). Megatron-Core's H100 table (vocabulary 131,072, 4,096 tokens) and MosaicML's MPT (50,368,
+# 2,048) as (dim, layers, batch): heads of 128, their GELU MLP of 4 x dim priced as our SwiGLU with its
+# parameters (ffn 8 dim / 3).
+LLAMA3 = dict(vocab_size=128_256, n_kv_heads=8, rope_theta=500_000.0)
+MEGATRON_H100 = {"1.7b": (2048, 24, 192), "7.1b": (4096, 30, 192), "16b": (6144, 32, 192),
+                 "32b": (7168, 48, 192), "70b": (8192, 84, 384), "119b": (10240, 92, 768),
+                 "177b": (12288, 96, 1152), "314b": (16384, 96, 1536), "462b": (18432, 112, 3072)}
+MPT = {"1b": (2048, 24, 112), "7b": (4096, 32, 48), "70b": (8192, 80, 4096)}
+PRESETS = MODELS | {
+    "llama3-8b": (dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **LLAMA3), 8192, 512, 3e-4),
+    "llama3-70b": (dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **LLAMA3), 8192, 1024, 1.5e-4),
+    "llama3-405b": (dict(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248, **LLAMA3), 8192, 2048, 8e-5),
+} | {f"{family}-{k}": (dict(dim=d, n_layers=n, n_heads=d // 128, ffn_dim=round(d / 3) * 8, vocab_size=vocab),
+                      seq_len, b, 1e-4)
+     for family, runs, vocab, seq_len in (("megatron", MEGATRON_H100, 131_072, 4096),
+                                          ("mpt", MPT, 50_368, 2048)) for k, (d, n, b) in runs.items()}
 
 
 @dataclass(frozen=True)
-class ModelOptions:
-    """The command line's choice of model (build_model_config and train_config make its configs)."""
+class PlanModel:
+    model: str = option("tiny", "the preset: 09's, or a published run's", commands=PLAN, choices=PRESETS)
+
+
+# --- A cluster, and a step's time on it ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines, by default H100 SXM nodes: NVIDIA's datasheet (989 dense bf16 TFLOP/s, 3.35 TB/s
+    HBM3, NVLink 4 at 450 GB/s each way) and the DGX H100's 400 Gb/s NIC per GPU. GEMMs and attention
+    run at the course's own H100 measurements (08's and 07's tables), x peak_tflops / 989."""
+    # Each rate and size within about 1000x of an H100 node's, either way: beyond any chip or cluster of
+    # today, and a typo outside (0, 1e-300, inf, 1e308 priced a step at 0 s, then divided by it, or at
+    # 300 digits); NaN breaks every rule. --gpus at most a million: the search tries each divisor.
+    gpus: int | None = option(None, "GPUs (default: the product of the mesh sizes)", (">= 1", "<= 1e6"), PLAN,
+                              type=int)
+    gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", (">= 1", "<= 1e4"), PLAN)
+    gpu_memory: float = option(80.0, "GB per GPU", (">= 1", "<= 1e5"), PLAN)
+    peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU: scales the H100's measured rates",
+                                (">= 1", "<= 1e6"), PLAN)
+    hbm_tbps: float = option(3.35, "TB/s of GPU memory (elementwise work, the optimizer, thin GEMMs)",
+                             (">= 0.01", "<= 1e3"), PLAN)
+    nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node (NVLink 4)", (">= 1", "<= 1e5"), PLAN)
+    network_gbps: float = option(50.0, "GB/s per GPU each way between nodes (a 400 Gb/s NIC)",
+                                 (">= 0.1", "<= 1e5"), PLAN)
+    latency: float = 10e-6  # s a collective or send costs beyond its bytes: NCCL's tuning model
+    # (src/graph/tuning.cc) puts a ring's base latency at 4-8 us, plus 0.5-3 us a hop on NVLink
+
+
+def inside_node(sizes: MeshSizes, kind: str, gpus_per_node: int) -> bool:
+    """Whether every group of this kind lies in one node: ranks are numbered tp fastest, so a group
+    stays within aligned blocks of (its slowest dimension's size x the faster dimensions' sizes)."""
+    moving = [d for d in DIMS if d in GROUP_DIMS.get(kind, ("dp", "cp")) and getattr(sizes, d) > 1]
+    block = math.prod(getattr(sizes, d) for d in DIMS[DIMS.index(moving[0]):]) if moving else 1
+    return gpus_per_node % block == 0
+
+
+def pipeline_span(busy: list[float], bubble: float, boundary: float, pp: int, microbatches: int,
+                  virtual: int, hide: bool) -> tuple[float, float]:
+    """(span, fill): the pipeline's seconds, and of them the fill and drain's sends (boundary seconds
+    each: the first forward's pp - 1 hops before the last rank starts, the last backward's after it
+    ends; hide=False: every microbatch's, both ways, over all pp x virtual - 1 boundaries; pp = 1:
+    none, one rank holds every stage). Outside them the slowest rank is busy max(busy) and idle 04's
+    bubble, its idle fraction."""
+    fill = (pp > 1) * boundary * (2 * (pp - 1) if hide else 2 * microbatches * (pp * virtual - 1))
+    return max(busy) / (1 - bubble) + fill, fill
+
+
+def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, layers: int, embed: bool,
+                      head: bool, mlp: bool = True, elem_bytes: int = 2) -> tuple[int, int]:
+    """Memory traffic (forward, backward) of one rank's elementwise work on a microbatch of `tokens`
+    tokens through a stage (03's comm_formula keywords), each operation reading its inputs and writing
+    its output once (torch.compile fuses them). Per layer, between the regions (/ t with SP): two
+    RMSNorms (h in, h out), two residual adds (2h, h); on the rank's heads and ffn / t: RoPE on q and
+    k, silu(gate) x up (2f, f). Plus the embedding's lookup, the final norm, and the loss's two fp32
+    passes over the V / t logits. Backward reads what forward read and the output's gradient, writes
+    the inputs' gradients: a norm or an add 3h, SwiGLU 5f, the embedding 3h, the loss two passes."""
+    h, e, mid = cfg.dim, elem_bytes, tokens // (tp if sequence_parallel else 1)  # mid: between the regions
+    qk, f = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // tp, cfg.ffn_dim // tp * mlp
+    loss = head * 2 * 4 * -(-cfg.vocab_size // tp) * tokens
+    forward = layers * (10 * h * mid + (2 * qk + 3 * f) * tokens) + 2 * h * (embed * tokens + head * mid)
+    backward = layers * (12 * h * mid + (2 * qk + 5 * f) * tokens) + 3 * h * (embed * tokens + head * mid)
+    return forward * e + loss, backward * e + loss
+
+
+PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble")  # a step's, as printed
+
+
+def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster,
+              hide: bool = True) -> dict:
+    """Seconds per step from the operations (the docstring's THE STEP TIME); parts: the slowest pipeline
+    rank's (bubble: its idle time in the span). The bounds: hide=False, no communication hidden; the
+    compute alone, or the busiest link's bytes."""
+    tp, cp, pp, m, n, moe = sizes.tp, sizes.cp, sizes.pp, train.microbatches, sizes.dp * sizes.cp, train.moe
+    e, rows, s = 2 if train.mixed_precision else 4, train.global_batch // sizes.dp // m, train.seq_len // cp
+    tokens, hbm = rows * s, cluster.hbm_tbps * 1e12  # a microbatch's tokens on a rank
+    speed = cluster.peak_tflops * 1e12 / dict(PEAK_BF16_FLOPS)["H100"]
+    link = lambda kind: 1e9 * (cluster.nvlink_gbps if inside_node(sizes, kind, cluster.gpus_per_node)
+                               else cluster.network_gbps)
+    send = lambda kind, nbytes, calls=1: float(nbytes) / link(kind) + calls * cluster.latency
+    exposed = lambda comm, behind: max(0.0, comm - behind) if hide else comm
+    shapes = local_shapes(cfg, tp, moe, sizes.ep)
+
+    def linears(prefix: str) -> list[float]:  # (forward, backward); 06's experts share top_k x the tokens
+        out = [0.0, 0.0]
+        for *experts, n_out, n_in in (v for k, v in shapes.items() if k.startswith(prefix) and len(v) > 1):
+            count = experts[0] if experts else 1
+            f, b = fp8.linear_seconds(tokens * (moe.top_k if experts else 1) // count, n_in, n_out, hbm,
+                                      train.fp8 and not experts and prefix == "layers.", speed)
+            out = [out[0] + count * f, out[1] + count * b]
+        return out
+
+    elementwise = lambda **at: [x / hbm for x in elementwise_bytes(
+        cfg, tokens, tp, train.sequence_parallel, mlp=moe is None, elem_bytes=e, **at)]
+    attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim,
+                                        "flash" if cp > 1 else train.attention, cp, speed)  # 09's ring: 07's
+    layer = {"GEMMs": linears("layers."), "attention": list(attention),
+             "elementwise": elementwise(layers=1, embed=False, head=False)}
+    rerun = {"none": (), "selective": ("attention",), "full": tuple(layer)}[train.recompute]
+    layer = {k: [f, b + f * (k in rerun)] for k, (f, b) in layer.items()}  # recompute: the forward again
+    ranks = []
+    for p in plans:
+        first, last = 0 in p.stages, pp * train.virtual - 1 in p.stages
+        ends = {"GEMMs": linears("lm_head") if last else [0, 0], "attention": [0, 0],
+                "elementwise": elementwise(layers=0, embed=first, head=last)}
+        work = {k: [p.layers * layer[k][i] + ends[k][i] for i in (0, 1)] for k in layer}
+        parts = {k: m * sum(v) for k, v in work.items()} | dict.fromkeys(("TP", "CP", "DP"), 0.0)
+        if tp > 1:  # (ZB-H1's W re-runs part of the backward's: priced as 1F1B's)
+            messages = tp_messages(cfg, sizes, train, p.layers, first, last)
+            parts["TP"] = sum(send("tp", sent, calls) for calls, sent in messages)
+        if cp > 1:  # each of the cp - 1 hops behind one block's attention; recompute: the forward's twice
+            hops = context_parallel.attention_bytes("ring", tokens * cfg.dim // tp,
+                                                    tokens * cfg.n_kv_heads * cfg.head_dim // tp, cp, e)
+            f, b = (exposed(send("cp", hops[d] / (cp - 1)), t / cp) for d, t in zip(hops, attention))
+            parts["CP"] = m * p.layers * (cp - 1) * (f * (1 + (train.recompute != "none")) + b)
+        after = zero.zero_step_bytes(p.params, n, train.zero_stage, m, train.mixed_precision) / hbm
+        if n > 1:  # 02's over dp x cp; units: each layer, the embedding, the norm and head
+            unit, units = [sum(v[i] for v in layer.values()) for i in (0, 1)], p.layers + first + 2 * last
+            last_backward = sum(v[1] for v in work.values())
+            parts["DP"] = zero.zero_exposed_seconds(p.params, n, train.zero_stage, units, m, e,
+                                                    lambda *x: send("dp_cp", *x), last_backward, unit, hide)
+        ranks.append((parts, after))
+    bubble = pipeline.bubble_formula(train.schedule, pp, m, train.virtual)
+    busy = [sum(parts.values()) - parts["DP"] for parts, _ in ranks]
+    message = rows * s // (tp if train.sequence_parallel else 1) * cfg.dim * e  # a boundary's, each way
+    span, fill = pipeline_span(busy, bubble, send("pp", message), pp, m, train.virtual, hide)
+    totals = [span + parts["DP"] + after for parts, after in ranks]
+    slowest = totals.index(max(totals))
+    parts, after = ranks[slowest]
+    parts = {**parts, "elementwise": parts["elementwise"] + after, "PP": fill,
+             "bubble": span - fill - busy[slowest]}
+    compute = max(sum(r[k] for k in layer) for r, _ in ranks) / (1 - bubble) + max(a for _, a in ranks)
+    links, comm = {"NVLink": 0.0, "network": 0.0}, {}
+    for kind in dict.fromkeys(k for p in plans for k in p.traffic):
+        sent = [p.traffic.get(kind, 0) for p in plans]
+        where = "NVLink" if inside_node(sizes, kind, cluster.gpus_per_node) else "network"
+        comm[kind] = None if None in sent else (float(max(sent)), where)
+        links[where] += 0 if comm[kind] is None else comm[kind][0] / link(kind)
+    flops = train.global_batch * train.seq_len * flops_per_token(cfg, train.seq_len)  # MFU's count
+    return dict(step=max(totals), parts={k: parts[k] for k in PARTS}, bubble=bubble, busy=busy, span=span,
+                flops=flops, mfu=flops / (max(totals) * sizes.world * cluster.peak_tflops * 1e12), comm=comm,
+                overlap=max(compute, *links.values()),
+                no_overlap=step_time(cfg, sizes, train, plans, cluster, hide=False)["step"] if hide else None)
+
+
+def planned(cfg, sizes: MeshSizes, train: TrainConfig, microbatches: int | None, cluster: Cluster) -> tuple:
+    """(sizes, train as run on them, plans, step time), or validate's ValueError. microbatches None:
+    one sequence each (global_batch / dp)."""
+    train = dataclasses.replace(train, microbatches=microbatches or max(train.global_batch // sizes.dp, 1))
+    validate(cfg, sizes, train, sizes.world)
+    plans = plan(cfg, sizes, train)
+    return sizes, train, plans, step_time(cfg, sizes, train, plans, cluster)
+
+
+def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | None], microbatches: int | None,
+                  ep: int, cluster: Cluster) -> tuple[list, list, str]:
+    """THE SEARCH: the meshes of gpus GPUs (the sizes given kept) as planned() gives them; those that fit,
+    fastest first (by the predicted step); the first refusal."""
+    valid, refusals = [], []
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    for tp, cp, pp in itertools.product(divisors, repeat=3):
+        sizes = MeshSizes(gpus // (tp * cp * pp), pp, cp, tp, ep)
+        if gpus % (tp * cp * pp) or cluster.gpus_per_node % tp or any(
+                fixed[d] not in (None, getattr(sizes, d)) for d in DIMS):
+            continue
+        try:
+            valid.append(planned(cfg, sizes, train, microbatches, cluster))
+        except ValueError as error:
+            refusals.append(f"{mesh_name(sizes)}: {error}".replace("\n", " "))
+    fitting = sorted((v for v in valid if max(p.total for p in v[2]) <= cluster.gpu_memory * 1e9),
+                     key=lambda v: v[3]["step"])
+    return valid, fitting, refusals[0] if refusals else "no sizes multiply to it (tp divides --gpus-per-node)"
+
+
+# --- The plan's report: one mesh, or the fastest that fit -----------------------------------------
+
+GROUP_NAMES = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_cp": "dp x cp", "ep_dp": "experts' dp", "ep": "ep"}
+
+
+def gigabytes(x) -> str:
+    return "n/a" if x is None else f"{float(x) / 1e9:,.1f}" if x >= 1e9 else f"{float(x) / 1e9:.2g}"
+
+
+def describe(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: dict, table: bool) -> str:
+    """The mesh and run; memory per pipeline rank (table: the first two, the fullest and the last two
+    ranks, else the fullest); bytes sent per group; the step time's terms and bounds."""
+    lines = [f"{mesh_name(sizes)}, ZeRO-{train.zero_stage}, {train.schedule} x "
+             f"{train.microbatches} microbatches of {train.global_batch // sizes.dp // train.microbatches}, "
+             f"recompute {train.recompute}, SP {'on' if train.sequence_parallel else 'off'}"]
+    totals = [p.total for p in plans]
+    fullest = totals.index(max(totals))
+    if table:
+        lines.append("GB held per GPU   params   grads   optim   activ   total")
+        ends = {0, 1, fullest, len(plans) - 2, len(plans) - 1}
+        shown = sorted(ends if len(plans) > 6 else range(len(plans)))
+        for rank in shown:
+            p, pairs = plans[rank], "microbatch-stages" if train.virtual > 1 else "microbatches"
+            what = (("embedding + " if 0 in p.stages else "") + f"{p.layers} layers"
+                    + (" + head" if len(plans) * train.virtual - 1 in p.stages else ""))
+            lines += ["  ..."] * (rank > 0 and rank - 1 not in shown) + [
+                f"  pp {rank:<11}" + "".join(f"{gigabytes(p.memory[k]):>8}" for k in p.memory)
+                + f"{gigabytes(totals[rank]):>8}  {what}, in flight: {p.in_flight} {pairs}"]
+    else:
+        lines.append(f"fullest GPU {gigabytes(totals[fullest])} GB (pp {fullest}: "
+                     + ", ".join(f"{k} {gigabytes(v)}" for k, v in plans[fullest].memory.items()) + ")")
+    lines.append("sent per GPU per step (its busiest pipeline rank): " + (", ".join(
+        f"{GROUP_NAMES[k]} " + ("n/a (no formula)" if v is None else f"{gigabytes(v[0])} GB ({v[1]})")
+        for k, v in timing["comm"].items()) or "nothing"))
+    t, seconds = timing, lambda x: f"{x:,.1f}" if x >= 10 else f"{x:.3g}"
+    part = {k: seconds(v) for k, v in t["parts"].items()}
+    useful = (f"{t['flops'] / sizes.world / t['step'] / 1e12:,.0f} TFLOP/s per GPU, MFU {t['mfu']:.0%}"
+              if train.moe is None else "MFU n/a (flops_per_token counts dense MLPs)")
+    compute = " + ".join(f"{k} {part[k]}" for k in ("GEMMs", "attention", "elementwise"))
+    lines += [f"step {seconds(t['step'])} s predicted: {useful}; "
+              f"bounds {seconds(t['overlap'])} s (perfect overlap) to {seconds(t['no_overlap'])} s (none)",
+              f"  {compute} + exposed " + ", ".join(f"{k} {part[k]}" for k in ("TP", "DP", "PP", "CP"))
+              + f" + bubble {part['bubble']} s ({t['parts']['bubble'] / t['step']:.0%} of the step: 04's "
+              f"idle fraction {t['bubble']:.0%}, and the stages' imbalance)"]
+    return "\n".join(lines)
+
+
+TOP_MESHES = 3  # the search prints this many
+
+
+def plan_report(args: argparse.Namespace) -> str:
+    """The given mesh's breakdown, or the fastest meshes that fit; one line if none fits."""
+    cfg, fixed = build_model_config(args), {d: getattr(args, d) for d in DIMS}
+    train = dataclasses.replace(train_config(args), mixed_precision=True)  # a GPU run: bf16 + fp32 masters
+    cluster, memory = Cluster(**options_of(Cluster, args)), Fraction(args.gpu_memory) * 10 ** 9
+    over = lambda need: math.ceil(100 * need / memory)  # need / memory in %, rounded up: 100 fits
+    gpus = args.gpus or (math.prod(fixed.values()) if None not in fixed.values() else 0)
+    if gpus < 1 or None not in fixed.values() and math.prod(fixed.values()) != gpus:
+        given = [f"--{d} {v}" for d, v in {"gpus": args.gpus, **fixed}.items() if v is not None]
+        raise ValueError(f"plan needs --gpus N or every mesh size (--dp --pp --cp --tp), sizes that multiply "
+                         f"to N; given: {' '.join(given) or 'neither'}")
+    n_params = sum(map(math.prod, foundation.parameter_shapes(cfg).values()))
+    header = (f"{args.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
+              f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, ffn {cfg.ffn_dim}, vocabulary "
+              f"{cfg.vocab_size:,}), bf16 + fp32 masters{' + FP8 GEMMs' if train.fp8 else ''}; batch "
+              f"{train.global_batch:,} x {train.seq_len:,} tokens; {gpus:,} GPUs of {args.gpu_memory:g} GB, "
+              f"{cluster.gpus_per_node} per node.\nPriced: GEMMs and attention ({train.attention}) at the "
+              f"course's H100 rates x {cluster.peak_tflops:g} / 989 TFLOP/s, the rest at "
+              f"{cluster.hbm_tbps:g} TB/s; {cluster.nvlink_gbps:g} GB/s per GPU each way in a node, "
+              f"{cluster.network_gbps:g} across nodes,\n{cluster.latency * 1e6:g} us a message. Memory "
+              f"leaves out the logits and loss, the embedding's output, temporaries, CUDA and NCCL buffers, "
+              f"fragmentation.")
+    valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, args.microbatches, args.ep, cluster)
+    if None not in fixed.values() and valid:  # the mesh given
+        need = max(p.total for p in valid[0][2])
+        verdict = (f"does not fit: the fullest GPU needs {gigabytes(need)} GB, {gigabytes(need - memory)} GB "
+                   f"({over(need) - 100}%) more than its {args.gpu_memory:g} GB" if need > memory else
+                   f"fits: {gigabytes(need)} of {args.gpu_memory:g} GB on the fullest GPU")
+        return "\n".join([header, describe(*valid[0], table=True), verdict])
+    if not valid:  # a refusal, like any other: exit 2
+        raise ValueError(f"no mesh of {gpus:,} GPUs passes validate: {refusal}")
+    if not fitting:
+        sizes, run, plans, _ = min(valid, key=lambda v: max(p.total for p in v[2]))
+        need = max(p.total for p in plans)
+        leanest = describe(sizes, run, plans, valid[0][3], False).splitlines()[0]
+        return (f"{args.model} does not fit on {gpus:,} GPUs of {args.gpu_memory:g} GB: the leanest of "
+                f"{len(valid)} valid meshes ({leanest}) needs {gigabytes(need)} GB on its fullest GPU, "
+                f"{over(need) / 100:.2f}x the memory")
+    lines = [header, f"{len(valid)} meshes pass validate, {len(fitting)} fit; the fastest:"]
+    for rank, choice in enumerate(fitting[:TOP_MESHES], start=1):
+        lines.append(f"{rank}. " + describe(*choice, table=False).replace("\n", "\n   "))
+    return "\n".join(lines)
+
+
+# --- The command line: check | train | plan, made from the option fields -----------------------------
+
+
+@dataclass(frozen=True)
+class ModelOptions:  # the command line's choice of model (build_model_config, train_config make its configs)
     model: str = option("tiny", "the preset", commands=TRAIN, choices=MODELS)
     kv_heads: int | None = option(None, "key/value heads, grouped-query attention", ">= 1", type=int)
     moe: bool = option(False, "every MLP a mixture of experts (dropless)")
     experts: int = option(4, "experts per MoE layer", ">= 1")
 
 
-OPTIONS = (MeshSizes, ModelOptions, TrainConfig, RunConfig)  # in --help's order (10 adds its Cluster)
+OPTIONS = (MeshSizes, ModelOptions, TrainConfig, RunConfig, PlanModel, Cluster)  # in --help's order
 PRESET = "the --model preset's"
 DEMO = dict(dp=2, tp=2, max_grad_norm=1.0)  # where check and train depart from the fields' defaults
-COMMANDS = {  # name: what it does; its defaults where not the fields'; its options left None: what decides
-    "check": ("prove the mesh equal to one device on synthetic data; each rank's bytes beside the plan",
-              dict(DEMO, steps=3, microbatches=2, kv_heads=2, seq_len=32), dict(mixed_precision="off")),
-    "train": ("train on text (the default): checkpoints, --resume, MFU, a sample", DEMO,
-              dict(microbatches="1, or 2 with pp > 1", mixed_precision="on with a GPU, off on a CPU",
-                   kv_heads=PRESET, global_batch=PRESET, seq_len=PRESET, lr=PRESET)),
+COMMANDS = {  # the first runs when argv names none
+    "train": foundation.Command(
+        "train on text (the default): checkpoints, --resume, MFU, a sample", DEMO,
+        dict(microbatches="1, or 2 with pp > 1", mixed_precision="on with a GPU, off on a CPU",
+             kv_heads=PRESET, global_batch=PRESET, seq_len=PRESET, lr=PRESET)),
+    "check": foundation.Command(
+        "prove the mesh equal to one device on synthetic data; each rank's bytes beside the plan",
+        dict(DEMO, steps=3, microbatches=2, kv_heads=2, seq_len=32), dict(mixed_precision="off")),
+    "plan": foundation.Command(
+        "price a model on a cluster that is not here: the fastest meshes that fit, or the mesh given", {},
+        dict(dict.fromkeys(DIMS, "searched"), microbatches="global_batch / dp: one sequence each",
+             kv_heads=PRESET, global_batch=PRESET, seq_len=PRESET)),
 }
-
-
-def option_fields(command: str, classes: tuple = OPTIONS) -> list[dataclasses.Field]:
-    """The fields of classes that are options of this sub-command, in --help's order."""
-    fields = (f for cls in classes for f in dataclasses.fields(cls))
-    return [f for f in fields if command in f.metadata.get("commands", ())]
-
-
-def add_options(parser: argparse.ArgumentParser, command: str, defaults: dict, decided: dict,
-                classes: tuple = OPTIONS) -> None:
-    """command's options, one per field: a flag for a bool, else a value of the default's type."""
-    for field in option_fields(command, classes):
-        kwargs = {k: v for k, v in field.metadata["argparse"].items() if k not in ("option", "off")}
-        if isinstance(field.default, bool) and "type" not in kwargs:
-            kwargs["action"] = "store_true"
-        elif field.default is not None:
-            kwargs.setdefault("type", type(field.default))
-        default = None if field.name in decided else defaults.get(field.name, field.default)
-        what = f" (default: {decided[field.name]})" if field.name in decided else ""
-        parser.add_argument(flag(field), dest=field.name, default=default, help=field.metadata["help"] + what,
-                            **kwargs)
-        if "off" in field.metadata["argparse"]:
-            name, value, text = field.metadata["argparse"]["off"]
-            parser.add_argument(name, dest=field.name, action="store_const", const=value, help=text)
-
-
-def parse_options(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    """The sub-command's parser and options: train's if argv starts with neither a sub-command nor
-    --help. 01's conventions: no abbreviations, one default shown per option, rank 0 prints."""
-    conventions = dict(allow_abbrev=False, formatter_class=foundation.DefaultsHelpFormatter)
-    parser = foundation.LessonParser(description=" ".join(__doc__.split("\n\n")[0].split()), **conventions)
-    commands = parser.add_subparsers(dest="command", title="sub-commands (none given: train)")
-    for name, (what, defaults, decided) in COMMANDS.items():
-        add_options(commands.add_parser(name, help=what, description=what, **conventions), name, defaults,
-                    decided)
-    if not argv or argv[0] not in commands.choices and argv[0] not in ("-h", "--help"):
-        argv = ["train", *argv]
-    args = parser.parse_args(argv)
-    args.moe = args.moe or args.ep > 1
-    return commands.choices[args.command], args
 
 
 def options_of(cls, args: argparse.Namespace) -> dict:
     """The values args gives the fields of cls that are options of its sub-command."""
-    return {f.name: getattr(args, f.name) for f in option_fields(args.command, (cls,))}
+    return {f.name: getattr(args, f.name) for f in foundation.option_fields((cls,), args.command)}
 
 
-def build_model_config(args: argparse.Namespace, models: dict = MODELS) -> "foundation.ModelConfig":
-    """check: a small demo model (vocabulary 127: tp pads it); train and 10's plan: the --model preset,
+def build_model_config(args: argparse.Namespace) -> "foundation.ModelConfig":
+    """check: a small demo model (vocabulary 127: tp pads it); train and plan: the --model preset,
     byte-level unless it sets a vocabulary."""
     if args.command == "check":
         return foundation.ModelConfig(vocab_size=127, dim=64, n_layers=4, n_heads=4, n_kv_heads=args.kv_heads,
                                       ffn_dim=176)
-    preset = {"vocab_size": 256, **models[args.model][0]}
+    preset = {"vocab_size": 256, **PRESETS[args.model][0]}
     return foundation.ModelConfig(**{**preset, "n_kv_heads": args.kv_heads or preset.get("n_kv_heads")})
 
 
@@ -1359,16 +1634,15 @@ def mesh_sizes(args: argparse.Namespace) -> MeshSizes:
     return MeshSizes(**options_of(MeshSizes, args))
 
 
-def train_config(args: argparse.Namespace, device: torch.device | None = None,
-                 models: dict = MODELS) -> TrainConfig:
+def train_config(args: argparse.Namespace, device: torch.device | None = None) -> TrainConfig:
     """The options as a TrainConfig; those left None: the --model preset's sizes and lr, 1 microbatch
     (2 with pp > 1), bf16 on a GPU."""
-    _, seq_len, global_batch, lr = models[args.model] if "model" in args else (None, None, None, None)
+    _, seq_len, global_batch, lr = PRESETS[args.model] if "model" in args else (None, None, None, None)
     decided = dict(global_batch=global_batch, seq_len=seq_len, lr=lr, microbatches=1 + ((args.pp or 1) > 1),
                    mixed_precision=device is not None and device.type == "cuda")
     given = {k: decided[k] if v is None else v for k, v in options_of(TrainConfig, args).items()}
     moe = expert_parallel.MoEConfig(n_experts=args.experts, top_k=2, expert_ffn_dim=64, aux_loss_coef=0.0)
-    return TrainConfig(**given, adam_eps=1e-6, moe=moe if args.moe else None)
+    return TrainConfig(**given, adam_eps=1e-6, moe=moe if args.moe or args.ep > 1 else None)
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
@@ -1377,11 +1651,11 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     return RunConfig(**{**options_of(RunConfig, args), "resume": bool(args.resume), "resume_step": step})
 
 
-def check_rules(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every option's rule (beside its field), then the rules between options: the first broken one
-    names its option in one line, exit 2, before any work."""
-    problems = broken_rules(args, option_fields(args.command), flagged=True)
-    between = () if args.command != "train" else (
+def check_before_launch(args: argparse.Namespace, world: int) -> None:
+    """The rules between options, then the sizes against the world that will run (validate), whether
+    or not the run would reach them; for train also the text, the checkpoint folder and the
+    checkpoint to resume: a ValueError (one line, exit 2) before any rank starts."""
+    broken = () if args.command != "train" else [message for wrong, message in (
         (args.resume not in (False, "latest") and not args.resume.isdigit(),
          f"--resume takes the step of a kept checkpoint (a number), not {args.resume!r}"),
         (args.trace and not args.profile, "--trace writes --profile's trace: give --profile STEPS too"),
@@ -1389,16 +1663,9 @@ def check_rules(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
          f"--profile needs --steps >= 3 (the first two compile and measure), not {args.steps}"),
         (args.sample_bytes and args.prompt == "",
          "--prompt must not be empty: the sample continues it (--no-sample: no sample)"),
-        (args.folder == "", "--checkpoint-dir must name a folder (--no-save: no checkpoints)"))
-    problems += [message for broken, message in between if broken]
-    if problems:
-        parser.exit(2, f"{parser.prog}: error: {problems[0]}\n")
-
-
-def check_before_launch(args: argparse.Namespace, world: int) -> None:
-    """The sizes against the world that will run (validate), whether or not the run would reach
-    them; for train also the text, the checkpoint folder and the checkpoint to resume: a ValueError
-    before any rank starts."""
+        (args.folder == "", "--checkpoint-dir must name a folder (--no-save: no checkpoints)")) if wrong]
+    if broken:
+        raise ValueError(broken[0])
     cfg, train = build_model_config(args), train_config(args)
     validate(cfg, mesh_sizes(args), train, world)
     if args.command == "check":
@@ -1421,10 +1688,17 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
 
 
 def main() -> None:
-    parser, args = parse_options(sys.argv[1:])
-    check_rules(parser, args)
+    parser, args = foundation.parse_options(__doc__, OPTIONS, COMMANDS)  # each option's rule: exit 2
+    if args.command == "plan":  # builds nothing, starts no rank; under torchrun, rank 0 alone prints
+        try:
+            report = plan_report(args)
+        except ValueError as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
+        if foundation.prints_here():
+            print(report)
+        return
     args.nproc = mesh_sizes(args).world  # the mesh sets how many local processes start (no --nproc)
-    foundation.launch_lesson(parser, args, demo if args.command == "check" else train_run, (),
+    foundation.launch_lesson(parser, args, demo if args.command == "check" else train_run,
                              lambda world: check_before_launch(args, world))
 
 

@@ -234,7 +234,7 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
                             global_batch=1, seq_len=16, zero_stage=0, lr=LR,  # ring's output is out_proj's
                             adam_eps=ADAM_EPS, max_grad_norm=0.5)))  # input (the plan counted it twice)
 def test_any_mesh_equals_one_device(rank_pool, configuration):
-    """And the plan (09's formulas, which lesson 10 applies at scale) is what each rank measures: its
+    """And the plan (09's formulas, which `plan` applies at scale) is what each rank measures: its
     parameters, bytes held, activations held at once, microbatches in flight, bytes sent per group."""
     cfg, sizes, train = configuration
     results = rank_pool.run(sizes.world, train_on_mesh, cfg, sizes, train, STEPS)
@@ -500,8 +500,8 @@ def test_invalid_configurations_list_every_violation(rank_pool):
     train = full_train.TrainConfig(global_batch=3, seq_len=6, zero_stage=4, microbatches=2,
                                    sequence_parallel=True)
     rank_pool.expect_invalid(4, train_on_mesh, cfg, full_train.MeshSizes(dp=2, pp=2, tp=2), train, 1,
-                             match=r"(?s)2 x 2 x 1 x 2 = 8 is not the world size 4.*n_heads=3 is not "
-                                   r"divisible by tp=2.*stage=4.*global_batch=3 is not divisible by dp=2")
+                             match=r"(?s)zero_stage=4 must be <= 3.*2 x 2 x 1 x 2 = 8 is not the world size 4"
+                                   r".*n_heads=3 is not divisible by tp=2.*global_batch=3 is not divisible by dp=2")
     good = full_train.TrainConfig(global_batch=4, seq_len=6, microbatches=2)
     rank_pool.expect_invalid(4, train_on_mesh, small_model(1), full_train.MeshSizes(pp=2, cp=2), good, 1,
                              match=r"(?s)seq_len=6 is not divisible by 2 x cp = 4.*n_layers=1 cannot fill")
@@ -594,6 +594,20 @@ def test_main_runs_and_prints_the_check():
     out = run_script("09_full_train.py", *"check --dp 2 --tp 2 --ep 2 --steps 2 --seq-len 16".split())
     assert "max |difference| from one device" in out and "rank  3: dp=1 pp=0 cp=0 tp=1" in out
     assert "MoE 4 experts top-2 over ep=2" in out
+
+
+def test_check_fp8_prints_its_differences_from_one_devices_fp8_run():
+    """check --fp8 beside one device's FP8 run on the same microbatches (dp x m of them, each cast
+    with its own scales, as the mesh casts them): the same FP8 numbers, so a step within this file's
+    fp32 tolerances (after it, fp32's rounding flips a few FP8 roundings: the printout says so).
+    Beside the fp32 reference it printed FP8's rounding as the mesh's figure (loss 5.9e-4, step-0
+    gradients 1.7e-3 at dp 2 x tp 2)."""
+    out = run_script("09_full_train.py", *"check --fp8 --steps 1 --seq-len 16".split())
+    loss, grads, params = map(float, re.search(
+        r"max \|difference\| from one device's FP8 run on the same 4 microbatches \(AdamW, clipping at 1.0\): "
+        r"loss (\S+), step-0 gradients (\S+), parameters after 1 steps (\S+) ", out).groups())
+    assert loss <= LOSS_ATOL and grads <= GRAD_ATOL and params <= PARAM_ATOL, (loss, grads, params)
+    assert "(FP8: the same scales, so the same FP8 numbers" in out
 
 
 # --- --compile: one graph per block -------------------------------------------------------------
@@ -834,6 +848,25 @@ def test_the_sample_is_seeded_draws_from_the_top_k_and_top_k_1_is_greedy():
         arguments = dict(model=model, prompt=b"a", n_new=3) | change
         with pytest.raises(ValueError, match="sample needs a non-empty prompt, a byte-level model"):
             full_train.sample(**arguments)
+
+
+def test_the_sample_draws_from_the_softmax_of_the_logits_over_the_temperature():
+    """At T = 0.5 with top_k 5, each draw is handed softmax(top-5 logits / 0.5), derived here from one
+    teacher-forced forward over the text drawn (T = 1 was the only temperature tested: a sample that
+    ignored T passed)."""
+    model = foundation.GPT(foundation.ModelConfig(vocab_size=256, dim=16, n_heads=2, ffn_dim=32, seed=1))
+    handed, multinomial = [], torch.multinomial
+
+    def recording(probabilities, n, generator=None):
+        handed.append(probabilities.clone())
+        return multinomial(probabilities, n, generator=generator)
+
+    with unittest.mock.patch.object(torch, "multinomial", recording):
+        new = full_train.sample(model, b"def ", 12, temperature=0.5, top_k=5, seed=0)
+    with torch.no_grad():
+        logits = model(torch.tensor(list(b"def " + new))[None])[0, 3:-1]
+    expected = (logits.topk(5).values / 0.5).softmax(-1)
+    torch.testing.assert_close(torch.cat(handed), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_the_prompt_is_whole_lines_of_the_text_from_its_second_line():
@@ -1277,6 +1310,12 @@ OWN_OPTIONS = {  # what each sub-command offers, and nothing else
 }
 
 
+def parse_options(*argv: str) -> argparse.Namespace:
+    """09's options as main() parses them (01's parse_options of 09's fields and sub-commands)."""
+    return foundation.parse_options(full_train.__doc__, full_train.OPTIONS, full_train.COMMANDS,
+                                    argv=list(argv))[1]
+
+
 def help_of(monkeypatch, capsys, *argv: str) -> dict[str, str]:
     """--help's text of each option, by option name."""
     monkeypatch.setenv("COLUMNS", "200")
@@ -1294,8 +1333,8 @@ def test_each_sub_command_shows_its_own_options_with_one_default_each(monkeypatc
 
 
 def test_no_sub_command_is_train_and_check_defaults_differ_as_its_help_says(monkeypatch, capsys):
-    assert "{check,train}" in run_main(monkeypatch, capsys, "--help")[3]
-    parse = lambda *argv: vars(full_train.parse_options(list(argv))[1])  # noqa: E731
+    assert "{train,check,plan}" in run_main(monkeypatch, capsys, "--help")[3]
+    parse = lambda *argv: vars(parse_options(*argv))  # noqa: E731
     train = parse("train")
     assert parse() == train and parse("--resume") == {**train, "resume": "latest"}
     differ = {"check": dict(steps=3, microbatches=2, global_batch=8, seq_len=32, lr=1e-3, kv_heads=2)}
@@ -1309,7 +1348,7 @@ def test_no_sub_command_is_train_and_check_defaults_differ_as_its_help_says(monk
     options = help_of(monkeypatch, capsys, "train")
     assert all("(default: the --model preset's)" in options[name] for name in ("--global-batch", "--lr"))
     assert "(default: 1, or 2 with pp > 1)" in options["--microbatches"]
-    resolved = full_train.train_config(full_train.parse_options(["--pp", "2"])[1])
+    resolved = full_train.train_config(parse_options("--pp", "2"))
     _, seq_len, global_batch, lr = full_train.MODELS["tiny"]
     assert (resolved.seq_len, resolved.global_batch, resolved.lr) == (seq_len, global_batch, lr)
     assert resolved.microbatches == 2
@@ -1407,3 +1446,434 @@ def test_a_resume_says_how_close_its_validation_is_and_why_on_another_mesh():
     other = full_train.resumed_validation(meta, 1.5 + 2 ** -20, full_train.MeshSizes(dp=4))
     assert "difference 9.5e-07 (saved on dp=2 pp=1 cp=1 tp=2, resumed on dp=4 pp=1 cp=1 tp=1" in other
     assert "then drift" in other
+
+
+# === Part 3: the plan at scale (`plan`) ==========================================================
+# The planner builds nothing, searches only meshes validate accepts, and its step time adds up,
+# moves the right way and predicts published runs within 15%. What is exact and what is a tolerance:
+# the plans are plan() (proved equal to what a running mesh measures in part 1); the step's parts add
+# up to it within float rounding (rel 1e-12); the predictions of published runs are held to 15% (the
+# README's table states each error), the model's stated accuracy: a change that moves a prediction
+# further is a change to the model, to be argued.
+
+def plan_main(monkeypatch, capsys, *options: str) -> tuple[int, str, str]:
+    """09's plan in this process: it builds nothing and starts no rank. (exit code, stdout, stderr)"""
+    monkeypatch.setattr(sys, "argv", ["09_full_train.py", "plan", *options])
+    try:
+        full_train.main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    assert not torch.distributed.is_initialized()
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def preset(name: str) -> "foundation.ModelConfig":
+    return foundation.ModelConfig(**{"vocab_size": 256, **full_train.PRESETS[name][0]})
+
+
+def test_plan_of_llama3_70b_on_256_gpus_prints_the_fastest_meshes_that_fit(monkeypatch, capsys):
+    _, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-70b", "--gpus", "256")
+    assert "llama3-70b: 70.6B parameters" in out and "batch 1,024 x 8,192 tokens" in out
+    meshes = re.findall(r"\n(\d)\. dp=(\d+) pp=(\d+) cp=(\d+) tp=(\d+)", out)
+    assert [int(m[0]) for m in meshes] == list(range(1, full_train.TOP_MESHES + 1))
+    assert all(math.prod(map(int, m[1:])) == 256 and int(m[4]) <= 8 for m in meshes)
+    fullest = [float(x) for x in re.findall(r"fullest GPU ([\d.]+) GB", out)]
+    assert len(fullest) == full_train.TOP_MESHES and max(fullest) <= 80
+    steps = [float(x) for x in re.findall(r"\n   step ([\d.]+) s predicted", out)]
+    assert len(steps) == full_train.TOP_MESHES and steps == sorted(steps), "fastest first"
+    bubbles = re.findall(r" \+ bubble ([\d.]+) s \((\d+)% of the step", out)  # once 04's fraction alone
+    assert len(bubbles) == full_train.TOP_MESHES
+    assert all(abs(100 * float(b) / step - int(share)) <= 1 for (b, share), step in zip(bubbles, steps)), bubbles
+
+
+@given(gpus=st.sampled_from([8, 16, 64]), memory_gb=st.floats(8, 160), more=st.floats(1, 4),
+       model=st.sampled_from(["1b", "llama3-8b"]), zero_stage=st.integers(0, 3),
+       recompute=st.sampled_from(full_train.tensor_parallel.RECOMPUTE_MODES), sequence_parallel=st.booleans())
+def test_the_search_returns_valid_meshes_that_fit_and_more_memory_never_slows_it(
+        gpus, memory_gb, more, model, zero_stage, recompute, sequence_parallel):
+    cfg, (_, seq_len, batch, _) = preset(model), full_train.PRESETS[model]
+    train = full_train.TrainConfig(global_batch=batch, seq_len=seq_len, zero_stage=zero_stage,
+                                   mixed_precision=True, recompute=recompute,
+                                   sequence_parallel=sequence_parallel)
+    search = lambda gb: full_train.search_meshes(  # noqa: E731
+        cfg, train, gpus, dict.fromkeys(full_train.DIMS), None, 1, full_train.Cluster(gpu_memory=gb))
+    valid, fitting, _ = search(memory_gb)
+    for sizes, run, plans, _ in valid:
+        full_train.validate(cfg, sizes, run, gpus)  # raises if it does not accept the mesh
+        assert sizes.tp <= 8 and plans == full_train.plan(cfg, sizes, run)
+    fits = [v for v in valid if max(p.total for p in v[2]) <= memory_gb * 1e9]
+    assert sorted(map(id, fitting)) == sorted(map(id, fits)), "every mesh that fits, and only those"
+    _, with_more, _ = search(memory_gb * more)
+    if fitting:
+        assert with_more[0][3]["step"] <= fitting[0][3]["step"]
+
+
+def test_a_model_that_cannot_fit_is_one_line_saying_by_how_much(monkeypatch, capsys):
+    _, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-405b", "--gpus", "8")
+    needs, ratio = re.fullmatch(r"llama3-405b does not fit on 8 GPUs of 80 GB: the leanest of \d+ valid "
+                                r"meshes \(dp=\d+ pp=\d+ cp=1 tp=\d+, .*\) needs ([\d,.]+) GB on its fullest "
+                                r"GPU, ([\d.]+)x the memory\n", out).groups()
+    assert float(needs.replace(",", "")) / 80 == pytest.approx(float(ratio), abs=0.05)
+    _, out, _ = plan_main(monkeypatch, capsys, *"--model llama3-70b --dp 4 --pp 1 --cp 1 --tp 8".split())
+    assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GB, [\d,.]+ GB \(\d+%\) more than its "
+                     r"80 GB\n$", out)
+
+
+@pytest.mark.parametrize("options, message", [
+    ("--gpu-memory 0", "--gpu-memory must be >= 1, not 0.0"),
+    ("--gpu-memory -5", "--gpu-memory must be >= 1, not -5.0"),
+    ("--hbm-tbps 0", "--hbm-tbps must be >= 0.01, not 0.0"),
+    ("--hbm-tbps -3", "--hbm-tbps must be >= 0.01, not -3.0"),
+    ("--peak-tflops 0", "--peak-tflops must be >= 1, not 0.0"),
+    ("--nvlink-gbps 0", "--nvlink-gbps must be >= 1, not 0.0"),
+    ("--network-gbps 0", "--network-gbps must be >= 0.1, not 0.0"),
+    ("--gpus-per-node 0", "--gpus-per-node must be >= 1, not 0"),
+    ("--dp 0", "--dp must be >= 1, not 0"),
+    ("--peak-tflops inf --hbm-tbps inf", "--peak-tflops must be <= 1e6, not inf"),
+    ("--peak-tflops 1e308 --hbm-tbps 1e308", "--peak-tflops must be <= 1e6, not 1e+308"),
+    ("--hbm-tbps inf", "--hbm-tbps must be <= 1e3, not inf"),
+    ("--network-gbps 1e-300", "--network-gbps must be >= 0.1, not 1e-300"),
+    ("--nvlink-gbps nan", "--nvlink-gbps must be >= 1, not nan"),
+    ("--gpu-memory inf", "--gpu-memory must be <= 1e5, not inf"),
+    ("--gpus 10000000", "--gpus must be <= 1e6, not 10000000"),
+    ("--zero 4", "--zero must be <= 3, not 4"),
+])
+def test_plan_refuses_an_impossible_input_in_one_line_before_any_work(monkeypatch, capsys, options, message):
+    """Zeros divided the step time (a ZeroDivisionError), a negative memory or bandwidth were
+    planned, --dp 0 was "no sizes multiply to it"; inf and 1e308 rates priced a step at 0 s (a
+    ZeroDivisionError), --peak-tflops inf alone "3,751 TFLOP/s per GPU, MFU 0%", --network-gbps 1e-300
+    a step of 300 digits, --zero 4 reached validate: each is one line naming the option and its range
+    (Cluster states why), exit 2."""
+    monkeypatch.setattr(full_train, "search_meshes", lambda *args: pytest.fail("planned"))
+    code, out, err = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "8", *options.split())
+    assert (code, out, err) == (2, "", f"09_full_train.py plan: error: {message}\n")
+
+
+@pytest.mark.parametrize("corner", ["--peak-tflops 1 --hbm-tbps 0.01 --nvlink-gbps 1 --network-gbps 0.1",
+                                    "--peak-tflops 1e6 --hbm-tbps 1e3 --nvlink-gbps 1e5 --network-gbps 1e5"])
+def test_plan_prices_a_step_at_each_end_of_the_rates_ranges(monkeypatch, capsys, corner):
+    """The ranges are what plan can price: at their ends a step of a few digits, its parts each a
+    number, MFU at most 100%."""
+    code, out, err = plan_main(monkeypatch, capsys, *"--model llama3-8b --dp 8 --pp 1 --cp 1 --tp 8".split(),
+                               *corner.split())
+    step, mfu = re.search(r"\nstep ([\d,.]+) s predicted: [\d,]+ TFLOP/s per GPU, MFU (\d+)%", out).groups()
+    assert code == 0 and not err and len(step) < 12 and int(mfu) <= 100, out
+    parts = re.findall(r" (?:GEMMs|attention|elementwise|TP|DP|PP|CP|bubble) ([\d,.e+-]+)", out)
+    assert len(parts) == 8 and all(math.isfinite(float(x.replace(",", ""))) for x in parts), out
+
+
+@pytest.mark.parametrize("options", ["--gpus 8 --microbatches 7", "--gpus 16 --tp 16",
+                                     "--gpus 8 --moe --ep 3"])
+def test_no_mesh_that_passes_validate_is_refused_like_any_other_input(monkeypatch, capsys, options):
+    """Microbatches that divide no mesh's batch, tp 16 on nodes of 8, an ep that divides no dp x cp:
+    one line, as before, but exit 2 (it was 0, on stdout)."""
+    code, out, err = plan_main(monkeypatch, capsys, "--model", "llama3-8b", *options.split())
+    assert (code, out) == (2, "") and err.count("\n") == 1, (code, out, err)
+    gpus = options.split()[1]
+    assert err.startswith(f"09_full_train.py plan: error: no mesh of {gpus} GPUs passes validate: "), err
+
+
+def test_a_gpu_just_too_small_never_reads_as_fitting(monkeypatch, capsys):
+    """A model 0.4% over the memory printed "1.0x the memory" (83.5 GB of 80 read as fitting), and a
+    mesh given "(0%) more": the ratio is rounded up, 1.01x and 1%."""
+    cfg = preset("llama3-70b")
+    train = full_train.TrainConfig(global_batch=1024, seq_len=8192, mixed_precision=True)
+    valid, _, _ = full_train.search_meshes(cfg, train, 8, dict.fromkeys(full_train.DIMS), None, 1,
+                                           full_train.Cluster())
+    for mesh, need in ((None, min(max(p.total for p in v[2]) for v in valid)),
+                       ((4, 1, 1, 2), max(p.total for p in timed("llama3-70b", (4, 1, 1, 2))[2]))):
+        given = ["--gpus", "8"] if mesh is None else [f"--{d}={n}" for d, n in zip(full_train.DIMS, mesh)]
+        memory = float(need) / 1e9 / 1.004
+        _, out, _ = plan_main(monkeypatch, capsys, "--model=llama3-70b", *given, f"--gpu-memory={memory!r}")
+        if mesh is None:
+            assert re.search(r"needs [\d,.]+ GB on its fullest GPU, 1\.01x the memory\n$", out), out
+        else:
+            assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GB, [\d,.]+ GB \(1%\) more", out)
+
+
+@pytest.mark.parametrize("options, given", [
+    ("", "neither"),
+    ("--gpus 8 --dp 2 --pp 1 --cp 1 --tp 2", "--gpus 8 --dp 2 --pp 1 --cp 1 --tp 2"),  # 4 GPUs, not 8
+    ("--dp 2 --pp 1 --cp 1", "--dp 2 --pp 1 --cp 1"),  # no --tp, no --gpus
+])
+def test_plan_without_a_gpu_count_says_what_it_needs_and_was_given(monkeypatch, capsys, options, given):
+    """The first command a student types (no options) printed a Python dict of Nones."""
+    monkeypatch.setattr(full_train, "search_meshes", lambda *args: pytest.fail("planned"))
+    code, out, err = plan_main(monkeypatch, capsys, *options.split())
+    needs = ("09_full_train.py plan: error: plan needs --gpus N or every mesh size (--dp --pp --cp --tp), "
+             "sizes that multiply")
+    assert (code, out) == (2, "") and err == f"{needs} to N; given: {given}\n", err
+
+
+@pytest.mark.parametrize("rank, torchrun, prints", [
+    ("0", True, True), ("1", True, False), ("1", False, True)],
+    ids=["torchrun rank 0", "torchrun rank 1", "a shell's stray RANK=1"])
+def test_under_torchrun_the_plan_and_an_error_are_printed_once(monkeypatch, capsys, rank, torchrun, prints):
+    """torchrun --nproc_per_node=2 printed the plan twice; a RANK left in a shell silenced the errors."""
+    for name, value in dict(RANK=rank, WORLD_SIZE="2", LOCAL_RANK=rank, MASTER_ADDR="localhost",
+                            MASTER_PORT="29500", TORCHELASTIC_RUN_ID="none").items():
+        monkeypatch.setenv(name, value)
+    if not torchrun:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    code, out, err = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "8")
+    assert code == 0 and not err and out.startswith("llama3-8b: 8.03B parameters") == prints, (out, err)
+    code, out, err = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "0")
+    assert code == 2 and not out and err.startswith("09_full_train.py plan: error: --gpus") == prints, err
+
+
+def test_llama3_405b_on_metas_mesh_is_planned_without_building_it():
+    """tp 8, pp 16, dp 64 on 8,192 GPUs (Meta's): nothing is built; the pipeline ranks' TP-local
+    parameters x 8 add up to the model's (vocabulary 128,256, heads and ffn all divide by 8: no
+    padding) and 7 more copies of the norms, which every tp rank holds whole."""
+    cfg, sizes = preset("llama3-405b"), full_train.MeshSizes(dp=64, pp=16, tp=8)
+    train = full_train.TrainConfig(global_batch=2048, seq_len=8192, microbatches=32, mixed_precision=True,
+                             sequence_parallel=True, recompute="full")
+    full_train.validate(cfg, sizes, train, 8192)
+    plans = full_train.plan(cfg, sizes, train)
+    assert [p.layers for p in plans] == [8] * 14 + [7] * 2
+    norms = (2 * cfg.n_layers + 1) * cfg.dim
+    model = sum(map(math.prod, foundation.parameter_shapes(cfg).values()))
+    assert sum(p.params for p in plans) * 8 - 7 * norms == model
+    assert [p.in_flight for p in plans] == list(range(16, 0, -1))
+
+
+# --- the step time, predicted from the operations ---------------------------------------------------
+
+def timed(model: str, mesh: tuple[int, int, int, int], microbatches: int | None = None, **train) -> tuple:
+    """planned() of a preset on mesh (dp, pp, cp, tp), bf16 with fp32 masters, H100 nodes:
+    (sizes, the run, plans, step time)."""
+    cfg, (_, seq_len, batch, _) = preset(model), full_train.PRESETS[model]
+    run = full_train.TrainConfig(**dict(dict(global_batch=batch, seq_len=seq_len, mixed_precision=True), **train))
+    return full_train.planned(cfg, full_train.MeshSizes(*mesh), run, microbatches, full_train.Cluster())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallelism_leaves_no_elementwise_work_replicated(tp):
+    """With SP every elementwise byte of a stage with the final norm and loss is split t ways
+    (norms and residual adds by tokens, RoPE and SwiGLU by heads and ffn, the loss by vocabulary):
+    t ranks move what one device moves. Plain TP repeats the norms and adds (10h forward, 12h
+    backward per token and layer) on every rank. The embedding's lookup is every rank's."""
+    cfg = foundation.ModelConfig(vocab_size=512, dim=64, n_layers=3, n_heads=8, n_kv_heads=4, ffn_dim=176)
+    tokens, at = 96, dict(layers=3, embed=False, head=True, elem_bytes=2)
+    one = full_train.elementwise_bytes(cfg, tokens, 1, False, **at)
+    sp = full_train.elementwise_bytes(cfg, tokens, tp, True, **at)
+    plain = full_train.elementwise_bytes(cfg, tokens, tp, False, **at)
+    assert [tp * x for x in sp] == list(one)
+    extra = [(tp - 1) * (per_layer * 3 + norm) * cfg.dim * tokens * 2 for per_layer, norm in ((10, 2), (12, 3))]
+    assert [tp * x - y for x, y in zip(plain, one)] == extra
+    embed = full_train.elementwise_bytes(cfg, tokens, tp, True, layers=0, embed=True, head=False)
+    assert list(embed) == [2 * cfg.dim * tokens * 2, 3 * cfg.dim * tokens * 2]
+
+
+@pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+def test_the_step_is_its_parts_and_the_pipeline_spans_the_slowest_rank_over_one_minus_the_bubble(
+        schedule, virtual):
+    """Issue 34: compute stretched by 1 + bubble instead of / (1 - bubble) passed, as the tests
+    checked only the order of meshes. On pp 8 with 8 microbatches 04's bubble is 7/15 (1F1B), so
+    the two differ by 1.9x: the span must be the slowest rank's busy time / (1 - bubble) plus the
+    fill and drain's sends, each rank's idle time in it at least busy x bubble / (1 - bubble), and
+    the parts add up to the step."""
+    _, run, plans, timing = timed("llama3-8b", (2, 8, 1, 4), 8, schedule=schedule, virtual=virtual,
+                                  sequence_parallel=True)
+    bubble, busy, parts = full_train.pipeline.bubble_formula(schedule, 8, 8, virtual), timing["busy"], timing["parts"]
+    assert timing["bubble"] == bubble > 0.2 and len(busy) == len(plans) == 8
+    assert timing["span"] == pytest.approx(max(busy) / (1 - bubble) + parts["PP"], rel=1e-12)
+    assert parts["bubble"] >= max(busy) * bubble / (1 - bubble) * (1 - 1e-12)
+    assert sum(parts.values()) == pytest.approx(timing["step"], rel=1e-12)
+    assert timing["overlap"] <= timing["step"] <= timing["no_overlap"]
+
+
+def test_the_prediction_moves_the_right_way_when_one_input_changes():
+    """More tp: more exposed TP time (each rank sends (t-1)/t of the same activations); more
+    microbatches: a smaller bubble; a slower network: a slower step, the GEMMs unchanged."""
+    tp_seconds = [timed("llama3-70b", (4, 4, 1, tp), recompute="full", sequence_parallel=True)[3]["parts"]["TP"]
+                  for tp in (2, 4, 8)]
+    assert 0 < tp_seconds[0] < tp_seconds[1] < tp_seconds[2]
+    bubbles = [timed("llama3-70b", (4, 8, 1, 8), m, recompute="full")[3] for m in (8, 32, 128)]
+    assert [t["parts"]["bubble"] for t in bubbles] == sorted((t["parts"]["bubble"] for t in bubbles), reverse=True)
+    assert bubbles[0]["parts"]["bubble"] > 3 * bubbles[2]["parts"]["bubble"] > 0
+    cfg, (sizes, run, plans, fast) = preset("llama3-70b"), timed("llama3-70b", (16, 4, 1, 4), recompute="full")
+    slow = full_train.step_time(cfg, sizes, run, plans, full_train.Cluster(network_gbps=12.5))
+    assert slow["parts"]["GEMMs"] == fast["parts"]["GEMMs"] and slow["step"] > fast["step"]
+    assert slow["parts"]["DP"] > fast["parts"]["DP"] and slow["parts"]["PP"] > fast["parts"]["PP"]
+
+
+
+def test_each_ring_hop_hides_behind_one_blocks_attention_not_the_whole_call():
+    """05's ring sends cp - 1 hops of K/V, each while the rank computes one block, 1/cp of its
+    attention: exposed, microbatches x layers x (cp - 1) x (hop - block), forward and backward, where
+    a hop outlasts a block. On dp 4 x cp 8 x tp 8 (Llama 3 8B), tp fills each node, so cp's hops cross
+    the network and outlast a block: 1.44 s exposed (hidden behind the whole call, it was 0)."""
+    sizes, run, plans, timing = timed("llama3-8b", (4, 1, 8, 8))
+    cfg, cluster, cp, tp = preset("llama3-8b"), full_train.Cluster(), 8, 8
+    rows, s = run.global_batch // sizes.dp // run.microbatches, run.seq_len // cp
+    sent = full_train.context_parallel.attention_bytes("ring", rows * s * cfg.dim // tp,
+                                                       rows * s * cfg.n_kv_heads * cfg.head_dim // tp, cp, 2)
+    attention = full_train.flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, "flash", cp)
+    assert not full_train.inside_node(sizes, "cp", cluster.gpus_per_node)
+    hop = [float(sent[d]) / (cp - 1) / (cluster.network_gbps * 1e9) + cluster.latency
+           for d in ("forward", "backward")]
+    block = [seconds / cp for seconds in attention]
+    assert all(h > b for h, b in zip(hop, block)), (hop, block)
+    exposed = run.microbatches * plans[0].layers * (cp - 1) * sum(h - b for h, b in zip(hop, block))
+    assert timing["parts"]["CP"] == pytest.approx(exposed, rel=1e-9) and round(exposed, 2) == 1.44
+
+
+def test_a_thin_fp8_gemm_is_priced_at_its_bytes_a_bf16_output_at_two():
+    """08's roofline as plan prices a Float8Linear on few tokens (16): every GEMM bandwidth-bound, its
+    e4m3 operands 1 byte an element, its bf16 output 2 (the backward's dW = dy^T x outputs the whole
+    weight: at 1 byte it took half the time)."""
+    t, k, n, hbm = 16, 8192, 8192, 3.35e12
+    moved = lambda rows, inner, cols: rows * inner + inner * cols + 2 * rows * cols  # noqa: E731
+    forward, backward = full_train.fp8.linear_seconds(t, k, n, hbm, float8=True)
+    assert forward == pytest.approx(moved(t, k, n) / hbm, rel=1e-12)
+    assert backward == pytest.approx((moved(t, n, k) + moved(n, t, k)) / hbm, rel=1e-12)
+
+
+def test_attention_between_measured_lengths_takes_the_rate_nearest_by_ratio():
+    """07 measured its rates at 1,024 to 16,384 tokens, doubling; between two, the nearer on a log
+    scale: 3,000 tokens is 1.37x below 4,096 and 1.46x above 2,048, so 4,096's rate (by difference it
+    took 2,048's, 952 tokens off against 1,096). 2,896 is their geometric mean. Forward FLOPs 4 s^2 d
+    a head, halved by the causal mask; backward 2.5x."""
+    rates = full_train.flash.ATTENTION_TFLOPS_H100[128, True]["flash"]
+    for seq, measured in ((3000, 4096), (6000, 8192), (2900, 4096), (2890, 2048), (1400, 1024)):
+        forward, backward = full_train.flash.attention_seconds(1, 1, seq, 128, "flash")
+        expected = 2 * seq ** 2 * 128 / (rates[full_train.flash.BENCH_SEQS.index(measured)] * 1e12)
+        assert forward == pytest.approx(expected, rel=1e-12), (seq, measured)
+        assert backward == pytest.approx(2.5 * expected, rel=1e-12)
+
+
+def test_inside_node_exactly_when_no_group_of_the_kind_crosses_a_node():
+    """Every mesh of sizes 1-3 and every kind of group, on nodes of each size that divides the world
+    (and of twice the world): inside_node is true iff each group, derived here from the grid of ranks
+    (tp fastest: rank = ((d pp + p) cp + c) tp + t), has its ranks on one node. A block that merely
+    fits in a node (not aligned to it), or one of the group's own sizes only, fails here."""
+    for shape in itertools.product((1, 2, 3), repeat=len(full_train.DIMS)):
+        world, grid = math.prod(shape), torch.arange(math.prod(shape)).reshape(shape)
+        for kind, dims in full_train.GROUP_DIMS.items():
+            moving = [full_train.DIMS.index(d) for d in dims]
+            held = [axis for axis in range(len(shape)) if axis not in moving]
+            groups = grid.permute(*held, *moving).reshape(-1, math.prod(shape[axis] for axis in moving))
+            for per_node in [g for g in range(1, world + 1) if world % g == 0] + [2 * world]:
+                expected = bool((groups // per_node == groups[:, :1] // per_node).all())
+                assert full_train.inside_node(full_train.MeshSizes(*shape), kind, per_node) == expected, (
+                    f"dp, pp, cp, tp = {shape}, nodes of {per_node}: {kind} groups inside a node: {expected}")
+
+
+@given(busy=st.lists(st.floats(1e-3, 10.0), min_size=1, max_size=8), bubble=st.floats(0.0, 0.9),
+       boundary=st.floats(1e-6, 1e-2), pp=st.integers(1, 8), microbatches=st.integers(1, 16),
+       virtual=st.integers(1, 3), hide=st.booleans())
+@example(busy=[1.0], bubble=0.0, boundary=1e-3, pp=1, microbatches=2, virtual=2, hide=False)
+def test_the_pipeline_span_idles_the_slowest_rank_the_bubble_plus_the_fill_and_drain(
+        busy, bubble, boundary, pp, microbatches, virtual, hide):
+    """Outside the fill and drain's sends, the slowest rank is busy max(busy) and idle the bubble's
+    fraction of the span (04's bubble is that idle fraction; stretched by 1 + bubble, it would idle
+    bubble / (1 + bubble)). The sends: with overlap, those the first forward and the last backward
+    make (pp - 1 each); without, every microbatch's, both ways, at each of the pp x virtual - 1
+    boundaries between consecutive stages; pp = 1 sends nothing (one rank holds its stages: the
+    example). Tolerance: span - fill rounds off about 1e-16 x the fill (under 10 s), which the idle
+    fraction divides by >= 1e-3 s."""
+    span, fill = full_train.pipeline_span(busy, bubble, boundary, pp, microbatches, virtual, hide)
+    crossings = 0 if pp == 1 else 2 * (pp - 1) if hide else 2 * microbatches * (pp * virtual - 1)
+    assert fill == pytest.approx(crossings * boundary, rel=1e-12), f"fill: not {crossings} boundary sends"
+    pipeline_seconds = span - fill
+    idle = (pipeline_seconds - max(busy)) / pipeline_seconds
+    assert idle == pytest.approx(bubble, rel=1e-9, abs=1e-9), f"idles {idle:.6g} of the span, not {bubble}"
+
+# The README's table: label -> (preset, mesh (dp, pp, cp, tp), plan's options, the published figure:
+# ms a step, tokens/s per GPU, or TFLOP/s per GPU as 09's flops_per_token counts them: PaLM's (Meta's
+# MFU), for these models also Megatron's formula). Knobs not published, chosen a priori: one sequence
+# per microbatch, Megatron's 1F1B, Llama 3's interleaving with v = 2 (torchtitan's default), SP with
+# tp > 1, no recompute unless published; Meta's FSDP that keeps the parameters after forward as ZeRO-2,
+# Megatron's distributed optimizer ZeRO-1, MPT's FULL_SHARD ZeRO-3.
+LLAMA3_405B = dict(schedule="interleaved", virtual=2, zero_stage=2, sequence_parallel=True)
+PUBLISHED = {
+    "09 `1b`": ("1b", (1, 1, 1, 1), dict(microbatches=1, attention="flash"), (199.2, "ms")),
+    "09 `1b`, SDPA": ("1b", (1, 1, 1, 1), dict(microbatches=1), (181.0, "ms")),
+    "09 `1b`, FP8": ("1b", (1, 1, 1, 1), dict(microbatches=1, attention="flash", fp8=True), (226.5, "ms")),
+    "09 `2b`": ("2b", (1, 1, 1, 1), dict(microbatches=1, attention="flash"), (345.8, "ms")),
+    "09 `2b`, FP8": ("2b", (1, 1, 1, 1), dict(microbatches=1, attention="flash", fp8=True), (305.4, "ms")),
+    "Llama 3 405B": ("llama3-405b", (64, 16, 1, 8), LLAMA3_405B, (430, "TFLOP/s")),
+    "Llama 3 405B, 16,384 GPUs": ("llama3-405b", (128, 16, 1, 8), LLAMA3_405B, (400, "TFLOP/s")),
+    "Llama 3 405B, 131k tokens": ("llama3-405b", (8, 16, 16, 8), dict(LLAMA3_405B, seq_len=131_072, global_batch=128),
+                                  (380, "TFLOP/s")),
+    **{f"Megatron-Core {size.upper()}": (f"megatron-{size}", (48, pp, 1, tp), dict(zero_stage=1, sequence_parallel=tp > 1),
+                                         (tflops, "TFLOP/s")) for size, pp, tp, tflops in (
+        ("1.7b", 1, 1, 408.8), ("7.1b", 1, 2, 465.9), ("16b", 1, 4, 489.1), ("32b", 1, 8, 459.6), ("70b", 2, 8, 419.7),
+        ("119b", 4, 8, 420.5), ("177b", 6, 8, 432.8), ("314b", 8, 8, 474.4), ("462b", 16, 8, 459.9))},
+    "MPT-1B": ("mpt-1b", (8, 1, 1, 1), dict(microbatches=1, zero_stage=3), (45_455, "tokens/s")),
+    "MPT-7B": ("mpt-7b", (8, 1, 1, 1), dict(microbatches=1, zero_stage=3), (10_643, "tokens/s")),
+    "MPT-70B": ("mpt-70b", (512, 1, 1, 1), dict(microbatches=1, zero_stage=3, recompute="full"), (1_007, "tokens/s")),
+}
+
+
+def published_and_predicted(label: str) -> tuple[float, dict]:
+    """The published run's step in seconds (from its figure) and plan's step time for its mesh."""
+    model, mesh, options, (figure, unit) = PUBLISHED[label]
+    sizes, run, _, timing = timed(model, mesh, **options)
+    tokens_per_gpu = run.global_batch * run.seq_len / sizes.world
+    per_second = {"ms": 1e3 / figure, "tokens/s": figure / tokens_per_gpu,
+                  "TFLOP/s": figure * 1e12 / (tokens_per_gpu * full_train.flops_per_token(preset(model), run.seq_len))}
+    return 1 / per_second[unit], timing
+
+
+def test_the_1b_run_measured_on_one_h100_is_predicted_within_15_percent():
+    """README, "On a GPU": the 1b preset on one H100, 8 x 2,048 tokens in one microbatch, ZeRO-1
+    over one rank, compiled. With SDPA: 181.0 ms a step. With 07's kernel 196-199 ms, of which the
+    profile found the GPU busy 190.5 ms (forward 50.8, backward 120.3, sync 2.2, optimizer 17.2) and
+    idle 24.3 while the CPU launched the graph-broken blocks, which the model does not price: it is
+    held to the GPU's 190.5 ms (the step is 17-18% above it). cuBLAS's GEMMs took 104.6 ms a step."""
+    for label, measured in (("09 `1b`, SDPA", 0.181), ("09 `1b`", 0.1905)):
+        timing = published_and_predicted(label)[1]
+        assert abs(timing["step"] / measured - 1) <= 0.15, (label, timing["step"])
+        assert abs(timing["parts"]["GEMMs"] / 0.1046 - 1) <= 0.15
+
+
+def test_llama3_405b_on_8192_gpus_is_predicted_within_15_percent():
+    """Meta's Llama 3 paper, Table 4, row 1: tp 8, pp 16, dp 64 on 8,192 H100s, 2,048 sequences of
+    8,192 tokens; 430 TFLOP/s per GPU as PaLM counts them (43% MFU). The knobs the paper leaves out
+    are PUBLISHED's a priori choices (interleaved with v = 2, one sequence per microbatch)."""
+    published, timing = published_and_predicted("Llama 3 405B")
+    assert abs(timing["step"] / published - 1) <= 0.15, (timing["step"], published)
+
+
+def test_the_readmes_table_of_published_runs_is_what_plan_predicts():
+    """Every row of README's planning table: its mesh, its published step and plan's, the error."""
+    text = (ROOT / "README.md").read_text()
+    for label, (_, mesh, _, (figure, unit)) in PUBLISHED.items():
+        row = re.search(rf"\n\| {re.escape(label)} \| (.*) \|\n", text)
+        assert row, label
+        published, timing = published_and_predicted(label)
+        error = round(100 * (timing["step"] / published - 1))
+        assert row[1].split(" | ") == ["·".join(map(str, mesh)), f"{figure:,} {unit}",
+                                       f"{published:#.3g} / {timing['step']:#.3g} s", f"{error:+d}%"], label
+
+
+PLAN_OPTIONS = {"--dp", "--pp", "--cp", "--tp", "--ep", "--moe", "--experts", "--zero", "--schedule",
+                "--microbatches", "--virtual", "--sequence-parallel", "--fp8", "--recompute", "--kv-heads",
+                "--global-batch", "--seq-len", "--model", "--gpus", "--gpus-per-node", "--gpu-memory",
+                "--peak-tflops", "--hbm-tbps", "--nvlink-gbps", "--network-gbps", "--attention"}
+
+
+def test_the_planner_offers_the_meshs_and_clusters_options_and_says_what_decides_the_rest(
+        monkeypatch, capsys):
+    """09's fields that name plan, and Cluster's, each once with one default; the mesh sizes left
+    out are searched, the microbatches one sequence each: --help says so."""
+    monkeypatch.setenv("COLUMNS", "200")
+    code, text, _ = plan_main(monkeypatch, capsys, "--help")
+    options = {option.split()[0].rstrip(","): option for option in re.split(r"\n  (?=-)", text)[1:]}
+    assert code == 0 and options.keys() == PLAN_OPTIONS | {"-h"} and "(default: None)" not in text
+    assert all(option.count("default") <= 1 and len(option.split()) > 2 for option in options.values())
+    assert all("(default: searched)" in options[f"--{d}"] for d in full_train.DIMS)
+    assert "(default: global_batch / dp: one sequence each)" in options["--microbatches"]
+
+
+def test_published_presets_are_the_planners_and_09_trains_its_own():
+    """A published model's vocabulary needs a tokenizer (bytes are 09's tokens): train takes 09's own
+    presets, which plan prices too, and plan alone has the published ones."""
+    assert full_train.MODELS.items() <= full_train.PRESETS.items()
+    assert all("vocab_size" not in config for config, *_ in full_train.MODELS.values())
+    published = full_train.PRESETS.keys() - full_train.MODELS.keys()
+    assert published and all("vocab_size" in full_train.PRESETS[name][0] for name in published)
