@@ -312,10 +312,9 @@ EXERCISES = (
         minutes=15,
         proofs=("test_mesh_coordinates_and_groups",),  # every group of three meshes, derived from the grid
         needs=("09.1",)),
-
     Exercise(
-        "10.1", "10_planner.py", ("inside_node",), "whether a group stays inside a node",
-        task="Return whether every group of this kind (its dims: full_train.GROUP_DIMS, dp x cp for a "
+        "09.3", "09_full_train.py", ("inside_node",), "whether a group stays inside a node",
+        task="Return whether every group of this kind (its dims: GROUP_DIMS, dp x cp for a "
              "kind not there) has all its ranks on one node of gpus_per_node consecutive ranks. Ranks "
              "are numbered tp fastest (09's MeshSizes.rank), so only the group's dims of size > 1 move, "
              "and a group lies in an aligned block of its slowest moving dim's size x the sizes of all "
@@ -325,7 +324,7 @@ EXERCISES = (
         minutes=10,
         proofs=("test_inside_node_exactly_when_no_group_of_the_kind_crosses_a_node",)),
     Exercise(
-        "10.2", "10_planner.py", ("pipeline_span",), "the span of the pipeline",
+        "09.4", "09_full_train.py", ("pipeline_span",), "the span of the pipeline",
         task="Return (span, fill): fill, the sends nothing hides, boundary seconds each: with overlap "
              "(hide) the first forward's pp - 1 boundary crossings and the last backward's, without it "
              "every microbatch's both ways over the pp x virtual - 1 boundaries, none at pp = 1; span, "
