@@ -1,8 +1,7 @@
 """Lesson 08: FP8 training - the two formats, how to scale into them, a Float8Linear; then FP8 in
 distributed training: ZeRO-3's all-gathers in FP8, and one scale per tensor under tensor parallelism.
 
-Two programs, a sub-command each: `single` (the default) runs in one process, `distributed` on ranks.
-The sections, in order:
+Two sub-commands: `single` (the default) runs in one process, `distributed` on ranks. The sections:
   The scale rule, the saturating cast, the recipes: amax_to_scale, cast_to_fp8, quantize_tiles  single
   One fused pass in Triton; delayed scaling: _amax_cast_kernel, fused_amax_cast, DelayedScaling  single
   FP8 GEMM and Float8Linear: scaled_mm, _Float8Matmul, Float8Linear; gemm_seconds (09's plan)      both
@@ -46,27 +45,25 @@ with the output gradient g in e5m2: all three GEMMs on FP8 tensor cores. An H100
 bf16 (1979 vs 989 dense TFLOP/s); an amax and a cast per operand (memory-bound passes) amortise
 only on large GEMMs fused by torch.compile: published end-to-end gains are 1.2-1.5x (`--bench`).
 
-FP8 IN DISTRIBUTED TRAINING. Spread over ranks, two things change: a weight that ZeRO-3 shards can
-travel in FP8, a quarter of fp32's bytes; and a tensor that TP splits must still be scaled as one
-device scales the whole tensor, or every FP8 number differs. Float8Linear's hooks for both: a
-weight's `float8_cast`, made once per step, and `amax_groups`, the groups an amax is MAX'ed over.
+FP8 IN DISTRIBUTED TRAINING: Float8Linear's two hooks, a weight's `float8_cast` (made once per step)
+and `amax_groups` (the groups an operand's amax is the MAX over).
 - FP8 COMMUNICATION (ZeRO-3, lesson 02; torchao's "float8 all-gather"). A weight does not change
   inside an optimizer step: cast it once per step (weights_cast_once), and, sharded, before the
-  all-gather: one all-reduce (MAX) of each rank's amaxes of its pieces gives every weight's global
-  amax, so each rank casts its piece with the whole weight's scale, and the gathered bytes are bit
-  for bit the whole weight's cast, wherever the shard boundaries fall. Per step, for Psi_8
-  Float8Linear weight elements, N ranks, m microbatches: all-gathers of 2m (N-1)/N x 1 B x Psi_8
-  instead of 2 B (bf16) or 4 B (fp32), plus 2 (N-1)/N x 4 B per weight for the amaxes; each rank
-  keeps its cast shard (Psi_8 / N B). Gradients reduce-scatter in full precision (Float8ZeRO).
+  all-gather, which then moves a quarter of fp32's bytes. One all-reduce (MAX) of each rank's amaxes
+  of its pieces gives every weight's global amax, so each rank casts its piece with the whole weight's
+  scale, and the gathered bytes are bit for bit the whole weight's cast, wherever the shard boundaries
+  fall. Per step, for Psi_8 Float8Linear weight elements, N ranks, m microbatches: all-gathers of
+  2m (N-1)/N x 1 B x Psi_8 instead of 2 B (bf16) or 4 B (fp32), plus 2 (N-1)/N x 4 B per weight for
+  the amaxes; each rank keeps its cast shard (Psi_8 / N B). Gradients reduce-scatter in full precision.
 - FP8 UNDER TENSOR PARALLELISM (lesson 03; torchao's float8 on DTensor). A rank scaling by its own
-  piece of a split tensor casts with another scale than one device, so every amax of a split tensor
-  is the MAX over the tp group (tensor_parallel_scales): the weights' (once per step) and, per call,
-  the operand split where it is cast: a column-parallel layer's output gradient, a row-parallel
-  one's input, both for a layer 03 leaves whole on sequence shards (SP). Per step, L layers, m
-  microbatches: 2 (t-1)/t x 4 B x L (7 + 7 m), the amaxes of 7 weights and 7 split operands a layer.
-  These make every FP8 number of a step's casts one device's; the split sums still add in another
-  order, and where that moves a value across an e4m3 rounding boundary (rare), AdamW turns the flip
-  into an lr-sized move of that element: the runs stay close to one device's, not bit for bit.
+  piece of a split tensor casts with another scale than one device: every FP8 number would differ.
+  So every amax of a split tensor is the MAX over the tp group (tensor_parallel_scales): the weights'
+  (once per step) and, per call, the operand split where it is cast: a column-parallel layer's output
+  gradient, a row-parallel one's input, both for a layer 03 leaves whole on sequence shards (SP).
+  Per step, L layers, m microbatches: 2 (t-1)/t x 4 B x L (7 + 7 m), the amaxes of 7 weights and 7
+  split operands a layer. Every FP8 number of a step's casts is then one device's; the split sums
+  still add in another order, and where that moves a value across an e4m3 rounding boundary (rare),
+  AdamW turns the flip into an lr-sized move: the runs stay close to one device's, not bit for bit.
 
 RUN IT
     python 08_fp8.py              # CPU: SQNR tables, the spike demo, 60 steps of the tiny GPT in fp32
@@ -452,8 +449,7 @@ def float8_weights(model: nn.Module) -> list[nn.Parameter]:
 @contextlib.contextmanager
 def weights_cast_once(model: nn.Module) -> Iterator[None]:
     """Around one optimizer step's forward and backward passes: each Float8Linear weight is cast on
-    entry, used inside, dropped on exit. Whole weights only (Float8ZeRO casts ZeRO-3's shards); under
-    TP one all-reduce (MAX) of all their amaxes gives each the whole weight's scale."""
+    entry (under TP with the whole weight's scale), dropped on exit. Whole weights only (not ZeRO-3's)."""
     weights, group = float8_weights(model), tensor_parallel_group(model)
     if any(w.numel() == 0 for w in weights):
         raise ValueError("weights_cast_once needs whole weights, not ZeRO-3's released ones: "
@@ -506,9 +502,8 @@ class Float8GatherUnit(zero.FlatUnit):
 
 
 class Float8ZeRO(zero.ZeRO):
-    """ZeRO-3 of model's Float8Linear weights, all-gathered in FP8 (the docstring's FP8
-    COMMUNICATION); everything else is lesson 02's. The other parameters need a ZeRO of their own,
-    both clipped by one norm: train_float8_zero shows the pair. clip_and_update recasts the shards."""
+    """ZeRO-3 of model's Float8Linear weights, all-gathered in FP8; the rest is lesson 02's. The other
+    parameters need a ZeRO of their own, both clipped by one norm: train_float8_zero shows the pair."""
 
     unit_type = Float8GatherUnit
 
@@ -533,8 +528,7 @@ class Float8ZeRO(zero.ZeRO):
 
     @torch.no_grad()
     def cast_shards(self) -> None:
-        """Each piece of a weight here cast with the whole weight's scale: one all-reduce (MAX) of
-        all the pieces' amaxes (under TP a second one, over tp)."""
+        """Each piece of a weight here cast with the whole weight's scale (under TP: over tp too)."""
         pieces = [unit.shard[piece].float() for unit in self.units for piece in unit.pieces()]
         nothing = torch.zeros((), device=pieces[0].device)  # the amax of a weight with no piece here
         amaxes = torch.stack([piece.abs().amax() if piece.numel() else nothing for piece in pieces])
@@ -665,11 +659,10 @@ def tensor_parallel_group(model: nn.Module):
 
 def tensor_parallel_amax_traffic(tp: int, layers: int, microbatches: int = 1, *, mlp: bool = True,
                                  sequence_parallel: bool = False, recompute: str = "none") -> Fraction:
-    """Bytes one rank sends per step in tensor_parallel_scales' all-reduces (4 B amaxes) over tp
-    ranks for `layers` layers: every weight's amax once per step; per microbatch and layer, one for
-    each split operand: the output gradients of q, k, v, gate, up and the inputs of out, down.
-    mlp=False (06's MoE layers): attention's 4, with SP the router's input and output gradient.
-    recompute="full" casts each layer's row-parallel inputs (SP: the router's) again in backward."""
+    """The docstring's amax bytes per step over tp ranks: per layer 7 weights, and per microbatch the
+    split operands: the output gradients of q, k, v, gate, up and the inputs of out, down. mlp=False
+    (06's MoE layers): attention's 4, with SP the router's input and output gradient. recompute="full"
+    casts each layer's row-parallel inputs (SP: the router's) again in backward."""
     weights = 7 if mlp else 5  # q, k, v, out + gate, up, down | the router
     split = 7 if mlp else 4 + 2 * sequence_parallel
     again = (2 if mlp else 1 + sequence_parallel) if recompute == "full" else 0
@@ -681,8 +674,7 @@ def train_float8_tensor_parallel(cfg: foundation.ModelConfig, steps: int, global
                                  whole_tensor_scales: bool = True, lr: float = 1e-3, adam_eps: float = 1e-8,
                                  group=None, device: torch.device | str = "cpu"):
     """03's train_tensor_parallel for the FP8 GPT, in microbatches, each weight cast once per step.
-    whole_tensor_scales=False: each rank scales by its own pieces (what tensor_parallel_scales
-    prevents)."""
+    whole_tensor_scales=False: each rank scales by its own pieces (what tensor_parallel_scales prevents)."""
     if microbatches < 1 or global_batch % microbatches:
         raise ValueError(f"global_batch={global_batch} is not divisible by microbatches={microbatches}")
     model = convert_to_float8(foundation.GPT(cfg)).to(device)
@@ -849,13 +841,19 @@ def bench(args: argparse.Namespace) -> None:
 DEMO_MODEL = foundation.ModelConfig(ffn_dim=192)
 
 
-def zero_demo(args: argparse.Namespace, device: torch.device, steps: int) -> None:
-    """On each rank: the three modes of train_float8_zero; rank 0 prints the bytes beside the formulas."""
-    world, m = dist.get_world_size(), 2
-    runs = {mode: train_float8_zero(DEMO_MODEL, steps, args.batch, args.seq_len, mode=mode,
-                                    microbatches=m, device=device) for mode in FLOAT8_ZERO_MODES}
+def distributed_demo(args: argparse.Namespace) -> None:
+    """On each rank: train_float8_zero's three modes, then train_float8_tensor_parallel with and without
+    SP and with each rank's own scales; rank 0 prints the bytes beside the formulas and the differences."""
+    device, steps, world, m, cfg = foundation.init_distributed(), 3, dist.get_world_size(), 2, DEMO_MODEL
+    eps = 1e-6  # not AdamW's 1e-8, which turns fp32 rounding on gradients near 0 into lr-sized moves (01)
+    runs = {mode: train_float8_zero(cfg, steps, args.batch, args.seq_len, mode=mode, microbatches=m,
+                                    device=device) for mode in FLOAT8_ZERO_MODES}
     casts = foundation.all_ranks(runs["zero3-fp8"][0].stats["weight_casts"] // steps, dst=0)
-    if dist.get_rank() == 0:
+    tp_runs = {(sp, whole): train_float8_tensor_parallel(cfg, steps, args.batch, args.seq_len, adam_eps=eps,
+                                                         sequence_parallel=sp, whole_tensor_scales=whole,
+                                                         device=device)
+               for sp, whole in ((False, True), (True, True), (False, False))}
+    if casts is not None:  # rank 0
         (rest, weights), n = runs["zero3"][0].stats["padded"], runs["zero3"][0].stats["n_weights"]
         ring = Fraction(world - 1, world)
         gathered = {b: m * 2 * ring * b * weights for b in (4, 2, 1)}  # the weights' part, b B an element
@@ -887,29 +885,16 @@ def zero_demo(args: argparse.Namespace, device: torch.device, steps: int) -> Non
                   f"{grads:.1e}, parameters after {steps} steps {params:.1e}")
         print("Notice: a byte per gathered weight element, one small all-reduce per step, and the same bits "
               "as casting whole weights\n(the unsharded run sums its gradients in another order).")
-
-
-def tensor_parallel_demo(args: argparse.Namespace, device: torch.device, steps: int) -> None:
-    """train_float8_tensor_parallel over all ranks: with and without SP, and with each rank's own
-    scales; rank 0 prints the differences from one device's FP8 and the amax bytes beside the formula."""
-    cfg, tp = DEMO_MODEL, dist.get_world_size()
-    eps = 1e-6  # not AdamW's 1e-8, which turns fp32 rounding on gradients near 0 into lr-sized moves (01)
-    runs = {(sp, whole): train_float8_tensor_parallel(cfg, steps, args.batch, args.seq_len, adam_eps=eps,
-                                                      sequence_parallel=sp, whole_tensor_scales=whole,
-                                                      device=device)
-            for sp, whole in ((False, True), (True, True), (False, False))}
-    if dist.get_rank() == 0:
         reference = foundation.train_single_device(cfg, steps, args.batch, args.seq_len, adam_eps=eps,
                                                    device=device, transform=convert_to_float8)
-        ring = Fraction(2 * (tp - 1), tp)
-        print(f"\nThe FP8 GPT under tensor parallelism over {tp} ranks (lesson 03), {steps} steps of batch "
-              f"{args.batch} x {args.seq_len}, against one device's FP8:\n  {'scales from':<30}max "
+        print(f"\nThe FP8 GPT under tensor parallelism over {world} ranks (lesson 03), {steps} steps of "
+              f"batch {args.batch} x {args.seq_len}, against one device's FP8:\n  {'scales from':<30}max "
               f"|difference|: {'loss':>7}{'step-0 gradients':>17}{'parameters':>11}   amax all-reduces per "
               f"step, measured | formula 2(t-1)/t x 4 B x L (7 + 7m), m = 1")
-        for (sp, whole), (result, meter) in runs.items():
+        for (sp, whole), (result, meter) in tp_runs.items():
             megatron = tensor_parallel.comm_formula(cfg, args.batch, args.seq_len, sp)["all_reduce"][1]
-            measured = (meter.traffic("all_reduce") - steps * ring * megatron) / steps
-            formula = tensor_parallel_amax_traffic(tp, cfg.n_layers, sequence_parallel=sp) if whole else 0
+            measured = (meter.traffic("all_reduce") - steps * 2 * ring * megatron) / steps
+            formula = tensor_parallel_amax_traffic(world, cfg.n_layers, sequence_parallel=sp) if whole else 0
             label = ("whole tensors'" if whole else "each rank's own pieces'") + (", SP" if sp else "")
             loss, grads, params = result.max_differences(reference)
             print(f"  {label:<48}{loss:>7.1e}{grads:>17.1e}{params:>11.1e}   {float(measured):,.0f} B | "
@@ -919,13 +904,6 @@ def tensor_parallel_demo(args: argparse.Namespace, device: torch.device, steps: 
               "a value across an e4m3 rounding (rare), AdamW makes it an lr-sized move, close to one\n"
               "device, not bit for bit. With each rank's own scales the FP8 roundings differ everywhere, for "
               "a few bytes of amaxes less.")
-
-
-def distributed_demo(args: argparse.Namespace) -> None:
-    """On each rank: ZeRO-3 with FP8 all-gathers, then FP8 under tensor parallelism; rank 0 prints."""
-    device, steps = foundation.init_distributed(), 3
-    zero_demo(args, device, steps)
-    tensor_parallel_demo(args, device, steps)
     foundation.exit_distributed()
 
 
@@ -940,42 +918,37 @@ class Options:
                                           commands=("single",))
     eager: bool = foundation.option(False, "bench without torch.compile", commands=("single",))
 
-COMMANDS = {"single": foundation.Command("one process: FP8 formats and scaling, the fused cast, FP8 training "
-                                         "(--bench: on a GPU)"),
-            "distributed": foundation.Command("on --nproc ranks: ZeRO-3 with FP8 all-gathers, FP8 under "
-                                              "tensor parallelism", classes=(foundation.Ranks,))}
-
-
 def main() -> None:
-    parser, args = foundation.parse_options(__doc__, (Options,), COMMANDS)
+    parser, args = foundation.parse_options(__doc__, (Options,), {
+        "single": foundation.Command("one process: FP8 formats and scaling, the fused cast, FP8 training "
+                                     "(--bench: on a GPU)"),
+        "distributed": foundation.Command("on --nproc ranks: ZeRO-3 with FP8 all-gathers, FP8 under tensor "
+                                          "parallelism", classes=(foundation.Ranks,))})
     distributed, bench_run = args.command == "distributed", getattr(args, "bench", False)
 
     def validate(world: int) -> None:
-        if bench_run and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
-            raise ValueError("--bench needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
         if bench_run:
+            if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+                raise ValueError("--bench needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
             return
-        rows = {"--batch x --seq-len": args.batch * args.seq_len}
-        if distributed:
+        rows = {"a step's": args.batch * args.seq_len}
+        if distributed:  # ZeRO-3 in 2 microbatches; TP splits the heads, the MLP and (SP) the sequence
             if args.batch % (2 * world):
                 raise ValueError(f"--batch {args.batch} is not divisible by 2 microbatches x {world} ranks")
-            rows = {"a rank's ZeRO-3 microbatch": args.batch // (2 * world) * args.seq_len,
-                    "a rank's sequence shard under SP": args.batch * args.seq_len // world}
-            # the tensor-parallel demo splits the GPT's heads, its MLP and (SP) the sequence over the ranks
             tensor_parallel.validate_tensor_parallel(DEMO_MODEL, world)
             if args.seq_len % world:
                 raise ValueError(f"--seq-len {args.seq_len} is not divisible by the {world} ranks (sequence "
                                  f"parallelism)")
+            rows = {"a rank's ZeRO-3 microbatch": args.batch // (2 * world) * args.seq_len,
+                    "a rank's sequence shard under SP": args.batch * args.seq_len // world}
         if training_device().type == "cuda" and (odd := [f"{k} {n}" for k, n in rows.items() if n % 16]):
             raise ValueError(f"FP8 GEMMs on CUDA need rows in multiples of 16, not {', '.join(odd)} (--batch "
                              f"x --seq-len)")
-        foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}",
-                                DEMO_MODEL if distributed else foundation.ModelConfig(), args.batch,
+        foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}", DEMO_MODEL, args.batch,
                                 args.seq_len, world)
 
-    fn = distributed_demo if distributed else bench if bench_run else demo
-    foundation.launch_lesson(parser, args, fn, validate)
-
+    foundation.launch_lesson(parser, args, distributed_demo if distributed else bench if bench_run else demo,
+                             validate)
 
 if __name__ == "__main__":
     main()
