@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -89,20 +89,33 @@ def tiled_tensors(draw):
 
 
 def test_format_limits_and_saturating_cast():
+    """Finite values beyond fp8_max saturate in both formats; non-finite ones are never saturated: NaN
+    stays NaN, an inf stays +-inf in e5m2 and is NaN in e4m3fn (no inf; torch's own cast gives 448)."""
     assert fp8.fp8_max(E4M3) == 448 and fp8.fp8_max(E5M2) == 57344
     huge = torch.tensor([1e6, -1e6, 500.0])
     assert torch.isinf((huge * 1e3).to(E5M2).float()).all(), "a plain e5m2 cast overflows to inf"
     assert fp8.cast_to_fp8(huge, torch.tensor(1.0), E4M3).float().tolist() == [448, -448, 448]
     assert fp8.cast_to_fp8(huge * 1e3, torch.tensor(1.0), E5M2).float().tolist() == [57344, -57344, 57344]
+    special = torch.tensor([math.inf, -math.inf, math.nan])
+    for dtype, expected in ((E5M2, [math.inf, -math.inf, math.nan]), (E4M3, [math.nan] * 3)):
+        torch.testing.assert_close(fp8.cast_to_fp8(special, torch.tensor(2.0), dtype).float(),
+                                   torch.tensor(expected), rtol=0, atol=0, equal_nan=True, msg=str(dtype))
 
 
 @given(amax=st.one_of(st.just(0.0), st.floats(0, 3e38, allow_subnormal=True)),
        dtype=st.sampled_from([E4M3, E5M2]))
+@example(amax=1.0, dtype=E4M3)  # a non-zero amax in each format, whatever a profile draws
+@example(amax=3.0, dtype=E5M2)
+@example(amax=1e-13, dtype=E4M3)  # below, at and above the floor: clamped at it, never added to it
+@example(amax=1e-12, dtype=E5M2)
+@example(amax=1e-11, dtype=E4M3)
 def test_scale_is_finite_and_maps_amax_to_fp8_max(amax, dtype):
+    """s = fp8_max(dtype) / max(amax, AMAX_EPS): the amax lands on its own format's max; an amax under
+    the floor (zero too) scales as the floor does."""
     scale = fp8.amax_to_scale(torch.tensor(amax), dtype)
     assert torch.isfinite(scale) and scale > 0
-    if amax >= fp8.AMAX_EPS:
-        assert abs((scale.double() * amax).item() / fp8.fp8_max(dtype) - 1) < 1e-6
+    floored = max(amax, fp8.AMAX_EPS)
+    assert abs((scale.double() * floored).item() / fp8.fp8_max(dtype) - 1) < 1e-6
 
 
 def test_sqnr():
@@ -164,9 +177,11 @@ def constant(amax: float) -> torch.Tensor:
     return torch.tensor([[amax, -amax / 2], [0.0, amax / 4]], device=DEVICE)
 
 
-def test_delayed_scaling_history_window_and_margin():
-    history_len, margin = 4, 1
-    delayed = fp8.DelayedScaling(E4M3, history_len, margin)
+@given(dtype=st.sampled_from([E4M3, E5M2]), history_len=st.integers(1, 5), margin=st.integers(0, 3))
+@example(dtype=E5M2, history_len=4, margin=1)  # the format's own max, the margin, a window of 4
+@example(dtype=E4M3, history_len=2, margin=0)  # a short window: the 8.0 leaves it
+def test_delayed_scaling_history_window_and_margin(dtype, history_len, margin):
+    delayed = fp8.DelayedScaling(dtype, history_len, margin)
     assert delayed.scale() is None, "no history yet: the first call uses its own amax"
     amaxes = [2.0, 8.0, 1.0, 3.0, 0.5, 0.25, 0.125]
     for i, amax in enumerate(amaxes):
@@ -175,7 +190,7 @@ def test_delayed_scaling_history_window_and_margin():
         expected_amax = amax if i == 0 else max(amaxes[max(0, i - history_len):i])
         announced = delayed.scale()
         _, scale = delayed.quantize(constant(amax))
-        assert scale.item() == pytest.approx(448 / (expected_amax * 2 ** margin), rel=1e-6)
+        assert scale.item() == pytest.approx(fp8.fp8_max(dtype) / (expected_amax * 2 ** margin), rel=1e-6)
         assert i == 0 or torch.equal(scale, announced), "scale() is the scale the next call uses"
         newest_first = amaxes[max(0, i + 1 - history_len):i + 1][::-1]
         assert delayed.amax_history.tolist() == newest_first + [0.0] * (history_len - len(newest_first))
@@ -880,6 +895,37 @@ def test_a_split_layer_casts_one_devices_fp8_numbers(rank_pool, tp, kind, rows, 
         pieces = [r[0][index] for r in ranks]
         got = sum(pieces) if dim is None or (kind == "sequence" and index == 2) else torch.cat(pieces, dim)
         torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5 * whole.abs().max().item())
+
+
+def amaxes_with_a_nan_on(nan_rank: int, cfg: foundation.ModelConfig) -> list[torch.Tensor]:
+    """On every rank, a NaN that nan_rank alone holds (and an inf the next rank holds: NaN ranks above
+    it) through each MAX over the ranks: all_reduce_amax itself; the tensorwise scale of a tensor split
+    over the ranks (TP's path); Float8ZeRO's scale of a weight whose NaN lies in nan_rank's shard."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    amax = torch.full((3,), float(rank + 1))
+    amax[0] = math.nan if rank == nan_rank else math.inf if rank == (nan_rank + 1) % world else amax[0]
+    piece = torch.full((2, 3), float(rank + 1))
+    piece[1, 2] = math.nan if rank == nan_rank else piece[1, 2]
+    _, tp_scale = fp8.quantize_tensorwise(piece, E4M3, dist.group.WORLD)
+    zero = fp8.Float8ZeRO(fp8.convert_to_float8(foundation.GPT(cfg)))
+    unit, share = zero.units[0], zero.units[0].padded // world
+    weight = next(i for i, end in enumerate(unit.offsets[1:]) if end > nan_rank * share)  # nan_rank holds some
+    if rank == nan_rank:
+        with torch.no_grad():
+            unit.master[max(unit.offsets[weight], nan_rank * share) - unit.owned.start] = math.nan
+    zero.cast_shards()
+    return [fp8.all_reduce_amax(amax, None), tp_scale.view(1), unit.scales[weight].view(1)]
+
+
+@pytest.mark.parametrize("world, nan_rank", [(world, rank) for world in (3, 4) for rank in range(world)])
+def test_a_nan_amax_on_any_rank_makes_every_ranks_scale_nan(rank_pool, world, nan_rank):
+    """Every MAX of amaxes over ranks keeps a NaN wherever it is (gloo's float MAX keeps it only from
+    rank 0): a NaN on one rank makes every rank's scale NaN, so the tensor reads back as NaN, never as
+    finite numbers scaled by the other ranks' amaxes."""
+    cfg = foundation.ModelConfig(vocab_size=11, dim=10, n_heads=1, ffn_dim=7)
+    for reduced, tp_scale, zero_scale in rank_pool.run(world, amaxes_with_a_nan_on, nan_rank, cfg):
+        assert torch.isnan(reduced[0]) and reduced[1:].tolist() == [world, world], reduced
+        assert torch.isnan(tp_scale) and torch.isnan(zero_scale), (tp_scale, zero_scale)
 
 
 @settings(max_examples=FEW_EXAMPLES)
