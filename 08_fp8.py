@@ -2,12 +2,12 @@
 distributed training: ZeRO-3's all-gathers in FP8, and one scale per tensor under tensor parallelism.
 
 Two sub-commands: `single` (the default) runs in one process, `distributed` on ranks. The sections:
-  The scale rule, the saturating cast, the recipes: amax_to_scale, cast_to_fp8, quantize_tiles  single
-  One fused pass in Triton; delayed scaling: _amax_cast_kernel, fused_amax_cast, DelayedScaling  single
-  FP8 GEMM and Float8Linear: scaled_mm, _Float8Matmul, Float8Linear; gemm_seconds (09's plan)      both
-  FP8 communication: weights_cast_once; Float8GatherUnit, Float8ZeRO; train_float8_zero      distributed
-  FP8 under tensor parallelism: tensor_parallel_scales, train_float8_tensor_parallel         distributed
-  RUN IT: sqnr_table, spike_demo, demo, bench; zero_demo, tensor_parallel_demo; Options, main       both
+  The scale rule, the saturating cast, the recipes: amax_to_scale, cast_to_fp8, quantize_tiles        single
+  One fused pass in Triton; delayed scaling: _amax_cast_kernel, fused_amax_cast, DelayedScaling       single
+  FP8 GEMM and Float8Linear: scaled_mm, _Float8Matmul, Float8Linear; gemm_seconds (09's plan)           both
+  FP8 communication: weights_cast_once; Float8GatherUnit, Float8ZeRO; train_float8_zero          distributed
+  FP8 under tensor parallelism: tensor_parallel_scales, train_float8_tensor_parallel             distributed
+  RUN IT: sqnr_table, spike_demo, demo, bench; distributed_demo; Options, main                          both
 
 THE FORMATS (8 bits: sign, exponent, mantissa)
   e4m3fn  4 exponent + 3 mantissa bits: max 448, smallest normal 2^-6, smallest subnormal 2^-9;
