@@ -1,4 +1,13 @@
-"""Lesson 08: FP8 training - the two formats, how to scale into them, and a Float8Linear.
+"""Lesson 08: FP8 training - the two formats, how to scale into them, a Float8Linear; then FP8 in
+distributed training: ZeRO-3's all-gathers in FP8, and one scale per tensor under tensor parallelism.
+
+Two sub-commands: `single` (the default) runs in one process, `distributed` on ranks. The sections:
+  The scale rule, the saturating cast, the recipes: amax_to_scale, cast_to_fp8, quantize_tiles        single
+  One fused pass in Triton; delayed scaling: _amax_cast_kernel, fused_amax_cast, DelayedScaling       single
+  FP8 GEMM and Float8Linear: scaled_mm, _Float8Matmul, Float8Linear; gemm_seconds (09's plan)           both
+  FP8 communication: weights_cast_once; Float8GatherUnit, Float8ZeRO; train_float8_zero          distributed
+  FP8 under tensor parallelism: tensor_parallel_scales, train_float8_tensor_parallel             distributed
+  RUN IT: sqnr_table, spike_demo, demo, bench; distributed_demo; Options, main                          both
 
 THE FORMATS (8 bits: sign, exponent, mantissa)
   e4m3fn  4 exponent + 3 mantissa bits: max 448, smallest normal 2^-6, smallest subnormal 2^-9;
@@ -36,31 +45,58 @@ with the output gradient g in e5m2: all three GEMMs on FP8 tensor cores. An H100
 bf16 (1979 vs 989 dense TFLOP/s); an amax and a cast per operand (memory-bound passes) amortise
 only on large GEMMs fused by torch.compile: published end-to-end gains are 1.2-1.5x (`--bench`).
 
-FP8 IN DISTRIBUTED TRAINING is the next file, 08_fp8_distributed.py: the weights' all-gathers in FP8
-under ZeRO-3, and FP8 under tensor parallelism (every scale the whole tensor's). Float8Linear's hooks
-for them: a weight's `float8_cast`, made once per step, and `amax_groups`, the ranks an amax is MAX'ed over.
+FP8 IN DISTRIBUTED TRAINING: Float8Linear's two hooks, a weight's `float8_cast` (made once per step)
+and `amax_groups` (the groups an operand's amax is the MAX over).
+- FP8 COMMUNICATION (ZeRO-3, lesson 02; torchao's "float8 all-gather"). A weight does not change
+  inside an optimizer step: cast it once per step (weights_cast_once), and, sharded, before the
+  all-gather, which then moves a quarter of fp32's bytes. One all-reduce (MAX) of each rank's amaxes
+  of its pieces gives every weight's global amax, so each rank casts its piece with the whole weight's
+  scale, and the gathered bytes are bit for bit the whole weight's cast, wherever the shard boundaries
+  fall. Per step, for Psi_8 Float8Linear weight elements, N ranks, m microbatches: all-gathers of
+  2m (N-1)/N x 1 B x Psi_8 instead of 2 B (bf16) or 4 B (fp32), plus 2 (N-1)/N x 4 B per weight for
+  the amaxes; each rank keeps its cast shard (Psi_8 / N B). Gradients reduce-scatter in full precision.
+- FP8 UNDER TENSOR PARALLELISM (lesson 03; torchao's float8 on DTensor). A rank scaling by its own
+  piece of a split tensor casts with another scale than one device: every FP8 number would differ.
+  So every amax of a split tensor is the MAX over the tp group (tensor_parallel_scales): the weights'
+  (once per step) and, per call, the operand split where it is cast: a column-parallel layer's output
+  gradient, a row-parallel one's input, both for a layer 03 leaves whole on sequence shards (SP).
+  Per step, L layers, m microbatches: 2 (t-1)/t x 4 B x L (7 + 7 m), the amaxes of 7 weights and 7
+  split operands a layer. Every FP8 number of a step's casts is then one device's; the split sums
+  still add in another order, and where that moves a value across an e4m3 rounding boundary (rare),
+  AdamW turns the flip into an lr-sized move: the runs stay close to one device's, not bit for bit.
 
 RUN IT
-    python 08_fp8.py          # CPU: SQNR tables, the spike demo, 60 steps of the tiny GPT in fp32 and
-                              # in FP8 (--steps 300: the long run); one process
-    python 08_fp8.py --bench  # GPU: FP8 vs bf16 GEMM TFLOP/s, Float8Linear MLP speed-up
+    python 08_fp8.py              # CPU: SQNR tables, the spike demo, 60 steps of the tiny GPT in fp32
+                                  # and in FP8 (--steps 300: the long run); one process
+    python 08_fp8.py --bench      # GPU: FP8 vs bf16 GEMM TFLOP/s, Float8Linear MLP speed-up
+    python 08_fp8.py distributed  # CPU: 4 local ranks (--nproc), a few seconds: ZeRO-3 of the FP8
+                                  # GPT with fp32 vs FP8 all-gathers, then FP8 under TP
+    torchrun --nproc_per_node=4 08_fp8.py distributed
 Look at: cast SQNR ~30 dB (e4m3) / ~25 dB (e5m2); delayed scaling collapsing on the spike, current
-scaling not; the fp32 and FP8 losses within a few thousandths.
+scaling not; the fp32 and FP8 losses within a few thousandths. distributed: the weights' all-gather
+bytes at a quarter, beside the formula, no bit changed; under TP, the amaxes' bytes beside the
+formula, and the distance from one device's FP8 run with whole-tensor scales and without them.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import importlib
 import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 # First: without a GPU, lesson 01 switches on Triton's interpreter, before anything imports triton.
 foundation = importlib.import_module("01_ddp")
+zero = importlib.import_module("02_zero")
 tensor_parallel = importlib.import_module("03_tensor_parallel")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -69,7 +105,7 @@ INTERPRETED = triton.knobs.runtime.interpret  # else the kernel is compiled and 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FORMATS = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 E4M3, E5M2 = FORMATS.values()
-AMAX_EPS = 1e-12
+AMAX_EPS, AMAX_BYTES = 1e-12, 4  # the smallest amax a scale divides by; an fp32 amax's bytes
 # Bit patterns the kernel writes for non-finite values: S.1111.111 (e4m3fn) and S.11111.11 (e5m2) are
 # NaN; S.11111.00 is e5m2's inf; e4m3fn has no inf, so an inf is written as NaN.
 NAN_BITS, INF_BITS = 0x7F, {E4M3: 0x7F, E5M2: 0x7C}
@@ -314,7 +350,7 @@ class _Float8Matmul(torch.autograd.Function):
         w_q, w_scale = step_cast or quantize_tensorwise(weight, E4M3, weight_group)
         if step_cast is None:
             ctx.save_for_backward(x_q, x_scale, w_q, w_scale)  # FP8: half the memory of bf16
-        else:  # read again by backward: ZeRO-3 (08_fp8_distributed) frees it after forward, gathers it again
+        else:  # read again by backward: ZeRO-3 (Float8ZeRO, below) frees it after forward, gathers it again
             ctx.save_for_backward(x_q, x_scale)
             ctx.weight = weight
         ctx.dtypes, ctx.grad_group = (x.dtype, weight.dtype), grad_group
@@ -326,7 +362,7 @@ class _Float8Matmul(torch.autograd.Function):
         w_cast = w_cast or ctx.weight.float8_cast
         if w_cast is None:
             raise RuntimeError("the weight's FP8 cast of this step is gone: run backward inside "
-                               "08_fp8_distributed's weights_cast_once() (its Float8ZeRO gathers it again)")
+                               "weights_cast_once() (Float8ZeRO gathers it again)")
         w_q, w_scale = w_cast
         g_q, g_scale = quantize_tensorwise(grad_out, E5M2, ctx.grad_group)
         # Tensorwise scales survive transposition, so the saved casts are reused, only re-laid out:
@@ -376,7 +412,7 @@ def convert_to_float8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) ->
 
 # What a GEMM costs: this lesson's `--bench` on one H100 SXM (README, "On one H100"), TFLOP/s of a @ b.t()
 # at M = N = K: bf16, and tensorwise FP8 with the amax and cast of both operands included. Lesson
-# 10's planner prices every linear layer with them.
+# 09's planner prices every linear layer with them.
 GEMM_TFLOPS_H100 = {4096: (770, 713), 8192: (709, 808), 16384: (746, 1028)}  # M=N=K: (bf16, FP8 + scaling)
 
 
@@ -401,7 +437,274 @@ def linear_seconds(tokens: int, in_features: int, out_features: int, hbm_bytes_p
 
 
 # ----------------------------------------------------------------------------------------------
-# Measurements, demo and benchmark
+# FP8 communication: each weight cast once per step; ZeRO-3 all-gathers the casts
+# ----------------------------------------------------------------------------------------------
+
+
+def float8_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The weights of model's Float8Linear layers, each once."""
+    return list(dict.fromkeys(m.weight for m in model.modules() if isinstance(m, Float8Linear)))
+
+
+@contextlib.contextmanager
+def weights_cast_once(model: nn.Module) -> Iterator[None]:
+    """Around one optimizer step's forward and backward passes: each Float8Linear weight is cast on
+    entry (under TP with the whole weight's scale), dropped on exit. Whole weights only (not ZeRO-3's)."""
+    weights, group = float8_weights(model), tensor_parallel_group(model)
+    if any(w.numel() == 0 for w in weights):
+        raise ValueError("weights_cast_once needs whole weights, not ZeRO-3's released ones: "
+                         "Float8ZeRO casts their shards once per step")
+    try:
+        if weights:
+            amaxes = torch.stack([w.detach().float().abs().amax() for w in weights])
+            if group is not None:
+                amaxes = all_reduce_amax(amaxes, group)
+            for w, scale in zip(weights, amax_to_scale(amaxes, E4M3).view(-1, 1, 1), strict=True):
+                w.float8_cast = cast_to_fp8(w.detach(), scale, E4M3), scale
+        yield
+    finally:
+        for w in weights:
+            w.float8_cast = None
+
+
+class Float8GatherUnit(zero.FlatUnit):
+    """A ZeRO-3 unit of Float8Linear weights whose all-gather carries their e4m3 casts (made by
+    Float8ZeRO.cast_shards). Weights only: every rank's shard must be the same number of bytes."""
+
+    cast_shard: torch.Tensor | None = None  # this rank's shard cast to e4m3, as bytes (padding: 0)
+    scales: tuple[torch.Tensor, ...] = ()   # each weight's global scale
+    cast_version: int | None = None         # the master's version counter when it was cast
+
+    def pieces(self) -> list[slice]:
+        """Where each weight's elements lie in this rank's shard (an empty slice: none of them)."""
+        start, stop = self.owned.start, self.owned.stop
+        return [slice(min(max(begin, start), stop) - start, min(max(end, start), stop) - start)
+                for begin, end in zip(self.offsets, self.offsets[1:])]
+
+    def gather_input(self) -> torch.Tensor:
+        if self.cast_version != self.master._version:  # in-place updates bump the counter
+            raise RuntimeError(f"the FP8 cast of {self.names[0]}'s unit is older than its weights: "
+                               f"Float8ZeRO.cast_shards() after every change of them")
+        return self.cast_shard  # uint8: gloo has no FP8 type, and an all-gather only moves bytes
+
+    def bind(self, flat: torch.Tensor) -> None:
+        """Each weight's cast is a view of the gathered bytes; the parameter, a stride-0 view of one
+        zero, gives autograd the shape it checks the gradient against, for 4 bytes."""
+        for p, shape, cast, scale in zip(self.params, self.shapes, self.views(flat.view(E4M3)),
+                                         self.scales, strict=True):
+            p.data = self.released.new_zeros(()).expand(shape)
+            p.float8_cast = (cast, scale.view(1, 1))
+
+    def release(self) -> None:
+        for p in self.params:
+            p.float8_cast = None
+        super().release()
+
+
+class Float8ZeRO(zero.ZeRO):
+    """ZeRO-3 of model's Float8Linear weights, all-gathered in FP8; the rest is lesson 02's. The other
+    parameters need a ZeRO of their own, both clipped by one norm: train_float8_zero shows the pair."""
+
+    unit_type = Float8GatherUnit
+
+    def __init__(self, model: nn.Module, group=None, **kwargs) -> None:
+        weights = set(float8_weights(model))
+        if not weights:
+            raise ValueError("Float8ZeRO shards Float8Linear weights, and this model has none: "
+                             "convert_to_float8 it first")
+        super().__init__(model, 3, group, owns=lambda p: p in weights, **kwargs)
+        self.weight_casts = 0  # pieces cast so far: one per weight and step on each rank holding some
+        self.tensor_parallel_group = tensor_parallel_group(model)  # the weights' other TP shards
+        self.cast_shards()
+
+    def clip_and_update(self, squares: torch.Tensor | None = None) -> torch.Tensor:
+        norm = super().clip_and_update(squares)
+        self.cast_shards()
+        return norm
+
+    def load_shards(self, shards: list[dict[str, torch.Tensor]], step: int) -> None:
+        super().load_shards(shards, step)
+        self.cast_shards()
+
+    @torch.no_grad()
+    def cast_shards(self) -> None:
+        """Each piece of a weight here cast with the whole weight's scale (under TP: over tp too)."""
+        pieces = [unit.shard[piece].float() for unit in self.units for piece in unit.pieces()]
+        nothing = torch.zeros((), device=pieces[0].device)  # the amax of a weight with no piece here
+        amaxes = torch.stack([piece.abs().amax() if piece.numel() else nothing for piece in pieces])
+        amaxes = all_reduce_amax(amaxes, self.group)
+        if self.tensor_parallel_group is not None:
+            amaxes = all_reduce_amax(amaxes, self.tensor_parallel_group)
+        scales = iter(amax_to_scale(amaxes, E4M3))
+        for unit in self.units:
+            unit.cast_shard = torch.zeros_like(unit.shard, dtype=torch.uint8)
+            unit.scales = tuple(next(scales) for _ in unit.params)
+            for piece, scale in zip(unit.pieces(), unit.scales):
+                if piece.start < piece.stop:
+                    cast = cast_to_fp8(unit.shard[piece], scale, E4M3)
+                    unit.cast_shard[piece] = cast.view(torch.uint8)
+                    self.weight_casts += 1
+            unit.cast_version = unit.master._version
+
+    def held_bytes(self) -> dict[str, int]:
+        held = super().held_bytes()  # + the cast shards and the scales
+        casts = [t for u in self.units for t in (u.cast_shard, *u.scales)]
+        held["params"] += zero.storage_bytes(casts, set())
+        return held
+
+    def memory_formula(self) -> dict[str, Fraction]:
+        formula = super().memory_formula()  # + 1 B per element of the shard, 4 B per weight's scale
+        padded, n_weights = sum(u.padded for u in self.units), sum(len(u.params) for u in self.units)
+        formula["params"] += Fraction(padded, self.world) + AMAX_BYTES * n_weights
+        return formula
+
+
+def float8_zero_traffic(padded: int, n_weights: int, n: int, grad_bytes: int = 4) -> dict[str, Fraction]:
+    """Ring bytes one rank sends per step (one microbatch) for Float8ZeRO's padded weights: 02's
+    ZeRO-3 traffic with 1 B parameters, and the amaxes' all-reduce (the clipping norm's aside)."""
+    traffic = zero.zero_traffic_per_step(padded, n, 3, param_bytes=1, grad_bytes=grad_bytes)
+    return {**traffic, "all_reduce": Fraction(2 * (n - 1), n) * AMAX_BYTES * n_weights}
+
+
+FLOAT8_ZERO_MODES = ("unsharded", "zero3", "zero3-fp8")
+
+
+def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int, seq_len: int, *, mode: str,
+                      microbatches: int = 1, lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
+                      device: torch.device | str = "cpu") -> tuple[zero.ZeroResult, foundation.CommMeter]:
+    """02's train_zero for the FP8 GPT, in microbatches. mode "unsharded": data parallel (ZeRO-0),
+    each weight cast once per step; "zero3": 02's ZeRO-3, fp32 all-gathers, a cast in each forward;
+    "zero3-fp8": the weights under Float8ZeRO. stats: padded elements and casts."""
+    world, rank = foundation.group_size(group), dist.get_rank(group)
+    if mode not in FLOAT8_ZERO_MODES:
+        raise ValueError(f"mode={mode!r} must be one of {FLOAT8_ZERO_MODES}")
+    if microbatches < 1 or global_batch % (world * microbatches):
+        raise ValueError(f"global_batch={global_batch} is not divisible by the group size x microbatches "
+                         f"= {world} x {microbatches}")
+    model = convert_to_float8(foundation.GPT(cfg)).to(device)
+    weights, settings = set(float8_weights(model)), dict(lr=lr, adam_eps=adam_eps)
+    if mode == "unsharded":
+        zeros = [zero.ZeRO(model, 0, group, **settings)]
+    else:
+        rest = zero.ZeRO(model, 3, group, owns=lambda p: p not in weights, **settings)
+        zeros = [rest, Float8ZeRO(model, group, **settings) if mode == "zero3-fp8"
+                 else zero.ZeRO(model, 3, group, owns=lambda p: p in weights, **settings)]
+    initial_casts = getattr(zeros[-1], "weight_casts", 0)
+    result, steps_meter, local_losses = zero.ZeroResult([], {}, {}), foundation.CommMeter(), []
+    for step in range(steps):
+        tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, rank, world)
+        with foundation.comm_meter() as meter:
+            with contextlib.ExitStack() as accumulate:
+                for zero_opt in zeros:
+                    accumulate.enter_context(zero_opt.no_sync())
+                if mode == "unsharded":
+                    accumulate.enter_context(weights_cast_once(model))
+                loss = 0.0
+                for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True):
+                    microbatch_loss = model(x.to(device), y.to(device)) / microbatches
+                    microbatch_loss.backward()
+                    loss += microbatch_loss.detach()
+            for zero_opt in zeros:
+                zero_opt.finish_gradient_sync()
+        if step == 0:
+            for zero_opt in zeros:
+                result.first_grads.update(zero_opt.gather_full([u.grad_shard for u in zero_opt.units]))
+        with foundation.comm_meter() as update_meter:
+            squares = sum(zero_opt.grad_squares() for zero_opt in zeros)
+            for zero_opt in zeros:
+                zero_opt.clip_and_update(squares)
+                zero_opt.zero_grad()
+        steps_meter += meter
+        steps_meter += update_meter
+        local_losses.append(loss)
+    losses = torch.stack(local_losses).double()
+    foundation.all_reduce(losses, group=group)
+    result.losses = (losses / world).tolist()
+    result.params = {k: v for z in zeros for k, v in z.full_state_dict()["params"].items()}
+    result.stats = dict(padded=[sum(u.padded for u in z.units) for z in zeros], n_weights=len(weights),
+                        weight_casts=getattr(zeros[-1], "weight_casts", 0) - initial_casts)
+    return result, steps_meter
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 under tensor parallelism: every scale the whole tensor's
+# ----------------------------------------------------------------------------------------------
+
+
+def tensor_parallel_scales(model: nn.Module, group=None, sequence_parallel: bool = False) -> nn.Module:
+    """After lesson 03 split model over group: each Float8Linear takes the scales one device would
+    (the docstring's FP8 UNDER TENSOR PARALLELISM; a layer whole on SP's sequence shards: 06's router)."""
+    if foundation.group_size(group) == 1:
+        return model
+    group = dist.group.WORLD if group is None else group  # None: torch's default group, the world
+    column, row = (tensor_parallel.SPLIT_DIM[style] for style in (tensor_parallel.column_parallel,
+                                                                  tensor_parallel.row_parallel))
+    for layer in model.modules():
+        if isinstance(layer, Float8Linear):
+            dim = getattr(layer.weight, "tp_shard_dim", None)
+            on_shards = dim is None and sequence_parallel  # whole, outside the regions
+            split = (dim == row or on_shards, True, dim == column or on_shards)  # x, weight, grad
+            layer.amax_groups = tuple(group if is_split else None for is_split in split)
+    return model
+
+
+def tensor_parallel_group(model: nn.Module):
+    """The group model's Float8Linear layers reduce their amaxes over (tensor_parallel_scales), or None."""
+    groups = {layer.amax_groups[1] for layer in model.modules() if isinstance(layer, Float8Linear)}
+    if len(groups) > 1:
+        raise ValueError(f"the Float8Linear layers of one model reduce amaxes over {len(groups)} different "
+                         f"groups: tensor_parallel_scales once, after apply_tensor_parallel")
+    return next(iter(groups), None)
+
+
+def tensor_parallel_amax_traffic(tp: int, layers: int, microbatches: int = 1, *, mlp: bool = True,
+                                 sequence_parallel: bool = False, recompute: str = "none") -> Fraction:
+    """The docstring's amax bytes per step over tp ranks: per layer 7 weights, and per microbatch the
+    split operands: the output gradients of q, k, v, gate, up and the inputs of out, down. mlp=False
+    (06's MoE layers): attention's 4, with SP the router's input and output gradient. recompute="full"
+    casts each layer's row-parallel inputs (SP: the router's) again in backward."""
+    weights = 7 if mlp else 5  # q, k, v, out + gate, up, down | the router
+    split = 7 if mlp else 4 + 2 * sequence_parallel
+    again = (2 if mlp else 1 + sequence_parallel) if recompute == "full" else 0
+    return Fraction(2 * (tp - 1), tp) * AMAX_BYTES * layers * (weights + microbatches * (split + again))
+
+
+def train_float8_tensor_parallel(cfg: foundation.ModelConfig, steps: int, global_batch: int, seq_len: int, *,
+                                 sequence_parallel: bool = False, microbatches: int = 1,
+                                 whole_tensor_scales: bool = True, lr: float = 1e-3, adam_eps: float = 1e-8,
+                                 group=None, device: torch.device | str = "cpu"):
+    """03's train_tensor_parallel for the FP8 GPT, in microbatches, each weight cast once per step.
+    whole_tensor_scales=False: each rank scales by its own pieces (what tensor_parallel_scales prevents)."""
+    if microbatches < 1 or global_batch % microbatches:
+        raise ValueError(f"global_batch={global_batch} is not divisible by microbatches={microbatches}")
+    model = convert_to_float8(foundation.GPT(cfg)).to(device)
+    model = tensor_parallel.apply_tensor_parallel(model, group, sequence_parallel)
+    if whole_tensor_scales:
+        tensor_parallel_scales(model, group, sequence_parallel)
+    optimizer, result = foundation.make_optimizer(model, lr, adam_eps), foundation.TrainResult([], {}, {})
+    with foundation.comm_meter() as meter:
+        for step in range(steps):
+            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
+            loss = 0.0
+            with weights_cast_once(model):
+                for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True):
+                    microbatch_loss = model(x.to(device), y.to(device)) / microbatches
+                    microbatch_loss.backward()
+                    loss += microbatch_loss.detach()
+            result.losses.append(loss)
+            if step == 0:
+                grads = [(n, p.grad.clone(), p) for n, p in model.named_parameters() if p.grad is not None]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    result.losses = [loss.item() for loss in result.losses]
+    unshard = tensor_parallel.unshard
+    result.first_grads = foundation.cpu_copy((n, unshard(g, group, like=p)) for n, g, p in grads)
+    result.params = foundation.cpu_copy((n, unshard(p, group)) for n, p in model.named_parameters())
+    return result, meter
+
+
+# ----------------------------------------------------------------------------------------------
+# RUN IT: measurements, the one-process demo and --bench; the distributed demo; the command line
 # ----------------------------------------------------------------------------------------------
 
 
@@ -534,30 +837,118 @@ def bench(args: argparse.Namespace) -> None:
     print("Notice: the GEMM alone nears 2x at large sizes; scaling passes eat into it, less so the larger.")
 
 
+# The demo's GPT: FFN 192 (not 176) so that its TP splits (96, 48) keep CUDA's FP8 GEMMs at multiples of 16.
+DEMO_MODEL = foundation.ModelConfig(ffn_dim=192)
+
+
+def distributed_demo(args: argparse.Namespace) -> None:
+    """On each rank: train_float8_zero's three modes, then train_float8_tensor_parallel with and without
+    SP and with each rank's own scales; rank 0 prints the bytes beside the formulas and the differences."""
+    device, steps, world, m, cfg = foundation.init_distributed(), 3, dist.get_world_size(), 2, DEMO_MODEL
+    eps = 1e-6  # not AdamW's 1e-8, which turns fp32 rounding on gradients near 0 into lr-sized moves (01)
+    runs = {mode: train_float8_zero(cfg, steps, args.batch, args.seq_len, mode=mode, microbatches=m,
+                                    device=device) for mode in FLOAT8_ZERO_MODES}
+    casts = foundation.all_ranks(runs["zero3-fp8"][0].stats["weight_casts"] // steps, dst=0)
+    tp_runs = {(sp, whole): train_float8_tensor_parallel(cfg, steps, args.batch, args.seq_len, adam_eps=eps,
+                                                         sequence_parallel=sp, whole_tensor_scales=whole,
+                                                         device=device)
+               for sp, whole in ((False, True), (True, True), (False, False))}
+    if casts is not None:  # rank 0
+        (rest, weights), n = runs["zero3"][0].stats["padded"], runs["zero3"][0].stats["n_weights"]
+        ring = Fraction(world - 1, world)
+        gathered = {b: m * 2 * ring * b * weights for b in (4, 2, 1)}  # the weights' part, b B an element
+        print(f"\nZeRO-3 of the FP8 GPT on {world} ranks ({dist.get_backend()}, {device.type}), {m} "
+              f"microbatches, {steps} steps. Its {n} Float8Linear weights\n({weights:,} elements, padded per "
+              f"block) in a ZeRO of their own, the other parameters ({rest:,}) in lesson 02's.\nAll-gather "
+              f"bytes per rank per step, measured | formula 2m (N-1)/N x (4 B x {rest:,} + b x {weights:,}):")
+        for mode, b in (("zero3", 4), ("zero3-fp8", 1)):
+            measured = runs[mode][1].traffic("all_gather") / steps
+            formula = gathered[b] + m * 2 * ring * 4 * rest
+            print(f"  the weights in {'fp32' if b == 4 else 'FP8 '} (b = {b} B): {float(measured):>11,.0f} | "
+                  f"{float(formula):<11,.0f}{'' if measured == formula else ' (!=)'} of which the weights "
+                  f"{float(gathered[b]):>11,.0f}")
+        print(f"  (in bf16, b = 2 B, the weights' part would be {float(gathered[2]):,.0f}.) The gradients "
+              f"reduce-scatter in fp32 either way.")
+        calls = {mode: runs[mode][1].calls("all_reduce") // steps for mode in ("zero3", "zero3-fp8")}
+        amax = (runs["zero3-fp8"][1].traffic("all_reduce") - runs["zero3"][1].traffic("all_reduce")) / steps
+        print(f"All-reduces per step: {calls['zero3']} with fp32 gathers (each ZeRO's clipping norm), "
+              f"{calls['zero3-fp8']} with FP8 ones: + every weight's\n  amax, {float(amax):.0f} B | "
+              f"2 (N-1)/N x {AMAX_BYTES} B x {n} = {float(2 * ring * AMAX_BYTES * n):.0f} B, whatever the "
+              f"microbatches.")
+        print(f"Weight pieces cast per step, rank by rank: {casts} = the {n} weights + {sum(casts) - n} "
+              f"where a shard boundary cuts one:\n  each element once per step (fp32 gathers: each weight "
+              f"in each of the {m} forwards, {m * n} casts per rank).")
+        for mode, label in (("zero3", "the fp32-gather run"),
+                            ("unsharded", "the unsharded run (ZeRO-0, each weight cast once per step)")):
+            loss, grads, params = runs["zero3-fp8"][0].max_differences(runs[mode][0])
+            print(f"max |difference| of the FP8-gather run from {label}: loss {loss:.1e}, step-0 gradients "
+                  f"{grads:.1e}, parameters after {steps} steps {params:.1e}")
+        print("Notice: a byte per gathered weight element, one small all-reduce per step, and the same bits "
+              "as casting whole weights\n(the unsharded run sums its gradients in another order).")
+        reference = foundation.train_single_device(cfg, steps, args.batch, args.seq_len, adam_eps=eps,
+                                                   device=device, transform=convert_to_float8)
+        print(f"\nThe FP8 GPT under tensor parallelism over {world} ranks (lesson 03), {steps} steps of "
+              f"batch {args.batch} x {args.seq_len}, against one device's FP8:\n  {'scales from':<30}max "
+              f"|difference|: {'loss':>7}{'step-0 gradients':>17}{'parameters':>11}   amax all-reduces per "
+              f"step, measured | formula 2(t-1)/t x 4 B x L (7 + 7m), m = 1")
+        for (sp, whole), (result, meter) in tp_runs.items():
+            megatron = tensor_parallel.comm_formula(cfg, args.batch, args.seq_len, sp)["all_reduce"][1]
+            measured = (meter.traffic("all_reduce") - steps * 2 * ring * megatron) / steps
+            formula = tensor_parallel_amax_traffic(world, cfg.n_layers, sequence_parallel=sp) if whole else 0
+            label = ("whole tensors'" if whole else "each rank's own pieces'") + (", SP" if sp else "")
+            loss, grads, params = result.max_differences(reference)
+            print(f"  {label:<48}{loss:>7.1e}{grads:>17.1e}{params:>11.1e}   {float(measured):,.0f} B | "
+                  f"{float(formula):,.0f} B{'' if measured == formula else ' (!=)'}")
+        print("Notice: with the whole tensors' scales a split layer casts one device's FP8 numbers (the "
+              "tests compare them byte for byte), but its split\nsums add in another order: where that tips "
+              "a value across an e4m3 rounding (rare), AdamW makes it an lr-sized move, close to one\n"
+              "device, not bit for bit. With each rank's own scales the FP8 roundings differ everywhere, for "
+              "a few bytes of amaxes less.")
+    foundation.exit_distributed()
+
+
+@dataclass
+class Options:
+    steps: int = foundation.option(60, "AdamW steps of the fp32 and the FP8 training (the loss levels off "
+                                   "by ~40)", ">= 1", commands=("single",))
+    batch: int = foundation.option(16, "sequences per step (distributed: ZeRO-3's in 2 microbatches)", ">= 1")
+    seq_len: int = foundation.option(64, "tokens per sequence", ">= 1")
+    bench: bool = foundation.option(False, "GPU: FP8 vs bf16 GEMMs and MLP", commands=("single",))
+    bench_tokens: int = foundation.option(16384, "--bench: GEMM rows of the MLP", ">= 1",
+                                          commands=("single",))
+    eager: bool = foundation.option(False, "bench without torch.compile", commands=("single",))
+
 def main() -> None:
-    parser = foundation.lesson_parser(__doc__, ranks=False)
-    parser.add_argument("--steps", type=int, default=60,
-                        help="AdamW steps of the fp32 and the FP8 training (the loss levels off by ~40)")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    parser.add_argument("--bench", action="store_true", help="GPU: FP8 vs bf16 GEMMs and MLP")
-    parser.add_argument("--bench-tokens", type=int, default=16384, help="--bench: GEMM rows of the MLP")
-    parser.add_argument("--eager", action="store_true", help="bench without torch.compile")
-    args = parser.parse_args()
+    parser, args = foundation.parse_options(__doc__, (Options,), {
+        "single": foundation.Command("one process: FP8 formats and scaling, the fused cast, FP8 training "
+                                     "(--bench: on a GPU)"),
+        "distributed": foundation.Command("on --nproc ranks: ZeRO-3 with FP8 all-gathers, FP8 under tensor "
+                                          "parallelism", classes=(foundation.Ranks,))})
+    distributed, bench_run = args.command == "distributed", getattr(args, "bench", False)
 
     def validate(world: int) -> None:
-        if args.bench and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
-            raise ValueError("--bench needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
-        if not args.bench:
-            if training_device().type == "cuda" and args.batch * args.seq_len % 16:
-                raise ValueError(f"--batch x --seq-len = {args.batch * args.seq_len} rows: FP8 GEMMs on CUDA "
-                                 f"need a multiple of 16")
-            foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}",
-                                    foundation.ModelConfig(), args.batch, args.seq_len, world)
+        if bench_run:
+            if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+                raise ValueError("--bench needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
+            return
+        rows = {"a step's": args.batch * args.seq_len}
+        if distributed:  # ZeRO-3 in 2 microbatches; TP splits the heads, the MLP and (SP) the sequence
+            if args.batch % (2 * world):
+                raise ValueError(f"--batch {args.batch} is not divisible by 2 microbatches x {world} ranks")
+            tensor_parallel.validate_tensor_parallel(DEMO_MODEL, world)
+            if args.seq_len % world:
+                raise ValueError(f"--seq-len {args.seq_len} is not divisible by the {world} ranks (sequence "
+                                 f"parallelism)")
+            rows = {"a rank's ZeRO-3 microbatch": args.batch // (2 * world) * args.seq_len,
+                    "a rank's sequence shard under SP": args.batch * args.seq_len // world}
+        if training_device().type == "cuda" and (odd := [f"{k} {n}" for k, n in rows.items() if n % 16]):
+            raise ValueError(f"FP8 GEMMs on CUDA need rows in multiples of 16, not {', '.join(odd)} (--batch "
+                             f"x --seq-len)")
+        foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}", DEMO_MODEL, args.batch,
+                                args.seq_len, world)
 
-    foundation.check_options(parser, args, ("steps", "batch", "seq_len", "bench_tokens"), validate)
-    (bench if args.bench else demo)(args)
-
+    foundation.launch_lesson(parser, args, distributed_demo if distributed else bench if bench_run else demo,
+                             validate)
 
 if __name__ == "__main__":
     main()

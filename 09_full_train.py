@@ -120,7 +120,6 @@ context_parallel = importlib.import_module("05_context_parallel")
 expert_parallel = importlib.import_module("06_expert_parallel")
 flash = importlib.import_module("07_flash_attention")
 fp8 = importlib.import_module("08_fp8")
-fp8_distributed = importlib.import_module("08_fp8_distributed")
 
 DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
 
@@ -361,7 +360,7 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
                                                   train.sequence_parallel, tensor_parallel_styles(train.moe),
                                                   check_ids=False)  # forward_backward checks the rows
     if train.fp8:  # 08: the scales of whole tensors, whatever tp splits
-        fp8_distributed.tensor_parallel_scales(model, mesh.groups["tp"], train.sequence_parallel)
+        fp8.tensor_parallel_scales(model, mesh.groups["tp"], train.sequence_parallel)
     attention = flash.flash_attention if train.attention == "flash" else None
     if mesh.sizes.cp > 1:
         attention = context_parallel.ContextParallelAttention(mesh.groups["cp"], "ring", zigzag=True, block=(
@@ -418,7 +417,7 @@ class Trainer:
             for p in experts:
                 p.register_hook(lambda grad: grad / sizes.ep)
             float8_zero = train.fp8 and train.zero_stage == 3
-            fp8_weights = set(fp8_distributed.float8_weights(model) if float8_zero else ())
+            fp8_weights = set(fp8.float8_weights(model) if float8_zero else ())
             dense = (lambda p, e=experts | fp8_weights: p not in e) if experts or fp8_weights else None
             self.zeros.append(StageZeRO("dp_cp", zero.ZeRO(model, train.zero_stage, mesh.groups["dp_cp"],
                                                            **settings, owns=dense)))
@@ -426,8 +425,7 @@ class Trainer:
                 self.zeros.append(StageZeRO("ep_dp", zero.ZeRO(model, train.zero_stage, mesh.groups["ep_dp"],
                                                                **settings, owns=lambda p, e=experts: p in e)))
             if fp8_weights:
-                self.zeros.append(StageZeRO("dp_cp", fp8_distributed.Float8ZeRO(model, mesh.groups["dp_cp"],
-                                                                                **settings)))
+                self.zeros.append(StageZeRO("dp_cp", fp8.Float8ZeRO(model, mesh.groups["dp_cp"], **settings)))
         rows = train.global_batch // sizes.dp // train.microbatches
         seq = train.seq_len // sizes.cp // (sizes.tp if train.sequence_parallel else 1)
         self.boundary_shape = (rows, seq, cfg.dim)
@@ -451,7 +449,7 @@ class Trainer:
                 for part in self.zeros:
                     accumulate.enter_context(part.zero.no_sync())
                 for model in self.stages.values() if self.train.fp8 and self.train.zero_stage < 3 else ():
-                    accumulate.enter_context(fp8_distributed.weights_cast_once(model))  # 08: once per step
+                    accumulate.enter_context(fp8.weights_cast_once(model))  # 08: once per step
                 log = pipeline.run_schedule(self.schedule, self.stages, tokens, targets,
                                             self.mesh.groups["pp"], boundary_shape=self.boundary_shape)
             with torch.profiler.record_function("gradient sync"):  # names in a profile (--profile)
@@ -598,8 +596,8 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
                 ops = zero.zero_traffic_per_step(padded, n, train.zero_stage, e, e)
                 if part == "float8":  # + each rank's e4m3 shard and every weight's scale; 1 B gathers, amaxes
                     weights = sum(u.float8_weights for u in held)
-                    memory["params"] += Fraction(padded, n) + fp8_distributed.AMAX_BYTES * weights
-                    ops = fp8_distributed.float8_zero_traffic(padded, weights, n, e)
+                    memory["params"] += Fraction(padded, n) + fp8.AMAX_BYTES * weights
+                    ops = fp8.float8_zero_traffic(padded, weights, n, e)
                 gathers = m if train.zero_stage == 3 else 1  # ZeRO-3: around each microbatch's F and B
                 traffic[kind] = (traffic.get(kind, 0) + ops.get("all_gather", 0) * gathers
                                  + ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0)
@@ -610,7 +608,7 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
             if train.sequence_parallel and moe:  # SP sums every replicated gradient over tp: the MoE's too
                 traffic["tp"] += 2 * Fraction(tp - 1, tp) * m * layers * moe * e
             if train.fp8:  # 08: the amaxes of split weights, activations and gradients
-                traffic["tp"] += fp8_distributed.tensor_parallel_amax_traffic(
+                traffic["tp"] += fp8.tensor_parallel_amax_traffic(
                     tp, layers, m, mlp=train.moe is None, sequence_parallel=train.sequence_parallel,
                     recompute=train.recompute)
         elif tp > 1:

@@ -46,13 +46,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT, SCRIPT_TIMEOUT_S, run_script
-from test_08_fp8_distributed import reassembled, record_fp8_operands
+from test_08_fp8 import reassembled, record_fp8_operands
 
 foundation = importlib.import_module("01_ddp")
 zero = importlib.import_module("02_zero")
 checkpoints = importlib.import_module("02_zero_checkpoints")
 fp8 = importlib.import_module("08_fp8")
-fp8_distributed = importlib.import_module("08_fp8_distributed")
 full_train = importlib.import_module("09_full_train")
 
 LOSS_ATOL, GRAD_ATOL, GRAD_RTOL, PARAM_ATOL, ADAM_EPS, LR, STEPS = 2e-5, 2e-6, 1e-4, 2e-5, 1e-6, 1e-3, 3
@@ -344,7 +343,7 @@ def test_fp8_under_tensor_parallelism_is_one_devices_fp8(rank_pool, configuratio
     FP8 runs on different roundings (FP8_LOSS_ATOL, FP8_GRAD_RTOL, justified below)."""
     cfg, sizes, train = configuration
     mesh = rank_pool.run(sizes.world, record_fp8_operands, train_on_mesh, cfg, sizes, train, STEPS)
-    (reference, _), operands = rank_pool.run(1, record_fp8_operands, fp8_distributed.train_float8_zero, cfg, STEPS,
+    (reference, _), operands = rank_pool.run(1, record_fp8_operands, fp8.train_float8_zero, cfg, STEPS,
                                              train.global_batch, train.seq_len, mode="unsharded",
                                              microbatches=sizes.dp * train.microbatches, lr=train.lr,
                                              adam_eps=train.adam_eps)[0]
@@ -373,7 +372,7 @@ def test_fp8_under_tensor_parallelism_is_one_devices_fp8(rank_pool, configuratio
 FP8_LOSS_ATOL, FP8_GRAD_RTOL = 5e-3, 0.35
 
 
-class Fp32GatherUnit(fp8_distributed.Float8GatherUnit):
+class Fp32GatherUnit(fp8.Float8GatherUnit):
     """Float8ZeRO's unit (same layout, same per-step casts) gathering and binding like 02's: fp32
     weights, which each forward casts."""
     gather_input, bind, release = (zero.FlatUnit.gather_input, zero.FlatUnit.bind,
@@ -385,7 +384,7 @@ def train_fp8_on_mesh(cfg, sizes, train, steps: int, fp8_gathers: bool = True):
     fp32 (Fp32GatherUnit). Also returns the e4m3 elements cast that no Float8Linear received as
     input: the weights' casts."""
     elements = {"cast": 0, "inputs": 0}
-    real_cast, real_unit = fp8.cast_to_fp8, fp8_distributed.Float8ZeRO.unit_type
+    real_cast, real_unit = fp8.cast_to_fp8, fp8.Float8ZeRO.unit_type
 
     def counting_cast(x, scale, dtype):
         elements["cast"] += x.numel() if dtype == fp8.E4M3 else 0
@@ -396,12 +395,12 @@ def train_fp8_on_mesh(cfg, sizes, train, steps: int, fp8_gathers: bool = True):
 
     hook = torch.nn.modules.module.register_module_forward_pre_hook(count_input)
     fp8.cast_to_fp8 = counting_cast
-    fp8_distributed.Float8ZeRO.unit_type = real_unit if fp8_gathers else Fp32GatherUnit
+    fp8.Float8ZeRO.unit_type = real_unit if fp8_gathers else Fp32GatherUnit
     try:
         return *train_on_mesh(cfg, sizes, train, steps), elements["cast"] - elements["inputs"]
     finally:
         hook.remove()
-        fp8.cast_to_fp8, fp8_distributed.Float8ZeRO.unit_type = real_cast, real_unit
+        fp8.cast_to_fp8, fp8.Float8ZeRO.unit_type = real_cast, real_unit
 
 
 @settings(max_examples=max(2, settings.default.max_examples // 5))  # two meshes trained per example
@@ -432,7 +431,7 @@ def test_fp8_zero3_gathers_a_byte_per_weight_element_and_follows_its_fp8_twin(ra
             assert all(summary["traffic"][k] == f for k, f in summary["traffic_formula"].items()
                        if f is not None), (summary["traffic"], summary["traffic_formula"])
     model = fp8.convert_to_float8(foundation.GPT(cfg))
-    weights = set(fp8_distributed.float8_weights(model))
+    weights = set(fp8.float8_weights(model))
     names = {name for name, p in model.named_parameters() if p in weights}
     held = sum(values.numel() for r in runs[0] for piece, values in r[2] if piece.name in names)
     assert sum(r[5] for r in runs[0]) == (STEPS + 1) * held, "each weight element: one cast per step"
