@@ -94,17 +94,17 @@ register_autograd joins the backward operator to the forward's. torch.library.op
 registration: the schema (no input mutated or aliased), fake against real outputs, the autograd
 formula, and all of it traced as the compiler traces it.
 
-HOPPER (sm_90): flash_attention_hopper, a variant of the forward (the backward is the main one's: no room for
-a Hopper one). TMA: a tensor descriptor (base, shape, strides) lets one thread copy a whole tile between HBM
-and shared memory, asynchronously, zero-filling rows and lanes past a head's end: no address or mask
-arithmetic per element (128 x 64 tiles at head dim 128: 152 registers a thread, the main kernel 178). DEEPER
-PIPELINING: K/V tiles 3 to 5 deep in flight (num_stages; tl.range pipelines the loop), a stage costing shared
-memory, not registers. PERSISTENT PROGRAMS: one per SM loops over (query block, head) tiles, longest first
-(causal: the last query blocks), dealt round-robin: the launch ends on short tiles. WARP SPECIALISATION
-(FlashAttention-3's copying and computing warps) is Blackwell-only in Triton 3.6 and 3.7 (on sm_90 tl.range's
-warp_specialize=True changes nothing): not used. The interpreter runs descriptors: the variant equals the main
-forward there, bit for bit; TMA, stages, shared memory are proved by compiling for sm_90
-(tests/test_gpu_compile.py), speed by --bench.
+HOPPER (sm_90): flash_attention_hopper, a variant of the forward (the backward is the main one's: TMA frees
+few registers there, a TMA dK/dV kernel still spills at 64 x 128). TMA: a tensor descriptor (base, shape,
+strides) lets one thread copy a whole tile between HBM and shared memory, asynchronously, zero-filling rows
+and lanes past a head's end: no address or mask arithmetic per element (128 x 64 tiles at head dim 128: 152
+registers a thread, the main kernel 178). DEEPER PIPELINING: K/V tiles 3 to 5 deep in flight (num_stages;
+tl.range pipelines the loop), a stage costing shared memory, not registers. PERSISTENT PROGRAMS: one per SM
+loops over (query block, head) tiles, longest first (causal: the last query blocks), dealt round-robin: the
+launch ends on short tiles. WARP SPECIALISATION (FlashAttention-3's copying and computing warps) is
+Blackwell-only in Triton 3.6 and 3.7 (on sm_90 tl.range's warp_specialize=True changes nothing): not used. The
+interpreter runs descriptors: the variant equals the main forward there, bit for bit; TMA, stages, shared
+memory are proved by compiling for sm_90 (tests/test_gpu_compile.py), speed by --bench.
 
 USE: GPT(cfg, attn_fn=flash_attention); FLASH_BLOCK is lesson 05's block attention on these kernels
 (flash_block_attention forward, flash_attention_backward with the ring's global out and lse), which
@@ -803,7 +803,7 @@ def bench(args: argparse.Namespace) -> None:
     ratios = (("ours", "SDPA flash"), ("ours", "cuDNN"), ("Hopper", "cuDNN"))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"TFLOP/s, median of triton.testing.do_bench; {group} query heads per K/V head")
-    print(f"{'head_dim':>8}{'seq':>7}{'causal':>7}{'pass':>8}" + "".join(f"{name:>11}" for name in kernels)
+    print(f"{'head_dim':>8}{'seq':>7}{'causal':>7}{'pass':>8}" + "".join(f"{name:>12}" for name in kernels)
           + "".join(f"{f'{a} / {b}':>18}" for a, b in ratios))
     for head_dim, seq, causal in itertools.product(args.bench_head_dims, args.bench_seqs, (False, True)):
         batch, heads = max(1, 16384 // seq), 2048 // head_dim
@@ -815,7 +815,7 @@ def bench(args: argparse.Namespace) -> None:
         for i, phase in enumerate(("fwd", "bwd", "fwd+bwd")):
             r = {name: rate[i] for name, rate in rates.items()}
             print(f"{head_dim:>8}{seq:>7}{causal!s:>7}{phase:>8}"
-                  + "".join(f"{'n/a' if x is None else f'{x:.1f}':>11}" for x in r.values())
+                  + "".join(f"{'n/a' if x is None else f'{x:.1f}':>12}" for x in r.values())
                   + "".join(f"{'n/a' if None in (r[a], r[b]) else f'{r[a] / r[b]:.2f}':>18}"
                             for a, b in ratios), flush=True)
 
