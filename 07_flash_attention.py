@@ -8,6 +8,8 @@ The sections, in order:
   Launchers, registered as operators: _launch_args; flash_attention_forward and flash_attention_backward
     (AN OPERATOR); flash_attention (GPT's attn_fn), FLASH_BLOCK (05's ring block); ATTENTION_TFLOPS_H100
     and attention_seconds (what attention costs, for 09's plan)
+  A Hopper variant of the forward (HOPPER): HOPPER_FWD_GPU, _descriptor, _hopper_fwd_kernel;
+    flash_attention_hopper_forward (an operator), flash_attention_hopper (GPT's attn_fn)
   Demo and benchmark: demo, bench; the command line (Options, main)
 
 THE PROBLEM. out = softmax(scale Q K^T) V per (batch, head), for N queries and keys of head dim d.
@@ -92,10 +94,22 @@ register_autograd joins the backward operator to the forward's. torch.library.op
 registration: the schema (no input mutated or aliased), fake against real outputs, the autograd
 formula, and all of it traced as the compiler traces it.
 
+HOPPER (sm_90): flash_attention_hopper, a variant of the forward (the backward is the main one's: TMA frees
+few registers there, a TMA dK/dV kernel still spills at 64 x 128). TMA: a tensor descriptor (base, shape,
+strides) lets one thread copy a whole tile between HBM and shared memory, asynchronously, zero-filling rows
+and lanes past a head's end: no address or mask arithmetic per element (128 x 64 tiles at head dim 128: 152
+registers a thread, the main kernel 178). DEEPER PIPELINING: K/V tiles 3 to 5 deep in flight (num_stages;
+tl.range pipelines the loop), a stage costing shared memory, not registers. PERSISTENT PROGRAMS: one per SM
+loops over (query block, head) tiles, longest first (causal: the last query blocks), dealt round-robin: the
+launch ends on short tiles. WARP SPECIALISATION (FlashAttention-3's copying and computing warps) is
+Blackwell-only in Triton 3.6 and 3.7 (on sm_90 tl.range's warp_specialize=True changes nothing): not used. The
+interpreter runs descriptors: the variant equals the main forward there, bit for bit; TMA, stages, shared
+memory are proved by compiling for sm_90 (tests/test_gpu_compile.py), speed by --bench.
+
 USE: GPT(cfg, attn_fn=flash_attention); FLASH_BLOCK is lesson 05's block attention on these kernels
 (flash_block_attention forward, flash_attention_backward with the ring's global out and lse), which
 05's ring and Ulysses take as their block (lesson 09 does on a GPU). RUN IT: python
-07_flash_attention.py [--bench (GPU: TFLOP/s against SDPA's flash backend, bf16)].
+07_flash_attention.py [--bench (GPU, bf16, TFLOP/s: ours, HOPPER, SDPA's flash and cuDNN backends)].
 Look at the max differences against float64 beside PyTorch's attention in the same dtype, the lse
 exact to fp32 even from fp16 inputs, and the memory never used.
 """
@@ -489,7 +503,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 @flash_attention_forward.register_fake
-def _(q, k, v, causal=True, sm_scale=None, q_offset=0, k_offset=0):
+def _forward_fake(q, k, v, causal=True, sm_scale=None, q_offset=0, k_offset=0):
     _validate(q, k, v)
     return _outputs(q)
 
@@ -611,6 +625,92 @@ def attention_seconds(batch: int, heads: int, seq: int, head_dim: int, kernel: s
     return both / 3.5, both * 2.5 / 3.5
 
 
+# A Hopper variant of the forward (HOPPER above). Its table, as FWD_GPU's: bigger tiles, deeper stages. -----
+HOPPER_FWD_GPU = {(64, 2): [(128, 64, 8, 3), (128, 64, 8, 5), (128, 128, 8, 3), (128, 128, 8, 4)],
+                  (128, 2): [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 5), (128, 128, 8, 2)],
+                  (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
+
+
+@triton.jit
+def _descriptor(X, batch, heads, seq, x_batch, x_head, ROW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """X as a (batch, head, row, dim) tensor in its LAYOUT, for the TMA unit to copy BLOCK rows of a head
+    at a time: loads zero-fill the rows past seq and the lanes past HEAD_DIM, stores drop them."""
+    return tl.make_tensor_descriptor(X, [batch, heads, seq, HEAD_DIM], [x_batch * HEAD_DIM, x_head * HEAD_DIM,
+                                     ROW * HEAD_DIM, 1], [1, 1, BLOCK, BLOCK_D])
+
+
+@_autotuned(HOPPER_FWD_GPU, cpu=(32, 16))
+def _hopper_fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift, sm_scale, group,
+                       heads, q_batch, q_head, kv_batch, kv_head, batch, HEAD_DIM: tl.constexpr,
+                       BLOCK_D: tl.constexpr, Q_ROW: tl.constexpr, KV_ROW: tl.constexpr, CAUSAL: tl.constexpr,
+                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    kv_heads, n_heads, n_blocks = heads // group, batch * heads, tl.cdiv(seq_q, BLOCK_M)
+    q_desc = _descriptor(Q, batch, heads, seq_q, q_batch, q_head, Q_ROW, HEAD_DIM, BLOCK_M, BLOCK_D)
+    o_desc = _descriptor(OUT, batch, heads, seq_q, q_batch, q_head, Q_ROW, HEAD_DIM, BLOCK_M, BLOCK_D)
+    k_desc = _descriptor(K, batch, kv_heads, seq_k, kv_batch, kv_head, KV_ROW, HEAD_DIM, BLOCK_N, BLOCK_D)
+    v_desc = _descriptor(V, batch, kv_heads, seq_k, kv_batch, kv_head, KV_ROW, HEAD_DIM, BLOCK_N, BLOCK_D)
+    qk_scale = sm_scale * LOG2E
+    # Tile t: query block n_blocks - 1 - t // n_heads of head t % n_heads. Every head's last blocks (causal:
+    # the longest) first, dealt round-robin to the programs: the launch ends on the shortest.
+    for tile in range(tl.program_id(0), n_blocks * n_heads, tl.num_programs(0)):
+        start_m, b, h = (n_blocks - 1 - tile // n_heads) * BLOCK_M, tile % n_heads // heads, tile % heads
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q = q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        m_i, l_i = tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        full_end, hi = _key_range(start_m, seq_k, shift, BLOCK_M, BLOCK_N, CAUSAL)
+        # _attend's steps (so its bits), unmasked then masked, on K/V tiles TMA copies num_stages ahead.
+        for masked in tl.static_range(2):
+            for start_n in tl.range(full_end if masked else 0, hi if masked else full_end, BLOCK_N):
+                cols = start_n + tl.arange(0, BLOCK_N)
+                k = k_desc.load([b, h // group, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+                s = tl.where(_visible(rows, cols, seq_k, shift, CAUSAL), s, float("-inf")) if masked else s
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new) if masked else m_new
+                alpha = tl.exp2(m_i - m_sub)
+                p = tl.exp2(s - m_sub[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = v_desc.load([b, h // group, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m_i = m_new
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o_desc.store([b, h, start_m, 0], (acc / l_safe[:, None]).to(OUT.dtype.element_ty)[None, None])
+        lse = (m_i + tl.log2(l_safe)) * LN2
+        tl.store(LSE + b * q_batch + h * q_head + rows * Q_ROW, lse, mask=rows < seq_q)
+
+
+@torch.library.custom_op("lesson07::flash_attention_hopper_forward", mutates_args=(),
+                         tags=(torch.Tag.needs_exact_strides,))
+def flash_attention_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                                   sm_scale: float | None = None, q_offset: int = 0,
+                                   k_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attention_forward by the Hopper kernel, or the main one where TMA cannot copy (16-byte rule)."""
+    _validate(q, k, v)
+    q, k = _dense(q), _dense(k)
+    v = _as_layout(v, k)
+    if any(t.data_ptr() % 16 for t in (q, k, v)) or q.shape[3] * q.element_size() % 16:
+        return flash_attention_forward(q, k, v, causal, sm_scale, q_offset, k_offset)
+    (out, lse), (args, meta) = _outputs(q), _launch_args(q, k, q_offset, k_offset, causal, sm_scale)
+    # Scratch memory for the descriptors, set per call: per thread, and autograd has threads of its own.
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=q.device))
+    programs = 3 if INTERPRETED else torch.cuda.get_device_properties(q.device).multi_processor_count
+    grid = lambda meta: (min(programs, triton.cdiv(q.shape[2], meta["BLOCK_M"]) * q.shape[0] * q.shape[1]),)
+    _hopper_fwd_kernel[grid](q, k, v, out, lse, *args, q.shape[0], **meta)
+    return out, lse
+
+
+flash_attention_hopper_forward.register_fake(_forward_fake)
+flash_attention_hopper_forward.register_autograd(_backward, setup_context=_save_for_backward)
+
+
+def flash_attention_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                           sm_scale: float | None = None) -> torch.Tensor:
+    """GPT(cfg, attn_fn=flash_attention_hopper): flash_attention with the Hopper forward."""
+    return flash_attention_hopper_forward(q, k, v, causal, sm_scale)[0]
+
+
 # Demo and benchmark -----------------------------------------------------------------------------
 
 
@@ -670,23 +770,26 @@ def demo(args: argparse.Namespace) -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
-    """TFLOP/s of forward, backward and both, ours against SDPA's flash backend (and cuDNN's, where
-    torch offers it), bf16, 16k tokens per batch at model width 2048 (the FlashAttention-2 paper's
-    setting); --bench-group g > 1: grouped-query attention, heads / g K/V heads (SDPA's enable_gqa).
-    FLOPs as the papers count them: forward 4 N^2 d per (batch, head) (two N x N x d matmuls), half
-    that when causal; backward 2.5 x forward (five matmuls; recomputation not counted); forward +
-    backward 3.5 x forward. Ratios are ours / SDPA flash."""
+    """TFLOP/s of forward, backward and both, bf16, 16k tokens a batch at width 2048 (FlashAttention-2's
+    setting): ours, its Hopper variant, SDPA's flash and cuDNN backends; --bench-group g: g query heads per
+    K/V head. FLOPs as the papers count them: forward 4 N^2 d per (batch, head) (two N x N x d matmuls),
+    half if causal; backward 2.5 x forward (five matmuls; recomputation not counted)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
     group = args.bench_group
 
-    def tflops(attn, q, k, v, dout, causal: bool, fwd_flops: float) -> list[float]:
-        out = attn(q, k, v, causal)
-        ms = [do_bench(lambda: attn(q, k, v, causal), return_mode="median"),
-              do_bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=(q, k, v),
-                       return_mode="median"),
-              do_bench(lambda: attn(q, k, v, causal).backward(dout), grad_to_none=(q, k, v),
-                       return_mode="median")]
+    def tflops(attn, q, k, v, dout, causal: bool, fwd_flops: float) -> list[float | None]:
+        try:
+            out = attn(q, k, v, causal)
+            ms = [do_bench(lambda: attn(q, k, v, causal), return_mode="median"),
+                  do_bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=(q, k, v),
+                           return_mode="median"),
+                  do_bench(lambda: attn(q, k, v, causal).backward(dout), grad_to_none=(q, k, v),
+                           return_mode="median")]
+        except RuntimeError:  # an SDPA backend missing from this torch build, or not for this shape
+            if attn in (flash_attention, flash_attention_hopper):
+                raise
+            return [None] * 3
         return [f * fwd_flops / (t * 1e-3) / 1e12 for f, t in zip((1, 2.5, 3.5), ms, strict=True)]
 
     def sdpa(backend):
@@ -695,26 +798,26 @@ def bench(args: argparse.Namespace) -> None:
                 return _sdpa(q, k, v, causal)[0]
         return attn
 
+    kernels = {"ours": flash_attention, "Hopper": flash_attention_hopper,
+               "SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION), "cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    ratios = (("ours", "SDPA flash"), ("ours", "cuDNN"), ("Hopper", "cuDNN"))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"TFLOP/s, median of triton.testing.do_bench; {group} query heads per K/V head")
-    print(f"{'head_dim':>8}{'seq':>7}{'causal':>8}" + "".join(
-        f"{p + ' ' + n:>13}" for p in ("fwd", "bwd", "fwd+bwd") for n in ("ours", "flash", "ratio"))
-        + f"{'cuDNN f+b':>11}")
+    print(f"{'head_dim':>8}{'seq':>7}{'causal':>7}{'pass':>8}" + "".join(f"{name:>12}" for name in kernels)
+          + "".join(f"{f'{a} / {b}':>18}" for a, b in ratios))
     for head_dim, seq, causal in itertools.product(args.bench_head_dims, args.bench_seqs, (False, True)):
         batch, heads = max(1, 16384 // seq), 2048 // head_dim
-        q, k, v, dout = (torch.randn(batch, heads // (group if i in (1, 2) else 1), seq, head_dim,
-                                     device="cuda", dtype=torch.bfloat16) for i in range(4))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        shapes = [(batch, heads // (group if i in (1, 2) else 1), seq, head_dim) for i in range(4)]
+        q, k, v, dout = (torch.randn(s, device="cuda", dtype=torch.bfloat16).requires_grad_(i < 3)
+                         for i, s in enumerate(shapes))
         fwd_flops = 4 * batch * heads * seq ** 2 * head_dim / (2 if causal else 1)
-        ours, flash = (tflops(attn, q, k, v, dout, causal, fwd_flops)
-                       for attn in (flash_attention, sdpa(SDPBackend.FLASH_ATTENTION)))
-        try:
-            cudnn = f"{tflops(sdpa(SDPBackend.CUDNN_ATTENTION), q, k, v, dout, causal, fwd_flops)[2]:>11.1f}"
-        except RuntimeError:  # no cuDNN attention in this torch build or for this shape
-            cudnn = f"{'n/a':>11}"
-        print(f"{head_dim:>8}{seq:>7}{causal!s:>8}" + "".join(
-            f"{o:>13.1f}{s:>13.1f}{o / s:>13.2f}" for o, s in zip(ours, flash, strict=True)) + cudnn,
-            flush=True)
+        rates = {name: tflops(attn, q, k, v, dout, causal, fwd_flops) for name, attn in kernels.items()}
+        for i, phase in enumerate(("fwd", "bwd", "fwd+bwd")):
+            r = {name: rate[i] for name, rate in rates.items()}
+            print(f"{head_dim:>8}{seq:>7}{causal!s:>7}{phase:>8}"
+                  + "".join(f"{'n/a' if x is None else f'{x:.1f}':>12}" for x in r.values())
+                  + "".join(f"{'n/a' if None in (r[a], r[b]) else f'{r[a] / r[b]:.2f}':>18}"
+                            for a, b in ratios), flush=True)
 
 
 @dataclass

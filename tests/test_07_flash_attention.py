@@ -508,6 +508,84 @@ def test_gpu_deterministic():
         assert torch.equal(first, second), name
 
 
+# --- the Hopper variant of the forward: TMA descriptors, persistent programs, longest tiles first -----
+
+@cpu_only
+@given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2, 3]),
+       seq_q=st.integers(1, 80), seq_k=st.integers(1, 80), q_offset=st.integers(0, 40), k_offset=st.integers(0, 40),
+       causal=st.booleans(), head_dim=st.sampled_from([16, 20, 24, 32]), layout_01=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2 ** 16))
+# 3 query blocks x 12 heads = 36 tiles over the interpreter's 3 programs; rows with no key; padding lanes.
+@example(batch=2, kv_heads=2, group=3, seq_q=70, seq_k=80, q_offset=0, k_offset=0, causal=True, head_dim=24,
+         layout_01=True, dtype=torch.float32, seed=0)
+@example(batch=1, kv_heads=1, group=2, seq_q=40, seq_k=33, q_offset=0, k_offset=30, causal=True, head_dim=16,
+         layout_01=False, dtype=torch.float16, seed=1)
+@example(batch=1, kv_heads=2, group=1, seq_q=1, seq_k=70, q_offset=0, k_offset=0, causal=False, head_dim=32,
+         layout_01=False, dtype=torch.float16, seed=2)
+@settings(max_examples=EXAMPLES // 2, deadline=None)
+def test_hopper_forward_is_the_main_forward_bit_for_bit(batch, kv_heads, group, seq_q, seq_k, q_offset,
+                                                        k_offset, causal, head_dim, layout_01, dtype, seed):
+    """In the interpreter, which runs tensor descriptors (their zero fill past a head's rows and head dim
+    too) and the persistent loop (3 programs, each taking every third tile, longest first), the Hopper
+    kernel's out and lse are the main kernel's bits: the same block sizes, the same operations. What the
+    interpreter cannot show (the TMA unit, pipelining, one program per SM) tests/test_gpu_compile.py
+    compiles for sm_90. fp16 at head dim 20 (40-byte rows, which TMA cannot copy) takes the main kernel."""
+    q, k, v, _, _ = random_inputs(batch, kv_heads * group, seq_q, seq_k, head_dim, dtype, seed, kv_heads=kv_heads)
+    if layout_01:
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    main = flash.flash_attention_forward(q, k, v, causal, None, q_offset, k_offset)
+    hopper = flash.flash_attention_hopper_forward(q, k, v, causal, None, q_offset, k_offset)
+    for name, a, b in zip(("out", "lse"), main, hopper, strict=True):
+        assert torch.equal(a, b) and a.stride() == b.stride(), name
+
+
+def test_gpt_with_the_hopper_forward_is_the_same_model_in_one_graph():
+    """GPT(cfg, attn_fn=flash_attention_hopper): the loss and every gradient of GPT with flash_attention
+    (bit for bit in the interpreter; on a GPU the autotuners may pick other blocks: within 1e-5), and
+    an operator, so torch.compile's tracer keeps the model in one graph."""
+    cfg = foundation.ModelConfig(n_kv_heads=2, n_layers=1)
+    tokens, targets = (t.to(DEVICE) for t in foundation.synthetic_batch(cfg, 2, 33, step=0))
+    results = []
+    for attn_fn in (flash.flash_attention, flash.flash_attention_hopper):
+        model = foundation.GPT(cfg, attn_fn=attn_fn).to(DEVICE)
+        loss = model(tokens, targets)
+        results.append([loss, *torch.autograd.grad(loss, list(model.parameters()))])
+    for a, b in zip(*results, strict=True):
+        assert (torch.equal(a, b) if flash.INTERPRETED else context_parallel.max_diff(a, b) <= 1e-5)
+    explained = torch._dynamo.explain(model)(tokens, targets)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_hopper_operator_passes_opcheck():
+    """torch.library.opcheck on the Hopper operator, as on the main ones: lesson 01's layout, grouped-query,
+    rows with no key; its fake and autograd are the main forward's."""
+    q, k, v, _, _ = random_inputs(1, 4, 20, 24, 16, torch.float32, seed=11, kv_heads=2)
+    as_01 = [t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    results = torch.library.opcheck(torch.ops.lesson07.flash_attention_hopper_forward.default,
+                                    (*as_01, True, None, 0, 8))
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype, causal, head_dim, kv_heads", [(torch.bfloat16, True, 128, 1),
+                                                               (torch.bfloat16, False, 64, 4),
+                                                               (torch.float16, True, 64, 2)])
+def test_gpu_hopper_forward_error_at_most_twice_pytorch(dtype, causal, head_dim, kv_heads):
+    """The compiled Hopper kernel (TMA, pipelined, persistent), lesson 01's layout, 777 tokens (no block
+    size divides them): out and every gradient within twice SDPA's error against float64, + 1e-4."""
+    q, k, v, dout, _ = random_inputs(*GPU_SHAPE, GPU_SHAPE[2], head_dim, dtype, seed=4, kv_heads=kv_heads)
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    reference = float64_reference(q, k, v, dout, None, causal)
+    ours = context_parallel.outputs_and_grads(lambda *x: flash.flash_attention_hopper_forward(*x, causal), q, k, v,
+                                              dout)
+    torch_sdpa = context_parallel.outputs_and_grads(lambda *x: (torch.nn.functional.scaled_dot_product_attention(
+        *x, is_causal=causal, enable_gqa=True), None), q, k, v, dout)
+    assert context_parallel.max_diff(ours[1], reference[1]) <= 1e-4
+    for name, got, theirs, want in zip(NAMES, ours, torch_sdpa, reference, strict=True):
+        if name != "lse":
+            assert context_parallel.max_diff(got, want) <= 2 * context_parallel.max_diff(theirs, want) + 1e-4, name
+
+
 # --- what attention costs: the measured rates lesson 10's planner prices it with -------------------
 
 def test_the_planners_attention_rates_are_the_readmes_measurements():

@@ -20,7 +20,8 @@ are unrolled on CUDA cores), so fp16, fp32 and sm_80 compile a representative su
 
 `python tests/test_gpu_compile.py` prints every 07 kernel x config x 16-bit dtype x head dim (and fp32's
 own configs) compiled for sm_90: shared memory, registers, spills, and whether the autotuner tries it:
-the figures behind 07's tables FWD_GPU, DKDV_GPU and DQ_GPU.
+the figures behind 07's tables FWD_GPU, DKDV_GPU, DQ_GPU and HOPPER_FWD_GPU. The Hopper kernel's tensor
+descriptors compile to TMA copies on sm_90 (to plain loads on sm_80), which the interpreter cannot show.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ PINNED = triton.__version__ == PINNED_TRITON
 SHARED_PER_BLOCK = {90: 227 * 1024, 80: 163 * 1024}  # bytes of shared memory a block may use: H100, A100
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"  # shipped with Triton
 GPU_TABLES = {"_fwd_kernel": flash.FWD_GPU, "_bwd_dkdv_kernel": flash.DKDV_GPU,
-              "_bwd_dq_kernel": flash.DQ_GPU}  # 07's autotune tables, by kernel
+              "_bwd_dq_kernel": flash.DQ_GPU,  # 07's autotune tables, by kernel, and its Hopper variant's
+              "_hopper_fwd_kernel": flash.HOPPER_FWD_GPU}
 HEAD_DIMS = (64, 128)
 
 
@@ -78,9 +80,9 @@ def attention_compile_job(kernel: str, dtype: str, head_dim: int, block_m: int, 
 def compile_for_gpu(jobs: list[dict], processes: int = 2) -> list[dict]:
     """Compiles each job (a kernel, argument types, constexprs, target, warps, stages) for a GPU
     that need not be here -> per job: shared (bytes per block), registers (per thread), spill_stores,
-    spill_loads (bytes, from ptxas -v), tf32 (whether the PTX has a TF32 instruction). Runs in
-    child processes (this file, --compile-worker), where the interpreter is off; Triton caches the
-    compiles across runs."""
+    spill_loads (bytes, from ptxas -v), tf32 and tma (whether the PTX has a TF32 instruction, a TMA
+    copy). Runs in child processes (this file, --compile-worker), where the interpreter is off; Triton
+    caches the compiles across runs."""
     def worker(share: list[dict]) -> list[dict]:
         run = subprocess.run([sys.executable, __file__, "--compile-worker"], input=json.dumps(share),
                              capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"))
@@ -112,7 +114,7 @@ def compile_one(job: dict) -> dict:
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return dict(shared=compiled.metadata.shared, registers=int(re.search(r"Used (\d+) registers", log)[1]),
                 spill_stores=int(spills[1]), spill_loads=int(spills[2]),
-                tf32=bool(re.search(r"\.tf32\b", ptx)))
+                tf32=bool(re.search(r"\.tf32\b", ptx)), tma=bool(re.search(r"cp\.async\.bulk\.tensor", ptx)))
 
 
 # --- the jobs ----------------------------------------------------------------------------------
@@ -202,6 +204,14 @@ def test_fp32_kernels_use_exact_fp32_dots_not_tf32(compiled):
     assert not [key for key, got in fp32.items() if got["tf32"]]
     # The check can fail: without input_precision="ieee" the finder sees TF32 tensor-core instructions.
     assert compiled["tf32_default"]["tf32"]
+
+
+def test_the_hopper_kernel_copies_its_tiles_with_tma_on_sm90(compiled):
+    """What the interpreter cannot show: on sm_90 the Hopper kernel's tensor descriptors become TMA copies
+    (cp.async.bulk.tensor) in every config and dtype; the main kernels' pointer loads never do."""
+    sm90 = {key: got["tma"] for key, got in compiled["attention"].items() if key[4] == 90}
+    assert any(key[0] == "_hopper_fwd_kernel" for key in sm90)
+    assert all(tma == (key[0] == "_hopper_fwd_kernel") for key, tma in sm90.items()), sm90
 
 
 def test_fp8_cast_kernel_compiles_for_sm90(compiled):
