@@ -723,8 +723,8 @@ def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list[tuple[Pie
     if problem is None:
         try:
             if rank == 0:
-                meta = {**(record or {}), "step": step, "world": len(records), "config": checkpoint_config(cfg),
-                        "files": files}
+                meta = {**(record or {}), "step": step, "world": len(records),
+                        "config": checkpoint_config(cfg), "files": files}
                 atomic_write(target / "meta.json", lambda f: f.write(json.dumps(meta).encode()))
                 for stale in target.iterdir():  # an earlier run's save at this step, on more ranks
                     if stale.name not in files and stale.name != "meta.json":
@@ -773,8 +773,8 @@ def checkpoint_problem(target: Path, rank: int = 0, world: int = 1,
     return None, meta
 
 
-def open_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | None = None, step: int | None = None,
-                    rank: int = 0, world: int = 1, checksums: bool = True,
+def open_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | None = None,
+                    step: int | None = None, rank: int = 0, world: int = 1, checksums: bool = True,
                     resume_command: Callable[[int], str] | None = None) -> tuple[Path, dict]:
     """The checkpoint of `step` (None: the one LATEST names) and its metadata, checked: every file at
     its recorded size, this rank's share of them hashed (checksums), saved by cfg's configuration. A
@@ -1062,21 +1062,23 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
           "traffic stays DDP's until ZeRO-3 adds a second all-gather (1.5 x DDP).")
 
 
-def print_checkpoint(cfg: foundation.ModelConfig, folder: str, saved: dict, reports: list, world: int) -> None:
+def print_checkpoint(cfg: foundation.ModelConfig, folder: str, saved: dict, reports: list,
+                     world: int) -> None:
     """What ZeRO-1 on half the ranks (reports: bytes read, its shard's bytes, equal) and one device's
     model read of the checkpoint that ZeRO-3 on every rank saved (the state `saved`)."""
     target, one = latest_checkpoint(folder), foundation.GPT(cfg)
     one_read = load_model(one, folder)["bytes_read"]
     one_same = all(torch.equal(p, saved["params"][n]) for n, p in one.named_parameters())
     psi, half = sum(p.numel() for p in one.parameters()), len(reports)
-    print(f"\nA sharded checkpoint: ZeRO-3 on {world} ranks saved step {saved['step']} as {world} rank files + "
-          f"meta.json: {disk_bytes(target, psi)}.\nZeRO-1 on {half} rank{'s' * (half > 1)} loads it; bytes "
+    print(f"\nA sharded checkpoint: ZeRO-3 on {world} ranks saved step {saved['step']} as {world} rank files "
+          f"+ meta.json: {disk_bytes(target, psi)}.\nZeRO-1 on {half} rank{'s' * (half > 1)} loads it; bytes "
           f"each rank read (memory-mapped) | its shard, (params + 2 moments) x 4 B x its elements:")
     for r, (read, shard, same) in enumerate(reports):
         print(f"  rank {r}: {read:,} | {shard:,} {'equal' if read == shard else 'DIFFERENT'}; the state "
               f"{'equals' if same else 'DIFFERS from'} the saved one bit for bit")
-    print(f"One device's GPT loads the parameters alone, bytes read | 4 B x {psi:,} parameters: {one_read:,} | "
-          f"{4 * psi:,}; the parameters {'equal' if one_same else 'DIFFER from'} the saved ones bit for bit.")
+    print(f"One device's GPT loads the parameters alone, bytes read | 4 B x {psi:,} parameters: "
+          f"{one_read:,} | {4 * psi:,}; the parameters {'equal' if one_same else 'DIFFER from'} the saved "
+          f"ones bit for bit.")
     print("Notice: the checkpoint is the same bytes whatever the group that wrote it; each reader reads its "
           "shard, not the whole.")
 
@@ -1092,7 +1094,7 @@ def demo(args: argparse.Namespace) -> None:
     rank, world, cfg = dist.get_rank(), dist.get_world_size(), foundation.ModelConfig(**DEMO_MODEL)
     shape = (cfg, args.steps, args.global_batch, args.seq_len)
     kwargs = dict(max_grad_norm=args.max_grad_norm, device=device)
-    folder = foundation.all_ranks(tempfile.mkdtemp(prefix="02_zero.") if rank == 0 else None)[0]  # one machine
+    folder = foundation.all_ranks(tempfile.mkdtemp(prefix="02_zero.") if rank == 0 else None)[0]  # one host
     runs = {(mixed, stage): train_zero(*shape, stage=stage, mixed_precision=mixed, **kwargs,
                                        folder=folder if (mixed, stage) == (False, 3) else None)
             for mixed in (False, True) for stage in STAGES}
@@ -1153,7 +1155,8 @@ def bench(args: argparse.Namespace) -> None:
         print(f"ZeRO-3 vs FSDP2 fully_shard on {world} ranks ({dist.get_backend()}, {device.type}), "
               f"{n_params / 1e6:.1f}M parameters, fp32, clipping, median of "
               f"{args.bench_steps * (args.bench_rounds - 1)} steps:\n  {foundation.ratio_line(med)}\n"
-              f"  bytes held per rank after a step: ZeRO-3 {ours:,}, FSDP2 {theirs:,}, ratio {ours / theirs:.3f}")
+              f"  bytes held per rank after a step: ZeRO-3 {ours:,}, FSDP2 {theirs:,}, ratio "
+              f"{ours / theirs:.3f}")
     foundation.exit_distributed()
 
 
@@ -1173,9 +1176,11 @@ def main() -> None:
     def validate(world: int) -> None:
         if not args.bench:
             if args.global_batch % world:
-                raise ValueError(f"global_batch={args.global_batch} is not divisible by the group size {world}")
+                raise ValueError(f"global_batch={args.global_batch} is not divisible by the group size "
+                                 f"{world}")
             foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
-                                    foundation.ModelConfig(**DEMO_MODEL), args.global_batch, args.seq_len, world)
+                                    foundation.ModelConfig(**DEMO_MODEL), args.global_batch, args.seq_len,
+                                    world)
 
     foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
 
