@@ -51,8 +51,9 @@ element is written once, by one of its holders.
 INTEGRITY: a step's folder (step_00000100/) holds a file per rank (rank00000.pt: its pieces and RNG
 state) and meta.json (the step, the caller's record, the model's configuration, each rank file's bytes
 and sha256). Every file is written aside, then renamed, and LATEST (naming the step) moves last, so a
-crash leaves the previous checkpoint whole, and a damaged file is one line naming it and the previous
-complete step. A lock on the folder (LOCK) keeps a second run out.
+crash leaves the previous checkpoint whole; a save that fails on any rank (a full disk) is one line on
+every rank and leaves nothing partial; a damaged file is one line naming it and the previous complete
+step. A lock on the folder (LOCK) keeps a second run out.
 RESHARDING: a load on another group size or stage reads, for each piece it holds now, only the saved
 runs that overlap it (two binary searches over sorted runs, in memory-mapped files), once every rank
 agrees that all could read. It is the one way state changes layout here: lesson 09's resume on another
@@ -670,8 +671,12 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def os_error(error: OSError) -> str:
-    return f"{type(error).__name__}: {error}"
+def os_error(error: BaseException | None) -> str | None:
+    """'OSError: [Errno 28] No space left on device' for an OSError or an error raised while handling one
+    (torch.save's zip writer reports a full disk as a RuntimeError, "unexpected pos"); else None."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return None if error is None else f"{type(error).__name__}: {error}"
 
 
 def step_of(path: Path) -> int | None:
@@ -713,7 +718,9 @@ def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list[tuple[Pie
         target.mkdir(parents=True, exist_ok=True)
         size = atomic_write(target / name, lambda f: torch.save({"pieces": rows, "rng": rng}, f))
         written = (name, size, file_sha256(target / name), None)
-    except OSError as error:
+    except Exception as error:
+        if os_error(error) is None:
+            raise
         written = (name, 0, "", os_error(error))
     records = exchange(written)
     problem = next((f"rank {r}: {error}" for r, (*_, error) in enumerate(records) if error), None)
@@ -739,6 +746,8 @@ def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list[tuple[Pie
         problem = exchange(problem)[0]
     if problem is not None:
         latest = latest_checkpoint(root)
+        if rank == 0 and target.is_dir() and target != latest:  # every rank is past its write
+            shutil.rmtree(target, ignore_errors=True)  # nothing partial stays
         last = f"step {step_of(latest)} ({latest})" if latest else "none"
         raise CheckpointError(f"checkpoint step {step} could not be saved in {target} ({problem}); the last "
                               f"complete checkpoint: {last}")
@@ -860,7 +869,12 @@ def remove_unfinished_saves(folder: str | os.PathLike) -> list[str]:
     files = [p for p in [*root.glob("*.tmp"), *root.glob("step_*/*.tmp")] if p.parent not in folders]
     unfinished = folders + files
     for path in unfinished:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        try:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        except OSError as error:  # e.g. immutable (chattr +i)
+            raise CheckpointError(f"checkpoint folder {folder}: {path.relative_to(root)}, left by an "
+                                  f"interrupted save, cannot be removed ({os_error(error)}): remove it, or "
+                                  f"choose another folder") from None
     return sorted(str(p.relative_to(root)) for p in unfinished)
 
 
@@ -882,6 +896,8 @@ def claim_folder(folder: str | os.PathLike) -> IO | None:
                 print(f"removed what an interrupted save left in {folder}: {', '.join(unfinished)}")
         except CheckpointError as error:
             problem = str(error)
+            if lock is not None:
+                lock.close()
     if (problem := first_problem(problem)) is not None:
         raise CheckpointError(problem)
     return lock

@@ -27,6 +27,7 @@ import itertools
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -643,19 +644,49 @@ def failing_save(obj, f):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-@pytest.mark.parametrize("failure", ["a full disk", "a file where the step's folder goes",
-                                     "rank 1 fails", "LATEST cannot be replaced"])
+class FullDisk:
+    """A file whose disk fills after `room` bytes: the write that passes it raises ENOSPC. Given to
+    torch.save, whose zip writer then raises a RuntimeError ("unexpected pos") while handling it, as
+    on a full tmpfs."""
+
+    def __init__(self, file, room: int) -> None:
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        self.room -= len(data)
+        if self.room < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.file.write(data)
+
+
+def save_on_a_full_disk(room: int = 1000):
+    """torch.save as it runs when the disk fills after `room` bytes of a file."""
+    save = torch.save
+    return lambda obj, f: save(obj, FullDisk(f, room))
+
+
+@pytest.mark.parametrize("failure", ["a full disk", "a disk that fills inside torch.save",
+                                     "a file where the step's folder goes", "rank 1 fails",
+                                     "meta.json cannot be written", "LATEST cannot be replaced"])
 def test_a_save_that_fails_is_one_line_naming_the_folder_the_error_and_the_last_complete_step(
         tmp_path, monkeypatch, failure):
-    """Before: a traceback from every rank. Each rank's write and rank 0's meta.json and LATEST are
-    agreed on (exchange); every rank raises the same CheckpointError; no .tmp is left, LATEST still
-    names step 1, which loads."""
+    """Before: a traceback from every rank; a disk that filled inside torch.save was its RuntimeError
+    and a traceback, and the step's folder stayed. Each rank's write and rank 0's meta.json and LATEST
+    are agreed on (exchange); every rank raises the same CheckpointError naming the OSError; nothing
+    partial is left (no .tmp, no step folder); LATEST still names step 1, which loads. meta.json's
+    write failing: LATEST, written after it, never named step 2."""
     piece = zero.Piece.whole("w", (6,))
     save_one(tmp_path, 1, [(piece, torch.ones(6))])
     target, exchange = tmp_path / "step_00000002", None
     if failure == "a full disk":
         monkeypatch.setattr(torch, "save", failing_save)
         error = "rank 0: OSError: [Errno 28] No space left on device"
+    elif failure == "a disk that fills inside torch.save":
+        monkeypatch.setattr(torch, "save", save_on_a_full_disk())
+        error = "rank 0: OSError: [Errno 28] No space left on device"
+    elif failure == "meta.json cannot be written":
+        (target / "meta.json.tmp").mkdir(parents=True)
+        error = f"rank 0: IsADirectoryError: [Errno 21] Is a directory: '{target / 'meta.json.tmp'}'"
     elif failure == "a file where the step's folder goes":
         target.write_text("")
         error = f"rank 0: FileExistsError: [Errno 17] File exists: '{target}'"
@@ -670,6 +701,7 @@ def test_a_save_that_fails_is_one_line_naming_the_folder_the_error_and_the_last_
     assert str(raised.value) == (f"checkpoint step 2 could not be saved in {target} ({error}); the last "
                                  f"complete checkpoint: step 1 ({tmp_path / 'step_00000001'})")
     assert not [p for p in tmp_path.rglob("*.tmp") if p.is_file()], "a failed write leaves no part"
+    assert not target.is_dir(), "nothing partial is left"
     assert zero.latest_checkpoint(tmp_path).name == "step_00000001"
     assert torch.equal(read_whole(tmp_path, "w", (6,)), torch.ones(6))
 
@@ -767,11 +799,29 @@ def test_a_zero3_checkpoint_on_4_ranks_loads_on_other_group_sizes_and_stages_rea
     assert all(torch.equal(p, saved["params"][n]) for n, p in one.named_parameters())
 
 
-def load_with_a_gap_on_the_last_rank(cfg, folder: str) -> tuple[str, bool]:
-    """load_checkpoint where the last rank's piece_of names a tensor the checkpoint does not hold: only that
-    rank finds the problem (in read_shards). Returns the error and whether this rank's shard is as built."""
+# A load, save or claim of the tiny model on 2 ranks took 0.1-1.3 s on a 2-core machine at a load
+# average of 180; a rank left waiting in a collective (an agreement removed, an error raised on one
+# rank only) must fail its test in seconds, not at the rank pool's 600 s: 60 s is 45x the slowest.
+# The pool's start and this module's import in its workers come first, under the pool's timeout.
+AGREEMENT_S = 60
+
+
+def imported() -> None:
+    """Run on a pool: its workers have started and imported this module."""
+
+
+def in_seconds(rank_pool, world: int, fn, *args):
+    """fn on `world` ranks with a timeout of AGREEMENT_S for the call alone."""
+    rank_pool.run(world, imported)
+    return rank_pool.run(world, fn, *args, timeout=AGREEMENT_S)
+
+
+def load_or_refuse(cfg, folder: str, gap_on_the_last_rank: bool = False) -> tuple[str, bool]:
+    """ZeRO-1 over the pool loads the checkpoint. gap_on_the_last_rank: that rank's piece_of names a
+    tensor the checkpoint does not hold, so only it finds the problem (in read_shards). Returns the error
+    ("loaded": none) and whether this rank's shard is still as built."""
     optimizer = zero.ZeRO(freeze_some(foundation.GPT(cfg)), 1)
-    last = dist.get_rank() == dist.get_world_size() - 1
+    last = gap_on_the_last_rank and dist.get_rank() == dist.get_world_size() - 1
 
     def renamed_on_the_last_rank(unit: zero.FlatUnit, i: int) -> zero.Piece:
         piece = zero.whole_tensor(unit, i)
@@ -787,15 +837,70 @@ def load_with_a_gap_on_the_last_rank(cfg, folder: str) -> tuple[str, bool]:
 
 
 def test_a_problem_one_rank_finds_stops_every_rank_before_any_loads(rank_pool, tmp_path):
-    """load_checkpoint's second agreement: the ranks that could read wait for the one that could not, raise
-    its error and have loaded nothing (the ranks of a resume never mix two states)."""
+    """load_checkpoint's second agreement: the ranks that could read wait for the one that could not,
+    raise its error and have loaded nothing (the ranks of a resume never mix two states). Without it
+    rank 0 would wait in ZeRO-1's all-gather: a short timeout of its own."""
     cfg = foundation.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=3)
     rank_pool.run(2, save_zero, cfg, 1, str(tmp_path), 1, timeout=600)
-    results = rank_pool.run(2, load_with_a_gap_on_the_last_rank, cfg, str(tmp_path), timeout=600)
+    results = in_seconds(rank_pool, 2, load_or_refuse, cfg, str(tmp_path), True)
     message = results[0][0]
     assert message.startswith(f"{tmp_path / 'step_00000001'}: the saved pieces do not cover every element "
                               f"of missing."), message
     assert results == [(message, True)] * 2
+
+
+def test_every_rank_file_a_load_reads_is_hashed_whatever_the_group_size(rank_pool, tmp_path):
+    """4 ranks save; rank00002.pt's bytes are altered, its size kept. Loaded on 2 ranks (rank 0 hashes
+    files 0 and 2, rank 1 files 1 and 3: each file once; load_checkpoint's first agreement stops both)
+    and into one device's model (all four): refused, naming the file. Hashing only the file of one's
+    own rank number would load it silently."""
+    cfg = foundation.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=3)
+    rank_pool.run(4, save_zero, cfg, 1, str(tmp_path), 1, timeout=600)
+    data = bytearray((tmp_path / "step_00000001" / "rank00002.pt").read_bytes())
+    middle = slice(len(data) // 2, len(data) // 2 + 8)  # in a tensor's bytes: torch.load takes them
+    data[middle] = bytes(255 - b for b in data[middle])
+    (tmp_path / "step_00000001" / "rank00002.pt").write_bytes(bytes(data))
+    message = (f"checkpoint step 1 ({tmp_path / 'step_00000001'}) cannot be used: rank00002.pt does not "
+               f"match the sha256 that meta.json records (altered bytes); no earlier complete checkpoint is "
+               f"kept: train afresh")
+    on_two = in_seconds(rank_pool, 2, load_or_refuse, cfg, str(tmp_path))
+    try:
+        zero.load_model(freeze_some(foundation.GPT(cfg)), tmp_path)
+        on_one = "loaded"
+    except zero.CheckpointError as error:
+        on_one = str(error)
+    assert (on_two, on_one) == ([(message, True)] * 2, message)
+
+
+def save_when_the_disk_fills(cfg, stage: int, folder: str, full: list[int]) -> str:
+    """This stage's ZeRO saves step 1, then step 2 with the disk full on the ranks in `full` (their
+    rank file's write fails part way, inside torch.save); returns the second save's error."""
+    optimizer = zero.ZeRO(foundation.GPT(cfg), stage)
+    zero.save_checkpoint(folder, 1, zero.zero_pieces(optimizer), cfg)
+    save = torch.save
+    torch.save = save_on_a_full_disk() if dist.get_rank() in full else save
+    try:
+        zero.save_checkpoint(folder, 2, zero.zero_pieces(optimizer), cfg)
+        return "saved"
+    except zero.CheckpointError as error:
+        return str(error)
+    finally:
+        torch.save = save
+
+
+@pytest.mark.parametrize("stage, full", [(0, [0]), (1, [1]), (3, [0, 1])])
+def test_a_disk_that_fills_during_a_save_is_one_line_on_every_rank_and_leaves_nothing(rank_pool, tmp_path,
+                                                                                      stage, full):
+    """Before: torch.save's RuntimeError and a traceback on the ranks whose disk filled, the others
+    waiting in the exchange (ZeRO-0: rank 0 alone writes pieces), the step's folder left. Now every
+    rank raises the same line naming the first such rank's OSError and step 1; step 2 is gone."""
+    cfg = foundation.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=3)
+    messages = in_seconds(rank_pool, 2, save_when_the_disk_fills, cfg, stage, str(tmp_path), full)
+    assert messages == [f"checkpoint step 2 could not be saved in {tmp_path / 'step_00000002'} (rank "
+                        f"{full[0]}: OSError: [Errno 28] No space left on device); the last complete "
+                        f"checkpoint: step 1 ({tmp_path / 'step_00000001'})"] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step_00000001"]
+    assert zero.open_checkpoint(tmp_path, cfg)[1]["step"] == 1
 
 
 def claim_and_try_again(folder: str) -> tuple[str, bool]:
@@ -818,11 +923,40 @@ def test_a_claimed_folder_stays_locked_for_the_run_and_loses_a_killed_saves_left
     run = tmp_path / "run"
     (run / "step_00000003").mkdir(parents=True)
     (run / "step_00000003" / "rank00001.pt.tmp").write_bytes(b"half")
-    results = rank_pool.run(2, claim_and_try_again, str(run), timeout=600)
+    results = in_seconds(rank_pool, 2, claim_and_try_again, str(run))
     assert [held for _, held in results] == [True, False], "rank 0 alone holds the lock"
-    assert all(f"checkpoint folder {run} is in use by a running run" in again for again, _ in results), results
+    assert all(f"checkpoint folder {run} is in use by a running run" in again for again, _ in results)
     assert not (run / "step_00000003").exists(), "a step folder without meta.json is an unfinished save"
     zero.lock_checkpoints(run).close()  # released once rank 0 closed it
+
+
+def claim_where_removal_fails(folder: str) -> str:
+    """claim_folder on every rank while nothing can be removed (an immutable folder: chattr +i)."""
+    rmtree = shutil.rmtree
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+
+    shutil.rmtree = refuse
+    try:
+        zero.claim_folder(folder)
+        return "claimed"
+    except zero.CheckpointError as error:
+        return str(error)
+    finally:
+        shutil.rmtree = rmtree
+
+
+def test_a_killed_saves_folder_that_cannot_be_removed_is_one_line_naming_it(rank_pool, tmp_path):
+    """Before: a 35-line PermissionError traceback on rank 0, the other ranks waiting for it. Now every
+    rank raises one line naming the folder, and the lock is let go."""
+    run = tmp_path / "run"
+    (run / "step_00000003").mkdir(parents=True)
+    messages = in_seconds(rank_pool, 2, claim_where_removal_fails, str(run))
+    assert messages == [f"checkpoint folder {run}: step_00000003, left by an interrupted save, cannot be "
+                        f"removed (PermissionError: [Errno 1] Operation not permitted: "
+                        f"'{run / 'step_00000003'}'): remove it, or choose another folder"] * 2
+    zero.lock_checkpoints(run).close()
 
 
 # --- the script itself -------------------------------------------------------------------------
