@@ -1,6 +1,16 @@
-"""Lesson 02: ZeRO, stages 1, 2 and 3, from reduce-scatter and all-gather.
+"""Lesson 02: ZeRO, stages 1, 2 and 3, from reduce-scatter and all-gather; then sharded checkpoints.
 
-THE IDEA
+The parts, in order:
+  The cost models: zero_memory_per_rank (the paper's table), zero_traffic_per_step, zero_exposed_seconds
+  The ZeRO optimizer: zero_units, FlatUnit (a unit as one flat vector), ZeRO (its stages' hooks, step)
+  Training: train_zero, ZeRO on N ranks (its one-device twin: lesson 01's train_single_device)
+  Sharded checkpoints (lesson 09's run calls claim_folder, save_checkpoint, load_checkpoint, load_model):
+    Piece (runs of elements), overlaps; the files: save_checkpoint, open_checkpoint; the folder lock:
+    claim_folder; slice reads: CheckpointReader, load_model; ZeRO's shards as pieces: zero_pieces,
+    load_checkpoint
+  RUN IT: demo (every stage; then ZeRO-3's checkpoint loaded on half the ranks and on one device), bench
+
+ZERO: THE IDEA
 Data parallelism (lesson 01) keeps N copies of the parameters, gradients and optimizer state. But
 AdamW is elementwise: element i of the update needs only element i of the parameter, gradient and
 moments. So N ranks can cut the flattened model into N shards, each rank keeping the optimizer
@@ -33,8 +43,23 @@ Traffic per step (ring): DDP's all-reduce moves 2 (N-1)/N G Psi. Stages 1 and 2 
 plus an all-gather, (N-1)/N (G + P) Psi: the same. Stage 3 gathers the parameters twice (forward
 and backward): (N-1)/N (G + 2P) Psi = 1.5x DDP.
 
-SAVING AND LOADING SHARDED STATE is the next file, 02_zero_checkpoints.py: each rank writes the pieces it
-holds, and a resume on another group size or stage reads only the saved runs that overlap its own.
+SHARDED CHECKPOINTS
+No rank holds the whole state to write it, so each writes what it holds, as pieces: (name, the whole
+tensor's shape, the runs of consecutive elements of the flattened tensor that the rank holds): a ZeRO
+shard is one run per parameter, a tensor-parallel slice of columns (lesson 09) one run per row. Each
+element is written once, by one of its holders.
+INTEGRITY: a step's folder (step_00000100/) holds a file per rank (rank00000.pt: its pieces and RNG
+state) and meta.json (the step, the caller's record, the model's configuration, each rank file's bytes
+and sha256). Every file is written aside, then renamed, and LATEST (naming the step) moves last, so a
+crash leaves the previous checkpoint whole; a save that fails on any rank (a full disk) is one line on
+every rank and leaves nothing partial; a damaged file is one line naming it and the previous complete
+step. A lock on the folder (LOCK) keeps a second run out.
+RESHARDING: a load on another group size or stage reads, for each piece it holds now, only the saved
+runs that overlap it (two binary searches over sorted runs, in memory-mapped files), once every rank
+agrees that all could read. It is the one way state changes layout here: lesson 09's resume on another
+mesh, train_zero's resume_after, the demo's smaller group and one device.
+COST: on disk (parameters + 2 AdamW moments) x 4 B x Psi, whatever N, + metadata; a load reads 12 B x
+its shard's elements on each rank (12 Psi / N), never the whole.
 
 RUN IT
     python 02_zero.py                       # 4 local CPU ranks (one per GPU on a GPU node)
@@ -42,17 +67,31 @@ RUN IT
     python 02_zero.py --bench               # ZeRO-3 against PyTorch's FSDP2 (fully_shard)
 Look at: the max |difference| from one device running AdamW with the same clipping (rounding only);
 the paper's table; the bytes each rank actually holds (live tensors' storages) beside the formula;
-the traffic per step beside 1x and 1.5x DDP; the gathers in flight in stage 3.
+the traffic per step beside 1x and 1.5x DDP; the gathers in flight in stage 3; the checkpoint's bytes
+on disk beside 12 B x Psi, the bytes each rank of half the group read beside its shard, and the state
+they loaded equal to the saved one bit for bit.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import hashlib
 import importlib
 import itertools
+import json
 import math
-from dataclasses import dataclass, field
+import os
+import shlex
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
 from fractions import Fraction
-from typing import Callable, Iterable
+from pathlib import Path
+from typing import IO, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -483,30 +522,8 @@ class ZeRO:
         return {**state, "step": int(step)}
 
     @torch.no_grad()
-    def load_full_state_dict(self, state: dict) -> None:
-        """Cut a full_state_dict (from any stage and group size) into this rank's shards; a tied
-        parameter is read under its first name (torch's state_dict() has it under each). Every entry
-        is checked first, so a missing or misshapen one changes nothing on any rank."""
-        expected = [("params", name, p.shape) for name, p in self.frozen] + [
-            (key, name, shape) for unit in self.units for key in CHECKPOINT_KINDS
-            for name, shape in zip(unit.names, unit.shapes)]
-        for key, name, shape in expected:
-            value = state.get(key, {}).get(name)
-            if not torch.is_tensor(value) or value.shape != shape:
-                found = (f"shape {tuple(value.shape)}" if torch.is_tensor(value) else
-                         "no entry" if value is None else f"a {type(value).__name__}")
-                raise ValueError(f"load_full_state_dict: {key}[{name!r}] has {found}; the parameter "
-                                 f"has shape {tuple(shape)}")
-        for name, p in self.frozen:
-            p.copy_(state["params"][name])
-        self.load_shards([{key: unit.flatten([state[key][n].to(unit.master.device) for n in unit.names],
-                                             torch.float32)[unit.owned]
-                           for key in CHECKPOINT_KINDS} for unit in self.units], state["step"])
-
-    @torch.no_grad()
     def load_shards(self, shards: list[dict[str, torch.Tensor]], step: int) -> None:
-        """This rank's shards, one {kind: values of unit.owned} per unit, from anywhere (a full state
-        cut here, a checkpoint's pieces: read_shards)."""
+        """This rank's shards, one {kind: values of unit.owned} per unit, as load_checkpoint reads them."""
         for unit, values in zip(self.units, shards, strict=True):
             unit.master.copy_(values["params"])
             moments = {key: values[key].to(unit.master.device).clone() for key in ADAM_KEYS}
@@ -527,16 +544,19 @@ class ZeroResult(foundation.TrainResult):
 
 def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq_len: int, *, stage: int,
                lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
-               mixed_precision: bool = False, prefetch: bool = True, resume_after: int | None = None,
-               group=None, device: torch.device | str = "cpu",
+               mixed_precision: bool = False, prefetch: bool = True, folder: str | None = None,
+               resume_after: int | None = None, group=None, device: torch.device | str = "cpu",
                transform: Callable | None = None) -> tuple[ZeroResult, "foundation.CommMeter"]:
     """Train on this rank's slice of the global batches 01's train_single_device sees (transform: as
-    there; its clipping and mixed precision are ZeRO's one-device twin). resume_after=k: after k steps
-    gather the full state, build a fresh model and ZeRO, load it, go on. Returns the result and a meter
-    of the training steps' communication (not of the test probes: step-0 gradients, full states)."""
+    there; its clipping and mixed precision are ZeRO's one-device twin). folder: save a checkpoint
+    there after the last step and, with resume_after=k, after k steps, when a fresh model and ZeRO
+    load it (load_checkpoint) and go on. Returns the result and a meter of the training steps'
+    communication (not of the test probes: step-0 gradients, full states)."""
     world, rank = foundation.group_size(group), dist.get_rank(group)
     if global_batch % world:
         raise ValueError(f"global_batch={global_batch} is not divisible by the group size {world}")
+    if resume_after is not None and folder is None:
+        raise ValueError("resume_after resumes from a checkpoint: give its folder")
 
     def build() -> tuple[nn.Module, ZeRO]:
         model = foundation.GPT(cfg)
@@ -548,9 +568,9 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
     result, steps_meter, local_losses = ZeroResult([], {}, {}), foundation.CommMeter(), []
     for step in range(steps):
         if step == resume_after:
-            state = zero.full_state_dict()
+            save_checkpoint(folder, step, zero_pieces(zero), cfg, group=group)
             model, zero = build()
-            zero.load_full_state_dict(state)
+            load_checkpoint(folder, cfg, [(zero, whole_tensor)], group=group)
         tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, rank, world)
         with foundation.comm_meter() as meter:
             loss = model(tokens.to(device), targets.to(device))
@@ -564,6 +584,8 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
         steps_meter += update_meter
         local_losses.append(loss.detach())
         zero.zero_grad()
+    if folder is not None:
+        save_checkpoint(folder, steps, zero_pieces(zero), cfg, group=group)
     result.held, result.formula = zero.held_bytes(), zero.memory_formula()  # after the last step
     losses = torch.stack(local_losses).double()
     foundation.all_reduce(losses, group=group)
@@ -577,7 +599,435 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
 
 
 # ----------------------------------------------------------------------------------------------
-# Demo and benchmark
+# Sharded checkpoints: pieces, the files, the folder lock, slice reads, then ZeRO's shards as pieces
+# ----------------------------------------------------------------------------------------------
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, or a folder that cannot be written: one line, what to do."""
+
+
+@dataclass
+class Piece:
+    """The elements of one tensor that a rank holds: runs of consecutive elements of the whole tensor
+    flattened, rows (first index in the whole tensor, offset in the rank's values, length), sorted
+    and disjoint. The rank's values have `size` elements; those no run covers are padding."""
+    name: str
+    shape: tuple[int, ...]
+    runs: torch.Tensor  # int64, (runs, 3)
+    size: int
+
+    @classmethod
+    def whole(cls, name: str, shape: tuple[int, ...]) -> Piece:
+        """A whole tensor, one run (what one device holds)."""
+        return cls(name, tuple(shape), torch.tensor([[0, 0, math.prod(shape)]]), math.prod(shape))
+
+    def narrow(self, start: int, stop: int) -> Piece:
+        """The piece of the values [start, stop) (a ZeRO shard of them), offsets counted from start."""
+        begin = self.runs[:, 1].clamp(min=start)
+        end = (self.runs[:, 1] + self.runs[:, 2]).clamp(max=stop)
+        runs = torch.stack([self.runs[:, 0] + begin - self.runs[:, 1], begin - start, end - begin], 1)
+        return Piece(self.name, self.shape, runs[begin < end], stop - start)
+
+    def elements(self) -> int:
+        return int(self.runs[:, 2].sum())
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two pieces' runs (each sorted and disjoint) -> the elements they share, as rows (offset in a,
+    offset in b, length). The runs of b that meet a run of a lie between two binary searches."""
+    a_start, b_start = a[:, 0].contiguous(), b[:, 0].contiguous()
+    a_end, b_end = a_start + a[:, 2], b_start + b[:, 2]
+    first = torch.searchsorted(b_end, a_start, right=True)  # b's first run that ends after a's starts
+    count = (torch.searchsorted(b_start, a_end) - first).clamp(min=0)
+    i = torch.repeat_interleave(torch.arange(len(a)), count)
+    j = first[i] + torch.arange(len(i)) - torch.repeat_interleave(count.cumsum(0) - count, count)
+    begin, end = torch.maximum(a_start[i], b_start[j]), torch.minimum(a_end[i], b_end[j])
+    return torch.stack([a[i, 1] + begin - a_start[i], b[j, 1] + begin - b_start[j], end - begin], 1)
+
+
+# --- the files of a checkpoint --------------------------------------------------------------------
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> int:
+    """A reader sees the old file or the whole new one, never a part: write aside, then rename (a
+    write that fails removes its part). Returns the bytes written."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return path.stat().st_size
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def os_error(error: BaseException | None) -> str | None:
+    """'OSError: [Errno 28] No space left on device' for an OSError or an error raised while handling one
+    (torch.save's zip writer reports a full disk as a RuntimeError, "unexpected pos"); else None."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def step_of(path: Path) -> int | None:
+    number = path.name.removeprefix("step_")
+    return int(number) if path.name.startswith("step_") and number.isdigit() else None
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
+    pointer = Path(folder) / "LATEST"
+    return Path(folder) / pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+
+
+def checkpoint_config(cfg: foundation.ModelConfig | None) -> dict:
+    """What must match for a checkpoint to load: every field that shapes the model. Not the seed,
+    which only draws the initial weights that a checkpoint replaces. None: no model (bare tensors)."""
+    return {k: v for k, v in asdict(cfg).items() if k != "seed"} if cfg is not None else {}
+
+
+def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list[tuple[Piece, dict[str, torch.Tensor]]],
+                    cfg: foundation.ModelConfig | None = None, record: dict | None = None,
+                    keep: Sequence[int] = (), group: dist.ProcessGroup | None = None,
+                    exchange: Callable[[object], list] | None = None) -> Path:
+    """Every rank of group calls this with the pieces it writes (each element once across the ranks)
+    and their values of each kind, on a filesystem every rank sees: rank files, meta.json (with record
+    and cfg), LATEST, then the step folders but this one and `keep` go. A write failing on any rank is a
+    CheckpointError on every rank naming it and the last complete step. exchange: all_ranks (tests)."""
+    root = Path(folder)
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    exchange = exchange or (lambda x: foundation.all_ranks(x, group) if dist.is_initialized() else [x])
+    target, name = root / f"step_{step:08d}", f"rank{rank:05d}.pt"
+    # Each piece's name, shape, runs as (first, length) and the elements they cover, packed.
+    rows = [(piece.name, tuple(piece.shape), piece.runs[:, [0, 2]].tolist(),
+             {kind: torch.cat([t[o:o + n] for _, o, n in piece.runs.tolist()]) for kind, t in data.items()})
+            for piece, data in pieces if len(piece.runs)]
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        size = atomic_write(target / name, lambda f: torch.save({"pieces": rows, "rng": rng}, f))
+        written = (name, size, file_sha256(target / name), None)
+    except Exception as error:
+        if os_error(error) is None:
+            raise
+        written = (name, 0, "", os_error(error))
+    records = exchange(written)
+    problem = next((f"rank {r}: {error}" for r, (*_, error) in enumerate(records) if error), None)
+    files = {n: {"bytes": b, "sha256": h} for n, b, h, _ in records}
+    if problem is None and (missing := [n for n in files if not (target / n).exists()]):
+        problem = f"{missing} are not there (is {root} on a filesystem every rank sees?)"  # on every rank
+    if problem is None:
+        try:
+            if rank == 0:
+                meta = {**(record or {}), "step": step, "world": len(records),
+                        "config": checkpoint_config(cfg), "files": files}
+                atomic_write(target / "meta.json", lambda f: f.write(json.dumps(meta).encode()))
+                for stale in target.iterdir():  # an earlier run's save at this step, on more ranks
+                    if stale.name not in files and stale.name != "meta.json":
+                        stale.unlink()
+                atomic_write(root / "LATEST", lambda f: f.write(target.name.encode()))
+                kept = {target.name, *(f"step_{s:08d}" for s in keep)}
+                for old in root.glob("step_*"):  # complete now: an old one that will not go stays
+                    if old.is_dir() and old.name not in kept:
+                        shutil.rmtree(old, ignore_errors=True)
+        except OSError as error:
+            problem = f"rank 0: {os_error(error)}"
+        problem = exchange(problem)[0]
+    if problem is not None:
+        latest = latest_checkpoint(root)
+        if rank == 0 and target.is_dir() and target != latest:  # every rank is past its write
+            shutil.rmtree(target, ignore_errors=True)  # nothing partial stays
+        last = f"step {step_of(latest)} ({latest})" if latest else "none"
+        raise CheckpointError(f"checkpoint step {step} could not be saved in {target} ({problem}); the last "
+                              f"complete checkpoint: {last}")
+    return target
+
+
+def checkpoint_problem(target: Path, rank: int = 0, world: int = 1,
+                       checksums: bool = True) -> tuple[str | None, dict]:
+    """What is wrong with the checkpoint folder target (None: nothing), and its metadata. Every file
+    must be there at its recorded size; with checksums, this rank hashes every world-th file from
+    its rank (between them, the ranks of a load hash each file once)."""
+    if not target.is_dir():
+        return "its folder is missing", {}
+    try:
+        meta = json.loads((target / "meta.json").read_text(encoding="utf-8"))
+        files = [(name, record["bytes"], record["sha256"]) for name, record in meta["files"].items()]
+        lacking = sorted({"step", "world", "config"} - meta.keys())
+    except FileNotFoundError:
+        return "meta.json is missing", {}
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        return f"meta.json cannot be read ({type(error).__name__}: {error})", {}
+    if lacking:
+        return f"meta.json lacks {', '.join(lacking)}", {}
+    for i, (name, size, sha256) in enumerate(files):
+        path = target / name
+        if not path.is_file():
+            return f"{name} is missing", meta
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size:,} bytes where meta.json records {size:,}", meta
+        if checksums and i % world == rank and file_sha256(path) != sha256:
+            return f"{name} does not match the sha256 that meta.json records (altered bytes)", meta
+    return None, meta
+
+
+def open_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | None = None,
+                    step: int | None = None, rank: int = 0, world: int = 1, checksums: bool = True,
+                    resume_command: Callable[[int], str] | None = None) -> tuple[Path, dict]:
+    """The checkpoint of `step` (None: the one LATEST names) and its metadata, checked: every file at
+    its recorded size, this rank's share of them hashed (checksums), saved by cfg's configuration. A
+    damaged one is a CheckpointError naming the step, the file, the previous complete checkpoint (its
+    files at their sizes, not hashed) and resume_command(that step)."""
+    root, config = Path(folder), checkpoint_config(cfg)
+    target = root / f"step_{step:08d}" if step is not None else latest_checkpoint(folder)
+    command = (lambda s: f": {resume_command(s)}") if resume_command else (lambda s: "")
+    complete = sorted(s for p in root.glob("step_*")
+                      if (s := step_of(p)) is not None and checkpoint_problem(p, checksums=False)[0] is None)
+    if target is None:
+        if not complete:
+            raise CheckpointError(f"{folder} holds no complete checkpoint (no LATEST file)")
+        raise CheckpointError(f"{folder} has no LATEST file (each save writes it last, naming its step); the "
+                              f"complete checkpoints there are steps {', '.join(map(str, complete))}: resume "
+                              f"from the last{command(complete[-1])}")
+    problem, meta = checkpoint_problem(target, rank, world, checksums)
+    if problem is not None:
+        number = step_of(target)
+        previous = max((s for s in complete if number is None or s < number), default=None)
+        where = f"step {number} ({target})" if number is not None else f"{target} (named by LATEST)"
+        advice = (f"the previous complete checkpoint is step {previous} ({root / f'step_{previous:08d}'}); "
+                  f"resume from it{command(previous)}" if previous is not None else
+                  "no earlier complete checkpoint is kept: train afresh")
+        raise CheckpointError(f"checkpoint {where} cannot be used: {problem}; {advice}")
+    if meta["config"] != config:
+        diff = ", ".join(f"{k}={meta['config'].get(k)} (this model: {config.get(k)})"
+                         for k in sorted(meta["config"].keys() | config.keys())
+                         if meta["config"].get(k) != config.get(k))
+        raise ValueError(f"{target} was saved by another model configuration: {diff}; refusing to load it")
+    return target, meta
+
+
+def disk_bytes(target: Path, parameters: int) -> str:
+    """A checkpoint's bytes on disk beside the formula: each element of the state once, + metadata."""
+    disk = sum(f.stat().st_size for f in target.iterdir())
+    formula = 4 * len(CHECKPOINT_KINDS) * parameters
+    return (f"{disk:,} B on disk = (params + 2 AdamW moments) x 4 B x {parameters:,} parameters, each "
+            f"element once ({formula:,}) + {disk - formula:,} B of metadata (meta.json; each rank file's "
+            f"runs, RNG and headers)")
+
+
+# --- the folder lock: one run writes a folder -----------------------------------------------------
+
+
+def lock_checkpoints(folder: str | os.PathLike) -> IO:
+    """Hold folder/LOCK while the returned file stays open (the kernel releases an flock when its
+    process ends, killed too: no stale lock). A folder that is a file, that cannot be written, or
+    that a running run holds is refused in one line."""
+    root, handle = Path(folder), None
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} is a file, not a folder")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        handle = open(root / "LOCK", "a+")
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd, probe = tempfile.mkstemp(".tmp", dir=root)  # an earlier run's LOCK may be writable where
+        os.close(fd)                                     # the folder is not (read-only since)
+        os.unlink(probe)
+        handle.truncate(0)
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {shlex.join(sys.argv)}")
+        handle.flush()
+        return handle
+    except BlockingIOError:  # flock: another process holds it
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise CheckpointError(f"checkpoint folder {folder} is in use by a running run ({holder}): wait for "
+                              f"it to end, or choose another folder") from None
+    except OSError as error:
+        if handle is not None:
+            handle.close()
+        raise CheckpointError(f"checkpoint folder {folder} cannot be written ({os_error(error)})") from None
+
+
+def remove_unfinished_saves(folder: str | os.PathLike) -> list[str]:
+    """What a save stopped midway (a kill) left: files written aside (*.tmp) and step folders without
+    meta.json that LATEST does not name. Removes them (hold the lock) and returns their names."""
+    root, latest = Path(folder), latest_checkpoint(folder)
+    folders = [p for p in root.glob("step_*")
+               if p.is_dir() and p != latest and not (p / "meta.json").exists()]
+    files = [p for p in [*root.glob("*.tmp"), *root.glob("step_*/*.tmp")] if p.parent not in folders]
+    unfinished = folders + files
+    for path in unfinished:
+        try:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        except OSError as error:  # e.g. immutable (chattr +i)
+            raise CheckpointError(f"checkpoint folder {folder}: {path.relative_to(root)}, left by an "
+                                  f"interrupted save, cannot be removed ({os_error(error)}): remove it, or "
+                                  f"choose another folder") from None
+    return sorted(str(p.relative_to(root)) for p in unfinished)
+
+
+def first_problem(problem: str | None, group: dist.ProcessGroup | None = None) -> str | None:
+    """The lowest rank's problem (None: no rank has one), on every rank: they all stop, or none."""
+    problems = foundation.all_ranks(problem, group) if dist.is_initialized() else [problem]
+    return next((p for p in problems if p is not None), None)
+
+
+def claim_folder(folder: str | os.PathLike) -> IO | None:
+    """A run's start (on every rank, or in one process before a launch): rank 0 locks folder (held while
+    the returned file stays open, or until its process ends) and removes what a killed save left, saying
+    so. A problem stops every rank with the same CheckpointError (the ranks agree by a collective)."""
+    lock = problem = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            lock = lock_checkpoints(folder)
+            if unfinished := remove_unfinished_saves(folder):
+                print(f"removed what an interrupted save left in {folder}: {', '.join(unfinished)}")
+        except CheckpointError as error:
+            problem = str(error)
+            if lock is not None:
+                lock.close()
+    if (problem := first_problem(problem)) is not None:
+        raise CheckpointError(problem)
+    return lock
+
+
+# --- slice reads: each rank reads only the saved runs that overlap what it holds ------------------
+
+
+class CheckpointReader:
+    """A checked checkpoint's rank files, memory-mapped: read(piece) copies out only the runs the piece
+    shares with the saved ones (the rest of the files: their runs and RNG states); bytes_read counts it."""
+
+    def __init__(self, target: Path, meta: dict) -> None:
+        self.saved: dict[str, list[tuple[tuple[int, ...], torch.Tensor, dict[str, torch.Tensor]]]] = {}
+        self.rng = []  # by saved rank
+        for name in meta["files"]:
+            file = torch.load(target / name, mmap=True, weights_only=True)
+            self.rng.append(file["rng"])
+            for piece_name, shape, pairs, data in file["pieces"]:
+                first, length = torch.tensor(pairs).T
+                runs = torch.stack([first, length.cumsum(0) - length, length], 1)  # packed: offsets add up
+                self.saved.setdefault(piece_name, []).append((tuple(shape), runs, data))
+        self.bytes_read = 0
+
+    def read(self, piece: Piece, kinds: tuple[str, ...] = CHECKPOINT_KINDS) -> dict[str, torch.Tensor]:
+        """piece's values of each kind; padding holds zeros."""
+        out = {kind: torch.zeros(piece.size) for kind in kinds}
+        covered = 0
+        for shape, runs, data in self.saved.get(piece.name, ()):
+            if shape != tuple(piece.shape):
+                raise ValueError(f"{piece.name} was saved with shape {shape}, not {tuple(piece.shape)}")
+            for to, at, n in overlaps(piece.runs, runs).tolist():
+                for kind in kinds:
+                    out[kind][to:to + n] = data[kind][at:at + n]
+                covered += n
+        if covered != piece.elements():
+            raise ValueError(f"the saved pieces do not cover every element of {piece.name} exactly once")
+        self.bytes_read += covered * 4 * len(kinds)
+        return out
+
+
+def load_model(model: nn.Module, folder: str | os.PathLike) -> dict:
+    """The last checkpoint's parameters into one device's whole model: its metadata and bytes read."""
+    target, meta = open_checkpoint(folder, model.cfg)
+    reader = CheckpointReader(target, meta)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(reader.read(Piece.whole(name, param.shape), ("params",))["params"].view(param.shape))
+    return {**meta, "bytes_read": reader.bytes_read}
+
+
+# --- ZeRO's shards as pieces ----------------------------------------------------------------------
+
+
+def whole_tensor(unit: FlatUnit, i: int) -> Piece:
+    return Piece.whole(unit.names[i], unit.shapes[i])
+
+
+PieceOf = Callable[[FlatUnit, int], Piece]  # parameter i of a unit as this rank holds it before ZeRO
+
+
+def shard_pieces(unit: FlatUnit, piece_of: PieceOf = whole_tensor) -> Iterator[tuple[int, Piece, slice]]:
+    """(i, piece, where its values lie in this rank's shard) for each parameter i with elements in the
+    shard. piece_of: the parameter before ZeRO flattens it (here the whole tensor; lesson 09: a rank's
+    tensor- or expert-parallel slice of the reference model's), narrowed to the shard's elements."""
+    for i, start, stop in shard_parts(unit):
+        at = unit.offsets[i] + start - unit.owned.start
+        yield i, piece_of(unit, i).narrow(start, stop), slice(at, at + stop - start)
+
+
+def zero_pieces(optimizer: ZeRO, piece_of: PieceOf = whole_tensor,
+                writes: Callable[[nn.Parameter], bool] = lambda p: True
+                ) -> list[tuple[Piece, dict[str, torch.Tensor]]]:
+    """The pieces this rank writes of a ZeRO, with their values of each kind: its shard's of the
+    parameters `writes` accepts (stage 0: the group's rank 0 writes all; lesson 09: tp rank 0 those
+    replicated over tp), and the frozen parameters (whole on every rank, no moments) by rank 0."""
+    first, out = dist.get_rank(optimizer.group) == 0, []
+    for unit in optimizer.units if optimizer.stage > 0 or first else ():
+        state = optimizer.shard_state(unit)
+        out += [(piece, {k: v[at].detach().float().cpu() for k, v in state.items()})
+                for i, piece, at in shard_pieces(unit, piece_of) if writes(unit.params[i])]
+    return out + [(Piece.whole(n, p.shape), {"params": p.detach().float().cpu().flatten()})
+                  for n, p in optimizer.frozen if first]
+
+
+@torch.no_grad()
+def read_shards(optimizer: ZeRO, reader: CheckpointReader, piece_of: PieceOf = whole_tensor) -> list[dict]:
+    """A ZeRO's shards for its load_shards, reading only the saved runs that overlap them (no whole
+    tensor is built); frozen parameters are copied in as read. No collective: see load_checkpoint."""
+    shards = []
+    for unit in optimizer.units:
+        values = {k: torch.zeros(unit.owned.stop - unit.owned.start) for k in CHECKPOINT_KINDS}  # padding: 0
+        for _, piece, at in shard_pieces(unit, piece_of):
+            for k, v in reader.read(piece).items():
+                values[k][at] = v
+        shards.append(values)
+    for name, p in optimizer.frozen:
+        p.copy_(reader.read(Piece.whole(name, p.shape), ("params",))["params"].view(p.shape))
+    return shards
+
+
+def load_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | None,
+                    zeros: list[tuple[ZeRO, PieceOf]], step: int | None = None,
+                    resume_command: Callable[[int], str] | None = None,
+                    group: dist.ProcessGroup | None = None) -> tuple[Path, dict, CheckpointReader]:
+    """On every rank of group: each ZeRO (with its piece_of) loads its shards from the checkpoint of
+    `step` (None: LATEST's), saved on any group size and stage. A problem any rank finds (a damaged file,
+    a piece missing, a file that cannot be read) stops every rank with the same CheckpointError, before
+    any rank has loaded anything. Returns the checkpoint's folder, metadata and reader (bytes_read, rng)."""
+    rank, world, problem = dist.get_rank(group), dist.get_world_size(group), None
+    try:
+        target, meta = open_checkpoint(folder, cfg, step, rank, world, resume_command=resume_command)
+    except (ValueError, OSError) as error:
+        problem = str(error)
+    if (problem := first_problem(problem, group)) is not None:
+        raise CheckpointError(problem)
+    try:  # e.g. pieces missing for one pipeline stage's parameters: only its ranks see it
+        reader = CheckpointReader(target, meta)
+        shards = [read_shards(optimizer, reader, piece_of) for optimizer, piece_of in zeros]
+    except (ValueError, OSError) as error:
+        problem = f"{target}: {error}"
+    if (problem := first_problem(problem, group)) is not None:
+        raise CheckpointError(problem)
+    for (optimizer, _), shard in zip(zeros, shards):
+        optimizer.load_shards(shard, meta["step"])
+    return target, meta, reader
+
+
+# ----------------------------------------------------------------------------------------------
+# RUN IT: the demo, the benchmark, the command line
 # ----------------------------------------------------------------------------------------------
 
 
@@ -628,23 +1078,60 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
           "traffic stays DDP's until ZeRO-3 adds a second all-gather (1.5 x DDP).")
 
 
+def print_checkpoint(cfg: foundation.ModelConfig, folder: str, saved: dict, reports: list,
+                     world: int) -> None:
+    """What ZeRO-1 on half the ranks (reports: bytes read, its shard's bytes, equal) and one device's
+    model read of the checkpoint that ZeRO-3 on every rank saved (the state `saved`)."""
+    target, one = latest_checkpoint(folder), foundation.GPT(cfg)
+    one_read = load_model(one, folder)["bytes_read"]
+    one_same = all(torch.equal(p, saved["params"][n]) for n, p in one.named_parameters())
+    psi, half = sum(p.numel() for p in one.parameters()), len(reports)
+    print(f"\nA sharded checkpoint: ZeRO-3 on {world} ranks saved step {saved['step']} as {world} rank files "
+          f"+ meta.json: {disk_bytes(target, psi)}.\nZeRO-1 on {half} rank{'s' * (half > 1)} loads it; bytes "
+          f"each rank read (memory-mapped) | its shard, (params + 2 moments) x 4 B x its elements:")
+    for r, (read, shard, same) in enumerate(reports):
+        print(f"  rank {r}: {read:,} | {shard:,} {'equal' if read == shard else 'DIFFERENT'}; the state "
+              f"{'equals' if same else 'DIFFERS from'} the saved one bit for bit")
+    print(f"One device's GPT loads the parameters alone, bytes read | 4 B x {psi:,} parameters: "
+          f"{one_read:,} | {4 * psi:,}; the parameters {'equal' if one_same else 'DIFFER from'} the saved "
+          f"ones bit for bit.")
+    print("Notice: the checkpoint is the same bytes whatever the group that wrote it; each reader reads its "
+          "shard, not the whole.")
+
+
 # Module sizes (8,250 embedding, 66 norm weights) not divisible by 4: the padding shows.
 DEMO_MODEL = dict(vocab_size=125, dim=66, n_heads=3, ffn_dim=177)
 
 
 def demo(args: argparse.Namespace) -> None:
+    """Every stage, fp32 and mixed precision, beside one device; the fp32 ZeRO-3 run saves its last
+    step, which ZeRO-1 on half the ranks and one device's model load, each reading what it holds."""
     device = foundation.init_distributed()
-    cfg = foundation.ModelConfig(**DEMO_MODEL)
+    rank, world, cfg = dist.get_rank(), dist.get_world_size(), foundation.ModelConfig(**DEMO_MODEL)
     shape = (cfg, args.steps, args.global_batch, args.seq_len)
     kwargs = dict(max_grad_norm=args.max_grad_norm, device=device)
-    runs = {(mixed, stage): train_zero(*shape, stage=stage, mixed_precision=mixed, **kwargs)
+    folder = foundation.all_ranks(tempfile.mkdtemp(prefix="02_zero.") if rank == 0 else None)[0]  # one host
+    runs = {(mixed, stage): train_zero(*shape, stage=stage, mixed_precision=mixed, **kwargs,
+                                       folder=folder if (mixed, stage) == (False, 3) else None)
             for mixed in (False, True) for stage in STAGES}
-    if dist.get_rank() == 0:
+    saved, half = runs[False, 3][0].state, max(1, world // 2)
+    group, report = dist.new_group(list(range(half))), None
+    if rank < half:
+        smaller = ZeRO(foundation.GPT(cfg).to(device), 1, group)
+        _, _, reader = load_checkpoint(folder, cfg, [(smaller, whole_tensor)], group=group)
+        loaded = smaller.full_state_dict()
+        same = all(torch.equal(loaded[k][n], saved[k][n]) for k in CHECKPOINT_KINDS for n in saved[k])
+        elements = sum(stop - start for unit in smaller.units for _, start, stop in shard_parts(unit))
+        report = (reader.bytes_read, 4 * len(CHECKPOINT_KINDS) * elements, same)
+    reports = foundation.all_ranks(report, dst=0)
+    if rank == 0:
         references = {mixed: foundation.train_single_device(*shape, mixed_precision=mixed, **kwargs)
                       for mixed in (False, True)}
-        print(f"ZeRO on {dist.get_world_size()} ranks ({dist.get_backend()}, {device.type}); global "
-              f"batch {args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")
-        print_tables(runs, references, dist.get_world_size(), args.steps)
+        print(f"ZeRO on {world} ranks ({dist.get_backend()}, {device.type}); global batch "
+              f"{args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")
+        print_tables(runs, references, world, args.steps)
+        print_checkpoint(cfg, folder, saved, reports[:half], world)
+        shutil.rmtree(folder)
     foundation.exit_distributed()
 
 
@@ -683,27 +1170,26 @@ def bench(args: argparse.Namespace) -> None:
     if rank == 0:
         print(f"ZeRO-3 vs FSDP2 fully_shard on {world} ranks ({dist.get_backend()}, {device.type}), "
               f"{n_params / 1e6:.1f}M parameters, fp32, clipping, median of "
-              f"{args.bench_steps * (args.bench_rounds - 1)} steps:")
-        for name, t in med.items():
-            print(f"  {name:<8} {t * 1e3:8.1f} ms per step")
-        print(f"  step time ratio ZeRO-3 / FSDP2 = {med['ZeRO-3'] / med['FSDP2']:.3f}\n  bytes held per "
-              f"rank after a step: ZeRO-3 {ours:,}, FSDP2 {theirs:,}, ratio {ours / theirs:.3f}")
+              f"{args.bench_steps * (args.bench_rounds - 1)} steps:\n  {foundation.ratio_line(med)}\n"
+              f"  bytes held per rank after a step: ZeRO-3 {ours:,}, FSDP2 {theirs:,}, ratio "
+              f"{ours / theirs:.3f}")
     foundation.exit_distributed()
 
 
+@dataclass
+class Options:
+    steps: int = foundation.option(5, "AdamW steps of every stage and of the reference", ">= 1")
+    global_batch: int = foundation.option(16, "sequences per step, split over the ranks", ">= 1")
+    seq_len: int = foundation.option(32, "tokens per sequence", ">= 1")
+    max_grad_norm: float = foundation.option(1.0, "clip the global gradient norm to this (inf: no clipping)",
+                                             "> 0")
+    bench: bool = foundation.option(False, "ZeRO-3 against FSDP2 fully_shard")
+
+
 def main() -> None:
-    parser = foundation.lesson_parser(__doc__, bench_help="ZeRO-3 against FSDP2 fully_shard")
-    for option, default, what in (
-            ("--steps", 5, "AdamW steps of every stage and of the reference"),
-            ("--global-batch", 16, "sequences per step, split over the ranks"),
-            ("--seq-len", 32, "tokens per sequence"),
-            ("--max-grad-norm", 1.0, "clip the global gradient norm to this (inf: no clipping)")):
-        parser.add_argument(option, type=type(default), default=default, help=what)
-    args = parser.parse_args()
+    parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks, foundation.BenchRounds))
 
     def validate(world: int) -> None:
-        if not args.max_grad_norm > 0:
-            raise ValueError(f"--max-grad-norm {args.max_grad_norm} must be > 0")
         if not args.bench:
             if args.global_batch % world:
                 raise ValueError(f"global_batch={args.global_batch} is not divisible by the group size "
@@ -712,8 +1198,7 @@ def main() -> None:
                                     foundation.ModelConfig(**DEMO_MODEL), args.global_batch, args.seq_len,
                                     world)
 
-    foundation.launch_lesson(parser, args, bench if args.bench else demo,
-                             ("steps", "global_batch", "seq_len"), validate)
+    foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ parts, in order:
   The composed model and its step: build_stage_model; Trainer (forward_backward, update)         check, train
   The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it)      all
   Data, learning rate, MFU, sampling: ShardedLoader (bytes are tokens), flops_per_token, sample  train
-  Checkpoints: a Trainer's pieces (piece_of) in the protocol of 02_zero_checkpoints.py           train, check
+  Checkpoints: a Trainer's pieces (piece_of) in lesson 02's checkpoint protocol                  train, check
   The training run: MODELS, RunConfig, train_loop                                                train
   RUN IT: train_run and its printing; check's demo                                               train, check
   Planning at scale: PRESETS, Cluster, step_time (a step's seconds), search_meshes, plan_report   plan
@@ -113,7 +113,6 @@ from tqdm import tqdm
 
 foundation = importlib.import_module("01_ddp")
 zero = importlib.import_module("02_zero")
-checkpoints = importlib.import_module("02_zero_checkpoints")
 tensor_parallel = importlib.import_module("03_tensor_parallel")
 pipeline = importlib.import_module("04_pipeline")
 context_parallel = importlib.import_module("05_context_parallel")
@@ -286,7 +285,7 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
 
 
 def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim: int | None = None,
-               tp_start: int = 0, tp_length: int = 0, ep_start: int | None = None) -> checkpoints.Piece:
+               tp_start: int = 0, tp_length: int = 0, ep_start: int | None = None) -> zero.Piece:
     """The elements of the reference parameter `name` (global `shape`) that one rank's tensor of shape
     `local` holds, as lesson 02's piece: its TP slice (tp_length real elements from tp_start along
     tp_dim, padded to local's length) and, an expert tensor, the experts from ep_start (dim 0). A row
@@ -295,7 +294,7 @@ def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim
     element's index would cost every element."""
     dim = tp_dim if tp_dim is not None else (0 if ep_start is not None else None)
     if dim is None:  # held whole (replicated over tp, not an expert): one run
-        return checkpoints.whole_piece(name, shape)
+        return zero.Piece.whole(name, shape)
     inner = math.prod(shape[dim + 1:])
     start, real = (tp_start, tp_length) if tp_dim is not None else (0, local[0])
     rows = torch.arange(math.prod(shape[:dim])).view(shape[:dim])
@@ -310,11 +309,10 @@ def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim
     starts = torch.cat([torch.tensor([True]), (runs[1:, :2] != runs[:-1, :2] + runs[:-1, 2:]).any(1)])
     lengths = torch.zeros(int(starts.sum()), dtype=runs.dtype).index_add_(0, starts.cumsum(0) - 1,
                                                                           runs[:, 2])
-    return checkpoints.Piece(name, shape, torch.cat([runs[starts, :2], lengths[:, None]], 1),
-                             math.prod(local))
+    return zero.Piece(name, shape, torch.cat([runs[starts, :2], lengths[:, None]], 1), math.prod(local))
 
 
-def assemble(pieces: list[tuple["checkpoints.Piece", torch.Tensor]]) -> dict:
+def assemble(pieces: list[tuple["zero.Piece", torch.Tensor]]) -> dict:
     """Whole parameters (or gradients, moments) by reference name from every rank's (piece, values);
     an element no piece holds stays NaN."""
     full = {}
@@ -815,13 +813,13 @@ def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8
 # --- Checkpoints: a Trainer's pieces in lesson 02's protocol (each element once, a resume reads its slices)
 
 
-def piece_of(trainer: Trainer, kind: str) -> "checkpoints.PieceOf":
+def piece_of(trainer: Trainer, kind: str) -> "zero.PieceOf":
     """Lesson 02's piece_of for the trainer's ZeROs of this kind: a parameter of a unit as this rank
     holds it, its TP slice (03's tp_shard_dim) and, in the experts' ZeRO ("ep_dp"), its ep rank's experts."""
     tp_rank, ep = trainer.mesh.coords["tp"], trainer.mesh.sizes.ep if kind == "ep_dp" else 1
     ep_rank = dist.get_rank(trainer.mesh.groups["ep"])
 
-    def held(unit: zero.FlatUnit, i: int) -> checkpoints.Piece:
+    def held(unit: zero.FlatUnit, i: int) -> zero.Piece:
         p, local = unit.params[i], tuple(unit.shapes[i])
         full, dim, tp_start, length = list(local), getattr(p, "tp_shard_dim", None), 0, 0
         if dim is not None:
@@ -833,7 +831,7 @@ def piece_of(trainer: Trainer, kind: str) -> "checkpoints.PieceOf":
     return held
 
 
-def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[checkpoints.Piece, torch.Tensor]]:
+def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[zero.Piece, torch.Tensor]]:
     """(piece, CPU values) of the trainer's shards: "params" (fp32 masters), an AdamW moment, or
     "grads" (averaged, before clipping: between forward_backward and update)."""
     out = []
@@ -841,15 +839,15 @@ def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[checkpoin
         for unit in part.zero.units:
             source = unit.grad_shard if kind == "grads" else part.zero.shard_state(unit)[kind]
             out += [(piece, source[at].detach().float().cpu().clone())
-                    for _, piece, at in checkpoints.shard_pieces(unit, piece_of(trainer, part.kind))]
+                    for _, piece, at in zero.shard_pieces(unit, piece_of(trainer, part.kind))]
     return out
 
 
-def checkpoint_pieces(trainer: Trainer) -> list[tuple[checkpoints.Piece, dict[str, torch.Tensor]]]:
+def checkpoint_pieces(trainer: Trainer) -> list[tuple[zero.Piece, dict[str, torch.Tensor]]]:
     """The pieces this rank writes, so that each element is written once across the mesh: 02's rule
     for each ZeRO (zero_pieces), and a parameter replicated over tp by tp rank 0 alone."""
     first_tp = trainer.mesh.coords["tp"] == 0
-    return [pair for part in trainer.zeros for pair in checkpoints.zero_pieces(
+    return [pair for part in trainer.zeros for pair in zero.zero_pieces(
         part.zero, piece_of(trainer, part.kind), lambda p: hasattr(p, "tp_shard_dim") or first_tp)]
 
 
@@ -905,12 +903,12 @@ class RunConfig:
 
 @torch.no_grad()
 def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Path, dict, int]:
-    """Restore the parameters and AdamW (02's load_zeros: from any mesh or ZeRO stage, each rank reading
-    its slices), the data position and this rank's RNG (no dropout here draws from it: restored for a
-    model that does); return the checkpoint's folder, its metadata and the bytes this rank read."""
-    target, meta, reader = checkpoints.load_zeros(
-        run.folder, checkpoints.checkpoint_config(trainer.cfg), run.resume_step,
-        [(part.zero, piece_of(trainer, part.kind)) for part in trainer.zeros], resume_command)
+    """Restore the parameters and AdamW (02's load_checkpoint: from any mesh or ZeRO stage, each rank
+    reading its slices), the data position and this rank's RNG (no dropout here draws from it: restored
+    for a model that does); return the checkpoint's folder, its metadata and the bytes this rank read."""
+    target, meta, reader = zero.load_checkpoint(
+        run.folder, trainer.cfg, [(part.zero, piece_of(trainer, part.kind)) for part in trainer.zeros],
+        run.resume_step, resume_command)
     trainer.steps = meta["step"]
     loader.load_state_dict(meta["loader"])
     if (rank := trainer.mesh.rank) < meta["world"]:
@@ -944,7 +942,7 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         start = meta["step"]
         kept.append(start)
         elements = sum(piece.elements() for piece, _ in shard_values(trainer))
-        report = checkpoints.all_ranks((out["read"], 4 * len(zero.CHECKPOINT_KINDS) * elements))
+        report = foundation.all_ranks((out["read"], 4 * len(zero.CHECKPOINT_KINDS) * elements))
         again = validation() if meta.get("val") is not None and start < run.steps else None
         if rank == 0:
             print(f"resumed from {target}: steps {start} to {run.steps}. Bytes each rank read from it "
@@ -1011,15 +1009,13 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         if save:
             pieces = checkpoint_pieces(trainer)
             finite = all(t.isfinite().all() for _, data in pieces for t in data.values())
-            if not all(checkpoints.all_ranks(finite)):  # a checkpoint never holds a NaN or an inf
+            if not all(foundation.all_ranks(finite)):  # a checkpoint never holds a NaN or an inf
                 raise FloatingPointError(f"step {step}'s update left parameters or AdamW moments that are "
                                          f"not finite: step_{done:08d} is not written, {last_good()}")
             meta = {"loader": loader.state_dict(), "mesh": dataclasses.asdict(sizes),
                     "val": out["val"].get(done)}  # what a resume compares its validation with
             keep = kept[-(run.keep - 1):] if run.keep > 1 else ()
-            out["saved"] = checkpoints.save_checkpoint(
-                run.folder, done, pieces, meta, checkpoints.checkpoint_config(trainer.cfg), rank, sizes.world,
-                checkpoints.all_ranks, keep)
+            out["saved"] = zero.save_checkpoint(run.folder, done, pieces, trainer.cfg, meta, keep)
             kept.append(done)
     return out
 
@@ -1048,8 +1044,8 @@ def train_run(args: argparse.Namespace) -> None:
     cfg = dataclasses.replace(build_model_config(args), seed=args.seed)
     sizes, train, run = mesh_sizes(args), train_config(args, device), run_config(args)
     try:  # rank 0 holds the folder's lock until lock.close()
-        lock = checkpoints.claim_folder(run.folder) if run.folder is not None else None
-    except checkpoints.CheckpointError as error:
+        lock = zero.claim_folder(run.folder) if run.folder is not None else None
+    except zero.CheckpointError as error:
         foundation.exit_distributed(str(error))
     train_tokens, val_tokens = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
     trainer = Trainer(cfg, build_mesh(sizes), train, device)  # the launcher validated every rank
@@ -1082,7 +1078,7 @@ def train_run(args: argparse.Namespace) -> None:
 
     try:
         result, failed = train_loop(trainer, loader, val_tokens, run, progress), None
-    except (checkpoints.CheckpointError, FloatingPointError) as error:  # every rank finds it: one line each
+    except (zero.CheckpointError, FloatingPointError) as error:  # every rank finds it: one line each
         failed = error
     for bar in bars:
         bar.close()
@@ -1096,10 +1092,10 @@ def train_run(args: argparse.Namespace) -> None:
         if result["saved"] is not None:  # the parameters: plan's one layer (tp = ep = 1: whole) x layers
             n = sum(math.prod(shape) * (cfg.n_layers if name.startswith("layers.") else 1)
                     for name, shape in local_shapes(cfg, 1, train.moe, 1).items())
-            print(f"checkpoint {result['saved']}: {checkpoints.disk_bytes(result['saved'], n)}")
+            print(f"checkpoint {result['saved']}: {zero.disk_bytes(result['saved'], n)}")
         if run.folder is not None and run.sample_bytes:
             model = (reference_transform(train) or (lambda m: m))(foundation.GPT(cfg)).to(device)  # MoE
-            checkpoints.load_model(model, run.folder)
+            zero.load_model(model, run.folder)
             prompt = run.prompt.encode() if run.prompt is not None else text_prompt(val_tokens)
             new = sample(model, prompt, run.sample_bytes, run.temperature, run.top_k, run.seed)
             print(f"Sample from the checkpoint (a one-device lesson-01 GPT; temperature {run.temperature:g}, "
@@ -1672,14 +1668,13 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
     if args.resume and args.folder is None:
         raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")
     if args.folder is not None and "RANK" not in os.environ:  # under torchrun, rank 0 locks (train_run)
-        checkpoints.lock_checkpoints(args.folder).close()  # a file, unwritable, held by another run: refused
+        zero.claim_folder(args.folder).close()  # refused: a file, unwritable, held by another run
     if args.resume:  # damaged, another model, other data: refused before any rank starts
-        _, meta = checkpoints.open_checkpoint(args.folder, checkpoints.checkpoint_config(cfg),
-                                              run_config(args).resume_step, checksums=False,
-                                              resume_command=resume_command)  # the ranks hash
+        _, meta = zero.open_checkpoint(args.folder, cfg, run_config(args).resume_step, checksums=False,
+                                       resume_command=resume_command)  # the ranks hash
         ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=args.seed).load_state_dict(
             meta["loader"])
-    elif args.folder is not None and (earlier := checkpoints.latest_checkpoint(args.folder)) and (
+    elif args.folder is not None and (earlier := zero.latest_checkpoint(args.folder)) and (
             os.environ.get("RANK", "0") == "0"):  # under torchrun every rank checks, rank 0 says so
         print(f"note: {earlier} is from an earlier run; this run replaces it at its first save "
               f"(--resume continues it instead)")

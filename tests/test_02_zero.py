@@ -20,10 +20,20 @@ gradients are rounded after differently ordered sums; see test_mixed_precision_e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import importlib
+import itertools
 import math
+import os
 import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,12 +41,11 @@ import torch.distributed as dist
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from conftest import run_script
+from conftest import ROOT, run_script
 from test_01_ddp import model_configs
 
 foundation = importlib.import_module("01_ddp")
 zero = importlib.import_module("02_zero")
-checkpoints = importlib.import_module("02_zero_checkpoints")
 
 LOSS_ATOL, GRAD_ATOL, GRAD_RTOL, PARAM_ATOL, ADAM_EPS = 1e-5, 1e-6, 1e-4, 1e-5, 1e-6
 SQ_ATOL, SQ_RTOL, NORM_RTOL = 1e-10, 1e-3, 1e-5
@@ -74,8 +83,10 @@ def test_zero_equals_single_device(rank_pool, cfg, world, stage, per_rank, seq_l
                                    prefetch, resume_after):
     steps, global_batch = 3, world * per_rank
     kwargs = dict(adam_eps=ADAM_EPS, max_grad_norm=max_grad_norm)
-    runs = rank_pool.run(world, zero.train_zero, cfg, steps, global_batch, seq_len, stage=stage,
-                         prefetch=prefetch, resume_after=resume_after, **kwargs)
+    with tempfile.TemporaryDirectory() as folder:  # resume_after: saved there, loaded by a fresh ZeRO
+        runs = rank_pool.run(world, zero.train_zero, cfg, steps, global_batch, seq_len, stage=stage,
+                             prefetch=prefetch, resume_after=resume_after,
+                             folder=folder if resume_after else None, **kwargs)
     reference = foundation.train_single_device(cfg, steps, global_batch, seq_len, **kwargs)
     assert_matches_reference(runs[0][0], reference)
     for rank, (result, _) in enumerate(runs[1:], start=1):
@@ -141,32 +152,6 @@ def test_uneven_sizes_clipping_and_traffic_ratios(rank_pool):
         assert traffic == expected * ddp_traffic
 
 
-def load_then_gather(cfg, stage, state):
-    model = foundation.GPT(cfg)
-    optimizer = zero.ZeRO(model, stage)
-    optimizer.load_full_state_dict(state)
-    with torch.no_grad():
-        tokens, _ = foundation.synthetic_batch(cfg, 1, 5, 0)
-        logits = model(tokens)  # the compute parameters were refreshed too (stage 3: gathered)
-    return optimizer.full_state_dict(), logits
-
-
-def test_a_checkpoint_moves_between_stages_and_group_sizes(rank_pool):
-    cfg = foundation.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=3)
-    saved = rank_pool.run(2, zero.train_zero, cfg, 2, 4, 5, stage=3)[0][0].state
-    reference = foundation.GPT(cfg)
-    reference.load_state_dict(saved["params"])
-    with torch.no_grad():
-        expected_logits = reference(foundation.synthetic_batch(cfg, 1, 5, 0)[0])
-    for world, stage in ((3, 1), (1, 0), (3, 3)):
-        for state, logits in rank_pool.run(world, load_then_gather, cfg, stage, saved):
-            assert state["step"] == saved["step"] == 2
-            for key in ("params", "exp_avg", "exp_avg_sq"):
-                assert state[key].keys() == saved[key].keys()
-                assert all(torch.equal(state[key][n], saved[key][n]) for n in saved[key]), (key, world)
-            torch.testing.assert_close(logits, expected_logits, atol=1e-6, rtol=0)
-
-
 # --- models that are not the reference GPT: what FSDP2 supports, ZeRO supports -----------------
 
 def tie_embedding(model):
@@ -194,15 +179,16 @@ def freeze_some(model):
 
 @pytest.mark.parametrize("stage", zero.STAGES)
 @pytest.mark.parametrize("transform", [tie_embedding, add_logit_scale, freeze_some])
-def test_tied_root_and_frozen_parameters_train_as_on_one_device(rank_pool, transform, stage):
+def test_tied_root_and_frozen_parameters_train_as_on_one_device(rank_pool, tmp_path, transform, stage):
     """Before: a tied weight was flattened twice (a stale checkpoint entry at stages 0-1, a crash at
     2-3), a parameter on the model itself was never updated nor saved, a frozen one was refused.
-    Now each trainable parameter has one flat slot, one gradient and one checkpoint entry (resumed
-    from after step 1), frozen ones are neither updated nor synchronised; memory counts each once."""
+    Now each trainable parameter has one flat slot, one gradient and one checkpoint entry (saved
+    after step 1 and loaded by a fresh ZeRO), frozen ones are neither updated nor synchronised;
+    memory counts each once."""
     cfg = foundation.ModelConfig(vocab_size=37, dim=12, n_heads=2, ffn_dim=14, seed=5)
     world, steps, kwargs = 3, 3, dict(adam_eps=ADAM_EPS, max_grad_norm=1.0, transform=transform)
     runs = rank_pool.run(world, zero.train_zero, cfg, steps, world, 4, stage=stage, resume_after=1,
-                         **kwargs)
+                         folder=str(tmp_path), **kwargs)
     reference = foundation.train_single_device(cfg, steps, world, 4, **kwargs)
     result = runs[0][0]
     assert_matches_reference(result, reference)
@@ -222,18 +208,20 @@ def test_tied_root_and_frozen_parameters_train_as_on_one_device(rank_pool, trans
         assert other.held == expected
 
 
-def load_misshapen(cfg, stage, name, misshape):
-    """Load a full state whose entry `name` was replaced; return the error and whether this rank's
-    state is still the one before."""
+def load_misshapen(cfg, stage, name, misshape, folder):
+    """Save this ZeRO's checkpoint with the pieces of `name` replaced by misshape's, then load it;
+    return the error and whether this rank's state is still the one before."""
     model = foundation.GPT(cfg)
     optimizer = zero.ZeRO(model, stage)
     model(*foundation.synthetic_batch(cfg, dist.get_world_size(), 4, 0, dist.get_rank(),
                                       dist.get_world_size())).backward()
     optimizer.step()
     before = optimizer.full_state_dict()
-    state = {**before, "params": {**before["params"], name: misshape(before["params"][name])}}
+    pieces = [misshape(piece, values) if piece.name == name else (piece, values)
+              for piece, values in zero.zero_pieces(optimizer)]
+    zero.save_checkpoint(folder, 1, pieces, cfg)
     try:
-        optimizer.load_full_state_dict(state)
+        zero.load_checkpoint(folder, cfg, [(optimizer, zero.whole_tensor)])
         error = "no error"
     except ValueError as exc:
         error = str(exc)
@@ -242,26 +230,29 @@ def load_misshapen(cfg, stage, name, misshape):
                       for n in before[k])
 
 
-def a_scalar(t):
-    return torch.tensor(0.5)
+def a_scalar(piece, values):
+    return zero.Piece.whole(piece.name, ()), {kind: v[:1] for kind, v in values.items()}
 
 
-def transposed(t):
-    return t.t().contiguous()
+def transposed(piece, values):
+    return dataclasses.replace(piece, shape=piece.shape[::-1]), values
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("misshape", [a_scalar, transposed])
-def test_load_full_state_dict_refuses_another_shape_before_changing_anything(rank_pool, misshape, stage):
-    """Before: a scalar was broadcast over the whole weight, a transposed copy reshaped into it."""
+def test_a_checkpoint_of_another_shape_is_refused_before_changing_anything(rank_pool, tmp_path, misshape,
+                                                                           stage):
+    """Once (a full state dict's load): a scalar was broadcast over the whole weight, a transposed
+    copy reshaped into it. The checkpoint's load refuses both on every rank, before any rank loads."""
     cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
     name = "layers.0.mlp.up_proj.weight"  # (20, 12): its transpose has another shape
-    for error, unchanged in rank_pool.run(2, load_misshapen, cfg, stage, name, misshape):
-        assert f"params['{name}'] has shape" in error and "the parameter has shape (20, 12)" in error, error
+    shape = "()" if misshape is a_scalar else "(12, 20)"
+    for error, unchanged in rank_pool.run(2, load_misshapen, cfg, stage, name, misshape, str(tmp_path)):
+        assert f"{name} was saved with shape {shape}, not (20, 12)" in error, error
         assert unchanged
 
 
-def tied_state_into_torch(cfg, stage):
+def tied_state_into_torch(cfg, stage, folder):
     """The full state of a ZeRO over a tied model, loaded strictly into a tied torch model."""
     model = tie_embedding(foundation.GPT(cfg))
     optimizer = zero.ZeRO(model, stage)
@@ -271,16 +262,18 @@ def tied_state_into_torch(cfg, stage):
     state = optimizer.full_state_dict()
     torch_model = tie_embedding(foundation.GPT(cfg))
     torch_model.load_state_dict(state["params"], strict=True)
-    optimizer.load_full_state_dict(state)  # and back: the second name is the same values
+    zero.save_checkpoint(folder, 1, zero.zero_pieces(optimizer), cfg)  # and back: one slot, both names
+    zero.load_checkpoint(folder, cfg, [(optimizer, zero.whole_tensor)])
     return state, torch_model.state_dict(), optimizer.full_state_dict()
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_a_tied_models_full_state_dict_is_torchs(rank_pool, stage):
+def test_a_tied_models_full_state_dict_is_torchs(rank_pool, tmp_path, stage):
     """Before: one entry, embed.weight, so a strict load_state_dict into a tied torch model reported
     lm_head.weight missing. Now both names, the same values, as torch's own state_dict()."""
     cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
-    for state, loaded, again in rank_pool.run(2, tied_state_into_torch, cfg, stage, timeout=600):
+    runs = rank_pool.run(2, tied_state_into_torch, cfg, stage, str(tmp_path), timeout=600)
+    for state, loaded, again in runs:
         assert state["params"].keys() == loaded.keys() and "lm_head.weight" in loaded
         assert all(torch.equal(state["params"][name], value) for name, value in loaded.items())
         assert torch.equal(state["params"]["lm_head.weight"], state["params"]["embed.weight"])
@@ -524,12 +517,465 @@ def test_the_steps_memory_traffic_counts_each_pass_of_this_zero(mixed_precision)
     assert zero.zero_step_bytes(psi, 1, 1, m, mixed_precision) == (full[1] + per_shard) * psi  # no send copy
 
 
+# --- sharded checkpoints: pieces, each element once, slice reads, integrity ----------------------
+
+def runs_of(mask: list[bool]) -> torch.Tensor:
+    """The held elements of mask as runs (first, offset in the packed values, length)."""
+    runs, packed = [], 0
+    for first, group in itertools.groupby(range(len(mask)), key=lambda g: mask[g]):
+        group = list(group)
+        if first:
+            runs.append([group[0], packed, len(group)])
+            packed += len(group)
+    return torch.tensor(runs, dtype=torch.int64).view(-1, 3)
+
+
+@given(a=st.lists(st.booleans(), min_size=1, max_size=40), b=st.lists(st.booleans(), min_size=1, max_size=40))
+def test_overlaps_are_the_elements_two_pieces_share(a, b):
+    """overlaps plans a read by binary searches: the same (offset in a, offset in b) pairs as
+    comparing every element."""
+    n = min(len(a), len(b))
+    a, b = a[:n], b[:n]
+    where_a = {g: i for i, g in enumerate(g for g in range(n) if a[g])}
+    where_b = {g: i for i, g in enumerate(g for g in range(n) if b[g])}
+    expected = [(where_a[g], where_b[g]) for g in range(n) if a[g] and b[g]]
+    shared = zero.overlaps(runs_of(a), runs_of(b)).tolist()
+    assert [(i + k, j + k) for i, j, length in shared for k in range(length)] == expected
+
+
+def save_one(folder, step: int, pieces: list, cfg=None, **kwargs) -> Path:
+    return zero.save_checkpoint(folder, step, [(piece, {"params": values}) for piece, values in pieces], cfg,
+                                **kwargs)
+
+
+def read_whole(folder, name: str, shape: tuple[int, ...], cfg=None) -> torch.Tensor:
+    reader = zero.CheckpointReader(*zero.open_checkpoint(folder, cfg))
+    return reader.read(zero.Piece.whole(name, shape), ("params",))["params"].view(shape)
+
+
+def test_another_model_configuration_and_uncovered_or_doubled_elements_are_refused(tmp_path):
+    cfg = foundation.ModelConfig(vocab_size=256, dim=16, n_heads=2, ffn_dim=32)
+    rows = zero.Piece.whole("w", (4, 3)).narrow(0, 6)  # rows 0-1 of 4
+    save_one(tmp_path, 1, [(rows, torch.ones(6))], cfg)
+    other = foundation.ModelConfig(vocab_size=256, dim=32, n_heads=2, ffn_dim=32, seed=5)
+    with pytest.raises(ValueError, match=r"another model configuration: dim=16 \(this model: 32\); refusing"):
+        zero.open_checkpoint(tmp_path, other)
+    with pytest.raises(ValueError, match="do not cover every element of w exactly once"):
+        read_whole(tmp_path, "w", (4, 3), cfg)
+    with pytest.raises(ValueError, match=r"w was saved with shape \(4, 3\), not \(3, 4\)"):
+        read_whole(tmp_path, "w", (3, 4), cfg)
+    save_one(tmp_path / "twice", 1, [(rows, torch.ones(6)), (zero.Piece.whole("w", (4, 3)), torch.ones(12))])
+    with pytest.raises(ValueError, match="do not cover every element of w exactly once"):
+        read_whole(tmp_path / "twice", "w", (4, 3))
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+        zero.open_checkpoint(tmp_path / "nothing")
+
+
+def test_a_fresh_run_saving_at_an_earlier_runs_step_replaces_it(tmp_path):
+    for value in (1.0, 7.0):  # two runs into one folder, each saving at step 200
+        save_one(tmp_path, 200, [(zero.Piece.whole("w", (6,)), torch.full((6,), value))])
+    assert torch.equal(read_whole(tmp_path, "w", (6,)), torch.full((6,), 7.0))
+
+
+def resume_with(step: int) -> str:
+    return f"train.py --resume {step}"
+
+
+def test_the_previous_complete_checkpoint_and_the_steps_left_without_latest_are_named(tmp_path):
+    """Three kept, the newest damaged: the advice names the one before it, not the oldest kept. LATEST
+    deleted while steps 3 and 6 are complete: the steps found, and the command that continues."""
+    three, piece = tmp_path / "three", zero.Piece.whole("w", (6,))
+    for step in (1, 2, 3):
+        save_one(three, step, [(piece, torch.full((6,), step))], keep=(1, 2))
+    size = (three / "step_00000003" / "rank00000.pt").stat().st_size
+    os.truncate(three / "step_00000003" / "rank00000.pt", 10)
+    with pytest.raises(zero.CheckpointError) as error:
+        zero.open_checkpoint(three, resume_command=resume_with)
+    assert str(error.value) == (
+        f"checkpoint step 3 ({three / 'step_00000003'}) cannot be used: rank00000.pt has 10 bytes where "
+        f"meta.json records {size:,}; the previous complete checkpoint is step 2 "
+        f"({three / 'step_00000002'}); resume from it: train.py --resume 2")
+    for step in (3, 6):
+        save_one(tmp_path / "six", step, [(piece, torch.full((6,), step))], keep=(3,))
+    (tmp_path / "six" / "LATEST").unlink()
+    (tmp_path / "six" / "step_00000009").mkdir()  # a save killed before its meta.json: not complete
+    with pytest.raises(zero.CheckpointError) as error:
+        zero.open_checkpoint(tmp_path / "six", resume_command=resume_with)
+    assert str(error.value) == (f"{tmp_path / 'six'} has no LATEST file (each save writes it last, naming "
+                                f"its step); the complete checkpoints there are steps 3, 6: resume from the "
+                                f"last: train.py --resume 6")
+
+
+KILLED_SAVE = """
+import importlib, os, signal, sys, torch
+zero = importlib.import_module("02_zero")
+folder, where = sys.argv[1:]
+kill = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+save = lambda step, exchange: zero.save_checkpoint(
+    folder, step, [(zero.Piece.whole("w", (1000,)), {"params": torch.full((1000,), float(step))})],
+    exchange=exchange)
+save(1, lambda x: [x])
+if where == "writing":
+    torch.save = lambda obj, f: (f.write(b"half a file"), kill())
+save(2, kill)  # "exchange": every rank file is written, meta.json and LATEST not yet
+"""
+
+
+@pytest.mark.parametrize("where", ["writing", "exchange"])
+def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, where):
+    """Nothing written half is picked up (a rank file is written aside and renamed, LATEST moves
+    last); the next run's remove_unfinished_saves deletes what the kill left."""
+    proc = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(tmp_path), where], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    partial = tmp_path / "step_00000002" / ("rank00000.pt.tmp" if where == "writing" else "rank00000.pt")
+    assert partial.exists(), "the process died inside the second save"
+    assert zero.open_checkpoint(tmp_path)[1]["step"] == 1
+    assert torch.equal(read_whole(tmp_path, "w", (1000,)), torch.ones(1000))
+    (tmp_path / "step_00000001" / "rank00003.pt.tmp").write_bytes(b"a kill inside an earlier save at step 1")
+    assert zero.remove_unfinished_saves(tmp_path) == ["step_00000001/rank00003.pt.tmp", "step_00000002"]
+    left = sorted(p.name for p in tmp_path.rglob("*"))
+    assert left == ["LATEST", "meta.json", "rank00000.pt", "step_00000001"]
+    assert torch.equal(read_whole(tmp_path, "w", (1000,)), torch.ones(1000))
+
+
+def failing_save(obj, f):
+    f.write(b"half a file")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+class FullDisk:
+    """A file whose disk fills after `room` bytes: the write that passes it raises ENOSPC. Given to
+    torch.save, whose zip writer then raises a RuntimeError ("unexpected pos") while handling it, as
+    on a full tmpfs."""
+
+    def __init__(self, file, room: int) -> None:
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        self.room -= len(data)
+        if self.room < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.file.write(data)
+
+
+def save_on_a_full_disk(room: int = 1000):
+    """torch.save as it runs when the disk fills after `room` bytes of a file."""
+    save = torch.save
+    return lambda obj, f: save(obj, FullDisk(f, room))
+
+
+@pytest.mark.parametrize("failure", ["a full disk", "a disk that fills inside torch.save",
+                                     "a file where the step's folder goes", "rank 1 fails",
+                                     "meta.json cannot be written", "LATEST cannot be replaced"])
+def test_a_save_that_fails_is_one_line_naming_the_folder_the_error_and_the_last_complete_step(
+        tmp_path, monkeypatch, failure):
+    """Before: a traceback from every rank; a disk that filled inside torch.save was its RuntimeError
+    and a traceback, and the step's folder stayed. Each rank's write and rank 0's meta.json and LATEST
+    are agreed on (exchange); every rank raises the same CheckpointError naming the OSError; nothing
+    partial is left (no .tmp, no step folder); LATEST still names step 1, which loads. meta.json's
+    write failing: LATEST, written after it, never named step 2."""
+    piece = zero.Piece.whole("w", (6,))
+    save_one(tmp_path, 1, [(piece, torch.ones(6))])
+    target, exchange = tmp_path / "step_00000002", None
+    if failure == "a full disk":
+        monkeypatch.setattr(torch, "save", failing_save)
+        error = "rank 0: OSError: [Errno 28] No space left on device"
+    elif failure == "a disk that fills inside torch.save":
+        monkeypatch.setattr(torch, "save", save_on_a_full_disk())
+        error = "rank 0: OSError: [Errno 28] No space left on device"
+    elif failure == "meta.json cannot be written":
+        (target / "meta.json.tmp").mkdir(parents=True)
+        error = f"rank 0: IsADirectoryError: [Errno 21] Is a directory: '{target / 'meta.json.tmp'}'"
+    elif failure == "a file where the step's folder goes":
+        target.write_text("")
+        error = f"rank 0: FileExistsError: [Errno 17] File exists: '{target}'"
+    elif failure == "rank 1 fails":  # rank 1's record, as all_ranks returns it
+        error = "rank 1: PermissionError: [Errno 13] Permission denied: 'x'"
+        exchange = lambda x: [x, ("rank00001.pt", 0, "", error.removeprefix("rank 1: "))]  # noqa: E731
+    else:
+        (tmp_path / "LATEST.tmp").mkdir()
+        error = f"rank 0: IsADirectoryError: [Errno 21] Is a directory: '{tmp_path / 'LATEST.tmp'}'"
+    with pytest.raises(zero.CheckpointError) as raised:
+        save_one(tmp_path, 2, [(piece, torch.full((6,), 2.0))], exchange=exchange)
+    assert str(raised.value) == (f"checkpoint step 2 could not be saved in {target} ({error}); the last "
+                                 f"complete checkpoint: step 1 ({tmp_path / 'step_00000001'})")
+    assert not [p for p in tmp_path.rglob("*.tmp") if p.is_file()], "a failed write leaves no part"
+    assert not target.is_dir(), "nothing partial is left"
+    assert zero.latest_checkpoint(tmp_path).name == "step_00000001"
+    assert torch.equal(read_whole(tmp_path, "w", (6,)), torch.ones(6))
+
+
+def test_a_folder_in_use_or_that_cannot_be_written_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Before: the folder lock's mkdir raised an 18-line PermissionError traceback, and a folder that
+    became read-only passed (its old LOCK file could still be opened). As root, chmod stops no
+    write: a folder under a regular file, and tempfile.mkstemp raising what it raises in a read-only
+    folder (a user other than root also meets the real one)."""
+    held = zero.lock_checkpoints(tmp_path / "run")
+    with pytest.raises(zero.CheckpointError, match=rf"checkpoint folder {tmp_path / 'run'} is in use by a "
+                                                    rf"running run \(pid {os.getpid()} on "):
+        zero.lock_checkpoints(tmp_path / "run")
+    held.close()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(zero.CheckpointError) as error:
+        zero.lock_checkpoints(tmp_path / "file" / "run")
+    under = tmp_path / "file" / "run"
+    assert str(error.value) == (f"checkpoint folder {under} cannot be written (NotADirectoryError: "
+                                f"[Errno 20] Not a directory: '{under}')")
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "run" / "tmpx.tmp"))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tempfile, "mkstemp", read_only)
+        with pytest.raises(zero.CheckpointError) as error:
+            zero.lock_checkpoints(tmp_path / "run")
+    assert str(error.value) == (f"checkpoint folder {tmp_path / 'run'} cannot be written (PermissionError: "
+                                f"[Errno 13] Permission denied: '{tmp_path / 'run' / 'tmpx.tmp'}')")
+    zero.lock_checkpoints(tmp_path / "run").close()  # released by the refusal
+    if os.geteuid() != 0:
+        (tmp_path / "run").chmod(0o555)
+        try:
+            with pytest.raises(zero.CheckpointError, match="cannot be written \\(PermissionError"):
+                zero.lock_checkpoints(tmp_path / "run")
+        finally:
+            (tmp_path / "run").chmod(0o755)
+
+
+def save_zero(cfg, stage: int, folder: str, steps: int):
+    """Train a ZeRO of this stage over the pool `steps` steps and save it; return its full state."""
+    model = freeze_some(foundation.GPT(cfg))
+    optimizer = zero.ZeRO(model, stage)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(steps):
+        model(*foundation.synthetic_batch(cfg, world, 4, step, rank, world)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    zero.save_checkpoint(folder, steps, zero.zero_pieces(optimizer), cfg)
+    return optimizer.full_state_dict()
+
+
+def load_zero(cfg, stage: int, folder: str):
+    """A fresh ZeRO of this stage over the pool, loaded from the checkpoint: its full state, the bytes
+    this rank read, (params + 2 moments) x 4 B x its shard's elements, and its model's logits (the
+    compute parameters were refreshed too; stage 3: gathered)."""
+    model = freeze_some(foundation.GPT(cfg))
+    optimizer = zero.ZeRO(model, stage)
+    _, _, reader = zero.load_checkpoint(folder, cfg, [(optimizer, zero.whole_tensor)])
+    elements = sum(stop - start for unit in optimizer.units for _, start, stop in zero.shard_parts(unit))
+    frozen = sum(p.numel() for _, p in optimizer.frozen)  # whole on every rank: parameters only
+    with torch.no_grad():
+        logits = model(foundation.synthetic_batch(cfg, 1, 5, 0)[0])
+    return optimizer.full_state_dict(), reader.bytes_read, 12 * elements + 4 * frozen, logits
+
+
+def test_a_zero3_checkpoint_on_4_ranks_loads_on_other_group_sizes_and_stages_reading_only_its_shard(
+        rank_pool, tmp_path):
+    """Each element once on disk: (params + 2 moments) x 4 B x Psi + metadata; every load, bit for bit
+    the saved state with the saved model's logits, reads exactly its shard; one device's model reads
+    4 B x Psi."""
+    cfg = foundation.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=3)
+    saved = rank_pool.run(4, save_zero, cfg, 3, str(tmp_path), 2, timeout=600)[0]
+    psi = sum(p.numel() for p in foundation.GPT(cfg).parameters())
+    frozen = sum(p.numel() for p in freeze_some(foundation.GPT(cfg)).parameters() if not p.requires_grad)
+    payload = sum(t.untyped_storage().nbytes() for f in (tmp_path / "step_00000002").glob("rank*.pt")
+                  for *_, data in torch.load(f, weights_only=True)["pieces"] for t in data.values())
+    assert payload == 12 * (psi - frozen) + 4 * frozen, "each element once (frozen: no moments)"
+    reference = foundation.GPT(cfg)
+    reference.load_state_dict(saved["params"])
+    with torch.no_grad():
+        expected_logits = reference(foundation.synthetic_batch(cfg, 1, 5, 0)[0])
+    for world, stage in ((2, 1), (3, 0), (1, 2), (4, 3), (3, 3)):
+        for rank, (state, read, shard, logits) in enumerate(rank_pool.run(world, load_zero, cfg, stage,
+                                                                          str(tmp_path), timeout=600)):
+            assert read == shard, (world, stage, rank)
+            assert state["step"] == saved["step"] == 2
+            for key in ("params", *zero.ADAM_KEYS):
+                assert state[key].keys() == saved[key].keys()
+                assert all(torch.equal(state[key][n], saved[key][n]) for n in saved[key]), (key, world, stage)
+            torch.testing.assert_close(logits, expected_logits, atol=1e-6, rtol=0)
+    one = freeze_some(foundation.GPT(cfg))
+    assert zero.load_model(one, tmp_path)["bytes_read"] == 4 * psi
+    assert all(torch.equal(p, saved["params"][n]) for n, p in one.named_parameters())
+
+
+# A load, save or claim of the tiny model on 2 ranks took 0.1-1.3 s on a 2-core machine at a load
+# average of 180; a rank left waiting in a collective (an agreement removed, an error raised on one
+# rank only) must fail its test in seconds, not at the rank pool's 600 s: 60 s is 45x the slowest.
+# The pool's start and this module's import in its workers come first, under the pool's timeout.
+AGREEMENT_S = 60
+
+
+def imported() -> None:
+    """Run on a pool: its workers have started and imported this module."""
+
+
+def in_seconds(rank_pool, world: int, fn, *args):
+    """fn on `world` ranks with a timeout of AGREEMENT_S for the call alone."""
+    rank_pool.run(world, imported)
+    return rank_pool.run(world, fn, *args, timeout=AGREEMENT_S)
+
+
+def load_or_refuse(cfg, folder: str, gap_on_the_last_rank: bool = False) -> tuple[str, bool]:
+    """ZeRO-1 over the pool loads the checkpoint. gap_on_the_last_rank: that rank's piece_of names a
+    tensor the checkpoint does not hold, so only it finds the problem (in read_shards). Returns the error
+    ("loaded": none) and whether this rank's shard is still as built."""
+    optimizer = zero.ZeRO(freeze_some(foundation.GPT(cfg)), 1)
+    last = gap_on_the_last_rank and dist.get_rank() == dist.get_world_size() - 1
+
+    def renamed_on_the_last_rank(unit: zero.FlatUnit, i: int) -> zero.Piece:
+        piece = zero.whole_tensor(unit, i)
+        return dataclasses.replace(piece, name="missing." + piece.name) if last else piece
+
+    before = [optimizer.shard_state(unit)["params"].clone() for unit in optimizer.units]
+    try:
+        zero.load_checkpoint(folder, cfg, [(optimizer, renamed_on_the_last_rank)])
+    except zero.CheckpointError as error:
+        return str(error), all(torch.equal(b, optimizer.shard_state(unit)["params"])
+                               for b, unit in zip(before, optimizer.units))
+    return "loaded", False
+
+
+def test_a_problem_one_rank_finds_stops_every_rank_before_any_loads(rank_pool, tmp_path):
+    """load_checkpoint's second agreement: the ranks that could read wait for the one that could not,
+    raise its error and have loaded nothing (the ranks of a resume never mix two states). Without it
+    rank 0 would wait in ZeRO-1's all-gather: a short timeout of its own."""
+    cfg = foundation.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=3)
+    rank_pool.run(2, save_zero, cfg, 1, str(tmp_path), 1, timeout=600)
+    results = in_seconds(rank_pool, 2, load_or_refuse, cfg, str(tmp_path), True)
+    message = results[0][0]
+    assert message.startswith(f"{tmp_path / 'step_00000001'}: the saved pieces do not cover every element "
+                              f"of missing."), message
+    assert results == [(message, True)] * 2
+
+
+def test_every_rank_file_a_load_reads_is_hashed_whatever_the_group_size(rank_pool, tmp_path):
+    """4 ranks save; rank00002.pt's bytes are altered, its size kept. Loaded on 2 ranks (rank 0 hashes
+    files 0 and 2, rank 1 files 1 and 3: each file once; load_checkpoint's first agreement stops both)
+    and into one device's model (all four): refused, naming the file. Hashing only the file of one's
+    own rank number would load it silently."""
+    cfg = foundation.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=3)
+    rank_pool.run(4, save_zero, cfg, 1, str(tmp_path), 1, timeout=600)
+    data = bytearray((tmp_path / "step_00000001" / "rank00002.pt").read_bytes())
+    middle = slice(len(data) // 2, len(data) // 2 + 8)  # in a tensor's bytes: torch.load takes them
+    data[middle] = bytes(255 - b for b in data[middle])
+    (tmp_path / "step_00000001" / "rank00002.pt").write_bytes(bytes(data))
+    message = (f"checkpoint step 1 ({tmp_path / 'step_00000001'}) cannot be used: rank00002.pt does not "
+               f"match the sha256 that meta.json records (altered bytes); no earlier complete checkpoint is "
+               f"kept: train afresh")
+    on_two = in_seconds(rank_pool, 2, load_or_refuse, cfg, str(tmp_path))
+    try:
+        zero.load_model(freeze_some(foundation.GPT(cfg)), tmp_path)
+        on_one = "loaded"
+    except zero.CheckpointError as error:
+        on_one = str(error)
+    assert (on_two, on_one) == ([(message, True)] * 2, message)
+
+
+def save_when_the_disk_fills(cfg, stage: int, folder: str, full: list[int]) -> str:
+    """This stage's ZeRO saves step 1, then step 2 with the disk full on the ranks in `full` (their
+    rank file's write fails part way, inside torch.save); returns the second save's error."""
+    optimizer = zero.ZeRO(foundation.GPT(cfg), stage)
+    zero.save_checkpoint(folder, 1, zero.zero_pieces(optimizer), cfg)
+    save = torch.save
+    torch.save = save_on_a_full_disk() if dist.get_rank() in full else save
+    try:
+        zero.save_checkpoint(folder, 2, zero.zero_pieces(optimizer), cfg)
+        return "saved"
+    except zero.CheckpointError as error:
+        return str(error)
+    finally:
+        torch.save = save
+
+
+@pytest.mark.parametrize("stage, full", [(0, [0]), (1, [1]), (3, [0, 1])])
+def test_a_disk_that_fills_during_a_save_is_one_line_on_every_rank_and_leaves_nothing(rank_pool, tmp_path,
+                                                                                      stage, full):
+    """Before: torch.save's RuntimeError and a traceback on the ranks whose disk filled, the others
+    waiting in the exchange (ZeRO-0: rank 0 alone writes pieces), the step's folder left. Now every
+    rank raises the same line naming the first such rank's OSError and step 1; step 2 is gone."""
+    cfg = foundation.ModelConfig(vocab_size=37, dim=10, n_heads=1, ffn_dim=13, seed=3)
+    messages = in_seconds(rank_pool, 2, save_when_the_disk_fills, cfg, stage, str(tmp_path), full)
+    assert messages == [f"checkpoint step 2 could not be saved in {tmp_path / 'step_00000002'} (rank "
+                        f"{full[0]}: OSError: [Errno 28] No space left on device); the last complete "
+                        f"checkpoint: step 1 ({tmp_path / 'step_00000001'})"] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step_00000001"]
+    assert zero.open_checkpoint(tmp_path, cfg)[1]["step"] == 1
+
+
+def claim_and_try_again(folder: str) -> tuple[str, bool]:
+    """claim_folder on every rank, then every rank tries to lock the folder again while rank 0 holds it."""
+    lock = zero.claim_folder(folder)
+    try:
+        zero.lock_checkpoints(folder).close()
+        again = "locked again"
+    except zero.CheckpointError as error:
+        again = str(error)
+    foundation.all_ranks(None)  # every rank has tried before rank 0 lets go
+    if lock is not None:
+        lock.close()
+    return again, lock is not None
+
+
+def test_a_claimed_folder_stays_locked_for_the_run_and_loses_a_killed_saves_leftovers(rank_pool, tmp_path):
+    """claim_folder: rank 0 holds the lock while the run keeps the returned file (any other process, a
+    second run's included, is refused) and removes what a save killed midway left."""
+    run = tmp_path / "run"
+    (run / "step_00000003").mkdir(parents=True)
+    (run / "step_00000003" / "rank00001.pt.tmp").write_bytes(b"half")
+    results = in_seconds(rank_pool, 2, claim_and_try_again, str(run))
+    assert [held for _, held in results] == [True, False], "rank 0 alone holds the lock"
+    assert all(f"checkpoint folder {run} is in use by a running run" in again for again, _ in results)
+    assert not (run / "step_00000003").exists(), "a step folder without meta.json is an unfinished save"
+    zero.lock_checkpoints(run).close()  # released once rank 0 closed it
+
+
+def claim_where_removal_fails(folder: str) -> str:
+    """claim_folder on every rank while nothing can be removed (an immutable folder: chattr +i)."""
+    rmtree = shutil.rmtree
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+
+    shutil.rmtree = refuse
+    try:
+        zero.claim_folder(folder)
+        return "claimed"
+    except zero.CheckpointError as error:
+        return str(error)
+    finally:
+        shutil.rmtree = rmtree
+
+
+def test_a_killed_saves_folder_that_cannot_be_removed_is_one_line_naming_it(rank_pool, tmp_path):
+    """Before: a 35-line PermissionError traceback on rank 0, the other ranks waiting for it. Now every
+    rank raises one line naming the folder, and the lock is let go."""
+    run = tmp_path / "run"
+    (run / "step_00000003").mkdir(parents=True)
+    messages = in_seconds(rank_pool, 2, claim_where_removal_fails, str(run))
+    assert messages == [f"checkpoint folder {run}: step_00000003, left by an interrupted save, cannot be "
+                        f"removed (PermissionError: [Errno 1] Operation not permitted: "
+                        f"'{run / 'step_00000003'}'): remove it, or choose another folder"] * 2
+    zero.lock_checkpoints(run).close()
+
+
 # --- the script itself -------------------------------------------------------------------------
 
 def test_script_runs_as_plain_python():
+    """Every stage beside one device, bytes held and sent beside the formulas; then the ZeRO-3 run's
+    checkpoint (2 ranks) loaded by ZeRO-1 on 1 (its shard: everything) and by one device's model (the
+    parameters alone): every printed figure equals its formula."""
     stdout = run_script("02_zero.py", "--nproc", "2", "--steps", "2", "--global-batch", "4",
                         "--seq-len", "8", timeout=900)
     assert len(re.findall(r"ZeRO-\d .* equal$", stdout, re.M)) == 8 and "DIFFERENT" not in stdout, stdout
     assert stdout.count("= formula") == 4 and "1.500 x DDP" in stdout, stdout
     assert "120.00 GB" in stdout and "1.88 GB" in stdout, stdout
-    assert stdout.splitlines()[-1].startswith("Notice: every stage takes the one-device step"), stdout
+    assert "\nNotice: every stage takes the one-device step" in stdout, stdout
+    psi = sum(p.numel() for p in foundation.GPT(foundation.ModelConfig(**zero.DEMO_MODEL)).parameters())
+    disk, n, formula = re.search(r"([\d,]+) B on disk = \(params \+ 2 AdamW moments\) x 4 B x ([\d,]+) "
+                                 r"parameters, each element once \(([\d,]+)\)", stdout).groups()
+    assert int(n.replace(",", "")) == psi and int(formula.replace(",", "")) == 12 * psi, stdout
+    assert int(disk.replace(",", "")) > 12 * psi, stdout
+    assert f"rank 0: {12 * psi:,} | {12 * psi:,} equal; the state equals the saved one bit for bit" in stdout
+    assert f"{4 * psi:,} | {4 * psi:,}; the parameters equal the saved ones bit for bit" in stdout, stdout
+    assert stdout.splitlines()[-1].startswith("Notice: the checkpoint is the same bytes"), stdout

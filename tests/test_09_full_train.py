@@ -50,7 +50,6 @@ from test_08_fp8 import reassembled, record_fp8_operands
 
 foundation = importlib.import_module("01_ddp")
 zero = importlib.import_module("02_zero")
-checkpoints = importlib.import_module("02_zero_checkpoints")
 fp8 = importlib.import_module("08_fp8")
 full_train = importlib.import_module("09_full_train")
 
@@ -924,7 +923,7 @@ def train_run(sizes, train, run, stop_at=None, poison_at=None, poison="params"):
 
     try:
         out = full_train.train_loop(trainer, loader, val_tokens, run, progress)
-    except (Interrupted, FloatingPointError, checkpoints.CheckpointError) as error:
+    except (Interrupted, FloatingPointError, zero.CheckpointError) as error:
         return str(error)
     return dict(losses=out["losses"], val=out["val"], read=out["read"],
                 slices=PER_ELEMENT * held_elements(trainer))
@@ -934,7 +933,7 @@ def one_device_validation(folder, train, run) -> float:
     """The validation loss of the checkpoint's model on one device: the mean over the first
     run.eval_batches global batches of the validation windows, as train_loop reads them."""
     model = foundation.GPT(BYTES)
-    checkpoints.load_model(model, folder)
+    zero.load_model(model, folder)
     _, val_tokens = full_train.split_tokens(TEXT, train.seq_len, train.global_batch)
     windows = full_train.ShardedLoader(val_tokens, train.seq_len, train.global_batch, seed=run.seed)
     with torch.no_grad():
@@ -955,7 +954,7 @@ def test_resume_reads_only_its_slices_and_equals_the_uninterrupted_run_on_any_me
     interrupted = dataclasses.replace(run, folder=str(tmp_path / "b"))
     stopped = rank_pool.run(4, train_run, tp_dp, train, interrupted, stop_at=4, timeout=600)
     assert stopped == [""] * 4  # after step 3's checkpoint
-    assert checkpoints.latest_checkpoint(interrupted.folder).name == "step_00000003"
+    assert zero.latest_checkpoint(interrupted.folder).name == "step_00000003"
     # other meshes (and ZeRO stages)
     others = ((full_train.MeshSizes(dp=4), 1), (full_train.MeshSizes(pp=2, tp=2), 0), (tp_dp, 3))
     for sizes, stage in others:
@@ -1002,7 +1001,7 @@ def test_each_element_is_written_once(rank_pool, tmp_path, sizes, train):
     rank_pool.run(sizes.world, train_run, sizes, train, run, timeout=600)
     model = (full_train.reference_transform(train) or (lambda m: m))(foundation.GPT(BYTES))
     n = sum(p.numel() for p in model.parameters())
-    target = checkpoints.latest_checkpoint(tmp_path)
+    target = zero.latest_checkpoint(tmp_path)
     pieces = read_pieces(target)
     payload = sum(t.untyped_storage().nbytes() for _, data in pieces for t in data.values())
     assert payload == PER_ELEMENT * n, (payload, PER_ELEMENT * n)
@@ -1011,7 +1010,7 @@ def test_each_element_is_written_once(rank_pool, tmp_path, sizes, train):
     # the payload.
     metadata = sum(f.stat().st_size for f in target.iterdir()) - payload
     assert metadata < (target / "meta.json").stat().st_size + 6_000 * sizes.world + 1_000 * len(pieces)
-    checkpoints.load_model(model, tmp_path)  # the reader refuses an element held by no piece, or by two
+    zero.load_model(model, tmp_path)  # the reader refuses an element held by no piece, or by two
 
 
 DAMAGES = {  # what is done to step_00000003, what the message says
@@ -1061,9 +1060,9 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkp
     for message in rank_pool.run(2, train_run, sizes, train, run, poison_at=2, timeout=600):
         assert message == (f"step 3: the loss is nan; stopping without saving, the last good checkpoint is "
                            f"{tmp_path / 'step_00000002'}")
-    assert checkpoints.latest_checkpoint(tmp_path).name == "step_00000002"
+    assert zero.latest_checkpoint(tmp_path).name == "step_00000002"
     model = foundation.GPT(BYTES)
-    assert checkpoints.load_model(model, tmp_path)["step"] == 2
+    assert zero.load_model(model, tmp_path)["step"] == 2
     assert all(p.isfinite().all() for p in model.parameters())
 
 
@@ -1080,7 +1079,7 @@ def test_an_inf_loss_or_gradient_stops_the_run_like_a_nan(rank_pool, tmp_path, p
     run = full_train.RunConfig(steps=6, warmup=1, eval_every=6, save_every=2, folder=str(tmp_path))
     for message in rank_pool.run(2, train_run, sizes, train, run, poison_at=2, poison=poison, timeout=600):
         assert message == f"step 2: {stop}, the last good checkpoint is {tmp_path / 'step_00000002'}"
-    assert checkpoints.latest_checkpoint(tmp_path).name == "step_00000002"
+    assert zero.latest_checkpoint(tmp_path).name == "step_00000002"
     assert [p.name for p in tmp_path.glob("step_*")] == ["step_00000002"]
 
 
@@ -1095,10 +1094,10 @@ def test_no_checkpoint_holds_a_non_finite_number(rank_pool, tmp_path, poison):
                            f"step_00000002 is not written, the last good checkpoint is "
                            f"{tmp_path / 'step_00000001'}")
     assert [p.name for p in tmp_path.glob("step_*")] == ["step_00000001"]
-    target, meta = checkpoints.open_checkpoint(tmp_path, checkpoints.checkpoint_config(BYTES))
-    reader = checkpoints.CheckpointReader(target, meta)
+    target, meta = zero.open_checkpoint(tmp_path, BYTES)
+    reader = zero.CheckpointReader(target, meta)
     for name, p in foundation.GPT(BYTES).named_parameters():
-        assert all(t.isfinite().all() for t in reader.read(checkpoints.whole_piece(name, p.shape)).values()), name
+        assert all(t.isfinite().all() for t in reader.read(zero.Piece.whole(name, p.shape)).values()), name
 
 
 @given(data=st.data())
@@ -1144,7 +1143,7 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
     out = run_script("09_full_train.py", *common, "--checkpoint-dir", str(a), timeout=900)
     assert "attention flash" in out and "recompute selective" in out and "final: 2 timed steps" in out
     assert "Sample from the checkpoint" in out and "The losses ('.' training, 'o' validation):" in out
-    assert checkpoints.latest_checkpoint(a).name == "step_00000003"
+    assert zero.latest_checkpoint(a).name == "step_00000003"
     n = sum(p.numel() for p in foundation.GPT(full_train.build_model_config(argparse.Namespace(
         command="train", model="tiny", kv_heads=None))).parameters())
     assert f"B on disk = (params + 2 AdamW moments) x 4 B x {n:,} parameters, each element once " in out
@@ -1256,7 +1255,7 @@ def test_under_torchrun_rank_0_alone_prints_an_invalid_option(monkeypatch, capsy
 
 def test_a_checkpoint_dir_in_use_or_that_is_a_file_is_refused_before_launch(monkeypatch, capsys, tmp_path):
     monkeypatch.delenv("RANK", raising=False)
-    held = checkpoints.lock_checkpoints(tmp_path / "run")  # this process is "the running run"
+    held = zero.lock_checkpoints(tmp_path / "run")  # this process is "the running run"
     code, err, launched, _ = run_main(monkeypatch, capsys, "--checkpoint-dir", str(tmp_path / "run"))
     assert code == 2 and not launched and err.count("\n") == 1, err
     assert f"checkpoint folder {tmp_path / 'run'} is in use by a running run (pid {os.getpid()} on " in err
@@ -1275,7 +1274,7 @@ def test_a_resume_whose_folder_became_read_only_is_refused_before_launch(monkeyp
     user other than root also meets the real one."""
     monkeypatch.delenv("RANK", raising=False)
     folder = tmp_path / "run"
-    checkpoints.lock_checkpoints(folder).close()  # an earlier run's folder, with its LOCK file
+    zero.lock_checkpoints(folder).close()  # an earlier run's folder, with its LOCK file
 
     def read_only(*args, **kwargs):
         raise PermissionError(13, "Permission denied", str(folder / "tmpx.tmp"))
