@@ -104,11 +104,8 @@ ADAM_KEYS, ADAM_MOMENT_BYTES = foundation.ADAM_KEYS, 8  # AdamW's moments, fp32
 CHECKPOINT_KINDS = ("params", *ADAM_KEYS)  # what a shard holds of each element: fp32 value, moments
 STEP_COUNTER_BYTES = 4  # torch's AdamW keeps `step` as one fp32 scalar tensor per parameter tensor
 
-# ----------------------------------------------------------------------------------------------
-# The cost models
-# ----------------------------------------------------------------------------------------------
 
-
+# --- The cost models ---------------------------------------------------------------------------------------
 def validate_stage(stage: int) -> None:
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} must be one of {STAGES}")
@@ -192,11 +189,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int
     return sum(new.values())
 
 
-# ----------------------------------------------------------------------------------------------
-# The ZeRO optimizer
-# ----------------------------------------------------------------------------------------------
-
-
+# --- The ZeRO optimizer ------------------------------------------------------------------------------------
 def zero_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules whose parameters are flattened together, in the order forward runs them. In
     stage 3 each is gathered as one piece: gathering per block keeps one block's full weights alive."""
@@ -341,7 +334,6 @@ class ZeRO:
                 module.register_forward_hook(lambda m, args, out, i=index: self._after_forward(i, out))
 
     # --- stage 3: parameters exist only around their module's forward and backward -------------
-
     def _launch_gather(self, unit: FlatUnit) -> None:
         if unit.gathered is None:
             send = unit.gather_input()
@@ -369,7 +361,6 @@ class ZeRO:
             output.register_hook(lambda grad: self._gather(index, index - 1))
 
     # --- stages 2-3: reduce-scatter each module's gradient as soon as backward completes it -------
-
     def _on_grad_ready(self, unit: FlatUnit, i: int) -> None:
         if unit.scatter is not None:
             raise RuntimeError("a second backward before step(): ZeRO-2/3 here reduce-scatter every "
@@ -396,7 +387,6 @@ class ZeRO:
     no_sync = foundation.BucketedDataParallel.no_sync
 
     # --- the step ---------------------------------------------------------------------------
-
     def finish_gradient_sync(self) -> None:
         """Leave every unit's grad_shard holding the gradient of the global mean loss."""
         for unit in self.units:
@@ -472,7 +462,6 @@ class ZeRO:
                 unit.flat_grad.zero_()
 
     # --- measurement and checkpoints ---------------------------------------------------------
-
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, summed over live tensors' storages, each storage once (an
         fp32 master that aliases the parameters counts as parameters)."""
@@ -531,11 +520,7 @@ class ZeRO:
             self._refresh_compute_params(unit)
 
 
-# ----------------------------------------------------------------------------------------------
-# Training: ZeRO on N ranks (its one-device twin: 01's train_single_device)
-# ----------------------------------------------------------------------------------------------
-
-
+# --- Training: ZeRO on N ranks (its one-device twin: 01's train_single_device) -----------------------------
 @dataclass
 class ZeroResult(foundation.TrainResult):
     held: dict[str, int] = field(default_factory=dict)      # bytes held per rank after the last step
@@ -598,11 +583,7 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
     return result, steps_meter
 
 
-# ----------------------------------------------------------------------------------------------
-# Sharded checkpoints: pieces, the files, the folder lock, slice reads, then ZeRO's shards as pieces
-# ----------------------------------------------------------------------------------------------
-
-
+# --- Sharded checkpoints: pieces, the files, the folder lock, slice reads, then ZeRO's shards as pieces ----
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used, or a folder that cannot be written: one line, what to do."""
 
@@ -647,8 +628,6 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 # --- the files of a checkpoint --------------------------------------------------------------------
-
-
 def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> int:
     """A reader sees the old file or the whole new one, never a part: write aside, then rename (a
     write that fails removes its part). Returns the bytes written."""
@@ -827,8 +806,6 @@ def disk_bytes(target: Path, parameters: int) -> str:
 
 
 # --- the folder lock: one run writes a folder -----------------------------------------------------
-
-
 def lock_checkpoints(folder: str | os.PathLike) -> IO:
     """Hold folder/LOCK while the returned file stays open (the kernel releases an flock when its
     process ends, killed too: no stale lock). A folder that is a file, that cannot be written, or
@@ -904,8 +881,6 @@ def claim_folder(folder: str | os.PathLike) -> IO | None:
 
 
 # --- slice reads: each rank reads only the saved runs that overlap what it holds ------------------
-
-
 class CheckpointReader:
     """A checked checkpoint's rank files, memory-mapped: read(piece) copies out only the runs the piece
     shares with the saved ones (the rest of the files: their runs and RNG states); bytes_read counts it."""
@@ -950,8 +925,6 @@ def load_model(model: nn.Module, folder: str | os.PathLike) -> dict:
 
 
 # --- ZeRO's shards as pieces ----------------------------------------------------------------------
-
-
 def whole_tensor(unit: FlatUnit, i: int) -> Piece:
     return Piece.whole(unit.names[i], unit.shapes[i])
 
@@ -1026,11 +999,7 @@ def load_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | Non
     return target, meta, reader
 
 
-# ----------------------------------------------------------------------------------------------
-# RUN IT: the demo, the benchmark, the command line
-# ----------------------------------------------------------------------------------------------
-
-
+# --- RUN IT: the demo, the benchmark, the command line -----------------------------------------------------
 def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
     label = {False: "fp32     ", True: "bf16+fp32"}
     columns = ("loss", "grads", "params", "exp_avg", "exp_avg_sq")

@@ -87,9 +87,8 @@ from torch.utils.checkpoint import checkpoint
 
 foundation = importlib.import_module("01_ddp")
 
-# ----------------------------------------------------------------------------------------------
-# The conjugate communication operators
-# ----------------------------------------------------------------------------------------------
+
+# --- The conjugate communication operators -----------------------------------------------------------------
 # Each collective is one PyTorch operator (torch.library.custom_op): torch.compile records it as one
 # node, shaped by its fake implementation, in a block's single graph, and the comm meter's Python runs
 # at every call. Traced through instead, the meter would count only while tracing, and break the graph.
@@ -171,11 +170,7 @@ class ReduceScatterSequence(conjugate(_reduce_scattered, _gathered)):
     """SP's g: reduce-scatter along the sequence forward; all-gather backward. Same cost."""
 
 
-# ----------------------------------------------------------------------------------------------
-# Vocab-parallel embedding and cross-entropy
-# ----------------------------------------------------------------------------------------------
-
-
+# --- Vocab-parallel embedding and cross-entropy ------------------------------------------------------------
 def vocab_shard(vocab_size: int, tp: int, rank: int) -> tuple[int, int]:
     """(first id, ids per rank) of rank's slice of the vocabulary padded to a multiple of tp."""
     per_rank = math.ceil(vocab_size / tp)
@@ -239,11 +234,7 @@ class VocabParallelLoss:
                                                self.first_id, self.vocab_size, self.group)
 
 
-# ----------------------------------------------------------------------------------------------
-# The plan: how each module of the reference GPT is split
-# ----------------------------------------------------------------------------------------------
-
-
+# --- The plan: how each module of the reference GPT is split -----------------------------------------------
 @dataclass
 class Context:
     group: object
@@ -411,11 +402,7 @@ def unshard(param: torch.Tensor, group=None, like: nn.Parameter | None = None) -
     return full.narrow(layout.tp_shard_dim, 0, layout.tp_full_size)
 
 
-# ----------------------------------------------------------------------------------------------
-# Training, communication and memory
-# ----------------------------------------------------------------------------------------------
-
-
+# --- Training, communication and memory --------------------------------------------------------------------
 def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
                           sequence_parallel: bool = False, lr: float = 1e-3, adam_eps: float = 1e-8,
                           group=None, device: torch.device | str = "cpu", transform=None):
@@ -461,10 +448,7 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
             "all_reduce": (m * norms + loss[0], m * norms * cfg.dim * elem_bytes + loss[1])}
 
 
-# ----------------------------------------------------------------------------------------------
-# Activation memory, and recompute: a second forward instead of the activations backward would keep
-# ----------------------------------------------------------------------------------------------
-
+# --- Activation memory, and recompute: a second forward instead of the activations backward would keep -----
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -586,11 +570,7 @@ def korthikanti_bytes(cfg, batch: int, seq_len: int, tp: int, sequence_parallel:
     return sbh * (34 + scores) / tp if sequence_parallel else sbh * (10 + (24 + scores) / tp)
 
 
-# ----------------------------------------------------------------------------------------------
-# Demo and benchmark
-# ----------------------------------------------------------------------------------------------
-
-
+# --- Demo and benchmark ------------------------------------------------------------------------------------
 DEMO_MODEL = dict(dim=64, n_heads=8, n_kv_heads=4, ffn_dim=176)  # grouped-query: 2 queries per K/V
 BENCH_MODEL = dict(vocab_size=8192, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688)
 

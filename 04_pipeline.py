@@ -80,11 +80,8 @@ ACTION_LABELS = {"F": "forward", "B": "backward", "W": "backward"}  # W: the wei
 UNIT_TIMES, UNIT_TIMES_SPLIT = {"F": 1, "B": 2}, {"F": 1, "B": 1, "W": 1}
 MB_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"  # one character per microbatch in the drawings
 
-# ----------------------------------------------------------------------------------------------
-# Cutting the reference model into stages
-# ----------------------------------------------------------------------------------------------
 
-
+# --- Cutting the reference model into stages ---------------------------------------------------------------
 def validate_pipeline(n_layers: int, pp: int, global_batch: int, microbatches: int, schedule: str,
                       virtual: int) -> None:
     """Raised identically on every rank before any send, so no rank is left waiting."""
@@ -142,11 +139,7 @@ def cut_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
     return model
 
 
-# ----------------------------------------------------------------------------------------------
-# Schedules as data
-# ----------------------------------------------------------------------------------------------
-
-
+# --- Schedules as data -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Action:
     kind: str        # F, B, W, or SEND_F / RECV_F (activations) / SEND_B / RECV_B (gradients)
@@ -318,11 +311,7 @@ def stage_trains_traffic(pp: int, virtual: int = 1) -> Fraction:
     return Fraction(2 * (pp - 1), pp) * 4 * pp * virtual
 
 
-# ----------------------------------------------------------------------------------------------
-# The executor, one for every schedule, and training on lesson 01's batches
-# ----------------------------------------------------------------------------------------------
-
-
+# --- The executor, one for every schedule, and training on lesson 01's batches -----------------------------
 @dataclass
 class StepLog:
     # (kind, stage, microbatch, start, end) of each compute action, seconds from the step's start
@@ -457,11 +446,7 @@ def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule
     return result, meter, logs
 
 
-# ----------------------------------------------------------------------------------------------
-# Measured timelines, demo and benchmark
-# ----------------------------------------------------------------------------------------------
-
-
+# --- Measured timelines, demo and benchmark ----------------------------------------------------------------
 def measured_bubble(records: list[list[tuple]]) -> float:
     """1 - busy / (ranks x step time), from every rank's StepLog.records."""
     step = max(end for rec in records for *_, end in rec)

@@ -87,9 +87,7 @@ METHODS = ("ring", "ulysses")
 COMM_OP = {"ring": "send", "ulysses": "all_to_all"}  # the meter's operation for each method's bytes
 
 
-# Merging partial attention, and the block attention functions -----------------------------------
-
-
+# --- Merging partial attention, and the block attention functions ------------------------------------------
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the keys of A and B from the two partial results; lse -inf means no key."""
@@ -199,9 +197,7 @@ class BlockWork:
         return result
 
 
-# Sharding the sequence: contiguous or zigzag ----------------------------------------------------
-
-
+# --- Sharding the sequence: contiguous or zigzag -----------------------------------------------------------
 @dataclass(frozen=True)
 class SequenceLayout:
     """The sequence cut into equal chunks; contiguous: rank r holds chunk r of P; zigzag: chunks r
@@ -265,9 +261,7 @@ def local_layout(q: torch.Tensor, k: torch.Tensor, group, zigzag: bool,
     return validate_context_parallel(q.shape[2] * cp, q.shape[1], cp, method, zigzag, k.shape[1])
 
 
-# Ring attention ---------------------------------------------------------------------------------
-
-
+# --- Ring attention ----------------------------------------------------------------------------------------
 def _block_pairs(layout: SequenceLayout, me: int, owner: int, causal: bool):
     """(my query chunk's rows, the owner's key chunk's columns, their offsets, masked) of each pair of
     chunks to compute: the causal skip (RING ATTENTION above)."""
@@ -361,9 +355,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     return RingAttention.apply(q, k, v, group, local_layout(q, k, group, zigzag), causal, block, work)
 
 
-# Ulysses: all-to-all from sequence shards to head shards and back -------------------------------
-
-
+# --- Ulysses: all-to-all from sequence shards to head shards and back --------------------------------------
 def relayout(x: torch.Tensor, group, layout: SequenceLayout, to_heads: bool) -> torch.Tensor:
     """to_heads: (batch, heads, S / P, ...) sequence shard -> (batch, heads / P, S, ...) head shard (ULYSSES
     and GROUPED-QUERY ATTENTION above: which heads rank j gets); else the way back."""
@@ -437,9 +429,7 @@ def ring_saved_bytes(q_elems: int, lse_elems: int) -> int:
     return 4 * q_elems + 8 * lse_elems
 
 
-# The whole model under context parallelism ------------------------------------------------------
-
-
+# --- The whole model under context parallelism -------------------------------------------------------------
 def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, method: str = "ring",
                            zigzag: bool = True, block: BlockAttention = TORCH_BLOCK, lr: float = 1e-3,
                            adam_eps: float = 1e-8, group=None, device: torch.device | str = "cpu"
@@ -477,9 +467,7 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
     return result, meter
 
 
-# Demo -------------------------------------------------------------------------------------------
-
-
+# --- Demo --------------------------------------------------------------------------------------------------
 def outputs_and_grads(attn, q, k, v, dout, dlse=None) -> list[torch.Tensor | None]:
     """[out, lse, dq, dk, dv] of attn(q, k, v) -> (out, lse or None) under the loss
     sum(out * dout) + sum(lse * dlse) (rows with lse = -inf excluded; dout None: no out term)."""

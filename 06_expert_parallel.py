@@ -93,8 +93,6 @@ class MoEConfig:
 
 
 # --- Dispatch: capacity, the plan of which rows go where, and an all-to-all autograd can reverse ---
-
-
 class AllToAll(torch.autograd.Function):
     """Rows input_splits[j] go to rank j; backward, the reverse all-to-all, sends gradient rows back."""
 
@@ -168,8 +166,6 @@ def combine(y: torch.Tensor, plan: DispatchPlan, n_tokens: int) -> torch.Tensor:
 
 
 # --- The MoE layer --------------------------------------------------------------------------------
-
-
 class MoE(nn.Module):
     """Router + E SwiGLU experts, stacked as (E, ...) tensors so that a rank can hold a slice. After each
     forward it records aux_loss (this rank's share: the group mean is the whole batch's), load
@@ -277,8 +273,6 @@ def convert_to_moe(model: nn.Module, cfg: MoEConfig) -> nn.Module:
 
 
 # --- Expert parallelism, and training on one device or over a group on the same global batches ----
-
-
 def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
     """Keep this rank's E/ep experts of every MoE layer and route through the group. The experts
     are sliced from the existing (identical on every rank) weights. Build the optimizer after."""
@@ -396,7 +390,6 @@ def train_moe(cfg: "foundation.ModelConfig", moe_cfg: MoEConfig, steps: int, glo
 
 
 # --- Demo and benchmark ---------------------------------------------------------------------------
-
 BALANCING = {"aux loss": dict(aux_loss_coef=0.1, bias_update_rate=0.0),
              "selection bias": dict(aux_loss_coef=0.0, bias_update_rate=0.01),
              "neither": dict(aux_loss_coef=0.0, bias_update_rate=0.0)}

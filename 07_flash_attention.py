@@ -421,9 +421,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_
     tl.store(DQ + qo, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_ok)
 
 
-# Launchers, registered as operators; lesson 05's ring calls them from its own autograd -----------
-
-
+# --- Launchers, registered as operators; lesson 05's ring calls them from its own autograd -----------------
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] \
             or q.shape[3] != k.shape[3] or q.shape[1] % max(k.shape[1], 1) \
@@ -625,7 +623,8 @@ def attention_seconds(batch: int, heads: int, seq: int, head_dim: int, kernel: s
     return both / 3.5, both * 2.5 / 3.5
 
 
-# A Hopper variant of the forward (HOPPER above). Its table, as FWD_GPU's: bigger tiles, deeper stages. -----
+# --- A Hopper variant of the forward (HOPPER above) --------------------------------------------------------
+# Its table, as FWD_GPU's: bigger tiles, deeper stages.
 HOPPER_FWD_GPU = {(64, 2): [(128, 64, 8, 3), (128, 64, 8, 5), (128, 128, 8, 3), (128, 128, 8, 4)],
                   (128, 2): [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 5), (128, 128, 8, 2)],
                   (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
@@ -711,9 +710,7 @@ def flash_attention_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     return flash_attention_hopper_forward(q, k, v, causal, sm_scale)[0]
 
 
-# Demo and benchmark -----------------------------------------------------------------------------
-
-
+# --- Demo and benchmark ------------------------------------------------------------------------------------
 def _sdpa(q, k, v, causal: bool) -> tuple[torch.Tensor, None]:
     grouped = k.shape[1] != q.shape[1]
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=grouped), None

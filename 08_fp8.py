@@ -111,11 +111,8 @@ AMAX_EPS, AMAX_BYTES = 1e-12, 4  # the smallest amax a scale divides by; an fp32
 NAN_BITS, INF_BITS = 0x7F, {E4M3: 0x7F, E5M2: 0x7C}
 Quantized = tuple[torch.Tensor, torch.Tensor]  # (FP8 values, their scales)
 
-# ----------------------------------------------------------------------------------------------
-# The scale rule, the saturating cast and the scaling recipes
-# ----------------------------------------------------------------------------------------------
 
-
+# --- The scale rule, the saturating cast and the scaling recipes -------------------------------------------
 def fp8_max(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max
 
@@ -192,11 +189,7 @@ def quantize_blockwise(x: torch.Tensor, block: tuple[int, int], dtype: torch.dty
     return quantize_tiles(x, block, dtype)  # DeepSeek-V3: (1, 128) for activations, (128, 128) for weights
 
 
-# ----------------------------------------------------------------------------------------------
-# One fused pass in Triton (per-tile amax -> scale -> saturating cast, plus the amax); delayed scaling
-# ----------------------------------------------------------------------------------------------
-
-
+# --- One fused pass in Triton (per-tile amax -> scale -> saturating cast, plus the amax); delayed scaling ---
 @triton.jit
 def _max_keeping_nan(values, axis):
     """The max of values >= 0 along axis, NaN if any is NaN as in torch (tl.max skips NaN)."""
@@ -311,11 +304,7 @@ class DelayedScaling:
         return q.view(x.shape), scale  # any shape: the kernel sees rows of x's last dimension
 
 
-# ----------------------------------------------------------------------------------------------
-# FP8 GEMM and Float8Linear
-# ----------------------------------------------------------------------------------------------
-
-
+# --- FP8 GEMM and Float8Linear -----------------------------------------------------------------------------
 def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
     """a (M, K) @ b (N, K)^T for row-major FP8 a and b, with tensorwise ((1, 1)) or rowwise
@@ -436,11 +425,7 @@ def linear_seconds(tokens: int, in_features: int, out_features: int, hbm_bytes_p
     return gemm(t, k, n), gemm(t, n, k) + gemm(n, t, k)
 
 
-# ----------------------------------------------------------------------------------------------
-# FP8 communication: each weight cast once per step; ZeRO-3 all-gathers the casts
-# ----------------------------------------------------------------------------------------------
-
-
+# --- FP8 communication: each weight cast once per step; ZeRO-3 all-gathers the casts -----------------------
 def float8_weights(model: nn.Module) -> list[nn.Parameter]:
     """The weights of model's Float8Linear layers, each once."""
     return list(dict.fromkeys(m.weight for m in model.modules() if isinstance(m, Float8Linear)))
@@ -626,11 +611,7 @@ def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int
     return result, steps_meter
 
 
-# ----------------------------------------------------------------------------------------------
-# FP8 under tensor parallelism: every scale the whole tensor's
-# ----------------------------------------------------------------------------------------------
-
-
+# --- FP8 under tensor parallelism: every scale the whole tensor's ------------------------------------------
 def tensor_parallel_scales(model: nn.Module, group=None, sequence_parallel: bool = False) -> nn.Module:
     """After lesson 03 split model over group: each Float8Linear takes the scales one device would
     (the docstring's FP8 UNDER TENSOR PARALLELISM; a layer whole on SP's sequence shards: 06's router)."""
@@ -703,11 +684,7 @@ def train_float8_tensor_parallel(cfg: foundation.ModelConfig, steps: int, global
     return result, meter
 
 
-# ----------------------------------------------------------------------------------------------
-# RUN IT: measurements, the one-process demo and --bench; the distributed demo; the command line
-# ----------------------------------------------------------------------------------------------
-
-
+# --- RUN IT: measurements, the one-process demo and --bench; the distributed demo; the command line --------
 def realistic_activations(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     """Gaussian rows whose channels have log-normal scales plus a few 20x outlier channels, the
     shape of LLM activations (LLM.int8() found such outlier features in every large model)."""

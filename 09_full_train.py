@@ -127,8 +127,6 @@ STEPPING, TRAIN, PLAN = ("check", "train"), ("train",), ("plan",)  # an option's
 
 
 # --- The mesh -------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class MeshSizes:
     dp: int = option(1, "data-parallel ranks (ZeRO shards over dp x cp)", ">= 1")
@@ -215,8 +213,6 @@ def mesh_name(sizes: MeshSizes) -> str:
 
 
 # --- The whole configuration, checked before any collective ---------------------------------------
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     global_batch: int = option(8, "sequences per step", ">= 1")
@@ -282,8 +278,6 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
 
 
 # --- Where each held parameter comes from: the contract for reassembly and checkpoints ------------
-
-
 def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim: int | None = None,
                tp_start: int = 0, tp_length: int = 0, ep_start: int | None = None) -> zero.Piece:
     """The elements of the reference parameter `name` (global `shape`) that one rank's tensor of shape
@@ -324,8 +318,6 @@ def assemble(pieces: list[tuple["zero.Piece", torch.Tensor]]) -> dict:
 
 
 # --- The composed model and its step --------------------------------------------------------------
-
-
 def tensor_parallel_styles(moe) -> dict:
     """03's style of each module (TENSOR_PARALLEL_PLAN) but an MoE layer's: not split over tp."""
     styles = tensor_parallel.TENSOR_PARALLEL_PLAN
@@ -486,8 +478,6 @@ class Trainer:
 
 
 # --- The plan: what every rank holds and sends, by the lessons' formulas, for any mesh and model ---
-
-
 class UnitSizes(NamedTuple):
     """Elements one rank holds of a kind of ZeRO unit, by the ZeRO that holds them."""
     dense: int = 0    # in dp x cp's ZeRO
@@ -664,7 +654,6 @@ def summary(trainer: Trainer) -> dict:
 
 
 # --- Data (bytes are tokens, windows of seq_len + 1 in a seeded order per epoch), learning rate, MFU
-
 DEFAULT_CORPUS_BYTES = 2 << 20  # enough text for a CPU run; a fixed cap keeps it quick and fixed
 
 
@@ -811,8 +800,6 @@ def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8
 
 
 # --- Checkpoints: a Trainer's pieces in lesson 02's protocol (each element once, a resume reads its slices)
-
-
 def piece_of(trainer: Trainer, kind: str) -> "zero.PieceOf":
     """Lesson 02's piece_of for the trainer's ZeROs of this kind: a parameter of a unit as this rank
     holds it, its TP slice (03's tp_shard_dim) and, in the experts' ZeRO ("ep_dp"), its ep rank's experts."""
@@ -863,7 +850,6 @@ def resume_command(step: int) -> str:
 
 
 # --- The training run -----------------------------------------------------------------------------
-
 MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256 (bytes are tokens) unless the model sets one
     "tiny": (dict(dim=128, n_layers=4, n_heads=4, ffn_dim=352), 128, 16, 3e-3),  # CPU: a few minutes
     "1b": (dict(dim=2048, n_layers=16, n_heads=16, ffn_dim=5632), 2048, 8, 3e-4),  # 0.82B: one H100
@@ -1033,11 +1019,8 @@ def resumed_validation(meta: dict, again: float, sizes: MeshSizes) -> str:
             f"at first, then drift: it ends near, not on, that run's loss)")
 
 
-# ==============================================================================================
+# ===========================================================================================================
 # RUN IT: the two programs that run on ranks (train, check) and what they print
-# ==============================================================================================
-
-
 def train_run(args: argparse.Namespace) -> None:
     """The default job: train on text, print progress, checkpoints, the figures, a sample."""
     device = foundation.init_distributed()
@@ -1199,8 +1182,6 @@ def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
 
 
 # --- The equivalence check (check): the mesh against one device -----------------------------------
-
-
 def reference_transform(train: TrainConfig):
     """What the one-device reference converts its GPT with (an MoE model, or none)."""
     return None if train.moe is None else lambda model: expert_parallel.convert_to_moe(model, train.moe)
@@ -1285,11 +1266,9 @@ def demo(args: argparse.Namespace) -> None:
     foundation.exit_distributed()
 
 
-# ==============================================================================================
+# ===========================================================================================================
 # PLANNING AT SCALE (plan): a model and a cluster that are not here, priced from the lessons' own
 # formulas and measurements, nothing built
-# ==============================================================================================
-
 # 09's presets and published ones (Meta's Llama 3; the runs the README's planning table checks): (model,
 # seq_len, global_batch, lr). Peak lr from the Llama 3 paper; batches of 4M, 8M and 16M tokens (405B:
 # Meta's last). Megatron-Core's H100 table (vocabulary 131,072, 4,096 tokens) and MosaicML's MPT (50,368,
@@ -1316,8 +1295,6 @@ class PlanModel:
 
 
 # --- A cluster, and a step's time on it ------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Cluster:
     """The machines, by default H100 SXM nodes: NVIDIA's datasheet (989 dense bf16 TFLOP/s, 3.35 TB/s
@@ -1487,7 +1464,6 @@ def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | Non
 
 
 # --- The plan's report: one mesh, or the fastest that fit -----------------------------------------
-
 GROUP_NAMES = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_cp": "dp x cp", "ep_dp": "experts' dp", "ep": "ep"}
 
 
@@ -1581,8 +1557,6 @@ def plan_report(args: argparse.Namespace) -> str:
 
 
 # --- The command line: check | train | plan, made from the option fields -----------------------------
-
-
 @dataclass(frozen=True)
 class ModelOptions:  # the command line's choice of model (build_model_config, train_config make its configs)
     model: str = option("tiny", "the preset", commands=TRAIN, choices=MODELS)
