@@ -595,7 +595,7 @@ FLASH_BLOCK = context_parallel.BlockAttention("triton (lesson 07)", flash_block_
 
 # What attention costs: `--bench` on one H100 SXM (README, "On one H100"), forward + backward TFLOP/s by
 # (head_dim, causal) at each of BENCH_SEQS: this kernel ("flash"), SDPA's FlashAttention-2 backend
-# ("sdpa") and SDPA's cuDNN backend ("cudnn"). Lesson 10's planner prices attention with them.
+# ("sdpa") and SDPA's cuDNN backend ("cudnn"). 09's planner prices attention with them.
 BENCH_SEQS = (1024, 2048, 4096, 8192, 16384)
 ATTENTION_TFLOPS_H100 = {
     (64, False): dict(flash=(294.6, 309.0, 317.9, 319.8, 329.3), sdpa=(228.1, 257.1, 279.7, 290.5, 289.0),

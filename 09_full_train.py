@@ -1639,6 +1639,8 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
     if args.command == "check":
         return
     train_tokens, _ = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
+    if args.trace:  # written by rank 0 after the profiled steps: a bad path would strand the others
+        pipeline.check_writable("--trace", args.trace)
     if args.resume and args.folder is None:
         raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")
     if args.folder is not None and "RANK" not in os.environ:  # under torchrun, rank 0 locks (train_run)

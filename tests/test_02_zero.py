@@ -480,7 +480,7 @@ def test_memory_model_shards_exactly_what_each_stage_shards(psi, n):
             assert mem[key] == (full[key] / n if stage > i else full[key])
 
 
-# --- the time model (lesson 10's planner) ---------------------------------------------------------
+# --- the time model (09's planner) -------------------------------------------------------------------
 
 @pytest.mark.parametrize("stage", zero.STAGES)
 def test_zero_hides_its_traffic_behind_compute_where_it_can(stage):

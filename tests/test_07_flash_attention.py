@@ -586,7 +586,7 @@ def test_gpu_hopper_forward_error_at_most_twice_pytorch(dtype, causal, head_dim,
             assert context_parallel.max_diff(got, want) <= 2 * context_parallel.max_diff(theirs, want) + 1e-4, name
 
 
-# --- what attention costs: the measured rates lesson 10's planner prices it with -------------------
+# --- what attention costs: the measured rates 09's planner prices it with ---------------------------
 
 def test_the_planners_attention_rates_are_the_readmes_measurements():
     """ATTENTION_TFLOPS_H100 is README's `--bench` table (forward + backward: ours, SDPA's flash,

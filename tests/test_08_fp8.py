@@ -576,7 +576,7 @@ def test_cuda_triton_kernel_equals_torch_on_bf16(dtype):
         assert_same_quantisation(x, tile_cols, dtype)
 
 
-# --- what a GEMM costs: the measured rates lesson 10's planner prices every linear layer with -------
+# --- what a GEMM costs: the measured rates 09's planner prices every linear layer with ---------------
 
 def test_the_planners_gemm_rates_are_the_readmes_measurements():
     """GEMM_TFLOPS_H100 is README's `--bench` table (bf16, tensorwise FP8 with its scaling)."""

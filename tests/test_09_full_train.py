@@ -1222,9 +1222,15 @@ def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, list, str]:
     (["--temperature", "0"], "--temperature must be > 0"),
     (["--top-k", "0"], "--top-k must be >= 1"),
     (["--warmup", "0"], None),  # no warmup is a valid choice
+    (["--profile", "3", "--trace", "{tmp}/no such folder/t.json"], "--trace {tmp}/no such folder/t.json: its "
+                                                                   "folder does not exist"),
+    (["--profile", "3", "--trace", "{tmp}"], "--trace {tmp} is a folder: name a file in it"),
 ])
 def test_options_are_checked_before_launch_even_where_used_late(monkeypatch, capsys, tmp_path, argv, message):
+    """Rank 0 writes --trace after the profiled steps: a path it could not write would fail there,
+    leaving the other ranks waiting; every option is checked before any rank starts."""
     monkeypatch.delenv("RANK", raising=False)
+    argv, message = [a.format(tmp=tmp_path) for a in argv], message and message.format(tmp=tmp_path)
     code, err, launched, _ = run_main(monkeypatch, capsys, *argv, "--checkpoint-dir", str(tmp_path))
     if message is None:
         assert code == 0 and launched == [4] and not err, err
