@@ -106,12 +106,9 @@ Blackwell-only in Triton 3.6 and 3.7 (on sm_90 tl.range's warp_specialize=True c
 interpreter runs descriptors: the variant equals the main forward there, bit for bit; TMA, stages, shared
 memory are proved by compiling for sm_90 (tests/test_gpu_compile.py), speed by --bench.
 
-USE: GPT(cfg, attn_fn=flash_attention); FLASH_BLOCK is lesson 05's block attention on these kernels
-(flash_block_attention forward, flash_attention_backward with the ring's global out and lse), which
-05's ring and Ulysses take as their block (lesson 09 does on a GPU). RUN IT: python
-07_flash_attention.py [--bench (GPU, bf16, TFLOP/s: ours, HOPPER, SDPA's flash and cuDNN backends)].
-Look at the max differences against float64 beside PyTorch's attention in the same dtype, the lse
-exact to fp32 even from fp16 inputs, and the memory never used.
+RUN IT: python 07_flash_attention.py [--bench (GPU, bf16, TFLOP/s: ours, HOPPER, SDPA's flash and
+cuDNN backends)]. Look at the max differences against float64 beside PyTorch's attention in the same
+dtype, the lse exact to fp32 even from fp16 inputs, and the memory never used.
 """
 from __future__ import annotations
 
