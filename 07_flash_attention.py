@@ -121,8 +121,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-# Lesson 01 switches Triton to its interpreter when there is no GPU (unless TRITON_INTERPRET is set),
-# which must happen before anything imports triton: so the lessons come first.
+# First: without a GPU, lesson 01 switches on Triton's interpreter, before anything imports triton.
 foundation = importlib.import_module("01_ddp")
 context_parallel = importlib.import_module("05_context_parallel")
 
@@ -230,7 +229,6 @@ def _attend(acc, l_i, m_i, q, K, V, rows, start, end, seq_k, shift, qk_scale, KV
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head-dim tile width, dtype bytes), what the autotuner
 # times: on sm_90 with Triton 3.7.1 the 16-bit ones are spill-free, and all fit an H100's and an A100's
 # shared memory. fp32's exact dots run on CUDA cores (spilling on sm_90 at any tile): one small tile.
-# tests/test_gpu_compile.py proves it on every change (`python tests/test_gpu_compile.py`: the figures).
 FWD_GPU = {(64, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
            (128, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2)],
            (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
