@@ -63,7 +63,6 @@ its shard's elements on each rank (12 Psi / N), never the whole.
 
 RUN IT
     python 02_zero.py                       # 4 local CPU ranks (one per GPU on a GPU node)
-    torchrun --nproc_per_node=4 02_zero.py
     python 02_zero.py --bench               # ZeRO-3 against PyTorch's FSDP2 (fully_shard)
 Look at: the max |difference| from one device running AdamW with the same clipping (rounding only);
 the paper's table; the bytes each rank actually holds (live tensors' storages) beside the formula;

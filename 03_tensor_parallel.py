@@ -60,7 +60,6 @@ each block's input and reruns the block, ~1/3 more compute. Gradients are bitwis
 
 RUN IT
     python 03_tensor_parallel.py                       # 4 local CPU ranks, tp = 4
-    torchrun --nproc_per_node=4 03_tensor_parallel.py  # the same under torchrun
     python 03_tensor_parallel.py --bench               # against DTensor parallelize_module
 Look at: the max |difference| from one device (rounding only); the communication per layer per
 step, measured = formula, with and without SP; the activations per rank, measured = formula, and

@@ -50,7 +50,6 @@ results) moves (ep-1) x T_rank x D x s each way: ep / k times more.
 
 RUN IT
     python 06_expert_parallel.py                       # 4 local CPU ranks
-    torchrun --nproc_per_node=4 06_expert_parallel.py
     python 06_expert_parallel.py --bench               # all-to-all vs all-gather dispatcher
 Look at: max |difference| from one device (rounding only); the imbalance max/mean tokens per expert
 and the dropped tokens under the aux loss, the selection bias and neither; all-to-all bytes = formula.
