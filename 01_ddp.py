@@ -761,10 +761,8 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
     group_size(group)
     p2p_ops = []
     for kind, tensor, peer in ops:
-        if kind not in ("send", "recv"):
-            raise ValueError(f"p2p op kind must be 'send' or 'recv', got {kind!r}")
+        fn = {"send": dist.isend, "recv": dist.irecv}[kind]  # any other kind: a KeyError naming it
         _record(kind, group, tensor.nbytes, Fraction(tensor.nbytes if kind == "send" else 0))
-        fn = dist.isend if kind == "send" else dist.irecv
         p2p_ops.append(dist.P2POp(fn, tensor, group=group, group_peer=peer))
     return dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
 
