@@ -1005,10 +1005,9 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
     print(f"max |difference| from one device (AdamW + clip_grad_norm_), {steps} steps:\n"
           f"  {'run':<16}" + "".join(f"{c:>11}" for c in columns))
     for (mixed, stage), (result, _) in runs.items():
-        ref = references[mixed]
-        diffs = [max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True)),
-                 foundation.max_abs_diff(result.first_grads, ref.first_grads),
-                 *(foundation.max_abs_diff(result.state[key], ref.state[key]) for key in columns[2:])]
+        ref = references[mixed]  # result.params is result.state["params"], and ref's the same
+        diffs = [*result.max_differences(ref), *(foundation.max_abs_diff(result.state[k], ref.state[k])
+                                                  for k in ADAM_KEYS)]
         print(f"  {label[mixed]} ZeRO-{stage}" + "".join(f"{d:>11.1e}" for d in diffs))
     print("  (fp32: the same sums in another order. bf16: gradients rounded to 8 bits after sums in\n"
           "   another order; Adam turns that into lr-sized moves of the few elements whose gradient is ~0)")
