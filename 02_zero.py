@@ -1161,8 +1161,7 @@ def main() -> None:
             if args.global_batch % world:
                 raise ValueError(f"global_batch={args.global_batch} is not divisible by the group size "
                                  f"{world}")
-            foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
-                                    foundation.ModelConfig(**DEMO_MODEL), args.global_batch, args.seq_len,
+            foundation.check_memory(foundation.ModelConfig(**DEMO_MODEL), args.global_batch, args.seq_len,
                                     world)
 
     foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)

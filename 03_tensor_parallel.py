@@ -710,8 +710,8 @@ def main() -> None:
             raise ValueError(f"sequence length {seq_len} is not divisible by tp={tp} (the demo "
                              f"runs sequence parallelism)")
         if not args.bench:
-            foundation.check_memory(f"--batch {args.batch} x --seq-len {seq_len}, --vocab {args.vocab}",
-                                    cfg, args.batch, seq_len, tp)
+            foundation.check_memory(cfg, args.batch, seq_len, tp,
+                                    what=f"--batch {args.batch} x --seq-len {seq_len}, --vocab {args.vocab}")
 
     foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
 

@@ -633,8 +633,7 @@ def main() -> None:
             validate_pipeline(pp * args.virtual, pp, 2 * args.microbatches if args.bench else
                               args.global_batch, args.microbatches, name, v)
         if not args.bench:
-            foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
-                                    foundation.ModelConfig(), args.global_batch, args.seq_len, pp)
+            foundation.check_memory(foundation.ModelConfig(), args.global_batch, args.seq_len, pp)
 
     foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
 

@@ -522,8 +522,7 @@ def main() -> None:
             if size % ep:
                 raise ValueError(f"{name}={size} is not divisible by ep={ep}")
         if not args.bench:
-            foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
-                                    foundation.ModelConfig(), args.global_batch, args.seq_len, ep)
+            foundation.check_memory(foundation.ModelConfig(), args.global_batch, args.seq_len, ep)
 
     foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
 

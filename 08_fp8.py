@@ -921,8 +921,8 @@ def main() -> None:
         if training_device().type == "cuda" and (odd := [f"{k} {n}" for k, n in rows.items() if n % 16]):
             raise ValueError(f"FP8 GEMMs on CUDA need rows in multiples of 16, not {', '.join(odd)} (--batch "
                              f"x --seq-len)")
-        foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}", DEMO_MODEL, args.batch,
-                                args.seq_len, world)
+        foundation.check_memory(DEMO_MODEL, args.batch, args.seq_len, world,
+                                what=f"--batch {args.batch} x --seq-len {args.seq_len}")
 
     foundation.launch_lesson(parser, args, distributed_demo if distributed else bench if bench_run else demo,
                              validate)
