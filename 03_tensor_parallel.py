@@ -403,20 +403,29 @@ def unshard(param: torch.Tensor, group=None, like: nn.Parameter | None = None) -
 
 # --- Training, communication and memory --------------------------------------------------------------------
 def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
-                          sequence_parallel: bool = False, lr: float = 1e-3, adam_eps: float = 1e-8,
-                          group=None, device: torch.device | str = "cpu", transform=None):
-    """Every rank trains on the whole global batch with its shards. Returns the result (step-0
-    gradients and final parameters reassembled) and a meter of the steps' communication."""
+                          sequence_parallel: bool = False, microbatches: int = 1, lr: float = 1e-3,
+                          adam_eps: float = 1e-8, group=None, device: torch.device | str = "cpu",
+                          transform=None, after=None, around_step=lambda model: contextlib.nullcontext()):
+    """Every rank trains on the whole global batch with its shards, in microbatches whose gradients
+    add up. Returns the result (step-0 gradients and final parameters reassembled) and a meter of the
+    steps' communication. Lesson 08's hooks: transform (the GPT, before the split), after (the split
+    model), around_step(model) (a context around each step's forwards and backwards)."""
+    if microbatches < 1 or global_batch % microbatches:
+        raise ValueError(f"global_batch={global_batch} is not divisible by microbatches={microbatches}")
     model = (transform or (lambda model: model))(foundation.GPT(cfg)).to(device)
-    model = apply_tensor_parallel(model, group, sequence_parallel)
+    model = (after or (lambda model: model))(apply_tensor_parallel(model, group, sequence_parallel))
     optimizer = foundation.make_optimizer(model, lr, adam_eps)
     losses = []
     with foundation.comm_meter() as meter:
         for step in range(steps):
-            batch = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
-            loss = model(*(t.to(device) for t in batch))
-            loss.backward()
-            losses.append(loss.detach())  # .item() here would sync the GPU every step
+            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
+            loss = 0.0
+            with around_step(model):
+                for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True):
+                    part = model(x.to(device), y.to(device)) / microbatches
+                    part.backward()
+                    loss += part.detach()
+            losses.append(loss)  # .item() here would sync the GPU every step
             if step == 0:
                 grads = [(n, p.grad.clone(), p) for n, p in model.named_parameters() if p.grad is not None]
             optimizer.step()
