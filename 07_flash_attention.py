@@ -9,7 +9,7 @@ The sections, in order:
     (AN OPERATOR); flash_attention (GPT's attn_fn), FLASH_BLOCK (05's ring block); ATTENTION_TFLOPS_H100
     and attention_seconds (what attention costs, for 09's plan)
   A Hopper variant of the forward (HOPPER): HOPPER_FWD_GPU, _descriptor, _hopper_fwd_kernel;
-    flash_attention_hopper_forward (an operator), flash_attention_hopper (GPT's attn_fn)
+    _hopper_launch (flash_attention_forward's hopper=True), flash_attention_hopper (GPT's attn_fn)
   Demo and benchmark: demo, bench; the command line (Options, main)
 
 THE PROBLEM. out = softmax(scale Q K^T) V per (batch, head), for N queries and keys of head dim d.
@@ -481,22 +481,25 @@ def _outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.library.custom_op("lesson07::flash_attention_forward", mutates_args=(),
                          tags=(torch.Tag.needs_exact_strides,))
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                            sm_scale: float | None = None, q_offset: int = 0,
-                            k_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                            sm_scale: float | None = None, q_offset: int = 0, k_offset: int = 0,
+                            hopper: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """-> out (batch, heads, seq_q, head_dim), lse (batch, heads, seq_q) fp32, natural log, -inf
     where a row sees no key. out has q's memory layout; inputs in another layout than _dense's are
-    copied first (O(N d))."""
+    copied first (O(N d)). hopper: by the Hopper variant's kernel (HOPPER), where TMA can copy."""
     _validate(q, k, v)
     q, k = _dense(q), _dense(k)
     v = _as_layout(v, k)
     out, lse = _outputs(q)
     args, meta = _launch_args(q, k, q_offset, k_offset, causal, sm_scale)
-    _fwd_kernel[_grid(q.shape[2], "BLOCK_M", q)](q, k, v, out, lse, *args, **meta)
+    if hopper and not (any(t.data_ptr() % 16 for t in (q, k, v)) or q.shape[3] * q.element_size() % 16):
+        _hopper_launch(q, k, v, out, lse, args, meta)  # TMA's 16-byte rule: aligned starts and rows
+    else:
+        _fwd_kernel[_grid(q.shape[2], "BLOCK_M", q)](q, k, v, out, lse, *args, **meta)
     return out, lse
 
 
 @flash_attention_forward.register_fake
-def _forward_fake(q, k, v, causal=True, sm_scale=None, q_offset=0, k_offset=0):
+def _forward_fake(q, k, v, causal=True, sm_scale=None, q_offset=0, k_offset=0, hopper=False):
     _validate(q, k, v)
     return _outputs(q)
 
@@ -543,7 +546,7 @@ def _(q, k, v, out, lse, dout, dlse=None, causal=True, sm_scale=None, q_offset=0
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
-    q, k, v, *ctx.args = inputs  # causal, sm_scale, q_offset, k_offset
+    q, k, v, *ctx.args = inputs[:7]  # causal, sm_scale, q_offset, k_offset (not hopper: one backward)
     ctx.save_for_backward(q, k, v, *output)
     ctx.set_materialize_grads(False)  # an unused out or lse gets None, not a tensor of zeros
 
@@ -556,7 +559,7 @@ def _backward(ctx, dout, dlse):
                            "derivative) is not supported; use lesson 05's naive_attention or SDPA for that")
     q, k, v, out, lse = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout
-    return *flash_attention_backward(q, k, v, out, lse, dout, dlse, *ctx.args), None, None, None, None
+    return *flash_attention_backward(q, k, v, out, lse, dout, dlse, *ctx.args), None, None, None, None, None
 
 
 flash_attention_forward.register_autograd(_backward, setup_context=_save_for_backward)
@@ -675,34 +678,19 @@ def _hopper_fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_buck
         tl.store(LSE + b * q_batch + h * q_head + rows * Q_ROW, lse, mask=rows < seq_q)
 
 
-@torch.library.custom_op("lesson07::flash_attention_hopper_forward", mutates_args=(),
-                         tags=(torch.Tag.needs_exact_strides,))
-def flash_attention_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                                   sm_scale: float | None = None, q_offset: int = 0,
-                                   k_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_attention_forward by the Hopper kernel, or the main one where TMA cannot copy (16-byte rule)."""
-    _validate(q, k, v)
-    q, k = _dense(q), _dense(k)
-    v = _as_layout(v, k)
-    if any(t.data_ptr() % 16 for t in (q, k, v)) or q.shape[3] * q.element_size() % 16:
-        return flash_attention_forward(q, k, v, causal, sm_scale, q_offset, k_offset)
-    (out, lse), (args, meta) = _outputs(q), _launch_args(q, k, q_offset, k_offset, causal, sm_scale)
+def _hopper_launch(q, k, v, out, lse, args: list, meta: dict) -> None:
+    """flash_attention_forward(hopper=True)'s launch: the main one's arguments, one program per SM."""
     # Scratch memory for the descriptors, set per call: per thread, and autograd has threads of its own.
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=q.device))
     programs = 3 if INTERPRETED else torch.cuda.get_device_properties(q.device).multi_processor_count
     grid = lambda meta: (min(programs, triton.cdiv(q.shape[2], meta["BLOCK_M"]) * q.shape[0] * q.shape[1]),)
     _hopper_fwd_kernel[grid](q, k, v, out, lse, *args, q.shape[0], **meta)
-    return out, lse
-
-
-flash_attention_hopper_forward.register_fake(_forward_fake)
-flash_attention_hopper_forward.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def flash_attention_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                            sm_scale: float | None = None) -> torch.Tensor:
     """GPT(cfg, attn_fn=flash_attention_hopper): flash_attention with the Hopper forward."""
-    return flash_attention_hopper_forward(q, k, v, causal, sm_scale)[0]
+    return flash_attention_forward(q, k, v, causal, sm_scale, hopper=True)[0]
 
 
 # --- Demo and benchmark ------------------------------------------------------------------------------------
