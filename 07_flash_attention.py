@@ -807,12 +807,12 @@ class Options:
     seq: int = foundation.option(100, "the demo's tokens per sequence (100: a multiple of no block size)",
                                  ">= 1")
     head_dim: int = foundation.option(32, "the demo's size of each head, 16 to 128", (">= 16", "<= 128"))
-    bench: bool = foundation.option(False, "GPU: TFLOP/s against SDPA (flash), bf16")
+    bench: bool = foundation.option(False, "GPU, bf16 TFLOP/s: ours, the Hopper variant, SDPA's flash, cuDNN")
     bench_head_dims: tuple[int, ...] = foundation.option((64, 128), "head dims --bench sweeps",
                                                          (">= 16", "<= 128"), nargs="+")
     bench_seqs: tuple[int, ...] = foundation.option(BENCH_SEQS, "sequence lengths --bench sweeps (16k tokens "
                                                     "a batch)", ">= 1", nargs="+")
-    bench_group: int = foundation.option(1, "query heads per K/V head (grouped-query attention)",
+    bench_group: int = foundation.option(1, "--bench: query heads per K/V head (grouped-query attention)",
                                          choices=(1, 2, 4, 8))
 
 

@@ -872,7 +872,7 @@ class Options:
     bench: bool = foundation.option(False, "GPU: FP8 vs bf16 GEMMs and MLP", commands=("single",))
     bench_tokens: int = foundation.option(16384, "--bench: GEMM rows of the MLP", ">= 1",
                                           commands=("single",))
-    eager: bool = foundation.option(False, "bench without torch.compile", commands=("single",))
+    eager: bool = foundation.option(False, "--bench: without torch.compile", commands=("single",))
 
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, (Options,), {
