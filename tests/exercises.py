@@ -88,7 +88,7 @@ EXERCISES = (
         minutes=20,
         proofs=("test_tied_root_and_frozen_parameters_train_as_on_one_device[tie_embedding-1]",
                 "test_tied_root_and_frozen_parameters_train_as_on_one_device[freeze_some-0]",
-                "test_grad_squares_weighs_each_parameter_by_its_share[2]")),
+                "test_grad_squares_weighs_each_parameter_by_its_share[1]")),
     Exercise(
         "02.3", "02_zero.py", ("ZeRO._gather", "ZeRO._after_forward"),
         "ZeRO-3: gather before use, free after, prefetch the next",

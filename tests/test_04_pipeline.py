@@ -171,6 +171,7 @@ def test_the_rendezvous_model_catches_mismatches_and_deadlocks():
 @given(plan=schedules())
 @example(plan=pipeline.make_schedule("zb-h1", 4, 2))  # m < p: the last rank's F, B chain sets the length
 @example(plan=pipeline.make_schedule("zb-h1", 3, 1))
+@example(plan=pipeline.make_schedule("interleaved", 2, 4, 2))  # v stages a rank: (p-1) / (v m + p - 1)
 def test_planned_bubble_equals_the_formula(plan):
     step = max(end for _, end in plan.nominal.values())
     busy = sum(end - start for start, end in plan.nominal.values())

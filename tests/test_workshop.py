@@ -224,12 +224,18 @@ WAVES = waves()
 # A plausible wrong answer for every exercise (the argument or case it could ignore, the slip it could
 # make), planted in a copy where its exercise is otherwise written: (exercise, lesson, [(the right text in
 # the exercise's body, the wrong one), ...]). Grouped into copies so that no planted exercise's proofs run
-# another planted one's code (at most one per lesson, or two whose proofs never meet): a failure is the
-# exercise's own. Copy "second wave" also blanks the second wave, so it plants first-wave exercises only.
+# another planted one's code (one per lesson, or ones whose proofs never meet, an exercise after those it
+# needs): a failure is the exercise's own. Copy "second wave" blanks the second wave too, so it plants
+# only first-wave exercises that none of the second wave needs.
 WRONG = {
-    "second wave": [
+    "second wave": [  # the first wave's exercises that no second-wave exercise needs (its proofs run them)
         ("01.1", "01_ddp.py", [("all_reduce(param.grad, group=group)", "all_reduce(param.grad)"),
                                ("dist.get_world_size(group)", "dist.get_world_size()")]),  # the world's
+        ("09.3", "09_full_train.py", [("gpus_per_node % block == 0", "block <= gpus_per_node")]),  # unaligned
+        ("09.4", "09_full_train.py", [("max(busy) / (1 - bubble)", "max(busy) * (1 + bubble)")]),
+    ],
+    "wrong answers 1": [
+        ("01.2", "01_ddp.py", [("params):\n                break", "params):\n                continue")]),
         ("02.2", "02_zero.py", [(".square() * weight", ".square()")]),  # a replicated share counted whole
         ("03.1", "03_tensor_parallel.py", [("return backward(grad, ctx.group), None",
                                             "return forward(grad, ctx.group), None")]),  # f's own backward
@@ -241,8 +247,7 @@ WRONG = {
         ("08.1", "08_fp8.py", [("fp8_max(dtype)) / amax", "fp8_max(E4M3)) / amax")]),  # e4m3's for both
         ("09.1", "09_full_train.py", [("for dim in reversed(DIMS):", "for dim in DIMS:")]),  # dp fastest
     ],
-    "wrong answers 1": [
-        ("01.2", "01_ddp.py", [("params):\n                break", "params):\n                continue")]),
+    "wrong answers 2": [
         ("02.1", "02_zero.py", [("if self.sync_gradients:\n            self._reduce_scatter(unit)",
                                  "self._reduce_scatter(unit)")]),  # reduce-scatters inside no_sync() too
         ("03.2", "03_tensor_parallel.py", [('logits = logits.masked_fill(ids >= vocab_size, float("-inf"))',
@@ -256,17 +261,15 @@ WRONG = {
         ("09.2", "09_full_train.py", [("range(getattr(self, d)) for d in dims))",
                                        "range(getattr(self, d)) for d in reversed(dims)))")]),
     ],
-    "wrong answers 2": [
+    "wrong answers 3": [
         ("02.3", "02_zero.py", [("        self.units[index].release()\n", "")]),  # kept after its forward
         ("03.3", "03_tensor_parallel.py", [("f = GatherSequence if ctx.sequence_parallel else CopyToRegion",
                                             "f = CopyToRegion")]),  # SP ignored
         ("05.3", "05_context_parallel.py", [("_block_pairs(layout, me, owner, causal)",
                                              "_block_pairs(layout, me, owner, False)")]),  # the mask ignored
         ("08.3", "08_fp8.py", [(" / 2.0 ** self.margin", "")]),  # the margin ignored
-        ("09.3", "09_full_train.py", [("gpus_per_node % block == 0", "block <= gpus_per_node")]),  # unaligned
-        ("09.4", "09_full_train.py", [("max(busy) / (1 - bubble)", "max(busy) * (1 + bubble)")]),
     ],
-    "wrong answers 3": [  # 08.1 again: 08.2 and 08.3 build on it, so alone
+    "wrong answers 4": [  # 08.1 again: 08.2 and 08.3 build on it, so alone
         ("08.1", "08_fp8.py", [("amax.float().clamp(min=AMAX_EPS)", "amax.float() + AMAX_EPS")]),  # floor added
     ],
 }
