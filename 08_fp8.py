@@ -779,6 +779,15 @@ def bench(args: argparse.Namespace) -> None:
             row += "".join(f"{2 * n ** 3 / t / 1e9:>17.0f}" for t in ms)
             row += "".join(f"{bf16_ms / t:>16.2f}x" for t in ms)
         print(f"{n:>7}{2 * n ** 3 / bf16_ms / 1e9:>7.0f}{row}", flush=True)
+    x, tensorwise = torch.randn(8192, 8192, device=dev, dtype=bf16), compile_fn(quantize_tensorwise)
+    print("\nCasting 8192 x 8192 bf16 to e4m3, GB/s of the bytes a cast must move (read 2 B, write 1 B a "
+          "value) beside a bf16 copy's (2 + 2 B: the practical peak):")
+    casts = (("bf16 copy", x.clone, 4), ("fused rowwise, one pass", lambda: fused_amax_cast(x), 3),
+             ("fused 1 x 128 tiles", lambda: fused_amax_cast(x, 128), 3),
+             ("tensorwise (amax, then cast)", lambda: tensorwise(x), 3))
+    gbps = {name: moved * x.numel() / median_ms(cast) / 1e6 for name, cast, moved in casts}
+    for name, rate in gbps.items():
+        print(f"  {name:<30}{rate:>7.0f} GB/s{rate / gbps['bf16 copy']:>7.0%} of the copy's")
     print(f"\nSwiGLU MLP forward+backward, {args.bench_tokens} tokens (ms):")
     print(f"{'dim -> ffn':>14}{'bf16':>9}{'Float8Linear':>14}{'speed-up':>10}")
     for dim, ffn_dim in ((4096, 14336), (8192, 28672)):  # Llama-3 8B and 70B MLPs
