@@ -579,8 +579,9 @@ def test_cuda_triton_kernel_equals_torch_on_bf16(dtype):
 # --- what a GEMM costs: the measured rates 09's planner prices every linear layer with ---------------
 
 def test_the_planners_gemm_rates_are_the_readmes_measurements():
-    """GEMM_TFLOPS_H100 is README's `--bench` table (bf16, tensorwise FP8 with its scaling)."""
-    rows = re.findall(r"\n\| (\d+) \| (\d+) \| \d+ \| (\d+) \| [\d.]+x \|", (ROOT / "README.md").read_text())
+    """GEMM_TFLOPS_H100 is README's `--bench` table (bf16, the tensorwise FP8 GEMM: its casts are priced
+    by their bytes, float8_cast_bytes)."""
+    rows = re.findall(r"\n\| (\d+) \| (\d+) \| (\d+) \| \d+ \| [\d.]+x \|", (ROOT / "README.md").read_text())
     assert {int(n): (int(bf16), int(float8)) for n, bf16, float8 in rows} == fp8.GEMM_TFLOPS_H100
 
 
@@ -597,6 +598,20 @@ def test_a_gemm_is_priced_by_its_flops_or_its_bytes_whichever_is_longer():
     assert fp8.gemm_seconds(16384, 2048, 2048, hbm) == pytest.approx(2 * 16384 * 2048 ** 2 / 770e12, rel=1e-12)
     forward, backward = fp8.linear_seconds(16384, 2048, 5632, hbm)
     assert backward == pytest.approx(2 * forward, rel=1e-12)
+
+
+def test_a_float8_linear_is_its_three_fp8_gemms_and_its_casts_bytes():
+    """Float8Linear from bf16 (tensorwise current scaling): x cast in forward, 5 B an element (its amax
+    read, then read and written as one byte), the weight's too, weight_casts times (09: once a step over
+    m microbatches, 1/m a call); backward casts the output gradient and copies the gradient, x and W
+    column-major (2 B an element): on top of the three FP8 GEMMs at their rate or their bytes."""
+    t, k, n, hbm = 8192, 4096, 14336, 3.35e12
+    forward, backward = fp8.float8_cast_bytes(t, k, n, weight_casts=0.25)
+    assert (forward, backward) == (5 * t * k + 1.25 * k * n, 5 * t * n + 2 * (t * n + t * k + k * n))
+    f, b = fp8.linear_seconds(t, k, n, hbm, float8=True, speed=2.0, weight_casts=0.25)
+    gemm = lambda *mkn: fp8.gemm_seconds(*mkn, hbm, True, 2.0)  # noqa: E731
+    assert f == pytest.approx(gemm(t, k, n) + forward / hbm, rel=1e-12)
+    assert b == pytest.approx(gemm(t, n, k) + gemm(n, t, k) + backward / hbm, rel=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------
