@@ -400,9 +400,11 @@ def convert_to_float8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) ->
 
 
 # What a GEMM costs: this lesson's `--bench` on one H100 SXM (README, "On one H100"), TFLOP/s of a @ b.t()
-# at M = N = K: bf16, and tensorwise FP8 (the GEMM; its casts are priced by their bytes, float8_cast_bytes).
-# Lesson 09's planner prices every linear layer with them.
-GEMM_TFLOPS_H100 = {4096: (770, 1210), 8192: (709, 1230), 16384: (746, 1286)}  # M=N=K: (bf16, FP8)
+# at M = N = K: bf16, tensorwise FP8, and FP8 with both operands' amax and cast. Lesson 09's planner prices
+# every linear layer with them: the GEMMs at the first two, the casts by their bytes (float8_cast_bytes) at
+# CAST_BYTES an element, what the third column's extra time is at the H100's 3.35 TB/s: 7.9, 11.7, 10.7.
+GEMM_TFLOPS_H100 = {4096: (770, 1210, 713), 8192: (709, 1230, 808), 16384: (746, 1286, 1028)}
+CAST_BYTES = sum(n * (1 / cast - 1 / f8) * 3.35 for n, (_, f8, cast) in GEMM_TFLOPS_H100.items()) / 3  # ~10
 
 
 def gemm_seconds(m: int, k: int, n: int, hbm_bytes_per_s: float, float8: bool = False,
@@ -418,11 +420,11 @@ def gemm_seconds(m: int, k: int, n: int, hbm_bytes_per_s: float, float8: bool = 
 
 def float8_cast_bytes(tokens: int, in_features: int, out_features: int, weight_casts: float = 1) -> tuple:
     """Memory traffic (forward, backward) of Float8Linear's casts from bf16: tensorwise current scaling
-    reads an operand twice (its amax, then the cast) and writes a byte, 5 B an element (x, and the
-    weight weight_casts times: 09 casts it once a step), then backward's output gradient too, and the
-    column-major copies _scaled_mm wants of the gradient, x and W (1 B read, 1 written)."""
+    reads an operand twice (its amax, then the cast) and writes a byte, 5 B an element, measured CAST_BYTES
+    (x, and the weight weight_casts times: 09 casts it once a step), then backward's output gradient too,
+    and the column-major copies _scaled_mm wants of the gradient, x and W (1 B read, 1 written)."""
     x, w, g = tokens * in_features, in_features * out_features, tokens * out_features
-    return 5 * (x + weight_casts * w), 5 * g + 2 * (g + x + w)
+    return CAST_BYTES * (x + weight_casts * w), CAST_BYTES * g + 2 * (g + x + w)
 
 
 def linear_seconds(tokens: int, in_features: int, out_features: int, hbm_bytes_per_s: float,
