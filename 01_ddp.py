@@ -384,11 +384,12 @@ def launch_world_size(nproc: int) -> int:
     return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else nproc
 
 
-def check_memory(what: str, cfg: "ModelConfig", batch: int, seq_len: int, ranks: int,
-                 more: dict[str, int] | None = None) -> None:
+def check_memory(cfg: "ModelConfig", batch: int, seq_len: int, ranks: int, more: dict[str, int] | None = None,
+                 what: str | None = None) -> None:
     """For validate(world): refuse sizes whose largest tensors alone exceed this machine's memory. A
     lower bound: every rank draws the whole batch (synthetic_batch: 17 bytes a token) and holds the
     fp32 embedding and LM head; the fp32 logits exist once. more: the lesson's other tensors' bytes."""
+    what = what or f"--global-batch {batch} x --seq-len {seq_len}"
     parts = {f"the batch, embedding, LM head and logits of {ranks} rank{'s' * (ranks > 1)}":
              ranks * (17 * batch * (seq_len + 1) + 2 * 4 * cfg.vocab_size * cfg.dim)
              + 4 * batch * seq_len * cfg.vocab_size, **(more or {})}
@@ -761,10 +762,8 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
     group_size(group)
     p2p_ops = []
     for kind, tensor, peer in ops:
-        if kind not in ("send", "recv"):
-            raise ValueError(f"p2p op kind must be 'send' or 'recv', got {kind!r}")
+        fn = {"send": dist.isend, "recv": dist.irecv}[kind]  # any other kind: a KeyError naming it
         _record(kind, group, tensor.nbytes, Fraction(tensor.nbytes if kind == "send" else 0))
-        fn = dist.isend if kind == "send" else dist.irecv
         p2p_ops.append(dist.P2POp(fn, tensor, group=group, group_peer=peer))
     return dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
 
@@ -1075,8 +1074,7 @@ def main() -> None:
     def validate(world: int) -> None:
         if not args.bench:
             validate_data_parallel(args.global_batch, world, args.accum, "bucketed")
-            check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}", ModelConfig(),
-                         args.global_batch, args.seq_len, world)
+            check_memory(ModelConfig(), args.global_batch, args.seq_len, world)
 
     launch_lesson(parser, args, bench if args.bench else demo, validate)
 

@@ -63,7 +63,6 @@ its shard's elements on each rank (12 Psi / N), never the whole.
 
 RUN IT
     python 02_zero.py                       # 4 local CPU ranks (one per GPU on a GPU node)
-    torchrun --nproc_per_node=4 02_zero.py
     python 02_zero.py --bench               # ZeRO-3 against PyTorch's FSDP2 (fully_shard)
 Look at: the max |difference| from one device running AdamW with the same clipping (rounding only);
 the paper's table; the bytes each rank actually holds (live tensors' storages) beside the formula;
@@ -1015,10 +1014,9 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
     print(f"max |difference| from one device (AdamW + clip_grad_norm_), {steps} steps:\n"
           f"  {'run':<16}" + "".join(f"{c:>11}" for c in columns))
     for (mixed, stage), (result, _) in runs.items():
-        ref = references[mixed]
-        diffs = [max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True)),
-                 foundation.max_abs_diff(result.first_grads, ref.first_grads),
-                 *(foundation.max_abs_diff(result.state[key], ref.state[key]) for key in columns[2:])]
+        ref = references[mixed]  # result.params is result.state["params"], and ref's the same
+        diffs = [*result.max_differences(ref), *(foundation.max_abs_diff(result.state[k], ref.state[k])
+                                                  for k in ADAM_KEYS)]
         print(f"  {label[mixed]} ZeRO-{stage}" + "".join(f"{d:>11.1e}" for d in diffs))
     print("  (fp32: the same sums in another order. bf16: gradients rounded to 8 bits after sums in\n"
           "   another order; Adam turns that into lr-sized moves of the few elements whose gradient is ~0)")
@@ -1172,8 +1170,7 @@ def main() -> None:
             if args.global_batch % world:
                 raise ValueError(f"global_batch={args.global_batch} is not divisible by the group size "
                                  f"{world}")
-            foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
-                                    foundation.ModelConfig(**DEMO_MODEL), args.global_batch, args.seq_len,
+            foundation.check_memory(foundation.ModelConfig(**DEMO_MODEL), args.global_batch, args.seq_len,
                                     world)
 
     foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)

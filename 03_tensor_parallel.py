@@ -61,7 +61,6 @@ odd matmuls and attention). Gradients are bitwise the same.
 
 RUN IT
     python 03_tensor_parallel.py                       # 4 local CPU ranks, tp = 4
-    torchrun --nproc_per_node=4 03_tensor_parallel.py  # the same under torchrun
     python 03_tensor_parallel.py --bench               # against DTensor parallelize_module
 Look at: the max |difference| from one device (rounding only); the communication per layer per
 step, measured = formula, with and without SP; the activations per rank, measured = formula, and
@@ -410,20 +409,29 @@ def unshard(param: torch.Tensor, group=None, like: nn.Parameter | None = None) -
 
 # --- Training, communication and memory --------------------------------------------------------------------
 def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
-                          sequence_parallel: bool = False, lr: float = 1e-3, adam_eps: float = 1e-8,
-                          group=None, device: torch.device | str = "cpu", transform=None):
-    """Every rank trains on the whole global batch with its shards. Returns the result (step-0
-    gradients and final parameters reassembled) and a meter of the steps' communication."""
+                          sequence_parallel: bool = False, microbatches: int = 1, lr: float = 1e-3,
+                          adam_eps: float = 1e-8, group=None, device: torch.device | str = "cpu",
+                          transform=None, after=None, around_step=lambda model: contextlib.nullcontext()):
+    """Every rank trains on the whole global batch with its shards, in microbatches whose gradients
+    add up. Returns the result (step-0 gradients and final parameters reassembled) and a meter of the
+    steps' communication. Lesson 08's hooks: transform (the GPT, before the split), after (the split
+    model), around_step(model) (a context around each step's forwards and backwards)."""
+    if microbatches < 1 or global_batch % microbatches:
+        raise ValueError(f"global_batch={global_batch} is not divisible by microbatches={microbatches}")
     model = (transform or (lambda model: model))(foundation.GPT(cfg)).to(device)
-    model = apply_tensor_parallel(model, group, sequence_parallel)
+    model = (after or (lambda model: model))(apply_tensor_parallel(model, group, sequence_parallel))
     optimizer = foundation.make_optimizer(model, lr, adam_eps)
     losses = []
     with foundation.comm_meter() as meter:
         for step in range(steps):
-            batch = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
-            loss = model(*(t.to(device) for t in batch))
-            loss.backward()
-            losses.append(loss.detach())  # .item() here would sync the GPU every step
+            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
+            loss = 0.0
+            with around_step(model):
+                for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True):
+                    part = model(x.to(device), y.to(device)) / microbatches
+                    part.backward()
+                    loss += part.detach()
+            losses.append(loss)  # .item() here would sync the GPU every step
             if step == 0:
                 grads = [(n, p.grad.clone(), p) for n, p in model.named_parameters() if p.grad is not None]
             optimizer.step()
@@ -726,8 +734,8 @@ def main() -> None:
             raise ValueError(f"sequence length {seq_len} is not divisible by tp={tp} (the demo "
                              f"runs sequence parallelism)")
         if not args.bench:
-            foundation.check_memory(f"--batch {args.batch} x --seq-len {seq_len}, --vocab {args.vocab}",
-                                    cfg, args.batch, seq_len, tp)
+            foundation.check_memory(cfg, args.batch, seq_len, tp,
+                                    what=f"--batch {args.batch} x --seq-len {seq_len}, --vocab {args.vocab}")
 
     foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
 

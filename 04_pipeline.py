@@ -263,12 +263,6 @@ class Schedule:
     def split_backward(self) -> bool:
         return self.name == "zb-h1"
 
-    def bubble_formula(self) -> float:
-        return bubble_formula(self.name, self.pp, self.microbatches, self.virtual)
-
-    def in_flight_bound(self, rank: int) -> int:
-        return in_flight_bound(self.name, rank, self.pp, self.microbatches, self.virtual)
-
     def __str__(self) -> str:
         """One row per rank, two characters per unit of time: F3 is the forward of microbatch 3
         (lower case: a later chunk of the interleaved schedule), -- the rest of a longer action."""
@@ -527,9 +521,11 @@ def demo(args: argparse.Namespace) -> None:
           f"minute, {os.cpu_count()} cores.")
     trace = []
     for pid, (plan, per_rank, records) in enumerate(report):
-        peaks, bounds = [row[-1] for row in per_rank], [plan.in_flight_bound(r) for r in range(pp)]
+        peaks = [row[-1] for row in per_rank]
+        bounds = [in_flight_bound(plan.name, r, pp, m, plan.virtual) for r in range(pp)]
+        bubble = bubble_formula(plan.name, pp, m, plan.virtual)
         print(f"\n{plan.name}, p={pp}, m={m}, v={plan.virtual}: bubble measured "
-              f"{measured_bubble(records):.3f}, formula {plan.bubble_formula():.3f}; "
+              f"{measured_bubble(records):.3f}, formula {bubble:.3f}; "
               f"peak microbatches held per rank {peaks} (bound {bounds})")
         print(f"{plan}\n{draw_measured(records, pp)}")
         trace += trace_events(f"{plan.name} (v={plan.virtual})", pid, records)
@@ -633,8 +629,7 @@ def main() -> None:
             validate_pipeline(pp * args.virtual, pp, 2 * args.microbatches if args.bench else
                               args.global_batch, args.microbatches, name, v)
         if not args.bench:
-            foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
-                                    foundation.ModelConfig(), args.global_batch, args.seq_len, pp)
+            foundation.check_memory(foundation.ModelConfig(), args.global_batch, args.seq_len, pp)
 
     foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
 

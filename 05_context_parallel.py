@@ -608,8 +608,8 @@ def main() -> None:
         cfg = foundation.ModelConfig(n_heads=args.heads, n_kv_heads=args.kv_heads)
         scores = {"the float64 reference attention's scores": 8 * 2 * args.heads * args.seq_len ** 2,
                   "the work comparison's block scores": 8 * args.heads * args.work_seq_len ** 2 // cp}
-        foundation.check_memory(f"--seq-len {args.seq_len}, --work-seq-len {args.work_seq_len}", cfg,
-                                args.global_batch, args.seq_len, cp, scores)
+        foundation.check_memory(cfg, args.global_batch, args.seq_len, cp, scores,
+                                what=f"--seq-len {args.seq_len}, --work-seq-len {args.work_seq_len}")
 
     foundation.launch_lesson(parser, args, demo, validate)
 

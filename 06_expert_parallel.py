@@ -50,7 +50,6 @@ results) moves (ep-1) x T_rank x D x s each way: ep / k times more.
 
 RUN IT
     python 06_expert_parallel.py                       # 4 local CPU ranks
-    torchrun --nproc_per_node=4 06_expert_parallel.py
     python 06_expert_parallel.py --bench               # all-to-all vs all-gather dispatcher
 Look at: max |difference| from one device (rounding only); the imbalance max/mean tokens per expert
 and the dropped tokens under the aux loss, the selection bias and neither; all-to-all bytes = formula.
@@ -523,8 +522,7 @@ def main() -> None:
             if size % ep:
                 raise ValueError(f"{name}={size} is not divisible by ep={ep}")
         if not args.bench:
-            foundation.check_memory(f"--global-batch {args.global_batch} x --seq-len {args.seq_len}",
-                                    foundation.ModelConfig(), args.global_batch, args.seq_len, ep)
+            foundation.check_memory(foundation.ModelConfig(), args.global_batch, args.seq_len, ep)
 
     foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
 

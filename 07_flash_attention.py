@@ -9,7 +9,7 @@ The sections, in order:
     (AN OPERATOR); flash_attention (GPT's attn_fn), FLASH_BLOCK (05's ring block); ATTENTION_TFLOPS_H100
     and attention_seconds (what attention costs, for 09's plan)
   A Hopper variant of the forward (HOPPER): HOPPER_FWD_GPU, _descriptor, _hopper_fwd_kernel;
-    flash_attention_hopper_forward (an operator), flash_attention_hopper (GPT's attn_fn)
+    _hopper_launch (flash_attention_forward's hopper=True), flash_attention_hopper (GPT's attn_fn)
   Demo and benchmark: demo, bench; the command line (Options, main)
 
 THE PROBLEM. out = softmax(scale Q K^T) V per (batch, head), for N queries and keys of head dim d.
@@ -106,12 +106,9 @@ Blackwell-only in Triton 3.6 and 3.7 (on sm_90 tl.range's warp_specialize=True c
 interpreter runs descriptors: the variant equals the main forward there, bit for bit; TMA, stages, shared
 memory are proved by compiling for sm_90 (tests/test_gpu_compile.py), speed by --bench.
 
-USE: GPT(cfg, attn_fn=flash_attention); FLASH_BLOCK is lesson 05's block attention on these kernels
-(flash_block_attention forward, flash_attention_backward with the ring's global out and lse), which
-05's ring and Ulysses take as their block (lesson 09 does on a GPU). RUN IT: python
-07_flash_attention.py [--bench (GPU, bf16, TFLOP/s: ours, HOPPER, SDPA's flash and cuDNN backends)].
-Look at the max differences against float64 beside PyTorch's attention in the same dtype, the lse
-exact to fp32 even from fp16 inputs, and the memory never used.
+RUN IT: python 07_flash_attention.py [--bench (GPU, bf16, TFLOP/s: ours, HOPPER, SDPA's flash and
+cuDNN backends)]. Look at the max differences against float64 beside PyTorch's attention in the same
+dtype, the lse exact to fp32 even from fp16 inputs, and the memory never used.
 """
 from __future__ import annotations
 
@@ -124,8 +121,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-# Lesson 01 switches Triton to its interpreter when there is no GPU (unless TRITON_INTERPRET is set),
-# which must happen before anything imports triton: so the lessons come first.
+# First: without a GPU, lesson 01 switches on Triton's interpreter, before anything imports triton.
 foundation = importlib.import_module("01_ddp")
 context_parallel = importlib.import_module("05_context_parallel")
 
@@ -233,7 +229,6 @@ def _attend(acc, l_i, m_i, q, K, V, rows, start, end, seq_k, shift, qk_scale, KV
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head-dim tile width, dtype bytes), what the autotuner
 # times: on sm_90 with Triton 3.7.1 the 16-bit ones are spill-free, and all fit an H100's and an A100's
 # shared memory. fp32's exact dots run on CUDA cores (spilling on sm_90 at any tile): one small tile.
-# tests/test_gpu_compile.py proves it on every change (`python tests/test_gpu_compile.py`: the figures).
 FWD_GPU = {(64, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
            (128, 2): [(64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2)],
            (64, 4): [(32, 32, 4, 2)], (128, 4): [(32, 32, 8, 2)]}
@@ -486,22 +481,25 @@ def _outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.library.custom_op("lesson07::flash_attention_forward", mutates_args=(),
                          tags=(torch.Tag.needs_exact_strides,))
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                            sm_scale: float | None = None, q_offset: int = 0,
-                            k_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                            sm_scale: float | None = None, q_offset: int = 0, k_offset: int = 0,
+                            hopper: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """-> out (batch, heads, seq_q, head_dim), lse (batch, heads, seq_q) fp32, natural log, -inf
     where a row sees no key. out has q's memory layout; inputs in another layout than _dense's are
-    copied first (O(N d))."""
+    copied first (O(N d)). hopper: by the Hopper variant's kernel (HOPPER), where TMA can copy."""
     _validate(q, k, v)
     q, k = _dense(q), _dense(k)
     v = _as_layout(v, k)
     out, lse = _outputs(q)
     args, meta = _launch_args(q, k, q_offset, k_offset, causal, sm_scale)
-    _fwd_kernel[_grid(q.shape[2], "BLOCK_M", q)](q, k, v, out, lse, *args, **meta)
+    if hopper and not (any(t.data_ptr() % 16 for t in (q, k, v)) or q.shape[3] * q.element_size() % 16):
+        _hopper_launch(q, k, v, out, lse, args, meta)  # TMA's 16-byte rule: aligned starts and rows
+    else:
+        _fwd_kernel[_grid(q.shape[2], "BLOCK_M", q)](q, k, v, out, lse, *args, **meta)
     return out, lse
 
 
 @flash_attention_forward.register_fake
-def _forward_fake(q, k, v, causal=True, sm_scale=None, q_offset=0, k_offset=0):
+def _forward_fake(q, k, v, causal=True, sm_scale=None, q_offset=0, k_offset=0, hopper=False):
     _validate(q, k, v)
     return _outputs(q)
 
@@ -548,7 +546,7 @@ def _(q, k, v, out, lse, dout, dlse=None, causal=True, sm_scale=None, q_offset=0
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
-    q, k, v, *ctx.args = inputs  # causal, sm_scale, q_offset, k_offset
+    q, k, v, *ctx.args = inputs[:7]  # causal, sm_scale, q_offset, k_offset (not hopper: one backward)
     ctx.save_for_backward(q, k, v, *output)
     ctx.set_materialize_grads(False)  # an unused out or lse gets None, not a tensor of zeros
 
@@ -561,7 +559,7 @@ def _backward(ctx, dout, dlse):
                            "derivative) is not supported; use lesson 05's naive_attention or SDPA for that")
     q, k, v, out, lse = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout
-    return *flash_attention_backward(q, k, v, out, lse, dout, dlse, *ctx.args), None, None, None, None
+    return *flash_attention_backward(q, k, v, out, lse, dout, dlse, *ctx.args), None, None, None, None, None
 
 
 flash_attention_forward.register_autograd(_backward, setup_context=_save_for_backward)
@@ -688,34 +686,19 @@ def _hopper_fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_buck
         tl.store(LSE + b * q_batch + h * q_head + rows * Q_ROW, lse, mask=rows < seq_q)
 
 
-@torch.library.custom_op("lesson07::flash_attention_hopper_forward", mutates_args=(),
-                         tags=(torch.Tag.needs_exact_strides,))
-def flash_attention_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                                   sm_scale: float | None = None, q_offset: int = 0,
-                                   k_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_attention_forward by the Hopper kernel, or the main one where TMA cannot copy (16-byte rule)."""
-    _validate(q, k, v)
-    q, k = _dense(q), _dense(k)
-    v = _as_layout(v, k)
-    if any(t.data_ptr() % 16 for t in (q, k, v)) or q.shape[3] * q.element_size() % 16:
-        return flash_attention_forward(q, k, v, causal, sm_scale, q_offset, k_offset)
-    (out, lse), (args, meta) = _outputs(q), _launch_args(q, k, q_offset, k_offset, causal, sm_scale)
+def _hopper_launch(q, k, v, out, lse, args: list, meta: dict) -> None:
+    """flash_attention_forward(hopper=True)'s launch: the main one's arguments, one program per SM."""
     # Scratch memory for the descriptors, set per call: per thread, and autograd has threads of its own.
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=q.device))
     programs = 3 if INTERPRETED else torch.cuda.get_device_properties(q.device).multi_processor_count
     grid = lambda meta: (min(programs, triton.cdiv(q.shape[2], meta["BLOCK_M"]) * q.shape[0] * q.shape[1]),)
     _hopper_fwd_kernel[grid](q, k, v, out, lse, *args, q.shape[0], **meta)
-    return out, lse
-
-
-flash_attention_hopper_forward.register_fake(_forward_fake)
-flash_attention_hopper_forward.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def flash_attention_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                            sm_scale: float | None = None) -> torch.Tensor:
     """GPT(cfg, attn_fn=flash_attention_hopper): flash_attention with the Hopper forward."""
-    return flash_attention_hopper_forward(q, k, v, causal, sm_scale)[0]
+    return flash_attention_forward(q, k, v, causal, sm_scale, hopper=True)[0]
 
 
 # --- Demo and benchmark ------------------------------------------------------------------------------------
@@ -832,12 +815,12 @@ class Options:
     seq: int = foundation.option(100, "the demo's tokens per sequence (100: a multiple of no block size)",
                                  ">= 1")
     head_dim: int = foundation.option(32, "the demo's size of each head, 16 to 128", (">= 16", "<= 128"))
-    bench: bool = foundation.option(False, "GPU: TFLOP/s against SDPA (flash), bf16")
+    bench: bool = foundation.option(False, "GPU, bf16 TFLOP/s: ours, the Hopper variant, SDPA's flash, cuDNN")
     bench_head_dims: tuple[int, ...] = foundation.option((64, 128), "head dims --bench sweeps",
                                                          (">= 16", "<= 128"), nargs="+")
     bench_seqs: tuple[int, ...] = foundation.option(BENCH_SEQS, "sequence lengths --bench sweeps (16k tokens "
                                                     "a batch)", ">= 1", nargs="+")
-    bench_group: int = foundation.option(1, "query heads per K/V head (grouped-query attention)",
+    bench_group: int = foundation.option(1, "--bench: query heads per K/V head (grouped-query attention)",
                                          choices=(1, 2, 4, 8))
 
 

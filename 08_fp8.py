@@ -663,37 +663,16 @@ def tensor_parallel_amax_traffic(tp: int, layers: int, microbatches: int = 1, *,
 
 
 def train_float8_tensor_parallel(cfg: foundation.ModelConfig, steps: int, global_batch: int, seq_len: int, *,
-                                 sequence_parallel: bool = False, microbatches: int = 1,
-                                 whole_tensor_scales: bool = True, lr: float = 1e-3, adam_eps: float = 1e-8,
-                                 group=None, device: torch.device | str = "cpu"):
-    """03's train_tensor_parallel for the FP8 GPT, in microbatches, each weight cast once per step.
-    whole_tensor_scales=False: each rank scales by its own pieces (what tensor_parallel_scales prevents)."""
-    if microbatches < 1 or global_batch % microbatches:
-        raise ValueError(f"global_batch={global_batch} is not divisible by microbatches={microbatches}")
-    model = convert_to_float8(foundation.GPT(cfg)).to(device)
-    model = tensor_parallel.apply_tensor_parallel(model, group, sequence_parallel)
-    if whole_tensor_scales:
-        tensor_parallel_scales(model, group, sequence_parallel)
-    optimizer, result = foundation.make_optimizer(model, lr, adam_eps), foundation.TrainResult([], {}, {})
-    with foundation.comm_meter() as meter:
-        for step in range(steps):
-            tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
-            loss = 0.0
-            with weights_cast_once(model):
-                for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True):
-                    microbatch_loss = model(x.to(device), y.to(device)) / microbatches
-                    microbatch_loss.backward()
-                    loss += microbatch_loss.detach()
-            result.losses.append(loss)
-            if step == 0:
-                grads = [(n, p.grad.clone(), p) for n, p in model.named_parameters() if p.grad is not None]
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    result.losses = [loss.item() for loss in result.losses]
-    unshard = tensor_parallel.unshard
-    result.first_grads = foundation.cpu_copy((n, unshard(g, group, like=p)) for n, g, p in grads)
-    result.params = foundation.cpu_copy((n, unshard(p, group)) for n, p in model.named_parameters())
-    return result, meter
+                                 sequence_parallel: bool = False, whole_tensor_scales: bool = True,
+                                 group=None, **kwargs):
+    """03's train_tensor_parallel (kwargs: microbatches, lr, adam_eps, device) for the FP8 GPT, each weight
+    cast once per step. whole_tensor_scales=False: each rank scales by its own pieces (what
+    tensor_parallel_scales prevents)."""
+    scales = functools.partial(tensor_parallel_scales, group=group, sequence_parallel=sequence_parallel)
+    return tensor_parallel.train_tensor_parallel(
+        cfg, steps, global_batch, seq_len, sequence_parallel=sequence_parallel, group=group,
+        transform=convert_to_float8, after=scales if whole_tensor_scales else None,
+        around_step=weights_cast_once, **kwargs)
 
 
 # --- RUN IT: measurements, the one-process demo and --bench; the distributed demo; the command line --------
@@ -812,6 +791,15 @@ def bench(args: argparse.Namespace) -> None:
             row += "".join(f"{2 * n ** 3 / t / 1e9:>17.0f}" for t in ms)
             row += "".join(f"{bf16_ms / t:>16.2f}x" for t in ms)
         print(f"{n:>7}{2 * n ** 3 / bf16_ms / 1e9:>7.0f}{row}", flush=True)
+    x, tensorwise = torch.randn(8192, 8192, device=dev, dtype=bf16), compile_fn(quantize_tensorwise)
+    print("\nCasting 8192 x 8192 bf16 to e4m3, GB/s of the bytes a cast must move (read 2 B, write 1 B a "
+          "value) beside a bf16 copy's (2 + 2 B: the practical peak):")
+    casts = (("bf16 copy", x.clone, 4), ("fused rowwise, one pass", lambda: fused_amax_cast(x), 3),
+             ("fused 1 x 128 tiles", lambda: fused_amax_cast(x, 128), 3),
+             ("tensorwise (amax, then cast)", lambda: tensorwise(x), 3))
+    gbps = {name: moved * x.numel() / median_ms(cast) / 1e6 for name, cast, moved in casts}
+    for name, rate in gbps.items():
+        print(f"  {name:<30}{rate:>7.0f} GB/s{rate / gbps['bf16 copy']:>7.0%} of the copy's")
     print(f"\nSwiGLU MLP forward+backward, {args.bench_tokens} tokens (ms):")
     print(f"{'dim -> ffn':>14}{'bf16':>9}{'Float8Linear':>14}{'speed-up':>10}")
     for dim, ffn_dim in ((4096, 14336), (8192, 28672)):  # Llama-3 8B and 70B MLPs
@@ -905,7 +893,7 @@ class Options:
     bench: bool = foundation.option(False, "GPU: FP8 vs bf16 GEMMs and MLP", commands=("single",))
     bench_tokens: int = foundation.option(16384, "--bench: GEMM rows of the MLP", ">= 1",
                                           commands=("single",))
-    eager: bool = foundation.option(False, "bench without torch.compile", commands=("single",))
+    eager: bool = foundation.option(False, "--bench: without torch.compile", commands=("single",))
 
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, (Options,), {
@@ -933,8 +921,8 @@ def main() -> None:
         if training_device().type == "cuda" and (odd := [f"{k} {n}" for k, n in rows.items() if n % 16]):
             raise ValueError(f"FP8 GEMMs on CUDA need rows in multiples of 16, not {', '.join(odd)} (--batch "
                              f"x --seq-len)")
-        foundation.check_memory(f"--batch {args.batch} x --seq-len {args.seq_len}", DEMO_MODEL, args.batch,
-                                args.seq_len, world)
+        foundation.check_memory(DEMO_MODEL, args.batch, args.seq_len, world,
+                                what=f"--batch {args.batch} x --seq-len {args.seq_len}")
 
     foundation.launch_lesson(parser, args, distributed_demo if distributed else bench if bench_run else demo,
                              validate)

@@ -44,7 +44,8 @@ EXERCISES = (
         hint="The sum of N rank-mean gradients / N is the gradient of the global batch's mean loss; "
              "dist.get_world_size(group) is N.",
         minutes=10,
-        proofs=("test_frozen_parameters_are_skipped_and_unused_trainable_ones_refused[naive]",)),
+        proofs=("test_frozen_parameters_are_skipped_and_unused_trainable_ones_refused[naive]",
+                "test_naive_averaging_stays_within_its_group")),
     Exercise(
         "01.2", "01_ddp.py", ("BucketedDataParallel._on_grad_ready", "GradBucket.unpack"),
         "bucketed all-reduce, launched from the gradient hook",
@@ -86,7 +87,8 @@ EXERCISES = (
              "own norm is the classic bug.",
         minutes=20,
         proofs=("test_tied_root_and_frozen_parameters_train_as_on_one_device[tie_embedding-1]",
-                "test_tied_root_and_frozen_parameters_train_as_on_one_device[freeze_some-0]")),
+                "test_tied_root_and_frozen_parameters_train_as_on_one_device[freeze_some-0]",
+                "test_grad_squares_weighs_each_parameter_by_its_share[1]")),
     Exercise(
         "02.3", "02_zero.py", ("ZeRO._gather", "ZeRO._after_forward"),
         "ZeRO-3: gather before use, free after, prefetch the next",

@@ -684,6 +684,23 @@ def test_buckets_launch_in_order_even_if_a_later_one_fills_first(rank_pool):
         assert averaged == [1.0], "ones on both ranks average to ones"
 
 
+def naive_average_in_groups_of_two_and_one() -> float:
+    """3 ranks in groups {0, 1} and {2}; rank r's only gradient is r + 1, frozen one aside."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2])]  # every rank creates every group
+    model = torch.nn.Linear(1, 1, bias=False)
+    model.weight.grad = torch.full((1, 1), dist.get_rank() + 1.0)
+    frozen = torch.nn.Linear(1, 1, bias=False).requires_grad_(False)
+    model.add_module("frozen", frozen)
+    foundation.all_reduce_gradients(model, groups[dist.get_rank() // 2])
+    return model.weight.grad.item()
+
+
+def test_naive_averaging_stays_within_its_group(rank_pool):
+    """The mean over the rank's own group: (1 + 2) / 2 on ranks 0 and 1, 3 alone on rank 2. Over the
+    world (or divided by the world's size) every rank would get 2.0 (or 1.0, 1.0, 1.0)."""
+    assert rank_pool.run(3, naive_average_in_groups_of_two_and_one) == [1.5, 1.5, 3.0]
+
+
 def train_on_strided_subgroups(cfg, steps, global_batch, seq_len):
     """4 ranks, two data-parallel groups {0, 2} and {1, 3}: nothing may assume the world group."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group

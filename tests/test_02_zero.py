@@ -179,6 +179,41 @@ def test_uneven_sizes_clipping_and_traffic_ratios(rank_pool):
         assert traffic == expected * ddp_traffic
 
 
+def squares_weighed_by_share(cfg, stage: int) -> tuple[float, float]:
+    """On each rank: grad_squares(share) of ZeRO after its half of a batch, and the same sum from the
+    whole batch's gradient on this rank alone. share: the attention's weights count 1/3 on each rank,
+    as a parameter replicated over tp = 3 does (09's clipping)."""
+    def share(p):
+        return 1 / 3 if getattr(p, "replicated", False) else 1.0
+
+    def build():
+        model = foundation.GPT(cfg)
+        for name, p in model.named_parameters():
+            p.replicated = name.endswith(("q_proj.weight", "out_proj.weight"))
+        return model
+
+    tokens, targets = foundation.synthetic_batch(cfg, 4, 6, 0)
+    whole = build()
+    whole(tokens, targets).backward()
+    expected = sum(share(p) * p.grad.double().square().sum() for p in whole.parameters())
+    model = build()
+    optimizer = zero.ZeRO(model, stage)
+    rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+    model(tokens[rows], targets[rows]).backward()
+    optimizer.finish_gradient_sync()
+    return optimizer.grad_squares(share).item(), float(expected)
+
+
+@pytest.mark.parametrize("stage", zero.STAGES)
+def test_grad_squares_weighs_each_parameter_by_its_share(rank_pool, stage):
+    """The norm a model split over more ranks clips by (09: tp) sums each rank's part, a parameter
+    held by t of them counting 1/t: every stage's shards give the whole gradient's weighed sum (fp32
+    sums of ~10^3 squares: 1e-5 relative)."""
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20, seed=3)
+    for got, expected in rank_pool.run(2, squares_weighed_by_share, cfg, stage):
+        assert got == pytest.approx(expected, rel=1e-5)
+
+
 # --- models that are not the reference GPT: what FSDP2 supports, ZeRO supports -----------------
 
 def tie_embedding(model):

@@ -552,7 +552,7 @@ def test_hopper_forward_is_the_main_forward_bit_for_bit(batch, kv_heads, group, 
     if layout_01:
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     main = flash.flash_attention_forward(q, k, v, causal, None, q_offset, k_offset)
-    hopper = flash.flash_attention_hopper_forward(q, k, v, causal, None, q_offset, k_offset)
+    hopper = flash.flash_attention_forward(q, k, v, causal, None, q_offset, k_offset, hopper=True)
     for name, a, b in zip(("out", "lse"), main, hopper, strict=True):
         assert torch.equal(a, b) and a.stride() == b.stride(), name
 
@@ -575,12 +575,12 @@ def test_gpt_with_the_hopper_forward_is_the_same_model_in_one_graph():
 
 
 def test_hopper_operator_passes_opcheck():
-    """torch.library.opcheck on the Hopper operator, as on the main ones: lesson 01's layout, grouped-query,
-    rows with no key; its fake and autograd are the main forward's."""
+    """torch.library.opcheck on the forward operator with hopper=True, as on the main ones: lesson 01's
+    layout, grouped-query, rows with no key; its fake and autograd are the main forward's."""
     q, k, v, _, _ = random_inputs(1, 4, 20, 24, 16, torch.float32, seed=11, kv_heads=2)
     as_01 = [t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v)]
-    results = torch.library.opcheck(torch.ops.lesson07.flash_attention_hopper_forward.default,
-                                    (*as_01, True, None, 0, 8))
+    results = torch.library.opcheck(torch.ops.lesson07.flash_attention_forward.default,
+                                    (*as_01, True, None, 0, 8, True))
     assert set(results.values()) == {"SUCCESS"}, results
 
 
@@ -594,8 +594,8 @@ def test_gpu_hopper_forward_error_at_most_twice_pytorch(dtype, causal, head_dim,
     q, k, v, dout, _ = random_inputs(*GPU_SHAPE, GPU_SHAPE[2], head_dim, dtype, seed=4, kv_heads=kv_heads)
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     reference = float64_reference(q, k, v, dout, None, causal)
-    ours = context_parallel.outputs_and_grads(lambda *x: flash.flash_attention_hopper_forward(*x, causal), q, k, v,
-                                              dout)
+    ours = context_parallel.outputs_and_grads(lambda *x: flash.flash_attention_forward(*x, causal, hopper=True),
+                                              q, k, v, dout)
     torch_sdpa = context_parallel.outputs_and_grads(lambda *x: (torch.nn.functional.scaled_dot_product_attention(
         *x, is_causal=causal, enable_gqa=True), None), q, k, v, dout)
     assert context_parallel.max_diff(ours[1], reference[1]) <= 1e-4

@@ -10,14 +10,14 @@ proofs of every exercise are not run twice each):
   those bodies replaced by (docstring, raise), nothing else; the body's full-line comments stay;
 - a copy with no exercise is the course byte for byte, so a solved exercise (its body written back)
   is the course's own code;
-- every proof of every exercise fails on its blank, naming the exercise, and passes solved: three
-  pytest sessions, not one per exercise. The first two each blank a wave of exercises whose needs
-  are written in their copy (the first wave those that need none, the second the rest), so a proof
-  meets its own exercise's blank first. The second also grades the first wave's exercises written
-  right whose proofs run nothing the second wave blanks (SOLVED); the third grades every other
-  exercise on the course itself, the solutions;
-- five plausible wrong answers, planted in first-wave exercises of the second copy, fail their
-  checks, the proof named on each line;
+- every proof of every exercise fails on its blank, naming the exercise, and passes solved: a few
+  pytest sessions, not one per exercise. Two each blank a wave of exercises whose needs are written
+  in their copy (the first wave those that need none, the second the rest), so a proof meets its own
+  exercise's blank first; one grades every exercise on the course itself, the solutions;
+- a plausible wrong answer for every exercise (and the ones a review found graded "solved": 01.1
+  for the world group, 02.2 without a replicated share, 08.1 with e4m3's maximum for both formats or
+  its floor added, 06.1 with the all-to-all's splits swapped, which hung) fails its check, the proof
+  named on each line: planted in copies where no planted exercise's proofs run another's code;
 - bad commands: one line, exit status 2, nothing written.
 """
 from __future__ import annotations
@@ -221,59 +221,103 @@ def waves() -> list[list[str]]:
 
 
 WAVES = waves()
-# Wrong answers a participant could plausibly write, planted in exercises of the first wave, which
-# the second wave's copy has written: (lesson, the right text in the exercise's body, the wrong one).
-PLANTED = {
-    "01.1": ("01_ddp.py", "        param.grad.div_(world)\n", ""),  # no division by the group size
-    "04.1": ("04_pipeline.py", "min(m, pp - rank - 1)", "min(m, pp - rank)"),  # a warm-up forward too many
-    "05.1": ("05_context_parallel.py", "lse_a - F.logsigmoid(diff)", "lse_a + F.logsigmoid(diff)"),  # a sign
-    "09.3": ("09_full_train.py", "gpus_per_node % block == 0", "block <= gpus_per_node"),  # fits, unaligned
-    "09.4": ("09_full_train.py", "max(busy) / (1 - bubble)", "max(busy) * (1 + bubble)"),  # stretched wrong
+# A plausible wrong answer for every exercise (the argument or case it could ignore, the slip it could
+# make), planted in a copy where its exercise is otherwise written: (exercise, lesson, [(the right text in
+# the exercise's body, the wrong one), ...]). Grouped into copies so that no planted exercise's proofs run
+# another planted one's code (one per lesson, or ones whose proofs never meet, an exercise after those it
+# needs): a failure is the exercise's own. Copy "second wave" blanks the second wave too, so it plants
+# only first-wave exercises that none of the second wave needs.
+WRONG = {
+    "second wave": [  # the first wave's exercises that no second-wave exercise needs (its proofs run them)
+        ("01.1", "01_ddp.py", [("all_reduce(param.grad, group=group)", "all_reduce(param.grad)"),
+                               ("dist.get_world_size(group)", "dist.get_world_size()")]),  # the world's
+        ("09.3", "09_full_train.py", [("gpus_per_node % block == 0", "block <= gpus_per_node")]),  # unaligned
+        ("09.4", "09_full_train.py", [("max(busy) / (1 - bubble)", "max(busy) * (1 + bubble)")]),
+    ],
+    "wrong answers 1": [
+        ("01.2", "01_ddp.py", [("params):\n                break", "params):\n                continue")]),
+        ("02.2", "02_zero.py", [(".square() * weight", ".square()")]),  # a replicated share counted whole
+        ("03.1", "03_tensor_parallel.py", [("return backward(grad, ctx.group), None",
+                                            "return forward(grad, ctx.group), None")]),  # f's own backward
+        ("04.1", "04_pipeline.py", [("min(m, pp - rank - 1)", "min(m, pp - rank)")]),  # a warm-up too many
+        ("05.1", "05_context_parallel.py", [("lse_a - F.logsigmoid(diff)", "lse_a + F.logsigmoid(diff)")]),
+        ("06.1", "06_expert_parallel.py", [("plan.recv_splits, plan.send_splits, plan.group)",
+                                            "plan.send_splits, plan.recv_splits, plan.group)")]),  # swapped
+        ("07.1", "07_flash_attention.py", [("start_m + shift + 1)", "start_m + shift)")]),  # the diagonal
+        ("08.1", "08_fp8.py", [("fp8_max(dtype)) / amax", "fp8_max(E4M3)) / amax")]),  # e4m3's for both
+        ("09.1", "09_full_train.py", [("for dim in reversed(DIMS):", "for dim in DIMS:")]),  # dp fastest
+    ],
+    "wrong answers 2": [
+        ("02.1", "02_zero.py", [("if self.sync_gradients:\n            self._reduce_scatter(unit)",
+                                 "self._reduce_scatter(unit)")]),  # reduce-scatters inside no_sync() too
+        ("03.2", "03_tensor_parallel.py", [('logits = logits.masked_fill(ids >= vocab_size, float("-inf"))',
+                                            "logits = logits")]),  # the padding's logits counted
+        ("04.2", "04_pipeline.py", [("(virtual * m if schedule == \"interleaved\" else m)", "m")]),
+        ("05.2", "05_context_parallel.py", [("(rank, 2 * self.cp - 1 - rank)", "(rank, self.cp + rank)")]),
+        ("06.2", "06_expert_parallel.py", [("if param not in experts:\n            foundation.all_reduce",
+                                            "if True:\n            foundation.all_reduce")]),  # experts too
+        ("07.2", "07_flash_attention.py", [("l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_i + tl.sum(p, 1)")]),
+        ("08.2", "08_fp8.py", [("y.clamp(-fp8_max(dtype), fp8_max(dtype))", "y")]),  # no saturation
+        ("09.2", "09_full_train.py", [("range(getattr(self, d)) for d in dims))",
+                                       "range(getattr(self, d)) for d in reversed(dims)))")]),
+    ],
+    "wrong answers 3": [
+        ("02.3", "02_zero.py", [("        self.units[index].release()\n", "")]),  # kept after its forward
+        ("03.3", "03_tensor_parallel.py", [("f = GatherSequence if ctx.sequence_parallel else CopyToRegion",
+                                            "f = CopyToRegion")]),  # SP ignored
+        ("05.3", "05_context_parallel.py", [("_block_pairs(layout, me, owner, causal)",
+                                             "_block_pairs(layout, me, owner, False)")]),  # the mask ignored
+        ("08.3", "08_fp8.py", [(" / 2.0 ** self.margin", "")]),  # the margin ignored
+    ],
+    "wrong answers 4": [  # 08.1 again: 08.2 and 08.3 build on it, so alone
+        ("08.1", "08_fp8.py", [("amax.float().clamp(min=AMAX_EPS)", "amax.float() + AMAX_EPS")]),  # floor added
+    ],
 }
-# First-wave exercises written right in the second copy, whose proofs call nothing the second wave blanks.
-SOLVED = ("01.2", "02.1", "02.2", "03.1", "03.2", "05.2", "06.1", "07.1", "08.1")
 
 
-def plant(copy: Path, exercise_id: str) -> None:
-    file, right, wrong = PLANTED[exercise_id]
-    source = (copy / file).read_text()
-    (name,) = workshop.BY_ID[exercise_id].names
-    first, last, _ = workshop.body_span(source, workshop.function_node(ast.parse(source), name))
-    lines = source.splitlines(keepends=True)
-    body = "".join(lines[first - 1:last])
-    assert body.count(right) == 1, f"{exercise_id}: the right answer is not in {name} as planted"
-    (copy / file).write_text("".join(lines[:first - 1]) + body.replace(right, wrong) + "".join(lines[last:]))
+def plant(copy: Path, exercise_id: str, file: str, changes: list[tuple[str, str]]) -> None:
+    """Each right text, exactly once in the exercise's bodies, replaced by the wrong one."""
+    for right, wrong in changes:
+        source = (copy / file).read_text()
+        lines = source.splitlines(keepends=True)
+        spans = [workshop.body_span(source, workshop.function_node(ast.parse(source), name))[:2]
+                 for name in workshop.BY_ID[exercise_id].names]
+        bodies = ["".join(lines[first - 1:last]) for first, last in spans]
+        assert sum(body.count(right) for body in bodies) == 1, f"{exercise_id}: {right!r} is not in it once"
+        (first, last), body = next((span, body) for span, body in zip(spans, bodies) if right in body)
+        (copy / file).write_text("".join(lines[:first - 1]) + body.replace(right, wrong) + "".join(lines[last:]))
 
 
 @pytest.fixture(scope="module")
-def graded() -> list[tuple[list, subprocess.CompletedProcess]]:
-    """Three check sessions: (the exercises it graded, its output). The first blanks the first wave
-    in a copy. The second blanks the second wave in another, whose needs are written there, five of
-    them wrong (PLANTED), and also grades SOLVED. The third grades every other exercise on the
-    course's own lessons, where all are solved. The three run at once: each spends much of its time
-    waiting (for its rank pools to start, for gloo), so together they keep both cores busy."""
+def graded() -> dict[str, tuple[list, subprocess.CompletedProcess]]:
+    """Check sessions, by name: (the exercises it graded, its output). "first wave" blanks the first
+    wave in a copy; "second wave" blanks the second in another, whose needs are written there, some
+    of them wrong (WRONG); "wrong answers k" plant the other wrong answers in copies of the course;
+    "solutions" grades every exercise on the course itself, where all are solved. They run at once:
+    each spends much of its time waiting (for its rank pools to start, for gloo)."""
     assert len(WAVES) == 2, "two sessions for all the exercises: a third wave costs CI time, think first"
-    assert set(PLANTED) | set(SOLVED) <= set(WAVES[0]) and not set(PLANTED) & set(SOLVED)
+    assert {e for e, _, _ in WRONG["second wave"]} <= set(WAVES[0])
+    assert sorted(e for wrongs in WRONG.values() for e, _, _ in wrongs) == sorted([*workshop.BY_ID, "08.1"])
     with contextlib.ExitStack() as cleanup:
-        checks = []
-        for wave, extra in ((WAVES[0], []), (WAVES[1], [*PLANTED, *SOLVED])):
+        runs = {}
+        for name in ("first wave", "second wave", *(k for k in WRONG if k.startswith("wrong"))):
             # Not tmp_path_factory's folders: another pytest run of this user may delete them meanwhile.
             copy = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="workshop-"))) / "copy"
-            assert run_workshop("copy", copy, "--exercises", ",".join(wave)).returncode == 0
-            for exercise_id in set(extra) & set(PLANTED):
-                plant(copy, exercise_id)
-            graded_ids = [*wave, *extra]
-            checks.append((graded_ids, WorkshopRun("check", *graded_ids, "--copy", copy)))
-            cleanup.callback(checks[-1][1].stop)  # before its copy is deleted, if a session failed
-        rest = [e.id for e in EXERCISES if e.id not in SOLVED]
-        checks.append((rest, WorkshopRun("check", *rest)))
-        cleanup.callback(checks[-1][1].stop)
-        return [([workshop.BY_ID[i] for i in ids], run.result(CHECK_TIMEOUT)) for ids, run in checks]
+            blank = {"first wave": WAVES[0], "second wave": WAVES[1]}.get(name, [])
+            assert run_workshop("copy", copy, "--exercises", ",".join(blank)).returncode == 0
+            for exercise_id, file, changes in WRONG.get(name, []):
+                plant(copy, exercise_id, file, changes)
+            ids = [*blank, *(e for e, _, _ in WRONG.get(name, []))]
+            runs[name] = (ids, WorkshopRun("check", *ids, "--copy", copy))
+            cleanup.callback(runs[name][1].stop)  # before its copy is deleted, if a session failed
+        runs["solutions"] = (list(workshop.BY_ID), WorkshopRun("check", "--all"))
+        cleanup.callback(runs["solutions"][1].stop)
+        return {name: ([workshop.BY_ID[i] for i in ids], run.result(CHECK_TIMEOUT)) for name, (ids, run) in runs.items()}
 
 
 @pytest.mark.parametrize("wave", [0, 1], ids=["first wave", "second wave"])
 def test_every_blanked_exercise_fails_each_of_its_proofs_naming_itself(graded, wave):
-    exercises, result = graded[wave]
+    exercises, result = graded[["first wave", "second wave"][wave]]
     assert result.returncode == 1, result.stdout + result.stderr
     assert_one_line_each(result, exercises)
     lines = proof_lines(result.stdout)
@@ -287,28 +331,31 @@ def test_every_blanked_exercise_fails_each_of_its_proofs_naming_itself(graded, w
         assert f"{e.id} {e.title}: 0 of {n} proofs passed, {n} did not" in result.stdout
 
 
-@pytest.mark.parametrize("exercise_id", PLANTED)
-def test_a_planted_wrong_answer_fails_its_check_naming_the_proof(graded, exercise_id):
-    _, result = graded[1]
+@pytest.mark.parametrize("session, exercise_id", [(name, e) for name, wrongs in WRONG.items() for e, _, _ in wrongs])
+def test_a_planted_wrong_answer_fails_its_check_naming_the_proof(graded, session, exercise_id):
+    """Every exercise's proofs fail a plausible wrong answer, each failing proof named with its error
+    (not a blank's, not a hang's wait: a collective some rank never joins is a timeout in a minute)."""
+    _, result = graded[session]
     lines = proof_lines(result.stdout)
     failed = [node for node in workshop.BY_ID[exercise_id].node_ids if lines[node][1] == "FAILED"]
     assert failed, f"{exercise_id}: every proof passed a wrong answer:\n{result.stdout}"
     for node in failed:
         assert f"{exercise_id}  FAILED   {node}  (" in result.stdout
-        assert "NotImplementedError" not in lines[node][2] and "Error" in lines[node][2], lines[node]
+        assert "NotImplementedError" not in lines[node][2], lines[node]
+        assert "Error" in lines[node][2] or lines[node][2].split("  ", 1)[-1].startswith(("assert", "timed out")), \
+            lines[node]
+    assert re.search(rf"^{re.escape(exercise_id)} .*: \d+ of \d+ proofs passed, \d+ did not$", result.stdout, re.M)
 
 
 def test_every_solved_exercise_passes_its_check(graded):
-    """SOLVED in the second copy, every other exercise on the course (the third session)."""
-    (_, second), (rest, third) = graded[1:]
-    assert third.returncode == 0, third.stdout + third.stderr
-    assert_one_line_each(third, rest)
-    assert {e.id for e in rest} | set(SOLVED) == set(workshop.BY_ID)
-    for ids, result in ((SOLVED, second), ([e.id for e in rest], third)):
-        lines = proof_lines(result.stdout)
-        for e in (workshop.BY_ID[i] for i in ids):
-            assert all(lines[node][1] == "passed" for node in e.node_ids), result.stdout
-            assert f"{e.id} {e.title}: {len(e.proofs)} of {len(e.proofs)} proofs passed\n" in result.stdout
+    """Every exercise, graded on the course itself: its solution passes every proof."""
+    exercises, result = graded["solutions"]
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert_one_line_each(result, exercises)
+    lines = proof_lines(result.stdout)
+    for e in exercises:
+        assert all(lines[node][1] == "passed" for node in e.node_ids), result.stdout
+        assert f"{e.id} {e.title}: {len(e.proofs)} of {len(e.proofs)} proofs passed\n" in result.stdout
 
 
 def test_the_error_line_of_a_failure():
