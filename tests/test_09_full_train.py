@@ -1813,14 +1813,17 @@ PUBLISHED = {
     "09 `2b`, FP8": ("2b", (1, 1, 1, 1), dict(microbatches=1, attention="flash", fp8=True), (305.4, "ms")),
     # Meta's Llama 3 paper, Table 4
     "Llama 3 405B": ("llama3-405b", (64, 16, 1, 8), LLAMA3_405B, (430, "TFLOP/s")),
+    "Llama 3 405B, 16,384 GPUs": ("llama3-405b", (128, 16, 1, 8), LLAMA3_405B, (400, "TFLOP/s")),
     "Llama 3 405B, 131k tokens": ("llama3-405b", (8, 16, 16, 8), dict(LLAMA3_405B, seq_len=131_072, global_batch=128),
                                   (380, "TFLOP/s")),
     # Megatron-LM's README (H100, 2024-07): 4,096 tokens, heads of 128, GELU MLP priced as our SwiGLU of its size
     **{f"Megatron {size}": (MEGATRON(d, n), (48, pp, 1, tp), dict(zero_stage=1, sequence_parallel=tp > 1,
                                                                global_batch=b, seq_len=4096), (tflops, "TFLOP/s"))
-       for size, d, n, b, pp, tp, tflops in (("1.7B", 2048, 24, 192, 1, 1, 408.8), ("16B", 6144, 32, 192, 1, 4, 489.1),
-                                            ("32B", 7168, 48, 192, 1, 8, 459.6), ("70B", 8192, 84, 384, 2, 8, 419.7),
-                                            ("462B", 18432, 112, 3072, 16, 8, 459.9))},
+       for size, d, n, b, pp, tp, tflops in (
+           ("1.7B", 2048, 24, 192, 1, 1, 408.8), ("7.1B", 4096, 30, 192, 1, 2, 465.9), ("16B", 6144, 32, 192, 1, 4, 489.1),
+           ("32B", 7168, 48, 192, 1, 8, 459.6), ("70B", 8192, 84, 384, 2, 8, 419.7), ("119B", 10240, 92, 768, 4, 8, 420.5),
+           ("177B", 12288, 96, 1152, 6, 8, 432.8), ("314B", 16384, 96, 1536, 8, 8, 474.4),
+           ("462B", 18432, 112, 3072, 16, 8, 459.9))},
     # llm-foundry's H100 tables (scripts/train/benchmarking/README.md): eager FSDP FULL_SHARD, 2,048 tokens
     "MPT-1B": (MPT(2048, 24), (8, 1, 1, 1), dict(microbatches=1, zero_stage=3, global_batch=112, seq_len=2048,
                                                compile=False), (45_455, "tokens/s")),
@@ -2163,6 +2166,12 @@ def test_the_gpu_presets_are_the_clusters_and_h100_sxm_is_its_default():
         assert speed == pytest.approx(cluster.peak_tflops / 989 * min(1, cluster.power_limit / cluster.tdp))
         assert (math.isnan(speed8)) == name.startswith("a100")
     assert full_train.Cluster(**dict(zip(full_train.GPU_FIELDS, full_train.GPUS["h100-96gb"]))).speed[0] == 500 / 700
+
+
+def test_a_gpu_without_fp8_says_so_in_the_plans_header(monkeypatch, capsys):
+    """An A100's plan names no FP8 rate (its speed[1] is NaN, which the header once printed)."""
+    code, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb")
+    assert code == 0 and "(no FP8)" in out.splitlines()[1] and "nan" not in out
 
 
 class ElementwiseBytes(torch.utils._python_dispatch.TorchDispatchMode):
