@@ -781,6 +781,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     seed: int = 0
+    tie_embeddings: bool = False  # the LM head is the embedding (Llama 3.2): one parameter, two uses
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -795,6 +796,31 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @classmethod
+    def from_hf(cls, config: dict) -> tuple["ModelConfig", tuple[int, int] | None]:
+        """A Hugging Face config.json (a dict) as a ModelConfig, and (experts, top-k) of a Mixtral MoE, or
+        None. Refused, naming the field: a model_type not llama/mistral/mixtral, what GPT lacks (biases, a
+        non-SiLU MLP, head_dim != dim / heads, a sliding window), a size not positive; rope_scaling unread."""
+        def read(key: str, default=None, kind: type | tuple = int):
+            value = config.get(key, default)
+            if not (isinstance(value, bool) if kind is bool else isinstance(value, kind)
+                    and not isinstance(value, bool) and 0 < value < math.inf):
+                must = {int: "a positive integer", bool: "true or false"}.get(kind, "a positive number")
+                raise ValueError(f"{key}={value!r}: " + ("missing" if value is None else f"must be {must}"))
+            return value
+        if config.get("model_type") not in ("llama", "mistral", "mixtral"):
+            raise ValueError(f"model_type={config.get('model_type')!r} is not llama, mistral or mixtral")
+        dim, heads, n = read("hidden_size"), read("num_attention_heads"), "num_local_experts" in config
+        lacks = dict(hidden_act=lambda v: v != "silu", attention_bias=bool, mlp_bias=bool,
+                     sliding_window=bool, head_dim=lambda v: v not in (None, dim / heads))
+        for key in (key for key, wrong in lacks.items() if key in config and wrong(config[key])):
+            raise ValueError(f"{key}={config[key]!r}: a feature 01's GPT (a plain Llama) lacks")
+        vocab, layers, ffn = map(read, ("vocab_size", "num_hidden_layers", "intermediate_size"))
+        theta, eps = read("rope_theta", 1e4, (int, float)), read("rms_norm_eps", 1e-5, (int, float))
+        moe = (read("num_local_experts"), read("num_experts_per_tok")) if n else None
+        return cls(vocab, dim, layers, heads, read("num_key_value_heads", heads), ffn, theta, eps,
+                   tie_embeddings=read("tie_word_embeddings", False, bool)), moe
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -880,7 +906,7 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 class GPT(nn.Module):
-    """embed -> n_layers x Block -> norm -> lm_head (untied) -> loss_fn (mean cross-entropy).
+    """embed -> n_layers x Block -> norm -> lm_head (untied unless cfg.tie_embeddings) -> loss_fn.
 
     Hooks for the transformations of later lessons, each a no-op on the reference model:
     - layers is a ModuleDict keyed "0", "1", ... so a pipeline stage that keeps only some layers
@@ -897,6 +923,8 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, attn_fn) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:  # one parameter: its gradient sums both uses (02 and 03 keep the tie)
+            self.lm_head.weight = self.embed.weight
         self.reset_parameters()
 
     @torch.no_grad()
@@ -937,7 +965,7 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
              "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
     return {"embed.weight": (cfg.vocab_size, d),
             **{f"layers.{i}.{name}": shape for i in range(cfg.n_layers) for name, shape in layer.items()},
-            "norm.weight": (d,), "lm_head.weight": (cfg.vocab_size, d)}
+            "norm.weight": (d,), **({} if cfg.tie_embeddings else {"lm_head.weight": (cfg.vocab_size, d)})}
 
 
 def synthetic_batch(cfg: ModelConfig, global_batch: int, seq_len: int, step: int, rank: int = 0,

@@ -160,6 +160,15 @@ def zero_step_bytes(psi: int, n: int, stage: int, microbatches: int, mixed_preci
     return full * psi + step * shard
 
 
+def zero_transient_bytes(psi: int, unit: int, n: int, stage: int, mixed_precision: bool) -> tuple[int, int]:
+    """The most one ZeRO holds beyond zero_memory_formula: (in backward, at the step). Backward: stage 3's
+    gathered unit and the one prefetched, a unit's full gradient and the one before it in its send buffer
+    (stage 2: those two), `unit` elements each; the step: the shard's gradient as fp32 (mixed precision),
+    stage 1's reduce-scatter output. Fused AdamW (on a GPU) makes no temporaries (foreach: 4 B an element)."""
+    g, shard = 2 if mixed_precision else 4, psi if stage == 0 else -(-psi // n)
+    return 2 * g * unit * ((stage >= 2) + (stage == 3)), (4 * mixed_precision + g * (stage == 1)) * shard
+
+
 def zero_exposed_seconds(psi: int, n: int, stage: int, units: int, microbatches: int, elem_bytes: int,
                          send: Callable[[float, int], float], last_backward: float,
                          unit_compute: tuple[float, float], hide: bool = True) -> float:

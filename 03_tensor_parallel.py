@@ -56,7 +56,8 @@ TP (10: the norms' inputs, dropout masks and the regions' inputs, replicated); s
 storing it. We store it, so here SP removes only the norms' t-fold replication (layer_activation_formula).
 RECOMPUTE (apply_recompute): "selective" keeps only each attention function's q, k, v and recomputes
 its inside (Megatron's: the 5 a s / h scores term; a fused kernel's log-sum-exp); "full" keeps only
-each block's input and reruns the block, ~1/3 more compute. Gradients are bitwise the same.
+each block's input and reruns the block, ~1/3 more compute ("op", torchtitan's: and the outputs of its
+odd matmuls and attention). Gradients are bitwise the same.
 
 RUN IT
     python 03_tensor_parallel.py                       # 4 local CPU ranks, tp = 4
@@ -82,7 +83,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 foundation = importlib.import_module("01_ddp")
 
@@ -219,6 +220,11 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         # holds the target (a scatter, not boolean indexing, which would sync a GPU).
         grad = softmax.scatter_add(1, local_target[:, None], -mine.to(softmax.dtype)[:, None])
         return (grad * (grad_loss / grad.shape[0])).to(ctx.dtype), None, None, None, None
+
+
+def loss_bytes(tokens: int, vocab_size: int, tp: int, elem_bytes: int) -> int:
+    """The loss's peak bytes above the activations: 12 a logit of (tokens, V / t), + elem_bytes if tp > 1."""
+    return tokens * -(-vocab_size // tp) * (12 + elem_bytes * (tp > 1))
 
 
 @dataclass
@@ -457,13 +463,22 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
 
 
 # --- Activation memory, and recompute: a second forward instead of the activations backward would keep -----
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "op", "full")
 
 
-def recomputed(fn: Callable) -> Callable:
+def recomputed(fn: Callable, policy: Callable = torch.utils.checkpoint.noop_context_fn) -> Callable:
     """fn whose intermediate results are recomputed from its saved inputs when backward reaches it
     (collectives inside fn run again, in the same order on every rank: TP and CP stay correct)."""
-    return functools.wraps(fn)(functools.partial(checkpoint, fn, use_reentrant=False))
+    return functools.wraps(fn)(functools.partial(checkpoint, fn, use_reentrant=False, context_fn=policy))
+
+
+def odd_matmuls_and_attention():  # "op": keep odd matmuls' and attention's outputs (forward, rerun alike)
+    mm, calls = torch.ops.aten.mm.default, collections.Counter()
+    def policy(ctx, op, *args, **kwargs):  # noqa: E306
+        calls[ctx.is_recompute] += op == mm
+        keep = "attention" in str(op) or op == mm and calls[ctx.is_recompute] % 2
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
@@ -477,8 +492,8 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     for block in model.layers.values():
         if mode == "selective":
             block.attn.attn_fn = recomputed(block.attn.attn_fn)
-        elif mode == "full":
-            block.forward = recomputed(block.forward)
+        elif mode != "none":  # full, or op's policy
+            block.forward = recomputed(block.forward, *[odd_matmuls_and_attention] * (mode == "op"))
     return model
 
 
@@ -558,15 +573,15 @@ def layer_activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_pa
       attention keeps K/V unrepeated); the MLP's gate, silu(gate), up and their product (s b f);
     - attention_saves bytes the attention function keeps beyond q, k, v (default: SDPA's and
       lesson 07's fp32 log-sum-exp, one per query head and token; "selective" recompute: none).
-    "full" recompute keeps only each block's input. The layers share the RoPE tables (s x head_dim,
-    fp32) they read."""
-    s, b, h, f, e = seq_len, batch, cfg.dim, cfg.ffn_dim, elem_bytes
-    if mode == "full":
-        per_layer = e * s * b * h // (tp if sequence_parallel else 1)
-    else:
+    "full" recompute keeps only each block's input; "op" also q, v, gate, attention's output and its
+    saves, and down_proj's (b s h partial sums). The layers share the RoPE tables (s x head_dim, fp32)."""
+    s, b, h, f, e, kv = seq_len, batch, cfg.dim, cfg.ffn_dim, elem_bytes, cfg.n_kv_heads * cfg.head_dim
+    attention = 4 * s * b * cfg.n_heads // tp if attention_saves is None else attention_saves
+    per_layer = e * s * b * h // (tp if sequence_parallel else 1)  # "full"'s: the block's input
+    per_layer += (mode == "op") * (e * s * b * ((2 * h + kv + f) // tp + h) + attention)
+    if mode in ("none", "selective"):
         norms = 2 * ((4 + e) * s * b * h + 4 * s * b)
-        sharded = e * (2 * s * b * h + 2 * s * b * cfg.n_kv_heads * cfg.head_dim + 4 * s * b * f)
-        attention = 4 * s * b * cfg.n_heads // tp if attention_saves is None else attention_saves
+        sharded = e * (2 * s * b * h + 2 * s * b * kv + 4 * s * b * f)
         per_layer = ((norms // tp if sequence_parallel else norms) + 2 * e * s * b * h  # the regions' inputs
                      + sharded // tp + (0 if mode == "selective" else attention))
     return layers * per_layer + (4 * s * cfg.head_dim if layers else 0)  # the RoPE tables

@@ -607,6 +607,14 @@ ATTENTION_TFLOPS_H100 = {
 }
 
 
+def attention_backward_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, elem_bytes: int,
+                             kernel: str) -> int:
+    """The most attention's backward holds beyond what forward saved and the output's gradient: dq, dk, dv
+    (test_07 measures this kernel's, SDPA's on a CPU); SDPA's FlashAttention-2 and cuDNN backends on a GPU
+    also accumulate dq in fp32 (not measured here: 4 B a query element)."""
+    return tokens * head_dim * (elem_bytes * (heads + 2 * kv_heads) + 4 * heads * (kernel != "flash"))
+
+
 def attention_seconds(batch: int, heads: int, seq: int, head_dim: int, kernel: str, cp: int = 1,
                       speed: float = 1.0) -> tuple[float, float]:
     """(forward, backward) of causal attention of `batch` sequences of `seq` tokens over `heads`

@@ -400,9 +400,11 @@ def convert_to_float8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) ->
 
 
 # What a GEMM costs: this lesson's `--bench` on one H100 SXM (README, "On one H100"), TFLOP/s of a @ b.t()
-# at M = N = K: bf16, and tensorwise FP8 with the amax and cast of both operands included. Lesson
-# 09's planner prices every linear layer with them.
-GEMM_TFLOPS_H100 = {4096: (770, 713), 8192: (709, 808), 16384: (746, 1028)}  # M=N=K: (bf16, FP8 + scaling)
+# at M = N = K: bf16, tensorwise FP8, and FP8 with both operands' amax and cast. Lesson 09's planner prices
+# every linear layer with them: the GEMMs at the first two, the casts by their bytes (float8_cast_bytes) at
+# CAST_BYTES an element, what the third column's extra time is at the H100's 3.35 TB/s: 7.9, 11.7, 10.7.
+GEMM_TFLOPS_H100 = {4096: (770, 1210, 713), 8192: (709, 1230, 808), 16384: (746, 1286, 1028)}
+CAST_BYTES = sum(n * (1 / cast - 1 / f8) * 3.35 for n, (_, f8, cast) in GEMM_TFLOPS_H100.items()) / 3  # ~10
 
 
 def gemm_seconds(m: int, k: int, n: int, hbm_bytes_per_s: float, float8: bool = False,
@@ -416,13 +418,23 @@ def gemm_seconds(m: int, k: int, n: int, hbm_bytes_per_s: float, float8: bool = 
     return max(flops / (GEMM_TFLOPS_H100[size][float8] * 1e12 * speed), moved / hbm_bytes_per_s)
 
 
+def float8_cast_bytes(tokens: int, in_features: int, out_features: int, weight_casts: float = 1) -> tuple:
+    """Memory traffic (forward, backward) of Float8Linear's casts from bf16: tensorwise current scaling
+    reads an operand twice (its amax, then the cast) and writes a byte, 5 B an element, measured CAST_BYTES
+    (x, and the weight weight_casts times: 09 casts it once a step), then backward's output gradient too,
+    and the column-major copies _scaled_mm wants of the gradient, x and W (1 B read, 1 written)."""
+    x, w, g = tokens * in_features, in_features * out_features, tokens * out_features
+    return CAST_BYTES * (x + weight_casts * w), CAST_BYTES * g + 2 * (g + x + w)
+
+
 def linear_seconds(tokens: int, in_features: int, out_features: int, hbm_bytes_per_s: float,
-                   float8: bool = False, speed: float = 1.0) -> tuple[float, float]:
+                   float8: bool = False, speed: float = 1.0, weight_casts: float = 1) -> tuple[float, float]:
     """A linear layer's (forward, backward): y = x W^T, then dx = dy W and dW = dy^T x, three GEMMs
-    of the same FLOPs in other shapes (Float8Linear: all three in FP8)."""
-    t, k, n = tokens, in_features, out_features
-    gemm = lambda *mkn: gemm_seconds(*mkn, hbm_bytes_per_s, float8, speed)  # noqa: E731
-    return gemm(t, k, n), gemm(t, n, k) + gemm(n, t, k)
+    of the same FLOPs in other shapes (Float8Linear: all three in FP8, after its casts)."""
+    t, k, n, hbm = tokens, in_features, out_features, hbm_bytes_per_s
+    gemm = lambda *mkn: gemm_seconds(*mkn, hbm, float8, speed)  # noqa: E731
+    casts = float8_cast_bytes(t, k, n, weight_casts) if float8 else (0, 0)
+    return gemm(t, k, n) + casts[0] / hbm, gemm(t, n, k) + gemm(n, t, k) + casts[1] / hbm
 
 
 # --- FP8 communication: each weight cast once per step; ZeRO-3 all-gathers the casts -----------------------

@@ -230,8 +230,10 @@ class TrainConfig:
     mixed_precision: bool = option(False, "bf16 compute, fp32 masters", commands=STEPPING, option="--bf16")
     recompute: str = option("none", "activation recompute (03): selective = attention's inside, full = each "
                             "block", choices=tensor_parallel.RECOMPUTE_MODES)
-    attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring)", choices=("sdpa", "flash"))
-    compile: bool = option(False, "torch.compile each block (07's kernel: opaque to it)", commands=STEPPING)
+    attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring); cudnn: SDPA's cuDNN backend (plan only: "
+                            "Transformer Engine's fused attention)", choices=("sdpa", "flash", "cudnn"))
+    compile: bool = option(False, "torch.compile each block: one graph, its elementwise work fused",
+                           off=("--eager", False, "eager blocks: each elementwise operation a kernel of its own"))
 
 
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
@@ -261,6 +263,9 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     if train.sequence_parallel and (train.seq_len // cp) % tp:
         problems.append(f"sequence parallelism splits each rank's seq_len / cp = {train.seq_len} / "
                         f"{cp} tokens over tp={tp}: not divisible")
+    if train.recompute == "op" and max(sizes.tp, sizes.cp) > 1:
+        problems.append(f"recompute op reruns a block but its matmuls' and attention's outputs: at tp={sizes.tp}, "
+                        f"cp={sizes.cp} that reruns 03's collectives or 05's ring, whose traffic has no formula")
     if sizes.ep > 1 and train.moe is None:
         problems.append(f"ep={sizes.ep} needs an MoE model (--moe)")
     if sizes.ep >= 1 and (sizes.dp * sizes.cp) % sizes.ep:
@@ -489,7 +494,7 @@ class UnitSizes(NamedTuple):
 def local_shapes(cfg, tp: int, moe, ep: int) -> dict[str, tuple[int, ...]]:
     """Each parameter of a one-layer model ("embed", "layers.0. ...", "norm", "lm_head") as one rank
     holds it: 01's shapes, 06's experts in place of the MLP, 03's tp slice; nothing built."""
-    shapes = foundation.parameter_shapes(dataclasses.replace(cfg, n_layers=1))
+    shapes = foundation.parameter_shapes(dataclasses.replace(cfg, n_layers=1, tie_embeddings=False))
     if moe is not None:
         shapes = {name: shape for name, shape in shapes.items() if ".mlp." not in name}
         experts = expert_parallel.moe_parameter_shapes(cfg.dim, moe, ep)
@@ -544,6 +549,21 @@ def tp_messages(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: b
             for op, (calls, payload) in ops.items()]
 
 
+# What a GPU holds beyond the plan's tensors (the memory's "fragmentation" and "cuda_nccl"): the caching
+# allocator reserves ~10% above what is allocated (reserved / allocated 1.08 and 1.11 in Megatron-Bridge's
+# verification cards, expandable segments on); the CUDA context (PyTorch PR #86509: 274 MiB, lazily loaded)
+# and cuBLAS's workspaces, 0.5 GiB; NCCL's buffers, 4 + 4.7 + 0.5 MiB a channel and peer for its three
+# protocols (src/init.cc's defaults), 2 ring peers x 16 channels: 0.3 GiB a communicator. An estimate of
+# published figures, not a measurement; torch's max_memory_reserved leaves out the context and NCCL's.
+ALLOCATOR, CUDA_GIB, NCCL_GIB, GIB = Fraction(1, 10), Fraction(1, 2), Fraction(3, 10), 2 ** 30
+
+
+def mlp_backward_bytes(tokens: int, dim: int, ffn_dim: int, elem_bytes: int) -> int:
+    """The most 01's SwiGLU's backward holds beyond its saved tensors (test_09 counts it): the gradients of
+    down_proj's input, of silu(gate) and of up (3 f a token), and its input's (h)."""
+    return tokens * elem_bytes * (3 * ffn_dim + dim)
+
+
 def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     """Every pipeline rank's RankPlan from the earlier lessons' own formulas (COST); call validate
     first. FP8 is priced at its compute precision, but for --zero 3's Float8Linear weights (08's
@@ -553,6 +573,7 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     tp, cp, pp, m = sizes.tp, sizes.cp, sizes.pp, train.microbatches
     b, s, n_stages = train.global_batch // sizes.dp, train.seq_len // cp, pp * train.virtual
     units = unit_sizes(cfg, tp, train.moe, sizes.ep, fp8_gathers=train.fp8 and train.zero_stage == 3)
+    units |= {"lm_head": UnitSizes()} if cfg.tie_embeddings and pp == 1 else {}  # the head is the embedding
     spans = pipeline.stage_layers(cfg.n_layers, n_stages)
     groups, split = {"dp_cp": sizes.dp * cp, "ep_dp": sizes.dp * cp // sizes.ep}, train.schedule == "zb-h1"
     norm = lambda n: Fraction(2 * (n - 1), n) * 4  # all-reducing the clipping norm's fp32 scalar over n
@@ -563,13 +584,19 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     attention = context_parallel.ring_saved_bytes(q, tokens * cfg.n_heads) if cp > 1 else None  # None: SDPA's
     if attention and e == 4 and cfg.n_heads == tp:  # one fp32 head a rank: flattening it copies nothing, so
         attention -= 4 * q  # out_proj reads the merged output the ring keeps: one storage, counted once
-    stage_bytes = lambda stage: tensor_parallel.layer_activation_formula(  # 03: a microbatch's stage
-        cfg, b // m, s, tp, train.sequence_parallel, train.recompute, e, attention, layers=len(spans[stage]))
+    stage_bytes = lambda stage, mode=train.recompute, layers=None: tensor_parallel.layer_activation_formula(
+        cfg, b // m, s, tp, train.sequence_parallel, mode, e, attention, layers or len(spans[stage]))  # 03
+    rebuilt = {"full": stage_bytes(0, "none", 1), "op": stage_bytes(0, "none", 1) - stage_bytes(0, "op", 1)}
+    kernel, mb = "flash" if cp > 1 and train.attention == "sdpa" else train.attention, b // m * s
+    backward = rebuilt.get(train.recompute, 0) + max(  # a layer's: what recompute rebuilds, attention's or the MLP's
+        flash.attention_backward_bytes(mb, cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.head_dim, e, kernel),
+        mlp_backward_bytes(mb, cfg.dim, cfg.ffn_dim // tp, e))
     out = []
     for rank in range(pp):
         stages = list(range(rank, n_stages, pp))
         layers = sum(len(spans[st]) for st in stages)
         memory, traffic, params = dict.fromkeys(("params", "grads", "optimizer"), Fraction(0)), {}, 0
+        in_backward, at_step = 0, 0  # the ZeROs' temporaries (02): one unit at a time; every shard
         for st in stages:  # 02: a ZeRO per stage (and one for its experts) on its padded units
             held = ([units["embed"]] * (st == 0) + [units["layers"]] * len(spans[st])
                     + [units["norm"], units["lm_head"]] * (st == n_stages - 1))
@@ -581,6 +608,9 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
                 for key, value in zero.zero_memory_formula(padded, len(numels), n, train.zero_stage,
                                                                   train.mixed_precision).items():
                     memory[key] += value
+                one, step = zero.zero_transient_bytes(padded, zero.padded_size(max(numels), n), n,
+                                                      train.zero_stage, train.mixed_precision)
+                in_backward, at_step = max(in_backward, one), at_step + step
                 ops = zero.zero_traffic_per_step(padded, n, train.zero_stage, e, e)
                 if part == "float8":  # + each rank's e4m3 shard and every weight's scale; 1 B gathers, amaxes
                     weights = sum(u.float8_weights for u in held)
@@ -617,6 +647,13 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
             traffic["ep"] = None  # 06's all-to-alls depend on the routing
         memory["activations"] = None if train.moe else pipeline.held_at_peak(
             train.schedule, rank, pp, m, train.virtual, stage_bytes)
+        loss = tensor_parallel.loss_bytes(mb, cfg.vocab_size, tp, e) if n_stages - 1 in stages else 0
+        memory["temporaries"] = None if train.moe else max(  # at a backward's peak, or at the step's
+            max(loss, backward) + in_backward, at_step - memory["activations"])
+        allocated = sum(v for v in memory.values() if v is not None)
+        memory["fragmentation"] = ALLOCATOR * allocated  # of the allocator's segments: reserved - allocated
+        memory["cuda_nccl"] = GIB * (CUDA_GIB + NCCL_GIB * (1 + sum(  # the world's and each group's
+            getattr(sizes, d) > 1 for d in ("tp", "cp", "pp")) + (sizes.dp * cp > 1) + 2 * (sizes.ep > 1)))
         out.append(RankPlan(stages, layers, params, memory, traffic,
                             pipeline.in_flight_bound(train.schedule, rank, pp, m, train.virtual)))
     return out
@@ -760,8 +797,8 @@ def flops_per_token(cfg, seq_len: int) -> int:
     weight (2 forward, 4 backward), then the attention scores and weighted sum over context T.
     N: every parameter but the token embedding, whose lookup multiplies nothing (the untied LM head
     does). Recompute's extra forward is not counted: MFU (40-60% is good) counts useful work only."""
-    n = sum(math.prod(shape) for name, shape in foundation.parameter_shapes(cfg).items()
-            if name != "embed.weight")
+    n = sum(math.prod(shape) for name, shape in foundation.parameter_shapes(dataclasses.replace(
+        cfg, tie_embeddings=False)).items() if name != "embed.weight")  # a tied head multiplies too
     return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
@@ -855,7 +892,8 @@ MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256 (bytes are toke
     "1b": (dict(dim=2048, n_layers=16, n_heads=16, ffn_dim=5632), 2048, 8, 3e-4),  # 0.82B: one H100
     # Llama 3 8B's layer (dim 4096, GQA 32/8, ffn 14336), 8 of them: 1.7B, --fp8's GEMMs at full width
     "2b": (dict(dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336), 2048, 8, 3e-4),
-}  # plan adds published models (PRESETS), whose vocabularies need a tokenizer
+    "check": (dict(vocab_size=127, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176), 32, 8, 1e-3),
+}  # check's default: its vocabulary of 127 is padded by tp. Published models: PRESETS, under plan
 
 
 @dataclass
@@ -1170,6 +1208,12 @@ def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
     if saved[0] is not None:
         print(f"activations in step {result['measured']}, {what} per rank: "
               + ", ".join(f"{x:,}" for x in saved) + f"; {formula}")
+    if trainer.device.type == "cuda":  # the run's peaks (rank 0) beside the plan's: a lent GPU checks the plan
+        planned = [sum(v for k, v in rank0.memory.items() if v is not None and k not in parts) / GIB
+                   for parts in (("fragmentation", "cuda_nccl"), ("cuda_nccl",))]
+        print("GPU memory of rank 0, GiB, measured | planned: max_memory_allocated {:.2f} | {:.2f}, max_memory_"
+              "reserved {:.2f} | {:.2f}".format(torch.cuda.max_memory_allocated() / GIB, planned[0],
+                                                torch.cuda.max_memory_reserved() / GIB, planned[1]))
     times = [t for step, t in result["times"].items() if step not in result.get("profiled", ())]
     timed = times[max(1, len(times) // 4):] or times  # the first steps warm up (and compile)
     step_s = sum(timed) / len(timed)  # the first step trained is never profiled
@@ -1269,53 +1313,82 @@ def demo(args: argparse.Namespace) -> None:
 # ===========================================================================================================
 # PLANNING AT SCALE (plan): a model and a cluster that are not here, priced from the lessons' own
 # formulas and measurements, nothing built
-# 09's presets and published ones (Meta's Llama 3; the runs the README's planning table checks): (model,
-# seq_len, global_batch, lr). Peak lr from the Llama 3 paper; batches of 4M, 8M and 16M tokens (405B:
-# Meta's last). Megatron-Core's H100 table (vocabulary 131,072, 4,096 tokens) and MosaicML's MPT (50,368,
-# 2,048) as (dim, layers, batch): heads of 128, their GELU MLP of 4 x dim priced as our SwiGLU with its
-# parameters (ffn 8 dim / 3).
+# 09's presets and published models (Meta's Llama 3 and Llama 2 7B): (model, seq_len, global_batch, lr). Peak
+# lr from the Llama 3 paper; batches of 4M, 8M and 16M tokens (405B: Meta's last). Any other Llama-shaped
+# model: its Hugging Face config.json (--model FILE.json), or sizes (--dim --layers --heads ...).
 LLAMA3 = dict(vocab_size=128_256, n_kv_heads=8, rope_theta=500_000.0)
-MEGATRON_H100 = {"1.7b": (2048, 24, 192), "7.1b": (4096, 30, 192), "16b": (6144, 32, 192),
-                 "32b": (7168, 48, 192), "70b": (8192, 84, 384), "119b": (10240, 92, 768),
-                 "177b": (12288, 96, 1152), "314b": (16384, 96, 1536), "462b": (18432, 112, 3072)}
-MPT = {"1b": (2048, 24, 112), "7b": (4096, 32, 48), "70b": (8192, 80, 4096)}
 PRESETS = MODELS | {
+    "llama2-7b": (dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, vocab_size=32_000), 4096, 1024, 3e-4),
     "llama3-8b": (dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **LLAMA3), 8192, 512, 3e-4),
     "llama3-70b": (dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **LLAMA3), 8192, 1024, 1.5e-4),
     "llama3-405b": (dict(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248, **LLAMA3), 8192, 2048, 8e-5),
-} | {f"{family}-{k}": (dict(dim=d, n_layers=n, n_heads=d // 128, ffn_dim=round(d / 3) * 8, vocab_size=vocab),
-                      seq_len, b, 1e-4)
-     for family, runs, vocab, seq_len in (("megatron", MEGATRON_H100, 131_072, 4096),
-                                          ("mpt", MPT, 50_368, 2048)) for k, (d, n, b) in runs.items()}
-
-
-@dataclass(frozen=True)
-class PlanModel:
-    model: str = option("tiny", "the preset: 09's, or a published run's", commands=PLAN, choices=PRESETS)
+}
+FILE_RUN = PRESETS["llama3-8b"][1:]  # a config.json has no run: Llama 3 8B's (8,192 tokens x 512, lr 3e-4)
 
 
 # --- A cluster, and a step's time on it ------------------------------------------------------------
+# --gpu: GiB (as the device reports it), dense bf16 and FP8 TFLOP/s (datasheets print 2x, "with sparsity"),
+# HBM TB/s, GB/s each way on NVLink and on the NIC, the TDP and the power limit the GPU runs at (W).
+GPUS = {  # A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): 40 (HBM2) or 80 GB, 312 TFLOP/s, no FP8,
+    # 1,555 or 2,039 GB/s, NVLink 600 GB/s both ways, 400 W; DGX A100: a 200 Gb/s HDR NIC per GPU (not re-read)
+    "a100-40gb": (40, 312, None, 1.555, 300, 25, 400, 400), "a100-80gb": (80, 312, None, 2.039, 300, 25, 400, 400),
+    # H100 SXM5 (nvidia.com/en-us/data-center/h100): 989 / 1,979 dense, 3.35 TB/s, NVLink 900 GB/s, 700 W; DGX
+    # H100: eight 400 Gb/s ConnectX-7 (dgxc-benchmarking's README; NVIDIA's DGX BasePOD architecture)
+    "h100-sxm": (80, 989, 1979, 3.35, 450, 50, 700, 700),
+    # H100 PCIe (NVIDIA's datasheet as hpctech.co.jp prints it): 756 / 1,513 dense, 2,000 GB/s HBM2e, 350 W
+    # (product brief PB-11133-001); NVLink bridges join pairs only: PCIe Gen5 x16, 128 GB/s both ways
+    "h100-pcie": (80, 756, 1513, 2.0, 64, 50, 350, 350),
+    # H200 (nvidia.com/en-us/data-center/h200): 141 GB HBM3e (140 GiB), 4.8 TB/s; the H100 SXM's die and NVLink
+    # (MLPerf v4.1 system description: 18 links, 900 GB/s), 700 W; 400 Gb/s CX-7 per GPU (torchtitan's H200 run)
+    "h200": (140, 989, 1979, 4.8, 450, 50, 700, 700),
+    # B200 (DGX B200, nvidia.com/en-us/data-center/dgx-b200, / 8 GPUs: 1,440 GB, 72 PFLOPS FP8 sparse, 64 TB/s,
+    # NVLink 5 14.4 TB/s; nvidia-smi: 179 GiB); bf16 2,250 (Blackwell datasheet); 1,000 W; 400 Gb/s CX-7 each
+    "b200": (179, 2250, 4500, 8.0, 900, 50, 1000, 1000),
+    # Meta's Grand Teton H100 (torchtitan benchmarks/llama3_h100_202412: "96GB HBM2e with 2.4 TB/sec", "400 Gb/s
+    # per GPU", "the default 500W power limit"): an SXM H100 (its peaks, NVLink; 95 GiB visible) held to 500 W
+    "h100-96gb": (95, 989, 1979, 2.4, 450, 50, 700, 500),
+}
+GPU_FIELDS = ("gpu_memory", "peak_tflops", "fp8_tflops", "hbm_tbps", "nvlink_gbps", "network_gbps", "tdp", "power_limit")
+H100_FP8 = 1979.0  # 08's FP8 rates were measured on an H100 SXM, whose dense FP8 peak this is
+
+
 @dataclass(frozen=True)
 class Cluster:
-    """The machines, by default H100 SXM nodes: NVIDIA's datasheet (989 dense bf16 TFLOP/s, 3.35 TB/s
-    HBM3, NVLink 4 at 450 GB/s each way) and the DGX H100's 400 Gb/s NIC per GPU. GEMMs and attention
-    run at the course's own H100 measurements (08's and 07's tables), x peak_tflops / 989."""
+    """The machines: a --gpu preset, each rate overridable (the defaults: h100-sxm's). A GEMM or attention
+    runs at the course's H100 rate (08's and 07's tables) x this GPU's dense peak / the H100's (bf16 989,
+    FP8 1,979), x power_limit / tdp where a limit holds the clocks below the TDP (the rates were measured at
+    700 W: a compute-bound kernel's clock, so its rate, falls with the power it may draw); what is bound by
+    memory (a thin GEMM, elementwise work, the optimizer) at hbm_tbps. No lent GPU has measured 07's or 08's
+    rates on another GPU: each preset's rates are the H100's, scaled so."""
     # Each rate and size within about 1000x of an H100 node's, either way: beyond any chip or cluster of
     # today, and a typo outside (0, 1e-300, inf, 1e308 priced a step at 0 s, then divided by it, or at
     # 300 digits); NaN breaks every rule. --gpus at most a million: the search tries each divisor.
     gpus: int | None = option(None, "GPUs (default: the product of the mesh sizes)", (">= 1", "<= 1e6"), PLAN,
                               type=int)
     gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", (">= 1", "<= 1e4"), PLAN)
-    gpu_memory: float = option(80.0, "GB per GPU", (">= 1", "<= 1e5"), PLAN)
-    peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU: scales the H100's measured rates",
-                                (">= 1", "<= 1e6"), PLAN)
+    gpu: str = option("h100-sxm", "the GPU: its memory, peaks, bandwidths, power (each option below overrides)",
+                      commands=PLAN, choices=GPUS)
+    gpu_memory: float = option(80.0, "GiB per GPU", (">= 1", "<= 1e5"), PLAN)
+    peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU", (">= 1", "<= 1e6"), PLAN)
+    fp8_tflops: float | None = option(1979.0, "dense FP8 TFLOP/s per GPU (none: --fp8 is refused)",
+                                      (">= 1", "<= 1e6"), PLAN)
     hbm_tbps: float = option(3.35, "TB/s of GPU memory (elementwise work, the optimizer, thin GEMMs)",
                              (">= 0.01", "<= 1e3"), PLAN)
-    nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node (NVLink 4)", (">= 1", "<= 1e5"), PLAN)
+    nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node", (">= 1", "<= 1e5"), PLAN)
     network_gbps: float = option(50.0, "GB/s per GPU each way between nodes (a 400 Gb/s NIC)",
                                  (">= 0.1", "<= 1e5"), PLAN)
+    power_limit: float = option(700.0, "W each GPU may draw (below the TDP: lower clocks)", (">= 50", "<= 1e4"),
+                                PLAN)
+    tdp: float = 700.0  # W: the preset's
     latency: float = 10e-6  # s a collective or send costs beyond its bytes: NCCL's tuning model
     # (src/graph/tuning.cc) puts a ring's base latency at 4-8 us, plus 0.5-3 us a hop on NVLink
+
+    @property
+    def speed(self) -> tuple[float, float]:
+        """(bf16, FP8): this GPU's compute-bound rate over the H100's at 700 W."""
+        clock = min(1.0, self.power_limit / self.tdp)
+        return (self.peak_tflops * 1e12 / dict(PEAK_BF16_FLOPS)["H100"] * clock,
+                (self.fp8_tflops or math.nan) / H100_FP8 * clock)
 
 
 def inside_node(sizes: MeshSizes, kind: str, gpus_per_node: int) -> bool:
@@ -1338,19 +1411,27 @@ def pipeline_span(busy: list[float], bubble: float, boundary: float, pp: int, mi
 
 
 def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, layers: int, embed: bool,
-                      head: bool, mlp: bool = True, elem_bytes: int = 2) -> tuple[int, int]:
+                      head: bool, mlp: bool = True, elem_bytes: int = 2, fused: bool = True) -> tuple[int, int]:
     """Memory traffic (forward, backward) of one rank's elementwise work on a microbatch of `tokens`
-    tokens through a stage (03's comm_formula keywords), each operation reading its inputs and writing
-    its output once (torch.compile fuses them). Per layer, between the regions (/ t with SP): two
-    RMSNorms (h in, h out), two residual adds (2h, h); on the rank's heads and ffn / t: RoPE on q and
-    k, silu(gate) x up (2f, f). Plus the embedding's lookup, the final norm, and the loss's two fp32
-    passes over the V / t logits. Backward reads what forward read and the output's gradient, writes
-    the inputs' gradients: a norm or an add 3h, SwiGLU 5f, the embedding 3h, the loss two passes."""
+    tokens through a stage (03's comm_formula keywords). fused (torch.compile): each operation reads its
+    inputs and writes its output once. Per layer, between the regions (/ t with SP): two RMSNorms (h in,
+    h out), two residual adds (2h, h); on the rank's heads and ffn / t: RoPE on q and k, silu(gate) x up
+    (2f, f). Plus the embedding's lookup, the final norm, and the loss's two fp32 passes over the V / t
+    logits. Backward reads what forward read and the output's gradient, writes the inputs' gradients: a
+    norm or an add 3h, SwiGLU 5f, the embedding 3h, the loss two passes. Eager (bf16), each of 01's
+    operations a kernel of its own, reading and writing fp32 inside a norm and RoPE, bytes a token and
+    layer as a dispatch mode counts them (test_09): forward 84h between the regions, RoPE 48 (q + kv)
+    + 16 head_dim (its tables), SwiGLU 10f; backward 214h, 52 (q + kv) + 16 head_dim, 18f."""
     h, e, mid = cfg.dim, elem_bytes, tokens // (tp if sequence_parallel else 1)  # mid: between the regions
     qk, f = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // tp, cfg.ffn_dim // tp * mlp
     loss = head * 2 * 4 * -(-cfg.vocab_size // tp) * tokens
-    forward = layers * (10 * h * mid + (2 * qk + 3 * f) * tokens) + 2 * h * (embed * tokens + head * mid)
-    backward = layers * (12 * h * mid + (2 * qk + 5 * f) * tokens) + 3 * h * (embed * tokens + head * mid)
+    ends = (2 * h * (embed * tokens + head * mid), 3 * h * (embed * tokens + head * mid))
+    if not fused:
+        per_layer = [(84 * h * mid + (48 * qk + 16 * cfg.head_dim + 10 * f) * tokens),
+                     (214 * h * mid + (52 * qk + 16 * cfg.head_dim + 18 * f) * tokens)]
+        return tuple(layers * x + end * e + loss for x, end in zip(per_layer, ends))
+    forward = layers * (10 * h * mid + (2 * qk + 3 * f) * tokens) + ends[0]
+    backward = layers * (12 * h * mid + (2 * qk + 5 * f) * tokens) + ends[1]
     return forward * e + loss, backward * e + loss
 
 
@@ -1364,31 +1445,33 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
     compute alone, or the busiest link's bytes."""
     tp, cp, pp, m, n, moe = sizes.tp, sizes.cp, sizes.pp, train.microbatches, sizes.dp * sizes.cp, train.moe
     e, rows, s = 2 if train.mixed_precision else 4, train.global_batch // sizes.dp // m, train.seq_len // cp
-    tokens, hbm = rows * s, cluster.hbm_tbps * 1e12  # a microbatch's tokens on a rank
-    speed = cluster.peak_tflops * 1e12 / dict(PEAK_BF16_FLOPS)["H100"]
+    tokens, hbm, (speed, speed8) = rows * s, cluster.hbm_tbps * 1e12, cluster.speed  # a microbatch's tokens
     link = lambda kind: 1e9 * (cluster.nvlink_gbps if inside_node(sizes, kind, cluster.gpus_per_node)
                                else cluster.network_gbps)
     send = lambda kind, nbytes, calls=1: float(nbytes) / link(kind) + calls * cluster.latency
     exposed = lambda comm, behind: max(0.0, comm - behind) if hide else comm
     shapes = local_shapes(cfg, tp, moe, sizes.ep)
 
-    def linears(prefix: str) -> list[float]:  # (forward, backward); 06's experts share top_k x the tokens
+    def linears(prefix: str, names=()) -> list[float]:  # (forward, backward); 06's experts: top_k x the tokens
         out = [0.0, 0.0]
-        for *experts, n_out, n_in in (v for k, v in shapes.items() if k.startswith(prefix) and len(v) > 1):
-            count = experts[0] if experts else 1
-            f, b = fp8.linear_seconds(tokens * (moe.top_k if experts else 1) // count, n_in, n_out, hbm,
-                                      train.fp8 and not experts and prefix == "layers.", speed)
+        for *experts, n_out, n_in in (v for k, v in shapes.items() if k.startswith(prefix) and len(v) > 1
+                                      and (not names or k.split(".")[-2] in names)):
+            count, float8 = experts[0] if experts else 1, train.fp8 and not experts and prefix == "layers."
+            f, b = fp8.linear_seconds(tokens * (moe.top_k if experts else 1) // count, n_in, n_out, hbm, float8,
+                                      speed8 if float8 else speed, 1 / m)  # 08: a weight cast once a step
             out = [out[0] + count * f, out[1] + count * b]
         return out
 
     elementwise = lambda **at: [x / hbm for x in elementwise_bytes(
-        cfg, tokens, tp, train.sequence_parallel, mlp=moe is None, elem_bytes=e, **at)]
-    attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim,
-                                        "flash" if cp > 1 else train.attention, cp, speed)  # 09's ring: 07's
+        cfg, tokens, tp, train.sequence_parallel, mlp=moe is None, elem_bytes=e, fused=train.compile, **at)]
+    kernel = "flash" if cp > 1 and train.attention == "sdpa" else train.attention  # 09's ring: 07's kernel
+    attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, kernel, cp, speed)
     layer = {"GEMMs": linears("layers."), "attention": list(attention),
              "elementwise": elementwise(layers=1, embed=False, head=False)}
-    rerun = {"none": (), "selective": ("attention",), "full": tuple(layer)}[train.recompute]
+    rerun = {"none": (), "selective": ("attention",), "op": ("elementwise",), "full": tuple(layer)}[train.recompute]
     layer = {k: [f, b + f * (k in rerun)] for k, (f, b) in layer.items()}  # recompute: the forward again
+    if train.recompute == "op":  # and the 2nd, 4th, 6th matmul (03's policy keeps the others' outputs)
+        layer["GEMMs"][1] += linears("layers.", ("k_proj", "out_proj", "up_proj"))[0]
     ranks = []
     for p in plans:
         first, last = 0 in p.stages, pp * train.virtual - 1 in p.stages
@@ -1458,54 +1541,62 @@ def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | Non
             valid.append(planned(cfg, sizes, train, microbatches, cluster))
         except ValueError as error:
             refusals.append(f"{mesh_name(sizes)}: {error}".replace("\n", " "))
-    fitting = sorted((v for v in valid if max(p.total for p in v[2]) <= cluster.gpu_memory * 1e9),
+    fitting = sorted((v for v in valid if max(p.total for p in v[2]) <= cluster.gpu_memory * GIB),
                      key=lambda v: v[3]["step"])
     return valid, fitting, refusals[0] if refusals else "no sizes multiply to it (tp divides --gpus-per-node)"
 
 
-# --- The plan's report: one mesh, or the fastest that fit -----------------------------------------
+# --- The plan's report: one mesh, or the fastest that fit; as text, or as JSON (--json) ----------
 GROUP_NAMES = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_cp": "dp x cp", "ep_dp": "experts' dp", "ep": "ep"}
 
 
-def gigabytes(x) -> str:
-    return "n/a" if x is None else f"{float(x) / 1e9:,.1f}" if x >= 1e9 else f"{float(x) / 1e9:.2g}"
+def record(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: dict) -> dict:
+    """One mesh's plan as data, what describe prints and --json writes: GiB held per pipeline rank by part
+    (plan's memory), GB sent per group by its busiest rank and the link, seconds per part of the step."""
+    gib, totals = lambda x: None if x is None else float(x) / GIB, [p.total for p in plans]  # noqa: E731
+    return dict(mesh={d: getattr(sizes, d) for d in (*DIMS, "ep")}, zero=train.zero_stage, schedule=train.schedule,
+                virtual=train.virtual, microbatches=train.microbatches, recompute=train.recompute,
+                sequences=train.global_batch // sizes.dp // train.microbatches, sequence_parallel=train.sequence_parallel,
+                step_s=timing["step"], parts_s=timing["parts"], bounds_s=[timing["overlap"], timing["no_overlap"]],
+                bubble=float(timing["bubble"]), mfu=None if train.moe else timing["mfu"], tflops_per_gpu=None
+                if train.moe else timing["flops"] / sizes.world / timing["step"] / 1e12, fullest=totals.index(max(totals)),
+                memory_gib=[{**{k: gib(v) for k, v in p.memory.items()}, "total": gib(p.total)} for p in plans],
+                stages=[p.stages for p in plans], layers=[p.layers for p in plans], in_flight=[p.in_flight for p in plans],
+                sent_gb={GROUP_NAMES[k]: v and dict(gb=v[0] / 1e9, link=v[1]) for k, v in timing["comm"].items()})
 
 
-def describe(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: dict, table: bool) -> str:
-    """The mesh and run; memory per pipeline rank (table: the first two, the fullest and the last two
-    ranks, else the fullest); bytes sent per group; the step time's terms and bounds."""
-    lines = [f"{mesh_name(sizes)}, ZeRO-{train.zero_stage}, {train.schedule} x "
-             f"{train.microbatches} microbatches of {train.global_batch // sizes.dp // train.microbatches}, "
-             f"recompute {train.recompute}, SP {'on' if train.sequence_parallel else 'off'}"]
-    totals = [p.total for p in plans]
-    fullest = totals.index(max(totals))
+def describe(r: dict, table: bool) -> str:
+    """A record as text: the mesh and run; GiB per pipeline rank (table: the first two, the fullest and the
+    last two ranks, else the fullest); GB sent per group; the step time's terms and bounds."""
+    lines = [" ".join(f"{d}={n}" for d, n in r["mesh"].items() if d != "ep" or n > 1) + f", ZeRO-{r['zero']}, "
+             f"{r['schedule']} x {r['microbatches']} microbatches of {r['sequences']}, recompute {r['recompute']}, "
+             f"SP {'on' if r['sequence_parallel'] else 'off'}"]
+    memory, fullest = r["memory_gib"], r["fullest"]
+    gib = lambda x: "n/a" if x is None else f"{x:,.1f}" if x >= 1 else f"{x:.2g}"  # noqa: E731
     if table:
-        lines.append("GB held per GPU   params   grads   optim   activ   total")
-        ends = {0, 1, fullest, len(plans) - 2, len(plans) - 1}
-        shown = sorted(ends if len(plans) > 6 else range(len(plans)))
+        lines.append("GiB per GPU    params  grads  optim  activ  temps   frag  cuda+  total")
+        shown = sorted({0, 1, fullest, len(memory) - 2, len(memory) - 1} if len(memory) > 6 else range(len(memory)))
         for rank in shown:
-            p, pairs = plans[rank], "microbatch-stages" if train.virtual > 1 else "microbatches"
-            what = (("embedding + " if 0 in p.stages else "") + f"{p.layers} layers"
-                    + (" + head" if len(plans) * train.virtual - 1 in p.stages else ""))
+            head = len(memory) * r["virtual"] - 1 in r["stages"][rank]
+            what = ("embedding + " * (0 in r["stages"][rank]) + f"{r['layers'][rank]} layers" + " + head" * head
+                    + f", in flight: {r['in_flight'][rank]} microbatch{'-stage' * (r['virtual'] > 1)}{'es'[r['virtual'] > 1:]}")
             lines += ["  ..."] * (rank > 0 and rank - 1 not in shown) + [
-                f"  pp {rank:<11}" + "".join(f"{gigabytes(p.memory[k]):>8}" for k in p.memory)
-                + f"{gigabytes(totals[rank]):>8}  {what}, in flight: {p.in_flight} {pairs}"]
+                f"  pp {rank:<10}" + "".join(f"{gib(v):>7}" for v in memory[rank].values()) + f"  {what}"]
     else:
-        lines.append(f"fullest GPU {gigabytes(totals[fullest])} GB (pp {fullest}: "
-                     + ", ".join(f"{k} {gigabytes(v)}" for k, v in plans[fullest].memory.items()) + ")")
-    lines.append("sent per GPU per step (its busiest pipeline rank): " + (", ".join(
-        f"{GROUP_NAMES[k]} " + ("n/a (no formula)" if v is None else f"{gigabytes(v[0])} GB ({v[1]})")
-        for k, v in timing["comm"].items()) or "nothing"))
-    t, seconds = timing, lambda x: f"{x:,.1f}" if x >= 10 else f"{x:.3g}"
-    part = {k: seconds(v) for k, v in t["parts"].items()}
-    useful = (f"{t['flops'] / sizes.world / t['step'] / 1e12:,.0f} TFLOP/s per GPU, MFU {t['mfu']:.0%}"
-              if train.moe is None else "MFU n/a (flops_per_token counts dense MLPs)")
-    compute = " + ".join(f"{k} {part[k]}" for k in ("GEMMs", "attention", "elementwise"))
-    lines += [f"step {seconds(t['step'])} s predicted: {useful}; "
-              f"bounds {seconds(t['overlap'])} s (perfect overlap) to {seconds(t['no_overlap'])} s (none)",
-              f"  {compute} + exposed " + ", ".join(f"{k} {part[k]}" for k in ("TP", "DP", "PP", "CP"))
-              + f" + bubble {part['bubble']} s ({t['parts']['bubble'] / t['step']:.0%} of the step: 04's "
-              f"idle fraction {t['bubble']:.0%}, and the stages' imbalance)"]
+        lines.append(f"fullest GPU {gib(memory[fullest]['total'])} GiB (pp {fullest}: " + ", ".join(
+            f"{k} {gib(v)}" for k, v in memory[fullest].items() if k != "total") + ")")
+    lines.append("sent per GPU per step (its busiest pipeline rank): " + (", ".join(f"{k} " + (
+        "n/a (no formula)" if v is None else f"{v['gb']:,.3g} GB ({v['link']})") for k, v in r["sent_gb"].items())
+        or "nothing"))
+    seconds, parts = lambda x: f"{x:,.1f}" if x >= 10 else f"{x:.3g}", r["parts_s"]  # noqa: E731
+    useful = ("MFU n/a (flops_per_token counts dense MLPs)" if r["mfu"] is None else
+              f"{r['tflops_per_gpu']:,.0f} TFLOP/s per GPU, MFU {r['mfu']:.0%}")
+    lines += [f"step {seconds(r['step_s'])} s predicted: {useful}; bounds {seconds(r['bounds_s'][0])} s (perfect "
+              f"overlap) to {seconds(r['bounds_s'][1])} s (none)", "  " + " + ".join(
+                  f"{k} {seconds(parts[k])}" for k in ("GEMMs", "attention", "elementwise")) + " + exposed " + ", ".join(
+                  f"{k} {seconds(parts[k])}" for k in ("TP", "DP", "PP", "CP")) + f" + bubble {seconds(parts['bubble'])} "
+              f"s ({parts['bubble'] / r['step_s']:.0%} of the step: 04's idle fraction {r['bubble']:.0%}, and the "
+              f"stages' imbalance)"]
     return "\n".join(lines)
 
 
@@ -1513,73 +1604,86 @@ TOP_MESHES = 3  # the search prints this many
 
 
 def plan_report(args: argparse.Namespace) -> str:
-    """The given mesh's breakdown, or the fastest meshes that fit; one line if none fits."""
-    cfg, fixed = build_model_config(args), {d: getattr(args, d) for d in DIMS}
+    """The given mesh's breakdown, or the fastest meshes that fit; one line if none fits; --json: one object."""
+    cfg, fixed, cluster = build_model_config(args), {d: getattr(args, d) for d in DIMS}, cluster_of(args)
     train = dataclasses.replace(train_config(args), mixed_precision=True)  # a GPU run: bf16 + fp32 masters
-    cluster, memory = Cluster(**options_of(Cluster, args)), Fraction(args.gpu_memory) * 10 ** 9
-    over = lambda need: math.ceil(100 * need / memory)  # need / memory in %, rounded up: 100 fits
+    memory, over = cluster.gpu_memory, lambda need: math.ceil(100 * need / cluster.gpu_memory)  # in %, up
     gpus = args.gpus or (math.prod(fixed.values()) if None not in fixed.values() else 0)
     if gpus < 1 or None not in fixed.values() and math.prod(fixed.values()) != gpus:
         given = [f"--{d} {v}" for d, v in {"gpus": args.gpus, **fixed}.items() if v is not None]
         raise ValueError(f"plan needs --gpus N or every mesh size (--dp --pp --cp --tp), sizes that multiply "
                          f"to N; given: {' '.join(given) or 'neither'}")
-    n_params = sum(map(math.prod, foundation.parameter_shapes(cfg).values()))
-    header = (f"{args.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
-              f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, ffn {cfg.ffn_dim}, vocabulary "
-              f"{cfg.vocab_size:,}), bf16 + fp32 masters{' + FP8 GEMMs' if train.fp8 else ''}; batch "
-              f"{train.global_batch:,} x {train.seq_len:,} tokens; {gpus:,} GPUs of {args.gpu_memory:g} GB, "
-              f"{cluster.gpus_per_node} per node.\nPriced: GEMMs and attention ({train.attention}) at the "
-              f"course's H100 rates x {cluster.peak_tflops:g} / 989 TFLOP/s, the rest at "
-              f"{cluster.hbm_tbps:g} TB/s; {cluster.nvlink_gbps:g} GB/s per GPU each way in a node, "
-              f"{cluster.network_gbps:g} across nodes,\n{cluster.latency * 1e6:g} us a message. Memory "
-              f"leaves out the logits and loss, the embedding's output, temporaries, CUDA and NCCL buffers, "
-              f"fragmentation.")
+    if train.fp8 and cluster.fp8_tflops is None:
+        raise ValueError(f"--fp8: the {args.gpu} has no FP8 tensor cores (--fp8-tflops prices one)")
     valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, args.microbatches, args.ep, cluster)
-    if None not in fixed.values() and valid:  # the mesh given
-        need = max(p.total for p in valid[0][2])
-        verdict = (f"does not fit: the fullest GPU needs {gigabytes(need)} GB, {gigabytes(need - memory)} GB "
-                   f"({over(need) - 100}%) more than its {args.gpu_memory:g} GB" if need > memory else
-                   f"fits: {gigabytes(need)} of {args.gpu_memory:g} GB on the fullest GPU")
-        return "\n".join([header, describe(*valid[0], table=True), verdict])
     if not valid:  # a refusal, like any other: exit 2
         raise ValueError(f"no mesh of {gpus:,} GPUs passes validate: {refusal}")
+    given, leanest = None not in fixed.values(), min(valid, key=lambda v: max(p.total for p in v[2]))
+    shown = [record(*v) for v in (valid[:1] if given else fitting[:TOP_MESHES] or [leanest])]
+    need = shown[0]["memory_gib"][shown[0]["fullest"]]["total"]
+    if args.json:
+        return json.dumps(dict(model=args.model, config=dataclasses.asdict(cfg), gpus=gpus, cluster=dataclasses.asdict(
+            cluster), valid=len(valid), fitting=len(fitting), fits=need <= memory, meshes=shown))
+    n_params = sum(map(math.prod, foundation.parameter_shapes(cfg).values()))
+    header = (f"{args.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
+              f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, ffn {cfg.ffn_dim}, vocabulary {cfg.vocab_size:,}"
+              f"{', tied' if cfg.tie_embeddings else ''}), bf16 + fp32 masters{' + FP8 GEMMs' if train.fp8 else ''}; "
+              f"batch {train.global_batch:,} x {train.seq_len:,} tokens; {gpus:,} GPUs of {memory:g} GiB "
+              f"({args.gpu}), {cluster.gpus_per_node} per node.\nPriced: GEMMs and attention ({train.attention}) at "
+              f"the course's H100 rates x {cluster.speed[0]:.3g} ("
+              f"{f'FP8 x {cluster.speed[1]:.3g}' if cluster.fp8_tflops else 'no FP8'}), the rest at "
+              f"{cluster.hbm_tbps:g} TB/s{'' if train.compile else ', eager'}; {cluster.nvlink_gbps:g} GB/s per GPU "
+              f"each way in a node, {cluster.network_gbps:g} across nodes, {cluster.latency * 1e6:g} us a message.\n"
+              f"Memory: the tensors, temporaries (the loss, a layer's backward, ZeRO's), the allocator's segments "
+              f"(+{float(ALLOCATOR):.0%}), CUDA's context and NCCL's buffers.")
+    if given:  # the mesh given
+        verdict = (f"does not fit: the fullest GPU needs {need:,.1f} GiB, {need - memory:,.1f} GiB "
+                   f"({over(need) - 100}%) more than its {memory:g} GiB" if need > memory else
+                   f"fits: {need:,.1f} of {memory:g} GiB on the fullest GPU")
+        return "\n".join([header, describe(shown[0], table=True), verdict])
     if not fitting:
-        sizes, run, plans, _ = min(valid, key=lambda v: max(p.total for p in v[2]))
-        need = max(p.total for p in plans)
-        leanest = describe(sizes, run, plans, valid[0][3], False).splitlines()[0]
-        return (f"{args.model} does not fit on {gpus:,} GPUs of {args.gpu_memory:g} GB: the leanest of "
-                f"{len(valid)} valid meshes ({leanest}) needs {gigabytes(need)} GB on its fullest GPU, "
+        return (f"{args.model} does not fit on {gpus:,} GPUs of {memory:g} GiB: the leanest of {len(valid)} valid "
+                f"meshes ({describe(shown[0], False).splitlines()[0]}) needs {need:,.1f} GiB on its fullest GPU, "
                 f"{over(need) / 100:.2f}x the memory")
-    lines = [header, f"{len(valid)} meshes pass validate, {len(fitting)} fit; the fastest:"]
-    for rank, choice in enumerate(fitting[:TOP_MESHES], start=1):
-        lines.append(f"{rank}. " + describe(*choice, table=False).replace("\n", "\n   "))
-    return "\n".join(lines)
+    return "\n".join([header, f"{len(valid)} meshes pass validate, {len(fitting)} fit; the fastest:"] + [
+        f"{rank}. " + describe(r, table=False).replace("\n", "\n   ") for rank, r in enumerate(shown, 1)])
 
 
 # --- The command line: check | train | plan, made from the option fields -----------------------------
 @dataclass(frozen=True)
-class ModelOptions:  # the command line's choice of model (build_model_config, train_config make its configs)
-    model: str = option("tiny", "the preset", commands=TRAIN, choices=MODELS)
+class ModelOptions:  # the model: a preset or a config.json, each size overridable (model_spec)
+    model: str = option("tiny", f"a preset ({', '.join(PRESETS)}) or a Hugging Face config.json",
+                        metavar="NAME|FILE")
+    dim: int | None = option(None, "model width", ">= 1", type=int)
+    layers: int | None = option(None, "transformer blocks", ">= 1", type=int)
+    heads: int | None = option(None, "attention heads", ">= 1", type=int)
     kv_heads: int | None = option(None, "key/value heads, grouped-query attention", ">= 1", type=int)
+    ffn_dim: int | None = option(None, "the MLP's hidden size (MoE: an expert's)", ">= 1", type=int)
+    vocab: int | None = option(None, "vocabulary size", ">= 1", type=int)
     moe: bool = option(False, "every MLP a mixture of experts (dropless)")
-    experts: int = option(4, "experts per MoE layer", ">= 1")
+    experts: int | None = option(None, "experts per MoE layer (default: the file's, else 4)", ">= 1", type=int)
 
 
-OPTIONS = (MeshSizes, ModelOptions, TrainConfig, RunConfig, PlanModel, Cluster)  # in --help's order
-PRESET = "the --model preset's"
+@dataclass(frozen=True)
+class PlanOutput:
+    json: bool = option(False, "the plan as one JSON object, for scripts and spreadsheets", commands=PLAN)
+
+
+OPTIONS = (MeshSizes, ModelOptions, TrainConfig, RunConfig, Cluster, PlanOutput)  # in --help's order
+PRESET, GPU = "the --model's", "the --gpu preset's"
 DEMO = dict(dp=2, tp=2, max_grad_norm=1.0)  # where check and train depart from the fields' defaults
+SIZES = dict.fromkeys(("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab", "global_batch", "seq_len"), PRESET)
 COMMANDS = {  # the first runs when argv names none
     "train": foundation.Command(
         "train on text (the default): checkpoints, --resume, MFU, a sample", DEMO,
-        dict(microbatches="1, or 2 with pp > 1", mixed_precision="on with a GPU, off on a CPU",
-             kv_heads=PRESET, global_batch=PRESET, seq_len=PRESET, lr=PRESET)),
+        dict(SIZES, microbatches="1, or 2 with pp > 1", mixed_precision="on with a GPU, off on a CPU", lr=PRESET)),
     "check": foundation.Command(
         "prove the mesh equal to one device on synthetic data; each rank's bytes beside the plan",
-        dict(DEMO, steps=3, microbatches=2, kv_heads=2, seq_len=32), dict(mixed_precision="off")),
+        dict(DEMO, steps=3, microbatches=2, model="check"), dict(SIZES, mixed_precision="off")),
     "plan": foundation.Command(
-        "price a model on a cluster that is not here: the fastest meshes that fit, or the mesh given", {},
-        dict(dict.fromkeys(DIMS, "searched"), microbatches="global_batch / dp: one sequence each",
-             kv_heads=PRESET, global_batch=PRESET, seq_len=PRESET)),
+        "price a model on a cluster that is not here: the fastest meshes that fit, or the mesh given",
+        dict(compile=True), dict(SIZES, **dict.fromkeys(DIMS, "searched"), **dict.fromkeys(
+            GPU_FIELDS, GPU), microbatches="global_batch / dp: one sequence each")),
 }
 
 
@@ -1588,14 +1692,28 @@ def options_of(cls, args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in foundation.option_fields((cls,), args.command)}
 
 
-def build_model_config(args: argparse.Namespace) -> "foundation.ModelConfig":
-    """check: a small demo model (vocabulary 127: tp pads it); train and plan: the --model preset,
+def model_spec(args: argparse.Namespace) -> tuple:
+    """--model (a preset, or a config.json by 01's ModelConfig.from_hf), the sizes given overriding it:
+    (ModelConfig, (experts, top-k) or None, its run: (seq_len, global_batch, lr)). A preset is
     byte-level unless it sets a vocabulary."""
-    if args.command == "check":
-        return foundation.ModelConfig(vocab_size=127, dim=64, n_layers=4, n_heads=4, n_kv_heads=args.kv_heads,
-                                      ffn_dim=176)
-    preset = {"vocab_size": 256, **PRESETS[args.model][0]}
-    return foundation.ModelConfig(**{**preset, "n_kv_heads": args.kv_heads or preset.get("n_kv_heads")})
+    if args.model in PRESETS:
+        (sizes, *run), experts = PRESETS[args.model], None
+        cfg = foundation.ModelConfig(**{"vocab_size": 256, **sizes})
+    elif args.model.endswith(".json"):
+        try:
+            config, run = json.loads(Path(args.model).read_text()), FILE_RUN
+            cfg, experts = foundation.ModelConfig.from_hf(config if isinstance(config, dict) else {})
+        except (OSError, ValueError) as error:  # json's errors are ValueErrors
+            raise ValueError(f"--model {args.model}: {error}") from None
+    else:
+        raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a .json file")
+    given = dict(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads or (
+        args.heads if cfg.n_kv_heads == cfg.n_heads else None), ffn_dim=args.ffn_dim, vocab_size=args.vocab)
+    return dataclasses.replace(cfg, **{k: v for k, v in given.items() if v is not None}), experts, run
+
+
+def build_model_config(args: argparse.Namespace) -> "foundation.ModelConfig":
+    return model_spec(args)[0]
 
 
 def mesh_sizes(args: argparse.Namespace) -> MeshSizes:
@@ -1603,14 +1721,21 @@ def mesh_sizes(args: argparse.Namespace) -> MeshSizes:
 
 
 def train_config(args: argparse.Namespace, device: torch.device | None = None) -> TrainConfig:
-    """The options as a TrainConfig; those left None: the --model preset's sizes and lr, 1 microbatch
-    (2 with pp > 1), bf16 on a GPU."""
-    _, seq_len, global_batch, lr = PRESETS[args.model] if "model" in args else (None, None, None, None)
+    """The options as a TrainConfig; those left None: the --model's run, 1 microbatch (2 with pp > 1), bf16
+    on a GPU; the file's MoE (Mixtral: its experts, top-k and expert size) or --moe's (top 2, size 64)."""
+    cfg, experts, (seq_len, global_batch, lr) = model_spec(args)
     decided = dict(global_batch=global_batch, seq_len=seq_len, lr=lr, microbatches=1 + ((args.pp or 1) > 1),
                    mixed_precision=device is not None and device.type == "cuda")
     given = {k: decided[k] if v is None else v for k, v in options_of(TrainConfig, args).items()}
-    moe = expert_parallel.MoEConfig(n_experts=args.experts, top_k=2, expert_ffn_dim=64, aux_loss_coef=0.0)
-    return TrainConfig(**given, adam_eps=1e-6, moe=moe if args.moe or args.ep > 1 else None)
+    n, top_k, size = (*experts, cfg.ffn_dim) if experts else (4, 2, 64)
+    moe = expert_parallel.MoEConfig(n_experts=args.experts or n, top_k=top_k, expert_ffn_dim=size, aux_loss_coef=0)
+    return TrainConfig(**given, adam_eps=1e-6, moe=moe if experts or args.moe or args.ep > 1 else None)
+
+
+def cluster_of(args: argparse.Namespace) -> Cluster:
+    """--gpu's preset, each rate given overriding it."""
+    given = {k: v for k, v in options_of(Cluster, args).items() if v is not None}
+    return Cluster(**{**dict(zip(GPU_FIELDS, GPUS[args.gpu])), **given})
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
@@ -1623,7 +1748,16 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
     """The rules between options, then the sizes against the world that will run (validate), whether
     or not the run would reach them; for train also the text, the checkpoint folder and the
     checkpoint to resume: a ValueError (one line, exit 2) before any rank starts."""
-    broken = () if args.command != "train" else [message for wrong, message in (
+    cfg, train = build_model_config(args), train_config(args)
+    broken = [message for wrong, message in (
+        (cfg.tie_embeddings, f"--model {args.model} ties its LM head to the embedding: 09 trains them apart "
+                             f"(01's GPT ties; plan prices it)"),
+        (train.attention == "cudnn", "--attention cudnn is plan's price of SDPA's cuDNN backend: train and "
+                                     "check run sdpa or flash")) if wrong]
+    broken += () if args.command != "train" else [message for wrong, message in (
+        (cfg.vocab_size < 256, f"train reads bytes: a vocabulary of {cfg.vocab_size} cannot hold them (--vocab)"),
+        (args.sample_bytes and cfg.vocab_size != 256 and args.folder is not None, f"the sample decodes bytes: "
+         f"a vocabulary of {cfg.vocab_size} is not 256 (--vocab 256, or --no-sample)"),
         (args.resume not in (False, "latest") and not args.resume.isdigit(),
          f"--resume takes the step of a kept checkpoint (a number), not {args.resume!r}"),
         (args.trace and not args.profile, "--trace writes --profile's trace: give --profile STEPS too"),
@@ -1634,7 +1768,6 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
         (args.folder == "", "--checkpoint-dir must name a folder (--no-save: no checkpoints)")) if wrong]
     if broken:
         raise ValueError(broken[0])
-    cfg, train = build_model_config(args), train_config(args)
     validate(cfg, mesh_sizes(args), train, world)
     if args.command == "check":
         return

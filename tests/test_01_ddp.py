@@ -253,12 +253,78 @@ def test_attention_scores_depend_on_relative_positions_only(cfg, seq_len, shift)
         assert (d - b)[..., off_diagonal].abs().max().item() > 1e-3 * scale, layer
 
 
-@given(n_heads=st.sampled_from([2, 4]), groups=st.sampled_from([1, 2]), layers=st.integers(0, 3))
-def test_parameter_shapes_are_the_models(n_heads, groups, layers):
+@given(n_heads=st.sampled_from([2, 4]), groups=st.sampled_from([1, 2]), layers=st.integers(0, 3), tie=st.booleans())
+def test_parameter_shapes_are_the_models(n_heads, groups, layers, tie):
     cfg = foundation.ModelConfig(vocab_size=37, dim=8 * n_heads, n_layers=layers, n_heads=n_heads,
-                                 n_kv_heads=n_heads // groups, ffn_dim=20)
+                                 n_kv_heads=n_heads // groups, ffn_dim=20, tie_embeddings=tie)
     built = [(name, tuple(p.shape)) for name, p in foundation.GPT(cfg).named_parameters()]
     assert list(foundation.parameter_shapes(cfg).items()) == built
+
+
+def test_a_tied_lm_head_is_the_embedding_and_the_default_is_untied():
+    """The hook for Llama 3.2-style ties: one parameter under two modules, its gradient the sum of both
+    uses; the default model (every lesson's) keeps two."""
+    untied, tied = (foundation.GPT(foundation.ModelConfig(tie_embeddings=t)) for t in (False, True))
+    assert untied.lm_head.weight is not untied.embed.weight and "lm_head.weight" in dict(untied.named_parameters())
+    assert tied.lm_head.weight is tied.embed.weight
+    with torch.no_grad():
+        untied.lm_head.weight.copy_(untied.embed.weight)
+        for (_, a), (_, b) in zip(untied.named_parameters(), tied.named_parameters()):  # lm_head last, untied
+            a.copy_(b)
+    tokens, targets = foundation.synthetic_batch(tied.cfg, 2, 8, 0)
+    for model in (tied, untied):
+        model(tokens, targets).backward()
+    torch.testing.assert_close(tied.embed.weight.grad, untied.embed.weight.grad + untied.lm_head.weight.grad)
+
+
+LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                 rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu", rms_norm_eps=1e-5,
+                 attention_bias=False, mlp_bias=False, head_dim=128, max_position_embeddings=131072,
+                 rope_scaling=dict(factor=8.0, rope_type="llama3"), torch_dtype="bfloat16")
+
+
+def test_a_hugging_face_llama_or_mixtral_config_is_the_model_config():
+    """Meta's Llama 3.1 8B config.json (rope_scaling stretches positions: no shape, unread) and a
+    Mixtral 8x7B-shaped one (per-expert intermediate_size; 8 experts, top 2); Llama 3.2 1B ties."""
+    cfg, moe = foundation.ModelConfig.from_hf(LLAMA3_8B)
+    assert moe is None and cfg == foundation.ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32,
+                                                         n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0)
+    mixtral = dict(LLAMA3_8B, model_type="mixtral", vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
+                   sliding_window=None, rope_theta=1e6)
+    del mixtral["head_dim"], mixtral["attention_bias"], mixtral["mlp_bias"]
+    cfg, moe = foundation.ModelConfig.from_hf(mixtral)
+    assert moe == (8, 2) and cfg.vocab_size == 32000 and cfg.ffn_dim == 14336 and cfg.rope_theta == 1e6
+    llama32 = dict(LLAMA3_8B, hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, head_dim=64,
+                   tie_word_embeddings=True)
+    assert foundation.ModelConfig.from_hf(llama32)[0].tie_embeddings
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(model_type="qwen2"), "model_type='qwen2' is not llama, mistral or mixtral"),
+    (dict(model_type=None), "model_type=None is not llama, mistral or mixtral"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu': a feature 01's GPT (a plain Llama) lacks"),
+    (dict(attention_bias=True), "attention_bias=True: a feature"),
+    (dict(mlp_bias=True), "mlp_bias=True: a feature"),
+    (dict(sliding_window=4096), "sliding_window=4096: a feature"),  # Mistral 7B v0.1
+    (dict(head_dim=256), "head_dim=256: a feature"),  # heads of other than hidden_size / heads (Qwen3, Gemma)
+    (dict(hidden_size=None), "hidden_size=None: missing"),
+    (dict(num_hidden_layers=0), "num_hidden_layers=0: must be a positive integer"),
+    (dict(vocab_size=-1), "vocab_size=-1: must be a positive integer"),
+    (dict(intermediate_size=14336.5), "intermediate_size=14336.5: must be a positive integer"),
+    (dict(num_attention_heads=True), "num_attention_heads=True: must be a positive integer"),
+    (dict(num_key_value_heads="8"), "num_key_value_heads='8': must be a positive integer"),
+    (dict(rope_theta=float("nan")), "rope_theta=nan: must be a positive number"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings='false': must be true or false"),
+    (dict(num_local_experts=8), "num_experts_per_tok=None: missing"),
+    (dict(num_local_experts=0, num_experts_per_tok=2), "num_local_experts=0: must be a positive integer"),
+    (dict(num_key_value_heads=7), "n_heads=32 is not divisible by n_kv_heads=7"),
+])
+def test_a_config_that_is_not_llama_shaped_or_nonsensical_is_one_line_naming_the_field(change, message):
+    config = {k: v for k, v in {**LLAMA3_8B, **change}.items() if v is not None or k == "model_type"}
+    with pytest.raises(ValueError) as error:
+        foundation.ModelConfig.from_hf(config)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value), error.value
 
 
 RESIDUAL_OUTPUTS = ("attn.out_proj.weight", "mlp.down_proj.weight")

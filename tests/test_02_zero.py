@@ -132,6 +132,33 @@ def test_memory_formula_counts_adamw_step_counter_of_every_unit(rank_pool, stage
     assert result.held == result.formula
 
 
+def step_transient(cfg, stage: int, mixed_precision: bool) -> tuple:
+    """On each rank: the most bytes zero.step() makes alive at once (LiveStorages), at the second step
+    (the first makes AdamW's moments, which memory_formula counts); its units' padded sizes."""
+    from test_03_tensor_parallel import LiveStorages
+    model = foundation.GPT(cfg)
+    zero_opt = zero.ZeRO(model, stage, mixed_precision=mixed_precision)
+    for step in range(2):
+        model(*foundation.synthetic_batch(cfg, 4, 6, step, dist.get_rank(), 2)).backward()
+        with LiveStorages() as made:
+            zero_opt.step()
+        zero_opt.zero_grad()
+    return made.peak, [unit.padded for unit in zero_opt.units]
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True])
+@pytest.mark.parametrize("stage", zero.STAGES)
+def test_the_step_makes_the_temporaries_zero_transient_bytes_says(rank_pool, stage, mixed_precision):
+    """At the step: the shard's gradient in fp32 (mixed), stage 1's reduce-scatter output; and torch's
+    AdamW, which on a GPU is fused (none) and on a CPU runs a tensor at a time: 3 fp32 temporaries of
+    the largest shard (here, a unit's), and a few scalars (the norm, its clip factor)."""
+    cfg = foundation.ModelConfig(vocab_size=30, dim=32, n_heads=2, ffn_dim=40, n_layers=3)
+    for peak, padded in rank_pool.run(2, step_transient, cfg, stage, mixed_precision):
+        shard = max(padded) // (1 if stage == 0 else 2)
+        _, step = zero.zero_transient_bytes(sum(padded), max(padded), 2, stage, mixed_precision)
+        assert 0 <= peak - (step + 3 * 4 * shard) <= 16, (peak, step)
+
+
 def test_uneven_sizes_clipping_and_traffic_ratios(rank_pool):
     """3 ranks, every module's size odd: padding in every unit; clipping active at every step;
     traffic 1x DDP for stages 1-2 and 1.5x DDP for stage 3 on the padded count."""

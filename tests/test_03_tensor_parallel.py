@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
+import weakref
 from fractions import Fraction
 
 import pytest
@@ -28,6 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import example, given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from conftest import run_script
 from test_01_ddp import ADAM_EPS, GRAD_ATOL, PARAM_ATOL, assert_matches_reference
@@ -270,6 +273,33 @@ def run_vocab_parallel(logits, targets, vocab_size, tokens, table):
     return loss.detach(), local.grad, rows.detach(), embedding.weight.grad
 
 
+def loss_peak(tokens: int, vocab_size: int, dtype: torch.dtype) -> int:
+    """The most bytes the loss holds at once (LiveStorages), forward and backward, on this rank's logits
+    as the LM head makes them (inside, in dtype) and drops them when forward returns: 01's loss on one
+    rank, the vocab-parallel one on several."""
+    tp, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    first, per_rank = tensor_parallel.vocab_shard(vocab_size, tp, rank)
+    weight = torch.randn(per_rank, 8, dtype=dtype, requires_grad=True)
+    x, targets = torch.randn(1, tokens, 8, dtype=dtype), torch.randint(vocab_size, (1, tokens))
+    loss_fn = foundation.cross_entropy_loss if tp == 1 else tensor_parallel.VocabParallelLoss(first, vocab_size, None)
+    with LiveStorages() as made:
+        loss = (lambda: loss_fn(x @ weight.t(), targets))()
+        loss.backward()
+    return made.peak
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_loss_holds_at_its_peak_what_loss_bytes_says(rank_pool, tp):
+    """01's loss (tp = 1): the logits cast to fp32, the log-softmax it saves; backward, nll's gradient and
+    the log-softmax's beside the saved one: 12 B a logit whatever the logits' dtype. Vocab-parallel: the
+    logits, an fp32 copy, the exponentials and the softmax it saves: 12 B + the logits' bytes."""
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        peaks = [loss_peak(300, 1000, dtype)] if tp == 1 else rank_pool.run(tp, loss_peak, 300, 1000, dtype)
+        for peak in peaks:
+            exact = tensor_parallel.loss_bytes(300, 1000, tp, size)  # a logit a token and vocabulary id
+            assert exact <= peak <= exact + 64 * 300 + 8 * 1000, (dtype, peak, exact)  # + per-token vectors, ids
+
+
 @pytest.mark.parametrize("tp, vocab_size", [(2, 16), (2, 7), (4, 3), (4, 10)])
 def test_vocab_parallel_loss_and_embedding_match_their_definitions(rank_pool, tp, vocab_size):
     gen = torch.Generator().manual_seed(vocab_size)
@@ -459,17 +489,48 @@ def loss_and_grads(model, tokens, targets, **kw) -> tuple[torch.Tensor, dict[str
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+class LiveStorages(TorchDispatchMode):
+    """The storages the operators inside make (not views of storages made before), each while it lives
+    (storage: bytes), and the most bytes alive at once: what a GPU's allocator would hold for them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live, self.peak, self.before = {}, 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        known = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in (t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in known | self.live.keys():
+                self.live[storage.data_ptr()] = storage.nbytes()
+                weakref.finalize(storage, self.live.pop, storage.data_ptr(), None)
+        self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+def kept_bytes(forward, inputs) -> int:
+    """What blocks under "op" recompute keep for backward: their inputs (the checkpoints') and the
+    outputs the policy saved (outside autograd's saved-tensor hooks, so activation_bytes sees the
+    inputs only): the storages forward() made that outlive it but its output, and the inputs."""
+    with LiveStorages() as made:
+        out = forward()
+    held = sum(made.live.values()) - out.untyped_storage().nbytes()
+    out.float().sum().backward()
+    return held + sum(t.untyped_storage().nbytes() for t in inputs)
+
+
 def assert_same_training(runs: dict) -> None:
     """Bitwise: recompute reruns the same kernels on the same inputs (module docstring)."""
     loss, grads = runs["none"]
-    for mode in ("selective", "full"):
+    for mode in set(runs) - {"none"}:
         assert torch.equal(runs[mode][0], loss), mode
         assert all(torch.equal(runs[mode][1][n], g) for n, g in grads.items()), mode
 
 
-def layer_bytes(blocks, cfg, batch: int, seq_len: int, shards: int = 1, dtype=torch.float32) -> int:
+def layer_bytes(blocks, cfg, batch: int, seq_len: int, shards: int = 1, dtype=torch.float32, mode: str = "") -> int:
     """Bytes a stack of blocks (one block, or a list) saves for backward, on its input (b, s / shards,
-    h) (lesson 03's setup), in dtype."""
+    h) (lesson 03's setup), in dtype; mode "op": kept_bytes."""
     blocks = [blocks] if isinstance(blocks, torch.nn.Module) else blocks
     x = torch.randn(batch, seq_len // shards, cfg.dim, dtype=dtype, requires_grad=True)
     cos, sin = foundation.rope_angles(torch.arange(seq_len), cfg.head_dim, cfg.rope_theta)
@@ -480,6 +541,8 @@ def layer_bytes(blocks, cfg, batch: int, seq_len: int, shards: int = 1, dtype=to
             h = block(h, cos, sin)
         return h
 
+    if mode == "op":
+        return kept_bytes(forward, (x, cos, sin))
     out, saved = tensor_parallel.activation_bytes(forward, [p for b in blocks for p in b.parameters()], x.device)
     out.float().sum().backward()
     return saved
@@ -498,18 +561,18 @@ def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, 
         names = [n for n, _ in model.named_parameters()]
         assert names == [n for n, _ in foundation.GPT(cfg).named_parameters()], "names are kept"
         runs[mode] = loss_and_grads(model, *batch_data)
-        saved[mode] = layer_bytes(model.layers["0"], cfg, batch, seq_len)
+        saved[mode] = layer_bytes(model.layers["0"], cfg, batch, seq_len, mode=mode)
         assert saved[mode] == tensor_parallel.layer_activation_formula(cfg, batch, seq_len, 1, False, mode), mode
         for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):  # every layer, bf16 too
-            stack = layer_bytes(list(model.to(dtype).layers.values()), cfg, batch, seq_len, dtype=dtype)
+            stack = layer_bytes(list(model.to(dtype).layers.values()), cfg, batch, seq_len, dtype=dtype, mode=mode)
             assert stack == tensor_parallel.layer_activation_formula(cfg, batch, seq_len, 1, False, mode, size,
                                                                      layers=layers), (mode, dtype)
     assert_same_training(runs)
-    assert saved["full"] < saved["selective"] < saved["none"]
+    assert saved["full"] < saved["op"] < saved["none"] and saved["full"] < saved["selective"] < saved["none"]
 
 
 def test_recompute_refuses_bad_modes_and_a_second_application():
-    with pytest.raises(ValueError, match="mode 'some' must be one of \\('none', 'selective', 'full'\\)"):
+    with pytest.raises(ValueError, match="mode 'some' must be one of \\('none', 'selective', 'op', 'full'\\)"):
         tensor_parallel.apply_recompute(foundation.GPT(foundation.ModelConfig()), "some")
     model = tensor_parallel.apply_recompute(foundation.GPT(foundation.ModelConfig()), "full")
     with pytest.raises(ValueError, match="already recomputes \\(full\\)"):
@@ -520,7 +583,7 @@ def recompute_tensor_parallel(cfg, batch: int, seq_len: int, sequence_parallel: 
     """On each rank: loss and local gradients under each mode, layer 0's saved bytes, the meter of
     the step (forward + backward), and the TP-local parameter shapes."""
     runs, saved, meters = {}, {}, {}
-    for mode in tensor_parallel.RECOMPUTE_MODES:
+    for mode in set(tensor_parallel.RECOMPUTE_MODES) - {"op"}:  # op reruns collectives (09 refuses it)
         model = tensor_parallel.apply_tensor_parallel(foundation.GPT(cfg), None, sequence_parallel)
         tensor_parallel.apply_recompute(model, mode)
         with foundation.comm_meter() as meters[mode]:
@@ -535,7 +598,7 @@ def recompute_context_parallel(cfg, batch: int, seq_len: int) -> dict:
     layout = context_parallel.validate_context_parallel(seq_len, cfg.n_heads, cp, "ring", True)
     tokens, targets = (layout.shard(t, rank, dim=1) for t in foundation.synthetic_batch(cfg, batch, seq_len, 0))
     runs = {}
-    for mode in tensor_parallel.RECOMPUTE_MODES:
+    for mode in set(tensor_parallel.RECOMPUTE_MODES) - {"op"}:  # op reruns the ring's sends (09 refuses it)
         model = foundation.GPT(cfg, attn_fn=context_parallel.ContextParallelAttention(None, "ring", True))
         runs[mode] = loss_and_grads(tensor_parallel.apply_recompute(model, mode), tokens, targets,
                                     positions=layout.positions(rank))

@@ -188,6 +188,24 @@ def test_reads_lesson_01_layout_without_copies(batch, kv_heads, group, seq, dtyp
 
 
 @cpu_only
+@pytest.mark.parametrize("kernel", ["flash", "sdpa"])
+@pytest.mark.parametrize("batch, heads, kv_heads, seq, head_dim", [(1, 4, 2, 64, 16), (2, 2, 1, 32, 32), (1, 4, 4, 48, 16)])
+def test_attention_backward_holds_what_attention_backward_bytes_says(kernel, batch, heads, kv_heads, seq, head_dim):
+    """The most attention's backward makes alive at once (test_03's LiveStorages), on 01's layout:
+    dq, dk, dv (this kernel reads q and k in place, no copies); SDPA on a CPU has no fp32 accumulator."""
+    from test_03_tensor_parallel import LiveStorages
+    attention = flash.flash_attention if kernel == "flash" else foundation.causal_attention
+    for dtype, size in ((torch.float32, 4), (torch.float16, 2)):
+        q, k, v = (torch.randn(batch, seq, h, head_dim, dtype=dtype).transpose(1, 2).requires_grad_()
+                   for h in (heads, kv_heads, kv_heads))
+        out = attention(q, k, v)
+        dout = torch.randn_like(out)
+        with LiveStorages() as made:
+            torch.autograd.grad(out, (q, k, v), dout)
+        assert made.peak == flash.attention_backward_bytes(batch * seq, heads, kv_heads, head_dim, size, "flash")
+
+
+@cpu_only
 @pytest.mark.parametrize("group", [2, 4])
 def test_grouped_kv_gradients_are_the_groups_sums(group):
     """A K/V head read by g query heads gets the sum of their g gradients (the chain rule for one
@@ -592,8 +610,7 @@ def test_the_planners_attention_rates_are_the_readmes_measurements():
     """ATTENTION_TFLOPS_H100 is README's `--bench` table (forward + backward: ours, SDPA's flash,
     cuDNN), every one of its 20 rows: a re-measured README cannot leave the planner behind."""
     text = (ROOT / "README.md").read_text()
-    rows = re.findall(r"\n\| (64|128) \| (\d+) \| (no|yes) \|(?: [\d.]+ \|){6} ([\d.]+) \| ([\d.]+) \| [\d.]+ \| "
-                      r"([\d.]+) \|", text)
+    rows = re.findall(r"\n\| (64|128) \| (\d+) \| (no|yes) \| ([\d.]+) \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \|", text)
     assert len(rows) == 2 * len(flash.BENCH_SEQS) * 2
     for head_dim, seq, causal, *rates in rows:
         measured = flash.ATTENTION_TFLOPS_H100[int(head_dim), causal == "yes"]

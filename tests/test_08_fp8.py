@@ -579,9 +579,13 @@ def test_cuda_triton_kernel_equals_torch_on_bf16(dtype):
 # --- what a GEMM costs: the measured rates 09's planner prices every linear layer with ---------------
 
 def test_the_planners_gemm_rates_are_the_readmes_measurements():
-    """GEMM_TFLOPS_H100 is README's `--bench` table (bf16, tensorwise FP8 with its scaling)."""
-    rows = re.findall(r"\n\| (\d+) \| (\d+) \| \d+ \| (\d+) \| [\d.]+x \|", (ROOT / "README.md").read_text())
-    assert {int(n): (int(bf16), int(float8)) for n, bf16, float8 in rows} == fp8.GEMM_TFLOPS_H100
+    """GEMM_TFLOPS_H100 is README's `--bench` table (bf16, the tensorwise FP8 GEMM, with its scaling), and
+    CAST_BYTES what the scaling's time is, per element of the two operands, in bytes at 3.35 TB/s."""
+    rows = re.findall(r"\n\| (\d+) \| (\d+) \| (\d+) \| (\d+) \| [\d.]+x \|", (ROOT / "README.md").read_text())
+    assert {int(n): tuple(map(int, rates)) for n, *rates in rows} == fp8.GEMM_TFLOPS_H100
+    seconds = [2 * n ** 3 * (1 / cast - 1 / f8) / 1e12 for n, (_, f8, cast) in fp8.GEMM_TFLOPS_H100.items()]
+    per_element = [t * 3.35e12 / (2 * n ** 2) for t, n in zip(seconds, fp8.GEMM_TFLOPS_H100)]
+    assert fp8.CAST_BYTES == pytest.approx(sum(per_element) / 3, rel=1e-12) and 9 < fp8.CAST_BYTES < 11
 
 
 def test_a_gemm_is_priced_by_its_flops_or_its_bytes_whichever_is_longer():
@@ -589,7 +593,7 @@ def test_a_gemm_is_priced_by_its_flops_or_its_bytes_whichever_is_longer():
     (its bytes / the bandwidth); the nearest measured size in FLOPs sets the rate; a linear's
     backward is two GEMMs of its forward's FLOPs."""
     hbm = 3.35e12
-    for n, (bf16, float8) in fp8.GEMM_TFLOPS_H100.items():
+    for n, (bf16, float8, _) in fp8.GEMM_TFLOPS_H100.items():
         assert fp8.gemm_seconds(n, n, n, hbm) == pytest.approx(2 * n ** 3 / (bf16 * 1e12), rel=1e-12)
         assert fp8.gemm_seconds(n, n, n, hbm, float8=True, speed=0.5) == pytest.approx(
             2 * n ** 3 / (float8 * 0.5e12), rel=1e-12)
@@ -597,6 +601,20 @@ def test_a_gemm_is_priced_by_its_flops_or_its_bytes_whichever_is_longer():
     assert fp8.gemm_seconds(16384, 2048, 2048, hbm) == pytest.approx(2 * 16384 * 2048 ** 2 / 770e12, rel=1e-12)
     forward, backward = fp8.linear_seconds(16384, 2048, 5632, hbm)
     assert backward == pytest.approx(2 * forward, rel=1e-12)
+
+
+def test_a_float8_linear_is_its_three_fp8_gemms_and_its_casts_bytes():
+    """Float8Linear from bf16 (tensorwise current scaling): x cast in forward, CAST_BYTES an element (its
+    amax read, then read and written as one byte: 5 B, measured ~10), the weight's too, weight_casts times
+    (09: once a step over m microbatches, 1/m a call); backward casts the output gradient and copies the
+    gradient, x and W column-major (2 B an element): on top of the three FP8 GEMMs at their rate or bytes."""
+    t, k, n, hbm, c = 8192, 4096, 14336, 3.35e12, fp8.CAST_BYTES
+    forward, backward = fp8.float8_cast_bytes(t, k, n, weight_casts=0.25)
+    assert (forward, backward) == (c * (t * k + 0.25 * k * n), c * t * n + 2 * (t * n + t * k + k * n))
+    f, b = fp8.linear_seconds(t, k, n, hbm, float8=True, speed=2.0, weight_casts=0.25)
+    gemm = lambda *mkn: fp8.gemm_seconds(*mkn, hbm, True, 2.0)  # noqa: E731
+    assert f == pytest.approx(gemm(t, k, n) + forward / hbm, rel=1e-12)
+    assert b == pytest.approx(gemm(t, n, k) + gemm(n, t, k) + backward / hbm, rel=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------

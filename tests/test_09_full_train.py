@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import functools
 import importlib
 import itertools
@@ -197,7 +198,8 @@ def configurations(draw):
                                  n_layers=sizes.pp * virtual + draw(st.integers(0, 1)),
                                  seed=draw(st.integers(0, 9)))
     rows, zero_stage = draw(st.integers(1, 2)), draw(st.integers(0, 3))
-    recompute = draw(st.sampled_from(full_train.tensor_parallel.RECOMPUTE_MODES), label="recompute")
+    recompute = draw(st.sampled_from([m for m in full_train.tensor_parallel.RECOMPUTE_MODES  # op: 09 refuses it
+                                      if m != "op" or sizes.tp == sizes.cp == 1]), label="recompute")  # at tp, cp > 1
     train = full_train.TrainConfig(global_batch=sizes.dp * microbatches * rows, seq_len=seq_len,
                                    zero_stage=zero_stage, schedule=schedule, microbatches=microbatches,
                                    virtual=virtual, sequence_parallel=sequence_parallel, lr=LR,
@@ -249,7 +251,8 @@ def test_any_mesh_equals_one_device(rank_pool, configuration):
         assert summary["plan"] == mine and summary["params"] == mine.params
         assert summary["held"] == summary["memory_formula"]
         assert summary["in_flight"] == mine.in_flight
-        if train.moe is None:  # MoE: what the experts keep depends on the routing (no formula)
+        if train.moe is None and train.recompute != "op":  # MoE: what the experts keep depends on the routing
+            # (no formula); op: its policy's kept outputs are out of activation_bytes' sight (test_03 counts them)
             assert summary["activations"] == mine.memory["activations"], (summary["activations"], mine)
         if train.schedule != "zb-h1" or train.zero_stage < 3:  # zb-h1's W may re-gather a unit
             assert all(summary["traffic"][k] == f for k, f in summary["traffic_formula"].items()
@@ -1144,8 +1147,7 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
     assert "attention flash" in out and "recompute selective" in out and "final: 2 timed steps" in out
     assert "Sample from the checkpoint" in out and "The losses ('.' training, 'o' validation):" in out
     assert zero.latest_checkpoint(a).name == "step_00000003"
-    n = sum(p.numel() for p in foundation.GPT(full_train.build_model_config(argparse.Namespace(
-        command="train", model="tiny", kv_heads=None))).parameters())
+    n = sum(p.numel() for p in foundation.GPT(full_train.build_model_config(parse_options("train"))).parameters())
     assert f"B on disk = (params + 2 AdamW moments) x 4 B x {n:,} parameters, each element once " in out
     shutil.copytree(a, b)
     resumed = run_script("09_full_train.py", "train", *common, "--checkpoint-dir", str(b), "--resume", "2",
@@ -1303,11 +1305,12 @@ def test_a_resume_whose_folder_became_read_only_is_refused_before_launch(monkeyp
 
 MODEL_OPTIONS = {"--dp", "--pp", "--cp", "--tp", "--ep", "--moe", "--experts", "--zero", "--schedule",
                  "--microbatches", "--virtual", "--sequence-parallel", "--fp8", "--recompute", "--kv-heads",
-                 "--global-batch", "--seq-len"}
-STEP_OPTIONS = {"--steps", "--lr", "--max-grad-norm", "--bf16", "--attention", "--compile"}
+                 "--global-batch", "--seq-len", "--model", "--dim", "--layers", "--heads", "--ffn-dim", "--vocab",
+                 "--attention", "--compile", "--eager"}
+STEP_OPTIONS = {"--steps", "--lr", "--max-grad-norm", "--bf16"}
 OWN_OPTIONS = {  # what each sub-command offers, and nothing else
     "check": MODEL_OPTIONS | STEP_OPTIONS,
-    "train": MODEL_OPTIONS | STEP_OPTIONS | {"--model", "--data", "--seed", "--warmup", "--eval-every",
+    "train": MODEL_OPTIONS | STEP_OPTIONS | {"--data", "--seed", "--warmup", "--eval-every",
                                              "--checkpoint-dir", "--save-every", "--keep", "--no-save",
                                              "--resume", "--prompt", "--sample-bytes", "--no-sample",
                                              "--temperature", "--top-k", "--profile", "--trace"},
@@ -1341,7 +1344,7 @@ def test_no_sub_command_is_train_and_check_defaults_differ_as_its_help_says(monk
     parse = lambda *argv: vars(parse_options(*argv))  # noqa: E731
     train = parse("train")
     assert parse() == train and parse("--resume") == {**train, "resume": "latest"}
-    differ = {"check": dict(steps=3, microbatches=2, global_batch=8, seq_len=32, lr=1e-3, kv_heads=2)}
+    differ = {"check": dict(steps=3, microbatches=2, model="check", lr=1e-3)}  # its preset: 32 x 8, 2 K/V heads
     for command, defaults in differ.items():
         args = parse(command)
         changed = {k: v for k, v in args.items() if k in train and v != train[k]}
@@ -1350,7 +1353,7 @@ def test_no_sub_command_is_train_and_check_defaults_differ_as_its_help_says(monk
         for name, value in defaults.items():
             assert f"(default: {value})" in options["--" + name.replace("_", "-")]
     options = help_of(monkeypatch, capsys, "train")
-    assert all("(default: the --model preset's)" in options[name] for name in ("--global-batch", "--lr"))
+    assert all("(default: the --model's)" in options[name] for name in ("--global-batch", "--lr", "--dim"))
     assert "(default: 1, or 2 with pp > 1)" in options["--microbatches"]
     resolved = full_train.train_config(parse_options("--pp", "2"))
     _, seq_len, global_batch, lr = full_train.MODELS["tiny"]
@@ -1483,7 +1486,7 @@ def test_plan_of_llama3_70b_on_256_gpus_prints_the_fastest_meshes_that_fit(monke
     meshes = re.findall(r"\n(\d)\. dp=(\d+) pp=(\d+) cp=(\d+) tp=(\d+)", out)
     assert [int(m[0]) for m in meshes] == list(range(1, full_train.TOP_MESHES + 1))
     assert all(math.prod(map(int, m[1:])) == 256 and int(m[4]) <= 8 for m in meshes)
-    fullest = [float(x) for x in re.findall(r"fullest GPU ([\d.]+) GB", out)]
+    fullest = [float(x) for x in re.findall(r"fullest GPU ([\d.]+) GiB", out)]
     assert len(fullest) == full_train.TOP_MESHES and max(fullest) <= 80
     steps = [float(x) for x in re.findall(r"\n   step ([\d.]+) s predicted", out)]
     assert len(steps) == full_train.TOP_MESHES and steps == sorted(steps), "fastest first"
@@ -1507,7 +1510,7 @@ def test_the_search_returns_valid_meshes_that_fit_and_more_memory_never_slows_it
     for sizes, run, plans, _ in valid:
         full_train.validate(cfg, sizes, run, gpus)  # raises if it does not accept the mesh
         assert sizes.tp <= 8 and plans == full_train.plan(cfg, sizes, run)
-    fits = [v for v in valid if max(p.total for p in v[2]) <= memory_gb * 1e9]
+    fits = [v for v in valid if max(p.total for p in v[2]) <= memory_gb * 2 ** 30]
     assert sorted(map(id, fitting)) == sorted(map(id, fits)), "every mesh that fits, and only those"
     _, with_more, _ = search(memory_gb * more)
     if fitting:
@@ -1516,13 +1519,13 @@ def test_the_search_returns_valid_meshes_that_fit_and_more_memory_never_slows_it
 
 def test_a_model_that_cannot_fit_is_one_line_saying_by_how_much(monkeypatch, capsys):
     _, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-405b", "--gpus", "8")
-    needs, ratio = re.fullmatch(r"llama3-405b does not fit on 8 GPUs of 80 GB: the leanest of \d+ valid "
-                                r"meshes \(dp=\d+ pp=\d+ cp=1 tp=\d+, .*\) needs ([\d,.]+) GB on its fullest "
+    needs, ratio = re.fullmatch(r"llama3-405b does not fit on 8 GPUs of 80 GiB: the leanest of \d+ valid "
+                                r"meshes \(dp=\d+ pp=\d+ cp=1 tp=\d+, .*\) needs ([\d,.]+) GiB on its fullest "
                                 r"GPU, ([\d.]+)x the memory\n", out).groups()
     assert float(needs.replace(",", "")) / 80 == pytest.approx(float(ratio), abs=0.05)
     _, out, _ = plan_main(monkeypatch, capsys, *"--model llama3-70b --dp 4 --pp 1 --cp 1 --tp 8".split())
-    assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GB, [\d,.]+ GB \(\d+%\) more than its "
-                     r"80 GB\n$", out)
+    assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GiB, [\d,.]+ GiB \(\d+%\) more than its "
+                     r"80 GiB\n$", out)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -1589,12 +1592,12 @@ def test_a_gpu_just_too_small_never_reads_as_fitting(monkeypatch, capsys):
     for mesh, need in ((None, min(max(p.total for p in v[2]) for v in valid)),
                        ((4, 1, 1, 2), max(p.total for p in timed("llama3-70b", (4, 1, 1, 2))[2]))):
         given = ["--gpus", "8"] if mesh is None else [f"--{d}={n}" for d, n in zip(full_train.DIMS, mesh)]
-        memory = float(need) / 1e9 / 1.004
+        memory = float(need) / 2 ** 30 / 1.004
         _, out, _ = plan_main(monkeypatch, capsys, "--model=llama3-70b", *given, f"--gpu-memory={memory!r}")
         if mesh is None:
-            assert re.search(r"needs [\d,.]+ GB on its fullest GPU, 1\.01x the memory\n$", out), out
+            assert re.search(r"needs [\d,.]+ GiB on its fullest GPU, 1\.01x the memory\n$", out), out
         else:
-            assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GB, [\d,.]+ GB \(1%\) more", out)
+            assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GiB, [\d,.]+ GiB \(1%\) more", out)
 
 
 @pytest.mark.parametrize("options, given", [
@@ -1728,12 +1731,13 @@ def test_each_ring_hop_hides_behind_one_blocks_attention_not_the_whole_call():
 def test_a_thin_fp8_gemm_is_priced_at_its_bytes_a_bf16_output_at_two():
     """08's roofline as plan prices a Float8Linear on few tokens (16): every GEMM bandwidth-bound, its
     e4m3 operands 1 byte an element, its bf16 output 2 (the backward's dW = dy^T x outputs the whole
-    weight: at 1 byte it took half the time)."""
+    weight: at 1 byte it took half the time); and the casts' bytes (08's float8_cast_bytes)."""
     t, k, n, hbm = 16, 8192, 8192, 3.35e12
     moved = lambda rows, inner, cols: rows * inner + inner * cols + 2 * rows * cols  # noqa: E731
+    casts = full_train.fp8.float8_cast_bytes(t, k, n)
     forward, backward = full_train.fp8.linear_seconds(t, k, n, hbm, float8=True)
-    assert forward == pytest.approx(moved(t, k, n) / hbm, rel=1e-12)
-    assert backward == pytest.approx((moved(t, n, k) + moved(n, t, k)) / hbm, rel=1e-12)
+    assert forward == pytest.approx((moved(t, k, n) + casts[0]) / hbm, rel=1e-12)
+    assert backward == pytest.approx((moved(t, n, k) + moved(n, t, k) + casts[1]) / hbm, rel=1e-12)
 
 
 def test_attention_between_measured_lengths_takes_the_rate_nearest_by_ratio():
@@ -1786,40 +1790,95 @@ def test_the_pipeline_span_idles_the_slowest_rank_the_bubble_plus_the_fill_and_d
     idle = (pipeline_seconds - max(busy)) / pipeline_seconds
     assert idle == pytest.approx(bubble, rel=1e-9, abs=1e-9), f"idles {idle:.6g} of the span, not {bubble}"
 
-# The README's table: label -> (preset, mesh (dp, pp, cp, tp), plan's options, the published figure:
-# ms a step, tokens/s per GPU, or TFLOP/s per GPU as 09's flops_per_token counts them: PaLM's (Meta's
-# MFU), for these models also Megatron's formula). Knobs not published, chosen a priori: one sequence
-# per microbatch, Megatron's 1F1B, Llama 3's interleaving with v = 2 (torchtitan's default), SP with
+# The README's table: label -> (model: a preset or its sizes, mesh (dp, pp, cp, tp), the run (plan's options and
+# --gpu), the published figure: ms or s a step, tokens/s per GPU, or TFLOP/s per GPU as 09's flops_per_token counts
+# them: PaLM's (Meta's MFU), for these models also Megatron's formula). Knobs not published, chosen a priori: one
+# sequence per microbatch, Megatron's 1F1B, Llama 3's interleaving with v = 2 (torchtitan's default), SP with
 # tp > 1, no recompute unless published; Meta's FSDP that keeps the parameters after forward as ZeRO-2,
-# Megatron's distributed optimizer ZeRO-1, MPT's FULL_SHARD ZeRO-3.
+# Megatron's and NeMo's distributed optimizer ZeRO-1, FSDP (MPT's FULL_SHARD, torchtitan's) ZeRO-3; the
+# attention kernel each framework runs (Transformer Engine's fused attention: cudnn); eager where the run was.
+# Sources: /work/research/published_runs.md's rows (DG-, NE-, TT-, AO-) with their commits and quotes.
 LLAMA3_405B = dict(schedule="interleaved", virtual=2, zero_stage=2, sequence_parallel=True)
+MEGATRON = lambda d, n: dict(dim=d, n_layers=n, n_heads=d // 128, ffn_dim=round(d / 3) * 8, vocab_size=131_072)  # noqa
+MPT = lambda d, n: dict(dim=d, n_layers=n, n_heads=d // 128, ffn_dim=round(d / 3) * 8, vocab_size=50_368)  # noqa: E731
+NVIDIA = dict(attention="cudnn", zero_stage=1)  # Transformer Engine (NVTE_FUSED_ATTN=1), distributed optimizer
+TITAN = dict(gpu="h100-96gb", zero_stage=3, microbatches=1, recompute="op", compile=False)  # Grand Teton, FSDP2
 PUBLISHED = {
+    # 09's own, README "On one H100" (2026-11-25) and its H200 row (2026-11-27), compiled, ZeRO-1 on one rank
     "09 `1b`": ("1b", (1, 1, 1, 1), dict(microbatches=1, attention="flash"), (199.2, "ms")),
     "09 `1b`, SDPA": ("1b", (1, 1, 1, 1), dict(microbatches=1), (181.0, "ms")),
     "09 `1b`, FP8": ("1b", (1, 1, 1, 1), dict(microbatches=1, attention="flash", fp8=True), (226.5, "ms")),
+    "09 `1b`, H200": ("1b", (1, 1, 1, 1), dict(microbatches=1, attention="flash", gpu="h200"), (181.4, "ms")),
     "09 `2b`": ("2b", (1, 1, 1, 1), dict(microbatches=1, attention="flash"), (345.8, "ms")),
     "09 `2b`, FP8": ("2b", (1, 1, 1, 1), dict(microbatches=1, attention="flash", fp8=True), (305.4, "ms")),
+    # Meta's Llama 3 paper, Table 4
     "Llama 3 405B": ("llama3-405b", (64, 16, 1, 8), LLAMA3_405B, (430, "TFLOP/s")),
     "Llama 3 405B, 16,384 GPUs": ("llama3-405b", (128, 16, 1, 8), LLAMA3_405B, (400, "TFLOP/s")),
     "Llama 3 405B, 131k tokens": ("llama3-405b", (8, 16, 16, 8), dict(LLAMA3_405B, seq_len=131_072, global_batch=128),
                                   (380, "TFLOP/s")),
-    **{f"Megatron-Core {size.upper()}": (f"megatron-{size}", (48, pp, 1, tp), dict(zero_stage=1, sequence_parallel=tp > 1),
-                                         (tflops, "TFLOP/s")) for size, pp, tp, tflops in (
-        ("1.7b", 1, 1, 408.8), ("7.1b", 1, 2, 465.9), ("16b", 1, 4, 489.1), ("32b", 1, 8, 459.6), ("70b", 2, 8, 419.7),
-        ("119b", 4, 8, 420.5), ("177b", 6, 8, 432.8), ("314b", 8, 8, 474.4), ("462b", 16, 8, 459.9))},
-    "MPT-1B": ("mpt-1b", (8, 1, 1, 1), dict(microbatches=1, zero_stage=3), (45_455, "tokens/s")),
-    "MPT-7B": ("mpt-7b", (8, 1, 1, 1), dict(microbatches=1, zero_stage=3), (10_643, "tokens/s")),
-    "MPT-70B": ("mpt-70b", (512, 1, 1, 1), dict(microbatches=1, zero_stage=3, recompute="full"), (1_007, "tokens/s")),
+    # Megatron-LM's README (H100, 2024-07): 4,096 tokens, heads of 128, GELU MLP priced as our SwiGLU of its size
+    **{f"Megatron {size}": (MEGATRON(d, n), (48, pp, 1, tp), dict(zero_stage=1, sequence_parallel=tp > 1,
+                                                               global_batch=b, seq_len=4096), (tflops, "TFLOP/s"))
+       for size, d, n, b, pp, tp, tflops in (
+           ("1.7B", 2048, 24, 192, 1, 1, 408.8), ("7.1B", 4096, 30, 192, 1, 2, 465.9), ("16B", 6144, 32, 192, 1, 4, 489.1),
+           ("32B", 7168, 48, 192, 1, 8, 459.6), ("70B", 8192, 84, 384, 2, 8, 419.7), ("119B", 10240, 92, 768, 4, 8, 420.5),
+           ("177B", 12288, 96, 1152, 6, 8, 432.8), ("314B", 16384, 96, 1536, 8, 8, 474.4),
+           ("462B", 18432, 112, 3072, 16, 8, 459.9))},
+    # llm-foundry's H100 tables (scripts/train/benchmarking/README.md): eager FSDP FULL_SHARD, 2,048 tokens
+    "MPT-1B": (MPT(2048, 24), (8, 1, 1, 1), dict(microbatches=1, zero_stage=3, global_batch=112, seq_len=2048,
+                                               compile=False), (45_455, "tokens/s")),
+    "MPT-7B": (MPT(4096, 32), (8, 1, 1, 1), dict(microbatches=1, zero_stage=3, global_batch=48, seq_len=2048,
+                                               compile=False), (10_643, "tokens/s")),
+    "MPT-70B": (MPT(8192, 80), (512, 1, 1, 1), dict(microbatches=1, zero_stage=3, recompute="full", global_batch=4096,
+                                                  seq_len=2048, compile=False), (1_007, "tokens/s")),
+    # NVIDIA dgxc-benchmarking v24.11.1 (DGX H100, NeMo 24.09, no recompute): DG-1a, DG-1b, DG-2b; seconds a step
+    "DGX Cloud 8B": ("llama3-8b", (4, 1, 2, 1), dict(NVIDIA, global_batch=128, microbatches=32), (12.91, "s")),
+    "DGX Cloud 8B, FP8": ("llama3-8b", (4, 1, 2, 1), dict(NVIDIA, global_batch=128, microbatches=32, fp8=True),
+                          (9.67, "s")),
+    "DGX Cloud 70B, FP8": ("llama3-70b", (2, 4, 2, 4), dict(NVIDIA, global_batch=128, microbatches=64, fp8=True,
+                                                          schedule="interleaved", virtual=5, sequence_parallel=True),
+                           (11.01, "s")),
+    # NVIDIA NeMo 24.07 performance summary (DGX H100, FP8): NE-1
+    "NeMo Llama 2 7B, FP8": ("llama2-7b", (8, 1, 1, 1), dict(NVIDIA, global_batch=128, seq_len=4096, microbatches=16,
+                                                           fp8=True), (16_934, "tokens/s")),
+    # torchtitan benchmarks/llama3_h100_202412 (Grand Teton H100s at 500 W): TT-1a, TT-1c, TT-2a; torchao's
+    # float8 e2e benchmark (the same H100s): AO-1b; torchtitan's H200 (Trainy/WhiteFiber) and A100 runs: TT-9a, TT-10c
+    "torchtitan 8B, eager": ("llama3-8b", (8, 1, 1, 1), dict(TITAN, global_batch=16), (5_762, "tokens/s")),
+    "torchtitan 8B, FP8": ("llama3-8b", (8, 1, 1, 1), dict(TITAN, global_batch=16, compile=True, fp8=True),
+                           (8_532, "tokens/s")),
+    "torchtitan 8B, 32k, FP8": ("llama3-8b", (8, 1, 1, 1), dict(TITAN, global_batch=8, seq_len=32_768, compile=True,
+                                                              fp8=True, recompute="full"), (3_890, "tokens/s")),
+    "torchao 8B, FP8": ("llama3-8b", (8, 1, 1, 1), dict(TITAN, global_batch=8, compile=True, fp8=True),
+                        (7_689.5, "tokens/s")),
+    "torchtitan 8B, H200, FP8": ("llama3-8b", (32, 1, 1, 1), dict(TITAN, gpu="h200", global_batch=64, compile=True,
+                                                                fp8=True), (10_938, "tokens/s")),
+    "torchtitan 70B, A100": ("llama3-70b", (64, 1, 1, 1), dict(TITAN, gpu="a100-80gb", global_batch=64,
+                                                             recompute="full"), (331, "tokens/s")),
 }
+MISSES = {"09 `1b`, FP8"}  # beyond 20%, the README says why: measured before one graph per block
+
+
+def published_run(label: str) -> tuple:
+    """The published run's (ModelConfig, mesh, TrainConfig, Cluster): plan's options over the model's run,
+    bf16 with fp32 masters, compiled unless the row says not."""
+    model, mesh, options, _ = PUBLISHED[label]
+    options = {"compile": True, **options}
+    cfg = preset(model) if isinstance(model, str) else foundation.ModelConfig(**model)
+    _, seq_len, batch, _ = full_train.PRESETS[model] if isinstance(model, str) else (None, None, None, None)
+    gpu = full_train.GPUS[options.pop("gpu", "h100-sxm")]
+    run = full_train.TrainConfig(**{**dict(global_batch=batch, seq_len=seq_len, mixed_precision=True), **options})
+    return cfg, full_train.MeshSizes(*mesh), run, full_train.Cluster(**dict(zip(full_train.GPU_FIELDS, gpu)))
 
 
 def published_and_predicted(label: str) -> tuple[float, dict]:
     """The published run's step in seconds (from its figure) and plan's step time for its mesh."""
-    model, mesh, options, (figure, unit) = PUBLISHED[label]
-    sizes, run, _, timing = timed(model, mesh, **options)
+    cfg, sizes, run, cluster = published_run(label)
+    microbatches = PUBLISHED[label][2].get("microbatches")  # None: one sequence each
+    sizes, run, _, timing = full_train.planned(cfg, sizes, run, microbatches, cluster)
+    figure, unit = PUBLISHED[label][3]
     tokens_per_gpu = run.global_batch * run.seq_len / sizes.world
-    per_second = {"ms": 1e3 / figure, "tokens/s": figure / tokens_per_gpu,
-                  "TFLOP/s": figure * 1e12 / (tokens_per_gpu * full_train.flops_per_token(preset(model), run.seq_len))}
+    per_second = {"ms": 1e3 / figure, "s": 1 / figure, "tokens/s": figure / tokens_per_gpu,
+                  "TFLOP/s": figure * 1e12 / (tokens_per_gpu * full_train.flops_per_token(cfg, run.seq_len))}
     return 1 / per_second[unit], timing
 
 
@@ -1843,28 +1902,118 @@ def test_llama3_405b_on_8192_gpus_is_predicted_within_15_percent():
     assert abs(timing["step"] / published - 1) <= 0.15, (timing["step"], published)
 
 
+def test_every_published_run_is_predicted_within_20_percent_but_the_readmes_stated_miss():
+    """Issue 49's target, for runs of four more sources (NVIDIA's DGX Cloud and NeMo pages, torchtitan's
+    and torchao's benchmarks; FP8, 8 GPUs, an H200, an A100) and the old rows, which the models of an
+    eager step (MPT: -20 to -28% before), FP8's casts by their bytes and a power limit brought in."""
+    errors = {label: published_and_predicted(label)[1]["step"] / published_and_predicted(label)[0] - 1
+              for label in PUBLISHED}
+    assert {label for label, error in errors.items() if abs(error) > 0.20} == MISSES, errors
+    sources = {label.split()[0] for label in PUBLISHED} - {"09", "Llama", "Megatron", "MPT-1B", "MPT-7B", "MPT-70B"}
+    assert sources == {"DGX", "NeMo", "torchtitan", "torchao"}
+    assert sum(run.fp8 for run in (published_run(label)[2] for label in PUBLISHED if label.split()[0] in sources)) >= 4
+
+
+# Published peak memory per GPU (GiB; torchtitan and torchao log torch's peak *reserved* bytes, which leave out
+# the CUDA context and NCCL's buffers: compared with plan's total less its cuda_nccl). Row ids are
+# /work/research/published_runs.md's, each run's source there: TT-1..6 torchtitan benchmarks/
+# llama3_h100_202412_torchtitan.md (commit 9dec370, Grand Teton H100 96 GB at 500 W); TT-9 torchtitan's
+# benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md; AO-1, AO-2 pytorch/ao docs/source/workflows/training.md
+# (8 H100s, 8 power-limited B200s); AO-3 torchao's prototype/moe_training README; DG-6 dgxc-benchmarking v25.04's
+# example log; MB-S Megatron-Bridge's nemo-mbridge-perf-memory-tuning skill (GB, 70B SFT). Tolerance 10% where the
+# plan models the run; else the miss as it stands and why (a change that moves it is a change to the model).
+TITAN_PP = dict(TITAN, zero_stage=1, microbatches=8, recompute="full", sequence_parallel=True, fp8=True, compile=True)
+MEMORY = {  # id: (model, mesh, options, published GiB, tolerance, why it misses)
+    "TT-1a": ("llama3-8b", (8, 1, 1, 1), dict(TITAN, global_batch=16), 82.4, 0.10, ""),
+    "TT-1b": ("llama3-8b", (8, 1, 1, 1), dict(TITAN, global_batch=16, compile=True), 77.0, 0.10, ""),
+    "TT-1c": ("llama3-8b", (8, 1, 1, 1), dict(TITAN, global_batch=16, compile=True, fp8=True), 76.8, 0.10, ""),
+    **{f"TT-2{x}": ("llama3-8b", (8 // cp, 1, cp, 1), dict(TITAN, global_batch=8 // cp, seq_len=32_768 * cp,
+                                                           recompute="full", compile=True, fp8=True), gib, 0.10, "")
+       for x, cp, gib in (("a", 1, 83.9), ("b", 2, 84.2), ("c", 4, 84.0), ("d", 8, 84.5))},
+    **{f"TT-3{x}": ("llama3-8b", (128, 1, 1, 1), dict(TITAN, global_batch=256, **kw), gib, 0.10, "")
+       for x, kw, gib in (("a", {}, 67.0), ("b", dict(compile=True), 62.0), ("c", dict(compile=True, fp8=True), 61.8))},
+    **{f"TT-4{x}": ("llama3-70b", (32, 1, 1, 8), dict(TITAN, global_batch=512, recompute="full", sequence_parallel=True,
+                                                      compile=True, fp8=True), gib, tol,
+                    "-: DTensor's loss parallel and async TP's buffers are not 03's") for x, gib, tol in
+       (("a", 71.9, 0.20), ("b", 67.6, 0.15))},
+    **{f"TT-{x}": ("llama3-405b", (8 // cp, 8, cp, 8), dict(TITAN_PP, global_batch=(32 if seq == 8192 else 8) * 8 // cp,
+                                                            seq_len=seq,
+                                                            schedule=schedule, virtual=2 if schedule != "1f1b" else 1),
+                   gib, tol, "-: FSDP2 under PP accumulates fp32 gradients whole through the microbatches (02's are "
+                             "bf16), and the pipeline's own buffers")
+       for x, cp, seq, schedule, gib, tol in (("5a", 1, 8192, "1f1b", 82.5, 0.25), ("5b", 1, 8192, "interleaved", 72.7, 0.15),
+                                             ("6a", 1, 32768, "1f1b", 75.3, 0.20), ("6b", 2, 65536, "1f1b", 75.9, 0.20),
+                                             ("6c", 4, 131072, "1f1b", 77.1, 0.20), ("6d", 8, 262144, "1f1b", 84.9, 0.30))},
+    **{f"TT-9{x}": ("llama3-8b", (dp, 1, 1, 1), dict(TITAN, gpu="h200", global_batch=2 * dp, compile=True, fp8=True),
+                    gib, 0.45, "+: torchtitan of 2025-06 (its loss, float8 with forced weight recompute) holds 17 GiB "
+                               "less than the 2024-12 one of TT-1c at the same shapes") for x, dp, gib in
+       (("a", 32, 47.96), ("b", 64, 46.97))},
+    **{f"AO-1{x}": ("llama3-8b", (8, 1, 1, 1), dict(TITAN, global_batch=8, compile=True, fp8=x != "a"), gib, 0.10, "")
+       for x, gib in (("a", 47.65), ("b", 47.77), ("c", 47.79))},
+    **{f"AO-2{x}": ("llama3-8b", (8, 1, 1, 1), dict(TITAN, gpu="b200", global_batch=8, compile=True, fp8=x != "a"), gib,
+                    0.60, "+: torch 2.9's torchtitan holds 14 GiB less than AO-1's at the same shapes (its loss?)")
+       for x, gib in (("a", 33.71), ("b", 33.38), ("c", 33.88), ("d", 33.88), ("e", 33.72))},
+    **{f"AO-3{x}": (None, None, None, gib, None, "n/a: MoE activations depend on the routing: no formula")
+       for x, gib in (("a", 145.55), ("b", 146.62), ("c", 144.71), ("d", 145.32))},
+    "DG-6": ("llama3-8b", (4, 1, 2, 1), dict(NVIDIA, global_batch=128, microbatches=32, fp8=True), 65.97, 0.25,
+             "+: its configuration and the metric's meaning are not stated (published_runs.md: low confidence)"),
+    **{f"MB-S{x}": ("llama3-70b", mesh, dict(NVIDIA, global_batch=32, seq_len=4096, microbatches=32 // mesh[0],
+                                             schedule="interleaved", virtual=5, sequence_parallel=True, fp8=True),
+                    gb * 1e9 / 2 ** 30, 0.80, "+: Transformer Engine saves FP8 activations and fuses its norms; the "
+                                               "plan prices 09's Float8Linear at bf16's activations")
+       for x, mesh, gb in (("1", (2, 4, 1, 4), 58.8), ("2", (1, 8, 1, 4), 53.2), ("3", (1, 4, 1, 8), 50.2))},
+}
+
+
+def test_the_planned_memory_is_within_10_percent_of_published_peaks_where_it_models_the_run():
+    """36 published peaks; the plan's reserved bytes (its tensors, temporaries and the allocator's
+    segments) within each row's tolerance: 10% on the 13 runs it models (torchtitan's and torchao's 8B
+    on 8 and 128 GPUs, with and without FP8, context parallelism to 256k tokens), each miss bounded and
+    said why (the module docstring of test_09 lists them)."""
+    assert len(MEMORY) == 36 and sum(row[4] == 0.10 for row in MEMORY.values()) == 13
+    for label, (model, mesh, options, published, tolerance, why) in MEMORY.items():
+        if model is None:
+            continue
+        PUBLISHED[label] = (model, mesh, options, (1, "s"))
+        try:
+            cfg, sizes, run, cluster = published_run(label)
+            sizes, run, plans, _ = full_train.planned(cfg, sizes, run, options.get("microbatches"), cluster)
+        finally:
+            del PUBLISHED[label]
+        fullest = max(plans, key=lambda p: p.total)
+        reserved = float(fullest.total - fullest.memory["cuda_nccl"]) / 2 ** 30
+        assert abs(reserved / published - 1) <= tolerance, (label, reserved, published, why)
+        assert (tolerance == 0.10) == (not why) and why[:1] in ("", "+" if reserved > published else "-")
+
+
+def readme_planning_table() -> str:
+    return (ROOT / "README.md").read_text()
+
+
 def test_the_readmes_table_of_published_runs_is_what_plan_predicts():
     """Every row of README's planning table: its mesh, its published step and plan's, the error."""
-    text = (ROOT / "README.md").read_text()
-    for label, (_, mesh, _, (figure, unit)) in PUBLISHED.items():
+    text = readme_planning_table()
+    for label, (_, mesh, _, _) in PUBLISHED.items():
         row = re.search(rf"\n\| {re.escape(label)} \| (.*) \|\n", text)
         assert row, label
         published, timing = published_and_predicted(label)
         error = round(100 * (timing["step"] / published - 1))
-        assert row[1].split(" | ") == ["·".join(map(str, mesh)), f"{figure:,} {unit}",
-                                       f"{published:#.3g} / {timing['step']:#.3g} s", f"{error:+d}%"], label
+        cells = row[1].split(" | ")
+        assert cells[:3] == ["·".join(map(str, mesh)), f"{published:#.3g} / {timing['step']:#.3g}", f"{error:+d}%"], label
 
 
 PLAN_OPTIONS = {"--dp", "--pp", "--cp", "--tp", "--ep", "--moe", "--experts", "--zero", "--schedule",
                 "--microbatches", "--virtual", "--sequence-parallel", "--fp8", "--recompute", "--kv-heads",
                 "--global-batch", "--seq-len", "--model", "--gpus", "--gpus-per-node", "--gpu-memory",
-                "--peak-tflops", "--hbm-tbps", "--nvlink-gbps", "--network-gbps", "--attention"}
+                "--peak-tflops", "--hbm-tbps", "--nvlink-gbps", "--network-gbps", "--attention", "--gpu",
+                "--fp8-tflops", "--power-limit", "--json", "--dim", "--layers", "--heads", "--ffn-dim", "--vocab",
+                "--compile", "--eager"}
 
 
 def test_the_planner_offers_the_meshs_and_clusters_options_and_says_what_decides_the_rest(
         monkeypatch, capsys):
     """09's fields that name plan, and Cluster's, each once with one default; the mesh sizes left
-    out are searched, the microbatches one sequence each: --help says so."""
+    out are searched, the microbatches one sequence each, the rates the --gpu preset's: --help says so."""
     monkeypatch.setenv("COLUMNS", "200")
     code, text, _ = plan_main(monkeypatch, capsys, "--help")
     options = {option.split()[0].rstrip(","): option for option in re.split(r"\n  (?=-)", text)[1:]}
@@ -1872,12 +2021,202 @@ def test_the_planner_offers_the_meshs_and_clusters_options_and_says_what_decides
     assert all(option.count("default") <= 1 and len(option.split()) > 2 for option in options.values())
     assert all("(default: searched)" in options[f"--{d}"] for d in full_train.DIMS)
     assert "(default: global_batch / dp: one sequence each)" in options["--microbatches"]
+    assert all("(default: the --gpu preset's)" in options[o] for o in ("--gpu-memory", "--hbm-tbps", "--power-limit"))
+    assert "(default: h100-sxm)" in options["--gpu"] and "(default: True)" in options["--compile"]
 
 
-def test_published_presets_are_the_planners_and_09_trains_its_own():
-    """A published model's vocabulary needs a tokenizer (bytes are 09's tokens): train takes 09's own
-    presets, which plan prices too, and plan alone has the published ones."""
+def test_every_preset_and_a_config_file_are_one_option_of_every_command(monkeypatch, capsys, tmp_path):
+    """--model is defined once (it was twice: train's 09 presets, plan's published ones): a preset or a
+    Hugging Face config.json for train, check and plan alike; 09's byte-level presets set no vocabulary."""
     assert full_train.MODELS.items() <= full_train.PRESETS.items()
-    assert all("vocab_size" not in config for config, *_ in full_train.MODELS.values())
-    published = full_train.PRESETS.keys() - full_train.MODELS.keys()
-    assert published and all("vocab_size" in full_train.PRESETS[name][0] for name in published)
+    assert all("vocab_size" not in full_train.PRESETS[name][0] for name in ("tiny", "1b", "2b"))
+    model_fields = [f for f in dataclasses.fields(full_train.ModelOptions) if f.name == "model"]
+    assert len(model_fields) == 1 and model_fields[0].metadata["commands"] is None
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA3_8B_CONFIG))
+    for command in ("train", "check", "plan"):
+        assert full_train.build_model_config(parse_options(command, "--model", str(path))) == preset("llama3-8b")
+
+
+LLAMA3_8B_CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                        rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu", rms_norm_eps=1e-5,
+                        rope_scaling=dict(factor=8.0, rope_type="llama3"))
+
+
+def test_a_config_json_plans_as_its_preset_and_sizes_override_a_preset_or_a_file(monkeypatch, capsys, tmp_path):
+    """Meta's Llama 3.1 8B config.json plans exactly as the llama3-8b preset (a file's run: that preset's
+    8,192 x 512); --layers 16 halves the layers of either; --gpu h200 with --hbm-tbps 5: 140 GiB at 5 TB/s."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA3_8B_CONFIG))
+    mesh = "--dp 8 --pp 1 --cp 1 --tp 8".split()
+    file, name = (plan_main(monkeypatch, capsys, "--model", m, *mesh)[1] for m in (str(path), "llama3-8b"))
+    assert file.split("\n", 1)[1] == name.split("\n", 1)[1] and "batch 512 x 8,192 tokens" in file
+    for model in (str(path), "llama3-8b"):
+        code, out, _ = plan_main(monkeypatch, capsys, "--model", model, "--layers", "16", *mesh)
+        assert code == 0 and "(dim 4096, 16 layers, 32 heads / 8 K/V, ffn 14336," in out
+    code, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpu", "h200", "--hbm-tbps", "5", *mesh)
+    assert code == 0 and "64 GPUs of 140 GiB (h200)" in out and "the rest at 5 TB/s" in out
+    cluster = full_train.cluster_of(parse_options("plan", "--gpu", "h200", "--hbm-tbps", "5"))
+    assert cluster == full_train.Cluster(gpu="h200", **{**dict(zip(full_train.GPU_FIELDS, full_train.GPUS["h200"])),
+                                                        "hbm_tbps": 5})
+
+
+def test_a_mixtral_config_plans_its_experts_and_a_tied_one_counts_the_embedding_once(monkeypatch, capsys, tmp_path):
+    """Mixtral 8x7B-shaped: 8 experts, top 2, each of intermediate_size; Llama 3.2 1B ties its head: the
+    planned parameters, the untied model's less one vocabulary x dim table, on one pipeline stage."""
+    mixtral = dict(LLAMA3_8B_CONFIG, model_type="mixtral", vocab_size=32000, num_local_experts=8,
+                   num_experts_per_tok=2, sliding_window=None)
+    (tmp_path / "mixtral.json").write_text(json.dumps(mixtral))
+    train = full_train.train_config(parse_options("plan", "--model", str(tmp_path / "mixtral.json")))
+    assert (train.moe.n_experts, train.moe.top_k, train.moe.expert_ffn_dim) == (8, 2, 14336)
+    code, out, _ = plan_main(monkeypatch, capsys, "--model", str(tmp_path / "mixtral.json"), "--gpus", "64", "--ep", "8")
+    assert code == 0 and "MFU n/a" in out
+    tied = dict(LLAMA3_8B_CONFIG, hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, tie_word_embeddings=True)
+    sizes = []
+    for tie in (True, False):
+        (tmp_path / "tied.json").write_text(json.dumps(dict(tied, tie_word_embeddings=tie)))
+        args = parse_options("plan", "--model", str(tmp_path / "tied.json"))
+        cfg = full_train.build_model_config(args)
+        train = dataclasses.replace(full_train.train_config(args), mixed_precision=True)
+        sizes.append(full_train.plan(cfg, full_train.MeshSizes(dp=8), train)[0].params)
+    assert sizes[1] - sizes[0] == 128256 * 2048
+
+
+@pytest.mark.parametrize("command", ["plan", "train", "check"])
+@pytest.mark.parametrize("change, message", [
+    (dict(model_type="qwen2"), "model_type='qwen2' is not llama, mistral or mixtral"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu': a feature 01's GPT (a plain Llama) lacks"),
+    (dict(sliding_window=4096), "sliding_window=4096: a feature 01's GPT (a plain Llama) lacks"),
+    (dict(num_hidden_layers=-2), "num_hidden_layers=-2: must be a positive integer"),
+    (dict(vocab_size=None), "vocab_size=None: missing"),
+    (dict(num_attention_heads=7), "dim=4096 is not divisible by n_heads=7"),
+    ("not json", "Expecting value: line 1 column 1"),
+])
+def test_a_config_that_is_not_llama_shaped_or_broken_is_one_line_before_any_rank(monkeypatch, capsys, tmp_path,
+                                                                                   command, change, message):
+    path = tmp_path / "model.json"
+    path.write_text(change if isinstance(change, str) else json.dumps(
+        {k: v for k, v in {**LLAMA3_8B_CONFIG, **change}.items() if v is not None}))
+    code, err, launched, out = run_main(monkeypatch, capsys, command, "--model", str(path),
+                                        *(["--gpus", "8"] if command == "plan" else []))
+    assert not launched and not out and code == 2 and err.count("\n") == 1 and f"error: --model {path}: {message}" in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--model", "llama-9b", "--gpus", "8"], "--model 'llama-9b' is neither a preset ("),
+    (["plan", "--model", "nothing.json", "--gpus", "8"], "--model nothing.json: [Errno 2] No such file"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb", "--fp8"], "--fp8: the a100-80gb has no FP8"),
+    (["plan", "--model", "llama3-8b", "--dp", "4", "--pp", "1", "--cp", "1", "--tp", "2", "--recompute", "op"],
+     "recompute op reruns a block but its matmuls' and attention's outputs: at tp=2, cp=1"),
+    (["check", "--attention", "cudnn"], "--attention cudnn is plan's price of SDPA's cuDNN backend"),
+    (["train", "--model", "llama3-8b", "--no-save", "--vocab", "200"], "train reads bytes: a vocabulary of 200"),
+    (["train", "--model", "llama3-8b"], "the sample decodes bytes: a vocabulary of 128256 is not 256"),
+    (["train", "--model", "tiny", "--heads", "3"], "dim=128 is not divisible by n_heads=3"),
+])
+def test_model_and_gpu_refusals_are_one_line_exit_2(monkeypatch, capsys, argv, message):
+    code, err, launched, out = run_main(monkeypatch, capsys, *argv)
+    assert (code, launched, out) == (2, [], "") and err.count("\n") == 1 and message in err, err
+
+
+def test_a_tied_config_plans_and_train_refuses_it_in_one_line(monkeypatch, capsys, tmp_path):
+    path = tmp_path / "tied.json"
+    path.write_text(json.dumps(dict(LLAMA3_8B_CONFIG, tie_word_embeddings=True)))
+    assert plan_main(monkeypatch, capsys, "--model", str(path), "--gpus", "8")[0] == 0
+    for command in ("train", "check"):
+        code, err, launched, _ = run_main(monkeypatch, capsys, command, "--model", str(path))
+        assert code == 2 and not launched and "ties its LM head to the embedding: 09 trains them apart" in err
+
+
+def test_json_is_one_object_with_the_text_reports_numbers(monkeypatch, capsys):
+    """--json: the mesh, each part of the step, memory per part and pipeline rank, bytes per group, as the
+    text report prints them (rounded there); the search: the fastest meshes that fit, in order."""
+    options = "--model llama3-70b --dp 4 --pp 4 --cp 1 --tp 8 --sequence-parallel --recompute full".split()
+    _, text, _ = plan_main(monkeypatch, capsys, *options)
+    code, out, err = plan_main(monkeypatch, capsys, *options, "--json")
+    plan = json.loads(out)
+    assert code == 0 and not err and out.count("\n") == 1 and len(plan["meshes"]) == 1
+    mesh = plan["meshes"][0]
+    assert plan.keys() >= {"model", "config", "gpus", "cluster", "valid", "fitting", "fits", "meshes"}
+    assert mesh["mesh"] == dict(dp=4, pp=4, cp=1, tp=8, ep=1) and set(mesh["parts_s"]) == set(full_train.PARTS)
+    assert list(mesh["memory_gib"][0]) == ["params", "grads", "optimizer", "activations", "temporaries",
+                                           "fragmentation", "cuda_nccl", "total"]
+    assert f"step {mesh['step_s']:.3g} s predicted" in text and f"MFU {mesh['mfu']:.0%}" in text
+    for part, seconds in mesh["parts_s"].items():
+        assert f"{part} {seconds:.3g}" in text, part
+    for rank, memory in enumerate(mesh["memory_gib"]):
+        row = re.search(rf"\n  pp {rank} (.*)", text)[1].split()[:len(memory)]
+        assert row == [f"{x:,.1f}" if x >= 1 else f"{x:.2g}" for x in memory.values()], (rank, row)
+    for group, sent in mesh["sent_gb"].items():
+        assert f"{group} {sent['gb']:,.3g} GB ({sent['link']})" in text
+    assert plan["fits"] == ("\nfits: " in text)
+    searched = json.loads(plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "64", "--json")[1])
+    steps = [m["step_s"] for m in searched["meshes"]]
+    assert len(steps) == full_train.TOP_MESHES and steps == sorted(steps) and searched["fits"]
+
+
+def test_the_gpu_presets_are_the_clusters_and_h100_sxm_is_its_default():
+    """Every preset prices a plan; Cluster()'s defaults are h100-sxm's; an A100 has no FP8; a power limit
+    under the TDP slows compute-bound kernels in proportion (the Grand Teton H100 at 500 of 700 W)."""
+    assert full_train.Cluster() == full_train.Cluster(**dict(zip(full_train.GPU_FIELDS, full_train.GPUS["h100-sxm"])))
+    assert {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200"} <= full_train.GPUS.keys()
+    for name, numbers in full_train.GPUS.items():
+        cluster = full_train.Cluster(**dict(zip(full_train.GPU_FIELDS, numbers)))
+        speed, speed8 = cluster.speed
+        assert speed == pytest.approx(cluster.peak_tflops / 989 * min(1, cluster.power_limit / cluster.tdp))
+        assert (math.isnan(speed8)) == name.startswith("a100")
+    assert full_train.Cluster(**dict(zip(full_train.GPU_FIELDS, full_train.GPUS["h100-96gb"]))).speed[0] == 500 / 700
+
+
+def test_a_gpu_without_fp8_says_so_in_the_plans_header(monkeypatch, capsys):
+    """An A100's plan names no FP8 rate (its speed[1] is NaN, which the header once printed)."""
+    code, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb")
+    assert code == 0 and "(no FP8)" in out.splitlines()[1] and "nan" not in out
+
+
+class ElementwiseBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes each operator reads and writes (its tensor inputs and outputs, views excepted), matmuls and
+    attention aside: an eager step's elementwise memory traffic, one kernel an operator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name.split("::")[1]
+        views = ("view", "_unsafe_view", "t", "transpose", "unsqueeze", "slice", "split", "expand", "permute",
+                 "detach", "alias", "select", "as_strided", "squeeze", "split_with_sizes", "_reshape_alias")
+        if "mm" not in name and "attention" not in name and name not in views:
+            tensors = torch.utils._pytree.tree_flatten(((args, kwargs), out))[0]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)
+                              and t.numel() > 1000)  # 1/rms, the mean: per-token scalars, not counted
+        return out
+
+
+@pytest.mark.parametrize("dims", [(256, 4, 2, 512), (512, 8, 8, 768), (384, 6, 3, 256), (512, 4, 1, 512)])
+def test_an_eager_layers_elementwise_bytes_are_what_a_dispatch_mode_counts(dims):
+    """elementwise_bytes(fused=False): 01's layer in bf16, each operator a kernel (norms and RoPE in fp32)."""
+    dim, heads, kv_heads, ffn = dims
+    cfg = foundation.ModelConfig(vocab_size=64, dim=dim, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn, n_layers=1)
+    block, tokens = foundation.GPT(cfg).layers["0"].to(torch.bfloat16).requires_grad_(False), 64
+    x = torch.randn(1, tokens, dim, dtype=torch.bfloat16, requires_grad=True) * 1
+    cos, sin = foundation.rope_angles(torch.arange(tokens), cfg.head_dim, cfg.rope_theta)
+    counted = [ElementwiseBytes(), ElementwiseBytes()]
+    with counted[0]:
+        y = block(x, cos, sin)
+    with counted[1]:
+        y.backward(torch.randn_like(y))
+    formula = full_train.elementwise_bytes(cfg, tokens, 1, False, layers=1, embed=False, head=False, fused=False)
+    assert [c.bytes for c in counted] == list(formula)
+
+
+def test_the_mlps_backward_holds_what_mlp_backward_bytes_says():
+    from test_03_tensor_parallel import LiveStorages
+    for dim, ffn in ((64, 96), (64, 200), (64, 64)):
+        mlp = foundation.SwiGLU(foundation.ModelConfig(dim=dim, ffn_dim=ffn)).to(torch.bfloat16).requires_grad_(False)
+        x = torch.randn(2, 32, dim, dtype=torch.bfloat16, requires_grad=True)
+        y = mlp(x * 1)
+        with LiveStorages() as made:
+            torch.autograd.grad(y, x, torch.randn_like(y))
+        assert made.peak == full_train.mlp_backward_bytes(64, dim, ffn, 2)
