@@ -49,11 +49,11 @@ STEPS = [
     ("08 bench", ["08_fp8.py", "--bench"], ["08_fp8.py", "--steps", "2", "--batch", "2", "--seq-len", "16"], 70,
      r"^\s*(\d{4,5} |bf16 copy|fused|tensorwise \(|\d+ -> ).*|.*(SQNR|steps).*"),
     ("09 1b flash", [*RUN_1B, "--attention", "flash"], [*TINY, "--attention", "flash"], 90,
-     r"^(final|peak memory|planned memory).*"),
+     r"^(final|GPU memory|activations).*"),
     ("09 1b sdpa", [*RUN_1B, "--attention", "sdpa"], [*TINY, "--attention", "sdpa"], 75,
-     r"^(final|peak memory|planned memory).*"),
-    ("09 2b bf16", RUN_2B, [*TINY, "--attention", "flash"], 75, r"^(final|peak memory|planned memory).*"),
-    ("09 2b fp8", [*RUN_2B, "--fp8"], [*TINY, "--fp8"], 75, r"^(final|peak memory|planned memory).*"),
+     r"^(final|GPU memory|activations).*"),
+    ("09 2b bf16", RUN_2B, [*TINY, "--attention", "flash"], 75, r"^(final|GPU memory|activations).*"),
+    ("09 2b fp8", [*RUN_2B, "--fp8"], [*TINY, "--fp8"], 75, r"^(final|GPU memory|activations).*"),
 ]
 SESSION_S = 540  # 9 minutes: a call may take 10, and the machine's start counts against the same budget
 
