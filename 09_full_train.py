@@ -1679,7 +1679,8 @@ COMMANDS = {  # the first runs when argv names none
         dict(SIZES, microbatches="1, or 2 with pp > 1", mixed_precision="on with a GPU, off on a CPU", lr=PRESET)),
     "check": foundation.Command(
         "prove the mesh equal to one device on synthetic data; each rank's bytes beside the plan",
-        dict(DEMO, steps=3, microbatches=2, model="check"), dict(SIZES, mixed_precision="off")),
+        dict(DEMO, steps=3, microbatches=2, model="check", global_batch=8, seq_len=32),  # any --model: a proof's run
+        dict({k: v for k, v in SIZES.items() if k not in ("global_batch", "seq_len")}, mixed_precision="off")),
     "plan": foundation.Command(
         "price a model on a cluster that is not here: the fastest meshes that fit, or the mesh given",
         dict(compile=True), dict(SIZES, **dict.fromkeys(DIMS, "searched"), **dict.fromkeys(
@@ -1768,7 +1769,12 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
         (args.folder == "", "--checkpoint-dir must name a folder (--no-save: no checkpoints)")) if wrong]
     if broken:
         raise ValueError(broken[0])
-    validate(cfg, mesh_sizes(args), train, world)
+    validate(cfg, sizes := mesh_sizes(args), train, world)
+    if not torch.cuda.is_available():  # the ranks share this machine: the plan's tensors of them all must fit
+        need = sum(r.total - r.memory["fragmentation"] - r.memory["cuda_nccl"] for r in plan(cfg, sizes, train))
+        foundation.check_memory(cfg, train.global_batch, train.seq_len, world, {
+            "09's plan of the tensors (a GPU's allowances aside)": int(need * world // sizes.pp)},
+            f"--model {args.model} with --global-batch {train.global_batch} x --seq-len {train.seq_len}")
     if args.command == "check":
         return
     train_tokens, _ = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)

@@ -1344,7 +1344,8 @@ def test_no_sub_command_is_train_and_check_defaults_differ_as_its_help_says(monk
     parse = lambda *argv: vars(parse_options(*argv))  # noqa: E731
     train = parse("train")
     assert parse() == train and parse("--resume") == {**train, "resume": "latest"}
-    differ = {"check": dict(steps=3, microbatches=2, model="check", lr=1e-3)}  # its preset: 32 x 8, 2 K/V heads
+    # check's preset: 2 K/V heads; its run, 8 x 32 tokens, whatever --model (a proof on synthetic data)
+    differ = {"check": dict(steps=3, microbatches=2, model="check", lr=1e-3, global_batch=8, seq_len=32)}
     for command, defaults in differ.items():
         args = parse(command)
         changed = {k: v for k, v in args.items() if k in train and v != train[k]}
@@ -2036,6 +2037,25 @@ def test_every_preset_and_a_config_file_are_one_option_of_every_command(monkeypa
     path.write_text(json.dumps(LLAMA3_8B_CONFIG))
     for command in ("train", "check", "plan"):
         assert full_train.build_model_config(parse_options(command, "--model", str(path))) == preset("llama3-8b")
+
+
+def test_check_proves_any_model_on_its_own_small_run_and_a_run_beyond_this_machine_is_refused(
+        monkeypatch, capsys, tmp_path):
+    """check of a config.json is that shape on check's 8 x 32 tokens (the file's run, Llama 3 8B's 512 x
+    8,192, had a dim-64 model's ranks killed by the OOM killer mid-launch); on a CPU, a mesh whose plan
+    (09's own bytes, a GPU's allowances aside) exceeds this machine is one line before any rank starts."""
+    small = dict(LLAMA3_8B_CONFIG, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=256, num_hidden_layers=2)
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    run = full_train.train_config(parse_options("check", "--model", str(tmp_path / "small.json")))
+    assert (run.global_batch, run.seq_len) == (8, 32)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the guard of CPU ranks, on any machine
+    for argv in (["check", "--model", "llama3-8b"], ["--model", "1b", "--dp", "1", "--tp", "1", "--no-save"]):
+        code, err, launched, _ = run_main(monkeypatch, capsys, *argv)
+        assert code == 2 and not launched and f"this machine has {memory:,}" in err, err
+        assert f"--model {argv[argv.index('--model') + 1]} with --global-batch" in err
+        assert "09's plan of the tensors" in err
 
 
 LLAMA3_8B_CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, num_hidden_layers=32,
