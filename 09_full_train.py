@@ -230,10 +230,12 @@ class TrainConfig:
     mixed_precision: bool = option(False, "bf16 compute, fp32 masters", commands=STEPPING, option="--bf16")
     recompute: str = option("none", "activation recompute (03): selective = attention's inside, full = each "
                             "block", choices=tensor_parallel.RECOMPUTE_MODES)
-    attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring); cudnn: SDPA's cuDNN backend (plan only: "
-                            "Transformer Engine's fused attention)", choices=("sdpa", "flash", "cudnn"))
-    compile: bool = option(False, "torch.compile each block: one graph, its elementwise work fused",
-                           off=("--eager", False, "eager blocks: each elementwise operation a kernel of its own"))
+    attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring); cudnn: SDPA's cuDNN backend "
+                            "(plan only: Transformer Engine's fused attention)", choices=("sdpa", "flash", "cudnn"))
+    compile: bool = option(False, "torch.compile each block: one graph, its elementwise work fused", off=(
+        "--eager", False, "eager blocks: each elementwise operation a kernel of its own"))
+
+OPTIMIZER = ("lr", "adam_eps", "max_grad_norm", "mixed_precision")  # what 02's ZeRO and 01's reference take
 
 
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
@@ -264,8 +266,9 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
         problems.append(f"sequence parallelism splits each rank's seq_len / cp = {train.seq_len} / "
                         f"{cp} tokens over tp={tp}: not divisible")
     if train.recompute == "op" and max(sizes.tp, sizes.cp) > 1:
-        problems.append(f"recompute op reruns a block but its matmuls' and attention's outputs: at tp={sizes.tp}, "
-                        f"cp={sizes.cp} that reruns 03's collectives or 05's ring, whose traffic has no formula")
+        problems.append(f"recompute op reruns a block but its matmuls' and attention's outputs: at "
+                        f"tp={sizes.tp}, cp={sizes.cp} that reruns 03's collectives or 05's ring, whose "
+                        f"traffic has no formula")
     if sizes.ep > 1 and train.moe is None:
         problems.append(f"ep={sizes.ep} needs an MoE model (--moe)")
     if sizes.ep >= 1 and (sizes.dp * sizes.cp) % sizes.ep:
@@ -285,12 +288,10 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
 # --- Where each held parameter comes from: the contract for reassembly and checkpoints ------------
 def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim: int | None = None,
                tp_start: int = 0, tp_length: int = 0, ep_start: int | None = None) -> zero.Piece:
-    """The elements of the reference parameter `name` (global `shape`) that one rank's tensor of shape
-    `local` holds, as lesson 02's piece: its TP slice (tp_length real elements from tp_start along
-    tp_dim, padded to local's length) and, an expert tensor, the experts from ep_start (dim 0). A row
-    of the local tensor from the split dimension on is contiguous in the global tensor, so a piece is
-    at most one run of consecutive global indices per row: planning a read costs rows, where each
-    element's index would cost every element."""
+    """The elements of reference parameter `name` (global `shape`) that a rank's tensor of shape `local`
+    holds, as 02's Piece: its TP slice (tp_length real elements from tp_start along tp_dim, padded to
+    local's length) and, an expert tensor, the experts from ep_start (dim 0). A local row from the split
+    dimension on is one run of consecutive global indices: planning a read costs rows, not elements."""
     dim = tp_dim if tp_dim is not None else (0 if ep_start is not None else None)
     if dim is None:  # held whole (replicated over tp, not an expert): one run
         return zero.Piece.whole(name, shape)
@@ -379,9 +380,8 @@ class StageZeRO(NamedTuple):
 
 
 class Trainer:
-    """One rank's part of the 4D-parallel training step: its pipeline stages, each TP- and
-    CP-parallel, each with a ZeRO optimizer over dp x cp. The slices it holds: shard_values(trainer)
-    (Checkpoints); what it measured beside the plan: summary(trainer) (The plan).
+    """One rank's part of the 4D-parallel training step: its pipeline stages, each TP- and CP-parallel, each
+    with a ZeRO over dp x cp. Its slices: shard_values(trainer); its measurements beside the plan: summary.
 
         trainer = Trainer(cfg, mesh, train, device)
         loss = trainer.forward_backward(rows)  # this dp rank's rows, (global_batch / dp, seq_len + 1)
@@ -403,22 +403,18 @@ class Trainer:
             self.stages[stage] = model
         # Experts get their own ZeRO over the ranks holding the same ones; their gradients arrive
         # summed over ep (06's all-to-all): / ep here.
-        settings = dict(lr=train.lr, adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
-                        mixed_precision=train.mixed_precision)
+        settings = {k: getattr(train, k) for k in OPTIMIZER}
         self.zeros: list[StageZeRO] = []
         for stage, model in self.stages.items():
             experts = ({p for layer in expert_parallel.moe_layers(model) for p in layer.expert_parameters()}
                        if sizes.ep > 1 else set())
             for p in experts:
                 p.register_hook(lambda grad: grad / sizes.ep)
-            float8_zero = train.fp8 and train.zero_stage == 3
-            fp8_weights = set(fp8.float8_weights(model) if float8_zero else ())
+            fp8_weights = set(fp8.float8_weights(model) if train.fp8 and train.zero_stage == 3 else ())
             dense = (lambda p, e=experts | fp8_weights: p not in e) if experts or fp8_weights else None
-            self.zeros.append(StageZeRO("dp_cp", zero.ZeRO(model, train.zero_stage, mesh.groups["dp_cp"],
-                                                           **settings, owns=dense)))
-            if experts:
-                self.zeros.append(StageZeRO("ep_dp", zero.ZeRO(model, train.zero_stage, mesh.groups["ep_dp"],
-                                                               **settings, owns=lambda p, e=experts: p in e)))
+            for kind, owns in [("dp_cp", dense)] + [("ep_dp", lambda p, e=experts: p in e)] * bool(experts):
+                self.zeros.append(StageZeRO(kind, zero.ZeRO(model, train.zero_stage, mesh.groups[kind], **settings,
+                                                            owns=owns)))
             if fp8_weights:
                 self.zeros.append(StageZeRO("dp_cp", fp8.Float8ZeRO(model, mesh.groups["dp_cp"], **settings)))
         rows = train.global_batch // sizes.dp // train.microbatches
@@ -431,10 +427,9 @@ class Trainer:
         """Forward and backward of the schedule on this rank's rows, gradients averaged over
         dp x cp; returns the global batch's mean loss (on every rank)."""
         sizes, at = self.mesh.sizes, self.mesh.coords
-        if rows.shape != (self.train.global_batch // sizes.dp, self.train.seq_len + 1):
+        if rows.shape != (expected := (self.train.global_batch // sizes.dp, self.train.seq_len + 1)):
             raise ValueError(f"rows of shape {tuple(rows.shape)}: this dp rank expects "
-                             f"(global_batch / dp, seq_len + 1) = ({self.train.global_batch // sizes.dp}, "
-                             f"{self.train.seq_len + 1})")
+                             f"(global_batch / dp, seq_len + 1) = {expected}")
         if rows.numel() and (rows.min() < 0 or rows.max() >= self.cfg.vocab_size):  # on the CPU: no GPU wait
             raise ValueError(f"token and target ids must lie in [0, {self.cfg.vocab_size})")
         tokens, targets = (self.layout.shard(t, at["cp"], dim=1).to(self.device)
@@ -463,7 +458,6 @@ class Trainer:
         reading it (.item()) would make the CPU wait for the GPU, which could not then run this update
         while the CPU prepares the next step."""
         sizes = self.mesh.sizes
-
         share = lambda p: 1.0 if hasattr(p, "tp_shard_dim") else 1 / sizes.tp  # noqa: E731 (tp copies: 1/tp)
         with foundation.comm_meter() as meter, torch.profiler.record_function("optimizer"):
             squares = {kind: sum(p.zero.grad_squares(share) for p in self.zeros if p.kind == kind)
@@ -511,11 +505,9 @@ def unit_sizes(cfg, tp: int, moe, ep: int, fp8_gathers: bool = False) -> dict[st
     for name, shape in local_shapes(cfg, tp, moe, ep).items():
         expert = ep > 1 and name.rpartition(".")[2] in expert_parallel.MoE.expert_names
         float8 = fp8_gathers and name.startswith("layers.") and len(shape) == 2
-        numel = math.prod(shape)
-        unit = out.get(name.split(".")[0], UnitSizes())
-        out[name.split(".")[0]] = UnitSizes(unit.dense + numel * (not expert and not float8),
-                                            unit.experts + numel * expert, unit.float8 + numel * float8,
-                                            unit.float8_weights + float8)
+        numel, unit = math.prod(shape), out.get(name.split(".")[0], UnitSizes())
+        out[name.split(".")[0]] = UnitSizes(*(held + more for held, more in zip(unit, (
+            numel * (not expert and not float8), numel * expert, numel * float8, float8))))
     return out
 
 
@@ -539,11 +531,10 @@ class RankPlan:
 def tp_messages(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: bool, head: bool) -> list:
     """03's collectives in a step of a pipeline rank's stages as (calls, bytes a rank sends): a ring
     all-reduce sends 2 (tp - 1) / tp of its payload, an all-gather or reduce-scatter half that."""
-    ops = tensor_parallel.comm_formula(cfg, train.global_batch // sizes.dp, train.seq_len // sizes.cp,
-                                       train.sequence_parallel, layers=layers, embed=embed, head=head,
-                                       microbatches=train.microbatches, mlp=train.moe is None,
-                                       elem_bytes=2 if train.mixed_precision else 4,
-                                       recompute=train.recompute)
+    ops = tensor_parallel.comm_formula(
+        cfg, train.global_batch // sizes.dp, train.seq_len // sizes.cp, train.sequence_parallel, layers=layers,
+        embed=embed, head=head, microbatches=train.microbatches, mlp=train.moe is None,
+        elem_bytes=2 if train.mixed_precision else 4, recompute=train.recompute)
     ring = Fraction(sizes.tp - 1, sizes.tp)
     return [(calls, ring * payload * (2 if op == "all_reduce" else 1))
             for op, (calls, payload) in ops.items()]
@@ -925,23 +916,6 @@ class RunConfig:
     top_k: int = option(20, "the sample draws from the top_k likeliest bytes (1: greedy)", ">= 1", TRAIN)
 
 
-@torch.no_grad()
-def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Path, dict, int]:
-    """Restore the parameters and AdamW (02's load_checkpoint: from any mesh or ZeRO stage, each rank
-    reading its slices), the data position and this rank's RNG (no dropout here draws from it: restored
-    for a model that does); return the checkpoint's folder, its metadata and the bytes this rank read."""
-    target, meta, reader = zero.load_checkpoint(
-        run.folder, trainer.cfg, [(part.zero, piece_of(trainer, part.kind)) for part in trainer.zeros],
-        run.resume_step, resume_command)
-    trainer.steps = meta["step"]
-    loader.load_state_dict(meta["loader"])
-    if (rank := trainer.mesh.rank) < meta["world"]:
-        torch.set_rng_state(reader.rng[rank]["cpu"])
-        if trainer.device.type == "cuda" and "cuda" in reader.rng[rank]:
-            torch.cuda.set_rng_state(reader.rng[rank]["cuda"], trainer.device)
-    return target, meta, reader.bytes_read
-
-
 def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor, run: RunConfig,
                progress=None) -> dict:
     """Steps from the resumed one (or 0) to run.steps: the learning-rate schedule, the NaN guard (a
@@ -961,9 +935,17 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
                 part.zero.zero_grad()
         return sum(losses) / run.eval_batches
 
-    if run.resume:
-        target, meta, out["read"] = resume(trainer, loader, run)
-        start = meta["step"]
+    if run.resume:  # the parameters and AdamW (02's load_checkpoint: from any mesh or ZeRO stage, each
+        target, meta, reader = zero.load_checkpoint(  # rank reading its slices), the data position, the RNG
+            run.folder, trainer.cfg, [(part.zero, piece_of(trainer, part.kind)) for part in trainer.zeros],
+            run.resume_step, resume_command)
+        trainer.steps = start = meta["step"]
+        loader.load_state_dict(meta["loader"])
+        if rank < meta["world"]:  # no dropout here draws from the RNG: restored for a model that does
+            torch.set_rng_state(reader.rng[rank]["cpu"])
+            if trainer.device.type == "cuda" and "cuda" in reader.rng[rank]:
+                torch.cuda.set_rng_state(reader.rng[rank]["cuda"], trainer.device)
+        out["read"] = reader.bytes_read
         kept.append(start)
         elements = sum(piece.elements() for piece, _ in shard_values(trainer))
         report = foundation.all_ranks((out["read"], 4 * len(zero.CHECKPOINT_KINDS) * elements))
@@ -1264,11 +1246,8 @@ def demo(args: argparse.Namespace) -> None:
             ref_losses, ref_grads, ref_params, _ = check_steps(cfg, one, alone, args.steps, device)
             ref = foundation.TrainResult(ref_losses, assemble(ref_grads), assemble(ref_params))
         else:
-            ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len,
-                                                 lr=train.lr, adam_eps=train.adam_eps,
-                                                 max_grad_norm=train.max_grad_norm,
-                                                 mixed_precision=train.mixed_precision,
-                                                 transform=reference_transform(train))
+            ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len, **{
+                k: getattr(train, k) for k in OPTIMIZER}, transform=reference_transform(train))
         moe = train.moe and f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; "
         print(f"4D parallelism: {mesh_name(sizes)} on {sizes.world} ranks ({dist.get_backend()}, "
               f"{device.type}); ZeRO-{train.zero_stage}, {train.schedule} with {train.microbatches} "
@@ -1278,8 +1257,7 @@ def demo(args: argparse.Namespace) -> None:
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
         print(f"{'step':<6}{'4D loss':>12}{'one device':>12}\n" + "\n".join(
             f"{step:<6}{a:>12.6f}{b:>12.6f}" for step, (a, b) in enumerate(zip(losses, ref.losses))))
-        grads_full = assemble([pair for g, _, _ in ranks for pair in g])
-        params_full = assemble([pair for _, q, _ in ranks for pair in q])
+        grads_full, params_full = (assemble([pair for rank in ranks for pair in rank[i]]) for i in (0, 1))
         one_device = (f"one device's FP8 run on the same {microbatches} microbatches (AdamW, clipping"
                       if train.fp8 else "one device (AdamW + clip_grad_norm_")
         print(f"max |difference| from {one_device} at {train.max_grad_norm}): loss "
