@@ -231,7 +231,8 @@ class TrainConfig:
     recompute: str = option("none", "activation recompute (03): selective = attention's inside, full = each "
                             "block", choices=tensor_parallel.RECOMPUTE_MODES)
     attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring); cudnn: SDPA's cuDNN backend "
-                            "(plan only: Transformer Engine's fused attention)", choices=("sdpa", "flash", "cudnn"))
+                            "(plan only: Transformer Engine's fused attention)", choices=("sdpa", "flash",
+                                                                                           "cudnn"))
     compile: bool = option(False, "torch.compile each block: one graph, its elementwise work fused", off=(
         "--eager", False, "eager blocks: each elementwise operation a kernel of its own"))
 
@@ -313,8 +314,7 @@ def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim
 
 
 def assemble(pieces: list[tuple["zero.Piece", torch.Tensor]]) -> dict:
-    """Whole parameters (or gradients, moments) by reference name from every rank's (piece, values);
-    an element no piece holds stays NaN."""
+    """Whole tensors (parameters, gradients, moments) by name from the ranks' (piece, values); unheld: NaN."""
     full = {}
     for piece, values in pieces:
         flat = full.setdefault(piece.name, torch.full(piece.shape, math.nan)).view(-1)
@@ -372,11 +372,9 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
     return model
 
 
-class StageZeRO(NamedTuple):
-    """One ZeRO optimizer of a stage: over dp x cp ("dp_cp"), or over the ranks that hold the same
-    experts ("ep_dp"); zero is lesson 02's ZeRO, or 08's Float8ZeRO for FP8 weights under ZeRO-3."""
-    kind: str  # the group kind it reduces over
-    zero: "zero.ZeRO"
+class StageZeRO(NamedTuple):  # a stage's ZeRO over dp x cp, or over the ranks holding the same experts
+    kind: str  # the group kind it reduces over: "dp_cp" or "ep_dp"
+    zero: "zero.ZeRO"  # 02's ZeRO, or 08's Float8ZeRO for FP8 weights under ZeRO-3
 
 
 class Trainer:
@@ -413,8 +411,8 @@ class Trainer:
             fp8_weights = set(fp8.float8_weights(model) if train.fp8 and train.zero_stage == 3 else ())
             dense = (lambda p, e=experts | fp8_weights: p not in e) if experts or fp8_weights else None
             for kind, owns in [("dp_cp", dense)] + [("ep_dp", lambda p, e=experts: p in e)] * bool(experts):
-                self.zeros.append(StageZeRO(kind, zero.ZeRO(model, train.zero_stage, mesh.groups[kind], **settings,
-                                                            owns=owns)))
+                self.zeros.append(StageZeRO(kind, zero.ZeRO(model, train.zero_stage, mesh.groups[kind],
+                                                            **settings, owns=owns)))
             if fp8_weights:
                 self.zeros.append(StageZeRO("dp_cp", fp8.Float8ZeRO(model, mesh.groups["dp_cp"], **settings)))
         rows = train.global_batch // sizes.dp // train.microbatches
@@ -454,9 +452,8 @@ class Trainer:
         return loss.item() / (sizes.dp * sizes.cp)
 
     def update(self) -> torch.Tensor:
-        """Clip by the norm over the whole mesh, AdamW on every shard; returns the norm, on the device:
-        reading it (.item()) would make the CPU wait for the GPU, which could not then run this update
-        while the CPU prepares the next step."""
+        """Clip by the norm over the whole mesh, AdamW on every shard; returns the norm on the device: its
+        .item() would make the CPU wait for the GPU, which then idles while the CPU prepares the next step."""
         sizes = self.mesh.sizes
         share = lambda p: 1.0 if hasattr(p, "tp_shard_dim") else 1 / sizes.tp  # noqa: E731 (tp copies: 1/tp)
         with foundation.comm_meter() as meter, torch.profiler.record_function("optimizer"):
@@ -498,9 +495,8 @@ def local_shapes(cfg, tp: int, moe, ep: int) -> dict[str, tuple[int, ...]]:
 
 
 def unit_sizes(cfg, tp: int, moe, ep: int, fp8_gathers: bool = False) -> dict[str, UnitSizes]:
-    """UnitSizes of each kind of ZeRO unit ("embed", "layers", "norm", "lm_head"). fp8_gathers: --fp8
-    --zero 3, whose Float8Linear weights (a layer's 2-D weights: 08 converts every linear but the LM
-    head) have a ZeRO of their own."""
+    """UnitSizes of each kind of ZeRO unit ("embed", "layers", "norm", "lm_head"). fp8_gathers (--fp8
+    --zero 3): a layer's 2-D weights (08 converts every linear but the LM head) have a ZeRO of their own."""
     out: dict[str, UnitSizes] = {}
     for name, shape in local_shapes(cfg, tp, moe, ep).items():
         expert = ep > 1 and name.rpartition(".")[2] in expert_parallel.MoE.expert_names
@@ -513,8 +509,7 @@ def unit_sizes(cfg, tp: int, moe, ep: int, fp8_gathers: bool = False) -> dict[st
 
 @dataclass
 class RankPlan:
-    """What each rank at one pipeline coordinate holds and sends per step (its dp, cp, tp and ep
-    peers hold slices of the same sizes)."""
+    """What a rank at one pipeline coordinate holds and sends per step (its dp, cp, tp and ep peers alike)."""
     stages: list[int]
     layers: int
     params: int  # elements of its stages' TP-local parameters (before ZeRO)
@@ -532,8 +527,8 @@ def tp_messages(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: b
     """03's collectives in a step of a pipeline rank's stages as (calls, bytes a rank sends): a ring
     all-reduce sends 2 (tp - 1) / tp of its payload, an all-gather or reduce-scatter half that."""
     ops = tensor_parallel.comm_formula(
-        cfg, train.global_batch // sizes.dp, train.seq_len // sizes.cp, train.sequence_parallel, layers=layers,
-        embed=embed, head=head, microbatches=train.microbatches, mlp=train.moe is None,
+        cfg, train.global_batch // sizes.dp, train.seq_len // sizes.cp, train.sequence_parallel,
+        layers=layers, embed=embed, head=head, microbatches=train.microbatches, mlp=train.moe is None,
         elem_bytes=2 if train.mixed_precision else 4, recompute=train.recompute)
     ring = Fraction(sizes.tp - 1, sizes.tp)
     return [(calls, ring * payload * (2 if op == "all_reduce" else 1))
@@ -692,8 +687,8 @@ def read_tokens(path: str | os.PathLike | None, max_bytes: int = DEFAULT_CORPUS_
         sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
         data = b"".join(source.read_bytes() for source in sources)[:max_bytes]
     elif not Path(path).is_file():
-        problem = "a directory, not a file" if Path(path).is_dir() else "no such file"
-        raise ValueError(f"--data {path}: {problem}")
+        raise ValueError(f"--data {path}: " + ("a directory, not a file" if Path(path).is_dir() else
+                                               "no such file"))
     else:
         data = Path(path).read_bytes()
     if not data:
@@ -715,11 +710,10 @@ def split_tokens(tokens: torch.Tensor, seq_len: int, global_batch: int,
 
 
 class ShardedLoader:
-    """Window i = tokens[i s : i s + s + 1]. Each epoch visits the windows in a permutation seeded
-    by (seed, epoch), one global batch of B windows at a time; data-parallel rank r of d takes rows
-    [r B/d, (r+1) B/d). The windows that do not fill a last batch wait for the next epoch's
-    permutation. The state counts global batches, not rank rows, so a run can resume on another d.
-    Context-parallel ranks of one data-parallel rank get the same rows (the Trainer slices them)."""
+    """Window i = tokens[i s : i s + s + 1]. Each epoch visits the windows in a permutation seeded by (seed,
+    epoch), one global batch of B windows at a time; data-parallel rank r of d takes rows [r B/d, (r+1) B/d).
+    Windows that do not fill a last batch wait for the next epoch's permutation. The state counts global
+    batches, not rows, so a run can resume on another d. cp ranks share their dp rank's rows (Trainer)."""
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0) -> None:
@@ -829,8 +823,7 @@ def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8
 
 # --- Checkpoints: a Trainer's pieces in lesson 02's protocol (each element once, a resume reads its slices)
 def piece_of(trainer: Trainer, kind: str) -> "zero.PieceOf":
-    """Lesson 02's piece_of for the trainer's ZeROs of this kind: a parameter of a unit as this rank
-    holds it, its TP slice (03's tp_shard_dim) and, in the experts' ZeRO ("ep_dp"), its ep rank's experts."""
+    """02's piece_of for the trainer's ZeROs of this kind: held_piece of a unit's parameter on this rank."""
     tp_rank, ep = trainer.mesh.coords["tp"], trainer.mesh.sizes.ep if kind == "ep_dp" else 1
     ep_rank = dist.get_rank(trainer.mesh.groups["ep"])
 
@@ -1135,10 +1128,9 @@ STEP_PARTS = ("forward", "backward", "gradient sync", "optimizer")  # record_fun
 
 
 def step_profile(trace: dict, steps: int, step_s: float, top: int = 8) -> str:
-    """Where a profiled step goes, read off the profiler's Chrome trace: each part's time (on a GPU, the
-    kernels launched inside its range, from any thread: autograd runs backward on a thread of its own;
-    on a CPU, the range itself), the kernels (CPU: operators) that take most and, on a GPU, how long it
-    sat idle in the steps: waiting for the CPU to launch work, or for a .item()."""
+    """Where a profiled step goes, from the profiler's Chrome trace: each part's time (GPU: the kernels
+    launched inside its range from any thread, as autograd runs backward on its own; CPU: the range), the
+    kernels (CPU: operators) that take most, and how long a GPU sat idle waiting for launches or a .item()."""
     events = trace["traceEvents"]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     parts = [e for e in events if e.get("cat") == "user_annotation" and e["name"] in STEP_PARTS]
@@ -1221,8 +1213,7 @@ def dp_rows(cfg, train: TrainConfig, step: int, mesh: Mesh) -> torch.Tensor:
 
 
 def check_steps(cfg, mesh: Mesh, train: TrainConfig, steps: int, device: torch.device) -> tuple:
-    """check's training on this rank of mesh: (losses, step-0 gradients and last parameters as
-    (piece, values) pairs, the Trainer)."""
+    """check's run here: (losses, step-0 gradients and last parameters as (piece, values) pairs, Trainer)."""
     trainer, losses = Trainer(cfg, mesh, train, device), []
     for step in range(steps):
         losses.append(trainer.forward_backward(dp_rows(cfg, train, step, mesh)))
@@ -1333,14 +1324,13 @@ H100_FP8 = 1979.0  # 08's FP8 rates were measured on an H100 SXM, whose dense FP
 @dataclass(frozen=True)
 class Cluster:
     """The machines: a --gpu preset, each rate overridable (the defaults: h100-sxm's). A GEMM or attention
-    runs at the course's H100 rate (08's and 07's tables) x this GPU's dense peak / the H100's (bf16 989,
-    FP8 1,979), x power_limit / tdp where a limit holds the clocks below the TDP (the rates were measured at
-    700 W: a compute-bound kernel's clock, so its rate, falls with the power it may draw); what is bound by
-    memory (a thin GEMM, elementwise work, the optimizer) at hbm_tbps. No lent GPU has measured 07's or 08's
-    rates on another GPU: each preset's rates are the H100's, scaled so."""
-    # Each rate and size within about 1000x of an H100 node's, either way: beyond any chip or cluster of
-    # today, and a typo outside (0, 1e-300, inf, 1e308 priced a step at 0 s, then divided by it, or at
-    # 300 digits); NaN breaks every rule. --gpus at most a million: the search tries each divisor.
+    runs at the course's H100 rate (07's and 08's tables, measured at 700 W) x this GPU's dense peak / the
+    H100's (bf16 989, FP8 1,979), x power_limit / tdp where a limit holds the clocks, so a compute-bound
+    kernel's rate, below the TDP's; what memory bounds (a thin GEMM, elementwise work, the optimizer) at
+    hbm_tbps. No lent GPU has measured 07's or 08's rates on another GPU: each preset's rates are the H100's,
+    scaled so. Each rate and size within about 1000x of an H100 node's, either way: beyond any chip or cluster
+    of today; a typo outside (0, 1e-300, inf, 1e308) priced a step at 0 s, then divided by it, or at 300
+    digits; NaN breaks every rule. --gpus at most a million: the search tries each divisor."""
     gpus: int | None = option(None, "GPUs (default: the product of the mesh sizes)", (">= 1", "<= 1e6"), PLAN,
                               type=int)
     gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", (">= 1", "<= 1e4"), PLAN)
@@ -1418,9 +1408,8 @@ PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble") 
 
 def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster,
               hide: bool = True) -> dict:
-    """Seconds per step from the operations (the docstring's THE STEP TIME); parts: the slowest pipeline
-    rank's (bubble: its idle time in the span). The bounds: hide=False, no communication hidden; the
-    compute alone, or the busiest link's bytes."""
+    """Seconds per step (THE STEP TIME); parts: the slowest pipeline rank's (bubble: its idle time in the
+    span). Bounds: hide=False, nothing hidden; the compute alone, or the busiest link's bytes."""
     tp, cp, pp, m, n, moe = sizes.tp, sizes.cp, sizes.pp, train.microbatches, sizes.dp * sizes.cp, train.moe
     e, rows, s = 2 if train.mixed_precision else 4, train.global_batch // sizes.dp // m, train.seq_len // cp
     tokens, hbm, (speed, speed8) = rows * s, cluster.hbm_tbps * 1e12, cluster.speed  # a microbatch's tokens
@@ -1671,9 +1660,8 @@ def options_of(cls, args: argparse.Namespace) -> dict:
 
 
 def model_spec(args: argparse.Namespace) -> tuple:
-    """--model (a preset, or a config.json by 01's ModelConfig.from_hf), the sizes given overriding it:
-    (ModelConfig, (experts, top-k) or None, its run: (seq_len, global_batch, lr)). A preset is
-    byte-level unless it sets a vocabulary."""
+    """--model (a preset, byte-level unless it sets a vocabulary, or a config.json by 01's from_hf), the
+    sizes given overriding it: (ModelConfig, (experts, top-k) or None, its (seq_len, global_batch, lr))."""
     if args.model in PRESETS:
         (sizes, *run), experts = PRESETS[args.model], None
         cfg = foundation.ModelConfig(**{"vocab_size": 256, **sizes})
@@ -1723,9 +1711,8 @@ def run_config(args: argparse.Namespace) -> RunConfig:
 
 
 def check_before_launch(args: argparse.Namespace, world: int) -> None:
-    """The rules between options, then the sizes against the world that will run (validate), whether
-    or not the run would reach them; for train also the text, the checkpoint folder and the
-    checkpoint to resume: a ValueError (one line, exit 2) before any rank starts."""
+    """The rules between options, then validate against the world that will run; for train also the text, the
+    checkpoint folder and the checkpoint to resume: a ValueError (one line, exit 2) before any rank starts."""
     cfg, train = build_model_config(args), train_config(args)
     broken = [message for wrong, message in (
         (cfg.tie_embeddings, f"--model {args.model} ties its LM head to the embedding: 09 trains them apart "
