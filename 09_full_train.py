@@ -124,6 +124,7 @@ DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
 
 option = foundation.option  # 01's: a dataclass field that is also the option --field-name, its rule beside it
 STEPPING, TRAIN, PLAN = ("check", "train"), ("train",), ("plan",)  # an option's sub-commands (default: all)
+OPTIMIZER = ("lr", "adam_eps", "max_grad_norm", "mixed_precision")  # what 02's ZeRO and 01's reference take
 
 
 # --- The mesh -------------------------------------------------------------------------------------
@@ -231,12 +232,10 @@ class TrainConfig:
     recompute: str = option("none", "activation recompute (03): selective = attention's inside, full = each "
                             "block", choices=tensor_parallel.RECOMPUTE_MODES)
     attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring); cudnn: SDPA's cuDNN backend "
-                            "(plan only: Transformer Engine's fused attention)", choices=("sdpa", "flash",
-                                                                                           "cudnn"))
+                            "(plan only: Transformer Engine's fused attention)",
+                            choices=("sdpa", "flash", "cudnn"))
     compile: bool = option(False, "torch.compile each block: one graph, its elementwise work fused", off=(
         "--eager", False, "eager blocks: each elementwise operation a kernel of its own"))
-
-OPTIMIZER = ("lr", "adam_eps", "max_grad_norm", "mixed_precision")  # what 02's ZeRO and 01's reference take
 
 
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
@@ -677,12 +676,10 @@ def summary(trainer: Trainer) -> dict:
 
 
 # --- Data (bytes are tokens, windows of seq_len + 1 in a seeded order per epoch), learning rate, MFU
-DEFAULT_CORPUS_BYTES = 2 << 20  # enough text for a CPU run; a fixed cap keeps it quick and fixed
-
-
-def read_tokens(path: str | os.PathLike | None, max_bytes: int = DEFAULT_CORPUS_BYTES) -> torch.Tensor:
-    """The bytes of `path` as uint8 tokens; with no path, the standard library's top-level .py
-    files in sorted order (every Python install has them, so no download), up to max_bytes."""
+def read_tokens(path: str | os.PathLike | None, max_bytes: int = 2 << 20) -> torch.Tensor:
+    """The bytes of `path` as uint8 tokens; with no path, the standard library's top-level .py files in
+    sorted order (every Python install has them, so no download), up to max_bytes (2 MiB: enough text for a
+    CPU run; a fixed cap keeps it quick and fixed)."""
     if path is None:
         sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
         data = b"".join(source.read_bytes() for source in sources)[:max_bytes]
@@ -1267,10 +1264,9 @@ def demo(args: argparse.Namespace) -> None:
               "(fp32):")
         for rank, (_, _, s) in enumerate(ranks):
             memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
-            traffic = "  ".join(
-                f"{k} {float(v):,.0f}|" + ("n/a" if (f := s["traffic_formula"][k]) is None
-                                           else f"{float(f):,.0f}" + ("" if v == f else " (!=)"))
-                for k, v in s["traffic"].items())
+            formula = lambda f, v: "n/a" if f is None else f"{float(f):,.0f}" + ("" if v == f else " (!=)")
+            traffic = "  ".join(f"{k} {float(v):,.0f}|{formula(s['traffic_formula'][k], v)}"
+                                for k, v in s["traffic"].items())
             coords = ",".join(str(i) for i in sizes.coords(rank).values())
             print(f"  rank {rank:>2} ({coords}) {s['params']:>7,} params, ZeRO shard {s['shard']:>7,} | "
                   f"{memory} | {traffic}")
@@ -1515,6 +1511,7 @@ def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | Non
 
 # --- The plan's report: one mesh, or the fastest that fit; as text, or as JSON (--json) ----------
 GROUP_NAMES = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_cp": "dp x cp", "ep_dp": "experts' dp", "ep": "ep"}
+TOP_MESHES = 3  # the search prints this many
 
 
 def record(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: dict) -> dict:
@@ -1565,9 +1562,6 @@ def describe(r: dict, table: bool) -> str:
               f"s ({parts['bubble'] / r['step_s']:.0%} of the step: 04's idle fraction {r['bubble']:.0%}, and the "
               f"stages' imbalance)"]
     return "\n".join(lines)
-
-
-TOP_MESHES = 3  # the search prints this many
 
 
 def plan_report(args: argparse.Namespace) -> str:
