@@ -123,7 +123,7 @@ fp8 = importlib.import_module("08_fp8")
 DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
 
 option = foundation.option  # 01's: a dataclass field that is also the option --field-name, its rule beside it
-STEPPING, TRAIN, PLAN = ("check", "train"), ("train",), ("plan",)  # an option's sub-commands (default: all)
+STEPPING, TRAIN = ("check", "train"), ("train",)  # an option's sub-commands (default: all)
 OPTIMIZER = ("lr", "adam_eps", "max_grad_norm", "mixed_precision")  # what 02's ZeRO and 01's reference take
 
 
@@ -201,12 +201,9 @@ def build_mesh(sizes: MeshSizes) -> Mesh:
 
 def rank_map(sizes: MeshSizes) -> str:
     """One line per rank: its coordinates (and, with ep > 1, which experts' slice it holds)."""
-    rows = []
-    for r in range(sizes.world):
-        at = sizes.coords(r)
-        expert = f" ep={(at['dp'] * sizes.cp + at['cp']) % sizes.ep}" if sizes.ep > 1 else ""
-        rows.append(f"  rank {r:>2}: " + " ".join(f"{d}={i}" for d, i in at.items()) + expert)
-    return "\n".join(rows)
+    ep = lambda at: f" ep={(at['dp'] * sizes.cp + at['cp']) % sizes.ep}" if sizes.ep > 1 else ""  # noqa: E731
+    return "\n".join(f"  rank {r:>2}: " + " ".join(f"{d}={i}" for d, i in at.items()) + ep(at)
+                     for r, at in enumerate(map(sizes.coords, range(sizes.world))))
 
 
 def mesh_name(sizes: MeshSizes) -> str:
@@ -307,8 +304,7 @@ def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim
                         torch.full_like(first, real * inner)], 1)
     # a run that goes on where the one before ended (tp = 1: whole rows) joins it
     starts = torch.cat([torch.tensor([True]), (runs[1:, :2] != runs[:-1, :2] + runs[:-1, 2:]).any(1)])
-    lengths = torch.zeros(int(starts.sum()), dtype=runs.dtype).index_add_(0, starts.cumsum(0) - 1,
-                                                                          runs[:, 2])
+    lengths = torch.zeros(int(starts.sum()), dtype=runs.dtype).index_add_(0, starts.cumsum(0) - 1, runs[:, 2])
     return zero.Piece(name, shape, torch.cat([runs[starts, :2], lengths[:, None]], 1), math.prod(local))
 
 
@@ -1327,22 +1323,20 @@ class Cluster:
     scaled so. Each rate and size within about 1000x of an H100 node's, either way: beyond any chip or cluster
     of today; a typo outside (0, 1e-300, inf, 1e308) priced a step at 0 s, then divided by it, or at 300
     digits; NaN breaks every rule. --gpus at most a million: the search tries each divisor."""
-    gpus: int | None = option(None, "GPUs (default: the product of the mesh sizes)", (">= 1", "<= 1e6"), PLAN,
-                              type=int)
-    gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", (">= 1", "<= 1e4"), PLAN)
-    gpu: str = option("h100-sxm", "the GPU: its memory, peaks, bandwidths, power (each option below overrides)",
-                      commands=PLAN, choices=GPUS)
-    gpu_memory: float = option(80.0, "GiB per GPU", (">= 1", "<= 1e5"), PLAN)
-    peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU", (">= 1", "<= 1e6"), PLAN)
+    gpus: int | None = option(None, "GPUs (default: the mesh sizes' product)", (">= 1", "<= 1e6"), type=int)
+    gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", (">= 1", "<= 1e4"))
+    gpu: str = option("h100-sxm", "the GPU: memory, peaks, bandwidths, power (each option below overrides)",
+                      choices=GPUS)
+    gpu_memory: float = option(80.0, "GiB per GPU", (">= 1", "<= 1e5"))
+    peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU", (">= 1", "<= 1e6"))
     fp8_tflops: float | None = option(1979.0, "dense FP8 TFLOP/s per GPU (none: --fp8 is refused)",
-                                      (">= 1", "<= 1e6"), PLAN)
+                                      (">= 1", "<= 1e6"))
     hbm_tbps: float = option(3.35, "TB/s of GPU memory (elementwise work, the optimizer, thin GEMMs)",
-                             (">= 0.01", "<= 1e3"), PLAN)
-    nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node", (">= 1", "<= 1e5"), PLAN)
+                             (">= 0.01", "<= 1e3"))
+    nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node", (">= 1", "<= 1e5"))
     network_gbps: float = option(50.0, "GB/s per GPU each way between nodes (a 400 Gb/s NIC)",
-                                 (">= 0.1", "<= 1e5"), PLAN)
-    power_limit: float = option(700.0, "W each GPU may draw (below the TDP: lower clocks)", (">= 50", "<= 1e4"),
-                                PLAN)
+                                 (">= 0.1", "<= 1e5"))
+    power_limit: float = option(700.0, "W a GPU may draw (below the TDP: lower clocks)", (">= 50", "<= 1e4"))
     tdp: float = 700.0  # W: the preset's
     latency: float = 10e-6  # s a collective or send costs beyond its bytes: NCCL's tuning model
     # (src/graph/tuning.cc) puts a ring's base latency at 4-8 us, plus 0.5-3 us a hop on NVLink
@@ -1627,10 +1621,10 @@ class ModelOptions:  # the model: a preset or a config.json, each size overridab
 
 @dataclass(frozen=True)
 class PlanOutput:
-    json: bool = option(False, "the plan as one JSON object, for scripts and spreadsheets", commands=PLAN)
+    json: bool = option(False, "the plan as one JSON object, for scripts and spreadsheets")
 
 
-OPTIONS = (MeshSizes, ModelOptions, TrainConfig, RunConfig, Cluster, PlanOutput)  # in --help's order
+OPTIONS = (MeshSizes, ModelOptions, TrainConfig, RunConfig)  # in --help's order, then a command's classes
 PRESET, GPU = "the --model's", "the --gpu preset's"
 DEMO = dict(dp=2, tp=2, max_grad_norm=1.0)  # where check and train depart from the fields' defaults
 SIZES = dict.fromkeys(("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab", "global_batch", "seq_len"), PRESET)
@@ -1644,7 +1638,7 @@ COMMANDS = {  # the first runs when argv names none
     "plan": foundation.Command(
         "price a model on a cluster that is not here: the fastest meshes that fit, or the mesh given",
         dict(compile=True), dict(SIZES, **dict.fromkeys(DIMS, "searched"), **dict.fromkeys(
-            GPU_FIELDS, GPU), microbatches="global_batch / dp: one sequence each")),
+            GPU_FIELDS, GPU), microbatches="global_batch / dp: one sequence each"), (Cluster, PlanOutput)),
 }
 
 
