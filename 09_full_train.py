@@ -1,8 +1,7 @@
 """Lesson 09: every technique at once. A (dp, pp, cp, tp) mesh, one model, proved equal to one device.
 
-Three programs, a sub-command each with its own options: `train` (the default) trains on text, `check`
-proves the mesh equal to one device, `plan` prices a run at scale on a cluster that is not here. The
-parts, in order:
+Three sub-commands, each with its own options: `train` (the default) trains on text, `check` proves the mesh
+equal to one device, `plan` prices a run at scale on a cluster that is not here. The parts, in order:
   The mesh: MeshSizes (tp fastest), build_mesh (every group), rank_map                           all
   The configuration: TrainConfig; validate, every lesson's rule before any collective            all
   Held pieces: held_piece (a rank's elements of a reference parameter: 02's Piece), assemble  check, train
@@ -17,57 +16,51 @@ parts, in order:
 
 THE MESH
 world = dp x pp x cp x tp ranks (the mesh sets them: 09 has no --nproc), numbered with tp fastest:
-rank = ((d pp + p) cp + c) tp + t. So a tensor-parallel group's ranks are adjacent (one node, the
-fastest link: TP talks in every layer), then context, pipeline and data parallelism, which talk less.
-Every rank creates every group of every dimension in the same order (dist.new_group is a collective
-over the world) and keeps its own. Expert parallelism needs no ranks of its own: the dp x cp ranks of
-one (pp, tp) position hold different tokens anyway, so an MoE layer may spread its experts over them
-(ep divides dp x cp); each expert is then data-parallel over the other dp x cp / ep ranks.
+rank = ((d pp + p) cp + c) tp + t. So a TP group's ranks are adjacent (one node, the fastest link: TP talks in
+every layer), then cp, pp and dp, which talk less. Every rank creates every group in the same order
+(dist.new_group is a collective over the world) and keeps its own. Expert parallelism needs no ranks of its
+own: the dp x cp ranks of one (pp, tp) position hold different tokens, so an MoE layer may spread experts over
+them (ep divides dp x cp); each expert is data-parallel over the other dp x cp / ep ranks.
 
 ONE MODEL, TRANSFORMED IN ONE ORDER (each step an earlier lesson's own function)
-  01 GPT(cfg) -> 06 convert_to_moe + apply_expert_parallel (--moe, --ep) -> 08 convert_to_float8
-  (--fp8) -> 03 apply_tensor_parallel (+ SP) -> 05 ContextParallelAttention as the attention
-  function (zigzag ring; 07's kernel on a GPU) -> 04 cut_stage (v stages per rank for interleaved
-  1F1B) -> 02 ZeRO stage 0-3 over dp x cp (the experts: over the ranks holding the same ones; under
-  --fp8 --zero 3 the Float8Linear weights: 08's Float8ZeRO, all-gathered in FP8).
-TP rewrites modules and needs the whole model, CP only swaps a function, a stage cut deletes
-modules, ZeRO flattens the parameters as they finally are. EP comes before TP: it slices the
-experts into new parameters, and SP's hook must be registered on those. MoE layers are not split
-over tp: each tp rank runs them on its tokens (its sequence shard with SP).
+  01 GPT(cfg) -> 06 convert_to_moe + apply_expert_parallel (--moe, --ep) -> 08 convert_to_float8 (--fp8) -> 03
+  apply_tensor_parallel (+ SP) -> 05 ContextParallelAttention as attention (zigzag ring; 07's kernel on a GPU)
+  -> 04 cut_stage (v stages a rank: interleaved 1F1B) -> 02 ZeRO 0-3 over dp x cp (experts: over the ranks
+  holding the same ones; --fp8 --zero 3's Float8Linear weights: 08's Float8ZeRO, gathered in FP8).
+TP rewrites modules and needs the whole model, CP only swaps a function, a stage cut deletes modules, ZeRO
+flattens the final parameters. EP comes before TP: it slices the experts into new parameters, and SP's hook
+goes on those. MoE layers are not split over tp: each tp rank runs them on its tokens (with SP, its shard).
 
 GRADIENTS EQUAL ONE DEVICE'S, because each reduction happens exactly once:
-- tp: Megatron's f/g inside the model; with SP every replicated parameter's partial gradient is
-  summed over tp (03's hook). Nothing else reduces over tp.
+- tp: Megatron's f/g inside the model; with SP every replicated parameter's partial gradient is summed over tp
+  (03's hook). Nothing else reduces over tp.
 - pp: each stage owns its parameters; microbatch losses are divided by m (04).
-- dp x cp: every rank's loss is the mean over its own tokens (equal counts) and the ring returns
-  every dK/dV to its owner, so the mean over dp x cp of the ranks' gradients is the batch's: ZeRO's
-  reduce-scatter (or all-reduce) / (dp cp), once per step after the last microbatch (ZeRO.no_sync
-  around the schedule). An expert's gradient arrives summed over the ep group (06's backward
-  all-to-all): / ep, then its own ZeRO / (dp cp / ep).
-- clipping: ||g||^2 sums ZeRO's shards, then the ep (experts), tp and pp ranks; a parameter
-  replicated over tp counts 1/tp on each. Every rank then scales alike.
-MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's
-load depend on which tokens share a forward, which microbatches and sequence chunks change.
+- dp x cp: each rank's loss is the mean over its tokens (equal counts) and the ring returns every dK/dV to its
+  owner, so the dp x cp ranks' mean gradient is the batch's: ZeRO's reduce-scatter (or all-reduce) / (dp cp),
+  once per step after the last microbatch (ZeRO.no_sync around the schedule). An expert's gradient arrives
+  summed over ep (06's backward all-to-all): / ep, then its own ZeRO / (dp cp / ep).
+- clipping: ||g||^2 sums ZeRO's shards, then the ep (experts), tp and pp ranks; a parameter replicated over tp
+  counts 1/tp on each. Every rank then scales alike.
+MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's load depend on
+which tokens share a forward, which microbatches and sequence chunks change.
 
-COST: plan() composes the lessons' own formulas for what each rank holds and sends, building
-nothing: `check` prints them beside each rank's measurements (the tests prove them equal); `plan`
-sets them against a GPU's memory for models and clusters that are not here and prices a step.
-`train` adds 02's checkpoints, a NaN guard, MFU, a sample.
+COST: plan() composes the lessons' formulas for what each rank holds and sends, building nothing: `check`
+prints them beside each rank's measurements (tests prove them equal); `plan` sets them against GPU memory for
+models and clusters not here, and prices a step. `train` adds 02's checkpoints, a NaN guard, MFU, a sample.
 
-THE STEP TIME, from the operations (step_time): each one priced by the lesson that owns it, no MFU
-assumed. GEMMs at their TP-local shapes by 08's roofline (the rate measured on an H100, or the bytes
-at the HBM's bandwidth); attention at 07's measured rate; elementwise work (elementwise_bytes, split as
-03 splits the layer) and the optimizer (02) at the HBM's bandwidth; recompute's forward again.
-Messages go at their link's speed (NVLink inside a node, the NIC across: ranks are numbered tp
-fastest, so inside_node knows which groups stay in one) plus a latency, exposed where nothing hides
-them: TP's all, the ring's hops beyond a block's attention, the gradient reduction beyond the last
-microbatch's backward, ZeRO-1/2's gather after the step, ZeRO-3's beyond the previous layer, the
-pipeline's sends in its fill and drain. The slowest pipeline rank's microbatches / (1 - 04's bubble)
-span the pipeline (pipeline_span). Two bounds frame it: perfect overlap, and none.
+THE STEP TIME, from the operations (step_time): each one priced by the lesson that owns it, no MFU assumed.
+GEMMs at their TP-local shapes by 08's roofline (the rate measured on an H100, or the bytes at the HBM's
+bandwidth); attention at 07's measured rate; elementwise work (elementwise_bytes, split as 03 splits the
+layer) and the optimizer (02) at the HBM's bandwidth; recompute's forward again. Messages go at their link's
+speed (NVLink inside a node, the NIC across: ranks are numbered tp fastest, so inside_node knows which groups
+stay in one) plus a latency, exposed where nothing hides them: TP's all, the ring's hops beyond a block's
+attention, the gradient reduction beyond the last microbatch's backward, ZeRO-1/2's gather after the step,
+ZeRO-3's beyond the previous layer, the pipeline's sends in its fill and drain. The slowest pipeline rank's
+microbatches / (1 - 04's bubble) span the pipeline (pipeline_span). Two bounds frame it: full overlap, none.
 
-THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that validate accepts;
-those that fit in memory, fastest first. The README's planning table checks the predictions against
-published runs (Megatron-Core's H100 table, MosaicML's MPT, Meta's Llama 3 405B): PRESETS.
+THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that validate accepts; those
+that fit in memory, fastest first. The README's planning table checks the predictions against published runs
+(Megatron-Core's H100 table, MosaicML's MPT, Meta's Llama 3 405B): PRESETS.
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
@@ -79,11 +72,10 @@ RUN IT
     python 09_full_train.py plan --model llama3-70b --gpus 256   # the fastest meshes that fit
     python 09_full_train.py plan --model llama3-405b --dp 64 --pp 16 --cp 1 --tp 8 --sequence-parallel \
         --zero 2 --schedule interleaved --virtual 2                # Meta's mesh, per pipeline rank
-Look at: the loss falling from ln 256 = 5.5 and the sample; tokens/s and MFU; with check, the rank
-map, the max |difference| from one device (loss, every gradient reassembled from the shards,
-parameters after the steps) and bytes per mesh dimension beside the formulas; with plan, the
-fullest GPU's bytes beside its memory, which terms of the step are exposed communication and which
-the bubble, and how far apart the two bounds are.
+Look at: the loss falling from ln 256 = 5.5 and the sample; tokens/s and MFU; with check, the rank map, the
+max |difference| from one device (loss, every gradient reassembled from the shards, parameters after the
+steps) and bytes per mesh dimension beside the formulas; with plan, the fullest GPU's bytes beside its memory,
+which terms of the step are exposed communication and which the bubble, and how far apart the two bounds are.
 """
 from __future__ import annotations
 
