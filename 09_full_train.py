@@ -409,8 +409,8 @@ class Trainer:
         self.steps = self.in_flight = 0  # in_flight: the most microbatch-stage pairs held at once (04)
 
     def forward_backward(self, rows: torch.Tensor) -> float:
-        """Forward and backward of the schedule on this rank's rows, gradients averaged over
-        dp x cp; returns the global batch's mean loss (on every rank)."""
+        """The schedule's forward and backward of this rank's rows, gradients averaged over dp x cp;
+        returns the global batch's mean loss (on every rank)."""
         sizes, at = self.mesh.sizes, self.mesh.coords
         if rows.shape != (expected := (self.train.global_batch // sizes.dp, self.train.seq_len + 1)):
             raise ValueError(f"rows of shape {tuple(rows.shape)}: this dp rank expects "
@@ -470,8 +470,7 @@ class UnitSizes(NamedTuple):
 
 
 def local_shapes(cfg, tp: int, moe, ep: int) -> dict[str, tuple[int, ...]]:
-    """Each parameter of a one-layer model ("embed", "layers.0. ...", "norm", "lm_head") as one rank
-    holds it: 01's shapes, 06's experts in place of the MLP, 03's tp slice; nothing built."""
+    """A one-layer model's parameters as a rank holds them: 01's shapes, 06's experts, 03's tp slice."""
     shapes = foundation.parameter_shapes(dataclasses.replace(cfg, n_layers=1, tie_embeddings=False))
     if moe is not None:
         shapes = {name: shape for name, shape in shapes.items() if ".mlp." not in name}
@@ -538,10 +537,10 @@ def mlp_backward_bytes(tokens: int, dim: int, ffn_dim: int, elem_bytes: int) -> 
 
 
 def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
-    """Every pipeline rank's RankPlan from the earlier lessons' own formulas (COST); call validate
-    first. FP8 is priced at its compute precision, but for --zero 3's Float8Linear weights (08's
-    Float8ZeRO: 1 B gathers, e4m3 shards and scales held); the FP8 casts Float8Linear saves for
-    backward are not modelled; MoE activations and ep's all-to-alls depend on the routing: None."""
+    """Every pipeline rank's RankPlan by the earlier lessons' formulas (COST); call validate first. FP8 is
+    priced at its compute precision but for --zero 3's Float8Linear weights (08's Float8ZeRO: 1 B gathers,
+    e4m3 shards and scales held); its saved casts are not modelled; MoE activations and ep's all-to-alls
+    depend on the routing: None."""
     e = 2 if train.mixed_precision else 4  # bytes of a compute parameter, gradient, activation
     tp, cp, pp, m = sizes.tp, sizes.cp, sizes.pp, train.microbatches
     b, s, n_stages = train.global_batch // sizes.dp, train.seq_len // cp, pp * train.virtual
@@ -633,8 +632,7 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
 
 
 def summary(trainer: Trainer) -> dict:
-    """What the trainer measured beside its plan: parameters held, bytes held against 02's formula,
-    bytes sent per step in each group against the lessons' formulas; the plan of its rank."""
+    """The trainer's measurements (parameters and bytes held, bytes sent per group and step) and its plan."""
     mesh, zeros = trainer.mesh, [part.zero for part in trainer.zeros]
     mine = plan(trainer.cfg, mesh.sizes, trainer.train)[mesh.coords["pp"]]
     held = {k: sum(z.held_bytes()[k] for z in zeros) for k in ("params", "grads", "optimizer")}
@@ -666,8 +664,7 @@ def summary(trainer: Trainer) -> dict:
 # --- Data (bytes are tokens, windows of seq_len + 1 in a seeded order per epoch), learning rate, MFU
 def read_tokens(path: str | os.PathLike | None, max_bytes: int = 2 << 20) -> torch.Tensor:
     """The bytes of `path` as uint8 tokens; with no path, the standard library's top-level .py files in
-    sorted order (every Python install has them, so no download), up to max_bytes (2 MiB: enough text for a
-    CPU run; a fixed cap keeps it quick and fixed)."""
+    sorted order (in every Python install: no download), up to max_bytes (a fixed cap, enough for a CPU)."""
     if path is None:
         sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
         data = b"".join(source.read_bytes() for source in sources)[:max_bytes]
@@ -825,8 +822,7 @@ def piece_of(trainer: Trainer, kind: str) -> "zero.PieceOf":
 
 
 def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[zero.Piece, torch.Tensor]]:
-    """(piece, CPU values) of the trainer's shards: "params" (fp32 masters), an AdamW moment, or
-    "grads" (averaged, before clipping: between forward_backward and update)."""
+    """(piece, CPU values) of the shards' "params" (fp32), an AdamW moment, "grads" (averaged, unclipped)."""
     out = []
     for part in trainer.zeros:
         for unit in part.zero.units:
@@ -896,9 +892,9 @@ class RunConfig:
 
 def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor, run: RunConfig,
                progress=None) -> dict:
-    """Steps from the resumed one (or 0) to run.steps: the learning-rate schedule, the NaN guard (a
-    loss that is not finite stops before the update, a gradient norm before any later save or
-    validation), validation and checkpoints (never a non-finite one). Returns its figures, `out`."""
+    """Steps from 0 or the checkpoint (run.resume) to run.steps: the learning rate, the NaN guard (a loss
+    that is not finite stops before the update, a gradient norm before any later save or validation),
+    validation and checkpoints (never a non-finite one). Returns its figures, `out`."""
     train, rank, sizes = trainer.train, trainer.mesh.rank, trainer.mesh.sizes
     out = dict(losses={}, times={}, val={}, activation_bytes=None, read=None, saved=None)
     start, kept = 0, []  # kept: this run's checkpoints, a resumed one included
@@ -1467,8 +1463,7 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
 
 
 def planned(cfg, sizes: MeshSizes, train: TrainConfig, microbatches: int | None, cluster: Cluster) -> tuple:
-    """(sizes, train as run on them, plans, step time), or validate's ValueError. microbatches None:
-    one sequence each (global_batch / dp)."""
+    """(sizes, train as run (microbatches None: one sequence each), plans, step time), or a ValueError."""
     train = dataclasses.replace(train, microbatches=microbatches or max(train.global_batch // sizes.dp, 1))
     validate(cfg, sizes, train, sizes.world)
     plans = plan(cfg, sizes, train)
@@ -1477,8 +1472,8 @@ def planned(cfg, sizes: MeshSizes, train: TrainConfig, microbatches: int | None,
 
 def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | None], microbatches: int | None,
                   ep: int, cluster: Cluster) -> tuple[list, list, str]:
-    """THE SEARCH: the meshes of gpus GPUs (the sizes given kept) as planned() gives them; those that fit,
-    fastest first (by the predicted step); the first refusal."""
+    """THE SEARCH: planned() of every mesh of gpus GPUs (the sizes given kept); those that fit, fastest
+    first; the first refusal."""
     valid, refusals = [], []
     divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
     for tp, cp, pp in itertools.product(divisors, repeat=3):
