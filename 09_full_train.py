@@ -409,8 +409,7 @@ class Trainer:
         self.steps = self.in_flight = 0  # in_flight: the most microbatch-stage pairs held at once (04)
 
     def forward_backward(self, rows: torch.Tensor) -> float:
-        """The schedule's forward and backward of this rank's rows, gradients averaged over dp x cp;
-        returns the global batch's mean loss (on every rank)."""
+        """The schedule's forward and backward, gradients averaged over dp x cp; the batch's mean loss."""
         sizes, at = self.mesh.sizes, self.mesh.coords
         if rows.shape != (expected := (self.train.global_batch // sizes.dp, self.train.seq_len + 1)):
             raise ValueError(f"rows of shape {tuple(rows.shape)}: this dp rank expects "
@@ -681,8 +680,7 @@ def read_tokens(path: str | os.PathLike | None, max_bytes: int = 2 << 20) -> tor
 
 def split_tokens(tokens: torch.Tensor, seq_len: int, global_batch: int,
                  val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, validation): the last val_fraction of the text validates. Each part must hold one
-    global batch of windows of seq_len + 1 tokens (neighbouring windows share one token)."""
+    """(train, validation): the text's last val_fraction validates; each must hold one global batch."""
     need, n_val = global_batch * seq_len + 1, int(len(tokens) * val_fraction)
     if min(n_val, len(tokens) - n_val) < need:
         raise ValueError(f"the text is too short: {len(tokens) - n_val:,} training and {n_val:,} "
@@ -737,8 +735,7 @@ class ShardedLoader:
 
 
 def learning_rate(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float) -> float:
-    """Linear warmup to max_lr over warmup_steps (step 0 already trains at max_lr / warmup), then
-    a half cosine down to min_lr at total_steps, and min_lr after."""
+    """Linear warmup (step 0: max_lr / warmup), then a half cosine to min_lr at total_steps; min_lr after."""
     if step < warmup_steps:
         return max_lr * (step + 1) / warmup_steps
     if step >= total_steps:
@@ -770,8 +767,7 @@ def flops_per_token(cfg, seq_len: int) -> int:
 
 
 def text_prompt(tokens: torch.Tensor, max_bytes: int = 100) -> bytes:
-    """Whole lines of the text from its second line on, at most max_bytes (or the first max_bytes of
-    one longer line): a prompt like the text the model learnt, here Python code."""
+    """Whole lines of the text from its second, at most max_bytes (or one longer line's start): like it."""
     text = bytes(tokens[:4 * max_bytes].tolist())
     start = text.find(b"\n") + 1
     end = text.rfind(b"\n", start, start + max_bytes) + 1
@@ -781,11 +777,10 @@ def text_prompt(tokens: torch.Tensor, max_bytes: int = 100) -> bytes:
 @torch.no_grad()
 def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: int = 20,
            seed: int = 0) -> bytes:
-    """n_new bytes continuing prompt (a byte-level lesson-01 GPT on one device), each drawn from the
-    top_k likeliest next bytes with probabilities softmax(logits / temperature), seeded: the same
-    sample every run. Greedy decoding (top_k = 1) locks a small model into a loop ("self.______": a
-    frequent byte, once emitted, makes itself likelier still); a less likely byte now and then breaks
-    it, and T < 1 with the top-k cut keeps off the improbable tail. The whole text is re-read each step."""
+    """n_new bytes continuing prompt (a byte-level 01 GPT, one device), each drawn from the top_k likeliest
+    by softmax(logits / temperature), seeded (the same each run). Greedy decoding (top_k = 1) locks a small
+    model into a loop ("self.______": a frequent byte, once emitted, makes itself likelier still); a less
+    likely byte now and then breaks it, and T < 1 with the top-k cut keeps off the improbable tail."""
     if not prompt or model.cfg.vocab_size != 256 or not temperature > 0 or top_k < 1 or n_new < 0:
         raise ValueError(f"sample needs a non-empty prompt, a byte-level model (vocab_size 256, not "
                          f"{model.cfg.vocab_size}), temperature > 0 (not {temperature}), top_k >= 1 "
@@ -795,7 +790,7 @@ def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8
     tokens = torch.tensor(list(prompt), device=device)[None]
     was_training = model.training
     model.eval()
-    for _ in range(n_new):
+    for _ in range(n_new):  # each step re-reads the whole text (no cache)
         likely, index = (model(tokens)[:, -1].float() / temperature).topk(min(top_k, 256))
         drawn = torch.multinomial(likely.softmax(-1), 1, generator=generator)
         tokens = torch.cat([tokens, index.gather(-1, drawn)], dim=1)
@@ -833,8 +828,7 @@ def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[zero.Piec
 
 
 def checkpoint_pieces(trainer: Trainer) -> list[tuple[zero.Piece, dict[str, torch.Tensor]]]:
-    """The pieces this rank writes, so that each element is written once across the mesh: 02's rule
-    for each ZeRO (zero_pieces), and a parameter replicated over tp by tp rank 0 alone."""
+    """This rank's pieces to write, each element once in the mesh: 02's zero_pieces, tp copies by tp rank 0."""
     first_tp = trainer.mesh.coords["tp"] == 0
     return [pair for part in trainer.zeros for pair in zero.zero_pieces(
         part.zero, piece_of(trainer, part.kind), lambda p: hasattr(p, "tp_shard_dim") or first_tp)]
@@ -1511,8 +1505,7 @@ def record(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: 
 
 
 def describe(r: dict, table: bool) -> str:
-    """A record as text: the mesh and run; GiB per pipeline rank (table: the first two, the fullest and the
-    last two ranks, else the fullest); GB sent per group; the step time's terms and bounds."""
+    """A record as text (table: GiB of the first two, the fullest and the last two pipeline ranks)."""
     lines = [" ".join(f"{d}={n}" for d, n in r["mesh"].items() if d != "ep" or n > 1) + f", ZeRO-{r['zero']}, "
              f"{r['schedule']} x {r['microbatches']} microbatches of {r['sequences']}, recompute {r['recompute']}, "
              f"SP {'on' if r['sequence_parallel'] else 'off'}"]
