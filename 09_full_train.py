@@ -828,7 +828,7 @@ def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[zero.Piec
 
 
 def checkpoint_pieces(trainer: Trainer) -> list[tuple[zero.Piece, dict[str, torch.Tensor]]]:
-    """This rank's pieces to write, each element once in the mesh: 02's zero_pieces, tp copies by tp rank 0."""
+    """Pieces this rank writes (each element once in the mesh): 02's zero_pieces; tp copies by tp rank 0."""
     first_tp = trainer.mesh.coords["tp"] == 0
     return [pair for part in trainer.zeros for pair in zero.zero_pieces(
         part.zero, piece_of(trainer, part.kind), lambda p: hasattr(p, "tp_shard_dim") or first_tp)]
