@@ -170,8 +170,7 @@ GROUP_OPS = {"tp": _ZERO_OPS, "cp": ("send",), "pp": ("send", "all_reduce"), "dp
              "ep": ("all_to_all", "all_gather"), "ep_dp": _ZERO_OPS}  # what each kind of group carries
 
 
-@dataclass
-class Mesh:
+class Mesh(NamedTuple):
     sizes: MeshSizes
     rank: int
     coords: dict[str, int]
@@ -402,9 +401,8 @@ class Trainer:
                                                             **settings, owns=owns)))
             if fp8_weights:
                 self.zeros.append(StageZeRO("dp_cp", fp8.Float8ZeRO(model, mesh.groups["dp_cp"], **settings)))
-        rows = train.global_batch // sizes.dp // train.microbatches
-        seq = train.seq_len // sizes.cp // (sizes.tp if train.sequence_parallel else 1)
-        self.boundary_shape = (rows, seq, cfg.dim)
+        self.boundary_shape = (train.global_batch // sizes.dp // train.microbatches, train.seq_len // sizes.cp
+                               // (sizes.tp if train.sequence_parallel else 1), cfg.dim)  # a pipeline send's
         self.meter = foundation.CommMeter()  # every step's communication, accumulated
         self.steps = self.in_flight = 0  # in_flight: the most microbatch-stage pairs held at once (04)
 
@@ -642,12 +640,10 @@ def summary(trainer: Trainer) -> dict:
         if kind == "dp" or kind.startswith("ep") and mesh.sizes.ep == 1 or foundation.group_size(group) == 1:
             continue  # dp alone carries nothing (ZeRO: dp x cp); ep = 1: dp x cp's ranks again
         ranks, ops = foundation.group_ranks(group), set(GROUP_OPS[kind])
-        shared = [e for e in entries if e[1] == ranks and e[2] & ops]
-        if shared:
-            shared[0][0].append(kind)
-            shared[0][2].update(ops)
-        else:
-            entries.append(([kind], ranks, ops))
+        if (shared := next((e for e in entries if e[1] == ranks and e[2] & ops), None)) is None:
+            entries.append(shared := ([], ranks, set()))
+        shared[0].append(kind)
+        shared[2].update(ops)
     traffic, traffic_formula = {}, {}
     for names, ranks, ops in entries:
         traffic["+".join(names)] = sum(trainer.meter.traffic(op, ranks) for op in ops) / max(trainer.steps, 1)
@@ -1082,8 +1078,7 @@ def loss_curve(train: dict[int, float], val: dict[int, float], width: int = 64, 
     """The losses drawn in text, step across and loss up: '.' training (each column's mean over its
     steps), 'o' validation (recorded after `step` steps, so drawn at step - 1)."""
     first, last = min(train), max(train)
-    values = [*train.values(), *val.values()]
-    lo, hi = min(values), max(values)
+    lo, hi = min(values := [*train.values(), *val.values()]), max(values)
     column = lambda step: min(width - 1, (step - first) * width // (last - first + 1))  # noqa: E731
     row = lambda loss: round((hi - loss) / ((hi - lo) or 1) * (height - 1))  # noqa: E731
     grid, columns = [[" "] * width for _ in range(height)], {}
@@ -1266,7 +1261,6 @@ PRESETS = MODELS | {
     "llama3-70b": (dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **LLAMA3), 8192, 1024, 1.5e-4),
     "llama3-405b": (dict(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248, **LLAMA3), 8192, 2048, 8e-5),
 }
-FILE_RUN = PRESETS["llama3-8b"][1:]  # a config.json has no run: Llama 3 8B's (8,192 tokens x 512, lr 3e-4)
 
 
 # --- A cluster, and a step's time on it ------------------------------------------------------------
@@ -1292,7 +1286,6 @@ GPUS = {  # A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): 40 (HBM
     "h100-96gb": (95, 989, 1979, 2.4, 450, 50, 700, 500),
 }
 GPU_FIELDS = ("gpu_memory", "peak_tflops", "fp8_tflops", "hbm_tbps", "nvlink_gbps", "network_gbps", "tdp", "power_limit")
-H100_FP8 = 1979.0  # 08's FP8 rates were measured on an H100 SXM, whose dense FP8 peak this is
 
 
 @dataclass(frozen=True)
@@ -1325,10 +1318,9 @@ class Cluster:
 
     @property
     def speed(self) -> tuple[float, float]:
-        """(bf16, FP8): this GPU's compute-bound rate over the H100's at 700 W."""
-        clock = min(1.0, self.power_limit / self.tdp)
-        return (self.peak_tflops * 1e12 / dict(PEAK_BF16_FLOPS)["H100"] * clock,
-                (self.fp8_tflops or math.nan) / H100_FP8 * clock)
+        """(bf16, FP8): this GPU's compute-bound rate over the H100 SXM's at 700 W (07's and 08's rates')."""
+        clock, h100 = min(1.0, self.power_limit / self.tdp), GPUS["h100-sxm"]
+        return self.peak_tflops / h100[1] * clock, (self.fp8_tflops or math.nan) / h100[2] * clock
 
 
 def inside_node(sizes: MeshSizes, kind: str, gpus_per_node: int) -> bool:
@@ -1635,7 +1627,7 @@ def model_spec(args: argparse.Namespace) -> tuple:
         cfg = foundation.ModelConfig(**{"vocab_size": 256, **sizes})
     elif args.model.endswith(".json"):
         try:
-            config, run = json.loads(Path(args.model).read_text()), FILE_RUN
+            config, run = json.loads(Path(args.model).read_text()), PRESETS["llama3-8b"][1:]  # no run: 8B's
             cfg, experts = foundation.ModelConfig.from_hf(config if isinstance(config, dict) else {})
         except (OSError, ValueError) as error:  # json's errors are ValueErrors
             raise ValueError(f"--model {args.model}: {error}") from None
