@@ -1003,8 +1003,7 @@ def resumed_validation(meta: dict, again: float, sizes: MeshSizes) -> str:
             f"at first, then drift: it ends near, not on, that run's loss)")
 
 
-# ===========================================================================================================
-# RUN IT: the two programs that run on ranks (train, check) and what they print
+# ====== RUN IT: the two programs that run on ranks (train, check) and what they print =======================
 def train_run(args: argparse.Namespace) -> None:
     """The default job: train on text, print progress, checkpoints, the figures, a sample."""
     device = foundation.init_distributed()
@@ -1248,9 +1247,7 @@ def demo(args: argparse.Namespace) -> None:
     foundation.exit_distributed()
 
 
-# ===========================================================================================================
-# PLANNING AT SCALE (plan): a model and a cluster that are not here, priced from the lessons' own
-# formulas and measurements, nothing built
+# ====== PLANNING AT SCALE (plan): a model and a cluster not here, priced by the lessons' formulas and rates =
 # 09's presets and published models (Meta's Llama 3 and Llama 2 7B): (model, seq_len, global_batch, lr). Peak
 # lr from the Llama 3 paper; batches of 4M, 8M and 16M tokens (405B: Meta's last). Any other Llama-shaped
 # model: its Hugging Face config.json (--model FILE.json), or sizes (--dim --layers --heads ...).
