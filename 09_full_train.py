@@ -1355,13 +1355,10 @@ def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, lay
     qk, f = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // tp, cfg.ffn_dim // tp * mlp
     loss = head * 2 * 4 * -(-cfg.vocab_size // tp) * tokens
     ends = (2 * h * (embed * tokens + head * mid), 3 * h * (embed * tokens + head * mid))
-    if not fused:
-        per_layer = [(84 * h * mid + (48 * qk + 16 * cfg.head_dim + 10 * f) * tokens),
-                     (214 * h * mid + (52 * qk + 16 * cfg.head_dim + 18 * f) * tokens)]
-        return tuple(layers * x + end * e + loss for x, end in zip(per_layer, ends))
-    forward = layers * (10 * h * mid + (2 * qk + 3 * f) * tokens) + ends[0]
-    backward = layers * (12 * h * mid + (2 * qk + 5 * f) * tokens) + ends[1]
-    return forward * e + loss, backward * e + loss
+    per_layer = ([(10 * e, 2 * e, 0, 3 * e), (12 * e, 2 * e, 0, 5 * e)] if fused  # elements x e
+                 else [(84, 48, 16, 10), (214, 52, 16, 18)])  # bytes: x h, q + kv, head_dim, f, as counted
+    return tuple(layers * (a * h * mid + (b * qk + c * cfg.head_dim + d * f) * tokens) + end * e + loss
+                 for (a, b, c, d), end in zip(per_layer, ends))
 
 
 PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble")  # a step's, as printed
