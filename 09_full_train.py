@@ -113,6 +113,7 @@ flash = importlib.import_module("07_flash_attention")
 fp8 = importlib.import_module("08_fp8")
 
 DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
+STEP_PARTS = ("forward", "backward", "gradient sync", "optimizer")  # record_function names (04, Trainer)
 
 option = foundation.option  # 01's: a dataclass field that is also the option --field-name, its rule beside it
 STEPPING, TRAIN = ("check", "train"), ("train",)  # an option's sub-commands (default: all)
@@ -1093,9 +1094,6 @@ def loss_curve(train: dict[int, float], val: dict[int, float], width: int = 64, 
                       f"{'':>8}{f'step {first}':<{width // 2}}{f'step {last}':>{width - width // 2}}"])
 
 
-STEP_PARTS = ("forward", "backward", "gradient sync", "optimizer")  # record_function names: 04, Trainer
-
-
 def step_profile(trace: dict, steps: int, step_s: float, top: int = 8) -> str:
     """Where a profiled step goes, from the profiler's Chrome trace: each part's time (GPU: the kernels
     launched inside its range from any thread, as autograd runs backward on its own; CPU: the range), the
@@ -1283,6 +1281,7 @@ GPUS = {  # A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): 40 (HBM
     "h100-96gb": (95, 989, 1979, 2.4, 450, 50, 700, 500),
 }
 GPU_FIELDS = ("gpu_memory", "peak_tflops", "fp8_tflops", "hbm_tbps", "nvlink_gbps", "network_gbps", "tdp", "power_limit")
+PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble")  # step_time's, as printed
 
 
 @dataclass(frozen=True)
@@ -1359,9 +1358,6 @@ def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, lay
                  else [(84, 48, 16, 10), (214, 52, 16, 18)])  # bytes: x h, q + kv, head_dim, f, as counted
     return tuple(layers * (a * h * mid + (b * qk + c * cfg.head_dim + d * f) * tokens) + end * e + loss
                  for (a, b, c, d), end in zip(per_layer, ends))
-
-
-PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble")  # a step's, as printed
 
 
 def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster,
