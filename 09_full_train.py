@@ -1009,7 +1009,7 @@ def train_run(args: argparse.Namespace) -> None:
     """The default job: train on text, print progress, checkpoints, the figures, a sample."""
     device = foundation.init_distributed()
     cfg = dataclasses.replace(build_model_config(args), seed=args.seed)
-    sizes, train, run = mesh_sizes(args), train_config(args, device), run_config(args)
+    sizes, train, run = options_of(MeshSizes, args), train_config(args, device), run_config(args)
     try:  # rank 0 holds the folder's lock until lock.close()
         lock = zero.claim_folder(run.folder) if run.folder is not None else None
     except zero.CheckpointError as error:
@@ -1192,7 +1192,7 @@ def check_steps(cfg, mesh: Mesh, train: TrainConfig, steps: int, device: torch.d
 
 def demo(args: argparse.Namespace) -> None:
     device = foundation.init_distributed()
-    sizes, cfg, train = mesh_sizes(args), build_model_config(args), train_config(args)
+    sizes, cfg, train = options_of(MeshSizes, args), build_model_config(args), train_config(args)
     losses, grads, params, trainer = check_steps(cfg, build_mesh(sizes), train, args.steps, device)
     one = build_mesh(MeshSizes()) if train.fp8 else None  # rank 0 alone (every rank makes its groups)
     ranks = foundation.all_ranks((grads, params, summary(trainer)), dst=0)  # on rank 0
@@ -1286,14 +1286,13 @@ PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble") 
 
 @dataclass(frozen=True)
 class Cluster:
-    """The machines: a --gpu preset, each rate overridable (the defaults: h100-sxm's). A GEMM or attention
-    runs at the course's H100 rate (07's and 08's tables, measured at 700 W) x this GPU's dense peak / the
-    H100's (bf16 989, FP8 1,979), x power_limit / tdp where a limit holds the clocks, so a compute-bound
-    kernel's rate, below the TDP's; what memory bounds (a thin GEMM, elementwise work, the optimizer) at
-    hbm_tbps. No lent GPU has measured 07's or 08's rates on another GPU: each preset's rates are the H100's,
-    scaled so. Each rate and size within about 1000x of an H100 node's, either way: beyond any chip or cluster
-    of today; a typo outside (0, 1e-300, inf, 1e308) priced a step at 0 s, then divided by it, or at 300
-    digits; NaN breaks every rule. --gpus at most a million: the search tries each divisor."""
+    """The machines: a --gpu preset, each rate overridable (defaults: h100-sxm's). A GEMM or attention runs at
+    the course's H100 rate (07's and 08's tables, measured at 700 W) x this GPU's dense peak / the H100's, x
+    power_limit / tdp where a limit holds the clocks, so a compute-bound rate, below the TDP's; what memory
+    bounds (a thin GEMM, elementwise work, the optimizer) at hbm_tbps. No lent GPU has measured 07's or 08's
+    rates on another GPU: each preset's are the H100's, scaled so. Rates and sizes lie within ~1000x of an
+    H100 node's (beyond any chip or cluster of today): a typo (0, 1e-300, inf, 1e308) priced a step at 0 s,
+    then divided by it; NaN breaks every rule. --gpus at most a million: the search tries each divisor."""
     gpus: int | None = option(None, "GPUs (default: the mesh sizes' product)", (">= 1", "<= 1e6"), type=int)
     gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", (">= 1", "<= 1e4"))
     gpu: str = option("h100-sxm", "the GPU: memory, peaks, bandwidths, power (each option below overrides)",
@@ -1604,9 +1603,10 @@ COMMANDS = {  # the first runs when argv names none
 }
 
 
-def options_of(cls, args: argparse.Namespace) -> dict:
-    """The values args gives the fields of cls that are options of its sub-command."""
-    return {f.name: getattr(args, f.name) for f in foundation.option_fields((cls,), args.command)}
+def options_of(cls, args: argparse.Namespace, **others):
+    """A cls from this sub-command's options of its fields; others: its other fields, those left None."""
+    given = {f.name: getattr(args, f.name) for f in foundation.option_fields((cls,), args.command)}
+    return cls(**others | {k: v for k, v in given.items() if v is not None or k not in others})
 
 
 def model_spec(args: argparse.Namespace) -> tuple:
@@ -1632,32 +1632,26 @@ def build_model_config(args: argparse.Namespace) -> "foundation.ModelConfig":
     return model_spec(args)[0]
 
 
-def mesh_sizes(args: argparse.Namespace) -> MeshSizes:
-    return MeshSizes(**options_of(MeshSizes, args))
-
-
 def train_config(args: argparse.Namespace, device: torch.device | None = None) -> TrainConfig:
     """The options as a TrainConfig; those left None: the --model's run, 1 microbatch (2 with pp > 1), bf16
     on a GPU; the file's MoE (Mixtral: its experts, top-k and expert size) or --moe's (top 2, size 64)."""
     cfg, experts, (seq_len, global_batch, lr) = model_spec(args)
-    decided = dict(global_batch=global_batch, seq_len=seq_len, lr=lr, microbatches=1 + ((args.pp or 1) > 1),
-                   mixed_precision=device is not None and device.type == "cuda")
-    given = {k: decided[k] if v is None else v for k, v in options_of(TrainConfig, args).items()}
     n, top_k, size = (*experts, cfg.ffn_dim) if experts else (4, 2, 64)
     moe = expert_parallel.MoEConfig(n_experts=args.experts or n, top_k=top_k, expert_ffn_dim=size, aux_loss_coef=0)
-    return TrainConfig(**given, adam_eps=1e-6, moe=moe if experts or args.moe or args.ep > 1 else None)
+    return options_of(TrainConfig, args, global_batch=global_batch, seq_len=seq_len, lr=lr, adam_eps=1e-6,
+                      microbatches=1 + ((args.pp or 1) > 1), mixed_precision=device is not None and
+                      device.type == "cuda", moe=moe if experts or args.moe or args.ep > 1 else None)
 
 
 def cluster_of(args: argparse.Namespace) -> Cluster:
     """--gpu's preset, each rate given overriding it."""
-    given = {k: v for k, v in options_of(Cluster, args).items() if v is not None}
-    return Cluster(**{**dict(zip(GPU_FIELDS, GPUS[args.gpu])), **given})
+    return options_of(Cluster, args, **dict(zip(GPU_FIELDS, GPUS[args.gpu])))
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The options as a RunConfig: --resume (a STEP, or "latest") as resume and resume_step."""
     step = None if args.resume in (False, "latest") else int(args.resume)
-    return RunConfig(**{**options_of(RunConfig, args), "resume": bool(args.resume), "resume_step": step})
+    return dataclasses.replace(options_of(RunConfig, args), resume=bool(args.resume), resume_step=step)
 
 
 def check_before_launch(args: argparse.Namespace, world: int) -> None:
@@ -1683,7 +1677,7 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
         (args.folder == "", "--checkpoint-dir must name a folder (--no-save: no checkpoints)")) if wrong]
     if broken:
         raise ValueError(broken[0])
-    validate(cfg, mesh_sizes(args), train, world)
+    validate(cfg, options_of(MeshSizes, args), train, world)
     if args.command == "check":
         return
     train_tokens, _ = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
@@ -1714,7 +1708,7 @@ def main() -> None:
         if foundation.prints_here():
             print(report)
         return
-    args.nproc = mesh_sizes(args).world  # the mesh sets how many local processes start (no --nproc)
+    args.nproc = options_of(MeshSizes, args).world  # the mesh sets the local processes (no --nproc)
     foundation.launch_lesson(parser, args, demo if args.command == "check" else train_run,
                              lambda world: check_before_launch(args, world))
 
