@@ -1,8 +1,7 @@
 """Lesson 09: every technique at once. A (dp, pp, cp, tp) mesh, one model, proved equal to one device.
 
-Three programs, a sub-command each with its own options: `train` (the default) trains on text, `check`
-proves the mesh equal to one device, `plan` prices a run at scale on a cluster that is not here. The
-parts, in order:
+Three sub-commands, each with its own options: `train` (the default) trains on text, `check` proves the mesh
+equal to one device, `plan` prices a run at scale on a cluster that is not here. The parts, in order:
   The mesh: MeshSizes (tp fastest), build_mesh (every group), rank_map                           all
   The configuration: TrainConfig; validate, every lesson's rule before any collective            all
   Held pieces: held_piece (a rank's elements of a reference parameter: 02's Piece), assemble  check, train
@@ -17,57 +16,51 @@ parts, in order:
 
 THE MESH
 world = dp x pp x cp x tp ranks (the mesh sets them: 09 has no --nproc), numbered with tp fastest:
-rank = ((d pp + p) cp + c) tp + t. So a tensor-parallel group's ranks are adjacent (one node, the
-fastest link: TP talks in every layer), then context, pipeline and data parallelism, which talk less.
-Every rank creates every group of every dimension in the same order (dist.new_group is a collective
-over the world) and keeps its own. Expert parallelism needs no ranks of its own: the dp x cp ranks of
-one (pp, tp) position hold different tokens anyway, so an MoE layer may spread its experts over them
-(ep divides dp x cp); each expert is then data-parallel over the other dp x cp / ep ranks.
+rank = ((d pp + p) cp + c) tp + t. So a TP group's ranks are adjacent (one node, the fastest link: TP talks in
+every layer), then cp, pp and dp, which talk less. Every rank creates every group in the same order
+(dist.new_group is a collective over the world) and keeps its own. Expert parallelism needs no ranks of its
+own: the dp x cp ranks of one (pp, tp) position hold different tokens, so an MoE layer may spread experts over
+them (ep divides dp x cp); each expert is data-parallel over the other dp x cp / ep ranks.
 
 ONE MODEL, TRANSFORMED IN ONE ORDER (each step an earlier lesson's own function)
-  01 GPT(cfg) -> 06 convert_to_moe + apply_expert_parallel (--moe, --ep) -> 08 convert_to_float8
-  (--fp8) -> 03 apply_tensor_parallel (+ SP) -> 05 ContextParallelAttention as the attention
-  function (zigzag ring; 07's kernel on a GPU) -> 04 cut_stage (v stages per rank for interleaved
-  1F1B) -> 02 ZeRO stage 0-3 over dp x cp (the experts: over the ranks holding the same ones; under
-  --fp8 --zero 3 the Float8Linear weights: 08's Float8ZeRO, all-gathered in FP8).
-TP rewrites modules and needs the whole model, CP only swaps a function, a stage cut deletes
-modules, ZeRO flattens the parameters as they finally are. EP comes before TP: it slices the
-experts into new parameters, and SP's hook must be registered on those. MoE layers are not split
-over tp: each tp rank runs them on its tokens (its sequence shard with SP).
+  01 GPT(cfg) -> 06 convert_to_moe + apply_expert_parallel (--moe, --ep) -> 08 convert_to_float8 (--fp8) -> 03
+  apply_tensor_parallel (+ SP) -> 05 ContextParallelAttention as attention (zigzag ring; 07's kernel on a GPU)
+  -> 04 cut_stage (v stages a rank: interleaved 1F1B) -> 02 ZeRO 0-3 over dp x cp (experts: over the ranks
+  holding the same ones; --fp8 --zero 3's Float8Linear weights: 08's Float8ZeRO, gathered in FP8).
+TP rewrites modules and needs the whole model, CP only swaps a function, a stage cut deletes modules, ZeRO
+flattens the final parameters. EP comes before TP: it slices the experts into new parameters, and SP's hook
+goes on those. MoE layers are not split over tp: each tp rank runs them on its tokens (with SP, its shard).
 
 GRADIENTS EQUAL ONE DEVICE'S, because each reduction happens exactly once:
-- tp: Megatron's f/g inside the model; with SP every replicated parameter's partial gradient is
-  summed over tp (03's hook). Nothing else reduces over tp.
+- tp: Megatron's f/g inside the model; with SP every replicated parameter's partial gradient is summed over tp
+  (03's hook). Nothing else reduces over tp.
 - pp: each stage owns its parameters; microbatch losses are divided by m (04).
-- dp x cp: every rank's loss is the mean over its own tokens (equal counts) and the ring returns
-  every dK/dV to its owner, so the mean over dp x cp of the ranks' gradients is the batch's: ZeRO's
-  reduce-scatter (or all-reduce) / (dp cp), once per step after the last microbatch (ZeRO.no_sync
-  around the schedule). An expert's gradient arrives summed over the ep group (06's backward
-  all-to-all): / ep, then its own ZeRO / (dp cp / ep).
-- clipping: ||g||^2 sums ZeRO's shards, then the ep (experts), tp and pp ranks; a parameter
-  replicated over tp counts 1/tp on each. Every rank then scales alike.
-MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's
-load depend on which tokens share a forward, which microbatches and sequence chunks change.
+- dp x cp: each rank's loss is the mean over its tokens (equal counts) and the ring returns every dK/dV to its
+  owner, so the dp x cp ranks' mean gradient is the batch's: ZeRO's reduce-scatter (or all-reduce) / (dp cp),
+  once per step after the last microbatch (ZeRO.no_sync around the schedule). An expert's gradient arrives
+  summed over ep (06's backward all-to-all): / ep, then its own ZeRO / (dp cp / ep).
+- clipping: ||g||^2 sums ZeRO's shards, then the ep (experts), tp and pp ranks; a parameter replicated over tp
+  counts 1/tp on each. Every rank then scales alike.
+MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's load depend on
+which tokens share a forward, which microbatches and sequence chunks change.
 
-COST: plan() composes the lessons' own formulas for what each rank holds and sends, building
-nothing: `check` prints them beside each rank's measurements (the tests prove them equal); `plan`
-sets them against a GPU's memory for models and clusters that are not here and prices a step.
-`train` adds 02's checkpoints, a NaN guard, MFU, a sample.
+COST: plan() composes the lessons' formulas for what each rank holds and sends, building nothing: `check`
+prints them beside each rank's measurements (tests prove them equal); `plan` sets them against GPU memory for
+models and clusters not here, and prices a step. `train` adds 02's checkpoints, a NaN guard, MFU, a sample.
 
-THE STEP TIME, from the operations (step_time): each one priced by the lesson that owns it, no MFU
-assumed. GEMMs at their TP-local shapes by 08's roofline (the rate measured on an H100, or the bytes
-at the HBM's bandwidth); attention at 07's measured rate; elementwise work (elementwise_bytes, split as
-03 splits the layer) and the optimizer (02) at the HBM's bandwidth; recompute's forward again.
-Messages go at their link's speed (NVLink inside a node, the NIC across: ranks are numbered tp
-fastest, so inside_node knows which groups stay in one) plus a latency, exposed where nothing hides
-them: TP's all, the ring's hops beyond a block's attention, the gradient reduction beyond the last
-microbatch's backward, ZeRO-1/2's gather after the step, ZeRO-3's beyond the previous layer, the
-pipeline's sends in its fill and drain. The slowest pipeline rank's microbatches / (1 - 04's bubble)
-span the pipeline (pipeline_span). Two bounds frame it: perfect overlap, and none.
+THE STEP TIME, from the operations (step_time): each one priced by the lesson that owns it, no MFU assumed.
+GEMMs at their TP-local shapes by 08's roofline (the rate measured on an H100, or the bytes at the HBM's
+bandwidth); attention at 07's measured rate; elementwise work (elementwise_bytes, split as 03 splits the
+layer) and the optimizer (02) at the HBM's bandwidth; recompute's forward again. Messages go at their link's
+speed (NVLink inside a node, the NIC across: ranks are numbered tp fastest, so inside_node knows which groups
+stay in one) plus a latency, exposed where nothing hides them: TP's all, the ring's hops beyond a block's
+attention, the gradient reduction beyond the last microbatch's backward, ZeRO-1/2's gather after the step,
+ZeRO-3's beyond the previous layer, the pipeline's sends in its fill and drain. The slowest pipeline rank's
+microbatches / (1 - 04's bubble) span the pipeline (pipeline_span). Two bounds frame it: full overlap, none.
 
-THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that validate accepts;
-those that fit in memory, fastest first. The README's planning table checks the predictions against
-published runs (Megatron-Core's H100 table, MosaicML's MPT, Meta's Llama 3 405B): PRESETS.
+THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that validate accepts; those
+that fit in memory, fastest first. The README's planning table checks the predictions against published runs
+(Megatron-Core's H100 table, MosaicML's MPT, Meta's Llama 3 405B): PRESETS.
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
@@ -79,11 +72,10 @@ RUN IT
     python 09_full_train.py plan --model llama3-70b --gpus 256   # the fastest meshes that fit
     python 09_full_train.py plan --model llama3-405b --dp 64 --pp 16 --cp 1 --tp 8 --sequence-parallel \
         --zero 2 --schedule interleaved --virtual 2                # Meta's mesh, per pipeline rank
-Look at: the loss falling from ln 256 = 5.5 and the sample; tokens/s and MFU; with check, the rank
-map, the max |difference| from one device (loss, every gradient reassembled from the shards,
-parameters after the steps) and bytes per mesh dimension beside the formulas; with plan, the
-fullest GPU's bytes beside its memory, which terms of the step are exposed communication and which
-the bubble, and how far apart the two bounds are.
+Look at: the loss falling from ln 256 = 5.5 and the sample; tokens/s and MFU; with check, the rank map, the
+max |difference| from one device (loss, every gradient reassembled from the shards, parameters after the
+steps) and bytes per mesh dimension beside the formulas; with plan, the fullest GPU's bytes beside its memory,
+which terms of the step are exposed communication and which the bubble, and how far apart the two bounds are.
 """
 from __future__ import annotations
 
@@ -121,9 +113,11 @@ flash = importlib.import_module("07_flash_attention")
 fp8 = importlib.import_module("08_fp8")
 
 DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
+STEP_PARTS = ("forward", "backward", "gradient sync", "optimizer")  # record_function names (04, Trainer)
 
 option = foundation.option  # 01's: a dataclass field that is also the option --field-name, its rule beside it
-STEPPING, TRAIN, PLAN = ("check", "train"), ("train",), ("plan",)  # an option's sub-commands (default: all)
+STEPPING, TRAIN = ("check", "train"), ("train",)  # an option's sub-commands (default: all)
+OPTIMIZER = ("lr", "adam_eps", "max_grad_norm", "mixed_precision")  # what 02's ZeRO and 01's reference take
 
 
 # --- The mesh -------------------------------------------------------------------------------------
@@ -177,8 +171,7 @@ GROUP_OPS = {"tp": _ZERO_OPS, "cp": ("send",), "pp": ("send", "all_reduce"), "dp
              "ep": ("all_to_all", "all_gather"), "ep_dp": _ZERO_OPS}  # what each kind of group carries
 
 
-@dataclass
-class Mesh:
+class Mesh(NamedTuple):
     sizes: MeshSizes
     rank: int
     coords: dict[str, int]
@@ -200,12 +193,9 @@ def build_mesh(sizes: MeshSizes) -> Mesh:
 
 def rank_map(sizes: MeshSizes) -> str:
     """One line per rank: its coordinates (and, with ep > 1, which experts' slice it holds)."""
-    rows = []
-    for r in range(sizes.world):
-        at = sizes.coords(r)
-        expert = f" ep={(at['dp'] * sizes.cp + at['cp']) % sizes.ep}" if sizes.ep > 1 else ""
-        rows.append(f"  rank {r:>2}: " + " ".join(f"{d}={i}" for d, i in at.items()) + expert)
-    return "\n".join(rows)
+    ep = lambda at: f" ep={(at['dp'] * sizes.cp + at['cp']) % sizes.ep}" if sizes.ep > 1 else ""  # noqa: E731
+    return "\n".join(f"  rank {r:>2}: " + " ".join(f"{d}={i}" for d, i in at.items()) + ep(at)
+                     for r, at in enumerate(map(sizes.coords, range(sizes.world))))
 
 
 def mesh_name(sizes: MeshSizes) -> str:
@@ -230,10 +220,11 @@ class TrainConfig:
     mixed_precision: bool = option(False, "bf16 compute, fp32 masters", commands=STEPPING, option="--bf16")
     recompute: str = option("none", "activation recompute (03): selective = attention's inside, full = each "
                             "block", choices=tensor_parallel.RECOMPUTE_MODES)
-    attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring); cudnn: SDPA's cuDNN backend (plan only: "
-                            "Transformer Engine's fused attention)", choices=("sdpa", "flash", "cudnn"))
-    compile: bool = option(False, "torch.compile each block: one graph, its elementwise work fused",
-                           off=("--eager", False, "eager blocks: each elementwise operation a kernel of its own"))
+    attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring); cudnn: SDPA's cuDNN backend "
+                            "(plan only: Transformer Engine's fused attention)",
+                            choices=("sdpa", "flash", "cudnn"))
+    compile: bool = option(False, "torch.compile each block: one graph, its elementwise work fused", off=(
+        "--eager", False, "eager blocks: each elementwise operation a kernel of its own"))
 
 
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
@@ -264,8 +255,9 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
         problems.append(f"sequence parallelism splits each rank's seq_len / cp = {train.seq_len} / "
                         f"{cp} tokens over tp={tp}: not divisible")
     if train.recompute == "op" and max(sizes.tp, sizes.cp) > 1:
-        problems.append(f"recompute op reruns a block but its matmuls' and attention's outputs: at tp={sizes.tp}, "
-                        f"cp={sizes.cp} that reruns 03's collectives or 05's ring, whose traffic has no formula")
+        problems.append(f"recompute op reruns a block but its matmuls' and attention's outputs: at "
+                        f"tp={sizes.tp}, cp={sizes.cp} that reruns 03's collectives or 05's ring, whose "
+                        f"traffic has no formula")
     if sizes.ep > 1 and train.moe is None:
         problems.append(f"ep={sizes.ep} needs an MoE model (--moe)")
     if sizes.ep >= 1 and (sizes.dp * sizes.cp) % sizes.ep:
@@ -285,12 +277,10 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
 # --- Where each held parameter comes from: the contract for reassembly and checkpoints ------------
 def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim: int | None = None,
                tp_start: int = 0, tp_length: int = 0, ep_start: int | None = None) -> zero.Piece:
-    """The elements of the reference parameter `name` (global `shape`) that one rank's tensor of shape
-    `local` holds, as lesson 02's piece: its TP slice (tp_length real elements from tp_start along
-    tp_dim, padded to local's length) and, an expert tensor, the experts from ep_start (dim 0). A row
-    of the local tensor from the split dimension on is contiguous in the global tensor, so a piece is
-    at most one run of consecutive global indices per row: planning a read costs rows, where each
-    element's index would cost every element."""
+    """The elements of reference parameter `name` (global `shape`) that a rank's tensor of shape `local`
+    holds, as 02's Piece: its TP slice (tp_length real elements from tp_start along tp_dim, padded to
+    local's length) and, an expert tensor, the experts from ep_start (dim 0). A local row from the split
+    dimension on is one run of consecutive global indices: planning a read costs rows, not elements."""
     dim = tp_dim if tp_dim is not None else (0 if ep_start is not None else None)
     if dim is None:  # held whole (replicated over tp, not an expert): one run
         return zero.Piece.whole(name, shape)
@@ -306,14 +296,12 @@ def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim
                         torch.full_like(first, real * inner)], 1)
     # a run that goes on where the one before ended (tp = 1: whole rows) joins it
     starts = torch.cat([torch.tensor([True]), (runs[1:, :2] != runs[:-1, :2] + runs[:-1, 2:]).any(1)])
-    lengths = torch.zeros(int(starts.sum()), dtype=runs.dtype).index_add_(0, starts.cumsum(0) - 1,
-                                                                          runs[:, 2])
+    lengths = torch.zeros(int(starts.sum()), dtype=runs.dtype).index_add_(0, starts.cumsum(0) - 1, runs[:, 2])
     return zero.Piece(name, shape, torch.cat([runs[starts, :2], lengths[:, None]], 1), math.prod(local))
 
 
 def assemble(pieces: list[tuple["zero.Piece", torch.Tensor]]) -> dict:
-    """Whole parameters (or gradients, moments) by reference name from every rank's (piece, values);
-    an element no piece holds stays NaN."""
+    """Whole tensors (parameters, gradients, moments) by name from the ranks' (piece, values); unheld: NaN."""
     full = {}
     for piece, values in pieces:
         flat = full.setdefault(piece.name, torch.full(piece.shape, math.nan)).view(-1)
@@ -371,17 +359,14 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
     return model
 
 
-class StageZeRO(NamedTuple):
-    """One ZeRO optimizer of a stage: over dp x cp ("dp_cp"), or over the ranks that hold the same
-    experts ("ep_dp"); zero is lesson 02's ZeRO, or 08's Float8ZeRO for FP8 weights under ZeRO-3."""
-    kind: str  # the group kind it reduces over
-    zero: "zero.ZeRO"
+class StageZeRO(NamedTuple):  # a stage's ZeRO over dp x cp, or over the ranks holding the same experts
+    kind: str  # the group kind it reduces over: "dp_cp" or "ep_dp"
+    zero: "zero.ZeRO"  # 02's ZeRO, or 08's Float8ZeRO for FP8 weights under ZeRO-3
 
 
 class Trainer:
-    """One rank's part of the 4D-parallel training step: its pipeline stages, each TP- and
-    CP-parallel, each with a ZeRO optimizer over dp x cp. The slices it holds: shard_values(trainer)
-    (Checkpoints); what it measured beside the plan: summary(trainer) (The plan).
+    """One rank's part of the 4D-parallel training step: its pipeline stages, each TP- and CP-parallel, each
+    with a ZeRO over dp x cp. Its slices: shard_values(trainer); its measurements beside the plan: summary.
 
         trainer = Trainer(cfg, mesh, train, device)
         loss = trainer.forward_backward(rows)  # this dp rank's rows, (global_batch / dp, seq_len + 1)
@@ -403,38 +388,31 @@ class Trainer:
             self.stages[stage] = model
         # Experts get their own ZeRO over the ranks holding the same ones; their gradients arrive
         # summed over ep (06's all-to-all): / ep here.
-        settings = dict(lr=train.lr, adam_eps=train.adam_eps, max_grad_norm=train.max_grad_norm,
-                        mixed_precision=train.mixed_precision)
+        settings = {k: getattr(train, k) for k in OPTIMIZER}
         self.zeros: list[StageZeRO] = []
         for stage, model in self.stages.items():
             experts = ({p for layer in expert_parallel.moe_layers(model) for p in layer.expert_parameters()}
                        if sizes.ep > 1 else set())
             for p in experts:
                 p.register_hook(lambda grad: grad / sizes.ep)
-            float8_zero = train.fp8 and train.zero_stage == 3
-            fp8_weights = set(fp8.float8_weights(model) if float8_zero else ())
+            fp8_weights = set(fp8.float8_weights(model) if train.fp8 and train.zero_stage == 3 else ())
             dense = (lambda p, e=experts | fp8_weights: p not in e) if experts or fp8_weights else None
-            self.zeros.append(StageZeRO("dp_cp", zero.ZeRO(model, train.zero_stage, mesh.groups["dp_cp"],
-                                                           **settings, owns=dense)))
-            if experts:
-                self.zeros.append(StageZeRO("ep_dp", zero.ZeRO(model, train.zero_stage, mesh.groups["ep_dp"],
-                                                               **settings, owns=lambda p, e=experts: p in e)))
+            for kind, owns in [("dp_cp", dense)] + [("ep_dp", lambda p, e=experts: p in e)] * bool(experts):
+                self.zeros.append(StageZeRO(kind, zero.ZeRO(model, train.zero_stage, mesh.groups[kind],
+                                                            **settings, owns=owns)))
             if fp8_weights:
                 self.zeros.append(StageZeRO("dp_cp", fp8.Float8ZeRO(model, mesh.groups["dp_cp"], **settings)))
-        rows = train.global_batch // sizes.dp // train.microbatches
-        seq = train.seq_len // sizes.cp // (sizes.tp if train.sequence_parallel else 1)
-        self.boundary_shape = (rows, seq, cfg.dim)
+        self.boundary_shape = (train.global_batch // sizes.dp // train.microbatches, train.seq_len // sizes.cp
+                               // (sizes.tp if train.sequence_parallel else 1), cfg.dim)  # a pipeline send's
         self.meter = foundation.CommMeter()  # every step's communication, accumulated
         self.steps = self.in_flight = 0  # in_flight: the most microbatch-stage pairs held at once (04)
 
     def forward_backward(self, rows: torch.Tensor) -> float:
-        """Forward and backward of the schedule on this rank's rows, gradients averaged over
-        dp x cp; returns the global batch's mean loss (on every rank)."""
+        """The schedule's forward and backward, gradients averaged over dp x cp; the batch's mean loss."""
         sizes, at = self.mesh.sizes, self.mesh.coords
-        if rows.shape != (self.train.global_batch // sizes.dp, self.train.seq_len + 1):
+        if rows.shape != (expected := (self.train.global_batch // sizes.dp, self.train.seq_len + 1)):
             raise ValueError(f"rows of shape {tuple(rows.shape)}: this dp rank expects "
-                             f"(global_batch / dp, seq_len + 1) = ({self.train.global_batch // sizes.dp}, "
-                             f"{self.train.seq_len + 1})")
+                             f"(global_batch / dp, seq_len + 1) = {expected}")
         if rows.numel() and (rows.min() < 0 or rows.max() >= self.cfg.vocab_size):  # on the CPU: no GPU wait
             raise ValueError(f"token and target ids must lie in [0, {self.cfg.vocab_size})")
         tokens, targets = (self.layout.shard(t, at["cp"], dim=1).to(self.device)
@@ -459,11 +437,9 @@ class Trainer:
         return loss.item() / (sizes.dp * sizes.cp)
 
     def update(self) -> torch.Tensor:
-        """Clip by the norm over the whole mesh, AdamW on every shard; returns the norm, on the device:
-        reading it (.item()) would make the CPU wait for the GPU, which could not then run this update
-        while the CPU prepares the next step."""
+        """Clip by the norm over the whole mesh, AdamW on every shard; returns the norm on the device: its
+        .item() would make the CPU wait for the GPU, which then idles while the CPU prepares the next step."""
         sizes = self.mesh.sizes
-
         share = lambda p: 1.0 if hasattr(p, "tp_shard_dim") else 1 / sizes.tp  # noqa: E731 (tp copies: 1/tp)
         with foundation.comm_meter() as meter, torch.profiler.record_function("optimizer"):
             squares = {kind: sum(p.zero.grad_squares(share) for p in self.zeros if p.kind == kind)
@@ -492,8 +468,7 @@ class UnitSizes(NamedTuple):
 
 
 def local_shapes(cfg, tp: int, moe, ep: int) -> dict[str, tuple[int, ...]]:
-    """Each parameter of a one-layer model ("embed", "layers.0. ...", "norm", "lm_head") as one rank
-    holds it: 01's shapes, 06's experts in place of the MLP, 03's tp slice; nothing built."""
+    """A one-layer model's parameters as a rank holds them: 01's shapes, 06's experts, 03's tp slice."""
     shapes = foundation.parameter_shapes(dataclasses.replace(cfg, n_layers=1, tie_embeddings=False))
     if moe is not None:
         shapes = {name: shape for name, shape in shapes.items() if ".mlp." not in name}
@@ -504,25 +479,21 @@ def local_shapes(cfg, tp: int, moe, ep: int) -> dict[str, tuple[int, ...]]:
 
 
 def unit_sizes(cfg, tp: int, moe, ep: int, fp8_gathers: bool = False) -> dict[str, UnitSizes]:
-    """UnitSizes of each kind of ZeRO unit ("embed", "layers", "norm", "lm_head"). fp8_gathers: --fp8
-    --zero 3, whose Float8Linear weights (a layer's 2-D weights: 08 converts every linear but the LM
-    head) have a ZeRO of their own."""
+    """UnitSizes of each kind of ZeRO unit ("embed", "layers", "norm", "lm_head"). fp8_gathers (--fp8
+    --zero 3): a layer's 2-D weights (08 converts every linear but the LM head) have a ZeRO of their own."""
     out: dict[str, UnitSizes] = {}
     for name, shape in local_shapes(cfg, tp, moe, ep).items():
         expert = ep > 1 and name.rpartition(".")[2] in expert_parallel.MoE.expert_names
         float8 = fp8_gathers and name.startswith("layers.") and len(shape) == 2
-        numel = math.prod(shape)
-        unit = out.get(name.split(".")[0], UnitSizes())
-        out[name.split(".")[0]] = UnitSizes(unit.dense + numel * (not expert and not float8),
-                                            unit.experts + numel * expert, unit.float8 + numel * float8,
-                                            unit.float8_weights + float8)
+        numel, unit = math.prod(shape), out.get(name.split(".")[0], UnitSizes())
+        out[name.split(".")[0]] = UnitSizes(*(held + more for held, more in zip(unit, (
+            numel * (not expert and not float8), numel * expert, numel * float8, float8))))
     return out
 
 
 @dataclass
 class RankPlan:
-    """What each rank at one pipeline coordinate holds and sends per step (its dp, cp, tp and ep
-    peers hold slices of the same sizes)."""
+    """What a rank at one pipeline coordinate holds and sends per step (its dp, cp, tp and ep peers alike)."""
     stages: list[int]
     layers: int
     params: int  # elements of its stages' TP-local parameters (before ZeRO)
@@ -539,11 +510,10 @@ class RankPlan:
 def tp_messages(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: bool, head: bool) -> list:
     """03's collectives in a step of a pipeline rank's stages as (calls, bytes a rank sends): a ring
     all-reduce sends 2 (tp - 1) / tp of its payload, an all-gather or reduce-scatter half that."""
-    ops = tensor_parallel.comm_formula(cfg, train.global_batch // sizes.dp, train.seq_len // sizes.cp,
-                                       train.sequence_parallel, layers=layers, embed=embed, head=head,
-                                       microbatches=train.microbatches, mlp=train.moe is None,
-                                       elem_bytes=2 if train.mixed_precision else 4,
-                                       recompute=train.recompute)
+    ops = tensor_parallel.comm_formula(
+        cfg, train.global_batch // sizes.dp, train.seq_len // sizes.cp, train.sequence_parallel,
+        layers=layers, embed=embed, head=head, microbatches=train.microbatches, mlp=train.moe is None,
+        elem_bytes=2 if train.mixed_precision else 4, recompute=train.recompute)
     ring = Fraction(sizes.tp - 1, sizes.tp)
     return [(calls, ring * payload * (2 if op == "all_reduce" else 1))
             for op, (calls, payload) in ops.items()]
@@ -565,10 +535,10 @@ def mlp_backward_bytes(tokens: int, dim: int, ffn_dim: int, elem_bytes: int) -> 
 
 
 def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
-    """Every pipeline rank's RankPlan from the earlier lessons' own formulas (COST); call validate
-    first. FP8 is priced at its compute precision, but for --zero 3's Float8Linear weights (08's
-    Float8ZeRO: 1 B gathers, e4m3 shards and scales held); the FP8 casts Float8Linear saves for
-    backward are not modelled; MoE activations and ep's all-to-alls depend on the routing: None."""
+    """Every pipeline rank's RankPlan by the earlier lessons' formulas (COST); call validate first. FP8 is
+    priced at its compute precision but for --zero 3's Float8Linear weights (08's Float8ZeRO: 1 B gathers,
+    e4m3 shards and scales held); its saved casts are not modelled; MoE activations and ep's all-to-alls
+    depend on the routing: None."""
     e = 2 if train.mixed_precision else 4  # bytes of a compute parameter, gradient, activation
     tp, cp, pp, m = sizes.tp, sizes.cp, sizes.pp, train.microbatches
     b, s, n_stages = train.global_batch // sizes.dp, train.seq_len // cp, pp * train.virtual
@@ -660,8 +630,7 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
 
 
 def summary(trainer: Trainer) -> dict:
-    """What the trainer measured beside its plan: parameters held, bytes held against 02's formula,
-    bytes sent per step in each group against the lessons' formulas; the plan of its rank."""
+    """The trainer's measurements (parameters and bytes held, bytes sent per group and step) and its plan."""
     mesh, zeros = trainer.mesh, [part.zero for part in trainer.zeros]
     mine = plan(trainer.cfg, mesh.sizes, trainer.train)[mesh.coords["pp"]]
     held = {k: sum(z.held_bytes()[k] for z in zeros) for k in ("params", "grads", "optimizer")}
@@ -672,12 +641,10 @@ def summary(trainer: Trainer) -> dict:
         if kind == "dp" or kind.startswith("ep") and mesh.sizes.ep == 1 or foundation.group_size(group) == 1:
             continue  # dp alone carries nothing (ZeRO: dp x cp); ep = 1: dp x cp's ranks again
         ranks, ops = foundation.group_ranks(group), set(GROUP_OPS[kind])
-        shared = [e for e in entries if e[1] == ranks and e[2] & ops]
-        if shared:
-            shared[0][0].append(kind)
-            shared[0][2].update(ops)
-        else:
-            entries.append(([kind], ranks, ops))
+        if (shared := next((e for e in entries if e[1] == ranks and e[2] & ops), None)) is None:
+            entries.append(shared := ([], ranks, set()))
+        shared[0].append(kind)
+        shared[2].update(ops)
     traffic, traffic_formula = {}, {}
     for names, ranks, ops in entries:
         traffic["+".join(names)] = sum(trainer.meter.traffic(op, ranks) for op in ops) / max(trainer.steps, 1)
@@ -691,18 +658,15 @@ def summary(trainer: Trainer) -> dict:
 
 
 # --- Data (bytes are tokens, windows of seq_len + 1 in a seeded order per epoch), learning rate, MFU
-DEFAULT_CORPUS_BYTES = 2 << 20  # enough text for a CPU run; a fixed cap keeps it quick and fixed
-
-
-def read_tokens(path: str | os.PathLike | None, max_bytes: int = DEFAULT_CORPUS_BYTES) -> torch.Tensor:
-    """The bytes of `path` as uint8 tokens; with no path, the standard library's top-level .py
-    files in sorted order (every Python install has them, so no download), up to max_bytes."""
+def read_tokens(path: str | os.PathLike | None, max_bytes: int = 2 << 20) -> torch.Tensor:
+    """The bytes of `path` as uint8 tokens; with no path, the standard library's top-level .py files in
+    sorted order (in every Python install: no download), up to max_bytes (a fixed cap, enough for a CPU)."""
     if path is None:
         sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
         data = b"".join(source.read_bytes() for source in sources)[:max_bytes]
     elif not Path(path).is_file():
-        problem = "a directory, not a file" if Path(path).is_dir() else "no such file"
-        raise ValueError(f"--data {path}: {problem}")
+        raise ValueError(f"--data {path}: " + ("a directory, not a file" if Path(path).is_dir() else
+                                               "no such file"))
     else:
         data = Path(path).read_bytes()
     if not data:
@@ -713,8 +677,7 @@ def read_tokens(path: str | os.PathLike | None, max_bytes: int = DEFAULT_CORPUS_
 
 def split_tokens(tokens: torch.Tensor, seq_len: int, global_batch: int,
                  val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, validation): the last val_fraction of the text validates. Each part must hold one
-    global batch of windows of seq_len + 1 tokens (neighbouring windows share one token)."""
+    """(train, validation): the text's last val_fraction validates; each must hold one global batch."""
     need, n_val = global_batch * seq_len + 1, int(len(tokens) * val_fraction)
     if min(n_val, len(tokens) - n_val) < need:
         raise ValueError(f"the text is too short: {len(tokens) - n_val:,} training and {n_val:,} "
@@ -724,11 +687,10 @@ def split_tokens(tokens: torch.Tensor, seq_len: int, global_batch: int,
 
 
 class ShardedLoader:
-    """Window i = tokens[i s : i s + s + 1]. Each epoch visits the windows in a permutation seeded
-    by (seed, epoch), one global batch of B windows at a time; data-parallel rank r of d takes rows
-    [r B/d, (r+1) B/d). The windows that do not fill a last batch wait for the next epoch's
-    permutation. The state counts global batches, not rank rows, so a run can resume on another d.
-    Context-parallel ranks of one data-parallel rank get the same rows (the Trainer slices them)."""
+    """Window i = tokens[i s : i s + s + 1]. Each epoch visits the windows in a permutation seeded by (seed,
+    epoch), one global batch of B windows at a time; data-parallel rank r of d takes rows [r B/d, (r+1) B/d).
+    Windows that do not fill a last batch wait for the next epoch's permutation. The state counts global
+    batches, not rows, so a run can resume on another d. cp ranks share their dp rank's rows (Trainer)."""
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0) -> None:
@@ -770,8 +732,7 @@ class ShardedLoader:
 
 
 def learning_rate(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float) -> float:
-    """Linear warmup to max_lr over warmup_steps (step 0 already trains at max_lr / warmup), then
-    a half cosine down to min_lr at total_steps, and min_lr after."""
+    """Linear warmup (step 0: max_lr / warmup), then a half cosine to min_lr at total_steps; min_lr after."""
     if step < warmup_steps:
         return max_lr * (step + 1) / warmup_steps
     if step >= total_steps:
@@ -803,8 +764,7 @@ def flops_per_token(cfg, seq_len: int) -> int:
 
 
 def text_prompt(tokens: torch.Tensor, max_bytes: int = 100) -> bytes:
-    """Whole lines of the text from its second line on, at most max_bytes (or the first max_bytes of
-    one longer line): a prompt like the text the model learnt, here Python code."""
+    """Whole lines of the text from its second, at most max_bytes (or one longer line's start): like it."""
     text = bytes(tokens[:4 * max_bytes].tolist())
     start = text.find(b"\n") + 1
     end = text.rfind(b"\n", start, start + max_bytes) + 1
@@ -814,11 +774,10 @@ def text_prompt(tokens: torch.Tensor, max_bytes: int = 100) -> bytes:
 @torch.no_grad()
 def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: int = 20,
            seed: int = 0) -> bytes:
-    """n_new bytes continuing prompt (a byte-level lesson-01 GPT on one device), each drawn from the
-    top_k likeliest next bytes with probabilities softmax(logits / temperature), seeded: the same
-    sample every run. Greedy decoding (top_k = 1) locks a small model into a loop ("self.______": a
-    frequent byte, once emitted, makes itself likelier still); a less likely byte now and then breaks
-    it, and T < 1 with the top-k cut keeps off the improbable tail. The whole text is re-read each step."""
+    """n_new bytes continuing prompt (a byte-level 01 GPT, one device), each drawn from the top_k likeliest
+    by softmax(logits / temperature), seeded (the same each run). Greedy decoding (top_k = 1) locks a small
+    model into a loop ("self.______": a frequent byte, once emitted, makes itself likelier still); a less
+    likely byte now and then breaks it, and T < 1 with the top-k cut keeps off the improbable tail."""
     if not prompt or model.cfg.vocab_size != 256 or not temperature > 0 or top_k < 1 or n_new < 0:
         raise ValueError(f"sample needs a non-empty prompt, a byte-level model (vocab_size 256, not "
                          f"{model.cfg.vocab_size}), temperature > 0 (not {temperature}), top_k >= 1 "
@@ -828,7 +787,7 @@ def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8
     tokens = torch.tensor(list(prompt), device=device)[None]
     was_training = model.training
     model.eval()
-    for _ in range(n_new):
+    for _ in range(n_new):  # each step re-reads the whole text (no cache)
         likely, index = (model(tokens)[:, -1].float() / temperature).topk(min(top_k, 256))
         drawn = torch.multinomial(likely.softmax(-1), 1, generator=generator)
         tokens = torch.cat([tokens, index.gather(-1, drawn)], dim=1)
@@ -838,8 +797,7 @@ def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8
 
 # --- Checkpoints: a Trainer's pieces in lesson 02's protocol (each element once, a resume reads its slices)
 def piece_of(trainer: Trainer, kind: str) -> "zero.PieceOf":
-    """Lesson 02's piece_of for the trainer's ZeROs of this kind: a parameter of a unit as this rank
-    holds it, its TP slice (03's tp_shard_dim) and, in the experts' ZeRO ("ep_dp"), its ep rank's experts."""
+    """02's piece_of for the trainer's ZeROs of this kind: held_piece of a unit's parameter on this rank."""
     tp_rank, ep = trainer.mesh.coords["tp"], trainer.mesh.sizes.ep if kind == "ep_dp" else 1
     ep_rank = dist.get_rank(trainer.mesh.groups["ep"])
 
@@ -856,8 +814,7 @@ def piece_of(trainer: Trainer, kind: str) -> "zero.PieceOf":
 
 
 def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[zero.Piece, torch.Tensor]]:
-    """(piece, CPU values) of the trainer's shards: "params" (fp32 masters), an AdamW moment, or
-    "grads" (averaged, before clipping: between forward_backward and update)."""
+    """(piece, CPU values) of the shards' "params" (fp32), an AdamW moment, "grads" (averaged, unclipped)."""
     out = []
     for part in trainer.zeros:
         for unit in part.zero.units:
@@ -868,8 +825,7 @@ def shard_values(trainer: Trainer, kind: str = "params") -> list[tuple[zero.Piec
 
 
 def checkpoint_pieces(trainer: Trainer) -> list[tuple[zero.Piece, dict[str, torch.Tensor]]]:
-    """The pieces this rank writes, so that each element is written once across the mesh: 02's rule
-    for each ZeRO (zero_pieces), and a parameter replicated over tp by tp rank 0 alone."""
+    """Pieces this rank writes (each element once in the mesh): 02's zero_pieces; tp copies by tp rank 0."""
     first_tp = trainer.mesh.coords["tp"] == 0
     return [pair for part in trainer.zeros for pair in zero.zero_pieces(
         part.zero, piece_of(trainer, part.kind), lambda p: hasattr(p, "tp_shard_dim") or first_tp)]
@@ -925,28 +881,11 @@ class RunConfig:
     top_k: int = option(20, "the sample draws from the top_k likeliest bytes (1: greedy)", ">= 1", TRAIN)
 
 
-@torch.no_grad()
-def resume(trainer: Trainer, loader: ShardedLoader, run: RunConfig) -> tuple[Path, dict, int]:
-    """Restore the parameters and AdamW (02's load_checkpoint: from any mesh or ZeRO stage, each rank
-    reading its slices), the data position and this rank's RNG (no dropout here draws from it: restored
-    for a model that does); return the checkpoint's folder, its metadata and the bytes this rank read."""
-    target, meta, reader = zero.load_checkpoint(
-        run.folder, trainer.cfg, [(part.zero, piece_of(trainer, part.kind)) for part in trainer.zeros],
-        run.resume_step, resume_command)
-    trainer.steps = meta["step"]
-    loader.load_state_dict(meta["loader"])
-    if (rank := trainer.mesh.rank) < meta["world"]:
-        torch.set_rng_state(reader.rng[rank]["cpu"])
-        if trainer.device.type == "cuda" and "cuda" in reader.rng[rank]:
-            torch.cuda.set_rng_state(reader.rng[rank]["cuda"], trainer.device)
-    return target, meta, reader.bytes_read
-
-
 def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor, run: RunConfig,
                progress=None) -> dict:
-    """Steps from the resumed one (or 0) to run.steps: the learning-rate schedule, the NaN guard (a
-    loss that is not finite stops before the update, a gradient norm before any later save or
-    validation), validation and checkpoints (never a non-finite one). Returns its figures, `out`."""
+    """Steps from 0 or the checkpoint (run.resume) to run.steps: the learning rate, the NaN guard (a loss
+    that is not finite stops before the update, a gradient norm before any later save or validation),
+    validation and checkpoints (never a non-finite one). Returns its figures, `out`."""
     train, rank, sizes = trainer.train, trainer.mesh.rank, trainer.mesh.sizes
     out = dict(losses={}, times={}, val={}, activation_bytes=None, read=None, saved=None)
     start, kept = 0, []  # kept: this run's checkpoints, a resumed one included
@@ -961,9 +900,17 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
                 part.zero.zero_grad()
         return sum(losses) / run.eval_batches
 
-    if run.resume:
-        target, meta, out["read"] = resume(trainer, loader, run)
-        start = meta["step"]
+    if run.resume:  # the parameters and AdamW (02's load_checkpoint: from any mesh or ZeRO stage, each
+        target, meta, reader = zero.load_checkpoint(  # rank reading its slices), the data position, the RNG
+            run.folder, trainer.cfg, [(part.zero, piece_of(trainer, part.kind)) for part in trainer.zeros],
+            run.resume_step, resume_command)
+        trainer.steps = start = meta["step"]
+        loader.load_state_dict(meta["loader"])
+        if rank < meta["world"]:  # no dropout here draws from the RNG: restored for a model that does
+            torch.set_rng_state(reader.rng[rank]["cpu"])
+            if trainer.device.type == "cuda" and "cuda" in reader.rng[rank]:
+                torch.cuda.set_rng_state(reader.rng[rank]["cuda"], trainer.device)
+        out["read"] = reader.bytes_read
         kept.append(start)
         elements = sum(piece.elements() for piece, _ in shard_values(trainer))
         report = foundation.all_ranks((out["read"], 4 * len(zero.CHECKPOINT_KINDS) * elements))
@@ -1057,13 +1004,12 @@ def resumed_validation(meta: dict, again: float, sizes: MeshSizes) -> str:
             f"at first, then drift: it ends near, not on, that run's loss)")
 
 
-# ===========================================================================================================
-# RUN IT: the two programs that run on ranks (train, check) and what they print
+# ====== RUN IT: the two programs that run on ranks (train, check) and what they print =======================
 def train_run(args: argparse.Namespace) -> None:
     """The default job: train on text, print progress, checkpoints, the figures, a sample."""
     device = foundation.init_distributed()
     cfg = dataclasses.replace(build_model_config(args), seed=args.seed)
-    sizes, train, run = mesh_sizes(args), train_config(args, device), run_config(args)
+    sizes, train, run = options_of(MeshSizes, args), train_config(args, device), run_config(args)
     try:  # rank 0 holds the folder's lock until lock.close()
         lock = zero.claim_folder(run.folder) if run.folder is not None else None
     except zero.CheckpointError as error:
@@ -1132,8 +1078,7 @@ def loss_curve(train: dict[int, float], val: dict[int, float], width: int = 64, 
     """The losses drawn in text, step across and loss up: '.' training (each column's mean over its
     steps), 'o' validation (recorded after `step` steps, so drawn at step - 1)."""
     first, last = min(train), max(train)
-    values = [*train.values(), *val.values()]
-    lo, hi = min(values), max(values)
+    lo, hi = min(values := [*train.values(), *val.values()]), max(values)
     column = lambda step: min(width - 1, (step - first) * width // (last - first + 1))  # noqa: E731
     row = lambda loss: round((hi - loss) / ((hi - lo) or 1) * (height - 1))  # noqa: E731
     grid, columns = [[" "] * width for _ in range(height)], {}
@@ -1149,14 +1094,10 @@ def loss_curve(train: dict[int, float], val: dict[int, float], width: int = 64, 
                       f"{'':>8}{f'step {first}':<{width // 2}}{f'step {last}':>{width - width // 2}}"])
 
 
-STEP_PARTS = ("forward", "backward", "gradient sync", "optimizer")  # record_function names: 04, Trainer
-
-
 def step_profile(trace: dict, steps: int, step_s: float, top: int = 8) -> str:
-    """Where a profiled step goes, read off the profiler's Chrome trace: each part's time (on a GPU, the
-    kernels launched inside its range, from any thread: autograd runs backward on a thread of its own;
-    on a CPU, the range itself), the kernels (CPU: operators) that take most and, on a GPU, how long it
-    sat idle in the steps: waiting for the CPU to launch work, or for a .item()."""
+    """Where a profiled step goes, from the profiler's Chrome trace: each part's time (GPU: the kernels
+    launched inside its range from any thread, as autograd runs backward on its own; CPU: the range), the
+    kernels (CPU: operators) that take most, and how long a GPU sat idle waiting for launches or a .item()."""
     events = trace["traceEvents"]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     parts = [e for e in events if e.get("cat") == "user_annotation" and e["name"] in STEP_PARTS]
@@ -1239,8 +1180,7 @@ def dp_rows(cfg, train: TrainConfig, step: int, mesh: Mesh) -> torch.Tensor:
 
 
 def check_steps(cfg, mesh: Mesh, train: TrainConfig, steps: int, device: torch.device) -> tuple:
-    """check's training on this rank of mesh: (losses, step-0 gradients and last parameters as
-    (piece, values) pairs, the Trainer)."""
+    """check's run here: (losses, step-0 gradients and last parameters as (piece, values) pairs, Trainer)."""
     trainer, losses = Trainer(cfg, mesh, train, device), []
     for step in range(steps):
         losses.append(trainer.forward_backward(dp_rows(cfg, train, step, mesh)))
@@ -1252,7 +1192,7 @@ def check_steps(cfg, mesh: Mesh, train: TrainConfig, steps: int, device: torch.d
 
 def demo(args: argparse.Namespace) -> None:
     device = foundation.init_distributed()
-    sizes, cfg, train = mesh_sizes(args), build_model_config(args), train_config(args)
+    sizes, cfg, train = options_of(MeshSizes, args), build_model_config(args), train_config(args)
     losses, grads, params, trainer = check_steps(cfg, build_mesh(sizes), train, args.steps, device)
     one = build_mesh(MeshSizes()) if train.fp8 else None  # rank 0 alone (every rank makes its groups)
     ranks = foundation.all_ranks((grads, params, summary(trainer)), dst=0)  # on rank 0
@@ -1264,11 +1204,8 @@ def demo(args: argparse.Namespace) -> None:
             ref_losses, ref_grads, ref_params, _ = check_steps(cfg, one, alone, args.steps, device)
             ref = foundation.TrainResult(ref_losses, assemble(ref_grads), assemble(ref_params))
         else:
-            ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len,
-                                                 lr=train.lr, adam_eps=train.adam_eps,
-                                                 max_grad_norm=train.max_grad_norm,
-                                                 mixed_precision=train.mixed_precision,
-                                                 transform=reference_transform(train))
+            ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len, **{
+                k: getattr(train, k) for k in OPTIMIZER}, transform=reference_transform(train))
         moe = train.moe and f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; "
         print(f"4D parallelism: {mesh_name(sizes)} on {sizes.world} ranks ({dist.get_backend()}, "
               f"{device.type}); ZeRO-{train.zero_stage}, {train.schedule} with {train.microbatches} "
@@ -1278,8 +1215,7 @@ def demo(args: argparse.Namespace) -> None:
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
         print(f"{'step':<6}{'4D loss':>12}{'one device':>12}\n" + "\n".join(
             f"{step:<6}{a:>12.6f}{b:>12.6f}" for step, (a, b) in enumerate(zip(losses, ref.losses))))
-        grads_full = assemble([pair for g, _, _ in ranks for pair in g])
-        params_full = assemble([pair for _, q, _ in ranks for pair in q])
+        grads_full, params_full = (assemble([pair for rank in ranks for pair in rank[i]]) for i in (0, 1))
         one_device = (f"one device's FP8 run on the same {microbatches} microbatches (AdamW, clipping"
                       if train.fp8 else "one device (AdamW + clip_grad_norm_")
         print(f"max |difference| from {one_device} at {train.max_grad_norm}): loss "
@@ -1298,10 +1234,9 @@ def demo(args: argparse.Namespace) -> None:
               "(fp32):")
         for rank, (_, _, s) in enumerate(ranks):
             memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
-            traffic = "  ".join(
-                f"{k} {float(v):,.0f}|" + ("n/a" if (f := s["traffic_formula"][k]) is None
-                                           else f"{float(f):,.0f}" + ("" if v == f else " (!=)"))
-                for k, v in s["traffic"].items())
+            formula = lambda f, v: "n/a" if f is None else f"{float(f):,.0f}" + ("" if v == f else " (!=)")
+            traffic = "  ".join(f"{k} {float(v):,.0f}|{formula(s['traffic_formula'][k], v)}"
+                                for k, v in s["traffic"].items())
             coords = ",".join(str(i) for i in sizes.coords(rank).values())
             print(f"  rank {rank:>2} ({coords}) {s['params']:>7,} params, ZeRO shard {s['shard']:>7,} | "
                   f"{memory} | {traffic}")
@@ -1310,9 +1245,7 @@ def demo(args: argparse.Namespace) -> None:
     foundation.exit_distributed()
 
 
-# ===========================================================================================================
-# PLANNING AT SCALE (plan): a model and a cluster that are not here, priced from the lessons' own
-# formulas and measurements, nothing built
+# ====== PLANNING AT SCALE (plan): a model and a cluster not here, priced by the lessons' formulas and rates =
 # 09's presets and published models (Meta's Llama 3 and Llama 2 7B): (model, seq_len, global_batch, lr). Peak
 # lr from the Llama 3 paper; batches of 4M, 8M and 16M tokens (405B: Meta's last). Any other Llama-shaped
 # model: its Hugging Face config.json (--model FILE.json), or sizes (--dim --layers --heads ...).
@@ -1323,7 +1256,6 @@ PRESETS = MODELS | {
     "llama3-70b": (dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **LLAMA3), 8192, 1024, 1.5e-4),
     "llama3-405b": (dict(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248, **LLAMA3), 8192, 2048, 8e-5),
 }
-FILE_RUN = PRESETS["llama3-8b"][1:]  # a config.json has no run: Llama 3 8B's (8,192 tokens x 512, lr 3e-4)
 
 
 # --- A cluster, and a step's time on it ------------------------------------------------------------
@@ -1349,46 +1281,41 @@ GPUS = {  # A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): 40 (HBM
     "h100-96gb": (95, 989, 1979, 2.4, 450, 50, 700, 500),
 }
 GPU_FIELDS = ("gpu_memory", "peak_tflops", "fp8_tflops", "hbm_tbps", "nvlink_gbps", "network_gbps", "tdp", "power_limit")
-H100_FP8 = 1979.0  # 08's FP8 rates were measured on an H100 SXM, whose dense FP8 peak this is
+PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble")  # step_time's, as printed
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """The machines: a --gpu preset, each rate overridable (the defaults: h100-sxm's). A GEMM or attention
-    runs at the course's H100 rate (08's and 07's tables) x this GPU's dense peak / the H100's (bf16 989,
-    FP8 1,979), x power_limit / tdp where a limit holds the clocks below the TDP (the rates were measured at
-    700 W: a compute-bound kernel's clock, so its rate, falls with the power it may draw); what is bound by
-    memory (a thin GEMM, elementwise work, the optimizer) at hbm_tbps. No lent GPU has measured 07's or 08's
-    rates on another GPU: each preset's rates are the H100's, scaled so."""
-    # Each rate and size within about 1000x of an H100 node's, either way: beyond any chip or cluster of
-    # today, and a typo outside (0, 1e-300, inf, 1e308 priced a step at 0 s, then divided by it, or at
-    # 300 digits); NaN breaks every rule. --gpus at most a million: the search tries each divisor.
-    gpus: int | None = option(None, "GPUs (default: the product of the mesh sizes)", (">= 1", "<= 1e6"), PLAN,
-                              type=int)
-    gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", (">= 1", "<= 1e4"), PLAN)
-    gpu: str = option("h100-sxm", "the GPU: its memory, peaks, bandwidths, power (each option below overrides)",
-                      commands=PLAN, choices=GPUS)
-    gpu_memory: float = option(80.0, "GiB per GPU", (">= 1", "<= 1e5"), PLAN)
-    peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU", (">= 1", "<= 1e6"), PLAN)
+    """The machines: a --gpu preset, each rate overridable (defaults: h100-sxm's). A GEMM or attention runs at
+    the course's H100 rate (07's and 08's tables, measured at 700 W) x this GPU's dense peak / the H100's, x
+    power_limit / tdp where a limit holds the clocks, so a compute-bound rate, below the TDP's; what memory
+    bounds (a thin GEMM, elementwise work, the optimizer) at hbm_tbps. No lent GPU has measured 07's or 08's
+    rates on another GPU: each preset's are the H100's, scaled so. Rates and sizes lie within ~1000x of an
+    H100 node's (beyond any chip or cluster of today): a typo (0, 1e-300, inf, 1e308) priced a step at 0 s,
+    then divided by it; NaN breaks every rule. --gpus at most a million: the search tries each divisor."""
+    gpus: int | None = option(None, "GPUs (default: the mesh sizes' product)", (">= 1", "<= 1e6"), type=int)
+    gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", (">= 1", "<= 1e4"))
+    gpu: str = option("h100-sxm", "the GPU: memory, peaks, bandwidths, power (each option below overrides)",
+                      choices=GPUS)
+    gpu_memory: float = option(80.0, "GiB per GPU", (">= 1", "<= 1e5"))
+    peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU", (">= 1", "<= 1e6"))
     fp8_tflops: float | None = option(1979.0, "dense FP8 TFLOP/s per GPU (none: --fp8 is refused)",
-                                      (">= 1", "<= 1e6"), PLAN)
+                                      (">= 1", "<= 1e6"))
     hbm_tbps: float = option(3.35, "TB/s of GPU memory (elementwise work, the optimizer, thin GEMMs)",
-                             (">= 0.01", "<= 1e3"), PLAN)
-    nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node", (">= 1", "<= 1e5"), PLAN)
+                             (">= 0.01", "<= 1e3"))
+    nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node", (">= 1", "<= 1e5"))
     network_gbps: float = option(50.0, "GB/s per GPU each way between nodes (a 400 Gb/s NIC)",
-                                 (">= 0.1", "<= 1e5"), PLAN)
-    power_limit: float = option(700.0, "W each GPU may draw (below the TDP: lower clocks)", (">= 50", "<= 1e4"),
-                                PLAN)
+                                 (">= 0.1", "<= 1e5"))
+    power_limit: float = option(700.0, "W a GPU may draw (below the TDP: lower clocks)", (">= 50", "<= 1e4"))
     tdp: float = 700.0  # W: the preset's
     latency: float = 10e-6  # s a collective or send costs beyond its bytes: NCCL's tuning model
     # (src/graph/tuning.cc) puts a ring's base latency at 4-8 us, plus 0.5-3 us a hop on NVLink
 
     @property
     def speed(self) -> tuple[float, float]:
-        """(bf16, FP8): this GPU's compute-bound rate over the H100's at 700 W."""
-        clock = min(1.0, self.power_limit / self.tdp)
-        return (self.peak_tflops * 1e12 / dict(PEAK_BF16_FLOPS)["H100"] * clock,
-                (self.fp8_tflops or math.nan) / H100_FP8 * clock)
+        """(bf16, FP8): this GPU's compute-bound rate over the H100 SXM's at 700 W (07's and 08's rates')."""
+        clock, h100 = min(1.0, self.power_limit / self.tdp), GPUS["h100-sxm"]
+        return self.peak_tflops / h100[1] * clock, (self.fp8_tflops or math.nan) / h100[2] * clock
 
 
 def inside_node(sizes: MeshSizes, kind: str, gpus_per_node: int) -> bool:
@@ -1426,23 +1353,16 @@ def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, lay
     qk, f = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // tp, cfg.ffn_dim // tp * mlp
     loss = head * 2 * 4 * -(-cfg.vocab_size // tp) * tokens
     ends = (2 * h * (embed * tokens + head * mid), 3 * h * (embed * tokens + head * mid))
-    if not fused:
-        per_layer = [(84 * h * mid + (48 * qk + 16 * cfg.head_dim + 10 * f) * tokens),
-                     (214 * h * mid + (52 * qk + 16 * cfg.head_dim + 18 * f) * tokens)]
-        return tuple(layers * x + end * e + loss for x, end in zip(per_layer, ends))
-    forward = layers * (10 * h * mid + (2 * qk + 3 * f) * tokens) + ends[0]
-    backward = layers * (12 * h * mid + (2 * qk + 5 * f) * tokens) + ends[1]
-    return forward * e + loss, backward * e + loss
-
-
-PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble")  # a step's, as printed
+    per_layer = ([(10 * e, 2 * e, 0, 3 * e), (12 * e, 2 * e, 0, 5 * e)] if fused  # elements x e
+                 else [(84, 48, 16, 10), (214, 52, 16, 18)])  # bytes: x h, q + kv, head_dim, f, as counted
+    return tuple(layers * (a * h * mid + (b * qk + c * cfg.head_dim + d * f) * tokens) + end * e + loss
+                 for (a, b, c, d), end in zip(per_layer, ends))
 
 
 def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster,
               hide: bool = True) -> dict:
-    """Seconds per step from the operations (the docstring's THE STEP TIME); parts: the slowest pipeline
-    rank's (bubble: its idle time in the span). The bounds: hide=False, no communication hidden; the
-    compute alone, or the busiest link's bytes."""
+    """Seconds per step (THE STEP TIME); parts: the slowest pipeline rank's (bubble: its idle time in the
+    span). Bounds: hide=False, nothing hidden; the compute alone, or the busiest link's bytes."""
     tp, cp, pp, m, n, moe = sizes.tp, sizes.cp, sizes.pp, train.microbatches, sizes.dp * sizes.cp, train.moe
     e, rows, s = 2 if train.mixed_precision else 4, train.global_batch // sizes.dp // m, train.seq_len // cp
     tokens, hbm, (speed, speed8) = rows * s, cluster.hbm_tbps * 1e12, cluster.speed  # a microbatch's tokens
@@ -1518,8 +1438,7 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
 
 
 def planned(cfg, sizes: MeshSizes, train: TrainConfig, microbatches: int | None, cluster: Cluster) -> tuple:
-    """(sizes, train as run on them, plans, step time), or validate's ValueError. microbatches None:
-    one sequence each (global_batch / dp)."""
+    """(sizes, train as run (microbatches None: one sequence each), plans, step time), or a ValueError."""
     train = dataclasses.replace(train, microbatches=microbatches or max(train.global_batch // sizes.dp, 1))
     validate(cfg, sizes, train, sizes.world)
     plans = plan(cfg, sizes, train)
@@ -1528,8 +1447,8 @@ def planned(cfg, sizes: MeshSizes, train: TrainConfig, microbatches: int | None,
 
 def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | None], microbatches: int | None,
                   ep: int, cluster: Cluster) -> tuple[list, list, str]:
-    """THE SEARCH: the meshes of gpus GPUs (the sizes given kept) as planned() gives them; those that fit,
-    fastest first (by the predicted step); the first refusal."""
+    """THE SEARCH: planned() of every mesh of gpus GPUs (the sizes given kept); those that fit, fastest
+    first; the first refusal."""
     valid, refusals = [], []
     divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
     for tp, cp, pp in itertools.product(divisors, repeat=3):
@@ -1548,6 +1467,7 @@ def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | Non
 
 # --- The plan's report: one mesh, or the fastest that fit; as text, or as JSON (--json) ----------
 GROUP_NAMES = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_cp": "dp x cp", "ep_dp": "experts' dp", "ep": "ep"}
+TOP_MESHES = 3  # the search prints this many
 
 
 def record(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: dict) -> dict:
@@ -1566,8 +1486,7 @@ def record(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: 
 
 
 def describe(r: dict, table: bool) -> str:
-    """A record as text: the mesh and run; GiB per pipeline rank (table: the first two, the fullest and the
-    last two ranks, else the fullest); GB sent per group; the step time's terms and bounds."""
+    """A record as text (table: GiB of the first two, the fullest and the last two pipeline ranks)."""
     lines = [" ".join(f"{d}={n}" for d, n in r["mesh"].items() if d != "ep" or n > 1) + f", ZeRO-{r['zero']}, "
              f"{r['schedule']} x {r['microbatches']} microbatches of {r['sequences']}, recompute {r['recompute']}, "
              f"SP {'on' if r['sequence_parallel'] else 'off'}"]
@@ -1598,9 +1517,6 @@ def describe(r: dict, table: bool) -> str:
               f"s ({parts['bubble'] / r['step_s']:.0%} of the step: 04's idle fraction {r['bubble']:.0%}, and the "
               f"stages' imbalance)"]
     return "\n".join(lines)
-
-
-TOP_MESHES = 3  # the search prints this many
 
 
 def plan_report(args: argparse.Namespace) -> str:
@@ -1666,10 +1582,10 @@ class ModelOptions:  # the model: a preset or a config.json, each size overridab
 
 @dataclass(frozen=True)
 class PlanOutput:
-    json: bool = option(False, "the plan as one JSON object, for scripts and spreadsheets", commands=PLAN)
+    json: bool = option(False, "the plan as one JSON object, for scripts and spreadsheets")
 
 
-OPTIONS = (MeshSizes, ModelOptions, TrainConfig, RunConfig, Cluster, PlanOutput)  # in --help's order
+OPTIONS = (MeshSizes, ModelOptions, TrainConfig, RunConfig)  # in --help's order, then a command's classes
 PRESET, GPU = "the --model's", "the --gpu preset's"
 DEMO = dict(dp=2, tp=2, max_grad_norm=1.0)  # where check and train depart from the fields' defaults
 SIZES = dict.fromkeys(("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab", "global_batch", "seq_len"), PRESET)
@@ -1684,25 +1600,25 @@ COMMANDS = {  # the first runs when argv names none
     "plan": foundation.Command(
         "price a model on a cluster that is not here: the fastest meshes that fit, or the mesh given",
         dict(compile=True), dict(SIZES, **dict.fromkeys(DIMS, "searched"), **dict.fromkeys(
-            GPU_FIELDS, GPU), microbatches="global_batch / dp: one sequence each")),
+            GPU_FIELDS, GPU), microbatches="global_batch / dp: one sequence each"), (Cluster, PlanOutput)),
 }
 
 
-def options_of(cls, args: argparse.Namespace) -> dict:
-    """The values args gives the fields of cls that are options of its sub-command."""
-    return {f.name: getattr(args, f.name) for f in foundation.option_fields((cls,), args.command)}
+def options_of(cls, args: argparse.Namespace, **others):
+    """A cls from this sub-command's options of its fields; others: its other fields, those left None."""
+    given = {f.name: getattr(args, f.name) for f in foundation.option_fields((cls,), args.command)}
+    return cls(**others | {k: v for k, v in given.items() if v is not None or k not in others})
 
 
 def model_spec(args: argparse.Namespace) -> tuple:
-    """--model (a preset, or a config.json by 01's ModelConfig.from_hf), the sizes given overriding it:
-    (ModelConfig, (experts, top-k) or None, its run: (seq_len, global_batch, lr)). A preset is
-    byte-level unless it sets a vocabulary."""
+    """--model (a preset, byte-level unless it sets a vocabulary, or a config.json by 01's from_hf), the
+    sizes given overriding it: (ModelConfig, (experts, top-k) or None, its (seq_len, global_batch, lr))."""
     if args.model in PRESETS:
         (sizes, *run), experts = PRESETS[args.model], None
         cfg = foundation.ModelConfig(**{"vocab_size": 256, **sizes})
     elif args.model.endswith(".json"):
         try:
-            config, run = json.loads(Path(args.model).read_text()), FILE_RUN
+            config, run = json.loads(Path(args.model).read_text()), PRESETS["llama3-8b"][1:]  # no run: 8B's
             cfg, experts = foundation.ModelConfig.from_hf(config if isinstance(config, dict) else {})
         except (OSError, ValueError) as error:  # json's errors are ValueErrors
             raise ValueError(f"--model {args.model}: {error}") from None
@@ -1717,38 +1633,31 @@ def build_model_config(args: argparse.Namespace) -> "foundation.ModelConfig":
     return model_spec(args)[0]
 
 
-def mesh_sizes(args: argparse.Namespace) -> MeshSizes:
-    return MeshSizes(**options_of(MeshSizes, args))
-
-
 def train_config(args: argparse.Namespace, device: torch.device | None = None) -> TrainConfig:
     """The options as a TrainConfig; those left None: the --model's run, 1 microbatch (2 with pp > 1), bf16
     on a GPU; the file's MoE (Mixtral: its experts, top-k and expert size) or --moe's (top 2, size 64)."""
     cfg, experts, (seq_len, global_batch, lr) = model_spec(args)
-    decided = dict(global_batch=global_batch, seq_len=seq_len, lr=lr, microbatches=1 + ((args.pp or 1) > 1),
-                   mixed_precision=device is not None and device.type == "cuda")
-    given = {k: decided[k] if v is None else v for k, v in options_of(TrainConfig, args).items()}
     n, top_k, size = (*experts, cfg.ffn_dim) if experts else (4, 2, 64)
     moe = expert_parallel.MoEConfig(n_experts=args.experts or n, top_k=top_k, expert_ffn_dim=size, aux_loss_coef=0)
-    return TrainConfig(**given, adam_eps=1e-6, moe=moe if experts or args.moe or args.ep > 1 else None)
+    return options_of(TrainConfig, args, global_batch=global_batch, seq_len=seq_len, lr=lr, adam_eps=1e-6,
+                      microbatches=1 + ((args.pp or 1) > 1), mixed_precision=device is not None and
+                      device.type == "cuda", moe=moe if experts or args.moe or args.ep > 1 else None)
 
 
 def cluster_of(args: argparse.Namespace) -> Cluster:
     """--gpu's preset, each rate given overriding it."""
-    given = {k: v for k, v in options_of(Cluster, args).items() if v is not None}
-    return Cluster(**{**dict(zip(GPU_FIELDS, GPUS[args.gpu])), **given})
+    return options_of(Cluster, args, **dict(zip(GPU_FIELDS, GPUS[args.gpu])))
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The options as a RunConfig: --resume (a STEP, or "latest") as resume and resume_step."""
     step = None if args.resume in (False, "latest") else int(args.resume)
-    return RunConfig(**{**options_of(RunConfig, args), "resume": bool(args.resume), "resume_step": step})
+    return dataclasses.replace(options_of(RunConfig, args), resume=bool(args.resume), resume_step=step)
 
 
 def check_before_launch(args: argparse.Namespace, world: int) -> None:
-    """The rules between options, then the sizes against the world that will run (validate), whether
-    or not the run would reach them; for train also the text, the checkpoint folder and the
-    checkpoint to resume: a ValueError (one line, exit 2) before any rank starts."""
+    """The rules between options, then validate against the world that will run; for train also the text, the
+    checkpoint folder and the checkpoint to resume: a ValueError (one line, exit 2) before any rank starts."""
     cfg, train = build_model_config(args), train_config(args)
     broken = [message for wrong, message in (
         (cfg.tie_embeddings, f"--model {args.model} ties its LM head to the embedding: 09 trains them apart "
@@ -1769,7 +1678,7 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
         (args.folder == "", "--checkpoint-dir must name a folder (--no-save: no checkpoints)")) if wrong]
     if broken:
         raise ValueError(broken[0])
-    validate(cfg, sizes := mesh_sizes(args), train, world)
+    validate(cfg, sizes := options_of(MeshSizes, args), train, world)
     if not torch.cuda.is_available():  # the ranks share this machine: the plan's tensors of them all must fit
         need = sum(r.total - r.memory["fragmentation"] - r.memory["cuda_nccl"] for r in plan(cfg, sizes, train))
         foundation.check_memory(cfg, train.global_batch, train.seq_len, world, {
@@ -1805,7 +1714,7 @@ def main() -> None:
         if foundation.prints_here():
             print(report)
         return
-    args.nproc = mesh_sizes(args).world  # the mesh sets how many local processes start (no --nproc)
+    args.nproc = options_of(MeshSizes, args).world  # the mesh sets the local processes (no --nproc)
     foundation.launch_lesson(parser, args, demo if args.command == "check" else train_run,
                              lambda world: check_before_launch(args, world))
 
