@@ -558,7 +558,8 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
         cfg, b // m, s, tp, train.sequence_parallel, mode, e, attention, layers or len(spans[stage]))  # 03
     rebuilt = {"full": stage_bytes(0, "none", 1), "op": stage_bytes(0, "none", 1) - stage_bytes(0, "op", 1)}
     kernel, mb = "flash" if cp > 1 and train.attention == "sdpa" else train.attention, b // m * s
-    backward = rebuilt.get(train.recompute, 0) + max(  # a layer's: what recompute rebuilds, attention's or the MLP's
+    # a layer's backward: what recompute rebuilds, + attention's or the MLP's temporaries
+    backward = rebuilt.get(train.recompute, 0) + max(
         flash.attention_backward_bytes(mb, cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.head_dim, e, kernel),
         mlp_backward_bytes(mb, cfg.dim, cfg.ffn_dim // tp, e))
     out = []
@@ -1149,12 +1150,12 @@ def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
     if saved[0] is not None:
         print(f"activations in step {result['measured']}, {what} per rank: "
               + ", ".join(f"{x:,}" for x in saved) + f"; {formula}")
-    if trainer.device.type == "cuda":  # the run's peaks (rank 0) beside the plan's: a lent GPU checks the plan
+    if trainer.device.type == "cuda":  # the run's peaks (rank 0) beside the plan's: a GPU checks the plan
         planned = [sum(v for k, v in rank0.memory.items() if v is not None and k not in parts) / GIB
                    for parts in (("fragmentation", "cuda_nccl"), ("cuda_nccl",))]
-        print("GPU memory of rank 0, GiB, measured | planned: max_memory_allocated {:.2f} | {:.2f}, max_memory_"
-              "reserved {:.2f} | {:.2f}".format(torch.cuda.max_memory_allocated() / GIB, planned[0],
-                                                torch.cuda.max_memory_reserved() / GIB, planned[1]))
+        measured = (torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB)
+        print("GPU memory of rank 0, GiB, measured | planned: max_memory_allocated {:.2f} | {:.2f}, "
+              "max_memory_reserved {:.2f} | {:.2f}".format(measured[0], planned[0], measured[1], planned[1]))
     times = [t for step, t in result["times"].items() if step not in result.get("profiled", ())]
     timed = times[max(1, len(times) // 4):] or times  # the first steps warm up (and compile)
     step_s = sum(timed) / len(timed)  # the first step trained is never profiled
@@ -1251,7 +1252,8 @@ def demo(args: argparse.Namespace) -> None:
 # model: its Hugging Face config.json (--model FILE.json), or sizes (--dim --layers --heads ...).
 LLAMA3 = dict(vocab_size=128_256, n_kv_heads=8, rope_theta=500_000.0)
 PRESETS = MODELS | {
-    "llama2-7b": (dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, vocab_size=32_000), 4096, 1024, 3e-4),
+    "llama2-7b": (dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, vocab_size=32_000), 4096, 1024,
+                  3e-4),
     "llama3-8b": (dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **LLAMA3), 8192, 512, 3e-4),
     "llama3-70b": (dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **LLAMA3), 8192, 1024, 1.5e-4),
     "llama3-405b": (dict(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248, **LLAMA3), 8192, 2048, 8e-5),
@@ -1261,26 +1263,32 @@ PRESETS = MODELS | {
 # --- A cluster, and a step's time on it ------------------------------------------------------------
 # --gpu: GiB (as the device reports it), dense bf16 and FP8 TFLOP/s (datasheets print 2x, "with sparsity"),
 # HBM TB/s, GB/s each way on NVLink and on the NIC, the TDP and the power limit the GPU runs at (W).
-GPUS = {  # A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): 40 (HBM2) or 80 GB, 312 TFLOP/s, no FP8,
-    # 1,555 or 2,039 GB/s, NVLink 600 GB/s both ways, 400 W; DGX A100: a 200 Gb/s HDR NIC per GPU (not re-read)
-    "a100-40gb": (40, 312, None, 1.555, 300, 25, 400, 400), "a100-80gb": (80, 312, None, 2.039, 300, 25, 400, 400),
+GPUS = {  # A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): 40 (HBM2) or 80 GB, 312 TFLOP/s,
+    # no FP8, 1,555 or 2,039 GB/s, NVLink 600 GB/s both ways, 400 W; DGX A100: a 200 Gb/s HDR NIC per GPU
+    # (not re-read)
+    "a100-40gb": (40, 312, None, 1.555, 300, 25, 400, 400),
+    "a100-80gb": (80, 312, None, 2.039, 300, 25, 400, 400),
     # H100 SXM5 (nvidia.com/en-us/data-center/h100): 989 / 1,979 dense, 3.35 TB/s, NVLink 900 GB/s, 700 W; DGX
     # H100: eight 400 Gb/s ConnectX-7 (dgxc-benchmarking's README; NVIDIA's DGX BasePOD architecture)
     "h100-sxm": (80, 989, 1979, 3.35, 450, 50, 700, 700),
     # H100 PCIe (NVIDIA's datasheet as hpctech.co.jp prints it): 756 / 1,513 dense, 2,000 GB/s HBM2e, 350 W
     # (product brief PB-11133-001); NVLink bridges join pairs only: PCIe Gen5 x16, 128 GB/s both ways
     "h100-pcie": (80, 756, 1513, 2.0, 64, 50, 350, 350),
-    # H200 (nvidia.com/en-us/data-center/h200): 141 GB HBM3e (140 GiB), 4.8 TB/s; the H100 SXM's die and NVLink
-    # (MLPerf v4.1 system description: 18 links, 900 GB/s), 700 W; 400 Gb/s CX-7 per GPU (torchtitan's H200 run)
+    # H200 (nvidia.com/en-us/data-center/h200): 141 GB HBM3e (140 GiB), 4.8 TB/s; the H100 SXM's die and
+    # NVLink (MLPerf v4.1 system description: 18 links, 900 GB/s), 700 W; 400 Gb/s CX-7 per GPU (torchtitan's
+    # H200 run)
     "h200": (140, 989, 1979, 4.8, 450, 50, 700, 700),
-    # B200 (DGX B200, nvidia.com/en-us/data-center/dgx-b200, / 8 GPUs: 1,440 GB, 72 PFLOPS FP8 sparse, 64 TB/s,
-    # NVLink 5 14.4 TB/s; nvidia-smi: 179 GiB); bf16 2,250 (Blackwell datasheet); 1,000 W; 400 Gb/s CX-7 each
+    # B200 (DGX B200, nvidia.com/en-us/data-center/dgx-b200, / 8 GPUs: 1,440 GB, 72 PFLOPS FP8 sparse,
+    # 64 TB/s, NVLink 5 14.4 TB/s; nvidia-smi: 179 GiB); bf16 2,250 (Blackwell datasheet); 1,000 W; 400 Gb/s
+    # CX-7 each
     "b200": (179, 2250, 4500, 8.0, 900, 50, 1000, 1000),
-    # Meta's Grand Teton H100 (torchtitan benchmarks/llama3_h100_202412: "96GB HBM2e with 2.4 TB/sec", "400 Gb/s
-    # per GPU", "the default 500W power limit"): an SXM H100 (its peaks, NVLink; 95 GiB visible) held to 500 W
+    # Meta's Grand Teton H100 (torchtitan benchmarks/llama3_h100_202412: "96GB HBM2e with 2.4 TB/sec",
+    # "400 Gb/s per GPU", "the default 500W power limit"): an SXM H100 (its peaks, NVLink; 95 GiB visible)
+    # held to 500 W
     "h100-96gb": (95, 989, 1979, 2.4, 450, 50, 700, 500),
 }
-GPU_FIELDS = ("gpu_memory", "peak_tflops", "fp8_tflops", "hbm_tbps", "nvlink_gbps", "network_gbps", "tdp", "power_limit")
+GPU_FIELDS = ("gpu_memory", "peak_tflops", "fp8_tflops", "hbm_tbps", "nvlink_gbps", "network_gbps", "tdp",
+              "power_limit")
 PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble")  # step_time's, as printed
 
 
@@ -1338,7 +1346,8 @@ def pipeline_span(busy: list[float], bubble: float, boundary: float, pp: int, mi
 
 
 def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, layers: int, embed: bool,
-                      head: bool, mlp: bool = True, elem_bytes: int = 2, fused: bool = True) -> tuple[int, int]:
+                      head: bool, mlp: bool = True, elem_bytes: int = 2, fused: bool = True
+                      ) -> tuple[int, int]:
     """Memory traffic (forward, backward) of one rank's elementwise work on a microbatch of `tokens`
     tokens through a stage (03's comm_formula keywords). fused (torch.compile): each operation reads its
     inputs and writes its output once. Per layer, between the regions (/ t with SP): two RMSNorms (h in,
@@ -1372,13 +1381,14 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
     exposed = lambda comm, behind: max(0.0, comm - behind) if hide else comm
     shapes = local_shapes(cfg, tp, moe, sizes.ep)
 
-    def linears(prefix: str, names=()) -> list[float]:  # (forward, backward); 06's experts: top_k x the tokens
+    def linears(prefix: str, names=()) -> list[float]:  # (forward, backward); 06's experts: top_k x tokens
         out = [0.0, 0.0]
         for *experts, n_out, n_in in (v for k, v in shapes.items() if k.startswith(prefix) and len(v) > 1
                                       and (not names or k.split(".")[-2] in names)):
             count, float8 = experts[0] if experts else 1, train.fp8 and not experts and prefix == "layers."
-            f, b = fp8.linear_seconds(tokens * (moe.top_k if experts else 1) // count, n_in, n_out, hbm, float8,
-                                      speed8 if float8 else speed, 1 / m)  # 08: a weight cast once a step
+            rows_in = tokens * (moe.top_k if experts else 1) // count
+            f, b = fp8.linear_seconds(rows_in, n_in, n_out, hbm, float8, speed8 if float8 else speed,
+                                      1 / m)  # 08: a weight cast once a step
             out = [out[0] + count * f, out[1] + count * b]
         return out
 
@@ -1388,7 +1398,7 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
     attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, kernel, cp, speed)
     layer = {"GEMMs": linears("layers."), "attention": list(attention),
              "elementwise": elementwise(layers=1, embed=False, head=False)}
-    rerun = {"none": (), "selective": ("attention",), "op": ("elementwise",), "full": tuple(layer)}[train.recompute]
+    rerun = dict(none=(), selective=("attention",), op=("elementwise",), full=tuple(layer))[train.recompute]
     layer = {k: [f, b + f * (k in rerun)] for k, (f, b) in layer.items()}  # recompute: the forward again
     if train.recompute == "op":  # and the 2nd, 4th, 6th matmul (03's policy keeps the others' outputs)
         layer["GEMMs"][1] += linears("layers.", ("k_proj", "out_proj", "up_proj"))[0]
@@ -1474,53 +1484,62 @@ def record(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: 
     """One mesh's plan as data, what describe prints and --json writes: GiB held per pipeline rank by part
     (plan's memory), GB sent per group by its busiest rank and the link, seconds per part of the step."""
     gib, totals = lambda x: None if x is None else float(x) / GIB, [p.total for p in plans]  # noqa: E731
-    return dict(mesh={d: getattr(sizes, d) for d in (*DIMS, "ep")}, zero=train.zero_stage, schedule=train.schedule,
-                virtual=train.virtual, microbatches=train.microbatches, recompute=train.recompute,
-                sequences=train.global_batch // sizes.dp // train.microbatches, sequence_parallel=train.sequence_parallel,
-                step_s=timing["step"], parts_s=timing["parts"], bounds_s=[timing["overlap"], timing["no_overlap"]],
-                bubble=float(timing["bubble"]), mfu=None if train.moe else timing["mfu"], tflops_per_gpu=None
-                if train.moe else timing["flops"] / sizes.world / timing["step"] / 1e12, fullest=totals.index(max(totals)),
-                memory_gib=[{**{k: gib(v) for k, v in p.memory.items()}, "total": gib(p.total)} for p in plans],
-                stages=[p.stages for p in plans], layers=[p.layers for p in plans], in_flight=[p.in_flight for p in plans],
-                sent_gb={GROUP_NAMES[k]: v and dict(gb=v[0] / 1e9, link=v[1]) for k, v in timing["comm"].items()})
+    return dict(mesh={d: getattr(sizes, d) for d in (*DIMS, "ep")}, zero=train.zero_stage,
+                schedule=train.schedule, virtual=train.virtual, microbatches=train.microbatches,
+                recompute=train.recompute, sequences=train.global_batch // sizes.dp // train.microbatches,
+                sequence_parallel=train.sequence_parallel, step_s=timing["step"], parts_s=timing["parts"],
+                bounds_s=[timing["overlap"], timing["no_overlap"]], bubble=float(timing["bubble"]),
+                mfu=None if train.moe else timing["mfu"],
+                tflops_per_gpu=None if train.moe else timing["flops"] / sizes.world / timing["step"] / 1e12,
+                fullest=totals.index(max(totals)),
+                memory_gib=[{**{k: gib(v) for k, v in p.memory.items()}, "total": gib(p.total)}
+                            for p in plans],
+                stages=[p.stages for p in plans], layers=[p.layers for p in plans],
+                in_flight=[p.in_flight for p in plans],
+                sent_gb={GROUP_NAMES[k]: v and dict(gb=v[0] / 1e9, link=v[1])
+                         for k, v in timing["comm"].items()})
 
 
 def describe(r: dict, table: bool) -> str:
     """A record as text (table: GiB of the first two, the fullest and the last two pipeline ranks)."""
-    lines = [" ".join(f"{d}={n}" for d, n in r["mesh"].items() if d != "ep" or n > 1) + f", ZeRO-{r['zero']}, "
-             f"{r['schedule']} x {r['microbatches']} microbatches of {r['sequences']}, recompute {r['recompute']}, "
-             f"SP {'on' if r['sequence_parallel'] else 'off'}"]
+    lines = [" ".join(f"{d}={n}" for d, n in r["mesh"].items() if d != "ep" or n > 1)
+             + f", ZeRO-{r['zero']}, {r['schedule']} x {r['microbatches']} microbatches of {r['sequences']}, "
+             f"recompute {r['recompute']}, SP {'on' if r['sequence_parallel'] else 'off'}"]
     memory, fullest = r["memory_gib"], r["fullest"]
     gib = lambda x: "n/a" if x is None else f"{x:,.1f}" if x >= 1 else f"{x:.2g}"  # noqa: E731
     if table:
         lines.append("GiB per GPU    params  grads  optim  activ  temps   frag  cuda+  total")
-        shown = sorted({0, 1, fullest, len(memory) - 2, len(memory) - 1} if len(memory) > 6 else range(len(memory)))
+        last = len(memory) - 1
+        shown = sorted({0, 1, fullest, last - 1, last} if last > 5 else range(last + 1))
         for rank in shown:
             head = len(memory) * r["virtual"] - 1 in r["stages"][rank]
-            what = ("embedding + " * (0 in r["stages"][rank]) + f"{r['layers'][rank]} layers" + " + head" * head
-                    + f", in flight: {r['in_flight'][rank]} microbatch{'-stage' * (r['virtual'] > 1)}{'es'[r['virtual'] > 1:]}")
+            unit = "microbatch-stages" if r["virtual"] > 1 else "microbatches"
+            what = ("embedding + " * (0 in r["stages"][rank]) + f"{r['layers'][rank]} layers"
+                    + " + head" * head + f", in flight: {r['in_flight'][rank]} {unit}")
             lines += ["  ..."] * (rank > 0 and rank - 1 not in shown) + [
                 f"  pp {rank:<10}" + "".join(f"{gib(v):>7}" for v in memory[rank].values()) + f"  {what}"]
     else:
         lines.append(f"fullest GPU {gib(memory[fullest]['total'])} GiB (pp {fullest}: " + ", ".join(
             f"{k} {gib(v)}" for k, v in memory[fullest].items() if k != "total") + ")")
-    lines.append("sent per GPU per step (its busiest pipeline rank): " + (", ".join(f"{k} " + (
-        "n/a (no formula)" if v is None else f"{v['gb']:,.3g} GB ({v['link']})") for k, v in r["sent_gb"].items())
-        or "nothing"))
+    sent = [f"{k} n/a (no formula)" if v is None else f"{k} {v['gb']:,.3g} GB ({v['link']})"
+            for k, v in r["sent_gb"].items()]
+    lines.append("sent per GPU per step (its busiest pipeline rank): " + (", ".join(sent) or "nothing"))
     seconds, parts = lambda x: f"{x:,.1f}" if x >= 10 else f"{x:.3g}", r["parts_s"]  # noqa: E731
     useful = ("MFU n/a (flops_per_token counts dense MLPs)" if r["mfu"] is None else
               f"{r['tflops_per_gpu']:,.0f} TFLOP/s per GPU, MFU {r['mfu']:.0%}")
-    lines += [f"step {seconds(r['step_s'])} s predicted: {useful}; bounds {seconds(r['bounds_s'][0])} s (perfect "
-              f"overlap) to {seconds(r['bounds_s'][1])} s (none)", "  " + " + ".join(
-                  f"{k} {seconds(parts[k])}" for k in ("GEMMs", "attention", "elementwise")) + " + exposed " + ", ".join(
-                  f"{k} {seconds(parts[k])}" for k in ("TP", "DP", "PP", "CP")) + f" + bubble {seconds(parts['bubble'])} "
-              f"s ({parts['bubble'] / r['step_s']:.0%} of the step: 04's idle fraction {r['bubble']:.0%}, and the "
-              f"stages' imbalance)"]
+    part = lambda names: [f"{k} {seconds(parts[k])}" for k in names]  # noqa: E731
+    lines += [f"step {seconds(r['step_s'])} s predicted: {useful}; bounds {seconds(r['bounds_s'][0])} s "
+              f"(perfect overlap) to {seconds(r['bounds_s'][1])} s (none)",
+              "  " + " + ".join(part(("GEMMs", "attention", "elementwise"))) + " + exposed "
+              + ", ".join(part(("TP", "DP", "PP", "CP"))) + f" + bubble {seconds(parts['bubble'])} s "
+              f"({parts['bubble'] / r['step_s']:.0%} of the step: 04's idle fraction {r['bubble']:.0%}, "
+              f"and the stages' imbalance)"]
     return "\n".join(lines)
 
 
 def plan_report(args: argparse.Namespace) -> str:
-    """The given mesh's breakdown, or the fastest meshes that fit; one line if none fits; --json: one object."""
+    """The given mesh's breakdown, or the fastest meshes that fit; one line if none fits; --json: one
+    object."""
     cfg, fixed, cluster = build_model_config(args), {d: getattr(args, d) for d in DIMS}, cluster_of(args)
     train = dataclasses.replace(train_config(args), mixed_precision=True)  # a GPU run: bf16 + fp32 masters
     memory, over = cluster.gpu_memory, lambda need: math.ceil(100 * need / cluster.gpu_memory)  # in %, up
@@ -1538,29 +1557,31 @@ def plan_report(args: argparse.Namespace) -> str:
     shown = [record(*v) for v in (valid[:1] if given else fitting[:TOP_MESHES] or [leanest])]
     need = shown[0]["memory_gib"][shown[0]["fullest"]]["total"]
     if args.json:
-        return json.dumps(dict(model=args.model, config=dataclasses.asdict(cfg), gpus=gpus, cluster=dataclasses.asdict(
-            cluster), valid=len(valid), fitting=len(fitting), fits=need <= memory, meshes=shown))
+        return json.dumps(dict(model=args.model, config=dataclasses.asdict(cfg), gpus=gpus,
+                               cluster=dataclasses.asdict(cluster), valid=len(valid), fitting=len(fitting),
+                               fits=need <= memory, meshes=shown))
     n_params = sum(map(math.prod, foundation.parameter_shapes(cfg).values()))
+    fp8_rate = f"FP8 x {cluster.speed[1]:.3g}" if cluster.fp8_tflops else "no FP8"
     header = (f"{args.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
               f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, ffn {cfg.ffn_dim}, vocabulary {cfg.vocab_size:,}"
-              f"{', tied' if cfg.tie_embeddings else ''}), bf16 + fp32 masters{' + FP8 GEMMs' if train.fp8 else ''}; "
-              f"batch {train.global_batch:,} x {train.seq_len:,} tokens; {gpus:,} GPUs of {memory:g} GiB "
-              f"({args.gpu}), {cluster.gpus_per_node} per node.\nPriced: GEMMs and attention ({train.attention}) at "
-              f"the course's H100 rates x {cluster.speed[0]:.3g} ("
-              f"{f'FP8 x {cluster.speed[1]:.3g}' if cluster.fp8_tflops else 'no FP8'}), the rest at "
-              f"{cluster.hbm_tbps:g} TB/s{'' if train.compile else ', eager'}; {cluster.nvlink_gbps:g} GB/s per GPU "
-              f"each way in a node, {cluster.network_gbps:g} across nodes, {cluster.latency * 1e6:g} us a message.\n"
-              f"Memory: the tensors, temporaries (the loss, a layer's backward, ZeRO's), the allocator's segments "
-              f"(+{float(ALLOCATOR):.0%}), CUDA's context and NCCL's buffers.")
+              f"{', tied' if cfg.tie_embeddings else ''}), bf16 + fp32 masters"
+              f"{' + FP8 GEMMs' if train.fp8 else ''}; batch {train.global_batch:,} x {train.seq_len:,} "
+              f"tokens; {gpus:,} GPUs of {memory:g} GiB ({args.gpu}), {cluster.gpus_per_node} per node.\n"
+              f"Priced: GEMMs and attention ({train.attention}) at the course's H100 rates x "
+              f"{cluster.speed[0]:.3g} ({fp8_rate}), the rest at {cluster.hbm_tbps:g} TB/s"
+              f"{'' if train.compile else ', eager'}; {cluster.nvlink_gbps:g} GB/s per GPU each way in a "
+              f"node, {cluster.network_gbps:g} across nodes, {cluster.latency * 1e6:g} us a message.\n"
+              f"Memory: the tensors, temporaries (the loss, a layer's backward, ZeRO's), the allocator's "
+              f"segments (+{float(ALLOCATOR):.0%}), CUDA's context and NCCL's buffers.")
     if given:  # the mesh given
         verdict = (f"does not fit: the fullest GPU needs {need:,.1f} GiB, {need - memory:,.1f} GiB "
                    f"({over(need) - 100}%) more than its {memory:g} GiB" if need > memory else
                    f"fits: {need:,.1f} of {memory:g} GiB on the fullest GPU")
         return "\n".join([header, describe(shown[0], table=True), verdict])
     if not fitting:
-        return (f"{args.model} does not fit on {gpus:,} GPUs of {memory:g} GiB: the leanest of {len(valid)} valid "
-                f"meshes ({describe(shown[0], False).splitlines()[0]}) needs {need:,.1f} GiB on its fullest GPU, "
-                f"{over(need) / 100:.2f}x the memory")
+        return (f"{args.model} does not fit on {gpus:,} GPUs of {memory:g} GiB: the leanest of {len(valid)} "
+                f"valid meshes ({describe(shown[0], False).splitlines()[0]}) needs {need:,.1f} GiB on its "
+                f"fullest GPU, {over(need) / 100:.2f}x the memory")
     return "\n".join([header, f"{len(valid)} meshes pass validate, {len(fitting)} fit; the fastest:"] + [
         f"{rank}. " + describe(r, table=False).replace("\n", "\n   ") for rank, r in enumerate(shown, 1)])
 
@@ -1577,7 +1598,8 @@ class ModelOptions:  # the model: a preset or a config.json, each size overridab
     ffn_dim: int | None = option(None, "the MLP's hidden size (MoE: an expert's)", ">= 1", type=int)
     vocab: int | None = option(None, "vocabulary size", ">= 1", type=int)
     moe: bool = option(False, "every MLP a mixture of experts (dropless)")
-    experts: int | None = option(None, "experts per MoE layer (default: the file's, else 4)", ">= 1", type=int)
+    experts: int | None = option(None, "experts per MoE layer (default: the file's, else 4)", ">= 1",
+                                 type=int)
 
 
 @dataclass(frozen=True)
@@ -1588,18 +1610,20 @@ class PlanOutput:
 OPTIONS = (MeshSizes, ModelOptions, TrainConfig, RunConfig)  # in --help's order, then a command's classes
 PRESET, GPU = "the --model's", "the --gpu preset's"
 DEMO = dict(dp=2, tp=2, max_grad_norm=1.0)  # where check and train depart from the fields' defaults
-SIZES = dict.fromkeys(("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab", "global_batch", "seq_len"), PRESET)
+RUN = dict.fromkeys(("global_batch", "seq_len"), PRESET)
+SIZES = dict.fromkeys(("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab"), PRESET)
 COMMANDS = {  # the first runs when argv names none
     "train": foundation.Command(
         "train on text (the default): checkpoints, --resume, MFU, a sample", DEMO,
-        dict(SIZES, microbatches="1, or 2 with pp > 1", mixed_precision="on with a GPU, off on a CPU", lr=PRESET)),
+        dict(SIZES, **RUN, microbatches="1, or 2 with pp > 1", mixed_precision="on with a GPU, off on a CPU",
+             lr=PRESET)),
     "check": foundation.Command(
         "prove the mesh equal to one device on synthetic data; each rank's bytes beside the plan",
-        dict(DEMO, steps=3, microbatches=2, model="check", global_batch=8, seq_len=32),  # any --model: a proof's run
-        dict({k: v for k, v in SIZES.items() if k not in ("global_batch", "seq_len")}, mixed_precision="off")),
+        dict(DEMO, steps=3, microbatches=2, model="check", global_batch=8, seq_len=32),  # any --model's proof
+        dict(SIZES, mixed_precision="off")),
     "plan": foundation.Command(
         "price a model on a cluster that is not here: the fastest meshes that fit, or the mesh given",
-        dict(compile=True), dict(SIZES, **dict.fromkeys(DIMS, "searched"), **dict.fromkeys(
+        dict(compile=True), dict(SIZES, **RUN, **dict.fromkeys(DIMS, "searched"), **dict.fromkeys(
             GPU_FIELDS, GPU), microbatches="global_batch / dp: one sequence each"), (Cluster, PlanOutput)),
 }
 
@@ -1623,7 +1647,8 @@ def model_spec(args: argparse.Namespace) -> tuple:
         except (OSError, ValueError) as error:  # json's errors are ValueErrors
             raise ValueError(f"--model {args.model}: {error}") from None
     else:
-        raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a .json file")
+        presets = ", ".join(PRESETS)
+        raise ValueError(f"--model {args.model!r} is neither a preset ({presets}) nor a .json file")
     given = dict(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads or (
         args.heads if cfg.n_kv_heads == cfg.n_heads else None), ffn_dim=args.ffn_dim, vocab_size=args.vocab)
     return dataclasses.replace(cfg, **{k: v for k, v in given.items() if v is not None}), experts, run
@@ -1638,7 +1663,8 @@ def train_config(args: argparse.Namespace, device: torch.device | None = None) -
     on a GPU; the file's MoE (Mixtral: its experts, top-k and expert size) or --moe's (top 2, size 64)."""
     cfg, experts, (seq_len, global_batch, lr) = model_spec(args)
     n, top_k, size = (*experts, cfg.ffn_dim) if experts else (4, 2, 64)
-    moe = expert_parallel.MoEConfig(n_experts=args.experts or n, top_k=top_k, expert_ffn_dim=size, aux_loss_coef=0)
+    moe = expert_parallel.MoEConfig(n_experts=args.experts or n, top_k=top_k, expert_ffn_dim=size,
+                                    aux_loss_coef=0)
     return options_of(TrainConfig, args, global_batch=global_batch, seq_len=seq_len, lr=lr, adam_eps=1e-6,
                       microbatches=1 + ((args.pp or 1) > 1), mixed_precision=device is not None and
                       device.type == "cuda", moe=moe if experts or args.moe or args.ep > 1 else None)
@@ -1665,9 +1691,11 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
         (train.attention == "cudnn", "--attention cudnn is plan's price of SDPA's cuDNN backend: train and "
                                      "check run sdpa or flash")) if wrong]
     broken += () if args.command != "train" else [message for wrong, message in (
-        (cfg.vocab_size < 256, f"train reads bytes: a vocabulary of {cfg.vocab_size} cannot hold them (--vocab)"),
-        (args.sample_bytes and cfg.vocab_size != 256 and args.folder is not None, f"the sample decodes bytes: "
-         f"a vocabulary of {cfg.vocab_size} is not 256 (--vocab 256, or --no-sample)"),
+        (cfg.vocab_size < 256,
+         f"train reads bytes: a vocabulary of {cfg.vocab_size} cannot hold them (--vocab)"),
+        (args.sample_bytes and cfg.vocab_size != 256 and args.folder is not None,
+         f"the sample decodes bytes: a vocabulary of {cfg.vocab_size} is not 256 "
+         f"(--vocab 256, or --no-sample)"),
         (args.resume not in (False, "latest") and not args.resume.isdigit(),
          f"--resume takes the step of a kept checkpoint (a number), not {args.resume!r}"),
         (args.trace and not args.profile, "--trace writes --profile's trace: give --profile STEPS too"),
@@ -1680,7 +1708,8 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
         raise ValueError(broken[0])
     validate(cfg, sizes := options_of(MeshSizes, args), train, world)
     if not torch.cuda.is_available():  # the ranks share this machine: the plan's tensors of them all must fit
-        need = sum(r.total - r.memory["fragmentation"] - r.memory["cuda_nccl"] for r in plan(cfg, sizes, train))
+        need = sum(r.total - r.memory["fragmentation"] - r.memory["cuda_nccl"]
+                   for r in plan(cfg, sizes, train))
         foundation.check_memory(cfg, train.global_batch, train.seq_len, world, {
             "09's plan of the tensors (a GPU's allowances aside)": int(need * world // sizes.pp)},
             f"--model {args.model} with --global-batch {train.global_batch} x --seq-len {train.seq_len}")
