@@ -573,8 +573,13 @@ def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Comma
             add_options(*parsers[name], command.defaults, command.decided)
         if not argv or argv[0] not in commands and argv[0] not in ("-h", "--help"):
             argv = [first, *argv]
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     chosen, fields = parsers[getattr(args, "command", None)]
+    if unknown:  # perhaps another sub-command's option: say whose
+        given = unknown[0].split("=")[0]
+        owners = [name for name, (p, _) in parsers.items() if name and given in p._option_string_actions]
+        chosen.error(f"unrecognized arguments: {' '.join(unknown)}"
+                     + (f" ({unknown[0]} is an option of {' and '.join(owners)})" if owners else ""))
     if problems := broken_rules(args, fields, flagged=True):
         chosen.exit(2, f"{chosen.prog}: error: {problems[0]}\n")
     return chosen, args

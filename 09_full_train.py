@@ -1472,7 +1472,8 @@ def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | Non
             refusals.append(f"{mesh_name(sizes)}: {error}".replace("\n", " "))
     fitting = sorted((v for v in valid if max(p.total for p in v[2]) <= cluster.gpu_memory * GIB),
                      key=lambda v: v[3]["step"])
-    return valid, fitting, refusals[0] if refusals else "no sizes multiply to it (tp divides --gpus-per-node)"
+    none = "no mesh sizes with those given multiply to it (and tp must divide --gpus-per-node)"
+    return valid, fitting, refusals[0] if refusals else none
 
 
 # --- The plan's report: one mesh, or the fastest that fit; as text, or as JSON (--json) ----------
@@ -1513,9 +1514,11 @@ def describe(r: dict, table: bool) -> str:
         shown = sorted({0, 1, fullest, last - 1, last} if last > 5 else range(last + 1))
         for rank in shown:
             head = len(memory) * r["virtual"] - 1 in r["stages"][rank]
-            unit = "microbatch-stages" if r["virtual"] > 1 else "microbatches"
+            held = r["in_flight"][rank]
+            unit = ("microbatch-stage" + "s" * (held != 1) if r["virtual"] > 1 else
+                    "microbatch" + "es" * (held != 1))
             what = ("embedding + " * (0 in r["stages"][rank]) + f"{r['layers'][rank]} layers"
-                    + " + head" * head + f", in flight: {r['in_flight'][rank]} {unit}")
+                    + " + head" * head + f", in flight: {held} {unit}")
             lines += ["  ..."] * (rank > 0 and rank - 1 not in shown) + [
                 f"  pp {rank:<10}" + "".join(f"{gib(v):>7}" for v in memory[rank].values()) + f"  {what}"]
     else:
@@ -1558,12 +1561,17 @@ def plan_report(args: argparse.Namespace) -> str:
     need = shown[0]["memory_gib"][shown[0]["fullest"]]["total"]
     if args.json:
         return json.dumps(dict(model=args.model, config=dataclasses.asdict(cfg), gpus=gpus,
-                               cluster=dataclasses.asdict(cluster), valid=len(valid), fitting=len(fitting),
-                               fits=need <= memory, meshes=shown))
-    n_params = sum(map(math.prod, foundation.parameter_shapes(cfg).values()))
+                               cluster=dataclasses.asdict(cluster) | {"gpus": gpus}, valid=len(valid),
+                               fitting=len(fitting),
+                               fits=None if train.moe and need <= memory else need <= memory, meshes=shown))
+    shapes, moe = foundation.parameter_shapes(cfg), train.moe
+    experts = moe and sum(map(math.prod, expert_parallel.moe_parameter_shapes(cfg.dim, moe, 1).values()))
+    n_params = sum(math.prod(v) for k, v in shapes.items() if not (moe and ".mlp." in k)) + cfg.n_layers * (
+        experts or 0)
+    mlp = f"{moe.n_experts} experts of {moe.expert_ffn_dim}, top {moe.top_k}" if moe else f"ffn {cfg.ffn_dim}"
     fp8_rate = f"FP8 x {cluster.speed[1]:.3g}" if cluster.fp8_tflops else "no FP8"
     header = (f"{args.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
-              f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, ffn {cfg.ffn_dim}, vocabulary {cfg.vocab_size:,}"
+              f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, {mlp}, vocabulary {cfg.vocab_size:,}"
               f"{', tied' if cfg.tie_embeddings else ''}), bf16 + fp32 masters"
               f"{' + FP8 GEMMs' if train.fp8 else ''}; batch {train.global_batch:,} x {train.seq_len:,} "
               f"tokens; {gpus:,} GPUs of {memory:g} GiB ({args.gpu}), {cluster.gpus_per_node} per node.\n"
@@ -1572,17 +1580,21 @@ def plan_report(args: argparse.Namespace) -> str:
               f"{'' if train.compile else ', eager'}; {cluster.nvlink_gbps:g} GB/s per GPU each way in a "
               f"node, {cluster.network_gbps:g} across nodes, {cluster.latency * 1e6:g} us a message.\n"
               f"Memory: the tensors, temporaries (the loss, a layer's backward, ZeRO's), the allocator's "
-              f"segments (+{float(ALLOCATOR):.0%}), CUDA's context and NCCL's buffers.")
+              f"segments (+{float(ALLOCATOR):.0%}), CUDA's context and NCCL's buffers"
+              + ("; not an MoE's activations (the routing decides them: no formula): 'fit' is a lower "
+                 "bound." if moe else "."))
     if given:  # the mesh given
         verdict = (f"does not fit: the fullest GPU needs {need:,.1f} GiB, {need - memory:,.1f} GiB "
                    f"({over(need) - 100}%) more than its {memory:g} GiB" if need > memory else
-                   f"fits: {need:,.1f} of {memory:g} GiB on the fullest GPU")
+                   f"fits{' without its activations' * bool(moe)}: {need:,.1f} of {memory:g} GiB on the "
+                   f"fullest GPU")
         return "\n".join([header, describe(shown[0], table=True), verdict])
     if not fitting:
         return (f"{args.model} does not fit on {gpus:,} GPUs of {memory:g} GiB: the leanest of {len(valid)} "
-                f"valid meshes ({describe(shown[0], False).splitlines()[0]}) needs {need:,.1f} GiB on its "
-                f"fullest GPU, {over(need) / 100:.2f}x the memory")
-    return "\n".join([header, f"{len(valid)} meshes pass validate, {len(fitting)} fit; the fastest:"] + [
+                f"valid mesh{'es' * (len(valid) != 1)} ({describe(shown[0], False).splitlines()[0]}) needs "
+                f"{need:,.1f} GiB on its fullest GPU, {over(need) / 100:.2f}x the memory")
+    fit = f"{len(fitting)} fit{' without their activations' * bool(moe)}"
+    return "\n".join([header, f"{len(valid)} meshes pass validate, {fit}; the fastest:"] + [
         f"{rank}. " + describe(r, table=False).replace("\n", "\n   ") for rank, r in enumerate(shown, 1)])
 
 
@@ -1597,7 +1609,8 @@ class ModelOptions:  # the model: a preset or a config.json, each size overridab
     kv_heads: int | None = option(None, "key/value heads, grouped-query attention", ">= 1", type=int)
     ffn_dim: int | None = option(None, "the MLP's hidden size (MoE: an expert's)", ">= 1", type=int)
     vocab: int | None = option(None, "vocabulary size", ">= 1", type=int)
-    moe: bool = option(False, "every MLP a mixture of experts (dropless)")
+    moe: bool = option(False, "every MLP a mixture of experts (dropless; top 2 of --experts, each --ffn-dim "
+                              "wide, default 64)")
     experts: int | None = option(None, "experts per MoE layer (default: the file's, else 4)", ">= 1",
                                  type=int)
 
@@ -1662,7 +1675,7 @@ def train_config(args: argparse.Namespace, device: torch.device | None = None) -
     """The options as a TrainConfig; those left None: the --model's run, 1 microbatch (2 with pp > 1), bf16
     on a GPU; the file's MoE (Mixtral: its experts, top-k and expert size) or --moe's (top 2, size 64)."""
     cfg, experts, (seq_len, global_batch, lr) = model_spec(args)
-    n, top_k, size = (*experts, cfg.ffn_dim) if experts else (4, 2, 64)
+    n, top_k, size = (*experts, cfg.ffn_dim) if experts else (4, 2, args.ffn_dim or 64)
     moe = expert_parallel.MoEConfig(n_experts=args.experts or n, top_k=top_k, expert_ffn_dim=size,
                                     aux_loss_coef=0)
     return options_of(TrainConfig, args, global_batch=global_batch, seq_len=seq_len, lr=lr, adam_eps=1e-6,

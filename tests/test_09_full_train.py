@@ -2103,6 +2103,27 @@ def test_a_mixtral_config_plans_its_experts_and_a_tied_one_counts_the_embedding_
     assert sizes[1] - sizes[0] == 128256 * 2048
 
 
+def test_an_moe_plan_never_says_fits_of_memory_it_does_not_count(monkeypatch, capsys, tmp_path):
+    """MoE activations have no formula (None): a plan that fits without them says so, and --json's fits is
+    null, not true (a review found "fits: 15.5 of 80 GiB" where the dense twin needed 82.3). The header
+    counts every expert (Mixtral 8x7B: 46.7B, not the dense 7.2B) and names them; --moe's experts are
+    --ffn-dim wide (its help says so), 64 by default."""
+    mixtral = dict(LLAMA3_8B_CONFIG, model_type="mixtral", vocab_size=32000, num_local_experts=8,
+                   num_experts_per_tok=2)
+    (tmp_path / "mixtral.json").write_text(json.dumps(mixtral))
+    code, out, _ = plan_main(monkeypatch, capsys, "--model", str(tmp_path / "mixtral.json"), "--gpus", "64")
+    assert code == 0 and "46.7B parameters" in out and "8 experts of 14336, top 2" in out
+    assert "fit without their activations; the fastest:" in out and "'fit' is a lower bound" in out
+    mesh = ["--model", "llama3-8b", "--moe", "--dp", "4", "--pp", "1", "--cp", "1", "--tp", "2"]
+    code, out, _ = plan_main(monkeypatch, capsys, *mesh)
+    assert code == 0 and out.splitlines()[-1].startswith("fits without its activations: ")
+    assert "4 experts of 64, top 2" in out
+    code, out, _ = plan_main(monkeypatch, capsys, *mesh, "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["fits"] is None and plan["cluster"]["gpus"] == plan["gpus"] == 8
+    assert full_train.train_config(parse_options("plan", *mesh, "--ffn-dim", "1024")).moe.expert_ffn_dim == 1024
+
+
 @pytest.mark.parametrize("command", ["plan", "train", "check"])
 @pytest.mark.parametrize("change, message", [
     (dict(model_type="qwen2"), "model_type='qwen2' is not llama, mistral or mixtral"),
