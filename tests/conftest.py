@@ -9,7 +9,8 @@ rank and gets the per-rank return values back:
     def test_something(rank_pool):
         results = rank_pool.run(4, some_module.some_function, arg)   # list, by rank
 
-If a rank raises, the test fails with every failing rank's traceback; if a rank does not answer in
+If a rank raises, the test fails with every failing rank's traceback, and the ranks leave their
+process groups (with whatever the call left in flight) for a fresh one; if a rank does not answer in
 time (a collective that some rank never joined), the test fails naming the silent ranks and the
 pool is replaced. Nothing hangs.
 
@@ -19,6 +20,12 @@ check: fewer examples, no shrinking, one failure reported: a verdict, not a diag
 
 `--lessons DIR` runs the suite on the lessons of DIR (a workshop copy, tests/workshop.py) instead of
 this course's: in this process, in the rank pools' workers, and in the scripts run_script starts.
+
+The lessons are imported with a record at the top of each exercise's function (tests/proofs.py), here
+and in the workers: at the session's end, every test that passed and ran an exercise's code must be
+one of its proofs (tests/exercises.py), and every proof that passed must have run it; else the
+session fails, the findings listed in its summary. `--no-proof-audit`: plain imports, no audit
+(tests/workshop.py's check, which grades with the proofs and needs no list of them).
 """
 from __future__ import annotations
 
@@ -48,6 +55,8 @@ for path in (str(TESTS), str(ROOT)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+import proofs  # noqa: E402 - from TESTS, on the path now
+
 settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", max_examples=60, deadline=None, print_blob=True,
@@ -64,6 +73,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 COLLECTIVE_TIMEOUT_S = 600  # inside the workers: a collective some rank never joins raises after this
 CALL_TIMEOUT_S = 600        # a call on every rank of a pool (its start-up too)
 SCRIPT_TIMEOUT_S = 900      # a lesson run as `python 0X_name.py`
+REJOIN_TIMEOUT_S = 60       # the ranks of a pool leaving their groups after a failed call, joining anew
 LESSON_NAME = re.compile(r"\d\d_\w+")
 
 
@@ -71,8 +81,9 @@ class _LessonFinder(importlib.abc.MetaPathFinder):
     """Imports every lesson ("02_zero") from one folder, whatever sys.path says (a test module may
     put the course's own folder first)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, recorded: bool) -> None:
         self.folder = folder
+        self.recorded = recorded
 
     def find_spec(self, name, path=None, target=None):
         if path is not None or not LESSON_NAME.fullmatch(name):
@@ -80,17 +91,20 @@ class _LessonFinder(importlib.abc.MetaPathFinder):
         file = self.folder / f"{name}.py"
         if not file.is_file():  # never the course's own lesson in its place
             raise ModuleNotFoundError(f"no {file.name} in {self.folder}", name=name)
-        return importlib.util.spec_from_file_location(name, file)
+        loader = proofs.Loader(name, str(file)) if self.recorded else None
+        return importlib.util.spec_from_file_location(name, file, loader=loader)
 
 
-def use_lessons(folder: Path) -> None:
-    """Lessons come from folder from now on, in this process; the pools' workers and run_script
-    follow ROOT. Called before any test module imports a lesson (pytest_configure)."""
-    global ROOT
+def use_lessons(folder: Path, recorded: bool) -> None:
+    """Lessons come from folder from now on, in this process, with their exercises' records if
+    recorded; the pools' workers and run_script follow ROOT. Called before any test module imports
+    a lesson (pytest_configure)."""
+    global ROOT, RECORDED
     ROOT = folder
+    RECORDED = recorded
     sys.path.insert(0, str(folder))
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _LessonFinder)]
-    sys.meta_path.insert(0, _LessonFinder(folder))
+    sys.meta_path.insert(0, _LessonFinder(folder, recorded))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -99,12 +113,92 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--call-timeout", type=float, default=CALL_TIMEOUT_S, metavar="SECONDS",
                      help="the longest a call on the ranks may take, whatever a test asks (the workshop's "
                           "grading: a collective some rank never joins fails in a minute, not ten)")
+    parser.addoption("--no-proof-audit", action="store_true",
+                     help="import the lessons as they are, without their exercises' records, and skip the "
+                          "audit of tests/ran.py at the session's end")
+    parser.addoption("--update-ran", action="store_true",
+                     help="write what the tests that passed ran into tests/ran.py instead of auditing it")
 
 
+RECORDED = False  # the lessons' exercises record which test ran them (tests/proofs.py)
+
+
+class ProofAudit:
+    """A plugin: which test (or fixture) is running, so that the exercises record into its set;
+    which tests were collected and passed; at the session's end, proofs.audit's findings fail it."""
+
+    def __init__(self, update: bool) -> None:
+        self.update = update
+        self.outside: set[str] = set()  # ran while no test ran: a module's top level
+        proofs.record_into(self.outside)
+        self.by_test: dict[str, set[str]] = {}
+        self.by_fixture: dict[object, set[str]] = {}
+        self.collected: set[str] = set()
+        self.passed: set[str] = set()
+        self.findings: list[str] = []
+
+    @staticmethod
+    def name(nodeid: str, path) -> str:
+        """"test_01_ddp.py::test_x[a]", whatever the root pytest runs from."""
+        return f"{Path(path).name}::{nodeid.split('::', 1)[1]}"
+
+    def pytest_itemcollected(self, item) -> None:
+        self.collected.add(self.name(item.nodeid, item.path))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item):
+        proofs.record_into(self.by_test.setdefault(self.name(item.nodeid, item.path), set()))
+        try:
+            return (yield)
+        finally:
+            proofs.record_into(self.outside)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        before = proofs.record_into(self.by_fixture.setdefault(fixturedef, set()))
+        try:
+            return (yield)
+        finally:
+            proofs.record_into(before)
+
+    def pytest_runtest_logreport(self, report) -> None:
+        name = self.name(report.nodeid, report.fspath)
+        if report.when == "call" and report.passed:
+            self.passed.add(name)
+        elif report.failed:
+            self.passed.discard(name)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        ran_by = {}
+        for item in session.items:
+            runs = set(self.by_test.get(self.name(item.nodeid, item.path), ()))
+            for name in item.fixturenames:  # a fixture set up for an earlier test ran for this one too
+                for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ())[-1:]:
+                    runs |= self.by_fixture.get(fixturedef, set())
+            ran_by[self.name(item.nodeid, item.path)] = runs
+        if self.update:
+            proofs.write(ran_by, self.passed, self.collected)
+            return
+        self.findings = proofs.audit(ran_by, self.passed, self.collected, self.outside)
+        if self.findings and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.findings:
+            terminalreporter.section("what the tests ran is not tests/ran.py (python -m pytest tests "
+                                     "--update-ran writes it)", red=True)
+            for line in self.findings:
+                terminalreporter.line(line)
+
+
+@pytest.hookimpl(trylast=True)  # after hypothesis's plugin has loaded --hypothesis-profile
 def pytest_configure(config: pytest.Config) -> None:
     folder = config.getoption("--lessons")
-    if folder is not None:
-        use_lessons(folder.resolve())
+    audited = not config.getoption("--no-proof-audit") and settings.get_current_profile_name() == "ci"
+    if folder is not None or audited:
+        use_lessons((folder or ROOT).resolve(), recorded=audited)
+    if audited:
+        config.pluginmanager.register(ProofAudit(config.getoption("--update-ran")), "proof-audit")
 
 
 class RankFailure(AssertionError):
@@ -116,9 +210,10 @@ class RankFailure(AssertionError):
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue,
-            sys_path: list[str], lessons: str) -> None:
+            sys_path: list[str], lessons: str, compiled: dict[str, bytes] | None) -> None:
     sys.path[:] = sys_path
-    use_lessons(Path(lessons))
+    use_lessons(Path(lessons), recorded=compiled is not None)
+    proofs.use_compiled(compiled or {})
     import torch
     import torch.distributed as dist
 
@@ -127,17 +222,38 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    results.put(("ready", rank, "ok", b""))
+    results.put(("ready", rank, "ok", b"", ()))
     while (task := tasks.get()) is not None:
         call_id, payload = task
+        if payload is None:
+            results.put(_rejoin(call_id, rank, world_size, port))
+            continue
+        ran: set[str] = set()  # the exercises this call runs: they go back with its result
+        proofs.record_into(ran)
         try:
             fn, args, kwargs = pickle.loads(payload)
             # Pickled here, not in the queue's feeder thread, where a failure would vanish silently.
-            results.put((call_id, rank, "ok", pickle.dumps(fn(*args, **kwargs))))
+            results.put((call_id, rank, "ok", pickle.dumps(fn(*args, **kwargs)), tuple(ran)))
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the test process
             # A ValueError is a validation error raised before any collective: the group is intact.
             status = "invalid" if isinstance(exc, ValueError) else "error"
-            results.put((call_id, rank, status, traceback.format_exc()))
+            results.put((call_id, rank, status, traceback.format_exc(), tuple(ran)))
+
+
+def _rejoin(call_id: str, rank: int, world_size: int, port: int) -> tuple:
+    """Leave every process group, with whatever a failed call left on them (operations in flight or
+    half-matched), and join a fresh default group through the pool's store: the processes, their
+    imports and torch stay, at a fraction of a second (a new pool costs seconds a rank)."""
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group()
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store = dist.PrefixStore(call_id, dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        return call_id, rank, "ok", b"", ()
+    except BaseException:  # noqa: BLE001 - then the pool is replaced
+        return call_id, rank, "error", traceback.format_exc(), ()
 
 
 def _start_method() -> mp.context.BaseContext:
@@ -166,8 +282,9 @@ class RankPool:
         # Every rank joins this store (01_ddp.launch's way): its port is never free for another process.
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         port = self.store.port
-        self.procs = [ctx.Process(target=_worker, daemon=True, args=(r, world_size, port, self.tasks[r],
-                                                                     self.results, list(sys.path), str(ROOT)))
+        compiled = proofs.compiled(ROOT) if RECORDED else None
+        self.procs = [ctx.Process(target=_worker, daemon=True, args=(r, world_size, port, self.tasks[r], self.results,
+                                                                     list(sys.path), str(ROOT), compiled))
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -185,13 +302,14 @@ class RankPool:
         deadline = time.monotonic() + timeout
         while len(answers) < self.world_size and time.monotonic() < deadline:
             try:
-                cid, rank, status, value = self.results.get(timeout=0.5)
+                cid, rank, status, value, ran = self.results.get(timeout=0.5)
             except queue.Empty:
                 if any(not p.is_alive() for p in self.procs):
                     break
                 continue
             if cid == call_id:
                 answers[rank] = (status, value)
+                proofs.record_all(ran)
         return answers
 
     def _silent(self, answers: dict) -> dict[int, str]:
@@ -208,9 +326,11 @@ class RankPool:
         silent = self._silent(answers)
         failed = {r: tb for r, (status, tb) in answers.items() if status != "ok"}
         if silent or failed:
-            # Reusable only if every failing rank raised a validation error before any collective;
-            # anything else (a timeout, a rank stuck in a collective) may leave the group broken.
-            self.healthy = not silent and all(status != "error" for status, _ in answers.values())
+            # Reusable if every failing rank raised a validation error before any collective, or if
+            # every rank answered and all rejoined a fresh group; a silent rank (a timeout, a rank
+            # stuck in a collective) may never answer: the pool is replaced.
+            self.healthy = not silent and (all(status != "error" for status, _ in answers.values())
+                                           or self._rejoin())
             # In the order the ranks failed (answers arrive in that order), then the silent ones: the
             # first is the cause, the others often its consequence (a peer's collective broke).
             errors = {**failed, **silent}
@@ -218,6 +338,15 @@ class RankPool:
             raise RankFailure(f"{fn.__name__} failed on ranks {sorted(errors)} of {self.world_size}"
                               f" (timeout {timeout}s):\n{detail}", errors)
         return [pickle.loads(answers[r][1]) for r in range(self.world_size)]
+
+    def _rejoin(self) -> bool:
+        """Every rank leaves its groups and joins a fresh one (_rejoin): True if all did in time."""
+        self.calls += 1
+        call_id = f"rejoin {self.calls}"
+        for q in self.tasks:
+            q.put((call_id, None))
+        answers = self._collect(call_id, REJOIN_TIMEOUT_S)
+        return len(answers) == self.world_size and all(status == "ok" for status, _ in answers.values())
 
     def close(self, deadline: float) -> None:
         for q in self.tasks:

@@ -1,14 +1,24 @@
 """The workshop's exercises: for each lesson, the functions at its heart that a participant writes.
 
-Data only; tests/workshop.py blanks them in a copy of the course and grades them with their proofs,
-tests of the course's own suite (node ids within the lesson's test file). An exercise names one
-function or method, or two that are one idea, by qualified name in its lesson; the lessons keep
-those names. `needs`: the exercises whose code its proofs also run, to be solved first (their
-blank would be met before this one's).
+tests/workshop.py blanks them in a copy of the course and grades them with their proofs. An exercise
+names one function or method, or two that are one idea, by qualified name in its lesson; the lessons
+keep those names. Its `task` states the rules a body must keep; tests/test_workshop.py plants, for
+each rule a wrong body can break, a body that breaks that rule only, and a proof must fail on it.
+
+The proofs are not picked: they are every test of the lesson's own test file that runs the
+exercise's code, as the suite recorded it (tests/ran.py, which tests/proofs.py keeps true). A test
+of another file that runs it too (test_09 trains with 02's ZeRO) is no proof: it needs later
+lessons' exercises as well, and would make a check take minutes. No proof takes over 30 s in a
+check (the slowest, test_09's test_any_mesh_equals_one_device, 23 s on two busy cores), so none is
+left out for its time. `needs`: the other exercises whose code the proofs run; a lesson's tests mix
+its exercises (02.1's proofs run 02.3's code and 02.3's run 02.1's), so some need each other: they
+are solved together, or their blank is met first.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ran import RAN
 
 
 @dataclass(frozen=True)
@@ -20,8 +30,6 @@ class Exercise:
     task: str                    # what the code must do, what it may call, where the lesson explains it
     hint: str
     minutes: int                 # estimated time for a participant who has read the lesson
-    proofs: tuple[str, ...]      # tests of the lesson's test file (tests/test_<lesson>.py), by node id
-    needs: tuple[str, ...] = ()
 
     @property
     def test_file(self) -> str:
@@ -29,8 +37,18 @@ class Exercise:
 
     @property
     def node_ids(self) -> tuple[str, ...]:
-        """The proofs as pytest node ids relative to tests/."""
-        return tuple(f"{self.test_file}::{proof}" for proof in self.proofs)
+        """The proofs, as node ids relative to tests/: the tests of its lesson's file that run it."""
+        return tuple(test for test, ran in RAN.items()
+                     if self.id in ran and test.startswith(f"{self.test_file}::"))
+
+    @property
+    def proofs(self) -> tuple[str, ...]:
+        """The proofs, as names within the test file."""
+        return tuple(test.split("::", 1)[1] for test in self.node_ids)
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        return tuple(sorted({i for test in self.node_ids for i in RAN[test]} - {self.id}))
 
 
 EXERCISES = (
@@ -43,24 +61,20 @@ EXERCISES = (
              "supported'). Docstring: THE IDEA, THREE VERSIONS (a).",
         hint="The sum of N rank-mean gradients / N is the gradient of the global batch's mean loss; "
              "dist.get_world_size(group) is N.",
-        minutes=10,
-        proofs=("test_frozen_parameters_are_skipped_and_unused_trainable_ones_refused[naive]",
-                "test_naive_averaging_stays_within_its_group")),
+        minutes=10),
     Exercise(
         "01.2", "01_ddp.py", ("BucketedDataParallel._on_grad_ready", "GradBucket.unpack"),
         "bucketed all-reduce, launched from the gradient hook",
         task="_on_grad_ready runs as each gradient is complete: outside no_sync(), copy it into its bucket "
-             "(GradBucket.add), then launch the async all_reduce (async_op=True, its work in bucket.work) "
-             "of every full bucket from self.next_to_launch on, in order, stopping at the first that is "
-             "not full; keep self.max_in_flight, the most launched and unfinished at once. unpack: wait "
-             "for the bucket's all-reduce, divide by the world size, copy each view back into its "
-             "parameter's .grad, empty `ready` and forget the work. Docstring: THREE VERSIONS (b).",
+             "(GradBucket.add), then launch 01's all_reduce over self.group, async (async_op=True, its "
+             "work in bucket.work), of every full bucket from self.next_to_launch on, in order, stopping "
+             "at the first that is not full; keep self.max_in_flight, the most launched and unfinished "
+             "at once. unpack: wait for the bucket's all-reduce, divide by the group's size (world), "
+             "copy each view back into its parameter's .grad, empty `ready` and forget the work. "
+             "Docstring: THREE VERSIONS (b).",
         hint="A bucket is full when len(bucket.ready) == len(bucket.params). Collectives are matched by "
              "call order: a later bucket that fills first must wait for the earlier ones.",
-        minutes=20,
-        proofs=("test_buckets_launch_in_order_even_if_a_later_one_fills_first",
-                "test_buckets_fill_in_reverse_order_and_launch_during_backward",
-                "test_frozen_parameters_are_skipped_and_unused_trainable_ones_refused[bucketed]")),
+        minutes=20),
 
     Exercise(
         "02.1", "02_zero.py", ("ZeRO._on_grad_ready", "ZeRO._reduce_scatter"),
@@ -74,8 +88,7 @@ EXERCISES = (
              "(work, send buffer) in unit.scatter. Docstring: THE IDEA (stage 2), COST.",
         hint="finish_gradient_sync waits on unit.scatter[0] and divides by the group size: the hook only "
              "launches. The send buffer must outlive the call until the wait.",
-        minutes=20,
-        proofs=("test_no_sync_accumulates_microbatches[2]",)),
+        minutes=20),
     Exercise(
         "02.2", "02_zero.py", ("ZeRO.grad_squares",), "the global gradient norm from shards",
         task="Return ||g||^2 of the averaged gradient over the whole group, as an fp32 scalar: each unit's "
@@ -85,10 +98,7 @@ EXERCISES = (
         hint="Parameter j of a unit covers [unit.offsets[j], unit.offsets[j + 1]) of the flat vector; "
              "intersect that with unit.owned and shift by unit.owned.start. Clipping each shard by its "
              "own norm is the classic bug.",
-        minutes=20,
-        proofs=("test_tied_root_and_frozen_parameters_train_as_on_one_device[tie_embedding-1]",
-                "test_tied_root_and_frozen_parameters_train_as_on_one_device[freeze_some-0]",
-                "test_grad_squares_weighs_each_parameter_by_its_share[1]")),
+        minutes=20),
     Exercise(
         "02.3", "02_zero.py", ("ZeRO._gather", "ZeRO._after_forward"),
         "ZeRO-3: gather before use, free after, prefetch the next",
@@ -101,11 +111,7 @@ EXERCISES = (
              "prefetching index - 1. Docstring: THE IDEA (stage 3), COST (1.5x DDP).",
         hint="A unit still gathered from an earlier use has gather_work None: nothing to wait for. "
              "Backward visits the units in reverse: its next one is index - 1.",
-        minutes=25,
-        proofs=("test_zero3_gathers_one_module_at_a_time_and_prefetches[True]",
-                "test_zero3_gathers_one_module_at_a_time_and_prefetches[False]",
-                "test_no_sync_accumulates_microbatches[3]"),
-        needs=("02.1", "02.2")),
+        minutes=25),
 
     Exercise(
         "03.1", "03_tensor_parallel.py", ("conjugate.Conjugate.forward", "conjugate.Conjugate.backward"),
@@ -116,8 +122,7 @@ EXERCISES = (
              "Docstring: THE CONJUGATE OPERATORS, SEQUENCE PARALLELISM.",
         hint="f = (identity, all-reduce): every rank uses the same input, so its gradient is the sum of "
              "the ranks' gradients; g = (all-reduce, identity) is its mirror.",
-        minutes=10,
-        proofs=("test_conjugate_operators_match_their_definitions[2]",)),
+        minutes=10),
     Exercise(
         "03.2", "03_tensor_parallel.py", ("VocabParallelCrossEntropy.forward",),
         "vocab-parallel cross-entropy without the full logits",
@@ -129,9 +134,7 @@ EXERCISES = (
              "where not held, held mask) and return mean(log sum - target). Docstring: VOCAB PARALLELISM.",
         hint="loss = log sum_v e^(z_v - m) - (z_target - m); backward is given and reads exactly "
              "ctx.saved_tensors = (exp / sum_exp[:, None], local_target, mine).",
-        minutes=20,
-        proofs=("test_vocab_parallel_loss_and_embedding_match_their_definitions[2-7]",
-                "test_vocab_parallel_loss_and_embedding_match_their_definitions[2-16]")),
+        minutes=20),
     Exercise(
         "03.3", "03_tensor_parallel.py", ("enter_region", "exit_region"),
         "f before a region, g after it",
@@ -142,11 +145,7 @@ EXERCISES = (
              "Docstring: THE CONJUGATE OPERATORS, SEQUENCE PARALLELISM.",
         hint="A forward pre-hook returning a tuple replaces the arguments; a forward hook returning a "
              "tensor replaces the output. The operators take (x, ctx.group).",
-        minutes=10,
-        proofs=("test_at_tp_1_nothing_is_inserted[False]",
-                "test_frozen_parameters_stay_frozen_and_the_rest_trains_as_on_one_device[False]",
-                "test_frozen_parameters_stay_frozen_and_the_rest_trains_as_on_one_device[True]"),
-        needs=("03.1", "03.2")),
+        minutes=10),
 
     Exercise(
         "04.1", "04_pipeline.py", ("compute_order",), "the order of forwards and backwards on a rank",
@@ -157,10 +156,7 @@ EXERCISES = (
              "chunks in reverse. Actions: Action(kind, stage, microbatch). Docstring: SCHEDULES ARE DATA.",
         hint="1F1B's warm-up on rank r is min(m, pp - r - 1) forwards. Interleaved: total m v actions of "
              "each kind, warm-up min(m v, 2 (pp - r - 1) + (v - 1) pp).",
-        minutes=35,
-        proofs=("test_schedule_shapes_on_a_known_case",
-                "test_schedules_are_complete_ordered_and_never_deadlock",
-                "test_every_schedule_equals_single_device[1f1b-2]")),
+        minutes=35),
     Exercise(
         "04.2", "04_pipeline.py", ("bubble_formula",), "the bubble of each schedule",
         task="The idle fraction of a step, with unit times F = 1, B = 2 (ZB-H1: F = B = W = 1), for each "
@@ -169,9 +165,7 @@ EXERCISES = (
              "m < p the last rank's F, B, F, B chain sets the length. Docstring: SCHEDULES ARE DATA.",
         hint="Draw p = 2, m = 3 by hand (str(make_schedule('1f1b', 2, 3)) draws it): the step lasts "
              "m + p - 1 forward-backward slots. ZB-H1 for m >= p: (p - 1) / (3m + p - 1).",
-        minutes=15,
-        proofs=("test_planned_bubble_equals_the_formula",),
-        needs=("04.1",)),
+        minutes=15),
 
     Exercise(
         "05.1", "05_context_parallel.py", ("merge_partials",), "merging two partial attentions by lse",
@@ -181,9 +175,7 @@ EXERCISES = (
              "appear, even in backward. Cast the weight to out_a's dtype. Docstring: THE MERGE RULE.",
         hint="torch.where(empty_a | empty_b, 0.0, lse_a - lse_b) keeps the difference finite; the "
              "weight broadcasts over the head dimension with [..., None].",
-        minutes=15,
-        proofs=("test_merge_rule_equals_the_unsplit_softmax",
-                "test_merge_propagates_nan")),
+        minutes=15),
     Exercise(
         "05.2", "05_context_parallel.py",
         ("SequenceLayout.chunks", "SequenceLayout.shard", "SequenceLayout.unshard"), "the zigzag layout",
@@ -191,8 +183,7 @@ EXERCISES = (
              "rank, dim): those chunks of x along dim, concatenated in that order; unshard(shards, dim): "
              "the whole sequence back from every rank's shard. Docstring: LOAD BALANCE.",
         hint="x.narrow(dim, c * self.chunk_len, self.chunk_len) is chunk c.",
-        minutes=10,
-        proofs=("test_layout_shards_tile_the_sequence",)),
+        minutes=10),
     Exercise(
         "05.3", "05_context_parallel.py", ("RingAttention.forward",), "the forward of ring attention",
         task="Attention of this rank's queries over the whole sequence: for each K/V block the ring "
@@ -204,9 +195,7 @@ EXERCISES = (
              "Docstring: RING ATTENTION.",
         hint="The block call: compute(block.forward, q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], "
              "q_off, k_off, masked).",
-        minutes=25,
-        proofs=("test_sharded_attention_equals_full_attention",),
-        needs=("05.1", "05.2")),
+        minutes=25),
 
     Exercise(
         "06.1", "06_expert_parallel.py", ("dispatch", "combine"), "dispatch and combine over all-to-all",
@@ -218,9 +207,7 @@ EXERCISES = (
              "Docstring: EXPERT PARALLELISM.",
         hint="The inverse of a permutation p is torch.argsort(p); exchange's backward is the reverse "
              "all-to-all, so autograd needs nothing more.",
-        minutes=20,
-        proofs=("test_moe_layer_equals_a_per_token_loop",
-                "test_dispatch_then_combine_restores_input_and_gradient")),
+        minutes=20),
     Exercise(
         "06.2", "06_expert_parallel.py", ("sync_gradients",), "gradients of an expert-parallel model",
         task="After backward, make every gradient the global mean loss's: replicated weights all-reduce "
@@ -229,10 +216,7 @@ EXERCISES = (
              "gradient raises RuntimeError('<name> got no gradient'). Docstring: EXPERT PARALLELISM.",
         hint="moe_layers(model) and layer.expert_parameters() find the experts. All-reducing an expert "
              "too, or forgetting / ep, doubles its gradient at ep = 2.",
-        minutes=10,
-        proofs=("test_frozen_parameters_are_skipped_and_the_rest_still_matches",
-                "test_expert_parallel_layer_equals_one_device[2]"),
-        needs=("06.1",)),
+        minutes=10),
 
     Exercise(
         "07.1", "07_flash_attention.py", ("_key_range", "_query_range"), "which blocks a program visits",
@@ -243,10 +227,7 @@ EXERCISES = (
              "Docstring: CAUSAL.",
         hint="Without the causal mask only the sequence's end needs a mask. Round to block multiples "
              "with // BLOCK * BLOCK and tl.cdiv, clamp with tl.minimum / tl.maximum.",
-        minutes=25,
-        proofs=("test_block_skipping_matches_brute_force_visibility[True-32-16]",
-                "test_block_skipping_matches_brute_force_visibility[True-16-32]",
-                "test_block_skipping_matches_brute_force_visibility[False-64-64]")),
+        minutes=25),
     Exercise(
         "07.2", "07_flash_attention.py", ("_attend",), "the online-softmax recurrence",
         task="For the key blocks [start, end), BLOCK_N at a time: load K (_tile, _load_keys), scores "
@@ -256,18 +237,14 @@ EXERCISES = (
              "RECURRENCE, PRECISION.",
         hint="A row that has seen no key has m = -inf: subtract 0 instead of -inf (masked blocks only), "
              "else exp2 meets -inf - -inf. Dots: tl.dot(..., input_precision=PRECISION); p.to(v.dtype).",
-        minutes=30,
-        proofs=("test_attention_matches_float64",
-                "test_gpt_with_flash_attention_equals_reference[24-4]"),
-        needs=("07.1",)),
+        minutes=30),
 
     Exercise(
         "08.1", "08_fp8.py", ("amax_to_scale",), "the scale rule",
         task="s = fp8_max(dtype) / amax in fp32, finite and positive for every finite amax, zero included "
              "(clamp the amax at AMAX_EPS). Docstring: THE SCALE RULE.",
         hint="A tensor of amaxes gives a tensor of scales: torch.full_like(amax, fp8_max(dtype)) / amax.",
-        minutes=5,
-        proofs=("test_scale_is_finite_and_maps_amax_to_fp8_max",)),
+        minutes=5),
     Exercise(
         "08.2", "08_fp8.py", ("cast_to_fp8",), "the saturating cast",
         task="x * scale (in fp32) cast to dtype, saturating: a finite value beyond +-fp8_max clips to it "
@@ -276,11 +253,7 @@ EXERCISES = (
              "Docstring: THE FORMATS, SATURATION.",
         hint="torch's own cast saturates e4m3fn's inf to 448 and overflows e5m2: clamp first, then put "
              "the infinite inputs back with torch.where.",
-        minutes=15,
-        proofs=("test_format_limits_and_saturating_cast",
-                "test_finite_values_whose_scaled_product_overflows_fp32_saturate[dtype0]",
-                "test_round_trip_and_saturation_of_every_recipe"),
-        needs=("08.1",)),
+        minutes=15),
     Exercise(
         "08.3", "08_fp8.py", ("DelayedScaling.scale", "DelayedScaling.quantize"), "delayed scaling",
         task="scale(first_amax): the (1, 1) scale of the next quantize: from the max of the amax history "
@@ -291,29 +264,21 @@ EXERCISES = (
              "return (q shaped like x, scale). Docstring: SCALING RECIPES (delayed).",
         hint="fused_amax_cast(rows, dtype=..., scale=...) returns (q, scale, amax); rows are x reshaped "
              "to (-1, x.shape[-1]). Newest first: torch.cat([amax.view(1), history[:-1]]).",
-        minutes=20,
-        proofs=("test_delayed_scaling_history_window_and_margin",
-                "test_delayed_scaling_clips_a_spike_until_it_enters_the_history",
-                "test_delayed_scaling_after_an_all_zero_call[dtype0]",
-                "test_delayed_scaling_after_a_non_finite_call[dtype0-nan]"),
-        needs=("08.1",)),
+        minutes=20),
 
     Exercise(
         "09.1", "09_full_train.py", ("MeshSizes.coords", "MeshSizes.rank"), "the rank map",
         task="coords(rank) -> {dim: index} for the dims of DIMS (dp, pp, cp, tp), tp varying fastest; "
              "rank(**coords) its inverse: rank = ((d pp + p) cp + c) tp + t. Docstring: THE MESH.",
         hint="divmod by the sizes from the fastest dimension (reversed(DIMS)) to the slowest.",
-        minutes=10,
-        proofs=("test_mesh_coordinates_and_groups",)),
+        minutes=10),
     Exercise(
         "09.2", "09_full_train.py", ("MeshSizes.groups",), "the process groups of a mesh",
         task="Every group of ranks that differ only along `dims` (a tuple of dims): one per combination "
              "of the other dims' indices, in mesh order, each group's ranks in mesh order. Use rank(). "
              "Docstring: THE MESH.",
         hint="itertools.product over the fixed dims' ranges, and inside over the moving dims' ranges.",
-        minutes=15,
-        proofs=("test_mesh_coordinates_and_groups",),  # every group of three meshes, derived from the grid
-        needs=("09.1",)),
+        minutes=15),
     Exercise(
         "09.3", "09_full_train.py", ("inside_node",), "whether a group stays inside a node",
         task="Return whether every group of this kind (its dims: GROUP_DIMS, dp x cp for a "
@@ -323,8 +288,7 @@ EXERCISES = (
              "faster dims. Docstring: THE STEP TIME; inside_node's own.",
         hint="Draw dp = 1, pp = 1, cp = 2, tp = 2 on nodes of 2: the cp groups are 0, 2 and 1, 3. "
              "A block no bigger than a node can still straddle two: the node must hold whole blocks.",
-        minutes=10,
-        proofs=("test_inside_node_exactly_when_no_group_of_the_kind_crosses_a_node",)),
+        minutes=10),
     Exercise(
         "09.4", "09_full_train.py", ("pipeline_span",), "the span of the pipeline",
         task="Return (span, fill): fill, the sends nothing hides, boundary seconds each: with overlap "
@@ -334,6 +298,5 @@ EXERCISES = (
              "fill. Docstring: THE STEP TIME; pipeline_span's own.",
         hint="A rank idle a fraction b of a span T is busy (1 - b) T. Compare 1F1B at pp = 8, m = 8 "
              "(bubble 7/15): dividing by 1 - b and multiplying by 1 + b differ by 1.9x.",
-        minutes=10,
-        proofs=("test_the_pipeline_span_idles_the_slowest_rank_the_bubble_plus_the_fill_and_drain",)),
+        minutes=10),
 )

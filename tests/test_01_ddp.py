@@ -684,6 +684,67 @@ def test_buckets_launch_in_order_even_if_a_later_one_fills_first(rank_pool):
         assert averaged == [1.0], "ones on both ranks average to ones"
 
 
+class LandingWork:
+    """An async all-reduce's work whose sum lands in its buffer when waited for (an async one may
+    land any time before that), or at once if done."""
+
+    def __init__(self, buffer: torch.Tensor, summed: torch.Tensor, done: bool = False) -> None:
+        self.buffer, self.summed, self.done = buffer, summed, False
+        if done:
+            self.wait()
+
+    def wait(self) -> bool:
+        self.buffer.copy_(self.summed)
+        self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_unpack_waits_then_averages_each_view_into_its_gradient_and_empties_the_bucket():
+    """unpack waits for the all-reduce before it reads the buffer, divides by the world size, copies
+    each view into its own parameter's .grad, and leaves no slot ready and no work for the next step."""
+    params = [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(3))]
+    bucket = foundation.GradBucket(params)
+    for p in params:
+        p.grad = torch.full_like(p, 7.0)  # this rank's own gradient
+        bucket.add(p)
+    summed = torch.arange(7.0)  # the group's sum, not yet landed
+    bucket.work = LandingWork(bucket.buffer, summed)
+    bucket.unpack(4)
+    assert torch.equal(params[0].grad, summed[:4].view(2, 2) / 4)
+    assert torch.equal(params[1].grad, summed[4:] / 4)
+    assert bucket.ready == set() and bucket.work is None
+
+
+def most_in_flight_in_one_backward(done: bool) -> tuple[int, int]:
+    """One backward under BucketedDataParallel, a bucket a parameter, its all-reduces' works landing
+    only when waited for (done=False) or at once: (max_in_flight, the number of buckets)."""
+    cfg = foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32, vocab_size=32)
+    model = foundation.GPT(cfg)
+    wrapper = foundation.BucketedDataParallel(model, bucket_bytes=1)
+
+    def launch(tensor, group=None, async_op=False):
+        return LandingWork(tensor, tensor.clone(), done)  # one rank: the sum is its own gradient
+
+    real = foundation.all_reduce
+    foundation.all_reduce = launch
+    try:
+        model(*foundation.synthetic_batch(cfg, 2, 4, 0)).backward()
+    finally:
+        foundation.all_reduce = real
+    wrapper.finish_gradient_sync()
+    return wrapper.max_in_flight, len(wrapper.buckets)
+
+
+def test_max_in_flight_counts_the_launched_all_reduces_not_yet_finished(rank_pool):
+    [(pending, buckets)] = rank_pool.run(1, most_in_flight_in_one_backward, False)
+    assert pending == buckets, "none finishes before the wait: every bucket is in flight at the end"
+    [(finished, _)] = rank_pool.run(1, most_in_flight_in_one_backward, True)
+    assert finished == 0, "each finished as it launched: never one in flight"
+
+
 def naive_average_in_groups_of_two_and_one() -> float:
     """3 ranks in groups {0, 1} and {2}; rank r's only gradient is r + 1, frozen one aside."""
     groups = [dist.new_group([0, 1]), dist.new_group([2])]  # every rank creates every group

@@ -42,7 +42,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from conftest import ROOT, run_script
-from test_01_ddp import model_configs
+from test_01_ddp import LandingWork, model_configs
 
 foundation = importlib.import_module("01_ddp")
 zero = importlib.import_module("02_zero")
@@ -112,6 +112,27 @@ def test_zero_equals_single_device(rank_pool, cfg, world, stage, per_rank, seq_l
         if stage:
             assert meter.traffic("all_reduce") == norm * steps
         assert set(op for op, _ in meter.stats) <= {"all_reduce", "reduce_scatter", "all_gather"}
+
+
+def train_zero_on_strided_subgroups(cfgs, steps, global_batch, seq_len, **kwargs):
+    """4 ranks, two groups {0, 2} and {1, 3}, each training its own model (cfgs[g]: another seed), so
+    that nothing mixed across the groups can come out right by symmetry."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+    which = dist.get_rank() % 2
+    return zero.train_zero(cfgs[which], steps, global_batch, seq_len, group=groups[which], **kwargs)
+
+
+def test_zero_on_a_subgroup(rank_pool):
+    """ZeRO-3, clipping: each group equals one device training its model, and every collective (the
+    gradients' reduce-scatters, the parameters' all-gathers, the norm's all-reduce) stays in it."""
+    cfgs = [foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20, seed=seed) for seed in (1, 2)]
+    kwargs = dict(adam_eps=ADAM_EPS, max_grad_norm=0.05)
+    runs = rank_pool.run(4, train_zero_on_strided_subgroups, cfgs, 2, 4, 6, stage=3, **kwargs)
+    references = [foundation.train_single_device(cfg, 2, 4, 6, **kwargs) for cfg in cfgs]
+    assert min(min(reference.grad_norms) for reference in references) > 0.05, "clipping must be active"
+    for rank, (result, meter) in enumerate(runs):
+        assert_matches_reference(result, references[rank % 2])
+        assert {ranks for _, ranks in meter.stats} == {(0, 2) if rank % 2 == 0 else (1, 3)}
 
 
 @pytest.mark.parametrize("mixed_precision", [False, True])
@@ -425,6 +446,71 @@ def test_zero3_gathers_one_module_at_a_time_and_prefetches(rank_pool, prefetch):
         assert after == 0, "every full parameter is freed after backward"
         assert prefetched == (2 * (units - 1) if prefetch else 0), "forward and backward prefetch"
         assert in_flight <= (2 if prefetch else 1)
+
+
+def units_during_a_no_grad_forward(cfg, prefetch):
+    """ZeRO-3 evaluating: a forward under no_grad, no backward. Per module, the units holding full
+    parameters while it computes; then the parameters still full, the prefetched gathers, the loss."""
+    model = foundation.GPT(cfg)
+    optimizer = zero.ZeRO(model, 3, prefetch=prefetch)
+    seen = []
+    for _, module in zero.zero_units(model):  # registered after ZeRO's: runs after the gather
+        module.register_forward_pre_hook(lambda m, args: seen.append(
+            sum(any(p.numel() for p in u.params) for u in optimizer.units)))
+    with torch.no_grad():
+        loss = model(*foundation.synthetic_batch(cfg, 2, 6, 0, dist.get_rank(), 2))
+    after = sum(p.numel() for p in model.parameters())
+    return seen, after, optimizer.prefetched_gathers, loss.item()
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_zero3_evaluates_under_no_grad_one_module_at_a_time(rank_pool, prefetch):
+    """Each module's parameters are gathered just in time (the next one's prefetched), freed after its
+    forward, and no output that needs no gradient gets a backward hook; the loss is one device's (the
+    same sums: 1e-6)."""
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20, n_layers=3)
+    units = 3 + 3  # embed, 3 blocks, norm, lm_head
+    for rank, (seen, after, prefetched, loss) in enumerate(rank_pool.run(2, units_during_a_no_grad_forward, cfg,
+                                                                         prefetch)):
+        assert seen == [1] * units, "only the computing module has full parameters"
+        assert after == 0, "every full parameter is freed after its forward"
+        assert prefetched == (units - 1 if prefetch else 0)
+        expected = foundation.GPT(cfg)(*foundation.synthetic_batch(cfg, 2, 6, 0, rank, 2))
+        assert loss == pytest.approx(expected.item(), abs=1e-6)
+
+
+def zero3_step_with_gathers_landing_at_wait(cfg):
+    """One ZeRO-3 forward and backward on one rank whose all-gathers land only when waited for (an
+    async one may land any time before; until then the full parameters read NaN): the loss and the
+    gradients, and one device's."""
+    tokens, targets = foundation.synthetic_batch(cfg, 2, 6, 0)
+    reference = foundation.GPT(cfg)
+    expected = reference(tokens, targets)
+    expected.backward()
+    model = foundation.GPT(cfg)
+    optimizer = zero.ZeRO(model, 3)
+
+    def gather(output, input, group=None, async_op=False):
+        output.fill_(float("nan"))
+        return LandingWork(output, input.clone())  # one rank: the gathered vector is its own shard
+
+    real = foundation.all_gather
+    foundation.all_gather = gather
+    try:
+        loss = model(tokens, targets)
+        loss.backward()
+    finally:
+        foundation.all_gather = real
+    optimizer.finish_gradient_sync()
+    grads = optimizer.gather_full([unit.grad_shard for unit in optimizer.units])
+    return loss.item(), expected.item(), grads, {name: p.grad for name, p in reference.named_parameters()}
+
+
+def test_zero3_uses_a_unit_only_after_its_all_gather_is_waited_for(rank_pool):
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
+    [(loss, expected, grads, reference)] = rank_pool.run(1, zero3_step_with_gathers_landing_at_wait, cfg)
+    assert loss == pytest.approx(expected, abs=LOSS_ATOL)
+    assert_close_by_name(grads, reference, "gradient", atol=GRAD_ATOL, rtol=GRAD_RTOL)
 
 
 # --- misuse and non-finite values ---------------------------------------------------------------

@@ -36,14 +36,16 @@ LOSS_ATOL, GRAD_ATOL, GRAD_RTOL, PARAM_ATOL, ADAM_EPS = 1e-5, 1e-6, 1e-4, 1e-5, 
 
 
 @st.composite
-def schedules(draw, max_pp: int = 5) -> "pipeline.Schedule":
+def schedule_specs(draw, max_pp: int = 5) -> tuple[str, int, int, int]:
+    """(name, pp, microbatches, virtual): make_schedule's arguments. Examples are these, not
+    schedules, so that no schedule is made while the file is imported."""
     name = draw(st.sampled_from(pipeline.SCHEDULES))
     pp = draw(st.integers(1, max_pp))
     if name == "interleaved":
         virtual, m = draw(st.integers(1, 3)), pp * draw(st.integers(1, 3))
     else:
         virtual, m = 1, draw(st.integers(1, 10))
-    return pipeline.make_schedule(name, pp, m, virtual)
+    return name, pp, m, virtual
 
 
 # --- schedules as data ------------------------------------------------------------------------
@@ -124,8 +126,9 @@ def run_with_rendezvous(plan: "pipeline.Schedule") -> None:
         assert posted[key] == posted[(key[0], key[1], "recv")], f"unmatched transfers on {key[:2]}"
 
 
-@given(plan=schedules())
-def test_schedules_are_complete_ordered_and_never_deadlock(plan):
+@given(spec=schedule_specs())
+def test_schedules_are_complete_ordered_and_never_deadlock(spec):
+    plan = pipeline.make_schedule(*spec)
     n_stages, m = plan.n_stages, plan.microbatches
     kinds = ("F", "B", "W") if plan.split_backward else ("F", "B")
     for rank, actions in enumerate(plan.actions):
@@ -168,11 +171,12 @@ def test_the_rendezvous_model_catches_mismatches_and_deadlocks():
         run_with_rendezvous(plan)
 
 
-@given(plan=schedules())
-@example(plan=pipeline.make_schedule("zb-h1", 4, 2))  # m < p: the last rank's F, B chain sets the length
-@example(plan=pipeline.make_schedule("zb-h1", 3, 1))
-@example(plan=pipeline.make_schedule("interleaved", 2, 4, 2))  # v stages a rank: (p-1) / (v m + p - 1)
-def test_planned_bubble_equals_the_formula(plan):
+@given(spec=schedule_specs())
+@example(spec=("zb-h1", 4, 2, 1))  # m < p: the last rank's F, B chain sets the length
+@example(spec=("zb-h1", 3, 1, 1))
+@example(spec=("interleaved", 2, 4, 2))  # v stages a rank: (p-1) / (v m + p - 1)
+def test_planned_bubble_equals_the_formula(spec):
+    plan = pipeline.make_schedule(*spec)
     step = max(end for _, end in plan.nominal.values())
     busy = sum(end - start for start, end in plan.nominal.values())
     bubble = pipeline.bubble_formula(plan.name, plan.pp, plan.microbatches, plan.virtual)

@@ -73,6 +73,13 @@ def test_merge_rule_equals_the_unsplit_softmax(block_lens, rows, density, seed):
     assert all(g is None or g.isfinite().all() for g in grads)
 
 
+def test_the_merge_keeps_the_outputs_dtype_beside_a_float64_lse():
+    """The ring merges fp32 outputs with a float64 lse (RingAttention): its output stays fp32."""
+    out, lse = torch.randn(2, 3), torch.randn(2, dtype=torch.float64)
+    merged_out, merged_lse = context_parallel.merge_partials(out, lse, out, lse - 1.0)
+    assert merged_out.dtype == torch.float32 and merged_lse.dtype == torch.float64
+
+
 def test_merge_propagates_nan():
     out, lse, nan = torch.zeros(1, 2), torch.zeros(1), float("nan")
     merged_out, merged_lse = context_parallel.merge_partials(out, lse, out, torch.tensor([nan]))

@@ -306,6 +306,29 @@ def test_moe_gpt_under_expert_parallel_equals_one_device(rank_pool, ep, data, n_
         assert meter.traffic("all_to_all") == Fraction(result.formula_traffic)
 
 
+def train_moe_on_strided_subgroups(cfgs, moe_cfg, steps, global_batch, seq_len):
+    """4 ranks, two expert-parallel groups {0, 2} and {1, 3}, each training its own model (cfgs[g]:
+    another seed), so that nothing mixed across the groups can come out right by symmetry."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+    which = dist.get_rank() % 2
+    return expert_parallel.train_moe(cfgs[which], moe_cfg, steps, global_batch, seq_len, expert_parallel=True,
+                                     group=groups[which], adam_eps=ADAM_EPS)
+
+
+def test_expert_parallel_on_a_subgroup(rank_pool):
+    """Each group equals one device training its model, and every collective stays in the group: a
+    gradient all-reduced over the world and divided by its size would be the two models' mean."""
+    cfgs = [foundation.ModelConfig(vocab_size=32, dim=8, n_heads=2, ffn_dim=8, seed=seed) for seed in (1, 2)]
+    moe_cfg = expert_parallel.MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=8)
+    steps, global_batch, seq_len = 2, 4, 5
+    runs = rank_pool.run(4, train_moe_on_strided_subgroups, cfgs, moe_cfg, steps, global_batch, seq_len)
+    references = [expert_parallel.train_moe(cfg, moe_cfg, steps, global_batch, seq_len, adam_eps=ADAM_EPS)[0]
+                  for cfg in cfgs]
+    for rank, (result, meter) in enumerate(runs):
+        assert_matches_reference(result, references[rank % 2])
+        assert {ranks for _, ranks in meter.stats} == {(0, 2) if rank % 2 == 0 else (1, 3)}
+
+
 def step_with_frozen_router_and_embedding(cfg, moe_cfg):
     model = expert_parallel.apply_expert_parallel(expert_parallel.convert_to_moe(foundation.GPT(cfg), moe_cfg))
     frozen = [model.embed.weight, *(layer.router.weight for layer in expert_parallel.moe_layers(model))]
@@ -318,7 +341,20 @@ def step_with_frozen_router_and_embedding(cfg, moe_cfg):
         model, {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
 
 
+def sync_with_an_unused_parameter(cfg, moe_cfg):
+    model = expert_parallel.apply_expert_parallel(expert_parallel.convert_to_moe(foundation.GPT(cfg), moe_cfg))
+    model.unused = torch.nn.Parameter(torch.zeros(3))
+    model(*foundation.synthetic_batch(cfg, 4, 5, 0, dist.get_rank(), dist.get_world_size())).backward()
+    try:
+        expert_parallel.sync_gradients(model)
+    except RuntimeError as error:  # on every rank at the same parameter: the group stays usable
+        return str(error)
+    return "no error"
+
+
 def test_frozen_parameters_are_skipped_and_the_rest_still_matches(rank_pool):
+    """Frozen ones get no gradient and the rest match one device; a trainable one that got no gradient
+    is refused by name (skipping it on some ranks only would pair different tensors)."""
     cfg = foundation.ModelConfig(vocab_size=32, dim=8, n_heads=2, ffn_dim=8, seed=3)
     moe_cfg = expert_parallel.MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=8, capacity_factor=1.0)
     reference = expert_parallel.convert_to_moe(foundation.GPT(cfg), moe_cfg)
@@ -331,6 +367,7 @@ def test_frozen_parameters_are_skipped_and_the_rest_still_matches(rank_pool):
         for name, param in reference.named_parameters():
             if param.requires_grad:
                 torch.testing.assert_close(grads[name], param.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+    assert rank_pool.run(2, sync_with_an_unused_parameter, cfg, moe_cfg) == ["unused got no gradient"] * 2
 
 
 # --- bad input --------------------------------------------------------------------------------

@@ -190,6 +190,7 @@ def test_delayed_scaling_history_window_and_margin(dtype, history_len, margin):
         expected_amax = amax if i == 0 else max(amaxes[max(0, i - history_len):i])
         announced = delayed.scale()
         _, scale = delayed.quantize(constant(amax))
+        assert scale.shape == (1, 1), "one scale for the tensor, as the GEMM takes it"
         assert scale.item() == pytest.approx(fp8.fp8_max(dtype) / (expected_amax * 2 ** margin), rel=1e-6)
         assert i == 0 or torch.equal(scale, announced), "scale() is the scale the next call uses"
         newest_first = amaxes[max(0, i + 1 - history_len):i + 1][::-1]
@@ -209,7 +210,8 @@ def test_delayed_scaling_clips_a_spike_until_it_enters_the_history():
     q, scale = delayed.quantize(constant(100.0))  # now the history knows it
     assert scale.item() == pytest.approx(4.48) and q.float()[0, 0] == 448
     for _ in range(history_len):
-        delayed.quantize(constant(1.0))
+        q, _ = delayed.quantize(constant(1.0)[None])  # any shape: rows of its last dimension
+        assert q.shape == (1, 2, 2)
     assert delayed.scale().item() == pytest.approx(448.0), "the spike has left the window"
 
 
@@ -512,10 +514,11 @@ def test_float8_linear_in_eval_no_grad_and_frozen():
     (lambda: fp8.fused_amax_cast(torch.randn(4, 8, device=DEVICE), 0), r"tile_cols=0 must be >= 1"),
     (lambda: fp8.fused_amax_cast(torch.randn(4, 8, device=DEVICE), -8), r"tile_cols=-8 must be >= 1"),
     (lambda: fp8.DelayedScaling().quantize(torch.tensor(1.0, device=DEVICE)), r"got shape \(\)"),
+    (lambda: fp8.DelayedScaling().quantize(torch.empty(0, 4, device=DEVICE)), r"non-empty .* got shape \(0, 4\)"),
     (lambda: fp8.Float8Linear(16, 8).double()(torch.randn(2, 16, dtype=torch.float64)),
      r"Float8Linear computes in float32, bfloat16 or float16 .* got input torch.float64"),
 ], ids=["1-D tensorwise", "0-d rowwise", "1-D blockwise", "empty", "negative tile", "zero tile",
-        "1-D kernel", "tile_cols=0", "tile_cols<0", "0-d delayed", "float64 linear"])
+        "1-D kernel", "tile_cols=0", "tile_cols<0", "0-d delayed", "empty delayed", "float64 linear"])
 def test_bad_input_gets_one_line_naming_the_constraint(call, message):
     with pytest.raises(ValueError, match=message) as error:
         call()

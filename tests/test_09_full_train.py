@@ -1758,10 +1758,12 @@ def test_inside_node_exactly_when_no_group_of_the_kind_crosses_a_node():
     """Every mesh of sizes 1-3 and every kind of group, on nodes of each size that divides the world
     (and of twice the world): inside_node is true iff each group, derived here from the grid of ranks
     (tp fastest: rank = ((d pp + p) cp + c) tp + t), has its ranks on one node. A block that merely
-    fits in a node (not aligned to it), or one of the group's own sizes only, fails here."""
+    fits in a node (not aligned to it), or one of the group's own sizes only, fails here. A kind that
+    is no mesh dimension (the experts' "ep", "ep_dp") lies in the dp x cp groups it borrows from."""
+    kinds = {**full_train.GROUP_DIMS, "ep": ("dp", "cp"), "ep_dp": ("dp", "cp")}
     for shape in itertools.product((1, 2, 3), repeat=len(full_train.DIMS)):
         world, grid = math.prod(shape), torch.arange(math.prod(shape)).reshape(shape)
-        for kind, dims in full_train.GROUP_DIMS.items():
+        for kind, dims in kinds.items():
             moving = [full_train.DIMS.index(d) for d in dims]
             held = [axis for axis in range(len(shape)) if axis not in moving]
             groups = grid.permute(*held, *moving).reshape(-1, math.prod(shape[axis] for axis in moving))

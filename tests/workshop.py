@@ -2,7 +2,7 @@
 
     python tests/workshop.py list [ID ...]                     the exercises; with ids, their tasks
     python tests/workshop.py copy DIR [--exercises 02.1,04.1 | --all]
-    python tests/workshop.py check ID [ID ...] [--copy DIR]    (--all: every exercise)
+    python tests/workshop.py check ID [ID ...] [--copy DIR] [--proof NODE_ID ...]   (--all: every exercise)
 
 copy writes the course (README.md, requirements.txt, the lessons, tests/) into DIR, new or empty, with
 each chosen exercise's bodies replaced by their full-line comments and raise NotImplementedError(
@@ -311,17 +311,24 @@ def is_copy(folder: Path) -> bool:
     return folder.is_dir() and all((folder / name).is_file() for name in LESSONS)
 
 
-def check(exercises: list[Exercise], folder: Path) -> int:
+def check(exercises: list[Exercise], folder: Path, only: list[str] | None = None) -> int:
+    """Grade exercises on folder's lessons with their proofs, or (only) with those of their proofs
+    named there, by node id as `list ID` prints it."""
     if not is_copy(folder):
         missing = [name for name in LESSONS if not (folder / name).is_file()]
         raise UsageError(f"{folder} is not a workshop copy: it lacks {', '.join(missing[:3])}"
                          + (f" and {len(missing) - 3} more lessons" if len(missing) > 3 else ""))
+    chosen = {node_id for exercise in exercises for node_id in exercise.node_ids}
+    if unknown := [node_id for node_id in only or () if node_id not in chosen]:
+        raise UsageError(f"{unknown[0]} is not a proof of {', '.join(e.id for e in exercises)} "
+                         f"(python tests/workshop.py list ID shows them)")
     import pytest  # here: list and copy need no test framework
 
     owners: dict[str, list[str]] = defaultdict(list)
     for exercise in exercises:
         for node_id in exercise.node_ids:
-            owners[node_id].append(exercise.id)
+            if only is None or node_id in only:
+                owners[node_id].append(exercise.id)
     out, captured = sys.stdout, io.StringIO()
     grader = Grader(owners, out)
     print(f"checking {', '.join(e.id for e in exercises)} on the lessons of {folder}", flush=True)
@@ -330,7 +337,7 @@ def check(exercises: list[Exercise], folder: Path) -> int:
     test_files = dict.fromkeys(node_id.split("::")[0] for node_id in owners)
     args = [*(str(TESTS / name) for name in test_files), f"--lessons={folder}", f"--rootdir={TESTS}",
             "-p", "no:cacheprovider", "--hypothesis-profile=grade", "--continue-on-collection-errors", "-q",
-            f"--call-timeout={GRADE_CALL_TIMEOUT_S}",
+            f"--call-timeout={GRADE_CALL_TIMEOUT_S}", "--no-proof-audit",
             "--showlocals"]  # a test that catches the blank's NotImplementedError (a RuntimeError) holds it
     with contextlib.redirect_stdout(captured):
         code = pytest.main(args, plugins=[grader])
@@ -341,7 +348,8 @@ def check(exercises: list[Exercise], folder: Path) -> int:
         said = captured.getvalue().splitlines()
         reason = next((l for l in said if l.startswith(("ERROR", "INTERNALERROR"))), f"exit code {int(code)}")
         print(f"pytest could not run the proofs: {reason}", file=out)
-    verdicts = [verdict(exercise, [grader.results.get(n) for n in exercise.node_ids]) for exercise in exercises]
+    verdicts = [verdict(exercise, [grader.results.get(n) for n in exercise.node_ids if n in owners])
+                for exercise in exercises]
     for solved, line in verdicts:
         print(line, file=out)
     solved = all(solved for solved, _ in verdicts)
@@ -365,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     checking.add_argument("--all", action="store_true", help="every exercise")
     checking.add_argument("--copy", type=Path, default=COURSE,
                           help="the folder whose lessons are graded (default: the course of this tests/)")
+    checking.add_argument("--proof", action="append", metavar="NODE_ID",
+                          help="run only this proof (as `list ID` prints it; repeatable)")
     args = parser.parse_args(argv)
     try:
         if args.command == "list":
@@ -376,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.ids and not args.all:
             raise UsageError("check needs exercise ids (python tests/workshop.py list shows them) or --all")
-        return check(list(EXERCISES) if args.all else select(args.ids), args.copy.resolve())
+        return check(list(EXERCISES) if args.all else select(args.ids), args.copy.resolve(), args.proof)
     except UsageError as error:
         print(f"workshop.py: error: {error}", file=sys.stderr)
         return 2
