@@ -1,7 +1,7 @@
 """Lesson 02: ZeRO, stages 1, 2 and 3, from reduce-scatter and all-gather; then sharded checkpoints.
 
 The parts, in order:
-  The cost models: zero_memory_per_rank (the paper's table), zero_traffic_per_step, zero_exposed_seconds
+  The cost models: zero_memory_per_rank (the paper's table), zero_traffic_per_step, zero_transient_bytes
   The ZeRO optimizer: zero_units, FlatUnit (a unit as one flat vector), ZeRO (its stages' hooks, step)
   Training: train_zero, ZeRO on N ranks (its one-device twin: lesson 01's train_single_device)
   Sharded checkpoints (lesson 09's run calls claim_folder, save_checkpoint, load_checkpoint, load_model):
@@ -9,6 +9,8 @@ The parts, in order:
     claim_folder; slice reads: CheckpointReader, load_model; ZeRO's shards as pieces: zero_pieces,
     load_checkpoint
   RUN IT: demo (every stage; then ZeRO-3's checkpoint loaded on half the ranks and on one device), bench
+  Last, for lesson 09's plan only (a GPU's seconds, which no demo here measures): zero_step_bytes,
+    zero_exposed_seconds. Every lesson keeps such pricing in its last part, after its command line.
 
 ZERO: THE IDEA
 Data parallelism (lesson 01) keeps N copies of the parameters, gradients and optimizer state. But
@@ -75,6 +77,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib
 import itertools
@@ -99,7 +102,8 @@ import torch.nn as nn
 foundation = importlib.import_module("01_ddp")
 
 STAGES = (0, 1, 2, 3)
-ADAM_KEYS, ADAM_MOMENT_BYTES = foundation.ADAM_KEYS, 8  # AdamW's moments, fp32
+ADAM_KEYS = foundation.ADAM_KEYS  # AdamW's moments
+ADAM_MOMENT_BYTES = 8  # both in fp32
 CHECKPOINT_KINDS = ("params", *ADAM_KEYS)  # what a shard holds of each element: fp32 value, moments
 STEP_COUNTER_BYTES = 4  # torch's AdamW keeps `step` as one fp32 scalar tensor per parameter tensor
 
@@ -123,11 +127,11 @@ def zero_traffic_per_step(psi: int, n: int, stage: int, param_bytes: int,
                           grad_bytes: int) -> dict[str, Fraction]:
     """Ring traffic per rank per step, by collective (the scalar norm all-reduce aside)."""
     validate_stage(stage)
-    ring = Fraction(n - 1, n)
     if stage == 0:
-        return {"all_reduce": 2 * ring * grad_bytes * psi}
+        return {"all_reduce": foundation.ring_traffic("all_reduce", grad_bytes * psi, n)}
     gathers = 2 if stage == 3 else 1  # stage 3 gathers before forward and again before backward
-    return {"reduce_scatter": ring * grad_bytes * psi, "all_gather": gathers * ring * param_bytes * psi}
+    return {"reduce_scatter": foundation.ring_traffic("reduce_scatter", grad_bytes * psi, n),
+            "all_gather": gathers * foundation.ring_traffic("all_gather", param_bytes * psi, n)}
 
 
 def padded_size(numel: int, n: int) -> int:
@@ -145,46 +149,14 @@ def zero_memory_formula(padded: int, units: int, n: int, stage: int,
     return formula
 
 
-def zero_step_bytes(psi: int, n: int, stage: int, microbatches: int, mixed_precision: bool) -> int:
-    """Memory traffic of ZeRO's own passes on one rank per step, outside the collectives, each pass
-    reading and writing its tensors once (lesson 09 prices it at the HBM's bandwidth); G = 2 mixed,
-    4 fp32. On the psi full gradients: each microbatch's added into .grad (3 G; stages 2-3 keep the
-    first one), then zeroed (stages 0-1: G) or flattened to send (2-3: 2 G). On the shard (psi / n;
-    stage 0: psi): / n (2 G), the norm (G), the fp32 copy and clip (mixed: G + 4 + 8; fp32 in place:
-    8), fused AdamW (reads the fp32 master, moments and gradient, writes three: 28), the bf16 copy
-    of the master (mixed: 4 + 2), and stages 1-2's copy of the shard sent to the all-gather (2 G)."""
-    g, shard = 2 if mixed_precision else 4, psi if stage == 0 else -(-psi // n)
-    full = 3 * g * (microbatches - (stage >= 2)) + g * (1 + (stage >= 2))
-    clip = g + 12 if mixed_precision else 8
-    step = 3 * g + clip + 28 + 6 * mixed_precision + 2 * g * (stage in (1, 2) and n > 1)
-    return full * psi + step * shard
-
-
 def zero_transient_bytes(psi: int, unit: int, n: int, stage: int, mixed_precision: bool) -> tuple[int, int]:
     """The most one ZeRO holds beyond zero_memory_formula: (in backward, at the step). Backward: stage 3's
     gathered unit and the one prefetched, a unit's full gradient and the one before it in its send buffer
     (stage 2: those two), `unit` elements each; the step: the shard's gradient as fp32 (mixed precision),
     stage 1's reduce-scatter output. Fused AdamW (on a GPU) makes no temporaries (foreach: 4 B an element)."""
-    g, shard = 2 if mixed_precision else 4, psi if stage == 0 else -(-psi // n)
+    g = 2 if mixed_precision else 4
+    shard = psi if stage == 0 else -(-psi // n)
     return 2 * g * unit * ((stage >= 2) + (stage == 3)), (4 * mixed_precision + g * (stage == 1)) * shard
-
-
-def zero_exposed_seconds(psi: int, n: int, stage: int, units: int, microbatches: int, elem_bytes: int,
-                         send: Callable[[float, int], float], last_backward: float,
-                         unit_compute: tuple[float, float], hide: bool = True) -> float:
-    """Seconds of a step's ZeRO traffic (zero_traffic_per_step, priced by send(bytes, calls)) that
-    compute does not hide: the gradients' reduction overlaps the last microbatch's backward but for
-    its last unit's; stages 1-2's all-gather (after the step, before the next forward) is exposed;
-    stage 3's gather of each unit, before its forward and its backward, hides behind the previous
-    unit's compute (unit_compute: one unit's forward, backward) but for the first. hide=False: none."""
-    ops = zero_traffic_per_step(psi, n, stage, elem_bytes, elem_bytes)
-    exposed = lambda comm, behind: max(0.0, comm - behind) if hide else comm  # noqa: E731
-    reduce = send(ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0), units)
-    gather = send(ops.get("all_gather", 0), units)
-    if stage == 3:
-        one = gather / 2 / units
-        gather = one + microbatches * (units - 1) * sum(exposed(one, t) for t in unit_compute)
-    return max(reduce / units, exposed(reduce, last_backward)) + gather
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
@@ -254,7 +226,9 @@ class FlatUnit:
             self.grad_shard = torch.zeros_like(self.shard)
         # In flight: stage 3's all-gather, stages 2-3's (reduce-scatter, send buffer); `ready`: the
         # indices of the parameters whose gradient backward has completed (stages 2-3).
-        self.gather_work, self.scatter, self.ready = None, None, set()
+        self.gather_work = None
+        self.scatter = None
+        self.ready = set()
 
     def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         flat = torch.zeros(self.padded, dtype=dtype, device=tensors[0].device)
@@ -315,15 +289,20 @@ class ZeRO:
         units = unit_parameters(model, owned)
         if not units:
             raise ValueError("the model has no trainable parameter (requires_grad=True) to shard")
-        self.world, rank = foundation.group_size(group), dist.get_rank(group)
+        self.world = foundation.group_size(group)
+        rank = dist.get_rank(group)
         if owns is None:
             foundation.claim_gradient_sync(model, f"ZeRO-{stage}")
             foundation.broadcast_parameters(model, group)
         else:
             for p in filter(owns, model.parameters()):
                 foundation.broadcast(p.detach(), src=0, group=group)
-        self.model, self.stage, self.group, self.prefetch = model, stage, group, prefetch
-        self.max_grad_norm, self.dtype = max_grad_norm, torch.bfloat16 if mixed_precision else torch.float32
+        self.model = model
+        self.stage = stage
+        self.group = group
+        self.prefetch = prefetch
+        self.max_grad_norm = max_grad_norm
+        self.dtype = torch.bfloat16 if mixed_precision else torch.float32
         # Frozen parameters (see UNITS) stay whole, in the compute dtype: no slot, no state, no traffic.
         self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and owned(p)]
         for _, p in self.frozen:
@@ -333,7 +312,9 @@ class ZeRO:
         # to this rank's elements (lesson 01's settings: one place to change them).
         masters = nn.ParameterList(u.master for u in self.units)
         self.optimizer = foundation.make_optimizer(masters, lr, adam_eps)
-        self.sync_gradients, self.max_gathers_in_flight, self.prefetched_gathers = True, 0, 0
+        self.sync_gradients = True
+        self.max_gathers_in_flight = 0
+        self.prefetched_gathers = 0
         for index, (unit, (module, _)) in enumerate(zip(self.units, units)):
             for i, p in enumerate(unit.params if stage >= 2 else ()):
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit, i=i: self._on_grad_ready(unit, i))
@@ -489,7 +470,7 @@ class ZeRO:
         formula["params"] += sum(p.nbytes for _, p in self.frozen)  # whole on every rank
         return formula
 
-    def gather_full(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def unshard(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """One shard per unit (stage 0: the whole vector) -> the full CPU tensors by parameter name,
         on every rank: the gradients (for tests), the parameters and AdamW state (checkpoints)."""
         full = {}
@@ -510,7 +491,7 @@ class ZeRO:
         parameters as torch's state_dict() gives them (a tied one under each of its names, so a strict
         load_state_dict takes them), the moments under the first name; frozen ones have no state."""
         shards = [self.shard_state(u) for u in self.units]
-        state = {key: self.gather_full([s[key] for s in shards]) for key in CHECKPOINT_KINDS}
+        state = {key: self.unshard([s[key] for s in shards]) for key in CHECKPOINT_KINDS}
         params = state["params"] = {**state["params"], **foundation.cpu_copy(self.frozen)}
         first = {p: name for name, p in self.model.named_parameters()}
         params.update((name, params[first[p]]) for name, p in
@@ -545,7 +526,8 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
     there after the last step and, with resume_after=k, after k steps, when a fresh model and ZeRO
     load it (load_checkpoint) and go on. Returns the result and a meter of the training steps'
     communication (not of the test probes: step-0 gradients, full states)."""
-    world, rank = foundation.group_size(group), dist.get_rank(group)
+    world = foundation.group_size(group)
+    rank = dist.get_rank(group)
     if global_batch % world:
         raise ValueError(f"global_batch={global_batch} is not divisible by the group size {world}")
     if resume_after is not None and folder is None:
@@ -558,7 +540,9 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
                            mixed_precision=mixed_precision, prefetch=prefetch)
 
     model, zero = build()
-    result, steps_meter, local_losses = ZeroResult([], {}, {}), foundation.CommMeter(), []
+    result = ZeroResult([], {}, {})
+    steps_meter = foundation.CommMeter()
+    local_losses = []
     for step in range(steps):
         if step == resume_after:
             save_checkpoint(folder, step, zero_pieces(zero), cfg, group=group)
@@ -570,7 +554,7 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
             loss.backward()
             zero.finish_gradient_sync()
         if step == 0:
-            result.first_grads = zero.gather_full([u.grad_shard for u in zero.units])
+            result.first_grads = zero.unshard([u.grad_shard for u in zero.units])
         with foundation.comm_meter() as update_meter:
             result.grad_norms.append(zero.clip_and_update().item())
         steps_meter += meter
@@ -579,10 +563,9 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
         zero.zero_grad()
     if folder is not None:
         save_checkpoint(folder, steps, zero_pieces(zero), cfg, group=group)
-    result.held, result.formula = zero.held_bytes(), zero.memory_formula()  # after the last step
-    losses = torch.stack(local_losses).double()
-    foundation.all_reduce(losses, group=group)
-    result.losses = (losses / world).tolist()
+    result.held = zero.held_bytes()  # after the last step
+    result.formula = zero.memory_formula()
+    result.losses = foundation.mean_over_ranks(local_losses, group)
     result.state = zero.full_state_dict()
     result.params = result.state["params"]
     result.stats = dict(units=len(zero.units), padded_params=sum(u.padded for u in zero.units),
@@ -625,8 +608,10 @@ class Piece:
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Two pieces' runs (each sorted and disjoint) -> the elements they share, as rows (offset in a,
     offset in b, length). The runs of b that meet a run of a lie between two binary searches."""
-    a_start, b_start = a[:, 0].contiguous(), b[:, 0].contiguous()
-    a_end, b_end = a_start + a[:, 2], b_start + b[:, 2]
+    a_start = a[:, 0].contiguous()
+    b_start = b[:, 0].contiguous()
+    a_end = a_start + a[:, 2]
+    b_end = b_start + b[:, 2]
     first = torch.searchsorted(b_end, a_start, right=True)  # b's first run that ends after a's starts
     count = (torch.searchsorted(b_start, a_end) - first).clamp(min=0)
     i = torch.repeat_interleave(torch.arange(len(a)), count)
@@ -955,7 +940,8 @@ def zero_pieces(optimizer: ZeRO, piece_of: PieceOf = whole_tensor,
     """The pieces this rank writes of a ZeRO, with their values of each kind: its shard's of the
     parameters `writes` accepts (stage 0: the group's rank 0 writes all; lesson 09: tp rank 0 those
     replicated over tp), and the frozen parameters (whole on every rank, no moments) by rank 0."""
-    first, out = dist.get_rank(optimizer.group) == 0, []
+    first = dist.get_rank(optimizer.group) == 0
+    out = []
     for unit in optimizer.units if optimizer.stage > 0 or first else ():
         state = optimizer.shard_state(unit)
         out += [(piece, {k: v[at].detach().float().cpu() for k, v in state.items()})
@@ -988,7 +974,9 @@ def load_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | Non
     `step` (None: LATEST's), saved on any group size and stage. A problem any rank finds (a damaged file,
     a piece missing, a file that cannot be read) stops every rank with the same CheckpointError, before
     any rank has loaded anything. Returns the checkpoint's folder, metadata and reader (bytes_read, rng)."""
-    rank, world, problem = dist.get_rank(group), dist.get_world_size(group), None
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    problem = None
     try:
         target, meta = open_checkpoint(folder, cfg, step, rank, world, resume_command=resume_command)
     except (ValueError, OSError) as error:
@@ -1034,11 +1022,12 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
         cells = "  ".join(f"{k} {result.held[k]:>9,}|{int(result.formula[k]):<9,}" for k in result.held)
         same = "equal" if result.held == result.formula else "DIFFERENT"
         print(f"  {label[mixed]} ZeRO-{stage}  {cells} {same}")
-    ddp_bytes = Fraction(2 * (world - 1), world) * 4 * padded  # DDP over the same padded buffers
+    ddp_bytes = foundation.ring_traffic("all_reduce", 4 * padded, world)  # DDP over the same padded buffers
     print(f"\nTraffic per rank per step, fp32, ring (DDP: 2(N-1)/N x 4 B x padded Psi = "
           f"{float(ddp_bytes):,.0f} B):")
     for stage in STAGES:
-        meter, formula = runs[False, stage][1], zero_traffic_per_step(padded, world, stage, 4, 4)
+        meter = runs[False, stage][1]
+        formula = zero_traffic_per_step(padded, world, stage, 4, 4)
         measured = {op: meter.traffic(op) / steps for op in formula}
         norm = meter.traffic("all_reduce") / steps - formula.get("all_reduce", 0)
         ratio = f" = {float(sum(measured.values()) / ddp_bytes):.3f} x DDP" if world > 1 else ""
@@ -1058,10 +1047,12 @@ def print_checkpoint(cfg: foundation.ModelConfig, folder: str, saved: dict, repo
                      world: int) -> None:
     """What ZeRO-1 on half the ranks (reports: bytes read, its shard's bytes, equal) and one device's
     model read of the checkpoint that ZeRO-3 on every rank saved (the state `saved`)."""
-    target, one = latest_checkpoint(folder), foundation.GPT(cfg)
+    target = latest_checkpoint(folder)
+    one = foundation.GPT(cfg)
     one_read = load_model(one, folder)["bytes_read"]
     one_same = all(torch.equal(p, saved["params"][n]) for n, p in one.named_parameters())
-    psi, half = sum(p.numel() for p in one.parameters()), len(reports)
+    psi = sum(p.numel() for p in one.parameters())
+    half = len(reports)
     print(f"\nA sharded checkpoint: ZeRO-3 on {world} ranks saved step {saved['step']} as {world} rank files "
           f"+ meta.json: {disk_bytes(target, psi)}.\nZeRO-1 on {half} rank{'s' * (half > 1)} loads it; bytes "
           f"each rank read (memory-mapped) | its shard, (params + 2 moments) x 4 B x its elements:")
@@ -1083,15 +1074,19 @@ def demo(args: argparse.Namespace) -> None:
     """Every stage, fp32 and mixed precision, beside one device; the fp32 ZeRO-3 run saves its last
     step, which ZeRO-1 on half the ranks and one device's model load, each reading what it holds."""
     device = foundation.init_distributed()
-    rank, world, cfg = dist.get_rank(), dist.get_world_size(), foundation.ModelConfig(**DEMO_MODEL)
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    cfg = foundation.ModelConfig(**DEMO_MODEL)
     shape = (cfg, args.steps, args.global_batch, args.seq_len)
     kwargs = dict(max_grad_norm=args.max_grad_norm, device=device)
     folder = foundation.all_ranks(tempfile.mkdtemp(prefix="02_zero.") if rank == 0 else None)[0]  # one host
     runs = {(mixed, stage): train_zero(*shape, stage=stage, mixed_precision=mixed, **kwargs,
                                        folder=folder if (mixed, stage) == (False, 3) else None)
             for mixed in (False, True) for stage in STAGES}
-    saved, half = runs[False, 3][0].state, max(1, world // 2)
-    group, report = dist.new_group(list(range(half))), None
+    saved = runs[False, 3][0].state
+    half = max(1, world // 2)
+    group = dist.new_group(list(range(half)))
+    report = None
     if rank < half:
         smaller = ZeRO(foundation.GPT(cfg).to(device), 1, group)
         _, _, reader = load_checkpoint(folder, cfg, [(smaller, whole_tensor)], group=group)
@@ -1116,10 +1111,12 @@ def bench(args: argparse.Namespace) -> None:
     interleaved rounds so that both see the same machine load."""
     from torch.distributed.fsdp import fully_shard
     device = foundation.init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    world = dist.get_world_size()
     cfg = foundation.ModelConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=8, ffn_dim=688)
     tokens, targets = (t.to(device) for t in foundation.synthetic_batch(cfg, 4 * world, 128, 0, rank, world))
-    ours_model, torch_model = foundation.GPT(cfg).to(device), foundation.GPT(cfg).to(device)
+    ours_model = foundation.GPT(cfg).to(device)
+    torch_model = foundation.GPT(cfg).to(device)
     n_params = sum(p.numel() for p in torch_model.parameters())
     zero = ZeRO(ours_model, 3, max_grad_norm=1.0)
     for _, module in [*zero_units(torch_model), ("", torch_model)]:
@@ -1164,16 +1161,53 @@ class Options:
 
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks, foundation.BenchRounds))
+    if args.bench:
+        foundation.launch_lesson(parser, args, bench)
+        return
+    cfg = foundation.ModelConfig(**DEMO_MODEL)
+    memory = functools.partial(foundation.check_memory, cfg, args.global_batch, args.seq_len)
+    foundation.launch_lesson(parser, args, demo, divisible={"--global-batch": args.global_batch},
+                             rules=[memory])
 
-    def validate(world: int) -> None:
-        if not args.bench:
-            if args.global_batch % world:
-                raise ValueError(f"global_batch={args.global_batch} is not divisible by the group size "
-                                 f"{world}")
-            foundation.check_memory(foundation.ModelConfig(**DEMO_MODEL), args.global_batch, args.seq_len,
-                                    world)
 
-    foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
+# --- For lesson 09's plan: ZeRO's own memory passes and its exposed seconds (no demo here reads them) -------
+def zero_step_bytes(psi: int, n: int, stage: int, microbatches: int, mixed_precision: bool) -> int:
+    """Memory traffic of ZeRO's own passes on one rank per step, outside the collectives, each pass
+    reading and writing its tensors once (lesson 09 prices it at the HBM's bandwidth); G = 2 mixed,
+    4 fp32. On the psi full gradients: each microbatch's added into .grad (3 G; stages 2-3 keep the
+    first one), then zeroed (stages 0-1: G) or flattened to send (2-3: 2 G). On the shard (psi / n;
+    stage 0: psi): / n (2 G), the norm (G), the fp32 copy and clip (mixed: G + 4 + 8; fp32 in place:
+    8), fused AdamW (reads the fp32 master, moments and gradient, writes three: 28), the bf16 copy
+    of the master (mixed: 4 + 2), and stages 1-2's copy of the shard sent to the all-gather (2 G)."""
+    g = 2 if mixed_precision else 4
+    shard = psi if stage == 0 else -(-psi // n)
+    full = 3 * g * (microbatches - (stage >= 2)) + g * (1 + (stage >= 2))
+    clip = g + 12 if mixed_precision else 8
+    step = 3 * g + clip + 28 + 6 * mixed_precision + 2 * g * (stage in (1, 2) and n > 1)
+    return full * psi + step * shard
+
+
+def zero_exposed_seconds(psi: int, n: int, stage: int, units: int, microbatches: int, elem_bytes: int,
+                         send: Callable[[float, int], float], last_backward: float,
+                         unit_compute: tuple[float, float], hide: bool = True) -> float:
+    """Seconds of a step's ZeRO traffic (zero_traffic_per_step, priced by send(bytes, calls)) that
+    compute does not hide: the gradients' reduction overlaps the last microbatch's backward but for
+    its last unit's; stages 1-2's all-gather (after the step, before the next forward) is exposed;
+    stage 3's gather of each unit, before its forward and its backward, hides behind the previous
+    unit's compute (unit_compute: one unit's forward, backward) but for the first. hide=False: none."""
+    ops = zero_traffic_per_step(psi, n, stage, elem_bytes, elem_bytes)
+    reduce = send(ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0), units)
+    gather = send(ops.get("all_gather", 0), units)
+    if stage == 3:
+        one = gather / 2 / units
+        gather = one + microbatches * (units - 1) * sum(exposed(one, t, hide) for t in unit_compute)
+    return max(reduce / units, exposed(reduce, last_backward, hide)) + gather
+
+
+def exposed(comm: float, behind: float, hide: bool = True) -> float:
+    """The seconds of communication that `behind` seconds of compute running beside it leave exposed
+    (hide=False: every second, the no-overlap bound)."""
+    return max(0.0, comm - behind) if hide else comm
 
 
 if __name__ == "__main__":

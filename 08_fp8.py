@@ -605,7 +605,7 @@ def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int
                 zero_opt.finish_gradient_sync()
         if step == 0:
             for zero_opt in zeros:
-                result.first_grads.update(zero_opt.gather_full([u.grad_shard for u in zero_opt.units]))
+                result.first_grads.update(zero_opt.unshard([u.grad_shard for u in zero_opt.units]))
         with foundation.comm_meter() as update_meter:
             squares = sum(zero_opt.grad_squares() for zero_opt in zeros)
             for zero_opt in zeros:

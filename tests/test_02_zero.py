@@ -469,7 +469,7 @@ def accumulated_gradients(cfg, stage: int, global_batch: int, seq_len: int, micr
         with optimizer.no_sync() if not last else contextlib.nullcontext():
             (model(x, y) / micro).backward()
     optimizer.finish_gradient_sync()
-    return optimizer.gather_full([u.grad_shard for u in optimizer.units])
+    return optimizer.unshard([u.grad_shard for u in optimizer.units])
 
 
 @pytest.mark.parametrize("stage", [2, 3])

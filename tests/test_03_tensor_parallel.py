@@ -643,7 +643,7 @@ def recompute_zero3(cfg, batch: int, seq_len: int) -> dict:
             losses.append(loss.detach())
             zero_opt.step()
             zero_opt.zero_grad()
-        runs[mode] = (torch.stack(losses), zero_opt.gather_full([u.master for u in zero_opt.units]))
+        runs[mode] = (torch.stack(losses), zero_opt.unshard([u.master for u in zero_opt.units]))
     return runs
 
 

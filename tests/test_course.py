@@ -38,7 +38,7 @@ def test_the_course_is_its_nine_scripts():
 
 
 @pytest.mark.parametrize("script, command, message", [
-    ("02_zero", [], "global_batch=16 is not divisible by the group size 3"),
+    ("02_zero", [], "--global-batch 16 is not divisible by the 3 ranks"),
     ("03_tensor_parallel", [], "n_heads=8 is not divisible by tp=3"),
     ("04_pipeline", [], "microbatches=8 is not a multiple of pp=3"),
     ("05_context_parallel", [], "seq_len=64 is not divisible by 2 x cp = 6"),
