@@ -1088,16 +1088,17 @@ class BenchRounds:
     bench_rounds: int = option(3, "rounds of --bench-steps; the first warms up", ">= 2")
 
 
-def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn: Callable, *,
-                  divisible: dict[str, int] | None = None, rules: Iterable[Callable[[int], None]] = ()) -> None:
+def launch_lesson(parser: argparse.ArgumentParser, args, fn: Callable, *, divisible: dict | None = None,
+                  rules: Iterable[Callable[[int], None]] = ()) -> None:
     """The end of every lesson's main(): its size rules against the world that will run (1 for a
-    lesson without --nproc), then fn(args) on every rank (here, for a lesson of one process). The rules
+    lesson without --nproc), then fn(args) on every rank (here, for a lesson of one process); args: the
+    options, or what a lesson made of them (09's Job), with nproc where the lesson starts ranks. The rules
     are data: divisible, each size (by its option) that the world must divide; rules, functions of the
     world (a lesson's validate_* and check_memory, their other arguments bound) that raise ValueError.
     A broken rule is one line (once under torchrun), exit 2, before any rank starts."""
     try:
         world = launch_world_size(getattr(args, "nproc", 1))  # torchrun's, where RANK is set
-        if "nproc" not in args and world > 1:
+        if not hasattr(args, "nproc") and world > 1:
             raise ValueError(f"runs in one process: start it with python, not torchrun (WORLD_SIZE={world})")
         # One GPU a rank (init_distributed): too many for a node's GPUs fail here, not in the ranks (a
         # launcher other than torchrun may not say how many share the node: LOCAL_WORLD_SIZE, else no check).
@@ -1114,7 +1115,7 @@ def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn:
             rule(world)
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
-    if "nproc" in args:
+    if hasattr(args, "nproc"):
         launch(fn, args, nproc=args.nproc)
     else:
         fn(args)

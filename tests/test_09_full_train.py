@@ -962,7 +962,7 @@ def test_resume_reads_only_its_slices_and_equals_the_uninterrupted_run_on_any_me
     others = ((full_train.MeshSizes(dp=4), 1), (full_train.MeshSizes(pp=2, tp=2), 0), (tp_dp, 3))
     for sizes, stage in others:
         shutil.copytree(interrupted.folder, tmp_path / f"{sizes.dp}{sizes.pp}{stage}")
-    resumed = dataclasses.replace(interrupted, resume=True)
+    resumed = dataclasses.replace(interrupted, resume="latest")
     for result in rank_pool.run(4, train_run, tp_dp, train, resumed, timeout=600):
         assert result["losses"] == {s: full["losses"][s] for s in (3, 4, 5)}, "bitwise"
         assert result["val"] == {6: full["val"][6]}, "bitwise"
@@ -989,7 +989,7 @@ def test_fp8_zero3_resumes_bitwise(rank_pool, tmp_path):
     interrupted = dataclasses.replace(run, folder=str(tmp_path / "b"))
     stopped = rank_pool.run(4, train_run, sizes, train, interrupted, stop_at=3, timeout=600)
     assert stopped == [""] * 4  # after step 2's checkpoint
-    for result in rank_pool.run(4, train_run, sizes, train, dataclasses.replace(interrupted, resume=True),
+    for result in rank_pool.run(4, train_run, sizes, train, dataclasses.replace(interrupted, resume="latest"),
                                 timeout=600):
         assert result["losses"] == {s: full["losses"][s] for s in (2, 3)}, "bitwise"
 
@@ -1044,7 +1044,7 @@ def test_a_damaged_checkpoint_is_one_line_on_every_rank_naming_the_file_and_the_
         folder = tmp_path / case
         shutil.copytree(run.folder, folder)
         damage(folder / "step_00000003")
-        resumed = dataclasses.replace(run, folder=str(folder), resume=True)
+        resumed = dataclasses.replace(run, folder=str(folder), resume="latest")
         # rank 1 hashes file 1
         for message in rank_pool.run(2, train_run, sizes, train, resumed, timeout=600):
             step_3, step_2 = folder / "step_00000003", folder / "step_00000002"
@@ -1052,7 +1052,7 @@ def test_a_damaged_checkpoint_is_one_line_on_every_rank_naming_the_file_and_the_
             assert message.startswith(f"checkpoint step 3 ({step_3}) cannot be used: {what}"), (case, message)
             assert message.endswith(f"the previous complete checkpoint is step 2 ({step_2}); resume from it: "
                                     f"python 09_full_train.py --resume 2"), (case, message)
-    from_previous = dataclasses.replace(resumed, resume_step=2)
+    from_previous = dataclasses.replace(resumed, resume="2")
     for result in rank_pool.run(2, train_run, sizes, train, from_previous, timeout=600):
         assert result["losses"] == {2: full["losses"][2]} and result["val"] == full["val"], "bitwise"
 
@@ -1147,7 +1147,7 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
     assert "attention flash" in out and "recompute selective" in out and "final: 2 timed steps" in out
     assert "Sample from the checkpoint" in out and "The losses ('.' training, 'o' validation):" in out
     assert zero.latest_checkpoint(a).name == "step_00000003"
-    n = sum(p.numel() for p in foundation.GPT(full_train.build_model_config(parse_options("train"))).parameters())
+    n = sum(p.numel() for p in foundation.GPT(full_train.configure(parse_options("train")).cfg).parameters())
     assert f"B on disk = (params + 2 AdamW moments) x 4 B x {n:,} parameters, each element once " in out
     shutil.copytree(a, b)
     resumed = run_script("09_full_train.py", "train", *common, "--checkpoint-dir", str(b), "--resume", "2",
@@ -1356,7 +1356,7 @@ def test_no_sub_command_is_train_and_check_defaults_differ_as_its_help_says(monk
     options = help_of(monkeypatch, capsys, "train")
     assert all("(default: the --model's)" in options[name] for name in ("--global-batch", "--lr", "--dim"))
     assert "(default: 1, or 2 with pp > 1)" in options["--microbatches"]
-    resolved = full_train.train_config(parse_options("--pp", "2"))
+    resolved = full_train.configure(parse_options("--pp", "2")).train
     _, seq_len, global_batch, lr = full_train.MODELS["tiny"]
     assert (resolved.seq_len, resolved.global_batch, resolved.lr) == (seq_len, global_batch, lr)
     assert resolved.microbatches == 2
@@ -1506,7 +1506,8 @@ def test_the_search_returns_valid_meshes_that_fit_and_more_memory_never_slows_it
                                    mixed_precision=True, recompute=recompute,
                                    sequence_parallel=sequence_parallel)
     search = lambda gb: full_train.search_meshes(  # noqa: E731
-        cfg, train, gpus, dict.fromkeys(full_train.DIMS), None, 1, full_train.Cluster(gpu_memory=gb))
+        cfg, dataclasses.replace(train, microbatches=None), gpus, dict.fromkeys(full_train.DIMS), 1,
+        full_train.Cluster(gpu_memory=gb))
     valid, fitting, _ = search(memory_gb)
     for sizes, run, plans, _ in valid:
         full_train.validate(cfg, sizes, run, gpus)  # raises if it does not accept the mesh
@@ -1588,8 +1589,8 @@ def test_a_gpu_just_too_small_never_reads_as_fitting(monkeypatch, capsys):
     mesh given "(0%) more": the ratio is rounded up, 1.01x and 1%."""
     cfg = preset("llama3-70b")
     train = full_train.TrainConfig(global_batch=1024, seq_len=8192, mixed_precision=True)
-    valid, _, _ = full_train.search_meshes(cfg, train, 8, dict.fromkeys(full_train.DIMS), None, 1,
-                                           full_train.Cluster())
+    valid, _, _ = full_train.search_meshes(cfg, dataclasses.replace(train, microbatches=None), 8,
+                                           dict.fromkeys(full_train.DIMS), 1, full_train.Cluster())
     for mesh, need in ((None, min(max(p.total for p in v[2]) for v in valid)),
                        ((4, 1, 1, 2), max(p.total for p in timed("llama3-70b", (4, 1, 1, 2))[2]))):
         given = ["--gpus", "8"] if mesh is None else [f"--{d}={n}" for d, n in zip(full_train.DIMS, mesh)]
@@ -1654,7 +1655,8 @@ def timed(model: str, mesh: tuple[int, int, int, int], microbatches: int | None 
     (sizes, the run, plans, step time)."""
     cfg, (_, seq_len, batch, _) = preset(model), full_train.PRESETS[model]
     run = full_train.TrainConfig(**dict(dict(global_batch=batch, seq_len=seq_len, mixed_precision=True), **train))
-    return full_train.planned(cfg, full_train.MeshSizes(*mesh), run, microbatches, full_train.Cluster())
+    return full_train.planned(cfg, full_train.MeshSizes(*mesh), dataclasses.replace(run, microbatches=microbatches),
+                              full_train.Cluster())
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -1875,7 +1877,8 @@ def published_and_predicted(label: str) -> tuple[float, dict]:
     """The published run's step in seconds (from its figure) and plan's step time for its mesh."""
     cfg, sizes, run, cluster = published_run(label)
     microbatches = PUBLISHED[label][2].get("microbatches")  # None: one sequence each
-    sizes, run, _, timing = full_train.planned(cfg, sizes, run, microbatches, cluster)
+    sizes, run, _, timing = full_train.planned(cfg, sizes, dataclasses.replace(run, microbatches=microbatches),
+                                               cluster)
     figure, unit = PUBLISHED[label][3]
     tokens_per_gpu = run.global_batch * run.seq_len / sizes.world
     per_second = {"ms": 1e3 / figure, "s": 1 / figure, "tokens/s": figure / tokens_per_gpu,
@@ -1978,7 +1981,8 @@ def test_the_planned_memory_is_within_10_percent_of_published_peaks_where_it_mod
         PUBLISHED[label] = (model, mesh, options, (1, "s"))
         try:
             cfg, sizes, run, cluster = published_run(label)
-            sizes, run, plans, _ = full_train.planned(cfg, sizes, run, options.get("microbatches"), cluster)
+            run = dataclasses.replace(run, microbatches=options.get("microbatches"))
+            sizes, run, plans, _ = full_train.planned(cfg, sizes, run, cluster)
         finally:
             del PUBLISHED[label]
         fullest = max(plans, key=lambda p: p.total)
@@ -2036,7 +2040,7 @@ def test_every_preset_and_a_config_file_are_one_option_of_every_command(monkeypa
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA3_8B_CONFIG))
     for command in ("train", "check", "plan"):
-        assert full_train.build_model_config(parse_options(command, "--model", str(path))) == preset("llama3-8b")
+        assert full_train.configure(parse_options(command, "--model", str(path))).cfg == preset("llama3-8b")
 
 
 def test_check_proves_any_model_on_its_own_small_run_and_a_run_beyond_this_machine_is_refused(
@@ -2047,7 +2051,7 @@ def test_check_proves_any_model_on_its_own_small_run_and_a_run_beyond_this_machi
     small = dict(LLAMA3_8B_CONFIG, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=256, num_hidden_layers=2)
     (tmp_path / "small.json").write_text(json.dumps(small))
-    run = full_train.train_config(parse_options("check", "--model", str(tmp_path / "small.json")))
+    run = full_train.configure(parse_options("check", "--model", str(tmp_path / "small.json"))).train
     assert (run.global_batch, run.seq_len) == (8, 32)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the guard of CPU ranks, on any machine
@@ -2077,7 +2081,7 @@ def test_a_config_json_plans_as_its_preset_and_sizes_override_a_preset_or_a_file
         assert code == 0 and "(dim 4096, 16 layers, 32 heads / 8 K/V, ffn 14336," in out
     code, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpu", "h200", "--hbm-tbps", "5", *mesh)
     assert code == 0 and "64 GPUs of 140 GiB (h200)" in out and "the rest at 5 TB/s" in out
-    cluster = full_train.cluster_of(parse_options("plan", "--gpu", "h200", "--hbm-tbps", "5"))
+    cluster = full_train.configure(parse_options("plan", "--gpu", "h200", "--hbm-tbps", "5")).cluster
     assert cluster == full_train.Cluster(gpu="h200", **{**dict(zip(full_train.GPU_FIELDS, full_train.GPUS["h200"])),
                                                         "hbm_tbps": 5})
 
@@ -2088,7 +2092,7 @@ def test_a_mixtral_config_plans_its_experts_and_a_tied_one_counts_the_embedding_
     mixtral = dict(LLAMA3_8B_CONFIG, model_type="mixtral", vocab_size=32000, num_local_experts=8,
                    num_experts_per_tok=2, sliding_window=None)
     (tmp_path / "mixtral.json").write_text(json.dumps(mixtral))
-    train = full_train.train_config(parse_options("plan", "--model", str(tmp_path / "mixtral.json")))
+    train = full_train.configure(parse_options("plan", "--model", str(tmp_path / "mixtral.json"))).train
     assert (train.moe.n_experts, train.moe.top_k, train.moe.expert_ffn_dim) == (8, 2, 14336)
     code, out, _ = plan_main(monkeypatch, capsys, "--model", str(tmp_path / "mixtral.json"), "--gpus", "64", "--ep", "8")
     assert code == 0 and "MFU n/a" in out
@@ -2097,8 +2101,8 @@ def test_a_mixtral_config_plans_its_experts_and_a_tied_one_counts_the_embedding_
     for tie in (True, False):
         (tmp_path / "tied.json").write_text(json.dumps(dict(tied, tie_word_embeddings=tie)))
         args = parse_options("plan", "--model", str(tmp_path / "tied.json"))
-        cfg = full_train.build_model_config(args)
-        train = dataclasses.replace(full_train.train_config(args), mixed_precision=True)
+        cfg = full_train.configure(args).cfg
+        train = dataclasses.replace(full_train.configure(args).train, microbatches=1)  # plan's: per mesh
         sizes.append(full_train.plan(cfg, full_train.MeshSizes(dp=8), train)[0].params)
     assert sizes[1] - sizes[0] == 128256 * 2048
 
@@ -2121,7 +2125,7 @@ def test_an_moe_plan_never_says_fits_of_memory_it_does_not_count(monkeypatch, ca
     code, out, _ = plan_main(monkeypatch, capsys, *mesh, "--json")
     plan = json.loads(out)
     assert code == 0 and plan["fits"] is None and plan["cluster"]["gpus"] == plan["gpus"] == 8
-    assert full_train.train_config(parse_options("plan", *mesh, "--ffn-dim", "1024")).moe.expert_ffn_dim == 1024
+    assert full_train.configure(parse_options("plan", *mesh, "--ffn-dim", "1024")).train.moe.expert_ffn_dim == 1024
 
 
 @pytest.mark.parametrize("command", ["plan", "train", "check"])
