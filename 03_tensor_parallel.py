@@ -37,8 +37,9 @@ Embedding: rank r holds rows [r V/t, (r+1) V/t); an id outside them looks up zer
 partial embeddings. LM head: column-parallel over the vocabulary, and the cross-entropy never
 materialises the full logits: loss = log sum_v e^(z_v - m) - (z_target - m) needs 3 all-reduces of
 one number per token: the max m (MAX), the sum of exponentials and the target logit (SUM); the
-gradient softmax - onehot is local. The vocabulary is padded to a multiple of t with -inf logits.
-A tied LM head (Llama 3.2) is split like the embedding, by rows: one parameter still.
+gradient softmax - onehot is local. The vocabulary is padded to a multiple of t with -inf logits (no
+loss, no gradient). Both split the (V, h) table by rows, so a tied LM head (Llama 3.2) stays one
+parameter, its gradient the sum of both uses; a plan that splits a tie's ends differently is refused.
 
 SEQUENCE PARALLELISM (Korthikanti et al. 2022)
 Between the regions (norms, residual adds) plain TP computes the same thing on every rank and

@@ -631,8 +631,7 @@ def check_writable(option: str, path: str) -> None:
 
 
 def validate_runs(args: argparse.Namespace, pp: int) -> None:
-    """The sizes of every schedule main() runs on pp ranks (--bench: 2 rows a microbatch; m >= pp, as
-    torch's 1F1B needs)."""
+    """The sizes of each schedule main() runs on pp ranks (--bench: 2 rows a microbatch, m >= pp)."""
     rows = 2 * args.microbatches if args.bench else args.global_batch
     for name, v in schedule_runs(args):
         validate_pipeline(pp * args.virtual, pp, rows, args.microbatches, name, v)
