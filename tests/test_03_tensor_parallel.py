@@ -464,7 +464,7 @@ def test_script_runs_as_plain_python():
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--seq-len", "30"], "sequence length 30 is not divisible by tp=4 (the demo runs sequence parallelism)"),
+    (["--seq-len", "30"], "--seq-len 30 is not divisible by the 4 ranks"),  # the demo runs SP
     (["--bench", "--nproc", "3"], "n_heads=8 is not divisible by tp=3"),  # checked for --bench too
     (["--vocab", "0"], "--vocab must be >= 1, not 0"),
 ])
