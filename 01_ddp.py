@@ -490,7 +490,7 @@ def launch_world_size(nproc: int) -> int:
 
 def check_memory(cfg: "ModelConfig", batch: int, seq_len: int, ranks: int, more: dict[str, int] | None = None,
                  what: str | None = None) -> None:
-    """For validate(world): refuse sizes whose largest tensors alone exceed this machine's memory. A
+    """A rule of launch_lesson: refuse sizes whose largest tensors alone exceed this machine's memory. A
     lower bound: every rank draws the whole batch (synthetic_batch: 17 bytes a token) and holds the
     fp32 embedding and LM head; the fp32 logits exist once. more: the lesson's other tensors' bytes."""
     what = what or f"--global-batch {batch} x --seq-len {seq_len}"
