@@ -1743,7 +1743,7 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
     if args.resume and args.folder is None:
         raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")
     if args.folder is not None and "RANK" not in os.environ:  # under torchrun, rank 0 locks (train_run)
-        zero.claim_folder(args.folder).close()  # refused: a file, unwritable, held by another run
+        zero.claim_folder(args.folder).close()  # refused: a file, unwritable, held, holding a user's files
     if args.resume:  # damaged, another model, other data: refused before any rank starts
         _, meta = zero.open_checkpoint(args.folder, cfg, run_config(args).resume_step, checksums=False,
                                        resume_command=resume_command)  # the ranks hash
