@@ -733,6 +733,18 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
 
 
 # --- The reference model: a small Llama-style decoder that every later lesson transforms --------------------
+# A config.json's sizes past these are refused (a typo, or a model 80x deeper or 4x wider than any published:
+# Llama 3 405B has 126 layers, vocabularies reach 262,144); within them 09's plan answers in seconds.
+MAX_LAYERS = 10_000
+MAX_WIDTH = 1_000_000
+HF_DEFAULTS = {  # transformers' LlamaConfig, MistralConfig, MixtralConfig: a key config.json lacks
+    "llama": dict(rms_norm_eps=1e-6, rope_theta=1e4),
+    "mistral": dict(num_key_value_heads=8, rms_norm_eps=1e-6, rope_theta=1e4, sliding_window=4096),
+    "mixtral": dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6, num_local_experts=8,
+                    num_experts_per_tok=2),
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 128
@@ -762,29 +774,47 @@ class ModelConfig:
         return self.dim // self.n_heads
 
     @classmethod
-    def from_hf(cls, config: dict) -> tuple["ModelConfig", tuple[int, int] | None]:
+    def from_hf(cls, config: dict, seq_len: int) -> tuple["ModelConfig", tuple[int, int] | None]:
         """A Hugging Face config.json (a dict) as a ModelConfig, and (experts, top-k) of a Mixtral MoE, or
-        None. Refused, naming the field: a model_type not llama/mistral/mixtral, what GPT lacks (biases, a
-        non-SiLU MLP, head_dim != dim / heads, a sliding window), a size not positive; rope_scaling unread."""
-        def read(key: str, default=None, kind: type | tuple = int):
-            value = config.get(key, default)
+        None, read as transformers reads it: a key missing is its config class's default (HF_DEFAULTS); null
+        K/V heads are the heads, a null tie or window none. Refused, naming the field: a model_type not
+        llama/mistral/mixtral, what GPT lacks (biases, a non-SiLU MLP, head_dim != dim / heads, a sliding
+        window shorter than the run's seq_len: one as long is full attention), a size not positive or past
+        its bound (MAX_LAYERS, MAX_WIDTH); rope_scaling unread."""
+        defaults = HF_DEFAULTS.get(config.get("model_type"))
+        if defaults is None:
+            raise ValueError(f"model_type={config.get('model_type')!r} is not llama, mistral or mixtral")
+
+        def read(key: str, kind: type | tuple = int, default=None, most: float = MAX_WIDTH):
+            value = config[key] if key in config else defaults.get(key, default)
+            value = default if value is None else value
             if not (isinstance(value, bool) if kind is bool else isinstance(value, kind)
                     and not isinstance(value, bool) and 0 < value < math.inf):
                 must = {int: "a positive integer", bool: "true or false"}.get(kind, "a positive number")
                 raise ValueError(f"{key}={value!r}: " + ("missing" if value is None else f"must be {must}"))
+            if value > most:
+                shown = f"{value:,}" if value < 1e18 else f"~10^{len(str(value)) - 1}"
+                raise ValueError(f"{key}={shown} is past the bound of {most:,} (beyond any published model)")
             return value
-        if config.get("model_type") not in ("llama", "mistral", "mixtral"):
-            raise ValueError(f"model_type={config.get('model_type')!r} is not llama, mistral or mixtral")
-        dim, heads, n = read("hidden_size"), read("num_attention_heads"), "num_local_experts" in config
-        lacks = dict(hidden_act=lambda v: v != "silu", attention_bias=bool, mlp_bias=bool,
-                     sliding_window=bool, head_dim=lambda v: v not in (None, dim / heads))
+        dim = read("hidden_size")
+        heads = read("num_attention_heads")
+        lacks = dict(hidden_act=lambda v: v not in ("silu", "swish"), attention_bias=bool, mlp_bias=bool,
+                     head_dim=lambda v: v not in (None, dim / heads))
         for key in (key for key, wrong in lacks.items() if key in config and wrong(config[key])):
             raise ValueError(f"{key}={config[key]!r}: a feature 01's GPT (a plain Llama) lacks")
-        vocab, layers, ffn = map(read, ("vocab_size", "num_hidden_layers", "intermediate_size"))
-        theta, eps = read("rope_theta", 1e4, (int, float)), read("rms_norm_eps", 1e-5, (int, float))
-        moe = (read("num_local_experts"), read("num_experts_per_tok")) if n else None
-        return cls(vocab, dim, layers, heads, read("num_key_value_heads", heads), ffn, theta, eps,
-                   tie_embeddings=read("tie_word_embeddings", False, bool)), moe
+        window = config["sliding_window"] if "sliding_window" in config else defaults.get("sliding_window")
+        if window is not None and not (type(window) is int and window >= seq_len):
+            given = "" if "sliding_window" in config else " (its default)"
+            raise ValueError(f"sliding_window={window!r}{given}: attention within a window shorter than the "
+                             f"run's seq_len {seq_len:,} is a feature 01's GPT (a plain Llama) lacks")
+        vocab, ffn = map(read, ("vocab_size", "intermediate_size"))
+        layers = read("num_hidden_layers", most=MAX_LAYERS)
+        theta = read("rope_theta", (int, float), most=math.inf)
+        eps = read("rms_norm_eps", (int, float), most=math.inf)
+        mixtral = config["model_type"] == "mixtral"
+        moe = (read("num_local_experts"), read("num_experts_per_tok")) if mixtral else None
+        return cls(vocab, dim, layers, heads, read("num_key_value_heads", default=heads), ffn, theta, eps,
+                   tie_embeddings=read("tie_word_embeddings", bool, False)), moe
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -1068,7 +1098,7 @@ def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Comma
         given = unknown[0].split("=")[0]
         owners = [name for name, (p, _) in parsers.items() if name and given in p._option_string_actions]
         chosen.error(f"unrecognized arguments: {' '.join(unknown)}"
-                     + (f" ({unknown[0]} is an option of {' and '.join(owners)})" if owners else ""))
+                     + (f" ({given} is an option of {' and '.join(owners)})" if owners else ""))
     if problems := broken_rules(args, fields, flagged=True):
         chosen.exit(2, f"{chosen.prog}: error: {problems[0]}\n")
     return chosen, args

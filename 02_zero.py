@@ -55,7 +55,8 @@ state) and meta.json (the step, the caller's record, the model's configuration, 
 and sha256). Every file is written aside, then renamed, and LATEST (naming the step) moves last, so a
 crash leaves the previous checkpoint whole; a save that fails on any rank (a full disk) is one line on
 every rank and leaves nothing partial; a damaged file is one line naming it and the previous complete
-step. A lock on the folder (LOCK) keeps a second run out.
+step. A lock on the folder (LOCK) keeps a second run out and marks the folder a run's: a run removes only its
+own names there, and refuses a folder that holds anything else (a user's files stay as they are).
 RESHARDING: a load on another group size or stage reads, for each piece it holds now, only the saved
 runs that overlap it (two binary searches over sorted runs, in memory-mapped files), once every rank
 agrees that all could read. It is the one way state changes layout here: lesson 09's resume on another
@@ -84,6 +85,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -678,7 +680,8 @@ def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list[tuple[Pie
     root = Path(folder)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     exchange = exchange or (lambda x: foundation.all_ranks(x, group) if dist.is_initialized() else [x])
-    target, name = root / f"step_{step:08d}", f"rank{rank:05d}.pt"
+    target = root / f"step_{step:08d}"
+    name = f"rank{rank:05d}.pt"
     # Each piece's name, shape, runs as (first, length) and the elements they cover, packed.
     rows = [(piece.name, tuple(piece.shape), piece.runs[:, [0, 2]].tolist(),
              {kind: torch.cat([t[o:o + n] for _, o, n in piece.runs.tolist()]) for kind, t in data.items()})
@@ -706,20 +709,22 @@ def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list[tuple[Pie
                         "config": checkpoint_config(cfg), "files": files}
                 atomic_write(target / "meta.json", lambda f: f.write(json.dumps(meta).encode()))
                 for stale in target.iterdir():  # an earlier run's save at this step, on more ranks
-                    if stale.name not in files and stale.name != "meta.json":
+                    if stale.name not in files and stale.name != "meta.json" and SAVED.fullmatch(stale.name):
                         stale.unlink()
                 atomic_write(root / "LATEST", lambda f: f.write(target.name.encode()))
                 kept = {target.name, *(f"step_{s:08d}" for s in keep)}
                 for old in root.glob("step_*"):  # complete now: an old one that will not go stays
-                    if old.is_dir() and old.name not in kept:
-                        shutil.rmtree(old, ignore_errors=True)
+                    if step_of(old) is not None and old.is_dir() and old.name not in kept:
+                        with contextlib.suppress(OSError):
+                            remove_save(old)
         except OSError as error:
             problem = f"rank 0: {os_error(error)}"
         problem = exchange(problem)[0]
     if problem is not None:
         latest = latest_checkpoint(root)
         if rank == 0 and target.is_dir() and target != latest:  # every rank is past its write
-            shutil.rmtree(target, ignore_errors=True)  # nothing partial stays
+            with contextlib.suppress(OSError):
+                remove_save(target)  # nothing partial stays
         last = f"step {step_of(latest)} ({latest})" if latest else "none"
         raise CheckpointError(f"checkpoint step {step} could not be saved in {target} ({problem}); the last "
                               f"complete checkpoint: {last}")
@@ -761,7 +766,8 @@ def open_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | Non
     its recorded size, this rank's share of them hashed (checksums), saved by cfg's configuration. A
     damaged one is a CheckpointError naming the step, the file, the previous complete checkpoint (its
     files at their sizes, not hashed) and resume_command(that step)."""
-    root, config = Path(folder), checkpoint_config(cfg)
+    root = Path(folder)
+    config = checkpoint_config(cfg)
     target = root / f"step_{step:08d}" if step is not None else latest_checkpoint(folder)
     command = (lambda s: f": {resume_command(s)}") if resume_command else (lambda s: "")
     complete = sorted(s for p in root.glob("step_*")
@@ -798,20 +804,58 @@ def disk_bytes(target: Path, parameters: int) -> str:
             f"runs, RNG and headers)")
 
 
-# --- the folder lock: one run writes a folder -----------------------------------------------------
+# --- the folder lock: one run writes a folder, and only what it writes ---------------------------------
+OWN = re.compile(r"LOCK|LATEST(\.tmp)?|LOCK\.\w+\.tmp|step_\d{8,}")  # a run's names in its folder
+SAVED = re.compile(r"(rank\d{5,}\.pt|meta\.json)(\.tmp)?")  # and in a step's folder
+
+
+def remove_save(target: Path) -> None:
+    """A step folder: the files a save writes, then the folder (which stays if anything else is in it)."""
+    for path in target.iterdir():
+        if SAVED.fullmatch(path.name) and path.is_file() and not path.is_symlink():
+            path.unlink()
+    target.rmdir()
+
+
+def foreign_entries(root: Path) -> list[str]:
+    """What in the folder root no run of the course wrote: all of it, unless a run has claimed root (its LOCK
+    file); else all but a run's names (LOCK, LATEST, step_NNNNNNNN/ holding rankNNNNN.pt and meta.json,
+    each also written aside as .tmp), as files or step folders, not links."""
+    entries = sorted(root.iterdir()) if root.is_dir() else []
+    lock = root / "LOCK"
+    if not lock.is_file() or lock.is_symlink() or lock.read_bytes()[:4] not in (b"", b"pid "):
+        return [p.name for p in entries]
+    out = []
+    for path in entries:
+        step = step_of(path) is not None
+        if not OWN.fullmatch(path.name) or path.is_symlink() or path.is_dir() != step:
+            out.append(path.name)
+        elif step:
+            out += [f"{path.name}/{p.name}" for p in sorted(path.iterdir())
+                    if not SAVED.fullmatch(p.name) or p.is_symlink() or not p.is_file()]
+    return out
+
+
 def lock_checkpoints(folder: str | os.PathLike) -> IO:
     """Hold folder/LOCK while the returned file stays open (the kernel releases an flock when its
-    process ends, killed too: no stale lock). A folder that is a file, that cannot be written, or
-    that a running run holds is refused in one line."""
-    root, handle = Path(folder), None
+    process ends, killed too: no stale lock). A folder that is a file, that cannot be written, that a
+    running run holds, or that holds what no run of the course wrote (the user's: it is left as it is) is
+    refused in one line."""
+    root = Path(folder)
+    handle = None
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} is a file, not a folder")
     try:
+        if foreign := foreign_entries(root):
+            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+            raise CheckpointError(f"checkpoint folder {folder} holds what no run of this course wrote "
+                                  f"({', '.join(foreign[:5])}{more}): left as it is; choose a new or empty "
+                                  f"folder (a run writes only LOCK, LATEST and step_NNNNNNNN/ in it)")
         root.mkdir(parents=True, exist_ok=True)
         handle = open(root / "LOCK", "a+")
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fd, probe = tempfile.mkstemp(".tmp", dir=root)  # an earlier run's LOCK may be writable where
-        os.close(fd)                                     # the folder is not (read-only since)
+        fd, probe = tempfile.mkstemp(".tmp", "LOCK.", dir=root)  # an earlier run's LOCK may be writable
+        os.close(fd)                                              # where the folder is not (read-only since)
         os.unlink(probe)
         handle.truncate(0)
         handle.write(f"pid {os.getpid()} on {socket.gethostname()} since "
@@ -832,15 +876,17 @@ def lock_checkpoints(folder: str | os.PathLike) -> IO:
 
 def remove_unfinished_saves(folder: str | os.PathLike) -> list[str]:
     """What a save stopped midway (a kill) left: files written aside (*.tmp) and step folders without
-    meta.json that LATEST does not name. Removes them (hold the lock) and returns their names."""
-    root, latest = Path(folder), latest_checkpoint(folder)
+    meta.json that LATEST does not name. Removes them (hold the lock: lock_checkpoints found nothing else
+    in folder) and returns their names."""
+    root = Path(folder)
+    latest = latest_checkpoint(folder)
     folders = [p for p in root.glob("step_*")
-               if p.is_dir() and p != latest and not (p / "meta.json").exists()]
+               if step_of(p) is not None and p.is_dir() and p != latest and not (p / "meta.json").exists()]
     files = [p for p in [*root.glob("*.tmp"), *root.glob("step_*/*.tmp")] if p.parent not in folders]
     unfinished = folders + files
     for path in unfinished:
         try:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            remove_save(path) if path.is_dir() else path.unlink()
         except OSError as error:  # e.g. immutable (chattr +i)
             raise CheckpointError(f"checkpoint folder {folder}: {path.relative_to(root)}, left by an "
                                   f"interrupted save, cannot be removed ({os_error(error)}): remove it, or "

@@ -413,7 +413,7 @@ def gemm_seconds(m: int, k: int, n: int, hbm_bytes_per_s: float, float8: bool = 
     nearest in FLOPs (x speed: another GPU's peak over the H100's) and its bytes (inputs in bf16 or
     FP8, a bf16 output) at the memory's bandwidth. A thin GEMM (few tokens) is bandwidth-bound."""
     flops = 2 * m * k * n
-    size = min(GEMM_TFLOPS_H100, key=lambda x: max(2 * x ** 3 / flops, flops / (2 * x ** 3)))
+    size = min(GEMM_TFLOPS_H100, key=lambda x: max(2 * x ** 3 / max(flops, 1), flops / (2 * x ** 3)))
     moved = (m * k + k * n) * (1 if float8 else 2) + 2 * m * n
     return max(flops / (GEMM_TFLOPS_H100[size][float8] * 1e12 * speed), moved / hbm_bytes_per_s)
 

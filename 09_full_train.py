@@ -210,8 +210,9 @@ def mesh_name(sizes: MeshSizes) -> str:
 # --- The configuration: the training, the run, and the Job a command makes of its options ---------
 @dataclass(frozen=True)
 class TrainConfig:
-    global_batch: int = option(8, "sequences per step", ">= 1")
-    seq_len: int = option(16, "tokens per sequence", ">= 1")
+    # past the bounds, a typo: ~5,000x Llama 3 405B's 2,048 sequences, 10x the longest context (10M tokens)
+    global_batch: int = option(8, "sequences per step", (">= 1", "<= 1e7"))
+    seq_len: int = option(16, "tokens per sequence", (">= 1", "<= 1e8"))
     zero_stage: int = option(1, "ZeRO stage over dp x cp", (">= 0", "<= 3"), option="--zero", metavar="STAGE")
     schedule: str = option("1f1b", "lesson 04's pipeline schedule", choices=pipeline.SCHEDULES)
     microbatches: int = option(1, "microbatches per step", ">= 1")
@@ -1004,8 +1005,9 @@ def flops_per_token(cfg, seq_len: int) -> int:
     weight (2 forward, 4 backward), then the attention scores and weighted sum over context T.
     N: every parameter but the token embedding, whose lookup multiplies nothing (the untied LM head
     does). Recompute's extra forward is not counted: MFU (40-60% is good) counts useful work only."""
-    n = sum(math.prod(shape) for name, shape in foundation.parameter_shapes(dataclasses.replace(
-        cfg, tie_embeddings=False)).items() if name != "embed.weight")  # a tied head multiplies too
+    one_layer = foundation.parameter_shapes(dataclasses.replace(cfg, n_layers=1, tie_embeddings=False))
+    n = sum(math.prod(shape) * (cfg.n_layers if name.startswith("layers.") else 1)
+            for name, shape in one_layer.items() if name != "embed.weight")  # a tied head multiplies too
     return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
@@ -1779,8 +1781,9 @@ def plan_report(job: Job) -> str:
     if train.fp8 and cluster.fp8_tflops is None:
         raise ValueError(f"--fp8: the {cluster.gpu} has no FP8 tensor cores (--fp8-tflops prices one)")
     valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, job.ep, cluster)
+    on = f"{gpus:,} GPU" + "s" * (gpus != 1)
     if not valid:  # a refusal, like any other: exit 2
-        raise ValueError(f"no mesh of {gpus:,} GPUs passes validate: {refusal}")
+        raise ValueError(f"no mesh of {on} passes validate: {refusal}")
     leanest = min(valid, key=lambda v: fullest(v[2]))
     shown = [record(*v) for v in (valid[:1] if given else fitting[:TOP_MESHES] or [leanest])]
     need = shown[0]["memory_gib"][shown[0]["fullest"]]["total"]
@@ -1802,7 +1805,7 @@ def plan_report(job: Job) -> str:
               f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, {mlp}, vocabulary {cfg.vocab_size:,}"
               f"{', tied' if cfg.tie_embeddings else ''}), bf16 + fp32 masters"
               f"{' + FP8 GEMMs' if train.fp8 else ''}; batch {train.global_batch:,} x {train.seq_len:,} "
-              f"tokens; {gpus:,} GPUs of {memory:g} GiB ({cluster.gpu}), {cluster.gpus_per_node} per node.\n"
+              f"tokens; {on} of {memory:g} GiB ({cluster.gpu}), {cluster.gpus_per_node} per node.\n"
               f"Priced: GEMMs and attention ({train.attention}) at the course's H100 rates x "
               f"{cluster.speed[0]:.3g} ({fp8_rate}), the rest at {cluster.hbm_tbps:g} TB/s"
               f"{'' if train.compile else ', eager'}; {cluster.nvlink_gbps:g} GB/s per GPU each way in a "
@@ -1821,28 +1824,33 @@ def plan_report(job: Job) -> str:
                        f"fullest GPU")
         return "\n".join([header, describe(shown[0], table=True), verdict])
     if not fitting:
-        return (f"{job.model} does not fit on {gpus:,} GPUs of {memory:g} GiB: the leanest of {len(valid)} "
+        return (f"{job.model} does not fit on {on} of {memory:g} GiB: the leanest of {len(valid)} "
                 f"valid mesh{'es' * (len(valid) != 1)} ({describe(shown[0], False).splitlines()[0]}) needs "
                 f"{need:,.1f} GiB on its fullest GPU, {over / 100:.2f}x the memory")
-    fit = f"{len(fitting)} fit{' without their activations' * bool(moe)}"
-    return "\n".join([header, f"{len(valid)} meshes pass validate, {fit}; the fastest:"] + [
+    one = len(fitting) == 1
+    fit = f"{len(fitting)} fit{'s' * one}" + f" without {'its' if one else 'their'} activations" * bool(moe)
+    passing = f"{len(valid)} mesh{'es pass' if len(valid) != 1 else ' passes'} validate"
+    return "\n".join([header, f"{passing}, {fit}; the fastest:"] + [
         f"{rank}. " + describe(r, table=False).replace("\n", "\n   ") for rank, r in enumerate(shown, 1)])
 
 
 # --- The command line: check | train | plan, made from the option fields -----------------------------
+WIDTH = (">= 1", f"<= {foundation.MAX_WIDTH}")  # a size's rule: 01's bound on a config.json's
+
+
 @dataclass(frozen=True)
-class ModelOptions:  # the model: a preset or a config.json, each size overridable (model_spec)
+class ModelOptions:  # the model: a preset or a config.json, each size overridable (model_spec), 01's bounds
     model: str = option("tiny", f"a preset ({', '.join(PRESETS)}) or a Hugging Face config.json",
                         metavar="NAME|FILE")
-    dim: int | None = option(None, "model width", ">= 1", type=int)
-    layers: int | None = option(None, "transformer blocks", ">= 1", type=int)
-    heads: int | None = option(None, "attention heads", ">= 1", type=int)
-    kv_heads: int | None = option(None, "key/value heads, grouped-query attention", ">= 1", type=int)
-    ffn_dim: int | None = option(None, "the MLP's hidden size (MoE: an expert's)", ">= 1", type=int)
-    vocab: int | None = option(None, "vocabulary size", ">= 1", type=int)
+    dim: int | None = option(None, "model width", WIDTH, type=int)
+    layers: int | None = option(None, "transformer blocks", (">= 1", f"<= {foundation.MAX_LAYERS}"), type=int)
+    heads: int | None = option(None, "attention heads", WIDTH, type=int)
+    kv_heads: int | None = option(None, "key/value heads, grouped-query attention", WIDTH, type=int)
+    ffn_dim: int | None = option(None, "the MLP's hidden size (MoE: an expert's)", WIDTH, type=int)
+    vocab: int | None = option(None, "vocabulary size", WIDTH, type=int)
     moe: bool = option(False, "every MLP a mixture of experts (dropless; top 2 of --experts, each --ffn-dim "
                               "wide, default 64)")
-    experts: int | None = option(None, "experts per MoE layer (default: the file's, else 4)", ">= 1",
+    experts: int | None = option(None, "experts per MoE layer (default: the file's, else 4)", WIDTH,
                                  type=int)
 
 
@@ -1890,7 +1898,8 @@ def model_spec(args: argparse.Namespace) -> tuple:
         run = PRESETS["llama3-8b"][1:]  # a config.json has no run: Llama 3 8B's
         try:
             config = json.loads(Path(args.model).read_text())
-            cfg, experts = foundation.ModelConfig.from_hf(config if isinstance(config, dict) else {})
+            cfg, experts = foundation.ModelConfig.from_hf(config if isinstance(config, dict) else {},
+                                                          args.seq_len or run[0])
         except (OSError, ValueError) as error:  # json's errors are ValueErrors
             raise ValueError(f"--model {args.model}: {error}") from None
     else:
@@ -1973,7 +1982,7 @@ def check_before_launch(job: Job, world: int) -> None:
     if run.resume and run.folder is None:
         raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")
     if run.folder is not None and "RANK" not in os.environ:  # under torchrun, rank 0 locks (train_run)
-        zero.claim_folder(run.folder).close()  # refused: a file, unwritable, held by another run
+        zero.claim_folder(run.folder).close()  # refused: a file, unwritable, held, holding a user's files
     if run.resume:  # damaged, another model, other data: refused before any rank starts
         _, meta = zero.open_checkpoint(run.folder, cfg, run.resume_step, checksums=False,
                                        resume_command=resume_command)  # the ranks hash

@@ -975,6 +975,41 @@ def test_tensor_parallel_amax_all_reduces_move_what_the_formula_says(rank_pool, 
                 tp, n_layers, microbatches, sequence_parallel=sequence_parallel)
 
 
+def test_a_gemm_of_no_rows_reads_its_weight():
+    """An expert that no token reaches (more experts than routed tokens: 09's plan --moe --experts 10^6 was a
+    ZeroDivisionError) multiplies nothing and still reads its weight: k x n bf16 elements at the bandwidth."""
+    assert fp8.gemm_seconds(0, 64, 32, 1e12) == 64 * 32 * 2 / 1e12
+
+
+def float8_tensor_parallel_recomputing(cfg, steps: int, batch: int, seq_len: int, sequence_parallel: bool,
+                                       recompute: str):
+    """train_float8_tensor_parallel with 03's recompute applied to the split model."""
+    def split(model):
+        model = fp8.tensor_parallel_scales(model, sequence_parallel=sequence_parallel)
+        return tensor_parallel.apply_recompute(model, recompute)
+    return tensor_parallel.train_tensor_parallel(
+        cfg, steps, batch, seq_len, sequence_parallel=sequence_parallel, transform=fp8.convert_to_float8,
+        after=split, around_step=fp8.weights_cast_once, adam_eps=ADAM_EPS)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recompute_adds_the_amax_all_reduces_of_what_it_casts_again(rank_pool, recompute, sequence_parallel):
+    """Full recompute reruns each block's forward: its row-parallel linears (out, down) cast their split
+    inputs again, one amax all-reduce each a layer; selective reruns attention's inside, where nothing is
+    cast. (op runs at tp = 1 only, in 09, where there is nothing to all-reduce.) Measured, on 2 ranks."""
+    tp, steps, n_layers = 2, 2, 2
+    cfg = foundation.ModelConfig(vocab_size=11, dim=8, n_layers=n_layers, n_heads=2, ffn_dim=6, seed=1)
+    calls, payload = tensor_parallel.comm_formula(cfg, 2, 4, sequence_parallel, recompute=recompute)["all_reduce"]
+    runs = rank_pool.run(tp, float8_tensor_parallel_recomputing, cfg, steps, 2, 4, sequence_parallel, recompute)
+    again = 2 if recompute == "full" else 0
+    amax_bytes = fp8.tensor_parallel_amax_traffic(tp, n_layers, sequence_parallel=sequence_parallel,
+                                                  recompute=recompute)
+    for _, meter in runs:
+        assert meter.calls("all_reduce") - steps * calls == steps * (1 + (7 + again) * n_layers)
+        assert meter.traffic("all_reduce") - steps * 2 * Fraction(tp - 1, tp) * payload == steps * amax_bytes
+
+
 # --- the script itself ------------------------------------------------------------------------
 
 def test_distributed_runs_as_plain_python():

@@ -30,6 +30,7 @@ import itertools
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -39,6 +40,7 @@ import tempfile
 import threading
 import time
 import unittest.mock
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT, SCRIPT_TIMEOUT_S, run_script
+from test_02_zero import snapshot
 from test_08_fp8 import reassembled, record_fp8_operands
 
 foundation = importlib.import_module("01_ddp")
@@ -1138,8 +1141,9 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
     loaded weights (the validation loss recorded at the save, bit for bit), then repeats step 2:
     the same loss and validation as printed, and bitwise the same step-3 checkpoint; --resume of
     the finished run says so and trains nothing, after removing what a save killed midway left. Then
-    altered bytes, a truncated file, LATEST deleted, a folder under a file: one line (from the rank,
-    and before launch), exit code 2; a save that fails mid-run: one line, exit code 2."""
+    altered bytes, a truncated file, LATEST deleted, a folder under a file, a folder holding a user's file:
+    one line (from the rank, and before launch), exit code 2; a save that fails mid-run (files limited to
+    1 MiB, as a full disk would stop them): one line, exit code 2."""
     common = ("--dp 1 --tp 1 --seq-len 16 --global-batch 2 --warmup 1 --steps 3 --save-every 2 "
               "--eval-every 2 --sample-bytes 4 --attention flash --recompute selective").split()
     a, b = tmp_path / "a", tmp_path / "b"
@@ -1171,12 +1175,12 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
     pieces = zip(read_pieces(a / "step_00000003"), read_pieces(b / "step_00000003"), strict=True)
     for (spec_a, data_a), (spec_b, data_b) in pieces:
         assert spec_a == spec_b and all(torch.equal(data_a[k], data_b[k]) for k in data_a), spec_a
-    c, d, under_a_file = tmp_path / "c", tmp_path / "d", tmp_path / "a file" / "run"
+    c, d, e, under_a_file = tmp_path / "c", tmp_path / "d", tmp_path / "e", tmp_path / "a file" / "run"
     shutil.copytree(a, c)
     (c / "LATEST").unlink()
     under_a_file.parent.write_text("a file, not a folder")
     d.mkdir()
-    (d / "step_00000002").write_text("not a folder: step 2's save cannot make its folder")
+    (d / "step_00000002").write_text("the user's file, named as a step")
     flip_bytes(b / "step_00000003" / "rank00000.pt")
     os.truncate(a / "step_00000003" / "rank00000.pt", 100)
     for folder, extra, message in (
@@ -1184,17 +1188,20 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
                               f"resume from the last: python 09_full_train.py .* --resume 3$"),
             (under_a_file, [], f"checkpoint folder {re.escape(str(under_a_file))} cannot be written "
                                f"\\(NotADirectoryError: "),
-            (d, ["--save-every", "1"], f"checkpoint step 2 could not be saved in {d / 'step_00000002'} "
-                                       f"\\(rank 0: FileExistsError: .*\\); the last complete checkpoint: "
-                                       f"step 1 \\({d / 'step_00000001'}\\)$"),
+            (d, ["--save-every", "1"], f"checkpoint folder {d} holds what no run of this course wrote "
+                                       f"\\(step_00000002\\): left as it is"),
+            (e, ["--save-every", "1"], f"checkpoint step 1 could not be saved in {e / 'step_00000001'} "
+                                       f"\\(rank 0: OSError: \\[Errno 27\\] File too large\\); the last "
+                                       f"complete checkpoint: none$"),
             (b, ["--resume"], f"checkpoint step 3 \\({b / 'step_00000003'}\\) cannot be used: rank00000.pt "
                               f"does not match the sha256 .*; the previous complete checkpoint is step 2 .*; "
                               f"resume from it: python 09_full_train.py .* --resume 2$"),
             (a, ["--resume"], "rank00000.pt has 100 bytes where meta.json records"),
             (a, ["--resume", "2", "--seq-len", "8"], "counts other windows: .*seq_len=16 \\(now 8\\)"),
             (a, ["--resume", "--no-save"], "drop --no-save")):
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))) if folder == e else None
         proc = subprocess.run([sys.executable, "09_full_train.py", *common, "--checkpoint-dir", str(folder),
-                               *extra], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                               *extra], cwd=ROOT, capture_output=True, text=True, timeout=900, preexec_fn=limit)
         errors = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("09:")]
         assert proc.returncode == 2 and len(errors) == 1, proc.stderr
         assert re.search(message, errors[0]) and "Traceback" not in proc.stderr, proc.stderr
@@ -1273,6 +1280,47 @@ def test_a_checkpoint_dir_in_use_or_that_is_a_file_is_refused_before_launch(monk
     code, err, launched, _ = run_main(monkeypatch, capsys, "--checkpoint-dir", str(tmp_path / "file"))
     assert code == 2 and not launched, err
     assert err.endswith(f"checkpoint folder {tmp_path / 'file'} is a file, not a folder\n"), err
+
+
+@pytest.mark.parametrize("mine", ["step_by_step/notes.md", "step_plots/a.txt", "draft.tmp", "step_00000100",
+                                  "LATEST", "LOCK", "step_00000001/notes.md", "step_00000001/draft.tmp"])
+@pytest.mark.parametrize("earlier_run", [False, True], ids=["a user's folder", "an earlier run's folder"])
+def test_a_checkpoint_dir_holding_a_users_files_is_refused_before_launch_untouched(monkeypatch, capsys, tmp_path,
+                                                                                    mine, earlier_run):
+    """Before: "removed what an interrupted save left in DIR: draft.tmp, step_by_step, step_plots", and they
+    were gone. A folder holding what no run of the course wrote is refused before any rank starts, in one
+    line naming it, and not a byte of it changes (an earlier run's unfinished save stays too)."""
+    monkeypatch.delenv("RANK", raising=False)
+    folder = tmp_path / "run"
+    if earlier_run:
+        if mine in ("LATEST", "LOCK"):
+            pytest.skip("the course's own name in its own folder is the course's")
+        zero.lock_checkpoints(folder).close()
+        (folder / "step_00000003").mkdir()
+        (folder / "step_00000003" / "rank00000.pt.tmp").write_bytes(b"half a file")
+    (folder / mine).parent.mkdir(parents=True, exist_ok=True)
+    (folder / mine).write_text("the user's")
+    before = snapshot(folder)
+    code, err, launched, _ = run_main(monkeypatch, capsys, "--checkpoint-dir", str(folder))
+    named = mine if earlier_run and mine.startswith("step_00000001/") else mine.split("/")[0]
+    assert code == 2 and not launched and err.count("\n") == 1, err
+    assert f"checkpoint folder {folder} holds what no run of this course wrote ({named}): left as it is" in err
+    assert snapshot(folder) == before
+
+
+def test_the_command_line_refuses_a_users_folder_with_exit_2(tmp_path):
+    """The review's folder, through `python 09_full_train.py --checkpoint-dir DIR`: one line, exit 2."""
+    for mine in ("step_by_step/notes.md", "step_plots/a.txt", "draft.tmp"):
+        (tmp_path / mine).parent.mkdir(exist_ok=True)
+        (tmp_path / mine).write_text("the user's")
+    before = snapshot(tmp_path)
+    proc = subprocess.run([sys.executable, "09_full_train.py", "--checkpoint-dir", str(tmp_path), "--steps", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
+    assert proc.returncode == 2 and not proc.stdout and proc.stderr == (
+        f"09_full_train.py train: error: checkpoint folder {tmp_path} holds what no run of this course wrote "
+        f"(draft.tmp, step_by_step, step_plots): left as it is; choose a new or empty folder (a run writes only "
+        f"LOCK, LATEST and step_NNNNNNNN/ in it)\n"), proc.stderr
+    assert snapshot(tmp_path) == before
 
 
 def test_a_resume_whose_folder_became_read_only_is_refused_before_launch(monkeypatch, capsys, tmp_path):
@@ -1548,13 +1596,23 @@ def test_a_model_that_cannot_fit_is_one_line_saying_by_how_much(monkeypatch, cap
     ("--gpu-memory inf", "--gpu-memory must be <= 1e5, not inf"),
     ("--gpus 10000000", "--gpus must be <= 1e6, not 10000000"),
     ("--zero 4", "--zero must be <= 3, not 4"),
+    ("--layers 1000000", "--layers must be <= 10000, not 1000000"),  # 01's MAX_LAYERS
+    ("--layers 1" + "0" * 400, "--layers must be <= 10000, not 1" + "0" * 400),
+    ("--vocab 1" + "0" * 30, "--vocab must be <= 1000000, not 1" + "0" * 30),  # 01's MAX_WIDTH
+    ("--dim 1" + "0" * 30, "--dim must be <= 1000000, not 1" + "0" * 30),
+    ("--ffn-dim 1000001", "--ffn-dim must be <= 1000000, not 1000001"),
+    ("--heads 1000001", "--heads must be <= 1000000, not 1000001"),
+    ("--experts 1000001", "--experts must be <= 1000000, not 1000001"),
+    ("--seq-len 1" + "0" * 30, "--seq-len must be <= 1e8, not 1" + "0" * 30),
+    ("--global-batch 1" + "0" * 30, "--global-batch must be <= 1e7, not 1" + "0" * 30),
 ])
 def test_plan_refuses_an_impossible_input_in_one_line_before_any_work(monkeypatch, capsys, options, message):
     """Zeros divided the step time (a ZeroDivisionError), a negative memory or bandwidth were
     planned, --dp 0 was "no sizes multiply to it"; inf and 1e308 rates priced a step at 0 s (a
     ZeroDivisionError), --peak-tflops inf alone "3,751 TFLOP/s per GPU, MFU 0%", --network-gbps 1e-300
-    a step of 300 digits, --zero 4 reached validate: each is one line naming the option and its range
-    (Cluster states why), exit 2."""
+    a step of 300 digits, --zero 4 reached validate; 10^6 layers ran past a minute, a vocabulary or width of
+    10^30 printed "393390655517578089201664.00x the memory": each is one line naming the option and its range
+    (Cluster, 01's MAX_LAYERS and TrainConfig state why), exit 2."""
     monkeypatch.setattr(full_train, "search_meshes", lambda *args: pytest.fail("planned"))
     code, out, err = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "8", *options.split())
     assert (code, out, err) == (2, "", f"09_full_train.py plan: error: {message}\n")
@@ -2079,6 +2137,16 @@ def test_a_config_json_plans_as_its_preset_and_sizes_override_a_preset_or_a_file
     for model in (str(path), "llama3-8b"):
         code, out, _ = plan_main(monkeypatch, capsys, "--model", model, "--layers", "16", *mesh)
         assert code == 0 and "(dim 4096, 16 layers, 32 heads / 8 K/V, ffn 14336," in out
+    llama2 = {k: v for k, v in dict(LLAMA3_8B_CONFIG, vocab_size=32000, intermediate_size=11008,
+                                    rope_theta=1e4).items() if k != "num_key_value_heads"}  # its K/V heads: 32
+    path.write_text(json.dumps(llama2))
+    run = ["--seq-len", "4096", "--global-batch", "1024", *mesh]
+    file, name = (plan_main(monkeypatch, capsys, "--model", m, *run)[1] for m in (str(path), "llama2-7b"))
+    assert file.split("\n", 1)[1] == name.split("\n", 1)[1] and "32 heads / 32 K/V" in file
+    path.write_text(json.dumps(dict(llama2, model_type="mistral", num_key_value_heads=8, sliding_window=4096)))
+    assert plan_main(monkeypatch, capsys, "--model", str(path), *run)[0] == 0  # Mistral 7B v0.1's window: all
+    code, _, err = plan_main(monkeypatch, capsys, "--model", str(path), *run[2:], "--seq-len", "4097")
+    assert code == 2 and "sliding_window=4096: attention within a window shorter than the run's seq_len 4,097" in err
     code, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpu", "h200", "--hbm-tbps", "5", *mesh)
     assert code == 0 and "64 GPUs of 140 GiB (h200)" in out and "the rest at 5 TB/s" in out
     cluster = full_train.configure(parse_options("plan", "--gpu", "h200", "--hbm-tbps", "5")).cluster
@@ -2132,8 +2200,11 @@ def test_an_moe_plan_never_says_fits_of_memory_it_does_not_count(monkeypatch, ca
 @pytest.mark.parametrize("change, message", [
     (dict(model_type="qwen2"), "model_type='qwen2' is not llama, mistral or mixtral"),
     (dict(hidden_act="gelu"), "hidden_act='gelu': a feature 01's GPT (a plain Llama) lacks"),
-    (dict(sliding_window=4096), "sliding_window=4096: a feature 01's GPT (a plain Llama) lacks"),
+    (dict(sliding_window=16), "sliding_window=16: attention within a window shorter than the run's seq_len"),
     (dict(num_hidden_layers=-2), "num_hidden_layers=-2: must be a positive integer"),
+    (dict(num_hidden_layers=10 ** 400), "num_hidden_layers=~10^400 is past the bound of 10,000"),
+    (dict(num_hidden_layers=10 ** 9), "num_hidden_layers=1,000,000,000 is past the bound of 10,000"),
+    (dict(vocab_size=10 ** 30), "vocab_size=~10^30 is past the bound of 1,000,000"),
     (dict(vocab_size=None), "vocab_size=None: missing"),
     (dict(num_attention_heads=7), "dim=4096 is not divisible by n_heads=7"),
     ("not json", "Expecting value: line 1 column 1"),
@@ -2146,6 +2217,63 @@ def test_a_config_that_is_not_llama_shaped_or_broken_is_one_line_before_any_rank
     code, err, launched, out = run_main(monkeypatch, capsys, command, "--model", str(path),
                                         *(["--gpus", "8"] if command == "plan" else []))
     assert not launched and not out and code == 2 and err.count("\n") == 1 and f"error: --model {path}: {message}" in err, err
+
+
+def test_a_size_at_its_bound_is_planned_in_closed_form(monkeypatch, capsys):
+    """10,000 layers (MAX_LAYERS): 20,000 took 34 s, flops_per_token listing every layer's parameters; now a
+    layer's parameters x layers (test_flops_per_token_count_the_model_but_its_embedding: the same count)."""
+    code, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "8", "--layers", "10000")
+    assert code == 0 and out.startswith("llama3-8b does not fit on 8 GPUs of 80 GiB: the leanest of "), out
+
+
+def test_a_model_or_mesh_of_one_is_said_in_the_singular(monkeypatch, capsys):
+    """ "1 GPUs", "1 meshes pass validate" once."""
+    code, out, _ = plan_main(monkeypatch, capsys, "--model", "tiny", "--gpus", "1")
+    assert code == 0 and "; 1 GPU of 80 GiB (h100-sxm)" in out and "\n1 mesh passes validate, 1 fits; the" in out
+    code, out, _ = plan_main(monkeypatch, capsys, "--model", "tiny", "--gpus", "1", "--moe")
+    assert code == 0 and "\n1 mesh passes validate, 1 fits without its activations; the fastest:" in out
+    code, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-405b", "--gpus", "1")
+    assert out.startswith("llama3-405b does not fit on 1 GPU of 80 GiB: the leanest of 1 valid mesh (")
+    code, _, err = plan_main(monkeypatch, capsys, "--model", "tiny", "--gpus", "1", "--microbatches", "7")
+    assert code == 2 and err.startswith("09_full_train.py plan: error: no mesh of 1 GPU passes validate: "), err
+
+
+@pytest.mark.parametrize("argv, heads", [
+    (["--model", "tiny", "--heads", "8"], (8, 8)),  # tiny has no grouping (4 / 4): none is made up (8 / 4)
+    (["--model", "llama3-8b", "--heads", "64"], (64, 8)),  # its grouping's K/V heads stay
+    (["--model", "tiny", "--heads", "8", "--kv-heads", "2"], (8, 2)),
+])
+def test_heads_alone_keep_a_presets_grouping_or_its_absence(argv, heads):
+    cfg = full_train.build_model_config(parse_options("plan", *argv))
+    assert (cfg.n_heads, cfg.n_kv_heads) == heads
+
+
+@pytest.mark.parametrize("mesh, communicators", [
+    (dict(), 1),  # the world's
+    (dict(dp=2), 2),  # + dp x cp's
+    (dict(cp=2), 3),  # + cp's and dp x cp's: build_mesh makes both, the same two ranks
+    (dict(pp=2, tp=2), 3),  # + pp's and tp's
+    (dict(dp=2, cp=2, ep=2), 5),  # + cp's, dp x cp's, and the experts' two (their all-to-all's, their dp)
+])
+def test_nccls_buffers_are_one_allowance_a_communicator(mesh, communicators):
+    """plan's cuda_nccl: CUDA's context and cuBLAS (0.5 GiB) and 0.3 GiB of NCCL's buffers for each
+    communicator a rank uses (a group of more than one rank that carries traffic), counted by hand."""
+    options = [f"--{d}={n}" for d, n in mesh.items()] + ["--moe"] * ("ep" in mesh)
+    args = parse_options("plan", "--model", "check", *options)
+    cfg, train, sizes = full_train.build_model_config(args), full_train.train_config(args), full_train.MeshSizes(**mesh)
+    full_train.validate(cfg, sizes, train, sizes.world)
+    for rank in full_train.plan(cfg, sizes, train):
+        assert rank.memory["cuda_nccl"] == 2 ** 30 * (Fraction(1, 2) + Fraction(3, 10) * communicators)
+
+
+def test_the_loss_reads_a_padded_vocabulary_shard():
+    """The loss's two fp32 passes over a rank's logits, forward and backward: vocab_shard pads the vocabulary
+    to a multiple of tp, so 1,001 ids over tp = 2 are 501 a rank, as 1,002 are (rounded down: 500). By hand:
+    1,002 ids cost 2 passes x 4 B x 500 ids a rank more than 2 ids (1 a rank), x 10 tokens."""
+    cfg = foundation.ModelConfig(vocab_size=2, dim=8, n_heads=2, ffn_dim=16)
+    one, uneven, even = (full_train.elementwise_bytes(dataclasses.replace(cfg, vocab_size=v), 10, 2, False,
+                                                      layers=0, embed=False, head=True) for v in (2, 1001, 1002))
+    assert uneven == even and [b - a for a, b in zip(one, even)] == [2 * 4 * 500 * 10] * 2
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -2211,6 +2339,7 @@ def test_the_gpu_presets_are_the_clusters_and_h100_sxm_is_its_default():
         assert speed == pytest.approx(cluster.peak_tflops / 989 * min(1, cluster.power_limit / cluster.tdp))
         assert (math.isnan(speed8)) == name.startswith("a100")
     assert full_train.Cluster(**dict(zip(full_train.GPU_FIELDS, full_train.GPUS["h100-96gb"]))).speed[0] == 500 / 700
+    assert full_train.Cluster(power_limit=1000).speed == (1.0, 1.0)  # above its TDP a GPU runs no faster
 
 
 def test_a_gpu_without_fp8_says_so_in_the_plans_header(monkeypatch, capsys):
