@@ -1012,6 +1012,25 @@ def test_recompute_adds_the_amax_all_reduces_of_what_it_casts_again(rank_pool, r
 
 # --- the script itself ------------------------------------------------------------------------
 
+def test_main_refuses_a_batch_the_ranks_cannot_split_with_train_float8_zeros_own_message(monkeypatch, capsys,
+                                                                                         rank_pool):
+    """One message for one rule: main gives launch_lesson validate_float8_zero as data, so `distributed
+    --batch 6` on 2 ranks (2 microbatches each) is refused before any rank starts with the words the
+    ranks' train_float8_zero would raise."""
+    message = "global_batch=6 is not divisible by the group size x microbatches = 2 x 2"
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", ["08_fp8.py", "distributed", "--nproc", "2", "--batch", "6"])
+    monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    with pytest.raises(SystemExit) as exit_:
+        fp8.main()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"08_fp8.py distributed: error: {message}\n"
+    cfg = foundation.ModelConfig(vocab_size=11, dim=10, n_heads=1, ffn_dim=7)
+    rank_pool.expect_invalid(2, fp8.train_float8_zero, cfg, 1, 6, 4, mode="zero3", microbatches=2,
+                             match=re.escape(message))
+
+
 def test_distributed_runs_as_plain_python():
     """`08_fp8.py distributed`: both demos on 2 local ranks: every measured byte count equals its formula (the script marks one
     that does not with "(!=)"), and the FP8-gather run equals the fp32-gather run exactly."""

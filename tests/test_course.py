@@ -43,7 +43,7 @@ def test_the_course_is_its_nine_scripts():
     ("04_pipeline", [], "microbatches=8 is not a multiple of pp=3"),
     ("05_context_parallel", [], "seq_len=64 is not divisible by 2 x cp = 6"),
     ("06_expert_parallel", [], "--experts 8 is not divisible by the 3 ranks"),
-    ("08_fp8", ["distributed"], "--batch 16 is not divisible by 2 microbatches x 3 ranks"),
+    ("08_fp8", ["distributed"], "--seq-len 64 is not divisible by the 3 ranks"),
 ])
 def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script, command, message):
     """Every lesson of several ranks ends its main() in launch_lesson: its defaults are checked against
