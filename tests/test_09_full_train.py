@@ -2244,7 +2244,7 @@ def test_a_model_or_mesh_of_one_is_said_in_the_singular(monkeypatch, capsys):
     (["--model", "tiny", "--heads", "8", "--kv-heads", "2"], (8, 2)),
 ])
 def test_heads_alone_keep_a_presets_grouping_or_its_absence(argv, heads):
-    cfg = full_train.build_model_config(parse_options("plan", *argv))
+    cfg = full_train.configure(parse_options("plan", *argv)).cfg
     assert (cfg.n_heads, cfg.n_kv_heads) == heads
 
 
@@ -2260,7 +2260,10 @@ def test_nccls_buffers_are_one_allowance_a_communicator(mesh, communicators):
     communicator a rank uses (a group of more than one rank that carries traffic), counted by hand."""
     options = [f"--{d}={n}" for d, n in mesh.items()] + ["--moe"] * ("ep" in mesh)
     args = parse_options("plan", "--model", "check", *options)
-    cfg, train, sizes = full_train.build_model_config(args), full_train.train_config(args), full_train.MeshSizes(**mesh)
+    job = full_train.configure(args)
+    cfg = job.cfg
+    train = dataclasses.replace(job.train, microbatches=1)  # plan's: per mesh
+    sizes = full_train.MeshSizes(**mesh)
     full_train.validate(cfg, sizes, train, sizes.world)
     for rank in full_train.plan(cfg, sizes, train):
         assert rank.memory["cuda_nccl"] == 2 ** 30 * (Fraction(1, 2) + Fraction(3, 10) * communicators)
