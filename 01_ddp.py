@@ -1,16 +1,19 @@
 """Lesson 01: data parallelism, and the foundation every later lesson stands on.
 
-The lesson, then THE FOUNDATION that lessons 02-09 import; the lesson uses the model and the data as a
-reader knows them (a GPT, a batch), built further down. The sections, in order:
+The lesson first (data parallelism, its training loop, its demo), then THE FOUNDATION that lessons
+02-09 import, in the order they need it. The parts, in order:
   Data parallelism: broadcast_parameters; (a) all_reduce_gradients; (b, c) GradBucket, BucketedDataParallel
-  Training: TrainResult; train_single_device (the reference every lesson equals), train_data_parallel
-THE FOUNDATION
+  Training: TrainResult; train_single_device (the reference every lesson equals), train_data_parallel;
+    accumulate_microbatches and mean_over_ranks, the loop's two pieces every lesson reuses
+  RUN IT: demo (every version beside one device), bench (against torch's DDP)
+THE FOUNDATION (line ~400 on: read it once the lesson is clear, or from 02 on)
   Devices and launch: init_distributed, launch (plain python starts its ranks as torchrun would),
     exit_distributed, check_memory; interleaved_medians and ratio_line (--bench's timing)
-  Options: option (a dataclass field that is also an option, its rule beside it), parse_options, launch_lesson
-  The comm meter: CommMeter, comm_meter; the wrappers all_reduce ... batch_p2p, all_ranks
+  The comm meter: ring_traffic (the textbook formula), CommMeter, comm_meter; the wrappers all_reduce ...
+    batch_p2p, all_ranks
   The reference model: ModelConfig, GPT (Llama-style, grouped-query attention), synthetic_batch
-  Demo and benchmark: demo, bench, Options, main
+  Options: option (a dataclass field that is also an option, its rule beside it), parse_options,
+    launch_lesson (the sizes' rules, then the ranks); then 01's own command line: Options, main
 
 THE IDEA
 Every rank holds a full copy of the model and takes a different, equal-sized slice of the global
@@ -51,6 +54,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import math
 import operator
 import os
@@ -61,7 +65,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -148,7 +152,9 @@ class BucketedDataParallel:
         if not params:
             raise ValueError("the model has no trainable parameter (requires_grad=True) to synchronise")
         claim_gradient_sync(model, type(self).__name__)  # after the checks: a failed build claims nothing
-        self.model, self.group, self.world = model, group, dist.get_world_size(group)
+        self.model = model
+        self.group = group
+        self.world = dist.get_world_size(group)
         broadcast_parameters(model, group)
         groups: list[list[nn.Parameter]] = [[]]
         for p in params:
@@ -158,7 +164,8 @@ class BucketedDataParallel:
             groups[-1].append(p)
         self.buckets = [GradBucket(group_params) for group_params in groups]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.sync_gradients, self.next_to_launch = True, 0
+        self.sync_gradients = True
+        self.next_to_launch = 0
         self.max_in_flight = self.finished_before_wait = 0  # statistics for the demo
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -293,6 +300,29 @@ def validate_data_parallel(global_batch: int, world: int, accum_steps: int, mode
                          f"= {world} x {accum_steps} = {world * accum_steps}")
 
 
+def accumulate_microbatches(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, n: int,
+                            device: torch.device | str, around: Callable | None = None) -> torch.Tensor:
+    """Forward and backward of a batch in n microbatches, each loss scaled by 1/n: their gradients add
+    up in .grad to the gradient of the batch's mean loss. around(i) wraps microbatch i (here: no_sync()
+    but for the last, whose backward synchronises). Returns the batch's mean loss on the device (an
+    .item() would stall a GPU every microbatch)."""
+    loss = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(zip(tokens.chunk(n), targets.chunk(n), strict=True)):
+        with around(i) if around else contextlib.nullcontext():
+            part = model(x.to(device), y.to(device)) / n
+            part.backward()
+        loss += part.detach()
+    return loss
+
+
+def mean_over_ranks(values: list[torch.Tensor], group=None) -> list[float]:
+    """Each value (a step's mean loss on this rank) averaged over the group's ranks, in fp64, by one
+    all-reduce after the loop. Equal token counts make it the global batch's mean loss."""
+    total = torch.stack(values).double()
+    all_reduce(total, group=group)
+    return (total / group_size(group)).tolist()
+
+
 def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int, *,
                         mode: str = "bucketed", accum_steps: int = 1, bucket_bytes: int = 1 << 20,
                         lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
@@ -300,41 +330,115 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
     """Train on rows [r B/N, (r+1) B/N) of train_single_device's global batches, in accum_steps
     micro-batches whose losses are scaled by 1/accum_steps: together, the gradient of the rank's mean
     loss (THE IDEA). Returns the result and a meter of the communication inside the training loop."""
-    world, rank = group_size(group), dist.get_rank(group)
+    world = group_size(group)
+    rank = dist.get_rank(group)
     validate_data_parallel(global_batch, world, accum_steps, mode)
     model = GPT(cfg).to(device)
     ddp = BucketedDataParallel(model, group, bucket_bytes) if mode == "bucketed" else None
     if ddp is None:
         broadcast_parameters(model, group)  # BucketedDataParallel does it when it is built
-    sync = ddp.finish_gradient_sync if ddp else lambda: all_reduce_gradients(model, group)
     optimizer = make_optimizer(model, lr, adam_eps)
-    result, local_losses = TrainResult([], {}, {}), []
+
+    def around(micro: int) -> contextlib.AbstractContextManager:
+        """(c): every micro-step but the last only accumulates; the last one's backward syncs."""
+        return ddp.no_sync() if ddp is not None and micro < accum_steps - 1 else contextlib.nullcontext()
+
+    result = TrainResult([], {}, {})
+    local_losses = []
     with comm_meter() as meter:
         for step in range(steps):
             tokens, targets = synthetic_batch(cfg, global_batch, seq_len, step, rank, world)
-            step_loss = torch.zeros((), device=device)
-            micro_batches = zip(tokens.chunk(accum_steps), targets.chunk(accum_steps), strict=True)
-            for micro, (x, y) in enumerate(micro_batches):
-                accumulate_only = ddp is not None and micro < accum_steps - 1
-                with ddp.no_sync() if accumulate_only else contextlib.nullcontext():
-                    loss = model(x.to(device), y.to(device)) / accum_steps
-                    loss.backward()
-                step_loss += loss.detach()  # no .item(): it would stall a GPU every micro-step
-            sync()
-            local_losses.append(step_loss)
+            local_losses.append(accumulate_microbatches(model, tokens, targets, accum_steps, device, around))
+            if ddp is not None:
+                ddp.finish_gradient_sync()
+            else:
+                all_reduce_gradients(model, group)
             if step == 0:
                 result.first_grads = cpu_copy((n, p.grad) for n, p in model.named_parameters())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    # Outside the meter: the per-step losses averaged over ranks = the global-batch mean loss.
-    losses = torch.stack(local_losses).double()
-    all_reduce(losses, group=group)
-    result.losses = (losses / world).tolist()
+    result.losses = mean_over_ranks(local_losses, group)  # outside the meter: not training traffic
     result.params = cpu_copy(model.named_parameters())
     if ddp is not None:
         result.stats = dict(buckets=len(ddp.buckets), max_in_flight=ddp.max_in_flight,
                             finished_before_wait=ddp.finished_before_wait)
     return result, meter
+
+
+# --- RUN IT: the demo, every version beside one device; the benchmark against torch's DDP -----------------
+def demo(args: argparse.Namespace) -> None:
+    device = init_distributed()
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    cfg = ModelConfig()
+    bucketed = dict(mode="bucketed", bucket_bytes=args.bucket_kib << 10)
+    runs = {"naive": dict(mode="naive"), "bucketed": bucketed,
+            f"bucketed, accum x{args.accum}": dict(bucketed, accum_steps=args.accum)}
+    results = {name: train_data_parallel(cfg, args.steps, args.global_batch, args.seq_len,
+                                         device=device, **kw) for name, kw in runs.items()}
+    if rank == 0:
+        reference = train_single_device(cfg, args.steps, args.global_batch, args.seq_len, device=device)
+        n_params = sum(p.numel() for p in reference.params.values())
+        grad_bytes = n_params * 4
+        print(f"Data parallelism on {world} ranks ({dist.get_backend()}, {device.type}): "
+              f"{n_params:,} parameters = {grad_bytes:,} gradient bytes (fp32); global batch "
+              f"{args.global_batch} x {args.seq_len} tokens, {args.steps} AdamW steps. Losses:\n")
+        print(f"{'step':<6}" + "".join(f"{name:>24}" for name in results) + f"{'single device':>16}")
+        for step in range(args.steps):
+            print(f"{step:<6}" + "".join(f"{r.losses[step]:>24.6f}" for r, _ in results.values())
+                  + f"{reference.losses[step]:>16.6f}")
+        print(f"\n{'max |difference| from one device':>58}{'all-reduces per step':>30}\n"
+              f"{'step-0 gradients':>42}{'end parameters':>18}{'calls':>8}{'traffic per rank':>20}")
+        for name, (result, meter) in results.items():
+            calls = meter.calls("all_reduce") // args.steps
+            traffic = meter.traffic("all_reduce") / args.steps
+            _, grads, params = result.max_differences(reference)
+            print(f"  {name:<24}{grads:>16.2e}{params:>18.2e}{calls:>8}{float(traffic):>18,.0f} B")
+        print(f"  ring formula 2(N-1)/N x gradient bytes = 2x{world - 1}/{world} x {grad_bytes:,} "
+              f"= {float(ring_traffic('all_reduce', grad_bytes, world)):,.0f} B")
+        stats = results["bucketed"][0].stats
+        print(f"\nbucketed: {stats['buckets']} buckets of <= {args.bucket_kib} KiB, all launched from "
+              f"backward hooks; up to {stats['max_in_flight']} all-reduces in flight at once during "
+              f"backward, {stats['finished_before_wait']} already finished when backward returned.")
+        print("Notice: every version computes the single-device step, and the bytes moved per step "
+              "depend on the parameter count only, not on batch size or accumulation.")
+    exit_distributed()
+
+
+def bench(args: argparse.Namespace) -> None:
+    """Ours (bucketed, overlapped) against torch's DistributedDataParallel: same model, batch, buckets."""
+    device = init_distributed()
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    cfg = ModelConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=8, ffn_dim=688)
+    tokens, targets = (t.to(device) for t in synthetic_batch(cfg, 4 * world, 128, 0, rank, world))
+    ours_model = GPT(cfg).to(device)
+    torch_model = GPT(cfg).to(device)
+    ours = BucketedDataParallel(ours_model, bucket_bytes=args.bench_bucket_mb << 20)
+    theirs = nn.parallel.DistributedDataParallel(torch_model, bucket_cap_mb=args.bench_bucket_mb)
+    ours_optimizer = make_optimizer(ours_model, 1e-3)
+    torch_optimizer = make_optimizer(torch_model, 1e-3)
+
+    def ours_step() -> None:
+        ours_model(tokens, targets).backward()
+        ours.finish_gradient_sync()
+        ours_optimizer.step()
+        ours_optimizer.zero_grad(set_to_none=True)
+
+    def torch_step() -> None:
+        theirs(tokens, targets).backward()  # torch DDP synchronises inside backward
+        torch_optimizer.step()
+        torch_optimizer.zero_grad(set_to_none=True)
+
+    med = interleaved_medians({"ours": ours_step, "torch DDP": torch_step}, args.bench_rounds,
+                              args.bench_steps, device)
+    if rank == 0:
+        n_params = sum(p.numel() for p in ours_model.parameters())
+        print(f"DDP step time on {world} ranks ({dist.get_backend()}, {device.type}), "
+              f"{n_params / 1e6:.1f}M parameters, {args.bench_bucket_mb} MB buckets, "
+              f"median of {args.bench_steps * (args.bench_rounds - 1)} steps:")
+        print("  " + ratio_line(med))
+    exit_distributed()
 
 
 # ===========================================================================================================
@@ -386,7 +490,7 @@ def launch_world_size(nproc: int) -> int:
 
 def check_memory(cfg: "ModelConfig", batch: int, seq_len: int, ranks: int, more: dict[str, int] | None = None,
                  what: str | None = None) -> None:
-    """For validate(world): refuse sizes whose largest tensors alone exceed this machine's memory. A
+    """A rule of launch_lesson: refuse sizes whose largest tensors alone exceed this machine's memory. A
     lower bound: every rank draws the whole batch (synthetic_batch: 17 bytes a token) and holds the
     fp32 embedding and LM head; the fp32 logits exist once. more: the lesson's other tensors' bytes."""
     what = what or f"--global-batch {batch} x --seq-len {seq_len}"
@@ -469,168 +573,22 @@ def ratio_line(medians: dict[str, float]) -> str:
             f"ratio {ours} / {theirs} = {mine / other:.3f}")
 
 
-# --- Options: every lesson's command line is made from dataclass fields, each with its help and rule --------
-COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}  # NaN breaks every rule
-
-
-def option(default, help: str, rule: str | tuple[str, ...] = (), commands: tuple[str, ...] | None = None,
-           **argparse_kwargs):
-    """A dataclass field that is also the option --field-name (of these sub-commands; None: of all).
-    rule: ">= 1", "> 0", "<= 128", or several; argparse_kwargs: option="--other-name", choices, type,
-    metavar, nargs, const, and off=(flag, value, help): a second option that sets the field to value."""
-    return field(default=default, metadata=dict(help=help, rules=(rule,) if isinstance(rule, str) else rule,
-                                                 commands=commands, argparse=argparse_kwargs))
-
-
-def flag(option_field) -> str:
-    return option_field.metadata["argparse"].get("option", "--" + option_field.name.replace("_", "-"))
-
-
-def option_fields(classes: tuple[type, ...], command: str | None = None) -> list:
-    found = (f for cls in classes for f in dataclasses.fields(cls) if "help" in f.metadata)
-    return [f for f in found if f.metadata["commands"] is None or command in f.metadata["commands"]]
-
-
-def broken_rules(values, fields: list, flagged: bool = False) -> list[str]:
-    """The rules and choices beside these fields that values (a config, or the parsed options, where
-    None is left to other options) break, each naming the field (flagged: its option) and value."""
-    out = []
-    for f in (f for f in fields if "help" in f.metadata):
-        value, choices = getattr(values, f.name), f.metadata["argparse"].get("choices")
-        for v in [] if value is None else value if isinstance(value, (list, tuple)) else [value]:
-            broken = [r for r in f.metadata["rules"] if not COMPARE[r.split()[0]](v, float(r.split()[1]))]
-            if broken or (choices is not None and v not in choices):
-                must = "must be " + (broken[0] if broken else f"one of {tuple(choices)}")
-                out.append(f"{flag(f)} {must}, not {v}" if flagged else f"{f.name}={value!r} {must}")
-                break
-    return out
-
-
-def prints_here() -> bool:
-    """Under torchrun every rank runs main(): rank 0 alone prints what is said once (the help, an
-    option's error, 09's plan). A RANK torchrun did not set (left in a shell) silences nothing."""
-    return os.environ.get("RANK", "0") == "0" or "TORCHELASTIC_RUN_ID" not in os.environ
-
-
-class LessonParser(argparse.ArgumentParser):
-    """Every rank parses alike and exits alike (2 on an error), printing only where prints_here(); no
-    abbreviations (a misspelt option is an error, not a guess)."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(allow_abbrev=False, **kwargs)
-
-    def _print_message(self, message: str, file=None) -> None:
-        if prints_here():
-            super()._print_message(message, file)
-
-
-def add_options(parser: argparse.ArgumentParser, fields: list, defaults: dict, decided: dict) -> None:
-    """One option per field: a flag for a bool, else a value of the default's type; defaults: values
-    in place of the fields'; decided: options left None, with what decides them. --help shows each
-    default once (not after a help text that states it)."""
-    for f in fields:
-        kwargs = {k: v for k, v in f.metadata["argparse"].items() if k not in ("option", "off")}
-        if isinstance(f.default, bool) and "type" not in kwargs:
-            kwargs["action"] = "store_true"
-        elif f.default is not None:
-            kwargs.setdefault("type", type(f.default[0] if isinstance(f.default, tuple) else f.default))
-        default = None if f.name in decided else defaults.get(f.name, f.default)
-        stated = default is None or default is False or "default" in f.metadata["help"]
-        shown = decided.get(f.name, None if stated else default)
-        parser.add_argument(flag(f), dest=f.name, default=default, **kwargs,
-                            help=f.metadata["help"] + ("" if shown is None else f" (default: {shown})"))
-        if "off" in f.metadata["argparse"]:
-            name, value, text = f.metadata["argparse"]["off"]
-            parser.add_argument(name, dest=f.name, action="store_const", const=value, help=text)
-
-
-class Command(NamedTuple):
-    """A sub-command: what it does, its defaults where not the fields', its options left None (with
-    what decides them), and the classes of options only it has."""
-    what: str
-    defaults: dict = {}
-    decided: dict = {}
-    classes: tuple[type, ...] = ()
-
-
-def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Command] | None = None,
-                  defaults: dict = {}, argv: list[str] | None = None
-                  ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    """The lesson's options, one per field of classes, each checked against its rule (one line, exit
-    2). commands: sub-commands, each with the fields that name it; argv starting with none of them
-    (nor --help) runs the first. Returns the parser that errors should exit through, and the options."""
-    argv = sys.argv[1:] if argv is None else argv
-    parser = LessonParser(description=" ".join(doc.split("\n\n")[0].split()))
-    parsers = {None: (parser, option_fields(classes))}
-    if commands is None:
-        add_options(parser, parsers[None][1], defaults, {})
-    else:
-        first = next(iter(commands))
-        subparsers = parser.add_subparsers(dest="command", title=f"sub-commands (none given: {first})")
-        for name, command in commands.items():
-            parsers[name] = (subparsers.add_parser(name, help=command.what, description=command.what),
-                             option_fields(classes + command.classes, name))
-            add_options(*parsers[name], command.defaults, command.decided)
-        if not argv or argv[0] not in commands and argv[0] not in ("-h", "--help"):
-            argv = [first, *argv]
-    args, unknown = parser.parse_known_args(argv)
-    chosen, fields = parsers[getattr(args, "command", None)]
-    if unknown:  # perhaps another sub-command's option: say whose
-        given = unknown[0].split("=")[0]
-        owners = [name for name, (p, _) in parsers.items() if name and given in p._option_string_actions]
-        chosen.error(f"unrecognized arguments: {' '.join(unknown)}"
-                     + (f" ({unknown[0]} is an option of {' and '.join(owners)})" if owners else ""))
-    if problems := broken_rules(args, fields, flagged=True):
-        chosen.exit(2, f"{chosen.prog}: error: {problems[0]}\n")
-    return chosen, args
-
-
-@dataclass
-class Ranks:
-    """The option of every lesson that runs on several ranks."""
-    nproc: int = option(torch.cuda.device_count() if torch.cuda.is_available() else 4,
-                        "ranks when not under torchrun", ">= 1")
-
-
-@dataclass
-class BenchRounds:
-    """--bench's timing (interleaved_medians), beside a lesson's own --bench flag."""
-    bench_steps: int = option(5, "timed steps per round", ">= 1")
-    bench_rounds: int = option(3, "rounds of --bench-steps; the first warms up", ">= 2")
-
-
-def launch_lesson(parser: argparse.ArgumentParser, args: argparse.Namespace, fn: Callable,
-                  validate: Callable[[int], None] | None = None) -> None:
-    """The end of every lesson's main(): validate(world) checks sizes against the world that will
-    run (1 for a lesson without --nproc), a failure is one line (once under torchrun), exit 2; then
-    fn(args) on every rank (here, for a lesson of one process)."""
-    try:
-        world = launch_world_size(getattr(args, "nproc", 1))  # torchrun's, where RANK is set
-        if "nproc" not in args and world > 1:
-            raise ValueError(f"runs in one process: start it with python, not torchrun (WORLD_SIZE={world})")
-        # One GPU a rank (init_distributed): too many for a node's GPUs fail here, not in the ranks (a
-        # launcher other than torchrun may not say how many share the node: LOCAL_WORLD_SIZE, else no check).
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if "RANK" in os.environ else world
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else ranks_here
-        if ranks_here > gpus:
-            raise ValueError(f"{ranks_here} ranks on this node need a GPU each, but {gpus} "
-                             f"{'is' if gpus == 1 else 'are'} visible: run at most {gpus} per node, or "
-                             f"CUDA_VISIBLE_DEVICES= to run on the CPU")
-        if validate is not None:
-            validate(world)
-    except ValueError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
-    if "nproc" in args:
-        launch(fn, args, nproc=args.nproc)
-    else:
-        fn(args)
-
-
 # --- The comm meter: every collective in the course goes through these wrappers -----------------------------
 # A meter counts, per (operation, group), the calls, the payload (the tensor handed to the collective)
 # and the traffic: what one rank sends under the textbook algorithm (ring for all-reduce / all-gather /
 # reduce-scatter, direct for all-to-all and point-to-point), a Fraction so that "measured == formula"
 # holds exactly. Scoped, not global: `with comm_meter() as meter: step()`, then meter.traffic(op).
+RING_PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+
+
+def ring_traffic(op: str, nbytes: int | Fraction, n: int) -> Fraction:
+    """The bytes one of n ranks sends in a ring `op` of nbytes (all-reduce, reduce-scatter: the input's
+    size; all-gather: the output's): in each pass a rank passes on n - 1 of the n chunks. An all-reduce
+    is a reduce-scatter then an all-gather, two passes: 2(N-1)/N x size. The course's one ring formula:
+    the wrappers below meter with it, and every lesson predicts with it."""
+    return RING_PASSES[op] * Fraction(n - 1, n) * nbytes
+
+
 ANY_GROUP = object()
 
 
@@ -704,8 +662,7 @@ def group_size(group) -> int:
 
 def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op: bool = False):
     """In place. Ring cost: reduce-scatter then all-gather, 2(N-1)/N x size per rank."""
-    n = group_size(group)
-    _record("all_reduce", group, tensor.nbytes, Fraction(2 * (n - 1), n) * tensor.nbytes)
+    _record("all_reduce", group, tensor.nbytes, ring_traffic("all_reduce", tensor.nbytes, group_size(group)))
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -716,25 +673,27 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """output = the N inputs concatenated along dim 0. Ring cost: (N-1)/N x output size per rank."""
-    n = group_size(group)
-    _record("all_gather", group, output.nbytes, Fraction(n - 1, n) * output.nbytes)
+    _record("all_gather", group, output.nbytes, ring_traffic("all_gather", output.nbytes, group_size(group)))
     return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=dist.ReduceOp.SUM,
                    async_op: bool = False):
     """output = this rank's 1/N chunk (dim 0) of the sum of inputs. Ring: (N-1)/N x input size."""
-    n = group_size(group)
-    _record("reduce_scatter", group, input.nbytes, Fraction(n - 1, n) * input.nbytes)
+    traffic = ring_traffic("reduce_scatter", input.nbytes, group_size(group))
+    _record("reduce_scatter", group, input.nbytes, traffic)
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int] | None = None,
                input_splits: list[int] | None = None, group=None, async_op: bool = False):
     """Rank i sends input rows input_splits[j] to rank j. Traffic: what leaves this rank."""
-    n, me = group_size(group), dist.get_rank(group)
+    n = group_size(group)  # also: this rank is in the group
     row_bytes = input.nbytes // max(input.shape[0], 1)
-    kept_rows = input_splits[me] if input_splits is not None else input.shape[0] // n
+    if input_splits is None:
+        kept_rows = input.shape[0] // n
+    else:
+        kept_rows = input_splits[dist.get_rank(group)]
     _record("all_to_all", group, input.nbytes, Fraction(input.nbytes - kept_rows * row_bytes))
     return dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=async_op)
 
@@ -774,6 +733,18 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
 
 
 # --- The reference model: a small Llama-style decoder that every later lesson transforms --------------------
+# A config.json's sizes past these are refused (a typo, or a model 80x deeper or 4x wider than any published:
+# Llama 3 405B has 126 layers, vocabularies reach 262,144); within them 09's plan answers in seconds.
+MAX_LAYERS = 10_000
+MAX_WIDTH = 1_000_000
+HF_DEFAULTS = {  # transformers' LlamaConfig, MistralConfig, MixtralConfig: a key config.json lacks
+    "llama": dict(rms_norm_eps=1e-6, rope_theta=1e4),
+    "mistral": dict(num_key_value_heads=8, rms_norm_eps=1e-6, rope_theta=1e4, sliding_window=4096),
+    "mixtral": dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6, num_local_experts=8,
+                    num_experts_per_tok=2),
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 128
@@ -803,29 +774,47 @@ class ModelConfig:
         return self.dim // self.n_heads
 
     @classmethod
-    def from_hf(cls, config: dict) -> tuple["ModelConfig", tuple[int, int] | None]:
+    def from_hf(cls, config: dict, seq_len: int) -> tuple["ModelConfig", tuple[int, int] | None]:
         """A Hugging Face config.json (a dict) as a ModelConfig, and (experts, top-k) of a Mixtral MoE, or
-        None. Refused, naming the field: a model_type not llama/mistral/mixtral, what GPT lacks (biases, a
-        non-SiLU MLP, head_dim != dim / heads, a sliding window), a size not positive; rope_scaling unread."""
-        def read(key: str, default=None, kind: type | tuple = int):
-            value = config.get(key, default)
+        None, read as transformers reads it: a key missing is its config class's default (HF_DEFAULTS); null
+        K/V heads are the heads, a null tie or window none. Refused, naming the field: a model_type not
+        llama/mistral/mixtral, what GPT lacks (biases, a non-SiLU MLP, head_dim != dim / heads, a sliding
+        window shorter than the run's seq_len: one as long is full attention), a size not positive or past
+        its bound (MAX_LAYERS, MAX_WIDTH); rope_scaling unread."""
+        defaults = HF_DEFAULTS.get(config.get("model_type"))
+        if defaults is None:
+            raise ValueError(f"model_type={config.get('model_type')!r} is not llama, mistral or mixtral")
+
+        def read(key: str, kind: type | tuple = int, default=None, most: float = MAX_WIDTH):
+            value = config[key] if key in config else defaults.get(key, default)
+            value = default if value is None else value
             if not (isinstance(value, bool) if kind is bool else isinstance(value, kind)
                     and not isinstance(value, bool) and 0 < value < math.inf):
                 must = {int: "a positive integer", bool: "true or false"}.get(kind, "a positive number")
                 raise ValueError(f"{key}={value!r}: " + ("missing" if value is None else f"must be {must}"))
+            if value > most:
+                shown = f"{value:,}" if value < 1e18 else f"~10^{len(str(value)) - 1}"
+                raise ValueError(f"{key}={shown} is past the bound of {most:,} (beyond any published model)")
             return value
-        if config.get("model_type") not in ("llama", "mistral", "mixtral"):
-            raise ValueError(f"model_type={config.get('model_type')!r} is not llama, mistral or mixtral")
-        dim, heads, n = read("hidden_size"), read("num_attention_heads"), "num_local_experts" in config
-        lacks = dict(hidden_act=lambda v: v != "silu", attention_bias=bool, mlp_bias=bool,
-                     sliding_window=bool, head_dim=lambda v: v not in (None, dim / heads))
+        dim = read("hidden_size")
+        heads = read("num_attention_heads")
+        lacks = dict(hidden_act=lambda v: v not in ("silu", "swish"), attention_bias=bool, mlp_bias=bool,
+                     head_dim=lambda v: v not in (None, dim / heads))
         for key in (key for key, wrong in lacks.items() if key in config and wrong(config[key])):
             raise ValueError(f"{key}={config[key]!r}: a feature 01's GPT (a plain Llama) lacks")
-        vocab, layers, ffn = map(read, ("vocab_size", "num_hidden_layers", "intermediate_size"))
-        theta, eps = read("rope_theta", 1e4, (int, float)), read("rms_norm_eps", 1e-5, (int, float))
-        moe = (read("num_local_experts"), read("num_experts_per_tok")) if n else None
-        return cls(vocab, dim, layers, heads, read("num_key_value_heads", heads), ffn, theta, eps,
-                   tie_embeddings=read("tie_word_embeddings", False, bool)), moe
+        window = config["sliding_window"] if "sliding_window" in config else defaults.get("sliding_window")
+        if window is not None and not (type(window) is int and window >= seq_len):
+            given = "" if "sliding_window" in config else " (its default)"
+            raise ValueError(f"sliding_window={window!r}{given}: attention within a window shorter than the "
+                             f"run's seq_len {seq_len:,} is a feature 01's GPT (a plain Llama) lacks")
+        vocab, ffn = map(read, ("vocab_size", "intermediate_size"))
+        layers = read("num_hidden_layers", most=MAX_LAYERS)
+        theta = read("rope_theta", (int, float), most=math.inf)
+        eps = read("rms_norm_eps", (int, float), most=math.inf)
+        mixtral = config["model_type"] == "mixtral"
+        moe = (read("num_local_experts"), read("num_experts_per_tok")) if mixtral else None
+        return cls(vocab, dim, layers, heads, read("num_key_value_heads", default=heads), ffn, theta, eps,
+                   tie_embeddings=read("tie_word_embeddings", bool, False)), moe
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -923,7 +912,8 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn: Callable = causal_attention,
                  loss_fn: Callable = cross_entropy_loss) -> None:
         super().__init__()
-        self.cfg, self.loss_fn = cfg, loss_fn
+        self.cfg = cfg
+        self.loss_fn = loss_fn
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg, attn_fn) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -964,7 +954,9 @@ class GPT(nn.Module):
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and shape in GPT(cfg), in registration order, without building it
     (lessons 09 and 10 plan models far too big for this machine)."""
-    d, kv, f = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+    d = cfg.dim
+    kv = cfg.n_kv_heads * cfg.head_dim
+    f = cfg.ffn_dim
     layer = {"attn_norm.weight": (d,), "attn.q_proj.weight": (d, d), "attn.k_proj.weight": (kv, d),
              "attn.v_proj.weight": (kv, d), "attn.out_proj.weight": (d, d), "mlp_norm.weight": (d,),
              "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
@@ -995,73 +987,171 @@ def synthetic_batch(cfg: ModelConfig, global_batch: int, seq_len: int, step: int
     return seq[rows, :-1], seq[rows, 1:]
 
 
-# --- Demo and benchmark -------------------------------------------------------------------------------------
-def demo(args: argparse.Namespace) -> None:
-    device = init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = ModelConfig()
-    bucketed = dict(mode="bucketed", bucket_bytes=args.bucket_kib << 10)
-    runs = {"naive": dict(mode="naive"), "bucketed": bucketed,
-            f"bucketed, accum x{args.accum}": dict(bucketed, accum_steps=args.accum)}
-    results = {name: train_data_parallel(cfg, args.steps, args.global_batch, args.seq_len,
-                                         device=device, **kw) for name, kw in runs.items()}
-    if rank == 0:
-        reference = train_single_device(cfg, args.steps, args.global_batch, args.seq_len, device=device)
-        n_params = sum(p.numel() for p in reference.params.values())
-        grad_bytes = n_params * 4
-        print(f"Data parallelism on {world} ranks ({dist.get_backend()}, {device.type}): "
-              f"{n_params:,} parameters = {grad_bytes:,} gradient bytes (fp32); global batch "
-              f"{args.global_batch} x {args.seq_len} tokens, {args.steps} AdamW steps. Losses:\n")
-        print(f"{'step':<6}" + "".join(f"{name:>24}" for name in results) + f"{'single device':>16}")
-        for step in range(args.steps):
-            print(f"{step:<6}" + "".join(f"{r.losses[step]:>24.6f}" for r, _ in results.values())
-                  + f"{reference.losses[step]:>16.6f}")
-        print(f"\n{'max |difference| from one device':>58}{'all-reduces per step':>30}\n"
-              f"{'step-0 gradients':>42}{'end parameters':>18}{'calls':>8}{'traffic per rank':>20}")
-        for name, (result, meter) in results.items():
-            calls, traffic = meter.calls("all_reduce") // args.steps, meter.traffic("all_reduce") / args.steps
-            _, grads, params = result.max_differences(reference)
-            print(f"  {name:<24}{grads:>16.2e}{params:>18.2e}{calls:>8}{float(traffic):>18,.0f} B")
-        print(f"  ring formula 2(N-1)/N x gradient bytes = 2x{world - 1}/{world} x {grad_bytes:,} "
-              f"= {float(Fraction(2 * (world - 1), world) * grad_bytes):,.0f} B")
-        stats = results["bucketed"][0].stats
-        print(f"\nbucketed: {stats['buckets']} buckets of <= {args.bucket_kib} KiB, all launched from "
-              f"backward hooks; up to {stats['max_in_flight']} all-reduces in flight at once during "
-              f"backward, {stats['finished_before_wait']} already finished when backward returned.")
-        print("Notice: every version computes the single-device step, and the bytes moved per step "
-              "depend on the parameter count only, not on batch size or accumulation.")
-    exit_distributed()
+# --- Options: every lesson's command line is made from dataclass fields, each with its help and rule --------
+COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}  # NaN breaks every rule
 
 
-def bench(args: argparse.Namespace) -> None:
-    """Ours (bucketed, overlapped) against torch's DistributedDataParallel: same model, batch, buckets."""
-    device = init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = ModelConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=8, ffn_dim=688)
-    tokens, targets = (t.to(device) for t in synthetic_batch(cfg, 4 * world, 128, 0, rank, world))
-    ours_model, torch_model = GPT(cfg).to(device), GPT(cfg).to(device)
-    ours = BucketedDataParallel(ours_model, bucket_bytes=args.bench_bucket_mb << 20)
-    theirs = nn.parallel.DistributedDataParallel(torch_model, bucket_cap_mb=args.bench_bucket_mb)
-    opts = make_optimizer(ours_model, 1e-3), make_optimizer(torch_model, 1e-3)
-
-    def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, sync: Callable) -> None:
-        model(tokens, targets).backward()
-        sync()  # torch DDP synchronises inside backward
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    steps = {"ours": lambda: train_step(ours_model, opts[0], ours.finish_gradient_sync),
-             "torch DDP": lambda: train_step(theirs, opts[1], lambda: None)}
-    med = interleaved_medians(steps, args.bench_rounds, args.bench_steps, device)
-    if rank == 0:
-        n_params = sum(p.numel() for p in ours_model.parameters())
-        print(f"DDP step time on {world} ranks ({dist.get_backend()}, {device.type}), "
-              f"{n_params / 1e6:.1f}M parameters, {args.bench_bucket_mb} MB buckets, "
-              f"median of {args.bench_steps * (args.bench_rounds - 1)} steps:")
-        print("  " + ratio_line(med))
-    exit_distributed()
+def option(default, help: str, rule: str | tuple[str, ...] = (), commands: tuple[str, ...] | None = None,
+           **argparse_kwargs):
+    """A dataclass field that is also the option --field-name (of these sub-commands; None: of all).
+    rule: ">= 1", "> 0", "<= 128", or several; argparse_kwargs: option="--other-name", choices, type,
+    metavar, nargs, const, and off=(flag, value, help): a second option that sets the field to value."""
+    return field(default=default, metadata=dict(help=help, rules=(rule,) if isinstance(rule, str) else rule,
+                                                 commands=commands, argparse=argparse_kwargs))
 
 
+def flag(option_field) -> str:
+    return option_field.metadata["argparse"].get("option", "--" + option_field.name.replace("_", "-"))
+
+
+def option_fields(classes: tuple[type, ...], command: str | None = None) -> list:
+    found = (f for cls in classes for f in dataclasses.fields(cls) if "help" in f.metadata)
+    return [f for f in found if f.metadata["commands"] is None or command in f.metadata["commands"]]
+
+
+def broken_rules(values, fields: list, flagged: bool = False) -> list[str]:
+    """The rules and choices beside these fields that values (a config, or the parsed options, where
+    None is left to other options) break, each naming the field (flagged: its option) and value."""
+    out = []
+    for f in (f for f in fields if "help" in f.metadata):
+        value = getattr(values, f.name)
+        choices = f.metadata["argparse"].get("choices")
+        for v in [] if value is None else value if isinstance(value, (list, tuple)) else [value]:
+            broken = [r for r in f.metadata["rules"] if not COMPARE[r.split()[0]](v, float(r.split()[1]))]
+            if broken or (choices is not None and v not in choices):
+                must = "must be " + (broken[0] if broken else f"one of {tuple(choices)}")
+                out.append(f"{flag(f)} {must}, not {v}" if flagged else f"{f.name}={value!r} {must}")
+                break
+    return out
+
+
+def prints_here() -> bool:
+    """Under torchrun every rank runs main(): rank 0 alone prints what is said once (the help, an
+    option's error, 09's plan). A RANK torchrun did not set (left in a shell) silences nothing."""
+    return os.environ.get("RANK", "0") == "0" or "TORCHELASTIC_RUN_ID" not in os.environ
+
+
+class LessonParser(argparse.ArgumentParser):
+    """Every rank parses alike and exits alike (2 on an error), printing only where prints_here(); no
+    abbreviations (a misspelt option is an error, not a guess)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(allow_abbrev=False, **kwargs)
+
+    def _print_message(self, message: str, file=None) -> None:
+        if prints_here():
+            super()._print_message(message, file)
+
+
+def add_options(parser: argparse.ArgumentParser, fields: list, defaults: dict, decided: dict) -> None:
+    """One option per field: a flag for a bool, else a value of the default's type; defaults: values
+    in place of the fields'; decided: options left None, with what decides them. --help shows each
+    default once (not after a help text that states it)."""
+    for f in fields:
+        kwargs = {k: v for k, v in f.metadata["argparse"].items() if k not in ("option", "off")}
+        if isinstance(f.default, bool) and "type" not in kwargs:
+            kwargs["action"] = "store_true"
+        elif f.default is not None:
+            kwargs.setdefault("type", type(f.default[0] if isinstance(f.default, tuple) else f.default))
+        default = None if f.name in decided else defaults.get(f.name, f.default)
+        stated = default is None or default is False or "default" in f.metadata["help"]
+        shown = decided.get(f.name, None if stated else default)
+        parser.add_argument(flag(f), dest=f.name, default=default, **kwargs,
+                            help=f.metadata["help"] + ("" if shown is None else f" (default: {shown})"))
+        if "off" in f.metadata["argparse"]:
+            name, value, text = f.metadata["argparse"]["off"]
+            parser.add_argument(name, dest=f.name, action="store_const", const=value, help=text)
+
+
+class Command(NamedTuple):
+    """A sub-command: what it does, its defaults where not the fields', its options left None (with
+    what decides them), and the classes of options only it has."""
+    what: str
+    defaults: dict = {}
+    decided: dict = {}
+    classes: tuple[type, ...] = ()
+
+
+def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Command] | None = None,
+                  defaults: dict = {}, argv: list[str] | None = None
+                  ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The lesson's options, one per field of classes, each checked against its rule (one line, exit
+    2). commands: sub-commands, each with the fields that name it; argv starting with none of them
+    (nor --help) runs the first. Returns the parser that errors should exit through, and the options."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = LessonParser(description=" ".join(doc.split("\n\n")[0].split()))
+    parsers = {None: (parser, option_fields(classes))}
+    if commands is None:
+        add_options(parser, parsers[None][1], defaults, {})
+    else:
+        first = next(iter(commands))
+        subparsers = parser.add_subparsers(dest="command", title=f"sub-commands (none given: {first})")
+        for name, command in commands.items():
+            parsers[name] = (subparsers.add_parser(name, help=command.what, description=command.what),
+                             option_fields(classes + command.classes, name))
+            add_options(*parsers[name], command.defaults, command.decided)
+        if not argv or argv[0] not in commands and argv[0] not in ("-h", "--help"):
+            argv = [first, *argv]
+    args, unknown = parser.parse_known_args(argv)
+    chosen, fields = parsers[getattr(args, "command", None)]
+    if unknown:  # perhaps another sub-command's option: say whose
+        given = unknown[0].split("=")[0]
+        owners = [name for name, (p, _) in parsers.items() if name and given in p._option_string_actions]
+        chosen.error(f"unrecognized arguments: {' '.join(unknown)}"
+                     + (f" ({given} is an option of {' and '.join(owners)})" if owners else ""))
+    if problems := broken_rules(args, fields, flagged=True):
+        chosen.exit(2, f"{chosen.prog}: error: {problems[0]}\n")
+    return chosen, args
+
+
+@dataclass
+class Ranks:
+    """The option of every lesson that runs on several ranks."""
+    nproc: int = option(torch.cuda.device_count() if torch.cuda.is_available() else 4,
+                        "ranks when not under torchrun", ">= 1")
+
+
+@dataclass
+class BenchRounds:
+    """--bench's timing (interleaved_medians), beside a lesson's own --bench flag."""
+    bench_steps: int = option(5, "timed steps per round", ">= 1")
+    bench_rounds: int = option(3, "rounds of --bench-steps; the first warms up", ">= 2")
+
+
+def launch_lesson(parser: argparse.ArgumentParser, args, fn: Callable, *, divisible: dict | None = None,
+                  rules: Iterable[Callable[[int], None]] = ()) -> None:
+    """The end of every lesson's main(): its size rules against the world that will run (1 for a
+    lesson without --nproc), then fn(args) on every rank (here, for a lesson of one process); args: the
+    options, or what a lesson made of them (09's Job), with nproc where the lesson starts ranks. The rules
+    are data: divisible, each size (by its option) that the world must divide; rules, functions of the
+    world (a lesson's validate_* and check_memory, their other arguments bound) that raise ValueError.
+    A broken rule is one line (once under torchrun), exit 2, before any rank starts."""
+    try:
+        world = launch_world_size(getattr(args, "nproc", 1))  # torchrun's, where RANK is set
+        if not hasattr(args, "nproc") and world > 1:
+            raise ValueError(f"runs in one process: start it with python, not torchrun (WORLD_SIZE={world})")
+        # One GPU a rank (init_distributed): too many for a node's GPUs fail here, not in the ranks (a
+        # launcher other than torchrun may not say how many share the node: LOCAL_WORLD_SIZE, else no check).
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if "RANK" in os.environ else world
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else ranks_here
+        if ranks_here > gpus:
+            raise ValueError(f"{ranks_here} ranks on this node need a GPU each, but {gpus} "
+                             f"{'is' if gpus == 1 else 'are'} visible: run at most {gpus} per node, or "
+                             f"CUDA_VISIBLE_DEVICES= to run on the CPU")
+        for name, size in (divisible or {}).items():
+            if size % world:
+                raise ValueError(f"{name} {size} is not divisible by the {world} ranks")
+        for rule in rules:
+            rule(world)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    if hasattr(args, "nproc"):
+        launch(fn, args, nproc=args.nproc)
+    else:
+        fn(args)
+
+
+# --- The command line of lesson 01 -------------------------------------------------------------------------
 @dataclass
 class Options:
     steps: int = option(5, "AdamW steps of each run and of the one-device reference", ">= 1")
@@ -1075,13 +1165,13 @@ class Options:
 
 def main() -> None:
     parser, args = parse_options(__doc__, (Options, Ranks, BenchRounds))
-
-    def validate(world: int) -> None:
-        if not args.bench:
-            validate_data_parallel(args.global_batch, world, args.accum, "bucketed")
-            check_memory(ModelConfig(), args.global_batch, args.seq_len, world)
-
-    launch_lesson(parser, args, bench if args.bench else demo, validate)
+    if args.bench:
+        launch_lesson(parser, args, bench)
+        return
+    batch_splits = functools.partial(validate_data_parallel, args.global_batch, accum_steps=args.accum,
+                                     mode="bucketed")
+    memory = functools.partial(check_memory, ModelConfig(), args.global_batch, args.seq_len)
+    launch_lesson(parser, args, demo, rules=[batch_splits, memory])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Lesson 02: ZeRO, stages 1, 2 and 3, from reduce-scatter and all-gather; then sharded checkpoints.
 
 The parts, in order:
-  The cost models: zero_memory_per_rank (the paper's table), zero_traffic_per_step, zero_exposed_seconds
+  The cost models: zero_memory_per_rank (the paper's table), zero_traffic_per_step, zero_transient_bytes
   The ZeRO optimizer: zero_units, FlatUnit (a unit as one flat vector), ZeRO (its stages' hooks, step)
   Training: train_zero, ZeRO on N ranks (its one-device twin: lesson 01's train_single_device)
   Sharded checkpoints (lesson 09's run calls claim_folder, save_checkpoint, load_checkpoint, load_model):
@@ -9,6 +9,8 @@ The parts, in order:
     claim_folder; slice reads: CheckpointReader, load_model; ZeRO's shards as pieces: zero_pieces,
     load_checkpoint
   RUN IT: demo (every stage; then ZeRO-3's checkpoint loaded on half the ranks and on one device), bench
+  Last, for lesson 09's plan only (a GPU's seconds, which no demo here measures): zero_step_bytes,
+    zero_exposed_seconds. Every lesson keeps such pricing in its last part, after its command line.
 
 ZERO: THE IDEA
 Data parallelism (lesson 01) keeps N copies of the parameters, gradients and optimizer state. But
@@ -53,7 +55,8 @@ state) and meta.json (the step, the caller's record, the model's configuration, 
 and sha256). Every file is written aside, then renamed, and LATEST (naming the step) moves last, so a
 crash leaves the previous checkpoint whole; a save that fails on any rank (a full disk) is one line on
 every rank and leaves nothing partial; a damaged file is one line naming it and the previous complete
-step. A lock on the folder (LOCK) keeps a second run out.
+step. A lock on the folder (LOCK) keeps a second run out and marks the folder a run's: a run removes only its
+own names there, and refuses a folder that holds anything else (a user's files stay as they are).
 RESHARDING: a load on another group size or stage reads, for each piece it holds now, only the saved
 runs that overlap it (two binary searches over sorted runs, in memory-mapped files), once every rank
 agrees that all could read. It is the one way state changes layout here: lesson 09's resume on another
@@ -75,12 +78,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib
 import itertools
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -99,7 +104,8 @@ import torch.nn as nn
 foundation = importlib.import_module("01_ddp")
 
 STAGES = (0, 1, 2, 3)
-ADAM_KEYS, ADAM_MOMENT_BYTES = foundation.ADAM_KEYS, 8  # AdamW's moments, fp32
+ADAM_KEYS = foundation.ADAM_KEYS  # AdamW's moments
+ADAM_MOMENT_BYTES = 8  # both in fp32
 CHECKPOINT_KINDS = ("params", *ADAM_KEYS)  # what a shard holds of each element: fp32 value, moments
 STEP_COUNTER_BYTES = 4  # torch's AdamW keeps `step` as one fp32 scalar tensor per parameter tensor
 
@@ -123,11 +129,11 @@ def zero_traffic_per_step(psi: int, n: int, stage: int, param_bytes: int,
                           grad_bytes: int) -> dict[str, Fraction]:
     """Ring traffic per rank per step, by collective (the scalar norm all-reduce aside)."""
     validate_stage(stage)
-    ring = Fraction(n - 1, n)
     if stage == 0:
-        return {"all_reduce": 2 * ring * grad_bytes * psi}
+        return {"all_reduce": foundation.ring_traffic("all_reduce", grad_bytes * psi, n)}
     gathers = 2 if stage == 3 else 1  # stage 3 gathers before forward and again before backward
-    return {"reduce_scatter": ring * grad_bytes * psi, "all_gather": gathers * ring * param_bytes * psi}
+    return {"reduce_scatter": foundation.ring_traffic("reduce_scatter", grad_bytes * psi, n),
+            "all_gather": gathers * foundation.ring_traffic("all_gather", param_bytes * psi, n)}
 
 
 def padded_size(numel: int, n: int) -> int:
@@ -145,46 +151,14 @@ def zero_memory_formula(padded: int, units: int, n: int, stage: int,
     return formula
 
 
-def zero_step_bytes(psi: int, n: int, stage: int, microbatches: int, mixed_precision: bool) -> int:
-    """Memory traffic of ZeRO's own passes on one rank per step, outside the collectives, each pass
-    reading and writing its tensors once (lesson 09 prices it at the HBM's bandwidth); G = 2 mixed,
-    4 fp32. On the psi full gradients: each microbatch's added into .grad (3 G; stages 2-3 keep the
-    first one), then zeroed (stages 0-1: G) or flattened to send (2-3: 2 G). On the shard (psi / n;
-    stage 0: psi): / n (2 G), the norm (G), the fp32 copy and clip (mixed: G + 4 + 8; fp32 in place:
-    8), fused AdamW (reads the fp32 master, moments and gradient, writes three: 28), the bf16 copy
-    of the master (mixed: 4 + 2), and stages 1-2's copy of the shard sent to the all-gather (2 G)."""
-    g, shard = 2 if mixed_precision else 4, psi if stage == 0 else -(-psi // n)
-    full = 3 * g * (microbatches - (stage >= 2)) + g * (1 + (stage >= 2))
-    clip = g + 12 if mixed_precision else 8
-    step = 3 * g + clip + 28 + 6 * mixed_precision + 2 * g * (stage in (1, 2) and n > 1)
-    return full * psi + step * shard
-
-
 def zero_transient_bytes(psi: int, unit: int, n: int, stage: int, mixed_precision: bool) -> tuple[int, int]:
     """The most one ZeRO holds beyond zero_memory_formula: (in backward, at the step). Backward: stage 3's
     gathered unit and the one prefetched, a unit's full gradient and the one before it in its send buffer
     (stage 2: those two), `unit` elements each; the step: the shard's gradient as fp32 (mixed precision),
     stage 1's reduce-scatter output. Fused AdamW (on a GPU) makes no temporaries (foreach: 4 B an element)."""
-    g, shard = 2 if mixed_precision else 4, psi if stage == 0 else -(-psi // n)
+    g = 2 if mixed_precision else 4
+    shard = psi if stage == 0 else -(-psi // n)
     return 2 * g * unit * ((stage >= 2) + (stage == 3)), (4 * mixed_precision + g * (stage == 1)) * shard
-
-
-def zero_exposed_seconds(psi: int, n: int, stage: int, units: int, microbatches: int, elem_bytes: int,
-                         send: Callable[[float, int], float], last_backward: float,
-                         unit_compute: tuple[float, float], hide: bool = True) -> float:
-    """Seconds of a step's ZeRO traffic (zero_traffic_per_step, priced by send(bytes, calls)) that
-    compute does not hide: the gradients' reduction overlaps the last microbatch's backward but for
-    its last unit's; stages 1-2's all-gather (after the step, before the next forward) is exposed;
-    stage 3's gather of each unit, before its forward and its backward, hides behind the previous
-    unit's compute (unit_compute: one unit's forward, backward) but for the first. hide=False: none."""
-    ops = zero_traffic_per_step(psi, n, stage, elem_bytes, elem_bytes)
-    exposed = lambda comm, behind: max(0.0, comm - behind) if hide else comm  # noqa: E731
-    reduce = send(ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0), units)
-    gather = send(ops.get("all_gather", 0), units)
-    if stage == 3:
-        one = gather / 2 / units
-        gather = one + microbatches * (units - 1) * sum(exposed(one, t) for t in unit_compute)
-    return max(reduce / units, exposed(reduce, last_backward)) + gather
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
@@ -254,7 +228,9 @@ class FlatUnit:
             self.grad_shard = torch.zeros_like(self.shard)
         # In flight: stage 3's all-gather, stages 2-3's (reduce-scatter, send buffer); `ready`: the
         # indices of the parameters whose gradient backward has completed (stages 2-3).
-        self.gather_work, self.scatter, self.ready = None, None, set()
+        self.gather_work = None
+        self.scatter = None
+        self.ready = set()
 
     def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         flat = torch.zeros(self.padded, dtype=dtype, device=tensors[0].device)
@@ -315,15 +291,20 @@ class ZeRO:
         units = unit_parameters(model, owned)
         if not units:
             raise ValueError("the model has no trainable parameter (requires_grad=True) to shard")
-        self.world, rank = foundation.group_size(group), dist.get_rank(group)
+        self.world = foundation.group_size(group)
+        rank = dist.get_rank(group)
         if owns is None:
             foundation.claim_gradient_sync(model, f"ZeRO-{stage}")
             foundation.broadcast_parameters(model, group)
         else:
             for p in filter(owns, model.parameters()):
                 foundation.broadcast(p.detach(), src=0, group=group)
-        self.model, self.stage, self.group, self.prefetch = model, stage, group, prefetch
-        self.max_grad_norm, self.dtype = max_grad_norm, torch.bfloat16 if mixed_precision else torch.float32
+        self.model = model
+        self.stage = stage
+        self.group = group
+        self.prefetch = prefetch
+        self.max_grad_norm = max_grad_norm
+        self.dtype = torch.bfloat16 if mixed_precision else torch.float32
         # Frozen parameters (see UNITS) stay whole, in the compute dtype: no slot, no state, no traffic.
         self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and owned(p)]
         for _, p in self.frozen:
@@ -333,7 +314,9 @@ class ZeRO:
         # to this rank's elements (lesson 01's settings: one place to change them).
         masters = nn.ParameterList(u.master for u in self.units)
         self.optimizer = foundation.make_optimizer(masters, lr, adam_eps)
-        self.sync_gradients, self.max_gathers_in_flight, self.prefetched_gathers = True, 0, 0
+        self.sync_gradients = True
+        self.max_gathers_in_flight = 0
+        self.prefetched_gathers = 0
         for index, (unit, (module, _)) in enumerate(zip(self.units, units)):
             for i, p in enumerate(unit.params if stage >= 2 else ()):
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit, i=i: self._on_grad_ready(unit, i))
@@ -489,7 +472,7 @@ class ZeRO:
         formula["params"] += sum(p.nbytes for _, p in self.frozen)  # whole on every rank
         return formula
 
-    def gather_full(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def unshard(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """One shard per unit (stage 0: the whole vector) -> the full CPU tensors by parameter name,
         on every rank: the gradients (for tests), the parameters and AdamW state (checkpoints)."""
         full = {}
@@ -510,7 +493,7 @@ class ZeRO:
         parameters as torch's state_dict() gives them (a tied one under each of its names, so a strict
         load_state_dict takes them), the moments under the first name; frozen ones have no state."""
         shards = [self.shard_state(u) for u in self.units]
-        state = {key: self.gather_full([s[key] for s in shards]) for key in CHECKPOINT_KINDS}
+        state = {key: self.unshard([s[key] for s in shards]) for key in CHECKPOINT_KINDS}
         params = state["params"] = {**state["params"], **foundation.cpu_copy(self.frozen)}
         first = {p: name for name, p in self.model.named_parameters()}
         params.update((name, params[first[p]]) for name, p in
@@ -545,7 +528,8 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
     there after the last step and, with resume_after=k, after k steps, when a fresh model and ZeRO
     load it (load_checkpoint) and go on. Returns the result and a meter of the training steps'
     communication (not of the test probes: step-0 gradients, full states)."""
-    world, rank = foundation.group_size(group), dist.get_rank(group)
+    world = foundation.group_size(group)
+    rank = dist.get_rank(group)
     if global_batch % world:
         raise ValueError(f"global_batch={global_batch} is not divisible by the group size {world}")
     if resume_after is not None and folder is None:
@@ -558,7 +542,9 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
                            mixed_precision=mixed_precision, prefetch=prefetch)
 
     model, zero = build()
-    result, steps_meter, local_losses = ZeroResult([], {}, {}), foundation.CommMeter(), []
+    result = ZeroResult([], {}, {})
+    steps_meter = foundation.CommMeter()
+    local_losses = []
     for step in range(steps):
         if step == resume_after:
             save_checkpoint(folder, step, zero_pieces(zero), cfg, group=group)
@@ -570,7 +556,7 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
             loss.backward()
             zero.finish_gradient_sync()
         if step == 0:
-            result.first_grads = zero.gather_full([u.grad_shard for u in zero.units])
+            result.first_grads = zero.unshard([u.grad_shard for u in zero.units])
         with foundation.comm_meter() as update_meter:
             result.grad_norms.append(zero.clip_and_update().item())
         steps_meter += meter
@@ -579,10 +565,9 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
         zero.zero_grad()
     if folder is not None:
         save_checkpoint(folder, steps, zero_pieces(zero), cfg, group=group)
-    result.held, result.formula = zero.held_bytes(), zero.memory_formula()  # after the last step
-    losses = torch.stack(local_losses).double()
-    foundation.all_reduce(losses, group=group)
-    result.losses = (losses / world).tolist()
+    result.held = zero.held_bytes()  # after the last step
+    result.formula = zero.memory_formula()
+    result.losses = foundation.mean_over_ranks(local_losses, group)
     result.state = zero.full_state_dict()
     result.params = result.state["params"]
     result.stats = dict(units=len(zero.units), padded_params=sum(u.padded for u in zero.units),
@@ -625,8 +610,10 @@ class Piece:
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Two pieces' runs (each sorted and disjoint) -> the elements they share, as rows (offset in a,
     offset in b, length). The runs of b that meet a run of a lie between two binary searches."""
-    a_start, b_start = a[:, 0].contiguous(), b[:, 0].contiguous()
-    a_end, b_end = a_start + a[:, 2], b_start + b[:, 2]
+    a_start = a[:, 0].contiguous()
+    b_start = b[:, 0].contiguous()
+    a_end = a_start + a[:, 2]
+    b_end = b_start + b[:, 2]
     first = torch.searchsorted(b_end, a_start, right=True)  # b's first run that ends after a's starts
     count = (torch.searchsorted(b_start, a_end) - first).clamp(min=0)
     i = torch.repeat_interleave(torch.arange(len(a)), count)
@@ -693,7 +680,8 @@ def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list[tuple[Pie
     root = Path(folder)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     exchange = exchange or (lambda x: foundation.all_ranks(x, group) if dist.is_initialized() else [x])
-    target, name = root / f"step_{step:08d}", f"rank{rank:05d}.pt"
+    target = root / f"step_{step:08d}"
+    name = f"rank{rank:05d}.pt"
     # Each piece's name, shape, runs as (first, length) and the elements they cover, packed.
     rows = [(piece.name, tuple(piece.shape), piece.runs[:, [0, 2]].tolist(),
              {kind: torch.cat([t[o:o + n] for _, o, n in piece.runs.tolist()]) for kind, t in data.items()})
@@ -721,20 +709,22 @@ def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list[tuple[Pie
                         "config": checkpoint_config(cfg), "files": files}
                 atomic_write(target / "meta.json", lambda f: f.write(json.dumps(meta).encode()))
                 for stale in target.iterdir():  # an earlier run's save at this step, on more ranks
-                    if stale.name not in files and stale.name != "meta.json":
+                    if stale.name not in files and stale.name != "meta.json" and SAVED.fullmatch(stale.name):
                         stale.unlink()
                 atomic_write(root / "LATEST", lambda f: f.write(target.name.encode()))
                 kept = {target.name, *(f"step_{s:08d}" for s in keep)}
                 for old in root.glob("step_*"):  # complete now: an old one that will not go stays
-                    if old.is_dir() and old.name not in kept:
-                        shutil.rmtree(old, ignore_errors=True)
+                    if step_of(old) is not None and old.is_dir() and old.name not in kept:
+                        with contextlib.suppress(OSError):
+                            remove_save(old)
         except OSError as error:
             problem = f"rank 0: {os_error(error)}"
         problem = exchange(problem)[0]
     if problem is not None:
         latest = latest_checkpoint(root)
         if rank == 0 and target.is_dir() and target != latest:  # every rank is past its write
-            shutil.rmtree(target, ignore_errors=True)  # nothing partial stays
+            with contextlib.suppress(OSError):
+                remove_save(target)  # nothing partial stays
         last = f"step {step_of(latest)} ({latest})" if latest else "none"
         raise CheckpointError(f"checkpoint step {step} could not be saved in {target} ({problem}); the last "
                               f"complete checkpoint: {last}")
@@ -776,7 +766,8 @@ def open_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | Non
     its recorded size, this rank's share of them hashed (checksums), saved by cfg's configuration. A
     damaged one is a CheckpointError naming the step, the file, the previous complete checkpoint (its
     files at their sizes, not hashed) and resume_command(that step)."""
-    root, config = Path(folder), checkpoint_config(cfg)
+    root = Path(folder)
+    config = checkpoint_config(cfg)
     target = root / f"step_{step:08d}" if step is not None else latest_checkpoint(folder)
     command = (lambda s: f": {resume_command(s)}") if resume_command else (lambda s: "")
     complete = sorted(s for p in root.glob("step_*")
@@ -813,20 +804,58 @@ def disk_bytes(target: Path, parameters: int) -> str:
             f"runs, RNG and headers)")
 
 
-# --- the folder lock: one run writes a folder -----------------------------------------------------
+# --- the folder lock: one run writes a folder, and only what it writes ---------------------------------
+OWN = re.compile(r"LOCK|LATEST(\.tmp)?|LOCK\.\w+\.tmp|step_\d{8,}")  # a run's names in its folder
+SAVED = re.compile(r"(rank\d{5,}\.pt|meta\.json)(\.tmp)?")  # and in a step's folder
+
+
+def remove_save(target: Path) -> None:
+    """A step folder: the files a save writes, then the folder (which stays if anything else is in it)."""
+    for path in target.iterdir():
+        if SAVED.fullmatch(path.name) and path.is_file() and not path.is_symlink():
+            path.unlink()
+    target.rmdir()
+
+
+def foreign_entries(root: Path) -> list[str]:
+    """What in the folder root no run of the course wrote: all of it, unless a run has claimed root (its LOCK
+    file); else all but a run's names (LOCK, LATEST, step_NNNNNNNN/ holding rankNNNNN.pt and meta.json,
+    each also written aside as .tmp), as files or step folders, not links."""
+    entries = sorted(root.iterdir()) if root.is_dir() else []
+    lock = root / "LOCK"
+    if not lock.is_file() or lock.is_symlink() or lock.read_bytes()[:4] not in (b"", b"pid "):
+        return [p.name for p in entries]
+    out = []
+    for path in entries:
+        step = step_of(path) is not None
+        if not OWN.fullmatch(path.name) or path.is_symlink() or path.is_dir() != step:
+            out.append(path.name)
+        elif step:
+            out += [f"{path.name}/{p.name}" for p in sorted(path.iterdir())
+                    if not SAVED.fullmatch(p.name) or p.is_symlink() or not p.is_file()]
+    return out
+
+
 def lock_checkpoints(folder: str | os.PathLike) -> IO:
     """Hold folder/LOCK while the returned file stays open (the kernel releases an flock when its
-    process ends, killed too: no stale lock). A folder that is a file, that cannot be written, or
-    that a running run holds is refused in one line."""
-    root, handle = Path(folder), None
+    process ends, killed too: no stale lock). A folder that is a file, that cannot be written, that a
+    running run holds, or that holds what no run of the course wrote (the user's: it is left as it is) is
+    refused in one line."""
+    root = Path(folder)
+    handle = None
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} is a file, not a folder")
     try:
+        if foreign := foreign_entries(root):
+            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+            raise CheckpointError(f"checkpoint folder {folder} holds what no run of this course wrote "
+                                  f"({', '.join(foreign[:5])}{more}): left as it is; choose a new or empty "
+                                  f"folder (a run writes only LOCK, LATEST and step_NNNNNNNN/ in it)")
         root.mkdir(parents=True, exist_ok=True)
         handle = open(root / "LOCK", "a+")
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fd, probe = tempfile.mkstemp(".tmp", dir=root)  # an earlier run's LOCK may be writable where
-        os.close(fd)                                     # the folder is not (read-only since)
+        fd, probe = tempfile.mkstemp(".tmp", "LOCK.", dir=root)  # an earlier run's LOCK may be writable
+        os.close(fd)                                              # where the folder is not (read-only since)
         os.unlink(probe)
         handle.truncate(0)
         handle.write(f"pid {os.getpid()} on {socket.gethostname()} since "
@@ -847,15 +876,17 @@ def lock_checkpoints(folder: str | os.PathLike) -> IO:
 
 def remove_unfinished_saves(folder: str | os.PathLike) -> list[str]:
     """What a save stopped midway (a kill) left: files written aside (*.tmp) and step folders without
-    meta.json that LATEST does not name. Removes them (hold the lock) and returns their names."""
-    root, latest = Path(folder), latest_checkpoint(folder)
+    meta.json that LATEST does not name. Removes them (hold the lock: lock_checkpoints found nothing else
+    in folder) and returns their names."""
+    root = Path(folder)
+    latest = latest_checkpoint(folder)
     folders = [p for p in root.glob("step_*")
-               if p.is_dir() and p != latest and not (p / "meta.json").exists()]
+               if step_of(p) is not None and p.is_dir() and p != latest and not (p / "meta.json").exists()]
     files = [p for p in [*root.glob("*.tmp"), *root.glob("step_*/*.tmp")] if p.parent not in folders]
     unfinished = folders + files
     for path in unfinished:
         try:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            remove_save(path) if path.is_dir() else path.unlink()
         except OSError as error:  # e.g. immutable (chattr +i)
             raise CheckpointError(f"checkpoint folder {folder}: {path.relative_to(root)}, left by an "
                                   f"interrupted save, cannot be removed ({os_error(error)}): remove it, or "
@@ -955,7 +986,8 @@ def zero_pieces(optimizer: ZeRO, piece_of: PieceOf = whole_tensor,
     """The pieces this rank writes of a ZeRO, with their values of each kind: its shard's of the
     parameters `writes` accepts (stage 0: the group's rank 0 writes all; lesson 09: tp rank 0 those
     replicated over tp), and the frozen parameters (whole on every rank, no moments) by rank 0."""
-    first, out = dist.get_rank(optimizer.group) == 0, []
+    first = dist.get_rank(optimizer.group) == 0
+    out = []
     for unit in optimizer.units if optimizer.stage > 0 or first else ():
         state = optimizer.shard_state(unit)
         out += [(piece, {k: v[at].detach().float().cpu() for k, v in state.items()})
@@ -988,7 +1020,9 @@ def load_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | Non
     `step` (None: LATEST's), saved on any group size and stage. A problem any rank finds (a damaged file,
     a piece missing, a file that cannot be read) stops every rank with the same CheckpointError, before
     any rank has loaded anything. Returns the checkpoint's folder, metadata and reader (bytes_read, rng)."""
-    rank, world, problem = dist.get_rank(group), dist.get_world_size(group), None
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    problem = None
     try:
         target, meta = open_checkpoint(folder, cfg, step, rank, world, resume_command=resume_command)
     except (ValueError, OSError) as error:
@@ -1034,11 +1068,12 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
         cells = "  ".join(f"{k} {result.held[k]:>9,}|{int(result.formula[k]):<9,}" for k in result.held)
         same = "equal" if result.held == result.formula else "DIFFERENT"
         print(f"  {label[mixed]} ZeRO-{stage}  {cells} {same}")
-    ddp_bytes = Fraction(2 * (world - 1), world) * 4 * padded  # DDP over the same padded buffers
+    ddp_bytes = foundation.ring_traffic("all_reduce", 4 * padded, world)  # DDP over the same padded buffers
     print(f"\nTraffic per rank per step, fp32, ring (DDP: 2(N-1)/N x 4 B x padded Psi = "
           f"{float(ddp_bytes):,.0f} B):")
     for stage in STAGES:
-        meter, formula = runs[False, stage][1], zero_traffic_per_step(padded, world, stage, 4, 4)
+        meter = runs[False, stage][1]
+        formula = zero_traffic_per_step(padded, world, stage, 4, 4)
         measured = {op: meter.traffic(op) / steps for op in formula}
         norm = meter.traffic("all_reduce") / steps - formula.get("all_reduce", 0)
         ratio = f" = {float(sum(measured.values()) / ddp_bytes):.3f} x DDP" if world > 1 else ""
@@ -1058,10 +1093,12 @@ def print_checkpoint(cfg: foundation.ModelConfig, folder: str, saved: dict, repo
                      world: int) -> None:
     """What ZeRO-1 on half the ranks (reports: bytes read, its shard's bytes, equal) and one device's
     model read of the checkpoint that ZeRO-3 on every rank saved (the state `saved`)."""
-    target, one = latest_checkpoint(folder), foundation.GPT(cfg)
+    target = latest_checkpoint(folder)
+    one = foundation.GPT(cfg)
     one_read = load_model(one, folder)["bytes_read"]
     one_same = all(torch.equal(p, saved["params"][n]) for n, p in one.named_parameters())
-    psi, half = sum(p.numel() for p in one.parameters()), len(reports)
+    psi = sum(p.numel() for p in one.parameters())
+    half = len(reports)
     print(f"\nA sharded checkpoint: ZeRO-3 on {world} ranks saved step {saved['step']} as {world} rank files "
           f"+ meta.json: {disk_bytes(target, psi)}.\nZeRO-1 on {half} rank{'s' * (half > 1)} loads it; bytes "
           f"each rank read (memory-mapped) | its shard, (params + 2 moments) x 4 B x its elements:")
@@ -1083,15 +1120,19 @@ def demo(args: argparse.Namespace) -> None:
     """Every stage, fp32 and mixed precision, beside one device; the fp32 ZeRO-3 run saves its last
     step, which ZeRO-1 on half the ranks and one device's model load, each reading what it holds."""
     device = foundation.init_distributed()
-    rank, world, cfg = dist.get_rank(), dist.get_world_size(), foundation.ModelConfig(**DEMO_MODEL)
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    cfg = foundation.ModelConfig(**DEMO_MODEL)
     shape = (cfg, args.steps, args.global_batch, args.seq_len)
     kwargs = dict(max_grad_norm=args.max_grad_norm, device=device)
     folder = foundation.all_ranks(tempfile.mkdtemp(prefix="02_zero.") if rank == 0 else None)[0]  # one host
     runs = {(mixed, stage): train_zero(*shape, stage=stage, mixed_precision=mixed, **kwargs,
                                        folder=folder if (mixed, stage) == (False, 3) else None)
             for mixed in (False, True) for stage in STAGES}
-    saved, half = runs[False, 3][0].state, max(1, world // 2)
-    group, report = dist.new_group(list(range(half))), None
+    saved = runs[False, 3][0].state
+    half = max(1, world // 2)
+    group = dist.new_group(list(range(half)))
+    report = None
     if rank < half:
         smaller = ZeRO(foundation.GPT(cfg).to(device), 1, group)
         _, _, reader = load_checkpoint(folder, cfg, [(smaller, whole_tensor)], group=group)
@@ -1116,10 +1157,12 @@ def bench(args: argparse.Namespace) -> None:
     interleaved rounds so that both see the same machine load."""
     from torch.distributed.fsdp import fully_shard
     device = foundation.init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    world = dist.get_world_size()
     cfg = foundation.ModelConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=8, ffn_dim=688)
     tokens, targets = (t.to(device) for t in foundation.synthetic_batch(cfg, 4 * world, 128, 0, rank, world))
-    ours_model, torch_model = foundation.GPT(cfg).to(device), foundation.GPT(cfg).to(device)
+    ours_model = foundation.GPT(cfg).to(device)
+    torch_model = foundation.GPT(cfg).to(device)
     n_params = sum(p.numel() for p in torch_model.parameters())
     zero = ZeRO(ours_model, 3, max_grad_norm=1.0)
     for _, module in [*zero_units(torch_model), ("", torch_model)]:
@@ -1164,16 +1207,53 @@ class Options:
 
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks, foundation.BenchRounds))
+    if args.bench:
+        foundation.launch_lesson(parser, args, bench)
+        return
+    cfg = foundation.ModelConfig(**DEMO_MODEL)
+    memory = functools.partial(foundation.check_memory, cfg, args.global_batch, args.seq_len)
+    foundation.launch_lesson(parser, args, demo, divisible={"--global-batch": args.global_batch},
+                             rules=[memory])
 
-    def validate(world: int) -> None:
-        if not args.bench:
-            if args.global_batch % world:
-                raise ValueError(f"global_batch={args.global_batch} is not divisible by the group size "
-                                 f"{world}")
-            foundation.check_memory(foundation.ModelConfig(**DEMO_MODEL), args.global_batch, args.seq_len,
-                                    world)
 
-    foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
+# --- For lesson 09's plan: ZeRO's own memory passes and its exposed seconds (no demo here reads them) -------
+def zero_step_bytes(psi: int, n: int, stage: int, microbatches: int, mixed_precision: bool) -> int:
+    """Memory traffic of ZeRO's own passes on one rank per step, outside the collectives, each pass
+    reading and writing its tensors once (lesson 09 prices it at the HBM's bandwidth); G = 2 mixed,
+    4 fp32. On the psi full gradients: each microbatch's added into .grad (3 G; stages 2-3 keep the
+    first one), then zeroed (stages 0-1: G) or flattened to send (2-3: 2 G). On the shard (psi / n;
+    stage 0: psi): / n (2 G), the norm (G), the fp32 copy and clip (mixed: G + 4 + 8; fp32 in place:
+    8), fused AdamW (reads the fp32 master, moments and gradient, writes three: 28), the bf16 copy
+    of the master (mixed: 4 + 2), and stages 1-2's copy of the shard sent to the all-gather (2 G)."""
+    g = 2 if mixed_precision else 4
+    shard = psi if stage == 0 else -(-psi // n)
+    full = 3 * g * (microbatches - (stage >= 2)) + g * (1 + (stage >= 2))
+    clip = g + 12 if mixed_precision else 8
+    step = 3 * g + clip + 28 + 6 * mixed_precision + 2 * g * (stage in (1, 2) and n > 1)
+    return full * psi + step * shard
+
+
+def zero_exposed_seconds(psi: int, n: int, stage: int, units: int, microbatches: int, elem_bytes: int,
+                         send: Callable[[float, int], float], last_backward: float,
+                         unit_compute: tuple[float, float], hide: bool = True) -> float:
+    """Seconds of a step's ZeRO traffic (zero_traffic_per_step, priced by send(bytes, calls)) that
+    compute does not hide: the gradients' reduction overlaps the last microbatch's backward but for
+    its last unit's; stages 1-2's all-gather (after the step, before the next forward) is exposed;
+    stage 3's gather of each unit, before its forward and its backward, hides behind the previous
+    unit's compute (unit_compute: one unit's forward, backward) but for the first. hide=False: none."""
+    ops = zero_traffic_per_step(psi, n, stage, elem_bytes, elem_bytes)
+    reduce = send(ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0), units)
+    gather = send(ops.get("all_gather", 0), units)
+    if stage == 3:
+        one = gather / 2 / units
+        gather = one + microbatches * (units - 1) * sum(exposed(one, t, hide) for t in unit_compute)
+    return max(reduce / units, exposed(reduce, last_backward, hide)) + gather
+
+
+def exposed(comm: float, behind: float, hide: bool = True) -> float:
+    """The seconds of communication that `behind` seconds of compute running beside it leave exposed
+    (hide=False: every second, the no-overlap bound)."""
+    return max(0.0, comm - behind) if hide else comm
 
 
 if __name__ == "__main__":

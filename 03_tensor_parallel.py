@@ -1,13 +1,14 @@
 """Lesson 03: tensor parallelism (Megatron), vocab-parallel embedding and cross-entropy, sequence
 parallelism, and grouped-query attention.
 
-The sections, in order (the technique starts at conjugate: Megatron's f and g):
+The parts, in order (the technique starts at conjugate: Megatron's f and g):
   The conjugate communication operators: _collective (one operator a collective), conjugate
   Vocab-parallel embedding and cross-entropy: VocabParallelEmbedding, VocabParallelCrossEntropy
   The plan: column_parallel, row_parallel, enter_region, exit_region; apply_tensor_parallel, unshard
   Training, communication and memory: train_tensor_parallel, comm_formula
   Activation memory, and recompute: apply_recompute, activation_bytes, layer_activation_formula
-  Demo and benchmark: demo, bench (against DTensor: dtensor_plan), the command line (Options, main)
+  RUN IT: demo, bench (against DTensor: dtensor_plan); the command line: Options, main
+  Lesson 09's plan reads only formulas that this demo and the tests measure: no pricing part here.
 
 THE IDEA
 Data parallelism copies the model; tensor parallelism (TP) splits every big matrix over the t ranks
@@ -45,9 +46,8 @@ Between the regions (norms, residual adds) plain TP computes the same thing on e
 stores t copies. SP splits those activations along the sequence (s must divide by t): g becomes a
 reduce-scatter (forward; all-gather backward) and f an all-gather (forward; reduce-scatter
 backward). All-reduce = reduce-scatter + all-gather, so the traffic is the same: per layer per
-step 4 all-gathers + 4 reduce-scatters of b x s x h, (t-1)/t x bsh each. The replicated norm
-weights see only their rank's tokens: their gradients are summed over the group (an all-reduce of
-h numbers per norm per step).
+step 4 all-gathers + 4 reduce-scatters of b x s x h. The replicated norm weights see only their
+rank's tokens: their gradients are summed over the group (an all-reduce of h numbers per norm).
 
 ACTIVATION MEMORY (what autograd saves per layer; Korthikanti's accounting)
 GPT-3 in 16 bits: s b h (34 + 5 a s / h) bytes without TP; s b h (10 + 24/t + 5 a s / (h t)) with
@@ -77,7 +77,6 @@ import importlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -89,11 +88,8 @@ foundation = importlib.import_module("01_ddp")
 
 
 # --- The conjugate communication operators -----------------------------------------------------------------
-# Each collective is one PyTorch operator (torch.library.custom_op): torch.compile records it as one
-# node, shaped by its fake implementation, in a block's single graph, and the comm meter's Python runs
-# at every call. Traced through instead, the meter would count only while tracing, and break the graph.
-
-
+# Each collective is one PyTorch operator (torch.library.custom_op): torch.compile keeps it as one node of
+# a block's single graph, and the comm meter counts every call (traced through: only while tracing).
 _group_of = dist.distributed_c10d._resolve_process_group  # an operator takes a group by its name
 
 
@@ -107,7 +103,8 @@ def _collective_output(x: torch.Tensor, group_name: str, kind: str) -> torch.Ten
 def _collective(x: torch.Tensor, group_name: str, kind: str) -> torch.Tensor:
     """A new tensor (x may be shared: never reduced in place): kind "sum" or "max", x all-reduced;
     "gather", every rank's x concatenated along dim 0; "scatter", this rank's dim-0 chunk of the sum."""
-    group, out = _group_of(group_name), _collective_output(x, group_name, kind)
+    group = _group_of(group_name)
+    out = _collective_output(x, group_name, kind)
     if kind == "gather":
         foundation.all_gather(out, x, group)
     elif kind == "scatter":
@@ -182,7 +179,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, weight_shard: nn.Parameter, first_id: int) -> None:
         super().__init__()
-        self.weight, self.first_id = weight_shard, first_id
+        self.weight = weight_shard
+        self.first_id = first_id
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.first_id
@@ -259,7 +257,8 @@ def _shard(weight: torch.Tensor, dim: int, ctx: Context) -> nn.Parameter:
     padded = F.pad(weight.detach(), [0, 0] * (weight.dim() - 1 - dim) + [0, per_rank * ctx.tp - full_size])
     param = nn.Parameter(padded.narrow(dim, ctx.rank * per_rank, per_rank).clone(),
                          requires_grad=weight.requires_grad)  # a frozen weight stays frozen
-    param.tp_shard_dim, param.tp_full_size = dim, full_size  # as Megatron's: unshard(), checkpoints
+    param.tp_shard_dim = dim  # as Megatron's: for unshard() and checkpoints
+    param.tp_full_size = full_size
     ctx.shards[weight] = param
     return param
 
@@ -356,7 +355,8 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
     broadcast over the group first); model(tokens) returns this rank's vocabulary slice of the logits,
     model(tokens, targets) the full mean loss. check_ids=False: the caller checks the ids where it
     is cheap (lesson 09: on the CPU, before they move to the GPU)."""
-    tp, rank = foundation.group_size(group), dist.get_rank(group)
+    tp = foundation.group_size(group)
+    rank = dist.get_rank(group)
     validate_tensor_parallel(model.cfg, tp)
     if any(hasattr(p, "tp_shard_dim") for p in model.parameters()):
         raise ValueError("this model is already tensor-parallel: apply_tensor_parallel once")
@@ -425,12 +425,8 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
     with foundation.comm_meter() as meter:
         for step in range(steps):
             tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
-            loss = 0.0
             with around_step(model):
-                for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True):
-                    part = model(x.to(device), y.to(device)) / microbatches
-                    part.backward()
-                    loss += part.detach()
+                loss = foundation.accumulate_microbatches(model, tokens, targets, microbatches, device)
             losses.append(loss)  # .item() here would sync the GPU every step
             if step == 0:
                 grads = [(n, p.grad.clone(), p) for n, p in model.named_parameters() if p.grad is not None]
@@ -450,14 +446,18 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
     recompute="full" reruns attention's g (SP: also both regions' f), not the MLP's g: each block reruns
     up to down_proj's input. The other keywords are lesson 09's, for a pipeline stage: `layers` layers,
     each collective once per microbatch, embedding and head or not, MoE layers (mlp=False: 2 a layer)."""
-    layers, m = cfg.n_layers if layers is None else layers, microbatches
-    bsh, loss = batch * seq_len * cfg.dim * elem_bytes, (3 * head * m, 3 * head * batch * seq_len * 4)
-    activations, norms = (2 + 2 * mlp) * layers + embed + head, 2 * layers + head
+    layers = cfg.n_layers if layers is None else layers
+    m = microbatches
+    bsh = batch * seq_len * cfg.dim * elem_bytes
+    loss = (3 * head * m, 3 * head * batch * seq_len * 4)  # (calls, bytes): 3 fp32 numbers a token
+    activations = (2 + 2 * mlp) * layers + embed + head
+    norms = 2 * layers + head
     again = layers if recompute == "full" else 0
     if not sequence_parallel:
         calls = activations + again
         return {"all_reduce": (m * calls + loss[0], calls * bsh + loss[1])}
-    gathers, scatters = activations + again * (1 + mlp), activations + again
+    gathers = activations + again * (1 + mlp)
+    scatters = activations + again
     return {"all_gather": (m * gathers, gathers * bsh), "reduce_scatter": (m * scatters, scatters * bsh),
             "all_reduce": (m * norms + loss[0], m * norms * cfg.dim * elem_bytes + loss[1])}
 
@@ -473,7 +473,8 @@ def recomputed(fn: Callable, policy: Callable = torch.utils.checkpoint.noop_cont
 
 
 def odd_matmuls_and_attention():  # "op": keep odd matmuls' and attention's outputs (forward, rerun alike)
-    mm, calls = torch.ops.aten.mm.default, collections.Counter()
+    mm = torch.ops.aten.mm.default
+    calls = collections.Counter()  # matmuls so far: in the forward, in its rerun
     def policy(ctx, op, *args, **kwargs):  # noqa: E306
         calls[ctx.is_recompute] += op == mm
         keep = "attention" in str(op) or op == mm and calls[ctx.is_recompute] % 2
@@ -510,15 +511,18 @@ def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Ten
         out = run()
         torch.cuda.synchronize(device)
         return out, torch.cuda.max_memory_allocated(device) - before
-    params, inside = list(params), list(inside)
+    params = list(params)
+    inside = list(inside)
     saved_on = collections.Counter()  # storage -> saved tensors on it: its bytes count while > 0
     count = collections.Counter()  # bytes held now, their peak; depth: inside those modules' forwards
 
     class Saved:  # what autograd keeps instead of the tensor: dropped when backward frees it
         def __init__(self, t: torch.Tensor) -> None:
             # detached: a saved output kept as itself would hold its own grad_fn (a reference cycle)
-            self.tensor, storage = t.detach(), t.untyped_storage()
-            self.key, self.nbytes = storage.data_ptr(), storage.nbytes()
+            self.tensor = t.detach()
+            storage = t.untyped_storage()
+            self.key = storage.data_ptr()
+            self.nbytes = storage.nbytes()
             count["now"] += 0 if saved_on[self.key] else self.nbytes
             saved_on[self.key] += 1
             count["peak"] = max(count["peak"], count["now"])
@@ -575,33 +579,40 @@ def layer_activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_pa
       lesson 07's fp32 log-sum-exp, one per query head and token; "selective" recompute: none).
     "full" recompute keeps only each block's input; "op" also q, v, gate, attention's output and its
     saves, and down_proj's (b s h partial sums). The layers share the RoPE tables (s x head_dim, fp32)."""
-    s, b, h, f, e, kv = seq_len, batch, cfg.dim, cfg.ffn_dim, elem_bytes, cfg.n_kv_heads * cfg.head_dim
-    attention = 4 * s * b * cfg.n_heads // tp if attention_saves is None else attention_saves
-    per_layer = e * s * b * h // (tp if sequence_parallel else 1)  # "full"'s: the block's input
-    per_layer += (mode == "op") * (e * s * b * ((2 * h + kv + f) // tp + h) + attention)
+    sb = seq_len * batch  # the paper's letters: s b tokens of h = dim features, e bytes each
+    h = cfg.dim
+    f = cfg.ffn_dim
+    kv = cfg.n_kv_heads * cfg.head_dim
+    e = elem_bytes
+    attention = 4 * sb * cfg.n_heads // tp if attention_saves is None else attention_saves
+    per_layer = e * sb * h // (tp if sequence_parallel else 1)  # "full"'s: the block's input
+    per_layer += (mode == "op") * (e * sb * ((2 * h + kv + f) // tp + h) + attention)
     if mode in ("none", "selective"):
-        norms = 2 * ((4 + e) * s * b * h + 4 * s * b)
-        sharded = e * (2 * s * b * h + 2 * s * b * kv + 4 * s * b * f)
-        per_layer = ((norms // tp if sequence_parallel else norms) + 2 * e * s * b * h  # the regions' inputs
+        norms = 2 * ((4 + e) * sb * h + 4 * sb)
+        sharded = e * sb * (2 * h + 2 * kv + 4 * f)
+        per_layer = ((norms // tp if sequence_parallel else norms) + 2 * e * sb * h  # the regions' inputs
                      + sharded // tp + (0 if mode == "selective" else attention))
-    return layers * per_layer + (4 * s * cfg.head_dim if layers else 0)  # the RoPE tables
+    return layers * per_layer + (4 * seq_len * cfg.head_dim if layers else 0)  # the RoPE tables
 
 
 def korthikanti_bytes(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> float:
     """The paper's per-layer activations (GPT-3 layer, 16-bit, attention scores stored)."""
-    sbh, scores = seq_len * batch * cfg.dim, 5 * cfg.n_heads * seq_len / cfg.dim
+    sbh = seq_len * batch * cfg.dim
+    scores = 5 * cfg.n_heads * seq_len / cfg.dim  # 5 a s / h
     return sbh * (34 + scores) / tp if sequence_parallel else sbh * (10 + (24 + scores) / tp)
 
 
-# --- Demo and benchmark ------------------------------------------------------------------------------------
+# --- RUN IT: the demo, the benchmark against DTensor, the command line ------------------------------------
 DEMO_MODEL = dict(dim=64, n_heads=8, n_kv_heads=4, ffn_dim=176)  # grouped-query: 2 queries per K/V
 BENCH_MODEL = dict(vocab_size=8192, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688)
 
 
 def demo(args: argparse.Namespace) -> None:
     device = foundation.init_distributed()
-    tp, cfg = dist.get_world_size(), foundation.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL)
-    b, s, bsh = args.batch, args.seq_len, args.batch * args.seq_len * cfg.dim * 4
+    tp = dist.get_world_size()
+    cfg = foundation.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL)
+    b, s = args.batch, args.seq_len  # the batch's shape
+    bsh = b * s * cfg.dim * 4  # one fp32 activation
     label = {False: "TP", True: "TP + SP"}
     # with SP or not: (result, the steps' meter, layer 0's saved bytes, layer 0's meter)
     runs = {sp: (*train_tensor_parallel(cfg, args.steps, b, s, sequence_parallel=sp, device=device),
@@ -621,12 +632,13 @@ def demo(args: argparse.Namespace) -> None:
     for sp, (result, *_) in runs.items():
         _, grads, params = result.max_differences(reference)
         print(f"  {label[sp]:<40}{grads:>18.2e}{params:>16.2e}")
-    megatron = 4 * Fraction(2 * (tp - 1), tp) * bsh  # 4 ring all-reduces of b s h per layer
+    megatron = 4 * foundation.ring_traffic("all_reduce", bsh, tp)  # 4 all-reduces of b s h per layer
     print(f"\ncommunication, b x s x h = {bsh:,} B{'calls':>16}{'payload':>12}{'traffic per rank':>19}"
           + ("" if tp > 1 else ": none at tp = 1"))
     for sp, (_, meter, _, layer) in runs.items():
         for op, expected in (comm_formula(cfg, b, s, sp) if tp > 1 else {}).items():
-            calls, payload = meter.calls(op) // args.steps, meter.payload(op) // args.steps
+            calls = meter.calls(op) // args.steps
+            payload = meter.payload(op) // args.steps
             traffic = float(meter.traffic(op)) / args.steps
             print(f"  {label[sp]:<8} a step: {op:<15}{calls:>6}{payload:>10,} B{traffic:>17,.0f} B"
                   + ("  = formula" if (calls, payload) == expected else "  MISMATCH with formula"))
@@ -675,7 +687,8 @@ def bench(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     device = foundation.init_distributed()
-    tp, cfg = dist.get_world_size(), foundation.ModelConfig(**BENCH_MODEL)
+    tp = dist.get_world_size()
+    cfg = foundation.ModelConfig(**BENCH_MODEL)
     mesh = init_device_mesh(device.type, (tp,))
     tokens, targets = (t.to(device) for t in foundation.synthetic_batch(cfg, args.bench_batch, 128, 0))
     models = {}
@@ -704,7 +717,8 @@ def bench(args: argparse.Namespace) -> None:
               f"{args.bench_batch} x 128, median of {args.bench_steps * (args.bench_rounds - 1)} steps; both "
               f"trained the same {len(losses['ours', False])} steps on the same batch:")
         for sp in (False, True):
-            ours, theirs = ("ours", sp), ("DTensor", sp)
+            ours = ("ours", sp)
+            theirs = ("DTensor", sp)
             loss_diff = max(abs(a - b).item() for a, b in zip(losses[ours], losses[theirs], strict=True))
             times = foundation.ratio_line({"ours": med[ours], "DTensor": med[theirs]})
             print(f"  {'TP + SP' if sp else 'TP':<8} {times}; max |loss difference| {loss_diff:.1e}, "
@@ -725,19 +739,16 @@ class Options:
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks, foundation.BenchRounds),
                                             defaults=dict(bench_steps=3))
-
-    def validate(tp: int) -> None:
-        cfg, seq_len = ((foundation.ModelConfig(**BENCH_MODEL), 128) if args.bench
-                        else (foundation.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL), args.seq_len))
-        validate_tensor_parallel(cfg, tp)
-        if seq_len % tp:
-            raise ValueError(f"sequence length {seq_len} is not divisible by tp={tp} (the demo "
-                             f"runs sequence parallelism)")
-        if not args.bench:
-            foundation.check_memory(cfg, args.batch, seq_len, tp,
-                                    what=f"--batch {args.batch} x --seq-len {seq_len}, --vocab {args.vocab}")
-
-    foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
+    if args.bench:  # tp divides its 4 key-value heads, so its 128 tokens too: SP can split them
+        heads = functools.partial(validate_tensor_parallel, foundation.ModelConfig(**BENCH_MODEL))
+        foundation.launch_lesson(parser, args, bench, rules=[heads])
+        return
+    cfg = foundation.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL)
+    heads = functools.partial(validate_tensor_parallel, cfg)
+    memory = functools.partial(foundation.check_memory, cfg, args.batch, args.seq_len,
+                               what=f"--batch {args.batch} x --seq-len {args.seq_len}, --vocab {args.vocab}")
+    foundation.launch_lesson(parser, args, demo, divisible={"--seq-len": args.seq_len},  # SP splits it
+                             rules=[heads, memory])
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Lesson 04: pipeline parallelism. GPipe, 1F1B, interleaved 1F1B and ZB-H1, with measured bubbles.
 
-The sections, in order:
+The parts, in order:
   Cutting the reference model into stages: validate_pipeline, stage_layers, cut_stage
   Schedules as data: compute_order (a rank's forwards and backwards: the technique), bubble_formula,
     in_flight_bound; simulate and place_communication (the transfers); make_schedule
   The executor, one for every schedule: run_schedule; train_pipeline on lesson 01's batches
-  Measured timelines, demo and benchmark: draw_measured, trace_events; demo; bench; Options, main
+  RUN IT: the measured timelines (draw_measured, trace_events), demo, bench; the command line: Options, main
+  Lesson 09's plan reads only formulas that this demo and the tests measure: no pricing part here.
 
 THE IDEA
 Cut the model by depth into stages: the first owns the embedding, the last the final norm, the head
@@ -32,11 +33,10 @@ receives. One executor runs any list. With unit times F = 1, B = 2 (or B = W = 1
   most p microbatches held (W needs the activations too). Our W is a second autograd.grad, towards
   the weights, which re-runs the backward chain: simple, not free.
 Transfers are placed by simulating the compute orders in unit times: each is posted on both ends at
-the instant its data is produced, and the transfers of one instant form one batched isend/irecv
-(01's batch_p2p, which meters them). Ranks reach their instants in time order, so none waits on a
-peer that waits on it (the tests check every list under the strictest point-to-point semantics). A
-receive is waited for just before the compute that needs it, a send only at the end of the step:
-no device-specific synchronisation.
+the instant its data is produced, those of one instant as one batched isend/irecv (01's batch_p2p).
+Ranks reach their instants in time order, so none waits on a peer that waits on it (the tests check
+every list under the strictest point-to-point semantics). A receive is waited for just before the
+compute that needs it, a send at the end of the step: no device-specific synchronisation.
 FROZEN STAGES (fine-tuning with a frozen embedding stage): the plan knows which stages train
 (stage_trains, one all-reduce of a flag per stage). A stage with nothing to train does no W, and its
 input gradient is computed and sent back only if some stage before it trains. Each step starts with
@@ -58,6 +58,7 @@ number of microbatches each rank held.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import itertools
 import json
@@ -74,10 +75,12 @@ import torch.nn as nn
 foundation = importlib.import_module("01_ddp")
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-COMPUTE, SEND = ("F", "B", "W"), ("SEND_F", "SEND_B")
+COMPUTE = ("F", "B", "W")
+SEND = ("SEND_F", "SEND_B")
 ACTION_LABELS = {"F": "forward", "B": "backward", "W": "backward"}  # W: the weight half of B
 # Nominal cost of each action: a backward is two matmuls per forward one (input and weight gradient).
-UNIT_TIMES, UNIT_TIMES_SPLIT = {"F": 1, "B": 2}, {"F": 1, "B": 1, "W": 1}
+UNIT_TIMES = {"F": 1, "B": 2}
+UNIT_TIMES_SPLIT = {"F": 1, "B": 1, "W": 1}
 MB_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"  # one character per microbatch in the drawings
 
 
@@ -195,7 +198,8 @@ def held_at_peak(schedule: str, rank: int, pp: int, m: int, virtual: int, held: 
     rank's stages hold different amounts (interleaved, uneven layers) it walks the compute order."""
     if len({held(stage) for stage in range(rank, pp * virtual, pp)}) == 1:
         return in_flight_bound(schedule, rank, pp, m, virtual) * held(rank)
-    frees, now, peak = "W" if schedule == "zb-h1" else "B", 0, 0
+    frees = "W" if schedule == "zb-h1" else "B"
+    now = peak = 0
     for a in compute_order(schedule, rank, pp, m, virtual):
         now += held(a.stage) * ((a.kind == "F") - (a.kind == frees))
         peak = max(peak, now)
@@ -207,7 +211,8 @@ def simulate(orders: list[list[Action]], n_stages: int,
     """Start and end of every compute action when each rank runs its order as early as its inputs
     allow. Raises if the orders wait on each other in a cycle."""
     times: dict[Action, tuple[float, float]] = {}
-    position, free_at = [0] * len(orders), [0.0] * len(orders)
+    position = [0] * len(orders)  # per rank: its next action
+    free_at = [0.0] * len(orders)
     while any(position[r] < len(order) for r, order in enumerate(orders)):
         progressed = False
         for r, order in enumerate(orders):
@@ -221,7 +226,9 @@ def simulate(orders: list[list[Action]], n_stages: int,
                     break
                 start = max([free_at[r]] + [times[n][1] for n in needs])
                 times[a] = (start, start + durations[a.kind])
-                free_at[r], position[r], progressed = start + durations[a.kind], position[r] + 1, True
+                free_at[r] = start + durations[a.kind]
+                position[r] += 1
+                progressed = True
         if not progressed:
             stuck = {r: str(o[position[r]]) for r, o in enumerate(orders) if position[r] < len(o)}
             raise RuntimeError(f"the compute orders wait on each other: {stuck}")
@@ -302,7 +309,7 @@ def stage_trains(stages: dict[int, nn.Module], n_stages: int, group=None) -> tup
 
 def stage_trains_traffic(pp: int, virtual: int = 1) -> Fraction:
     """Bytes one rank sends in stage_trains' all-reduce of pp x virtual fp32 flags (ring)."""
-    return Fraction(2 * (pp - 1), pp) * 4 * pp * virtual
+    return foundation.ring_traffic("all_reduce", 4 * pp * virtual, pp)
 
 
 # --- The executor, one for every schedule, and training on lesson 01's batches -----------------------------
@@ -321,26 +328,35 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
     work_s pads every compute action to a fixed duration (balanced synthetic work). boundary_shape:
     one microbatch's activations between stages, (b/m, seq, dim) unless a stage keeps them split
     (sequence parallelism: (b/m, seq/t, dim))."""
-    rank, m, last = dist.get_rank(group), schedule.microbatches, schedule.n_stages - 1
+    rank = dist.get_rank(group)
+    m = schedule.microbatches
+    last = schedule.n_stages - 1
     # Every rank checks every stage, so all of them raise alike: a rank that checked only its own
     # would go on to wait for a peer that raised. The all-reduce also starts the timelines together.
     trains = stage_trains(stages, schedule.n_stages, group)
     wrong = [stage for stage, flag in enumerate(trains) if flag != schedule.trains[stage]]
     if wrong:
-        s, state = wrong[0], "trains" if trains[wrong[0]] else "is frozen"
+        s = wrong[0]
+        state = "trains" if trains[s] else "is frozen"
         raise ValueError(f"stage {s} (rank {s % schedule.pp}) {state}, but the schedule's trains[{s}]="
                          f"{schedule.trains[s]}: make the schedule with stage_trains()")
     x_mbs, y_mbs = tokens.chunk(m), targets.chunk(m)
     shape = boundary_shape or (*x_mbs[0].shape, next(iter(stages.values())).cfg.dim)
     dtype = next(next(iter(stages.values())).parameters()).dtype  # activations: the weights' (bf16...)
     # Mailboxes are keyed by ("F" activations | "B" gradients, receiving stage, microbatch).
-    inbox, arriving, sent, saved, wait_for_w = {}, {}, [], {}, {}
+    inbox = {}  # what arrived, or a local stage handed over
+    arriving = {}  # receives posted, not yet waited for
+    sent = []  # (work, tensor) of the sends in flight
+    saved = {}  # (stage, microbatch) -> (input, output) from F until B
+    wait_for_w = {}  # ZB-H1: (stage, microbatch) -> (output, gradient) from B until W
     outbox = inbox if schedule.pp == 1 else {}  # one rank owns every stage: hand over directly
-    log, losses = StepLog(), []
+    log = StepLog()
+    losses = []
     t0 = time.perf_counter()
     for compute, run in itertools.groupby(schedule.actions[rank], lambda a: a.kind in COMPUTE):
         if not compute:  # consecutive transfers: one batched isend/irecv
-            ops, keys = [], []
+            ops = []
+            keys = []
             for a in run:
                 to = a.stage + {"SEND_F": 1, "SEND_B": -1}.get(a.kind, 0)  # the receiving stage
                 keys.append((a.kind[-1], to, a.microbatch))
@@ -349,12 +365,14 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
             works = foundation.batch_p2p(ops, group)
             for (kind, tensor, _), key, work in zip(ops, keys, works, strict=True):
                 if kind == "recv":
-                    inbox[key], arriving[key] = tensor, work
+                    inbox[key] = tensor
+                    arriving[key] = work
                 else:  # completes in the background; the tensor must live until then
                     sent.append((work, tensor))
             continue
         for a in run:
-            key, module = (a.stage, a.microbatch), stages[a.stage]
+            key = (a.stage, a.microbatch)
+            module = stages[a.stage]
             if (a.kind, *key) in arriving:  # wait only now: a late peer delays only what needs it
                 arriving.pop((a.kind, *key)).wait()
             received = inbox.pop((a.kind, *key), None)  # from a peer or a local stage, if any
@@ -415,14 +433,16 @@ def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule
     """Returns (TrainResult of this rank's parameters, its CommMeter, one StepLog per step).
     Every rank draws the whole batch; the first stage reads the tokens, the last the targets.
     transform as in foundation.train_single_device, on the whole model before the cut."""
-    pp, rank = foundation.group_size(group), dist.get_rank(group)
+    pp = foundation.group_size(group)
+    rank = dist.get_rank(group)
     validate_pipeline(cfg.n_layers, pp, global_batch, microbatches, schedule, virtual)
     n_stages = pp * virtual
     stages = {s: cut_stage((transform or (lambda model: model))(foundation.GPT(cfg)), s, n_stages).to(device)
               for s in range(rank, n_stages, pp)}
     plan = make_schedule(schedule, pp, microbatches, virtual, stage_trains(stages, n_stages, group))
     optimizer = foundation.make_optimizer(nn.ModuleList(stages.values()), lr, adam_eps)
-    result, logs = foundation.TrainResult([], {}, {}), []
+    result = foundation.TrainResult([], {}, {})
+    logs = []
     with foundation.comm_meter() as meter:
         for step in range(steps):
             tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
@@ -440,7 +460,7 @@ def train_pipeline(cfg, steps: int, global_batch: int, seq_len: int, *, schedule
     return result, meter, logs
 
 
-# --- Measured timelines, demo and benchmark ----------------------------------------------------------------
+# --- RUN IT: the measured timelines, the demo, the benchmark against torch, the command line ---------------
 def measured_bubble(records: list[list[tuple]]) -> float:
     """1 - busy / (ranks x step time), from every rank's StepLog.records."""
     step = max(end for rec in records for *_, end in rec)
@@ -451,7 +471,8 @@ def measured_bubble(records: list[list[tuple]]) -> float:
 def draw_measured(records: list[list[tuple]], pp: int, width: int = 96) -> str:
     """One row per rank; each character a 1/width slice of the step: F, B, W (lower case: a later
     chunk of the interleaved schedule) or '.' idle."""
-    step, rows = max(end for rec in records for *_, end in rec), []
+    step = max(end for rec in records for *_, end in rec)
+    rows = []
     for rank, rec in enumerate(records):
         row = ["."] * width
         for kind, stage, _, start, end in rec:
@@ -480,16 +501,18 @@ def schedule_runs(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 def demo(args: argparse.Namespace) -> None:
     device = foundation.init_distributed()
-    pp, rank = dist.get_world_size(), dist.get_rank()
+    pp = dist.get_world_size()
+    rank = dist.get_rank()
     cfg = foundation.ModelConfig(n_layers=pp * args.virtual)
     # The timelines pad every action to its unit time, on a model whose real compute fits well inside
     small = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=cfg.n_layers)
-    batch, m, steps = args.global_batch, args.microbatches, args.steps
-    ref = foundation.train_single_device(cfg, steps, batch, args.seq_len, device=device)
-    boundary = batch * args.seq_len * cfg.dim * 4 * (pp > 1)  # a boundary's bytes a step; pp = 1: local
+    m = args.microbatches
+    steps = args.steps
+    ref = foundation.train_single_device(cfg, steps, args.global_batch, args.seq_len, device=device)
+    boundary = args.global_batch * args.seq_len * cfg.dim * 4 * (pp > 1)  # a step's; pp = 1: handed over
     report = []
     for name, v in schedule_runs(args):
-        result, meter, _ = train_pipeline(cfg, steps, batch, args.seq_len, schedule=name,
+        result, meter, _ = train_pipeline(cfg, steps, args.global_batch, args.seq_len, schedule=name,
                                           microbatches=m, virtual=v, device=device)
         stats = [*result.max_differences(ref), float(meter.traffic("send")) / steps,
                  sum((s < pp * v - 1) + (s > 0) for s in range(rank, pp * v, pp)) * boundary]
@@ -545,9 +568,12 @@ def bench(args: argparse.Namespace) -> None:
     from torch.distributed import pipelining as torch_pp
 
     device = foundation.init_distributed()
-    pp, rank = dist.get_world_size(), dist.get_rank()
+    pp = dist.get_world_size()
+    rank = dist.get_rank()
     cfg = foundation.ModelConfig(vocab_size=1024, dim=128, n_layers=pp * args.virtual, n_heads=4, ffn_dim=344)
-    m, batch, seq = args.microbatches, 2 * args.microbatches, 64
+    m = args.microbatches
+    batch = 2 * m
+    seq = 64
     tokens, targets = (t.to(device) for t in foundation.synthetic_batch(cfg, batch, seq, 0))
     torch_schedules = (torch_pp.ScheduleGPipe, torch_pp.Schedule1F1B,
                        torch_pp.ScheduleInterleaved1F1B, torch_pp.ScheduleInterleavedZeroBubble)
@@ -604,6 +630,13 @@ def check_writable(option: str, path: str) -> None:
         os.remove(path)
 
 
+def validate_runs(args: argparse.Namespace, pp: int) -> None:
+    """The sizes of each schedule main() runs on pp ranks (--bench: 2 rows a microbatch, m >= pp)."""
+    rows = 2 * args.microbatches if args.bench else args.global_batch
+    for name, v in schedule_runs(args):
+        validate_pipeline(pp * args.virtual, pp, rows, args.microbatches, name, v)
+
+
 @dataclass
 class Options:
     steps: int = foundation.option(3, "AdamW steps of each schedule and of the reference", ">= 1")
@@ -621,17 +654,13 @@ class Options:
 
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks, foundation.BenchRounds))
-
-    def validate(pp: int) -> None:
-        if args.trace:
-            check_writable("--trace", args.trace)
-        for name, v in schedule_runs(args):  # --bench: 2 rows a microbatch; m >= pp, as torch's 1F1B needs
-            validate_pipeline(pp * args.virtual, pp, 2 * args.microbatches if args.bench else
-                              args.global_batch, args.microbatches, name, v)
-        if not args.bench:
-            foundation.check_memory(foundation.ModelConfig(), args.global_batch, args.seq_len, pp)
-
-    foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
+    rules = [functools.partial(validate_runs, args)]
+    if args.trace:  # written at the end of the run: refused before it
+        rules.insert(0, lambda pp: check_writable("--trace", args.trace))
+    if not args.bench:
+        rules.append(functools.partial(foundation.check_memory, foundation.ModelConfig(), args.global_batch,
+                                       args.seq_len))
+    foundation.launch_lesson(parser, args, bench if args.bench else demo, rules=rules)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """Lesson 05: context parallelism: ring attention, zigzag load balancing, Ulysses.
 
-The sections, in order:
+The parts, in order (the technique starts at merge_partials, the first function):
   Merging partial attention: merge_partials (THE MERGE RULE); naive_attention (what all must compute);
     the torch block, torch_block_forward and torch_block_backward; BlockAttention
   Sharding the sequence: SequenceLayout (contiguous or zigzag: LOAD BALANCE), validate_context_parallel
   Ring attention: _block_pairs (the causal skip), _kv_ring, RingAttention (THE BACKWARD RING too)
-  Ulysses: relayout (the all-to-alls), ulysses_attention; ContextParallelAttention; attention_bytes (COST)
+  Ulysses: relayout (the all-to-alls), ulysses_attention; ContextParallelAttention
+  COST: attention_bytes (sent), ring_saved_bytes (kept for backward)
   The whole model under context parallelism: train_context_parallel (THE MODEL)
-  Demo: sharded_attention, demo; the command line: Options, main
+  RUN IT: sharded_attention, demo; then the command line: Options, demo_memory, main
+No part is for lesson 09's plan only: it prices this lesson's bytes with the COST functions above.
 
 THE IDEA. A long sequence does not fit one device's activation memory, so each of the P ranks of a
 cp group holds S / P of its tokens. Everything but attention is per token (embedding, norms, MLP,
@@ -71,6 +73,7 @@ beside the formulas.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import time
 from dataclasses import dataclass
@@ -123,7 +126,8 @@ def grouped_scores(q, k, q_offset: int, k_offset: int, causal: bool) -> torch.Te
     heads are one more dimension, K broadcast over it (no copy). Forward and backward both call this, so
     their scores are the same bits: at scores of 1000, one rounding apart (1e-4) moves P by 1e-4 of itself."""
     kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
-    q, k = q.float().unflatten(1, (kv_heads, group)), k.float()[:, :, None]
+    q = q.float().unflatten(1, (kv_heads, group))
+    k = k.float()[:, :, None]
     scores = q.shape[-1] ** -0.5 * q @ k.transpose(-2, -1)
     if causal:
         rows = q_offset + torch.arange(q.shape[3], device=q.device)
@@ -161,7 +165,8 @@ def torch_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset:
         delta = delta - dlse.unflatten(1, (kv_heads, group))
     dscores = probs * (dout @ v.transpose(-2, -1) - delta[..., None])
     scale = q.shape[-1] ** -0.5
-    dk, dv = scale * dscores.transpose(-2, -1) @ q, probs.transpose(-2, -1) @ dout
+    dk = scale * dscores.transpose(-2, -1) @ q
+    dv = probs.transpose(-2, -1) @ dout
     return (scale * dscores @ k).flatten(1, 2), dk.sum(2), dv.sum(2)
 
 
@@ -192,7 +197,8 @@ class BlockWork:
         result = fn(q, k, *args)
         if q.is_cuda:
             torch.cuda.synchronize(q.device)
-        self.blocks, self.scores = self.blocks + 1, self.scores + q.shape[2] * k.shape[2]
+        self.blocks += 1
+        self.scores += q.shape[2] * k.shape[2]
         self.seconds += clock() - start
         return result
 
@@ -327,7 +333,8 @@ class RingAttention(torch.autograd.Function):
         # The dK/dV of rank o's keys start at rank o+1, pick up every other rank's share along the
         # ring and reach o after P-1 hops, where o's own share waits.
         own_dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
-        arriving, dkv_works = None, []  # the accumulator on its way from the previous rank
+        arriving = None  # the accumulator on its way from the previous rank
+        dkv_works = []
         for step, (owner, kv) in enumerate(_kv_ring(k, v, group, me, layout.cp)):
             dkv = own_dkv if step == 0 else torch.zeros_like(own_dkv)
             for rows, cols, q_off, k_off, masked in _block_pairs(layout, me, owner, causal):
@@ -411,11 +418,13 @@ class ContextParallelAttention:
         return attend(q, k, v, self.group, self.zigzag, True, self.block)[0]
 
 
+# --- COST: the bytes one rank sends, and keeps for backward, per attention call ---------------------------
 def attention_bytes(method: str, q_elems: int, kv_elems: int, cp: int, elem_bytes: int = 4,
                     with_lse_elems: int = 0) -> dict[str, Fraction]:
     """COST's formula: bytes one rank sends per attention call, forward and backward, for a shard of q_elems
     elements of q (and of out) and kv_elems of each of k and v; with_lse_elems: Ulysses returns the lse."""
-    a, a_kv = q_elems * elem_bytes, kv_elems * elem_bytes
+    a = q_elems * elem_bytes
+    a_kv = kv_elems * elem_bytes
     if method == "ring":
         return dict(forward=Fraction(2 * (cp - 1) * a_kv),
                     backward=Fraction(2 * (cp - 1) * a_kv + 2 * (cp - 1) * kv_elems * 4))
@@ -436,15 +445,20 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
                            ) -> tuple["foundation.TrainResult", "foundation.CommMeter"]:
     """The same training as foundation.train_single_device, each rank holding seq_len / cp tokens of every
     row. Returns the result (global losses, summed gradients) and a meter of the training loop."""
-    cp, rank = foundation.group_size(group), dist.get_rank(group)
+    cp = foundation.group_size(group)
+    rank = dist.get_rank(group)
     layout = validate_context_parallel(seq_len, cfg.n_heads, cp, method, zigzag, cfg.n_kv_heads)
-    # This rank's share of the global mean loss (THE MODEL above): local mean / cp.
-    share = lambda logits, targets: foundation.cross_entropy_loss(logits, targets) / cp
+
+    def share(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the global mean loss (THE MODEL above): local mean / cp."""
+        return foundation.cross_entropy_loss(logits, targets) / cp
+
     model = foundation.GPT(cfg, attn_fn=ContextParallelAttention(group, method, zigzag, block),
                            loss_fn=share).to(device)
     optimizer = foundation.make_optimizer(model, lr, adam_eps)  # GPT's seeded init agrees on every rank
     positions = layout.positions(rank, device)
-    result, losses = foundation.TrainResult([], {}, {}), []
+    result = foundation.TrainResult([], {}, {})
+    local_means = []
     with foundation.comm_meter() as meter:
         for step in range(steps):
             batch = foundation.synthetic_batch(cfg, global_batch, seq_len, step)
@@ -456,18 +470,17 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
             foundation.all_reduce(flat, group=group)
             for grad, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                 grad.copy_(summed.view_as(grad))
-            losses.append(loss.detach())
+            local_means.append(cp * loss.detach().double())  # the rank's mean loss, exactly
             if step == 0:
                 result.first_grads = foundation.cpu_copy((n, p.grad) for n, p in model.named_parameters())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    summed = torch.stack(losses).double()
-    foundation.all_reduce(summed, group=group)  # shares of the mean add up to the mean
-    result.losses, result.params = summed.tolist(), foundation.cpu_copy(model.named_parameters())
+    result.losses = foundation.mean_over_ranks(local_means, group)
+    result.params = foundation.cpu_copy(model.named_parameters())
     return result, meter
 
 
-# --- Demo --------------------------------------------------------------------------------------------------
+# --- RUN IT: every variant beside full attention and the one-device model; the command line ---------------
 def outputs_and_grads(attn, q, k, v, dout, dlse=None) -> list[torch.Tensor | None]:
     """[out, lse, dq, dk, dv] of attn(q, k, v) -> (out, lse or None) under the loss
     sum(out * dout) + sum(lse * dlse) (rows with lse = -inf excluded; dout None: no out term)."""
@@ -502,7 +515,8 @@ def sharded_attention(batch: int, heads: int, seq_len: int, head_dim: int, *, me
                       group=None, device=None, kv_heads: int | None = None):
     """On every rank: [out, lse, dq, dk, dv] of this rank's shard under the loss
     sum(out dout) + sum(lse dlse), the meter of that forward + backward, and the ring's work."""
-    cp, rank = foundation.group_size(group), dist.get_rank(group)
+    cp = foundation.group_size(group)
+    rank = dist.get_rank(group)
     layout = validate_context_parallel(seq_len, heads, cp, method, zigzag, kv_heads)
     shards = [layout.shard(t, rank, dim=2) for t in attention_inputs(batch, heads, seq_len, head_dim,
                                                                      seed, dtype, device, kv_heads)]
@@ -517,9 +531,18 @@ def sharded_attention(batch: int, heads: int, seq_len: int, head_dim: int, *, me
 
 def demo(args: argparse.Namespace) -> None:
     device = foundation.init_distributed()
-    rank, cp = dist.get_rank(), dist.get_world_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
-    b, h, kv, s, d = 2, args.heads, args.kv_heads, args.seq_len, args.head_dim
+    rank = dist.get_rank()
+    cp = dist.get_world_size()
+
+    def say(*lines: str) -> None:
+        if rank == 0:
+            print(*lines)
+
+    b = 2
+    h = args.heads
+    kv = args.kv_heads
+    s = args.seq_len
+    d = args.head_dim
     variants = [("ring, contiguous", "ring", False), ("ring, zigzag", "ring", True),
                 ("Ulysses", "ulysses", True)]
     if h % cp or kv % cp:
@@ -531,7 +554,9 @@ def demo(args: argparse.Namespace) -> None:
     say(f"  {'':<20}" + "".join(f"{n:>10}" for n in ("out", "lse", "dq", "dk", "dv")))
     inputs = attention_inputs(b, h, s, d, seed=0, dtype=torch.float64, device=device, kv_heads=kv)
     reference = outputs_and_grads(lambda q, k, v: naive_attention(q, k, v, True), *inputs)
-    a, a_kv, lse = b * h * s // cp * d, b * kv * s // cp * d, b * h * s // cp  # one shard's elements
+    a = b * h * s // cp * d  # one shard's elements of q, of k, of the lse
+    a_kv = b * kv * s // cp * d
+    lse = b * h * s // cp
     byte_rows = []
     for name, method, zigzag in variants:
         got, meter, _ = sharded_attention(b, h, s, d, method=method, zigzag=zigzag, causal=True,
@@ -599,19 +624,21 @@ class Options:
     steps: int = foundation.option(3, "AdamW steps of the GPT runs and of the reference", ">= 1")
 
 
+def demo_memory(args: argparse.Namespace, cp: int) -> None:
+    """The demo's largest tensors against this machine's memory: the GPT runs' and the attention scores (a
+    ring block's, of S/P x S/P, on each of the cp ranks)."""
+    cfg = foundation.ModelConfig(n_heads=args.heads, n_kv_heads=args.kv_heads)
+    scores = {"the float64 reference attention's scores": 8 * 2 * args.heads * args.seq_len ** 2,
+              "the work comparison's block scores": 8 * args.heads * args.work_seq_len ** 2 // cp}
+    foundation.check_memory(cfg, args.global_batch, args.seq_len, cp, scores,
+                            what=f"--seq-len {args.seq_len}, --work-seq-len {args.work_seq_len}")
+
+
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks))
-
-    def validate(cp: int) -> None:
-        for seq_len in (args.seq_len, args.work_seq_len):
-            validate_context_parallel(seq_len, args.heads, cp, "ring", zigzag=True, n_kv_heads=args.kv_heads)
-        cfg = foundation.ModelConfig(n_heads=args.heads, n_kv_heads=args.kv_heads)
-        scores = {"the float64 reference attention's scores": 8 * 2 * args.heads * args.seq_len ** 2,
-                  "the work comparison's block scores": 8 * args.heads * args.work_seq_len ** 2 // cp}
-        foundation.check_memory(cfg, args.global_batch, args.seq_len, cp, scores,
-                                what=f"--seq-len {args.seq_len}, --work-seq-len {args.work_seq_len}")
-
-    foundation.launch_lesson(parser, args, demo, validate)
+    sequences = [functools.partial(validate_context_parallel, seq_len, args.heads, method="ring", zigzag=True,
+                                   n_kv_heads=args.kv_heads) for seq_len in (args.seq_len, args.work_seq_len)]
+    foundation.launch_lesson(parser, args, demo, rules=[*sequences, functools.partial(demo_memory, args)])
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Lesson 06: mixture of experts (MoE), and expert parallelism over all-to-all.
 
-The sections, in order (MoEConfig first: top-k, CAPACITY and BALANCE's knobs):
+The parts, in order (MoEConfig first: top-k, CAPACITY and BALANCE's knobs; the technique starts at AllToAll):
   Dispatch: AllToAll (autograd reverses it), kept_per_source (CAPACITY), plan_dispatch, dispatch, combine
   The MoE layer: MoE (route, forward with the aux loss, update_selection_bias: BALANCE), convert_to_moe
   Expert parallelism: apply_expert_parallel, sync_gradients, all_to_all_traffic (COST); train_moe
-  Demo and benchmark: demo, all_gather_moe_forward (the other dispatcher), bench; Options, main
+  RUN IT: demo, all_gather_moe_forward (the other dispatcher), bench; then the command line: Options, main
+Nothing here is for lesson 09's plan only: what it reads, moe_parameter_shapes, is tested as built.
 
 THE IDEA. An MoE layer replaces a block's MLP by E small MLPs ("experts") and a router. Each token goes
 to only k of them: parameters grow E-fold, compute per token k-fold. The router maps a token to E
@@ -57,6 +58,7 @@ and the dropped tokens under the aux loss, the selection bias and neither; all-t
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import math
 import statistics
@@ -175,9 +177,12 @@ class MoE(nn.Module):
     def __init__(self, dim: int, cfg: MoEConfig, seed: int, init_std: float = 0.02,
                  n_layers: int = 1) -> None:
         super().__init__()
-        self.cfg, self.group, self.rank, self.ep = cfg, None, 0, 1
+        self.cfg = cfg
+        self.group = None  # one device until apply_expert_parallel
+        self.rank = 0
+        self.ep = 1
         gen = torch.Generator().manual_seed(seed)
-        e, f = cfg.n_experts, cfg.expert_ffn_dim
+        e, f = cfg.n_experts, cfg.expert_ffn_dim  # the experts' shape
         self.router = nn.Linear(dim, e, bias=False)
         self.router.weight = nn.Parameter(torch.randn(e, dim, generator=gen) * init_std)
         self.gate_proj = nn.Parameter(torch.randn(e, f, dim, generator=gen) * init_std)
@@ -220,12 +225,15 @@ class MoE(nn.Module):
         rows = dispatch(flat, plan).split(plan.rows_per_expert)
         y = torch.cat([self.expert(j, h) for j, h in enumerate(rows)])
         out = (combine(y, plan, flat.shape[0]) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
-        self.load, self.kept, self.dropped = counts.sum(0), kept, counts.sum() - kept.sum()
+        self.load = counts.sum(0)
+        self.kept = kept
+        self.dropped = counts.sum() - kept.sum()
         self.load_since_update += self.load
         total = counts.sum().clamp(min=1)  # T x k over the group; 0 only if the group has no token
         # E sum_i f_i P_i with P_i = (sum over the group's tokens of p_i) / T: this rank contributes
         # its tokens' sum, scaled so that the mean over the ep ranks is the whole-batch value.
-        fraction, tokens = self.load.float() / total, total / self.cfg.top_k
+        fraction = self.load.float() / total
+        tokens = total / self.cfg.top_k
         self.aux_loss = self.cfg.n_experts * self.ep / tokens * (fraction * probs.sum(0)).sum()
         return out.view_as(x)
 
@@ -241,7 +249,7 @@ class MoE(nn.Module):
 def moe_parameter_shapes(dim: int, cfg: MoEConfig, ep: int = 1) -> dict[str, tuple[int, ...]]:
     """An MoE layer's parameters (names inside the layer) on one of ep expert-parallel ranks, in
     named_parameters() order, without building it (lesson 09's plan)."""
-    e, f = cfg.n_experts // ep, cfg.expert_ffn_dim
+    e, f = cfg.n_experts // ep, cfg.expert_ffn_dim  # the experts' shape on one rank
     return {"gate_proj": (e, f, dim), "up_proj": (e, f, dim), "down_proj": (e, dim, f),
             "router.weight": (cfg.n_experts, dim)}
 
@@ -275,7 +283,8 @@ def convert_to_moe(model: nn.Module, cfg: MoEConfig) -> nn.Module:
 def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
     """Keep this rank's E/ep experts of every MoE layer and route through the group. The experts
     are sliced from the existing (identical on every rank) weights. Build the optimizer after."""
-    ep, rank = foundation.group_size(group), dist.get_rank(group)
+    ep = foundation.group_size(group)
+    rank = dist.get_rank(group)
     layers = moe_layers(model)
     if not layers:
         raise ValueError("the model has no MoE layer: convert_to_moe(model, cfg) first")
@@ -288,7 +297,9 @@ def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
         for name in layer.expert_names:
             shard = getattr(layer, name).detach()[rank * local:(rank + 1) * local].clone()
             setattr(layer, name, nn.Parameter(shard))
-        layer.group, layer.rank, layer.ep = group or dist.group.WORLD, rank, ep
+        layer.group = group or dist.group.WORLD
+        layer.rank = rank
+        layer.ep = ep
     return model
 
 
@@ -307,7 +318,7 @@ def sync_gradients(model: nn.Module, group=None) -> None:
         param.grad.div_(ep)
 
 
-def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def unshard_experts(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """CPU copies of name -> tensor (parameters or gradients), expert shards all-gathered over their group:
     named and shaped like the single-device model's. Every rank must pass the same names."""
     sharded = {id(p): layer for layer in moe_layers(model) if layer.group is not None
@@ -348,7 +359,8 @@ def train_moe(cfg: "foundation.ModelConfig", moe_cfg: MoEConfig, steps: int, glo
               ) -> tuple[MoETrainResult, "foundation.CommMeter"]:
     """One device on the whole batch, or (expert_parallel) this rank's rows of it with the experts sharded
     over `group` -> the result (gradients, parameters reassembled), a meter of the loop's communication."""
-    ep, rank = (foundation.group_size(group), dist.get_rank(group)) if expert_parallel else (1, 0)
+    ep = foundation.group_size(group) if expert_parallel else 1
+    rank = dist.get_rank(group) if expert_parallel else 0
     if global_batch % ep:
         raise ValueError(f"global_batch={global_batch} is not divisible by ep={ep}")
     model = convert_to_moe(foundation.GPT(cfg), moe_cfg)
@@ -356,7 +368,9 @@ def train_moe(cfg: "foundation.ModelConfig", moe_cfg: MoEConfig, steps: int, glo
         apply_expert_parallel(model, group)
     model.to(device)
     optimizer = foundation.make_optimizer(model, lr, adam_eps)
-    result, grads, local_losses = MoETrainResult([], {}, {}), {}, []
+    result = MoETrainResult([], {}, {})
+    grads = {}
+    local_losses = []
     with foundation.comm_meter() as meter:
         for step in range(steps):
             tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, rank, ep)
@@ -378,17 +392,19 @@ def train_moe(cfg: "foundation.ModelConfig", moe_cfg: MoEConfig, steps: int, glo
             for layer in layers:
                 layer.update_selection_bias()
     # Outside the meter: group means of the losses and aux losses, whole tensors from the shards.
-    stacked = torch.stack([torch.stack(local_losses), *map(torch.stack, zip(*result.aux))]).double()
+    aux = [torch.stack(layers_aux) for layers_aux in result.aux]
     if expert_parallel:
-        foundation.all_reduce(stacked, group=group)
-    stacked = (stacked / ep).cpu()
-    result.losses, result.aux = stacked[0].tolist(), stacked[1:].T.tolist()
-    result.first_grads = gather_full(model, grads)
-    result.params = gather_full(model, dict(model.named_parameters()))
+        result.losses = foundation.mean_over_ranks(local_losses, group)
+        result.aux = foundation.mean_over_ranks(aux, group)
+    else:
+        result.losses = torch.stack(local_losses).tolist()
+        result.aux = torch.stack(aux).tolist()
+    result.first_grads = unshard_experts(model, grads)
+    result.params = unshard_experts(model, dict(model.named_parameters()))
     return result, meter
 
 
-# --- Demo and benchmark ---------------------------------------------------------------------------
+# --- RUN IT: the demo, the benchmark, the command line ---------------------------------------------
 BALANCING = {"aux loss": dict(aux_loss_coef=0.1, bias_update_rate=0.0),
              "selection bias": dict(aux_loss_coef=0.0, bias_update_rate=0.01),
              "neither": dict(aux_loss_coef=0.0, bias_update_rate=0.0)}
@@ -396,8 +412,11 @@ BALANCING = {"aux loss": dict(aux_loss_coef=0.1, bias_update_rate=0.0),
 
 def demo(args: argparse.Namespace) -> None:
     device = foundation.init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg, capacity, runs = foundation.ModelConfig(), args.capacity_factor, {}  # capacity None: --dropless
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    cfg = foundation.ModelConfig()
+    capacity = args.capacity_factor  # None: --dropless
+    runs = {}
     for name, balancing in BALANCING.items():
         moe_cfg = MoEConfig(args.experts, args.top_k, args.expert_ffn_dim, capacity, **balancing)
         train = dict(cfg=cfg, moe_cfg=moe_cfg, steps=args.steps, global_batch=args.global_batch,
@@ -470,13 +489,15 @@ def all_gather_moe_forward(layer: MoE, x: torch.Tensor) -> torch.Tensor:
 def bench(args: argparse.Namespace) -> None:
     """The same expert-parallel layer, forward only, through both dispatchers, interleaved."""
     device = foundation.init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    world = dist.get_world_size()
     cfg = MoEConfig(args.experts, args.top_k, 4 * args.bench_dim)
     layer = apply_expert_parallel(MoE(args.bench_dim, cfg, seed=0)).to(device)
     gen = torch.Generator().manual_seed(rank + 1)
     x = torch.randn(args.bench_tokens, args.bench_dim, generator=gen).to(device)
     dispatchers = {"all-to-all": lambda: layer(x), "all-gather": lambda: all_gather_moe_forward(layer, x)}
-    outputs, traffic = {}, {}
+    outputs = {}
+    traffic = {}
     with torch.no_grad():
         for name, fn in dispatchers.items():
             with foundation.comm_meter() as meter:
@@ -515,16 +536,14 @@ class Options:
 
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks, foundation.BenchRounds))
-
-    def validate(ep: int) -> None:
-        MoEConfig(args.experts, args.top_k, args.expert_ffn_dim, args.capacity_factor)  # top_k, inf
-        for name, size in (("n_experts", args.experts), ("global_batch", args.global_batch)):
-            if size % ep:
-                raise ValueError(f"{name}={size} is not divisible by ep={ep}")
-        if not args.bench:
-            foundation.check_memory(foundation.ModelConfig(), args.global_batch, args.seq_len, ep)
-
-    foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
+    divisible = {"--experts": args.experts, "--global-batch": args.global_batch}
+    moe_options = functools.partial(MoEConfig, args.experts, args.top_k, args.expert_ffn_dim,
+                                    args.capacity_factor)
+    rules = [lambda ep: moe_options()]  # top_k <= experts, a finite capacity: no option's own rule sees them
+    if not args.bench:
+        rules.append(functools.partial(foundation.check_memory, foundation.ModelConfig(), args.global_batch,
+                                       args.seq_len))
+    foundation.launch_lesson(parser, args, bench if args.bench else demo, divisible=divisible, rules=rules)
 
 
 if __name__ == "__main__":

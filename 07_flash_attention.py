@@ -1,114 +1,59 @@
 """Lesson 07: FlashAttention-2 in Triton, forward and backward, that runs on a laptop.
 
-The sections, in order:
-  Kernels: _tile (a head's rows, in any LAYOUT); _key_range, _query_range (CAUSAL: the key blocks a
-    query block visits, and the reverse); _attend (THE RECURRENCE); the autotune tables FWD_GPU,
-    DKDV_GPU, DQ_GPU (THE ON-CHIP BUDGET); _fwd_kernel; THE BACKWARD: _bwd_delta_kernel,
-    _bwd_dkdv_kernel, _bwd_dq_kernel
-  Launchers, registered as operators: _launch_args; flash_attention_forward and flash_attention_backward
-    (AN OPERATOR); flash_attention (GPT's attn_fn), FLASH_BLOCK (05's ring block); ATTENTION_TFLOPS_H100
-    and attention_seconds (what attention costs, for 09's plan)
-  A Hopper variant of the forward (HOPPER): HOPPER_FWD_GPU, _descriptor, _hopper_fwd_kernel;
-    _hopper_launch (flash_attention_forward's hopper=True), flash_attention_hopper (GPT's attn_fn)
-  Demo and benchmark: demo, bench; the command line (Options, main)
+The parts, in order (the technique starts at _attend):
+  Kernels: _tile (a head's rows, in any LAYOUT), _key_range (CAUSAL), _attend (THE RECURRENCE), the
+    autotune tables FWD_GPU, DKDV_GPU, DQ_GPU (ON CHIP), _fwd_kernel; THE BACKWARD: _bwd_delta_kernel,
+    _query_range, _bwd_dkdv_kernel, _bwd_dq_kernel
+  Launchers, registered as operators (AN OPERATOR): flash_attention_forward, flash_attention_backward;
+    flash_attention (GPT's attn_fn), FLASH_BLOCK (05's ring block); attention_backward_bytes
+  A Hopper variant of the forward (HOPPER): _hopper_fwd_kernel, flash_attention_hopper (GPT's attn_fn)
+  RUN IT: demo, bench; the command line (Options, main)
+  Last, for lesson 09's plan only (an H100's measured rates, which no demo here reads):
+    ATTENTION_TFLOPS_H100, attention_seconds
 
-THE PROBLEM. out = softmax(scale Q K^T) V per (batch, head), for N queries and keys of head dim d.
-Done naively, the N x N scores S and probabilities P are written to GPU memory (HBM) and read back:
-O(N^2) memory (16 heads at N = 16k in bf16: 8 GiB per sequence) and O(N^2) slow traffic.
+THE RECURRENCE (online softmax). out = softmax(scale Q K^T) V per (batch, head). Done naively, the
+N x N scores and probabilities go to GPU memory (HBM) and back: O(N^2) memory and traffic (16 heads
+at N = 16k in bf16: 8 GiB a sequence). Here a program keeps a block of query rows on chip and streams
+the keys past it in blocks, with per row a running max m, sum l and fp32 accumulator; s: the scores
+    m_new = max(m, rowmax(s))    alpha = exp(m - m_new)    p = exp(s - m_new)
+    l = alpha l + rowsum(p)      acc = alpha acc + p V_block
+then, once, out = acc / l and lse = m + log l, which is returned: lesson 05's ring merges partial
+attentions with it. In base 2: scores are scaled once by scale x log2(e), then one exp2 each. S and P
+only exist in registers: O(N) extra memory (the lse), and K, V are read N / BLOCK_M times.
+CAUSAL: key blocks wholly in a query block's future are skipped (half the work), only blocks on the
+diagonal are masked. Positions are absolute (key j is visible to query i iff q_offset + i >= k_offset
++ j), so a ring rank can attend to another's keys; a row that sees no key gets out = 0, lse = -inf.
+GQA: g query heads share each K/V head; K and V come with their own heads, never repeated (program bh
+reads K/V head bh // g): no copy, g x less K/V memory, and L2 serves a group's reads once.
+LAYOUT: the kernels read (batch, heads, seq, head_dim) contiguous, or lesson 01's projections (batch,
+seq, heads, head_dim) seen through .transpose(1, 2), in place: element d of row r of head (b, h) is at
+(b stride_b + h stride_h + r ROW) x head_dim + d, strides in rows (ROW: 1, or the number of heads).
+lse and delta are laid out like q without its head dim; out comes back in q's layout: no copies.
 
-THE RECURRENCE (online softmax). A program takes a block of query rows and streams over the keys in
-blocks, keeping per row a running max m, a running sum l and an unnormalised fp32 accumulator:
-    m_new = max(m, rowmax(s))               s: the scores against this key block
-    alpha = exp(m - m_new)                  rescales what was summed against the old max
-    p = exp(s - m_new)    l = alpha l + rowsum(p)    acc = alpha acc + p V_block
-and at the end, once, out = acc / l (FlashAttention-2 divides once, not per block) and lse = m + log l,
-each row's natural-log log-sum-exp, which is returned: lesson 05's ring merges two partial attentions
-with it, lse = log(e^lse1 + e^lse2), out = e^(lse1 - lse) out1 + e^(lse2 - lse) out2. The kernel works
-in base 2, exp(x) = 2^(x log2 e): scores are scaled once by scale * log2(e), then one exp2 each.
-
-CAUSAL masking without waste: key blocks wholly in a query block's future are never visited (half
-the work), blocks wholly in its past run without a mask, only blocks on the diagonal are masked.
-Positions are absolute, key j is visible to query i iff q_offset + i >= k_offset + j, so a ring
-rank can attend to another rank's keys; a row that sees no key gets out = 0 and lse = -inf.
-
-GROUPED-QUERY ATTENTION (GQA: Llama 3, Mistral): g query heads share each of H_kv = H / g K/V
-heads. K and V arrive with their own H_kv heads, never repeated: the forward and dQ programs of
-query head h read K/V head h // g (program bh = b H + h reads b H_kv + h // g = bh // g, as a batch's
-heads are contiguous). What that saves against K/V repeated to H heads: the repeat's copy, g times
-the K/V memory that autograd would keep, and HBM reads, since the g programs of a group stream the
-same K/V tiles, which the L2 cache serves once. THE BACKWARD of a K/V head read by g query heads is
-the sum of their g contributions (one tensor used g times): one dK/dV program per K/V key block
-loops over the g query heads of its group and adds each into the same accumulators, in a fixed
-order, with no atomics.
-
-LAYOUT. Lesson 01 computes q, k, v as (batch, seq, heads, head_dim) projections and passes them seen
-through .transpose(1, 2): heads interleaved within each token's row. The kernels read that layout in
-place, as they read contiguous (batch, heads, seq, head_dim): element d of row r of head (b, h) sits
-at (b stride_b + h stride_h + r ROW) x head_dim + d, strides counted in rows of head_dim (ROW, a
-compile-time constant: 1, or the number of heads). lse and delta are laid out like q without its head
-dim, so one offset, b stride_b + h stride_h, finds a head in all of them. out is returned in q's layout
-(01's transpose back is then a view): no copies in or out (the README has what that saved on an H100).
-
-THE IO ARGUMENT, per (batch, head), in elements. Naive attention writes S, reads it for the softmax,
-writes P and reads it for P V: ~4 N^2 of HBM traffic (more in the backward), N^2 of memory. A program
-here keeps its BLOCK_M x d queries on chip and streams K and V past them: K and V are read N / BLOCK_M
-times, ~2 N^2 d / BLOCK_M. BLOCK_M x d must fit the on-chip SRAM of M elements, BLOCK_M ~ M / d: the
-paper's Theta(N^2 d^2 / M). At d = BLOCK_M = 128 that is 2 N^2, only half of naive's 4 N^2; the
-decisive gains are O(N) extra memory (the lse, and delta in the backward) instead of O(N^2), and no
-N^2 round trips through HBM: S and P only ever exist in registers.
-
-THE BACKWARD recomputes P from the saved lse instead of storing it:
+THE BACKWARD recomputes P from the lse instead of storing it:
     P = exp(scale Q K^T - lse)    dV = P^T dO    dP = dO V^T    dS = P * (dP - delta)
-    dQ = scale dS K               dK = scale dS^T Q             delta_i = rowsum(O_i * dO_i)
-(delta first, by a small kernel: O(N d)). A gradient dlse into the lse (a ring merges through it) adds
-dlse_i P_ij to dS, as d lse_i / d s_ij = P_ij: the same formula with delta - dlse. No atomics: one
-program per key block accumulates its dK, dV over the query blocks, one per query block its dQ over
-the key blocks, so each output has one writer summing in a fixed order: runs with the same block
-sizes (the autotuner picks them anew in each process) are bit-identical. The price: Q K^T and dO V^T
-are computed twice (7 matmuls, not 5).
+    dQ = scale dS K               dK = scale dS^T Q             delta_i = rowsum(O_i * dO_i) - dlse_i
+(delta first, by a small kernel; dlse comes from a ring's merge.) One program per key block sums
+its dK, dV over the query blocks and the g query heads of its K/V head, one per query block its dQ:
+one writer per output, no atomics, a fixed order: bit-identical runs.
+The price: Q K^T and dO V^T are computed twice (7 matmuls, not 5).
 
-PRECISION. Dots accumulate in fp32, the recurrence runs in fp32; P and dS are rounded to the input
-dtype for their matmuls (as in FlashAttention-2: where 16-bit error enters); fp32 inputs get exact
-fp32 dots, not TF32. Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, one
-program at a time, in numpy), which cannot do bf16 dots or exp: CPU runs use fp32 or fp16.
+PRECISION. Dots accumulate in fp32 (fp32 inputs: exact dots, not TF32); P and dS are rounded to the
+input dtype for their matmuls, as in FlashAttention-2. Without a GPU the kernels run in Triton's
+interpreter (one program at a time, in numpy), which cannot do bf16 dots or exp: fp32 or fp16 there.
+ON CHIP: tiles must fit an SM's registers (255 a thread; a spill goes off chip, inside the loop) and
+shared memory (~ stages x BLOCK_N x d x 2 B a K or V tile; an H100 block: 227 KiB). The autotuner
+times only configs that tests/test_gpu_compile.py compiles for sm_90 (no GPU needed) spill-free.
+AN OPERATOR: registered by torch.library.custom_op (a fake gives the outputs' shapes and strides,
+register_autograd joins the backward), the kernels are single nodes that torch.compile keeps in one
+graph. HOPPER (sm_90): a forward whose TMA descriptors copy whole tiles, zero-filled past the ends (no
+per-element addresses), 3 to 5 K/V tiles in flight, and persistent programs, one per SM, longest tiles
+first; in the interpreter it equals the main forward bit for bit. The backward stays the main one's (TMA
+frees few registers there); warp specialisation is Blackwell-only in Triton 3.6 and 3.7: not used.
 
-THE ON-CHIP BUDGET bounds the block sizes: the IO argument holds only while the tiles stay on chip.
-An H100 SM has 64K 32-bit registers and 228 KiB of shared memory (227 KiB for one block; A100: 163).
-Registers hold each thread's share of the fp32 accumulators (BLOCK_M x d over 32 x num_warps threads:
-64 a thread at 64 x 128 with 4 warps; the backward's dK and dV are two), of the score tile, row
-statistics and pointers: at most 255. What does not fit spills to local memory, off chip, inside the
-inner loop: the very traffic the kernel exists to avoid. More warps share the tiles; bigger tiles
-need more. Shared memory holds the tiles streamed in, num_stages deep (software pipelining: ~ stages
-x BLOCK_N x d x 2 bytes per 16-bit K or V tile): a block asking for more than the limit cannot
-launch. The autotuner times only the spill-free configs that fit: tests/test_gpu_compile.py compiles
-every config for sm_90 without a GPU and reads registers and spills with Triton's ptxas (`python -m
-pytest tests/test_gpu_compile.py`, minutes; `python tests/test_gpu_compile.py` prints the table).
-
-AN OPERATOR, SO THAT A COMPILED MODEL KEEPS ONE GRAPH. torch.compile's tracer follows Python and
-records PyTorch operators; it cannot follow a Triton launch (the autotuner's Python, the launcher),
-so a plain call would end the graph there: the model would run as pieces, the CPU re-entering
-Python between them while the GPU waits. Registered as operators (torch.library.custom_op), the
-forward and the backward are single nodes that the compiler places but never opens: a fake
-implementation gives each output's shape, dtype and strides without running anything, and
-register_autograd joins the backward operator to the forward's. torch.library.opcheck tests such a
-registration: the schema (no input mutated or aliased), fake against real outputs, the autograd
-formula, and all of it traced as the compiler traces it.
-
-HOPPER (sm_90): flash_attention_hopper, a variant of the forward (the backward is the main one's: TMA frees
-few registers there, a TMA dK/dV kernel still spills at 64 x 128). TMA: a tensor descriptor (base, shape,
-strides) lets one thread copy a whole tile between HBM and shared memory, asynchronously, zero-filling rows
-and lanes past a head's end: no address or mask arithmetic per element (128 x 64 tiles at head dim 128: 152
-registers a thread, the main kernel 178). DEEPER PIPELINING: K/V tiles 3 to 5 deep in flight (num_stages;
-tl.range pipelines the loop), a stage costing shared memory, not registers. PERSISTENT PROGRAMS: one per SM
-loops over (query block, head) tiles, longest first (causal: the last query blocks), dealt round-robin: the
-launch ends on short tiles. WARP SPECIALISATION (FlashAttention-3's copying and computing warps) is
-Blackwell-only in Triton 3.6 and 3.7 (on sm_90 tl.range's warp_specialize=True changes nothing): not used. The
-interpreter runs descriptors: the variant equals the main forward there, bit for bit; TMA, stages, shared
-memory are proved by compiling for sm_90 (tests/test_gpu_compile.py), speed by --bench.
-
-RUN IT: python 07_flash_attention.py [--bench (GPU, bf16, TFLOP/s: ours, HOPPER, SDPA's flash and
-cuDNN backends)]. Look at the max differences against float64 beside PyTorch's attention in the same
-dtype, the lse exact to fp32 even from fp16 inputs, and the memory never used.
+RUN IT: python 07_flash_attention.py [--bench: GPU TFLOP/s beside SDPA's]. Look at the max differences
+against float64 beside PyTorch's attention in the same dtype, the lse exact to fp32 even from fp16
+inputs, and the memory never used.
 """
 from __future__ import annotations
 
@@ -133,7 +78,8 @@ INTERPRETED = triton.knobs.runtime.interpret
 if INTERPRETED and not isinstance(tl.zeros, InterpretedFunction):
     raise ImportError("triton was imported before TRITON_INTERPRET=1 was set, so its library is "
                       "compiled-only: without a GPU, import a lesson (01_ddp sets the flag) before triton")
-LOG2E, LN2 = tl.constexpr(1.4426950408889634), tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 # Kernels. One program per (block of rows, batch x head). A head's rows lie ROW x head_dim elements
@@ -182,20 +128,6 @@ def _key_range(start_m, seq_k, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
         full_end = tl.minimum(seq_k, tl.maximum(0, start_m + shift + 1)) // BLOCK_N * BLOCK_N
         hi = tl.minimum(seq_k, tl.maximum(0, start_m + BLOCK_M + shift))
     return full_end, hi
-
-
-@triton.jit
-def _query_range(start_n, seq_q, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """For the key block at start_n: queries [0, lo) see none of its keys: skipped; [lo, full_start)
-    cross the diagonal: masked; [full_start, q_end) see all: no mask. The sequences' ends need none:
-    padding queries get P = 0 (lse = +inf), padding keys' dK, dV are never stored."""
-    q_end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
-    lo, full_start = 0, 0
-    if CAUSAL:
-        lo = tl.minimum(q_end, tl.maximum(0, start_n - shift) // BLOCK_M * BLOCK_M)
-        full_start = tl.cdiv(tl.maximum(0, start_n + BLOCK_N - 1 - shift), BLOCK_M) * BLOCK_M
-        full_start = tl.minimum(q_end, full_start)
-    return lo, full_start, q_end
 
 
 @triton.jit
@@ -335,6 +267,20 @@ def _load_row_stats(LSE, DELTA, rows, seq_q, ROW: tl.constexpr):
     return lse, tl.load(DELTA + rows * ROW, mask=rows < seq_q, other=0.0)
 
 
+@triton.jit
+def _query_range(start_n, seq_q, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """For the key block at start_n: queries [0, lo) see none of its keys: skipped; [lo, full_start)
+    cross the diagonal: masked; [full_start, q_end) see all: no mask. The sequences' ends need none:
+    padding queries get P = 0 (lse = +inf), padding keys' dK, dV are never stored."""
+    q_end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
+    lo, full_start = 0, 0
+    if CAUSAL:
+        lo = tl.minimum(q_end, tl.maximum(0, start_n - shift) // BLOCK_M * BLOCK_M)
+        full_start = tl.cdiv(tl.maximum(0, start_n + BLOCK_N - 1 - shift), BLOCK_M) * BLOCK_M
+        full_start = tl.minimum(q_end, full_start)
+    return lo, full_start, q_end
+
+
 @_autotuned(DKDV_GPU, cpu=(16, 32))
 def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shift,
                      sm_scale, group, heads, q_batch, q_head, kv_batch, kv_head, HEAD_DIM: tl.constexpr,
@@ -353,7 +299,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, seq_q, seq_k, seq_q_bucket
     qk_scale = sm_scale * LOG2E
     dk, dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo, full_start, q_end = _query_range(start_n, seq_q, shift, BLOCK_M, BLOCK_N, CAUSAL)
-    # Every query head of the group adds its share to the same dK, dV, in a fixed order (GQA above):
+    # Every query head of the group adds its share to the same dK, dV, in a fixed order (THE BACKWARD):
     # one flat loop over (query head, query block) pairs that moves to the next head when a head's
     # blocks are done. A loop per head, or a division per step, costs registers: some configs spill.
     for unmasked in tl.static_range(2):  # [lo, full_start) masked (empty unless causal), then the rest
@@ -456,7 +402,9 @@ def _launch_args(q: torch.Tensor, k: torch.Tensor, q_offset: int, k_offset: int,
     """An autotuned kernel's arguments after its tensors: lengths, buckets, shift, scale, the head
     counts and the batch and head strides of q and of k; constexprs, the row strides among them (a
     compile per layout: a multiply by a constant keeps the offsets' registers as they were)."""
-    seq_q, seq_k, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    seq_q = q.shape[2]
+    seq_k = k.shape[2]
+    head_dim = q.shape[3]
     q_rows, k_rows = ([stride // head_dim for stride in t.stride()[:3]] for t in (q, k))  # LAYOUT above
     # "ieee": exact fp32 dots for fp32 (Triton's default is TF32); 16-bit products are exact anyway.
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), Q_ROW=q_rows[2],
@@ -524,7 +472,9 @@ def flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     it), out and dlse may be in any float dtype (they enter fp32 arithmetic)."""
     _check_backward(q, k, v, out, lse, dout, dlse)
     q, k = _dense(q), _dense(k)
-    v, out, dout = _as_layout(v, k), _as_layout(out, q), _as_layout(dout.to(q.dtype), q)
+    v = _as_layout(v, k)
+    out = _as_layout(out, q)
+    dout = _as_layout(dout.to(q.dtype), q)
     delta = _row_stats(q)
     lse = _as_layout(lse.float(), delta)
     dlse_or_lse = lse if dlse is None else _as_layout(dlse.float(), delta)  # unread when dlse is None
@@ -532,7 +482,9 @@ def flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     _bwd_delta_kernel[(triton.cdiv(q.shape[2], 64), q.shape[0] * q.shape[1])](
         out, dout, dlse_or_lse, delta, q.shape[2], *args[7:10], HAS_DLSE=dlse is not None,
         HEAD_DIM=q.shape[3], BLOCK_D=meta["BLOCK_D"], Q_ROW=meta["Q_ROW"], BLOCK_M=64)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
     _bwd_dkdv_kernel[_grid(k.shape[2], "BLOCK_N", k)](q, k, v, dout, dk, dv, lse, delta, *args, **meta)
     _bwd_dq_kernel[_grid(q.shape[2], "BLOCK_M", q)](q, k, v, dout, dq, lse, delta, *args, **meta)
     return dq, dk, dv
@@ -591,42 +543,12 @@ FLASH_BLOCK = context_parallel.BlockAttention("triton (lesson 07)", flash_block_
                                               flash_block_backward)
 
 
-# What attention costs: `--bench` on one H100 SXM (README, "On one H100"), forward + backward TFLOP/s by
-# (head_dim, causal) at each of BENCH_SEQS: this kernel ("flash"), SDPA's FlashAttention-2 backend
-# ("sdpa") and SDPA's cuDNN backend ("cudnn"). 09's planner prices attention with them.
-BENCH_SEQS = (1024, 2048, 4096, 8192, 16384)
-ATTENTION_TFLOPS_H100 = {
-    (64, False): dict(flash=(294.6, 309.0, 317.9, 319.8, 329.3), sdpa=(228.1, 257.1, 279.7, 290.5, 289.0),
-                      cudnn=(360.4, 399.7, 434.1, 447.3, 453.7)),
-    (64, True): dict(flash=(217.8, 259.6, 278.7, 292.3, 305.8), sdpa=(163.0, 211.4, 245.2, 266.7, 283.2),
-                     cudnn=(255.7, 328.7, 374.9, 415.8, 434.6)),
-    (128, False): dict(flash=(319.7, 337.2, 353.9, 363.9, 374.3), sdpa=(243.6, 285.6, 307.6, 310.7, 315.7),
-                       cudnn=(433.4, 493.9, 538.9, 555.7, 567.9)),
-    (128, True): dict(flash=(243.9, 293.4, 320.8, 343.0, 366.5), sdpa=(178.2, 230.9, 265.9, 291.1, 304.9),
-                      cudnn=(320.7, 397.9, 456.0, 500.6, 539.3)),
-}
-
-
 def attention_backward_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, elem_bytes: int,
                              kernel: str) -> int:
     """The most attention's backward holds beyond what forward saved and the output's gradient: dq, dk, dv
     (test_07 measures this kernel's, SDPA's on a CPU); SDPA's FlashAttention-2 and cuDNN backends on a GPU
     also accumulate dq in fp32 (not measured here: 4 B a query element)."""
     return tokens * head_dim * (elem_bytes * (heads + 2 * kv_heads) + 4 * heads * (kernel != "flash"))
-
-
-def attention_seconds(batch: int, heads: int, seq: int, head_dim: int, kernel: str, cp: int = 1,
-                      speed: float = 1.0) -> tuple[float, float]:
-    """(forward, backward) of causal attention of `batch` sequences of `seq` tokens over `heads`
-    query heads, at the measured rate of `kernel` nearest in head dim and length (x speed: another
-    GPU's peak over the H100's), FLOPs as the papers count them: forward 4 N^2 d a head, halved by
-    the mask; backward 2.5x. cp > 1: seq is a rank's share of 05's zigzag ring, which computes 1/cp
-    of the causal attention over cp x seq tokens: cp / 2 unmasked blocks of seq x seq."""
-    forward = 4 * batch * heads * seq ** 2 * head_dim * cp / 2
-    rates = ATTENTION_TFLOPS_H100[min((64, 128), key=lambda d: abs(d - head_dim)), cp == 1][kernel]
-    rate = rates[min(range(len(BENCH_SEQS)), key=lambda i: max(BENCH_SEQS[i] / seq, seq / BENCH_SEQS[i]))]
-    both = 3.5 * forward / (rate * 1e12 * speed)
-    return both / 3.5, both * 2.5 / 3.5
 
 
 # --- A Hopper variant of the forward (HOPPER above) --------------------------------------------------------
@@ -691,7 +613,10 @@ def _hopper_launch(q, k, v, out, lse, args: list, meta: dict) -> None:
     # Scratch memory for the descriptors, set per call: per thread, and autograd has threads of its own.
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=q.device))
     programs = 3 if INTERPRETED else torch.cuda.get_device_properties(q.device).multi_processor_count
-    grid = lambda meta: (min(programs, triton.cdiv(q.shape[2], meta["BLOCK_M"]) * q.shape[0] * q.shape[1]),)
+
+    def grid(meta: dict) -> tuple[int]:
+        return (min(programs, triton.cdiv(q.shape[2], meta["BLOCK_M"]) * q.shape[0] * q.shape[1]),)
+
     _hopper_fwd_kernel[grid](q, k, v, out, lse, *args, q.shape[0], **meta)
 
 
@@ -701,7 +626,7 @@ def flash_attention_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     return flash_attention_forward(q, k, v, causal, sm_scale, hopper=True)[0]
 
 
-# --- Demo and benchmark ------------------------------------------------------------------------------------
+# --- RUN IT: the demo, the benchmark, the command line -----------------------------------------------------
 def _sdpa(q, k, v, causal: bool) -> tuple[torch.Tensor, None]:
     grouped = k.shape[1] != q.shape[1]
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=grouped), None
@@ -709,7 +634,8 @@ def _sdpa(q, k, v, causal: bool) -> tuple[torch.Tensor, None]:
 
 def demo(args: argparse.Namespace) -> None:
     device = torch.device("cpu" if INTERPRETED else "cuda")
-    shape, gen = (args.batch, args.heads, args.seq, args.head_dim), torch.Generator().manual_seed(0)
+    shape = (args.batch, args.heads, args.seq, args.head_dim)
+    gen = torch.Generator().manual_seed(0)
 
     def compare(label: str, attn, exact, *inputs: torch.Tensor) -> list[torch.Tensor | None]:
         """Prints max |attn's results - exact's from float64 inputs| ('-': SDPA gives no lse)."""
@@ -746,15 +672,21 @@ def demo(args: argparse.Namespace) -> None:
     print("\nblock entry, queries at 64.., keys at 96.., causal, gradients into out and lse, fp32:")
     ours = compare("", partial(flash_block_attention, **where), partial(exact, **where),
                    q, k, v, dout, dlse)
-    no_key, heads = ours[1].isinf(), args.batch * args.heads
+    no_key = ours[1].isinf()
+    heads = args.batch * args.heads
     print(f"{int(no_key[0, 0].sum())} rows of each (batch, head) see no key ({int(no_key.sum())} over the "
           f"{heads}): out 0 and lse -inf there, no NaN anywhere: "
           f"{bool((ours[0][no_key] == 0).all()) and not any(t.isnan().any() for t in ours)}")
-    scores, stats = heads * args.seq ** 2 * 4, heads * args.seq * 8
+    scores = heads * args.seq ** 2 * 4
+    stats = heads * args.seq * 8
     print(f"\nmemory: naive attention's fp32 scores, batch x heads x seq^2 x 4 B = {scores:,} B here, are "
           f"never built;\nthe kernels keep lse and delta, batch x heads x seq x 8 B = {stats:,} B. At 16 "
           f"heads, seq 16384, bf16: 8 GiB of scores against 2 MiB.\nNotice: fp32 agrees to rounding; in "
           f"16 bits our errors are PyTorch's own (P and dS rounded to 16 bits); the lse is exact to fp32.")
+
+
+# The sequence lengths --bench sweeps (09's plan reads its measured rates at them: the last part).
+BENCH_SEQS = (1024, 2048, 4096, 8192, 16384)
 
 
 def bench(args: argparse.Namespace) -> None:
@@ -794,7 +726,8 @@ def bench(args: argparse.Namespace) -> None:
     print(f"{'head_dim':>8}{'seq':>7}{'causal':>7}{'pass':>8}" + "".join(f"{name:>12}" for name in kernels)
           + "".join(f"{f'{a} / {b}':>18}" for a, b in ratios))
     for head_dim, seq, causal in itertools.product(args.bench_head_dims, args.bench_seqs, (False, True)):
-        batch, heads = max(1, 16384 // seq), 2048 // head_dim
+        batch = max(1, 16384 // seq)
+        heads = 2048 // head_dim
         shapes = [(batch, heads // (group if i in (1, 2) else 1), seq, head_dim) for i in range(4)]
         q, k, v, dout = (torch.randn(s, device="cuda", dtype=torch.bfloat16).requires_grad_(i < 3)
                          for i, s in enumerate(shapes))
@@ -824,14 +757,48 @@ class Options:
                                          choices=(1, 2, 4, 8))
 
 
+def validate_bench(world: int) -> None:
+    """--bench's rule for launch_lesson, whatever the world: the kernels compiled, on a GPU."""
+    if INTERPRETED:
+        raise ValueError("--bench needs a CUDA GPU (on CPU the kernels run in Triton's interpreter)")
+
+
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, (Options,))
+    if args.bench:
+        foundation.launch_lesson(parser, args, bench, rules=[validate_bench])
+        return
+    foundation.launch_lesson(parser, args, demo)
 
-    def validate(world: int) -> None:
-        if args.bench and INTERPRETED:
-            raise ValueError("--bench needs a CUDA GPU (on CPU the kernels run in Triton's interpreter)")
 
-    foundation.launch_lesson(parser, args, bench if args.bench else demo, validate)
+# --- For lesson 09's plan: what attention costs on an H100 (no demo here reads it) -------------------------
+# `--bench` on one H100 SXM (README, "On one H100"), forward + backward TFLOP/s by (head_dim, causal) at
+# each of BENCH_SEQS: this kernel ("flash"), SDPA's FlashAttention-2 backend ("sdpa") and its cuDNN
+# backend ("cudnn"). 09's planner prices attention with them.
+ATTENTION_TFLOPS_H100 = {
+    (64, False): dict(flash=(294.6, 309.0, 317.9, 319.8, 329.3), sdpa=(228.1, 257.1, 279.7, 290.5, 289.0),
+                      cudnn=(360.4, 399.7, 434.1, 447.3, 453.7)),
+    (64, True): dict(flash=(217.8, 259.6, 278.7, 292.3, 305.8), sdpa=(163.0, 211.4, 245.2, 266.7, 283.2),
+                     cudnn=(255.7, 328.7, 374.9, 415.8, 434.6)),
+    (128, False): dict(flash=(319.7, 337.2, 353.9, 363.9, 374.3), sdpa=(243.6, 285.6, 307.6, 310.7, 315.7),
+                       cudnn=(433.4, 493.9, 538.9, 555.7, 567.9)),
+    (128, True): dict(flash=(243.9, 293.4, 320.8, 343.0, 366.5), sdpa=(178.2, 230.9, 265.9, 291.1, 304.9),
+                      cudnn=(320.7, 397.9, 456.0, 500.6, 539.3)),
+}
+
+
+def attention_seconds(batch: int, heads: int, seq: int, head_dim: int, kernel: str, cp: int = 1,
+                      speed: float = 1.0) -> tuple[float, float]:
+    """(forward, backward) of causal attention of `batch` sequences of `seq` tokens over `heads`
+    query heads, at the measured rate of `kernel` nearest in head dim and length (x speed: another
+    GPU's peak over the H100's), FLOPs as the papers count them: forward 4 N^2 d a head, halved by
+    the mask; backward 2.5x. cp > 1: seq is a rank's share of 05's zigzag ring, which computes 1/cp
+    of the causal attention over cp x seq tokens: cp / 2 unmasked blocks of seq x seq."""
+    forward = 4 * batch * heads * seq ** 2 * head_dim * cp / 2
+    rates = ATTENTION_TFLOPS_H100[min((64, 128), key=lambda d: abs(d - head_dim)), cp == 1][kernel]
+    rate = rates[min(range(len(BENCH_SEQS)), key=lambda i: max(BENCH_SEQS[i] / seq, seq / BENCH_SEQS[i]))]
+    both = 3.5 * forward / (rate * 1e12 * speed)
+    return both / 3.5, both * 2.5 / 3.5
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """Lesson 08: FP8 training - the two formats, how to scale into them, a Float8Linear; then FP8 in
 distributed training: ZeRO-3's all-gathers in FP8, and one scale per tensor under tensor parallelism.
 
-Two sub-commands: `single` (the default) runs in one process, `distributed` on ranks. The sections:
+Two sub-commands: `single` (the default) runs in one process, `distributed` on ranks. The parts:
   The scale rule, the saturating cast, the recipes: amax_to_scale, cast_to_fp8, quantize_tiles        single
   One fused pass in Triton; delayed scaling: _amax_cast_kernel, fused_amax_cast, DelayedScaling       single
-  FP8 GEMM and Float8Linear: scaled_mm, _Float8Matmul, Float8Linear; gemm_seconds (09's plan)           both
+  FP8 GEMM and Float8Linear: scaled_mm, _Float8Matmul, Float8Linear                                     both
   FP8 communication: weights_cast_once; Float8GatherUnit, Float8ZeRO; train_float8_zero          distributed
   FP8 under tensor parallelism: tensor_parallel_scales, train_float8_tensor_parallel             distributed
-  RUN IT: sqnr_table, spike_demo, demo, bench; distributed_demo; Options, main                          both
+  RUN IT: sqnr_table, spike_demo, demo, bench; distributed_demo; Options, the size rules, main          both
+  Last, for lesson 09's plan only (an H100's measured GEMM rates, which no demo here reads):
+    GEMM_TFLOPS_H100, CAST_BYTES, gemm_seconds, float8_cast_bytes, linear_seconds
 
 THE FORMATS (8 bits: sign, exponent, mantissa)
   e4m3fn  4 exponent + 3 mantissa bits: max 448, smallest normal 2^-6, smallest subnormal 2^-9;
@@ -20,8 +22,8 @@ orders of magnitude and want range: e5m2. That split is the "hybrid" recipe.
 SATURATION: x.to(fp8) may overflow to inf (e5m2; torch 2.13's CPU e4m3fn cast saturates to 448,
 older ones give NaN), so every cast here clamps finite values to +-fp8_max first, as the hardware's
 .satfinite conversion does. NON-FINITE INPUT never becomes a finite FP8 number (torch and Triton
-alike): NaN stays NaN, +-inf stays +-inf in e5m2 and is NaN in e4m3fn (no inf); a tile holding one
-has amax NaN or inf (scale NaN or 0: inf x 0 = NaN) and reads back as NaN.
+alike): NaN stays NaN, +-inf stays +-inf in e5m2 and is NaN in e4m3fn; a tile holding one has amax
+NaN or inf (scale NaN or 0: inf x 0 = NaN) and reads back as NaN.
 
 THE SCALE RULE: q = cast(x * s) with s = fp8_max / amax puts the largest |x| on fp8_max; x ~ q / s.
 torch._scaled_mm takes *dequantisation* scales, 1/s. Error: SQNR in dB (6 dB ~ 1 bit).
@@ -33,12 +35,10 @@ SCALING RECIPES (the granularity of s, and when it is known)
 - delayed (Transformer Engine): s from the max of the last H amaxes, over 2^margin, is known before
   x is read: one fused pass casts with it and records x's amax. But a spike above the whole history
   saturates until the history catches up; a margin buys headroom with precision.
-- rowwise: one s per row (token of x, output channel of W): an outlier hurts only its row. Row
-  scales factor out of out[i,j] = sum_k A[i,k] B[j,k] (the GEMM's epilogue applies them); the
-  backward's transposed operands must be re-quantised along the other dimension.
+- rowwise: one s per row (token of x, output channel of W): an outlier hurts only its row; the GEMM's
+  epilogue applies the scales. The backward's transposed operands are re-quantised along the other dim.
 - blockwise (DeepSeek-V3): 1 x 128 activation tiles, 128 x 128 weight blocks. Best SQNR under
-  outliers, but scales vary along K: the GEMM rescales each 128-wide K chunk's partial sum (in
-  fp32 on CUDA cores, escaping the H100 FP8 MMA's ~14-bit accumulator), a dedicated kernel.
+  outliers, but scales vary along K: a dedicated GEMM rescales each 128-wide K chunk's partial sum.
 
 FLOAT8LINEAR (tensorwise, hybrid): y = x W^T with x, W in e4m3; grad_x = g W and grad_W = g^T x
 with the output gradient g in e5m2: all three GEMMs on FP8 tensor cores. An H100's FP8 peak is 2x
@@ -49,29 +49,25 @@ FP8 IN DISTRIBUTED TRAINING: Float8Linear's two hooks, a weight's `float8_cast` 
 and `amax_groups` (the groups an operand's amax is the MAX over).
 - FP8 COMMUNICATION (ZeRO-3, lesson 02; torchao's "float8 all-gather"). A weight does not change
   inside an optimizer step: cast it once per step (weights_cast_once), and, sharded, before the
-  all-gather, which then moves a quarter of fp32's bytes. One all-reduce (MAX) of each rank's amaxes
-  of its pieces gives every weight's global amax, so each rank casts its piece with the whole weight's
-  scale, and the gathered bytes are bit for bit the whole weight's cast, wherever the shard boundaries
-  fall. Per step, for Psi_8 Float8Linear weight elements, N ranks, m microbatches: all-gathers of
-  2m (N-1)/N x 1 B x Psi_8 instead of 2 B (bf16) or 4 B (fp32), plus 2 (N-1)/N x 4 B per weight for
-  the amaxes; each rank keeps its cast shard (Psi_8 / N B). Gradients reduce-scatter in full precision.
+  all-gather, which then moves a quarter of fp32's bytes. One all-reduce (MAX) of the amaxes of each
+  rank's pieces gives every weight's global amax, so the gathered bytes are bit for bit the whole
+  weight's cast, wherever the shard boundaries fall. Per step, for Psi_8 Float8Linear weight elements,
+  N ranks, m microbatches: all-gathers of 2m (N-1)/N x 1 B x Psi_8 instead of 2 B (bf16) or 4 B
+  (fp32), plus 2 (N-1)/N x 4 B per weight for the amaxes; each rank keeps its cast shard (Psi_8 / N B).
+  Gradients reduce-scatter in full precision.
 - FP8 UNDER TENSOR PARALLELISM (lesson 03; torchao's float8 on DTensor). A rank scaling by its own
-  piece of a split tensor casts with another scale than one device: every FP8 number would differ.
-  So every amax of a split tensor is the MAX over the tp group (tensor_parallel_scales): the weights'
-  (once per step) and, per call, the operand split where it is cast: a column-parallel layer's output
-  gradient, a row-parallel one's input, both for a layer 03 leaves whole on sequence shards (SP).
-  Per step, L layers, m microbatches: 2 (t-1)/t x 4 B x L (7 + 7 m), the amaxes of 7 weights and 7
-  split operands a layer. Every FP8 number of a step's casts is then one device's; the split sums
-  still add in another order, and where that moves a value across an e4m3 rounding boundary (rare),
-  AdamW turns the flip into an lr-sized move: the runs stay close to one device's, not bit for bit.
+  piece of a split tensor casts with another scale than one device, so every amax of a split tensor
+  is the MAX over the tp group (tensor_parallel_scales): the weights' (once per step) and, per call,
+  the operand split where it is cast. Per step, L layers, m microbatches: 2 (t-1)/t x 4 B x L (7 + 7m),
+  the amaxes of 7 weights and 7 split operands a layer. The casts are then one device's; the split
+  sums still add in another order, so the runs stay close to one device's, not bit for bit.
 
 RUN IT
     python 08_fp8.py              # CPU: SQNR tables, the spike demo, 60 steps of the tiny GPT in fp32
                                   # and in FP8 (--steps 300: the long run); one process
     python 08_fp8.py --bench      # GPU: FP8 vs bf16 GEMM TFLOP/s, Float8Linear MLP speed-up
-    python 08_fp8.py distributed  # CPU: 4 local ranks (--nproc), a few seconds: ZeRO-3 of the FP8
-                                  # GPT with fp32 vs FP8 all-gathers, then FP8 under TP
-    torchrun --nproc_per_node=4 08_fp8.py distributed
+    python 08_fp8.py distributed  # CPU: 4 local ranks (--nproc): ZeRO-3 of the FP8 GPT with fp32 vs
+                                  # FP8 all-gathers, then FP8 under TP (torchrun works too)
 Look at: cast SQNR ~30 dB (e4m3) / ~25 dB (e5m2); delayed scaling collapsing on the spike, current
 scaling not; the fp32 and FP8 losses within a few thousandths. distributed: the weights' all-gather
 bytes at a quarter, beside the formula, no bit changed; under TP, the amaxes' bytes beside the
@@ -105,10 +101,12 @@ INTERPRETED = triton.knobs.runtime.interpret  # else the kernel is compiled and 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FORMATS = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 E4M3, E5M2 = FORMATS.values()
-AMAX_EPS, AMAX_BYTES = 1e-12, 4  # the smallest amax a scale divides by; an fp32 amax's bytes
+AMAX_EPS = 1e-12  # the smallest amax a scale divides by
+AMAX_BYTES = 4  # the bytes of an fp32 amax
 # Bit patterns the kernel writes for non-finite values: S.1111.111 (e4m3fn) and S.11111.11 (e5m2) are
 # NaN; S.11111.00 is e5m2's inf; e4m3fn has no inf, so an inf is written as NaN.
-NAN_BITS, INF_BITS = 0x7F, {E4M3: 0x7F, E5M2: 0x7C}
+NAN_BITS = 0x7F
+INF_BITS = {E4M3: 0x7F, E5M2: 0x7C}
 Quantized = tuple[torch.Tensor, torch.Tensor]  # (FP8 values, their scales)
 
 
@@ -171,7 +169,8 @@ def quantize_tiles(x: torch.Tensor, tile: tuple[int | None, int | None], dtype: 
 
 
 def dequantize_tiles(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    (rows, cols), (row_tiles, col_tiles) = q.shape, scale.shape
+    rows, cols = q.shape
+    row_tiles, col_tiles = scale.shape
     tiles = q.float().reshape(row_tiles, rows // row_tiles, col_tiles, cols // col_tiles)
     return (tiles / scale[:, None, :, None]).reshape(rows, cols)
 
@@ -253,8 +252,11 @@ def fused_amax_cast(x: torch.Tensor, tile_cols: int | None = None, dtype: torch.
         raise ValueError("the compiled Triton kernel needs CUDA tensors (it is interpreted without a GPU)")
     if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != x.device):
         raise ValueError(f"a given scale must be one fp32 number on {x.device}, got {scale.shape} {scale}")
-    x, finfo, given = x.contiguous(), torch.finfo(dtype), scale is not None
-    q, amax = torch.empty_like(x, dtype=dtype), torch.zeros((), dtype=torch.float32, device=x.device)
+    x = x.contiguous()
+    finfo = torch.finfo(dtype)
+    given = scale is not None
+    q = torch.empty_like(x, dtype=dtype)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
     scale = scale if given else torch.empty(rows, cols // tile_cols, dtype=torch.float32, device=x.device)
     rows_per_program, block, num_warps = cast_launch_shape(tile_cols)
     grid = (triton.cdiv(rows, rows_per_program), cols // tile_cols)  # (wider rows: a column-chunk loop)
@@ -282,8 +284,10 @@ class DelayedScaling:
     def __init__(self, dtype: torch.dtype = E4M3, history_len: int = 16, margin: int = 0) -> None:
         if history_len < 1:
             raise ValueError(f"history_len={history_len} must be >= 1")
-        self.dtype, self.margin = dtype, margin
-        self.amax_history, self.calls = torch.zeros(history_len), 0
+        self.dtype = dtype
+        self.margin = margin
+        self.amax_history = torch.zeros(history_len)
+        self.calls = 0
 
     def scale(self, first_amax: torch.Tensor | None = None) -> torch.Tensor | None:
         """The (1, 1) scale the next quantize uses (no history yet: from first_amax, or None)."""
@@ -311,7 +315,8 @@ def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
     ((M, 1), (N, 1)) quantisation scales. torch._scaled_mm wants its second operand column-major
     (b.t() of a row-major b is one, without a copy) and dequantisation scales, 1/s."""
     if a_q.is_cuda:
-        (m, k), n = a_q.shape, b_q.shape[0]
+        m, k = a_q.shape
+        n = b_q.shape[0]
         if m % 16 or k % 16 or n % 16:
             raise ValueError(f"FP8 GEMMs on CUDA need M, K, N divisible by 16, got M={m}, K={k}, N={n}")
         if a_q.dtype == b_q.dtype == E5M2:
@@ -342,7 +347,8 @@ class _Float8Matmul(torch.autograd.Function):
         else:  # read again by backward: ZeRO-3 (Float8ZeRO, below) frees it after forward, gathers it again
             ctx.save_for_backward(x_q, x_scale)
             ctx.weight = weight
-        ctx.dtypes, ctx.grad_group = (x.dtype, weight.dtype), grad_group
+        ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.grad_group = grad_group
         return scaled_mm(x_q, x_scale, w_q, w_scale, x.dtype)
 
     @staticmethod
@@ -374,7 +380,8 @@ class Float8Linear(nn.Linear):
     def from_linear(cls, linear: nn.Linear) -> "Float8Linear":
         with torch.device("meta"):  # no throw-away initialisation: the parameters are shared
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
-        new.weight, new.bias = linear.weight, linear.bias
+        new.weight = linear.weight
+        new.bias = linear.bias
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -399,44 +406,6 @@ def convert_to_float8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) ->
     return model
 
 
-# What a GEMM costs: this lesson's `--bench` on one H100 SXM (README, "On one H100"), TFLOP/s of a @ b.t()
-# at M = N = K: bf16, tensorwise FP8, and FP8 with both operands' amax and cast. Lesson 09's planner prices
-# every linear layer with them: the GEMMs at the first two, the casts by their bytes (float8_cast_bytes) at
-# CAST_BYTES an element, what the third column's extra time is at the H100's 3.35 TB/s: 7.9, 11.7, 10.7.
-GEMM_TFLOPS_H100 = {4096: (770, 1210, 713), 8192: (709, 1230, 808), 16384: (746, 1286, 1028)}
-CAST_BYTES = sum(n * (1 / cast - 1 / f8) * 3.35 for n, (_, f8, cast) in GEMM_TFLOPS_H100.items()) / 3  # ~10
-
-
-def gemm_seconds(m: int, k: int, n: int, hbm_bytes_per_s: float, float8: bool = False,
-                 speed: float = 1.0) -> float:
-    """A roofline for (m x k) @ (k x n): the longer of its FLOPs at the measured rate of the GEMM
-    nearest in FLOPs (x speed: another GPU's peak over the H100's) and its bytes (inputs in bf16 or
-    FP8, a bf16 output) at the memory's bandwidth. A thin GEMM (few tokens) is bandwidth-bound."""
-    flops = 2 * m * k * n
-    size = min(GEMM_TFLOPS_H100, key=lambda x: max(2 * x ** 3 / flops, flops / (2 * x ** 3)))
-    moved = (m * k + k * n) * (1 if float8 else 2) + 2 * m * n
-    return max(flops / (GEMM_TFLOPS_H100[size][float8] * 1e12 * speed), moved / hbm_bytes_per_s)
-
-
-def float8_cast_bytes(tokens: int, in_features: int, out_features: int, weight_casts: float = 1) -> tuple:
-    """Memory traffic (forward, backward) of Float8Linear's casts from bf16: tensorwise current scaling
-    reads an operand twice (its amax, then the cast) and writes a byte, 5 B an element, measured CAST_BYTES
-    (x, and the weight weight_casts times: 09 casts it once a step), then backward's output gradient too,
-    and the column-major copies _scaled_mm wants of the gradient, x and W (1 B read, 1 written)."""
-    x, w, g = tokens * in_features, in_features * out_features, tokens * out_features
-    return CAST_BYTES * (x + weight_casts * w), CAST_BYTES * g + 2 * (g + x + w)
-
-
-def linear_seconds(tokens: int, in_features: int, out_features: int, hbm_bytes_per_s: float,
-                   float8: bool = False, speed: float = 1.0, weight_casts: float = 1) -> tuple[float, float]:
-    """A linear layer's (forward, backward): y = x W^T, then dx = dy W and dW = dy^T x, three GEMMs
-    of the same FLOPs in other shapes (Float8Linear: all three in FP8, after its casts)."""
-    t, k, n, hbm = tokens, in_features, out_features, hbm_bytes_per_s
-    gemm = lambda *mkn: gemm_seconds(*mkn, hbm, float8, speed)  # noqa: E731
-    casts = float8_cast_bytes(t, k, n, weight_casts) if float8 else (0, 0)
-    return gemm(t, k, n) + casts[0] / hbm, gemm(t, n, k) + gemm(n, t, k) + casts[1] / hbm
-
-
 # --- FP8 communication: each weight cast once per step; ZeRO-3 all-gathers the casts -----------------------
 def float8_weights(model: nn.Module) -> list[nn.Parameter]:
     """The weights of model's Float8Linear layers, each once."""
@@ -447,7 +416,8 @@ def float8_weights(model: nn.Module) -> list[nn.Parameter]:
 def weights_cast_once(model: nn.Module) -> Iterator[None]:
     """Around one optimizer step's forward and backward passes: each Float8Linear weight is cast on
     entry (under TP with the whole weight's scale), dropped on exit. Whole weights only (not ZeRO-3's)."""
-    weights, group = float8_weights(model), tensor_parallel_group(model)
+    weights = float8_weights(model)
+    group = tensor_parallel_group(model)
     if any(w.numel() == 0 for w in weights):
         raise ValueError("weights_cast_once needs whole weights, not ZeRO-3's released ones: "
                          "Float8ZeRO casts their shards once per step")
@@ -551,7 +521,8 @@ class Float8ZeRO(zero.ZeRO):
 
     def memory_formula(self) -> dict[str, Fraction]:
         formula = super().memory_formula()  # + 1 B per element of the shard, 4 B per weight's scale
-        padded, n_weights = sum(u.padded for u in self.units), sum(len(u.params) for u in self.units)
+        padded = sum(u.padded for u in self.units)
+        n_weights = sum(len(u.params) for u in self.units)
         formula["params"] += Fraction(padded, self.world) + AMAX_BYTES * n_weights
         return formula
 
@@ -560,10 +531,17 @@ def float8_zero_traffic(padded: int, n_weights: int, n: int, grad_bytes: int = 4
     """Ring bytes one rank sends per step (one microbatch) for Float8ZeRO's padded weights: 02's
     ZeRO-3 traffic with 1 B parameters, and the amaxes' all-reduce (the clipping norm's aside)."""
     traffic = zero.zero_traffic_per_step(padded, n, 3, param_bytes=1, grad_bytes=grad_bytes)
-    return {**traffic, "all_reduce": Fraction(2 * (n - 1), n) * AMAX_BYTES * n_weights}
+    return {**traffic, "all_reduce": foundation.ring_traffic("all_reduce", AMAX_BYTES * n_weights, n)}
 
 
 FLOAT8_ZERO_MODES = ("unsharded", "zero3", "zero3-fp8")
+
+
+def validate_float8_zero(global_batch: int, world: int, microbatches: int) -> None:
+    """train_float8_zero's sizes, on every rank before any collective (and by main before the launch)."""
+    if microbatches < 1 or global_batch % (world * microbatches):
+        raise ValueError(f"global_batch={global_batch} is not divisible by the group size x microbatches "
+                         f"= {world} x {microbatches}")
 
 
 def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int, seq_len: int, *, mode: str,
@@ -572,14 +550,14 @@ def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int
     """02's train_zero for the FP8 GPT, in microbatches. mode "unsharded": data parallel (ZeRO-0),
     each weight cast once per step; "zero3": 02's ZeRO-3, fp32 all-gathers, a cast in each forward;
     "zero3-fp8": the weights under Float8ZeRO. stats: padded elements and casts."""
-    world, rank = foundation.group_size(group), dist.get_rank(group)
+    world = foundation.group_size(group)
+    rank = dist.get_rank(group)
     if mode not in FLOAT8_ZERO_MODES:
         raise ValueError(f"mode={mode!r} must be one of {FLOAT8_ZERO_MODES}")
-    if microbatches < 1 or global_batch % (world * microbatches):
-        raise ValueError(f"global_batch={global_batch} is not divisible by the group size x microbatches "
-                         f"= {world} x {microbatches}")
+    validate_float8_zero(global_batch, world, microbatches)
     model = convert_to_float8(foundation.GPT(cfg)).to(device)
-    weights, settings = set(float8_weights(model)), dict(lr=lr, adam_eps=adam_eps)
+    weights = set(float8_weights(model))
+    settings = dict(lr=lr, adam_eps=adam_eps)
     if mode == "unsharded":
         zeros = [zero.ZeRO(model, 0, group, **settings)]
     else:
@@ -587,7 +565,9 @@ def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int
         zeros = [rest, Float8ZeRO(model, group, **settings) if mode == "zero3-fp8"
                  else zero.ZeRO(model, 3, group, owns=lambda p: p in weights, **settings)]
     initial_casts = getattr(zeros[-1], "weight_casts", 0)
-    result, steps_meter, local_losses = zero.ZeroResult([], {}, {}), foundation.CommMeter(), []
+    result = zero.ZeroResult([], {}, {})
+    steps_meter = foundation.CommMeter()
+    local_losses = []
     for step in range(steps):
         tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, step, rank, world)
         with foundation.comm_meter() as meter:
@@ -596,16 +576,12 @@ def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int
                     accumulate.enter_context(zero_opt.no_sync())
                 if mode == "unsharded":
                     accumulate.enter_context(weights_cast_once(model))
-                loss = 0.0
-                for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True):
-                    microbatch_loss = model(x.to(device), y.to(device)) / microbatches
-                    microbatch_loss.backward()
-                    loss += microbatch_loss.detach()
+                loss = foundation.accumulate_microbatches(model, tokens, targets, microbatches, device)
             for zero_opt in zeros:
                 zero_opt.finish_gradient_sync()
         if step == 0:
             for zero_opt in zeros:
-                result.first_grads.update(zero_opt.gather_full([u.grad_shard for u in zero_opt.units]))
+                result.first_grads.update(zero_opt.unshard([u.grad_shard for u in zero_opt.units]))
         with foundation.comm_meter() as update_meter:
             squares = sum(zero_opt.grad_squares() for zero_opt in zeros)
             for zero_opt in zeros:
@@ -614,9 +590,7 @@ def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int
         steps_meter += meter
         steps_meter += update_meter
         local_losses.append(loss)
-    losses = torch.stack(local_losses).double()
-    foundation.all_reduce(losses, group=group)
-    result.losses = (losses / world).tolist()
+    result.losses = foundation.mean_over_ranks(local_losses, group)
     result.params = {k: v for z in zeros for k, v in z.full_state_dict()["params"].items()}
     result.stats = dict(padded=[sum(u.padded for u in z.units) for z in zeros], n_weights=len(weights),
                         weight_casts=getattr(zeros[-1], "weight_casts", 0) - initial_casts)
@@ -659,7 +633,8 @@ def tensor_parallel_amax_traffic(tp: int, layers: int, microbatches: int = 1, *,
     weights = 7 if mlp else 5  # q, k, v, out + gate, up, down | the router
     split = 7 if mlp else 4 + 2 * sequence_parallel
     again = (2 if mlp else 1 + sequence_parallel) if recompute == "full" else 0
-    return Fraction(2 * (tp - 1), tp) * AMAX_BYTES * layers * (weights + microbatches * (split + again))
+    amaxes = layers * (weights + microbatches * (split + again))
+    return foundation.ring_traffic("all_reduce", AMAX_BYTES * amaxes, tp)
 
 
 def train_float8_tensor_parallel(cfg: foundation.ModelConfig, steps: int, global_batch: int, seq_len: int, *,
@@ -693,9 +668,11 @@ def sqnr_table(x: torch.Tensor, w: torch.Tensor) -> dict[str, dict[str, float]]:
              "blockwise": ((1, 128), (128, 128))}
     table = {f"cast {name}": {recipe: sqnr(x, dequantize_tiles(*quantize_tiles(x, x_tile, dtype)))
                               for recipe, (x_tile, _) in tiles.items()} for name, dtype in FORMATS.items()}
-    exact, gemm = x @ w.t(), {}
+    exact = x @ w.t()
+    gemm = {}
     for recipe, (x_tile, w_tile) in tiles.items():
-        (x_q, x_scale), (w_q, w_scale) = quantize_tiles(x, x_tile), quantize_tiles(w, w_tile)
+        x_q, x_scale = quantize_tiles(x, x_tile)
+        w_q, w_scale = quantize_tiles(w, w_tile)
         if recipe == "blockwise":
             approx = dequantize_tiles(x_q, x_scale) @ dequantize_tiles(w_q, w_scale).t()
         else:
@@ -746,7 +723,8 @@ def demo(args: argparse.Namespace) -> None:
     for label, values in sqnr_table(x, w).items():
         print(f"  {label:<16}" + "   ".join(f"{k}: {v:5.1f} dB" for k, v in values.items()))
     x64 = x[:64].to(DEVICE)  # interpreted on the CPU, compiled (CUDA tensors only) on a GPU
-    (q, scale, amax), (ref_q, ref_scale) = fused_amax_cast(x64, 128), quantize_blockwise(x64, (1, 128))
+    q, scale, amax = fused_amax_cast(x64, 128)
+    ref_q, ref_scale = quantize_blockwise(x64, (1, 128))
     print(f"\nTriton fused amax+cast (1x128 tiles, 64 x 512) vs torch: fp8 values equal "
           f"{torch.equal(q.float(), ref_q.float())}, scales equal {torch.equal(scale, ref_scale)}, "
           f"amax equal {amax.item() == x64.abs().max().item()}")
@@ -773,8 +751,9 @@ def demo(args: argparse.Namespace) -> None:
 
 def bench(args: argparse.Namespace) -> None:
     """FP8 vs bf16 GEMMs and a Float8Linear SwiGLU MLP forward+backward on the GPU."""
-    dev, bf16 = torch.device("cuda"), torch.bfloat16
-    compile_fn = (lambda fn: fn) if args.eager else torch.compile
+    dev = torch.device("cuda")
+    bf16 = torch.bfloat16
+    compile_fn = functools.partial(torch.compile, disable=args.eager)
     median_ms = functools.partial(triton.testing.do_bench, return_mode="median")
     print(f"{torch.cuda.get_device_name()}, TFLOP/s (median of triton.testing.do_bench runs); "
           f"scaling {'eager' if args.eager else 'under torch.compile'}")
@@ -783,15 +762,18 @@ def bench(args: argparse.Namespace) -> None:
     quantizers = [(eager, compile_fn(eager)) for eager in (quantize_tensorwise, quantize_rowwise)]
     for n in (4096, 8192, 16384):
         a, b = (torch.randn(n, n, device=dev, dtype=bf16) for _ in range(2))
-        bf16_ms, row = median_ms(lambda: a @ b.t()), ""  # noqa: B023 - do_bench runs it at once
+        bf16_ms = median_ms(lambda: a @ b.t())  # noqa: B023 - do_bench runs it at once
+        row = ""
         for eager_quantize, quantize in quantizers:
-            (a_q, a_s), (b_q, b_s) = eager_quantize(a), eager_quantize(b)
+            a_q, a_s = eager_quantize(a)
+            b_q, b_s = eager_quantize(b)
             ms = [median_ms(fn) for fn in (lambda: scaled_mm(a_q, a_s, b_q, b_s, bf16),  # noqa: B023
                                            lambda: scaled_mm(*quantize(a), *quantize(b), bf16))]  # noqa: B023
             row += "".join(f"{2 * n ** 3 / t / 1e9:>17.0f}" for t in ms)
             row += "".join(f"{bf16_ms / t:>16.2f}x" for t in ms)
         print(f"{n:>7}{2 * n ** 3 / bf16_ms / 1e9:>7.0f}{row}", flush=True)
-    x, tensorwise = torch.randn(8192, 8192, device=dev, dtype=bf16), compile_fn(quantize_tensorwise)
+    x = torch.randn(8192, 8192, device=dev, dtype=bf16)
+    tensorwise = compile_fn(quantize_tensorwise)
     print("\nCasting 8192 x 8192 bf16 to e4m3, GB/s of the bytes a cast must move (read 2 B, write 1 B a "
           "value) beside a bf16 copy's (2 + 2 B: the practical peak):")
     casts = (("bf16 copy", x.clone, 4), ("fused rowwise, one pass", lambda: fused_amax_cast(x), 3),
@@ -806,9 +788,11 @@ def bench(args: argparse.Namespace) -> None:
         x = torch.randn(args.bench_tokens, dim, device=dev, dtype=bf16, requires_grad=True)
         mlp_cfg = foundation.ModelConfig(dim=dim, ffn_dim=ffn_dim, n_heads=dim // 128)
         mlp = foundation.SwiGLU(mlp_cfg).to(dev, bf16)
-        grad_out, ms = torch.randn_like(x), []
+        grad_out = torch.randn_like(x)
+        ms = []
         for module in (mlp, convert_to_float8(copy.deepcopy(mlp))):
-            step, params = compile_fn(module), [x, *module.parameters()]  # do_bench runs it at once:
+            step = compile_fn(module)
+            params = [x, *module.parameters()]  # do_bench runs it at once:
             ms.append(median_ms(lambda: torch.autograd.grad(step(x), params, grad_out)))  # noqa: B023
         print(f"{f'{dim} -> {ffn_dim}':>14}{ms[0]:>9.2f}{ms[1]:>14.2f}{ms[0] / ms[1]:>9.2f}x")
     print("Notice: the GEMM alone nears 2x at large sizes; scaling passes eat into it, less so the larger.")
@@ -816,12 +800,17 @@ def bench(args: argparse.Namespace) -> None:
 
 # The demo's GPT: FFN 192 (not 176) so that its TP splits (96, 48) keep CUDA's FP8 GEMMs at multiples of 16.
 DEMO_MODEL = foundation.ModelConfig(ffn_dim=192)
+DEMO_MICROBATCHES = 2  # ZeRO-3's, in the distributed demo
 
 
 def distributed_demo(args: argparse.Namespace) -> None:
     """On each rank: train_float8_zero's three modes, then train_float8_tensor_parallel with and without
     SP and with each rank's own scales; rank 0 prints the bytes beside the formulas and the differences."""
-    device, steps, world, m, cfg = foundation.init_distributed(), 3, dist.get_world_size(), 2, DEMO_MODEL
+    device = foundation.init_distributed()
+    steps = 3
+    world = dist.get_world_size()
+    m = DEMO_MICROBATCHES
+    cfg = DEMO_MODEL
     eps = 1e-6  # not AdamW's 1e-8, which turns fp32 rounding on gradients near 0 into lr-sized moves (01)
     runs = {mode: train_float8_zero(cfg, steps, args.batch, args.seq_len, mode=mode, microbatches=m,
                                     device=device) for mode in FLOAT8_ZERO_MODES}
@@ -831,16 +820,17 @@ def distributed_demo(args: argparse.Namespace) -> None:
                                                          device=device)
                for sp, whole in ((False, True), (True, True), (False, False))}
     if casts is not None:  # rank 0
-        (rest, weights), n = runs["zero3"][0].stats["padded"], runs["zero3"][0].stats["n_weights"]
-        ring = Fraction(world - 1, world)
-        gathered = {b: m * 2 * ring * b * weights for b in (4, 2, 1)}  # the weights' part, b B an element
+        rest, weights = runs["zero3"][0].stats["padded"]
+        n = runs["zero3"][0].stats["n_weights"]
+        # Each microbatch gathers every unit twice (forward, backward); the weights' part at b B an element:
+        gathered = {b: m * 2 * foundation.ring_traffic("all_gather", b * weights, world) for b in (4, 2, 1)}
         print(f"\nZeRO-3 of the FP8 GPT on {world} ranks ({dist.get_backend()}, {device.type}), {m} "
               f"microbatches, {steps} steps. Its {n} Float8Linear weights\n({weights:,} elements, padded per "
               f"block) in a ZeRO of their own, the other parameters ({rest:,}) in lesson 02's.\nAll-gather "
               f"bytes per rank per step, measured | formula 2m (N-1)/N x (4 B x {rest:,} + b x {weights:,}):")
         for mode, b in (("zero3", 4), ("zero3-fp8", 1)):
             measured = runs[mode][1].traffic("all_gather") / steps
-            formula = gathered[b] + m * 2 * ring * 4 * rest
+            formula = gathered[b] + m * 2 * foundation.ring_traffic("all_gather", 4 * rest, world)
             print(f"  the weights in {'fp32' if b == 4 else 'FP8 '} (b = {b} B): {float(measured):>11,.0f} | "
                   f"{float(formula):<11,.0f}{'' if measured == formula else ' (!=)'} of which the weights "
                   f"{float(gathered[b]):>11,.0f}")
@@ -848,10 +838,10 @@ def distributed_demo(args: argparse.Namespace) -> None:
               f"reduce-scatter in fp32 either way.")
         calls = {mode: runs[mode][1].calls("all_reduce") // steps for mode in ("zero3", "zero3-fp8")}
         amax = (runs["zero3-fp8"][1].traffic("all_reduce") - runs["zero3"][1].traffic("all_reduce")) / steps
+        amax_formula = float8_zero_traffic(weights, n, world)["all_reduce"]
         print(f"All-reduces per step: {calls['zero3']} with fp32 gathers (each ZeRO's clipping norm), "
               f"{calls['zero3-fp8']} with FP8 ones: + every weight's\n  amax, {float(amax):.0f} B | "
-              f"2 (N-1)/N x {AMAX_BYTES} B x {n} = {float(2 * ring * AMAX_BYTES * n):.0f} B, whatever the "
-              f"microbatches.")
+              f"2 (N-1)/N x {AMAX_BYTES} B x {n} = {float(amax_formula):.0f} B, whatever the microbatches.")
         print(f"Weight pieces cast per step, rank by rank: {casts} = the {n} weights + {sum(casts) - n} "
               f"where a shard boundary cuts one:\n  each element once per step (fp32 gathers: each weight "
               f"in each of the {m} forwards, {m * n} casts per rank).")
@@ -870,7 +860,8 @@ def distributed_demo(args: argparse.Namespace) -> None:
               f"step, measured | formula 2(t-1)/t x 4 B x L (7 + 7m), m = 1")
         for (sp, whole), (result, meter) in tp_runs.items():
             megatron = tensor_parallel.comm_formula(cfg, args.batch, args.seq_len, sp)["all_reduce"][1]
-            measured = (meter.traffic("all_reduce") - steps * 2 * ring * megatron) / steps
+            megatron_bytes = foundation.ring_traffic("all_reduce", megatron, world)
+            measured = (meter.traffic("all_reduce") - steps * megatron_bytes) / steps
             formula = tensor_parallel_amax_traffic(world, cfg.n_layers, sequence_parallel=sp) if whole else 0
             label = ("whole tensors'" if whole else "each rank's own pieces'") + (", SP" if sp else "")
             loss, grads, params = result.max_differences(reference)
@@ -895,37 +886,93 @@ class Options:
                                           commands=("single",))
     eager: bool = foundation.option(False, "--bench: without torch.compile", commands=("single",))
 
+
+def validate_bench(world: int) -> None:
+    """--bench's rule for launch_lesson, whatever the world: FP8 tensor cores."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+        raise ValueError("--bench needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
+
+
+def validate_fp8_rows(batch: int, seq_len: int, distributed: bool, world: int) -> None:
+    """On a GPU, the FP8 GEMMs' rows in multiples of 16 (scaled_mm): a step's, or distributed, a rank's
+    ZeRO-3 microbatch and its sequence shard under SP (TP splits the heads, the MLP and the sequence)."""
+    if training_device().type != "cuda":
+        return
+    rows = {"a step's": batch * seq_len}
+    if distributed:
+        rows = {"a rank's ZeRO-3 microbatch": batch // (DEMO_MICROBATCHES * world) * seq_len,
+                "a rank's sequence shard under SP": batch * seq_len // world}
+    odd = [f"{what} {n}" for what, n in rows.items() if n % 16]
+    if odd:
+        raise ValueError(f"FP8 GEMMs on CUDA need rows in multiples of 16, not {', '.join(odd)} (--batch "
+                         f"x --seq-len)")
+
+
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, (Options,), {
         "single": foundation.Command("one process: FP8 formats and scaling, the fused cast, FP8 training "
                                      "(--bench: on a GPU)"),
         "distributed": foundation.Command("on --nproc ranks: ZeRO-3 with FP8 all-gathers, FP8 under tensor "
                                           "parallelism", classes=(foundation.Ranks,))})
-    distributed, bench_run = args.command == "distributed", getattr(args, "bench", False)
+    if getattr(args, "bench", False):
+        foundation.launch_lesson(parser, args, bench, rules=[validate_bench])
+        return
+    distributed = args.command == "distributed"
+    rows = functools.partial(validate_fp8_rows, args.batch, args.seq_len, distributed)
+    memory = functools.partial(foundation.check_memory, DEMO_MODEL, args.batch, args.seq_len,
+                               what=f"--batch {args.batch} x --seq-len {args.seq_len}")
+    if not distributed:
+        foundation.launch_lesson(parser, args, demo, rules=[rows, memory])
+        return
+    microbatches = functools.partial(validate_float8_zero, args.batch, microbatches=DEMO_MICROBATCHES)
+    heads = functools.partial(tensor_parallel.validate_tensor_parallel, DEMO_MODEL)
+    foundation.launch_lesson(parser, args, distributed_demo, divisible={"--seq-len": args.seq_len},
+                             rules=[microbatches, heads, rows, memory])
 
-    def validate(world: int) -> None:
-        if bench_run:
-            if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
-                raise ValueError("--bench needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
-            return
-        rows = {"a step's": args.batch * args.seq_len}
-        if distributed:  # ZeRO-3 in 2 microbatches; TP splits the heads, the MLP and (SP) the sequence
-            if args.batch % (2 * world):
-                raise ValueError(f"--batch {args.batch} is not divisible by 2 microbatches x {world} ranks")
-            tensor_parallel.validate_tensor_parallel(DEMO_MODEL, world)
-            if args.seq_len % world:
-                raise ValueError(f"--seq-len {args.seq_len} is not divisible by the {world} ranks (sequence "
-                                 f"parallelism)")
-            rows = {"a rank's ZeRO-3 microbatch": args.batch // (2 * world) * args.seq_len,
-                    "a rank's sequence shard under SP": args.batch * args.seq_len // world}
-        if training_device().type == "cuda" and (odd := [f"{k} {n}" for k, n in rows.items() if n % 16]):
-            raise ValueError(f"FP8 GEMMs on CUDA need rows in multiples of 16, not {', '.join(odd)} (--batch "
-                             f"x --seq-len)")
-        foundation.check_memory(DEMO_MODEL, args.batch, args.seq_len, world,
-                                what=f"--batch {args.batch} x --seq-len {args.seq_len}")
 
-    foundation.launch_lesson(parser, args, distributed_demo if distributed else bench if bench_run else demo,
-                             validate)
+# --- For lesson 09's plan: what a linear layer costs on an H100 (no demo here reads it) --------------------
+# This lesson's `--bench` on one H100 SXM (README, "On one H100"), TFLOP/s of a @ b.t()
+# at M = N = K: bf16, tensorwise FP8, and FP8 with both operands' amax and cast. Lesson 09's planner prices
+# every linear layer with them: the GEMMs at the first two, the casts by their bytes (float8_cast_bytes) at
+# CAST_BYTES an element, what the third column's extra time is at the H100's 3.35 TB/s: 7.9, 11.7, 10.7.
+GEMM_TFLOPS_H100 = {4096: (770, 1210, 713), 8192: (709, 1230, 808), 16384: (746, 1286, 1028)}
+CAST_BYTES = sum(n * (1 / cast - 1 / f8) * 3.35 for n, (_, f8, cast) in GEMM_TFLOPS_H100.items()) / 3  # ~10
+
+
+def gemm_seconds(m: int, k: int, n: int, hbm_bytes_per_s: float, float8: bool = False,
+                 speed: float = 1.0) -> float:
+    """A roofline for (m x k) @ (k x n): the longer of its FLOPs at the measured rate of the GEMM
+    nearest in FLOPs (x speed: another GPU's peak over the H100's) and its bytes (inputs in bf16 or
+    FP8, a bf16 output) at the memory's bandwidth. A thin GEMM (few tokens) is bandwidth-bound."""
+    flops = 2 * m * k * n
+    size = min(GEMM_TFLOPS_H100, key=lambda x: max(2 * x ** 3 / max(flops, 1), flops / (2 * x ** 3)))
+    moved = (m * k + k * n) * (1 if float8 else 2) + 2 * m * n
+    return max(flops / (GEMM_TFLOPS_H100[size][float8] * 1e12 * speed), moved / hbm_bytes_per_s)
+
+
+def float8_cast_bytes(tokens: int, in_features: int, out_features: int, weight_casts: float = 1) -> tuple:
+    """Memory traffic (forward, backward) of Float8Linear's casts from bf16: tensorwise current scaling
+    reads an operand twice (its amax, then the cast) and writes a byte, 5 B an element, measured CAST_BYTES
+    (x, and the weight weight_casts times: 09 casts it once a step), then backward's output gradient too,
+    and the column-major copies _scaled_mm wants of the gradient, x and W (1 B read, 1 written)."""
+    x = tokens * in_features
+    w = in_features * out_features
+    g = tokens * out_features
+    return CAST_BYTES * (x + weight_casts * w), CAST_BYTES * g + 2 * (g + x + w)
+
+
+def linear_seconds(tokens: int, in_features: int, out_features: int, hbm_bytes_per_s: float,
+                   float8: bool = False, speed: float = 1.0, weight_casts: float = 1) -> tuple[float, float]:
+    """A linear layer's (forward, backward): y = x W^T, then dx = dy W and dW = dy^T x, three GEMMs
+    of the same FLOPs in other shapes (Float8Linear: all three in FP8, after its casts)."""
+    t = tokens
+    k = in_features
+    n = out_features
+    hbm = hbm_bytes_per_s
+    gemm = functools.partial(gemm_seconds, hbm_bytes_per_s=hbm, float8=float8, speed=speed)
+    casts = float8_cast_bytes(t, k, n, weight_casts) if float8 else (0, 0)
+    return gemm(t, k, n) + casts[0] / hbm, gemm(t, n, k) + gemm(n, t, k) + casts[1] / hbm
+
 
 if __name__ == "__main__":
     main()

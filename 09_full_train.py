@@ -1,18 +1,17 @@
 """Lesson 09: every technique at once. A (dp, pp, cp, tp) mesh, one model, proved equal to one device.
 
 Three sub-commands, each with its own options: `train` (the default) trains on text, `check` proves the mesh
-equal to one device, `plan` prices a run at scale on a cluster that is not here. The parts, in order:
+equal to one device, `plan` prices a run at scale on a cluster that is not here. The parts, as a run goes:
   The mesh: MeshSizes (tp fastest), build_mesh (every group), rank_map                           all
-  The configuration: TrainConfig; validate, every lesson's rule before any collective            all
-  Held pieces: held_piece (a rank's elements of a reference parameter: 02's Piece), assemble  check, train
+  The configuration: TrainConfig, RunConfig, Job (a command's options, made once); validate      all
   The composed model and its step: build_stage_model; Trainer (forward_backward, update)         check, train
-  The plan: plan (bytes held and sent, the lessons' formulas); summary (measured beside it)      all
-  Data, learning rate, MFU, sampling: ShardedLoader (bytes are tokens), flops_per_token, sample  train
-  Checkpoints: a Trainer's pieces (piece_of) in lesson 02's checkpoint protocol                  train, check
-  The training run: MODELS, RunConfig, train_loop                                                train
-  RUN IT: train_run and its printing; check's demo                                               train, check
-  Planning at scale: PRESETS, Cluster, step_time (a step's seconds), search_meshes, plan_report   plan
-  The command line: the option fields (01's option()), COMMANDS, main                            all
+  Data: read_tokens, ShardedLoader (bytes are tokens), learning_rate                             train
+  Checkpoints: a Trainer's pieces (held_piece, piece_of) in lesson 02's protocol                 train, check
+  The training run: train_loop, train_run (the program), print_run; MFU, sample                  train
+  The equivalence check: check_steps, summary (measured beside the plan), check_run              check
+  The plan's formulas: plan (bytes held and sent per rank, the lessons' formulas)               all
+  Planning at scale: PRESETS, GPUS, Cluster, step_time (a step's seconds), search_meshes, plan_report plan
+  The command line: the option fields (01's option()), COMMANDS, configure (options -> Job), main   all
 
 THE MESH
 world = dp x pp x cp x tp ranks (the mesh sets them: 09 has no --nproc), numbered with tp fastest:
@@ -50,17 +49,20 @@ models and clusters not here, and prices a step. `train` adds 02's checkpoints, 
 
 THE STEP TIME, from the operations (step_time): each one priced by the lesson that owns it, no MFU assumed.
 GEMMs at their TP-local shapes by 08's roofline (the rate measured on an H100, or the bytes at the HBM's
-bandwidth); attention at 07's measured rate; elementwise work (elementwise_bytes, split as 03 splits the
-layer) and the optimizer (02) at the HBM's bandwidth; recompute's forward again. Messages go at their link's
-speed (NVLink inside a node, the NIC across: ranks are numbered tp fastest, so inside_node knows which groups
-stay in one) plus a latency, exposed where nothing hides them: TP's all, the ring's hops beyond a block's
-attention, the gradient reduction beyond the last microbatch's backward, ZeRO-1/2's gather after the step,
-ZeRO-3's beyond the previous layer, the pipeline's sends in its fill and drain. The slowest pipeline rank's
-microbatches / (1 - 04's bubble) span the pipeline (pipeline_span). Two bounds frame it: full overlap, none.
+bandwidth); attention at 07's measured rate (--attention unfused, a kernel the course does not run: its GEMMs
+by 08's roofline, its scores at the HBM's bandwidth); elementwise work (elementwise_bytes, split as 03 splits
+the layer) and the optimizer (02) at the HBM's bandwidth; recompute's forward again. On a GPU other than the
+H100 SXM, 07's and 08's rates are the H100's scaled by its datasheet peak (Cluster): no course kernel ran
+there. Messages go at their link's speed (NVLink inside a node, the NIC across: ranks are numbered tp
+fastest, so inside_node knows which groups stay in one, a ring's too) plus a latency, exposed where nothing
+hides them: TP's all, the ring's hops beyond a block's attention, the gradient reduction beyond the last
+microbatch's backward, ZeRO-1/2's gather after the step, ZeRO-3's beyond the previous layer, the pipeline's
+sends in its fill and drain. The slowest pipeline rank's microbatches / (1 - 04's bubble) span the pipeline
+(pipeline_span). Two bounds frame it: full overlap, none.
 
 THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that validate accepts; those
-that fit in memory, fastest first. The README's planning table checks the predictions against published runs
-(Megatron-Core's H100 table, MosaicML's MPT, Meta's Llama 3 405B): PRESETS.
+that fit in memory, fastest first. The README's planning table checks the predictions against published runs:
+those the model was calibrated on, and runs it was only checked on (A100s, long context, B200s): PRESETS.
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
@@ -83,6 +85,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import importlib
 import itertools
 import json
@@ -116,11 +119,12 @@ DIMS = ("dp", "pp", "cp", "tp")  # slowest to fastest varying
 STEP_PARTS = ("forward", "backward", "gradient sync", "optimizer")  # record_function names (04, Trainer)
 
 option = foundation.option  # 01's: a dataclass field that is also the option --field-name, its rule beside it
-STEPPING, TRAIN = ("check", "train"), ("train",)  # an option's sub-commands (default: all)
+STEPPING = ("check", "train")  # the sub-commands that take optimizer steps (an option's default: all)
+TRAIN = ("train",)
 OPTIMIZER = ("lr", "adam_eps", "max_grad_norm", "mixed_precision")  # what 02's ZeRO and 01's reference take
 
 
-# --- The mesh -------------------------------------------------------------------------------------
+# --- The mesh: sizes, coordinates and every group -------------------------------------------------
 @dataclass(frozen=True)
 class MeshSizes:
     dp: int = option(1, "data-parallel ranks (ZeRO shards over dp x cp)", ">= 1")
@@ -180,7 +184,8 @@ class Mesh(NamedTuple):
 
 def build_mesh(sizes: MeshSizes) -> Mesh:
     """Create every group of every kind, in the same order on every rank; keep this rank's."""
-    rank, mine = dist.get_rank(), {}
+    rank = dist.get_rank()
+    mine = {}
     every = {kind: sizes.groups(dims) for kind, dims in GROUP_DIMS.items()}
     every |= {"ep": sizes.expert_groups(False), "ep_dp": sizes.expert_groups(True)}
     for kind, groups in every.items():
@@ -193,20 +198,24 @@ def build_mesh(sizes: MeshSizes) -> Mesh:
 
 def rank_map(sizes: MeshSizes) -> str:
     """One line per rank: its coordinates (and, with ep > 1, which experts' slice it holds)."""
-    ep = lambda at: f" ep={(at['dp'] * sizes.cp + at['cp']) % sizes.ep}" if sizes.ep > 1 else ""  # noqa: E731
-    return "\n".join(f"  rank {r:>2}: " + " ".join(f"{d}={i}" for d, i in at.items()) + ep(at)
-                     for r, at in enumerate(map(sizes.coords, range(sizes.world))))
+    lines = []
+    for rank in range(sizes.world):
+        at = sizes.coords(rank)
+        experts = f" ep={(at['dp'] * sizes.cp + at['cp']) % sizes.ep}" if sizes.ep > 1 else ""
+        lines.append(f"  rank {rank:>2}: " + " ".join(f"{d}={i}" for d, i in at.items()) + experts)
+    return "\n".join(lines)
 
 
 def mesh_name(sizes: MeshSizes) -> str:
     return " ".join(f"{d}={getattr(sizes, d)}" for d in DIMS) + (f" ep={sizes.ep}" if sizes.ep > 1 else "")
 
 
-# --- The whole configuration, checked before any collective ---------------------------------------
+# --- The configuration: the training, the run, and the Job a command makes of its options ---------
 @dataclass(frozen=True)
 class TrainConfig:
-    global_batch: int = option(8, "sequences per step", ">= 1")
-    seq_len: int = option(16, "tokens per sequence", ">= 1")
+    # past the bounds, a typo: ~5,000x Llama 3 405B's 2,048 sequences, 10x the longest context (10M tokens)
+    global_batch: int = option(8, "sequences per step", (">= 1", "<= 1e7"))
+    seq_len: int = option(16, "tokens per sequence", (">= 1", "<= 1e8"))
     zero_stage: int = option(1, "ZeRO stage over dp x cp", (">= 0", "<= 3"), option="--zero", metavar="STAGE")
     schedule: str = option("1f1b", "lesson 04's pipeline schedule", choices=pipeline.SCHEDULES)
     microbatches: int = option(1, "microbatches per step", ">= 1")
@@ -220,11 +229,82 @@ class TrainConfig:
     mixed_precision: bool = option(False, "bf16 compute, fp32 masters", commands=STEPPING, option="--bf16")
     recompute: str = option("none", "activation recompute (03): selective = attention's inside, full = each "
                             "block", choices=tensor_parallel.RECOMPUTE_MODES)
-    attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring); cudnn: SDPA's cuDNN backend "
-                            "(plan only: Transformer Engine's fused attention)",
-                            choices=("sdpa", "flash", "cudnn"))
+    attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring); plan only, kernels the course "
+                            "does not run: cudnn, SDPA's cuDNN backend (Transformer Engine's fused "
+                            "attention); unfused, two GEMMs around a softmax that writes the scores to "
+                            "memory (Megatron before FlashAttention; PyTorch's eager attention)",
+                            choices=("sdpa", "flash", "cudnn", "unfused"))
     compile: bool = option(False, "torch.compile each block: one graph, its elementwise work fused", off=(
         "--eager", False, "eager blocks: each elementwise operation a kernel of its own"))
+
+
+MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256 (bytes are tokens) unless the model sets one
+    "tiny": (dict(dim=128, n_layers=4, n_heads=4, ffn_dim=352), 128, 16, 3e-3),  # CPU: a few minutes
+    "1b": (dict(dim=2048, n_layers=16, n_heads=16, ffn_dim=5632), 2048, 8, 3e-4),  # 0.82B: one H100
+    # Llama 3 8B's layer (dim 4096, GQA 32/8, ffn 14336), 8 of them: 1.7B, --fp8's GEMMs at full width
+    "2b": (dict(dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336), 2048, 8, 3e-4),
+    "check": (dict(vocab_size=127, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176), 32, 8, 1e-3),
+}  # check's default: its vocabulary of 127 is padded by tp. Published models: PRESETS, under plan
+
+
+@dataclass
+class RunConfig:
+    steps: int = option(600, "optimizer steps", ">= 1", STEPPING)
+    warmup: int = option(20, "steps of linear warmup, then cosine decay", ">= 0", TRAIN)
+    min_lr_ratio: float = 0.1
+    eval_every: int = option(100, "steps between validation losses", ">= 1", TRAIN)
+    eval_batches: int = 2
+    save_every: int = option(100, "steps between checkpoints; 0: only at the end", ">= 0", TRAIN)
+    folder: str | None = option("checkpoints/09", "a folder per run (--resume reads it)", commands=TRAIN,
+                                option="--checkpoint-dir", metavar="DIR",
+                                off=("--no-save", None, "no checkpoints (and no sample)"))
+    keep: int = option(2, "the last checkpoints kept (a damaged one names the one before)", ">= 1", TRAIN)
+    resume: str | None = option(None, "continue from the last checkpoint, or from step STEP (one of those "
+                                "kept)", commands=TRAIN, nargs="?", const="latest", metavar="STEP")
+    seed: int = option(0, "seeds the initial weights, the data order and the sample", commands=TRAIN)
+    profile: int = option(0, "profile STEPS steps after the second (torch.profiler): forward, backward, "
+                          "gradient sync and optimizer, the top kernels, the GPU's idle time", ">= 0", TRAIN,
+                          metavar="STEPS")
+    trace: str | None = option(None, "with --profile: its Chrome trace (chrome://tracing)", commands=TRAIN)
+    data: str | None = option(None, "a text file (default: the standard library's .py files)", commands=TRAIN)
+    prompt: str | None = option(None, "the sample's start (default: lines of the validation text)",
+                                commands=TRAIN)
+    sample_bytes: int = option(200, "bytes the sample generates", ">= 0", TRAIN,
+                               off=("--no-sample", 0, "no sample at the end"))
+    temperature: float = option(0.8, "the sample's temperature: softmax(logits / T)", "> 0", TRAIN)
+    top_k: int = option(20, "the sample draws from the top_k likeliest bytes (1: greedy)", ">= 1", TRAIN)
+
+    @property
+    def resume_step(self) -> int | None:
+        """The step --resume names; None: the one LATEST names (or no resume)."""
+        return None if self.resume in (None, "latest") else int(self.resume)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A command's options made into configurations once (configure, in the command line's part), read
+    alike by the checks before launch and by every rank: the model, the mesh (plan: the sizes given, None
+    where it searches), the training, the run, and plan's cluster."""
+    command: str
+    model: str  # --model as given: a preset's name or a config.json's path
+    cfg: "foundation.ModelConfig"
+    mesh: dict[str, int | None]  # dp, pp, cp, tp
+    ep: int
+    train: TrainConfig
+    run: RunConfig
+    cluster: "Cluster | None" = None  # plan's
+    gpus: int | None = None  # plan's --gpus
+    json: bool = False  # plan's --json
+
+    @property
+    def sizes(self) -> MeshSizes:
+        """The mesh of train and check, every size given or defaulted."""
+        return MeshSizes(**self.mesh, ep=self.ep)
+
+    @property
+    def nproc(self) -> int:
+        """The local processes launch_lesson starts: the mesh sets them (09 has no --nproc)."""
+        return self.sizes.world
 
 
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
@@ -241,7 +321,8 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     if min(getattr(sizes, d) for d in DIMS) >= 1 and sizes.world != world:
         problems.append(f"dp x pp x cp x tp = {sizes.dp} x {sizes.pp} x {sizes.cp} x {sizes.tp} = "
                         f"{sizes.world} is not the world size {world}")
-    tp, cp = max(sizes.tp, 1), max(sizes.cp, 1)
+    tp = max(sizes.tp, 1)  # a size below 1 is reported above, by its rule
+    cp = max(sizes.cp, 1)
     check(tensor_parallel.validate_tensor_parallel, cfg, tp)
     check(context_parallel.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", True,
           cfg.n_kv_heads)
@@ -274,43 +355,7 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
         raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
 
-# --- Where each held parameter comes from: the contract for reassembly and checkpoints ------------
-def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim: int | None = None,
-               tp_start: int = 0, tp_length: int = 0, ep_start: int | None = None) -> zero.Piece:
-    """The elements of reference parameter `name` (global `shape`) that a rank's tensor of shape `local`
-    holds, as 02's Piece: its TP slice (tp_length real elements from tp_start along tp_dim, padded to
-    local's length) and, an expert tensor, the experts from ep_start (dim 0). A local row from the split
-    dimension on is one run of consecutive global indices: planning a read costs rows, not elements."""
-    dim = tp_dim if tp_dim is not None else (0 if ep_start is not None else None)
-    if dim is None:  # held whole (replicated over tp, not an expert): one run
-        return zero.Piece.whole(name, shape)
-    inner = math.prod(shape[dim + 1:])
-    start, real = (tp_start, tp_length) if tp_dim is not None else (0, local[0])
-    rows = torch.arange(math.prod(shape[:dim])).view(shape[:dim])
-    if ep_start is not None and dim > 0:  # this rank's experts: a narrower dim 0
-        rows = rows.narrow(0, ep_start, local[0])
-    elif ep_start is not None:
-        start += ep_start
-    first = rows.flatten() * shape[dim] * inner + start * inner
-    runs = torch.stack([first, torch.arange(len(first)) * local[dim] * inner,
-                        torch.full_like(first, real * inner)], 1)
-    # a run that goes on where the one before ended (tp = 1: whole rows) joins it
-    starts = torch.cat([torch.tensor([True]), (runs[1:, :2] != runs[:-1, :2] + runs[:-1, 2:]).any(1)])
-    lengths = torch.zeros(int(starts.sum()), dtype=runs.dtype).index_add_(0, starts.cumsum(0) - 1, runs[:, 2])
-    return zero.Piece(name, shape, torch.cat([runs[starts, :2], lengths[:, None]], 1), math.prod(local))
-
-
-def assemble(pieces: list[tuple["zero.Piece", torch.Tensor]]) -> dict:
-    """Whole tensors (parameters, gradients, moments) by name from the ranks' (piece, values); unheld: NaN."""
-    full = {}
-    for piece, values in pieces:
-        flat = full.setdefault(piece.name, torch.full(piece.shape, math.nan)).view(-1)
-        for first, offset, length in piece.runs.tolist():
-            flat[first:first + length] = values[offset:offset + length].float()
-    return full
-
-
-# --- The composed model and its step --------------------------------------------------------------
+# --- The composed model and its step ---------------------------------------------------------------
 def tensor_parallel_styles(moe) -> dict:
     """03's style of each module (TENSOR_PARALLEL_PLAN) but an MoE layer's: not split over tp."""
     styles = tensor_parallel.TENSOR_PARALLEL_PLAN
@@ -375,8 +420,12 @@ class Trainer:
 
     def __init__(self, cfg, mesh: Mesh, train: TrainConfig, device: torch.device) -> None:
         validate(cfg, mesh.sizes, train, mesh.sizes.world)  # its ranks: the caller checked them (build_mesh)
-        self.cfg, self.mesh, self.train, self.device = cfg, mesh, train, device
-        sizes, at = mesh.sizes, mesh.coords
+        self.cfg = cfg
+        self.mesh = mesh
+        self.train = train
+        self.device = device
+        sizes = mesh.sizes
+        at = mesh.coords
         self.schedule = pipeline.make_schedule(train.schedule, sizes.pp, train.microbatches, train.virtual)
         self.layout = context_parallel.SequenceLayout(train.seq_len, sizes.cp, zigzag=True)
         positions = self.layout.positions(at["cp"], device)
@@ -391,25 +440,32 @@ class Trainer:
         settings = {k: getattr(train, k) for k in OPTIMIZER}
         self.zeros: list[StageZeRO] = []
         for stage, model in self.stages.items():
-            experts = ({p for layer in expert_parallel.moe_layers(model) for p in layer.expert_parameters()}
-                       if sizes.ep > 1 else set())
+            experts = set()
+            if sizes.ep > 1:
+                layers = expert_parallel.moe_layers(model)
+                experts = {p for layer in layers for p in layer.expert_parameters()}
             for p in experts:
                 p.register_hook(lambda grad: grad / sizes.ep)
-            fp8_weights = set(fp8.float8_weights(model) if train.fp8 and train.zero_stage == 3 else ())
-            dense = (lambda p, e=experts | fp8_weights: p not in e) if experts or fp8_weights else None
-            for kind, owns in [("dp_cp", dense)] + [("ep_dp", lambda p, e=experts: p in e)] * bool(experts):
-                self.zeros.append(StageZeRO(kind, zero.ZeRO(model, train.zero_stage, mesh.groups[kind],
-                                                            **settings, owns=owns)))
+            fp8_weights = set(fp8.float8_weights(model)) if train.fp8 and train.zero_stage == 3 else set()
+            others = experts | fp8_weights  # each kind with a ZeRO of its own; the dense ZeRO owns the rest
+            self.zeros.append(StageZeRO("dp_cp", zero.ZeRO(
+                model, train.zero_stage, mesh.groups["dp_cp"], **settings,
+                owns=(lambda p, others=others: p not in others) if others else None)))
+            if experts:
+                self.zeros.append(StageZeRO("ep_dp", zero.ZeRO(model, train.zero_stage, mesh.groups["ep_dp"],
+                                                               **settings, owns=experts.__contains__)))
             if fp8_weights:
                 self.zeros.append(StageZeRO("dp_cp", fp8.Float8ZeRO(model, mesh.groups["dp_cp"], **settings)))
-        self.boundary_shape = (train.global_batch // sizes.dp // train.microbatches, train.seq_len // sizes.cp
-                               // (sizes.tp if train.sequence_parallel else 1), cfg.dim)  # a pipeline send's
+        rows = train.global_batch // sizes.dp // train.microbatches
+        seq = train.seq_len // sizes.cp // (sizes.tp if train.sequence_parallel else 1)
+        self.boundary_shape = (rows, seq, cfg.dim)  # a pipeline send's: a microbatch's activations
         self.meter = foundation.CommMeter()  # every step's communication, accumulated
         self.steps = self.in_flight = 0  # in_flight: the most microbatch-stage pairs held at once (04)
 
     def forward_backward(self, rows: torch.Tensor) -> float:
         """The schedule's forward and backward, gradients averaged over dp x cp; the batch's mean loss."""
-        sizes, at = self.mesh.sizes, self.mesh.coords
+        sizes = self.mesh.sizes
+        at = self.mesh.coords
         if rows.shape != (expected := (self.train.global_batch // sizes.dp, self.train.seq_len + 1)):
             raise ValueError(f"rows of shape {tuple(rows.shape)}: this dp rank expects "
                              f"(global_batch / dp, seq_len + 1) = {expected}")
@@ -440,7 +496,10 @@ class Trainer:
         """Clip by the norm over the whole mesh, AdamW on every shard; returns the norm on the device: its
         .item() would make the CPU wait for the GPU, which then idles while the CPU prepares the next step."""
         sizes = self.mesh.sizes
-        share = lambda p: 1.0 if hasattr(p, "tp_shard_dim") else 1 / sizes.tp  # noqa: E731 (tp copies: 1/tp)
+
+        def share(p: nn.Parameter) -> float:  # a parameter replicated over tp counts 1/tp on each copy
+            return 1.0 if hasattr(p, "tp_shard_dim") else 1 / sizes.tp
+
         with foundation.comm_meter() as meter, torch.profiler.record_function("optimizer"):
             squares = {kind: sum(p.zero.grad_squares(share) for p in self.zeros if p.kind == kind)
                        for kind in ("dp_cp", "ep_dp")}
@@ -458,207 +517,7 @@ class Trainer:
         return squares.sqrt()
 
 
-# --- The plan: what every rank holds and sends, by the lessons' formulas, for any mesh and model ---
-class UnitSizes(NamedTuple):
-    """Elements one rank holds of a kind of ZeRO unit, by the ZeRO that holds them."""
-    dense: int = 0    # in dp x cp's ZeRO
-    experts: int = 0  # in the experts' ZeRO over ep_dp
-    float8: int = 0   # in 08's Float8ZeRO (--fp8 --zero 3)
-    float8_weights: int = 0  # the number of Float8Linear weights there
-
-
-def local_shapes(cfg, tp: int, moe, ep: int) -> dict[str, tuple[int, ...]]:
-    """A one-layer model's parameters as a rank holds them: 01's shapes, 06's experts, 03's tp slice."""
-    shapes = foundation.parameter_shapes(dataclasses.replace(cfg, n_layers=1, tie_embeddings=False))
-    if moe is not None:
-        shapes = {name: shape for name, shape in shapes.items() if ".mlp." not in name}
-        experts = expert_parallel.moe_parameter_shapes(cfg.dim, moe, ep)
-        shapes |= {f"layers.0.mlp.{name}": shape for name, shape in experts.items()}
-    return {name: tensor_parallel.tp_local_shape(name, shape, tp, tensor_parallel_styles(moe))
-            for name, shape in shapes.items()}
-
-
-def unit_sizes(cfg, tp: int, moe, ep: int, fp8_gathers: bool = False) -> dict[str, UnitSizes]:
-    """UnitSizes of each kind of ZeRO unit ("embed", "layers", "norm", "lm_head"). fp8_gathers (--fp8
-    --zero 3): a layer's 2-D weights (08 converts every linear but the LM head) have a ZeRO of their own."""
-    out: dict[str, UnitSizes] = {}
-    for name, shape in local_shapes(cfg, tp, moe, ep).items():
-        expert = ep > 1 and name.rpartition(".")[2] in expert_parallel.MoE.expert_names
-        float8 = fp8_gathers and name.startswith("layers.") and len(shape) == 2
-        numel, unit = math.prod(shape), out.get(name.split(".")[0], UnitSizes())
-        out[name.split(".")[0]] = UnitSizes(*(held + more for held, more in zip(unit, (
-            numel * (not expert and not float8), numel * expert, numel * float8, float8))))
-    return out
-
-
-@dataclass
-class RankPlan:
-    """What a rank at one pipeline coordinate holds and sends per step (its dp, cp, tp and ep peers alike)."""
-    stages: list[int]
-    layers: int
-    params: int  # elements of its stages' TP-local parameters (before ZeRO)
-    memory: dict[str, Fraction | int | None]  # bytes: params, grads, optimizer (02), activations (03 x 04)
-    traffic: dict[str, Fraction | None]  # bytes it sends in its group of each kind; None: no formula
-    in_flight: int  # microbatch-stage pairs whose activations it holds at once (04)
-
-    @property
-    def total(self) -> Fraction:
-        """Bytes held (MoE activations, which have no formula, count 0)."""
-        return sum(v for v in self.memory.values() if v is not None)
-
-
-def tp_messages(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: bool, head: bool) -> list:
-    """03's collectives in a step of a pipeline rank's stages as (calls, bytes a rank sends): a ring
-    all-reduce sends 2 (tp - 1) / tp of its payload, an all-gather or reduce-scatter half that."""
-    ops = tensor_parallel.comm_formula(
-        cfg, train.global_batch // sizes.dp, train.seq_len // sizes.cp, train.sequence_parallel,
-        layers=layers, embed=embed, head=head, microbatches=train.microbatches, mlp=train.moe is None,
-        elem_bytes=2 if train.mixed_precision else 4, recompute=train.recompute)
-    ring = Fraction(sizes.tp - 1, sizes.tp)
-    return [(calls, ring * payload * (2 if op == "all_reduce" else 1))
-            for op, (calls, payload) in ops.items()]
-
-
-# What a GPU holds beyond the plan's tensors (the memory's "fragmentation" and "cuda_nccl"): the caching
-# allocator reserves ~10% above what is allocated (reserved / allocated 1.08 and 1.11 in Megatron-Bridge's
-# verification cards, expandable segments on); the CUDA context (PyTorch PR #86509: 274 MiB, lazily loaded)
-# and cuBLAS's workspaces, 0.5 GiB; NCCL's buffers, 4 + 4.7 + 0.5 MiB a channel and peer for its three
-# protocols (src/init.cc's defaults), 2 ring peers x 16 channels: 0.3 GiB a communicator. An estimate of
-# published figures, not a measurement; torch's max_memory_reserved leaves out the context and NCCL's.
-ALLOCATOR, CUDA_GIB, NCCL_GIB, GIB = Fraction(1, 10), Fraction(1, 2), Fraction(3, 10), 2 ** 30
-
-
-def mlp_backward_bytes(tokens: int, dim: int, ffn_dim: int, elem_bytes: int) -> int:
-    """The most 01's SwiGLU's backward holds beyond its saved tensors (test_09 counts it): the gradients of
-    down_proj's input, of silu(gate) and of up (3 f a token), and its input's (h)."""
-    return tokens * elem_bytes * (3 * ffn_dim + dim)
-
-
-def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
-    """Every pipeline rank's RankPlan by the earlier lessons' formulas (COST); call validate first. FP8 is
-    priced at its compute precision but for --zero 3's Float8Linear weights (08's Float8ZeRO: 1 B gathers,
-    e4m3 shards and scales held); its saved casts are not modelled; MoE activations and ep's all-to-alls
-    depend on the routing: None."""
-    e = 2 if train.mixed_precision else 4  # bytes of a compute parameter, gradient, activation
-    tp, cp, pp, m = sizes.tp, sizes.cp, sizes.pp, train.microbatches
-    b, s, n_stages = train.global_batch // sizes.dp, train.seq_len // cp, pp * train.virtual
-    units = unit_sizes(cfg, tp, train.moe, sizes.ep, fp8_gathers=train.fp8 and train.zero_stage == 3)
-    units |= {"lm_head": UnitSizes()} if cfg.tie_embeddings and pp == 1 else {}  # the head is the embedding
-    spans = pipeline.stage_layers(cfg.n_layers, n_stages)
-    groups, split = {"dp_cp": sizes.dp * cp, "ep_dp": sizes.dp * cp // sizes.ep}, train.schedule == "zb-h1"
-    norm = lambda n: Fraction(2 * (n - 1), n) * 4  # all-reducing the clipping norm's fp32 scalar over n
-    moe = train.moe and sum(map(math.prod, expert_parallel.moe_parameter_shapes(
-        cfg.dim, train.moe, sizes.ep).values()))  # per layer
-    tokens = b // m * s // tp  # a microbatch's tokens / tp: x a width, a rank's share (tp splits the heads)
-    q, kv = tokens * cfg.dim, tokens * cfg.n_kv_heads * cfg.head_dim
-    attention = context_parallel.ring_saved_bytes(q, tokens * cfg.n_heads) if cp > 1 else None  # None: SDPA's
-    if attention and e == 4 and cfg.n_heads == tp:  # one fp32 head a rank: flattening it copies nothing, so
-        attention -= 4 * q  # out_proj reads the merged output the ring keeps: one storage, counted once
-    stage_bytes = lambda stage, mode=train.recompute, layers=None: tensor_parallel.layer_activation_formula(
-        cfg, b // m, s, tp, train.sequence_parallel, mode, e, attention, layers or len(spans[stage]))  # 03
-    rebuilt = {"full": stage_bytes(0, "none", 1), "op": stage_bytes(0, "none", 1) - stage_bytes(0, "op", 1)}
-    kernel, mb = "flash" if cp > 1 and train.attention == "sdpa" else train.attention, b // m * s
-    # a layer's backward: what recompute rebuilds, + attention's or the MLP's temporaries
-    backward = rebuilt.get(train.recompute, 0) + max(
-        flash.attention_backward_bytes(mb, cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.head_dim, e, kernel),
-        mlp_backward_bytes(mb, cfg.dim, cfg.ffn_dim // tp, e))
-    out = []
-    for rank in range(pp):
-        stages = list(range(rank, n_stages, pp))
-        layers = sum(len(spans[st]) for st in stages)
-        memory, traffic, params = dict.fromkeys(("params", "grads", "optimizer"), Fraction(0)), {}, 0
-        in_backward, at_step = 0, 0  # the ZeROs' temporaries (02): one unit at a time; every shard
-        for st in stages:  # 02: a ZeRO per stage (and one for its experts) on its padded units
-            held = ([units["embed"]] * (st == 0) + [units["layers"]] * len(spans[st])
-                    + [units["norm"], units["lm_head"]] * (st == n_stages - 1))
-            for kind, part in (("dp_cp", "dense"), ("ep_dp", "experts"), ("dp_cp", "float8")):
-                numels, n = [getattr(u, part) for u in held if getattr(u, part)], groups[kind]
-                if not numels:
-                    continue
-                padded, params = sum(zero.padded_size(x, n) for x in numels), params + sum(numels)
-                for key, value in zero.zero_memory_formula(padded, len(numels), n, train.zero_stage,
-                                                                  train.mixed_precision).items():
-                    memory[key] += value
-                one, step = zero.zero_transient_bytes(padded, zero.padded_size(max(numels), n), n,
-                                                      train.zero_stage, train.mixed_precision)
-                in_backward, at_step = max(in_backward, one), at_step + step
-                ops = zero.zero_traffic_per_step(padded, n, train.zero_stage, e, e)
-                if part == "float8":  # + each rank's e4m3 shard and every weight's scale; 1 B gathers, amaxes
-                    weights = sum(u.float8_weights for u in held)
-                    memory["params"] += Fraction(padded, n) + fp8.AMAX_BYTES * weights
-                    ops = fp8.float8_zero_traffic(padded, weights, n, e)
-                gathers = m if train.zero_stage == 3 else 1  # ZeRO-3: around each microbatch's F and B
-                traffic[kind] = (traffic.get(kind, 0) + ops.get("all_gather", 0) * gathers
-                                 + ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0)
-                                 + (norm(n) if train.zero_stage else 0))
-        if tp > 1 and not split:  # 03 (ZB-H1's W re-runs part of the backward: no formula)
-            messages = tp_messages(cfg, sizes, train, layers, 0 in stages, n_stages - 1 in stages)
-            traffic["tp"] = norm(tp) + sum(sent for _, sent in messages)
-            if train.sequence_parallel and moe:  # SP sums every replicated gradient over tp: the MoE's too
-                traffic["tp"] += 2 * Fraction(tp - 1, tp) * m * layers * moe * e
-            if train.fp8:  # 08: the amaxes of split weights, activations and gradients
-                traffic["tp"] += fp8.tensor_parallel_amax_traffic(
-                    tp, layers, m, mlp=train.moe is None, sequence_parallel=train.sequence_parallel,
-                    recompute=train.recompute)
-        elif tp > 1:
-            traffic["tp"] = None
-        forwards = 1 if train.recompute == "none" else 2  # recompute re-runs the ring's forward
-        if cp > 1:  # 05: every attention call of every microbatch; ZB-H1's W re-runs the backward
-            ring = context_parallel.attention_bytes("ring", q, kv, cp, e)
-            backwards = {st: 2 if split and st > 0 else 1 for st in stages}  # stage 0's B: no input gradient
-            traffic["cp"] = None if split and forwards == 2 else sum(
-                m * len(spans[st]) * (forwards * ring["forward"] + backwards[st] * ring["backward"])
-                for st in stages)
-        if pp > 1:  # 04: one activation forward and one gradient back per boundary and microbatch
-            boundaries = sum((st < n_stages - 1) + (st > 0) for st in stages)
-            seq = s // (tp if train.sequence_parallel else 1)
-            traffic["pp"] = (norm(pp) + pipeline.stage_trains_traffic(pp, train.virtual)  # + 04's check
-                             + boundaries * b * seq * cfg.dim * e)
-        if sizes.ep > 1:
-            traffic["ep"] = None  # 06's all-to-alls depend on the routing
-        memory["activations"] = None if train.moe else pipeline.held_at_peak(
-            train.schedule, rank, pp, m, train.virtual, stage_bytes)
-        loss = tensor_parallel.loss_bytes(mb, cfg.vocab_size, tp, e) if n_stages - 1 in stages else 0
-        memory["temporaries"] = None if train.moe else max(  # at a backward's peak, or at the step's
-            max(loss, backward) + in_backward, at_step - memory["activations"])
-        allocated = sum(v for v in memory.values() if v is not None)
-        memory["fragmentation"] = ALLOCATOR * allocated  # of the allocator's segments: reserved - allocated
-        memory["cuda_nccl"] = GIB * (CUDA_GIB + NCCL_GIB * (1 + sum(  # the world's and each group's
-            getattr(sizes, d) > 1 for d in ("tp", "cp", "pp")) + (sizes.dp * cp > 1) + 2 * (sizes.ep > 1)))
-        out.append(RankPlan(stages, layers, params, memory, traffic,
-                            pipeline.in_flight_bound(train.schedule, rank, pp, m, train.virtual)))
-    return out
-
-
-def summary(trainer: Trainer) -> dict:
-    """The trainer's measurements (parameters and bytes held, bytes sent per group and step) and its plan."""
-    mesh, zeros = trainer.mesh, [part.zero for part in trainer.zeros]
-    mine = plan(trainer.cfg, mesh.sizes, trainer.train)[mesh.coords["pp"]]
-    held = {k: sum(z.held_bytes()[k] for z in zeros) for k in ("params", "grads", "optimizer")}
-    # Groups of different kinds may be the same ranks (cp and dp x cp when dp = 1): their
-    # operations tell them apart, else (ZeRO's and the router's all-gathers) they share an entry.
-    entries: list[tuple[list[str], tuple[int, ...], set[str]]] = []
-    for kind, group in mesh.groups.items():
-        if kind == "dp" or kind.startswith("ep") and mesh.sizes.ep == 1 or foundation.group_size(group) == 1:
-            continue  # dp alone carries nothing (ZeRO: dp x cp); ep = 1: dp x cp's ranks again
-        ranks, ops = foundation.group_ranks(group), set(GROUP_OPS[kind])
-        if (shared := next((e for e in entries if e[1] == ranks and e[2] & ops), None)) is None:
-            entries.append(shared := ([], ranks, set()))
-        shared[0].append(kind)
-        shared[2].update(ops)
-    traffic, traffic_formula = {}, {}
-    for names, ranks, ops in entries:
-        traffic["+".join(names)] = sum(trainer.meter.traffic(op, ranks) for op in ops) / max(trainer.steps, 1)
-        parts = [mine.traffic.get(n, 0) for n in names]
-        traffic_formula["+".join(names)] = None if None in parts else sum(parts)
-    units = [unit for z in zeros for unit in z.units]
-    return dict(params=sum(unit.offsets[-1] for unit in units),
-                shard=sum(stop - start for unit in units for _, start, stop in zero.shard_parts(unit)),
-                held=held, memory_formula={k: mine.memory[k] for k in held}, traffic=traffic,
-                traffic_formula=traffic_formula, in_flight=trainer.in_flight, plan=mine)
-
-
-# --- Data (bytes are tokens, windows of seq_len + 1 in a seeded order per epoch), learning rate, MFU
+# --- Data: bytes are tokens, windows of seq_len + 1 in a seeded order per epoch; the learning rate --
 def read_tokens(path: str | os.PathLike | None, max_bytes: int = 2 << 20) -> torch.Tensor:
     """The bytes of `path` as uint8 tokens; with no path, the standard library's top-level .py files in
     sorted order (in every Python install: no download), up to max_bytes (a fixed cap, enough for a CPU)."""
@@ -679,7 +538,8 @@ def read_tokens(path: str | os.PathLike | None, max_bytes: int = 2 << 20) -> tor
 def split_tokens(tokens: torch.Tensor, seq_len: int, global_batch: int,
                  val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, validation): the text's last val_fraction validates; each must hold one global batch."""
-    need, n_val = global_batch * seq_len + 1, int(len(tokens) * val_fraction)
+    need = global_batch * seq_len + 1
+    n_val = int(len(tokens) * val_fraction)
     if min(n_val, len(tokens) - n_val) < need:
         raise ValueError(f"the text is too short: {len(tokens) - n_val:,} training and {n_val:,} "
                          f"validation tokens ({val_fraction:.0%}), and each part needs >= "
@@ -698,9 +558,12 @@ class ShardedLoader:
         if seq_len < 1 or global_batch < 1 or global_batch % dp_size or not 0 <= dp_rank < dp_size:
             raise ValueError(f"seq_len={seq_len} and global_batch={global_batch} must be >= 1, global_batch "
                              f"divisible by dp={dp_size} and dp_rank={dp_rank} in [0, {dp_size})")
-        self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.global_batch = global_batch
         self.rows = slice(dp_rank * global_batch // dp_size, (dp_rank + 1) * global_batch // dp_size)
-        self.seed, self.n_windows = seed, (len(tokens) - 1) // seq_len
+        self.seed = seed
+        self.n_windows = (len(tokens) - 1) // seq_len
         self.batches_per_epoch = self.n_windows // global_batch
         if self.batches_per_epoch == 0:
             raise ValueError(f"{len(tokens)} tokens hold fewer than global_batch={global_batch} "
@@ -715,7 +578,8 @@ class ShardedLoader:
         starts = batch[self.rows] * self.seq_len
         self.position += 1
         if self.position == self.batches_per_epoch:
-            self.epoch, self.position = self.epoch + 1, 0
+            self.epoch += 1
+            self.position = 0
         return self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)].long()
 
     def state_dict(self) -> dict[str, int]:
@@ -729,7 +593,8 @@ class ShardedLoader:
         if differ:
             raise ValueError(f"the checkpoint's data position counts other windows: {', '.join(differ)}; "
                              f"resume with the same --data, --seq-len, --global-batch and --seed")
-        self.epoch, self.position = state["epoch"], state["position"]
+        self.epoch = state["epoch"]
+        self.position = state["position"]
 
 
 def learning_rate(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float) -> float:
@@ -742,71 +607,48 @@ def learning_rate(step: int, max_lr: float, warmup_steps: int, total_steps: int,
     return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-# Dense bf16 tensor-core peaks, FLOP/s, from NVIDIA's datasheets (which print twice these, "with
-# sparsity"), by a substring of torch.cuda.get_device_name(): the first match wins (A100: SXM4, PCIe).
-PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12),
-                   ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
-
-
-def peak_bf16_flops(device: torch.device) -> float | None:
-    """The device's peak dense bf16 FLOP/s, None on a CPU or an unknown GPU (no MFU shown)."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
-
-
-def flops_per_token(cfg, seq_len: int) -> int:
-    """PaLM (Chowdhery et al. 2022, appendix B): 6N + 12 L H Q T for forward + backward: 6 per
-    weight (2 forward, 4 backward), then the attention scores and weighted sum over context T.
-    N: every parameter but the token embedding, whose lookup multiplies nothing (the untied LM head
-    does). Recompute's extra forward is not counted: MFU (40-60% is good) counts useful work only."""
-    n = sum(math.prod(shape) for name, shape in foundation.parameter_shapes(dataclasses.replace(
-        cfg, tie_embeddings=False)).items() if name != "embed.weight")  # a tied head multiplies too
-    return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
-
-
-def text_prompt(tokens: torch.Tensor, max_bytes: int = 100) -> bytes:
-    """Whole lines of the text from its second, at most max_bytes (or one longer line's start): like it."""
-    text = bytes(tokens[:4 * max_bytes].tolist())
-    start = text.find(b"\n") + 1
-    end = text.rfind(b"\n", start, start + max_bytes) + 1
-    return text[start:end] if end > start else text[start:start + max_bytes]
-
-
-@torch.no_grad()
-def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: int = 20,
-           seed: int = 0) -> bytes:
-    """n_new bytes continuing prompt (a byte-level 01 GPT, one device), each drawn from the top_k likeliest
-    by softmax(logits / temperature), seeded (the same each run). Greedy decoding (top_k = 1) locks a small
-    model into a loop ("self.______": a frequent byte, once emitted, makes itself likelier still); a less
-    likely byte now and then breaks it, and T < 1 with the top-k cut keeps off the improbable tail."""
-    if not prompt or model.cfg.vocab_size != 256 or not temperature > 0 or top_k < 1 or n_new < 0:
-        raise ValueError(f"sample needs a non-empty prompt, a byte-level model (vocab_size 256, not "
-                         f"{model.cfg.vocab_size}), temperature > 0 (not {temperature}), top_k >= 1 "
-                         f"(not {top_k}) and n_new >= 0 (not {n_new})")
-    device = next(model.parameters()).device
-    generator = torch.Generator(device).manual_seed(seed)
-    tokens = torch.tensor(list(prompt), device=device)[None]
-    was_training = model.training
-    model.eval()
-    for _ in range(n_new):  # each step re-reads the whole text (no cache)
-        likely, index = (model(tokens)[:, -1].float() / temperature).topk(min(top_k, 256))
-        drawn = torch.multinomial(likely.softmax(-1), 1, generator=generator)
-        tokens = torch.cat([tokens, index.gather(-1, drawn)], dim=1)
-    model.train(was_training)
-    return bytes(tokens[0, len(prompt):].tolist())
-
-
 # --- Checkpoints: a Trainer's pieces in lesson 02's protocol (each element once, a resume reads its slices)
+def held_piece(name: str, shape: tuple[int, ...], local: tuple[int, ...], tp_dim: int | None = None,
+               tp_start: int = 0, tp_length: int = 0, ep_start: int | None = None) -> zero.Piece:
+    """The elements of reference parameter `name` (global `shape`) that a rank's tensor of shape `local`
+    holds, as 02's Piece: its TP slice (tp_length real elements from tp_start along tp_dim, padded to
+    local's length) and, an expert tensor, the experts from ep_start (dim 0). A local row from the split
+    dimension on is one run of consecutive global indices: planning a read costs rows, not elements."""
+    dim = tp_dim if tp_dim is not None else (0 if ep_start is not None else None)
+    if dim is None:  # held whole (replicated over tp, not an expert): one run
+        return zero.Piece.whole(name, shape)
+    inner = math.prod(shape[dim + 1:])
+    start, real = (tp_start, tp_length) if tp_dim is not None else (0, local[0])
+    rows = torch.arange(math.prod(shape[:dim])).view(shape[:dim])
+    if ep_start is not None and dim > 0:  # this rank's experts: a narrower dim 0
+        rows = rows.narrow(0, ep_start, local[0])
+    elif ep_start is not None:
+        start += ep_start
+    first = rows.flatten() * shape[dim] * inner + start * inner
+    runs = torch.stack([first, torch.arange(len(first)) * local[dim] * inner,
+                        torch.full_like(first, real * inner)], 1)
+    # a run that goes on where the one before ended (tp = 1: whole rows) joins it
+    starts = torch.cat([torch.tensor([True]), (runs[1:, :2] != runs[:-1, :2] + runs[:-1, 2:]).any(1)])
+    lengths = torch.zeros(int(starts.sum()), dtype=runs.dtype).index_add_(0, starts.cumsum(0) - 1, runs[:, 2])
+    return zero.Piece(name, shape, torch.cat([runs[starts, :2], lengths[:, None]], 1), math.prod(local))
+
+
 def piece_of(trainer: Trainer, kind: str) -> "zero.PieceOf":
     """02's piece_of for the trainer's ZeROs of this kind: held_piece of a unit's parameter on this rank."""
-    tp_rank, ep = trainer.mesh.coords["tp"], trainer.mesh.sizes.ep if kind == "ep_dp" else 1
+    tp_rank = trainer.mesh.coords["tp"]
+    ep = trainer.mesh.sizes.ep if kind == "ep_dp" else 1
     ep_rank = dist.get_rank(trainer.mesh.groups["ep"])
 
     def held(unit: zero.FlatUnit, i: int) -> zero.Piece:
-        p, local = unit.params[i], tuple(unit.shapes[i])
-        full, dim, tp_start, length = list(local), getattr(p, "tp_shard_dim", None), 0, 0
+        p = unit.params[i]
+        local = tuple(unit.shapes[i])
+        full = list(local)
+        dim = getattr(p, "tp_shard_dim", None)
+        tp_start = 0
+        length = 0
         if dim is not None:
-            full[dim], tp_start = p.tp_full_size, tp_rank * local[dim]
+            full[dim] = p.tp_full_size
+            tp_start = tp_rank * local[dim]
             length = max(0, min(local[dim], p.tp_full_size - tp_start))
         full[0] *= ep  # the experts: dim 0 is ep x the experts this rank holds
         return held_piece(unit.names[i], tuple(full), local, dim, tp_start, length,
@@ -843,53 +685,31 @@ def resume_command(step: int) -> str:
     return shlex.join([*launcher, script, *words, "--resume", str(step)])
 
 
-# --- The training run -----------------------------------------------------------------------------
-MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256 (bytes are tokens) unless the model sets one
-    "tiny": (dict(dim=128, n_layers=4, n_heads=4, ffn_dim=352), 128, 16, 3e-3),  # CPU: a few minutes
-    "1b": (dict(dim=2048, n_layers=16, n_heads=16, ffn_dim=5632), 2048, 8, 3e-4),  # 0.82B: one H100
-    # Llama 3 8B's layer (dim 4096, GQA 32/8, ffn 14336), 8 of them: 1.7B, --fp8's GEMMs at full width
-    "2b": (dict(dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336), 2048, 8, 3e-4),
-    "check": (dict(vocab_size=127, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176), 32, 8, 1e-3),
-}  # check's default: its vocabulary of 127 is padded by tp. Published models: PRESETS, under plan
+def resumed_validation(meta: dict, again: float, sizes: MeshSizes) -> str:
+    """The resumed weights' validation loss beside the one recorded at the save: the same weights,
+    so they differ by rounding only, whose sums change order when the mesh changes."""
+    saved = MeshSizes(**meta["mesh"])
+    line = (f"validation loss of the loaded weights {again:.6f}, when saved {meta['val']:.6f}: "
+            f"difference {abs(again - meta['val']):.1e}")
+    if saved == sizes:
+        return line + " (the same mesh: the same sums, so a resumed run repeats the uninterrupted one)"
+    return (line + f" (saved on {mesh_name(saved)}, resumed on {mesh_name(sizes)}: the same sums in another "
+            f"order; training amplifies such rounding, so the losses follow the uninterrupted run's closely "
+            f"at first, then drift: it ends near, not on, that run's loss)")
 
 
-@dataclass
-class RunConfig:
-    steps: int = option(600, "optimizer steps", ">= 1", STEPPING)
-    warmup: int = option(20, "steps of linear warmup, then cosine decay", ">= 0", TRAIN)
-    min_lr_ratio: float = 0.1
-    eval_every: int = option(100, "steps between validation losses", ">= 1", TRAIN)
-    eval_batches: int = 2
-    save_every: int = option(100, "steps between checkpoints; 0: only at the end", ">= 0", TRAIN)
-    folder: str | None = option("checkpoints/09", "a folder per run (--resume reads it)", commands=TRAIN,
-                                option="--checkpoint-dir", metavar="DIR",
-                                off=("--no-save", None, "no checkpoints (and no sample)"))
-    keep: int = option(2, "the last checkpoints kept (a damaged one names the one before)", ">= 1", TRAIN)
-    resume: bool = option(False, "continue from the last checkpoint, or from step STEP (one of those kept)",
-                          commands=TRAIN, type=str, nargs="?", const="latest", metavar="STEP")
-    resume_step: int | None = None  # None: the one LATEST names
-    seed: int = option(0, "seeds the initial weights, the data order and the sample", commands=TRAIN)
-    profile: int = option(0, "profile STEPS steps after the second (torch.profiler): forward, backward, "
-                          "gradient sync and optimizer, the top kernels, the GPU's idle time", ">= 0", TRAIN,
-                          metavar="STEPS")
-    trace: str | None = option(None, "with --profile: its Chrome trace (chrome://tracing)", commands=TRAIN)
-    data: str | None = option(None, "a text file (default: the standard library's .py files)", commands=TRAIN)
-    prompt: str | None = option(None, "the sample's start (default: lines of the validation text)",
-                                commands=TRAIN)
-    sample_bytes: int = option(200, "bytes the sample generates", ">= 0", TRAIN,
-                               off=("--no-sample", 0, "no sample at the end"))
-    temperature: float = option(0.8, "the sample's temperature: softmax(logits / T)", "> 0", TRAIN)
-    top_k: int = option(20, "the sample draws from the top_k likeliest bytes (1: greedy)", ">= 1", TRAIN)
-
-
+# --- The training run (train): the loop, the program, what it prints -----------------------------
 def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor, run: RunConfig,
                progress=None) -> dict:
     """Steps from 0 or the checkpoint (run.resume) to run.steps: the learning rate, the NaN guard (a loss
     that is not finite stops before the update, a gradient norm before any later save or validation),
     validation and checkpoints (never a non-finite one). Returns its figures, `out`."""
-    train, rank, sizes = trainer.train, trainer.mesh.rank, trainer.mesh.sizes
+    train = trainer.train
+    rank = trainer.mesh.rank
+    sizes = trainer.mesh.sizes
     out = dict(losses={}, times={}, val={}, activation_bytes=None, read=None, saved=None)
-    start, kept = 0, []  # kept: this run's checkpoints, a resumed one included
+    start = 0
+    kept = []  # this run's checkpoints, a resumed one included
 
     def validation() -> float:  # the mean loss over the first eval_batches global batches of windows
         windows = ShardedLoader(val_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
@@ -924,9 +744,12 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
                 print(resumed_validation(meta, again, sizes), flush=True)
             if start >= run.steps:
                 print(f"already at step {start} of --steps {run.steps}: nothing to train")
-    last_good = lambda: (  # noqa: E731
-        f"the last good checkpoint is {Path(run.folder) / f'step_{kept[-1]:08d}'}" if kept
-        else "no checkpoint of this run is kept")
+
+    def last_good() -> str:
+        if not kept:
+            return "no checkpoint of this run is kept"
+        return f"the last good checkpoint is {Path(run.folder) / f'step_{kept[-1]:08d}'}"
+
     unchecked = None  # (step, its gradient norm on the device): read after a sync that makes it free
 
     def check_update() -> None:
@@ -937,7 +760,8 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         unchecked = None
 
     out["measured"] = measured = min(start + 1, run.steps - 1)  # the second: the first compiles, autotunes
-    profiled, profiler = range(measured + 1, min(measured + 1 + run.profile, run.steps)), None
+    profiled = range(measured + 1, min(measured + 1 + run.profile, run.steps))
+    profiler = None
     for step in range(start, run.steps):
         if profiled and step == profiled.start:
             profiler = torch.profiler.profile()  # the CPU, and the GPU where there is one
@@ -959,7 +783,8 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
             raise FloatingPointError(f"step {step}: the loss is {loss}; stopping without saving, "
                                      f"{last_good()}")
         unchecked = (step, trainer.update())  # no wait: timed on the CPU, which the next loss keeps in step
-        out["losses"][step], out["times"][step] = loss, time.perf_counter() - t0
+        out["times"][step] = time.perf_counter() - t0
+        out["losses"][step] = loss
         if profiler is not None and step == profiled[-1]:
             profiler.stop()
             step_s = sum(out["times"][s] for s in profiled) / len(profiled)
@@ -968,7 +793,8 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
             out["profile"] = step_profile(json.loads(trace.read_text()), len(profiled), step_s)
             if trace != Path(run.trace or ""):
                 trace.unlink()
-            profiler, out["profiled"] = None, list(profiled)
+            profiler = None
+            out["profiled"] = list(profiled)
         if progress is not None:  # with the latest validation loss
             progress(step, loss, out["times"][step], out["val"][max(out["val"])] if out["val"] else None)
         done = step + 1
@@ -992,40 +818,32 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
     return out
 
 
-def resumed_validation(meta: dict, again: float, sizes: MeshSizes) -> str:
-    """The resumed weights' validation loss beside the one recorded at the save: the same weights,
-    so they differ by rounding only, whose sums change order when the mesh changes."""
-    saved = MeshSizes(**meta["mesh"])
-    line = (f"validation loss of the loaded weights {again:.6f}, when saved {meta['val']:.6f}: "
-            f"difference {abs(again - meta['val']):.1e}")
-    if saved == sizes:
-        return line + " (the same mesh: the same sums, so a resumed run repeats the uninterrupted one)"
-    return (line + f" (saved on {mesh_name(saved)}, resumed on {mesh_name(sizes)}: the same sums in another "
-            f"order; training amplifies such rounding, so the losses follow the uninterrupted run's closely "
-            f"at first, then drift: it ends near, not on, that run's loss)")
-
-
-# ====== RUN IT: the two programs that run on ranks (train, check) and what they print =======================
-def train_run(args: argparse.Namespace) -> None:
+def train_run(job: Job) -> None:
     """The default job: train on text, print progress, checkpoints, the figures, a sample."""
     device = foundation.init_distributed()
-    cfg = dataclasses.replace(build_model_config(args), seed=args.seed)
-    sizes, train, run = options_of(MeshSizes, args), train_config(args, device), run_config(args)
+    cfg = dataclasses.replace(job.cfg, seed=job.run.seed)
+    sizes = job.sizes
+    train = job.train
+    run = job.run
     try:  # rank 0 holds the folder's lock until lock.close()
         lock = zero.claim_folder(run.folder) if run.folder is not None else None
     except zero.CheckpointError as error:
         foundation.exit_distributed(str(error))
-    train_tokens, val_tokens = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
+    train_tokens, val_tokens = split_tokens(read_tokens(run.data), train.seq_len, train.global_batch)
     trainer = Trainer(cfg, build_mesh(sizes), train, device)  # the launcher validated every rank
     loader = ShardedLoader(train_tokens, train.seq_len, train.global_batch, trainer.mesh.coords["dp"],
                            sizes.dp, run.seed)
-    rank0, peak = trainer.mesh.rank == 0, peak_bf16_flops(device)
-    mfu = lambda rate: rate * flops_per_token(cfg, train.seq_len) / (sizes.world * peak)  # per device
+    rank0 = trainer.mesh.rank == 0
+    peak = peak_bf16_flops(device)
+
+    def mfu(tokens_per_s: float) -> float:  # per device: the useful FLOP/s over the peak
+        return tokens_per_s * flops_per_token(cfg, train.seq_len) / (sizes.world * peak)
+
     if rank0:
         saves = (f"checkpoints to {run.folder} every {run.save_every or run.steps} steps and at the end, the "
                  f"last {run.keep} kept" if run.folder else "no checkpoints")
         print(f"Training {cfg.n_layers} layers x dim {cfg.dim} ({flops_per_token(cfg, 0) // 6:,} matmul "
-              f"params) on {len(train_tokens):,} bytes of {args.data or 'the standard library'}: "
+              f"params) on {len(train_tokens):,} bytes of {run.data or 'the standard library'}: "
               f"{mesh_name(sizes)} on {sizes.world} ranks ({device.type}, "
               f"{'bf16 + fp32 masters' if train.mixed_precision else 'fp32'}), ZeRO-{train.zero_stage}, "
               f"attention {train.attention}, recompute {train.recompute}"
@@ -1044,8 +862,9 @@ def train_run(args: argparse.Namespace) -> None:
         bars[0].set_postfix(loss=f"{loss:.3f}", **({"val": f"{val:.3f}"} if val is not None else {}),
                             tok_s=f"{rate:,.0f}", **({"mfu": f"{mfu(rate):.1%}"} if peak else {}))
 
+    failed = None
     try:
-        result, failed = train_loop(trainer, loader, val_tokens, run, progress), None
+        result = train_loop(trainer, loader, val_tokens, run, progress)
     except (zero.CheckpointError, FloatingPointError) as error:  # every rank finds it: one line each
         failed = error
     for bar in bars:
@@ -1056,13 +875,16 @@ def train_run(args: argparse.Namespace) -> None:
         foundation.exit_distributed()
     activations = foundation.all_ranks(result["activation_bytes"])
     if rank0:
-        print_run(trainer, result, activations, peak and mfu)
+        print_run(trainer, result, activations, mfu if peak else None)
         if result["saved"] is not None:  # the parameters: plan's one layer (tp = ep = 1: whole) x layers
             n = sum(math.prod(shape) * (cfg.n_layers if name.startswith("layers.") else 1)
                     for name, shape in local_shapes(cfg, 1, train.moe, 1).items())
             print(f"checkpoint {result['saved']}: {zero.disk_bytes(result['saved'], n)}")
         if run.folder is not None and run.sample_bytes:
-            model = (reference_transform(train) or (lambda m: m))(foundation.GPT(cfg)).to(device)  # MoE
+            model = foundation.GPT(cfg)
+            if train.moe is not None:  # the run's MLPs were an MoE's (06)
+                model = expert_parallel.convert_to_moe(model, train.moe)
+            model = model.to(device)
             zero.load_model(model, run.folder)
             prompt = run.prompt.encode() if run.prompt is not None else text_prompt(val_tokens)
             new = sample(model, prompt, run.sample_bytes, run.temperature, run.top_k, run.seed)
@@ -1075,74 +897,18 @@ def train_run(args: argparse.Namespace) -> None:
     foundation.exit_distributed()
 
 
-def loss_curve(train: dict[int, float], val: dict[int, float], width: int = 64, height: int = 12) -> str:
-    """The losses drawn in text, step across and loss up: '.' training (each column's mean over its
-    steps), 'o' validation (recorded after `step` steps, so drawn at step - 1)."""
-    first, last = min(train), max(train)
-    lo, hi = min(values := [*train.values(), *val.values()]), max(values)
-    column = lambda step: min(width - 1, (step - first) * width // (last - first + 1))  # noqa: E731
-    row = lambda loss: round((hi - loss) / ((hi - lo) or 1) * (height - 1))  # noqa: E731
-    grid, columns = [[" "] * width for _ in range(height)], {}
-    for step, loss in train.items():
-        columns.setdefault(column(step), []).append(loss)
-    for c, losses in columns.items():
-        grid[row(sum(losses) / len(losses))][c] = "."
-    for step, loss in val.items():
-        grid[row(loss)][column(min(step - 1, last))] = "o"
-    labels = {0: f"{hi:.3f}", height // 2: "loss", height - 1: f"{lo:.3f}"}
-    lines = [f"{labels.get(r, ''):>7} |{''.join(cells)}".rstrip() for r, cells in enumerate(grid)]
-    return "\n".join([*lines, f"{'':>7} +{'-' * width}",
-                      f"{'':>8}{f'step {first}':<{width // 2}}{f'step {last}':>{width - width // 2}}"])
-
-
-def step_profile(trace: dict, steps: int, step_s: float, top: int = 8) -> str:
-    """Where a profiled step goes, from the profiler's Chrome trace: each part's time (GPU: the kernels
-    launched inside its range from any thread, as autograd runs backward on its own; CPU: the range), the
-    kernels (CPU: operators) that take most, and how long a GPU sat idle waiting for launches or a .item()."""
-    events = trace["traceEvents"]
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    parts = [e for e in events if e.get("cat") == "user_annotation" and e["name"] in STEP_PARTS]
-    launched = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    ms = lambda us: us / 1e3 / steps  # noqa: E731  (microseconds over the steps -> ms per step)
-    spent = dict.fromkeys(STEP_PARTS, 0.0)
-    for part in parts if not kernels else ():
-        spent[part["name"]] += part["dur"]
-    for kernel in kernels:
-        at = launched.get(kernel["args"].get("correlation"), -math.inf)
-        part = next((p["name"] for p in parts if p["ts"] <= at <= p["ts"] + p["dur"]), None)
-        if part is not None:
-            spent[part] += kernel["dur"]
-    lines = [f"profile of {steps} steps, {step_s * 1e3:,.1f} ms each (with the profiler's overhead); "
-             f"{'GPU' if kernels else 'CPU'} time per step of each part:"]
-    lines += [f"  {name:<14}{ms(us):10.1f} ms {ms(us) / (step_s * 1e3):6.1%}" for name, us in spent.items()]
-    if kernels:  # the union of the kernels' intervals, against the span from the first to the last
-        busy, reached = 0.0, -math.inf
-        for kernel in sorted(kernels, key=lambda e: e["ts"]):
-            end = kernel["ts"] + kernel["dur"]
-            busy, reached = busy + max(0.0, end - max(kernel["ts"], reached)), max(reached, end)
-        idle = reached - min(e["ts"] for e in kernels) - busy
-        lines.append(f"  the GPU ran kernels {ms(busy):.1f} ms and sat idle {ms(idle):.1f} ms of each step "
-                     f"(waiting for the CPU's launches or a .item())")
-    ops = kernels or [e for e in events if e.get("cat") == "cpu_op"]  # CPU operators: inclusive times
-    took, calls = collections.Counter(), collections.Counter(e["name"] for e in ops)
-    for e in ops:
-        took[e["name"]] += e["dur"]
-    lines.append(f"  the {top} {'kernels' if kernels else 'operators'} that take most, ms per step (calls):")
-    lines += [f"  {ms(us):10.2f} ({calls[name] // steps:>4})  {name[:80]}"
-              for name, us in took.most_common(top)]
-    return "\n".join(lines)
-
-
 def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
     """A run that trained a step: its losses and their curve, activations beside the formulas, speed."""
-    cfg, train, sizes, losses = trainer.cfg, trainer.train, trainer.mesh.sizes, result["losses"]
-    first, last = min(losses), max(losses)
+    cfg = trainer.cfg
+    train = trainer.train
+    losses = result["losses"]
+    first = min(losses)
+    last = max(losses)
     print(f"train loss {losses[first]:.3f} at step {first} -> {losses[last]:.3f} at step {last} "
           f"(ln 256 = {math.log(256):.3f}: a uniform guess); validation: "
           + ", ".join(f"{v:.3f} after {s}" for s, v in result["val"].items()))
     print(f"The losses ('.' training, 'o' validation):\n{loss_curve(losses, result['val'])}")
-    rank0 = plan(cfg, sizes, train)[0]
+    rank0 = plan(cfg, trainer.mesh.sizes, train)[0]
     what = "peak memory above the step's start" if trainer.device.type == "cuda" else "the most autograd held"
     formula = ("no formula for MoE layers" if train.moe else
                f"the plan of rank 0's {rank0.layers} layers, {rank0.in_flight} microbatches in flight: "
@@ -1167,10 +933,140 @@ def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
         print(result["profile"])
 
 
+def loss_curve(train: dict[int, float], val: dict[int, float], width: int = 64, height: int = 12) -> str:
+    """The losses drawn in text, step across and loss up: '.' training (each column's mean over its
+    steps), 'o' validation (recorded after `step` steps, so drawn at step - 1)."""
+    first, last = min(train), max(train)
+    values = [*train.values(), *val.values()]
+    lo, hi = min(values), max(values)
+
+    def column(step: int) -> int:
+        return min(width - 1, (step - first) * width // (last - first + 1))
+
+    def row(loss: float) -> int:
+        return round((hi - loss) / ((hi - lo) or 1) * (height - 1))
+
+    grid = [[" "] * width for _ in range(height)]
+    columns = {}
+    for step, loss in train.items():
+        columns.setdefault(column(step), []).append(loss)
+    for c, losses in columns.items():
+        grid[row(sum(losses) / len(losses))][c] = "."
+    for step, loss in val.items():
+        grid[row(loss)][column(min(step - 1, last))] = "o"
+    labels = {0: f"{hi:.3f}", height // 2: "loss", height - 1: f"{lo:.3f}"}
+    lines = [f"{labels.get(r, ''):>7} |{''.join(cells)}".rstrip() for r, cells in enumerate(grid)]
+    return "\n".join([*lines, f"{'':>7} +{'-' * width}",
+                      f"{'':>8}{f'step {first}':<{width // 2}}{f'step {last}':>{width - width // 2}}"])
+
+
+def step_profile(trace: dict, steps: int, step_s: float, top: int = 8) -> str:
+    """Where a profiled step goes, from the profiler's Chrome trace: each part's time (GPU: the kernels
+    launched inside its range from any thread, as autograd runs backward on its own; CPU: the range), the
+    kernels (CPU: operators) that take most, and how long a GPU sat idle waiting for launches or a .item()."""
+    events = trace["traceEvents"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    parts = [e for e in events if e.get("cat") == "user_annotation" and e["name"] in STEP_PARTS]
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+
+    def ms(us: float) -> float:  # microseconds over the steps -> milliseconds per step
+        return us / 1e3 / steps
+
+    spent = dict.fromkeys(STEP_PARTS, 0.0)
+    for part in parts if not kernels else ():
+        spent[part["name"]] += part["dur"]
+    for kernel in kernels:
+        at = launched.get(kernel["args"].get("correlation"), -math.inf)
+        part = next((p["name"] for p in parts if p["ts"] <= at <= p["ts"] + p["dur"]), None)
+        if part is not None:
+            spent[part] += kernel["dur"]
+    lines = [f"profile of {steps} steps, {step_s * 1e3:,.1f} ms each (with the profiler's overhead); "
+             f"{'GPU' if kernels else 'CPU'} time per step of each part:"]
+    lines += [f"  {name:<14}{ms(us):10.1f} ms {ms(us) / (step_s * 1e3):6.1%}" for name, us in spent.items()]
+    if kernels:  # the union of the kernels' intervals, against the span from the first to the last
+        busy = 0.0
+        reached = -math.inf  # the latest end so far
+        for kernel in sorted(kernels, key=lambda e: e["ts"]):
+            end = kernel["ts"] + kernel["dur"]
+            busy += max(0.0, end - max(kernel["ts"], reached))
+            reached = max(reached, end)
+        idle = reached - min(e["ts"] for e in kernels) - busy
+        lines.append(f"  the GPU ran kernels {ms(busy):.1f} ms and sat idle {ms(idle):.1f} ms of each step "
+                     f"(waiting for the CPU's launches or a .item())")
+    ops = kernels or [e for e in events if e.get("cat") == "cpu_op"]  # CPU operators: inclusive times
+    took = collections.Counter()
+    calls = collections.Counter(e["name"] for e in ops)
+    for e in ops:
+        took[e["name"]] += e["dur"]
+    lines.append(f"  the {top} {'kernels' if kernels else 'operators'} that take most, ms per step (calls):")
+    lines += [f"  {ms(us):10.2f} ({calls[name] // steps:>4})  {name[:80]}"
+              for name, us in took.most_common(top)]
+    return "\n".join(lines)
+
+
+def flops_per_token(cfg, seq_len: int) -> int:
+    """PaLM (Chowdhery et al. 2022, appendix B): 6N + 12 L H Q T for forward + backward: 6 per
+    weight (2 forward, 4 backward), then the attention scores and weighted sum over context T.
+    N: every parameter but the token embedding, whose lookup multiplies nothing (the untied LM head
+    does). Recompute's extra forward is not counted: MFU (40-60% is good) counts useful work only."""
+    one_layer = foundation.parameter_shapes(dataclasses.replace(cfg, n_layers=1, tie_embeddings=False))
+    n = sum(math.prod(shape) * (cfg.n_layers if name.startswith("layers.") else 1)
+            for name, shape in one_layer.items() if name != "embed.weight")  # a tied head multiplies too
+    return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+
+
+# Dense bf16 tensor-core peaks, FLOP/s, from NVIDIA's datasheets (which print twice these, "with
+# sparsity"), by a substring of torch.cuda.get_device_name(): the first match wins (A100: SXM4, PCIe).
+# torch.cuda.get_device_name's words -> the --gpu preset (GPUS, plan's table) whose dense bf16 peak MFU
+# divides by; the first match wins (an "H100 PCIe" is not an SXM H100).
+DEVICE_GPUS = (("H100 PCIe", "h100-pcie"), ("H100 NVL", "h100-nvl"), ("H200 NVL", "h200-nvl"),
+               ("H100", "h100-sxm"), ("H200", "h200"), ("A100", "a100-80gb"), ("B200", "b200"))
+
+
+def peak_bf16_flops(device: torch.device) -> float | None:
+    """The device's peak dense bf16 FLOP/s, None on a CPU or an unknown GPU (no MFU shown)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    preset = next((gpu for words, gpu in DEVICE_GPUS if words in name), None)
+    return None if preset is None else GPUS[preset][GPU_FIELDS.index("peak_tflops")] * 1e12
+
+
+def text_prompt(tokens: torch.Tensor, max_bytes: int = 100) -> bytes:
+    """Whole lines of the text from its second, at most max_bytes (or one longer line's start): like it."""
+    text = bytes(tokens[:4 * max_bytes].tolist())
+    start = text.find(b"\n") + 1
+    end = text.rfind(b"\n", start, start + max_bytes) + 1
+    return text[start:end] if end > start else text[start:start + max_bytes]
+
+
+@torch.no_grad()
+def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8, top_k: int = 20,
+           seed: int = 0) -> bytes:
+    """n_new bytes continuing prompt (a byte-level 01 GPT, one device), each drawn from the top_k likeliest
+    by softmax(logits / temperature), seeded (the same each run). Greedy decoding (top_k = 1) locks a small
+    model into a loop ("self.______": a frequent byte, once emitted, makes itself likelier still); a less
+    likely byte now and then breaks it, and T < 1 with the top-k cut keeps off the improbable tail."""
+    if not prompt or model.cfg.vocab_size != 256 or not temperature > 0 or top_k < 1 or n_new < 0:
+        raise ValueError(f"sample needs a non-empty prompt, a byte-level model (vocab_size 256, not "
+                         f"{model.cfg.vocab_size}), temperature > 0 (not {temperature}), top_k >= 1 "
+                         f"(not {top_k}) and n_new >= 0 (not {n_new})")
+    device = next(model.parameters()).device
+    generator = torch.Generator(device).manual_seed(seed)
+    tokens = torch.tensor(list(prompt), device=device)[None]
+    was_training = model.training
+    model.eval()
+    for _ in range(n_new):  # each step re-reads the whole text (no cache)
+        likely, index = (model(tokens)[:, -1].float() / temperature).topk(min(top_k, 256))
+        drawn = torch.multinomial(likely.softmax(-1), 1, generator=generator)
+        tokens = torch.cat([tokens, index.gather(-1, drawn)], dim=1)
+    model.train(was_training)
+    return bytes(tokens[0, len(prompt):].tolist())
+
+
 # --- The equivalence check (check): the mesh against one device -----------------------------------
 def reference_transform(train: TrainConfig):
     """What the one-device reference converts its GPT with (an MoE model, or none)."""
-    return None if train.moe is None else lambda model: expert_parallel.convert_to_moe(model, train.moe)
+    return None if train.moe is None else functools.partial(expert_parallel.convert_to_moe, cfg=train.moe)
 
 
 def dp_rows(cfg, train: TrainConfig, step: int, mesh: Mesh) -> torch.Tensor:
@@ -1182,7 +1078,8 @@ def dp_rows(cfg, train: TrainConfig, step: int, mesh: Mesh) -> torch.Tensor:
 
 def check_steps(cfg, mesh: Mesh, train: TrainConfig, steps: int, device: torch.device) -> tuple:
     """check's run here: (losses, step-0 gradients and last parameters as (piece, values) pairs, Trainer)."""
-    trainer, losses = Trainer(cfg, mesh, train, device), []
+    trainer = Trainer(cfg, mesh, train, device)
+    losses = []
     for step in range(steps):
         losses.append(trainer.forward_backward(dp_rows(cfg, train, step, mesh)))
         if step == 0:
@@ -1191,10 +1088,64 @@ def check_steps(cfg, mesh: Mesh, train: TrainConfig, steps: int, device: torch.d
     return losses, grads, shard_values(trainer), trainer
 
 
-def demo(args: argparse.Namespace) -> None:
+def assemble(pieces: list[tuple["zero.Piece", torch.Tensor]]) -> dict:
+    """Whole tensors (parameters, gradients, moments) by name from the ranks' (piece, values); unheld: NaN."""
+    full = {}
+    for piece, values in pieces:
+        flat = full.setdefault(piece.name, torch.full(piece.shape, math.nan)).view(-1)
+        for first, offset, length in piece.runs.tolist():
+            flat[first:first + length] = values[offset:offset + length].float()
+    return full
+
+
+def metered_groups(mesh: Mesh) -> list[tuple[list[str], tuple[int, ...], set[str]]]:
+    """(kinds, ranks, operations) of each group this rank talks in. Groups of different kinds may be the same
+    ranks (cp and dp x cp when dp = 1): their operations tell them apart, else (ZeRO's and the router's
+    all-gathers) they share an entry. dp alone carries nothing (ZeRO: dp x cp); at ep = 1 the ep groups are
+    dp x cp's ranks again."""
+    entries = []
+    for kind, group in mesh.groups.items():
+        if kind == "dp" or kind.startswith("ep") and mesh.sizes.ep == 1 or foundation.group_size(group) == 1:
+            continue
+        ranks = foundation.group_ranks(group)
+        ops = set(GROUP_OPS[kind])
+        shared = next((e for e in entries if e[1] == ranks and e[2] & ops), None)
+        if shared is None:
+            shared = ([], ranks, set())
+            entries.append(shared)
+        shared[0].append(kind)
+        shared[2].update(ops)
+    return entries
+
+
+def summary(trainer: Trainer) -> dict:
+    """The trainer's measurements (parameters and bytes held, bytes sent per group and step) and its plan."""
+    mesh = trainer.mesh
+    zeros = [part.zero for part in trainer.zeros]
+    mine = plan(trainer.cfg, mesh.sizes, trainer.train)[mesh.coords["pp"]]
+    held = {k: sum(z.held_bytes()[k] for z in zeros) for k in ("params", "grads", "optimizer")}
+    traffic = {}
+    traffic_formula = {}
+    for kinds, ranks, ops in metered_groups(mesh):
+        name = "+".join(kinds)
+        traffic[name] = sum(trainer.meter.traffic(op, ranks) for op in ops) / max(trainer.steps, 1)
+        parts = [mine.traffic.get(kind, 0) for kind in kinds]
+        traffic_formula[name] = None if None in parts else sum(parts)
+    units = [unit for z in zeros for unit in z.units]
+    return dict(params=sum(unit.offsets[-1] for unit in units),
+                shard=sum(stop - start for unit in units for _, start, stop in zero.shard_parts(unit)),
+                held=held, memory_formula={k: mine.memory[k] for k in held}, traffic=traffic,
+                traffic_formula=traffic_formula, in_flight=trainer.in_flight, plan=mine)
+
+
+def check_run(job: Job) -> None:
+    """check: the mesh's steps beside one device's, and each rank's bytes beside the plan (rank 0 prints)."""
     device = foundation.init_distributed()
-    sizes, cfg, train = options_of(MeshSizes, args), build_model_config(args), train_config(args)
-    losses, grads, params, trainer = check_steps(cfg, build_mesh(sizes), train, args.steps, device)
+    sizes = job.sizes
+    cfg = job.cfg
+    train = job.train
+    steps = job.run.steps
+    losses, grads, params, trainer = check_steps(cfg, build_mesh(sizes), train, steps, device)
     one = build_mesh(MeshSizes()) if train.fp8 else None  # rank 0 alone (every rank makes its groups)
     ranks = foundation.all_ranks((grads, params, summary(trainer)), dst=0)  # on rank 0
     if trainer.mesh.rank == 0:
@@ -1202,10 +1153,10 @@ def demo(args: argparse.Namespace) -> None:
             microbatches = sizes.dp * train.microbatches
             alone = dataclasses.replace(train, microbatches=microbatches, schedule="1f1b", virtual=1,
                                         sequence_parallel=False)
-            ref_losses, ref_grads, ref_params, _ = check_steps(cfg, one, alone, args.steps, device)
+            ref_losses, ref_grads, ref_params, _ = check_steps(cfg, one, alone, steps, device)
             ref = foundation.TrainResult(ref_losses, assemble(ref_grads), assemble(ref_params))
         else:
-            ref = foundation.train_single_device(cfg, args.steps, train.global_batch, train.seq_len, **{
+            ref = foundation.train_single_device(cfg, steps, train.global_batch, train.seq_len, **{
                 k: getattr(train, k) for k in OPTIMIZER}, transform=reference_transform(train))
         moe = train.moe and f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; "
         print(f"4D parallelism: {mesh_name(sizes)} on {sizes.world} ranks ({dist.get_backend()}, "
@@ -1216,12 +1167,13 @@ def demo(args: argparse.Namespace) -> None:
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
         print(f"{'step':<6}{'4D loss':>12}{'one device':>12}\n" + "\n".join(
             f"{step:<6}{a:>12.6f}{b:>12.6f}" for step, (a, b) in enumerate(zip(losses, ref.losses))))
-        grads_full, params_full = (assemble([pair for rank in ranks for pair in rank[i]]) for i in (0, 1))
+        grads_full = assemble([pair for rank in ranks for pair in rank[0]])
+        params_full = assemble([pair for rank in ranks for pair in rank[1]])
         one_device = (f"one device's FP8 run on the same {microbatches} microbatches (AdamW, clipping"
                       if train.fp8 else "one device (AdamW + clip_grad_norm_")
         print(f"max |difference| from {one_device} at {train.max_grad_norm}): loss "
               f"{max(abs(a - b) for a, b in zip(losses, ref.losses)):.1e}, step-0 gradients "
-              f"{foundation.max_abs_diff(grads_full, ref.first_grads):.1e}, parameters after {args.steps} "
+              f"{foundation.max_abs_diff(grads_full, ref.first_grads):.1e}, parameters after {steps} "
               f"steps {foundation.max_abs_diff(params_full, ref.params):.1e} (every element reassembled "
               f"from the ranks' pieces)")
         if train.fp8:  # 08's scales are whole tensors' whatever tp, pp and dp split; a cp rank's, its part's
@@ -1233,17 +1185,233 @@ def demo(args: argparse.Namespace) -> None:
         print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes "
               "held\n(live storages) | 02's formula; bytes sent per step in each group, measured | formula "
               "(fp32):")
-        for rank, (_, _, s) in enumerate(ranks):
-            memory = " ".join(f"{k} {s['held'][k]:,}|{int(s['memory_formula'][k]):,}" for k in s["held"])
-            formula = lambda f, v: "n/a" if f is None else f"{float(f):,.0f}" + ("" if v == f else " (!=)")
-            traffic = "  ".join(f"{k} {float(v):,.0f}|{formula(s['traffic_formula'][k], v)}"
-                                for k, v in s["traffic"].items())
-            coords = ",".join(str(i) for i in sizes.coords(rank).values())
-            print(f"  rank {rank:>2} ({coords}) {s['params']:>7,} params, ZeRO shard {s['shard']:>7,} | "
-                  f"{memory} | {traffic}")
+        for rank, (_, _, measured) in enumerate(ranks):
+            print(f"  rank {rank:>2} ({','.join(str(i) for i in sizes.coords(rank).values())}) "
+                  f"{summary_line(measured)}")
         print("Notice: the bytes held shrink with tp and pp (and dp x cp for ZeRO-3); each dimension's "
               "traffic is its own lesson's formula.")
     foundation.exit_distributed()
+
+
+def summary_line(measured: dict) -> str:
+    """One rank's summary: parameters, ZeRO shard, bytes held | formula, bytes sent | formula by group."""
+    memory = " ".join(f"{k} {measured['held'][k]:,}|{int(measured['memory_formula'][k]):,}"
+                      for k in measured["held"])
+    sent = []
+    for kind, value in measured["traffic"].items():
+        formula = measured["traffic_formula"][kind]
+        if formula is None:
+            sent.append(f"{kind} {float(value):,.0f}|n/a")
+        else:
+            differs = "" if value == formula else " (!=)"
+            sent.append(f"{kind} {float(value):,.0f}|{float(formula):,.0f}{differs}")
+    return (f"{measured['params']:>7,} params, ZeRO shard {measured['shard']:>7,} | {memory} | "
+            + "  ".join(sent))
+
+
+# --- The plan's formulas: what every rank holds and sends, by the lessons' formulas, any mesh and model
+class UnitSizes(NamedTuple):
+    """Elements one rank holds of a kind of ZeRO unit, by the ZeRO that holds them."""
+    dense: int = 0    # in dp x cp's ZeRO
+    experts: int = 0  # in the experts' ZeRO over ep_dp
+    float8: int = 0   # in 08's Float8ZeRO (--fp8 --zero 3)
+    float8_weights: int = 0  # the number of Float8Linear weights there
+
+
+def local_shapes(cfg, tp: int, moe, ep: int) -> dict[str, tuple[int, ...]]:
+    """A one-layer model's parameters as a rank holds them: 01's shapes, 06's experts, 03's tp slice."""
+    shapes = foundation.parameter_shapes(dataclasses.replace(cfg, n_layers=1, tie_embeddings=False))
+    if moe is not None:
+        shapes = {name: shape for name, shape in shapes.items() if ".mlp." not in name}
+        experts = expert_parallel.moe_parameter_shapes(cfg.dim, moe, ep)
+        shapes |= {f"layers.0.mlp.{name}": shape for name, shape in experts.items()}
+    return {name: tensor_parallel.tp_local_shape(name, shape, tp, tensor_parallel_styles(moe))
+            for name, shape in shapes.items()}
+
+
+def unit_sizes(cfg, tp: int, moe, ep: int, fp8_gathers: bool = False) -> dict[str, UnitSizes]:
+    """UnitSizes of each kind of ZeRO unit ("embed", "layers", "norm", "lm_head"). fp8_gathers (--fp8
+    --zero 3): a layer's 2-D weights (08 converts every linear but the LM head) have a ZeRO of their own."""
+    out: dict[str, UnitSizes] = {}
+    for name, shape in local_shapes(cfg, tp, moe, ep).items():
+        expert = ep > 1 and name.rpartition(".")[2] in expert_parallel.MoE.expert_names
+        float8 = fp8_gathers and name.startswith("layers.") and len(shape) == 2
+        numel = math.prod(shape)
+        kind = name.split(".")[0]
+        more = (numel * (not expert and not float8), numel * expert, numel * float8, float8)
+        out[kind] = UnitSizes(*(held + added for held, added in zip(out.get(kind, UnitSizes()), more)))
+    return out
+
+
+@dataclass
+class RankPlan:
+    """What a rank at one pipeline coordinate holds and sends per step (its dp, cp, tp and ep peers alike)."""
+    stages: list[int]
+    layers: int
+    params: int  # elements of its stages' TP-local parameters (before ZeRO)
+    memory: dict[str, Fraction | int | None]  # bytes: params, grads, optimizer (02), activations (03 x 04)
+    traffic: dict[str, Fraction | None]  # bytes it sends in its group of each kind; None: no formula
+    in_flight: int  # microbatch-stage pairs whose activations it holds at once (04)
+
+    @property
+    def total(self) -> Fraction:
+        """Bytes held (MoE activations, which have no formula, count 0)."""
+        return sum(v for v in self.memory.values() if v is not None)
+
+
+def tp_messages(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: bool, head: bool) -> list:
+    """03's collectives in a step of a pipeline rank's stages as (calls, bytes a rank sends in the ring)."""
+    ops = tensor_parallel.comm_formula(
+        cfg, train.global_batch // sizes.dp, train.seq_len // sizes.cp, train.sequence_parallel,
+        layers=layers, embed=embed, head=head, microbatches=train.microbatches, mlp=train.moe is None,
+        elem_bytes=2 if train.mixed_precision else 4, recompute=train.recompute)
+    return [(calls, foundation.ring_traffic(op, payload, sizes.tp)) for op, (calls, payload) in ops.items()]
+
+
+def norm_traffic(n: int) -> Fraction:
+    """What a rank sends all-reducing the clipping norm's fp32 square over a group of n ranks."""
+    return foundation.ring_traffic("all_reduce", 4, n)
+
+
+# What a GPU holds beyond the plan's tensors (the memory's "fragmentation" and "cuda_nccl"): the caching
+# allocator reserves ~10% above what is allocated (reserved / allocated 1.08 and 1.11 in Megatron-Bridge's
+# verification cards, expandable segments on); the CUDA context (PyTorch PR #86509: 274 MiB, lazily loaded)
+# and cuBLAS's workspaces, 0.5 GiB; NCCL's buffers, 4 + 4.7 + 0.5 MiB a channel and peer for its three
+# protocols (src/init.cc's defaults), 2 ring peers x 16 channels: 0.3 GiB a communicator. An estimate of
+# published figures, not a measurement; torch's max_memory_reserved leaves out the context and NCCL's.
+ALLOCATOR = Fraction(1, 10)
+CUDA_GIB = Fraction(1, 2)
+NCCL_GIB = Fraction(3, 10)
+GIB = 2 ** 30
+
+
+def mlp_backward_bytes(tokens: int, dim: int, ffn_dim: int, elem_bytes: int) -> int:
+    """The most 01's SwiGLU's backward holds beyond its saved tensors (test_09 counts it): the gradients of
+    down_proj's input, of silu(gate) and of up (3 f a token), and its input's (h)."""
+    return tokens * elem_bytes * (3 * ffn_dim + dim)
+
+
+def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
+    """Every pipeline rank's RankPlan by the earlier lessons' formulas (COST); call validate first. FP8 is
+    priced at its compute precision but for --zero 3's Float8Linear weights (08's Float8ZeRO: 1 B gathers,
+    e4m3 shards and scales held); its saved casts are not modelled; MoE activations and ep's all-to-alls
+    depend on the routing: None."""
+    e = 2 if train.mixed_precision else 4  # bytes of a compute parameter, gradient, activation
+    tp = sizes.tp
+    cp = sizes.cp
+    pp = sizes.pp
+    m = train.microbatches
+    b = train.global_batch // sizes.dp  # a dp rank's sequences
+    s = train.seq_len // cp  # a cp rank's tokens of each
+    n_stages = pp * train.virtual
+    units = unit_sizes(cfg, tp, train.moe, sizes.ep, fp8_gathers=train.fp8 and train.zero_stage == 3)
+    if cfg.tie_embeddings and pp == 1:  # the head is the embedding
+        units["lm_head"] = UnitSizes()
+    spans = pipeline.stage_layers(cfg.n_layers, n_stages)
+    zero_groups = {"dp_cp": sizes.dp * cp, "ep_dp": sizes.dp * cp // sizes.ep}
+    split = train.schedule == "zb-h1"
+    moe = 0  # an MoE layer's parameters
+    if train.moe is not None:
+        moe = sum(map(math.prod, expert_parallel.moe_parameter_shapes(cfg.dim, train.moe, sizes.ep).values()))
+    tokens = b // m * s // tp  # a microbatch's tokens / tp: x a width, a rank's share (tp splits the heads)
+    q = tokens * cfg.dim
+    kv = tokens * cfg.n_kv_heads * cfg.head_dim
+    attention = None  # what the attention function saves beyond q, k, v: None, SDPA's
+    if cp > 1:
+        attention = context_parallel.ring_saved_bytes(q, tokens * cfg.n_heads)
+    if attention and e == 4 and cfg.n_heads == tp:  # one fp32 head a rank: flattening it copies nothing, so
+        attention -= 4 * q  # out_proj reads the merged output the ring keeps: one storage, counted once
+
+    def stage_bytes(stage: int, mode: str = train.recompute, layers: int | None = None) -> int:
+        """03's activations of a stage's layers (or `layers` of them) for one microbatch."""
+        return tensor_parallel.layer_activation_formula(cfg, b // m, s, tp, train.sequence_parallel, mode, e,
+                                                        attention, layers or len(spans[stage]))
+
+    rebuilt = {"full": stage_bytes(0, "none", 1), "op": stage_bytes(0, "none", 1) - stage_bytes(0, "op", 1)}
+    kernel = "flash" if cp > 1 and train.attention == "sdpa" else train.attention  # 09's ring: 07's kernel
+    mb = b // m * s  # a microbatch's tokens on a rank
+    # a layer's backward: what recompute rebuilds, + attention's or the MLP's temporaries
+    backward = rebuilt.get(train.recompute, 0) + max(
+        flash.attention_backward_bytes(mb, cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.head_dim, e, kernel),
+        mlp_backward_bytes(mb, cfg.dim, cfg.ffn_dim // tp, e))
+    out = []
+    for rank in range(pp):
+        stages = list(range(rank, n_stages, pp))
+        layers = sum(len(spans[st]) for st in stages)
+        memory = dict.fromkeys(("params", "grads", "optimizer"), Fraction(0))
+        traffic = {}
+        params = 0
+        in_backward = 0  # the ZeROs' temporaries (02): one unit at a time in backward
+        at_step = 0  # and every shard's at the step
+        for st in stages:  # 02: a ZeRO per stage (and one for its experts) on its padded units
+            held = [units["embed"]] * (st == 0) + [units["layers"]] * len(spans[st])
+            held += [units["norm"], units["lm_head"]] * (st == n_stages - 1)
+            for kind, part in (("dp_cp", "dense"), ("ep_dp", "experts"), ("dp_cp", "float8")):
+                numels = [getattr(u, part) for u in held if getattr(u, part)]
+                if not numels:
+                    continue
+                n = zero_groups[kind]
+                padded = sum(zero.padded_size(x, n) for x in numels)
+                params += sum(numels)
+                for key, value in zero.zero_memory_formula(padded, len(numels), n, train.zero_stage,
+                                                           train.mixed_precision).items():
+                    memory[key] += value
+                one, step = zero.zero_transient_bytes(padded, zero.padded_size(max(numels), n), n,
+                                                      train.zero_stage, train.mixed_precision)
+                in_backward = max(in_backward, one)
+                at_step += step
+                ops = zero.zero_traffic_per_step(padded, n, train.zero_stage, e, e)
+                if part == "float8":  # + each rank's e4m3 shard and every weight's scale; 1 B gathers, amaxes
+                    weights = sum(u.float8_weights for u in held)
+                    memory["params"] += Fraction(padded, n) + fp8.AMAX_BYTES * weights
+                    ops = fp8.float8_zero_traffic(padded, weights, n, e)
+                gathers = m if train.zero_stage == 3 else 1  # ZeRO-3: around each microbatch's F and B
+                sent = ops.get("all_gather", 0) * gathers
+                sent += ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0)
+                if train.zero_stage:
+                    sent += norm_traffic(n)
+                traffic[kind] = traffic.get(kind, 0) + sent
+        if tp > 1 and not split:  # 03 (ZB-H1's W re-runs part of the backward: no formula)
+            messages = tp_messages(cfg, sizes, train, layers, 0 in stages, n_stages - 1 in stages)
+            traffic["tp"] = norm_traffic(tp) + sum(sent for _, sent in messages)
+            if train.sequence_parallel and moe:  # SP sums every replicated gradient over tp: the MoE's too
+                traffic["tp"] += foundation.ring_traffic("all_reduce", m * layers * moe * e, tp)
+            if train.fp8:  # 08: the amaxes of split weights, activations and gradients
+                traffic["tp"] += fp8.tensor_parallel_amax_traffic(
+                    tp, layers, m, mlp=train.moe is None, sequence_parallel=train.sequence_parallel,
+                    recompute=train.recompute)
+        elif tp > 1:
+            traffic["tp"] = None
+        forwards = 1 if train.recompute == "none" else 2  # recompute re-runs the ring's forward
+        if cp > 1:  # 05: every attention call of every microbatch; ZB-H1's W re-runs the backward
+            ring = context_parallel.attention_bytes("ring", q, kv, cp, e)
+            backwards = {st: 2 if split and st > 0 else 1 for st in stages}  # stage 0's B: no input gradient
+            traffic["cp"] = None if split and forwards == 2 else sum(
+                m * len(spans[st]) * (forwards * ring["forward"] + backwards[st] * ring["backward"])
+                for st in stages)
+        if pp > 1:  # 04: one activation forward and one gradient back per boundary and microbatch
+            boundaries = sum((st < n_stages - 1) + (st > 0) for st in stages)
+            seq = s // (tp if train.sequence_parallel else 1)
+            traffic["pp"] = norm_traffic(pp) + pipeline.stage_trains_traffic(pp, train.virtual)  # 04's check
+            traffic["pp"] += boundaries * b * seq * cfg.dim * e
+        if sizes.ep > 1:
+            traffic["ep"] = None  # 06's all-to-alls depend on the routing
+        memory["activations"] = None
+        memory["temporaries"] = None
+        if train.moe is None:  # MoE activations have no formula
+            memory["activations"] = pipeline.held_at_peak(train.schedule, rank, pp, m, train.virtual,
+                                                          stage_bytes)
+            loss = tensor_parallel.loss_bytes(mb, cfg.vocab_size, tp, e) if n_stages - 1 in stages else 0
+            # at a backward's peak, or at the step's
+            memory["temporaries"] = max(max(loss, backward) + in_backward, at_step - memory["activations"])
+        allocated = sum(v for v in memory.values() if v is not None)
+        memory["fragmentation"] = ALLOCATOR * allocated  # of the allocator's segments: reserved - allocated
+        communicators = 1 + sum(getattr(sizes, d) > 1 for d in ("tp", "cp", "pp"))  # the world, each group
+        communicators += (sizes.dp * cp > 1) + 2 * (sizes.ep > 1)
+        memory["cuda_nccl"] = GIB * (CUDA_GIB + NCCL_GIB * communicators)
+        out.append(RankPlan(stages, layers, params, memory, traffic,
+                            pipeline.in_flight_bound(train.schedule, rank, pp, m, train.virtual)))
+    return out
 
 
 # ====== PLANNING AT SCALE (plan): a model and a cluster not here, priced by the lessons' formulas and rates =
@@ -1278,6 +1446,10 @@ GPUS = {  # A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): 40 (HBM
     # NVLink (MLPerf v4.1 system description: 18 links, 900 GB/s), 700 W; 400 Gb/s CX-7 per GPU (torchtitan's
     # H200 run)
     "h200": (140, 989, 1979, 4.8, 450, 50, 700, 700),
+    # H100 NVL and H200 NVL (NVIDIA's datasheets): PCIe cards, 835 / 1,671 dense; 94 GB HBM3 at 3.9 TB/s,
+    # 400 W, or the H200's 141 GB at 4.8 TB/s, 600 W; NVLink bridges, 600 and 900 GB/s both ways
+    "h100-nvl": (93, 835, 1671, 3.9, 300, 50, 400, 400),
+    "h200-nvl": (140, 835, 1671, 4.8, 450, 50, 600, 600),
     # B200 (DGX B200, nvidia.com/en-us/data-center/dgx-b200, / 8 GPUs: 1,440 GB, 72 PFLOPS FP8 sparse,
     # 64 TB/s, NVLink 5 14.4 TB/s; nvidia-smi: 179 GiB); bf16 2,250 (Blackwell datasheet); 1,000 W; 400 Gb/s
     # CX-7 each
@@ -1289,6 +1461,7 @@ GPUS = {  # A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): 40 (HBM
 }
 GPU_FIELDS = ("gpu_memory", "peak_tflops", "fp8_tflops", "hbm_tbps", "nvlink_gbps", "network_gbps", "tdp",
               "power_limit")
+H100 = dict(zip(GPU_FIELDS, GPUS["h100-sxm"]))  # Cluster's defaults: the GPU of the course's measured rates
 PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble")  # step_time's, as printed
 
 
@@ -1297,33 +1470,40 @@ class Cluster:
     """The machines: a --gpu preset, each rate overridable (defaults: h100-sxm's). A GEMM or attention runs at
     the course's H100 rate (07's and 08's tables, measured at 700 W) x this GPU's dense peak / the H100's, x
     power_limit / tdp where a limit holds the clocks, so a compute-bound rate, below the TDP's; what memory
-    bounds (a thin GEMM, elementwise work, the optimizer) at hbm_tbps. No lent GPU has measured 07's or 08's
-    rates on another GPU: each preset's are the H100's, scaled so. Rates and sizes lie within ~1000x of an
-    H100 node's (beyond any chip or cluster of today): a typo (0, 1e-300, inf, 1e308) priced a step at 0 s,
-    then divided by it; NaN breaks every rule. --gpus at most a million: the search tries each divisor."""
+    bounds (a thin GEMM, elementwise work, the optimizer) at hbm_tbps. Measured: 07's and 08's rates, on an
+    H100 SXM only; on every other preset (A100s, B200, H200s, the PCIe and 500 W H100s) they are the H100's
+    scaled so, not measured (the plan's header says so); the rest are datasheet figures. Rates and sizes lie
+    within ~1000x of an H100 node's (beyond any chip or cluster of today): a typo (0, 1e-300, inf, 1e308)
+    priced a step at 0 s, then divided by it; NaN breaks every rule. --gpus at most a million: the search
+    tries each divisor."""
     gpus: int | None = option(None, "GPUs (default: the mesh sizes' product)", (">= 1", "<= 1e6"), type=int)
     gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", (">= 1", "<= 1e4"))
     gpu: str = option("h100-sxm", "the GPU: memory, peaks, bandwidths, power (each option below overrides)",
                       choices=GPUS)
-    gpu_memory: float = option(80.0, "GiB per GPU", (">= 1", "<= 1e5"))
-    peak_tflops: float = option(989.0, "dense bf16 TFLOP/s per GPU", (">= 1", "<= 1e6"))
-    fp8_tflops: float | None = option(1979.0, "dense FP8 TFLOP/s per GPU (none: --fp8 is refused)",
-                                      (">= 1", "<= 1e6"))
-    hbm_tbps: float = option(3.35, "TB/s of GPU memory (elementwise work, the optimizer, thin GEMMs)",
-                             (">= 0.01", "<= 1e3"))
-    nvlink_gbps: float = option(450.0, "GB/s per GPU each way in a node", (">= 1", "<= 1e5"))
-    network_gbps: float = option(50.0, "GB/s per GPU each way between nodes (a 400 Gb/s NIC)",
-                                 (">= 0.1", "<= 1e5"))
-    power_limit: float = option(700.0, "W a GPU may draw (below the TDP: lower clocks)", (">= 50", "<= 1e4"))
-    tdp: float = 700.0  # W: the preset's
+    gpu_memory: float = option(H100["gpu_memory"], "GiB per GPU", (">= 1", "<= 1e5"), type=float)
+    peak_tflops: float = option(H100["peak_tflops"], "dense bf16 TFLOP/s per GPU", (">= 1", "<= 1e6"),
+                                type=float)
+    fp8_tflops: float | None = option(H100["fp8_tflops"], "dense FP8 TFLOP/s per GPU (none: --fp8 is "
+                                      "refused)", (">= 1", "<= 1e6"), type=float)
+    hbm_tbps: float = option(H100["hbm_tbps"], "TB/s of GPU memory (elementwise work, the optimizer, thin "
+                             "GEMMs)", (">= 0.01", "<= 1e3"))
+    nvlink_gbps: float = option(H100["nvlink_gbps"], "GB/s per GPU each way in a node", (">= 1", "<= 1e5"),
+                                type=float)
+    network_gbps: float = option(H100["network_gbps"], "GB/s per GPU each way between nodes (a 400 Gb/s "
+                                 "NIC)", (">= 0.1", "<= 1e5"), type=float)
+    power_limit: float = option(H100["power_limit"], "W a GPU may draw (below the TDP: lower clocks)",
+                                (">= 50", "<= 1e4"), type=float)
+    tdp: float = H100["tdp"]  # W: the preset's
     latency: float = 10e-6  # s a collective or send costs beyond its bytes: NCCL's tuning model
     # (src/graph/tuning.cc) puts a ring's base latency at 4-8 us, plus 0.5-3 us a hop on NVLink
 
     @property
     def speed(self) -> tuple[float, float]:
         """(bf16, FP8): this GPU's compute-bound rate over the H100 SXM's at 700 W (07's and 08's rates')."""
-        clock, h100 = min(1.0, self.power_limit / self.tdp), GPUS["h100-sxm"]
-        return self.peak_tflops / h100[1] * clock, (self.fp8_tflops or math.nan) / h100[2] * clock
+        clock = min(1.0, self.power_limit / self.tdp)
+        bf16 = self.peak_tflops / H100["peak_tflops"] * clock
+        float8 = (self.fp8_tflops or math.nan) / H100["fp8_tflops"] * clock
+        return bf16, float8
 
 
 def inside_node(sizes: MeshSizes, kind: str, gpus_per_node: int) -> bool:
@@ -1358,8 +1538,11 @@ def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, lay
     operations a kernel of its own, reading and writing fp32 inside a norm and RoPE, bytes a token and
     layer as a dispatch mode counts them (test_09): forward 84h between the regions, RoPE 48 (q + kv)
     + 16 head_dim (its tables), SwiGLU 10f; backward 214h, 52 (q + kv) + 16 head_dim, 18f."""
-    h, e, mid = cfg.dim, elem_bytes, tokens // (tp if sequence_parallel else 1)  # mid: between the regions
-    qk, f = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // tp, cfg.ffn_dim // tp * mlp
+    h = cfg.dim
+    e = elem_bytes
+    mid = tokens // (tp if sequence_parallel else 1)  # a rank's tokens between the regions
+    qk = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // tp
+    f = cfg.ffn_dim // tp * mlp
     loss = head * 2 * 4 * -(-cfg.vocab_size // tp) * tokens
     ends = (2 * h * (embed * tokens + head * mid), 3 * h * (embed * tokens + head * mid))
     per_layer = ([(10 * e, 2 * e, 0, 3 * e), (12 * e, 2 * e, 0, 5 * e)] if fused  # elements x e
@@ -1368,34 +1551,72 @@ def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, lay
                  for (a, b, c, d), end in zip(per_layer, ends))
 
 
+def unfused_attention_seconds(batch: int, heads: int, seq: int, head_dim: int, cp: int, hbm: float,
+                              elem_bytes: int, speed: float) -> tuple[float, float]:
+    """(forward, backward) of attention without a fused kernel (--attention unfused), as Megatron ran it
+    before FlashAttention: each head's seq x seq scores computed whole (the causal mask applied inside the
+    softmax, after the product; cp > 1: each of the ring's cp blocks whole) by GEMMs at 08's roofline,
+    around a softmax kernel that reads the scores and writes the probabilities (2 passes over the scores
+    at the HBM's bandwidth). Backward: dP = dO V^T, then the softmax's backward reads P and dP and writes
+    dS (3 passes), and dV = P^T dO, dQ = dS K, dK = dS^T Q, each with a seq x seq operand. Time only:
+    plan's memory does not hold the probabilities it saves (seq^2 a head)."""
+    count = batch * heads * cp
+    passes = count * seq ** 2 * elem_bytes / hbm
+    scores = fp8.gemm_seconds(seq, head_dim, seq, hbm, speed=speed)  # Q K^T, and dO V^T
+    reads = fp8.gemm_seconds(seq, seq, head_dim, hbm, speed=speed)  # P V, and the three that read P or dS
+    return count * (scores + reads) + 2 * passes, count * (scores + 3 * reads) + 3 * passes
+
+
 def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster,
               hide: bool = True) -> dict:
     """Seconds per step (THE STEP TIME); parts: the slowest pipeline rank's (bubble: its idle time in the
     span). Bounds: hide=False, nothing hidden; the compute alone, or the busiest link's bytes."""
-    tp, cp, pp, m, n, moe = sizes.tp, sizes.cp, sizes.pp, train.microbatches, sizes.dp * sizes.cp, train.moe
-    e, rows, s = 2 if train.mixed_precision else 4, train.global_batch // sizes.dp // m, train.seq_len // cp
-    tokens, hbm, (speed, speed8) = rows * s, cluster.hbm_tbps * 1e12, cluster.speed  # a microbatch's tokens
-    link = lambda kind: 1e9 * (cluster.nvlink_gbps if inside_node(sizes, kind, cluster.gpus_per_node)
-                               else cluster.network_gbps)
-    send = lambda kind, nbytes, calls=1: float(nbytes) / link(kind) + calls * cluster.latency
-    exposed = lambda comm, behind: max(0.0, comm - behind) if hide else comm
+    tp = sizes.tp
+    cp = sizes.cp
+    pp = sizes.pp
+    m = train.microbatches
+    n = sizes.dp * sizes.cp  # ZeRO's group
+    moe = train.moe
+    e = 2 if train.mixed_precision else 4
+    rows = train.global_batch // sizes.dp // m  # a microbatch's sequences
+    s = train.seq_len // cp
+    tokens = rows * s  # a microbatch's tokens on a rank
+    hbm = cluster.hbm_tbps * 1e12
+    speed, speed8 = cluster.speed
     shapes = local_shapes(cfg, tp, moe, sizes.ep)
+
+    def link(kind: str) -> float:
+        """Bytes per second each way in a group of this kind: NVLink inside a node, else the NIC."""
+        inside = inside_node(sizes, kind, cluster.gpus_per_node)
+        return 1e9 * (cluster.nvlink_gbps if inside else cluster.network_gbps)
+
+    def send(kind: str, nbytes: float, calls: int = 1) -> float:
+        return float(nbytes) / link(kind) + calls * cluster.latency
 
     def linears(prefix: str, names=()) -> list[float]:  # (forward, backward); 06's experts: top_k x tokens
         out = [0.0, 0.0]
-        for *experts, n_out, n_in in (v for k, v in shapes.items() if k.startswith(prefix) and len(v) > 1
-                                      and (not names or k.split(".")[-2] in names)):
-            count, float8 = experts[0] if experts else 1, train.fp8 and not experts and prefix == "layers."
+        for name, shape in shapes.items():
+            if not name.startswith(prefix) or len(shape) < 2 or names and name.split(".")[-2] not in names:
+                continue
+            *experts, n_out, n_in = shape
+            count = experts[0] if experts else 1
+            float8 = train.fp8 and not experts and prefix == "layers."
             rows_in = tokens * (moe.top_k if experts else 1) // count
             f, b = fp8.linear_seconds(rows_in, n_in, n_out, hbm, float8, speed8 if float8 else speed,
                                       1 / m)  # 08: a weight cast once a step
             out = [out[0] + count * f, out[1] + count * b]
         return out
 
-    elementwise = lambda **at: [x / hbm for x in elementwise_bytes(
-        cfg, tokens, tp, train.sequence_parallel, mlp=moe is None, elem_bytes=e, fused=train.compile, **at)]
+    def elementwise(**where) -> list[float]:  # (forward, backward) at the HBM's bandwidth
+        nbytes = elementwise_bytes(cfg, tokens, tp, train.sequence_parallel, mlp=moe is None, elem_bytes=e,
+                                   fused=train.compile, **where)
+        return [x / hbm for x in nbytes]
+
     kernel = "flash" if cp > 1 and train.attention == "sdpa" else train.attention  # 09's ring: 07's kernel
-    attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, kernel, cp, speed)
+    if kernel == "unfused":
+        attention = unfused_attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, cp, hbm, e, speed)
+    else:
+        attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, kernel, cp, speed)
     layer = {"GEMMs": linears("layers."), "attention": list(attention),
              "elementwise": elementwise(layers=1, embed=False, head=False)}
     rerun = dict(none=(), selective=("attention",), op=("elementwise",), full=tuple(layer))[train.recompute]
@@ -1404,7 +1625,8 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
         layer["GEMMs"][1] += linears("layers.", ("k_proj", "out_proj", "up_proj"))[0]
     ranks = []
     for p in plans:
-        first, last = 0 in p.stages, pp * train.virtual - 1 in p.stages
+        first = 0 in p.stages
+        last = pp * train.virtual - 1 in p.stages
         ends = {"GEMMs": linears("lm_head") if last else [0, 0], "attention": [0, 0],
                 "elementwise": elementwise(layers=0, embed=first, head=last)}
         work = {k: [p.layers * layer[k][i] + ends[k][i] for i in (0, 1)] for k in layer}
@@ -1415,14 +1637,18 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
         if cp > 1:  # each of the cp - 1 hops behind one block's attention; recompute: the forward's twice
             hops = context_parallel.attention_bytes("ring", tokens * cfg.dim // tp,
                                                     tokens * cfg.n_kv_heads * cfg.head_dim // tp, cp, e)
-            f, b = (exposed(send("cp", hops[d] / (cp - 1)), t / cp) for d, t in zip(hops, attention))
-            parts["CP"] = m * p.layers * (cp - 1) * (f * (1 + (train.recompute != "none")) + b)
+            forward = zero.exposed(send("cp", hops["forward"] / (cp - 1)), attention[0] / cp, hide)
+            backward = zero.exposed(send("cp", hops["backward"] / (cp - 1)), attention[1] / cp, hide)
+            forwards = 1 + (train.recompute != "none")
+            parts["CP"] = m * p.layers * (cp - 1) * (forward * forwards + backward)
         after = zero.zero_step_bytes(p.params, n, train.zero_stage, m, train.mixed_precision) / hbm
         if n > 1:  # 02's over dp x cp; units: each layer, the embedding, the norm and head
-            unit, units = [sum(v[i] for v in layer.values()) for i in (0, 1)], p.layers + first + 2 * last
+            unit = [sum(v[i] for v in layer.values()) for i in (0, 1)]
+            units = p.layers + first + 2 * last
             last_backward = sum(v[1] for v in work.values())
-            parts["DP"] = zero.zero_exposed_seconds(p.params, n, train.zero_stage, units, m, e,
-                                                    lambda *x: send("dp_cp", *x), last_backward, unit, hide)
+            send_dp = functools.partial(send, "dp_cp")
+            parts["DP"] = zero.zero_exposed_seconds(p.params, n, train.zero_stage, units, m, e, send_dp,
+                                                    last_backward, unit, hide)
         ranks.append((parts, after))
     bubble = pipeline.bubble_formula(train.schedule, pp, m, train.virtual)
     busy = [sum(parts.values()) - parts["DP"] for parts, _ in ranks]
@@ -1434,7 +1660,8 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
     parts = {**parts, "elementwise": parts["elementwise"] + after, "PP": fill,
              "bubble": span - fill - busy[slowest]}
     compute = max(sum(r[k] for k in layer) for r, _ in ranks) / (1 - bubble) + max(a for _, a in ranks)
-    links, comm = {"NVLink": 0.0, "network": 0.0}, {}
+    links = {"NVLink": 0.0, "network": 0.0}  # each link's busiest rank's seconds, had it no latency
+    comm = {}
     for kind in dict.fromkeys(k for p in plans for k in p.traffic):
         sent = [p.traffic.get(kind, 0) for p in plans]
         where = "NVLink" if inside_node(sizes, kind, cluster.gpus_per_node) else "network"
@@ -1447,31 +1674,39 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
                 no_overlap=step_time(cfg, sizes, train, plans, cluster, hide=False)["step"] if hide else None)
 
 
-def planned(cfg, sizes: MeshSizes, train: TrainConfig, microbatches: int | None, cluster: Cluster) -> tuple:
+def planned(cfg, sizes: MeshSizes, train: TrainConfig, cluster: Cluster) -> tuple:
     """(sizes, train as run (microbatches None: one sequence each), plans, step time), or a ValueError."""
-    train = dataclasses.replace(train, microbatches=microbatches or max(train.global_batch // sizes.dp, 1))
+    microbatches = train.microbatches or max(train.global_batch // sizes.dp, 1)
+    train = dataclasses.replace(train, microbatches=microbatches)
     validate(cfg, sizes, train, sizes.world)
     plans = plan(cfg, sizes, train)
     return sizes, train, plans, step_time(cfg, sizes, train, plans, cluster)
 
 
-def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | None], microbatches: int | None,
-                  ep: int, cluster: Cluster) -> tuple[list, list, str]:
+def fullest(plans: list[RankPlan]) -> Fraction:
+    """The bytes the fullest pipeline rank holds."""
+    return max(p.total for p in plans)
+
+
+def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | None], ep: int,
+                  cluster: Cluster) -> tuple[list, list, str]:
     """THE SEARCH: planned() of every mesh of gpus GPUs (the sizes given kept); those that fit, fastest
     first; the first refusal."""
-    valid, refusals = [], []
+    valid = []
+    refusals = []
     divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
     for tp, cp, pp in itertools.product(divisors, repeat=3):
         sizes = MeshSizes(gpus // (tp * cp * pp), pp, cp, tp, ep)
-        if gpus % (tp * cp * pp) or cluster.gpus_per_node % tp or any(
-                fixed[d] not in (None, getattr(sizes, d)) for d in DIMS):
+        if gpus % (tp * cp * pp) or cluster.gpus_per_node % tp:
+            continue
+        if any(fixed[d] not in (None, getattr(sizes, d)) for d in DIMS):
             continue
         try:
-            valid.append(planned(cfg, sizes, train, microbatches, cluster))
+            valid.append(planned(cfg, sizes, train, cluster))
         except ValueError as error:
             refusals.append(f"{mesh_name(sizes)}: {error}".replace("\n", " "))
-    fitting = sorted((v for v in valid if max(p.total for p in v[2]) <= cluster.gpu_memory * GIB),
-                     key=lambda v: v[3]["step"])
+    fitting = [v for v in valid if fullest(v[2]) <= cluster.gpu_memory * GIB]
+    fitting.sort(key=lambda v: v[3]["step"])
     none = "no mesh sizes with those given multiply to it (and tp must divide --gpus-per-node)"
     return valid, fitting, refusals[0] if refusals else none
 
@@ -1481,10 +1716,14 @@ GROUP_NAMES = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_cp": "dp x cp", "ep_dp": 
 TOP_MESHES = 3  # the search prints this many
 
 
+def gib(nbytes: Fraction | int | None) -> float | None:
+    return None if nbytes is None else float(nbytes) / GIB
+
+
 def record(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: dict) -> dict:
     """One mesh's plan as data, what describe prints and --json writes: GiB held per pipeline rank by part
     (plan's memory), GB sent per group by its busiest rank and the link, seconds per part of the step."""
-    gib, totals = lambda x: None if x is None else float(x) / GIB, [p.total for p in plans]  # noqa: E731
+    totals = [p.total for p in plans]
     return dict(mesh={d: getattr(sizes, d) for d in (*DIMS, "ep")}, zero=train.zero_stage,
                 schedule=train.schedule, virtual=train.virtual, microbatches=train.microbatches,
                 recompute=train.recompute, sequences=train.global_batch // sizes.dp // train.microbatches,
@@ -1501,17 +1740,24 @@ def record(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: 
                          for k, v in timing["comm"].items()})
 
 
+def gib_text(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:,.1f}" if x >= 1 else f"{x:.2g}"
+
+
+def seconds_text(x: float) -> str:
+    return f"{x:,.1f}" if x >= 10 else f"{x:.3g}"
+
+
 def describe(r: dict, table: bool) -> str:
     """A record as text (table: GiB of the first two, the fullest and the last two pipeline ranks)."""
     lines = [" ".join(f"{d}={n}" for d, n in r["mesh"].items() if d != "ep" or n > 1)
              + f", ZeRO-{r['zero']}, {r['schedule']} x {r['microbatches']} microbatches of {r['sequences']}, "
              f"recompute {r['recompute']}, SP {'on' if r['sequence_parallel'] else 'off'}"]
-    memory, fullest = r["memory_gib"], r["fullest"]
-    gib = lambda x: "n/a" if x is None else f"{x:,.1f}" if x >= 1 else f"{x:.2g}"  # noqa: E731
+    memory = r["memory_gib"]
     if table:
         lines.append("GiB per GPU    params  grads  optim  activ  temps   frag  cuda+  total")
         last = len(memory) - 1
-        shown = sorted({0, 1, fullest, last - 1, last} if last > 5 else range(last + 1))
+        shown = sorted({0, 1, r["fullest"], last - 1, last} if last > 5 else range(last + 1))
         for rank in shown:
             head = len(memory) * r["virtual"] - 1 in r["stages"][rank]
             held = r["in_flight"][rank]
@@ -1519,99 +1765,120 @@ def describe(r: dict, table: bool) -> str:
                     "microbatch" + "es" * (held != 1))
             what = ("embedding + " * (0 in r["stages"][rank]) + f"{r['layers'][rank]} layers"
                     + " + head" * head + f", in flight: {held} {unit}")
-            lines += ["  ..."] * (rank > 0 and rank - 1 not in shown) + [
-                f"  pp {rank:<10}" + "".join(f"{gib(v):>7}" for v in memory[rank].values()) + f"  {what}"]
+            if rank > 0 and rank - 1 not in shown:
+                lines.append("  ...")
+            lines.append(f"  pp {rank:<10}" + "".join(f"{gib_text(v):>7}" for v in memory[rank].values())
+                         + f"  {what}")
     else:
-        lines.append(f"fullest GPU {gib(memory[fullest]['total'])} GiB (pp {fullest}: " + ", ".join(
-            f"{k} {gib(v)}" for k, v in memory[fullest].items() if k != "total") + ")")
+        most = memory[r["fullest"]]
+        lines.append(f"fullest GPU {gib_text(most['total'])} GiB (pp {r['fullest']}: " + ", ".join(
+            f"{k} {gib_text(v)}" for k, v in most.items() if k != "total") + ")")
     sent = [f"{k} n/a (no formula)" if v is None else f"{k} {v['gb']:,.3g} GB ({v['link']})"
             for k, v in r["sent_gb"].items()]
     lines.append("sent per GPU per step (its busiest pipeline rank): " + (", ".join(sent) or "nothing"))
-    seconds, parts = lambda x: f"{x:,.1f}" if x >= 10 else f"{x:.3g}", r["parts_s"]  # noqa: E731
+    parts = r["parts_s"]
     useful = ("MFU n/a (flops_per_token counts dense MLPs)" if r["mfu"] is None else
               f"{r['tflops_per_gpu']:,.0f} TFLOP/s per GPU, MFU {r['mfu']:.0%}")
-    part = lambda names: [f"{k} {seconds(parts[k])}" for k in names]  # noqa: E731
-    lines += [f"step {seconds(r['step_s'])} s predicted: {useful}; bounds {seconds(r['bounds_s'][0])} s "
-              f"(perfect overlap) to {seconds(r['bounds_s'][1])} s (none)",
-              "  " + " + ".join(part(("GEMMs", "attention", "elementwise"))) + " + exposed "
-              + ", ".join(part(("TP", "DP", "PP", "CP"))) + f" + bubble {seconds(parts['bubble'])} s "
+    compute = " + ".join(f"{k} {seconds_text(parts[k])}" for k in ("GEMMs", "attention", "elementwise"))
+    exposed = ", ".join(f"{k} {seconds_text(parts[k])}" for k in ("TP", "DP", "PP", "CP"))
+    best, worst = r["bounds_s"]
+    lines += [f"step {seconds_text(r['step_s'])} s predicted: {useful}; bounds {seconds_text(best)} s "
+              f"(perfect overlap) to {seconds_text(worst)} s (none)",
+              f"  {compute} + exposed {exposed} + bubble {seconds_text(parts['bubble'])} s "
               f"({parts['bubble'] / r['step_s']:.0%} of the step: 04's idle fraction {r['bubble']:.0%}, "
               f"and the stages' imbalance)"]
     return "\n".join(lines)
 
 
-def plan_report(args: argparse.Namespace) -> str:
+def plan_report(job: Job) -> str:
     """The given mesh's breakdown, or the fastest meshes that fit; one line if none fits; --json: one
     object."""
-    cfg, fixed, cluster = build_model_config(args), {d: getattr(args, d) for d in DIMS}, cluster_of(args)
-    train = dataclasses.replace(train_config(args), mixed_precision=True)  # a GPU run: bf16 + fp32 masters
-    memory, over = cluster.gpu_memory, lambda need: math.ceil(100 * need / cluster.gpu_memory)  # in %, up
-    gpus = args.gpus or (math.prod(fixed.values()) if None not in fixed.values() else 0)
-    if gpus < 1 or None not in fixed.values() and math.prod(fixed.values()) != gpus:
-        given = [f"--{d} {v}" for d, v in {"gpus": args.gpus, **fixed}.items() if v is not None]
+    cfg = job.cfg
+    cluster = job.cluster
+    train = job.train
+    memory = cluster.gpu_memory
+    fixed = job.mesh
+    given = None not in fixed.values()  # every mesh size given: that mesh alone
+    gpus = job.gpus or (math.prod(fixed.values()) if given else 0)
+    if gpus < 1 or given and math.prod(fixed.values()) != gpus:
+        options = [f"--{d} {v}" for d, v in {"gpus": job.gpus, **fixed}.items() if v is not None]
         raise ValueError(f"plan needs --gpus N or every mesh size (--dp --pp --cp --tp), sizes that multiply "
-                         f"to N; given: {' '.join(given) or 'neither'}")
+                         f"to N; given: {' '.join(options) or 'neither'}")
     if train.fp8 and cluster.fp8_tflops is None:
-        raise ValueError(f"--fp8: the {args.gpu} has no FP8 tensor cores (--fp8-tflops prices one)")
-    valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, args.microbatches, args.ep, cluster)
+        raise ValueError(f"--fp8: the {cluster.gpu} has no FP8 tensor cores (--fp8-tflops prices one)")
+    valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, job.ep, cluster)
+    on = f"{gpus:,} GPU" + "s" * (gpus != 1)
     if not valid:  # a refusal, like any other: exit 2
-        raise ValueError(f"no mesh of {gpus:,} GPUs passes validate: {refusal}")
-    given, leanest = None not in fixed.values(), min(valid, key=lambda v: max(p.total for p in v[2]))
+        raise ValueError(f"no mesh of {on} passes validate: {refusal}")
+    leanest = min(valid, key=lambda v: fullest(v[2]))
     shown = [record(*v) for v in (valid[:1] if given else fitting[:TOP_MESHES] or [leanest])]
     need = shown[0]["memory_gib"][shown[0]["fullest"]]["total"]
-    if args.json:
-        return json.dumps(dict(model=args.model, config=dataclasses.asdict(cfg), gpus=gpus,
+    moe = train.moe
+    if job.json:
+        return json.dumps(dict(model=job.model, config=dataclasses.asdict(cfg), gpus=gpus,
                                cluster=dataclasses.asdict(cluster) | {"gpus": gpus}, valid=len(valid),
                                fitting=len(fitting),
-                               fits=None if train.moe and need <= memory else need <= memory, meshes=shown))
-    shapes, moe = foundation.parameter_shapes(cfg), train.moe
-    experts = moe and sum(map(math.prod, expert_parallel.moe_parameter_shapes(cfg.dim, moe, 1).values()))
-    n_params = sum(math.prod(v) for k, v in shapes.items() if not (moe and ".mlp." in k)) + cfg.n_layers * (
-        experts or 0)
-    mlp = f"{moe.n_experts} experts of {moe.expert_ffn_dim}, top {moe.top_k}" if moe else f"ffn {cfg.ffn_dim}"
+                               fits=None if moe and need <= memory else need <= memory, meshes=shown))
+    shapes = foundation.parameter_shapes(cfg)
+    n_params = sum(math.prod(v) for k, v in shapes.items() if not (moe and ".mlp." in k))
+    mlp = f"ffn {cfg.ffn_dim}"
+    if moe:
+        experts = expert_parallel.moe_parameter_shapes(cfg.dim, moe, 1).values()
+        n_params += cfg.n_layers * sum(map(math.prod, experts))
+        mlp = f"{moe.n_experts} experts of {moe.expert_ffn_dim}, top {moe.top_k}"
     fp8_rate = f"FP8 x {cluster.speed[1]:.3g}" if cluster.fp8_tflops else "no FP8"
-    header = (f"{args.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
+    scaled = "" if cluster.gpu == "h100-sxm" and cluster.speed[0] == 1 else (
+        f"; the {cluster.gpu}'s datasheet peaks and power limit over the H100's: not measured on it")
+    header = (f"{job.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
               f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, {mlp}, vocabulary {cfg.vocab_size:,}"
               f"{', tied' if cfg.tie_embeddings else ''}), bf16 + fp32 masters"
               f"{' + FP8 GEMMs' if train.fp8 else ''}; batch {train.global_batch:,} x {train.seq_len:,} "
-              f"tokens; {gpus:,} GPUs of {memory:g} GiB ({args.gpu}), {cluster.gpus_per_node} per node.\n"
+              f"tokens; {on} of {memory:g} GiB ({cluster.gpu}), {cluster.gpus_per_node} per node.\n"
               f"Priced: GEMMs and attention ({train.attention}) at the course's H100 rates x "
-              f"{cluster.speed[0]:.3g} ({fp8_rate}), the rest at {cluster.hbm_tbps:g} TB/s"
+              f"{cluster.speed[0]:.3g} ({fp8_rate}{scaled}), the rest at {cluster.hbm_tbps:g} TB/s"
               f"{'' if train.compile else ', eager'}; {cluster.nvlink_gbps:g} GB/s per GPU each way in a "
               f"node, {cluster.network_gbps:g} across nodes, {cluster.latency * 1e6:g} us a message.\n"
               f"Memory: the tensors, temporaries (the loss, a layer's backward, ZeRO's), the allocator's "
               f"segments (+{float(ALLOCATOR):.0%}), CUDA's context and NCCL's buffers"
               + ("; not an MoE's activations (the routing decides them: no formula): 'fit' is a lower "
                  "bound." if moe else "."))
-    if given:  # the mesh given
-        verdict = (f"does not fit: the fullest GPU needs {need:,.1f} GiB, {need - memory:,.1f} GiB "
-                   f"({over(need) - 100}%) more than its {memory:g} GiB" if need > memory else
-                   f"fits{' without its activations' * bool(moe)}: {need:,.1f} of {memory:g} GiB on the "
-                   f"fullest GPU")
+    over = math.ceil(100 * need / memory)  # in % of the memory, rounded up
+    if given:
+        if need > memory:
+            verdict = (f"does not fit: the fullest GPU needs {need:,.1f} GiB, {need - memory:,.1f} GiB "
+                       f"({over - 100}%) more than its {memory:g} GiB")
+        else:
+            verdict = (f"fits{' without its activations' * bool(moe)}: {need:,.1f} of {memory:g} GiB on the "
+                       f"fullest GPU")
         return "\n".join([header, describe(shown[0], table=True), verdict])
     if not fitting:
-        return (f"{args.model} does not fit on {gpus:,} GPUs of {memory:g} GiB: the leanest of {len(valid)} "
+        return (f"{job.model} does not fit on {on} of {memory:g} GiB: the leanest of {len(valid)} "
                 f"valid mesh{'es' * (len(valid) != 1)} ({describe(shown[0], False).splitlines()[0]}) needs "
-                f"{need:,.1f} GiB on its fullest GPU, {over(need) / 100:.2f}x the memory")
-    fit = f"{len(fitting)} fit{' without their activations' * bool(moe)}"
-    return "\n".join([header, f"{len(valid)} meshes pass validate, {fit}; the fastest:"] + [
+                f"{need:,.1f} GiB on its fullest GPU, {over / 100:.2f}x the memory")
+    one = len(fitting) == 1
+    fit = f"{len(fitting)} fit{'s' * one}" + f" without {'its' if one else 'their'} activations" * bool(moe)
+    passing = f"{len(valid)} mesh{'es pass' if len(valid) != 1 else ' passes'} validate"
+    return "\n".join([header, f"{passing}, {fit}; the fastest:"] + [
         f"{rank}. " + describe(r, table=False).replace("\n", "\n   ") for rank, r in enumerate(shown, 1)])
 
 
 # --- The command line: check | train | plan, made from the option fields -----------------------------
+WIDTH = (">= 1", f"<= {foundation.MAX_WIDTH}")  # a size's rule: 01's bound on a config.json's
+
+
 @dataclass(frozen=True)
-class ModelOptions:  # the model: a preset or a config.json, each size overridable (model_spec)
+class ModelOptions:  # the model: a preset or a config.json, each size overridable (model_spec), 01's bounds
     model: str = option("tiny", f"a preset ({', '.join(PRESETS)}) or a Hugging Face config.json",
                         metavar="NAME|FILE")
-    dim: int | None = option(None, "model width", ">= 1", type=int)
-    layers: int | None = option(None, "transformer blocks", ">= 1", type=int)
-    heads: int | None = option(None, "attention heads", ">= 1", type=int)
-    kv_heads: int | None = option(None, "key/value heads, grouped-query attention", ">= 1", type=int)
-    ffn_dim: int | None = option(None, "the MLP's hidden size (MoE: an expert's)", ">= 1", type=int)
-    vocab: int | None = option(None, "vocabulary size", ">= 1", type=int)
+    dim: int | None = option(None, "model width", WIDTH, type=int)
+    layers: int | None = option(None, "transformer blocks", (">= 1", f"<= {foundation.MAX_LAYERS}"), type=int)
+    heads: int | None = option(None, "attention heads", WIDTH, type=int)
+    kv_heads: int | None = option(None, "key/value heads, grouped-query attention", WIDTH, type=int)
+    ffn_dim: int | None = option(None, "the MLP's hidden size (MoE: an expert's)", WIDTH, type=int)
+    vocab: int | None = option(None, "vocabulary size", WIDTH, type=int)
     moe: bool = option(False, "every MLP a mixture of experts (dropless; top 2 of --experts, each --ffn-dim "
                               "wide, default 64)")
-    experts: int | None = option(None, "experts per MoE layer (default: the file's, else 4)", ">= 1",
+    experts: int | None = option(None, "experts per MoE layer (default: the file's, else 4)", WIDTH,
                                  type=int)
 
 
@@ -1621,7 +1888,8 @@ class PlanOutput:
 
 
 OPTIONS = (MeshSizes, ModelOptions, TrainConfig, RunConfig)  # in --help's order, then a command's classes
-PRESET, GPU = "the --model's", "the --gpu preset's"
+PRESET = "the --model's"  # what decides an option left out, as --help says it
+GPU = "the --gpu preset's"
 DEMO = dict(dp=2, tp=2, max_grad_norm=1.0)  # where check and train depart from the fields' defaults
 RUN = dict.fromkeys(("global_batch", "seq_len"), PRESET)
 SIZES = dict.fromkeys(("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab"), PRESET)
@@ -1651,114 +1919,125 @@ def model_spec(args: argparse.Namespace) -> tuple:
     """--model (a preset, byte-level unless it sets a vocabulary, or a config.json by 01's from_hf), the
     sizes given overriding it: (ModelConfig, (experts, top-k) or None, its (seq_len, global_batch, lr))."""
     if args.model in PRESETS:
-        (sizes, *run), experts = PRESETS[args.model], None
+        sizes, *run = PRESETS[args.model]
+        experts = None
         cfg = foundation.ModelConfig(**{"vocab_size": 256, **sizes})
     elif args.model.endswith(".json"):
+        run = PRESETS["llama3-8b"][1:]  # a config.json has no run: Llama 3 8B's
         try:
-            config, run = json.loads(Path(args.model).read_text()), PRESETS["llama3-8b"][1:]  # no run: 8B's
-            cfg, experts = foundation.ModelConfig.from_hf(config if isinstance(config, dict) else {})
+            config = json.loads(Path(args.model).read_text())
+            cfg, experts = foundation.ModelConfig.from_hf(config if isinstance(config, dict) else {},
+                                                          args.seq_len or run[0])
         except (OSError, ValueError) as error:  # json's errors are ValueErrors
             raise ValueError(f"--model {args.model}: {error}") from None
     else:
         presets = ", ".join(PRESETS)
         raise ValueError(f"--model {args.model!r} is neither a preset ({presets}) nor a .json file")
-    given = dict(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads or (
-        args.heads if cfg.n_kv_heads == cfg.n_heads else None), ffn_dim=args.ffn_dim, vocab_size=args.vocab)
+    kv_heads = args.kv_heads
+    if kv_heads is None and cfg.n_kv_heads == cfg.n_heads:  # no grouping: --heads sets both
+        kv_heads = args.heads
+    given = dict(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=kv_heads,
+                 ffn_dim=args.ffn_dim, vocab_size=args.vocab)
     return dataclasses.replace(cfg, **{k: v for k, v in given.items() if v is not None}), experts, run
 
 
-def build_model_config(args: argparse.Namespace) -> "foundation.ModelConfig":
-    return model_spec(args)[0]
-
-
-def train_config(args: argparse.Namespace, device: torch.device | None = None) -> TrainConfig:
-    """The options as a TrainConfig; those left None: the --model's run, 1 microbatch (2 with pp > 1), bf16
-    on a GPU; the file's MoE (Mixtral: its experts, top-k and expert size) or --moe's (top 2, size 64)."""
+def configure(args: argparse.Namespace) -> Job:
+    """The Job of these options, made once. An option left None takes: the --model's run (seq_len,
+    global_batch, lr); 1 microbatch, 2 with pp > 1 (plan: one sequence each, per mesh); bf16 + fp32 masters
+    where a GPU trains (check: off; plan: on); the file's MoE (Mixtral: its experts, top-k and expert size) or
+    --moe's (top 2 of --experts, each --ffn-dim wide, default 64); plan: --gpu's rates, or those given."""
     cfg, experts, (seq_len, global_batch, lr) = model_spec(args)
-    n, top_k, size = (*experts, cfg.ffn_dim) if experts else (4, 2, args.ffn_dim or 64)
-    moe = expert_parallel.MoEConfig(n_experts=args.experts or n, top_k=top_k, expert_ffn_dim=size,
-                                    aux_loss_coef=0)
-    return options_of(TrainConfig, args, global_batch=global_batch, seq_len=seq_len, lr=lr, adam_eps=1e-6,
-                      microbatches=1 + ((args.pp or 1) > 1), mixed_precision=device is not None and
-                      device.type == "cuda", moe=moe if experts or args.moe or args.ep > 1 else None)
+    moe = None
+    if experts:
+        n_experts, top_k = experts
+        moe = expert_parallel.MoEConfig(n_experts=args.experts or n_experts, top_k=top_k,
+                                        expert_ffn_dim=cfg.ffn_dim, aux_loss_coef=0)
+    elif args.moe or args.ep > 1:
+        moe = expert_parallel.MoEConfig(n_experts=args.experts or 4, top_k=2,
+                                        expert_ffn_dim=args.ffn_dim or 64, aux_loss_coef=0)
+    mixed_precision = {"train": torch.cuda.is_available(), "check": False, "plan": True}[args.command]
+    microbatches = None if args.command == "plan" else 1 + ((args.pp or 1) > 1)
+    train = options_of(TrainConfig, args, global_batch=global_batch, seq_len=seq_len, lr=lr, adam_eps=1e-6,
+                       microbatches=microbatches, mixed_precision=mixed_precision, moe=moe)
+    cluster = None
+    if args.command == "plan":
+        cluster = options_of(Cluster, args, **dict(zip(GPU_FIELDS, GPUS[args.gpu])))
+    return Job(args.command, args.model, cfg, mesh={d: getattr(args, d) for d in DIMS}, ep=args.ep,
+               train=train, run=options_of(RunConfig, args), cluster=cluster,
+               gpus=getattr(args, "gpus", None), json=getattr(args, "json", False))
 
 
-def cluster_of(args: argparse.Namespace) -> Cluster:
-    """--gpu's preset, each rate given overriding it."""
-    return options_of(Cluster, args, **dict(zip(GPU_FIELDS, GPUS[args.gpu])))
-
-
-def run_config(args: argparse.Namespace) -> RunConfig:
-    """The options as a RunConfig: --resume (a STEP, or "latest") as resume and resume_step."""
-    step = None if args.resume in (False, "latest") else int(args.resume)
-    return dataclasses.replace(options_of(RunConfig, args), resume=bool(args.resume), resume_step=step)
-
-
-def check_before_launch(args: argparse.Namespace, world: int) -> None:
+def check_before_launch(job: Job, world: int) -> None:
     """The rules between options, then validate against the world that will run; for train also the text, the
     checkpoint folder and the checkpoint to resume: a ValueError (one line, exit 2) before any rank starts."""
-    cfg, train = build_model_config(args), train_config(args)
+    cfg = job.cfg
+    train = job.train
+    run = job.run
     broken = [message for wrong, message in (
-        (cfg.tie_embeddings, f"--model {args.model} ties its LM head to the embedding: 09 trains them apart "
+        (cfg.tie_embeddings, f"--model {job.model} ties its LM head to the embedding: 09 trains them apart "
                              f"(01's GPT ties; plan prices it)"),
         (train.attention == "cudnn", "--attention cudnn is plan's price of SDPA's cuDNN backend: train and "
-                                     "check run sdpa or flash")) if wrong]
-    broken += () if args.command != "train" else [message for wrong, message in (
+                                     "check run sdpa or flash"),
+        (train.attention == "unfused", "--attention unfused is plan's price of PyTorch's eager attention: "
+                                       "train and check run sdpa or flash")) if wrong]
+    broken += () if job.command != "train" else [message for wrong, message in (
         (cfg.vocab_size < 256,
          f"train reads bytes: a vocabulary of {cfg.vocab_size} cannot hold them (--vocab)"),
-        (args.sample_bytes and cfg.vocab_size != 256 and args.folder is not None,
+        (run.sample_bytes and cfg.vocab_size != 256 and run.folder is not None,
          f"the sample decodes bytes: a vocabulary of {cfg.vocab_size} is not 256 "
          f"(--vocab 256, or --no-sample)"),
-        (args.resume not in (False, "latest") and not args.resume.isdigit(),
-         f"--resume takes the step of a kept checkpoint (a number), not {args.resume!r}"),
-        (args.trace and not args.profile, "--trace writes --profile's trace: give --profile STEPS too"),
-        (args.profile and args.steps < 3,
-         f"--profile needs --steps >= 3 (the first two compile and measure), not {args.steps}"),
-        (args.sample_bytes and args.prompt == "",
+        (run.resume not in (None, "latest") and not run.resume.isdigit(),
+         f"--resume takes the step of a kept checkpoint (a number), not {run.resume!r}"),
+        (run.trace and not run.profile, "--trace writes --profile's trace: give --profile STEPS too"),
+        (run.profile and run.steps < 3,
+         f"--profile needs --steps >= 3 (the first two compile and measure), not {run.steps}"),
+        (run.sample_bytes and run.prompt == "",
          "--prompt must not be empty: the sample continues it (--no-sample: no sample)"),
-        (args.folder == "", "--checkpoint-dir must name a folder (--no-save: no checkpoints)")) if wrong]
+        (run.folder == "", "--checkpoint-dir must name a folder (--no-save: no checkpoints)")) if wrong]
     if broken:
         raise ValueError(broken[0])
-    validate(cfg, sizes := options_of(MeshSizes, args), train, world)
+    sizes = job.sizes
+    validate(cfg, sizes, train, world)
     if not torch.cuda.is_available():  # the ranks share this machine: the plan's tensors of them all must fit
         need = sum(r.total - r.memory["fragmentation"] - r.memory["cuda_nccl"]
                    for r in plan(cfg, sizes, train))
         foundation.check_memory(cfg, train.global_batch, train.seq_len, world, {
             "09's plan of the tensors (a GPU's allowances aside)": int(need * world // sizes.pp)},
-            f"--model {args.model} with --global-batch {train.global_batch} x --seq-len {train.seq_len}")
-    if args.command == "check":
+            f"--model {job.model} with --global-batch {train.global_batch} x --seq-len {train.seq_len}")
+    if job.command == "check":
         return
-    train_tokens, _ = split_tokens(read_tokens(args.data), train.seq_len, train.global_batch)
-    if args.trace:  # written by rank 0 after the profiled steps: a bad path would strand the others
-        pipeline.check_writable("--trace", args.trace)
-    if args.resume and args.folder is None:
+    train_tokens, _ = split_tokens(read_tokens(run.data), train.seq_len, train.global_batch)
+    if run.trace:  # written by rank 0 after the profiled steps: a bad path would strand the others
+        pipeline.check_writable("--trace", run.trace)
+    if run.resume and run.folder is None:
         raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")
-    if args.folder is not None and "RANK" not in os.environ:  # under torchrun, rank 0 locks (train_run)
-        zero.claim_folder(args.folder).close()  # refused: a file, unwritable, held by another run
-    if args.resume:  # damaged, another model, other data: refused before any rank starts
-        _, meta = zero.open_checkpoint(args.folder, cfg, run_config(args).resume_step, checksums=False,
+    if run.folder is not None and "RANK" not in os.environ:  # under torchrun, rank 0 locks (train_run)
+        zero.claim_folder(run.folder).close()  # refused: a file, unwritable, held, holding a user's files
+    if run.resume:  # damaged, another model, other data: refused before any rank starts
+        _, meta = zero.open_checkpoint(run.folder, cfg, run.resume_step, checksums=False,
                                        resume_command=resume_command)  # the ranks hash
-        ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=args.seed).load_state_dict(
-            meta["loader"])
-    elif args.folder is not None and (earlier := zero.latest_checkpoint(args.folder)) and (
-            os.environ.get("RANK", "0") == "0"):  # under torchrun every rank checks, rank 0 says so
+        loader = ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=run.seed)
+        loader.load_state_dict(meta["loader"])
+        return
+    earlier = zero.latest_checkpoint(run.folder) if run.folder is not None else None
+    if earlier and os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks, rank 0 says so
         print(f"note: {earlier} is from an earlier run; this run replaces it at its first save "
               f"(--resume continues it instead)")
 
 
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, OPTIONS, COMMANDS)  # each option's rule: exit 2
-    if args.command == "plan":  # builds nothing, starts no rank; under torchrun, rank 0 alone prints
-        try:
-            report = plan_report(args)
-        except ValueError as error:
-            parser.exit(2, f"{parser.prog}: error: {error}\n")
-        if foundation.prints_here():
+    try:
+        job = configure(args)
+        report = plan_report(job) if job.command == "plan" else None  # plan builds nothing, starts no rank
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    if job.command == "plan":
+        if foundation.prints_here():  # under torchrun, rank 0 alone prints
             print(report)
         return
-    args.nproc = options_of(MeshSizes, args).world  # the mesh sets the local processes (no --nproc)
-    foundation.launch_lesson(parser, args, demo if args.command == "check" else train_run,
-                             lambda world: check_before_launch(args, world))
+    program = check_run if job.command == "check" else train_run
+    foundation.launch_lesson(parser, job, program, rules=[functools.partial(check_before_launch, job)])
 
 
 if __name__ == "__main__":

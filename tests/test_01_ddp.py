@@ -287,17 +287,56 @@ LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_
 def test_a_hugging_face_llama_or_mixtral_config_is_the_model_config():
     """Meta's Llama 3.1 8B config.json (rope_scaling stretches positions: no shape, unread) and a
     Mixtral 8x7B-shaped one (per-expert intermediate_size; 8 experts, top 2); Llama 3.2 1B ties."""
-    cfg, moe = foundation.ModelConfig.from_hf(LLAMA3_8B)
+    cfg, moe = foundation.ModelConfig.from_hf(LLAMA3_8B, 8192)
     assert moe is None and cfg == foundation.ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32,
                                                          n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0)
     mixtral = dict(LLAMA3_8B, model_type="mixtral", vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
                    sliding_window=None, rope_theta=1e6)
     del mixtral["head_dim"], mixtral["attention_bias"], mixtral["mlp_bias"]
-    cfg, moe = foundation.ModelConfig.from_hf(mixtral)
+    cfg, moe = foundation.ModelConfig.from_hf(mixtral, 8192)
     assert moe == (8, 2) and cfg.vocab_size == 32000 and cfg.ffn_dim == 14336 and cfg.rope_theta == 1e6
     llama32 = dict(LLAMA3_8B, hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, head_dim=64,
                    tie_word_embeddings=True)
-    assert foundation.ModelConfig.from_hf(llama32)[0].tie_embeddings
+    assert foundation.ModelConfig.from_hf(llama32, 8192)[0].tie_embeddings
+
+
+LLAMA2_7B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, num_hidden_layers=32,
+                 num_attention_heads=32, intermediate_size=11008, vocab_size=32000, hidden_act="silu",
+                 rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=4096)  # no K/V heads
+MISTRAL_7B_V01 = dict(architectures=["MistralForCausalLM"], model_type="mistral", hidden_size=4096,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                      vocab_size=32000, hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
+                      sliding_window=4096, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("config, seq_len, read", [
+    (LLAMA2_7B, 4096, dict(n_kv_heads=32, rope_theta=1e4)),  # missing: LlamaConfig's defaults
+    (dict(LLAMA2_7B, num_key_value_heads=None), 4096, dict(n_kv_heads=32)),  # null: the heads
+    (dict(LLAMA2_7B, rms_norm_eps=None), 4096, "rms_norm_eps=None: missing"),  # null, no default in HF
+    (dict(LLAMA2_7B, tie_word_embeddings=None), 4096, dict(tie_embeddings=False)),
+    ({k: v for k, v in LLAMA2_7B.items() if k != "rms_norm_eps"}, 4096, dict(norm_eps=1e-6)),
+    (dict(LLAMA2_7B, hidden_act="swish"), 4096, dict(n_kv_heads=32)),  # ACT2FN: silu's other name
+    (MISTRAL_7B_V01, 4096, dict(n_kv_heads=8)),  # a window that covers every token: full attention
+    (MISTRAL_7B_V01, 4097, "sliding_window=4096: attention within a window shorter than the run's seq_len 4,097"),
+    (dict(MISTRAL_7B_V01, sliding_window=None), 32768, dict(n_kv_heads=8)),  # Mistral 7B v0.2: none
+    ({k: v for k, v in MISTRAL_7B_V01.items() if k not in ("sliding_window", "num_key_value_heads")}, 4096,
+     dict(n_kv_heads=8)),  # missing: MistralConfig's 4096 and 8
+    ({k: v for k, v in MISTRAL_7B_V01.items() if k != "sliding_window"}, 8192,
+     "sliding_window=4096 (its default): attention within a window shorter than the run's seq_len 8,192"),
+    (dict(MISTRAL_7B_V01, num_key_value_heads=None), 4096, dict(n_kv_heads=32)),
+    (dict(MISTRAL_7B_V01, model_type="mixtral"), 4096, dict(rope_theta=1e4)),  # + MixtralConfig's 8, top 2
+])
+def test_a_config_json_is_read_as_hugging_face_reads_it(config, seq_len, read):
+    """A key missing is its transformers config class's default (LlamaConfig: the heads for K/V heads, never
+    one; MistralConfig: 8 and a window of 4096); null K/V heads are the heads, a null tie or window none."""
+    if isinstance(read, str):
+        with pytest.raises(ValueError) as error:
+            foundation.ModelConfig.from_hf(config, seq_len)
+        assert str(error.value).startswith(read) and "\n" not in str(error.value), error.value
+        return
+    cfg, moe = foundation.ModelConfig.from_hf(config, seq_len)
+    assert all(getattr(cfg, k) == v for k, v in read.items()), cfg
+    assert moe == ((8, 2) if config["model_type"] == "mixtral" else None)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -306,7 +345,7 @@ def test_a_hugging_face_llama_or_mixtral_config_is_the_model_config():
     (dict(hidden_act="gelu"), "hidden_act='gelu': a feature 01's GPT (a plain Llama) lacks"),
     (dict(attention_bias=True), "attention_bias=True: a feature"),
     (dict(mlp_bias=True), "mlp_bias=True: a feature"),
-    (dict(sliding_window=4096), "sliding_window=4096: a feature"),  # Mistral 7B v0.1
+    (dict(sliding_window=4096), "sliding_window=4096: attention within a window shorter than the run's seq_len"),
     (dict(head_dim=256), "head_dim=256: a feature"),  # heads of other than hidden_size / heads (Qwen3, Gemma)
     (dict(hidden_size=None), "hidden_size=None: missing"),
     (dict(num_hidden_layers=0), "num_hidden_layers=0: must be a positive integer"),
@@ -315,15 +354,22 @@ def test_a_hugging_face_llama_or_mixtral_config_is_the_model_config():
     (dict(num_attention_heads=True), "num_attention_heads=True: must be a positive integer"),
     (dict(num_key_value_heads="8"), "num_key_value_heads='8': must be a positive integer"),
     (dict(rope_theta=float("nan")), "rope_theta=nan: must be a positive number"),
+    (dict(rope_theta=math.inf), "rope_theta=inf: must be a positive number"),
     (dict(tie_word_embeddings="false"), "tie_word_embeddings='false': must be true or false"),
-    (dict(num_local_experts=8), "num_experts_per_tok=None: missing"),
-    (dict(num_local_experts=0, num_experts_per_tok=2), "num_local_experts=0: must be a positive integer"),
+    (dict(model_type="mixtral", num_local_experts=0), "num_local_experts=0: must be a positive integer"),
     (dict(num_key_value_heads=7), "n_heads=32 is not divisible by n_kv_heads=7"),
+    (dict(num_hidden_layers=10 ** 400), "num_hidden_layers=~10^400 is past the bound of 10,000"),
+    (dict(num_hidden_layers=10 ** 6), "num_hidden_layers=1,000,000 is past the bound of 10,000"),
+    (dict(vocab_size=10 ** 30), "vocab_size=~10^30 is past the bound of 1,000,000"),
+    (dict(hidden_size=10 ** 30), "hidden_size=~10^30 is past the bound of 1,000,000"),
+    (dict(intermediate_size=1_000_001), "intermediate_size=1,000,001 is past the bound of 1,000,000"),
 ])
 def test_a_config_that_is_not_llama_shaped_or_nonsensical_is_one_line_naming_the_field(change, message):
+    """Each size within a stated bound (01's MAX_LAYERS, MAX_WIDTH: far past any published model), so that a
+    typo of 10^400 layers is a line, not a traceback (an OverflowError, a MemoryError) or an hour of planning."""
     config = {k: v for k, v in {**LLAMA3_8B, **change}.items() if v is not None or k == "model_type"}
     with pytest.raises(ValueError) as error:
-        foundation.ModelConfig.from_hf(config)
+        foundation.ModelConfig.from_hf(config, 8192)
     assert str(error.value).startswith(message) and "\n" not in str(error.value), error.value
 
 
@@ -1002,6 +1048,7 @@ class RuledOptions:
     (["--internal", "4"], "unrecognized arguments: --internal 4"),
     (["b", "--only-b", "-1"], "--only-b must be >= 0, not -1"),
     (["a", "--only-b", "1"], "unrecognized arguments: --only-b 1 (--only-b is an option of b)"),
+    (["a", "--only-b=1"], "unrecognized arguments: --only-b=1 (--only-b is an option of b)"),  # the name
     (["--count", "2", "--sizes", "32", "64"], None),
 ])
 def test_an_option_is_a_field_with_its_rule_beside_it(capsys, argv, message):

@@ -555,7 +555,7 @@ def accumulated_gradients(cfg, stage: int, global_batch: int, seq_len: int, micr
         with optimizer.no_sync() if not last else contextlib.nullcontext():
             (model(x, y) / micro).backward()
     optimizer.finish_gradient_sync()
-    return optimizer.gather_full([u.grad_shard for u in optimizer.units])
+    return optimizer.unshard([u.grad_shard for u in optimizer.units])
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -849,7 +849,8 @@ def test_a_save_that_fails_is_one_line_naming_the_folder_the_error_and_the_last_
     assert str(raised.value) == (f"checkpoint step 2 could not be saved in {target} ({error}); the last "
                                  f"complete checkpoint: step 1 ({tmp_path / 'step_00000001'})")
     assert not [p for p in tmp_path.rglob("*.tmp") if p.is_file()], "a failed write leaves no part"
-    assert not target.is_dir(), "nothing partial is left"
+    obstacle = [target / "meta.json.tmp"] if failure == "meta.json cannot be written" else []  # no save's
+    assert (list(target.iterdir()) if target.is_dir() else []) == obstacle, "nothing partial is left"
     assert zero.latest_checkpoint(tmp_path).name == "step_00000001"
     assert torch.equal(read_whole(tmp_path, "w", (6,)), torch.ones(6))
 
@@ -1069,6 +1070,7 @@ def test_a_claimed_folder_stays_locked_for_the_run_and_loses_a_killed_saves_left
     """claim_folder: rank 0 holds the lock while the run keeps the returned file (any other process, a
     second run's included, is refused) and removes what a save killed midway left."""
     run = tmp_path / "run"
+    zero.lock_checkpoints(run).close()  # an earlier run's folder
     (run / "step_00000003").mkdir(parents=True)
     (run / "step_00000003" / "rank00001.pt.tmp").write_bytes(b"half")
     results = in_seconds(rank_pool, 2, claim_and_try_again, str(run))
@@ -1080,31 +1082,191 @@ def test_a_claimed_folder_stays_locked_for_the_run_and_loses_a_killed_saves_left
 
 def claim_where_removal_fails(folder: str) -> str:
     """claim_folder on every rank while nothing can be removed (an immutable folder: chattr +i)."""
-    rmtree = shutil.rmtree
+    rmdir = os.rmdir
 
     def refuse(path, *args, **kwargs):
         raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
 
-    shutil.rmtree = refuse
+    os.rmdir = refuse
     try:
         zero.claim_folder(folder)
         return "claimed"
     except zero.CheckpointError as error:
         return str(error)
     finally:
-        shutil.rmtree = rmtree
+        os.rmdir = rmdir
 
 
 def test_a_killed_saves_folder_that_cannot_be_removed_is_one_line_naming_it(rank_pool, tmp_path):
     """Before: a 35-line PermissionError traceback on rank 0, the other ranks waiting for it. Now every
     rank raises one line naming the folder, and the lock is let go."""
     run = tmp_path / "run"
+    zero.lock_checkpoints(run).close()  # an earlier run's folder
     (run / "step_00000003").mkdir(parents=True)
     messages = in_seconds(rank_pool, 2, claim_where_removal_fails, str(run))
     assert messages == [f"checkpoint folder {run}: step_00000003, left by an interrupted save, cannot be "
                         f"removed (PermissionError: [Errno 1] Operation not permitted: "
                         f"'{run / 'step_00000003'}'): remove it, or choose another folder"] * 2
     zero.lock_checkpoints(run).close()
+
+
+# --- a checkpoint folder holds only what the course writes ---------------------------------------
+def snapshot(root: Path) -> dict:
+    """Every path under root: a file's bytes, a link's target, None for a folder (links not followed)."""
+    out = {}
+    for where, folders, files in os.walk(root):
+        for path in (Path(where) / name for name in folders + files):
+            out[str(path.relative_to(root))] = (os.readlink(path) if path.is_symlink() else
+                                                None if path.is_dir() else path.read_bytes())
+    return out
+
+
+def earlier_runs_folder(folder: Path) -> None:
+    """What a run leaves: its LOCK, step 1 complete (LATEST names it), step 2 killed mid-save, a LATEST.tmp."""
+    zero.lock_checkpoints(folder).close()
+    save_one(folder, 1, [(zero.Piece.whole("w", (6,)), torch.ones(6))])
+    (folder / "step_00000002").mkdir()
+    (folder / "step_00000002" / "rank00000.pt.tmp").write_bytes(b"half a file")
+    (folder / "LATEST.tmp").write_bytes(b"step_0000")
+
+
+USERS = {  # a user's file or folder in each place a run's names could reach, and what the refusal names
+    "a file": ("notes.md", "notes.md"),
+    "a .tmp file": ("draft.tmp", "draft.tmp"),
+    "a folder named like a step": ("step_by_step/notes.md", "step_by_step"),
+    "a file named as a step": ("step_00000100", "step_00000100"),
+    "a step-named folder of the user's": ("step_00000100/notes.md", "step_00000100/notes.md"),
+    "a .tmp in a step folder": ("step_00000001/draft.tmp", "step_00000001/draft.tmp"),
+    "a link named as a step": ("step_00000007@", "step_00000007"),
+    "a LATEST of the user's": ("LATEST", "LATEST"),
+    "a LOCK of the user's": ("LOCK", "LOCK"),
+}
+
+
+@pytest.mark.parametrize("course", [False, True], ids=["a user's folder", "an earlier run's folder"])
+@pytest.mark.parametrize("position", USERS)
+def test_a_folder_holding_what_no_run_wrote_is_refused_untouched(tmp_path, position, course):
+    """Before: a run's start deleted the user's step_by_step/, step_plots/ and draft.tmp ("what an
+    interrupted save left"). A folder is the course's only where a run claimed it (its LOCK) and only
+    its names are there (LOCK, LATEST, step_NNNNNNNN/ of rank files and meta.json, each .tmp): else the
+    claim is refused in one line naming what is there, before anything is touched, every byte kept (an
+    earlier run's unfinished saves too)."""
+    made, named = USERS[position]
+    if course and made in ("LATEST", "LOCK"):
+        pytest.skip("the course's own name in its own folder is the course's")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    if course:
+        earlier_runs_folder(folder)
+    if made.endswith("@"):
+        (tmp_path / "mine").mkdir()
+        (tmp_path / "mine" / "notes.md").write_text("the user's")
+        (folder / made[:-1]).symlink_to(tmp_path / "mine")
+    else:
+        (folder / made).parent.mkdir(exist_ok=True)
+        (folder / made).write_text("the user's")
+    before = snapshot(folder)
+    with pytest.raises(zero.CheckpointError) as error:
+        zero.claim_folder(folder)
+    message = str(error.value)
+    assert message.startswith(f"checkpoint folder {folder} holds what no run of this course wrote (")
+    named = named if course else made.split("/")[0].rstrip("@")  # where no run claimed it: all of it
+    assert named in message.split("(")[1].split(")")[0].split(", ") and "\n" not in message, message
+    assert snapshot(folder) == before and snapshot(tmp_path / "mine") in ({}, {"notes.md": b"the user's"})
+
+
+def test_an_earlier_runs_folder_loses_only_its_unfinished_saves(tmp_path, capsys):
+    folder = tmp_path / "run"
+    earlier_runs_folder(folder)
+    (folder / "LOCK.x1y2.tmp").write_bytes(b"")  # the write probe of a run killed right then
+    before = snapshot(folder)
+    zero.claim_folder(folder).close()
+    assert capsys.readouterr().out == (f"removed what an interrupted save left in {folder}: LATEST.tmp, "
+                                       f"LOCK.x1y2.tmp, step_00000002\n")
+    gone = ["LATEST.tmp", "LOCK.x1y2.tmp", "step_00000002", "step_00000002/rank00000.pt.tmp"]
+    assert snapshot(folder) == {k: v for k, v in before.items() if k not in gone + ["LOCK"]} | {
+        "LOCK": (folder / "LOCK").read_bytes()}
+
+
+def claim_or_refusal(folder: str) -> str:
+    try:
+        lock = zero.claim_folder(folder)
+    except zero.CheckpointError as error:
+        return str(error)
+    if lock is not None:
+        lock.close()
+    return "claimed"
+
+
+def test_a_users_folder_is_refused_on_every_rank_alike(rank_pool, tmp_path):
+    """Rank 0 looks at the folder; every rank raises its refusal (none goes on to train alone)."""
+    (tmp_path / "step_plots").mkdir()
+    (tmp_path / "step_plots" / "a.txt").write_text("the user's")
+    (tmp_path / "draft.tmp").write_text("the user's")
+    before = snapshot(tmp_path)
+    messages = in_seconds(rank_pool, 2, claim_or_refusal, str(tmp_path))
+    assert messages == [f"checkpoint folder {tmp_path} holds what no run of this course wrote (draft.tmp, "
+                        f"step_plots): left as it is; choose a new or empty folder (a run writes only LOCK, "
+                        f"LATEST and step_NNNNNNNN/ in it)"] * 2
+    assert snapshot(tmp_path) == before
+
+
+def test_a_save_removes_only_files_saves_write(tmp_path, monkeypatch):
+    """What a user puts in a run's folder while it runs stays: a save's cleanup of an earlier save at its
+    step, of the steps it does not keep and of a failed save removes only a save's files (a step folder
+    holding the user's stays, with it); step_by_step/ is no step."""
+    piece = zero.Piece.whole("w", (6,))
+    save_one(tmp_path, 1, [(piece, torch.ones(6))])
+    for mine in ("step_by_step/notes.md", "step_00000001/notes.md", "step_00000002/notes.md",
+                 "step_00000003/notes.md"):
+        (tmp_path / mine).parent.mkdir(exist_ok=True)
+        (tmp_path / mine).write_text("the user's")
+    save_one(tmp_path, 2, [(piece, torch.full((6,), 2.0))])
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(zero.CheckpointError, match="checkpoint step 3 could not be saved"):
+        save_one(tmp_path, 3, [(piece, torch.full((6,), 3.0))])
+    monkeypatch.undo()
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == [
+        "LATEST", "step_00000001/notes.md", "step_00000002/meta.json", "step_00000002/notes.md",
+        "step_00000002/rank00000.pt", "step_00000003/notes.md", "step_by_step/notes.md"]
+    assert torch.equal(read_whole(tmp_path, "w", (6,)), torch.full((6,), 2.0))
+
+
+def save_where_rank_0_alone_fails(folder: str) -> str:
+    """Both ranks save their half of w at step 2 (step 1 is complete): rank 0 alone writes meta.json
+    and LATEST, which the test made fail."""
+    rank, piece = dist.get_rank(), zero.Piece.whole("w", (4,))
+    pieces = [(piece.narrow(2 * rank, 2 * rank + 2), {"params": torch.full((2,), float(rank))})]
+    try:
+        zero.save_checkpoint(folder, 2, pieces)
+        return "saved"
+    except zero.CheckpointError as error:
+        return str(error)
+
+
+@pytest.mark.parametrize("blocked", ["step_00000002/meta.json.tmp", "LATEST.tmp"])
+def test_rank_0_failing_to_write_meta_json_or_latest_stops_every_rank(rank_pool, tmp_path, blocked):
+    """Rank 0's failure is told to the other ranks (else they would return as if step 2 were saved)."""
+    save_one(tmp_path, 1, [(zero.Piece.whole("w", (4,)), torch.ones(4))])
+    (tmp_path / blocked).mkdir(parents=True)  # a folder where rank 0 writes a file
+    messages = in_seconds(rank_pool, 2, save_where_rank_0_alone_fails, str(tmp_path))
+    assert messages == [f"checkpoint step 2 could not be saved in {tmp_path / 'step_00000002'} (rank 0: "
+                        f"IsADirectoryError: [Errno 21] Is a directory: '{tmp_path / blocked}'); the last "
+                        f"complete checkpoint: step 1 ({tmp_path / 'step_00000001'})"] * 2
+    assert zero.latest_checkpoint(tmp_path).name == "step_00000001"
+
+
+def test_a_failed_save_at_the_step_latest_names_keeps_that_checkpoint(tmp_path, monkeypatch):
+    """A save failing at the step LATEST already names (a run resumed there saving it again) removes
+    nothing: that step's files are still the complete checkpoint LATEST names."""
+    piece = zero.Piece.whole("w", (6,))
+    save_one(tmp_path, 2, [(piece, torch.ones(6))])
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(zero.CheckpointError) as error:
+        save_one(tmp_path, 2, [(piece, torch.full((6,), 2.0))])
+    monkeypatch.undo()
+    assert str(error.value).endswith(f"the last complete checkpoint: step 2 ({tmp_path / 'step_00000002'})")
+    assert torch.equal(read_whole(tmp_path, "w", (6,)), torch.ones(6))
 
 
 # --- the script itself -------------------------------------------------------------------------

@@ -173,6 +173,31 @@ def test_the_ring_sends_the_kv_heads_only(rank_pool):
     assert grouped * 4 == repeated
 
 
+def ring_saves(zigzag: bool) -> tuple[int, int]:
+    """(bytes ring attention saves for backward, measured by a saved-tensors hook; q, k and v's bytes plus
+    ring_saved_bytes) on this rank's shard: 6 query heads reading 3 K/V heads."""
+    layout = context_parallel.SequenceLayout(8 * dist.get_world_size(), dist.get_world_size(), zigzag)
+    inputs = context_parallel.attention_inputs(2, 6, layout.seq_len, 4, seed=7, kv_heads=3)
+    q, k, v = (layout.shard(t, dist.get_rank(), dim=2).requires_grad_() for t in inputs[:3])
+    saved = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.nbytes)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        _, lse = context_parallel.ring_attention(q, k, v, zigzag=zigzag)
+    inputs_bytes = q.nbytes + k.nbytes + v.nbytes
+    return sum(saved), inputs_bytes + context_parallel.ring_saved_bytes(q.numel(), lse.numel())
+
+
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_ring_saved_bytes_is_what_ring_attention_keeps_for_backward(rank_pool, zigzag):
+    """The formula lesson 09's plan (and 03's activation formula) takes for the ring, measured."""
+    for measured, formula in rank_pool.run(2, ring_saves, zigzag):
+        assert measured == formula
+
+
 def large_logit_errors(method: str, zigzag: bool) -> list[float]:
     """Max |error| against float64 of out, dq, dk, dv, this rank's shard, with q and k scaled by 40:
     scores of size ~1000, lse ~5000, where an fp32 lse is only known to ~5e-4."""

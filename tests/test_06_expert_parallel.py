@@ -243,11 +243,12 @@ def train_layer(dim, cfg, tokens_per_rank, steps, seed, sharded):
             record[key].append(value)
         record["ops"] |= {op for op, _ in meter.stats}
         if step == 0:
-            grads = expert_parallel.gather_full(layer, {n: p.grad for n, p in layer.named_parameters()})
+            grads = expert_parallel.unshard_experts(layer, {n: p.grad for n, p in layer.named_parameters()})
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         layer.update_selection_bias()
-    return record, grads, expert_parallel.gather_full(layer, dict(layer.named_parameters())), layer.selection_bias
+    params = expert_parallel.unshard_experts(layer, dict(layer.named_parameters()))
+    return record, grads, params, layer.selection_bias
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4])
@@ -337,7 +338,7 @@ def step_with_frozen_router_and_embedding(cfg, moe_cfg):
     tokens, targets = foundation.synthetic_batch(cfg, 4, 5, 0, dist.get_rank(), dist.get_world_size())
     model(tokens, targets).backward()
     expert_parallel.sync_gradients(model)
-    return [p.grad is None for p in frozen], expert_parallel.gather_full(
+    return [p.grad is None for p in frozen], expert_parallel.unshard_experts(
         model, {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
 
 

@@ -205,6 +205,16 @@ def test_attention_backward_holds_what_attention_backward_bytes_says(kernel, bat
         assert made.peak == flash.attention_backward_bytes(batch * seq, heads, kv_heads, head_dim, size, "flash")
 
 
+def test_sdpas_gpu_backends_hold_an_fp32_dq_beside_the_gradients():
+    """SDPA's FlashAttention-2 and cuDNN backends accumulate dq in fp32 beside the bf16 dq, dk and dv; 07's
+    kernel does not (measured above: a CPU has no such backend). By hand, 128 tokens, 8 heads of 64, 2 K/V
+    heads: dq 128 x 8 x 64 x 2 B, dk and dv 128 x 2 x 64 x 2 B each; SDPA's also 128 x 8 x 64 x 4 B."""
+    gradients = 128 * 8 * 64 * 2 + 2 * 128 * 2 * 64 * 2
+    assert flash.attention_backward_bytes(128, 8, 2, 64, 2, "flash") == gradients
+    for kernel in ("sdpa", "cudnn"):
+        assert flash.attention_backward_bytes(128, 8, 2, 64, 2, kernel) == gradients + 128 * 8 * 64 * 4
+
+
 @cpu_only
 @pytest.mark.parametrize("group", [2, 4])
 def test_grouped_kv_gradients_are_the_groups_sums(group):

@@ -978,7 +978,61 @@ def test_tensor_parallel_amax_all_reduces_move_what_the_formula_says(rank_pool, 
                 tp, n_layers, microbatches, sequence_parallel=sequence_parallel)
 
 
+def test_a_gemm_of_no_rows_reads_its_weight():
+    """An expert that no token reaches (more experts than routed tokens: 09's plan --moe --experts 10^6 was a
+    ZeroDivisionError) multiplies nothing and still reads its weight: k x n bf16 elements at the bandwidth."""
+    assert fp8.gemm_seconds(0, 64, 32, 1e12) == 64 * 32 * 2 / 1e12
+
+
+def float8_tensor_parallel_recomputing(cfg, steps: int, batch: int, seq_len: int, sequence_parallel: bool,
+                                       recompute: str):
+    """train_float8_tensor_parallel with 03's recompute applied to the split model."""
+    def split(model):
+        model = fp8.tensor_parallel_scales(model, sequence_parallel=sequence_parallel)
+        return tensor_parallel.apply_recompute(model, recompute)
+    return tensor_parallel.train_tensor_parallel(
+        cfg, steps, batch, seq_len, sequence_parallel=sequence_parallel, transform=fp8.convert_to_float8,
+        after=split, around_step=fp8.weights_cast_once, adam_eps=ADAM_EPS)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recompute_adds_the_amax_all_reduces_of_what_it_casts_again(rank_pool, recompute, sequence_parallel):
+    """Full recompute reruns each block's forward: its row-parallel linears (out, down) cast their split
+    inputs again, one amax all-reduce each a layer; selective reruns attention's inside, where nothing is
+    cast. (op runs at tp = 1 only, in 09, where there is nothing to all-reduce.) Measured, on 2 ranks."""
+    tp, steps, n_layers = 2, 2, 2
+    cfg = foundation.ModelConfig(vocab_size=11, dim=8, n_layers=n_layers, n_heads=2, ffn_dim=6, seed=1)
+    calls, payload = tensor_parallel.comm_formula(cfg, 2, 4, sequence_parallel, recompute=recompute)["all_reduce"]
+    runs = rank_pool.run(tp, float8_tensor_parallel_recomputing, cfg, steps, 2, 4, sequence_parallel, recompute)
+    again = 2 if recompute == "full" else 0
+    amax_bytes = fp8.tensor_parallel_amax_traffic(tp, n_layers, sequence_parallel=sequence_parallel,
+                                                  recompute=recompute)
+    for _, meter in runs:
+        assert meter.calls("all_reduce") - steps * calls == steps * (1 + (7 + again) * n_layers)
+        assert meter.traffic("all_reduce") - steps * 2 * Fraction(tp - 1, tp) * payload == steps * amax_bytes
+
+
 # --- the script itself ------------------------------------------------------------------------
+
+def test_main_refuses_a_batch_the_ranks_cannot_split_with_train_float8_zeros_own_message(monkeypatch, capsys,
+                                                                                         rank_pool):
+    """One message for one rule: main gives launch_lesson validate_float8_zero as data, so `distributed
+    --batch 6` on 2 ranks (2 microbatches each) is refused before any rank starts with the words the
+    ranks' train_float8_zero would raise."""
+    message = "global_batch=6 is not divisible by the group size x microbatches = 2 x 2"
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", ["08_fp8.py", "distributed", "--nproc", "2", "--batch", "6"])
+    monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    with pytest.raises(SystemExit) as exit_:
+        fp8.main()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"08_fp8.py distributed: error: {message}\n"
+    cfg = foundation.ModelConfig(vocab_size=11, dim=10, n_heads=1, ffn_dim=7)
+    rank_pool.expect_invalid(2, fp8.train_float8_zero, cfg, 1, 6, 4, mode="zero3", microbatches=2,
+                             match=re.escape(message))
+
 
 def test_distributed_runs_as_plain_python():
     """`08_fp8.py distributed`: both demos on 2 local ranks: every measured byte count equals its formula (the script marks one

@@ -38,12 +38,12 @@ def test_the_course_is_its_nine_scripts():
 
 
 @pytest.mark.parametrize("script, command, message", [
-    ("02_zero", [], "global_batch=16 is not divisible by the group size 3"),
-    ("03_tensor_parallel", [], "n_heads=8 is not divisible by tp=3"),
+    ("02_zero", [], "--global-batch 16 is not divisible by the 3 ranks"),
+    ("03_tensor_parallel", [], "--seq-len 32 is not divisible by the 3 ranks"),
     ("04_pipeline", [], "microbatches=8 is not a multiple of pp=3"),
     ("05_context_parallel", [], "seq_len=64 is not divisible by 2 x cp = 6"),
-    ("06_expert_parallel", [], "n_experts=8 is not divisible by ep=3"),
-    ("08_fp8", ["distributed"], "--batch 16 is not divisible by 2 microbatches x 3 ranks"),
+    ("06_expert_parallel", [], "--experts 8 is not divisible by the 3 ranks"),
+    ("08_fp8", ["distributed"], "--seq-len 64 is not divisible by the 3 ranks"),
 ])
 def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script, command, message):
     """Every lesson of several ranks ends its main() in launch_lesson: its defaults are checked against
@@ -159,6 +159,40 @@ def test_every_line_of_every_lesson_fits_the_style(lesson):
     long = [f"line {i}: {len(line)} characters" for i, line in enumerate(lesson.read_text().splitlines(), 1)
             if len(line) > MAX_LINE]
     assert not long, long
+
+
+def packed_assignments(source: str) -> list[int]:
+    """Lines that pack several values into one assignment (`a, b = x, y`: a tuple on both sides)."""
+    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Assign)
+            and isinstance(node.targets[0], (ast.Tuple, ast.List)) and isinstance(node.value, ast.Tuple)]
+
+
+def test_one_idea_a_line():
+    """Minimalist means easy to follow, not dense (DESIGN.md, Layout): a function with a name is a def,
+    never a lambda bound to a name; values packed into one assignment only where they belong together (a
+    swap, a range, a shape, a pair made together): at most 100 such lines in the nine (issue 53: 243)."""
+    packed = {}
+    for lesson in LESSONS:
+        tree = ast.parse(lesson.read_text())
+        named = [node.lineno for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                 and isinstance(node.value, ast.Lambda)]
+        assert not named, f"{lesson.name}: lambdas bound to names at lines {named}"
+        packed[lesson.name] = packed_assignments(lesson.read_text())
+    assert sum(map(len, packed.values())) <= 100, packed
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name)
+def test_what_only_the_plan_reads_is_each_lessons_last_part(lesson):
+    """A GPU's seconds, which only 09's plan reads, never stand between a lesson's technique and its demo
+    (issue 53): in lessons 01-08 every function that returns seconds (named *_seconds) comes after the
+    lesson's main()."""
+    if lesson.stem == "09_full_train":
+        return
+    tree = ast.parse(lesson.read_text())
+    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
+    main = next(node.lineno for node in functions if node.name == "main")
+    early = [node.name for node in functions if node.name.endswith("_seconds") and node.lineno < main]
+    assert not early, f"{lesson.name}: {early} before main()"
 
 
 def test_the_readme_is_a_course_map_not_a_lab_report():
