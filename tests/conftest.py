@@ -11,8 +11,8 @@ rank and gets the per-rank return values back:
 
 If a rank raises, the test fails with every failing rank's traceback, and the ranks leave their
 process groups (with whatever the call left in flight) for a fresh one; if a rank does not answer in
-time (a collective that some rank never joined), the test fails naming the silent ranks and the
-pool is replaced. Nothing hangs.
+time (a collective that some rank never joined; after a rank failed, within FAILURE_GRACE_S), the
+test fails naming the silent ranks and the pool is replaced. Nothing hangs.
 
 Hypothesis profiles: `ci` (the default; few examples, derandomized so CI is reproducible), `dev`
 (many more examples): HYPOTHESIS_PROFILE=dev python -m pytest tests, and `grade` (tests/workshop.py's
@@ -74,6 +74,10 @@ COLLECTIVE_TIMEOUT_S = 600  # inside the workers: a collective some rank never j
 CALL_TIMEOUT_S = 600        # a call on every rank of a pool (its start-up too)
 SCRIPT_TIMEOUT_S = 900      # a lesson run as `python 0X_name.py`
 REJOIN_TIMEOUT_S = 60       # the ranks of a pool leaving their groups after a failed call, joining anew
+# After one rank of a call fails, the others answer within this or never: a rank left in a collective
+# with the failed one waits for it until the collective's own timeout. Their own errors (a check every
+# rank makes before any collective) come within milliseconds; 15 s leaves room for a loaded machine.
+FAILURE_GRACE_S = 15
 LESSON_NAME = re.compile(r"\d\d_\w+")
 
 
@@ -310,6 +314,8 @@ class RankPool:
             if cid == call_id:
                 answers[rank] = (status, value)
                 proofs.record_all(ran)
+                if status != "ok":
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         return answers
 
     def _silent(self, answers: dict) -> dict[int, str]:

@@ -502,7 +502,7 @@ def zero3_step_with_gathers_landing_at_wait(cfg):
     finally:
         foundation.all_gather = real
     optimizer.finish_gradient_sync()
-    grads = optimizer.gather_full([unit.grad_shard for unit in optimizer.units])
+    grads = optimizer.unshard([unit.grad_shard for unit in optimizer.units])
     return loss.item(), expected.item(), grads, {name: p.grad for name, p in reference.named_parameters()}
 
 

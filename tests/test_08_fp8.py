@@ -118,6 +118,16 @@ def test_scale_is_finite_and_maps_amax_to_fp8_max(amax, dtype):
     assert abs((scale.double() * floored).item() / fp8.fp8_max(dtype) - 1) < 1e-6
 
 
+@pytest.mark.parametrize("amax_dtype", [torch.bfloat16, torch.float64])
+def test_a_bf16_or_float64_amax_gives_an_fp32_scale(amax_dtype):
+    """A bf16 model's amax is bf16: its scale is still fp32 (the GEMMs take fp32 scales), and exactly
+    fp8_max / amax in fp32; in bf16 448 / 3 would be off by ~2e-3 relative (8 bits of mantissa)."""
+    amax = torch.tensor([3.0, 0.1, 7.0], dtype=amax_dtype)
+    scale = fp8.amax_to_scale(amax, E4M3)
+    assert scale.dtype == torch.float32
+    assert torch.equal(scale, torch.full((3,), fp8.fp8_max(E4M3)) / amax.float())
+
+
 def test_sqnr():
     x = torch.randn(1000)
     assert fp8.sqnr(x, x) == math.inf
