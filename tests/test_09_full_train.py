@@ -211,7 +211,7 @@ def configurations(draw):
     return cfg, sizes, train
 
 
-def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, recompute="none"):
+def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, recompute="none", lean_saves=True):
     """A configuration the 15 drawn examples may miss, run on every CI pass."""
     sizes = full_train.MeshSizes(*dims, **({"ep": ep} if ep else {}))
     cfg = small_model(n_layers)
@@ -219,7 +219,7 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
                                    zero_stage=zero_stage, schedule=schedule, microbatches=microbatches,
                                    virtual=2 if schedule == "interleaved" else 1, sequence_parallel=sp, lr=LR,
                                    adam_eps=ADAM_EPS, max_grad_norm=0.5, moe=MOE if ep else None,
-                                   recompute=recompute)
+                                   recompute=recompute, lean_saves=lean_saves)
     return (cfg, sizes, train)
 
 
@@ -230,6 +230,7 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
 @example(configuration=pinned((1, 4, 1, 2), 0, "1f1b", 4, False, n_layers=4))
 @example(configuration=pinned((2, 1, 2, 1), 3, "1f1b", 2, False, ep=2))
 @example(configuration=pinned((2, 1, 2, 2), 3, "1f1b", 2, True, recompute="full"))
+@example(configuration=pinned((1, 2, 1, 2), 1, "1f1b", 2, True, lean_saves=False))  # --autograd-saves
 @example(configuration=pinned((1, 2, 2, 1), 1, "gpipe", 2, False, recompute="selective"))
 @example(configuration=pinned((1, 2, 1, 1), 0, "zb-h1", 4, False))  # W frees the last stage's B path
 @example(configuration=(foundation.ModelConfig(vocab_size=30, dim=16, n_layers=1, n_heads=4, ffn_dim=24),
@@ -389,23 +390,23 @@ def train_fp8_on_mesh(cfg, sizes, train, steps: int, fp8_gathers: bool = True):
     fp32 (Fp32GatherUnit). Also returns the e4m3 elements cast that no Float8Linear received as
     input: the weights' casts."""
     elements = {"cast": 0, "inputs": 0}
-    real_cast, real_unit = fp8.cast_to_fp8, fp8.Float8ZeRO.unit_type
+    real_cast, real_unit, real_keep = fp8.cast_to_fp8, fp8.Float8ZeRO.unit_type, fp8.Float8Math.keep
 
     def counting_cast(x, scale, dtype):
         elements["cast"] += x.numel() if dtype == fp8.E4M3 else 0
         return real_cast(x, scale, dtype)
 
-    def count_input(module, args):
-        elements["inputs"] += args[0].numel() if isinstance(module, fp8.Float8Linear) else 0
+    def counting_keep(math, x):  # one cast of an input for all the linears that read it
+        elements["inputs"] += x.numel()
+        return real_keep(math, x)
 
-    hook = torch.nn.modules.module.register_module_forward_pre_hook(count_input)
     fp8.cast_to_fp8 = counting_cast
+    fp8.Float8Math.keep = counting_keep
     fp8.Float8ZeRO.unit_type = real_unit if fp8_gathers else Fp32GatherUnit
     try:
         return *train_on_mesh(cfg, sizes, train, steps), elements["cast"] - elements["inputs"]
     finally:
-        hook.remove()
-        fp8.cast_to_fp8, fp8.Float8ZeRO.unit_type = real_cast, real_unit
+        fp8.cast_to_fp8, fp8.Float8ZeRO.unit_type, fp8.Float8Math.keep = real_cast, real_unit, real_keep
 
 
 @settings(max_examples=max(2, settings.default.max_examples // 5))  # two meshes trained per example
@@ -1354,7 +1355,7 @@ def test_a_resume_whose_folder_became_read_only_is_refused_before_launch(monkeyp
 MODEL_OPTIONS = {"--dp", "--pp", "--cp", "--tp", "--ep", "--moe", "--experts", "--zero", "--schedule",
                  "--microbatches", "--virtual", "--sequence-parallel", "--fp8", "--recompute", "--kv-heads",
                  "--global-batch", "--seq-len", "--model", "--dim", "--layers", "--heads", "--ffn-dim", "--vocab",
-                 "--attention", "--compile", "--eager"}
+                 "--attention", "--compile", "--eager", "--lean-saves", "--autograd-saves"}
 STEP_OPTIONS = {"--steps", "--lr", "--max-grad-norm", "--bf16"}
 OWN_OPTIONS = {  # what each sub-command offers, and nothing else
     "check": MODEL_OPTIONS | STEP_OPTIONS,
@@ -2070,7 +2071,7 @@ PLAN_OPTIONS = {"--dp", "--pp", "--cp", "--tp", "--ep", "--moe", "--experts", "-
                 "--global-batch", "--seq-len", "--model", "--gpus", "--gpus-per-node", "--gpu-memory",
                 "--peak-tflops", "--hbm-tbps", "--nvlink-gbps", "--network-gbps", "--attention", "--gpu",
                 "--fp8-tflops", "--power-limit", "--json", "--dim", "--layers", "--heads", "--ffn-dim", "--vocab",
-                "--compile", "--eager"}
+                "--compile", "--eager", "--lean-saves", "--autograd-saves"}
 
 
 def test_the_planner_offers_the_meshs_and_clusters_options_and_says_what_decides_the_rest(
