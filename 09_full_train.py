@@ -50,17 +50,20 @@ models and clusters not here, and prices a step. `train` adds 02's checkpoints, 
 
 THE STEP TIME, from the operations (step_time): each one priced by the lesson that owns it, no MFU assumed.
 GEMMs at their TP-local shapes by 08's roofline (the rate measured on an H100, or the bytes at the HBM's
-bandwidth); attention at 07's measured rate; elementwise work (elementwise_bytes, split as 03 splits the
-layer) and the optimizer (02) at the HBM's bandwidth; recompute's forward again. Messages go at their link's
-speed (NVLink inside a node, the NIC across: ranks are numbered tp fastest, so inside_node knows which groups
-stay in one) plus a latency, exposed where nothing hides them: TP's all, the ring's hops beyond a block's
-attention, the gradient reduction beyond the last microbatch's backward, ZeRO-1/2's gather after the step,
-ZeRO-3's beyond the previous layer, the pipeline's sends in its fill and drain. The slowest pipeline rank's
-microbatches / (1 - 04's bubble) span the pipeline (pipeline_span). Two bounds frame it: full overlap, none.
+bandwidth); attention at 07's measured rate (--attention unfused, a kernel the course does not run: its GEMMs
+by 08's roofline, its scores at the HBM's bandwidth); elementwise work (elementwise_bytes, split as 03 splits
+the layer) and the optimizer (02) at the HBM's bandwidth; recompute's forward again. On a GPU other than the
+H100 SXM, 07's and 08's rates are the H100's scaled by its datasheet peak (Cluster): no course kernel ran
+there. Messages go at their link's speed (NVLink inside a node, the NIC across: ranks are numbered tp
+fastest, so inside_node knows which groups stay in one, a ring's too) plus a latency, exposed where nothing
+hides them: TP's all, the ring's hops beyond a block's attention, the gradient reduction beyond the last
+microbatch's backward, ZeRO-1/2's gather after the step, ZeRO-3's beyond the previous layer, the pipeline's
+sends in its fill and drain. The slowest pipeline rank's microbatches / (1 - 04's bubble) span the pipeline
+(pipeline_span). Two bounds frame it: full overlap, none.
 
 THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that validate accepts; those
-that fit in memory, fastest first. The README's planning table checks the predictions against published runs
-(Megatron-Core's H100 table, MosaicML's MPT, Meta's Llama 3 405B): PRESETS.
+that fit in memory, fastest first. The README's planning table checks the predictions against published runs:
+those the model was calibrated on, and runs it was only checked on (A100s, long context, B200s): PRESETS.
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
@@ -231,9 +234,11 @@ class TrainConfig:
                               "input's sequence shard", off=(
                                   "--autograd-saves", False, "every tensor autograd saves; SP's linears keep "
                                   "the gathered input"))
-    attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring); cudnn: SDPA's cuDNN backend "
-                            "(plan only: Transformer Engine's fused attention)",
-                            choices=("sdpa", "flash", "cudnn"))
+    attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring); plan only, kernels the course "
+                            "does not run: cudnn, SDPA's cuDNN backend (Transformer Engine's fused "
+                            "attention); unfused, two GEMMs around a softmax that writes the scores to "
+                            "memory (Megatron before FlashAttention; PyTorch's eager attention)",
+                            choices=("sdpa", "flash", "cudnn", "unfused"))
     compile: bool = option(False, "torch.compile each block: one graph, its elementwise work fused", off=(
         "--eager", False, "eager blocks: each elementwise operation a kernel of its own"))
 
@@ -1478,10 +1483,12 @@ class Cluster:
     """The machines: a --gpu preset, each rate overridable (defaults: h100-sxm's). A GEMM or attention runs at
     the course's H100 rate (07's and 08's tables, measured at 700 W) x this GPU's dense peak / the H100's, x
     power_limit / tdp where a limit holds the clocks, so a compute-bound rate, below the TDP's; what memory
-    bounds (a thin GEMM, elementwise work, the optimizer) at hbm_tbps. No lent GPU has measured 07's or 08's
-    rates on another GPU: each preset's are the H100's, scaled so. Rates and sizes lie within ~1000x of an
-    H100 node's (beyond any chip or cluster of today): a typo (0, 1e-300, inf, 1e308) priced a step at 0 s,
-    then divided by it; NaN breaks every rule. --gpus at most a million: the search tries each divisor."""
+    bounds (a thin GEMM, elementwise work, the optimizer) at hbm_tbps. Measured: 07's and 08's rates, on an
+    H100 SXM only; on every other preset (A100s, B200, H200s, the PCIe and 500 W H100s) they are the H100's
+    scaled so, not measured (the plan's header says so); the rest are datasheet figures. Rates and sizes lie
+    within ~1000x of an H100 node's (beyond any chip or cluster of today): a typo (0, 1e-300, inf, 1e308)
+    priced a step at 0 s, then divided by it; NaN breaks every rule. --gpus at most a million: the search
+    tries each divisor."""
     gpus: int | None = option(None, "GPUs (default: the mesh sizes' product)", (">= 1", "<= 1e6"), type=int)
     gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", (">= 1", "<= 1e4"))
     gpu: str = option("h100-sxm", "the GPU: memory, peaks, bandwidths, power (each option below overrides)",
@@ -1557,6 +1564,22 @@ def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, lay
                  for (a, b, c, d), end in zip(per_layer, ends))
 
 
+def unfused_attention_seconds(batch: int, heads: int, seq: int, head_dim: int, cp: int, hbm: float,
+                              elem_bytes: int, speed: float) -> tuple[float, float]:
+    """(forward, backward) of attention without a fused kernel (--attention unfused), as Megatron ran it
+    before FlashAttention: each head's seq x seq scores computed whole (the causal mask applied inside the
+    softmax, after the product; cp > 1: each of the ring's cp blocks whole) by GEMMs at 08's roofline,
+    around a softmax kernel that reads the scores and writes the probabilities (2 passes over the scores
+    at the HBM's bandwidth). Backward: dP = dO V^T, then the softmax's backward reads P and dP and writes
+    dS (3 passes), and dV = P^T dO, dQ = dS K, dK = dS^T Q, each with a seq x seq operand. Time only:
+    plan's memory does not hold the probabilities it saves (seq^2 a head)."""
+    count = batch * heads * cp
+    passes = count * seq ** 2 * elem_bytes / hbm
+    scores = fp8.gemm_seconds(seq, head_dim, seq, hbm, speed=speed)  # Q K^T, and dO V^T
+    reads = fp8.gemm_seconds(seq, seq, head_dim, hbm, speed=speed)  # P V, and the three that read P or dS
+    return count * (scores + reads) + 2 * passes, count * (scores + 3 * reads) + 3 * passes
+
+
 def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster,
               hide: bool = True) -> dict:
     """Seconds per step (THE STEP TIME); parts: the slowest pipeline rank's (bubble: its idle time in the
@@ -1603,7 +1626,10 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
         return [x / hbm for x in nbytes]
 
     kernel = "flash" if cp > 1 and train.attention == "sdpa" else train.attention  # 09's ring: 07's kernel
-    attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, kernel, cp, speed)
+    if kernel == "unfused":
+        attention = unfused_attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, cp, hbm, e, speed)
+    else:
+        attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, kernel, cp, speed)
     layer = {"GEMMs": linears("layers."), "attention": list(attention),
              "elementwise": elementwise(layers=1, embed=False, head=False)}
     rerun = dict(none=(), selective=("attention",), op=("elementwise",), full=tuple(layer))[train.recompute]
@@ -1814,13 +1840,15 @@ def plan_report(job: Job) -> str:
         n_params += cfg.n_layers * sum(map(math.prod, experts))
         mlp = f"{moe.n_experts} experts of {moe.expert_ffn_dim}, top {moe.top_k}"
     fp8_rate = f"FP8 x {cluster.speed[1]:.3g}" if cluster.fp8_tflops else "no FP8"
+    scaled = "" if cluster.gpu == "h100-sxm" and cluster.speed[0] == 1 else (
+        f"; the {cluster.gpu}'s datasheet peaks and power limit over the H100's: not measured on it")
     header = (f"{job.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
               f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, {mlp}, vocabulary {cfg.vocab_size:,}"
               f"{', tied' if cfg.tie_embeddings else ''}), bf16 + fp32 masters"
               f"{' + FP8 GEMMs' if train.fp8 else ''}; batch {train.global_batch:,} x {train.seq_len:,} "
               f"tokens; {on} of {memory:g} GiB ({cluster.gpu}), {cluster.gpus_per_node} per node.\n"
               f"Priced: GEMMs and attention ({train.attention}) at the course's H100 rates x "
-              f"{cluster.speed[0]:.3g} ({fp8_rate}), the rest at {cluster.hbm_tbps:g} TB/s"
+              f"{cluster.speed[0]:.3g} ({fp8_rate}{scaled}), the rest at {cluster.hbm_tbps:g} TB/s"
               f"{'' if train.compile else ', eager'}; {cluster.nvlink_gbps:g} GB/s per GPU each way in a "
               f"node, {cluster.network_gbps:g} across nodes, {cluster.latency * 1e6:g} us a message.\n"
               f"Memory: the tensors, temporaries (the loss, a layer's backward, ZeRO's), the allocator's "
@@ -1962,7 +1990,9 @@ def check_before_launch(job: Job, world: int) -> None:
         (cfg.tie_embeddings, f"--model {job.model} ties its LM head to the embedding: 09 trains them apart "
                              f"(01's GPT ties; plan prices it)"),
         (train.attention == "cudnn", "--attention cudnn is plan's price of SDPA's cuDNN backend: train and "
-                                     "check run sdpa or flash")) if wrong]
+                                     "check run sdpa or flash"),
+        (train.attention == "unfused", "--attention unfused is plan's price of PyTorch's eager attention: "
+                                       "train and check run sdpa or flash")) if wrong]
     broken += () if job.command != "train" else [message for wrong, message in (
         (cfg.vocab_size < 256,
          f"train reads bytes: a vocabulary of {cfg.vocab_size} cannot hold them (--vocab)"),

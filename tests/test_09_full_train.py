@@ -1920,25 +1920,31 @@ PUBLISHED = {
 MISSES = {"09 `1b`, FP8"}  # beyond 20%, the README says why: measured before one graph per block
 
 
+def published_row(label: str) -> tuple:
+    """A run of either set: (model, mesh, options, published figure)."""
+    return PUBLISHED[label] if label in PUBLISHED else HELD_OUT[label]
+
+
 def published_run(label: str) -> tuple:
     """The published run's (ModelConfig, mesh, TrainConfig, Cluster): plan's options over the model's run,
-    bf16 with fp32 masters, compiled unless the row says not."""
-    model, mesh, options, _ = PUBLISHED[label]
+    bf16 with fp32 masters, compiled unless the row says not; --gpu and --power-limit set the Cluster."""
+    model, mesh, options, _ = published_row(label)
     options = {"compile": True, **options}
     cfg = preset(model) if isinstance(model, str) else foundation.ModelConfig(**model)
     _, seq_len, batch, _ = full_train.PRESETS[model] if isinstance(model, str) else (None, None, None, None)
-    gpu = full_train.GPUS[options.pop("gpu", "h100-sxm")]
+    gpu = dict(zip(full_train.GPU_FIELDS, full_train.GPUS[options.pop("gpu", "h100-sxm")]))
+    gpu["power_limit"] = options.pop("power_limit", gpu["power_limit"])
     run = full_train.TrainConfig(**{**dict(global_batch=batch, seq_len=seq_len, mixed_precision=True), **options})
-    return cfg, full_train.MeshSizes(*mesh), run, full_train.Cluster(**dict(zip(full_train.GPU_FIELDS, gpu)))
+    return cfg, full_train.MeshSizes(*mesh), run, full_train.Cluster(**gpu)
 
 
 def published_and_predicted(label: str) -> tuple[float, dict]:
     """The published run's step in seconds (from its figure) and plan's step time for its mesh."""
     cfg, sizes, run, cluster = published_run(label)
-    microbatches = PUBLISHED[label][2].get("microbatches")  # None: one sequence each
+    microbatches = published_row(label)[2].get("microbatches")  # None: one sequence each
     sizes, run, _, timing = full_train.planned(cfg, sizes, dataclasses.replace(run, microbatches=microbatches),
                                                cluster)
-    figure, unit = PUBLISHED[label][3]
+    figure, unit = published_row(label)[3]
     tokens_per_gpu = run.global_batch * run.seq_len / sizes.world
     per_second = {"ms": 1e3 / figure, "s": 1 / figure, "tokens/s": figure / tokens_per_gpu,
                   "TFLOP/s": figure * 1e12 / (tokens_per_gpu * full_train.flops_per_token(cfg, run.seq_len))}
@@ -1975,6 +1981,235 @@ def test_every_published_run_is_predicted_within_20_percent_but_the_readmes_stat
     sources = {label.split()[0] for label in PUBLISHED} - {"09", "Llama", "Megatron", "MPT-1B", "MPT-7B", "MPT-70B"}
     assert sources == {"DGX", "NeMo", "torchtitan", "torchao"}
     assert sum(run.fp8 for run in (published_run(label)[2] for label in PUBLISHED if label.split()[0] in sources)) >= 4
+
+
+# Held out: published runs the model was never calibrated on (test_the_held_out_runs_... states the rule). Rows of
+# /work/research/published_runs.md (its ids in the comments), each planned by PUBLISHED's a priori rules; besides:
+# a GeLU or squared-ReLU MLP priced as 01's SwiGLU of its size (swiglu_of_its_size), Megatron's tied embedding,
+# Megatron before FlashAttention (2021-2022, A100s) with --attention unfused, and Megatron's fused kernels
+# (LayerNorm, softmax, bias-GeLU, bias-dropout-add) as compiled.
+def swiglu_of_its_size(ffn: int) -> int:
+    """A two-matrix MLP of width ffn as 01's three-matrix SwiGLU of its parameters: 2/3 ffn, rounded to a
+    multiple of 128 (any tp up to 8 divides it)."""
+    return round(ffn * 2 / 3 / 128) * 128
+
+
+def gpt(dim: int, layers: int, heads: int, vocab: int, ffn: int | None = None, kv_heads: int | None = None,
+        tied: bool = True) -> dict:
+    """A GPT-style model (a GeLU MLP 4 x dim wide unless ffn says) in 01's sizes."""
+    return dict(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, vocab_size=vocab,
+                ffn_dim=swiglu_of_its_size(ffn or 4 * dim), tie_embeddings=tied)
+
+
+A100_MEGATRON = dict(gpu="a100-80gb", attention="unfused", recompute="full", seq_len=2048)
+BLOOM = dict(A100_MEGATRON, zero_stage=1, global_batch=2048)  # Megatron-DeepSpeed, ZeRO-1, 2 sequences a microbatch
+NARAYANAN = dict(A100_MEGATRON, zero_stage=0)  # Megatron-LM 2021: plain data parallelism
+NEMO_2403 = dict(NVIDIA, fp8=True, sequence_parallel=True)  # NeMo 24.03.01 (TE's fused attention, its CP ring)
+BRIDGE = dict(NVIDIA, fp8=True, seq_len=8192, sequence_parallel=True)  # Megatron-Bridge: FP8 current scaling
+NEMOTRON = dict(dim=6144, n_layers=32, n_heads=48, n_kv_heads=8, ffn_dim=swiglu_of_its_size(24_576), vocab_size=256_000)
+NEMOTRON_340B = dict(dim=18_432, n_layers=96, n_heads=96, n_kv_heads=8, ffn_dim=swiglu_of_its_size(73_728),
+                     vocab_size=256_000)
+DGXC = dict(NVIDIA, seq_len=4096, sequence_parallel=True)  # dgxc-benchmarking v25.01 / v25.04
+FOUNDRY = dict(zero_stage=3, recompute="full", compile=False)  # llm-foundry: eager FSDP FULL_SHARD, as MPT above
+HELD_OUT = {
+    # bigscience tr11-176B-ml @ 9e64ede: chronicles.md l.45, README.md l.245, chronicles-prequel.md l.427, 818, 929-950
+    "BLOOM 176B": (gpt(14_336, 70, 112, 250_880), (8, 12, 1, 4), dict(BLOOM, microbatches=128), (105.22, "s")),
+    "BLOOM 176B, batch 16": (gpt(14_336, 70, 112, 250_880), (8, 12, 1, 4), dict(BLOOM, global_batch=16, microbatches=1),
+                             (15.23, "s")),
+    "BLOOM 176B, 02-28": (gpt(14_336, 70, 112, 250_880), (8, 12, 1, 4), dict(BLOOM, microbatches=128), (104.5, "s")),
+    "BLOOM 176B, 64 heads": (gpt(14_336, 70, 64, 250_880), (8, 12, 1, 4), dict(BLOOM, microbatches=128), (102.03, "s")),
+    "BLOOM 176B, 64 heads, 4 a microbatch": (gpt(14_336, 70, 64, 250_880), (8, 12, 1, 4), dict(BLOOM, microbatches=64),
+                                             (102.27, "s")),
+    "BLOOM 176B, 64 heads, tp 8": (gpt(14_336, 70, 64, 250_880), (4, 12, 1, 8), dict(BLOOM, microbatches=256),
+                                   (121.63, "s")),
+    "BLOOM 178B": (gpt(13_312, 82, 64, 250_880), (8, 12, 1, 4), dict(BLOOM, microbatches=128), (104.45, "s")),
+    "BLOOM 177B, pp 48": (gpt(12_288, 96, 64, 250_880), (8, 48, 1, 1), dict(BLOOM, microbatches=256), (142.17, "s")),
+    "BLOOM 20B, one node": (gpt(14_400, 8, 32, 250_880), (1, 1, 1, 8), dict(BLOOM, recompute="none", microbatches=2048),
+                            (777.09, "s")),
+    # Narayanan et al. 2021 Table 1 (Megatron-LM's cases_april2021.png), meshes from its sc21/run_table_1.sh; steps
+    # from the published TFLOP/s by the paper's Eq. 3
+    **{f"Narayanan {size}": (gpt(dim, layers, heads, 51_200), mesh,
+                             dict(NARAYANAN, global_batch=batch, microbatches=batch // mesh[0] // mbs,
+                                  schedule="interleaved" if virtual > 1 else "1f1b", virtual=virtual), (step, "s"))
+       for size, dim, layers, heads, mesh, mbs, batch, virtual, step in (
+           ("1.7B", 2304, 24, 24, (32, 1, 1, 1), 16, 512, 1, 3.53),
+           ("3.6B", 3072, 30, 32, (32, 1, 1, 2), 16, 512, 1, 3.7),
+           ("7.5B", 4096, 36, 32, (32, 1, 1, 4), 16, 512, 1, 3.7),
+           ("18.4B", 6144, 40, 48, (32, 1, 1, 8), 8, 1024, 1, 9.4),
+           ("39.1B", 8192, 48, 64, (32, 2, 1, 8), 4, 1536, 1, 14.45),
+           ("76.1B", 10_240, 60, 80, (32, 4, 1, 8), 2, 1792, 3, 16.06),
+           ("145.6B", 12_288, 80, 96, (24, 8, 1, 8), 2, 2304, 2, 24.82),
+           ("310.1B", 16_384, 96, 128, (15, 16, 1, 8), 1, 2160, 2, 37.61),
+           ("529.6B", 20_480, 105, 128, (9, 35, 1, 8), 1, 2520, 3, 54.08),
+           ("1T", 25_600, 128, 160, (6, 64, 1, 8), 1, 3072, 1, 102.63))},
+    # NeMo docs performance_long_sequence.md @ 19fadb6, Llama 2 7B FP8 on DGX H100s with CP; steps from the published
+    # TFLOP/s by NeMo's llama2 FLOP formula; a sequence per microbatch
+    **{f"NeMo 24.03 Llama 2 7B, {seq // 1024}k": ("llama2-7b", mesh, dict(NEMO_2403, seq_len=seq, global_batch=batch),
+                                                 (step, "s"))
+       for seq, mesh, batch, step in ((8192, (4, 2, 1, 1), 512, 37.73), (32_768, (8, 1, 2, 2), 128, 19.59),
+                                      (131_072, (8, 1, 4, 4), 32, 14.51), (262_144, (8, 1, 8, 4), 16, 13.49),
+                                      (524_288, (4, 1, 16, 8), 8, 12.9), (1_048_576, (4, 1, 32, 8), 4, 12.91))},
+    # Megatron-Bridge docs/performance-summary-archive.md @ 4ab94df (25.11, 26.02): tokens/s per GPU
+    **{f"Megatron-Bridge {label}": (model, mesh, dict(BRIDGE, global_batch=batch, virtual=virtual, **more,
+                                                      schedule="interleaved" if virtual > 1 else "1f1b"),
+                                    (tokens, "tokens/s"))
+       for label, model, mesh, batch, virtual, tokens, more in (
+           ("8B", "llama3-8b", (8, 1, 1, 1), 128, 1, 14_451, dict(zero_stage=3)),  # Megatron-FSDP
+           ("70B", "llama3-70b", (2, 8, 1, 4), 128, 5, 1602, {}),
+           ("405B", "llama3-405b", (8, 8, 2, 8), 512, 8, 292, {}),
+           ("70B, 26.02", "llama3-70b", (2, 8, 1, 4), 256, 5, 1621, {}),
+           ("405B, 26.02", "llama3-405b", (8, 8, 2, 8), 1536, 8, 311, {}),
+           ("8B, B200", "llama3-8b", (8, 1, 1, 1), 128, 1, 30_624, dict(gpu="b200", microbatches=8)),
+           ("405B, B200", "llama3-405b", (2, 8, 2, 4), 64, 8, 661, dict(gpu="b200")))},
+    # Megatron-Bridge examples/model_verification_cards/qwen3-8b/card.yaml (QK-norm aside, a Llama): 64 microbatches
+    "Megatron-Bridge Qwen3 8B": (dict(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12_288,
+                                      vocab_size=151_936), (16, 1, 1, 1), dict(NVIDIA, global_batch=1024, seq_len=4096),
+                                 (25.07, "s")),
+    # NVIDIA dgxc-benchmarking v25.04 @ 741c886 (nemotron/, llama3.1/) and v25.01 @ 143b90d (README_15b, README_340b):
+    # seconds a step
+    **{f"DGX Cloud Nemotron-4 15B, {label}": (NEMOTRON, mesh, dict(DGXC, global_batch=batch, microbatches=4, fp8=fp8),
+                                              (step, "s"))
+       for label, mesh, batch, fp8, step in (("16 GPUs", (8, 1, 1, 2), 64, False, 2.66),
+                                             ("16 GPUs, FP8", (8, 1, 1, 2), 64, True, 1.98),
+                                             ("2,048 GPUs", (1024, 1, 1, 2), 8192, False, 2.78),
+                                             ("tp 4", (4, 1, 1, 4), 64, False, 2.83))},
+    **{f"DGX Cloud Nemotron-4 340B{', FP8' * fp8}": (NEMOTRON_340B, (2, 8, 1, 8),
+                                                    dict(DGXC, global_batch=32, schedule="interleaved", virtual=12,
+                                                         fp8=fp8), (step, "s"))
+       for fp8, step in ((False, 4.61), (True, 3.16))},
+    **{f"DGX Cloud 405B{', FP8' * fp8}": ("llama3-405b", (4, 8, 2, 8), dict(DGXC, seq_len=8192, global_batch=256,
+                                                                         schedule="interleaved", virtual=8, fp8=fp8),
+                                         (step, "s"))
+       for fp8, step in ((False, 19.78), (True, 12.37))},
+    "DGX Cloud 70B, FP8, pp 8": ("llama3-70b", (2, 8, 1, 4), dict(DGXC, seq_len=8192, global_batch=128, fp8=True,
+                                                                schedule="interleaved", virtual=5), (9.86, "s")),
+    # llm-foundry's benchmark tables (2023, scripts/train/benchmarking/README.md): tokens/s over the GPUs
+    **{f"MPT-{size}{', FP8' * fp8}": (gpt(dim, layers, heads, 50_368), (dp, 1, 1, 1),
+                                      dict(FOUNDRY, gpu=gpu, global_batch=batch, seq_len=seq,
+                                           microbatches=batch // dp // mbs, fp8=fp8,
+                                           recompute="full" if checkpoint else "none"), (tokens, "tokens/s"))
+       for size, dim, layers, heads, dp, mbs, batch, seq, fp8, checkpoint, gpu, tokens in (
+           ("30B", 7168, 48, 56, 32, 14, 1344, 2048, False, True, "h100-sxm", 73_860 / 32),
+           ("13B, 32k", 5120, 40, 40, 8, 1, 24, 32_768, False, True, "h100-sxm", 15_812 / 8),
+           ("7B, 65k", 4096, 32, 32, 8, 1, 16, 65_536, False, True, "h100-sxm", 15_654 / 8),
+           ("3B", 2560, 32, 20, 8, 10, 480, 2048, True, False, "h100-sxm", 244_692 / 8),
+           ("70B, A100", 8192, 80, 64, 64, 8, 2048, 2048, False, True, "a100-80gb", 26_274 / 64))},
+}
+
+
+# The held-out runs beyond 20%: (the bound their error is pinned to, the sign and why). Measured, not tuned: the
+# A100 rows' and the long-context rows' shortfalls are each the same across their runs (below).
+A100_2021 = ("-: 135-163 TFLOP/s a GPU with recompute (43-52% of the A100's peak) where the plan runs 08's H100 "
+             "efficiency (72-78%), and 01's layer has no dropout (Megatron's default: 0.1, on the scores too); "
+             "llm-foundry's MPT-70B on A100s is +10%: not the GPU's rate")
+HELD_OUT_MISSES = {
+    "BLOOM 176B, batch 16": (0.55, "-: a ramp-up step (one microbatch a replica): twice 12 stages' compute and ZeRO's "
+                                   "sync"),
+    "BLOOM 176B, 64 heads, tp 8": (0.35, "-: tp 8 ran 19% slower than tp 4 (chronicles-prequel.md); in the plan tp 8's "
+                                         "all-reduces at NVLink's 300 GB/s cost 3 s more, its bubble 3 s less"),
+    "BLOOM 20B, one node": (0.55, "-: a first test (02-17): recompute not stated (priced without), 2,048 "
+                                  "microbatches of one sequence on one node"),
+    **dict.fromkeys(("Narayanan 1.7B", "Narayanan 3.6B", "Narayanan 7.5B", "Narayanan 18.4B", "Narayanan 39.1B",
+                     "Narayanan 76.1B"), (0.30, A100_2021)),
+    **dict.fromkeys((f"NeMo 24.03 Llama 2 7B, {k}k" for k in (32, 128, 256, 512, 1024)), (0.45, (
+        "-: attention-bound: the five steps put Transformer Engine's cuDNN attention of 2024 at 56-58% of 07's "
+        "cuDNN rate (2026), FlashAttention-2's in 07's table"))),
+    "DGX Cloud 405B, FP8": (0.25, "+: tp 8's messages, 2.3 s exposed; the bf16 twin is -5%: FP8 halves the GEMMs, "
+                                  "not the messages"),
+    **dict.fromkeys(("MPT-13B, 32k", "MPT-7B, 65k"), (0.35, "-: attention-bound without CP: llm-foundry's flash "
+                                                            "attention of 2023 at 62% of 07's SDPA rate in both")),
+}
+HELD_OUT_SOURCES = ("BLOOM", "Narayanan", "NeMo", "Megatron-Bridge")  # used for no constant of the model
+
+
+def test_the_held_out_runs_are_predicted_within_their_pinned_errors():
+    """Issue 55: runs the model was not tuned on. The split: PUBLISHED is what the model's constants
+    and a priori knobs were chosen against; HELD_OUT is every other row of /work/research/
+    published_runs.md that plan can price as published (a dense model, its mesh, batch and length, a
+    --gpu preset, a step; MoE, GB200 and OOM rows out), less the rows that file lists as doubtful or
+    partial (MT-NLG, BLOOM's 181B and 200B, Nemotron-4's reports, Megatron 2020, the B200 long-context
+    and DGX Cloud v25.04 340B rows, Megatron-Bridge's SFT, torchtitan's tables 4-5 and async TP) and
+    those MEMORY calibrates on (torchtitan's, torchao's). No constant comes from them, and from four
+    of their sources (HELD_OUT_SOURCES) nothing at all. Each run's error is pinned: within 20%, or
+    beyond it within HELD_OUT_MISSES' bound, with its sign and why. The target, 20% for 85% of them,
+    is not met: 30 of 47 (64%), as before --attention unfused (issue 55's physics moves no run across
+    20%); the misses are whole families (A100s of 2021-22, long context in 2023-24), each short by
+    the same factor in every run."""
+    assert len(HELD_OUT) >= 12 and not set(HELD_OUT) & set(PUBLISHED) and set(HELD_OUT_MISSES) <= set(HELD_OUT)
+    assert all(sum(label.startswith(source) for label in HELD_OUT) >= 3 for source in HELD_OUT_SOURCES)
+    for label in HELD_OUT:
+        published, timing = published_and_predicted(label)
+        error = timing["step"] / published - 1
+        bound, why = HELD_OUT_MISSES.get(label, (0.20, ""))
+        assert abs(error) <= bound, (label, error, why)
+        assert (abs(error) > 0.20) == bool(why) and why[:1] in ("", "+" if error > 0 else "-"), (label, error, why)
+
+
+def test_unfused_attention_is_priced_kernel_by_kernel_as_pytorchs_eager_attention_runs():
+    """--attention unfused prices the kernels PyTorch's eager attention (SDPA's math backend, counted
+    here by a dispatch mode, fp32) launches: forward two batched GEMMs around the softmax, backward
+    four around the softmax's backward; each GEMM by 08's roofline at its own per-head shape, each
+    softmax by its bytes (2 and 3 passes of the seq x seq scores) at the HBM's bandwidth. The causal
+    mask is not counted: Megatron's softmax applies it inside, as the formula says (eager PyTorch adds
+    a pass). cp > 1: each of the ring's cp blocks whole."""
+    batch, heads, seq, head_dim, hbm, speed = 2, 3, 64, 16, 1e12, 0.5
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+    counted = []
+
+    class Kernels(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten._safe_softmax.default,
+                        torch.ops.aten._softmax.default, torch.ops.aten._softmax_backward_data.default):
+                counted.append((func, [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)], out.shape))
+            return out
+
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), Kernels():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        backward_from = len(counted)
+        out.backward(torch.ones_like(out))
+
+    def seconds(kernels) -> float:
+        total = 0.0
+        for func, shapes, out_shape in kernels:
+            if func == torch.ops.aten.bmm.default:
+                (count, m, inner), (_, _, n) = shapes
+                total += count * full_train.fp8.gemm_seconds(m, inner, n, hbm, speed=speed)
+            else:
+                total += 4 * (sum(math.prod(shape) for shape in shapes) + math.prod(out_shape)) / hbm
+        return total
+
+    gemms = [func == torch.ops.aten.bmm.default for func, _, _ in counted]
+    assert (sum(gemms[:backward_from]), sum(gemms[backward_from:]), len(counted)) == (2, 4, 8)
+    formula = full_train.unfused_attention_seconds(batch, heads, seq, head_dim, 1, hbm, 4, speed)
+    assert formula == pytest.approx((seconds(counted[:backward_from]), seconds(counted[backward_from:])), rel=1e-12)
+    ring = full_train.unfused_attention_seconds(batch, heads, seq, head_dim, 4, hbm, 4, speed)
+    assert ring == pytest.approx(tuple(4 * x for x in formula), rel=1e-12)
+
+
+# Held-out runs that publish memory: BLOOM's benchmarks, nvidia-smi on the first node (CUDA's context and the
+# allocator's cache in it, as in plan's total). Recorded for issue 55's memory targets, not yet asserted beyond
+# "fits" (every one of these ran): published GiB, and plan's fullest GPU on that node at this commit (before
+# issue 55's leaner layer), which is 21-39% below (BF16_Optimizer's fp32 gradients? DeepSpeed's buffers?).
+HELD_OUT_MEMORY = {  # label: (published GiB, planned GiB)
+    "BLOOM 176B, 02-28": (59, 38.1), "BLOOM 176B, 64 heads": (59, 38.1),
+    "BLOOM 176B, 64 heads, 4 a microbatch": (73, 48.5), "BLOOM 176B, 64 heads, tp 8": (40, 28.3),
+    "BLOOM 178B": (63, 38.4), "BLOOM 177B, pp 48": (58, 45.9), "BLOOM 20B, one node": (68, 67.4),
+}
+
+
+def test_every_held_out_mesh_that_published_its_memory_fits_in_the_plan():
+    """Every mesh of HELD_OUT_MEMORY ran, so plan must say it fits (its fullest GPU within the 80 GiB);
+    the GiB recorded beside each are plan's for the first node's GPUs, where the published reading was
+    taken (to 0.1 GiB: a change to the layer's formula re-records them)."""
+    for label, (published, recorded) in HELD_OUT_MEMORY.items():
+        cfg, sizes, run, cluster = published_run(label)
+        run = dataclasses.replace(run, microbatches=published_row(label)[2].get("microbatches"))
+        sizes, run, plans, _ = full_train.planned(cfg, sizes, run, cluster)
+        first_node = {rank // (sizes.cp * sizes.tp) % sizes.pp for rank in range(cluster.gpus_per_node)}
+        planned = float(max(plans[p].total for p in first_node)) / 2 ** 30
+        assert max(p.total for p in plans) <= cluster.gpu_memory * 2 ** 30, (label, published)
+        assert round(planned, 1) == recorded, (label, planned, published)
 
 
 # Published peak memory per GPU (GiB; torchtitan and torchao log torch's peak *reserved* bytes, which leave out
@@ -2054,16 +2289,22 @@ def readme_planning_table() -> str:
     return (ROOT / "README.md").read_text()
 
 
-def test_the_readmes_table_of_published_runs_is_what_plan_predicts():
-    """Every row of README's planning table: its mesh, its published step and plan's, the error."""
+def readme_errors(heading: str) -> list[int]:
+    """The signed errors (%) of the README's table after heading, row by row, each row's in its order."""
     text = readme_planning_table()
-    for label, (_, mesh, _, _) in PUBLISHED.items():
-        row = re.search(rf"\n\| {re.escape(label)} \| (.*) \|\n", text)
-        assert row, label
-        published, timing = published_and_predicted(label)
-        error = round(100 * (timing["step"] / published - 1))
-        cells = row[1].split(" | ")
-        assert cells[:3] == ["·".join(map(str, mesh)), f"{published:#.3g} / {timing['step']:#.3g}", f"{error:+d}%"], label
+    table = text[text.index(heading):].split("\n\n")[1]
+    return [int(x) for row in table.splitlines()[2:] for x in row.rstrip(" |").rpartition("|")[2].split()]
+
+
+def test_the_readmes_tables_of_published_runs_are_what_plan_predicts():
+    """README's planning tables: the calibration set's error and the held-out set's, each run's in
+    PUBLISHED's and HELD_OUT's order, rounded to a percent."""
+    for heading, runs in (("Calibrated on", PUBLISHED), ("Held out", HELD_OUT)):
+        errors = []
+        for label in runs:
+            published, timing = published_and_predicted(label)
+            errors.append(round(100 * (timing["step"] / published - 1)))
+        assert readme_errors(heading) == errors, heading
 
 
 PLAN_OPTIONS = {"--dp", "--pp", "--cp", "--tp", "--ep", "--moe", "--experts", "--zero", "--schedule",
@@ -2245,7 +2486,7 @@ def test_a_model_or_mesh_of_one_is_said_in_the_singular(monkeypatch, capsys):
     (["--model", "tiny", "--heads", "8", "--kv-heads", "2"], (8, 2)),
 ])
 def test_heads_alone_keep_a_presets_grouping_or_its_absence(argv, heads):
-    cfg = full_train.build_model_config(parse_options("plan", *argv))
+    cfg = full_train.configure(parse_options("plan", *argv)).cfg
     assert (cfg.n_heads, cfg.n_kv_heads) == heads
 
 
@@ -2261,7 +2502,10 @@ def test_nccls_buffers_are_one_allowance_a_communicator(mesh, communicators):
     communicator a rank uses (a group of more than one rank that carries traffic), counted by hand."""
     options = [f"--{d}={n}" for d, n in mesh.items()] + ["--moe"] * ("ep" in mesh)
     args = parse_options("plan", "--model", "check", *options)
-    cfg, train, sizes = full_train.build_model_config(args), full_train.train_config(args), full_train.MeshSizes(**mesh)
+    job = full_train.configure(args)
+    cfg = job.cfg
+    train = dataclasses.replace(job.train, microbatches=1)  # plan's: per mesh
+    sizes = full_train.MeshSizes(**mesh)
     full_train.validate(cfg, sizes, train, sizes.world)
     for rank in full_train.plan(cfg, sizes, train):
         assert rank.memory["cuda_nccl"] == 2 ** 30 * (Fraction(1, 2) + Fraction(3, 10) * communicators)
@@ -2284,6 +2528,7 @@ def test_the_loss_reads_a_padded_vocabulary_shard():
     (["plan", "--model", "llama3-8b", "--dp", "4", "--pp", "1", "--cp", "1", "--tp", "2", "--recompute", "op"],
      "recompute op reruns a block but its matmuls' and attention's outputs: at tp=2, cp=1"),
     (["check", "--attention", "cudnn"], "--attention cudnn is plan's price of SDPA's cuDNN backend"),
+    (["train", "--attention", "unfused"], "--attention unfused is plan's price of PyTorch's eager attention"),
     (["train", "--model", "llama3-8b", "--no-save", "--vocab", "200"], "train reads bytes: a vocabulary of 200"),
     (["train", "--model", "llama3-8b"], "the sample decodes bytes: a vocabulary of 128256 is not 256"),
     (["train", "--model", "tiny", "--heads", "3"], "dim=128 is not divisible by n_heads=3"),
@@ -2344,9 +2589,13 @@ def test_the_gpu_presets_are_the_clusters_and_h100_sxm_is_its_default():
 
 
 def test_a_gpu_without_fp8_says_so_in_the_plans_header(monkeypatch, capsys):
-    """An A100's plan names no FP8 rate (its speed[1] is NaN, which the header once printed)."""
+    """An A100's plan names no FP8 rate (its speed[1] is NaN, which the header once printed), and says
+    its GEMM and attention rates are the H100's scaled, not measured on it; the H100 SXM's are measured."""
     code, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb")
-    assert code == 0 and "(no FP8)" in out.splitlines()[1] and "nan" not in out
+    assert code == 0 and "(no FP8; the a100-80gb's datasheet peaks" in out.splitlines()[1] and "nan" not in out
+    assert "not measured on it" in out.splitlines()[1]
+    code, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "8")
+    assert code == 0 and "H100 rates x 1 (FP8 x 1), the rest" in out.splitlines()[1]
 
 
 class ElementwiseBytes(torch.utils._python_dispatch.TorchDispatchMode):
