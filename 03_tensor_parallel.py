@@ -322,17 +322,19 @@ class LinearMath:
         return (x,)
 
     @staticmethod
-    def operands(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:  # what the GEMMs read of a weight
-        return (weight,)
+    def operands(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:  # kept of a weight beside itself: none
+        return ()
 
     @staticmethod
-    def forward(kept: tuple[torch.Tensor, ...], operands: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return F.linear(kept[0], operands[0])
+    def forward(kept: tuple[torch.Tensor, ...], weight: torch.Tensor,
+                operands: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return F.linear(kept[0], weight)
 
     @staticmethod
-    def backward(kept: tuple[torch.Tensor, ...], operands: tuple[torch.Tensor, ...], grad: torch.Tensor,
-                 needs_input: bool, needs_weight: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        grad_input = grad @ operands[0] if needs_input else None
+    def backward(kept: tuple[torch.Tensor, ...], weight: torch.Tensor, operands: tuple[torch.Tensor, ...],
+                 grad: torch.Tensor, needs_input: bool,
+                 needs_weight: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        grad_input = grad @ weight if needs_input else None
         grad_weight = grad.flatten(0, -2).t() @ kept[0].flatten(0, -2) if needs_weight else None
         return grad_input, grad_weight
 
@@ -347,13 +349,14 @@ class Projections(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, shard: tuple | None, math, *weights: torch.Tensor):
         kept = math.keep(x)
         operands = [math.operands(weight) for weight in weights]
-        outs = tuple(math.forward(kept, operand) for operand in operands)
+        outs = tuple(math.forward(kept, weight, operand) for weight, operand in zip(weights, operands))
         if shard is not None:  # a copy of this rank's rows of the sequence (dim 1): the gathered x is freed
             _, rank, tp = shard
             rows = kept[0].shape[1] // tp
             kept = (kept[0].narrow(1, rank * rows, rows).clone(), *kept[1:])
         ctx.save_for_backward(*kept, *itertools.chain(*operands))
         ctx.sizes = [len(kept), *map(len, operands)]
+        ctx.weights = weights  # read at backward (ZeRO-3 gathers them again; a saved one loses its attributes)
         ctx.shard = shard
         ctx.math = math
         return outs
@@ -368,8 +371,9 @@ class Projections(torch.autograd.Function):
         needs_input = ctx.needs_input_grad[0]
         grad_input = None
         grad_weights = []
-        for grad, operand, needs_weight in zip(grads, operands, ctx.needs_input_grad[3:], strict=True):
-            grad_x, grad_weight = ctx.math.backward(kept, operand, grad, needs_input, needs_weight)
+        for grad, weight, operand, needs_weight in zip(grads, ctx.weights, operands, ctx.needs_input_grad[3:],
+                                                       strict=True):
+            grad_x, grad_weight = ctx.math.backward(kept, weight, operand, grad, needs_input, needs_weight)
             grad_input = grad_x if grad_input is None else grad_input + grad_x
             grad_weights.append(grad_weight)
         return grad_input, None, None, *grad_weights
@@ -715,19 +719,21 @@ def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Ten
 
 
 def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool, device: torch.device | str = "cpu",
-                  lean: bool = False, regather: bool = True,
-                  transform=None) -> tuple[int, "foundation.CommMeter"]:
-    """Layer 0 of the tensor-parallel GPT (lean saves or not; transform: of the split model, 08's FP8),
-    forward and backward on this rank's (b, s, h) (SP: (b, s/t, h)) activations: the bytes autograd
-    saves for backward (activation_bytes) and its collectives."""
+                  lean: bool = False, regather: bool = True, context: Callable = contextlib.nullcontext,
+                  recompute: str = "none") -> tuple[int, "foundation.CommMeter"]:
+    """Layer 0 of the tensor-parallel GPT (lean saves or not, a recompute mode), forward and backward on
+    this rank's (b, s, h) (SP: (b, s/t, h)) activations: the bytes autograd saves for backward
+    (activation_bytes) and its collectives. context(split model) yields the model to run (lesson 08's:
+    its FP8 linears, each weight cast once, as a training step does)."""
     model = foundation.GPT(cfg).to(device)
     model = apply_tensor_parallel(apply_lean_saves(model) if lean else model, None, sequence_parallel,
                                   regather=regather)
-    layer = (transform or (lambda model: model))(model).layers["0"]
+    model = apply_recompute(model, recompute)
     shards = dist.get_world_size() if sequence_parallel else 1
     x = torch.randn(batch, seq_len // shards, cfg.dim, device=device, requires_grad=True)
     cos, sin = foundation.rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta)
-    with foundation.comm_meter() as meter:
+    with context(model) as run_model, foundation.comm_meter() as meter:
+        layer = run_model.layers["0"]
         out, saved = activation_bytes(lambda: layer(x, cos, sin), layer.parameters(), torch.device("cpu"))
         out.sum().backward()
     return saved, meter
@@ -833,20 +839,17 @@ def demo(args: argparse.Namespace) -> None:
         measured = sum(layer.traffic(op) for op in ops)
         formula = megatron + (regathers if sp else 0)
         print(f"  {label[sp]:<8} a layer: " + " + ".join(f"{layer.calls(op)} {op}" for op in ops)
-              + f" = {float(measured):,.0f} B; Megatron's 4 all-reduces of b s h"
-              + (" + 2 re-gathers" if sp else "") + f": {float(formula):,.0f} B"
-              + ("  = formula" if measured == formula else "  MISMATCH")
-              + (f"; plus {layer.calls('all_reduce')} all-reduces of norm gradients" if sp else ""))
+              + f" = {float(measured):,.0f} B; 4 all-reduces" + (" + 2 re-gathers" if sp else " (Megatron's)")
+              + f": {float(formula):,.0f} B" + ("  = formula" if measured == formula else "  MISMATCH"))
     print(f"\nactivations saved by one layer, per rank:{'measured (fp32)':>18}{'our formula':>14}"
           f"{'Korthikanti, GPT-3 16-bit layer':>34}")
     for (name, sp, lean, regather), saved in kept.items():
         formula = layer_activation_formula(cfg, b, s, tp, sp, lean=lean, regather=regather)
         paper = korthikanti_bytes(cfg, b, s, tp, sp)
         print(f"  {name:<40}{saved:>16,} B{formula:>12,} B{paper:>32,.0f} B")
-    print(f"  tp = 1 for scale: {layer_activation_formula(cfg, b, s, 1, False):,} B. Plain TP leaves the "
-          f"norms and the regions' inputs replicated; SP shards the norms; keeping each\n  region's input "
-          f"as its sequence shard (re-gathered in backward) shards the rest. Lean saves: norms and SwiGLU "
-          f"keep their inputs only.")
+    print(f"  tp = 1 for scale: {layer_activation_formula(cfg, b, s, 1, False):,} B. Plain TP leaves the norms and "
+          f"the regions' inputs whole;\n  SP splits the norms, the re-gather the regions' inputs; lean saves keep "
+          f"the norms' and SwiGLU's inputs only.")
     foundation.exit_distributed()
 
 

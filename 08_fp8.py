@@ -356,28 +356,28 @@ class Float8Math:
 
     def operands(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if getattr(weight, "float8_cast", None) is not None:  # read again by backward: ZeRO-3 (Float8ZeRO,
-            return (weight,)  # below) frees it after forward, gathers it again
-        return (weight, *quantize_tensorwise(weight, E4M3, self.weight_group))
+            return ()  # below) frees it after forward, gathers it again
+        return quantize_tensorwise(weight, E4M3, self.weight_group)
 
     @staticmethod
-    def weight_cast(operands: tuple[torch.Tensor, ...]) -> Quantized:
-        weight, *cast = operands
-        if not cast and weight.float8_cast is None:
+    def weight_cast(weight: torch.Tensor, operands: tuple[torch.Tensor, ...]) -> Quantized:
+        if not operands and weight.float8_cast is None:
             raise RuntimeError("the weight's FP8 cast of this step is gone: run backward inside "
                                "weights_cast_once() (Float8ZeRO gathers it again)")
-        return cast or weight.float8_cast
+        return operands or weight.float8_cast
 
-    def forward(self, kept: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, kept: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
                 operands: tuple[torch.Tensor, ...]) -> torch.Tensor:
         x_bytes, x_scale = kept
         x_q = x_bytes.view(E4M3).reshape(-1, x_bytes.shape[-1])
-        out = scaled_mm(x_q, x_scale, *self.weight_cast(operands), self.dtype)
+        out = scaled_mm(x_q, x_scale, *self.weight_cast(weight, operands), self.dtype)
         return out.view(*x_bytes.shape[:-1], -1)
 
-    def backward(self, kept: tuple[torch.Tensor, torch.Tensor], operands: tuple[torch.Tensor, ...],
-                 grad: torch.Tensor, needs_input: bool, needs_weight: bool) -> tuple:
+    def backward(self, kept: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
+                 operands: tuple[torch.Tensor, ...], grad: torch.Tensor, needs_input: bool,
+                 needs_weight: bool) -> tuple:
         x_bytes, x_scale = kept
-        w_q, w_scale = self.weight_cast(operands)
+        w_q, w_scale = self.weight_cast(weight, operands)
         g_q, g_scale = quantize_tensorwise(grad.reshape(-1, grad.shape[-1]), E5M2, self.grad_group)
         # Tensorwise scales survive transposition, so the casts are reused, only re-laid out; each GEMM
         # only if its gradient is asked for (grad_x = g W, grad_w = g^T x):
@@ -387,7 +387,7 @@ class Float8Math:
             grad_x = grad_x.view(*grad.shape[:-1], -1)
         x_q = x_bytes.view(E4M3).reshape(-1, x_bytes.shape[-1])
         grad_w = scaled_mm(g_q.t().contiguous(), g_scale, x_q.t().contiguous(), x_scale,
-                           operands[0].dtype) if needs_weight else None
+                           weight.dtype) if needs_weight else None
         return grad_x, grad_w
 
 
@@ -648,9 +648,13 @@ def tensor_parallel_scales(model: nn.Module, group=None, sequence_parallel: bool
     return model
 
 
-def float8_split(model: nn.Module, sequence_parallel: bool = False) -> nn.Module:
-    """03's split GPT with FP8 linears, every scale the whole tensor's (03's measure_layer transform)."""
-    return tensor_parallel_scales(convert_to_float8(model), sequence_parallel=sequence_parallel)
+@contextlib.contextmanager
+def float8_split(model: nn.Module, sequence_parallel: bool = False) -> Iterator[nn.Module]:
+    """03's split GPT with FP8 linears, every scale the whole tensor's, each weight cast once as in 09's
+    steps (weights_cast_once: not a per-token cost): 03's measure_layer context."""
+    model = tensor_parallel_scales(convert_to_float8(model), sequence_parallel=sequence_parallel)
+    with weights_cast_once(model):
+        yield model
 
 
 def tensor_parallel_group(model: nn.Module):
@@ -857,11 +861,11 @@ def distributed_demo(args: argparse.Namespace) -> None:
                                                          sequence_parallel=sp, whole_tensor_scales=whole,
                                                          device=device)
                for sp, whole in ((False, True), (True, True), (False, False))}
-    split = functools.partial(float8_split, sequence_parallel=True)
-    kept = {}  # one layer's saved bytes: before (autograd's, fp32 linears), after (lean, re-gathered, FP8)
-    for lean, regather, transform in ((False, False, None), (True, True, split)):
-        kept[lean, regather, transform] = tensor_parallel.measure_layer(
-            cfg, args.batch, args.seq_len, True, device, lean, regather, transform)[0]
+    # one layer's saved bytes under TP + SP: before (autograd's, fp32 linears), after (lean, re-gathered, FP8)
+    before = tensor_parallel.measure_layer(cfg, args.batch, args.seq_len, True, device, regather=False)[0]
+    fp8_layer = functools.partial(float8_split, sequence_parallel=True)
+    after = tensor_parallel.measure_layer(cfg, args.batch, args.seq_len, True, device, lean=True,
+                                          context=fp8_layer)[0]
     if casts is not None:  # rank 0
         rest, weights = runs["zero3"][0].stats["padded"]
         n = runs["zero3"][0].stats["n_weights"]
@@ -916,11 +920,11 @@ def distributed_demo(args: argparse.Namespace) -> None:
               "device, not bit for bit. With each rank's own scales the FP8 roundings differ everywhere, for "
               "a few bytes of amaxes less.")
         print("\nOne layer's activations per rank, TP + SP (fp32), measured | 03's formula (KEPT_INPUT):")
-        for (lean, regather, transform), saved in kept.items():
-            formula = tensor_parallel.layer_activation_formula(
-                cfg, args.batch, args.seq_len, world, True, lean=lean, regather=regather,
-                kept_input=KEPT_INPUT if transform else None)
-            label = "lean, re-gathered, FP8 casts" if lean else "autograd's, regions' inputs gathered, fp32"
+        layer_formula = functools.partial(tensor_parallel.layer_activation_formula, cfg, args.batch, args.seq_len,
+                                          world, True)
+        rows = {"autograd's, regions' inputs gathered, fp32": (before, layer_formula(regather=False)),
+                "lean, re-gathered, FP8 casts": (after, layer_formula(lean=True, kept_input=KEPT_INPUT))}
+        for label, (saved, formula) in rows.items():
             differs = "" if saved == formula else " (!=)"
             print(f"  {label:<48}{saved:>11,} B | {formula:,} B{differs}")
     foundation.exit_distributed()

@@ -544,8 +544,14 @@ def test_the_linears_of_one_input_share_one_cast_of_it_and_compute_what_each_alo
     input gradients are added (fp32 rounding: atol 1e-7 on gradients of ~1e-2)."""
     cfg = foundation.ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=24)
     tokens, targets = foundation.synthetic_batch(cfg, 2, 5, step=0)
-    casts, real_keep = [], fp8.Float8Math.keep
-    monkeypatch.setattr(fp8.Float8Math, "keep", lambda self, x: casts.append(x.shape) or real_keep(self, x))
+    casts = []
+    real_keep = fp8.Float8Math.keep
+
+    def counting_keep(math, x):
+        casts.append(x.shape)
+        return real_keep(math, x)
+
+    monkeypatch.setattr(fp8.Float8Math, "keep", counting_keep)
     runs = []
     for shared in (True, False):
         model = fp8.convert_to_float8(foundation.GPT(cfg))
@@ -1005,24 +1011,43 @@ def test_tensor_parallel_amax_all_reduces_move_what_the_formula_says(rank_pool, 
                 tp, n_layers, microbatches, sequence_parallel=sequence_parallel)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_layer_keeps_one_fp8_cast_of_each_linear_input_as_the_formula_says(rank_pool, tp):
-    """A Float8Linear keeps its input's e4m3 cast and scale, not the input; the linears of one input keep
-    one cast of it, and under SP (regather) this rank's sequence shard of it, all-gathered again in
-    backward at 1 B an element: with lean saves or autograd's, the bytes saved and the all-gathers and
-    reduce-scatters are 03's formulas with 08's KEPT_INPUT (the all-reduces add 08's amaxes)."""
-    cfg = foundation.ModelConfig(vocab_size=32, dim=32, n_heads=8, n_kv_heads=4, ffn_dim=48)
-    for sequence_parallel, lean, regather in itertools.product((False, True), repeat=3):
-        formula = tensor_parallel.layer_activation_formula(cfg, 3, 8, tp, sequence_parallel, lean=lean,
-                                                           regather=regather, kept_input=fp8.KEPT_INPUT)
-        comm = tensor_parallel.comm_formula(cfg, 3, 8, sequence_parallel, layers=1, embed=False, head=False,
-                                            regather=regather, kept_input=fp8.KEPT_INPUT) if tp > 1 else {}
-        comm.pop("all_reduce", None)
-        split = functools.partial(fp8.float8_split, sequence_parallel=sequence_parallel)
-        for saved, meter in rank_pool.run(tp, tensor_parallel.measure_layer, cfg, 3, 8, sequence_parallel, "cpu",
-                                          lean, regather, split):
-            assert saved == formula, (sequence_parallel, lean, regather)
-            assert {op: (meter.calls(op), meter.payload(op)) for op, _ in meter.stats if op != "all_reduce"} == comm
+@given(tp=st.sampled_from([1, 2, 4]), kv_per_rank=st.sampled_from([1, 2]), tokens_per_rank=st.integers(1, 3),
+       batch=st.integers(1, 3), sequence_parallel=st.booleans(), lean=st.booleans(), regather=st.booleans(),
+       recompute=st.sampled_from(["none", "selective", "full"]), float8=st.booleans())
+@example(tp=2, kv_per_rank=1, tokens_per_rank=2, batch=3, sequence_parallel=True, lean=True, regather=True,
+         recompute="none", float8=True)  # the lean FP8 layer, its regions' inputs re-gathered in FP8
+@example(tp=2, kv_per_rank=1, tokens_per_rank=2, batch=3, sequence_parallel=True, lean=False, regather=False,
+         recompute="none", float8=True)  # autograd's saves, each region's gathered input cast
+@example(tp=1, kv_per_rank=1, tokens_per_rank=3, batch=2, sequence_parallel=False, lean=True, regather=True,
+         recompute="selective", float8=True)
+def test_a_layers_saved_bytes_and_collectives_are_the_formulas(rank_pool, tp, kv_per_rank, tokens_per_rank, batch,
+                                                               sequence_parallel, lean, regather, recompute, float8):
+    """Drawn: tp, grouped-query attention or not, SP, lean saves or autograd's, each region's linears keeping
+    their input's sequence shard (regather) or the gathered input, a recompute mode ("op": test_03's, on
+    one rank), 08's FP8 linears or fp32 ones. A Float8Linear keeps its input's e4m3 cast and scale, not the
+    input, and the linears of one input keep one cast of it (under SP with regather: this rank's sequence
+    shard, all-gathered again in backward at 1 B an element). Layer 0's saved bytes are 03's formula
+    (FP8: with KEPT_INPUT), exactly; its collectives (calls, payloads) 03's comm_formula, but FP8's
+    all-reduces, which add 08's amaxes (test_tensor_parallel_amax_all_reduces_move_what_the_formula_says)."""
+    cfg = foundation.ModelConfig(vocab_size=32, dim=8 * tp, n_heads=2 * tp, n_kv_heads=kv_per_rank * tp,
+                                 ffn_dim=6 * tp)
+    seq_len = tokens_per_rank * tp
+    kept_input = fp8.KEPT_INPUT if float8 else None
+    formula = tensor_parallel.layer_activation_formula(cfg, batch, seq_len, tp, sequence_parallel, recompute,
+                                                       lean=lean, regather=regather, kept_input=kept_input)
+    comm = {}
+    if tp > 1:
+        comm = tensor_parallel.comm_formula(cfg, batch, seq_len, sequence_parallel, layers=1, embed=False,
+                                            head=False, recompute=recompute, regather=regather,
+                                            kept_input=kept_input)
+    context = functools.partial(fp8.float8_split, sequence_parallel=sequence_parallel)
+    unmeasured = {"all_reduce"} if float8 else set()
+    for saved, meter in rank_pool.run(tp, tensor_parallel.measure_layer, cfg, batch, seq_len, sequence_parallel,
+                                      "cpu", lean, regather, context if float8 else contextlib.nullcontext,
+                                      recompute):
+        assert saved == formula
+        measured = {op: (meter.calls(op), meter.payload(op)) for op, _ in meter.stats if op not in unmeasured}
+        assert measured == {op: calls_payload for op, calls_payload in comm.items() if op not in unmeasured}
 
 
 @pytest.mark.parametrize("model", LLAMA3_LAYERS)
