@@ -356,7 +356,7 @@ class Projections(torch.autograd.Function):
             kept = (kept[0].narrow(1, rank * rows, rows).clone(), *kept[1:])
         ctx.save_for_backward(*kept, *itertools.chain(*operands))
         ctx.sizes = [len(kept), *map(len, operands)]
-        ctx.weights = weights  # read at backward (ZeRO-3 gathers them again; a saved one loses its attributes)
+        ctx.weights = weights  # read at backward: ZeRO-3 gathers them again, a saved one loses its attributes
         ctx.shard = shard
         ctx.math = math
         return outs
@@ -847,9 +847,10 @@ def demo(args: argparse.Namespace) -> None:
         formula = layer_activation_formula(cfg, b, s, tp, sp, lean=lean, regather=regather)
         paper = korthikanti_bytes(cfg, b, s, tp, sp)
         print(f"  {name:<40}{saved:>16,} B{formula:>12,} B{paper:>32,.0f} B")
-    print(f"  tp = 1 for scale: {layer_activation_formula(cfg, b, s, 1, False):,} B. Plain TP leaves the norms and "
-          f"the regions' inputs whole;\n  SP splits the norms, the re-gather the regions' inputs; lean saves keep "
-          f"the norms' and SwiGLU's inputs only.")
+    whole = layer_activation_formula(cfg, b, s, 1, False)
+    print(f"  tp = 1 for scale: {whole:,} B. Plain TP leaves the norms and the regions' inputs whole;\n  SP "
+          f"splits the norms, the re-gather the regions' inputs; lean saves keep the norms' and SwiGLU's "
+          f"inputs.")
     foundation.exit_distributed()
 
 

@@ -920,8 +920,8 @@ def distributed_demo(args: argparse.Namespace) -> None:
               "device, not bit for bit. With each rank's own scales the FP8 roundings differ everywhere, for "
               "a few bytes of amaxes less.")
         print("\nOne layer's activations per rank, TP + SP (fp32), measured | 03's formula (KEPT_INPUT):")
-        layer_formula = functools.partial(tensor_parallel.layer_activation_formula, cfg, args.batch, args.seq_len,
-                                          world, True)
+        layer_formula = functools.partial(tensor_parallel.layer_activation_formula, cfg, args.batch,
+                                          args.seq_len, world, True)
         rows = {"autograd's, regions' inputs gathered, fp32": (before, layer_formula(regather=False)),
                 "lean, re-gathered, FP8 casts": (after, layer_formula(lean=True, kept_input=KEPT_INPUT))}
         for label, (saved, formula) in rows.items():
