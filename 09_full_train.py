@@ -62,8 +62,10 @@ sends in its fill and drain. The slowest pipeline rank's microbatches / (1 - 04'
 (pipeline_span). Two bounds frame it: full overlap, none.
 
 THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that validate accepts; those
-that fit in memory, fastest first. The README's planning table checks the predictions against published runs:
-those the model was calibrated on, and runs it was only checked on (A100s, long context, B200s): PRESETS.
+that fit in memory, fastest first; a given mesh that does not fit names its largest part and the fastest
+option that keeps less with which it fits (why_not_fitting). The README's planning table checks the
+predictions against published runs: those the model was calibrated on, and runs it was only checked on
+(A100s, long context, B200s): PRESETS.
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
@@ -1803,6 +1805,32 @@ def describe(r: dict, table: bool) -> str:
     return "\n".join(lines)
 
 
+def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
+    """A given mesh that does not fit: its fullest GPU's largest term, and the fastest of the options that
+    keep less (more recompute, a higher ZeRO stage) with which it fits, or that none does."""
+    most = r["memory_gib"][r["fullest"]]
+    term = max((k for k in most if k != "total"), key=most.get)
+    in_flight = r["in_flight"][r["fullest"]]
+    unit = ("microbatch-stage" if r["virtual"] > 1 else "microbatch") + "s" * (in_flight != 1)
+    held = f" ({in_flight} {unit} in flight)" if term == "activations" else ""
+    modes = tensor_parallel.RECOMPUTE_MODES
+    changes = {f"--recompute {mode}": dict(recompute=mode) for mode in ("selective", "full")
+               if modes.index(mode) > modes.index(job.train.recompute)}
+    changes |= {f"--zero {stage}": dict(zero_stage=stage) for stage in range(job.train.zero_stage + 1, 4)}
+    fits = {}  # option -> (step, GiB) of the mesh with it
+    for option, change in changes.items():
+        train = dataclasses.replace(job.train, **change)
+        fitting = search_meshes(job.cfg, train, gpus, job.mesh, job.ep, job.cluster)[1]
+        for _, _, plans, timing in fitting:
+            fits[option] = (timing["step"], float(fullest(plans)) / 2 ** 30)
+    text = f"its largest part: {term}, {gib_text(most[term])} GiB{held}; "
+    if not fits:
+        return text + "no more recompute or ZeRO makes it fit"
+    option = min(fits, key=fits.get)
+    step, gib = fits[option]
+    return text + f"it fits with {option}: {gib:,.1f} GiB, step {seconds_text(step)} s"
+
+
 def plan_report(job: Job) -> str:
     """The given mesh's breakdown, or the fastest meshes that fit; one line if none fits; --json: one
     object."""
@@ -1859,7 +1887,8 @@ def plan_report(job: Job) -> str:
     if given:
         if need > memory:
             verdict = (f"does not fit: the fullest GPU needs {need:,.1f} GiB, {need - memory:,.1f} GiB "
-                       f"({over - 100}%) more than its {memory:g} GiB")
+                       f"({over - 100}%) more than its {memory:g} GiB; "
+                       + why_not_fitting(job, gpus, shown[0]))
         else:
             verdict = (f"fits{' without its activations' * bool(moe)}: {need:,.1f} of {memory:g} GiB on the "
                        f"fullest GPU")
