@@ -851,6 +851,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
+def linears_of(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+    """Each linear applied to x: the projections of one input (q, k, v; gate, up), made in one call so
+    that a later lesson can keep x once for all of them (Attention.project, SwiGLU.project: lesson 03)."""
+    return tuple(linear(x) for linear in linears)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gated activation (SwiGLU.gated: lesson 03 swaps it for one that keeps less)."""
+    return F.silu(gate) * up
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn: Callable) -> None:
         super().__init__()
@@ -860,12 +871,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.out_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.attn_fn = attn_fn
+        self.project = linears_of
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x, self.q_proj, self.k_proj, self.v_proj)
         # -1 heads, not cfg.n_heads: after tensor parallelism a rank holds only its share of heads.
-        q = apply_rope(self.q_proj(x).unflatten(-1, (-1, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_proj(x).unflatten(-1, (-1, self.head_dim)), cos, sin)
-        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
+        q = apply_rope(q.unflatten(-1, (-1, self.head_dim)), cos, sin)
+        k = apply_rope(k.unflatten(-1, (-1, self.head_dim)), cos, sin)
+        v = v.unflatten(-1, (-1, self.head_dim))
         out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.out_proj(out.transpose(1, 2).flatten(2))
 
@@ -876,9 +889,12 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.project = linears_of
+        self.gated = swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(self.gated(gate, up))
 
 
 class Block(nn.Module):
@@ -907,7 +923,9 @@ class GPT(nn.Module):
       keeps their names, and its parameters still line up with the reference model's by name;
     - a model whose embed is None starts from hidden states, one whose lm_head is None returns them
       (a pipeline stage sets the modules it does not own to None);
-    - loss_fn(logits, targets) is an attribute: vocab-parallel cross-entropy replaces it."""
+    - loss_fn(logits, targets) is an attribute: vocab-parallel cross-entropy replaces it;
+    - each block's projections of one input are one call (project), SwiGLU's activation an attribute
+      (gated): lesson 03 keeps less for backward, 08 casts an input to FP8 once."""
 
     def __init__(self, cfg: ModelConfig, attn_fn: Callable = causal_attention,
                  loss_fn: Callable = cross_entropy_loss) -> None:

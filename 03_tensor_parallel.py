@@ -4,9 +4,11 @@ parallelism, and grouped-query attention.
 The parts, in order (the technique starts at conjugate: Megatron's f and g):
   The conjugate communication operators: _collective (one operator a collective), conjugate
   Vocab-parallel embedding and cross-entropy: VocabParallelEmbedding, VocabParallelCrossEntropy
-  The plan: column_parallel, row_parallel, enter_region, exit_region; apply_tensor_parallel, unshard
+  The plan: column_parallel, row_parallel, enter_region, exit_region; SP's Projections, keep_sequence_shard;
+  apply_tensor_parallel, unshard
   Training, communication and memory: train_tensor_parallel, comm_formula
-  Activation memory, and recompute: apply_recompute, activation_bytes, layer_activation_formula
+  Activation memory, lean saves and recompute: RMSNormKeepingInput, SwiGLUKeepingInputs, apply_lean_saves,
+  apply_recompute, activation_bytes, layer_activation_formula
   RUN IT: demo, bench (against DTensor: dtensor_plan); the command line: Options, main
   Lesson 09's plan reads only formulas that this demo and the tests measure: no pricing part here.
 
@@ -48,12 +50,19 @@ reduce-scatter (forward; all-gather backward) and f an all-gather (forward; redu
 backward). All-reduce = reduce-scatter + all-gather, so the traffic is the same: per layer per
 step 4 all-gathers + 4 reduce-scatters of b x s x h. The replicated norm weights see only their
 rank's tokens: their gradients are summed over the group (an all-reduce of h numbers per norm).
+The linears of a region (q, k, v; gate, up) read its gathered input, which backward needs for their
+weight gradients: they keep this rank's sequence shard of it and all-gather it again in backward, once
+for all of them (Projections, Megatron's): 2 all-gathers of b x s x h more a layer, t x less kept.
 
-ACTIVATION MEMORY (what autograd saves per layer; Korthikanti's accounting)
+ACTIVATION MEMORY (what a layer keeps for backward; Korthikanti's accounting)
 GPT-3 in 16 bits: s b h (34 + 5 a s / h) bytes without TP; s b h (10 + 24/t + 5 a s / (h t)) with
 TP (10: the norms' inputs, dropout masks and the regions' inputs, replicated); s b h / t (34 +
-5 a s / h) with TP + SP, where the paper re-gathers each region's input in backward instead of
-storing it. We store it, so here SP removes only the norms' t-fold replication (layer_activation_formula).
+5 a s / h) with TP + SP, which re-gathers each region's input in backward (above). Ours, a token in
+bf16 (layer_activation_formula; a heads of d, h = a d, k K/V heads, f = ffn_dim): autograd keeps each
+norm's input in fp32 and x / rms, the SwiGLU's gate, silu(gate), up and their product: 20h + 4kd + 8f +
+4a + 8. LEAN SAVES (apply_lean_saves), what Megatron-Core with Transformer Engine keeps: a norm keeps x
+and 1/rms (backward recomputes x / rms), the SwiGLU gate and up (backward recomputes silu): 8h + 4ad +
+4kd + 4a + 6f + 8, with SP all of it / t. The gradients are autograd's up to rounding.
 RECOMPUTE (apply_recompute): "selective" keeps only each attention function's q, k, v and recomputes
 its inside (Megatron's: the 5 a s / h scores term; a fused kernel's log-sum-exp); "full" keeps only
 each block's input and reruns the block, ~1/3 more compute ("op", torchtitan's: and the outputs of its
@@ -63,8 +72,8 @@ RUN IT
     python 03_tensor_parallel.py                       # 4 local CPU ranks, tp = 4
     python 03_tensor_parallel.py --bench               # against DTensor parallelize_module
 Look at: the max |difference| from one device (rounding only); the communication per layer per
-step, measured = formula, with and without SP; the activations per rank, measured = formula, and
-how much of them plain TP leaves replicated.
+step, measured = formula, with and without SP; one layer's activations per rank, measured = formula,
+before (autograd's saves, each region's input gathered) and after (re-gathered, lean saves).
 """
 from __future__ import annotations
 
@@ -74,6 +83,7 @@ import contextlib
 import fnmatch
 import functools
 import importlib
+import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -95,17 +105,19 @@ _group_of = dist.distributed_c10d._resolve_process_group  # an operator takes a 
 
 def _collective_output(x: torch.Tensor, group_name: str, kind: str) -> torch.Tensor:
     n = foundation.group_size(_group_of(group_name))  # also: this rank is in the group
-    rows = {"gather": x.shape[0] * n, "scatter": x.shape[0] // n}.get(kind, x.shape[0])
+    gathered = x.shape[0] * n
+    rows = {"gather": gathered, "regather": gathered, "scatter": x.shape[0] // n}.get(kind, x.shape[0])
     return x.new_empty((rows, *x.shape[1:]))
 
 
 @torch.library.custom_op("lesson03::collective", mutates_args=())
 def _collective(x: torch.Tensor, group_name: str, kind: str) -> torch.Tensor:
     """A new tensor (x may be shared: never reduced in place): kind "sum" or "max", x all-reduced;
-    "gather", every rank's x concatenated along dim 0; "scatter", this rank's dim-0 chunk of the sum."""
+    "gather", every rank's x concatenated along dim 0 ("regather": the same, in a backward, where a
+    compiler would merge an identical call with forward's); "scatter", this rank's dim-0 chunk of the sum."""
     group = _group_of(group_name)
     out = _collective_output(x, group_name, kind)
-    if kind == "gather":
+    if kind in ("gather", "regather"):
         foundation.all_gather(out, x, group)
     elif kind == "scatter":
         foundation.reduce_scatter(out, x, group)
@@ -244,6 +256,7 @@ class Context:
     tp: int
     rank: int
     sequence_parallel: bool
+    regather: bool = True  # SP: the regions' linears keep their input's sequence shard (keep_sequence_shard)
     shards: dict = field(default_factory=dict)  # full weight -> its shard (keys hash by identity)
 
 
@@ -300,14 +313,99 @@ def exit_region(module: nn.Module, ctx: Context) -> nn.Module:
     return module
 
 
+class LinearMath:
+    """nn.Linear's GEMMs (no bias) on what it keeps of its input: the input itself. Lesson 08's
+    Float8Linear brings its own (its `math`): FP8 GEMMs on the input's FP8 cast."""
+
+    @staticmethod
+    def keep(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x,)
+
+    @staticmethod
+    def operands(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:  # kept of a weight beside itself: none
+        return ()
+
+    @staticmethod
+    def forward(kept: tuple[torch.Tensor, ...], weight: torch.Tensor,
+                operands: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return F.linear(kept[0], weight)
+
+    @staticmethod
+    def backward(kept: tuple[torch.Tensor, ...], weight: torch.Tensor, operands: tuple[torch.Tensor, ...],
+                 grad: torch.Tensor, needs_input: bool,
+                 needs_weight: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        grad_input = grad @ weight if needs_input else None
+        grad_weight = grad.flatten(0, -2).t() @ kept[0].flatten(0, -2) if needs_weight else None
+        return grad_input, grad_weight
+
+
+class Projections(torch.autograd.Function):
+    """The linears that read one input x (q, k, v; gate, up), as one autograd node that keeps x once for
+    all of them, as `math` keeps it (LinearMath: x; lesson 08: its FP8 cast). shard = (group, rank, t),
+    under SP: x is the region's all-gathered input; keep only this rank's sequence shard of it and
+    all-gather that again in backward, once for all the linears (Megatron's sequence parallelism)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, shard: tuple | None, math, *weights: torch.Tensor):
+        kept = math.keep(x)
+        operands = [math.operands(weight) for weight in weights]
+        outs = tuple(math.forward(kept, weight, operand) for weight, operand in zip(weights, operands))
+        if shard is not None:  # a copy of this rank's rows of the sequence (dim 1): the gathered x is freed
+            _, rank, tp = shard
+            rows = kept[0].shape[1] // tp
+            kept = (kept[0].narrow(1, rank * rows, rows).clone(), *kept[1:])
+        ctx.save_for_backward(*kept, *itertools.chain(*operands))
+        ctx.sizes = [len(kept), *map(len, operands)]
+        ctx.weights = weights  # read at backward: ZeRO-3 gathers them again, a saved one loses its attributes
+        ctx.shard = shard
+        ctx.math = math
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        saved = ctx.saved_tensors  # once: a checkpoint's recompute answers each unpack only once
+        ends = list(itertools.accumulate(ctx.sizes))
+        kept, *operands = [saved[end - n:end] for n, end in zip(ctx.sizes, ends)]
+        if ctx.shard is not None:
+            kept = (_gathered(kept[0], ctx.shard[0], kind="regather"), *kept[1:])
+        needs_input = ctx.needs_input_grad[0]
+        grad_input = None
+        grad_weights = []
+        for grad, weight, operand, needs_weight in zip(grads, ctx.weights, operands, ctx.needs_input_grad[3:],
+                                                       strict=True):
+            grad_x, grad_weight = ctx.math.backward(kept, weight, operand, grad, needs_input, needs_weight)
+            grad_input = grad_x if grad_input is None else grad_input + grad_x
+            grad_weights.append(grad_weight)
+        return grad_input, None, None, *grad_weights
+
+
+def project(x: torch.Tensor, *linears: nn.Module, shard: tuple | None = None) -> tuple[torch.Tensor, ...]:
+    """01's project hook by Projections, with the linears' math (08's Float8Linear: its own); an empty x,
+    or linears of different kinds, go each to each linear, which handles it."""
+    if x.numel() == 0 or len({type(linear) for linear in linears}) > 1:
+        return foundation.linears_of(x, *linears)
+    math = linears[0].math(x) if hasattr(linears[0], "math") else LinearMath
+    outs = Projections.apply(x, shard, math, *(linear.weight for linear in linears))
+    return tuple(y if linear.bias is None else y + linear.bias for y, linear in zip(outs, linears))
+
+
+def keep_sequence_shard(module: nn.Module, ctx: Context) -> nn.Module:
+    """SP (unless ctx.regather is off): the region's projections (01's project hook) keep their gathered
+    input's sequence shard, gathered again in backward (Projections): (t-1)/t of it less held, for one
+    more all-gather of it a region."""
+    if ctx.sequence_parallel and ctx.regather and ctx.tp > 1 and hasattr(module, "project"):
+        module.project = functools.partial(project, shard=(ctx.group, ctx.rank, ctx.tp))
+    return module
+
+
 SPLIT_DIM = {column_parallel: 0, row_parallel: 1, vocab_parallel: 0}  # how each style splits .weight
 
 TENSOR_PARALLEL_PLAN = {  # module name pattern -> styles; unlisted parameters stay replicated
     "embed": [vocab_parallel, exit_region],  # the partial embeddings are summed
-    "layers.*.attn": [enter_region, exit_region],
+    "layers.*.attn": [enter_region, keep_sequence_shard, exit_region],
     "layers.*.attn.[qkv]_proj": [column_parallel],  # split by (query / key-value) heads
     "layers.*.attn.out_proj": [row_parallel],
-    "layers.*.mlp": [enter_region, exit_region],
+    "layers.*.mlp": [enter_region, keep_sequence_shard, exit_region],
     "layers.*.mlp.gate_proj": [column_parallel],
     "layers.*.mlp.up_proj": [column_parallel],
     "layers.*.mlp.down_proj": [row_parallel],
@@ -350,11 +448,13 @@ def validate_ties(model: nn.Module, plan: dict) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool = False,
-                          plan: dict | None = None, check_ids: bool = True) -> nn.Module:
+                          plan: dict | None = None, check_ids: bool = True,
+                          regather: bool = True) -> nn.Module:
     """Shard the lesson-01 GPT in place over `group` (each rank keeps its slice of the weights,
     broadcast over the group first); model(tokens) returns this rank's vocabulary slice of the logits,
     model(tokens, targets) the full mean loss. check_ids=False: the caller checks the ids where it
-    is cheap (lesson 09: on the CPU, before they move to the GPU)."""
+    is cheap (lesson 09: on the CPU, before they move to the GPU). regather=False: under SP the
+    regions' linears keep their gathered input (keep_sequence_shard off)."""
     tp = foundation.group_size(group)
     rank = dist.get_rank(group)
     validate_tensor_parallel(model.cfg, tp)
@@ -362,7 +462,7 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
         raise ValueError("this model is already tensor-parallel: apply_tensor_parallel once")
     plan = plan or TENSOR_PARALLEL_PLAN
     validate_ties(model, plan)
-    ctx = Context(group, tp, rank, sequence_parallel)
+    ctx = Context(group, tp, rank, sequence_parallel, regather)
     foundation.broadcast_parameters(model, group)
     vocab_size = model.cfg.vocab_size
     for name, module in list(model.named_modules()):
@@ -409,17 +509,19 @@ def unshard(param: torch.Tensor, group=None, like: nn.Parameter | None = None) -
 
 # --- Training, communication and memory --------------------------------------------------------------------
 def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
-                          sequence_parallel: bool = False, microbatches: int = 1, lr: float = 1e-3,
-                          adam_eps: float = 1e-8, group=None, device: torch.device | str = "cpu",
+                          sequence_parallel: bool = False, regather: bool = True, microbatches: int = 1,
+                          lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
+                          device: torch.device | str = "cpu",
                           transform=None, after=None, around_step=lambda model: contextlib.nullcontext()):
     """Every rank trains on the whole global batch with its shards, in microbatches whose gradients
     add up. Returns the result (step-0 gradients and final parameters reassembled) and a meter of the
-    steps' communication. Lesson 08's hooks: transform (the GPT, before the split), after (the split
-    model), around_step(model) (a context around each step's forwards and backwards)."""
+    steps' communication. Hooks: transform (the GPT, before the split: apply_lean_saves, 08's FP8),
+    after (the split model), around_step(model) (a context around each step's forwards and backwards)."""
     if microbatches < 1 or global_batch % microbatches:
         raise ValueError(f"global_batch={global_batch} is not divisible by microbatches={microbatches}")
     model = (transform or (lambda model: model))(foundation.GPT(cfg)).to(device)
-    model = (after or (lambda model: model))(apply_tensor_parallel(model, group, sequence_parallel))
+    model = apply_tensor_parallel(model, group, sequence_parallel, regather=regather)
+    model = (after or (lambda model: model))(model)
     optimizer = foundation.make_optimizer(model, lr, adam_eps)
     losses = []
     with foundation.comm_meter() as meter:
@@ -440,15 +542,19 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
 
 def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, layers: int | None = None,
                  embed: bool = True, head: bool = True, microbatches: int = 1, mlp: bool = True,
-                 elem_bytes: int = 4, recompute: str = "none") -> dict[str, tuple[int, int]]:
+                 elem_bytes: int = 4, recompute: str = "none", regather: bool = True,
+                 kept_input: tuple[int, int] | None = None) -> dict[str, tuple[int, int]]:
     """op -> (calls, payload bytes) in one training step, any t > 1: the module docstring's collectives,
     activations of elem_bytes (traffic per rank: (t-1)/t of the payload, twice for an all-reduce).
     recompute="full" reruns attention's g (SP: also both regions' f), not the MLP's g: each block reruns
-    up to down_proj's input. The other keywords are lesson 09's, for a pipeline stage: `layers` layers,
-    each collective once per microbatch, embedding and head or not, MoE layers (mlp=False: 2 a layer)."""
+    up to down_proj's input. SP with regather: each region's kept shard gathered again in backward, at
+    kept_input's bytes an element (layer_activation_formula). The other keywords are lesson 09's, for a
+    pipeline stage: `layers` layers, each collective once per microbatch, embedding and head or not, MoE
+    layers (mlp=False: 2 a layer)."""
     layers = cfg.n_layers if layers is None else layers
     m = microbatches
     bsh = batch * seq_len * cfg.dim * elem_bytes
+    kept = elem_bytes if kept_input is None else kept_input[0]
     loss = (3 * head * m, 3 * head * batch * seq_len * 4)  # (calls, bytes): 3 fp32 numbers a token
     activations = (2 + 2 * mlp) * layers + embed + head
     norms = 2 * layers + head
@@ -458,7 +564,10 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
         return {"all_reduce": (m * calls + loss[0], calls * bsh + loss[1])}
     gathers = activations + again * (1 + mlp)
     scatters = activations + again
-    return {"all_gather": (m * gathers, gathers * bsh), "reduce_scatter": (m * scatters, scatters * bsh),
+    regathers = (1 + mlp) * layers * regather
+    gathered = gathers * bsh + regathers * batch * seq_len * cfg.dim * kept
+    return {"all_gather": (m * (gathers + regathers), gathered),
+            "reduce_scatter": (m * scatters, scatters * bsh),
             "all_reduce": (m * norms + loss[0], m * norms * cfg.dim * elem_bytes + loss[1])}
 
 
@@ -495,6 +604,65 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
             block.attn.attn_fn = recomputed(block.attn.attn_fn)
         elif mode != "none":  # full, or op's policy
             block.forward = recomputed(block.forward, *[odd_matmuls_and_attention] * (mode == "op"))
+    return model
+
+
+class RMSNormKeepingInput(torch.autograd.Function):
+    """01's RMSNorm y = (x r) w, r = 1/rms(x) in fp32, keeping only x and r (4 B a token): backward
+    recomputes x r (Transformer Engine's, PyTorch's fused rms_norm), where autograd keeps x in fp32 and
+    x r as well. dL/dx = r (g - x r mean(g x r)) with g = dL/d(x r) = dL/dy w, one pass over the row."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return (x32 * rstd).type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, rstd, weight = ctx.saved_tensors
+        normed = x.float() * rstd
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * normed.type_as(x)).sum_to_size(weight.shape)
+        g = (grad * weight).float()
+        grad_x = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
+        return grad_x.type_as(x), grad_weight, None
+
+
+class SwiGLUKeepingInputs(torch.autograd.Function):
+    """01's swiglu, silu(gate) x up, keeping only gate and up (Megatron's fused SwiGLU): backward recomputes
+    silu(gate), which autograd keeps beside gate and up."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return foundation.swiglu(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        # silu' = s (1 + gate (1 - s)), s = sigmoid(gate): the kernel autograd's own silu backward runs
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        return grad_gate, F.silu(gate).mul_(grad)  # in place: no more temporaries than autograd's
+
+
+def lean_rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return RMSNormKeepingInput.apply(x, norm.weight, norm.eps)
+
+
+def apply_lean_saves(model: nn.Module) -> nn.Module:
+    """Every block's norms and SwiGLU keep only what their backward reads (the two functions above; 06's
+    MoE keeps its own). Parameter names stay; the gradients are autograd's up to rounding."""
+    if getattr(model, "lean_saves", False):
+        raise ValueError("this model already keeps lean saves: apply_lean_saves once")
+    model.lean_saves = True
+    for block in model.layers.values():
+        for norm in (block.attn_norm, block.mlp_norm):
+            norm.forward = functools.partial(lean_rms_norm, norm)
+        if isinstance(block.mlp, foundation.SwiGLU):
+            block.mlp.gated = SwiGLUKeepingInputs.apply
     return model
 
 
@@ -550,15 +718,22 @@ def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Ten
     return out, count["peak"]
 
 
-def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool,
-                  device: torch.device | str = "cpu") -> tuple[int, "foundation.CommMeter"]:
-    """Layer 0 of the tensor-parallel GPT, forward and backward on this rank's (b, s, h) (SP: (b, s/t,
-    h)) activations: the bytes autograd saves for backward (activation_bytes) and its collectives."""
-    layer = apply_tensor_parallel(foundation.GPT(cfg).to(device), None, sequence_parallel).layers["0"]
+def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool, device: torch.device | str = "cpu",
+                  lean: bool = False, regather: bool = True, context: Callable = contextlib.nullcontext,
+                  recompute: str = "none") -> tuple[int, "foundation.CommMeter"]:
+    """Layer 0 of the tensor-parallel GPT (lean saves or not, a recompute mode), forward and backward on
+    this rank's (b, s, h) (SP: (b, s/t, h)) activations: the bytes autograd saves for backward
+    (activation_bytes) and its collectives. context(split model) yields the model to run (lesson 08's:
+    its FP8 linears, each weight cast once, as a training step does)."""
+    model = foundation.GPT(cfg).to(device)
+    model = apply_tensor_parallel(apply_lean_saves(model) if lean else model, None, sequence_parallel,
+                                  regather=regather)
+    model = apply_recompute(model, recompute)
     shards = dist.get_world_size() if sequence_parallel else 1
     x = torch.randn(batch, seq_len // shards, cfg.dim, device=device, requires_grad=True)
     cos, sin = foundation.rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta)
-    with foundation.comm_meter() as meter:
+    with context(model) as run_model, foundation.comm_meter() as meter:
+        layer = run_model.layers["0"]
         out, saved = activation_bytes(lambda: layer(x, cos, sin), layer.parameters(), torch.device("cpu"))
         out.sum().backward()
     return saved, meter
@@ -566,17 +741,22 @@ def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool,
 
 def layer_activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                              mode: str = "none", elem_bytes: int = 4, attention_saves: int | None = None,
-                             layers: int = 1) -> int:
+                             layers: int = 1, *, lean: bool = False, regather: bool = True,
+                             kept_input: tuple[int, int] | None = None) -> int:
     """The bytes `layers` consecutive layers of one forward save per rank, in Korthikanti's accounting
     for our layer (SwiGLU, RMSNorm, fused attention, no dropout; activations of elem_bytes, bf16: 2;
-    f = ffn_dim). Without recompute, per layer:
-    - each norm: its input in fp32, its normalised input (s b h each) and 1/rms (s b, fp32):
-      replicated in plain TP, split by t along the sequence with SP;
-    - each region's input (s b h, saved by the column-parallel linears; SP: the gathered one);
-    - sharded by t: q and the attention output (s b h each), k and v (s b h_kv each: grouped-query
-      attention keeps K/V unrepeated); the MLP's gate, silu(gate), up and their product (s b f);
+    f = ffn_dim). A linear keeps its input (e bytes an element, the tensor itself) or, kept_input =
+    (bytes an element, bytes a tensor), a copy of it (08's Float8Linear: its FP8 cast and scale).
+    Without recompute, per layer:
+    - each norm: 1/rms (s b, fp32) and its input, in fp32 with x / rms too (lean: as it is): replicated
+      in plain TP, split by t along the sequence with SP;
+    - each region's input, kept by its column-parallel linears: with SP the gathered one, or with
+      regather this rank's sequence shard of it;
+    - sharded by t: q, k and v (grouped-query attention keeps K/V unrepeated); out_proj's input, the
+      attention's output; the MLP's gate, up (autograd: and silu(gate)) and down_proj's input;
     - attention_saves bytes the attention function keeps beyond q, k, v (default: SDPA's and
-      lesson 07's fp32 log-sum-exp, one per query head and token; "selective" recompute: none).
+      lesson 07's fp32 log-sum-exp, one per query head and token, and its output where out_proj keeps
+      a copy; "selective" recompute: none).
     "full" recompute keeps only each block's input; "op" also q, v, gate, attention's output and its
     saves, and down_proj's (b s h partial sums). The layers share the RoPE tables (s x head_dim, fp32)."""
     sb = seq_len * batch  # the paper's letters: s b tokens of h = dim features, e bytes each
@@ -584,14 +764,19 @@ def layer_activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_pa
     f = cfg.ffn_dim
     kv = cfg.n_kv_heads * cfg.head_dim
     e = elem_bytes
+    kept = e if kept_input is None else kept_input[0]
     attention = 4 * sb * cfg.n_heads // tp if attention_saves is None else attention_saves
     per_layer = e * sb * h // (tp if sequence_parallel else 1)  # "full"'s: the block's input
     per_layer += (mode == "op") * (e * sb * ((2 * h + kv + f) // tp + h) + attention)
     if mode in ("none", "selective"):
-        norms = 2 * ((4 + e) * sb * h + 4 * sb)
-        sharded = e * sb * (2 * h + 2 * kv + 4 * f)
-        per_layer = ((norms // tp if sequence_parallel else norms) + 2 * e * sb * h  # the regions' inputs
-                     + sharded // tp + (0 if mode == "selective" else attention))
+        split = tp if sequence_parallel else 1
+        norms = 2 * ((e if lean else 4 + e) * sb * h + 4 * sb)
+        regions = 2 * kept * sb * h // (split if regather else 1)
+        sharded = sb * (e * (h + 2 * kv) + kept * (h + f) + (2 if lean else 3) * e * f) // tp
+        if kept_input is not None and attention_saves is None:  # SDPA's output, not out_proj's input
+            attention += e * sb * h // tp
+        scales = 4 * (0 if kept_input is None else kept_input[1])  # of the 4 linears' inputs
+        per_layer = norms // split + regions + sharded + scales + (0 if mode == "selective" else attention)
     return layers * per_layer + (4 * seq_len * cfg.head_dim if layers else 0)  # the RoPE tables
 
 
@@ -617,6 +802,13 @@ def demo(args: argparse.Namespace) -> None:
     # with SP or not: (result, the steps' meter, layer 0's saved bytes, layer 0's meter)
     runs = {sp: (*train_tensor_parallel(cfg, args.steps, b, s, sequence_parallel=sp, device=device),
                  *measure_layer(cfg, b, s, sp, device)) for sp in (False, True)}
+    kept = {  # layer 0's saved bytes: (label, SP, lean, regather) -> measured
+        ("TP, autograd's saves", False, False, True): runs[False][2],
+        ("TP + SP, each region's input gathered", True, False, False):
+            measure_layer(cfg, b, s, True, device, regather=False)[0],
+        ("TP + SP, its shard, re-gathered", True, False, True): runs[True][2],
+        ("TP + SP, re-gathered, lean saves", True, True, True):
+            measure_layer(cfg, b, s, True, device, lean=True)[0]}
     if dist.get_rank() != 0:
         foundation.exit_distributed()
     reference = foundation.train_single_device(cfg, args.steps, b, s, device=device)
@@ -633,6 +825,7 @@ def demo(args: argparse.Namespace) -> None:
         _, grads, params = result.max_differences(reference)
         print(f"  {label[sp]:<40}{grads:>18.2e}{params:>16.2e}")
     megatron = 4 * foundation.ring_traffic("all_reduce", bsh, tp)  # 4 all-reduces of b s h per layer
+    regathers = 2 * foundation.ring_traffic("all_gather", bsh, tp)  # SP: each region's input, in backward
     print(f"\ncommunication, b x s x h = {bsh:,} B{'calls':>16}{'payload':>12}{'traffic per rank':>19}"
           + ("" if tp > 1 else ": none at tp = 1"))
     for sp, (_, meter, _, layer) in runs.items():
@@ -644,18 +837,20 @@ def demo(args: argparse.Namespace) -> None:
                   + ("  = formula" if (calls, payload) == expected else "  MISMATCH with formula"))
         ops = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
         measured = sum(layer.traffic(op) for op in ops)
+        formula = megatron + (regathers if sp else 0)
         print(f"  {label[sp]:<8} a layer: " + " + ".join(f"{layer.calls(op)} {op}" for op in ops)
-              + f" = {float(measured):,.0f} B; Megatron's 4 all-reduces of b s h: {float(megatron):,.0f} B"
-              + ("  = formula" if measured == megatron else "  MISMATCH")
-              + (f"; plus {layer.calls('all_reduce')} all-reduces of norm gradients" if sp else ""))
+              + f" = {float(measured):,.0f} B; 4 all-reduces" + (" + 2 re-gathers" if sp else " (Megatron's)")
+              + f": {float(formula):,.0f} B" + ("  = formula" if measured == formula else "  MISMATCH"))
     print(f"\nactivations saved by one layer, per rank:{'measured (fp32)':>18}{'our formula':>14}"
           f"{'Korthikanti, GPT-3 16-bit layer':>34}")
-    for sp, (_, _, saved, _) in runs.items():
-        print(f"  {label[sp]:<40}{saved:>16,} B{layer_activation_formula(cfg, b, s, tp, sp):>12,} B"
-              f"{korthikanti_bytes(cfg, b, s, tp, sp):>32,.0f} B")
-    print(f"  tp = 1 for scale: {layer_activation_formula(cfg, b, s, 1, False):,} B. Plain TP leaves the "
-          f"norms replicated; SP shards them too. What stays whole with SP is the all-gathered "
-          f"input of each region, which Megatron re-gathers in backward instead of storing.")
+    for (name, sp, lean, regather), saved in kept.items():
+        formula = layer_activation_formula(cfg, b, s, tp, sp, lean=lean, regather=regather)
+        paper = korthikanti_bytes(cfg, b, s, tp, sp)
+        print(f"  {name:<40}{saved:>16,} B{formula:>12,} B{paper:>32,.0f} B")
+    whole = layer_activation_formula(cfg, b, s, 1, False)
+    print(f"  tp = 1 for scale: {whole:,} B. Plain TP leaves the norms and the regions' inputs whole;\n  SP "
+          f"splits the norms, the re-gather the regions' inputs; lean saves keep the norms' and SwiGLU's "
+          f"inputs.")
     foundation.exit_distributed()
 
 

@@ -4,7 +4,7 @@ distributed training: ZeRO-3's all-gathers in FP8, and one scale per tensor unde
 Two sub-commands: `single` (the default) runs in one process, `distributed` on ranks. The parts:
   The scale rule, the saturating cast, the recipes: amax_to_scale, cast_to_fp8, quantize_tiles        single
   One fused pass in Triton; delayed scaling: _amax_cast_kernel, fused_amax_cast, DelayedScaling       single
-  FP8 GEMM and Float8Linear: scaled_mm, _Float8Matmul, Float8Linear                                     both
+  FP8 GEMM and Float8Linear: scaled_mm, Float8Math, Float8Linear                                        both
   FP8 communication: weights_cast_once; Float8GatherUnit, Float8ZeRO; train_float8_zero          distributed
   FP8 under tensor parallelism: tensor_parallel_scales, train_float8_tensor_parallel             distributed
   RUN IT: sqnr_table, spike_demo, demo, bench; distributed_demo; Options, the size rules, main          both
@@ -44,6 +44,11 @@ FLOAT8LINEAR (tensorwise, hybrid): y = x W^T with x, W in e4m3; grad_x = g W and
 with the output gradient g in e5m2: all three GEMMs on FP8 tensor cores. An H100's FP8 peak is 2x
 bf16 (1979 vs 989 dense TFLOP/s); an amax and a cast per operand (memory-bound passes) amortise
 only on large GEMMs fused by torch.compile: published end-to-end gains are 1.2-1.5x (`--bench`).
+ACTIVATION MEMORY: for grad_W it keeps x's e4m3 cast (1 B an element) and scale, not x; the linears of
+one input (q, k, v; gate, up) share one cast of it (lesson 03's Projections; under SP a rank keeps its
+sequence shard, re-gathered in FP8). A lean layer (03) then keeps, a token in bf16, 6h + 5ad + 4kd +
+4a + 5f + 8 bytes, not 8h + 4ad + 4kd + 4a + 6f + 8: the regions' inputs and down_proj's at 1 B, and
+out_proj's cast beside the attention's own output (Transformer Engine's, delayed scaling).
 
 FP8 IN DISTRIBUTED TRAINING: Float8Linear's two hooks, a weight's `float8_cast` (made once per step)
 and `amax_groups` (the groups an operand's amax is the MAX over).
@@ -71,7 +76,8 @@ RUN IT
 Look at: cast SQNR ~30 dB (e4m3) / ~25 dB (e5m2); delayed scaling collapsing on the spike, current
 scaling not; the fp32 and FP8 losses within a few thousandths. distributed: the weights' all-gather
 bytes at a quarter, beside the formula, no bit changed; under TP, the amaxes' bytes beside the
-formula, and the distance from one device's FP8 run with whole-tensor scales and without them.
+formula, the distance from one device's FP8 run with whole-tensor scales and without them, and one
+layer's activations, measured = formula, before (autograd's) and after (lean, re-gathered, FP8).
 """
 from __future__ import annotations
 
@@ -331,41 +337,63 @@ def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
                             scale_b=b_scale.reciprocal().reshape(1, -1), out_dtype=out_dtype)
 
 
-class _Float8Matmul(torch.autograd.Function):
-    """x (M, K) @ weight (N, K)^T, all three GEMMs in FP8: e4m3 x and weight, e5m2 gradient. The
-    weight's cast: weight.float8_cast if this step made one, else made here. Each *_group: the group
-    holding the other pieces of that operand (its amax is their MAX), or None."""
+@dataclass(frozen=True)
+class Float8Math:
+    """Float8Linear's three GEMMs, for lesson 03's Projections (the linears of one input, one autograd
+    node that keeps the input once): x (..., K) @ weight (N, K)^T in FP8, e4m3 x and weight, e5m2 output
+    gradient. Kept for backward: x's e4m3 cast (as bytes: gloo all-gathers no FP8 type) and its scale,
+    half the bytes of a bf16 x. The weight's cast: weight.float8_cast if this step made one, else made
+    here and kept. Each *_group: the group holding the other pieces of that operand (its amax is their
+    MAX), or None."""
+    dtype: torch.dtype  # of x, of the output and of x's gradient
+    x_group: object = None
+    weight_group: object = None
+    grad_group: object = None
+
+    def keep(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x_q, x_scale = quantize_tensorwise(x.reshape(-1, x.shape[-1]), E4M3, self.x_group)
+        return x_q.view(torch.uint8).view(x.shape), x_scale
+
+    def operands(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if getattr(weight, "float8_cast", None) is not None:  # read again by backward: ZeRO-3 (Float8ZeRO,
+            return ()  # below) frees it after forward, gathers it again
+        return quantize_tensorwise(weight, E4M3, self.weight_group)
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, x_group, weight_group,
-                grad_group) -> torch.Tensor:
-        x_q, x_scale = quantize_tensorwise(x, E4M3, x_group)
-        step_cast = getattr(weight, "float8_cast", None)
-        w_q, w_scale = step_cast or quantize_tensorwise(weight, E4M3, weight_group)
-        if step_cast is None:
-            ctx.save_for_backward(x_q, x_scale, w_q, w_scale)  # FP8: half the memory of bf16
-        else:  # read again by backward: ZeRO-3 (Float8ZeRO, below) frees it after forward, gathers it again
-            ctx.save_for_backward(x_q, x_scale)
-            ctx.weight = weight
-        ctx.dtypes = (x.dtype, weight.dtype)
-        ctx.grad_group = grad_group
-        return scaled_mm(x_q, x_scale, w_q, w_scale, x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_q, x_scale, *w_cast = ctx.saved_tensors
-        w_cast = w_cast or ctx.weight.float8_cast
-        if w_cast is None:
+    def weight_cast(weight: torch.Tensor, operands: tuple[torch.Tensor, ...]) -> Quantized:
+        if not operands and weight.float8_cast is None:
             raise RuntimeError("the weight's FP8 cast of this step is gone: run backward inside "
                                "weights_cast_once() (Float8ZeRO gathers it again)")
-        w_q, w_scale = w_cast
-        g_q, g_scale = quantize_tensorwise(grad_out, E5M2, ctx.grad_group)
-        # Tensorwise scales survive transposition, so the saved casts are reused, only re-laid out:
-        needs_x, needs_w, *_ = ctx.needs_input_grad  # grad_x = g W, grad_w = g^T x: each only if asked for
-        grad_x = scaled_mm(g_q, g_scale, w_q.t().contiguous(), w_scale, ctx.dtypes[0]) if needs_x else None
-        grad_w = (scaled_mm(g_q.t().contiguous(), g_scale, x_q.t().contiguous(), x_scale, ctx.dtypes[1])
-                  if needs_w else None)
-        return grad_x, grad_w, None, None, None
+        return operands or weight.float8_cast
+
+    def forward(self, kept: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
+                operands: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x_bytes, x_scale = kept
+        x_q = x_bytes.view(E4M3).reshape(-1, x_bytes.shape[-1])
+        out = scaled_mm(x_q, x_scale, *self.weight_cast(weight, operands), self.dtype)
+        return out.view(*x_bytes.shape[:-1], -1)
+
+    def backward(self, kept: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
+                 operands: tuple[torch.Tensor, ...], grad: torch.Tensor, needs_input: bool,
+                 needs_weight: bool) -> tuple:
+        x_bytes, x_scale = kept
+        w_q, w_scale = self.weight_cast(weight, operands)
+        g_q, g_scale = quantize_tensorwise(grad.reshape(-1, grad.shape[-1]), E5M2, self.grad_group)
+        # Tensorwise scales survive transposition, so the casts are reused, only re-laid out; each GEMM
+        # only if its gradient is asked for (grad_x = g W, grad_w = g^T x):
+        grad_x = None
+        if needs_input:
+            grad_x = scaled_mm(g_q, g_scale, w_q.t().contiguous(), w_scale, self.dtype)
+            grad_x = grad_x.view(*grad.shape[:-1], -1)
+        x_q = x_bytes.view(E4M3).reshape(-1, x_bytes.shape[-1])
+        grad_w = scaled_mm(g_q.t().contiguous(), g_scale, x_q.t().contiguous(), x_scale,
+                           weight.dtype) if needs_weight else None
+        return grad_x, grad_w
+
+
+# What a Float8Linear keeps of its input for backward: 1 B an element and an fp32 scale a tensor (03's
+# layer_activation_formula and comm_formula, kept_input).
+KEPT_INPUT = (1, AMAX_BYTES)
 
 
 class Float8Linear(nn.Linear):
@@ -374,7 +402,7 @@ class Float8Linear(nn.Linear):
     zero weight gradient): with no amax to scale by, it skips FP8."""
 
     DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # FP8 GEMMs output these
-    amax_groups = (None, None, None)  # _Float8Matmul's x_group, weight_group, grad_group
+    amax_groups = (None, None, None)  # Float8Math's x_group, weight_group, grad_group
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Float8Linear":
@@ -390,19 +418,24 @@ class Float8Linear(nn.Linear):
                              f"alike), got input {x.dtype} and weight {self.weight.dtype}")
         if x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
-        out = _Float8Matmul.apply(x.reshape(-1, self.in_features), self.weight, *self.amax_groups)
-        out = out.reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
+        return tensor_parallel.project(x, self)[0]
+
+    def math(self, x: torch.Tensor) -> Float8Math:
+        """Its GEMMs, for 03's Projections."""
+        return Float8Math(x.dtype, *self.amax_groups)
 
 
 def convert_to_float8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
     """Swap, in place, every nn.Linear of model not named in skip for a Float8Linear. lm_head stays
     high precision, as in FP8 recipes: a 6% error on a logit is that error in log-probability times
-    the logit, and its gradient (softmax - one-hot) starts all of backprop."""
+    the logit, and its gradient (softmax - one-hot) starts all of backprop. The linears of one input
+    (01's project hook: q, k, v; gate, up) share one cast of it, kept once (03's Projections)."""
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and f"{parent_name}.{name}".lstrip(".") not in skip:
                 setattr(parent, name, Float8Linear.from_linear(child))
+        if getattr(parent, "project", None) is foundation.linears_of:
+            parent.project = tensor_parallel.project
     return model
 
 
@@ -615,6 +648,15 @@ def tensor_parallel_scales(model: nn.Module, group=None, sequence_parallel: bool
     return model
 
 
+@contextlib.contextmanager
+def float8_split(model: nn.Module, sequence_parallel: bool = False) -> Iterator[nn.Module]:
+    """03's split GPT with FP8 linears, every scale the whole tensor's, each weight cast once as in 09's
+    steps (weights_cast_once: not a per-token cost): 03's measure_layer context."""
+    model = tensor_parallel_scales(convert_to_float8(model), sequence_parallel=sequence_parallel)
+    with weights_cast_once(model):
+        yield model
+
+
 def tensor_parallel_group(model: nn.Module):
     """The group model's Float8Linear layers reduce their amaxes over (tensor_parallel_scales), or None."""
     groups = {layer.amax_groups[1] for layer in model.modules() if isinstance(layer, Float8Linear)}
@@ -819,6 +861,11 @@ def distributed_demo(args: argparse.Namespace) -> None:
                                                          sequence_parallel=sp, whole_tensor_scales=whole,
                                                          device=device)
                for sp, whole in ((False, True), (True, True), (False, False))}
+    # one layer's saved bytes under TP + SP: before (autograd's, fp32 linears), after (lean, re-gathered, FP8)
+    before = tensor_parallel.measure_layer(cfg, args.batch, args.seq_len, True, device, regather=False)[0]
+    fp8_layer = functools.partial(float8_split, sequence_parallel=True)
+    after = tensor_parallel.measure_layer(cfg, args.batch, args.seq_len, True, device, lean=True,
+                                          context=fp8_layer)[0]
     if casts is not None:  # rank 0
         rest, weights = runs["zero3"][0].stats["padded"]
         n = runs["zero3"][0].stats["n_weights"]
@@ -872,6 +919,14 @@ def distributed_demo(args: argparse.Namespace) -> None:
               "a value across an e4m3 rounding (rare), AdamW makes it an lr-sized move, close to one\n"
               "device, not bit for bit. With each rank's own scales the FP8 roundings differ everywhere, for "
               "a few bytes of amaxes less.")
+        print("\nOne layer's activations per rank, TP + SP (fp32), measured | 03's formula (KEPT_INPUT):")
+        layer_formula = functools.partial(tensor_parallel.layer_activation_formula, cfg, args.batch,
+                                          args.seq_len, world, True)
+        rows = {"autograd's, regions' inputs gathered, fp32": (before, layer_formula(regather=False)),
+                "lean, re-gathered, FP8 casts": (after, layer_formula(lean=True, kept_input=KEPT_INPUT))}
+        for label, (saved, formula) in rows.items():
+            differs = "" if saved == formula else " (!=)"
+            print(f"  {label:<48}{saved:>11,} B | {formula:,} B{differs}")
     foundation.exit_distributed()
 
 

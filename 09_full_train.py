@@ -23,7 +23,8 @@ them (ep divides dp x cp); each expert is data-parallel over the other dp x cp /
 
 ONE MODEL, TRANSFORMED IN ONE ORDER (each step an earlier lesson's own function)
   01 GPT(cfg) -> 06 convert_to_moe + apply_expert_parallel (--moe, --ep) -> 08 convert_to_float8 (--fp8) -> 03
-  apply_tensor_parallel (+ SP) -> 05 ContextParallelAttention as attention (zigzag ring; 07's kernel on a GPU)
+  apply_lean_saves (unless --autograd-saves) -> 03 apply_tensor_parallel (+ SP, whose linears keep their
+  input's sequence shard) -> 05 ContextParallelAttention as attention (zigzag ring; 07's kernel on a GPU)
   -> 04 cut_stage (v stages a rank: interleaved 1F1B) -> 02 ZeRO 0-3 over dp x cp (experts: over the ranks
   holding the same ones; --fp8 --zero 3's Float8Linear weights: 08's Float8ZeRO, gathered in FP8).
 TP rewrites modules and needs the whole model, CP only swaps a function, a stage cut deletes modules, ZeRO
@@ -61,8 +62,10 @@ sends in its fill and drain. The slowest pipeline rank's microbatches / (1 - 04'
 (pipeline_span). Two bounds frame it: full overlap, none.
 
 THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that validate accepts; those
-that fit in memory, fastest first. The README's planning table checks the predictions against published runs:
-those the model was calibrated on, and runs it was only checked on (A100s, long context, B200s): PRESETS.
+that fit in memory, fastest first; a given mesh that does not fit names its largest part and the fastest
+option that keeps less with which it fits (why_not_fitting). The README's planning table checks the
+predictions against published runs: those the model was calibrated on, and runs it was only checked on
+(A100s, long context, B200s): PRESETS.
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
@@ -229,6 +232,10 @@ class TrainConfig:
     mixed_precision: bool = option(False, "bf16 compute, fp32 masters", commands=STEPPING, option="--bf16")
     recompute: str = option("none", "activation recompute (03): selective = attention's inside, full = each "
                             "block", choices=tensor_parallel.RECOMPUTE_MODES)
+    lean_saves: bool = option(True, "03's lean saves: norms and SwiGLU keep their inputs, SP's linears their "
+                              "input's sequence shard", off=(
+                                  "--autograd-saves", False, "every tensor autograd saves; SP's linears keep "
+                                  "the gathered input"))
     attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring); plan only, kernels the course "
                             "does not run: cudnn, SDPA's cuDNN backend (Transformer Engine's fused "
                             "attention); unfused, two GEMMs around a softmax that writes the scores to "
@@ -376,7 +383,8 @@ def fullgraph_blocker(sizes: MeshSizes, train: TrainConfig) -> str | None:
 
 def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages: int,
                       device: torch.device) -> nn.Module:
-    """The module docstring's order: GPT -> MoE + EP -> FP8 -> TP (+SP) -> CP attention -> stage cut."""
+    """The module docstring's order: GPT -> MoE + EP -> FP8 -> lean saves -> TP (+SP) -> CP attention -> stage
+    cut."""
     model = foundation.GPT(cfg)
     if train.moe is not None:
         model = expert_parallel.convert_to_moe(model, train.moe)
@@ -384,9 +392,12 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
             expert_parallel.apply_expert_parallel(model, mesh.groups["ep"])
     if train.fp8:
         model = fp8.convert_to_float8(model)
+    if train.lean_saves:
+        model = tensor_parallel.apply_lean_saves(model)
     model = tensor_parallel.apply_tensor_parallel(model.to(device), mesh.groups["tp"],
                                                   train.sequence_parallel, tensor_parallel_styles(train.moe),
-                                                  check_ids=False)  # forward_backward checks the rows
+                                                  check_ids=False,  # forward_backward checks the rows
+                                                  regather=train.lean_saves)
     if train.fp8:  # 08: the scales of whole tensors, whatever tp splits
         fp8.tensor_parallel_scales(model, mesh.groups["tp"], train.sequence_parallel)
     attention = flash.flash_attention if train.attention == "flash" else None
@@ -912,7 +923,8 @@ def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
     what = "peak memory above the step's start" if trainer.device.type == "cuda" else "the most autograd held"
     formula = ("no formula for MoE layers" if train.moe else
                f"the plan of rank 0's {rank0.layers} layers, {rank0.in_flight} microbatches in flight: "
-               f"{rank0.memory['activations']:,} (03's formula, recompute {train.recompute})")
+               f"{rank0.memory['activations']:,} (03's formula, recompute {train.recompute}, "
+               f"{'lean saves' if train.lean_saves else 'autograd saves'})")
     if saved[0] is not None:
         print(f"activations in step {result['measured']}, {what} per rank: "
               + ", ".join(f"{x:,}" for x in saved) + f"; {formula}")
@@ -1264,7 +1276,8 @@ def tp_messages(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: b
     ops = tensor_parallel.comm_formula(
         cfg, train.global_batch // sizes.dp, train.seq_len // sizes.cp, train.sequence_parallel,
         layers=layers, embed=embed, head=head, microbatches=train.microbatches, mlp=train.moe is None,
-        elem_bytes=2 if train.mixed_precision else 4, recompute=train.recompute)
+        elem_bytes=2 if train.mixed_precision else 4, recompute=train.recompute, regather=train.lean_saves,
+        kept_input=fp8.KEPT_INPUT if train.fp8 else None)
     return [(calls, foundation.ring_traffic(op, payload, sizes.tp)) for op, (calls, payload) in ops.items()]
 
 
@@ -1294,8 +1307,8 @@ def mlp_backward_bytes(tokens: int, dim: int, ffn_dim: int, elem_bytes: int) -> 
 def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     """Every pipeline rank's RankPlan by the earlier lessons' formulas (COST); call validate first. FP8 is
     priced at its compute precision but for --zero 3's Float8Linear weights (08's Float8ZeRO: 1 B gathers,
-    e4m3 shards and scales held); its saved casts are not modelled; MoE activations and ep's all-to-alls
-    depend on the routing: None."""
+    e4m3 shards and scales held) and the linears' inputs they keep (08's KEPT_INPUT); MoE activations and
+    ep's all-to-alls depend on the routing: None."""
     e = 2 if train.mixed_precision else 4  # bytes of a compute parameter, gradient, activation
     tp = sizes.tp
     cp = sizes.cp
@@ -1319,13 +1332,15 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     attention = None  # what the attention function saves beyond q, k, v: None, SDPA's
     if cp > 1:
         attention = context_parallel.ring_saved_bytes(q, tokens * cfg.n_heads)
-    if attention and e == 4 and cfg.n_heads == tp:  # one fp32 head a rank: flattening it copies nothing, so
-        attention -= 4 * q  # out_proj reads the merged output the ring keeps: one storage, counted once
+    if attention and e == 4 and cfg.n_heads == tp and not train.fp8:  # one fp32 head a rank: flattening it
+        attention -= 4 * q  # copies nothing, so out_proj keeps the merged output the ring keeps: counted once
 
     def stage_bytes(stage: int, mode: str = train.recompute, layers: int | None = None) -> int:
-        """03's activations of a stage's layers (or `layers` of them) for one microbatch."""
-        return tensor_parallel.layer_activation_formula(cfg, b // m, s, tp, train.sequence_parallel, mode, e,
-                                                        attention, layers or len(spans[stage]))
+        """03's activations of a stage's layers (or `layers` of them) for one microbatch; 08's casts kept."""
+        return tensor_parallel.layer_activation_formula(
+            cfg, b // m, s, tp, train.sequence_parallel, mode, e, attention, layers or len(spans[stage]),
+            lean=train.lean_saves, regather=train.lean_saves,
+            kept_input=fp8.KEPT_INPUT if train.fp8 else None)
 
     rebuilt = {"full": stage_bytes(0, "none", 1), "op": stage_bytes(0, "none", 1) - stage_bytes(0, "op", 1)}
     kernel = "flash" if cp > 1 and train.attention == "sdpa" else train.attention  # 09's ring: 07's kernel
@@ -1790,6 +1805,32 @@ def describe(r: dict, table: bool) -> str:
     return "\n".join(lines)
 
 
+def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
+    """A given mesh that does not fit: its fullest GPU's largest term, and the fastest of the options that
+    keep less (more recompute, a higher ZeRO stage) with which it fits, or that none does."""
+    most = r["memory_gib"][r["fullest"]]
+    term = max((k for k in most if k != "total"), key=most.get)
+    in_flight = r["in_flight"][r["fullest"]]
+    unit = ("microbatch-stage" if r["virtual"] > 1 else "microbatch") + "s" * (in_flight != 1)
+    held = f" ({in_flight} {unit} in flight)" if term == "activations" else ""
+    modes = tensor_parallel.RECOMPUTE_MODES
+    changes = {f"--recompute {mode}": dict(recompute=mode) for mode in ("selective", "full")
+               if modes.index(mode) > modes.index(job.train.recompute)}
+    changes |= {f"--zero {stage}": dict(zero_stage=stage) for stage in range(job.train.zero_stage + 1, 4)}
+    fits = {}  # option -> (step, GiB) of the mesh with it
+    for option, change in changes.items():
+        train = dataclasses.replace(job.train, **change)
+        fitting = search_meshes(job.cfg, train, gpus, job.mesh, job.ep, job.cluster)[1]
+        for _, _, plans, timing in fitting:
+            fits[option] = (timing["step"], float(fullest(plans)) / 2 ** 30)
+    text = f"its largest part: {term}, {gib_text(most[term])} GiB{held}; "
+    if not fits:
+        return text + "no more recompute or ZeRO makes it fit"
+    option = min(fits, key=fits.get)
+    step, gib = fits[option]
+    return text + f"it fits with {option}: {gib:,.1f} GiB, step {seconds_text(step)} s"
+
+
 def plan_report(job: Job) -> str:
     """The given mesh's breakdown, or the fastest meshes that fit; one line if none fits; --json: one
     object."""
@@ -1846,7 +1887,8 @@ def plan_report(job: Job) -> str:
     if given:
         if need > memory:
             verdict = (f"does not fit: the fullest GPU needs {need:,.1f} GiB, {need - memory:,.1f} GiB "
-                       f"({over - 100}%) more than its {memory:g} GiB")
+                       f"({over - 100}%) more than its {memory:g} GiB; "
+                       + why_not_fitting(job, gpus, shown[0]))
         else:
             verdict = (f"fits{' without its activations' * bool(moe)}: {need:,.1f} of {memory:g} GiB on the "
                        f"fullest GPU")

@@ -143,6 +143,37 @@ def test_attention_gets_kv_heads_unrepeated_and_nothing_saves_them_repeated():
     assert sorted(shape[1] for shape in per_head) == [2, 2, 8, 8]  # k, v; q, out (SDPA's CPU kernel)
 
 
+def test_the_projection_and_activation_hooks_are_the_plain_calls_by_default():
+    """01's hooks for lessons 03 and 08: a block makes the projections of one input in one call
+    (Attention.project, SwiGLU.project; by default each linear of x) and SwiGLU's activation is an
+    attribute (gated; by default silu(gate) x up). Replaced by the same math written out, they receive
+    q, k, v's and gate, up's linears, and the model's logits do not change."""
+    cfg = foundation.ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=24)
+    model = foundation.GPT(cfg)
+    block = model.layers["0"]
+    assert block.attn.project is block.mlp.project is foundation.linears_of
+    assert block.mlp.gated is foundation.swiglu
+    tokens, _ = foundation.synthetic_batch(cfg, 2, 5, step=0)
+    calls = []
+
+    def written_out_project(x, *linears):
+        calls.append(linears)
+        return tuple(x @ linear.weight.t() for linear in linears)
+
+    def written_out_gated(gate, up):
+        calls.append((gate.shape, up.shape))
+        return gate * torch.sigmoid(gate) * up
+
+    with torch.no_grad():
+        before = model(tokens)
+        block.attn.project = block.mlp.project = written_out_project
+        block.mlp.gated = written_out_gated
+        after = model(tokens)
+    attn, mlp = block.attn, block.mlp
+    assert calls == [(attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj), ((2, 5, 24),) * 2]
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-6)
+
+
 def test_empty_batch_gives_empty_logits_and_hidden_states():
     # As nn.Linear does for (0, in): later lessons shard batches, and a rank may get no rows.
     cfg = foundation.ModelConfig(vocab_size=32, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=16)

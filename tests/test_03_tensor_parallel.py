@@ -11,6 +11,9 @@ examples of the main test:
   padding leaking into the softmax) is off by a whole rank's share of a gradient, >= 25%;
 - parameters after 3 AdamW steps (eps 1e-6, see test_01_ddp.py): atol 1e-5; measured <= 1.2e-6.
 - operators and the vocab-parallel loss: fp64, atol 1e-12 (sums of a few numbers).
+- lean saves (apply_lean_saves) against autograd's: the same tolerances. The norm's backward is its
+  closed form, r (g - x r mean(g x r)), where autograd differentiates each operation: fp32 rounding,
+  measured <= 3e-8 on gradients; the SwiGLU's runs autograd's own kernels, bitwise.
 - activation recompute: none. It runs the same kernels on the same inputs a second time, so loss and
   every gradient (parameters after two ZeRO-3 steps) are bitwise equal to no recompute on the CPU;
   a tolerance would only hide a recompute that reads the wrong input. Saved bytes = formula exactly.
@@ -18,7 +21,9 @@ examples of the main test:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import itertools
 import re
 import weakref
 from fractions import Fraction
@@ -58,13 +63,22 @@ def tp_configs(draw):
     return tp, cfg, sequence_parallel, seq_len
 
 
-@given(setup=tp_configs(), batch=st.integers(1, 3))
-@example(setup=(4, foundation.ModelConfig(vocab_size=3, dim=16, n_heads=4, ffn_dim=8), True, 4), batch=2)  # V < tp
-def test_tensor_parallel_equals_single_device(rank_pool, setup, batch):
+def lean_or_autograd(model, lean: bool):
+    return tensor_parallel.apply_lean_saves(model) if lean else model
+
+
+@given(setup=tp_configs(), batch=st.integers(1, 3), lean=st.booleans(), regather=st.booleans())
+@example(setup=(4, foundation.ModelConfig(vocab_size=3, dim=16, n_heads=4, ffn_dim=8), True, 4), batch=2,  # V < tp
+         lean=True, regather=True)
+def test_tensor_parallel_equals_single_device(rank_pool, setup, batch, lean, regather):
+    """Also with lean saves, and under SP with each region's linears keeping their input's sequence
+    shard (regather) or the gathered input."""
     tp, cfg, sequence_parallel, seq_len = setup
     steps = 3
+    transform = functools.partial(lean_or_autograd, lean=lean)
     runs = rank_pool.run(tp, tensor_parallel.train_tensor_parallel, cfg, steps, batch, seq_len,
-                         sequence_parallel=sequence_parallel, adam_eps=ADAM_EPS)
+                         sequence_parallel=sequence_parallel, regather=regather, adam_eps=ADAM_EPS,
+                         transform=transform)
     reference = foundation.train_single_device(cfg, steps, batch, seq_len, adam_eps=ADAM_EPS)
     result = runs[0][0]
     assert_matches_reference(result, reference)
@@ -76,7 +90,9 @@ def test_tensor_parallel_equals_single_device(rank_pool, setup, batch):
     # Communication in the training steps (forward + backward, every layer, the embedding, the LM
     # head's input and the loss), per rank: calls and payload per the formula, ring traffic. At
     # tp = 1 there is nothing to communicate: no collective at all.
-    formula = tensor_parallel.comm_formula(cfg, batch, seq_len, sequence_parallel) if tp > 1 else {}
+    formula = {}
+    if tp > 1:
+        formula = tensor_parallel.comm_formula(cfg, batch, seq_len, sequence_parallel, regather=regather)
     share = {"all_reduce": Fraction(2 * (tp - 1), tp), "all_gather": Fraction(tp - 1, tp),
              "reduce_scatter": Fraction(tp - 1, tp)}
     for _, meter in runs:
@@ -185,15 +201,20 @@ def test_tensor_parallel_on_a_subgroup(rank_pool, sequence_parallel):
 
 def test_formula_is_megatrons_four_all_reduces_per_layer():
     # Without the loss and embedding terms, the formula is 4 b s h per layer; with SP the same
-    # volume as all-gathers + reduce-scatters (all-reduce = reduce-scatter + all-gather).
+    # volume as all-gathers + reduce-scatters (all-reduce = reduce-scatter + all-gather), and with
+    # regather 2 all-gathers more (each region's input again in backward), of 1 B an element in FP8.
     b, s = 2, 8
     for layers in (1, 3):
         cfg = foundation.ModelConfig(n_layers=layers)
         bsh = b * s * cfg.dim * 4
         plain = tensor_parallel.comm_formula(cfg, b, s, False)["all_reduce"]
         assert plain == ((4 * layers + 2) + 3, (4 * layers + 2) * bsh + 3 * b * s * 4)
-        sp = tensor_parallel.comm_formula(cfg, b, s, True)
+        sp = tensor_parallel.comm_formula(cfg, b, s, True, regather=False)
         assert sp["all_gather"] == sp["reduce_scatter"] == (4 * layers + 2, (4 * layers + 2) * bsh)
+        regathered = tensor_parallel.comm_formula(cfg, b, s, True)["all_gather"]
+        assert regathered == (6 * layers + 2, (6 * layers + 2) * bsh)
+        fp8 = tensor_parallel.comm_formula(cfg, b, s, True, kept_input=(1, 4))["all_gather"]
+        assert fp8 == (6 * layers + 2, (4 * layers + 2) * bsh + 2 * layers * bsh // 4)
 
 
 def train_with_sharded_logits(cfg, batch, seq_len, sequence_parallel):
@@ -364,19 +385,24 @@ def test_bf16_logits_are_summed_in_fp32(rank_pool):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_one_layer_activation_memory_and_communication_equal_the_formulas(rank_pool, tp):
+    """With SP or not, lean saves or autograd's, each region's linears keeping their input's sequence
+    shard (regather) or the gathered input: the bytes saved and the collectives (calls, payloads) are
+    the formulas'. Plain TP and SP without regather send Megatron's 4 all-reduces' volume; regather adds
+    an all-gather of b s h a region."""
     cfg = foundation.ModelConfig(vocab_size=32, dim=32, n_heads=8, n_kv_heads=4, ffn_dim=48)  # grouped-query
     megatron = 4 * Fraction(2 * (tp - 1), tp) * 3 * 8 * 32 * 4  # 4 ring all-reduces of b s h
-    for sequence_parallel in (False, True):
-        formula = tensor_parallel.layer_activation_formula(cfg, 3, 8, tp, sequence_parallel)
+    for sequence_parallel, lean, regather in itertools.product((False, True), repeat=3):
+        formula = tensor_parallel.layer_activation_formula(cfg, 3, 8, tp, sequence_parallel, lean=lean,
+                                                           regather=regather)
+        comm = tensor_parallel.comm_formula(cfg, 3, 8, sequence_parallel, layers=1, embed=False, head=False,
+                                            regather=regather) if tp > 1 else {}
         ops = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
-        for saved, meter in rank_pool.run(tp, tensor_parallel.measure_layer, cfg, 3, 8, sequence_parallel):
-            assert saved == formula
-            assert sum(meter.traffic(op) for op in ops) == megatron, "same volume with SP"
-            assert (meter.calls() == 0) == (tp == 1), "tp = 1: no collective at all"
-    if tp > 1:  # SP shrinks exactly the norms' share
-        saved = (tensor_parallel.layer_activation_formula(cfg, 3, 8, tp, False)
-                 - tensor_parallel.layer_activation_formula(cfg, 3, 8, tp, True))
-        assert saved == 4 * 2 * (2 * 3 * 8 * 32 + 3 * 8) * (tp - 1) // tp
+        regathers = 2 * Fraction(tp - 1, tp) * 3 * 8 * 32 * 4 * (sequence_parallel and regather)
+        for saved, meter in rank_pool.run(tp, tensor_parallel.measure_layer, cfg, 3, 8, sequence_parallel, "cpu",
+                                          lean, regather):
+            assert saved == formula, (sequence_parallel, lean, regather)
+            assert {op: (meter.calls(op), meter.payload(op)) for op, _ in meter.stats} == comm
+            assert sum(meter.traffic(op) for op in ops) == megatron + regathers
 
 
 def hooks_and_loss_at_tp_1(sequence_parallel: bool) -> tuple[int, bool]:
@@ -406,6 +432,34 @@ def test_grouped_query_layer_saves_its_kv_heads_only(n_kv_heads):
     repeated = tensor_parallel.layer_activation_formula(dataclasses.replace(cfg, n_kv_heads=8), batch, seq, 1,
                                                          False)
     assert repeated - saved == 4 * 2 * seq * batch * (8 - n_kv_heads) * cfg.head_dim
+
+
+# Llama 3 8B's and 70B's layers (Meta's config.json), for the published per-token formulas below.
+LLAMA3_LAYERS = {"8B": dict(dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336),
+                 "70B": dict(dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672)}
+
+
+def bytes_a_token(cfg, tp: int, tokens: int, **keywords) -> Fraction:
+    """One layer's saved bytes a token on a rank, in bf16 with SP (the RoPE tables, shared, left out)."""
+    layers = [tensor_parallel.layer_activation_formula(cfg, 1, tokens, tp, True, "none", 2, layers=n, **keywords)
+              for n in (1, 2)]
+    return Fraction(layers[1] - layers[0], tokens)
+
+
+@pytest.mark.parametrize("model", LLAMA3_LAYERS)
+@pytest.mark.parametrize("tp", [1, 8])
+def test_the_lean_layer_keeps_what_megatron_with_transformer_engine_keeps(model, tp):
+    """Megatron-Core with Transformer Engine keeps, a token and layer in bf16 with SP (read in their code:
+    two norm inputs and outputs, 2 fp32 rstd, q, k, v, the attention's output and fp32 log-sum-exp,
+    the 2f-wide SwiGLU input and its output), (8h + 4ad + 4kd + 4a + 6f + 8) / t bytes. The lean layer
+    whose regions keep their input's sequence shard keeps exactly that; autograd's, which kept each
+    region's gathered input, 4h + (12h + 8 + 4ad + 4kd + 4a + 8f) / t."""
+    cfg = foundation.ModelConfig(vocab_size=128, n_layers=1, **LLAMA3_LAYERS[model])
+    h, a, k, d, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    tokens = 8 * tp
+    assert bytes_a_token(cfg, tp, tokens, lean=True) == Fraction(8 * h + 4 * a * d + 4 * k * d + 4 * a + 6 * f + 8, tp)
+    autograd = 4 * h + Fraction(12 * h + 8 + 4 * a * d + 4 * k * d + 4 * a + 8 * f, tp)
+    assert bytes_a_token(cfg, tp, tokens, regather=False) == autograd
 
 
 # --- bad input fails on every rank, before any collective ---------------------------------------
@@ -488,8 +542,8 @@ def test_script_runs_as_plain_python():
         assert float(grad_diff) <= GRAD_ATOL and float(param_diff) <= 10 * PARAM_ATOL, stdout
     assert len(re.findall(r"^  TP.* a step: .* B  = formula$", stdout, re.M)) == 4, stdout
     assert len(re.findall(r"^  TP.* a layer: .* B  = formula", stdout, re.M)) == 2, stdout
-    memory = re.findall(r"^  TP(?: \+ SP)?\s+([\d,]+) B\s+([\d,]+) B", stdout, re.M)
-    assert len(memory) == 2 and all(measured == formula for measured, formula in memory), stdout
+    memory = re.findall(r"^  TP[^:\n]*?\s([\d,]+) B\s+([\d,]+) B\s+[\d,]+ B$", stdout, re.M)  # before, after
+    assert len(memory) == 4 and all(measured == formula for measured, formula in memory), stdout
 
 
 @pytest.mark.parametrize("options, message", [
@@ -578,34 +632,44 @@ def layer_bytes(blocks, cfg, batch: int, seq_len: int, shards: int = 1, dtype=to
 
 
 @given(n_heads=st.sampled_from([1, 2, 4]), groups=st.sampled_from([1, 2]), layers=st.integers(1, 2),
-       batch=st.integers(1, 3), seq_len=st.integers(1, 9), seed=st.integers(0, 99))
+       batch=st.integers(1, 3), seq_len=st.integers(1, 9), seed=st.integers(0, 99), lean=st.booleans())
 def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, groups, layers, batch,
-                                                                         seq_len, seed):
+                                                                         seq_len, seed, lean):
+    """Lean saves or autograd's; lean saves against autograd's: the tolerances of the top of this file."""
     cfg = foundation.ModelConfig(vocab_size=40, dim=4 * n_heads, n_layers=layers, n_heads=n_heads,
                                  n_kv_heads=max(1, n_heads // groups), ffn_dim=12, seed=seed)
     batch_data = foundation.synthetic_batch(cfg, batch, seq_len, step=0)
     runs, saved = {}, {}
     for mode in tensor_parallel.RECOMPUTE_MODES:
-        model = tensor_parallel.apply_recompute(foundation.GPT(cfg), mode)
+        model = tensor_parallel.apply_recompute(lean_or_autograd(foundation.GPT(cfg), lean), mode)
         names = [n for n, _ in model.named_parameters()]
         assert names == [n for n, _ in foundation.GPT(cfg).named_parameters()], "names are kept"
         runs[mode] = loss_and_grads(model, *batch_data)
         saved[mode] = layer_bytes(model.layers["0"], cfg, batch, seq_len, mode=mode)
-        assert saved[mode] == tensor_parallel.layer_activation_formula(cfg, batch, seq_len, 1, False, mode), mode
+        assert saved[mode] == tensor_parallel.layer_activation_formula(cfg, batch, seq_len, 1, False, mode,
+                                                                       lean=lean), mode
         for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):  # every layer, bf16 too
             stack = layer_bytes(list(model.to(dtype).layers.values()), cfg, batch, seq_len, dtype=dtype, mode=mode)
             assert stack == tensor_parallel.layer_activation_formula(cfg, batch, seq_len, 1, False, mode, size,
-                                                                     layers=layers), (mode, dtype)
+                                                                     layers=layers, lean=lean), (mode, dtype)
     assert_same_training(runs)
     assert saved["full"] < saved["op"] < saved["none"] and saved["full"] < saved["selective"] < saved["none"]
+    if lean:
+        loss, grads = loss_and_grads(foundation.GPT(cfg), *batch_data)
+        assert abs(runs["none"][0] - loss) <= 1e-5
+        for name, grad in grads.items():
+            torch.testing.assert_close(runs["none"][1][name], grad, atol=GRAD_ATOL, rtol=1e-4, msg=name)
 
 
-def test_recompute_refuses_bad_modes_and_a_second_application():
+def test_recompute_and_lean_saves_refuse_bad_modes_and_a_second_application():
     with pytest.raises(ValueError, match="mode 'some' must be one of \\('none', 'selective', 'op', 'full'\\)"):
         tensor_parallel.apply_recompute(foundation.GPT(foundation.ModelConfig()), "some")
     model = tensor_parallel.apply_recompute(foundation.GPT(foundation.ModelConfig()), "full")
     with pytest.raises(ValueError, match="already recomputes \\(full\\)"):
         tensor_parallel.apply_recompute(model, "selective")
+    model = tensor_parallel.apply_lean_saves(foundation.GPT(foundation.ModelConfig()))
+    with pytest.raises(ValueError, match="already keeps lean saves: apply_lean_saves once"):
+        tensor_parallel.apply_lean_saves(model)
 
 
 def recompute_tensor_parallel(cfg, batch: int, seq_len: int, sequence_parallel: bool) -> tuple:

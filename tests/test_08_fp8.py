@@ -21,6 +21,7 @@ import contextlib
 import copy
 import functools
 import importlib
+import itertools
 import math
 import re
 import sys
@@ -36,6 +37,7 @@ from hypothesis import example, given, settings, strategies as st
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from conftest import run_script  # noqa: E402
+from test_03_tensor_parallel import LLAMA3_LAYERS, bytes_a_token  # noqa: E402
 from test_02_zero import (ADAM_EPS, GRAD_ATOL, GRAD_RTOL, LOSS_ATOL, PARAM_ATOL,  # noqa: E402
                          assert_close_by_name)
 
@@ -548,6 +550,37 @@ def test_convert_to_float8_swaps_the_blocks_linears_only():
     assert all(params_after[n] is p for n, p in params_before.items()), "parameters are shared, not copied"
 
 
+def test_the_linears_of_one_input_share_one_cast_of_it_and_compute_what_each_alone_does(monkeypatch):
+    """convert_to_float8 gives the projections of one input (q, k, v; gate, up) one e4m3 cast of it, kept
+    once (03's Projections), where each linear alone casts it again: 4 input casts a layer, not 7. The
+    same cast, so the same loss, bit for bit, and gradients but for the order in which q's, k's and v's
+    input gradients are added (fp32 rounding: atol 1e-7 on gradients of ~1e-2)."""
+    cfg = foundation.ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=24)
+    tokens, targets = foundation.synthetic_batch(cfg, 2, 5, step=0)
+    casts = []
+    real_keep = fp8.Float8Math.keep
+
+    def counting_keep(math, x):
+        casts.append(x.shape)
+        return real_keep(math, x)
+
+    monkeypatch.setattr(fp8.Float8Math, "keep", counting_keep)
+    runs = []
+    for shared in (True, False):
+        model = fp8.convert_to_float8(foundation.GPT(cfg))
+        for block in model.layers.values() if not shared else ():
+            block.attn.project = block.mlp.project = foundation.linears_of
+        casts.clear()
+        loss = model(tokens, targets)
+        loss.backward()
+        runs.append((loss, {name: p.grad for name, p in model.named_parameters()}, len(casts)))
+    (loss, grads, shared_casts), (alone_loss, alone_grads, alone_casts) = runs
+    assert (shared_casts, alone_casts) == (4 * cfg.n_layers, 7 * cfg.n_layers)
+    assert torch.equal(loss, alone_loss)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, alone_grads[name], rtol=0, atol=1e-7, msg=name)
+
+
 def test_short_fp8_training_stays_close_to_full_precision():
     """30 steps of the tiny GPT. Margin: 0.03 nats on the mean of the last 5 losses (~1% of a loss
     that falls by > 1 nat over the run); measured differences are ~1e-3, and a wrongly scaled input
@@ -667,18 +700,20 @@ def tiny_fp8_gpt(cfg: foundation.ModelConfig, special: str = "none", seed: int =
 
 def gathered_casts(cfg: foundation.ModelConfig, special: str, seed: int):
     """On every rank: the (bytes, scale bits) each Float8Linear receives from Float8ZeRO's
-    all-gather as the forward reaches it, and each unit's (offsets, shapes, owned range)."""
+    all-gather as the forward reaches its block (03's Projections calls no q, k, v module), and each
+    unit's (offsets, shapes, owned range)."""
     model = tiny_fp8_gpt(cfg, special, seed)
     zero = fp8.Float8ZeRO(model)
     received = {}
 
-    def record(module: nn.Module, args: tuple, name: str) -> None:
-        q, scale = module.weight.float8_cast
-        received[name] = q.view(torch.uint8).clone(), scale.view(torch.int32).clone()
+    def record(block: nn.Module, args: tuple, prefix: str) -> None:
+        for name, module in block.named_modules():
+            if isinstance(module, fp8.Float8Linear):
+                q, scale = module.weight.float8_cast
+                received[f"{prefix}.{name}"] = q.view(torch.uint8).clone(), scale.view(torch.int32).clone()
 
-    for name, module in model.named_modules():
-        if isinstance(module, fp8.Float8Linear):
-            module.register_forward_pre_hook(functools.partial(record, name=name))
+    for index, block in model.layers.items():
+        block.register_forward_pre_hook(functools.partial(record, prefix=f"layers.{index}"))
     with torch.no_grad():
         model(torch.arange(6).view(1, 6) % cfg.vocab_size)
     return received, [(u.offsets, u.shapes, (u.owned.start, u.owned.stop)) for u in zero.units]
@@ -770,17 +805,18 @@ def test_float8_zero3_trains_like_unsharded_fp8_with_a_byte_per_weight_element(
     assert meter.traffic("all_reduce") - steps * 2 * ring * 4 * 2 == steps * formula["all_reduce"]
     assert formula["all_reduce"] == 2 * ring * 4 * n
 
-    # Casts per step: each Float8Linear call casts its input (n per microbatch); the weights are
-    # cast once per step whatever the microbatches: whole on every unsharded rank, in pieces under
-    # Float8ZeRO (plus once when it is built), every element on exactly one rank.
-    act_elements = steps * (global_batch // world) * seq_len * sum(w.shape[1] for w in weights)
+    # Casts per step: each input of the Float8Linears (4 a layer: q, k, v share one, gate and up one) once
+    # per microbatch; the weights once per step whatever the microbatches: whole on every unsharded rank,
+    # in pieces under Float8ZeRO (plus once when it is built), every element on exactly one rank.
+    inputs = 4 * cfg.n_layers
+    act_elements = steps * (global_batch // world) * seq_len * cfg.n_layers * (3 * cfg.dim + cfg.ffn_dim)
     weight_elements = sum(w.numel() for w in weights)
     for _, _, casts in runs["zero3"]:
-        assert len(casts) == steps * 2 * n * microbatches, "fp32 gathers: a weight cast per forward"
+        assert len(casts) == steps * (inputs + n) * microbatches, "fp32 gathers: a weight cast per forward"
     for _, _, casts in runs["unsharded"]:
-        assert len(casts) == steps * (n * microbatches + n)
+        assert len(casts) == steps * (inputs * microbatches + n)
         assert sum(casts) == act_elements + steps * weight_elements
-    pieces = [(len(casts) - steps * n * microbatches) / (steps + 1) for _, _, casts in runs["zero3-fp8"]]
+    pieces = [(len(casts) - steps * inputs * microbatches) / (steps + 1) for _, _, casts in runs["zero3-fp8"]]
     assert all(p == int(p) and 1 <= p <= n for p in pieces) and sum(pieces) >= n, pieces
     cast_weight_elements = sum(sum(casts) - act_elements for _, _, casts in runs["zero3-fp8"])
     assert cast_weight_elements == (steps + 1) * weight_elements
@@ -988,6 +1024,61 @@ def test_tensor_parallel_amax_all_reduces_move_what_the_formula_says(rank_pool, 
                 tp, n_layers, microbatches, sequence_parallel=sequence_parallel)
 
 
+@given(tp=st.sampled_from([1, 2, 4]), kv_per_rank=st.sampled_from([1, 2]), tokens_per_rank=st.integers(1, 3),
+       batch=st.integers(1, 3), sequence_parallel=st.booleans(), lean=st.booleans(), regather=st.booleans(),
+       recompute=st.sampled_from(["none", "selective", "full"]), float8=st.booleans())
+@example(tp=2, kv_per_rank=1, tokens_per_rank=2, batch=3, sequence_parallel=True, lean=True, regather=True,
+         recompute="none", float8=True)  # the lean FP8 layer, its regions' inputs re-gathered in FP8
+@example(tp=2, kv_per_rank=1, tokens_per_rank=2, batch=3, sequence_parallel=True, lean=False, regather=False,
+         recompute="none", float8=True)  # autograd's saves, each region's gathered input cast
+@example(tp=1, kv_per_rank=1, tokens_per_rank=3, batch=2, sequence_parallel=False, lean=True, regather=True,
+         recompute="selective", float8=True)
+def test_a_layers_saved_bytes_and_collectives_are_the_formulas(rank_pool, tp, kv_per_rank, tokens_per_rank, batch,
+                                                               sequence_parallel, lean, regather, recompute, float8):
+    """Drawn: tp, grouped-query attention or not, SP, lean saves or autograd's, each region's linears keeping
+    their input's sequence shard (regather) or the gathered input, a recompute mode ("op": test_03's, on
+    one rank), 08's FP8 linears or fp32 ones. A Float8Linear keeps its input's e4m3 cast and scale, not the
+    input, and the linears of one input keep one cast of it (under SP with regather: this rank's sequence
+    shard, all-gathered again in backward at 1 B an element). Layer 0's saved bytes are 03's formula
+    (FP8: with KEPT_INPUT), exactly; its collectives (calls, payloads) 03's comm_formula, but FP8's
+    all-reduces, which add 08's amaxes (test_tensor_parallel_amax_all_reduces_move_what_the_formula_says)."""
+    cfg = foundation.ModelConfig(vocab_size=32, dim=8 * tp, n_heads=2 * tp, n_kv_heads=kv_per_rank * tp,
+                                 ffn_dim=6 * tp)
+    seq_len = tokens_per_rank * tp
+    kept_input = fp8.KEPT_INPUT if float8 else None
+    formula = tensor_parallel.layer_activation_formula(cfg, batch, seq_len, tp, sequence_parallel, recompute,
+                                                       lean=lean, regather=regather, kept_input=kept_input)
+    comm = {}
+    if tp > 1:
+        comm = tensor_parallel.comm_formula(cfg, batch, seq_len, sequence_parallel, layers=1, embed=False,
+                                            head=False, recompute=recompute, regather=regather,
+                                            kept_input=kept_input)
+    context = functools.partial(fp8.float8_split, sequence_parallel=sequence_parallel)
+    unmeasured = {"all_reduce"} if float8 else set()
+    for saved, meter in rank_pool.run(tp, tensor_parallel.measure_layer, cfg, batch, seq_len, sequence_parallel,
+                                      "cpu", lean, regather, context if float8 else contextlib.nullcontext,
+                                      recompute):
+        assert saved == formula
+        measured = {op: (meter.calls(op), meter.payload(op)) for op, _ in meter.stats if op not in unmeasured}
+        assert measured == {op: calls_payload for op, calls_payload in comm.items() if op not in unmeasured}
+
+
+@pytest.mark.parametrize("model", LLAMA3_LAYERS)
+@pytest.mark.parametrize("tp", [1, 8])
+def test_the_lean_fp8_layer_keeps_what_transformer_engine_keeps(model, tp):
+    """Transformer Engine's FP8 (delayed scaling) with SP keeps, a token and layer, (6h + 5ad + 4kd + 4a +
+    5f + 8) / t bytes: the norms' inputs (bf16) and outputs (FP8, as linear_qkv's and linear_fc1's
+    input), rstd, q, k, v, the attention's output and log-sum-exp, linear_proj's FP8 copy of that output,
+    the SwiGLU's 2f-wide input (bf16) and fc2's FP8 input. The lean FP8 layer keeps exactly that, and the
+    4 casts' fp32 scales."""
+    cfg = foundation.ModelConfig(vocab_size=128, n_layers=1, **LLAMA3_LAYERS[model])
+    h, a, k, d, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    tokens = 8 * tp
+    transformer_engine = Fraction(6 * h + 5 * a * d + 4 * k * d + 4 * a + 5 * f + 8, tp)
+    got = bytes_a_token(cfg, tp, tokens, lean=True, kept_input=fp8.KEPT_INPUT)
+    assert got == transformer_engine + Fraction(4 * fp8.AMAX_BYTES, tokens)
+
+
 def test_a_gemm_of_no_rows_reads_its_weight():
     """An expert that no token reaches (more experts than routed tokens: 09's plan --moe --experts 10^6 was a
     ZeroDivisionError) multiplies nothing and still reads its weight: k x n bf16 elements at the bandwidth."""
@@ -1052,6 +1143,8 @@ def test_distributed_runs_as_plain_python():
     amaxes = re.findall(r"^  (?:whole|each).*\s([\d,]+) B \| ([\d,]+) B$", stdout, re.M)  # 3 rows of scales
     assert len(gathers) == 2 and all(measured == formula for measured, formula in gathers), stdout
     assert len(amaxes) == 3 and all(measured == formula for measured, formula in amaxes), stdout
+    layer = re.findall(r"^  (?:lean|autograd's).*\s([\d,]+) B \| ([\d,]+) B$", stdout, re.M)  # before, after
+    assert len(layer) == 2 and all(measured == formula for measured, formula in layer), stdout
     assert "(!=)" not in stdout, stdout
     assert re.search(r"from the fp32-gather run: loss 0\.0e\+00, step-0 gradients 0\.0e\+00, parameters after "
                      r"3 steps 0\.0e\+00$", stdout, re.M), stdout

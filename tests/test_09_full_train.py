@@ -211,7 +211,7 @@ def configurations(draw):
     return cfg, sizes, train
 
 
-def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, recompute="none"):
+def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, recompute="none", lean_saves=True):
     """A configuration the 15 drawn examples may miss, run on every CI pass."""
     sizes = full_train.MeshSizes(*dims, **({"ep": ep} if ep else {}))
     cfg = small_model(n_layers)
@@ -219,7 +219,7 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
                                    zero_stage=zero_stage, schedule=schedule, microbatches=microbatches,
                                    virtual=2 if schedule == "interleaved" else 1, sequence_parallel=sp, lr=LR,
                                    adam_eps=ADAM_EPS, max_grad_norm=0.5, moe=MOE if ep else None,
-                                   recompute=recompute)
+                                   recompute=recompute, lean_saves=lean_saves)
     return (cfg, sizes, train)
 
 
@@ -230,6 +230,7 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
 @example(configuration=pinned((1, 4, 1, 2), 0, "1f1b", 4, False, n_layers=4))
 @example(configuration=pinned((2, 1, 2, 1), 3, "1f1b", 2, False, ep=2))
 @example(configuration=pinned((2, 1, 2, 2), 3, "1f1b", 2, True, recompute="full"))
+@example(configuration=pinned((1, 2, 1, 2), 1, "1f1b", 2, True, lean_saves=False))  # --autograd-saves
 @example(configuration=pinned((1, 2, 2, 1), 1, "gpipe", 2, False, recompute="selective"))
 @example(configuration=pinned((1, 2, 1, 1), 0, "zb-h1", 4, False))  # W frees the last stage's B path
 @example(configuration=(foundation.ModelConfig(vocab_size=30, dim=16, n_layers=1, n_heads=4, ffn_dim=24),
@@ -389,23 +390,23 @@ def train_fp8_on_mesh(cfg, sizes, train, steps: int, fp8_gathers: bool = True):
     fp32 (Fp32GatherUnit). Also returns the e4m3 elements cast that no Float8Linear received as
     input: the weights' casts."""
     elements = {"cast": 0, "inputs": 0}
-    real_cast, real_unit = fp8.cast_to_fp8, fp8.Float8ZeRO.unit_type
+    real_cast, real_unit, real_keep = fp8.cast_to_fp8, fp8.Float8ZeRO.unit_type, fp8.Float8Math.keep
 
     def counting_cast(x, scale, dtype):
         elements["cast"] += x.numel() if dtype == fp8.E4M3 else 0
         return real_cast(x, scale, dtype)
 
-    def count_input(module, args):
-        elements["inputs"] += args[0].numel() if isinstance(module, fp8.Float8Linear) else 0
+    def counting_keep(math, x):  # one cast of an input for all the linears that read it
+        elements["inputs"] += x.numel()
+        return real_keep(math, x)
 
-    hook = torch.nn.modules.module.register_module_forward_pre_hook(count_input)
     fp8.cast_to_fp8 = counting_cast
+    fp8.Float8Math.keep = counting_keep
     fp8.Float8ZeRO.unit_type = real_unit if fp8_gathers else Fp32GatherUnit
     try:
         return *train_on_mesh(cfg, sizes, train, steps), elements["cast"] - elements["inputs"]
     finally:
-        hook.remove()
-        fp8.cast_to_fp8, fp8.Float8ZeRO.unit_type = real_cast, real_unit
+        fp8.cast_to_fp8, fp8.Float8ZeRO.unit_type, fp8.Float8Math.keep = real_cast, real_unit, real_keep
 
 
 @settings(max_examples=max(2, settings.default.max_examples // 5))  # two meshes trained per example
@@ -1354,7 +1355,7 @@ def test_a_resume_whose_folder_became_read_only_is_refused_before_launch(monkeyp
 MODEL_OPTIONS = {"--dp", "--pp", "--cp", "--tp", "--ep", "--moe", "--experts", "--zero", "--schedule",
                  "--microbatches", "--virtual", "--sequence-parallel", "--fp8", "--recompute", "--kv-heads",
                  "--global-batch", "--seq-len", "--model", "--dim", "--layers", "--heads", "--ffn-dim", "--vocab",
-                 "--attention", "--compile", "--eager"}
+                 "--attention", "--compile", "--eager", "--lean-saves", "--autograd-saves"}
 STEP_OPTIONS = {"--steps", "--lr", "--max-grad-norm", "--bf16"}
 OWN_OPTIONS = {  # what each sub-command offers, and nothing else
     "check": MODEL_OPTIONS | STEP_OPTIONS,
@@ -1575,7 +1576,8 @@ def test_a_model_that_cannot_fit_is_one_line_saying_by_how_much(monkeypatch, cap
     assert float(needs.replace(",", "")) / 80 == pytest.approx(float(ratio), abs=0.05)
     _, out, _ = plan_main(monkeypatch, capsys, *"--model llama3-70b --dp 4 --pp 1 --cp 1 --tp 8".split())
     assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GiB, [\d,.]+ GiB \(\d+%\) more than its "
-                     r"80 GiB\n$", out)
+                     r"80 GiB; its largest part: activations, [\d,.]+ GiB \(1 microbatch in flight\); it fits with "
+                     r"--recompute full: [\d,.]+ GiB, step [\d,.]+ s\n$", out), out
 
 
 @pytest.mark.parametrize("options, message", [
@@ -1918,7 +1920,9 @@ PUBLISHED = {
     "torchtitan 70B, A100": ("llama3-70b", (64, 1, 1, 1), dict(TITAN, gpu="a100-80gb", global_batch=64,
                                                              recompute="full"), (331, "tokens/s")),
 }
-MISSES = {"09 `1b`, FP8"}  # beyond 20%, the README says why: measured before one graph per block
+# beyond 20%, the README says why: measured before one graph per block; tp 8's messages and SP's re-gathers
+# (03's lean layer: 0.04 s of 1.08), exposed where Megatron hides them
+MISSES = {"09 `1b`, FP8", "Megatron 32B"}
 
 
 def published_row(label: str) -> tuple:
@@ -2115,8 +2119,10 @@ HELD_OUT_MISSES = {
     **dict.fromkeys((f"NeMo 24.03 Llama 2 7B, {k}k" for k in (32, 128, 256, 512, 1024)), (0.45, (
         "-: attention-bound: the five steps put Transformer Engine's cuDNN attention of 2024 at 56-58% of 07's "
         "cuDNN rate (2026), FlashAttention-2's in 07's table"))),
-    "DGX Cloud 405B, FP8": (0.25, "+: tp 8's messages, 2.3 s exposed; the bf16 twin is -5%: FP8 halves the GEMMs, "
-                                  "not the messages"),
+    "DGX Cloud 405B, FP8": (0.30, "+: tp 8's messages, 2.6 s exposed (SP's re-gathers 0.3 s); the bf16 twin is -2%: "
+                                  "FP8 halves the GEMMs, not the messages"),
+    "DGX Cloud 70B, FP8, pp 8": (0.25, "+: tp 4's messages, 1.4 s exposed (SP's re-gathers 0.2 s), which Megatron "
+                                       "hides"),
     **dict.fromkeys(("MPT-13B, 32k", "MPT-7B, 65k"), (0.35, "-: attention-bound without CP: llm-foundry's flash "
                                                             "attention of 2023 at 62% of 07's SDPA rate in both")),
 }
@@ -2133,9 +2139,9 @@ def test_the_held_out_runs_are_predicted_within_their_pinned_errors():
     those MEMORY calibrates on (torchtitan's, torchao's). No constant comes from them, and from four
     of their sources (HELD_OUT_SOURCES) nothing at all. Each run's error is pinned: within 20%, or
     beyond it within HELD_OUT_MISSES' bound, with its sign and why. The target, 20% for 85% of them,
-    is not met: 30 of 47 (64%), as before --attention unfused (issue 55's physics moves no run across
-    20%); the misses are whole families (A100s of 2021-22, long context in 2023-24), each short by
-    the same factor in every run."""
+    is not met: 29 of 47 (62%); 30 before 03's lean layer, whose SP re-gathers (exposed) took DGX Cloud's
+    70B FP8 on pp 8 to +21% (--attention unfused moved no run across 20%); the misses are whole families
+    (A100s of 2021-22, long context in 2023-24), each short by the same factor in every run."""
     assert len(HELD_OUT) >= 12 and not set(HELD_OUT) & set(PUBLISHED) and set(HELD_OUT_MISSES) <= set(HELD_OUT)
     assert all(sum(label.startswith(source) for label in HELD_OUT) >= 3 for source in HELD_OUT_SOURCES)
     for label in HELD_OUT:
@@ -2190,12 +2196,12 @@ def test_unfused_attention_is_priced_kernel_by_kernel_as_pytorchs_eager_attentio
 
 # Held-out runs that publish memory: BLOOM's benchmarks, nvidia-smi on the first node (CUDA's context and the
 # allocator's cache in it, as in plan's total). Recorded for issue 55's memory targets, not yet asserted beyond
-# "fits" (every one of these ran): published GiB, and plan's fullest GPU on that node at this commit (before
-# issue 55's leaner layer), which is 21-39% below (BF16_Optimizer's fp32 gradients? DeepSpeed's buffers?).
+# "fits" (every one of these ran): published GiB, and plan's fullest GPU on that node at this commit (03's lean
+# saves: 0-1.1 GiB below autograd's), which is 1-40% below (BF16_Optimizer's fp32 gradients? DeepSpeed's buffers?).
 HELD_OUT_MEMORY = {  # label: (published GiB, planned GiB)
-    "BLOOM 176B, 02-28": (59, 38.1), "BLOOM 176B, 64 heads": (59, 38.1),
-    "BLOOM 176B, 64 heads, 4 a microbatch": (73, 48.5), "BLOOM 176B, 64 heads, tp 8": (40, 28.3),
-    "BLOOM 178B": (63, 38.4), "BLOOM 177B, pp 48": (58, 45.9), "BLOOM 20B, one node": (68, 67.4),
+    "BLOOM 176B, 02-28": (59, 37.5), "BLOOM 176B, 64 heads": (59, 37.5),
+    "BLOOM 176B, 64 heads, 4 a microbatch": (73, 47.4), "BLOOM 176B, 64 heads, tp 8": (40, 27.8),
+    "BLOOM 178B": (63, 37.9), "BLOOM 177B, pp 48": (58, 45.5), "BLOOM 20B, one node": (68, 67.4),
 }
 
 
@@ -2211,6 +2217,42 @@ def test_every_held_out_mesh_that_published_its_memory_fits_in_the_plan():
         planned = float(max(plans[p].total for p in first_node)) / 2 ** 30
         assert max(p.total for p in plans) <= cluster.gpu_memory * 2 ** 30, (label, published)
         assert round(planned, 1) == recorded, (label, planned, published)
+
+
+# Published meshes (every one ran) that plan says do not fit as published, 30 of PUBLISHED's and HELD_OUT's 78
+# before 03's lean layer: each names its largest term and the option that fits it, the fastest of those that keep
+# less (test_every_published_mesh_fits_or_names_the_term_and_an_option_that_fits_it).
+DOES_NOT_FIT_AS_PUBLISHED = {  # label: (the largest term, the option that fits)
+    "Llama 3 405B": ("activations", "--recompute full"),  # interleaved 1F1B's 47 microbatch-stages of 4 layers
+    "Llama 3 405B, 16,384 GPUs": ("activations", "--zero 3"),  # 1.5 GiB over: the parameters sharded
+    "Llama 3 405B, 131k tokens": ("activations", "--recompute full"),
+    "DGX Cloud Nemotron-4 15B, 16 GPUs": ("activations", "--zero 2"),  # 02's fp32 gradients whole on each rank
+    "DGX Cloud Nemotron-4 15B, 16 GPUs, FP8": ("activations", "--zero 2"),
+    "DGX Cloud Nemotron-4 340B": ("optimizer", "--recompute full"),  # Adam's moments over dp 2 only
+    "DGX Cloud Nemotron-4 340B, FP8": ("optimizer", "--recompute full"),
+    "DGX Cloud 405B": ("activations", "--zero 2"),
+}
+
+
+def test_every_published_mesh_fits_or_names_the_term_and_an_option_that_fits_it():
+    """Issue 55: a published mesh ran, so plan's verdict on it is "fits", or (DOES_NOT_FIT_AS_PUBLISHED) names
+    its fullest GPU's largest term and an option with which the plan says it fits, the fastest of them."""
+    for label in {**PUBLISHED, **HELD_OUT}:
+        cfg, sizes, run, cluster = published_run(label)
+        run = dataclasses.replace(run, microbatches=published_row(label)[2].get("microbatches"))
+        mesh = {d: getattr(sizes, d) for d in full_train.DIMS}
+        job = full_train.Job("plan", label, cfg, mesh, sizes.ep, run, full_train.RunConfig(), cluster, sizes.world)
+        verdict = full_train.plan_report(job).splitlines()[-1]
+        if label not in DOES_NOT_FIT_AS_PUBLISHED:
+            assert verdict.startswith("fits: "), (label, verdict)
+            continue
+        term, option = DOES_NOT_FIT_AS_PUBLISHED[label]
+        assert re.fullmatch(rf"does not fit: .*; its largest part: {term}, [\d,.]+ GiB( \(.*\))?; it fits with {option}: "
+                            rf"[\d,.]+ GiB, step [\d,.]+ s", verdict), (label, verdict)
+        name, value = option.removeprefix("--").split()
+        change = {"recompute": value} if name == "recompute" else {"zero_stage": int(value)}
+        job = dataclasses.replace(job, train=dataclasses.replace(run, **change))
+        assert full_train.plan_report(job).splitlines()[-1].startswith("fits: "), (label, option)
 
 
 # Published peak memory per GPU (GiB; torchtitan and torchao log torch's peak *reserved* bytes, which leave out
@@ -2239,10 +2281,11 @@ MEMORY = {  # id: (model, mesh, options, published GiB, tolerance, why it misses
                                                             seq_len=seq,
                                                             schedule=schedule, virtual=2 if schedule != "1f1b" else 1),
                    gib, tol, "-: FSDP2 under PP accumulates fp32 gradients whole through the microbatches (02's are "
-                             "bf16), and the pipeline's own buffers")
-       for x, cp, seq, schedule, gib, tol in (("5a", 1, 8192, "1f1b", 82.5, 0.25), ("5b", 1, 8192, "interleaved", 72.7, 0.15),
-                                             ("6a", 1, 32768, "1f1b", 75.3, 0.20), ("6b", 2, 65536, "1f1b", 75.9, 0.20),
-                                             ("6c", 4, 131072, "1f1b", 77.1, 0.20), ("6d", 8, 262144, "1f1b", 84.9, 0.30))},
+                             "bf16), the pipeline's own buffers, and torchtitan's TP keeps each region's gathered "
+                             "input (03's lean layer re-gathers it: the recompute's one layer)")
+       for x, cp, seq, schedule, gib, tol in (("5a", 1, 8192, "1f1b", 82.5, 0.30), ("5b", 1, 8192, "interleaved", 72.7, 0.20),
+                                             ("6a", 1, 32768, "1f1b", 75.3, 0.25), ("6b", 2, 65536, "1f1b", 75.9, 0.25),
+                                             ("6c", 4, 131072, "1f1b", 77.1, 0.25), ("6d", 8, 262144, "1f1b", 84.9, 0.30))},
     **{f"TT-9{x}": ("llama3-8b", (dp, 1, 1, 1), dict(TITAN, gpu="h200", global_batch=2 * dp, compile=True, fp8=True),
                     gib, 0.45, "+: torchtitan of 2025-06 (its loss, float8 with forced weight recompute) holds 17 GiB "
                                "less than the 2024-12 one of TT-1c at the same shapes") for x, dp, gib in
@@ -2258,8 +2301,8 @@ MEMORY = {  # id: (model, mesh, options, published GiB, tolerance, why it misses
              "+: its configuration and the metric's meaning are not stated (published_runs.md: low confidence)"),
     **{f"MB-S{x}": ("llama3-70b", mesh, dict(NVIDIA, global_batch=32, seq_len=4096, microbatches=32 // mesh[0],
                                              schedule="interleaved", virtual=5, sequence_parallel=True, fp8=True),
-                    gb * 1e9 / 2 ** 30, 0.80, "+: Transformer Engine saves FP8 activations and fuses its norms; the "
-                                               "plan prices 09's Float8Linear at bf16's activations")
+                    gb * 1e9 / 2 ** 30, 0.30, "+: 27% above with 03's lean FP8 layer, which keeps what Transformer "
+                                               "Engine keeps (80% before); the rest is not found")
        for x, mesh, gb in (("1", (2, 4, 1, 4), 58.8), ("2", (1, 8, 1, 4), 53.2), ("3", (1, 4, 1, 8), 50.2))},
 }
 
@@ -2313,7 +2356,7 @@ PLAN_OPTIONS = {"--dp", "--pp", "--cp", "--tp", "--ep", "--moe", "--experts", "-
                 "--global-batch", "--seq-len", "--model", "--gpus", "--gpus-per-node", "--gpu-memory",
                 "--peak-tflops", "--hbm-tbps", "--nvlink-gbps", "--network-gbps", "--attention", "--gpu",
                 "--fp8-tflops", "--power-limit", "--json", "--dim", "--layers", "--heads", "--ffn-dim", "--vocab",
-                "--compile", "--eager"}
+                "--compile", "--eager", "--lean-saves", "--autograd-saves"}
 
 
 def test_the_planner_offers_the_meshs_and_clusters_options_and_says_what_decides_the_rest(
