@@ -422,13 +422,20 @@ def test_mixed_precision_params_are_the_rounded_fp32_masters(rank_pool, stage):
 
 # --- ZeRO-3: gather just in time, prefetch, free --------------------------------------------------
 
+def count_full_units_at_each_module(model, optimizer) -> list[int]:
+    """A list that gets, as each module starts its forward, how many units hold full parameters (the
+    pre-hook is registered after ZeRO's: it runs after the gather)."""
+    seen = []
+    for _, module in zero.zero_units(model):
+        module.register_forward_pre_hook(lambda m, args: seen.append(
+            sum(any(p.numel() for p in u.params) for u in optimizer.units)))
+    return seen
+
+
 def materialised_units_during_forward(cfg, prefetch):
     model = foundation.GPT(cfg)
     optimizer = zero.ZeRO(model, 3, prefetch=prefetch)
-    seen = []
-    for _, module in zero.zero_units(model):  # registered after ZeRO's: runs after the gather
-        module.register_forward_pre_hook(lambda m, args: seen.append(
-            sum(any(p.numel() for p in u.params) for u in optimizer.units)))
+    seen = count_full_units_at_each_module(model, optimizer)
     tokens, targets = foundation.synthetic_batch(cfg, 2, 6, 0, dist.get_rank(), 2)
     model(tokens, targets).backward()
     optimizer.step()
@@ -453,10 +460,7 @@ def units_during_a_no_grad_forward(cfg, prefetch):
     parameters while it computes; then the parameters still full, the prefetched gathers, the loss."""
     model = foundation.GPT(cfg)
     optimizer = zero.ZeRO(model, 3, prefetch=prefetch)
-    seen = []
-    for _, module in zero.zero_units(model):  # registered after ZeRO's: runs after the gather
-        module.register_forward_pre_hook(lambda m, args: seen.append(
-            sum(any(p.numel() for p in u.params) for u in optimizer.units)))
+    seen = count_full_units_at_each_module(model, optimizer)
     with torch.no_grad():
         loss = model(*foundation.synthetic_batch(cfg, 2, 6, 0, dist.get_rank(), 2))
     after = sum(p.numel() for p in model.parameters())
