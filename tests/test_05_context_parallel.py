@@ -47,6 +47,7 @@ def masked_partial(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor)
 
 @given(block_lens=st.lists(st.integers(1, 5), min_size=1, max_size=4), rows=st.integers(3, 8),
        density=st.floats(0.0, 1.0), seed=st.integers(0, 10_000))
+@example(block_lens=[2, 3, 1], rows=4, density=0.7, seed=0)  # three blocks whatever a profile draws
 def test_merge_rule_equals_the_unsplit_softmax(block_lens, rows, density, seed):
     gen = torch.Generator().manual_seed(seed)
     n_keys = sum(block_lens)
@@ -56,6 +57,8 @@ def test_merge_rule_equals_the_unsplit_softmax(block_lens, rows, density, seed):
     visible[0, :-block_lens[-1]] = False  # row 0: every block but the last fully masked
     visible[0, -1] = True
     visible[1] = False                     # row 1: sees no key at all
+    visible[2, block_lens[0]:] = False      # row 2: only the first block (a full block, then empty ones)
+    visible[2, 0] = True
     bounds = torch.tensor([0, *block_lens]).cumsum(0).tolist()
     partials = [masked_partial(scores[:, a:b], visible[:, a:b], v[a:b])
                 for a, b in zip(bounds, bounds[1:], strict=False)]

@@ -211,6 +211,16 @@ def test_delayed_scaling_history_window_and_margin(dtype, history_len, margin):
     assert delayed.calls == len(amaxes)
 
 
+def test_delayed_scaling_first_call_takes_the_largest_magnitude():
+    """The first call's scale is from max |x|, here a negative entry: fp8_max / 100, so x comes back
+    within e4m3's rounding (half an ulp: 2^-4 relative); from max x (1.0) it would be 448 and every
+    entry below -1 would saturate."""
+    x = torch.tensor([[-100.0, 1.0], [-50.0, 0.5]], device=DEVICE)
+    q, scale = fp8.DelayedScaling(E4M3).quantize(x)
+    assert scale.item() == pytest.approx(fp8.fp8_max(E4M3) / 100, rel=1e-6)
+    torch.testing.assert_close(q.float() / scale, x, rtol=2 ** -4, atol=0)
+
+
 def test_delayed_scaling_clips_a_spike_until_it_enters_the_history():
     history_len = 3
     delayed = fp8.DelayedScaling(E4M3, history_len)
