@@ -745,3 +745,35 @@ def test_recompute_under_zero3(rank_pool):
     for runs in rank_pool.run(2, recompute_zero3, cfg, 4, 6):
         assert_same_training(runs)
 
+
+
+def outputs_and_gradients(function, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    """function's output and the gradients of its sum by every input (fresh leaves, so each call is its own)."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = function(*leaves)
+    out.sum().backward()
+    return [out.detach(), *(leaf.grad for leaf in leaves)]
+
+
+def test_lean_norm_and_swiglu_equal_autograds_even_with_nan_and_inf():
+    """The lean saves recompute what autograd keeps: output and every gradient equal 01's modules' on finite
+    rows (fp32 rounding: the recomputed x / rms is the same expression; 1e-6), and a row holding NaN or inf
+    is NaN in the same places (equal_nan), never a finite value that hides it."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=gen)
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    norm = foundation.RMSNorm(8, eps=1e-5)
+    weight = torch.randn(8, generator=gen)
+    expected = outputs_and_gradients(lambda x, w: torch.func.functional_call(norm, {"weight": w}, (x,)), x, weight)
+    lean = outputs_and_gradients(lambda x, w: tensor_parallel.RMSNormKeepingInput.apply(x, w, norm.eps), x, weight)
+    for got, want in zip(lean, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, equal_nan=True)
+    gate = torch.randn(4, 8, generator=gen)
+    gate[0, 0] = float("nan")
+    gate[3, 1] = float("-inf")
+    up = torch.randn(4, 8, generator=gen)
+    expected = outputs_and_gradients(foundation.swiglu, gate, up)
+    lean = outputs_and_gradients(tensor_parallel.SwiGLUKeepingInputs.apply, gate, up)
+    for got, want in zip(lean, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, equal_nan=True)
