@@ -3,7 +3,7 @@ parallelism, and grouped-query attention.
 
 The parts, in order (the technique starts at conjugate: Megatron's f and g):
   The conjugate communication operators: _collective (one operator a collective), conjugate
-  Vocab-parallel embedding and cross-entropy: VocabParallelEmbedding, VocabParallelCrossEntropy
+  Vocab-parallel embedding and cross-entropy: VocabParallelEmbedding, VocabParallelCrossEntropy, LossInChunks
   The plan: column_parallel, row_parallel, enter_region, exit_region; SP's Projections, keep_sequence_shard;
   apply_tensor_parallel, unshard
   Training, communication and memory: train_tensor_parallel, comm_formula
@@ -42,6 +42,9 @@ one number per token: the max m (MAX), the sum of exponentials and the target lo
 gradient softmax - onehot is local. The vocabulary is padded to a multiple of t with -inf logits (no
 loss, no gradient). Both split the (V, h) table by rows, so a tied LM head (Llama 3.2) stays one
 parameter, its gradient the sum of both uses; a plan that splits a tie's ends differently is refused.
+The loss holds 12 B a logit in fp32 at its peak (the V / t logits of every token: Llama 3's 128k ids,
+8k tokens: 11.7 GiB at t = 1). LossInChunks computes it and its gradient in forward, a slice of the
+tokens at a time: one slice's 12 B live, and backward keeps the gradient, 2 B a logit in bf16.
 
 SEQUENCE PARALLELISM (Korthikanti et al. 2022)
 Between the regions (norms, residual adds) plain TP computes the same thing on every rank and
@@ -232,9 +235,59 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return (grad * (grad_loss / grad.shape[0])).to(ctx.dtype), None, None, None, None
 
 
-def loss_bytes(tokens: int, vocab_size: int, tp: int, elem_bytes: int) -> int:
-    """The loss's peak bytes above the activations: 12 a logit of (tokens, V / t), + elem_bytes if tp > 1."""
-    return tokens * -(-vocab_size // tp) * (12 + elem_bytes * (tp > 1))
+class LossInChunks(torch.autograd.Function):
+    """A mean loss over tokens (01's, or the vocab-parallel one) and its gradient, both computed in forward,
+    `chunks` slices of the tokens one after another: one slice's fp32 temporaries live at a time, and
+    backward keeps only the logits' gradient, in their dtype (Megatron's fused cross-entropy keeps one
+    fp32 copy; Liger's fused loss, as here, the gradient). The loss must end the graph: it does."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, loss_fn: Callable,
+                chunks: int) -> torch.Tensor:
+        flat = logits.detach().flatten(0, 1)
+        grad = torch.empty_like(flat)
+        tokens = flat.shape[0]
+        total = 0
+        slices = [whole.tensor_split(chunks) for whole in (flat, targets.flatten(), grad)]
+        for piece, piece_targets, piece_grad in zip(*slices):
+            if not len(piece):  # fewer tokens than chunks: every rank skips the same (equal shapes)
+                continue
+            piece = piece.detach().requires_grad_()
+            share = len(piece) / tokens
+            with torch.enable_grad():
+                loss = loss_fn(piece[None], piece_targets[None]) * share
+                piece_grad.copy_(torch.autograd.grad(loss, piece)[0])
+            total = total + loss.detach()
+        ctx.save_for_backward(grad)
+        ctx.shape = logits.shape
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad, = ctx.saved_tensors
+        return (grad * grad_loss.to(grad.dtype)).view(ctx.shape), None, None, None
+
+
+@dataclass
+class ChunkedLoss:
+    """A drop-in for GPT.loss_fn: loss_fn (a mean over the tokens) by LossInChunks."""
+    loss_fn: Callable
+    chunks: int
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return LossInChunks.apply(logits, targets, self.loss_fn, self.chunks)
+
+
+def loss_bytes(tokens: int, vocab_size: int, tp: int, elem_bytes: int, chunks: int = 1) -> int:
+    """The loss's peak bytes above the activations: 12 a logit of (tokens, V / t), + elem_bytes if tp > 1
+    (the logits). In chunks (LossInChunks): the logits and their gradient whole, and one chunk's tokens'
+    12 a logit, 14 for bf16 logits over tp > 1 (as measured: the vocab-parallel loss upcasts a bf16
+    slice into a new fp32 tensor, an fp32 one it reads in place)."""
+    vocab = -(-vocab_size // tp)
+    if chunks == 1:
+        return tokens * vocab * (12 + elem_bytes * (tp > 1))
+    per_slice_logit = 12 + (tp > 1) * (4 - elem_bytes)
+    return tokens * vocab * 2 * elem_bytes + -(-tokens // chunks) * vocab * per_slice_logit
 
 
 @dataclass
@@ -543,19 +596,21 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
 def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, layers: int | None = None,
                  embed: bool = True, head: bool = True, microbatches: int = 1, mlp: bool = True,
                  elem_bytes: int = 4, recompute: str = "none", regather: bool = True,
-                 kept_input: tuple[int, int] | None = None) -> dict[str, tuple[int, int]]:
+                 kept_input: tuple[int, int] | None = None,
+                 loss_chunks: int = 1) -> dict[str, tuple[int, int]]:
     """op -> (calls, payload bytes) in one training step, any t > 1: the module docstring's collectives,
     activations of elem_bytes (traffic per rank: (t-1)/t of the payload, twice for an all-reduce).
     recompute="full" reruns attention's g (SP: also both regions' f), not the MLP's g: each block reruns
     up to down_proj's input. SP with regather: each region's kept shard gathered again in backward, at
-    kept_input's bytes an element (layer_activation_formula). The other keywords are lesson 09's, for a
-    pipeline stage: `layers` layers, each collective once per microbatch, embedding and head or not, MoE
-    layers (mlp=False: 2 a layer)."""
+    kept_input's bytes an element (layer_activation_formula); LossInChunks: the loss's 3 on each of its
+    loss_chunks slices. The other keywords are lesson 09's, for a pipeline stage: `layers` layers, each
+    collective once per microbatch, embedding and head or not, MoE layers (mlp=False: 2 a layer)."""
     layers = cfg.n_layers if layers is None else layers
     m = microbatches
     bsh = batch * seq_len * cfg.dim * elem_bytes
     kept = elem_bytes if kept_input is None else kept_input[0]
-    loss = (3 * head * m, 3 * head * batch * seq_len * 4)  # (calls, bytes): 3 fp32 numbers a token
+    slices = min(loss_chunks, batch // m * seq_len)  # none empty
+    loss = (3 * head * m * slices, 3 * head * batch * seq_len * 4)  # (calls, bytes): 3 fp32 numbers a token
     activations = (2 + 2 * mlp) * layers + embed + head
     norms = 2 * layers + head
     again = layers if recompute == "full" else 0

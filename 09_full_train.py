@@ -24,9 +24,10 @@ them (ep divides dp x cp); each expert is data-parallel over the other dp x cp /
 ONE MODEL, TRANSFORMED IN ONE ORDER (each step an earlier lesson's own function)
   01 GPT(cfg) -> 06 convert_to_moe + apply_expert_parallel (--moe, --ep) -> 08 convert_to_float8 (--fp8) -> 03
   apply_lean_saves (unless --autograd-saves) -> 03 apply_tensor_parallel (+ SP, whose linears keep their
-  input's sequence shard) -> 05 ContextParallelAttention as attention (zigzag ring; 07's kernel on a GPU)
-  -> 04 cut_stage (v stages a rank: interleaved 1F1B) -> 02 ZeRO 0-3 over dp x cp (experts: over the ranks
-  holding the same ones; --fp8 --zero 3's Float8Linear weights: 08's Float8ZeRO, gathered in FP8).
+  input's sequence shard; --loss-chunks: 03's ChunkedLoss) -> 05 ContextParallelAttention as attention
+  (zigzag ring; 07's kernel on a GPU) -> 04 cut_stage (v stages a rank: interleaved 1F1B) -> 02 ZeRO 0-3
+  over dp x cp (experts: over the ranks holding the same ones; --fp8 --zero 3's Float8Linear weights: 08's
+  Float8ZeRO, gathered in FP8).
 TP rewrites modules and needs the whole model, CP only swaps a function, a stage cut deletes modules, ZeRO
 flattens the final parameters. EP comes before TP: it slices the experts into new parameters, and SP's hook
 goes on those. MoE layers are not split over tp: each tp rank runs them on its tokens (with SP, its shard).
@@ -243,6 +244,9 @@ class TrainConfig:
                             choices=("sdpa", "flash", "cudnn", "unfused"))
     compile: bool = option(False, "torch.compile each block: one graph, its elementwise work fused", off=(
         "--eager", False, "eager blocks: each elementwise operation a kernel of its own"))
+    loss_chunks: int = option(1, "03's LossInChunks: the loss and its gradient in forward, this many slices "
+                              "of the tokens one after another (fp32 temporaries of one slice)",
+                              (">= 1", "<= 1e6"))
 
 
 MODELS = {  # (model, seq_len, global_batch, lr); vocabulary 256 (bytes are tokens) unless the model sets one
@@ -383,8 +387,8 @@ def fullgraph_blocker(sizes: MeshSizes, train: TrainConfig) -> str | None:
 
 def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages: int,
                       device: torch.device) -> nn.Module:
-    """The module docstring's order: GPT -> MoE + EP -> FP8 -> lean saves -> TP (+SP) -> CP attention -> stage
-    cut."""
+    """The module docstring's order: GPT -> MoE + EP -> FP8 -> lean saves -> TP (+SP; the loss in slices) ->
+    CP attention -> stage cut."""
     model = foundation.GPT(cfg)
     if train.moe is not None:
         model = expert_parallel.convert_to_moe(model, train.moe)
@@ -398,6 +402,8 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
                                                   train.sequence_parallel, tensor_parallel_styles(train.moe),
                                                   check_ids=False,  # forward_backward checks the rows
                                                   regather=train.lean_saves)
+    if train.loss_chunks > 1:
+        model.loss_fn = tensor_parallel.ChunkedLoss(model.loss_fn, train.loss_chunks)
     if train.fp8:  # 08: the scales of whole tensors, whatever tp splits
         fp8.tensor_parallel_scales(model, mesh.groups["tp"], train.sequence_parallel)
     attention = flash.flash_attention if train.attention == "flash" else None
@@ -1277,7 +1283,7 @@ def tp_messages(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: b
         cfg, train.global_batch // sizes.dp, train.seq_len // sizes.cp, train.sequence_parallel,
         layers=layers, embed=embed, head=head, microbatches=train.microbatches, mlp=train.moe is None,
         elem_bytes=2 if train.mixed_precision else 4, recompute=train.recompute, regather=train.lean_saves,
-        kept_input=fp8.KEPT_INPUT if train.fp8 else None)
+        kept_input=fp8.KEPT_INPUT if train.fp8 else None, loss_chunks=train.loss_chunks)
     return [(calls, foundation.ring_traffic(op, payload, sizes.tp)) for op, (calls, payload) in ops.items()]
 
 
@@ -1416,7 +1422,9 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
         if train.moe is None:  # MoE activations have no formula
             memory["activations"] = pipeline.held_at_peak(train.schedule, rank, pp, m, train.virtual,
                                                           stage_bytes)
-            loss = tensor_parallel.loss_bytes(mb, cfg.vocab_size, tp, e) if n_stages - 1 in stages else 0
+            loss = 0
+            if n_stages - 1 in stages:
+                loss = tensor_parallel.loss_bytes(mb, cfg.vocab_size, tp, e, train.loss_chunks)
             # at a backward's peak, or at the step's
             memory["temporaries"] = max(max(loss, backward) + in_backward, at_step - memory["activations"])
         allocated = sum(v for v in memory.values() if v is not None)
@@ -1805,9 +1813,13 @@ def describe(r: dict, table: bool) -> str:
     return "\n".join(lines)
 
 
+LOSS_CHUNKS = 8  # the loss's slices why_not_fitting tries
+
+
 def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
     """A given mesh that does not fit: its fullest GPU's largest term, and the fastest of the options that
-    keep less (more recompute, a higher ZeRO stage) with which it fits, or that none does."""
+    keep less (more recompute, a higher ZeRO stage, the loss in 8 slices: their fp32 temporaries below
+    the logits' and their gradient's bytes) with which it fits, or that none does."""
     most = r["memory_gib"][r["fullest"]]
     term = max((k for k in most if k != "total"), key=most.get)
     in_flight = r["in_flight"][r["fullest"]]
@@ -1817,6 +1829,8 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
     changes = {f"--recompute {mode}": dict(recompute=mode) for mode in ("selective", "full")
                if modes.index(mode) > modes.index(job.train.recompute)}
     changes |= {f"--zero {stage}": dict(zero_stage=stage) for stage in range(job.train.zero_stage + 1, 4)}
+    if job.train.loss_chunks < LOSS_CHUNKS:
+        changes[f"--loss-chunks {LOSS_CHUNKS}"] = dict(loss_chunks=LOSS_CHUNKS)
     fits = {}  # option -> (step, GiB) of the mesh with it
     for option, change in changes.items():
         train = dataclasses.replace(job.train, **change)
@@ -1825,7 +1839,7 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
             fits[option] = (timing["step"], float(fullest(plans)) / 2 ** 30)
     text = f"its largest part: {term}, {gib_text(most[term])} GiB{held}; "
     if not fits:
-        return text + "no more recompute or ZeRO makes it fit"
+        return text + "no more recompute, ZeRO or loss slices make it fit"
     option = min(fits, key=fits.get)
     step, gib = fits[option]
     return text + f"it fits with {option}: {gib:,.1f} GiB, step {seconds_text(step)} s"
