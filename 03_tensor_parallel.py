@@ -239,13 +239,14 @@ class LossInChunks(torch.autograd.Function):
     """A mean loss over tokens (01's, or the vocab-parallel one) and its gradient, both computed in forward,
     `chunks` slices of the tokens one after another: one slice's fp32 temporaries live at a time, and
     backward keeps only the logits' gradient, in their dtype (Megatron's fused cross-entropy keeps one
-    fp32 copy; Liger's fused loss, as here, the gradient). The loss must end the graph: it does."""
+    fp32 copy; Liger's fused loss, as here, the gradient). The loss must end the graph: it does. Without
+    a backward to come (with_gradient False: torch.no_grad, logits that need none), the loss alone."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, loss_fn: Callable,
-                chunks: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, chunks: int,
+                with_gradient: bool) -> torch.Tensor:
         flat = logits.detach().flatten(0, 1)
-        grad = torch.empty_like(flat)
+        grad = torch.empty_like(flat) if with_gradient else flat[:0]  # none: empty slices of it
         tokens = flat.shape[0]
         total = 0
         slices = [whole.tensor_split(chunks) for whole in (flat, targets.flatten(), grad)]
@@ -254,8 +255,9 @@ class LossInChunks(torch.autograd.Function):
                 continue
             piece = piece.detach().requires_grad_()
             share = len(piece) / tokens
-            with torch.enable_grad():
+            with torch.set_grad_enabled(with_gradient):
                 loss = loss_fn(piece[None], piece_targets[None]) * share
+            if with_gradient:
                 piece_grad.copy_(torch.autograd.grad(loss, piece)[0])
             total = total + loss.detach()
         ctx.save_for_backward(grad)
@@ -265,7 +267,7 @@ class LossInChunks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad, = ctx.saved_tensors
-        return (grad * grad_loss.to(grad.dtype)).view(ctx.shape), None, None, None
+        return (grad * grad_loss.to(grad.dtype)).view(ctx.shape), None, None, None, None
 
 
 @dataclass
@@ -275,7 +277,8 @@ class ChunkedLoss:
     chunks: int
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return LossInChunks.apply(logits, targets, self.loss_fn, self.chunks)
+        with_gradient = torch.is_grad_enabled() and logits.requires_grad
+        return LossInChunks.apply(logits, targets, self.loss_fn, self.chunks, with_gradient)
 
 
 def loss_bytes(tokens: int, vocab_size: int, tp: int, elem_bytes: int, chunks: int = 1) -> int:

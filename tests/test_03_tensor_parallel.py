@@ -376,6 +376,9 @@ def test_the_loss_in_chunks_equals_the_loss_at_once(batch, seq, vocab_size, chun
     torch.testing.assert_close(chunked, loss, atol=0, rtol=40 * 2 ** -24)
     rtol = 4 * 2 ** -24 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(chunked_grad, grad, atol=1e-30, rtol=rtol)
+    with torch.no_grad():  # no backward to come: the loss alone, no gradient computed or kept
+        alone = tensor_parallel.ChunkedLoss(foundation.cross_entropy_loss, chunks)(logits, targets)
+    torch.testing.assert_close(alone, loss, atol=0, rtol=40 * 2 ** -24)
 
 
 @pytest.mark.parametrize("tp, chunks", [(2, 3), (4, 5), (2, 64)])
