@@ -239,7 +239,9 @@ class LossInChunks(torch.autograd.Function):
     """A mean loss over tokens (01's, or the vocab-parallel one) and its gradient, both computed in forward,
     `chunks` slices of the tokens one after another: one slice's fp32 temporaries live at a time, and
     backward keeps only the logits' gradient, in their dtype (Megatron's fused cross-entropy keeps one
-    fp32 copy; Liger's fused loss, as here, the gradient). The loss must end the graph: it does. Without
+    fp32 copy; Liger's fused loss, as here, the gradient). So loss_fn must be a mean over the tokens of
+    the logits alone (not 06's aux loss, no ignored ids), and backward only scales what forward kept; a
+    gradient kept in fp16 before a loss scale would underflow (the course's dtypes: bf16, fp32). Without
     a backward to come (with_gradient False: torch.no_grad, logits that need none), the loss alone."""
 
     @staticmethod
@@ -267,7 +269,8 @@ class LossInChunks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad, = ctx.saved_tensors
-        return (grad * grad_loss.to(grad.dtype)).view(ctx.shape), None, None, None, None
+        # grad_loss stays fp32 (1/m in bf16 is 0.2% off for m = 3): the product in fp32, rounded once
+        return (grad * grad_loss).view(ctx.shape), None, None, None, None
 
 
 @dataclass
@@ -277,15 +280,18 @@ class ChunkedLoss:
     chunks: int
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not targets.numel():  # no token: the loss at once (NaN, a mean of nothing), as unsliced
+            return self.loss_fn(logits, targets)
         with_gradient = torch.is_grad_enabled() and logits.requires_grad
         return LossInChunks.apply(logits, targets, self.loss_fn, self.chunks, with_gradient)
 
 
 def loss_bytes(tokens: int, vocab_size: int, tp: int, elem_bytes: int, chunks: int = 1) -> int:
-    """The loss's peak bytes above the activations: 12 a logit of (tokens, V / t), + elem_bytes if tp > 1
-    (the logits). In chunks (LossInChunks): the logits and their gradient whole, and one chunk's tokens'
-    12 a logit, 14 for bf16 logits over tp > 1 (as measured: the vocab-parallel loss upcasts a bf16
-    slice into a new fp32 tensor, an fp32 one it reads in place)."""
+    """The loss's peak bytes above the activations, logits of elem_bytes 2 or 4: 12 a logit of (tokens,
+    V / t), + elem_bytes if tp > 1 (the logits). In chunks > 1 (LossInChunks; 1: not sliced): the logits
+    and their gradient whole, and one chunk's tokens' 12 a logit, 14 for bf16 logits over tp > 1 (as
+    measured: the vocab-parallel loss upcasts a bf16 slice into a new fp32 tensor, an fp32 one it reads
+    in place)."""
     vocab = -(-vocab_size // tp)
     if chunks == 1:
         return tokens * vocab * (12 + elem_bytes * (tp > 1))
@@ -606,8 +612,9 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
     recompute="full" reruns attention's g (SP: also both regions' f), not the MLP's g: each block reruns
     up to down_proj's input. SP with regather: each region's kept shard gathered again in backward, at
     kept_input's bytes an element (layer_activation_formula); LossInChunks: the loss's 3 on each of its
-    loss_chunks slices. The other keywords are lesson 09's, for a pipeline stage: `layers` layers, each
-    collective once per microbatch, embedding and head or not, MoE layers (mlp=False: 2 a layer)."""
+    loss_chunks slices that is not empty (at most one a token). The other keywords are lesson 09's, for a
+    pipeline stage: `layers` layers, each collective once per microbatch, embedding and head or not, MoE
+    layers (mlp=False: 2 a layer)."""
     layers = cfg.n_layers if layers is None else layers
     m = microbatches
     bsh = batch * seq_len * cfg.dim * elem_bytes

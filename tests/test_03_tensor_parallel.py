@@ -294,10 +294,11 @@ def run_vocab_parallel(logits, targets, vocab_size, tokens, table):
     return loss.detach(), local.grad, rows.detach(), embedding.weight.grad
 
 
-def loss_peak(tokens: int, vocab_size: int, dtype: torch.dtype, chunks: int = 1) -> int:
+def loss_peak(tokens: int, vocab_size: int, dtype: torch.dtype, chunks: int = 1, grad: bool = True) -> int:
     """The most bytes the loss holds at once (LiveStorages), forward and backward, on this rank's logits
     as the LM head makes them (inside, in dtype) and drops them when forward returns: 01's loss on one
-    rank, the vocab-parallel one on several; in chunks (LossInChunks) or not."""
+    rank, the vocab-parallel one on several; in chunks (LossInChunks) or not; grad=False: forward alone,
+    under torch.no_grad."""
     tp, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     first, per_rank = tensor_parallel.vocab_shard(vocab_size, tp, rank)
     weight = torch.randn(per_rank, 8, dtype=dtype, requires_grad=True)
@@ -305,9 +306,10 @@ def loss_peak(tokens: int, vocab_size: int, dtype: torch.dtype, chunks: int = 1)
     loss_fn = foundation.cross_entropy_loss if tp == 1 else tensor_parallel.VocabParallelLoss(first, vocab_size, None)
     if chunks > 1:
         loss_fn = tensor_parallel.ChunkedLoss(loss_fn, chunks)
-    with LiveStorages() as made:
+    with LiveStorages() as made, torch.set_grad_enabled(grad):
         loss = (lambda: loss_fn(x @ weight.t(), targets))()
-        loss.backward()
+        if grad:
+            loss.backward()
     return made.peak
 
 
@@ -327,22 +329,30 @@ def test_the_loss_holds_at_its_peak_what_loss_bytes_says(rank_pool, tp):
 def test_the_loss_in_chunks_holds_at_its_peak_what_loss_bytes_says(rank_pool, tp):
     """LossInChunks: the logits and their gradient whole (2 x their bytes), a slice's temporaries as the
     loss at once holds them on its tokens (ceil(300 / 7) = 43; 1,000 slices of 300 tokens: one token
-    each, the empty ones skipped); a few bytes of per-token vectors and scalars besides."""
+    each, the empty ones skipped); besides, 64 B a token of the slice and 8 an id (per-token vectors,
+    scalars): less than one token's logits, so a slice a token too short fails. Under torch.no_grad,
+    no gradient: at least a whole one less than with it."""
+    vocab = tensor_parallel.vocab_shard(1000, tp, 0)[1]
     for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
         for chunks in (7, 1000):
-            if tp == 1:
-                peaks = [loss_peak(300, 1000, dtype, chunks)]
-            else:
-                peaks = rank_pool.run(tp, loss_peak, 300, 1000, dtype, chunks)
+            arguments = (300, 1000, dtype, chunks)
+            peaks = [loss_peak(*arguments)] if tp == 1 else rank_pool.run(tp, loss_peak, *arguments)
             exact = tensor_parallel.loss_bytes(300, 1000, tp, size, chunks)
+            slack = 64 * -(-300 // chunks) + 8 * 1000
             for peak in peaks:
-                assert exact <= peak <= exact + 64 * 300 + 8 * 1000, (dtype, chunks, peak, exact)
+                assert exact <= peak <= exact + slack, (dtype, chunks, peak, exact)
             assert exact < tensor_parallel.loss_bytes(300, 1000, tp, size)  # bf16, 7 slices: 2.1x less (tp 1)
+            if tp == 1:
+                without = loss_peak(*arguments, grad=False)
+            else:
+                without = max(rank_pool.run(tp, loss_peak, *arguments, grad=False))
+            assert without + 300 * vocab * size <= max(peaks), (dtype, chunks, without, peaks)
 
 
 def losses_at_once_and_in_chunks(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, chunks: int,
                                  scale: float) -> list:
-    """(loss, the logits' gradient) of this rank's loss at once and in chunks, backward from scale x loss."""
+    """(loss, the logits' gradient, the comm meter) of this rank's loss at once and in chunks, backward from
+    scale x loss."""
     tp, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     first, per_rank = tensor_parallel.vocab_shard(vocab_size, tp, rank)
     local = F.pad(logits, (0, per_rank * tp - vocab_size))[..., first:first + per_rank]
@@ -350,29 +360,33 @@ def losses_at_once_and_in_chunks(logits: torch.Tensor, targets: torch.Tensor, vo
     out = []
     for loss_fn in (whole, tensor_parallel.ChunkedLoss(whole, chunks)):
         leaf = local.detach().clone().requires_grad_()
-        loss = loss_fn(leaf, targets)
-        (loss * scale).backward()
-        out.append((loss.detach(), leaf.grad))
+        with foundation.comm_meter() as meter:
+            loss = loss_fn(leaf, targets)
+            (loss * scale).backward()
+        out.append((loss.detach(), leaf.grad, meter))
     return out
 
 
 @given(batch=st.integers(1, 3), seq=st.integers(1, 9), vocab_size=st.integers(2, 40), chunks=st.integers(1, 40),
-       scale=st.sampled_from([1.0, 0.25, -3.0]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       scale=st.sampled_from([1.0, 0.25, -3.0, 1 / 3, 1 / 7]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        seed=st.integers(0, 99))
 @example(batch=1, seq=1, vocab_size=2, chunks=40, scale=1.0, dtype=torch.float32, seed=0)  # 39 empty slices
 def test_the_loss_in_chunks_equals_the_loss_at_once(batch, seq, vocab_size, chunks, scale, dtype, seed):
     """01's loss (fp32 inside) on one rank: the same mean and the same gradient of the logits, in their
     dtype, whatever the slices (more than the tokens: empty ones) and whatever the gradient backward
-    starts from (scale: the microbatches' 1/m, a loss scale). The loss: a sum of up to 40 slices' means,
+    starts from (scale: the microbatches' 1/m, a loss scale; backward multiplies the kept gradient by it
+    in fp32 and rounds once: exactly, 1/3 unrounded to bf16). The loss: a sum of up to 40 slices' means,
     each weighted by its share and rounded once in fp32: within 40 x 2^-24 relative. The gradient: each
     element (softmax - onehot) / tokens rounded a few more times in fp32 (4 x 2^-24); bf16 logits: that
     value rounded to bf16 either way, at most one bf16 step apart (2^-7 relative)."""
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(batch, seq, vocab_size, generator=gen) * 5).to(dtype)
     targets = torch.randint(vocab_size, (batch, seq), generator=gen)
-    (loss, grad), (chunked, chunked_grad) = losses_at_once_and_in_chunks(logits, targets, vocab_size, chunks,
-                                                                         scale)
+    (loss, grad, _), (chunked, chunked_grad, _) = losses_at_once_and_in_chunks(logits, targets, vocab_size,
+                                                                               chunks, scale)
     assert chunked_grad.dtype == dtype
+    _, (_, kept, _) = losses_at_once_and_in_chunks(logits, targets, vocab_size, chunks, 1.0)
+    assert torch.equal(chunked_grad, (kept.float() * scale).to(dtype))
     torch.testing.assert_close(chunked, loss, atol=0, rtol=40 * 2 ** -24)
     rtol = 4 * 2 ** -24 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(chunked_grad, grad, atol=1e-30, rtol=rtol)
@@ -383,15 +397,23 @@ def test_the_loss_in_chunks_equals_the_loss_at_once(batch, seq, vocab_size, chun
 
 @pytest.mark.parametrize("tp, chunks", [(2, 3), (4, 5), (2, 64)])
 def test_the_vocab_parallel_loss_in_chunks_equals_it_at_once(rank_pool, tp, chunks):
-    """Every rank: the same loss and gradient of its vocabulary's logits (fp64, 1e-12), its collectives
-    on each slice (64 slices of 30 tokens: one each, the rest empty and skipped on every rank)."""
+    """Every rank: the same loss and gradient of its vocabulary's logits (fp64, 1e-12), and the loss's
+    collectives on each slice as comm_formula counts them (64 slices of 30 tokens: one each, the rest
+    empty and skipped on every rank): the same bytes in more calls."""
     gen = torch.Generator().manual_seed(tp + chunks)
     logits = torch.randn(2, 15, 11, generator=gen, dtype=torch.float64) * 5
     targets = torch.randint(11, (2, 15), generator=gen)
-    for (loss, grad), (chunked, chunked_grad) in rank_pool.run(tp, losses_at_once_and_in_chunks, logits, targets,
-                                                               11, chunks, 0.5):
+    cfg = foundation.ModelConfig(vocab_size=11, dim=4, n_layers=1, n_heads=1, ffn_dim=4)
+    head = dict(layers=0, embed=False, head=True)  # the head's f and the loss, in fp64
+    at_once = tensor_parallel.comm_formula(cfg, 2, 15, False, elem_bytes=8, **head)["all_reduce"]
+    sliced = tensor_parallel.comm_formula(cfg, 2, 15, False, elem_bytes=8, loss_chunks=chunks, **head)["all_reduce"]
+    for (loss, grad, meter), (chunked, chunked_grad, chunked_meter) in rank_pool.run(
+            tp, losses_at_once_and_in_chunks, logits, targets, 11, chunks, 0.5):
         torch.testing.assert_close(chunked, loss, atol=1e-12, rtol=0)
         torch.testing.assert_close(chunked_grad, grad, atol=1e-12, rtol=0)
+        extra_calls = chunked_meter.calls("all_reduce") - meter.calls("all_reduce")
+        assert (extra_calls, chunked_meter.payload("all_reduce")) == (sliced[0] - at_once[0], meter.payload("all_reduce"))
+        assert sliced[1] == at_once[1]
 
 
 def test_a_vocabulary_tp_does_not_divide_is_priced_as_its_padded_shard(rank_pool):

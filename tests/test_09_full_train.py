@@ -235,6 +235,7 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
 @example(configuration=pinned((1, 2, 2, 1), 1, "gpipe", 2, False, recompute="selective"))
 @example(configuration=pinned((1, 2, 1, 1), 0, "zb-h1", 4, False))  # W frees the last stage's B path
 @example(configuration=pinned((2, 1, 1, 2), 1, "1f1b", 2, True, loss_chunks=3))  # 03's loss in 3 slices
+@example(configuration=pinned((1, 2, 1, 1), 0, "gpipe", 3, False, loss_chunks=64))  # 64 slices of 4 tokens
 @example(configuration=(foundation.ModelConfig(vocab_size=30, dim=16, n_layers=1, n_heads=4, ffn_dim=24),
                         full_train.MeshSizes(cp=2, tp=4), full_train.TrainConfig(  # one head a rank: the
                             global_batch=1, seq_len=16, zero_stage=0, lr=LR,  # ring's output is out_proj's
@@ -700,6 +701,31 @@ RESUME_ATOL = 2e-5
 
 
 # --- data ---------------------------------------------------------------------------------------
+
+def name_of(fn) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def loss_of_the_last_stage(sizes: "full_train.MeshSizes", chunks: int) -> tuple:
+    """What 09's Trainer made its last stage's loss_fn: (its name, its slices, the loss it slices)."""
+    if sizes not in _meshes:
+        _meshes[sizes] = full_train.build_mesh(sizes)
+    train = full_train.TrainConfig(loss_chunks=chunks)
+    trainer = full_train.Trainer(small_model(), _meshes[sizes], train, torch.device("cpu"))
+    loss_fn = trainer.stages[max(trainer.stages)].loss_fn
+    return name_of(loss_fn), getattr(loss_fn, "chunks", None), name_of(getattr(loss_fn, "loss_fn", None))
+
+
+@pytest.mark.parametrize("tp, whole", [(1, "cross_entropy_loss"), (2, "VocabParallelLoss")])
+def test_loss_chunks_slices_the_loss_tensor_parallelism_made(rank_pool, tp, whole):
+    """--loss-chunks wraps the loss 03's apply_tensor_parallel installed (01's at tp = 1), after it: a
+    wrapper set before would be replaced, and training would equal one device all the same."""
+    sizes = full_train.MeshSizes(tp=tp)
+    for made in rank_pool.run(tp, loss_of_the_last_stage, sizes, 3):
+        assert made == ("ChunkedLoss", 3, whole)
+    for made in rank_pool.run(tp, loss_of_the_last_stage, sizes, 1):
+        assert made == (whole, None, "NoneType")  # 1: the loss unsliced
+
 
 def test_default_corpus_is_the_standard_library_in_sorted_order():
     tokens = full_train.read_tokens(None, max_bytes=5000)
@@ -1580,6 +1606,12 @@ def test_a_model_that_cannot_fit_is_one_line_saying_by_how_much(monkeypatch, cap
     assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GiB, [\d,.]+ GiB \(\d+%\) more than its "
                      r"80 GiB; its largest part: activations, [\d,.]+ GiB \(1 microbatch in flight\); it fits with "
                      r"--recompute full: [\d,.]+ GiB, step [\d,.]+ s\n$", out), out
+    lean = "--model llama3-8b --dp 8 --pp 1 --cp 1 --tp 1 --zero 3 --recompute full --global-batch 8 --gpu-memory 34"
+    _, out, _ = plan_main(monkeypatch, capsys, *lean.split())  # the loss at once: 11.7 GiB of fp32 temporaries
+    assert re.search(r"; its largest part: temporaries, [\d,.]+ GiB; it fits with --loss-chunks 8: [\d,.]+ GiB, step "
+                     r"[\d,.]+ s\n$", out), out
+    _, out, _ = plan_main(monkeypatch, capsys, *lean.split(), "--loss-chunks", "8")
+    assert out.splitlines()[-1].startswith("fits: "), out
 
 
 @pytest.mark.parametrize("options, message", [
