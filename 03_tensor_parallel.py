@@ -236,13 +236,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 class LossInChunks(torch.autograd.Function):
-    """A mean loss over tokens (01's, or the vocab-parallel one) and its gradient, both computed in forward,
-    `chunks` slices of the tokens one after another: one slice's fp32 temporaries live at a time, and
-    backward keeps only the logits' gradient, in their dtype (Megatron's fused cross-entropy keeps one
-    fp32 copy; Liger's fused loss, as here, the gradient). So loss_fn must be a mean over the tokens of
-    the logits alone (not 06's aux loss, no ignored ids), and backward only scales what forward kept; a
-    gradient kept in fp16 before a loss scale would underflow (the course's dtypes: bf16, fp32). Without
-    a backward to come (with_gradient False: torch.no_grad, logits that need none), the loss alone."""
+    """The module docstring's loss in slices (Liger's fused loss keeps, as here, the gradient; Megatron's
+    fused one an fp32 copy). loss_fn: a mean over the tokens of the logits alone (not 06's aux loss, no
+    ignored ids); backward only scales what forward kept (kept in fp16, a gradient would underflow before
+    a loss scale: the course runs bf16, fp32). with_gradient False (no backward to come): the loss alone."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, chunks: int,

@@ -395,6 +395,22 @@ def test_the_loss_in_chunks_equals_the_loss_at_once(batch, seq, vocab_size, chun
     torch.testing.assert_close(alone, loss, atol=0, rtol=40 * 2 ** -24)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_the_loss_in_chunks_of_a_non_finite_logit_or_no_token_is_the_loss_at_once(bad):
+    """A NaN or an infinite logit: NaN, or the finite loss at once gives, in its slice as at once (a -inf
+    logit of a non-target is a zero probability); the gradient alike (NaN where the loss at once has
+    one). No token at all: the loss at once, a mean of nothing (NaN), not an error."""
+    logits = torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(0))
+    logits[1, 4, 2] = bad
+    targets = torch.zeros(2, 6, dtype=torch.long)
+    (loss, grad, _), (chunked, chunked_grad, _) = losses_at_once_and_in_chunks(logits, targets, 5, 4, 1.0)
+    torch.testing.assert_close(chunked, loss, atol=0, rtol=4 * 2 ** -24, equal_nan=True)
+    torch.testing.assert_close(chunked_grad, grad, atol=1e-30, rtol=4 * 2 ** -24, equal_nan=True)
+    assert chunked.isnan() == (bad != -float("inf"))
+    empty = tensor_parallel.ChunkedLoss(foundation.cross_entropy_loss, 4)(logits[:0], targets[:0])
+    assert empty.isnan() and foundation.cross_entropy_loss(logits[:0], targets[:0]).isnan()
+
+
 @pytest.mark.parametrize("tp, chunks", [(2, 3), (4, 5), (2, 64)])
 def test_the_vocab_parallel_loss_in_chunks_equals_it_at_once(rank_pool, tp, chunks):
     """Every rank: the same loss and gradient of its vocabulary's logits (fp64, 1e-12), and the loss's
