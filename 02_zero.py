@@ -17,11 +17,12 @@ Data parallelism (lesson 01) keeps N copies of the parameters, gradients and opt
 AdamW is elementwise: element i of the update needs only element i of the parameter, gradient and
 moments. So N ranks can cut the flattened model into N shards, each rank keeping the optimizer
 state of its own 1/N (Rajbhandari et al., "ZeRO", 2020):
-- stage 1 shards the optimizer state. After backward, a reduce-scatter (the first half of an
-  all-reduce) leaves each rank the averaged gradient of its shard; it updates its shard; an
-  all-gather (the second half) gives every rank the whole updated model.
-- stage 2 also shards the gradients: each module's gradient is reduce-scattered from a backward hook
-  the moment it is complete (lesson 01's buckets, with reduce-scatter) and freed once sent.
+- stage 1 shards the optimizer state. A reduce-scatter (the first half of an all-reduce) leaves
+  each rank the averaged gradient of its shard; it updates its shard; an all-gather (the second
+  half) gives every rank the whole updated model.
+- stage 2 also shards the gradients: each module's full gradient is freed once sent.
+Every stage reduces a module's gradient from a backward hook the moment backward completes it
+(lesson 01's buckets: the reduction runs while backward computes the modules before it).
 - stage 3 also shards the parameters: a module's full parameters are all-gathered just before its
   forward and again before its backward, and freed after each; meanwhile the next module's gather
   is already in flight (prefetch).
@@ -155,7 +156,8 @@ def zero_transient_bytes(psi: int, unit: int, n: int, stage: int, mixed_precisio
     """The most one ZeRO holds beyond zero_memory_formula: (in backward, at the step). Backward: stage 3's
     gathered unit and the one prefetched, a unit's full gradient and the one before it in its send buffer
     (stage 2: those two), `unit` elements each; the step: the shard's gradient as fp32 (mixed precision),
-    stage 1's reduce-scatter output. Fused AdamW (on a GPU) makes no temporaries (foreach: 4 B an element)."""
+    stage 1's reduce-scatter output (made in backward, or at the step after no_sync()). Fused AdamW (on
+    a GPU) makes no temporaries (foreach: 4 B an element)."""
     g = 2 if mixed_precision else 4
     shard = psi if stage == 0 else -(-psi // n)
     return 2 * g * unit * ((stage >= 2) + (stage == 3)), (4 * mixed_precision + g * (stage == 1)) * shard
@@ -226,10 +228,10 @@ class FlatUnit:
                 p.grad = view
         else:  # only this rank's averaged gradient persists
             self.grad_shard = torch.zeros_like(self.shard)
-        # In flight: stage 3's all-gather, stages 2-3's (reduce-scatter, send buffer); `ready`: the
-        # indices of the parameters whose gradient backward has completed (stages 2-3).
+        # In flight: stage 3's all-gather, the gradients' (reduction, its input); `ready`: the
+        # indices of the parameters whose gradient backward has completed.
         self.gather_work = None
-        self.scatter = None
+        self.reduction = None
         self.ready = set()
 
     def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -269,7 +271,7 @@ class ZeRO:
     """Shards AdamW (stage 1), gradients (2) and parameters (3) of `model` over `group`.
 
         zero = ZeRO(model, stage=3, max_grad_norm=1.0)
-        model(x, y).backward()         # stages 2-3: reduce-scatters launch from backward hooks
+        model(x, y).backward()         # each unit's reduction launches from a backward hook
         grad_norm = zero.step()        # sync, clip by the global norm, AdamW on the shard, gather
         zero.zero_grad()
     Microbatches: run all but the last backward (or all, then finish_gradient_sync()) in no_sync().
@@ -318,7 +320,7 @@ class ZeRO:
         self.max_gathers_in_flight = 0
         self.prefetched_gathers = 0
         for index, (unit, (module, _)) in enumerate(zip(self.units, units)):
-            for i, p in enumerate(unit.params if stage >= 2 else ()):
+            for i, p in enumerate(unit.params):
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit, i=i: self._on_grad_ready(unit, i))
             if stage == 3:
                 module.register_forward_pre_hook(lambda m, args, i=index: self._gather(i, i + 1))
@@ -351,12 +353,12 @@ class ZeRO:
         if output.requires_grad:  # backward reaches this module when output's gradient is ready
             output.register_hook(lambda grad: self._gather(index, index - 1))
 
-    # --- stages 2-3: reduce-scatter each module's gradient as soon as backward completes it -------
+    # --- every stage: reduce each unit's gradient as soon as backward completes it ---------------
     def _on_grad_ready(self, unit: FlatUnit, i: int) -> None:
-        if unit.scatter is not None:
-            raise RuntimeError("a second backward before step(): ZeRO-2/3 here reduce-scatter every "
-                               "backward's gradients; call step() after each backward, or run the "
-                               "earlier backwards under no_sync()")
+        if unit.reduction is not None:
+            raise RuntimeError("a second backward before step(): ZeRO here reduces every backward's "
+                               "gradients; call step() after each backward, or run the earlier "
+                               "backwards under no_sync()")
         unit.ready.add(i)
         if len(unit.ready) < len(unit.params):
             return
@@ -364,40 +366,43 @@ class ZeRO:
         if self.stage == 3:
             unit.release()  # every use of these parameters in this backward is done
         if self.sync_gradients:
-            self._reduce_scatter(unit)
+            self._reduce(unit)
 
-    def _reduce_scatter(self, unit: FlatUnit) -> None:
-        send = unit.flatten([p.grad for p in unit.params], self.dtype)
-        for p in unit.params:
-            p.grad = None  # the full gradient is freed: only the send buffer lives until the wait
+    def _reduce(self, unit: FlatUnit) -> None:
+        """Launch the unit's reduction; it runs while backward computes the units before this one."""
+        if self.stage == 0:  # in place: the buffer the gradients accumulate in
+            unit.grad_shard = unit.flat_grad
+            work = foundation.all_reduce(unit.flat_grad, group=self.group, async_op=True)
+            unit.reduction = (work, unit.flat_grad)
+            return
+        if self.stage == 1:  # the full buffer stays: the next step accumulates into it
+            unit.grad_shard = torch.empty_like(unit.shard)
+            send = unit.flat_grad
+        else:
+            send = unit.flatten([p.grad for p in unit.params], self.dtype)
+            for p in unit.params:
+                p.grad = None  # the full gradient is freed: only the send buffer lives until the wait
         work = foundation.reduce_scatter(unit.grad_shard, send, group=self.group, async_op=True)
-        unit.scatter = (work, send)
+        unit.reduction = (work, send)
 
     # Microbatches, a pipeline's schedule: lesson 01's no_sync(). Backward passes inside only add to the
-    # full gradients in .grad (stages 0-1 always do); finish_gradient_sync() reduce-scatters them once.
+    # full gradients (in .grad); the next backward outside, or finish_gradient_sync(), reduces them once.
     no_sync = foundation.BucketedDataParallel.no_sync
 
     # --- the step ---------------------------------------------------------------------------
     def finish_gradient_sync(self) -> None:
         """Leave every unit's grad_shard holding the gradient of the global mean loss."""
         for unit in self.units:
-            if self.stage == 0:
-                foundation.all_reduce(unit.flat_grad, group=self.group)
-                unit.grad_shard = unit.flat_grad
-            elif self.stage == 1:
-                unit.grad_shard = torch.empty_like(unit.shard)
-                foundation.reduce_scatter(unit.grad_shard, unit.flat_grad, group=self.group)
-            else:
-                if unit.scatter is None:  # accumulated under no_sync(), or by autograd.grad
-                    if missing := [n for n, p in zip(unit.names, unit.params) if p.grad is None]:
-                        raise RuntimeError(f"parameters got no gradient this step (unused "
-                                           f"parameters are not supported): {missing[:5]}")
-                    if self.stage == 3:
-                        unit.release()
-                    self._reduce_scatter(unit)
-                unit.scatter[0].wait()
-                unit.scatter = None
-                unit.ready.clear()
+            if unit.reduction is None:  # accumulated under no_sync(), or by autograd.grad
+                if missing := [n for n, p in zip(unit.names, unit.params) if p.grad is None]:
+                    raise RuntimeError(f"parameters got no gradient this step (unused "
+                                       f"parameters are not supported): {missing[:5]}")
+                if self.stage == 3:
+                    unit.release()
+                self._reduce(unit)
+            unit.reduction[0].wait()
+            unit.reduction = None
+            unit.ready.clear()
             unit.grad_shard.div_(self.world)
 
     @torch.no_grad()
@@ -1238,12 +1243,13 @@ def zero_exposed_seconds(psi: int, n: int, stage: int, units: int, microbatches:
                          unit_compute: tuple[float, float], hide: bool = True) -> float:
     """Seconds of a step's ZeRO traffic (zero_traffic_per_step, priced by send(bytes, calls)) that
     compute does not hide: the gradients' reduction overlaps the last microbatch's backward but for
-    its last unit's; stages 1-2's all-gather (after the step, before the next forward) is exposed;
-    stage 3's gather of each unit, before its forward and its backward, hides behind the previous
-    unit's compute (unit_compute: one unit's forward, backward) but for the first. hide=False: none."""
+    its last unit's (last_backward = 0: reduced after it, all exposed); stages 1-2's all-gather (after
+    the step, before the next forward) is exposed; stage 3's gather of each unit, before its forward and
+    its backward, hides behind the previous unit's compute (unit_compute: one unit's forward, backward)
+    but for the first. hide=False: none."""
     ops = zero_traffic_per_step(psi, n, stage, elem_bytes, elem_bytes)
     reduce = send(ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0), units)
-    gather = send(ops.get("all_gather", 0), units)
+    gather = send(ops["all_gather"], units) if "all_gather" in ops else 0.0  # stage 0: none, not even a call
     if stage == 3:
         one = gather / 2 / units
         gather = one + microbatches * (units - 1) * sum(exposed(one, t, hide) for t in unit_compute)

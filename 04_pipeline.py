@@ -323,11 +323,14 @@ class StepLog:
 
 def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch.Tensor,
                  targets: torch.Tensor, group=None, work_s: dict[str, float] | None = None,
-                 boundary_shape: tuple[int, ...] | None = None) -> StepLog:
+                 boundary_shape: tuple[int, ...] | None = None,
+                 before_last_backward: Callable[[int], None] | None = None) -> StepLog:
     """Run this rank's actions on its stages (stage index -> module). Gradients accumulate in .grad.
     work_s pads every compute action to a fixed duration (balanced synthetic work). boundary_shape:
     one microbatch's activations between stages, (b/m, seq, dim) unless a stage keeps them split
-    (sequence parallelism: (b/m, seq/t, dim))."""
+    (sequence parallelism: (b/m, seq/t, dim)). before_last_backward(stage): called before the last
+    action of the step that makes a stage's weight gradients (its last B; ZB-H1: W), where lesson 09
+    lets ZeRO reduce them while that backward runs."""
     rank = dist.get_rank(group)
     m = schedule.microbatches
     last = schedule.n_stages - 1
@@ -350,6 +353,8 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
     saved = {}  # (stage, microbatch) -> (input, output) from F until B
     wait_for_w = {}  # ZB-H1: (stage, microbatch) -> (output, gradient) from B until W
     outbox = inbox if schedule.pp == 1 else {}  # one rank owns every stage: hand over directly
+    weights_kind = "W" if schedule.split_backward else "B"
+    last_backward = {a.stage: a for a in schedule.actions[rank] if a.kind == weights_kind}  # the last wins
     log = StepLog()
     losses = []
     t0 = time.perf_counter()
@@ -378,6 +383,8 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
             received = inbox.pop((a.kind, *key), None)  # from a peer or a local stage, if any
             start = time.perf_counter()  # after any wait for a peer: waiting is bubble, not work
             trains = schedule.trains[a.stage]
+            if before_last_backward is not None and last_backward.get(a.stage) is a:
+                before_last_backward(a.stage)
             with torch.profiler.record_function(ACTION_LABELS[a.kind]):  # a profile's names (09)
                 if a.kind == "F":  # the input needs a gradient if some stage before this one trains
                     x = received if a.stage > 0 else x_mbs[a.microbatch]
@@ -402,14 +409,10 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                         x_grad = x.grad
                     if x.requires_grad:
                         outbox[("B", a.stage - 1, a.microbatch)] = x_grad
-                elif trains:  # W: the weight gradients, accumulated like backward() would (frozen: none)
+                elif trains:  # W: the weight gradients, accumulated into .grad (hooks fire) (frozen: none)
                     out, grad = wait_for_w.pop(key)
                     params = [p for p in module.parameters() if p.requires_grad]
-                    for p, g in zip(params, torch.autograd.grad(out, params, grad), strict=True):
-                        if p.grad is None:
-                            p.grad = g
-                        else:  # in place: .grad may be a view into a flat buffer (ZeRO-0/1)
-                            p.grad.add_(g)
+                    torch.autograd.backward(out, grad, inputs=params)
                     del out, grad  # W leaves B's path alone: its saved tensors go with the graph, now
             if work_s is not None:
                 time.sleep(max(0.0, start + work_s[a.kind] - time.perf_counter()))

@@ -38,8 +38,9 @@ GRADIENTS EQUAL ONE DEVICE'S, because each reduction happens exactly once:
 - pp: each stage owns its parameters; microbatch losses are divided by m (04).
 - dp x cp: each rank's loss is the mean over its tokens (equal counts) and the ring returns every dK/dV to its
   owner, so the dp x cp ranks' mean gradient is the batch's: ZeRO's reduce-scatter (or all-reduce) / (dp cp),
-  once per step after the last microbatch (ZeRO.no_sync around the schedule). An expert's gradient arrives
-  summed over ep (06's backward all-to-all): / ep, then its own ZeRO / (dp cp / ep).
+  once per step: no_sync around the schedule but for each stage's last backward, where 02's hooks reduce
+  each unit as that backward completes it (--reduce-after-backward: once the schedule ends). An expert's
+  gradient arrives summed over ep (06's backward all-to-all): / ep, then its own ZeRO / (dp cp / ep).
 - clipping: ||g||^2 sums ZeRO's shards, then the ep (experts), tp and pp ranks; a parameter replicated over tp
   counts 1/tp on each. Every rank then scales alike.
 MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's load depend on
@@ -58,9 +59,9 @@ H100 SXM, 07's and 08's rates are the H100's scaled by its datasheet peak (Clust
 there. Messages go at their link's speed (NVLink inside a node, the NIC across: ranks are numbered tp
 fastest, so inside_node knows which groups stay in one, a ring's too) plus a latency, exposed where nothing
 hides them: TP's all, the ring's hops beyond a block's attention, the gradient reduction beyond the last
-microbatch's backward, ZeRO-1/2's gather after the step, ZeRO-3's beyond the previous layer, the pipeline's
-sends in its fill and drain. The slowest pipeline rank's microbatches / (1 - 04's bubble) span the pipeline
-(pipeline_span). Two bounds frame it: full overlap, none.
+microbatch's backward (--reduce-after-backward: all of it), ZeRO-1/2's gather after the step, ZeRO-3's
+beyond the previous layer, the pipeline's sends in its fill and drain. The slowest pipeline rank's
+microbatches / (1 - 04's bubble) span the pipeline (pipeline_span). Two bounds frame it: full overlap, none.
 
 THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that validate accepts; those
 that fit in memory, fastest first; a given mesh that does not fit names its largest part and the fastest
@@ -221,6 +222,10 @@ class TrainConfig:
     global_batch: int = option(8, "sequences per step", (">= 1", "<= 1e7"))
     seq_len: int = option(16, "tokens per sequence", (">= 1", "<= 1e8"))
     zero_stage: int = option(1, "ZeRO stage over dp x cp", (">= 0", "<= 3"), option="--zero", metavar="STAGE")
+    reduce_in_backward: bool = option(True, "02's hooks reduce each unit's gradient while the last "
+                                      "microbatch's backward runs", off=(
+                                          "--reduce-after-backward", False, "every gradient reduced once the "
+                                          "schedule ends (01's naive version; Megatron-LM before 2023)"))
     schedule: str = option("1f1b", "lesson 04's pipeline schedule", choices=pipeline.SCHEDULES)
     microbatches: int = option(1, "microbatches per step", ">= 1")
     virtual: int = option(1, "pipeline stages per rank (interleaved 1F1B)", ">= 1")
@@ -497,7 +502,9 @@ class Trainer:
                 for model in self.stages.values() if self.train.fp8 and self.train.zero_stage < 3 else ():
                     accumulate.enter_context(fp8.weights_cast_once(model))  # 08: once per step
                 log = pipeline.run_schedule(self.schedule, self.stages, tokens, targets,
-                                            self.mesh.groups["pp"], boundary_shape=self.boundary_shape)
+                                            self.mesh.groups["pp"], boundary_shape=self.boundary_shape,
+                                            before_last_backward=self.reduce_during if
+                                            self.train.reduce_in_backward else None)
             with torch.profiler.record_function("gradient sync"):  # names in a profile (--profile)
                 for part in self.zeros:
                     part.zero.finish_gradient_sync()
@@ -508,6 +515,13 @@ class Trainer:
         for kind in ("dp_cp", "pp"):
             foundation.all_reduce(loss, group=self.mesh.groups[kind])
         return loss.item() / (sizes.dp * sizes.cp)
+
+    def reduce_during(self, stage: int) -> None:
+        """Before a stage's last backward of the step: its ZeROs leave no_sync, so each unit's gradient is
+        reduced the moment that backward completes it (02's hooks), behind the units still computing."""
+        for part in self.zeros:
+            if part.zero.model is self.stages[stage]:
+                part.zero.sync_gradients = True
 
     def update(self) -> torch.Tensor:
         """Clip by the norm over the whole mesh, AdamW on every shard; returns the norm on the device: its
@@ -1670,8 +1684,9 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
             units = p.layers + first + 2 * last
             last_backward = sum(v[1] for v in work.values())
             send_dp = functools.partial(send, "dp_cp")
+            behind = last_backward if train.reduce_in_backward else 0.0
             parts["DP"] = zero.zero_exposed_seconds(p.params, n, train.zero_stage, units, m, e, send_dp,
-                                                    last_backward, unit, hide)
+                                                    behind, unit, hide)
         ranks.append((parts, after))
     bubble = pipeline.bubble_formula(train.schedule, pp, m, train.virtual)
     busy = [sum(parts.values()) - parts["DP"] for parts, _ in ranks]

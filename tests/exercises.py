@@ -77,16 +77,17 @@ EXERCISES = (
         minutes=20),
 
     Exercise(
-        "02.1", "02_zero.py", ("ZeRO._on_grad_ready", "ZeRO._reduce_scatter"),
-        "ZeRO-2: reduce-scatter each unit from the backward hook",
+        "02.1", "02_zero.py", ("ZeRO._on_grad_ready", "ZeRO._reduce"),
+        "ZeRO: reduce each unit from the backward hook",
         task="_on_grad_ready(unit, i) runs when parameter i of a unit has its gradient: raise "
-             "RuntimeError('a second backward before step() ...') if the unit's reduce-scatter is still "
-             "pending (unit.scatter); once all of the unit's parameters are ready, clear unit.ready, "
-             "release the unit's parameters in stage 3, and reduce-scatter it unless under no_sync(). "
-             "_reduce_scatter(unit): flatten the gradients (unit.flatten, in self.dtype), free them "
-             "(p.grad = None), launch an async reduce_scatter into unit.grad_shard and keep "
-             "(work, send buffer) in unit.scatter. Docstring: THE IDEA (stage 2), COST.",
-        hint="finish_gradient_sync waits on unit.scatter[0] and divides by the group size: the hook only "
+             "RuntimeError('a second backward before step() ...') if the unit's reduction is still "
+             "pending (unit.reduction); once all of the unit's parameters are ready, clear unit.ready, "
+             "release the unit's parameters in stage 3, and reduce it unless under no_sync(). "
+             "_reduce(unit), async, keeping (work, its input) in unit.reduction: stage 0 all-reduces "
+             "unit.flat_grad in place (it is also grad_shard); stage 1 reduce-scatters flat_grad into a "
+             "new grad_shard; stages 2-3 flatten the gradients (unit.flatten, in self.dtype), free them "
+             "(p.grad = None) and reduce-scatter that into unit.grad_shard. Docstring: THE IDEA, COST.",
+        hint="finish_gradient_sync waits on unit.reduction[0] and divides by the group size: the hook only "
              "launches. The send buffer must outlive the call until the wait.",
         minutes=20),
     Exercise(

@@ -160,7 +160,8 @@ def step_transient(cfg, stage: int, mixed_precision: bool) -> tuple:
     model = foundation.GPT(cfg)
     zero_opt = zero.ZeRO(model, stage, mixed_precision=mixed_precision)
     for step in range(2):
-        model(*foundation.synthetic_batch(cfg, 4, 6, step, dist.get_rank(), 2)).backward()
+        with zero_opt.no_sync():  # the reduction at the step, not in backward: its output in the peak
+            model(*foundation.synthetic_batch(cfg, 4, 6, step, dist.get_rank(), 2)).backward()
         with LiveStorages() as made:
             zero_opt.step()
         zero_opt.zero_grad()
@@ -525,7 +526,8 @@ def misuse(cfg, case):
     tokens, targets = foundation.synthetic_batch(cfg, 2 * world, 6, 0, rank, world)
     optimizer = zero.ZeRO(model, 1 if case == "nan" else 2)
     if case == "nan":  # one rank's gradient goes bad: every rank must see it, none may hide it
-        model(tokens, targets).backward()
+        with optimizer.no_sync():  # reduced at the step, after the NaN lands
+            model(tokens, targets).backward()
         if rank == 1:
             model.layers["0"].mlp.up_proj.weight.grad[0, 0] = float("nan")
         norm = optimizer.step()
@@ -562,7 +564,7 @@ def accumulated_gradients(cfg, stage: int, global_batch: int, seq_len: int, micr
     return optimizer.unshard([u.grad_shard for u in optimizer.units])
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", zero.STAGES)
 def test_no_sync_accumulates_microbatches(rank_pool, stage):
     # The gradient of the mean over microbatches of their mean losses is the batch's: one device.
     cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
@@ -571,6 +573,30 @@ def test_no_sync_accumulates_microbatches(rank_pool, stage):
         for grads in rank_pool.run(2, accumulated_gradients, cfg, stage, 8, 6, 2, all_inside):
             assert_close_by_name(grads, reference.first_grads, "accumulated gradient",
                                  atol=GRAD_ATOL, rtol=GRAD_RTOL)
+
+
+def reductions_in_flight_during_backward(cfg, stage: int) -> tuple[bool, bool]:
+    """(whether the final norm's reduction was in flight when backward reached the first layer, whether
+    every unit's was when backward returned), then the step as usual."""
+    model = foundation.GPT(cfg)
+    optimizer = zero.ZeRO(model, stage)
+    norm = next(u for u in optimizer.units if "norm.weight" in u.names)
+    seen = []
+    first_layer = model.layers["0"].attn_norm.weight
+    first_layer.register_hook(lambda grad: seen.append(norm.reduction is not None))
+    model(*foundation.synthetic_batch(cfg, 4, 6, 0, dist.get_rank(), 2)).backward()
+    every_unit = all(u.reduction is not None for u in optimizer.units)
+    optimizer.step()
+    return seen == [True], every_unit
+
+
+@pytest.mark.parametrize("stage", zero.STAGES)
+def test_every_stage_reduces_a_unit_while_backward_computes_the_ones_before_it(rank_pool, stage):
+    """The overlap 09's plan prices (the reduction hidden behind the last microbatch's backward): a
+    unit's reduction launches from the hook the moment its gradient is complete, at every stage."""
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20, n_layers=2)
+    for before_the_first_layer, every_unit in rank_pool.run(2, reductions_in_flight_during_backward, cfg, stage):
+        assert before_the_first_layer and every_unit
 
 
 def test_misuse_is_refused_and_nan_propagates(rank_pool):

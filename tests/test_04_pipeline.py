@@ -338,6 +338,31 @@ def test_frozen_parameters_get_no_gradient_and_the_rest_are_unchanged(rank_pool,
             torch.testing.assert_close(grads[n], p.grad, atol=GRAD_ATOL, rtol=GRAD_RTOL)
 
 
+def accumulations_before_the_last_backward(cfg, name: str, m: int, virtual: int) -> list[tuple]:
+    """(stage, microbatches whose weight gradient had accumulated when before_last_backward(stage) was
+    called, how many had at the end), counted by a post-accumulate hook (what ZeRO's reduction waits for)."""
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    plan = pipeline.make_schedule(name, pp, m, virtual)
+    stages = {s: pipeline.cut_stage(foundation.GPT(cfg), s, pp * virtual) for s in range(rank, pp * virtual, pp)}
+    counts = dict.fromkeys(stages, 0)
+    for s, module in stages.items():
+        weight = next(p for p in module.parameters())
+        weight.register_post_accumulate_grad_hook(lambda p, s=s: counts.__setitem__(s, counts[s] + 1))
+    calls = []
+    pipeline.run_schedule(plan, stages, *foundation.synthetic_batch(cfg, 2 * m, 4, 0),
+                          before_last_backward=lambda s: calls.append((s, counts[s])))
+    return [(s, before, counts[s]) for s, before in calls]
+
+
+@pytest.mark.parametrize("name, virtual", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("gpipe", 1)])
+def test_before_last_backward_comes_once_a_stage_before_its_last_weight_gradient(rank_pool, name, virtual):
+    """Where 09 lets ZeRO reduce a stage's gradients: once per stage, when m - 1 microbatches' weight
+    gradients have accumulated and the last is about to (ZB-H1: its W, whose hooks fire as B's would)."""
+    cfg = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=4)
+    for rank, calls in enumerate(rank_pool.run(2, accumulations_before_the_last_backward, cfg, name, 4, virtual)):
+        assert sorted(calls) == [(s, 3, 4) for s in range(rank, 2 * virtual, 2)], calls
+
+
 def run_a_schedule_that_says_every_stage_trains(cfg, name: str) -> None:
     """Stage 0 frozen, the schedule made without trains= (every stage trains): rank 0 alone can see
     the mismatch, rank 1's stage matches."""

@@ -207,12 +207,13 @@ def configurations(draw):
                                    zero_stage=zero_stage, schedule=schedule, microbatches=microbatches,
                                    virtual=virtual, sequence_parallel=sequence_parallel, lr=LR,
                                    adam_eps=ADAM_EPS, max_grad_norm=0.5, moe=MOE if moe else None,
-                                   mixed_precision=bf16, recompute=recompute)
+                                   mixed_precision=bf16, recompute=recompute,
+                                   reduce_in_backward=draw(st.booleans(), label="reduce_in_backward"))
     return cfg, sizes, train
 
 
 def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, recompute="none", lean_saves=True,
-           loss_chunks=1):
+           loss_chunks=1, reduce_in_backward=True):
     """A configuration the 15 drawn examples may miss, run on every CI pass."""
     sizes = full_train.MeshSizes(*dims, **({"ep": ep} if ep else {}))
     cfg = small_model(n_layers)
@@ -220,7 +221,8 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
                                    zero_stage=zero_stage, schedule=schedule, microbatches=microbatches,
                                    virtual=2 if schedule == "interleaved" else 1, sequence_parallel=sp, lr=LR,
                                    adam_eps=ADAM_EPS, max_grad_norm=0.5, moe=MOE if ep else None,
-                                   recompute=recompute, lean_saves=lean_saves, loss_chunks=loss_chunks)
+                                   recompute=recompute, lean_saves=lean_saves, loss_chunks=loss_chunks,
+                                   reduce_in_backward=reduce_in_backward)
     return (cfg, sizes, train)
 
 
@@ -236,6 +238,7 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
 @example(configuration=pinned((1, 2, 1, 1), 0, "zb-h1", 4, False))  # W frees the last stage's B path
 @example(configuration=pinned((2, 1, 1, 2), 1, "1f1b", 2, True, loss_chunks=3))  # 03's loss in 3 slices
 @example(configuration=pinned((1, 2, 1, 1), 0, "gpipe", 3, False, loss_chunks=64))  # 64 slices of 4 tokens
+@example(configuration=pinned((2, 2, 1, 1), 1, "interleaved", 2, False, n_layers=4, reduce_in_backward=False))
 @example(configuration=(foundation.ModelConfig(vocab_size=30, dim=16, n_layers=1, n_heads=4, ffn_dim=24),
                         full_train.MeshSizes(cp=2, tp=4), full_train.TrainConfig(  # one head a rank: the
                             global_batch=1, seq_len=16, zero_stage=0, lr=LR,  # ring's output is out_proj's
@@ -725,6 +728,39 @@ def test_loss_chunks_slices_the_loss_tensor_parallelism_made(rank_pool, tp, whol
         assert made == ("ChunkedLoss", 3, whole)
     for made in rank_pool.run(tp, loss_of_the_last_stage, sizes, 1):
         assert made == (whole, None, "NoneType")  # 1: the loss unsliced
+
+
+def reductions_in_flight_when_the_schedule_ends(sizes: "full_train.MeshSizes", train) -> list[bool]:
+    """For each unit of each of this rank's ZeROs: whether its gradient's reduction was already launched
+    when forward_backward reached finish_gradient_sync (launched during the last backward: in flight)."""
+    if sizes not in _meshes:
+        _meshes[sizes] = full_train.build_mesh(sizes)
+    cfg = small_model(n_layers=4)
+    trainer = full_train.Trainer(cfg, _meshes[sizes], train, torch.device("cpu"))
+    launched = []
+    for part in trainer.zeros:
+        def finish(zero=part.zero, finish=part.zero.finish_gradient_sync):
+            launched.extend(unit.reduction is not None for unit in zero.units)
+            finish()
+        part.zero.finish_gradient_sync = finish
+    rows = torch.randint(cfg.vocab_size, (train.global_batch // sizes.dp, train.seq_len + 1),
+                         generator=torch.Generator().manual_seed(0))
+    trainer.forward_backward(rows)
+    return launched
+
+
+@pytest.mark.parametrize("pp, schedule, zero_stage", [(1, "1f1b", 0), (2, "interleaved", 1), (2, "zb-h1", 3)])
+def test_each_stage_reduces_its_gradients_during_its_last_backward(rank_pool, pp, schedule, zero_stage):
+    """What plan prices: the gradients' reduction hidden behind the last microbatch's backward (its W
+    under ZB-H1), every unit's launched from 02's hook before the schedule ends; --reduce-after-backward:
+    none before."""
+    sizes = full_train.MeshSizes(dp=2, pp=pp)
+    for reduce_in_backward in (True, False):
+        train = full_train.TrainConfig(global_batch=4, seq_len=8, zero_stage=zero_stage, schedule=schedule,
+                                       microbatches=2, virtual=2 if schedule == "interleaved" else 1,
+                                       reduce_in_backward=reduce_in_backward)
+        for launched in rank_pool.run(sizes.world, reductions_in_flight_when_the_schedule_ends, sizes, train):
+            assert len(launched) >= 2 and launched == [reduce_in_backward] * len(launched), launched
 
 
 def test_default_corpus_is_the_standard_library_in_sorted_order():
@@ -1383,7 +1419,8 @@ def test_a_resume_whose_folder_became_read_only_is_refused_before_launch(monkeyp
 MODEL_OPTIONS = {"--dp", "--pp", "--cp", "--tp", "--ep", "--moe", "--experts", "--zero", "--schedule",
                  "--microbatches", "--virtual", "--sequence-parallel", "--fp8", "--recompute", "--kv-heads",
                  "--global-batch", "--seq-len", "--model", "--dim", "--layers", "--heads", "--ffn-dim", "--vocab",
-                 "--attention", "--compile", "--eager", "--lean-saves", "--autograd-saves", "--loss-chunks"}
+                 "--attention", "--compile", "--eager", "--lean-saves", "--autograd-saves", "--loss-chunks",
+                 "--reduce-in-backward", "--reduce-after-backward"}
 STEP_OPTIONS = {"--steps", "--lr", "--max-grad-norm", "--bf16"}
 OWN_OPTIONS = {  # what each sub-command offers, and nothing else
     "check": MODEL_OPTIONS | STEP_OPTIONS,
@@ -2040,7 +2077,10 @@ def gpt(dim: int, layers: int, heads: int, vocab: int, ffn: int | None = None, k
                 ffn_dim=swiglu_of_its_size(ffn or 4 * dim), tie_embeddings=tied)
 
 
-A100_MEGATRON = dict(gpu="a100-80gb", attention="unfused", recompute="full", seq_len=2048)
+# Megatron-LM 2021 (--DDP-impl local, its default: train_step all-reduces the gradients after
+# forward_backward_func returns) and DeepSpeed's pipeline engine (ReduceGrads after the schedule's last
+# backward) reduce once the schedule ends: --reduce-after-backward
+A100_MEGATRON = dict(gpu="a100-80gb", attention="unfused", recompute="full", seq_len=2048, reduce_in_backward=False)
 BLOOM = dict(A100_MEGATRON, zero_stage=1, global_batch=2048)  # Megatron-DeepSpeed, ZeRO-1, 2 sequences a microbatch
 NARAYANAN = dict(A100_MEGATRON, zero_stage=0)  # Megatron-LM 2021: plain data parallelism
 NEMO_2403 = dict(NVIDIA, fp8=True, sequence_parallel=True)  # NeMo 24.03.01 (TE's fused attention, its CP ring)
@@ -2152,8 +2192,7 @@ HELD_OUT_MISSES = {
                                          "all-reduces at NVLink's 300 GB/s cost 3 s more, its bubble 3 s less"),
     "BLOOM 20B, one node": (0.55, "-: a first test (02-17): recompute not stated (priced without), 2,048 "
                                   "microbatches of one sequence on one node"),
-    **dict.fromkeys(("Narayanan 1.7B", "Narayanan 3.6B", "Narayanan 7.5B", "Narayanan 18.4B", "Narayanan 39.1B",
-                     "Narayanan 76.1B"), (0.30, A100_2021)),
+    "Narayanan 76.1B": (0.30, A100_2021),
     **dict.fromkeys((f"NeMo 24.03 Llama 2 7B, {k}k" for k in (32, 128, 256, 512, 1024)), (0.45, (
         "-: attention-bound: the five steps put Transformer Engine's cuDNN attention of 2024 at 56-58% of 07's "
         "cuDNN rate (2026), FlashAttention-2's in 07's table"))),
@@ -2177,9 +2216,10 @@ def test_the_held_out_runs_are_predicted_within_their_pinned_errors():
     those MEMORY calibrates on (torchtitan's, torchao's). No constant comes from them, and from four
     of their sources (HELD_OUT_SOURCES) nothing at all. Each run's error is pinned: within 20%, or
     beyond it within HELD_OUT_MISSES' bound, with its sign and why. The target, 20% for 85% of them,
-    is not met: 29 of 47 (62%); 30 before 03's lean layer, whose SP re-gathers (exposed) took DGX Cloud's
-    70B FP8 on pp 8 to +21% (--attention unfused moved no run across 20%); the misses are whole families
-    (A100s of 2021-22, long context in 2023-24), each short by the same factor in every run."""
+    is not met: 34 of 47 (72%); 29 before the plan priced --reduce-after-backward for Megatron-LM 2021 and
+    DeepSpeed (their gradients reduced once the schedule ends), which took five of Narayanan's runs within
+    20% (--attention unfused moved none); the misses are whole families (long context in 2023-24, NVIDIA's
+    FP8 runs that hide TP's messages), each off by about the same factor in every run."""
     assert len(HELD_OUT) >= 12 and not set(HELD_OUT) & set(PUBLISHED) and set(HELD_OUT_MISSES) <= set(HELD_OUT)
     assert all(sum(label.startswith(source) for label in HELD_OUT) >= 3 for source in HELD_OUT_SOURCES)
     for label in HELD_OUT:
@@ -2188,6 +2228,23 @@ def test_the_held_out_runs_are_predicted_within_their_pinned_errors():
         bound, why = HELD_OUT_MISSES.get(label, (0.20, ""))
         assert abs(error) <= bound, (label, error, why)
         assert (abs(error) > 0.20) == bool(why) and why[:1] in ("", "+" if error > 0 else "-"), (label, error, why)
+
+
+def test_reduce_after_backward_exposes_the_whole_gradient_reduction():
+    """--reduce-after-backward (Megatron-LM 2021, DeepSpeed's pipeline): Narayanan's 1.7B on dp 32 (four
+    nodes: the ring crosses the NICs) all-reduces every bf16 gradient after the schedule: the DP part is
+    2 (N - 1) / N x the gradients' bytes at 25 GB/s plus a call's latency a unit, the step that much
+    longer; reduced in backward, only what the last microbatch's backward does not hide."""
+    cfg, sizes, run, cluster = published_run("Narayanan 1.7B")
+    assert not run.reduce_in_backward and sizes.dp == 32 and run.microbatches == 1
+    after = full_train.planned(cfg, sizes, run, cluster)
+    during = full_train.planned(cfg, sizes, dataclasses.replace(run, reduce_in_backward=True), cluster)
+    [rank] = after[2]
+    units = cfg.n_layers + 3  # the embedding, each layer, the norm, the head
+    nbytes = 2 * 31 / 32 * 2 * rank.params  # each unit padded to a multiple of 32: within rel 1e-6
+    assert after[3]["parts"]["DP"] == pytest.approx(nbytes / 25e9 + units * cluster.latency, rel=1e-3)
+    assert during[3]["parts"]["DP"] < 0.05 * after[3]["parts"]["DP"]
+    assert after[3]["step"] - during[3]["step"] == pytest.approx(after[3]["parts"]["DP"] - during[3]["parts"]["DP"])
 
 
 def test_unfused_attention_is_priced_kernel_by_kernel_as_pytorchs_eager_attention_runs():
@@ -2400,7 +2457,8 @@ PLAN_OPTIONS = {"--dp", "--pp", "--cp", "--tp", "--ep", "--moe", "--experts", "-
                 "--global-batch", "--seq-len", "--model", "--gpus", "--gpus-per-node", "--gpu-memory",
                 "--peak-tflops", "--hbm-tbps", "--nvlink-gbps", "--network-gbps", "--attention", "--gpu",
                 "--fp8-tflops", "--power-limit", "--json", "--dim", "--layers", "--heads", "--ffn-dim", "--vocab",
-                "--compile", "--eager", "--lean-saves", "--autograd-saves", "--loss-chunks"}
+                "--compile", "--eager", "--lean-saves", "--autograd-saves", "--loss-chunks",
+                "--reduce-in-backward", "--reduce-after-backward"}
 
 
 def test_the_planner_offers_the_meshs_and_clusters_options_and_says_what_decides_the_rest(
