@@ -201,10 +201,11 @@ def test_uneven_sizes_clipping_and_traffic_ratios(rank_pool):
         assert traffic == expected * ddp_traffic
 
 
-def squares_weighed_by_share(cfg, stage: int) -> tuple[float, float]:
-    """On each rank: grad_squares(share) of ZeRO after its half of a batch, and the same sum from the
-    whole batch's gradient on this rank alone. share: the attention's weights count 1/3 on each rank,
-    as a parameter replicated over tp = 3 does (09's clipping)."""
+def squares_weighed_by_share(cfg, stage: int, mixed_precision: bool) -> tuple[float, float]:
+    """On each rank: grad_squares(share) of ZeRO holding in each unit's grad_shard this rank's slice of
+    the batch's gradient (set here: no backward, so no other exercise's code runs), and the same sum
+    from that gradient whole. share: the attention's weights count 1/3 on each rank, as a parameter
+    replicated over tp = 3 does (09's clipping). Mixed precision: the shards in bf16, summed in fp32."""
     def share(p):
         return 1 / 3 if getattr(p, "replicated", False) else 1.0
 
@@ -217,22 +218,23 @@ def squares_weighed_by_share(cfg, stage: int) -> tuple[float, float]:
     tokens, targets = foundation.synthetic_batch(cfg, 4, 6, 0)
     whole = build()
     whole(tokens, targets).backward()
-    expected = sum(share(p) * p.grad.double().square().sum() for p in whole.parameters())
-    model = build()
-    optimizer = zero.ZeRO(model, stage)
-    rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
-    model(tokens[rows], targets[rows]).backward()
-    optimizer.finish_gradient_sync()
+    dtype = torch.bfloat16 if mixed_precision else torch.float32
+    expected = sum(share(p) * p.grad.to(dtype).double().square().sum() for p in whole.parameters())
+    optimizer = zero.ZeRO(build(), stage, mixed_precision=mixed_precision)
+    grads = {name: p.grad for name, p in whole.named_parameters()}
+    for unit in optimizer.units:
+        unit.grad_shard = unit.flatten([grads[name] for name in unit.names], dtype)[unit.owned]
     return optimizer.grad_squares(share).item(), float(expected)
 
 
+@pytest.mark.parametrize("mixed_precision", [False, True])
 @pytest.mark.parametrize("stage", zero.STAGES)
-def test_grad_squares_weighs_each_parameter_by_its_share(rank_pool, stage):
+def test_grad_squares_weighs_each_parameter_by_its_share(rank_pool, stage, mixed_precision):
     """The norm a model split over more ranks clips by (09: tp) sums each rank's part, a parameter
     held by t of them counting 1/t: every stage's shards give the whole gradient's weighed sum (fp32
-    sums of ~10^3 squares: 1e-5 relative)."""
+    sums of ~10^3 squares: 1e-5 relative; bf16 sums would be ~1e-2 off)."""
     cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20, seed=3)
-    for got, expected in rank_pool.run(2, squares_weighed_by_share, cfg, stage):
+    for got, expected in rank_pool.run(2, squares_weighed_by_share, cfg, stage, mixed_precision):
         assert got == pytest.approx(expected, rel=1e-5)
 
 
@@ -577,7 +579,7 @@ def test_no_sync_accumulates_microbatches(rank_pool, stage):
 
 def reductions_in_flight_during_backward(cfg, stage: int) -> tuple[bool, bool]:
     """(whether the final norm's reduction was in flight when backward reached the first layer, whether
-    every unit's was when backward returned), then the step as usual."""
+    every unit's was when backward returned); then the wait for them."""
     model = foundation.GPT(cfg)
     optimizer = zero.ZeRO(model, stage)
     norm = next(u for u in optimizer.units if "norm.weight" in u.names)
@@ -586,7 +588,7 @@ def reductions_in_flight_during_backward(cfg, stage: int) -> tuple[bool, bool]:
     first_layer.register_hook(lambda grad: seen.append(norm.reduction is not None))
     model(*foundation.synthetic_batch(cfg, 4, 6, 0, dist.get_rank(), 2)).backward()
     every_unit = all(u.reduction is not None for u in optimizer.units)
-    optimizer.step()
+    optimizer.finish_gradient_sync()
     return seen == [True], every_unit
 
 
