@@ -155,12 +155,14 @@ def zero_memory_formula(padded: int, units: int, n: int, stage: int,
 def zero_transient_bytes(psi: int, unit: int, n: int, stage: int, mixed_precision: bool) -> tuple[int, int]:
     """The most one ZeRO holds beyond zero_memory_formula: (in backward, at the step). Backward: stage 3's
     gathered unit and the one prefetched, a unit's full gradient and the one before it in its send buffer
-    (stage 2: those two), `unit` elements each; the step: the shard's gradient as fp32 (mixed precision),
-    stage 1's reduce-scatter output (made in backward, or at the step after no_sync()). Fused AdamW (on
-    a GPU) makes no temporaries (foreach: 4 B an element)."""
+    (stage 2: those two), `unit` elements each; stage 1's reduce-scatter output, made as backward
+    completes each unit (the head's first, while the activations are still held). The step: the shard's
+    gradient as fp32 (mixed precision), stage 1's output. Fused AdamW (on a GPU) makes no temporaries
+    (foreach: 4 B an element)."""
     g = 2 if mixed_precision else 4
     shard = psi if stage == 0 else -(-psi // n)
-    return 2 * g * unit * ((stage >= 2) + (stage == 3)), (4 * mixed_precision + g * (stage == 1)) * shard
+    output = g * shard * (stage == 1)
+    return 2 * g * unit * ((stage >= 2) + (stage == 3)) + output, 4 * mixed_precision * shard + output
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:

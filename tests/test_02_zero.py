@@ -168,6 +168,28 @@ def step_transient(cfg, stage: int, mixed_precision: bool) -> tuple:
     return made.peak, [unit.padded for unit in zero_opt.units]
 
 
+def left_by_backward(cfg, stage: int) -> tuple[int, list[int]]:
+    """On each rank: the bytes of the units' grad_shards that backward made (not the gradient buffer
+    itself, which stage 0 reduces in place), with the reductions still in flight; its units' sizes."""
+    model = foundation.GPT(cfg)
+    zero_opt = zero.ZeRO(model, stage)
+    model(*foundation.synthetic_batch(cfg, 4, 6, 0, dist.get_rank(), 2)).backward()
+    buffers = {unit.flat_grad.data_ptr() for unit in zero_opt.units}
+    made = zero.storage_bytes([unit.grad_shard for unit in zero_opt.units], buffers)
+    zero_opt.finish_gradient_sync()
+    return made, [unit.padded for unit in zero_opt.units]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_backward_makes_stage_1s_reduce_scatter_output_as_zero_transient_bytes_says(rank_pool, stage):
+    """Stage 1 reduce-scatters from the hook into a new shard (09's plan holds it beside the last
+    microbatch's activations); stage 0 all-reduces in place: nothing new."""
+    cfg = foundation.ModelConfig(vocab_size=30, dim=32, n_heads=2, ffn_dim=40, n_layers=3)
+    for made, padded in rank_pool.run(2, left_by_backward, cfg, stage):
+        in_backward, _ = zero.zero_transient_bytes(sum(padded), max(padded), 2, stage, False)
+        assert made == in_backward == 4 * sum(padded) // 2 * stage, (made, in_backward)
+
+
 @pytest.mark.parametrize("mixed_precision", [False, True])
 @pytest.mark.parametrize("stage", zero.STAGES)
 def test_the_step_makes_the_temporaries_zero_transient_bytes_says(rank_pool, stage, mixed_precision):
