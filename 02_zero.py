@@ -21,11 +21,11 @@ state of its own 1/N (Rajbhandari et al., "ZeRO", 2020):
   each rank the averaged gradient of its shard; it updates its shard; an all-gather (the second
   half) gives every rank the whole updated model.
 - stage 2 also shards the gradients: each module's full gradient is freed once sent.
-Every stage reduces a module's gradient from a backward hook the moment backward completes it
-(lesson 01's buckets: the reduction runs while backward computes the modules before it).
 - stage 3 also shards the parameters: a module's full parameters are all-gathered just before its
   forward and again before its backward, and freed after each; meanwhile the next module's gather
   is already in flight (prefetch).
+Every stage reduces a module's gradient from a backward hook the moment backward completes it
+(lesson 01's buckets: the reduction runs while backward computes the modules before it).
 Stage 0, plain data parallelism (an all-reduce of the gradients), is the tables' baseline.
 UNITS: the embedding, each block, the final norm and the head each flatten their parameters into one
 vector (a unit), zero-padded to a multiple of N (the padding's value, gradient and moments stay zero);

@@ -1437,6 +1437,14 @@ def parse_options(*argv: str) -> argparse.Namespace:
                                     argv=list(argv))[1]
 
 
+@pytest.mark.parametrize("command", ["train", "check", "plan"])
+def test_reduce_after_backward_reaches_the_configuration(command):
+    """The option 09's plan prices Megatron-LM 2021 and DeepSpeed with, read from the command line."""
+    assert full_train.configure(parse_options(command)).train.reduce_in_backward
+    after = full_train.configure(parse_options(command, "--reduce-after-backward"))
+    assert not after.train.reduce_in_backward
+
+
 def help_of(monkeypatch, capsys, *argv: str) -> dict[str, str]:
     """--help's text of each option, by option name."""
     monkeypatch.setenv("COLUMNS", "200")
