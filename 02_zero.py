@@ -20,7 +20,8 @@ state of its own 1/N (Rajbhandari et al., "ZeRO", 2020):
 - stage 1 shards the optimizer state. A reduce-scatter (the first half of an all-reduce) leaves
   each rank the averaged gradient of its shard; it updates its shard; an all-gather (the second
   half) gives every rank the whole updated model.
-- stage 2 also shards the gradients: each module's full gradient is freed once sent.
+- stage 2 also shards the gradients: each module's full gradient is freed once sent, and its send
+  buffer once the next module's gradient is complete (one reduction in flight at a time).
 - stage 3 also shards the parameters: a module's full parameters are all-gathered just before its
   forward and again before its backward, and freed after each; meanwhile the next module's gather
   is already in flight (prefetch).
@@ -230,7 +231,7 @@ class FlatUnit:
                 p.grad = view
         else:  # only this rank's averaged gradient persists
             self.grad_shard = torch.zeros_like(self.shard)
-        # In flight: stage 3's all-gather, the gradients' (reduction, its input); `ready`: the
+        # In flight: stage 3's all-gather, the gradients' (reduction, its input until released); `ready`: the
         # indices of the parameters whose gradient backward has completed.
         self.gather_work = None
         self.reduction = None
@@ -319,6 +320,7 @@ class ZeRO:
         masters = nn.ParameterList(u.master for u in self.units)
         self.optimizer = foundation.make_optimizer(masters, lr, adam_eps)
         self.sync_gradients = True
+        self.sending = None  # stages 2-3: the unit whose reduction still reads its send buffer
         self.max_gathers_in_flight = 0
         self.prefetched_gathers = 0
         for index, (unit, (module, _)) in enumerate(zip(self.units, units)):
@@ -381,11 +383,24 @@ class ZeRO:
             unit.grad_shard = torch.empty_like(unit.shard)
             send = unit.flat_grad
         else:
+            self._release_send_buffer()
             send = unit.flatten([p.grad for p in unit.params], self.dtype)
             for p in unit.params:
                 p.grad = None  # the full gradient is freed: only the send buffer lives until the wait
+            self.sending = unit
         work = foundation.reduce_scatter(unit.grad_shard, send, group=self.group, async_op=True)
         unit.reduction = (work, send)
+
+    def _release_send_buffer(self) -> None:
+        """Wait for the reduction still reading the previous unit's send buffer, and drop the buffer: it
+        ran while backward computed this unit, and with this unit's gradient and its send buffer
+        backward holds two units' at most (zero_transient_bytes), not the whole gradient."""
+        if self.sending is None:
+            return
+        work, _ = self.sending.reduction
+        work.wait()
+        self.sending.reduction = (work, None)
+        self.sending = None
 
     # Microbatches, a pipeline's schedule: lesson 01's no_sync(). Backward passes inside only add to the
     # full gradients (in .grad); the next backward outside, or finish_gradient_sync(), reduces them once.
@@ -404,6 +419,8 @@ class ZeRO:
                 self._reduce(unit)
             unit.reduction[0].wait()
             unit.reduction = None
+            if self.sending is unit:
+                self.sending = None
             unit.ready.clear()
             unit.grad_shard.div_(self.world)
 

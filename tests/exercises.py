@@ -85,8 +85,9 @@ EXERCISES = (
              "release the unit's parameters in stage 3, and reduce it unless under no_sync(). "
              "_reduce(unit), async, keeping (work, its input) in unit.reduction: stage 0 all-reduces "
              "unit.flat_grad in place (it is also grad_shard); stage 1 reduce-scatters flat_grad into a "
-             "new grad_shard; stages 2-3 flatten the gradients (unit.flatten, in self.dtype), free them "
-             "(p.grad = None) and reduce-scatter that into unit.grad_shard. Docstring: THE IDEA, COST.",
+             "new grad_shard; stages 2-3 first self._release_send_buffer() (one send buffer at a time), "
+             "flatten the gradients (unit.flatten, in self.dtype), free them (p.grad = None), "
+             "reduce-scatter that into unit.grad_shard and set self.sending = unit. Docstring: THE IDEA, COST.",
         hint="finish_gradient_sync waits on unit.reduction[0] and divides by the group size: the hook only "
              "launches. The send buffer must outlive the call until the wait.",
         minutes=20),

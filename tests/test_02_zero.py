@@ -190,6 +190,41 @@ def test_backward_makes_stage_1s_reduce_scatter_output_as_zero_transient_bytes_s
         assert made == in_backward == 4 * sum(padded) // 2 * stage, (made, in_backward)
 
 
+def send_buffers_in_backward(cfg, stage: int) -> tuple[list[int], int, dict[str, int]]:
+    """On each rank: the bytes of the reductions' send buffers alive when backward reaches the first
+    layer, and when it returns (the reductions still in flight); each unit's padded size by its first
+    parameter's module."""
+    model = foundation.GPT(cfg)
+    zero_opt = zero.ZeRO(model, stage)
+
+    def sending() -> int:
+        return zero.storage_bytes([unit.reduction[1] for unit in zero_opt.units if unit.reduction], set())
+
+    at_the_first_layer = []
+    model.layers["0"].attn_norm.weight.register_hook(lambda grad: at_the_first_layer.append(sending()))
+    model(*foundation.synthetic_batch(cfg, 4, 6, 0, dist.get_rank(), 2)).backward()
+    at_the_end = sending()
+    zero_opt.finish_gradient_sync()
+    module = {unit: next(name for name, _ in zero.zero_units(model) if unit.names[0].startswith(name + "."))
+              for unit in zero_opt.units}
+    padded = {module[unit]: unit.padded for unit in zero_opt.units}
+    return at_the_first_layer, at_the_end, padded
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_backward_keeps_one_send_buffer_at_a_time(rank_pool, stage):
+    """Stages 2-3 free each unit's full gradient once flattened into its send buffer, and the buffer
+    once the next unit is complete: backward holds the last completed unit's (layers.1's when it
+    reaches layer 0, the embedding's, reduced last, when it returns), never the whole gradient
+    (which a buffer kept until finish_gradient_sync's wait would hold by the end)."""
+    cfg = foundation.ModelConfig(vocab_size=30, dim=32, n_heads=2, ffn_dim=40, n_layers=3)
+    for at_the_first_layer, at_the_end, padded in rank_pool.run(2, send_buffers_in_backward, cfg, stage):
+        in_backward, _ = zero.zero_transient_bytes(sum(padded.values()), max(padded.values()), 2, stage, False)
+        assert at_the_first_layer == [4 * padded["layers.1"]], (at_the_first_layer, padded)
+        assert at_the_end == 4 * padded["embed"], (at_the_end, padded)
+        assert max(at_the_first_layer + [at_the_end]) <= in_backward
+
+
 @pytest.mark.parametrize("mixed_precision", [False, True])
 @pytest.mark.parametrize("stage", zero.STAGES)
 def test_the_step_makes_the_temporaries_zero_transient_bytes_says(rank_pool, stage, mixed_precision):
