@@ -197,8 +197,9 @@ def send_buffers_in_backward(cfg, stage: int) -> tuple[list[int], int, dict[str,
     model = foundation.GPT(cfg)
     zero_opt = zero.ZeRO(model, stage)
 
-    def sending() -> int:
-        return zero.storage_bytes([unit.reduction[1] for unit in zero_opt.units if unit.reduction], set())
+    def sending() -> int:  # beyond the buffers that stages 0-1 accumulate in and reduce from
+        buffers = {unit.flat_grad.data_ptr() for unit in zero_opt.units if stage < 2}
+        return zero.storage_bytes([unit.reduction[1] for unit in zero_opt.units if unit.reduction], buffers)
 
     at_the_first_layer = []
     model.layers["0"].attn_norm.weight.register_hook(lambda grad: at_the_first_layer.append(sending()))
@@ -211,18 +212,20 @@ def send_buffers_in_backward(cfg, stage: int) -> tuple[list[int], int, dict[str,
     return at_the_first_layer, at_the_end, padded
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", zero.STAGES)
 def test_backward_keeps_one_send_buffer_at_a_time(rank_pool, stage):
-    """Stages 2-3 free each unit's full gradient once flattened into its send buffer, and the buffer
-    once the next unit is complete: backward holds the last completed unit's (layers.1's when it
-    reaches layer 0, the embedding's, reduced last, when it returns), never the whole gradient
-    (which a buffer kept until finish_gradient_sync's wait would hold by the end)."""
+    """Stages 0-1 reduce from the buffer the gradients accumulate in: no send buffer. Stages 2-3 free
+    each unit's full gradient once flattened into its send buffer, and the buffer once the next unit is
+    complete: backward holds the last completed unit's (layers.1's when it reaches layer 0, the
+    embedding's, reduced last, when it returns), never the whole gradient (which a buffer kept until
+    finish_gradient_sync's wait would hold by the end)."""
     cfg = foundation.ModelConfig(vocab_size=30, dim=32, n_heads=2, ffn_dim=40, n_layers=3)
     for at_the_first_layer, at_the_end, padded in rank_pool.run(2, send_buffers_in_backward, cfg, stage):
+        one_unit = 4 * (stage >= 2)  # bytes an element of a send buffer
+        assert at_the_first_layer == [one_unit * padded["layers.1"]], (at_the_first_layer, padded)
+        assert at_the_end == one_unit * padded["embed"], (at_the_end, padded)
         in_backward, _ = zero.zero_transient_bytes(sum(padded.values()), max(padded.values()), 2, stage, False)
-        assert at_the_first_layer == [4 * padded["layers.1"]], (at_the_first_layer, padded)
-        assert at_the_end == 4 * padded["embed"], (at_the_end, padded)
-        assert max(at_the_first_layer + [at_the_end]) <= in_backward
+        assert at_the_end <= in_backward
 
 
 @pytest.mark.parametrize("mixed_precision", [False, True])
@@ -610,7 +613,8 @@ def misuse(cfg, case):
 def accumulated_gradients(cfg, stage: int, global_batch: int, seq_len: int, micro: int,
                           all_under_no_sync: bool):
     """micro microbatches of this rank's rows, each loss / micro, accumulated under no_sync() (the
-    last one outside it, or all inside and then finish_gradient_sync): the full gradients."""
+    last one outside it, or all inside and then finish_gradient_sync): the full gradients, and whether
+    every unit's reduction had launched from backward's hooks before finish_gradient_sync."""
     model = foundation.GPT(cfg)
     optimizer = zero.ZeRO(model, stage)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -619,19 +623,24 @@ def accumulated_gradients(cfg, stage: int, global_batch: int, seq_len: int, micr
         last = i == micro - 1 and not all_under_no_sync
         with optimizer.no_sync() if not last else contextlib.nullcontext():
             (model(x, y) / micro).backward()
+    launched_in_backward = all(unit.reduction is not None for unit in optimizer.units)
     optimizer.finish_gradient_sync()
-    return optimizer.unshard([u.grad_shard for u in optimizer.units])
+    return optimizer.unshard([u.grad_shard for u in optimizer.units]), launched_in_backward
 
 
 @pytest.mark.parametrize("stage", zero.STAGES)
 def test_no_sync_accumulates_microbatches(rank_pool, stage):
-    # The gradient of the mean over microbatches of their mean losses is the batch's: one device.
+    # The gradient of the mean over microbatches of their mean losses is the batch's: one device. And
+    # leaving no_sync() lets the next backward reduce from its hooks again (a flag left off would still
+    # reduce, in finish_gradient_sync, with the same result: only the overlap would be lost).
     cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
     reference = foundation.train_single_device(cfg, 1, 8, 6)
     for all_inside in (False, True):
-        for grads in rank_pool.run(2, accumulated_gradients, cfg, stage, 8, 6, 2, all_inside):
+        for grads, launched_in_backward in rank_pool.run(2, accumulated_gradients, cfg, stage, 8, 6, 2,
+                                                         all_inside):
             assert_close_by_name(grads, reference.first_grads, "accumulated gradient",
                                  atol=GRAD_ATOL, rtol=GRAD_RTOL)
+            assert launched_in_backward == (not all_inside)
 
 
 def reductions_in_flight_during_backward(cfg, stage: int) -> tuple[bool, bool]:
