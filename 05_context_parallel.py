@@ -213,7 +213,9 @@ class SequenceLayout:
     zigzag: bool
 
     def __post_init__(self) -> None:
-        if self.seq_len < 1 or self.seq_len % self.n_chunks:
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len={self.seq_len} must be >= 1")
+        if self.seq_len % self.n_chunks:
             what = "2 x cp" if self.zigzag else "cp"
             raise ValueError(f"seq_len={self.seq_len} is not divisible by {what} = {self.n_chunks}"
                              + (" (zigzag gives each rank two chunks)" if self.zigzag else ""))

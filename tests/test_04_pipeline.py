@@ -205,6 +205,8 @@ def test_stage_cut_is_balanced_and_covers_every_layer(n_layers, n_stages):
     cut = pipeline.stage_layers(n_layers, n_stages)
     assert [i for r in cut for i in r] == list(range(n_layers))
     assert max(map(len, cut)) - min(map(len, cut)) <= 1
+    sizes = [len(r) for r in cut]
+    assert sizes == sorted(sizes, reverse=True), "the first stages take the remainder (the last has the head)"
 
 
 # --- every schedule trains like one device ----------------------------------------------------

@@ -162,18 +162,21 @@ def test_sharded_attention_equals_full_attention(rank_pool, cp, variant, causal,
             assert meter.calls() == meter.calls("all_to_all") == 10, "q, k, v, out, lse; and back"
 
 
-def ring_bytes(kv_heads: int) -> Fraction:
+def ring_bytes(kv_heads: int, dtype: torch.dtype = torch.float32) -> Fraction:
     _, meter, _ = context_parallel.sharded_attention(1, 8, 16, 4, method="ring", zigzag=True, causal=True,
-                                                     kv_heads=kv_heads)
+                                                     kv_heads=kv_heads, dtype=dtype)
     return meter.traffic("send")
 
 
 def test_the_ring_sends_the_kv_heads_only(rank_pool):
     # 8 query heads reading 2 K/V heads: the ring circulates a quarter of what K/V repeated to the 8
-    # query heads would (the reference model repeated them before this lesson grouped them).
+    # query heads would (the reference model repeated them before this lesson grouped them). In bf16
+    # K and V travel in 2 bytes an element, their gradients' accumulators still in fp32 (4).
     grouped, repeated = (rank_pool.run(4, ring_bytes, kv)[0] for kv in (2, 8))
     assert grouped == sum(context_parallel.attention_bytes("ring", 8 * 4 * 4, 2 * 4 * 4, 4).values())
     assert grouped * 4 == repeated
+    bf16 = rank_pool.run(4, ring_bytes, 2, torch.bfloat16)[0]
+    assert bf16 == sum(context_parallel.attention_bytes("ring", 8 * 4 * 4, 2 * 4 * 4, 4, elem_bytes=2).values())
 
 
 def ring_saves(zigzag: bool) -> tuple[int, int]:
@@ -367,6 +370,8 @@ def attention_on_odd_shard():
     (context_parallel.sharded_attention, (1, 4, 8, 4), dict(method="ring", zigzag=True, causal=True, kv_heads=3),
      r"n_heads=4 is not divisible by n_kv_heads=3"),
     (attention_on_odd_shard, (), {}, r"seq_len=6 is not divisible by 2 x cp = 4"),
+    (context_parallel.train_context_parallel, (foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=16), 1, 1, 0), {},
+     r"seq_len=0 must be >= 1"),
 ])
 def test_bad_sizes_fail_on_every_rank_before_any_collective(rank_pool, fn, args, kwargs, message):
     rank_pool.expect_invalid(2, fn, *args, match=message, **kwargs)

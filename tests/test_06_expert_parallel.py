@@ -134,7 +134,9 @@ def test_selection_bias_moves_against_the_measured_load():
     with torch.no_grad():
         layer.selection_bias.copy_(torch.tensor([5.0, 0.0, 0.0, 0.0]))  # everything goes to expert 0
         out = layer(torch.randn(16, 8, generator=torch.Generator().manual_seed(1)))
-    assert layer.load.tolist() == [16, 0, 0, 0]
+        layer(torch.randn(8, 8, generator=torch.Generator().manual_seed(2)))  # a second microbatch
+    assert layer.load.tolist() == [8, 0, 0, 0]
+    assert layer.load_since_update.tolist() == [24, 0, 0, 0], "the step's load: every microbatch's"
     layer.update_selection_bias()
     assert layer.selection_bias.tolist() == [4.75, 0.25, 0.25, 0.25]
     assert layer.load_since_update.sum() == 0

@@ -528,6 +528,9 @@ def test_invalid_configurations_list_every_violation(rank_pool):
         full_train.validate(small_model(), full_train.MeshSizes(), full_train.TrainConfig(global_batch=0), 1)
     with pytest.raises(ValueError, match="dp=0 must be >= 1"):
         full_train.validate(small_model(), full_train.MeshSizes(dp=0), good, 1)
+    sequence_parallel = full_train.TrainConfig(global_batch=1, seq_len=12, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"seq_len / cp = 12 / 2 tokens over tp=4: not divisible"):
+        full_train.validate(small_model(), full_train.MeshSizes(cp=2, tp=4), sequence_parallel, 8)
 
 
 def nan_step(cfg, sizes, train):
@@ -1123,6 +1126,15 @@ def test_a_damaged_checkpoint_is_one_line_on_every_rank_naming_the_file_and_the_
     from_previous = dataclasses.replace(resumed, resume="2")
     for result in rank_pool.run(2, train_run, sizes, train, from_previous, timeout=600):
         assert result["losses"] == {2: full["losses"][2]} and result["val"] == full["val"], "bitwise"
+
+
+def test_a_run_keeps_only_its_last_keep_checkpoints(rank_pool, tmp_path):
+    """--keep 2 over three saves: each save past the second removes the oldest the run wrote."""
+    sizes, train = full_train.MeshSizes(dp=2), full_train.TrainConfig(global_batch=4, seq_len=8)
+    run = full_train.RunConfig(steps=3, warmup=1, eval_every=3, save_every=1, keep=2,
+                               folder=str(tmp_path / "run"))
+    rank_pool.run(2, train_run, sizes, train, run, timeout=600)
+    assert sorted(p.name for p in Path(run.folder).glob("step_*")) == ["step_00000002", "step_00000003"]
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(rank_pool, tmp_path):
