@@ -377,6 +377,13 @@ def test_bad_sizes_fail_on_every_rank_before_any_collective(rank_pool, fn, args,
     rank_pool.expect_invalid(2, fn, *args, match=message, **kwargs)
 
 
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_an_empty_sequence_has_no_layout(zigzag):
+    # 0 divides by any number of chunks: the layout itself refuses it, for whoever builds one
+    with pytest.raises(ValueError, match=r"seq_len=0 must be >= 1"):
+        context_parallel.SequenceLayout(0, 2, zigzag)
+
+
 # --- the script itself ------------------------------------------------------------------------
 
 def test_script_runs_as_plain_python():
