@@ -394,7 +394,9 @@ class ZeRO:
     def _release_send_buffer(self) -> None:
         """Wait for the reduction still reading the previous unit's send buffer, and drop the buffer: it
         ran while backward computed this unit, and with this unit's gradient and its send buffer
-        backward holds two units' at most (zero_transient_bytes), not the whole gradient."""
+        backward holds two units' at most (zero_transient_bytes), not the whole gradient. The price: a
+        reduction longer than the next unit's backward stalls it (the head's, behind the final norm's).
+        FSDP2 does the same by default (one reduce-scatter input kept; a larger cap buys overlap)."""
         if self.sending is None:
             return
         work, _ = self.sending.reduction
