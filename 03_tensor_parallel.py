@@ -4,13 +4,10 @@ parallelism, and grouped-query attention.
 The parts, in order (the technique starts at conjugate: Megatron's f and g):
   The conjugate communication operators: _collective (one operator a collective), conjugate
   Vocab-parallel embedding and cross-entropy: VocabParallelEmbedding, VocabParallelCrossEntropy, LossInChunks
-  The plan: column_parallel, row_parallel, enter_region, exit_region; SP's Projections, keep_sequence_shard;
-  apply_tensor_parallel, unshard
+  The plan: column_parallel, row_parallel, enter_region, exit_region, SP's Projections; apply_tensor_parallel
   Training, communication and memory: train_tensor_parallel, comm_formula
-  Activation memory, lean saves and recompute: RMSNormKeepingInput, SwiGLUKeepingInputs, apply_lean_saves,
-  apply_recompute, activation_bytes, layer_activation_formula
+  Activation memory, lean saves and recompute: apply_lean_saves, apply_recompute, layer_activation_formula
   RUN IT: demo, bench (against DTensor: dtensor_plan); the command line: Options, main
-  Lesson 09's plan reads only formulas that this demo and the tests measure: no pricing part here.
 
 THE IDEA
 Data parallelism copies the model; tensor parallelism (TP) splits every big matrix over the t ranks
@@ -285,10 +282,9 @@ class ChunkedLoss:
 
 def loss_bytes(tokens: int, vocab_size: int, tp: int, elem_bytes: int, chunks: int = 1) -> int:
     """The loss's peak bytes above the activations, logits of elem_bytes 2 or 4: 12 a logit of (tokens,
-    V / t), + elem_bytes if tp > 1 (the logits). In chunks > 1 (LossInChunks; 1: not sliced): the logits
-    and their gradient whole, and one chunk's tokens' 12 a logit, 14 for bf16 logits over tp > 1 (as
-    measured: the vocab-parallel loss upcasts a bf16 slice into a new fp32 tensor, an fp32 one it reads
-    in place)."""
+    V / t), + elem_bytes if tp > 1 (the logits). chunks > 1 (LossInChunks): the logits and their gradient
+    whole, and one chunk's tokens' 12 a logit, 14 for bf16 logits over tp > 1 (as measured: the
+    vocab-parallel loss upcasts a bf16 slice into a new fp32 tensor, an fp32 one it reads in place)."""
     vocab = -(-vocab_size // tp)
     if chunks == 1:
         return tokens * vocab * (12 + elem_bytes * (tp > 1))
@@ -400,9 +396,8 @@ class LinearMath:
 
 class Projections(torch.autograd.Function):
     """The linears that read one input x (q, k, v; gate, up), as one autograd node that keeps x once for
-    all of them, as `math` keeps it (LinearMath: x; lesson 08: its FP8 cast). shard = (group, rank, t),
-    under SP: x is the region's all-gathered input; keep only this rank's sequence shard of it and
-    all-gather that again in backward, once for all the linears (Megatron's sequence parallelism)."""
+    all of them, as `math` keeps it (LinearMath: x; lesson 08: its FP8 cast). shard = (group, rank, t):
+    keep only this rank's sequence shard of SP's gathered x, all-gathered again in backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, shard: tuple | None, math, *weights: torch.Tensor):
@@ -449,9 +444,7 @@ def project(x: torch.Tensor, *linears: nn.Module, shard: tuple | None = None) ->
 
 
 def keep_sequence_shard(module: nn.Module, ctx: Context) -> nn.Module:
-    """SP (unless ctx.regather is off): the region's projections (01's project hook) keep their gathered
-    input's sequence shard, gathered again in backward (Projections): (t-1)/t of it less held, for one
-    more all-gather of it a region."""
+    """SP with ctx.regather: the region's projections (01's project hook) keep a shard (Projections)."""
     if ctx.sequence_parallel and ctx.regather and ctx.tp > 1 and hasattr(module, "project"):
         module.project = functools.partial(project, shard=(ctx.group, ctx.rank, ctx.tp))
     return module
@@ -512,8 +505,7 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
     """Shard the lesson-01 GPT in place over `group` (each rank keeps its slice of the weights,
     broadcast over the group first); model(tokens) returns this rank's vocabulary slice of the logits,
     model(tokens, targets) the full mean loss. check_ids=False: the caller checks the ids where it
-    is cheap (lesson 09: on the CPU, before they move to the GPU). regather=False: under SP the
-    regions' linears keep their gathered input (keep_sequence_shard off)."""
+    is cheap (lesson 09: on the CPU, before they move to the GPU); regather=False: no keep_sequence_shard."""
     tp = foundation.group_size(group)
     rank = dist.get_rank(group)
     validate_tensor_parallel(model.cfg, tp)
@@ -601,17 +593,15 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
 
 def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, layers: int | None = None,
                  embed: bool = True, head: bool = True, microbatches: int = 1, mlp: bool = True,
-                 elem_bytes: int = 4, recompute: str = "none", regather: bool = True,
-                 kept_input: tuple[int, int] | None = None,
-                 loss_chunks: int = 1) -> dict[str, tuple[int, int]]:
-    """op -> (calls, payload bytes) in one training step, any t > 1: the module docstring's collectives,
-    activations of elem_bytes (traffic per rank: (t-1)/t of the payload, twice for an all-reduce).
-    recompute="full" reruns attention's g (SP: also both regions' f), not the MLP's g: each block reruns
-    up to down_proj's input. SP with regather: each region's kept shard gathered again in backward, at
-    kept_input's bytes an element (layer_activation_formula); LossInChunks: the loss's 3 on each of its
-    loss_chunks slices that is not empty (at most one a token). The other keywords are lesson 09's, for a
-    pipeline stage: `layers` layers, each collective once per microbatch, embedding and head or not, MoE
-    layers (mlp=False: 2 a layer)."""
+                 elem_bytes: int = 4, recompute: str = "none", regather: bool = True, loss_chunks: int = 1,
+                 kept_input: tuple[int, int] | None = None) -> dict[str, tuple[int, int]]:
+    """op -> (calls, payload bytes) in one training step, any t > 1: the module docstring's collectives
+    of activations of elem_bytes. recompute="full" reruns attention's g (SP: also both regions' f), not
+    the MLP's g: each block reruns up to down_proj's input. SP with regather: each region's kept shard
+    gathered again in backward, at kept_input's bytes an element (layer_activation_formula); LossInChunks:
+    the loss's 3 on each of its loss_chunks slices that is not empty (at most one a token). The other
+    keywords are lesson 09's, for a pipeline stage: `layers` layers, each collective once per microbatch,
+    embedding and head or not, MoE layers (mlp=False: 2 a layer)."""
     layers = cfg.n_layers if layers is None else layers
     m = microbatches
     bsh = batch * seq_len * cfg.dim * elem_bytes
