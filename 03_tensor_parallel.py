@@ -8,6 +8,7 @@ The parts, in order (the technique starts at conjugate: Megatron's f and g):
   Training, communication and memory: train_tensor_parallel, comm_formula
   Activation memory, lean saves and recompute: apply_lean_saves, apply_recompute, layer_activation_formula
   RUN IT: demo, bench (against DTensor: dtensor_plan); the command line: Options, main
+  Lesson 09's plan reads only formulas that this demo and the tests measure: no pricing part here.
 
 THE IDEA
 Data parallelism copies the model; tensor parallelism (TP) splits every big matrix over the t ranks
