@@ -181,7 +181,6 @@ def dequantize_tiles(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (tiles / scale[:, None, :, None]).reshape(rows, cols)
 
 
-# The recipes of the docstring, by name:
 def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3, group=None) -> Quantized:
     return quantize_tiles(x, (None, None), dtype, group)  # scale shape (1, 1)
 
@@ -339,12 +338,10 @@ def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
 
 @dataclass(frozen=True)
 class Float8Math:
-    """Float8Linear's three GEMMs, for lesson 03's Projections (the linears of one input, one autograd
-    node that keeps the input once): x (..., K) @ weight (N, K)^T in FP8, e4m3 x and weight, e5m2 output
-    gradient. Kept for backward: x's e4m3 cast (as bytes: gloo all-gathers no FP8 type) and its scale,
-    half the bytes of a bf16 x. The weight's cast: weight.float8_cast if this step made one, else made
-    here and kept. Each *_group: the group holding the other pieces of that operand (its amax is their
-    MAX), or None."""
+    """Float8Linear's three GEMMs (the docstring's FLOAT8LINEAR), for lesson 03's Projections. Kept for
+    backward: x's e4m3 cast, as bytes (gloo all-gathers no FP8 type), and its scale. The weight's cast:
+    weight.float8_cast if this step made one, else made here and kept. Each *_group: the group holding
+    the other pieces of that operand (its amax is their MAX), or None."""
     dtype: torch.dtype  # of x, of the output and of x's gradient
     x_group: object = None
     weight_group: object = None
@@ -925,8 +922,7 @@ def distributed_demo(args: argparse.Namespace) -> None:
         rows = {"autograd's, regions' inputs gathered, fp32": (before, layer_formula(regather=False)),
                 "lean, re-gathered, FP8 casts": (after, layer_formula(lean=True, kept_input=KEPT_INPUT))}
         for label, (saved, formula) in rows.items():
-            differs = "" if saved == formula else " (!=)"
-            print(f"  {label:<48}{saved:>11,} B | {formula:,} B{differs}")
+            print(f"  {label:<48}{saved:>11,} B | {formula:,} B{'' if saved == formula else ' (!=)'}")
     foundation.exit_distributed()
 
 
@@ -986,10 +982,9 @@ def main() -> None:
 
 
 # --- For lesson 09's plan: what a linear layer costs on an H100 (no demo here reads it) --------------------
-# This lesson's `--bench` on one H100 SXM (README, "On one H100"), TFLOP/s of a @ b.t()
-# at M = N = K: bf16, tensorwise FP8, and FP8 with both operands' amax and cast. Lesson 09's planner prices
-# every linear layer with them: the GEMMs at the first two, the casts by their bytes (float8_cast_bytes) at
-# CAST_BYTES an element, what the third column's extra time is at the H100's 3.35 TB/s: 7.9, 11.7, 10.7.
+# This lesson's `--bench` on one H100 SXM (README, "On one H100"): TFLOP/s of a @ b.t() at M = N = K in bf16,
+# tensorwise FP8, and FP8 with both operands' amax and cast; the GEMMs priced at the first two, the casts by
+# their bytes (float8_cast_bytes) at CAST_BYTES an element: the third column's extra time at 3.35 TB/s.
 GEMM_TFLOPS_H100 = {4096: (770, 1210, 713), 8192: (709, 1230, 808), 16384: (746, 1286, 1028)}
 CAST_BYTES = sum(n * (1 / cast - 1 / f8) * 3.35 for n, (_, f8, cast) in GEMM_TFLOPS_H100.items()) / 3  # ~10
 
@@ -1020,13 +1015,11 @@ def linear_seconds(tokens: int, in_features: int, out_features: int, hbm_bytes_p
                    float8: bool = False, speed: float = 1.0, weight_casts: float = 1) -> tuple[float, float]:
     """A linear layer's (forward, backward): y = x W^T, then dx = dy W and dW = dy^T x, three GEMMs
     of the same FLOPs in other shapes (Float8Linear: all three in FP8, after its casts)."""
-    t = tokens
-    k = in_features
-    n = out_features
-    hbm = hbm_bytes_per_s
-    gemm = functools.partial(gemm_seconds, hbm_bytes_per_s=hbm, float8=float8, speed=speed)
-    casts = float8_cast_bytes(t, k, n, weight_casts) if float8 else (0, 0)
-    return gemm(t, k, n) + casts[0] / hbm, gemm(t, n, k) + gemm(n, t, k) + casts[1] / hbm
+    gemm = functools.partial(gemm_seconds, hbm_bytes_per_s=hbm_bytes_per_s, float8=float8, speed=speed)
+    casts = float8_cast_bytes(tokens, in_features, out_features, weight_casts) if float8 else (0, 0)
+    forward = gemm(tokens, in_features, out_features) + casts[0] / hbm_bytes_per_s
+    backward = gemm(tokens, out_features, in_features) + gemm(out_features, tokens, in_features)
+    return forward, backward + casts[1] / hbm_bytes_per_s
 
 
 if __name__ == "__main__":
