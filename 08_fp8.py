@@ -922,7 +922,8 @@ def distributed_demo(args: argparse.Namespace) -> None:
         rows = {"autograd's, regions' inputs gathered, fp32": (before, layer_formula(regather=False)),
                 "lean, re-gathered, FP8 casts": (after, layer_formula(lean=True, kept_input=KEPT_INPUT))}
         for label, (saved, formula) in rows.items():
-            print(f"  {label:<48}{saved:>11,} B | {formula:,} B{'' if saved == formula else ' (!=)'}")
+            differs = "" if saved == formula else " (!=)"
+            print(f"  {label:<48}{saved:>11,} B | {formula:,} B{differs}")
     foundation.exit_distributed()
 
 
