@@ -6,7 +6,7 @@ The lesson first (data parallelism, its training loop, its demo), then THE FOUND
   Training: TrainResult; train_single_device (the reference every lesson equals), train_data_parallel;
     accumulate_microbatches and mean_over_ranks, the loop's two pieces every lesson reuses
   RUN IT: demo (every version beside one device), bench (against torch's DDP)
-THE FOUNDATION (line ~400 on: read it once the lesson is clear, or from 02 on)
+THE FOUNDATION (line ~440 on: read it once the lesson is clear, or from 02 on)
   Devices and launch: init_distributed, launch (plain python starts its ranks as torchrun would),
     exit_distributed, check_memory; interleaved_medians and ratio_line (--bench's timing)
   The comm meter: ring_traffic (the textbook formula), CommMeter, comm_meter; the wrappers all_reduce ...
@@ -147,7 +147,6 @@ class BucketedDataParallel:
     def __init__(self, model: nn.Module, group=None, bucket_bytes: int = 25 << 20) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
-        # Reverse registration order is roughly backward's: the first bucket fills, and sends, earliest.
         params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameter (requires_grad=True) to synchronise")
@@ -303,9 +302,8 @@ def validate_data_parallel(global_batch: int, world: int, accum_steps: int, mode
 def accumulate_microbatches(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, n: int,
                             device: torch.device | str, around: Callable | None = None) -> torch.Tensor:
     """Forward and backward of a batch in n microbatches, each loss scaled by 1/n: their gradients add
-    up in .grad to the gradient of the batch's mean loss. around(i) wraps microbatch i (here: no_sync()
-    but for the last, whose backward synchronises). Returns the batch's mean loss on the device (an
-    .item() would stall a GPU every microbatch)."""
+    up in .grad to the gradient of the batch's mean loss; around(i) wraps microbatch i (01's: no_sync()).
+    Returns the batch's mean loss on the device (an .item() would stall a GPU every microbatch)."""
     loss = torch.zeros((), device=device)
     for i, (x, y) in enumerate(zip(tokens.chunk(n), targets.chunk(n), strict=True)):
         with around(i) if around else contextlib.nullcontext():
@@ -327,9 +325,8 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
                         mode: str = "bucketed", accum_steps: int = 1, bucket_bytes: int = 1 << 20,
                         lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
                         device: torch.device | str = "cpu") -> tuple[TrainResult, CommMeter]:
-    """Train on rows [r B/N, (r+1) B/N) of train_single_device's global batches, in accum_steps
-    micro-batches whose losses are scaled by 1/accum_steps: together, the gradient of the rank's mean
-    loss (THE IDEA). Returns the result and a meter of the communication inside the training loop."""
+    """Train on rows [r B/N, (r+1) B/N) of train_single_device's global batches, accum_steps microbatches
+    a step (accumulate_microbatches). Returns the result and a meter of the training loop's communication."""
     world = group_size(group)
     rank = dist.get_rank(group)
     validate_data_parallel(global_batch, world, accum_steps, mode)
@@ -340,7 +337,6 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
     optimizer = make_optimizer(model, lr, adam_eps)
 
     def around(micro: int) -> contextlib.AbstractContextManager:
-        """(c): every micro-step but the last only accumulates; the last one's backward syncs."""
         return ddp.no_sync() if ddp is not None and micro < accum_steps - 1 else contextlib.nullcontext()
 
     result = TrainResult([], {}, {})
@@ -368,7 +364,6 @@ def train_data_parallel(cfg: ModelConfig, steps: int, global_batch: int, seq_len
 # --- RUN IT: the demo, every version beside one device; the benchmark against torch's DDP -----------------
 def demo(args: argparse.Namespace) -> None:
     device = init_distributed()
-    rank = dist.get_rank()
     world = dist.get_world_size()
     cfg = ModelConfig()
     bucketed = dict(mode="bucketed", bucket_bytes=args.bucket_kib << 10)
@@ -376,7 +371,7 @@ def demo(args: argparse.Namespace) -> None:
             f"bucketed, accum x{args.accum}": dict(bucketed, accum_steps=args.accum)}
     results = {name: train_data_parallel(cfg, args.steps, args.global_batch, args.seq_len,
                                          device=device, **kw) for name, kw in runs.items()}
-    if rank == 0:
+    if dist.get_rank() == 0:
         reference = train_single_device(cfg, args.steps, args.global_batch, args.seq_len, device=device)
         n_params = sum(p.numel() for p in reference.params.values())
         grad_bytes = n_params * 4
@@ -441,8 +436,7 @@ def bench(args: argparse.Namespace) -> None:
     exit_distributed()
 
 
-# ===========================================================================================================
-# THE FOUNDATION, which every later lesson imports (read it once the lesson above is clear, or from 02 on)
+# ======= THE FOUNDATION, which every later lesson imports ==================================================
 # --- Devices and launch ------------------------------------------------------------------------------------
 # Without a GPU, lessons 07 and 08's Triton kernels run in Triton's interpreter, which Triton picks as each
 # @triton.jit function is defined: so here, in the module every lesson imports first. A process started
@@ -583,9 +577,8 @@ RING_PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
 def ring_traffic(op: str, nbytes: int | Fraction, n: int) -> Fraction:
     """The bytes one of n ranks sends in a ring `op` of nbytes (all-reduce, reduce-scatter: the input's
-    size; all-gather: the output's): in each pass a rank passes on n - 1 of the n chunks. An all-reduce
-    is a reduce-scatter then an all-gather, two passes: 2(N-1)/N x size. The course's one ring formula:
-    the wrappers below meter with it, and every lesson predicts with it."""
+    size; all-gather: the output's): a rank passes on n - 1 of the n chunks per pass, and an all-reduce
+    makes two (COST). The course's one ring formula: the wrappers meter with it, lessons predict with it."""
     return RING_PASSES[op] * Fraction(n - 1, n) * nbytes
 
 
@@ -690,10 +683,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
     """Rank i sends input rows input_splits[j] to rank j. Traffic: what leaves this rank."""
     n = group_size(group)  # also: this rank is in the group
     row_bytes = input.nbytes // max(input.shape[0], 1)
-    if input_splits is None:
-        kept_rows = input.shape[0] // n
-    else:
-        kept_rows = input_splits[dist.get_rank(group)]
+    kept_rows = input.shape[0] // n if input_splits is None else input_splits[dist.get_rank(group)]
     _record("all_to_all", group, input.nbytes, Fraction(input.nbytes - kept_rows * row_bytes))
     return dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=async_op)
 
@@ -852,8 +842,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def linears_of(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
-    """Each linear applied to x: the projections of one input (q, k, v; gate, up), made in one call so
-    that a later lesson can keep x once for all of them (Attention.project, SwiGLU.project: lesson 03)."""
+    """Each linear applied to x: one input's projections (q, k, v; gate, up) in one call, a hook of GPT's."""
     return tuple(linear(x) for linear in linears)
 
 
@@ -971,7 +960,7 @@ class GPT(nn.Module):
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and shape in GPT(cfg), in registration order, without building it
-    (lessons 09 and 10 plan models far too big for this machine)."""
+    (lesson 09's plan prices models far too big for this machine)."""
     d = cfg.dim
     kv = cfg.n_kv_heads * cfg.head_dim
     f = cfg.ffn_dim
@@ -1062,9 +1051,8 @@ class LessonParser(argparse.ArgumentParser):
 
 
 def add_options(parser: argparse.ArgumentParser, fields: list, defaults: dict, decided: dict) -> None:
-    """One option per field: a flag for a bool, else a value of the default's type; defaults: values
-    in place of the fields'; decided: options left None, with what decides them. --help shows each
-    default once (not after a help text that states it)."""
+    """One option per field: a flag for a bool, else a value of the default's type; defaults and decided:
+    a Command's. --help shows each default once (not after a help text that states it)."""
     for f in fields:
         kwargs = {k: v for k, v in f.metadata["argparse"].items() if k not in ("option", "off")}
         if isinstance(f.default, bool) and "type" not in kwargs:
