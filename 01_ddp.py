@@ -147,6 +147,7 @@ class BucketedDataParallel:
     def __init__(self, model: nn.Module, group=None, bucket_bytes: int = 25 << 20) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
+        # Reverse registration order is roughly backward's: the first bucket fills, and sends, earliest.
         params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameter (requires_grad=True) to synchronise")
@@ -842,7 +843,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def linears_of(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
-    """Each linear applied to x: one input's projections (q, k, v; gate, up) in one call, a hook of GPT's."""
+    """Each linear applied to x: the projections of one input (q, k, v; gate, up), made in one call so
+    that a later lesson can keep x once for all of them (Attention.project, SwiGLU.project: lesson 03)."""
     return tuple(linear(x) for linear in linears)
 
 
