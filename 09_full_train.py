@@ -392,8 +392,7 @@ def fullgraph_blocker(sizes: MeshSizes, train: TrainConfig) -> str | None:
 
 def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages: int,
                       device: torch.device) -> nn.Module:
-    """The module docstring's order: GPT -> MoE + EP -> FP8 -> lean saves -> TP (+SP; the loss in slices) ->
-    CP attention -> stage cut."""
+    """One pipeline stage of the model, transformed in the module docstring's order (ONE MODEL)."""
     model = foundation.GPT(cfg)
     if train.moe is not None:
         model = expert_parallel.convert_to_moe(model, train.moe)
@@ -447,18 +446,15 @@ class Trainer:
         self.train = train
         self.device = device
         sizes = mesh.sizes
-        at = mesh.coords
         self.schedule = pipeline.make_schedule(train.schedule, sizes.pp, train.microbatches, train.virtual)
         self.layout = context_parallel.SequenceLayout(train.seq_len, sizes.cp, zigzag=True)
-        positions = self.layout.positions(at["cp"], device)
+        positions = self.layout.positions(mesh.coords["cp"], device)
         self.stages = {}
-        for stage in range(at["pp"], self.schedule.n_stages, sizes.pp):
+        for stage in range(mesh.coords["pp"], self.schedule.n_stages, sizes.pp):
             model = build_stage_model(cfg, mesh, train, stage, self.schedule.n_stages, device)
             model.register_forward_pre_hook(  # global positions: RoPE on CP chunks and SP shards
                 lambda _, args, kwargs: (args, {**kwargs, "positions": positions}), with_kwargs=True)
             self.stages[stage] = model
-        # Experts get their own ZeRO over the ranks holding the same ones; their gradients arrive
-        # summed over ep (06's all-to-all): / ep here.
         settings = {k: getattr(train, k) for k in OPTIMIZER}
         self.zeros: list[StageZeRO] = []
         for stage, model in self.stages.items():
@@ -467,7 +463,7 @@ class Trainer:
                 layers = expert_parallel.moe_layers(model)
                 experts = {p for layer in layers for p in layer.expert_parameters()}
             for p in experts:
-                p.register_hook(lambda grad: grad / sizes.ep)
+                p.register_hook(lambda grad: grad / sizes.ep)  # arrives summed over ep (06's all-to-all)
             fp8_weights = set(fp8.float8_weights(model)) if train.fp8 and train.zero_stage == 3 else set()
             others = experts | fp8_weights  # each kind with a ZeRO of its own; the dense ZeRO owns the rest
             self.zeros.append(StageZeRO("dp_cp", zero.ZeRO(
@@ -487,13 +483,12 @@ class Trainer:
     def forward_backward(self, rows: torch.Tensor) -> float:
         """The schedule's forward and backward, gradients averaged over dp x cp; the batch's mean loss."""
         sizes = self.mesh.sizes
-        at = self.mesh.coords
         if rows.shape != (expected := (self.train.global_batch // sizes.dp, self.train.seq_len + 1)):
             raise ValueError(f"rows of shape {tuple(rows.shape)}: this dp rank expects "
                              f"(global_batch / dp, seq_len + 1) = {expected}")
         if rows.numel() and (rows.min() < 0 or rows.max() >= self.cfg.vocab_size):  # on the CPU: no GPU wait
             raise ValueError(f"token and target ids must lie in [0, {self.cfg.vocab_size})")
-        tokens, targets = (self.layout.shard(t, at["cp"], dim=1).to(self.device)
+        tokens, targets = (self.layout.shard(t, self.mesh.coords["cp"], dim=1).to(self.device)
                            for t in (rows[:, :-1], rows[:, 1:]))
         with foundation.comm_meter() as meter:
             with contextlib.ExitStack() as accumulate:
@@ -907,15 +902,12 @@ def train_run(job: Job) -> None:
     activations = foundation.all_ranks(result["activation_bytes"])
     if rank0:
         print_run(trainer, result, activations, mfu if peak else None)
-        if result["saved"] is not None:  # the parameters: plan's one layer (tp = ep = 1: whole) x layers
-            n = sum(math.prod(shape) * (cfg.n_layers if name.startswith("layers.") else 1)
-                    for name, shape in local_shapes(cfg, 1, train.moe, 1).items())
-            print(f"checkpoint {result['saved']}: {zero.disk_bytes(result['saved'], n)}")
+        if result["saved"] is not None:
+            on_disk = zero.disk_bytes(result["saved"], parameter_count(cfg, train.moe))
+            print(f"checkpoint {result['saved']}: {on_disk}")
         if run.folder is not None and run.sample_bytes:
-            model = foundation.GPT(cfg)
-            if train.moe is not None:  # the run's MLPs were an MoE's (06)
-                model = expert_parallel.convert_to_moe(model, train.moe)
-            model = model.to(device)
+            transform = reference_transform(train)  # the run's MLPs were an MoE's (06)
+            model = (transform(foundation.GPT(cfg)) if transform else foundation.GPT(cfg)).to(device)
             zero.load_model(model, run.folder)
             prompt = run.prompt.encode() if run.prompt is not None else text_prompt(val_tokens)
             new = sample(model, prompt, run.sample_bytes, run.temperature, run.top_k, run.seed)
@@ -1042,14 +1034,10 @@ def flops_per_token(cfg, seq_len: int) -> int:
     weight (2 forward, 4 backward), then the attention scores and weighted sum over context T.
     N: every parameter but the token embedding, whose lookup multiplies nothing (the untied LM head
     does). Recompute's extra forward is not counted: MFU (40-60% is good) counts useful work only."""
-    one_layer = foundation.parameter_shapes(dataclasses.replace(cfg, n_layers=1, tie_embeddings=False))
-    n = sum(math.prod(shape) * (cfg.n_layers if name.startswith("layers.") else 1)
-            for name, shape in one_layer.items() if name != "embed.weight")  # a tied head multiplies too
+    n = parameter_count(cfg, None, skip=("embed.weight",))  # a tied head multiplies too
     return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
-# Dense bf16 tensor-core peaks, FLOP/s, from NVIDIA's datasheets (which print twice these, "with
-# sparsity"), by a substring of torch.cuda.get_device_name(): the first match wins (A100: SXM4, PCIe).
 # torch.cuda.get_device_name's words -> the --gpu preset (GPUS, plan's table) whose dense bf16 peak MFU
 # divides by; the first match wins (an "H100 PCIe" is not an SXM H100).
 DEVICE_GPUS = (("H100 PCIe", "h100-pcie"), ("H100 NVL", "h100-nvl"), ("H200 NVL", "h200-nvl"),
@@ -1232,11 +1220,8 @@ def summary_line(measured: dict) -> str:
     sent = []
     for kind, value in measured["traffic"].items():
         formula = measured["traffic_formula"][kind]
-        if formula is None:
-            sent.append(f"{kind} {float(value):,.0f}|n/a")
-        else:
-            differs = "" if value == formula else " (!=)"
-            sent.append(f"{kind} {float(value):,.0f}|{float(formula):,.0f}{differs}")
+        beside = "n/a" if formula is None else f"{float(formula):,.0f}" + " (!=)" * (value != formula)
+        sent.append(f"{kind} {float(value):,.0f}|{beside}")
     return (f"{measured['params']:>7,} params, ZeRO shard {measured['shard']:>7,} | {memory} | "
             + "  ".join(sent))
 
@@ -1259,6 +1244,12 @@ def local_shapes(cfg, tp: int, moe, ep: int) -> dict[str, tuple[int, ...]]:
         shapes |= {f"layers.0.mlp.{name}": shape for name, shape in experts.items()}
     return {name: tensor_parallel.tp_local_shape(name, shape, tp, tensor_parallel_styles(moe))
             for name, shape in shapes.items()}
+
+
+def parameter_count(cfg, moe, skip: tuple[str, ...] = ()) -> int:
+    """The model's parameters (every expert's) but those named in skip: local_shapes' layer x n_layers."""
+    return sum(math.prod(shape) * (cfg.n_layers if name.startswith("layers.") else 1)
+               for name, shape in local_shapes(cfg, 1, moe, 1).items() if name not in skip)
 
 
 def unit_sizes(cfg, tp: int, moe, ep: int, fp8_gathers: bool = False) -> dict[str, UnitSizes]:
@@ -1504,15 +1495,10 @@ PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble") 
 
 @dataclass(frozen=True)
 class Cluster:
-    """The machines: a --gpu preset, each rate overridable (defaults: h100-sxm's). A GEMM or attention runs at
-    the course's H100 rate (07's and 08's tables, measured at 700 W) x this GPU's dense peak / the H100's, x
-    power_limit / tdp where a limit holds the clocks, so a compute-bound rate, below the TDP's; what memory
-    bounds (a thin GEMM, elementwise work, the optimizer) at hbm_tbps. Measured: 07's and 08's rates, on an
-    H100 SXM only; on every other preset (A100s, B200, H200s, the PCIe and 500 W H100s) they are the H100's
-    scaled so, not measured (the plan's header says so); the rest are datasheet figures. Rates and sizes lie
-    within ~1000x of an H100 node's (beyond any chip or cluster of today): a typo (0, 1e-300, inf, 1e308)
-    priced a step at 0 s, then divided by it; NaN breaks every rule. --gpus at most a million: the search
-    tries each divisor."""
+    """The machines: a --gpu preset (datasheet figures), each rate overridable (defaults: h100-sxm's); 07's
+    and 08's H100 rates scale by speed (THE STEP TIME). Rates and sizes lie within ~1000x of an H100 node's
+    (beyond any chip or cluster of today): a typo (0, 1e-300, inf, 1e308) priced a step at 0 s, then divided
+    by it; NaN breaks every rule. --gpus at most a million: the search tries each divisor."""
     gpus: int | None = option(None, "GPUs (default: the mesh sizes' product)", (">= 1", "<= 1e6"), type=int)
     gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", (">= 1", "<= 1e4"))
     gpu: str = option("h100-sxm", "the GPU: memory, peaks, bandwidths, power (each option below overrides)",
@@ -1759,8 +1745,7 @@ def gib(nbytes: Fraction | int | None) -> float | None:
 
 
 def record(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: dict) -> dict:
-    """One mesh's plan as data, what describe prints and --json writes: GiB held per pipeline rank by part
-    (plan's memory), GB sent per group by its busiest rank and the link, seconds per part of the step."""
+    """One mesh's plan as data (GiB, GB, seconds): what describe prints and --json writes."""
     totals = [p.total for p in plans]
     return dict(mesh={d: getattr(sizes, d) for d in (*DIMS, "ep")}, zero=train.zero_stage,
                 schedule=train.schedule, virtual=train.virtual, microbatches=train.microbatches,
@@ -1788,7 +1773,7 @@ def seconds_text(x: float) -> str:
 
 def describe(r: dict, table: bool) -> str:
     """A record as text (table: GiB of the first two, the fullest and the last two pipeline ranks)."""
-    lines = [" ".join(f"{d}={n}" for d, n in r["mesh"].items() if d != "ep" or n > 1)
+    lines = [mesh_name(MeshSizes(**r["mesh"]))
              + f", ZeRO-{r['zero']}, {r['schedule']} x {r['microbatches']} microbatches of {r['sequences']}, "
              f"recompute {r['recompute']}, SP {'on' if r['sequence_parallel'] else 'off'}"]
     memory = r["memory_gib"]
@@ -1851,18 +1836,17 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
         train = dataclasses.replace(job.train, **change)
         fitting = search_meshes(job.cfg, train, gpus, job.mesh, job.ep, job.cluster)[1]
         for _, _, plans, timing in fitting:
-            fits[option] = (timing["step"], float(fullest(plans)) / 2 ** 30)
+            fits[option] = (timing["step"], gib(fullest(plans)))
     text = f"its largest part: {term}, {gib_text(most[term])} GiB{held}; "
     if not fits:
         return text + "no more recompute, ZeRO or loss slices make it fit"
     option = min(fits, key=fits.get)
-    step, gib = fits[option]
-    return text + f"it fits with {option}: {gib:,.1f} GiB, step {seconds_text(step)} s"
+    step, held_gib = fits[option]
+    return text + f"it fits with {option}: {held_gib:,.1f} GiB, step {seconds_text(step)} s"
 
 
 def plan_report(job: Job) -> str:
-    """The given mesh's breakdown, or the fastest meshes that fit; one line if none fits; --json: one
-    object."""
+    """The given mesh's breakdown, or the fastest that fit (one line if none does); --json: one object."""
     cfg = job.cfg
     cluster = job.cluster
     train = job.train
@@ -1889,12 +1873,9 @@ def plan_report(job: Job) -> str:
                                cluster=dataclasses.asdict(cluster) | {"gpus": gpus}, valid=len(valid),
                                fitting=len(fitting),
                                fits=None if moe and need <= memory else need <= memory, meshes=shown))
-    shapes = foundation.parameter_shapes(cfg)
-    n_params = sum(math.prod(v) for k, v in shapes.items() if not (moe and ".mlp." in k))
+    n_params = parameter_count(cfg, moe, skip=("lm_head.weight",) if cfg.tie_embeddings else ())
     mlp = f"ffn {cfg.ffn_dim}"
     if moe:
-        experts = expert_parallel.moe_parameter_shapes(cfg.dim, moe, 1).values()
-        n_params += cfg.n_layers * sum(map(math.prod, experts))
         mlp = f"{moe.n_experts} experts of {moe.expert_ffn_dim}, top {moe.top_k}"
     fp8_rate = f"FP8 x {cluster.speed[1]:.3g}" if cluster.fp8_tflops else "no FP8"
     scaled = "" if cluster.gpu == "h100-sxm" and cluster.speed[0] == 1 else (
@@ -2013,10 +1994,8 @@ def model_spec(args: argparse.Namespace) -> tuple:
 
 
 def configure(args: argparse.Namespace) -> Job:
-    """The Job of these options, made once. An option left None takes: the --model's run (seq_len,
-    global_batch, lr); 1 microbatch, 2 with pp > 1 (plan: one sequence each, per mesh); bf16 + fp32 masters
-    where a GPU trains (check: off; plan: on); the file's MoE (Mixtral: its experts, top-k and expert size) or
-    --moe's (top 2 of --experts, each --ffn-dim wide, default 64); plan: --gpu's rates, or those given."""
+    """The Job of these options, made once: an option left None takes the default --help names (COMMANDS);
+    a config.json's MoE (Mixtral's) brings its top-k and expert size."""
     cfg, experts, (seq_len, global_batch, lr) = model_spec(args)
     moe = None
     if experts:
