@@ -299,12 +299,11 @@ class RunConfig:
 @dataclass(frozen=True)
 class Job:
     """A command's options made into configurations once (configure, in the command line's part), read
-    alike by the checks before launch and by every rank: the model, the mesh (plan: the sizes given, None
-    where it searches), the training, the run, and plan's cluster."""
+    alike by the checks before launch and by every rank."""
     command: str
     model: str  # --model as given: a preset's name or a config.json's path
     cfg: "foundation.ModelConfig"
-    mesh: dict[str, int | None]  # dp, pp, cp, tp
+    mesh: dict[str, int | None]  # dp, pp, cp, tp (plan: None where it searches)
     ep: int
     train: TrainConfig
     run: RunConfig
