@@ -1219,7 +1219,11 @@ def summary_line(measured: dict) -> str:
     sent = []
     for kind, value in measured["traffic"].items():
         formula = measured["traffic_formula"][kind]
-        beside = "n/a" if formula is None else f"{float(formula):,.0f}" + " (!=)" * (value != formula)
+        if formula is None:
+            beside = "n/a"
+        else:
+            differs = "" if value == formula else " (!=)"
+            beside = f"{float(formula):,.0f}{differs}"
         sent.append(f"{kind} {float(value):,.0f}|{beside}")
     return (f"{measured['params']:>7,} params, ZeRO shard {measured['shard']:>7,} | {memory} | "
             + "  ".join(sent))
@@ -1770,6 +1774,14 @@ def seconds_text(x: float) -> str:
     return f"{x:,.1f}" if x >= 10 else f"{x:.3g}"
 
 
+def in_flight_text(r: dict, rank: int) -> str:
+    """'3 microbatches' (interleaved: '3 microbatch-stages') whose activations pipeline rank `rank` holds."""
+    held = r["in_flight"][rank]
+    if r["virtual"] > 1:
+        return f"{held} microbatch-stage" + "s" * (held != 1)
+    return f"{held} microbatch" + "es" * (held != 1)
+
+
 def describe(r: dict, table: bool) -> str:
     """A record as text (table: GiB of the first two, the fullest and the last two pipeline ranks)."""
     lines = [mesh_name(MeshSizes(**r["mesh"]))
@@ -1782,11 +1794,8 @@ def describe(r: dict, table: bool) -> str:
         shown = sorted({0, 1, r["fullest"], last - 1, last} if last > 5 else range(last + 1))
         for rank in shown:
             head = len(memory) * r["virtual"] - 1 in r["stages"][rank]
-            held = r["in_flight"][rank]
-            unit = ("microbatch-stage" + "s" * (held != 1) if r["virtual"] > 1 else
-                    "microbatch" + "es" * (held != 1))
             what = ("embedding + " * (0 in r["stages"][rank]) + f"{r['layers'][rank]} layers"
-                    + " + head" * head + f", in flight: {held} {unit}")
+                    + " + head" * head + f", in flight: {in_flight_text(r, rank)}")
             if rank > 0 and rank - 1 not in shown:
                 lines.append("  ...")
             lines.append(f"  pp {rank:<10}" + "".join(f"{gib_text(v):>7}" for v in memory[rank].values())
@@ -1821,9 +1830,7 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
     the logits' and their gradient's bytes) with which it fits, or that none does."""
     most = r["memory_gib"][r["fullest"]]
     term = max((k for k in most if k != "total"), key=most.get)
-    in_flight = r["in_flight"][r["fullest"]]
-    unit = ("microbatch-stage" if r["virtual"] > 1 else "microbatch") + "s" * (in_flight != 1)
-    held = f" ({in_flight} {unit} in flight)" if term == "activations" else ""
+    held = f" ({in_flight_text(r, r['fullest'])} in flight)" if term == "activations" else ""
     modes = tensor_parallel.RECOMPUTE_MODES
     changes = {f"--recompute {mode}": dict(recompute=mode) for mode in ("selective", "full")
                if modes.index(mode) > modes.index(job.train.recompute)}

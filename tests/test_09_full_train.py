@@ -54,6 +54,7 @@ from test_08_fp8 import reassembled, record_fp8_operands
 
 foundation = importlib.import_module("01_ddp")
 zero = importlib.import_module("02_zero")
+pipeline = importlib.import_module("04_pipeline")
 fp8 = importlib.import_module("08_fp8")
 full_train = importlib.import_module("09_full_train")
 
@@ -1663,6 +1664,10 @@ def test_a_model_that_cannot_fit_is_one_line_saying_by_how_much(monkeypatch, cap
     assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GiB, [\d,.]+ GiB \(\d+%\) more than its "
                      r"80 GiB; its largest part: activations, [\d,.]+ GiB \(1 microbatch in flight\); it fits with "
                      r"--recompute full: [\d,.]+ GiB, step [\d,.]+ s\n$", out), out
+    deep = "--model llama3-70b --dp 1 --pp 4 --cp 1 --tp 8 --gpus 32 --microbatches 8"
+    _, out, _ = plan_main(monkeypatch, capsys, *deep.split())  # 1F1B's first rank holds min(m, pp)
+    held = pipeline.in_flight_bound("1f1b", 0, pp=4, m=8)
+    assert "its largest part: activations, " in out and f" ({held} microbatches in flight); " in out, out
     lean = "--model llama3-8b --dp 8 --pp 1 --cp 1 --tp 1 --zero 3 --recompute full --global-batch 8 --gpu-memory 34"
     _, out, _ = plan_main(monkeypatch, capsys, *lean.split())  # the loss at once: 11.7 GiB of fp32 temporaries
     assert re.search(r"; its largest part: temporaries, [\d,.]+ GiB; it fits with --loss-chunks 8: [\d,.]+ GiB, step "
