@@ -524,8 +524,10 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
                     module = style(module, ctx)
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent), attr, module)
-    model.loss_fn = (VocabParallelLoss(vocab_shard(vocab_size, tp, rank)[0], vocab_size, group) if tp > 1
-                     else foundation.cross_entropy_loss)  # tp = 1: the logits are whole, no collective
+    # The logits are split by vocabulary where the plan splits the head's rows; else whole: no collective
+    vocab_split = tp > 1 and split_dim("lm_head.weight", plan) == 0
+    model.loss_fn = (VocabParallelLoss(vocab_shard(vocab_size, tp, rank)[0], vocab_size, group) if vocab_split
+                     else foundation.cross_entropy_loss)
     if sequence_parallel and tp > 1:
         # a replicated parameter (the norm weights) sees only this rank's tokens: f on the parameter
         for param in model.parameters():

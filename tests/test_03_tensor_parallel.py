@@ -67,18 +67,31 @@ def lean_or_autograd(model, lean: bool):
     return tensor_parallel.apply_lean_saves(model) if lean else model
 
 
-@given(setup=tp_configs(), batch=st.integers(1, 3), lean=st.booleans(), regather=st.booleans())
+def loss_in_slices(model, chunks: int):
+    """Lesson 09's --loss-chunks on the split model: its loss (vocab-parallel or not) in `chunks` slices."""
+    if chunks > 1:
+        model.loss_fn = tensor_parallel.ChunkedLoss(model.loss_fn, chunks)
+    return model
+
+
+@given(setup=tp_configs(), batch=st.integers(1, 3), lean=st.booleans(), regather=st.booleans(),
+       split_batch=st.booleans(), loss_chunks=st.sampled_from([1, 2, 64]))
 @example(setup=(4, foundation.ModelConfig(vocab_size=3, dim=16, n_heads=4, ffn_dim=8), True, 4), batch=2,  # V < tp
-         lean=True, regather=True)
-def test_tensor_parallel_equals_single_device(rank_pool, setup, batch, lean, regather):
-    """Also with lean saves, and under SP with each region's linears keeping their input's sequence
-    shard (regather) or the gathered input."""
+         lean=True, regather=True, split_batch=False, loss_chunks=1)
+@example(setup=(2, foundation.ModelConfig(vocab_size=16, dim=8, n_heads=2, ffn_dim=8), True, 2), batch=2,
+         lean=False, regather=True, split_batch=True, loss_chunks=64)  # more slices than a microbatch's tokens
+def test_tensor_parallel_equals_single_device(rank_pool, setup, batch, lean, regather, split_batch, loss_chunks):
+    """Also with lean saves, under SP with each region's linears keeping their input's sequence shard
+    (regather) or the gathered input, in microbatches (split_batch: one a sequence) and with the loss in
+    slices (LossInChunks: at most one a token of a microbatch, each 3 all-reduces over tp)."""
     tp, cfg, sequence_parallel, seq_len = setup
     steps = 3
+    microbatches = batch if split_batch else 1
     transform = functools.partial(lean_or_autograd, lean=lean)
     runs = rank_pool.run(tp, tensor_parallel.train_tensor_parallel, cfg, steps, batch, seq_len,
                          sequence_parallel=sequence_parallel, regather=regather, adam_eps=ADAM_EPS,
-                         transform=transform)
+                         microbatches=microbatches, transform=transform,
+                         after=functools.partial(loss_in_slices, chunks=loss_chunks))
     reference = foundation.train_single_device(cfg, steps, batch, seq_len, adam_eps=ADAM_EPS)
     result = runs[0][0]
     assert_matches_reference(result, reference)
@@ -92,7 +105,8 @@ def test_tensor_parallel_equals_single_device(rank_pool, setup, batch, lean, reg
     # tp = 1 there is nothing to communicate: no collective at all.
     formula = {}
     if tp > 1:
-        formula = tensor_parallel.comm_formula(cfg, batch, seq_len, sequence_parallel, regather=regather)
+        formula = tensor_parallel.comm_formula(cfg, batch, seq_len, sequence_parallel, regather=regather,
+                                               microbatches=microbatches, loss_chunks=loss_chunks)
     share = {"all_reduce": Fraction(2 * (tp - 1), tp), "all_gather": Fraction(tp - 1, tp),
              "reduce_scatter": Fraction(tp - 1, tp)}
     for _, meter in runs:
@@ -180,6 +194,62 @@ def test_a_tie_split_two_ways_is_refused_before_any_collective(rank_pool, head_s
         assert ("embed.weight and lm_head.weight are one tied parameter" in error
                 and f"embed.weight along dim 0, lm_head.weight {how}" in error), error
         assert calls == 0, "refused before any collective"
+
+
+def loss_and_gradients_with_plan(cfg, plan, tokens, targets):
+    model = tensor_parallel.apply_tensor_parallel(foundation.GPT(cfg), None, plan=plan)
+    loss = model(tokens, targets)
+    loss.backward()
+    return loss.item(), {n: tensor_parallel.unshard(p.grad, like=p) for n, p in model.named_parameters()}
+
+
+def test_a_plan_that_leaves_the_head_whole_takes_the_loss_of_whole_logits(rank_pool):
+    """Before: the vocab-parallel loss was installed whatever the plan, so a replicated head's whole
+    logits were read as a vocabulary slice: 3.2804 for one device's 2.7952, and no error."""
+    cfg = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=2, ffn_dim=8, seed=5)
+    plan = {k: v for k, v in tensor_parallel.TENSOR_PARALLEL_PLAN.items() if k != "lm_head"}
+    tokens, targets = foundation.synthetic_batch(cfg, 2, 6, 0)
+    model = foundation.GPT(cfg)
+    loss = model(tokens, targets)
+    loss.backward()
+    for tp_loss, grads in rank_pool.run(2, loss_and_gradients_with_plan, cfg, plan, tokens, targets):
+        assert tp_loss == pytest.approx(loss.item(), abs=1e-5)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, atol=GRAD_ATOL, rtol=1e-4)
+
+
+def parameters_after_rank_dependent_init(cfg):
+    """Each rank's weights drawn apart (rank r adds r): apply_tensor_parallel must start every rank
+    from rank 0's, as its docstring says (broadcast over the group first)."""
+    model = foundation.GPT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(dist.get_rank())
+    model = tensor_parallel.apply_tensor_parallel(model, None)
+    return {n: tensor_parallel.unshard(p) for n, p in model.named_parameters()}
+
+
+def test_every_rank_starts_from_rank_zeros_weights(rank_pool):
+    cfg = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=2, ffn_dim=8)
+    reference = dict(foundation.GPT(cfg).named_parameters())
+    for params in rank_pool.run(2, parameters_after_rank_dependent_init, cfg):
+        for name, p in params.items():
+            assert torch.equal(p, reference[name].detach()), name
+
+
+def apply_to_indivisible_heads(cfg):
+    with foundation.comm_meter() as meter:
+        try:
+            tensor_parallel.apply_tensor_parallel(foundation.GPT(cfg), None)
+        except ValueError as error:
+            return str(error), meter.calls()
+    return "no error", meter.calls()
+
+
+def test_sizes_tp_cannot_split_are_refused_before_any_collective(rank_pool):
+    cfg = foundation.ModelConfig(vocab_size=16, dim=12, n_heads=3, n_kv_heads=3, ffn_dim=8)
+    for error, calls in rank_pool.run(2, apply_to_indivisible_heads, cfg):
+        assert error == "n_heads=3 is not divisible by tp=2" and calls == 0
 
 
 def train_on_strided_subgroups(cfg, sequence_parallel):
@@ -346,7 +416,9 @@ def test_the_loss_in_chunks_holds_at_its_peak_what_loss_bytes_says(rank_pool, tp
                 without = loss_peak(*arguments, grad=False)
             else:
                 without = max(rank_pool.run(tp, loss_peak, *arguments, grad=False))
-            assert without + 300 * vocab * size <= max(peaks), (dtype, chunks, without, peaks)
+            # + 64: a scalar or two whose lifetime depends on the process's history (seen: 4 B on one
+            # rank, in some runs only); a gradient made under no_grad would be 300 x vocab x size more
+            assert without + 300 * vocab * size <= max(peaks) + 64, (dtype, chunks, without, peaks)
 
 
 def losses_at_once_and_in_chunks(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, chunks: int,
