@@ -236,7 +236,7 @@ def _amax_cast_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, n_rows, n_cols, tile_co
     if not GIVEN_SCALE:
         tl.store(scale_ptr + rows * (n_cols // tile_cols) + tile, scale, mask=rows < n_rows)
     # Non-negative floats order like their bits read as int32, with NaN above inf: an integer atomic
-    # max keeps a NaN that the float one (maxNum again) would drop.
+    # max on the bits keeps a NaN by construction (a float max by IEEE's maxNum would drop it).
     tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32), bitcast=True),
                   _max_keeping_nan(row_amax, 0).to(tl.int32, bitcast=True))
 
@@ -544,9 +544,10 @@ class Float8ZeRO(zero.ZeRO):
             unit.cast_version = unit.master._version
 
     def held_bytes(self) -> dict[str, int]:
-        held = super().held_bytes()  # + the cast shards and the scales
+        held = super().held_bytes()  # + the cast shards and the scales, and gathered casts still bound
         casts = [t for u in self.units for t in (u.cast_shard, *u.scales)]
-        held["params"] += zero.storage_bytes(casts, set())
+        bound = [p.float8_cast[0] for u in self.units for p in u.params if getattr(p, "float8_cast", None)]
+        held["params"] += zero.storage_bytes(casts + bound, set())
         return held
 
     def memory_formula(self) -> dict[str, Fraction]:
@@ -624,6 +625,8 @@ def train_float8_zero(cfg: foundation.ModelConfig, steps: int, global_batch: int
     result.params = {k: v for z in zeros for k, v in z.full_state_dict()["params"].items()}
     result.stats = dict(padded=[sum(u.padded for u in z.units) for z in zeros], n_weights=len(weights),
                         weight_casts=getattr(zeros[-1], "weight_casts", 0) - initial_casts)
+    result.held = zeros[-1].held_bytes()  # the weights' ZeRO, after the last step
+    result.formula = zeros[-1].memory_formula()
     return result, steps_meter
 
 

@@ -137,15 +137,29 @@ def test_causal_diagonal_at_every_block_alignment():
 
 
 @cpu_only
-def test_raw_launchers_with_merged_lse_gradient():
+@pytest.mark.parametrize("seq_q", [29, 130])  # 130: three blocks of rows in every kernel, delta's too
+def test_raw_launchers_with_merged_lse_gradient(seq_q):
     """Lesson 05 calls the launchers from its own autograd.Function: forward -> (out, lse), and
-    backward(q, k, v, out, lse, dout, dlse, causal, sm_scale, q_offset, k_offset)."""
-    q, k, v, dout, dlse = random_inputs(1, 2, 29, 35, 32, torch.float32, seed=3, lse_grad=True)
+    backward(q, k, v, out, lse, dout, dlse, causal, sm_scale, q_offset, k_offset). A ring's merged out
+    and lse arrive contiguous whatever q's layout: with q, k, v in lesson 01's, the same gradients."""
+    q, k, v, dout, dlse = random_inputs(1, 2, seq_q, 35, 32, torch.float32, seed=3, lse_grad=True)
     out, lse = flash.flash_attention_forward(q, k, v, True, 0.3, 10, 5)
     grads = flash.flash_attention_backward(q, k, v, out, lse, dout, dlse, True, 0.3, 10, 5)
     reference = context_parallel.outputs_and_grads(lambda *x: context_parallel.naive_attention(*x, True, 0.3, 10, 5),
                                         q.double(), k.double(), v.double(), dout.double(), dlse.double())
     assert_close_to_reference([out, lse, *grads], reference, torch.float32)
+    q01, k01, v01, dout01 = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout))
+    grads01 = flash.flash_attention_backward(q01, k01, v01, out, lse, dout01, dlse, True, 0.3, 10, 5)
+    for ours, contiguous in zip(grads01, grads, strict=True):
+        assert torch.equal(ours, contiguous)
+
+
+@cpu_only
+def test_the_drop_in_attention_passes_its_scale_on():
+    """flash_attention with a scale of its own (not 1/sqrt(head_dim)): the kernels use that one."""
+    q, k, v, _, _ = random_inputs(1, 2, 20, 20, 16, torch.float32, seed=4)
+    exact = context_parallel.naive_attention(q.double(), k.double(), v.double(), True, 0.3)[0]
+    assert context_parallel.max_diff(flash.flash_attention(q, k, v, True, 0.3), exact) <= TOLERANCE[torch.float32]["out"]
 
 
 @cpu_only
@@ -377,8 +391,10 @@ def test_a_gpt_with_the_kernel_traces_as_one_graph():
 
 def test_rejects_bad_input():
     q = torch.randn(1, 2, 8, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="16 <= head_dim <= 128"):
-        flash.flash_attention(q[..., :8], q[..., :8], q[..., :8])
+    for head_dim in (8, 136):  # the kernels' configurations cover 16-128 (136: one past the top, x8)
+        wide = torch.randn(1, 2, 8, head_dim, device=DEVICE)
+        with pytest.raises(ValueError, match="16 <= head_dim <= 128"):
+            flash.flash_attention(wide, wide, wide)
     with pytest.raises(ValueError, match="expected q"):
         flash.flash_attention(q, q[:, :, :, :8], q[:, :, :, :8])
     with pytest.raises(ValueError, match="with kv_heads dividing heads"):  # 3 query heads, 2 K/V heads

@@ -297,6 +297,16 @@ def test_triton_fused_amax_cast_equals_torch(rows, tile_cols, cols_tiles, odd_co
     assert_same_quantisation(sample((rows, cols), seed, magnitude, zeros, source), tile_cols, dtype)
 
 
+def test_the_fused_cast_reads_a_view_as_its_values():
+    """A transposed weight and a slice of columns (delayed scaling's reshape of x[:, :k]) are not laid out
+    row by row: the kernel reads them as the values they show, as the torch path does."""
+    x = sample((128, 256), 7, 0.0, 0.0, torch.float32)
+    assert not x.t().is_contiguous() and not x[:, :128].is_contiguous()
+    assert_same_quantisation(x.t(), None, E4M3)
+    assert_same_quantisation(x.t(), 128, E4M3)
+    assert_same_quantisation(x[:, :128], 128, E5M2)
+
+
 @given(rows=st.integers(1, 70), cols=st.integers(1, 300), dtype=st.sampled_from([E4M3, E5M2]),
        source=st.sampled_from([torch.float32, torch.float16]), zeros=st.sampled_from([0.0, 0.3, 1.0]),
        stale=st.sampled_from([1.0, 30.0, 1e4, 2.0**-10, 2.0**-30]), seed=st.integers(0, 2**31 - 1))
@@ -523,6 +533,27 @@ def test_float8_linear_in_eval_no_grad_and_frozen():
     out = layer(x)
     assert not out.requires_grad and torch.equal(out, trained.detach())
     assert fp8.Float8Linear(32, 16)(x[0]).shape == (16,), "a 1-D input, as nn.Linear takes it"
+
+
+
+def test_layers_reducing_amaxes_over_two_groups_are_refused():
+    """One model's weights are cast with scales over one tensor-parallel group (Float8ZeRO's all-reduce)."""
+    model = fp8.convert_to_float8(foundation.GPT(foundation.ModelConfig(vocab_size=11, dim=8, n_heads=1, ffn_dim=8)))
+    first = next(m for m in model.modules() if isinstance(m, fp8.Float8Linear))
+    first.amax_groups = (None, "another group", None)
+    with pytest.raises(ValueError, match="reduce amaxes over 2 different groups"):
+        fp8.tensor_parallel_group(model)
+
+
+@pytest.mark.parametrize("dtype", fp8.Float8Linear.DTYPES)
+def test_float8_linear_returns_its_inputs_dtype_and_gradients_in_the_weights(dtype):
+    """As nn.Linear: the FP8 GEMMs' output in the input's dtype (a bf16 model stays bf16), and so the
+    input's and the weight's gradients."""
+    layer = fp8.Float8Linear(32, 16).to(dtype)
+    x = torch.randn(4, 32, dtype=dtype, requires_grad=True)
+    out = layer(x)
+    out.sum().backward()
+    assert out.dtype == x.grad.dtype == layer.weight.grad.dtype == dtype
 
 
 @pytest.mark.parametrize("call, message", [
@@ -793,6 +824,11 @@ def test_float8_zero3_trains_like_unsharded_fp8_with_a_byte_per_weight_element(
     assert_close_by_name(fp8_run.first_grads, unsharded.first_grads, "step-0 gradient", atol=GRAD_ATOL,
                          rtol=GRAD_RTOL)
     assert_close_by_name(fp8_run.params, unsharded.params, "parameter", atol=PARAM_ATOL, rtol=0)
+    # What each rank holds of the weights' ZeRO after the last step is its memory formula exactly (Float8ZeRO:
+    # + a byte an element of its shard and a scale a weight; no gathered cast left bound to a weight).
+    for mode, ranks in runs.items():
+        for result, _, _ in ranks:
+            assert result.held == result.formula, mode
 
     # Bytes per step: all-gathers before each microbatch's forward and backward, 4 B per element of
     # the other parameters' units, 1 B per element of the weights' (padded: 02's layout); one
