@@ -252,6 +252,34 @@ def test_sizes_tp_cannot_split_are_refused_before_any_collective(rank_pool):
         assert error == "n_heads=3 is not divisible by tp=2" and calls == 0
 
 
+class IdChecks(TorchDispatchMode):
+    """Counts the minima and maxima taken of integer tensors: the forward's check of the ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.min.default, torch.ops.aten.max.default) and not args[0].is_floating_point():
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def id_checks_in_a_forward(cfg, check_ids: bool) -> int:
+    model = tensor_parallel.apply_tensor_parallel(foundation.GPT(cfg), None, check_ids=check_ids)
+    with IdChecks() as checks:
+        model(*foundation.synthetic_batch(cfg, 2, 4, 0))
+    return checks.calls
+
+
+def test_check_ids_false_leaves_the_ids_to_the_caller(rank_pool):
+    """check_ids=False (lesson 09 checks on the CPU): no min and max of the ids, which cost a GPU a sync
+    a step; by default the tokens' and the targets' (2 x 2)."""
+    cfg = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=2, ffn_dim=8)
+    assert rank_pool.run(2, id_checks_in_a_forward, cfg, True) == [4, 4]
+    assert rank_pool.run(2, id_checks_in_a_forward, cfg, False) == [0, 0]
+
+
 def train_on_strided_subgroups(cfg, sequence_parallel):
     """4 ranks, two tensor-parallel groups {0, 2} and {1, 3}: nothing may assume the world group."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
@@ -419,6 +447,19 @@ def test_the_loss_in_chunks_holds_at_its_peak_what_loss_bytes_says(rank_pool, tp
             # + 64: a scalar or two whose lifetime depends on the process's history (seen: 4 B on one
             # rank, in some runs only); a gradient made under no_grad would be 300 x vocab x size more
             assert without + 300 * vocab * size <= max(peaks) + 64, (dtype, chunks, without, peaks)
+
+
+def test_the_loss_in_chunks_keeps_no_gradient_for_logits_that_need_none():
+    """Grad mode on, logits that need no gradient (a frozen head, an evaluation outside no_grad): no
+    gradient buffer of the logits' size, as under torch.no_grad."""
+    logits, targets = torch.randn(1, 300, 1000), torch.randint(1000, (1, 300))
+    loss_fn = tensor_parallel.ChunkedLoss(foundation.cross_entropy_loss, 7)
+    peaks = {}
+    for grad in (True, False):
+        with LiveStorages() as made, torch.set_grad_enabled(grad):
+            loss_fn(logits, targets)
+        peaks[grad] = made.peak
+    assert peaks[True] <= peaks[False] + 64, peaks  # + 64: a scalar or two (the flake above); a gradient: 1.2 MB
 
 
 def losses_at_once_and_in_chunks(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, chunks: int,
@@ -845,8 +886,10 @@ def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, 
 
 
 def test_recompute_and_lean_saves_refuse_bad_modes_and_a_second_application():
+    refused = foundation.GPT(foundation.ModelConfig())
     with pytest.raises(ValueError, match="mode 'some' must be one of \\('none', 'selective', 'op', 'full'\\)"):
-        tensor_parallel.apply_recompute(foundation.GPT(foundation.ModelConfig()), "some")
+        tensor_parallel.apply_recompute(refused, "some")
+    assert tensor_parallel.apply_recompute(refused, "full").recompute == "full", "a refused mode leaves no mark"
     model = tensor_parallel.apply_recompute(foundation.GPT(foundation.ModelConfig()), "full")
     with pytest.raises(ValueError, match="already recomputes \\(full\\)"):
         tensor_parallel.apply_recompute(model, "selective")
