@@ -514,6 +514,11 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
         raise ValueError("this model is already tensor-parallel: apply_tensor_parallel once")
     plan = plan or TENSOR_PARALLEL_PLAN
     validate_ties(model, plan)
+    # The logits are split by vocabulary where the plan splits the head's rows; else whole: no collective
+    vocab_split = tp > 1 and split_dim("lm_head.weight", plan) == 0
+    if sequence_parallel and tp > 1 and not vocab_split:
+        raise ValueError("sequence parallelism needs a plan that splits lm_head's rows (enter_region, "
+                         "column_parallel): a whole head would read only this rank's shard of the sequence")
     ctx = Context(group, tp, rank, sequence_parallel, regather)
     foundation.broadcast_parameters(model, group)
     vocab_size = model.cfg.vocab_size
@@ -524,8 +529,6 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
                     module = style(module, ctx)
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent), attr, module)
-    # The logits are split by vocabulary where the plan splits the head's rows; else whole: no collective
-    vocab_split = tp > 1 and split_dim("lm_head.weight", plan) == 0
     model.loss_fn = (VocabParallelLoss(vocab_shard(vocab_size, tp, rank)[0], vocab_size, group) if vocab_split
                      else foundation.cross_entropy_loss)
     if sequence_parallel and tp > 1:

@@ -237,10 +237,10 @@ def test_every_rank_starts_from_rank_zeros_weights(rank_pool):
             assert torch.equal(p, reference[name].detach()), name
 
 
-def apply_to_indivisible_heads(cfg):
+def apply_refused(cfg, **options):
     with foundation.comm_meter() as meter:
         try:
-            tensor_parallel.apply_tensor_parallel(foundation.GPT(cfg), None)
+            tensor_parallel.apply_tensor_parallel(foundation.GPT(cfg), None, **options)
         except ValueError as error:
             return str(error), meter.calls()
     return "no error", meter.calls()
@@ -248,8 +248,18 @@ def apply_to_indivisible_heads(cfg):
 
 def test_sizes_tp_cannot_split_are_refused_before_any_collective(rank_pool):
     cfg = foundation.ModelConfig(vocab_size=16, dim=12, n_heads=3, n_kv_heads=3, ffn_dim=8)
-    for error, calls in rank_pool.run(2, apply_to_indivisible_heads, cfg):
+    for error, calls in rank_pool.run(2, apply_refused, cfg):
         assert error == "n_heads=3 is not divisible by tp=2" and calls == 0
+
+
+def test_sequence_parallelism_with_a_whole_head_is_refused_before_any_collective(rank_pool):
+    """Under SP the final norm's output is a sequence shard: a head the plan leaves whole would read
+    only it (before: torch's "Expected input batch_size (4) to match target batch_size (8)" in forward)."""
+    cfg = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=2, ffn_dim=8)
+    plan = {k: v for k, v in tensor_parallel.TENSOR_PARALLEL_PLAN.items() if k != "lm_head"}
+    for error, calls in rank_pool.run(2, apply_refused, cfg, sequence_parallel=True, plan=plan):
+        assert error.startswith("sequence parallelism needs a plan that splits lm_head's rows") and calls == 0
+    assert {error for error, _ in rank_pool.run(2, apply_refused, cfg, plan=plan)} == {"no error"}
 
 
 class IdChecks(TorchDispatchMode):
