@@ -781,8 +781,9 @@ def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool, device
                   recompute: str = "none") -> tuple[int, "foundation.CommMeter"]:
     """Layer 0 of the tensor-parallel GPT (lean saves or not, a recompute mode), forward and backward on
     this rank's (b, s, h) (SP: (b, s/t, h)) activations: the bytes autograd saves for backward
-    (activation_bytes) and its collectives. context(split model) yields the model to run (lesson 08's:
-    its FP8 linears, each weight cast once, as a training step does)."""
+    (activation_bytes: on a CPU, not the outputs "op"'s policy keeps outside autograd) and its
+    collectives. context(split model) yields the model to run (lesson 08's: its FP8 linears, each
+    weight cast once, as a training step does)."""
     model = foundation.GPT(cfg).to(device)
     model = apply_tensor_parallel(apply_lean_saves(model) if lean else model, None, sequence_parallel,
                                   regather=regather)

@@ -932,8 +932,11 @@ def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
     print(f"The losses ('.' training, 'o' validation):\n{loss_curve(losses, result['val'])}")
     rank0 = plan(cfg, trainer.mesh.sizes, train)[0]
     what = "peak memory above the step's start" if trainer.device.type == "cuda" else "the most autograd held"
+    if trainer.device.type == "cpu" and train.recompute == "op":  # 03's policy keeps them outside autograd
+        what += " (not the outputs op's policy keeps)"
     formula = ("no formula for MoE layers" if train.moe else
-               f"the plan of rank 0's {rank0.layers} layers, {rank0.in_flight} microbatches in flight: "
+               f"the plan of rank 0's {rank0.layers} layers, "
+               f"{in_flight_text(rank0.in_flight, train.virtual)} in flight: "
                f"{rank0.memory['activations']:,} (03's formula, recompute {train.recompute}, "
                f"{'lean saves' if train.lean_saves else 'autograd saves'})")
     if saved[0] is not None:
@@ -1774,10 +1777,9 @@ def seconds_text(x: float) -> str:
     return f"{x:,.1f}" if x >= 10 else f"{x:.3g}"
 
 
-def in_flight_text(r: dict, rank: int) -> str:
-    """'3 microbatches' (interleaved: '3 microbatch-stages') whose activations pipeline rank `rank` holds."""
-    held = r["in_flight"][rank]
-    if r["virtual"] > 1:
+def in_flight_text(held: int, virtual: int) -> str:
+    """'3 microbatches' (interleaved, virtual > 1: '3 microbatch-stages') whose activations a rank holds."""
+    if virtual > 1:
         return f"{held} microbatch-stage" + "s" * (held != 1)
     return f"{held} microbatch" + "es" * (held != 1)
 
@@ -1795,7 +1797,7 @@ def describe(r: dict, table: bool) -> str:
         for rank in shown:
             head = len(memory) * r["virtual"] - 1 in r["stages"][rank]
             what = ("embedding + " * (0 in r["stages"][rank]) + f"{r['layers'][rank]} layers"
-                    + " + head" * head + f", in flight: {in_flight_text(r, rank)}")
+                    + " + head" * head + f", in flight: {in_flight_text(r['in_flight'][rank], r['virtual'])}")
             if rank > 0 and rank - 1 not in shown:
                 lines.append("  ...")
             lines.append(f"  pp {rank:<10}" + "".join(f"{gib_text(v):>7}" for v in memory[rank].values())
@@ -1830,7 +1832,8 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
     the logits' and their gradient's bytes) with which it fits, or that none does."""
     most = r["memory_gib"][r["fullest"]]
     term = max((k for k in most if k != "total"), key=most.get)
-    held = f" ({in_flight_text(r, r['fullest'])} in flight)" if term == "activations" else ""
+    in_flight = in_flight_text(r["in_flight"][r["fullest"]], r["virtual"])
+    held = f" ({in_flight} in flight)" if term == "activations" else ""
     modes = tensor_parallel.RECOMPUTE_MODES
     changes = {f"--recompute {mode}": dict(recompute=mode) for mode in ("selective", "full")
                if modes.index(mode) > modes.index(job.train.recompute)}

@@ -1228,6 +1228,7 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
     out = run_script("09_full_train.py", *common, "--checkpoint-dir", str(a), timeout=900)
     assert "attention flash" in out and "recompute selective" in out and "final: 2 timed steps" in out
     assert "Sample from the checkpoint" in out and "The losses ('.' training, 'o' validation):" in out
+    assert "the most autograd held per rank: " in out and "'s 4 layers, 1 microbatch in flight: " in out
     assert zero.latest_checkpoint(a).name == "step_00000003"
     n = sum(p.numel() for p in foundation.GPT(full_train.configure(parse_options("train")).cfg).parameters())
     assert f"B on disk = (params + 2 AdamW moments) x 4 B x {n:,} parameters, each element once " in out
