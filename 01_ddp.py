@@ -1064,11 +1064,13 @@ def add_options(parser: argparse.ArgumentParser, fields: list, defaults: dict, d
         default = None if f.name in decided else defaults.get(f.name, f.default)
         stated = default is None or default is False or "default" in f.metadata["help"]
         shown = decided.get(f.name, None if stated else default)
-        parser.add_argument(flag(f), dest=f.name, default=default, **kwargs,
-                            help=f.metadata["help"] + ("" if shown is None else f" (default: {shown})"))
+        # an option and its off flag set one field: both given, argparse refuses (else the last would win)
+        options = parser.add_mutually_exclusive_group() if "off" in f.metadata["argparse"] else parser
+        options.add_argument(flag(f), dest=f.name, default=default, **kwargs,
+                             help=f.metadata["help"] + ("" if shown is None else f" (default: {shown})"))
         if "off" in f.metadata["argparse"]:
             name, value, text = f.metadata["argparse"]["off"]
-            parser.add_argument(name, dest=f.name, action="store_const", const=value, help=text)
+            options.add_argument(name, dest=f.name, action="store_const", const=value, help=text)
 
 
 class Command(NamedTuple):

@@ -619,18 +619,19 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def check_writable(option: str, path: str) -> None:
-    """Refuse, before the run, an output file that could not be written at its end."""
+    """Refuse, before the run, an output file that could not be written at its end, or that is there
+    already: a run writes a new file, never over one it did not make."""
     if os.path.isdir(path):
         raise ValueError(f"{option} {path} is a folder: name a file in it")
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise ValueError(f"{option} {path}: its folder does not exist")
-    existed = os.path.exists(path)
+    if os.path.lexists(path):
+        raise ValueError(f"{option} {path} exists: name a new file (a run overwrites none it did not make)")
     try:
-        open(path, "a").close()  # the one reliable test (permissions, read-only mounts, root)
+        open(path, "x").close()  # the one reliable test (permissions, read-only mounts, root)
     except OSError as error:
         raise ValueError(f"{option} {path} cannot be written: {error.strerror}") from None
-    if not existed:
-        os.remove(path)
+    os.remove(path)
 
 
 def validate_runs(args: argparse.Namespace, pp: int) -> None:

@@ -339,8 +339,8 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     tp = max(sizes.tp, 1)  # a size below 1 is reported above, by its rule
     cp = max(sizes.cp, 1)
     check(tensor_parallel.validate_tensor_parallel, cfg, tp)
-    check(context_parallel.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", True,
-          cfg.n_kv_heads)
+    check(context_parallel.validate_context_parallel, train.seq_len, cfg.n_heads, cp, "ring", cp > 1,
+          cfg.n_kv_heads)  # zigzag at cp > 1 (at 1: one chunk, any length)
     if train.global_batch % max(sizes.dp, 1):
         problems.append(f"global_batch={train.global_batch} is not divisible by dp={sizes.dp}")
     else:
@@ -446,7 +446,7 @@ class Trainer:
         self.device = device
         sizes = mesh.sizes
         self.schedule = pipeline.make_schedule(train.schedule, sizes.pp, train.microbatches, train.virtual)
-        self.layout = context_parallel.SequenceLayout(train.seq_len, sizes.cp, zigzag=True)
+        self.layout = context_parallel.SequenceLayout(train.seq_len, sizes.cp, zigzag=sizes.cp > 1)
         positions = self.layout.positions(mesh.coords["cp"], device)
         self.stages = {}
         for stage in range(mesh.coords["pp"], self.schedule.n_stages, sizes.pp):
@@ -1537,10 +1537,14 @@ class Cluster:
 
 def inside_node(sizes: MeshSizes, kind: str, gpus_per_node: int) -> bool:
     """Whether every group of this kind lies in one node: ranks are numbered tp fastest, so a group
-    stays within aligned blocks of (its slowest dimension's size x the faster dimensions' sizes)."""
+    stays within aligned blocks of (its slowest dimension's size x the faster dimensions' sizes), and
+    the job's blocks and nodes repeat their alignment every lcm of the two (6 GPUs of one 8-GPU node: a
+    block of 6 lies in it, though 6 does not divide 8)."""
     moving = [d for d in DIMS if d in GROUP_DIMS.get(kind, ("dp", "cp")) and getattr(sizes, d) > 1]
     block = math.prod(getattr(sizes, d) for d in DIMS[DIMS.index(moving[0]):]) if moving else 1
-    return gpus_per_node % block == 0
+    period = math.lcm(block, gpus_per_node)
+    return all(start // gpus_per_node == (start + block - 1) // gpus_per_node
+               for start in range(0, min(sizes.world, period), block))
 
 
 def pipeline_span(busy: list[float], bubble: float, boundary: float, pp: int, microbatches: int,
@@ -2070,6 +2074,9 @@ def check_before_launch(job: Job, world: int) -> None:
         pipeline.check_writable("--trace", run.trace)
     if run.resume and run.folder is None:
         raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")
+    if run.resume and not os.path.isdir(run.folder):  # refused before claim_folder would make it
+        raise ValueError(f"--resume: checkpoint folder {run.folder} does not exist "
+                         f"(a new run: drop --resume)")
     if run.folder is not None and "RANK" not in os.environ:  # under torchrun, rank 0 locks (train_run)
         zero.claim_folder(run.folder).close()  # refused: a file, unwritable, held, holding a user's files
     if run.resume:  # damaged, another model, other data: refused before any rank starts

@@ -484,6 +484,7 @@ def test_script_on_one_rank_sends_nothing_and_its_formula_says_so():
     (["--trace", "{tmp}/missing/t.json"], "its folder does not exist"),
     (["--trace", "{tmp}"], "is a folder: name a file in it"),
     (["--trace", "/proc/self/t.json"], "cannot be written"),  # even by root
+    (["--trace", "{tmp}/mine.json"], "mine.json exists: name a new file (a run overwrites none it did not make)"),
     (["--unit-ms", "nan"], "--unit-ms must be >= 0, not nan"),  # the rules beside the option
     (["--unit-ms", "inf"], "--unit-ms must be <= 1000, not inf"),
     (["--unit-ms", "-1"], "--unit-ms must be >= 0, not -1.0"),
@@ -492,7 +493,9 @@ def test_script_on_one_rank_sends_nothing_and_its_formula_says_so():
 def test_options_that_would_fail_late_are_refused_before_any_rank_starts(monkeypatch, capsys, tmp_path,
                                                                          options, message):
     """Before: a missing folder, a folder or an unwritable path as --trace ran the whole demo, then
-    every rank's traceback; --unit-ms nan printed 'F = nan ms', inf ended in an OverflowError."""
+    every rank's traceback; --unit-ms nan printed 'F = nan ms', inf ended in an OverflowError; a user's
+    file as --trace was overwritten at the end."""
+    (tmp_path / "mine.json").write_text("a user's trace")
     options = [o.format(tmp=tmp_path) for o in options]
     monkeypatch.setattr("sys.argv", ["04_pipeline.py", "--nproc", "2", *options])
     monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
@@ -500,7 +503,8 @@ def test_options_that_would_fail_late_are_refused_before_any_rank_starts(monkeyp
         pipeline.main()
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and err.count("\n") == 1, err
-    assert list(tmp_path.iterdir()) == [], "the check leaves nothing behind"
+    assert list(tmp_path.iterdir()) == [tmp_path / "mine.json"], "the check leaves nothing behind"
+    assert (tmp_path / "mine.json").read_text() == "a user's trace"
 
 
 @pytest.mark.parametrize("change, message", [

@@ -507,6 +507,16 @@ def test_mesh_coordinates_and_groups():
     assert ep2.expert_groups(False) == [[0, 1], [2, 3]] and ep2.expert_groups(True) == [[0, 2], [1, 3]]
 
 
+def test_an_odd_sequence_is_refused_only_where_the_zigzag_cuts_it():
+    """Zigzag cuts a sequence in 2 x cp chunks; at cp = 1 there is no cut (before: seq_len=31 refused at
+    cp = 1 with "not divisible by 2 x cp = 2")."""
+    cfg = small_model()
+    odd = full_train.TrainConfig(global_batch=2, seq_len=31)
+    full_train.validate(cfg, full_train.MeshSizes(), odd, 1)
+    with pytest.raises(ValueError, match=r"seq_len=31 is not divisible by 2 x cp = 4"):
+        full_train.validate(cfg, full_train.MeshSizes(cp=2), odd, 2)
+
+
 def test_invalid_configurations_list_every_violation(rank_pool):
     cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_layers=1, n_heads=3, ffn_dim=20)
     train = full_train.TrainConfig(global_batch=3, seq_len=6, zero_stage=4, microbatches=2,
@@ -1276,8 +1286,7 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
                               f"does not match the sha256 .*; the previous complete checkpoint is step 2 .*; "
                               f"resume from it: python 09_full_train.py .* --resume 2$"),
             (a, ["--resume"], "rank00000.pt has 100 bytes where meta.json records"),
-            (a, ["--resume", "2", "--seq-len", "8"], "counts other windows: .*seq_len=16 \\(now 8\\)"),
-            (a, ["--resume", "--no-save"], "drop --no-save")):
+            (a, ["--resume", "2", "--seq-len", "8"], "counts other windows: .*seq_len=16 \\(now 8\\)")):
         limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))) if folder == e else None
         proc = subprocess.run([sys.executable, "09_full_train.py", *common, "--checkpoint-dir", str(folder),
                                *extra], cwd=ROOT, capture_output=True, text=True, timeout=900, preexec_fn=limit)
@@ -1313,18 +1322,43 @@ def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, list, str]:
     (["--profile", "3", "--trace", "{tmp}/no such folder/t.json"], "--trace {tmp}/no such folder/t.json: its "
                                                                    "folder does not exist"),
     (["--profile", "3", "--trace", "{tmp}"], "--trace {tmp} is a folder: name a file in it"),
+    (["--profile", "3", "--trace", "{tmp}/mine.json"], "--trace {tmp}/mine.json exists: name a new file"),
 ])
 def test_options_are_checked_before_launch_even_where_used_late(monkeypatch, capsys, tmp_path, argv, message):
     """Rank 0 writes --trace after the profiled steps: a path it could not write would fail there,
     leaving the other ranks waiting; every option is checked before any rank starts."""
     monkeypatch.delenv("RANK", raising=False)
+    (tmp_path / "mine.json").write_text("a user's trace")  # before: overwritten at the end of the run
     argv, message = [a.format(tmp=tmp_path) for a in argv], message and message.format(tmp=tmp_path)
-    code, err, launched, _ = run_main(monkeypatch, capsys, *argv, "--checkpoint-dir", str(tmp_path))
+    code, err, launched, _ = run_main(monkeypatch, capsys, *argv, "--checkpoint-dir", str(tmp_path / "run"))
     if message is None:
         assert code == 0 and launched == [4] and not err, err
     else:
         assert code == 2 and not launched and err.startswith(f"09_full_train.py train: error: {message}"), err
         assert err.count("\n") == 1, err
+    assert (tmp_path / "mine.json").read_text() == "a user's trace"
+
+
+@pytest.mark.parametrize("argv", [["--no-save", "--checkpoint-dir", "{run}"],
+                                  ["--checkpoint-dir", "{run}", "--no-save"],
+                                  ["--no-save", "--resume", "--checkpoint-dir", "{run}"]])
+def test_an_option_and_its_off_flag_are_refused_together_in_either_order(monkeypatch, capsys, tmp_path, argv):
+    """Both set one field: before, the last won, so --no-save --resume --checkpoint-dir DIR saved in DIR
+    and removed an older checkpoint there. Now argparse refuses the pair, before anything is made."""
+    run = tmp_path / "run"
+    code, err, launched, _ = run_main(monkeypatch, capsys, "train", *[a.format(run=run) for a in argv])
+    assert code == 2 and not launched and not run.exists(), err
+    assert re.search(r"error: argument (--no-save: not allowed with argument --checkpoint-dir|"
+                     r"--checkpoint-dir: not allowed with argument --no-save)$", err.rstrip("\n")), err
+
+
+def test_resuming_from_a_folder_that_is_not_there_is_refused_and_makes_none(monkeypatch, capsys, tmp_path):
+    """Before: the refusal ("holds no complete checkpoint") left the folder made, with a LOCK in it."""
+    missing = tmp_path / "no run yet"
+    code, err, launched, _ = run_main(monkeypatch, capsys, "train", "--resume", "--checkpoint-dir", str(missing))
+    assert code == 2 and not launched and not missing.exists(), err
+    assert err == f"09_full_train.py train: error: --resume: checkpoint folder {missing} does not exist (a new run: " \
+                  f"drop --resume)\n"
 
 
 def test_an_empty_checkpoint_dir_is_refused_not_taken_as_the_current_folder(monkeypatch, capsys):
@@ -1914,8 +1948,9 @@ def test_attention_between_measured_lengths_takes_the_rate_nearest_by_ratio():
 
 
 def test_inside_node_exactly_when_no_group_of_the_kind_crosses_a_node():
-    """Every mesh of sizes 1-3 and every kind of group, on nodes of each size that divides the world
-    (and of twice the world): inside_node is true iff each group, derived here from the grid of ranks
+    """Every mesh of sizes 1-3 and every kind of group, on nodes of every size up to twice the world
+    (before: only sizes a group's block divides were inside; 6 GPUs of one 8-GPU node priced their
+    all-reduce on the network): inside_node is true iff each group, derived here from the grid of ranks
     (tp fastest: rank = ((d pp + p) cp + c) tp + t), has its ranks on one node. A block that merely
     fits in a node (not aligned to it), or one of the group's own sizes only, fails here. A kind that
     is no mesh dimension (the experts' "ep", "ep_dp") lies in the dp x cp groups it borrows from."""
@@ -1926,7 +1961,7 @@ def test_inside_node_exactly_when_no_group_of_the_kind_crosses_a_node():
             moving = [full_train.DIMS.index(d) for d in dims]
             held = [axis for axis in range(len(shape)) if axis not in moving]
             groups = grid.permute(*held, *moving).reshape(-1, math.prod(shape[axis] for axis in moving))
-            for per_node in [g for g in range(1, world + 1) if world % g == 0] + [2 * world]:
+            for per_node in range(1, 2 * world + 1):
                 expected = bool((groups // per_node == groups[:, :1] // per_node).all())
                 assert full_train.inside_node(full_train.MeshSizes(*shape), kind, per_node) == expected, (
                     f"dp, pp, cp, tp = {shape}, nodes of {per_node}: {kind} groups inside a node: {expected}")
@@ -2706,6 +2741,7 @@ def test_the_loss_reads_a_padded_vocabulary_shard():
     (["train", "--model", "llama3-8b", "--no-save", "--vocab", "200"], "train reads bytes: a vocabulary of 200"),
     (["train", "--model", "llama3-8b"], "the sample decodes bytes: a vocabulary of 128256 is not 256"),
     (["train", "--model", "tiny", "--heads", "3"], "dim=128 is not divisible by n_heads=3"),
+    (["train", "--resume", "--no-save"], "--resume reads the checkpoint folder that --no-save turns off: drop --no-save"),
 ])
 def test_model_and_gpu_refusals_are_one_line_exit_2(monkeypatch, capsys, argv, message):
     code, err, launched, out = run_main(monkeypatch, capsys, *argv)
