@@ -289,7 +289,9 @@ EXERCISES = (
              "and a group lies in an aligned block of its slowest moving dim's size x the sizes of all "
              "faster dims. Docstring: THE STEP TIME; inside_node's own.",
         hint="Draw dp = 1, pp = 1, cp = 2, tp = 2 on nodes of 2: the cp groups are 0, 2 and 1, 3. "
-             "A block no bigger than a node can still straddle two: the node must hold whole blocks.",
+             "A block no bigger than a node can still straddle two: each block must lie in one node. "
+             "Blocks and nodes realign every lcm of their sizes, and 6 GPUs of one node of 8 are "
+             "inside it: only the job's ranks count.",
         minutes=10),
     Exercise(
         "09.4", "09_full_train.py", ("pipeline_span",), "the span of the pipeline",

@@ -618,7 +618,10 @@ RULES = [
 
     ("09.3", "a node holds whole aligned blocks",
      "test_inside_node_exactly_when_no_group_of_the_kind_crosses_a_node",
-     [("gpus_per_node % block == 0", "block <= gpus_per_node")]),
+     [("start // gpus_per_node == (start + block - 1) // gpus_per_node", "block <= gpus_per_node")]),
+    ("09.3", "only the job's ranks count",
+     "test_inside_node_exactly_when_no_group_of_the_kind_crosses_a_node",
+     [("min(sizes.world, period)", "period")]),
     ("09.3", "review: a kind that is no mesh dimension: dp x cp",
      "test_inside_node_exactly_when_no_group_of_the_kind_crosses_a_node",
      [('GROUP_DIMS.get(kind, ("dp", "cp"))', "GROUP_DIMS[kind]")]),
