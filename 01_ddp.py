@@ -8,7 +8,7 @@ The lesson first (data parallelism, its training loop, its demo), then THE FOUND
   RUN IT: demo (every version beside one device), bench (against torch's DDP)
 THE FOUNDATION (line ~440 on: read it once the lesson is clear, or from 02 on)
   Devices and launch: init_distributed, launch (plain python starts its ranks as torchrun would),
-    exit_distributed, check_memory; interleaved_medians and ratio_line (--bench's timing)
+    exit_distributed, counted, check_memory; median_of, interleaved_medians and ratio_line (--bench's timing)
   The comm meter: ring_traffic (the textbook formula), CommMeter, comm_meter; the wrappers all_reduce ...
     batch_p2p, all_ranks
   The reference model: ModelConfig, GPT (Llama-style, grouped-query attention), synthetic_batch
@@ -376,9 +376,9 @@ def demo(args: argparse.Namespace) -> None:
         reference = train_single_device(cfg, args.steps, args.global_batch, args.seq_len, device=device)
         n_params = sum(p.numel() for p in reference.params.values())
         grad_bytes = n_params * 4
-        print(f"Data parallelism on {world} ranks ({dist.get_backend()}, {device.type}): "
+        print(f"Data parallelism on {counted(world, 'rank')} ({dist.get_backend()}, {device.type}): "
               f"{n_params:,} parameters = {grad_bytes:,} gradient bytes (fp32); global batch "
-              f"{args.global_batch} x {args.seq_len} tokens, {args.steps} AdamW steps. Losses:\n")
+              f"{args.global_batch} x {args.seq_len} tokens, {counted(args.steps, 'AdamW step')}. Losses:\n")
         print(f"{'step':<6}" + "".join(f"{name:>24}" for name in results) + f"{'single device':>16}")
         for step in range(args.steps):
             print(f"{step:<6}" + "".join(f"{r.losses[step]:>24.6f}" for r, _ in results.values())
@@ -430,9 +430,9 @@ def bench(args: argparse.Namespace) -> None:
                               args.bench_steps, device)
     if rank == 0:
         n_params = sum(p.numel() for p in ours_model.parameters())
-        print(f"DDP step time on {world} ranks ({dist.get_backend()}, {device.type}), "
+        print(f"DDP step time on {counted(world, 'rank')} ({dist.get_backend()}, {device.type}), "
               f"{n_params / 1e6:.1f}M parameters, {args.bench_bucket_mb} MB buckets, "
-              f"median of {args.bench_steps * (args.bench_rounds - 1)} steps:")
+              f"{median_of(args)}:")
         print("  " + ratio_line(med))
     exit_distributed()
 
@@ -483,15 +483,28 @@ def launch_world_size(nproc: int) -> int:
     return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else nproc
 
 
-def check_memory(cfg: "ModelConfig", batch: int, seq_len: int, ranks: int, more: dict[str, int] | None = None,
-                 what: str | None = None) -> None:
+# A rank's memory before any tensor: Python with torch imported and gloo joined (the most resident, measured).
+LOCAL_PROCESS_BYTES = 220 << 20
+
+
+def counted(number: int, noun: str, plural: str | None = None) -> str:
+    """'1 rank', '4 ranks': a count and its noun, plural (noun + s unless given) unless one."""
+    return f"{number:,} {noun if number == 1 else plural or noun + 's'}"
+
+
+def check_memory(cfg: "ModelConfig | None", batch: int, seq_len: int, ranks: int,
+                 more: dict[str, int] | None = None, what: str | None = None) -> None:
     """A rule of launch_lesson: refuse sizes whose largest tensors alone exceed this machine's memory. A
     lower bound: every rank draws the whole batch (synthetic_batch: 17 bytes a token) and holds the
-    fp32 embedding and LM head; the fp32 logits exist once. more: the lesson's other tensors' bytes."""
+    fp32 embedding and LM head; the fp32 logits exist once (cfg None: no model). more: the lesson's
+    other tensors' bytes."""
     what = what or f"--global-batch {batch} x --seq-len {seq_len}"
-    parts = {f"the batch, embedding, LM head and logits of {ranks} rank{'s' * (ranks > 1)}":
-             ranks * (17 * batch * (seq_len + 1) + 2 * 4 * cfg.vocab_size * cfg.dim)
-             + 4 * batch * seq_len * cfg.vocab_size, **(more or {})}
+    parts = {}
+    if cfg is not None:
+        parts[f"the batch, embedding, LM head and logits of {counted(ranks, 'rank')}"] = (
+            ranks * (17 * batch * (seq_len + 1) + 2 * 4 * cfg.vocab_size * cfg.dim)
+            + 4 * batch * seq_len * cfg.vocab_size)
+    parts.update(more or {})
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if sum(parts.values()) > memory:
         raise ValueError(f"{what} would need at least {sum(parts.values()):,} bytes ({', '.join(parts)}); "
@@ -535,11 +548,22 @@ def exit_distributed(error: str | None = None, code: int = 2) -> None:
     active exception", pytorch PR #179291). error: one every rank found (by a collective): exit `code`."""
     if error is not None:
         print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
-    dist.barrier()  # every rank has printed before the first exits (the launcher stops the rest)
+    # Every rank has printed before the first exits (the launcher stops the rest). Not a barrier: rank 0
+    # may still run the one-device reference, longer than a collective may wait (init_distributed's
+    # timeout); a count in the group's store has no deadline.
+    store = dist.distributed_c10d._get_default_store()
+    store.add("exited", 1)
+    while store.add("exited", 0) < dist.get_world_size():
+        time.sleep(0.05)
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if error is None else code)
+
+
+def median_of(args: argparse.Namespace, noun: str = "step") -> str:
+    """--bench's heading: 'median of 10 steps', those timed (BenchRounds: the first round warms up)."""
+    return f"median of {counted(args.bench_steps * (args.bench_rounds - 1), noun)}"
 
 
 def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, steps_per_round: int,
@@ -1145,12 +1169,17 @@ def launch_lesson(parser: argparse.ArgumentParser, args, fn: Callable, *, divisi
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if "RANK" in os.environ else world
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else ranks_here
         if ranks_here > gpus:
-            raise ValueError(f"{ranks_here} ranks on this node need a GPU each, but {gpus} "
+            raise ValueError(f"{counted(ranks_here, 'rank')} on this node need a GPU each, but {gpus} "
                              f"{'is' if gpus == 1 else 'are'} visible: run at most {gpus} per node, or "
                              f"CUDA_VISIBLE_DEVICES= to run on the CPU")
+        if hasattr(args, "nproc") and "RANK" not in os.environ:  # launch starts them, each importing torch
+            local = counted(world, "local process", "local processes")
+            processes = {f"{local} of Python and torch, {LOCAL_PROCESS_BYTES >> 20} MiB each":
+                         world * LOCAL_PROCESS_BYTES}
+            check_memory(None, 0, 0, world, processes, what=f"--nproc {world}")
         for name, size in (divisible or {}).items():
             if size % world:
-                raise ValueError(f"{name} {size} is not divisible by the {world} ranks")
+                raise ValueError(f"{name} {size} is not divisible by the {counted(world, 'rank')}")
         for rule in rules:
             rule(world)
     except ValueError as error:

@@ -798,6 +798,10 @@ def open_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | Non
     command = (lambda s: f": {resume_command(s)}") if resume_command else (lambda s: "")
     complete = sorted(s for p in root.glob("step_*")
                       if (s := step_of(p)) is not None and checkpoint_problem(p, checksums=False)[0] is None)
+    if step is not None and not target.exists():  # a step never saved, or no longer kept
+        held = f"step{'s' * (len(complete) > 1)} {', '.join(map(str, complete))}" if complete else "none"
+        advice = f"; resume from the last{command(complete[-1])}" if complete else ""
+        raise CheckpointError(f"{folder} holds no checkpoint of step {step} (complete ones: {held}){advice}")
     if target is None:
         if not complete:
             raise CheckpointError(f"{folder} holds no complete checkpoint (no LATEST file)")
@@ -1071,7 +1075,8 @@ def load_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | Non
 def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
     label = {False: "fp32     ", True: "bf16+fp32"}
     columns = ("loss", "grads", "params", "exp_avg", "exp_avg_sq")
-    print(f"max |difference| from one device (AdamW + clip_grad_norm_), {steps} steps:\n"
+    print(f"max |difference| from one device (AdamW + clip_grad_norm_), "
+          f"{foundation.counted(steps, 'step')}:\n"
           f"  {'run':<16}" + "".join(f"{c:>11}" for c in columns))
     for (mixed, stage), (result, _) in runs.items():
         ref = references[mixed]  # result.params is result.state["params"], and ref's the same
@@ -1087,7 +1092,8 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
               + " + ".join(f"{float(v) / 1e9:.2f} {k}" for k, v in mem.items()))
     psi = sum(t.numel() for t in references[False].params.values())
     padded = runs[False, 0][0].stats["padded_params"]
-    print(f"\nThe tiny model on {world} ranks: {psi:,} parameters, padded module by module to {padded:,}.\n"
+    print(f"\nThe tiny model on {foundation.counted(world, 'rank')}: {psi:,} parameters, padded module by "
+          f"module to {padded:,}.\n"
           f"Bytes one rank holds after a step, live tensors' storages | formula on the padded count "
           f"(+ {STEP_COUNTER_BYTES} B per module: AdamW's step):")
     for (mixed, stage), (result, _) in runs.items():
@@ -1125,8 +1131,9 @@ def print_checkpoint(cfg: foundation.ModelConfig, folder: str, saved: dict, repo
     one_same = all(torch.equal(p, saved["params"][n]) for n, p in one.named_parameters())
     psi = sum(p.numel() for p in one.parameters())
     half = len(reports)
-    print(f"\nA sharded checkpoint: ZeRO-3 on {world} ranks saved step {saved['step']} as {world} rank files "
-          f"+ meta.json: {disk_bytes(target, psi)}.\nZeRO-1 on {half} rank{'s' * (half > 1)} loads it; bytes "
+    print(f"\nA sharded checkpoint: ZeRO-3 on {foundation.counted(world, 'rank')} saved step {saved['step']} "
+          f"as {foundation.counted(world, 'rank file')} + meta.json: {disk_bytes(target, psi)}.\n"
+          f"ZeRO-1 on {foundation.counted(half, 'rank')} loads it; bytes "
           f"each rank read (memory-mapped) | its shard, (params + 2 moments) x 4 B x its elements:")
     for r, (read, shard, same) in enumerate(reports):
         print(f"  rank {r}: {read:,} | {shard:,} {'equal' if read == shard else 'DIFFERENT'}; the state "
@@ -1170,7 +1177,8 @@ def demo(args: argparse.Namespace) -> None:
     if rank == 0:
         references = {mixed: foundation.train_single_device(*shape, mixed_precision=mixed, **kwargs)
                       for mixed in (False, True)}
-        print(f"ZeRO on {world} ranks ({dist.get_backend()}, {device.type}); global batch "
+        print(f"ZeRO on {foundation.counted(world, 'rank')} ({dist.get_backend()}, {device.type}); "
+              f"global batch "
               f"{args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")
         print_tables(runs, references, world, args.steps)
         print_checkpoint(cfg, folder, saved, reports[:half], world)
@@ -1213,9 +1221,10 @@ def bench(args: argparse.Namespace) -> None:
                            set())
     ours = sum(zero.held_bytes().values())
     if rank == 0:
-        print(f"ZeRO-3 vs FSDP2 fully_shard on {world} ranks ({dist.get_backend()}, {device.type}), "
-              f"{n_params / 1e6:.1f}M parameters, fp32, clipping, median of "
-              f"{args.bench_steps * (args.bench_rounds - 1)} steps:\n  {foundation.ratio_line(med)}\n"
+        print(f"ZeRO-3 vs FSDP2 fully_shard on {foundation.counted(world, 'rank')} "
+              f"({dist.get_backend()}, {device.type}), "
+              f"{n_params / 1e6:.1f}M parameters, fp32, clipping, "
+              f"{foundation.median_of(args)}:\n  {foundation.ratio_line(med)}\n"
               f"  bytes held per rank after a step: ZeRO-3 {ours:,}, FSDP2 {theirs:,}, ratio "
               f"{ours / theirs:.3f}")
     foundation.exit_distributed()

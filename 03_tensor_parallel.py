@@ -871,10 +871,11 @@ def demo(args: argparse.Namespace) -> None:
     if dist.get_rank() != 0:
         foundation.exit_distributed()
     reference = foundation.train_single_device(cfg, args.steps, b, s, device=device)
-    print(f"Tensor parallelism over tp={tp} ranks ({dist.get_backend()}, {device.type}): "
-          f"{cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} query / {cfg.n_kv_heads} key-value "
-          f"heads, ffn {cfg.ffn_dim}, vocab {cfg.vocab_size} (padded to "
-          f"{math.ceil(cfg.vocab_size / tp) * tp}); batch {b} x {s} tokens, {args.steps} AdamW steps.\n")
+    print(f"Tensor parallelism over tp={foundation.counted(tp, 'rank')} ({dist.get_backend()}, "
+          f"{device.type}): {foundation.counted(cfg.n_layers, 'layer')}, dim {cfg.dim}, {cfg.n_heads} "
+          f"query / {cfg.n_kv_heads} key-value heads, ffn {cfg.ffn_dim}, vocab {cfg.vocab_size} (padded to "
+          f"{math.ceil(cfg.vocab_size / tp) * tp}); batch {b} x {s} tokens, "
+          f"{foundation.counted(args.steps, 'AdamW step')}.\n")
     print(f"{'step':<6}{'TP':>12}{'TP + SP':>12}{'single device':>16}")
     for step in range(args.steps):
         print(f"{step:<6}" + "".join(f"{result.losses[step]:>12.6f}" for result, *_ in runs.values())
@@ -966,10 +967,10 @@ def bench(args: argparse.Namespace) -> None:
     params = {key: {n: (p.full_tensor() if isinstance(p, DTensor) else unshard(p)).detach().cpu()
                     for n, p in model.named_parameters()} for key, model in models.items()}
     if dist.get_rank() == 0:
-        print(f"TP step time on {tp} ranks ({dist.get_backend()}, {device.type}), "
+        print(f"TP step time on {foundation.counted(tp, 'rank')} ({dist.get_backend()}, {device.type}), "
               f"{sum(p.numel() for p in params['ours', False].values()) / 1e6:.1f}M parameters, batch "
-              f"{args.bench_batch} x 128, median of {args.bench_steps * (args.bench_rounds - 1)} steps; both "
-              f"trained the same {len(losses['ours', False])} steps on the same batch:")
+              f"{args.bench_batch} x 128, {foundation.median_of(args)}; both "
+              f"trained the same {foundation.counted(len(losses['ours', False]), 'step')} on the same batch:")
         for sp in (False, True):
             ours = ("ours", sp)
             theirs = ("DTensor", sp)

@@ -528,8 +528,10 @@ def demo(args: argparse.Namespace) -> None:
                        foundation.all_ranks(logs[-1].records, dst=0)))
     if rank != 0:
         foundation.exit_distributed()
-    print(f"Pipeline parallelism on {pp} rank{'s' * (pp > 1)} ({dist.get_backend()}): {cfg.n_layers} layers, "
-          f"global batch {args.global_batch} x {args.seq_len} in {m} microbatches, {args.steps} AdamW steps.")
+    print(f"Pipeline parallelism on {foundation.counted(pp, 'rank')} ({dist.get_backend()}): "
+          f"{foundation.counted(cfg.n_layers, 'layer')}, global batch {args.global_batch} x {args.seq_len} "
+          f"in {foundation.counted(m, 'microbatch', 'microbatches')}, "
+          f"{foundation.counted(args.steps, 'AdamW step')}.")
     print(f"\n{'schedule':<16}{'loss diff':>11}{'grad diff':>11}{'param diff':>11}"
           f"   bytes sent per rank per step (formula)")
     for plan, per_rank, _ in report:  # a row: 3 differences, bytes sent, the formula's, peak held
@@ -541,7 +543,7 @@ def demo(args: argparse.Namespace) -> None:
     work = "real compute" if args.unit_ms == 0 else f"balanced synthetic work, F = {args.unit_ms} ms / v"
     print(f"\nTimelines ({work}): per rank, the plan, then what ran. The plan has two characters a "
           f"unit of time:\nF3 = forward of microbatch 3, B3-- = its backward (two units; ZB-H1's B is one, "
-          f"its W3 the weight gradient),\nlowercase f3 / b3 = the rank's second stage (interleaved), "
+          f"its W3 the weight gradient),\nlowercase f3 / b3 = the rank's later stages (interleaved), "
           f"'. ' = idle. The measured row has one letter a time slice, '.' = idle.\nMeasured bubbles "
           f"include what else the machine runs: load average {os.getloadavg()[0]:.1f} over the last "
           f"minute, {os.cpu_count()} cores.")
@@ -610,9 +612,11 @@ def bench(args: argparse.Namespace) -> None:
         rows.append((f"{name} v={v}", diff, med))
     if rank == 0:
         n_params = sum(p.numel() for p in foundation.GPT(cfg).parameters())
-        print(f"Pipeline step time on {pp} ranks ({dist.get_backend()}, {device.type}), "
-              f"{n_params / 1e6:.1f}M parameters, batch {batch} x {seq} in {m} microbatches, "
-              f"median of {args.bench_steps * (args.bench_rounds - 1)} steps:")
+        print(f"Pipeline step time on {foundation.counted(pp, 'rank')} ({dist.get_backend()}, "
+              f"{device.type}), "
+              f"{n_params / 1e6:.1f}M parameters, batch {batch} x {seq} in "
+              f"{foundation.counted(m, 'microbatch', 'microbatches')}, "
+              f"{foundation.median_of(args)}:")
         for name, diff, med in rows:
             print(f"  {name:<16} {foundation.ratio_line(med)}; max |grad diff| {diff:.1e}")
     foundation.exit_distributed()

@@ -549,8 +549,10 @@ def demo(args: argparse.Namespace) -> None:
                 ("Ulysses", "ulysses", True)]
     if h % cp or kv % cp:
         variants.pop()
-        say(f"(Ulysses left out: --heads {h} and --kv-heads {kv} must both be divisible by {cp} ranks)")
-    say(f"Context parallelism on {cp} ranks ({dist.get_backend()}, {device.type}).\n\nmax |difference| "
+        say(f"(Ulysses left out: --heads {h} and --kv-heads {kv} must both be divisible by "
+            f"{foundation.counted(cp, 'rank')})")
+    say(f"Context parallelism on {foundation.counted(cp, 'rank')} ({dist.get_backend()}, {device.type}).\n\n"
+        f"max |difference| "
         f"from full attention in float64 (fp32, causal; batch {b}, {h} query heads reading {kv} K/V heads, "
         f"seq {s}, head dim {d}):")
     say(f"  {'':<20}" + "".join(f"{n:>10}" for n in ("out", "lse", "dq", "dk", "dv")))
@@ -593,8 +595,9 @@ def demo(args: argparse.Namespace) -> None:
         f"L of the lse = {lse * 4:,} B")
 
     cfg = foundation.ModelConfig(n_heads=h, n_kv_heads=kv, seed=1)
-    say(f"\nthe whole GPT ({cfg.n_layers} layers, {h} query / {kv} K/V heads), batch {args.global_batch} x "
-        f"seq {s}, {args.steps} AdamW steps, against one device:")
+    say(f"\nthe whole GPT ({foundation.counted(cfg.n_layers, 'layer')}, {h} query / {kv} K/V heads), "
+        f"batch {args.global_batch} x seq {s}, {foundation.counted(args.steps, 'AdamW step')}, "
+        f"against one device:")
     ref = None if rank else foundation.train_single_device(cfg, args.steps, args.global_batch, s,
                                                            device=device)
     for name, method, zigzag in variants:

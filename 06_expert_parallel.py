@@ -424,10 +424,12 @@ def demo(args: argparse.Namespace) -> None:
         parallel, meter = train_moe(**train, expert_parallel=True)
         runs[name] = (moe_cfg, parallel, meter, train_moe(**train)[0] if rank == 0 else None)
     if rank == 0:
-        print(f"Expert parallelism over {world} ranks ({dist.get_backend()}, {device.type}): "
+        print(f"Expert parallelism over {foundation.counted(world, 'rank')} ({dist.get_backend()}, "
+              f"{device.type}): "
               f"{args.experts} experts ({args.experts // world} per rank), top-{args.top_k}, "
               f"capacity factor {capacity or 'none (dropless)'}; {cfg.n_layers} MoE layers, "
-              f"{args.global_batch} x {args.seq_len} tokens per step, {args.steps} AdamW steps.\n")
+              f"{args.global_batch} x {args.seq_len} tokens per step, "
+              f"{foundation.counted(args.steps, 'AdamW step')}.\n")
         print(f"{'balancing':<16}{'cross-entropy: first':>21}{'last':>7}{'max |EP - one device|: loss':>30}"
               f"{'step-0 grads':>14}{'params':>10}")
         for name, (moe_cfg, parallel, _, single) in runs.items():
@@ -436,8 +438,9 @@ def demo(args: argparse.Namespace) -> None:
             print(f"{name:<16}{first:>21.4f}{last:>7.4f}{loss:>30.2e}{grads:>14.2e}{params:>10.2e}")
         width = max(1, args.steps // 5)
         windows = slice(0, width), slice(args.steps - width, args.steps)
-        print(f"\nFirst -> last {width} steps: imbalance max/mean tokens per expert (layer 0/1), layer 0's "
-              f"tokens per expert (last steps), dropped assignments per step and layer (of "
+        print(f"\nFirst -> last {foundation.counted(width, 'step')}: imbalance max/mean tokens per expert "
+              f"(layer 0/1), layer 0's tokens per expert (last steps), dropped assignments per step and "
+              f"layer (of "
               f"{args.global_batch * args.seq_len * args.top_k}), aux loss:")
         differ = []
         for name, (_, parallel, _, single) in runs.items():
@@ -454,7 +457,7 @@ def demo(args: argparse.Namespace) -> None:
         tokens_rank = args.global_batch // world * args.seq_len
         uniform = 4 * cfg.n_layers * tokens_rank * args.top_k * (world - 1) // world * cfg.dim * 4
         print(f"\nall-to-all bytes leaving rank 0 per step (dispatch + combine, forward + backward, "
-              f"{cfg.n_layers} layers): measured / formula from the exchanged counts:")
+              f"{foundation.counted(cfg.n_layers, 'layer')}): measured / formula from the exchanged counts:")
         for name, (_, parallel, meter, _) in runs.items():
             print(f"  {name:<16}{float(meter.traffic('all_to_all')) / args.steps:>12,.0f} B"
                   f"{parallel.formula_traffic / args.steps:>12,.0f} B   (+ counts all-gather "
@@ -506,9 +509,10 @@ def bench(args: argparse.Namespace) -> None:
         med = foundation.interleaved_medians(dispatchers, args.bench_rounds, args.bench_steps, device)
     if rank == 0:
         diff = (outputs["all-to-all"] - outputs["all-gather"]).abs().max().item()
-        print(f"MoE layer forward on {world} ranks ({dist.get_backend()}, {device.type}): dim "
+        print(f"MoE layer forward on {foundation.counted(world, 'rank')} ({dist.get_backend()}, "
+              f"{device.type}): dim "
               f"{args.bench_dim}, {args.experts} experts, top-{args.top_k}, {args.bench_tokens} tokens per "
-              f"rank, median of {args.bench_steps * (args.bench_rounds - 1)} calls; outputs differ by "
+              f"rank, {foundation.median_of(args, 'call')}; outputs differ by "
               f"{diff:.1e}.")
         sent, gathered = (float(traffic[name]) for name in dispatchers)
         print(f"  bytes leaving rank 0: all-to-all {sent:,.0f}, all-gather {gathered:,.0f}, ratio "

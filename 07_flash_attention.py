@@ -763,12 +763,22 @@ def validate_bench(world: int) -> None:
         raise ValueError("--bench needs a CUDA GPU (on CPU the kernels run in Triton's interpreter)")
 
 
+def demo_memory(args: argparse.Namespace, world: int) -> None:
+    """The demo's largest tensors against this machine's memory: the float64 reference's scores and
+    probabilities, batch x heads x seq^2 each, on the CPU."""
+    scores = {"the float64 reference's scores and probabilities":
+              2 * 8 * args.batch * args.heads * args.seq ** 2}
+    foundation.check_memory(None, args.batch, args.seq, world, scores,
+                            what=f"--batch {args.batch} x --heads {args.heads} x --seq {args.seq}")
+
+
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, (Options,))
     if args.bench:
         foundation.launch_lesson(parser, args, bench, rules=[validate_bench])
         return
-    foundation.launch_lesson(parser, args, demo)
+    rules = [partial(demo_memory, args)] if INTERPRETED else []  # a GPU: CUDA's out-of-memory error
+    foundation.launch_lesson(parser, args, demo, rules=rules)
 
 
 # --- For lesson 09's plan: what attention costs on an H100 (no demo here reads it) -------------------------

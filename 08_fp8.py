@@ -774,7 +774,8 @@ def demo(args: argparse.Namespace) -> None:
     print(f"\nActivation spike (1 token in 16 x100) after 16 calm steps: delayed scaling clips "
           f"{spike['clipped']:.1%} of values, SQNR {spike['delayed SQNR']:.1f} dB; current scaling "
           f"SQNR {spike['current SQNR']:.1f} dB.")
-    print(f"\nTraining the tiny GPT for {args.steps} AdamW steps (batch {args.batch} x {args.seq_len}), "
+    print(f"\nTraining the tiny GPT for {foundation.counted(args.steps, 'AdamW step')} "
+          f"(batch {args.batch} x {args.seq_len}), "
           f"fp32 then FP8 (Float8Linear), on the {training_device().type}, the losses side by side:")
     fp32, float8 = (foundation.train_single_device(foundation.ModelConfig(), args.steps, args.batch,
                                                    args.seq_len, lr=3e-3, device=training_device(),
@@ -871,10 +872,12 @@ def distributed_demo(args: argparse.Namespace) -> None:
         n = runs["zero3"][0].stats["n_weights"]
         # Each microbatch gathers every unit twice (forward, backward); the weights' part at b B an element:
         gathered = {b: m * 2 * foundation.ring_traffic("all_gather", b * weights, world) for b in (4, 2, 1)}
-        print(f"\nZeRO-3 of the FP8 GPT on {world} ranks ({dist.get_backend()}, {device.type}), {m} "
-              f"microbatches, {steps} steps. Its {n} Float8Linear weights\n({weights:,} elements, padded per "
-              f"block) in a ZeRO of their own, the other parameters ({rest:,}) in lesson 02's.\nAll-gather "
-              f"bytes per rank per step, measured | formula 2m (N-1)/N x (4 B x {rest:,} + b x {weights:,}):")
+        print(f"\nZeRO-3 of the FP8 GPT on {foundation.counted(world, 'rank')} ({dist.get_backend()}, "
+              f"{device.type}), {foundation.counted(m, 'microbatch', 'microbatches')}, "
+              f"{foundation.counted(steps, 'step')}. Its {n} Float8Linear weights\n({weights:,} elements, "
+              f"padded per block) in a ZeRO of their own, the other parameters ({rest:,}) in lesson 02's.\n"
+              f"All-gather bytes per rank per step, measured | formula 2m (N-1)/N x (4 B x {rest:,} + "
+              f"b x {weights:,}):")
         for mode, b in (("zero3", 4), ("zero3-fp8", 1)):
             measured = runs[mode][1].traffic("all_gather") / steps
             formula = gathered[b] + m * 2 * foundation.ring_traffic("all_gather", 4 * rest, world)
@@ -896,12 +899,13 @@ def distributed_demo(args: argparse.Namespace) -> None:
                             ("unsharded", "the unsharded run (ZeRO-0, each weight cast once per step)")):
             loss, grads, params = runs["zero3-fp8"][0].max_differences(runs[mode][0])
             print(f"max |difference| of the FP8-gather run from {label}: loss {loss:.1e}, step-0 gradients "
-                  f"{grads:.1e}, parameters after {steps} steps {params:.1e}")
+                  f"{grads:.1e}, parameters after {foundation.counted(steps, 'step')} {params:.1e}")
         print("Notice: a byte per gathered weight element, one small all-reduce per step, and the same bits "
               "as casting whole weights\n(the unsharded run sums its gradients in another order).")
         reference = foundation.train_single_device(cfg, steps, args.batch, args.seq_len, adam_eps=eps,
                                                    device=device, transform=convert_to_float8)
-        print(f"\nThe FP8 GPT under tensor parallelism over {world} ranks (lesson 03), {steps} steps of "
+        print(f"\nThe FP8 GPT under tensor parallelism over {foundation.counted(world, 'rank')} (lesson 03), "
+              f"{foundation.counted(steps, 'step')} of "
               f"batch {args.batch} x {args.seq_len}, against one device's FP8:\n  {'scales from':<30}max "
               f"|difference|: {'loss':>7}{'step-0 gradients':>17}{'parameters':>11}   amax all-reduces per "
               f"step, measured | formula 2(t-1)/t x 4 B x L (7 + 7m), m = 1")

@@ -75,7 +75,7 @@ RUN IT
     python 09_full_train.py --dp 1 --tp 1 --model 1b --attention flash --compile --profile 3  # one H100
     torchrun --nproc_per_node=8 09_full_train.py check --dp 2 --tp 2 --pp 2
     python 09_full_train.py check --dp 2 --cp 2 --tp 2 --sequence-parallel
-    python 09_full_train.py check --dp 2 --tp 2 --pp 2 --ep 2    # MoE, experts over 2 dp ranks
+    python 09_full_train.py check --dp 2 --tp 2 --pp 2 --moe --ep 2  # MoE, experts over 2 dp ranks
     python 09_full_train.py plan --model llama3-70b --gpus 256   # the fastest meshes that fit
     python 09_full_train.py plan --model llama3-405b --dp 64 --pp 16 --cp 1 --tp 8 --sequence-parallel \
         --zero 2 --schedule interleaved --virtual 2                # Meta's mesh, per pipeline rank
@@ -865,11 +865,13 @@ def train_run(job: Job) -> None:
         return tokens_per_s * flops_per_token(cfg, train.seq_len) / (sizes.world * peak)
 
     if rank0:
-        saves = (f"checkpoints to {run.folder} every {run.save_every or run.steps} steps and at the end, the "
-                 f"last {run.keep} kept" if run.folder else "no checkpoints")
-        print(f"Training {cfg.n_layers} layers x dim {cfg.dim} ({flops_per_token(cfg, 0) // 6:,} matmul "
+        every = foundation.counted(run.save_every or run.steps, "step")
+        saves = (f"checkpoints to {run.folder} every {every} and at the end, the last {run.keep} kept"
+                 if run.folder else "no checkpoints")
+        print(f"Training {foundation.counted(cfg.n_layers, 'layer')} x dim {cfg.dim} "
+              f"({flops_per_token(cfg, 0) // 6:,} matmul "
               f"params) on {len(train_tokens):,} bytes of {run.data or 'the standard library'}: "
-              f"{mesh_name(sizes)} on {sizes.world} ranks ({device.type}, "
+              f"{mesh_name(sizes)} on {foundation.counted(sizes.world, 'rank')} ({device.type}, "
               f"{'bf16 + fp32 masters' if train.mixed_precision else 'fp32'}), ZeRO-{train.zero_stage}, "
               f"attention {train.attention}, recompute {train.recompute}"
               f"{', compiled' if train.compile else ''}; batch {train.global_batch} x {train.seq_len} bytes, "
@@ -911,7 +913,7 @@ def train_run(job: Job) -> None:
             prompt = run.prompt.encode() if run.prompt is not None else text_prompt(val_tokens)
             new = sample(model, prompt, run.sample_bytes, run.temperature, run.top_k, run.seed)
             print(f"Sample from the checkpoint (a one-device lesson-01 GPT; temperature {run.temperature:g}, "
-                  f"top-k {run.top_k}, seed {run.seed}), after {len(prompt)} bytes of prompt"
+                  f"top-k {min(run.top_k, 256)}, seed {run.seed}), after {len(prompt)} bytes of prompt"
                   f"{'' if run.prompt is not None else ' from the validation text'}:\n"
                   + (prompt + new).decode(errors="replace"))
     if lock is not None:
@@ -935,9 +937,10 @@ def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
     if trainer.device.type == "cpu" and train.recompute == "op":  # 03's policy keeps them outside autograd
         what += " (not the outputs op's policy keeps)"
     formula = ("no formula for MoE layers" if train.moe else
-               f"the plan of rank 0's {rank0.layers} layers, "
+               f"the plan of rank 0's {foundation.counted(rank0.layers, 'layer')}, "
                f"{in_flight_text(rank0.in_flight, train.virtual)} in flight: "
-               f"{rank0.memory['activations']:,} (03's formula, recompute {train.recompute}, "
+               f"{rank0.memory['activations']:,} (03's formula of the layers alone, not the head's and the "
+               f"loss's; recompute {train.recompute}, "
                f"{'lean saves' if train.lean_saves else 'autograd saves'})")
     if saved[0] is not None:
         print(f"activations in step {result['measured']}, {what} per rank: "
@@ -952,7 +955,8 @@ def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
     timed = times[max(1, len(times) // 4):] or times  # the first steps warm up (and compile)
     step_s = sum(timed) / len(timed)  # the first step trained is never profiled
     rate = train.global_batch * train.seq_len / step_s
-    print(f"final: {len(timed)} timed steps, {step_s * 1e3:,.1f} ms/step, {rate:,.0f} tokens/s"
+    print(f"final: {foundation.counted(len(timed), 'timed step')}, {step_s * 1e3:,.1f} ms/step, "
+          f"{rate:,.0f} tokens/s"
           + (f", MFU {mfu(rate):.1%} (PaLM {flops_per_token(cfg, train.seq_len):,} FLOP/token, bf16 peak "
              f"{peak_bf16_flops(trainer.device) / 1e12:.0f} TFLOP/s per device)" if mfu else ""))
     if "profile" in result:
@@ -1007,7 +1011,8 @@ def step_profile(trace: dict, steps: int, step_s: float, top: int = 8) -> str:
         part = next((p["name"] for p in parts if p["ts"] <= at <= p["ts"] + p["dur"]), None)
         if part is not None:
             spent[part] += kernel["dur"]
-    lines = [f"profile of {steps} steps, {step_s * 1e3:,.1f} ms each (with the profiler's overhead); "
+    lines = [f"profile of {foundation.counted(steps, 'step')}, {step_s * 1e3:,.1f} ms each (with the "
+             f"profiler's overhead); "
              f"{'GPU' if kernels else 'CPU'} time per step of each part:"]
     lines += [f"  {name:<14}{ms(us):10.1f} ms {ms(us) / (step_s * 1e3):6.1%}" for name, us in spent.items()]
     if kernels:  # the union of the kernels' intervals, against the span from the first to the last
@@ -1181,9 +1186,10 @@ def check_run(job: Job) -> None:
             ref = foundation.train_single_device(cfg, steps, train.global_batch, train.seq_len, **{
                 k: getattr(train, k) for k in OPTIMIZER}, transform=reference_transform(train))
         moe = train.moe and f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; "
-        print(f"4D parallelism: {mesh_name(sizes)} on {sizes.world} ranks ({dist.get_backend()}, "
-              f"{device.type}); ZeRO-{train.zero_stage}, {train.schedule} with {train.microbatches} "
-              f"microbatches, SP {'on' if train.sequence_parallel else 'off'}"
+        print(f"4D parallelism: {mesh_name(sizes)} on {foundation.counted(sizes.world, 'rank')} "
+              f"({dist.get_backend()}, {device.type}); ZeRO-{train.zero_stage}, {train.schedule} with "
+              f"{foundation.counted(train.microbatches, 'microbatch', 'microbatches')}, "
+              f"SP {'on' if train.sequence_parallel else 'off'}"
               f"{', FP8' if train.fp8 else ''}{', bf16' if train.mixed_precision else ''}; {moe or ''}"
               f"global batch {train.global_batch} x {train.seq_len}.\n"
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
@@ -1191,13 +1197,15 @@ def check_run(job: Job) -> None:
             f"{step:<6}{a:>12.6f}{b:>12.6f}" for step, (a, b) in enumerate(zip(losses, ref.losses))))
         grads_full = assemble([pair for rank in ranks for pair in rank[0]])
         params_full = assemble([pair for rank in ranks for pair in rank[1]])
-        one_device = (f"one device's FP8 run on the same {microbatches} microbatches (AdamW, clipping"
-                      if train.fp8 else "one device (AdamW + clip_grad_norm_")
+        one_device = "one device (AdamW + clip_grad_norm_"
+        if train.fp8:
+            same = foundation.counted(microbatches, "microbatch", "microbatches")
+            one_device = f"one device's FP8 run on the same {same} (AdamW, clipping"
         print(f"max |difference| from {one_device} at {train.max_grad_norm}): loss "
               f"{max(abs(a - b) for a, b in zip(losses, ref.losses)):.1e}, step-0 gradients "
-              f"{foundation.max_abs_diff(grads_full, ref.first_grads):.1e}, parameters after {steps} "
-              f"steps {foundation.max_abs_diff(params_full, ref.params):.1e} (every element reassembled "
-              f"from the ranks' pieces)")
+              f"{foundation.max_abs_diff(grads_full, ref.first_grads):.1e}, parameters after "
+              f"{foundation.counted(steps, 'step')} {foundation.max_abs_diff(params_full, ref.params):.1e} "
+              f"(every element reassembled from the ranks' pieces)")
         if train.fp8:  # 08's scales are whole tensors' whatever tp, pp and dp split; a cp rank's, its part's
             print("(FP8 with cp > 1: each rank scales its own part of a sequence, so these are FP8's "
                   "rounding, ~1e-3)" if sizes.cp > 1 else "(FP8: the same scales, so the same FP8 "
@@ -1741,7 +1749,12 @@ def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | Non
             refusals.append(f"{mesh_name(sizes)}: {error}".replace("\n", " "))
     fitting = [v for v in valid if fullest(v[2]) <= cluster.gpu_memory * GIB]
     fitting.sort(key=lambda v: v[3]["step"])
-    none = "no mesh sizes with those given multiply to it (and tp must divide --gpus-per-node)"
+    given = math.prod(size for size in fixed.values() if size)
+    if gpus % given:
+        none = f"the sizes given multiply to {given}, which does not divide {gpus} GPUs"
+    else:  # the sizes given leave a mesh but for tp: a tp of 1 would fit any node
+        none = (f"tp={fixed['tp']} does not divide --gpus-per-node {cluster.gpus_per_node}: "
+                f"a tp group stays in one node")
     return valid, fitting, refusals[0] if refusals else none
 
 
@@ -1791,7 +1804,8 @@ def in_flight_text(held: int, virtual: int) -> str:
 def describe(r: dict, table: bool) -> str:
     """A record as text (table: GiB of the first two, the fullest and the last two pipeline ranks)."""
     lines = [mesh_name(MeshSizes(**r["mesh"]))
-             + f", ZeRO-{r['zero']}, {r['schedule']} x {r['microbatches']} microbatches of {r['sequences']}, "
+             + f", ZeRO-{r['zero']}, {r['schedule']} x "
+             f"{foundation.counted(r['microbatches'], 'microbatch', 'microbatches')} of {r['sequences']}, "
              f"recompute {r['recompute']}, SP {'on' if r['sequence_parallel'] else 'off'}"]
     memory = r["memory_gib"]
     if table:
@@ -1800,7 +1814,7 @@ def describe(r: dict, table: bool) -> str:
         shown = sorted({0, 1, r["fullest"], last - 1, last} if last > 5 else range(last + 1))
         for rank in shown:
             head = len(memory) * r["virtual"] - 1 in r["stages"][rank]
-            what = ("embedding + " * (0 in r["stages"][rank]) + f"{r['layers'][rank]} layers"
+            what = ("embedding + " * (0 in r["stages"][rank]) + foundation.counted(r['layers'][rank], 'layer')
                     + " + head" * head + f", in flight: {in_flight_text(r['in_flight'][rank], r['virtual'])}")
             if rank > 0 and rank - 1 not in shown:
                 lines.append("  ...")
@@ -1893,8 +1907,9 @@ def plan_report(job: Job) -> str:
     fp8_rate = f"FP8 x {cluster.speed[1]:.3g}" if cluster.fp8_tflops else "no FP8"
     scaled = "" if cluster.gpu == "h100-sxm" and cluster.speed[0] == 1 else (
         f"; the {cluster.gpu}'s datasheet peaks and power limit over the H100's: not measured on it")
-    header = (f"{job.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
-              f"{cfg.n_heads} heads / {cfg.n_kv_heads} K/V, {mlp}, vocabulary {cfg.vocab_size:,}"
+    header = (f"{job.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, "
+              f"{foundation.counted(cfg.n_layers, 'layer')}, {cfg.n_heads} heads / {cfg.n_kv_heads} K/V, "
+              f"{mlp}, vocabulary {cfg.vocab_size:,}"
               f"{', tied' if cfg.tie_embeddings else ''}), bf16 + fp32 masters"
               f"{' + FP8 GEMMs' if train.fp8 else ''}; batch {train.global_batch:,} x {train.seq_len:,} "
               f"tokens; {on} of {memory:g} GiB ({cluster.gpu}), {cluster.gpus_per_node} per node.\n"
@@ -2015,9 +2030,12 @@ def configure(args: argparse.Namespace) -> Job:
         n_experts, top_k = experts
         moe = expert_parallel.MoEConfig(n_experts=args.experts or n_experts, top_k=top_k,
                                         expert_ffn_dim=cfg.ffn_dim, aux_loss_coef=0)
-    elif args.moe or args.ep > 1:
+    elif args.moe:
         moe = expert_parallel.MoEConfig(n_experts=args.experts or 4, top_k=2,
                                         expert_ffn_dim=args.ffn_dim or 64, aux_loss_coef=0)
+    elif args.ep > 1 or args.experts:  # a dense model has no experts to split or count
+        given = f"--ep {args.ep}" if args.ep > 1 else f"--experts {args.experts}"
+        raise ValueError(f"{given} is an option of an MoE model: add --moe (or a config.json with experts)")
     mixed_precision = {"train": torch.cuda.is_available(), "check": False, "plan": True}[args.command]
     microbatches = None if args.command == "plan" else 1 + ((args.pp or 1) > 1)
     train = options_of(TrainConfig, args, global_batch=global_batch, seq_len=seq_len, lr=lr, adam_eps=1e-6,

@@ -20,9 +20,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import os
 import re
 import socket
 import sys
+import time
 from fractions import Fraction
 
 import pytest
@@ -974,6 +976,10 @@ TORCHRUN_8_RANKS_4_PER_NODE = {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE
                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
+MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+TOO_MANY = MEMORY // foundation.LOCAL_PROCESS_BYTES + 1  # local processes: one more than this machine holds
+
+
 @pytest.mark.parametrize("env, nproc, gpus, message", [
     ({"WORLD_SIZE": "1"}, 3, 0, "global_batch=16 is not divisible by world_size x accum_steps = 3 x 2 = 6"),
     ({"RANK": "0"}, 2, 0, "RANK is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT not: a partial torchrun "
@@ -984,8 +990,12 @@ TORCHRUN_8_RANKS_4_PER_NODE = {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE
                                         "most 2 per node, or CUDA_VISIBLE_DEVICES= to run on the CPU"),
     ({"RANK": "0", "WORLD_SIZE": "16", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, 1, 8,
      "global_batch=16 is not divisible by world_size x accum_steps = 16 x 2 = 32"),
+    ({}, TOO_MANY, 0, f"--nproc {TOO_MANY} would need at least {TOO_MANY * foundation.LOCAL_PROCESS_BYTES:,} "
+                      f"bytes ({TOO_MANY} local processes of Python and torch, 220 MiB each); this machine has "
+                      f"{MEMORY:,}"),
 ], ids=["stray WORLD_SIZE", "partial torchrun environment", "more local ranks than GPUs",
-        "torchrun: more ranks per node than GPUs", "ranks per node unknown: no GPU check"])
+        "torchrun: more ranks per node than GPUs", "ranks per node unknown: no GPU check",
+        "more local processes than this machine holds"])
 def test_launcher_checks_the_world_that_will_run_in_one_line(monkeypatch, capsys, env, nproc, gpus, message):
     """The defaults (global batch 16, accum 2) are checked against the ranks that would really start,
     before any starts: a stray WORLD_SIZE is not what local processes get; RANK alone is no torchrun;
@@ -1034,6 +1044,23 @@ def test_launch_rendezvous_survives_a_port_taken_by_another_process(monkeypatch)
         taken.listen()
         monkeypatch.setattr(foundation, "free_port", lambda: taken.getsockname()[1], raising=False)
         foundation.launch(_join_and_leave, nproc=2)
+
+
+def _rank_0_works_past_the_timeout() -> None:
+    foundation.init_distributed(timeout_s=2)
+    if dist.get_rank() == 0:
+        time.sleep(6)  # as a long one-device reference on rank 0 alone, the others at their exit
+    foundation.exit_distributed()
+
+
+def test_the_exit_waits_for_a_rank_busier_than_the_groups_timeout(monkeypatch):
+    """Every demo's rank 0 alone runs the one-device reference while the others wait to exit. A barrier
+    there failed after the group's timeout (01's demo at --seq-len 4096 x 20 steps: the 120 s of
+    init_distributed); the exit waits on the store instead, which has no deadline. Here 3x a 2 s timeout."""
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    foundation.launch(_rank_0_works_past_the_timeout, nproc=2)
 
 
 # --- the script itself ------------------------------------------------------------------------

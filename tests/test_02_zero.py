@@ -1151,6 +1151,19 @@ def test_a_disk_that_fills_during_a_save_is_one_line_on_every_rank_and_leaves_no
     assert zero.open_checkpoint(tmp_path, cfg)[1]["step"] == 1
 
 
+def test_a_step_that_was_never_saved_is_refused_naming_the_kept_ones(tmp_path):
+    """--resume 3 where steps 2 and 4 are kept: before, "checkpoint step 3 cannot be used: its folder is
+    missing" and the step before it; now the steps the folder holds, and how to resume the last."""
+    for step in (2, 4):
+        zero.save_checkpoint(tmp_path, step, [(zero.Piece.whole("w", (10,)), {"params": torch.zeros(10)})],
+                             keep=(2,), exchange=lambda x: [x])
+    with pytest.raises(zero.CheckpointError) as error:
+        zero.open_checkpoint(tmp_path, step=3, resume_command=lambda step: f"--resume {step}")
+    assert str(error.value) == (f"{tmp_path} holds no checkpoint of step 3 (complete ones: steps 2, 4); resume "
+                                f"from the last: --resume 4")
+    assert zero.open_checkpoint(tmp_path, step=2)[1]["step"] == 2
+
+
 def claim_and_try_again(folder: str) -> tuple[str, bool]:
     """claim_folder on every rank, then every rank tries to lock the folder again while rank 0 holds it."""
     lock = zero.claim_folder(folder)

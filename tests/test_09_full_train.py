@@ -616,7 +616,7 @@ def test_ids_outside_the_vocabulary_are_refused_on_the_cpu(rank_pool, bad_id):
 
 
 def test_main_runs_and_prints_the_check():
-    out = run_script("09_full_train.py", *"check --dp 2 --tp 2 --ep 2 --steps 2 --seq-len 16".split())
+    out = run_script("09_full_train.py", *"check --dp 2 --tp 2 --moe --ep 2 --steps 2 --seq-len 16".split())
     assert "max |difference| from one device" in out and "rank  3: dp=1 pp=0 cp=0 tp=1" in out
     assert "MoE 4 experts top-2 over ep=2" in out
 
@@ -630,7 +630,7 @@ def test_check_fp8_prints_its_differences_from_one_devices_fp8_run():
     out = run_script("09_full_train.py", *"check --fp8 --steps 1 --seq-len 16".split())
     loss, grads, params = map(float, re.search(
         r"max \|difference\| from one device's FP8 run on the same 4 microbatches \(AdamW, clipping at 1.0\): "
-        r"loss (\S+), step-0 gradients (\S+), parameters after 1 steps (\S+) ", out).groups())
+        r"loss (\S+), step-0 gradients (\S+), parameters after 1 step (\S+) ", out).groups())
     assert loss <= LOSS_ATOL and grads <= GRAD_ATOL and params <= PARAM_ATOL, (loss, grads, params)
     assert "(FP8: the same scales, so the same FP8 numbers" in out
 
@@ -2742,6 +2742,12 @@ def test_the_loss_reads_a_padded_vocabulary_shard():
     (["train", "--model", "llama3-8b"], "the sample decodes bytes: a vocabulary of 128256 is not 256"),
     (["train", "--model", "tiny", "--heads", "3"], "dim=128 is not divisible by n_heads=3"),
     (["train", "--resume", "--no-save"], "--resume reads the checkpoint folder that --no-save turns off: drop --no-save"),
+    (["check", "--ep", "2"], "--ep 2 is an option of an MoE model: add --moe"),  # it once made the model an MoE
+    (["plan", "--model", "llama3-8b", "--experts", "8"], "--experts 8 is an option of an MoE model: add --moe"),
+    (["plan", "--model", "llama3-8b", "--gpus", "32", "--pp", "64"],
+     "the sizes given multiply to 64, which does not divide 32 GPUs"),
+    (["plan", "--model", "llama3-8b", "--gpus", "16", "--tp", "16"],
+     "tp=16 does not divide --gpus-per-node 8: a tp group stays in one node"),
 ])
 def test_model_and_gpu_refusals_are_one_line_exit_2(monkeypatch, capsys, argv, message):
     code, err, launched, out = run_main(monkeypatch, capsys, *argv)

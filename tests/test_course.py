@@ -161,6 +161,17 @@ def test_every_line_of_every_lesson_fits_the_style(lesson):
     assert not long, long
 
 
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name)
+def test_a_count_beside_its_noun_goes_through_counted(lesson):
+    """A count the user sets (--nproc 1, --steps 1, --layers 1) printed before a plural noun read "1
+    ranks", "1 AdamW steps", "1 microbatches"; 01's counted() makes the noun singular at one. A
+    placeholder right before such a noun in a lesson's source is a count that went round it."""
+    nouns = "ranks|steps|AdamW steps|timed steps|microbatches|layers|rank files|processes|calls"
+    found = [f"line {i}: {line.strip()}" for i, line in enumerate(lesson.read_text().splitlines(), 1)
+             if re.search(rf"}} ({nouns})\b", line)]
+    assert not found, found
+
+
 def packed_assignments(source: str) -> list[int]:
     """Lines that pack several values into one assignment (`a, b = x, y`: a tuple on both sides)."""
     return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Assign)
