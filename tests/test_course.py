@@ -103,12 +103,16 @@ def test_a_lesson_of_one_process_refuses_bad_options_and_torchrun_before_its_dem
     ("04_pipeline", ["--global-batch", "4000000000"], 4_000_000_000 * 32 * 128 * 4),
     ("06_expert_parallel", ["--global-batch", "4000000000"], 4_000_000_000 * 32 * 128 * 4),
     ("05_context_parallel", ["--seq-len", "1000000"], 8 * 2 * 8 * 1_000_000 ** 2),  # float64 scores
+    pytest.param("07_flash_attention", ["--seq", "40000", "--heads", "8"], 2 * 8 * 2 * 8 * 40_000 ** 2,
+                 marks=pytest.mark.skipif(not LESSON_MODULES["07_flash_attention"].INTERPRETED,
+                                          reason="on a GPU the reference is on the GPU: CUDA's error says it")),
     ("08_fp8", ["--seq-len", "10000000000"], 16 * 10_000_000_000 * 128 * 4),
     ("08_fp8", ["distributed", "--seq-len", "10000000000"], 16 * 10_000_000_000 * 128 * 4),
 ])
 def test_every_lesson_refuses_sizes_that_cannot_be_allocated(monkeypatch, capsys, script, options, at_least):
-    """Before: every rank started, then an allocator's traceback after seconds. Now one line before
-    launch, with a lower bound on the bytes needed (at least the largest tensor's, derived here)."""
+    """Before: every rank started, then an allocator's traceback after seconds (07: the system killed the
+    demo for memory, exit 137, in a reviewer's run). Now one line before launch, with a lower bound on the
+    bytes needed (at least the largest tensor's, derived here: 07's float64 scores and probabilities)."""
     lesson = LESSON_MODULES[script]
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
