@@ -1746,7 +1746,8 @@ def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | Non
         try:
             valid.append(planned(cfg, sizes, train, cluster))
         except ValueError as error:
-            refusals.append(f"{mesh_name(sizes)}: {error}".replace("\n", " "))
+            problems = str(error).replace(":\n  - ", ": ").replace("\n  - ", "; ")  # validate's list, one line
+            refusals.append(f"{mesh_name(sizes)}: {problems}")
     fitting = [v for v in valid if fullest(v[2]) <= cluster.gpu_memory * GIB]
     fitting.sort(key=lambda v: v[3]["step"])
     given = math.prod(size for size in fixed.values() if size)

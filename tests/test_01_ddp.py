@@ -1046,6 +1046,14 @@ def test_launch_rendezvous_survives_a_port_taken_by_another_process(monkeypatch)
         foundation.launch(_join_and_leave, nproc=2)
 
 
+def test_counted_is_singular_at_one_only():
+    """The noun every lesson prints beside a count (test_course reads that they all use counted)."""
+    assert foundation.counted(1, "rank") == "1 rank" and foundation.counted(0, "rank") == "0 ranks"
+    assert foundation.counted(2, "microbatch", "microbatches") == "2 microbatches"
+    assert foundation.counted(1, "microbatch", "microbatches") == "1 microbatch"
+    assert foundation.counted(1024, "step") == "1,024 steps"
+
+
 def _rank_0_works_past_the_timeout() -> None:
     foundation.init_distributed(timeout_s=2)
     if dist.get_rank() == 0:

@@ -2748,6 +2748,8 @@ def test_the_loss_reads_a_padded_vocabulary_shard():
      "the sizes given multiply to 64, which does not divide 32 GPUs"),
     (["plan", "--model", "llama3-8b", "--gpus", "16", "--tp", "16"],
      "tp=16 does not divide --gpus-per-node 8: a tp group stays in one node"),
+    (["plan", "--model", "llama3-8b", "--gpus", "64", "--pp", "64"],  # validate's list folded into one line
+     "dp=1 pp=64 cp=1 tp=1: invalid configuration: n_layers=32 cannot fill pp x virtual = 64 x 1 = 64 stages"),
 ])
 def test_model_and_gpu_refusals_are_one_line_exit_2(monkeypatch, capsys, argv, message):
     code, err, launched, out = run_main(monkeypatch, capsys, *argv)
