@@ -446,7 +446,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def init_distributed(timeout_s: float = 120.0) -> torch.device:
+GROUP_TIMEOUT_S = 120.0  # a collective some rank never joins fails after this
+
+
+def init_distributed(timeout_s: float = GROUP_TIMEOUT_S) -> torch.device:
     """Join torchrun's process group and return this rank's device: with CUDA, NCCL and one GPU per
     local rank (launch_lesson checks there are enough), else gloo on CPU. The timeout makes a
     collective some rank never joins an error."""
@@ -542,18 +545,28 @@ def launch(fn: Callable, *args, nproc: int) -> None:
         raise
 
 
-def exit_distributed(error: str | None = None, code: int = 2) -> None:
+def exit_distributed(error: str | None = None, code: int = 2, notice_s: float = GROUP_TIMEOUT_S) -> None:
     """A rank's last call: wait for every rank, leave the group, os._exit: the interpreter's teardown
     aborts (1 run in 5 here) while gloo's threads release the last tensors ("terminate called without an
     active exception", pytorch PR #179291). error: one every rank found (by a collective): exit `code`."""
     if error is not None:
         print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
     # Every rank has printed before the first exits (the launcher stops the rest). Not a barrier: rank 0
-    # may still run the one-device reference, longer than a collective may wait (init_distributed's
-    # timeout); a count in the group's store has no deadline.
+    # may still run the one-device reference, longer than a collective may wait (GROUP_TIMEOUT_S); the
+    # group's store has no deadline. Past notice_s a waiting rank says, once, whom it waits for.
     store = dist.distributed_c10d._get_default_store()
-    store.add("exited", 1)
-    while store.add("exited", 0) < dist.get_world_size():
+    rank = dist.get_rank()
+    store.set(f"exited/{rank}", "")
+    ranks = range(dist.get_world_size())
+    start = time.monotonic()
+    told = False
+    while not store.check([f"exited/{r}" for r in ranks]):
+        if not told and time.monotonic() - start > notice_s:
+            late = [r for r in ranks if not store.check([f"exited/{r}"])]
+            print(f"rank {rank} has waited {notice_s:g} s at its exit for {counted(len(late), 'rank')} "
+                  f"{late} (a long one-device reference on rank 0, or a rank that hangs)", file=sys.stderr,
+                  flush=True)
+            told = True
         time.sleep(0.05)
     dist.destroy_process_group()
     sys.stdout.flush()

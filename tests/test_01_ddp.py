@@ -1058,17 +1058,21 @@ def _rank_0_works_past_the_timeout() -> None:
     foundation.init_distributed(timeout_s=2)
     if dist.get_rank() == 0:
         time.sleep(6)  # as a long one-device reference on rank 0 alone, the others at their exit
-    foundation.exit_distributed()
+    foundation.exit_distributed(notice_s=1)
 
 
-def test_the_exit_waits_for_a_rank_busier_than_the_groups_timeout(monkeypatch):
+def test_the_exit_waits_for_a_rank_busier_than_the_groups_timeout(monkeypatch, capfd):
     """Every demo's rank 0 alone runs the one-device reference while the others wait to exit. A barrier
     there failed after the group's timeout (01's demo at --seq-len 4096 x 20 steps: the 120 s of
-    init_distributed); the exit waits on the store instead, which has no deadline. Here 3x a 2 s timeout."""
+    init_distributed); the exit waits on the store instead, which has no deadline, and past notice_s says
+    whom it waits for, once, so that a rank that hangs is not silent. Here 3x a 2 s timeout."""
     for name in TORCHRUN_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     foundation.launch(_rank_0_works_past_the_timeout, nproc=2)
+    err = capfd.readouterr().err
+    assert err.count("rank 1 has waited 1 s at its exit for 1 rank [0] (a long one-device reference") == 1, err
+    assert "rank 0 has waited" not in err, err
 
 
 # --- the script itself ------------------------------------------------------------------------
