@@ -393,9 +393,9 @@ def demo(args: argparse.Namespace) -> None:
         print(f"  ring formula 2(N-1)/N x gradient bytes = 2x{world - 1}/{world} x {grad_bytes:,} "
               f"= {float(ring_traffic('all_reduce', grad_bytes, world)):,.0f} B")
         stats = results["bucketed"][0].stats
-        print(f"\nbucketed: {stats['buckets']} buckets of <= {args.bucket_kib} KiB, all launched from "
-              f"backward hooks; up to {stats['max_in_flight']} all-reduces in flight at once during "
-              f"backward, {stats['finished_before_wait']} already finished when backward returned.")
+        print(f"\nbucketed: {counted(stats['buckets'], 'bucket')} of <= {args.bucket_kib} KiB, all launched "
+              f"from backward hooks; up to {counted(stats['max_in_flight'], 'all-reduce')} in flight at once "
+              f"during backward, {stats['finished_before_wait']} already finished when backward returned.")
         print("Notice: every version computes the single-device step, and the bytes moved per step "
               "depend on the parameter count only, not on batch size or accumulation.")
     exit_distributed()
@@ -446,10 +446,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-GROUP_TIMEOUT_S = 120.0  # a collective some rank never joins fails after this
-
-
-def init_distributed(timeout_s: float = GROUP_TIMEOUT_S) -> torch.device:
+def init_distributed(timeout_s: float = 120.0) -> torch.device:
     """Join torchrun's process group and return this rank's device: with CUDA, NCCL and one GPU per
     local rank (launch_lesson checks there are enough), else gloo on CPU. The timeout makes a
     collective some rank never joins an error."""
@@ -537,7 +534,7 @@ def launch(fn: Callable, *args, nproc: int) -> None:
             if process.is_alive():  # stuck in native code: no signal handler runs there
                 process.kill()
                 process.join()
-        print(f"interrupted: the {nproc} local ranks stopped", file=sys.stderr)
+        print(f"interrupted: {counted(nproc, 'local rank')} stopped", file=sys.stderr)
         raise SystemExit(130) from None
     except mp.ProcessExitedException as error:
         if error.exit_code > 0:  # it left through exit_distributed(error): its line says why
@@ -545,29 +542,15 @@ def launch(fn: Callable, *args, nproc: int) -> None:
         raise
 
 
-def exit_distributed(error: str | None = None, code: int = 2, notice_s: float = GROUP_TIMEOUT_S) -> None:
-    """A rank's last call: wait for every rank, leave the group, os._exit: the interpreter's teardown
-    aborts (1 run in 5 here) while gloo's threads release the last tensors ("terminate called without an
-    active exception", pytorch PR #179291). error: one every rank found (by a collective): exit `code`."""
+def exit_distributed(error: str | None = None, code: int = 2) -> None:
+    """A rank's last call: leave the group, os._exit: the interpreter's teardown aborts (1 run in 5 here)
+    while gloo's threads release the last tensors ("terminate called without an active exception",
+    pytorch PR #179291). error: one every rank found (by a collective): each prints it, then exit `code`."""
     if error is not None:
         print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
-    # Every rank has printed before the first exits (the launcher stops the rest). Not a barrier: rank 0
-    # may still run the one-device reference, longer than a collective may wait (GROUP_TIMEOUT_S); the
-    # group's store has no deadline. Past notice_s a waiting rank says, once, whom it waits for.
-    store = dist.distributed_c10d._get_default_store()
-    rank = dist.get_rank()
-    store.set(f"exited/{rank}", "")
-    ranks = range(dist.get_world_size())
-    start = time.monotonic()
-    told = False
-    while not store.check([f"exited/{r}" for r in ranks]):
-        if not told and time.monotonic() - start > notice_s:
-            late = [r for r in ranks if not store.check([f"exited/{r}"])]
-            print(f"rank {rank} has waited {notice_s:g} s at its exit for {counted(len(late), 'rank')} "
-                  f"{late} (a long one-device reference on rank 0, or a rank that hangs)", file=sys.stderr,
-                  flush=True)
-            told = True
-        time.sleep(0.05)
+        dist.barrier()  # every rank has printed before the first exits: the launcher then stops the rest
+    # On success no rank waits for another: the launchers wait for every process that exits with 0, while
+    # rank 0 alone may still run the one-device reference for longer than a collective may wait.
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

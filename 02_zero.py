@@ -798,16 +798,16 @@ def open_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | Non
     command = (lambda s: f": {resume_command(s)}") if resume_command else (lambda s: "")
     complete = sorted(s for p in root.glob("step_*")
                       if (s := step_of(p)) is not None and checkpoint_problem(p, checksums=False)[0] is None)
+    held = f"step{'s' * (len(complete) > 1)} {', '.join(map(str, complete))}" if complete else "none"
     if step is not None and not target.exists():  # a step never saved, or no longer kept
-        held = f"step{'s' * (len(complete) > 1)} {', '.join(map(str, complete))}" if complete else "none"
         advice = f"; resume from the last{command(complete[-1])}" if complete else ""
         raise CheckpointError(f"{folder} holds no checkpoint of step {step} (complete ones: {held}){advice}")
     if target is None:
         if not complete:
             raise CheckpointError(f"{folder} holds no complete checkpoint (no LATEST file)")
         raise CheckpointError(f"{folder} has no LATEST file (each save writes it last, naming its step); the "
-                              f"complete checkpoints there are steps {', '.join(map(str, complete))}: resume "
-                              f"from the last{command(complete[-1])}")
+                              f"complete checkpoints there are {held}: resume from the last"
+                              f"{command(complete[-1])}")
     problem, meta = checkpoint_problem(target, rank, world, checksums)
     if problem is not None:
         number = step_of(target)

@@ -873,7 +873,8 @@ def demo(args: argparse.Namespace) -> None:
     reference = foundation.train_single_device(cfg, args.steps, b, s, device=device)
     print(f"Tensor parallelism over tp={foundation.counted(tp, 'rank')} ({dist.get_backend()}, "
           f"{device.type}): {foundation.counted(cfg.n_layers, 'layer')}, dim {cfg.dim}, {cfg.n_heads} "
-          f"query / {cfg.n_kv_heads} key-value heads, ffn {cfg.ffn_dim}, vocab {cfg.vocab_size} (padded to "
+          f"query / {foundation.counted(cfg.n_kv_heads, 'key-value head')}, ffn {cfg.ffn_dim}, "
+          f"vocab {cfg.vocab_size} (padded to "
           f"{math.ceil(cfg.vocab_size / tp) * tp}); batch {b} x {s} tokens, "
           f"{foundation.counted(args.steps, 'AdamW step')}.\n")
     print(f"{'step':<6}{'TP':>12}{'TP + SP':>12}{'single device':>16}")

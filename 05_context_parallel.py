@@ -553,8 +553,8 @@ def demo(args: argparse.Namespace) -> None:
             f"{foundation.counted(cp, 'rank')})")
     say(f"Context parallelism on {foundation.counted(cp, 'rank')} ({dist.get_backend()}, {device.type}).\n\n"
         f"max |difference| "
-        f"from full attention in float64 (fp32, causal; batch {b}, {h} query heads reading {kv} K/V heads, "
-        f"seq {s}, head dim {d}):")
+        f"from full attention in float64 (fp32, causal; batch {b}, {foundation.counted(h, 'query head')} "
+        f"reading {foundation.counted(kv, 'K/V head')}, seq {s}, head dim {d}):")
     say(f"  {'':<20}" + "".join(f"{n:>10}" for n in ("out", "lse", "dq", "dk", "dv")))
     inputs = attention_inputs(b, h, s, d, seed=0, dtype=torch.float64, device=device, kv_heads=kv)
     reference = outputs_and_grads(lambda q, k, v: naive_attention(q, k, v, True), *inputs)
@@ -574,7 +574,8 @@ def demo(args: argparse.Namespace) -> None:
                           float(sum(attention_bytes(method, a, a_kv, cp, with_lse_elems=lse).values()))))
 
     say(f"\nper-rank work of causal ring attention, forward + backward (seq {args.work_seq_len}, "
-        f"{h} heads, head dim {d}): block calls / query x key scores / seconds computing (CPU time on a CPU)")
+        f"{foundation.counted(h, 'head')}, head dim {d}): block calls / query x key scores / seconds "
+        f"computing (CPU time on a CPU)")
     for name, zigzag in (("contiguous", False), ("zigzag", True)):
         for _ in range(2):  # the first run warms up (allocator, kernel compilation): time the second
             _, _, work = sharded_attention(1, h, args.work_seq_len, d, method="ring", zigzag=zigzag,
@@ -586,7 +587,7 @@ def demo(args: argparse.Namespace) -> None:
         say(f"  {'':<11}slowest / mean: scores {imbalance[0]:.2f}, seconds {imbalance[1]:.2f}")
 
     say(f"\nbytes one rank sends per attention call, forward + backward (fp32, with the lse), {kv} K/V "
-        f"heads; last column: the same call with K/V repeated to all {h} heads:")
+        f"heads; last column: the same call with K/V repeated to all {foundation.counted(h, 'head')}:")
     for name, measured, repeated, formula in byte_rows:
         say(f"  {name:<20}{measured:>12,.0f} B   formula {formula:>12,.0f} B   "
             f"repeated K/V {repeated:>12,.0f} B")
@@ -595,7 +596,8 @@ def demo(args: argparse.Namespace) -> None:
         f"L of the lse = {lse * 4:,} B")
 
     cfg = foundation.ModelConfig(n_heads=h, n_kv_heads=kv, seed=1)
-    say(f"\nthe whole GPT ({foundation.counted(cfg.n_layers, 'layer')}, {h} query / {kv} K/V heads), "
+    say(f"\nthe whole GPT ({foundation.counted(cfg.n_layers, 'layer')}, {h} query / "
+        f"{foundation.counted(kv, 'K/V head')}), "
         f"batch {args.global_batch} x seq {s}, {foundation.counted(args.steps, 'AdamW step')}, "
         f"against one device:")
     ref = None if rank else foundation.train_single_device(cfg, args.steps, args.global_batch, s,

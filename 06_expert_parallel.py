@@ -426,8 +426,9 @@ def demo(args: argparse.Namespace) -> None:
     if rank == 0:
         print(f"Expert parallelism over {foundation.counted(world, 'rank')} ({dist.get_backend()}, "
               f"{device.type}): "
-              f"{args.experts} experts ({args.experts // world} per rank), top-{args.top_k}, "
-              f"capacity factor {capacity or 'none (dropless)'}; {cfg.n_layers} MoE layers, "
+              f"{foundation.counted(args.experts, 'expert')} ({args.experts // world} per rank), "
+              f"top-{args.top_k}, capacity factor {capacity or 'none (dropless)'}; "
+              f"{foundation.counted(cfg.n_layers, 'MoE layer')}, "
               f"{args.global_batch} x {args.seq_len} tokens per step, "
               f"{foundation.counted(args.steps, 'AdamW step')}.\n")
         print(f"{'balancing':<16}{'cross-entropy: first':>21}{'last':>7}{'max |EP - one device|: loss':>30}"
@@ -511,7 +512,8 @@ def bench(args: argparse.Namespace) -> None:
         diff = (outputs["all-to-all"] - outputs["all-gather"]).abs().max().item()
         print(f"MoE layer forward on {foundation.counted(world, 'rank')} ({dist.get_backend()}, "
               f"{device.type}): dim "
-              f"{args.bench_dim}, {args.experts} experts, top-{args.top_k}, {args.bench_tokens} tokens per "
+              f"{args.bench_dim}, {foundation.counted(args.experts, 'expert')}, top-{args.top_k}, "
+              f"{args.bench_tokens} tokens per "
               f"rank, {foundation.median_of(args, 'call')}; outputs differ by "
               f"{diff:.1e}.")
         sent, gathered = (float(traffic[name]) for name in dispatchers)

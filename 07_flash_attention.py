@@ -657,8 +657,8 @@ def demo(args: argparse.Namespace) -> None:
         for causal, (name, attn) in itertools.product((False, True), (("ours", flash), ("torch", _sdpa))):
             compare(f"{str(dtype)[6:]} {'causal' if causal else 'full'} {name}", partial(attn, causal=causal),
                     partial(exact, causal=causal), q, k, v, dout)
-    print(f"grouped-query attention: the {args.heads} query heads read one K/V head (its dK, dV sum "
-          f"over the {args.heads}):")
+    print(f"grouped-query attention, {foundation.counted(args.heads, 'query head')} on one K/V head (its dK, "
+          f"dV summed over them):")
     q, dout = (torch.randn(shape, generator=gen).to(device) for _ in range(2))
     k, v = (torch.randn(shape[0], 1, *shape[2:], generator=gen).to(device) for _ in range(2))
     for name, attn in (("ours", flash), ("torch", _sdpa)):
@@ -722,7 +722,8 @@ def bench(args: argparse.Namespace) -> None:
                "SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION), "cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION)}
     ratios = (("ours", "SDPA flash"), ("ours", "cuDNN"), ("Hopper", "cuDNN"))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"TFLOP/s, median of triton.testing.do_bench; {group} query heads per K/V head")
+          f"TFLOP/s, median of triton.testing.do_bench; {foundation.counted(group, 'query head')} per K/V "
+          f"head")
     print(f"{'head_dim':>8}{'seq':>7}{'causal':>7}{'pass':>8}" + "".join(f"{name:>12}" for name in kernels)
           + "".join(f"{f'{a} / {b}':>18}" for a, b in ratios))
     for head_dim, seq, causal in itertools.product(args.bench_head_dims, args.bench_seqs, (False, True)):

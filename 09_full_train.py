@@ -1185,7 +1185,8 @@ def check_run(job: Job) -> None:
         else:
             ref = foundation.train_single_device(cfg, steps, train.global_batch, train.seq_len, **{
                 k: getattr(train, k) for k in OPTIMIZER}, transform=reference_transform(train))
-        moe = train.moe and f"MoE {train.moe.n_experts} experts top-{train.moe.top_k} over ep={sizes.ep}; "
+        experts = train.moe and foundation.counted(train.moe.n_experts, "expert")
+        moe = train.moe and f"MoE {experts} top-{train.moe.top_k} over ep={sizes.ep}; "
         print(f"4D parallelism: {mesh_name(sizes)} on {foundation.counted(sizes.world, 'rank')} "
               f"({dist.get_backend()}, {device.type}); ZeRO-{train.zero_stage}, {train.schedule} with "
               f"{foundation.counted(train.microbatches, 'microbatch', 'microbatches')}, "
@@ -1736,26 +1737,29 @@ def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | Non
     first; the first refusal."""
     valid = []
     refusals = []
+    across_nodes = set()  # the tp of each mesh of the sizes given whose tp groups would span two nodes
     divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
     for tp, cp, pp in itertools.product(divisors, repeat=3):
-        sizes = MeshSizes(gpus // (tp * cp * pp), pp, cp, tp, ep)
-        if gpus % (tp * cp * pp) or cluster.gpus_per_node % tp:
+        if gpus % (tp * cp * pp):
             continue
+        sizes = MeshSizes(gpus // (tp * cp * pp), pp, cp, tp, ep)
         if any(fixed[d] not in (None, getattr(sizes, d)) for d in DIMS):
+            continue
+        if cluster.gpus_per_node % tp:
+            across_nodes.add(tp)
             continue
         try:
             valid.append(planned(cfg, sizes, train, cluster))
         except ValueError as error:
-            problems = str(error).replace(":\n  - ", ": ").replace("\n  - ", "; ")  # validate's list, one line
+            problems = str(error).replace(":\n  - ", ": ").replace("\n  - ", "; ")  # validate's list
             refusals.append(f"{mesh_name(sizes)}: {problems}")
     fitting = [v for v in valid if fullest(v[2]) <= cluster.gpu_memory * GIB]
     fitting.sort(key=lambda v: v[3]["step"])
     given = math.prod(size for size in fixed.values() if size)
-    if gpus % given:
-        none = f"the sizes given multiply to {given}, which does not divide {gpus} GPUs"
-    else:  # the sizes given leave a mesh but for tp: a tp of 1 would fit any node
-        none = (f"tp={fixed['tp']} does not divide --gpus-per-node {cluster.gpus_per_node}: "
-                f"a tp group stays in one node")
+    none = f"the sizes given multiply to {given}: no mesh of them has {gpus} GPUs"
+    if across_nodes:
+        none = (f"tp={', '.join(map(str, sorted(across_nodes)))} does not divide --gpus-per-node "
+                f"{cluster.gpus_per_node}: a tp group stays in one node")
     return valid, fitting, refusals[0] if refusals else none
 
 
@@ -1904,13 +1908,13 @@ def plan_report(job: Job) -> str:
     n_params = parameter_count(cfg, moe, skip=("lm_head.weight",) if cfg.tie_embeddings else ())
     mlp = f"ffn {cfg.ffn_dim}"
     if moe:
-        mlp = f"{moe.n_experts} experts of {moe.expert_ffn_dim}, top {moe.top_k}"
+        mlp = f"{foundation.counted(moe.n_experts, 'expert')} of {moe.expert_ffn_dim}, top {moe.top_k}"
     fp8_rate = f"FP8 x {cluster.speed[1]:.3g}" if cluster.fp8_tflops else "no FP8"
     scaled = "" if cluster.gpu == "h100-sxm" and cluster.speed[0] == 1 else (
         f"; the {cluster.gpu}'s datasheet peaks and power limit over the H100's: not measured on it")
     header = (f"{job.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, "
-              f"{foundation.counted(cfg.n_layers, 'layer')}, {cfg.n_heads} heads / {cfg.n_kv_heads} K/V, "
-              f"{mlp}, vocabulary {cfg.vocab_size:,}"
+              f"{foundation.counted(cfg.n_layers, 'layer')}, {foundation.counted(cfg.n_heads, 'head')} / "
+              f"{cfg.n_kv_heads} K/V, {mlp}, vocabulary {cfg.vocab_size:,}"
               f"{', tied' if cfg.tie_embeddings else ''}), bf16 + fp32 masters"
               f"{' + FP8 GEMMs' if train.fp8 else ''}; batch {train.global_batch:,} x {train.seq_len:,} "
               f"tokens; {on} of {memory:g} GiB ({cluster.gpu}), {cluster.gpus_per_node} per node.\n"

@@ -1162,6 +1162,12 @@ def test_a_step_that_was_never_saved_is_refused_naming_the_kept_ones(tmp_path):
     assert str(error.value) == (f"{tmp_path} holds no checkpoint of step 3 (complete ones: steps 2, 4); resume "
                                 f"from the last: --resume 4")
     assert zero.open_checkpoint(tmp_path, step=2)[1]["step"] == 2
+    shutil.rmtree(tmp_path / "step_00000004")  # one kept: "step", not "steps"
+    with pytest.raises(zero.CheckpointError, match=r"holds no checkpoint of step 3 \(complete ones: step 2\); "):
+        zero.open_checkpoint(tmp_path, step=3)
+    shutil.rmtree(tmp_path / "step_00000002")
+    with pytest.raises(zero.CheckpointError, match=r"holds no checkpoint of step 3 \(complete ones: none\)$"):
+        zero.open_checkpoint(tmp_path, step=3)
 
 
 def claim_and_try_again(folder: str) -> tuple[str, bool]:

@@ -2744,12 +2744,16 @@ def test_the_loss_reads_a_padded_vocabulary_shard():
     (["train", "--resume", "--no-save"], "--resume reads the checkpoint folder that --no-save turns off: drop --no-save"),
     (["check", "--ep", "2"], "--ep 2 is an option of an MoE model: add --moe"),  # it once made the model an MoE
     (["plan", "--model", "llama3-8b", "--experts", "8"], "--experts 8 is an option of an MoE model: add --moe"),
-    (["plan", "--model", "llama3-8b", "--gpus", "32", "--pp", "64"],
-     "the sizes given multiply to 64, which does not divide 32 GPUs"),
+    (["plan", "--model", "llama3-8b", "--gpus", "32", "--pp", "64"], "the sizes given multiply to 64: no mesh of them "
+                                                                     "has 32 GPUs"),
     (["plan", "--model", "llama3-8b", "--gpus", "16", "--tp", "16"],
      "tp=16 does not divide --gpus-per-node 8: a tp group stays in one node"),
-    (["plan", "--model", "llama3-8b", "--gpus", "64", "--pp", "64"],  # validate's list folded into one line
-     "dp=1 pp=64 cp=1 tp=1: invalid configuration: n_layers=32 cannot fill pp x virtual = 64 x 1 = 64 stages"),
+    (["plan", "--model", "llama3-8b", "--gpus", "16", "--dp", "1", "--pp", "1", "--cp", "1"],  # tp left: 16
+     "tp=16 does not divide --gpus-per-node 8: a tp group stays in one node"),
+    (["plan", "--model", "llama3-8b", "--gpus", "128", "--pp", "64", "--tp", "2", "--seq-len", "4095",
+      "--sequence-parallel"],  # validate's list, one line
+     "dp=1 pp=64 cp=1 tp=2: invalid configuration: n_layers=32 cannot fill pp x virtual = 64 x 1 = 64 stages: "
+     "every stage needs at least one layer; "),
 ])
 def test_model_and_gpu_refusals_are_one_line_exit_2(monkeypatch, capsys, argv, message):
     code, err, launched, out = run_main(monkeypatch, capsys, *argv)

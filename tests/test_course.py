@@ -170,7 +170,8 @@ def test_a_count_beside_its_noun_goes_through_counted(lesson):
     """A count the user sets (--nproc 1, --steps 1, --layers 1) printed before a plural noun read "1
     ranks", "1 AdamW steps", "1 microbatches"; 01's counted() makes the noun singular at one. A
     placeholder right before such a noun in a lesson's source is a count that went round it."""
-    nouns = "ranks|steps|AdamW steps|timed steps|microbatches|layers|rank files|processes|calls"
+    nouns = ("ranks|local ranks|steps|AdamW steps|timed steps|microbatches|layers|MoE layers|rank files|processes|"
+             "calls|buckets|all-reduces|heads|query heads|K/V heads|key-value heads|experts")
     found = [f"line {i}: {line.strip()}" for i, line in enumerate(lesson.read_text().splitlines(), 1)
              if re.search(rf"}} ({nouns})\b", line)]
     assert not found, found
