@@ -534,7 +534,7 @@ def launch(fn: Callable, *args, nproc: int) -> None:
             if process.is_alive():  # stuck in native code: no signal handler runs there
                 process.kill()
                 process.join()
-        print(f"interrupted: {counted(nproc, 'local rank')} stopped", file=sys.stderr)
+        print(f"interrupted: the {counted(nproc, 'local rank')} stopped", file=sys.stderr)
         raise SystemExit(130) from None
     except mp.ProcessExitedException as error:
         if error.exit_code > 0:  # it left through exit_distributed(error): its line says why
