@@ -549,12 +549,11 @@ def demo(args: argparse.Namespace) -> None:
                 ("Ulysses", "ulysses", True)]
     if h % cp or kv % cp:
         variants.pop()
-        say(f"(Ulysses left out: --heads {h} and --kv-heads {kv} must both be divisible by "
-            f"{foundation.counted(cp, 'rank')})")
+        say(f"(Ulysses left out: --heads {h} and --kv-heads {kv} must both be divisible by cp={cp})")
     say(f"Context parallelism on {foundation.counted(cp, 'rank')} ({dist.get_backend()}, {device.type}).\n\n"
-        f"max |difference| "
-        f"from full attention in float64 (fp32, causal; batch {b}, {foundation.counted(h, 'query head')} "
-        f"reading {foundation.counted(kv, 'K/V head')}, seq {s}, head dim {d}):")
+        f"max |difference| from full attention in float64 (fp32, causal; batch {b}, "
+        f"{foundation.counted(h, 'query head')} reading {foundation.counted(kv, 'K/V head')}, seq {s}, "
+        f"head dim {d}):")
     say(f"  {'':<20}" + "".join(f"{n:>10}" for n in ("out", "lse", "dq", "dk", "dv")))
     inputs = attention_inputs(b, h, s, d, seed=0, dtype=torch.float64, device=device, kv_heads=kv)
     reference = outputs_and_grads(lambda q, k, v: naive_attention(q, k, v, True), *inputs)
@@ -597,9 +596,8 @@ def demo(args: argparse.Namespace) -> None:
 
     cfg = foundation.ModelConfig(n_heads=h, n_kv_heads=kv, seed=1)
     say(f"\nthe whole GPT ({foundation.counted(cfg.n_layers, 'layer')}, {h} query / "
-        f"{foundation.counted(kv, 'K/V head')}), "
-        f"batch {args.global_batch} x seq {s}, {foundation.counted(args.steps, 'AdamW step')}, "
-        f"against one device:")
+        f"{foundation.counted(kv, 'K/V head')}), batch {args.global_batch} x seq {s}, "
+        f"{foundation.counted(args.steps, 'AdamW step')}, against one device:")
     ref = None if rank else foundation.train_single_device(cfg, args.steps, args.global_batch, s,
                                                            device=device)
     for name, method, zigzag in variants:

@@ -425,12 +425,10 @@ def demo(args: argparse.Namespace) -> None:
         runs[name] = (moe_cfg, parallel, meter, train_moe(**train)[0] if rank == 0 else None)
     if rank == 0:
         print(f"Expert parallelism over {foundation.counted(world, 'rank')} ({dist.get_backend()}, "
-              f"{device.type}): "
-              f"{foundation.counted(args.experts, 'expert')} ({args.experts // world} per rank), "
-              f"top-{args.top_k}, capacity factor {capacity or 'none (dropless)'}; "
-              f"{foundation.counted(cfg.n_layers, 'MoE layer')}, "
-              f"{args.global_batch} x {args.seq_len} tokens per step, "
-              f"{foundation.counted(args.steps, 'AdamW step')}.\n")
+              f"{device.type}): {foundation.counted(args.experts, 'expert')} ({args.experts // world} per "
+              f"rank), top-{args.top_k}, capacity factor {capacity or 'none (dropless)'}; "
+              f"{foundation.counted(cfg.n_layers, 'MoE layer')}, {args.global_batch} x {args.seq_len} tokens "
+              f"per step, {foundation.counted(args.steps, 'AdamW step')}.\n")
         print(f"{'balancing':<16}{'cross-entropy: first':>21}{'last':>7}{'max |EP - one device|: loss':>30}"
               f"{'step-0 grads':>14}{'params':>10}")
         for name, (moe_cfg, parallel, _, single) in runs.items():
@@ -441,8 +439,7 @@ def demo(args: argparse.Namespace) -> None:
         windows = slice(0, width), slice(args.steps - width, args.steps)
         print(f"\nFirst -> last {foundation.counted(width, 'step')}: imbalance max/mean tokens per expert "
               f"(layer 0/1), layer 0's tokens per expert (last steps), dropped assignments per step and "
-              f"layer (of "
-              f"{args.global_batch * args.seq_len * args.top_k}), aux loss:")
+              f"layer (of {args.global_batch * args.seq_len * args.top_k}), aux loss:")
         differ = []
         for name, (_, parallel, _, single) in runs.items():
             load = [torch.tensor(parallel.load[w]).sum(0) for w in windows]  # (layer, expert) each
@@ -511,11 +508,9 @@ def bench(args: argparse.Namespace) -> None:
     if rank == 0:
         diff = (outputs["all-to-all"] - outputs["all-gather"]).abs().max().item()
         print(f"MoE layer forward on {foundation.counted(world, 'rank')} ({dist.get_backend()}, "
-              f"{device.type}): dim "
-              f"{args.bench_dim}, {foundation.counted(args.experts, 'expert')}, top-{args.top_k}, "
-              f"{args.bench_tokens} tokens per "
-              f"rank, {foundation.median_of(args, 'call')}; outputs differ by "
-              f"{diff:.1e}.")
+              f"{device.type}): dim {args.bench_dim}, {foundation.counted(args.experts, 'expert')}, "
+              f"top-{args.top_k}, {args.bench_tokens} tokens per rank, {foundation.median_of(args, 'call')}; "
+              f"outputs differ by {diff:.1e}.")
         sent, gathered = (float(traffic[name]) for name in dispatchers)
         print(f"  bytes leaving rank 0: all-to-all {sent:,.0f}, all-gather {gathered:,.0f}, ratio "
               f"{sent / gathered:.3f} (k/ep = {args.top_k / world:.3f} without drops, plus the counts)")

@@ -722,8 +722,7 @@ def bench(args: argparse.Namespace) -> None:
                "SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION), "cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION)}
     ratios = (("ours", "SDPA flash"), ("ours", "cuDNN"), ("Hopper", "cuDNN"))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"TFLOP/s, median of triton.testing.do_bench; {foundation.counted(group, 'query head')} per K/V "
-          f"head")
+          f"TFLOP/s, median of do_bench; {foundation.counted(group, 'query head')} per K/V head")
     print(f"{'head_dim':>8}{'seq':>7}{'causal':>7}{'pass':>8}" + "".join(f"{name:>12}" for name in kernels)
           + "".join(f"{f'{a} / {b}':>18}" for a, b in ratios))
     for head_dim, seq, causal in itertools.product(args.bench_head_dims, args.bench_seqs, (False, True)):
