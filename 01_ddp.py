@@ -250,16 +250,20 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len: int,
                         lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
-                        mixed_precision: bool = False, device: torch.device | str = "cpu",
+                        mixed_precision: bool = False, bf16_optimizer: bool = False,
+                        device: torch.device | str = "cpu",
                         transform: Callable[[nn.Module], nn.Module] | None = None,
                         progress: str | None = None) -> TrainResult:
     """The reference every lesson's parallel run must equal: one process, the whole global batch per
-    step, torch's clip_grad_norm_ (at inf it scales by exactly 1) and AdamW. mixed_precision: a bf16
-    model computes, AdamW updates fp32 masters of the initial values, rounded back into the model
-    after each step (as lesson 02's ZeRO). `transform` rewrites the model first (08: FP8 linears, 09:
-    MoE MLPs; frozen parameters get no update, as in AdamW); `progress` labels a tqdm bar."""
+    step, torch's clip_grad_norm_ (its two halves: the norm of fp32 gradients, then the scaling; at inf
+    it scales by exactly 1) and AdamW. mixed_precision: a bf16 model computes, AdamW updates fp32
+    masters of the initial values, rounded back into the model after each step (as lesson 02's ZeRO);
+    bf16_optimizer: AdamW updates the bf16 parameters themselves, its moments bf16. `transform` rewrites
+    the model first (08: FP8 linears, 09: MoE MLPs; frozen parameters get no update, as in AdamW);
+    `progress` labels a tqdm bar."""
     model = (transform(GPT(cfg)) if transform else GPT(cfg)).to(device)
-    masters = [nn.Parameter(p.detach().clone()) if mixed_precision else p for p in model.parameters()]
+    fp32_masters = mixed_precision and not bf16_optimizer
+    masters = [nn.Parameter(p.detach().clone()) if fp32_masters else p for p in model.parameters()]
     if mixed_precision:
         model.to(torch.bfloat16)
     optimizer = make_optimizer(nn.ParameterList(masters), lr, adam_eps)
@@ -273,8 +277,10 @@ def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len
             result.first_grads = cpu_copy((n, p.grad) for n, p in model.named_parameters()
                                           if p.grad is not None)
         for master, p in zip(masters, model.parameters(), strict=True):
-            master.grad = None if p.grad is None else p.grad.float()
-        result.grad_norms.append(nn.utils.clip_grad_norm_(masters, max_grad_norm).item())
+            master.grad = None if p.grad is None else p.grad.to(master.dtype)
+        norm = nn.utils.get_total_norm([m.grad.float() for m in masters if m.grad is not None])
+        nn.utils.clip_grads_with_norm_(masters, max_grad_norm, norm)
+        result.grad_norms.append(norm.item())
         optimizer.step()
         with torch.no_grad():
             for master, p in zip(masters, model.parameters(), strict=True):

@@ -39,7 +39,9 @@ squared norms (one scalar all-reduce). Clipping each shard by its own norm is th
 
 COST per rank for Psi parameters, P and G bytes per parameter and gradient element, K bytes of
 optimizer state per parameter (mixed precision: bf16 P = G = 2, fp32 master weights, momentum and
-variance K = 12; plain fp32: P = G = 4, K = 8, the fp32 parameters being their own master):
+variance K = 12; plain fp32: P = G = 4, K = 8, the fp32 parameters being their own master; BF16
+AdamW, bf16_optimizer: the bf16 parameters are their own master, the moments bf16 too, K = 4, and an
+update below a parameter's last bit, 2^-8 of it, is lost, as weight decay's lr x 0.1 always is):
     memory, stage 0: (P + G + K) Psi     stage 1: (P + G) Psi + K Psi / N
             stage 2: P Psi + (G + K) Psi / N     stage 3: (P + G + K) Psi / N
 The paper's example, Psi = 7.5B, N = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.88 GB.
@@ -143,27 +145,34 @@ def padded_size(numel: int, n: int) -> int:
     return -(-numel // n) * n
 
 
-def zero_memory_formula(padded: int, units: int, n: int, stage: int,
-                        mixed_precision: bool) -> dict[str, Fraction]:
+def zero_memory_formula(padded: int, units: int, n: int, stage: int, mixed_precision: bool,
+                        bf16_optimizer: bool = False) -> dict[str, Fraction]:
     """What a ZeRO below holds per rank for `units` flat vectors of `padded` elements in all: COST's
-    formula (fp32 or mixed precision, with its fp32 masters) plus AdamW's step counter per unit."""
-    size, master = (2, 4) if mixed_precision else (4, 0)
-    formula = zero_memory_per_rank(padded, n, stage, size, size, master + ADAM_MOMENT_BYTES)
+    formula (fp32, mixed precision with its fp32 masters, or BF16 AdamW) plus AdamW's step counter per
+    unit."""
+    size = 2 if mixed_precision else 4
+    if bf16_optimizer:  # two bf16 moments; the bf16 parameters are their own master
+        state = 2 * 2
+    else:  # two fp32 moments, and beside bf16 parameters an fp32 master
+        state = ADAM_MOMENT_BYTES + 4 * mixed_precision
+    formula = zero_memory_per_rank(padded, n, stage, size, size, state)
     formula["optimizer"] += STEP_COUNTER_BYTES * units
     return formula
 
 
-def zero_transient_bytes(psi: int, unit: int, n: int, stage: int, mixed_precision: bool) -> tuple[int, int]:
+def zero_transient_bytes(psi: int, unit: int, n: int, stage: int, mixed_precision: bool,
+                         bf16_optimizer: bool = False) -> tuple[int, int]:
     """The most one ZeRO holds beyond zero_memory_formula: (in backward, at the step). Backward: stage 3's
     gathered unit and the one prefetched, a unit's full gradient and the one before it in its send buffer
     (stage 2: those two), `unit` elements each; stage 1's reduce-scatter output, made as backward
     completes each unit (the head's first, while the activations are still held). The step: the shard's
-    gradient as fp32 (mixed precision), stage 1's output. Fused AdamW (on a GPU) makes no temporaries
-    (foreach: 4 B an element)."""
+    gradient as fp32 (mixed precision with fp32 masters), stage 1's output. Fused AdamW (on a GPU) makes no
+    temporaries (foreach: 4 B an element)."""
     g = 2 if mixed_precision else 4
     shard = psi if stage == 0 else -(-psi // n)
     output = g * shard * (stage == 1)
-    return 2 * g * unit * ((stage >= 2) + (stage == 3)) + output, 4 * mixed_precision * shard + output
+    fp32_copy = 4 * shard * (mixed_precision and not bf16_optimizer)
+    return 2 * g * unit * ((stage >= 2) + (stage == 3)) + output, fp32_copy + output
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
@@ -205,7 +214,7 @@ class FlatUnit:
     """A unit's parameters as one flat vector (see UNITS), by stage full or sharded (see COST)."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], world: int, rank: int, stage: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, master_dtype: torch.dtype = torch.float32) -> None:
         self.names, self.params = map(list, zip(*named))
         self.shapes = [p.shape for p in self.params]
         self.offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
@@ -222,9 +231,9 @@ class FlatUnit:
         else:  # only the shard persists; `gathered` holds the full parameters around each use
             self.shard = full[self.owned].to(dtype, copy=True)
             self.release()
-        # fp32: the parameters are their own master (an alias, no copy). Mixed precision: an fp32
-        # copy of the shard, taken from the fp32 initial values, never from their bf16 rounding.
-        self.master = nn.Parameter(self.shard if dtype == torch.float32 else full[self.owned].clone())
+        # The parameters in the master's dtype are their own master (an alias, no copy). Mixed precision:
+        # an fp32 copy of the shard, taken from the fp32 initial values, never from their bf16 rounding.
+        self.master = nn.Parameter(self.shard if dtype == master_dtype else full[self.owned].clone())
         if stage < 2:  # gradients accumulate in place into views of one full flat buffer
             self.flat_grad = torch.zeros(self.padded, dtype=dtype, device=full.device)
             for p, view in zip(self.params, self.views(self.flat_grad), strict=True):
@@ -284,7 +293,7 @@ class ZeRO:
 
     def __init__(self, model: nn.Module, stage: int, group=None, *, lr: float = 1e-3,
                  adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
-                 mixed_precision: bool = False, prefetch: bool = True,
+                 mixed_precision: bool = False, bf16_optimizer: bool = False, prefetch: bool = True,
                  owns: Callable[[nn.Parameter], bool] | None = None) -> None:
         """owns: shard only the parameters it accepts (lesson 09 gives an MoE's experts, which
         differ between the ranks of `group`, a ZeRO of their own over another group); the caller
@@ -292,6 +301,9 @@ class ZeRO:
         validate_stage(stage)  # every check before the first collective: no rank is left waiting
         if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0")
+        if bf16_optimizer and not mixed_precision:
+            raise ValueError("bf16_optimizer keeps AdamW's state in the bf16 of mixed precision's "
+                             "parameters: it needs mixed_precision=True")
         owned = owns or (lambda p: True)
         units = unit_parameters(model, owned)
         if not units:
@@ -314,7 +326,9 @@ class ZeRO:
         self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and owned(p)]
         for _, p in self.frozen:
             p.data = p.data.to(self.dtype)
-        self.units = [self.unit_type(named, self.world, rank, stage, self.dtype) for _, named in units]
+        master_dtype = self.dtype if bf16_optimizer else torch.float32
+        self.units = [self.unit_type(named, self.world, rank, stage, self.dtype, master_dtype)
+                      for _, named in units]
         # AdamW is elementwise: torch's own, run on the shards, is the unsharded update restricted
         # to this rank's elements (lesson 01's settings: one place to change them).
         masters = nn.ParameterList(u.master for u in self.units)
@@ -449,7 +463,7 @@ class ZeRO:
         """Clip by the global gradient norm, AdamW on the shards, refresh the compute parameters.
         squares: the squared norm over a larger model than this one (default grad_squares()).
         Returns the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
-        grads = [u.grad_shard.float() for u in self.units]  # fp32: the same tensors, no copy
+        grads = [u.grad_shard.to(u.master.dtype) for u in self.units]  # the same tensors where dtypes match
         norm = (self.grad_squares() if squares is None else squares).sqrt()
         scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s rule
         for unit, grad in zip(self.units, grads, strict=True):
@@ -494,7 +508,8 @@ class ZeRO:
     def memory_formula(self) -> dict[str, Fraction]:
         """The paper's formula on the padded parameter count, plus AdamW's step counters."""
         formula = zero_memory_formula(sum(u.padded for u in self.units), len(self.units), self.world,
-                                      self.stage, self.dtype != torch.float32)
+                                      self.stage, self.dtype != torch.float32,
+                                      self.units[0].master.dtype != torch.float32)
         formula["params"] += sum(p.nbytes for _, p in self.frozen)  # whole on every rank
         return formula
 
@@ -532,7 +547,7 @@ class ZeRO:
         """This rank's shards, one {kind: values of unit.owned} per unit, as load_checkpoint reads them."""
         for unit, values in zip(self.units, shards, strict=True):
             unit.master.copy_(values["params"])
-            moments = {key: values[key].to(unit.master.device).clone() for key in ADAM_KEYS}
+            moments = {key: values[key].to(unit.master, copy=True) for key in ADAM_KEYS}  # its device, dtype
             self.optimizer.state[unit.master] = {"step": torch.tensor(float(step)), **moments}
             self._refresh_compute_params(unit)
 
@@ -546,8 +561,9 @@ class ZeroResult(foundation.TrainResult):
 
 def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq_len: int, *, stage: int,
                lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
-               mixed_precision: bool = False, prefetch: bool = True, folder: str | None = None,
-               resume_after: int | None = None, group=None, device: torch.device | str = "cpu",
+               mixed_precision: bool = False, bf16_optimizer: bool = False, prefetch: bool = True,
+               folder: str | None = None, resume_after: int | None = None, group=None,
+               device: torch.device | str = "cpu",
                transform: Callable | None = None) -> tuple[ZeroResult, "foundation.CommMeter"]:
     """Train on this rank's slice of the global batches 01's train_single_device sees (transform: as
     there; its clipping and mixed precision are ZeRO's one-device twin). folder: save a checkpoint
@@ -565,7 +581,7 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
         model = foundation.GPT(cfg)
         model = (transform(model) if transform else model).to(device)
         return model, ZeRO(model, stage, group, lr=lr, adam_eps=adam_eps, max_grad_norm=max_grad_norm,
-                           mixed_precision=mixed_precision, prefetch=prefetch)
+                           mixed_precision=mixed_precision, bf16_optimizer=bf16_optimizer, prefetch=prefetch)
 
     model, zero = build()
     result = ZeroResult([], {}, {})
@@ -1073,38 +1089,38 @@ def load_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | Non
 
 # --- RUN IT: the demo, the benchmark, the command line -----------------------------------------------------
 def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
-    label = {False: "fp32     ", True: "bf16+fp32"}
     columns = ("loss", "grads", "params", "exp_avg", "exp_avg_sq")
     print(f"max |difference| from one device (AdamW + clip_grad_norm_), "
           f"{foundation.counted(steps, 'step')}:\n"
           f"  {'run':<16}" + "".join(f"{c:>11}" for c in columns))
-    for (mixed, stage), (result, _) in runs.items():
-        ref = references[mixed]  # result.params is result.state["params"], and ref's the same
+    for (precision, stage), (result, _) in runs.items():
+        ref = references[precision]  # result.params is result.state["params"], and ref's the same
         diffs = [*result.max_differences(ref), *(foundation.max_abs_diff(result.state[k], ref.state[k])
                                                   for k in ADAM_KEYS)]
-        print(f"  {label[mixed]} ZeRO-{stage}" + "".join(f"{d:>11.1e}" for d in diffs))
+        print(f"  {precision:<9} ZeRO-{stage}" + "".join(f"{d:>11.1e}" for d in diffs))
     print("  (fp32: the same sums in another order. bf16: gradients rounded to 8 bits after sums in\n"
-          "   another order; Adam turns that into lr-sized moves of the few elements whose gradient is ~0)")
+          "   another order; Adam turns that into lr-sized moves of the few elements whose gradient is ~0.\n"
+          "   bf16+bf16, BF16 AdamW: an update under a weight's last bit, 2^-8 of it, is lost on both)")
     print("\nThe paper's table, GB per rank: Psi = 7.5B, N = 64, P = G = 2 (fp16), K = 12:")
     for stage in STAGES:
         mem = zero_memory_per_rank(7_500_000_000, 64, stage)
         print(f"  ZeRO-{stage} {float(sum(mem.values())) / 1e9:7.2f} GB = "
               + " + ".join(f"{float(v) / 1e9:.2f} {k}" for k, v in mem.items()))
-    psi = sum(t.numel() for t in references[False].params.values())
-    padded = runs[False, 0][0].stats["padded_params"]
+    psi = sum(t.numel() for t in references["fp32"].params.values())
+    padded = runs["fp32", 0][0].stats["padded_params"]
     print(f"\nThe tiny model on {foundation.counted(world, 'rank')}: {psi:,} parameters, padded module by "
           f"module to {padded:,}.\n"
           f"Bytes one rank holds after a step, live tensors' storages | formula on the padded count "
           f"(+ {STEP_COUNTER_BYTES} B per module: AdamW's step):")
-    for (mixed, stage), (result, _) in runs.items():
+    for (precision, stage), (result, _) in runs.items():
         cells = "  ".join(f"{k} {result.held[k]:>9,}|{int(result.formula[k]):<9,}" for k in result.held)
         same = "equal" if result.held == result.formula else "DIFFERENT"
-        print(f"  {label[mixed]} ZeRO-{stage}  {cells} {same}")
+        print(f"  {precision:<9} ZeRO-{stage}  {cells} {same}")
     ddp_bytes = foundation.ring_traffic("all_reduce", 4 * padded, world)  # DDP over the same padded buffers
     print(f"\nTraffic per rank per step, fp32, ring (DDP: 2(N-1)/N x 4 B x padded Psi = "
           f"{float(ddp_bytes):,.0f} B):")
     for stage in STAGES:
-        meter = runs[False, stage][1]
+        meter = runs["fp32", stage][1]
         formula = zero_traffic_per_step(padded, world, stage, 4, 4)
         measured = {op: meter.traffic(op) / steps for op in formula}
         norm = meter.traffic("all_reduce") / steps - formula.get("all_reduce", 0)
@@ -1112,7 +1128,7 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
         print(f"  ZeRO-{stage}  " + ", ".join(f"{op} {float(v):,.0f} B" for op, v in measured.items())
               + f" {'=' if measured == formula else '!='} formula{ratio}"
               + (f"; + {float(norm):.0f} B all-reduced for the gradient norm" if stage else ""))
-    stats = runs[False, 3][0].stats
+    stats = runs["fp32", 3][0].stats
     print(f"\nZeRO-3 gathers {stats['units']} modules one at a time: {stats['prefetched_gathers']} of "
           f"{2 * stats['units'] * steps} gathers were prefetched (launched while the module before "
           f"computed);\nup to {stats['max_gathers_in_flight']} in flight at once.")
@@ -1149,8 +1165,13 @@ def print_checkpoint(cfg: foundation.ModelConfig, folder: str, saved: dict, repo
 DEMO_MODEL = dict(vocab_size=125, dim=66, n_heads=3, ffn_dim=177)
 
 
+# The demo's precisions: compute + AdamW's master weights and moments
+PRECISIONS = {"fp32": {}, "bf16+fp32": dict(mixed_precision=True),
+              "bf16+bf16": dict(mixed_precision=True, bf16_optimizer=True)}
+
+
 def demo(args: argparse.Namespace) -> None:
-    """Every stage, fp32 and mixed precision, beside one device; the fp32 ZeRO-3 run saves its last
+    """Every stage in each of PRECISIONS beside one device; the fp32 ZeRO-3 run saves its last
     step, which ZeRO-1 on half the ranks and one device's model load, each reading what it holds."""
     device = foundation.init_distributed()
     rank = dist.get_rank()
@@ -1159,10 +1180,10 @@ def demo(args: argparse.Namespace) -> None:
     shape = (cfg, args.steps, args.global_batch, args.seq_len)
     kwargs = dict(max_grad_norm=args.max_grad_norm, device=device)
     folder = foundation.all_ranks(tempfile.mkdtemp(prefix="02_zero.") if rank == 0 else None)[0]  # one host
-    runs = {(mixed, stage): train_zero(*shape, stage=stage, mixed_precision=mixed, **kwargs,
-                                       folder=folder if (mixed, stage) == (False, 3) else None)
-            for mixed in (False, True) for stage in STAGES}
-    saved = runs[False, 3][0].state
+    runs = {(precision, stage): train_zero(*shape, stage=stage, **settings, **kwargs,
+                                           folder=folder if (precision, stage) == ("fp32", 3) else None)
+            for precision, settings in PRECISIONS.items() for stage in STAGES}
+    saved = runs["fp32", 3][0].state
     half = max(1, world // 2)
     group = dist.new_group(list(range(half)))
     report = None
@@ -1175,8 +1196,8 @@ def demo(args: argparse.Namespace) -> None:
         report = (reader.bytes_read, 4 * len(CHECKPOINT_KINDS) * elements, same)
     reports = foundation.all_ranks(report, dst=0)
     if rank == 0:
-        references = {mixed: foundation.train_single_device(*shape, mixed_precision=mixed, **kwargs)
-                      for mixed in (False, True)}
+        references = {precision: foundation.train_single_device(*shape, **settings, **kwargs)
+                      for precision, settings in PRECISIONS.items()}
         print(f"ZeRO on {foundation.counted(world, 'rank')} ({dist.get_backend()}, {device.type}); "
               f"global batch "
               f"{args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")
@@ -1252,19 +1273,23 @@ def main() -> None:
 
 
 # --- For lesson 09's plan: ZeRO's own memory passes and its exposed seconds (no demo here reads them) -------
-def zero_step_bytes(psi: int, n: int, stage: int, microbatches: int, mixed_precision: bool) -> int:
+def zero_step_bytes(psi: int, n: int, stage: int, microbatches: int, mixed_precision: bool,
+                    bf16_optimizer: bool = False) -> int:
     """Memory traffic of ZeRO's own passes on one rank per step, outside the collectives, each pass
     reading and writing its tensors once (lesson 09 prices it at the HBM's bandwidth); G = 2 mixed,
     4 fp32. On the psi full gradients: each microbatch's added into .grad (3 G; stages 2-3 keep the
     first one), then zeroed (stages 0-1: G) or flattened to send (2-3: 2 G). On the shard (psi / n;
-    stage 0: psi): / n (2 G), the norm (G), the fp32 copy and clip (mixed: G + 4 + 8; fp32 in place:
-    8), fused AdamW (reads the fp32 master, moments and gradient, writes three: 28), the bf16 copy
-    of the master (mixed: 4 + 2), and stages 1-2's copy of the shard sent to the all-gather (2 G)."""
+    stage 0: psi): / n (2 G), the norm (G), the fp32 copy and clip (mixed: G + 4 + 8; in place: 2 G),
+    fused AdamW (reads the fp32 master, moments and gradient, writes three: 28; BF16 AdamW: 14), the
+    bf16 copy of the fp32 master (mixed: 4 + 2), and stages 1-2's copy of the shard sent to the
+    all-gather (2 G)."""
     g = 2 if mixed_precision else 4
+    fp32_master = mixed_precision and not bf16_optimizer  # beside the bf16 parameters
     shard = psi if stage == 0 else -(-psi // n)
     full = 3 * g * (microbatches - (stage >= 2)) + g * (1 + (stage >= 2))
-    clip = g + 12 if mixed_precision else 8
-    step = 3 * g + clip + 28 + 6 * mixed_precision + 2 * g * (stage in (1, 2) and n > 1)
+    clip = g + 12 if fp32_master else 2 * g
+    adam = 14 if bf16_optimizer else 28
+    step = 3 * g + clip + adam + 6 * fp32_master + 2 * g * (stage in (1, 2) and n > 1)
     return full * psi + step * shard
 
 

@@ -86,7 +86,7 @@ MB_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"  # one character per microbatc
 
 # --- Cutting the reference model into stages ---------------------------------------------------------------
 def validate_pipeline(n_layers: int, pp: int, global_batch: int, microbatches: int, schedule: str,
-                      virtual: int) -> None:
+                      virtual: int, ends_as_layers: bool = False) -> None:
     """Raised identically on every rank before any send, so no rank is left waiting."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} must be one of {SCHEDULES}")
@@ -97,6 +97,10 @@ def validate_pipeline(n_layers: int, pp: int, global_batch: int, microbatches: i
     if n_layers < pp * virtual:
         raise ValueError(f"n_layers={n_layers} cannot fill pp x virtual = {pp} x {virtual} = "
                          f"{pp * virtual} stages: every stage needs at least one layer")
+    if ends_as_layers and n_layers + 2 < 2 * pp * virtual:
+        raise ValueError(f"ends_as_layers: the embedding and the head take a layer's place, and n_layers "
+                         f"+ 2 = {n_layers + 2} places cannot give the first and last of {pp * virtual} "
+                         f"stages a layer")
     if global_batch % microbatches:
         raise ValueError(f"global_batch={global_batch} is not divisible by microbatches={microbatches}")
     if schedule == "interleaved" and microbatches % pp:
@@ -104,21 +108,27 @@ def validate_pipeline(n_layers: int, pp: int, global_batch: int, microbatches: i
                          f"microbatches={microbatches} is not a multiple of pp={pp}")
 
 
-def stage_layers(n_layers: int, n_stages: int) -> list[range]:
-    """Balanced by layers; the first stages take the remainder (the last one also has the head)."""
+def stage_layers(n_layers: int, n_stages: int, ends_as_layers: bool = False) -> list[range]:
+    """Balanced by layers; the first stages take the remainder (the last one also has the head).
+    ends_as_layers: the embedding and the head each take a layer's place (Megatron's
+    account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split), so the first and
+    last stages hold a layer less and their extra activations (the embedding's output, the logits) fit."""
+    if ends_as_layers:  # place 0 is the embedding, place n_layers + 1 the head
+        places = stage_layers(n_layers + 2, n_stages)
+        return [range(max(p.start - 1, 0), min(p.stop - 1, n_layers)) for p in places]
     base, extra = divmod(n_layers, n_stages)
     starts = [s * base + min(s, extra) for s in range(n_stages + 1)]
     return [range(begin, end) for begin, end in zip(starts, starts[1:])]
 
 
-def cut_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+def cut_stage(model: nn.Module, stage: int, n_stages: int, ends_as_layers: bool = False) -> nn.Module:
     """In place: keep this stage's modules of a whole GPT, however transformed before (lesson 09
     cuts a tensor- and context-parallel model); the rest are set to None or deleted, so its
     parameters keep the reference names and values (initialisation ran on the whole model). A
     parameter that two stages would hold (a tied embedding and LM head) or that no stage owns (one
     on the model itself) would train apart on each copy, silently: refused, on every rank alike,
     before any collective."""
-    layers = stage_layers(model.cfg.n_layers, n_stages)
+    layers = stage_layers(model.cfg.n_layers, n_stages, ends_as_layers)
     if n_stages > 1:  # embed on the first stage, a layer on its own, norm and lm_head on the last
         home = {"embed": 0, "norm": n_stages - 1, "lm_head": n_stages - 1,
                 **{f"layers.{i}": s for s, held in enumerate(layers) for i in held}}

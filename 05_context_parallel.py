@@ -320,7 +320,11 @@ class RingAttention(torch.autograd.Function):
                                              kv[1][:, :, cols], q_off, k_off, masked)
                 out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows],
                                                                   part_out.float(), part_lse.double())
-        ctx.save_for_backward(q, k, v, out, lse)
+        # Kept for backward: the output as the caller gets it, and the lse one precision above the
+        # compute's, float64 beside fp32 (the proofs' large scores need it) and fp32 beside bf16, where
+        # bf16's own rounding (2^-8) dwarfs fp32's (FlashAttention's and Transformer Engine's saves).
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse if q.dtype == torch.float32 else lse.float())
         ctx.args = (group, layout, causal, block, compute)
         ctx.set_materialize_grads(False)  # an unused out or lse gets None, not zeros
         return out.to(q.dtype), lse.float()
@@ -434,10 +438,12 @@ def attention_bytes(method: str, q_elems: int, kv_elems: int, cp: int, elem_byte
     return dict(forward=per_pass, backward=per_pass)
 
 
-def ring_saved_bytes(q_elems: int, lse_elems: int) -> int:
-    """What RingAttention keeps for backward beyond q, k, v: the merged output in fp32 (q's elements) and
-    the lse in float64 (one per query head and token); 03's activation formula takes it (attention_saves)."""
-    return 4 * q_elems + 8 * lse_elems
+def ring_saved_bytes(q_elems: int, lse_elems: int, elem_bytes: int = 4) -> int:
+    """What RingAttention keeps for backward beyond q, k, v: the merged output as returned (q's elements,
+    elem_bytes each) and the lse (one per query head and token) in float64 beside fp32, fp32 beside
+    bf16; 03's activation formula takes it (attention_saves)."""
+    lse_bytes = 8 if elem_bytes == 4 else 4
+    return elem_bytes * q_elems + lse_bytes * lse_elems
 
 
 # --- The whole model under context parallelism -------------------------------------------------------------

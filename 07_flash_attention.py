@@ -535,7 +535,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 def flash_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
     """dq, dk, dv of one block from the ring's global out and lse: the backward kernels as they are."""
     return flash_attention_backward(q, k, v, out, lse, dout, dlse, causal=causal, q_offset=q_offset,
-                                    k_offset=k_offset)  # out in fp32: its delta stays exact
+                                    k_offset=k_offset)  # out as the ring keeps it (05: the returned one)
 
 
 # Lesson 05's ring (and Ulysses) with these kernels as its block attention: lesson 09 uses it on a GPU.

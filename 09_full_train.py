@@ -126,7 +126,8 @@ STEP_PARTS = ("forward", "backward", "gradient sync", "optimizer")  # record_fun
 option = foundation.option  # 01's: a dataclass field that is also the option --field-name, its rule beside it
 STEPPING = ("check", "train")  # the sub-commands that take optimizer steps (an option's default: all)
 TRAIN = ("train",)
-OPTIMIZER = ("lr", "adam_eps", "max_grad_norm", "mixed_precision")  # what 02's ZeRO and 01's reference take
+# what 02's ZeRO and 01's reference take
+OPTIMIZER = ("lr", "adam_eps", "max_grad_norm", "mixed_precision", "bf16_optimizer")
 
 
 # --- The mesh: sizes, coordinates and every group -------------------------------------------------
@@ -215,6 +216,13 @@ def mesh_name(sizes: MeshSizes) -> str:
     return " ".join(f"{d}={getattr(sizes, d)}" for d in DIMS) + (f" ep={sizes.ep}" if sizes.ep > 1 else "")
 
 
+def precision_name(train: "TrainConfig") -> str:
+    """What the run computes in, and what AdamW updates."""
+    if not train.mixed_precision:
+        return "fp32"
+    return "bf16 + BF16 AdamW" if train.bf16_optimizer else "bf16 + fp32 masters"
+
+
 # --- The configuration: the training, the run, and the Job a command makes of its options ---------
 @dataclass(frozen=True)
 class TrainConfig:
@@ -229,6 +237,9 @@ class TrainConfig:
     schedule: str = option("1f1b", "lesson 04's pipeline schedule", choices=pipeline.SCHEDULES)
     microbatches: int = option(1, "microbatches per step", ">= 1")
     virtual: int = option(1, "pipeline stages per rank (interleaved 1F1B)", ">= 1")
+    ends_as_layers: bool = option(False, "04's cut counts the embedding and the head as a layer each: the "
+                                  "first and last stages hold a layer less (Megatron's account_for_embedding_"
+                                  "in_pipeline_split and account_for_loss_in_pipeline_split)")
     sequence_parallel: bool = option(False, "lesson 03's SP in the tp groups")
     fp8: bool = option(False, "lesson 08's Float8Linear layers")
     lr: float = option(1e-3, "peak learning rate", "> 0", STEPPING)
@@ -236,6 +247,9 @@ class TrainConfig:
     max_grad_norm: float = option(math.inf, "clip the mesh's gradient norm (inf: none)", "> 0", STEPPING)
     moe: "expert_parallel.MoEConfig | None" = None  # every MLP an MoE layer (lesson 06)
     mixed_precision: bool = option(False, "bf16 compute, fp32 masters", commands=STEPPING, option="--bf16")
+    bf16_optimizer: bool = option(False, "02's BF16 AdamW: the bf16 parameters are their own master, the "
+                                  "moments bf16 (4 B a parameter, not 12; an update under 2^-8 of a weight "
+                                  "is lost)")
     recompute: str = option("none", "activation recompute (03): selective = attention's inside, full = each "
                             "block", choices=tensor_parallel.RECOMPUTE_MODES)
     lean_saves: bool = option(True, "03's lean saves: norms and SwiGLU keep their inputs, SP's linears their "
@@ -346,7 +360,8 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     else:
         rows = train.global_batch // max(sizes.dp, 1)
         check(pipeline.validate_pipeline, cfg.n_layers, max(sizes.pp, 1), rows, train.microbatches,
-              train.schedule, train.virtual, rename=(f"global_batch={rows}", f"global_batch / dp = {rows}"))
+              train.schedule, train.virtual, train.ends_as_layers,
+              rename=(f"global_batch={rows}", f"global_batch / dp = {rows}"))
     if train.sequence_parallel and (train.seq_len // cp) % tp:
         problems.append(f"sequence parallelism splits each rank's seq_len / cp = {train.seq_len} / "
                         f"{cp} tokens over tp={tp}: not divisible")
@@ -415,7 +430,8 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
             flash.FLASH_BLOCK if device.type == "cuda" else context_parallel.TORCH_BLOCK))  # 07's on a GPU
     for block in model.layers.values() if attention else ():
         block.attn.attn_fn = attention
-    model = pipeline.cut_stage(tensor_parallel.apply_recompute(model, train.recompute), stage, n_stages)
+    model = pipeline.cut_stage(tensor_parallel.apply_recompute(model, train.recompute), stage, n_stages,
+                               train.ends_as_layers)
     blocker = fullgraph_blocker(mesh.sizes, train) if train.compile else None
     if blocker and mesh.rank == 0 and stage == 0:
         print(f"--compile: {blocker}", flush=True)
@@ -872,7 +888,7 @@ def train_run(job: Job) -> None:
               f"({flops_per_token(cfg, 0) // 6:,} matmul "
               f"params) on {len(train_tokens):,} bytes of {run.data or 'the standard library'}: "
               f"{mesh_name(sizes)} on {foundation.counted(sizes.world, 'rank')} ({device.type}, "
-              f"{'bf16 + fp32 masters' if train.mixed_precision else 'fp32'}), ZeRO-{train.zero_stage}, "
+              f"{precision_name(train)}), ZeRO-{train.zero_stage}, "
               f"attention {train.attention}, recompute {train.recompute}"
               f"{', compiled' if train.compile else ''}; batch {train.global_batch} x {train.seq_len} bytes, "
               f"AdamW lr {train.lr:g} warmup {run.warmup} + cosine; {saves}")
@@ -1191,7 +1207,7 @@ def check_run(job: Job) -> None:
               f"({dist.get_backend()}, {device.type}); ZeRO-{train.zero_stage}, {train.schedule} with "
               f"{foundation.counted(train.microbatches, 'microbatch', 'microbatches')}, "
               f"SP {'on' if train.sequence_parallel else 'off'}"
-              f"{', FP8' if train.fp8 else ''}{', bf16' if train.mixed_precision else ''}; {moe or ''}"
+              f"{', FP8' if train.fp8 else ''}, {precision_name(train)}; {moe or ''}"
               f"global batch {train.global_batch} x {train.seq_len}.\n"
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
         print(f"{'step':<6}{'4D loss':>12}{'one device':>12}\n" + "\n".join(
@@ -1214,8 +1230,8 @@ def check_run(job: Job) -> None:
                   "a few weights on the other side of an FP8 rounding boundary: flips, which the steps after "
                   "carry, as any rounding does)")
         print("\nPer rank (dp,pp,cp,tp): its stages' TP-local parameters and its ZeRO shard of them; bytes "
-              "held\n(live storages) | 02's formula; bytes sent per step in each group, measured | formula "
-              "(fp32):")
+              f"held\n(live storages) | 02's formula; bytes sent per step in each group, measured | formula "
+              f"({precision_name(train)}):")
         for rank, (_, _, measured) in enumerate(ranks):
             print(f"  rank {rank:>2} ({','.join(str(i) for i in sizes.coords(rank).values())}) "
                   f"{summary_line(measured)}")
@@ -1346,7 +1362,7 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     units = unit_sizes(cfg, tp, train.moe, sizes.ep, fp8_gathers=train.fp8 and train.zero_stage == 3)
     if cfg.tie_embeddings and pp == 1:  # the head is the embedding
         units["lm_head"] = UnitSizes()
-    spans = pipeline.stage_layers(cfg.n_layers, n_stages)
+    spans = pipeline.stage_layers(cfg.n_layers, n_stages, train.ends_as_layers)
     zero_groups = {"dp_cp": sizes.dp * cp, "ep_dp": sizes.dp * cp // sizes.ep}
     split = train.schedule == "zb-h1"
     moe = 0  # an MoE layer's parameters
@@ -1357,9 +1373,9 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     kv = tokens * cfg.n_kv_heads * cfg.head_dim
     attention = None  # what the attention function saves beyond q, k, v: None, SDPA's
     if cp > 1:
-        attention = context_parallel.ring_saved_bytes(q, tokens * cfg.n_heads)
-    if attention and e == 4 and cfg.n_heads == tp and not train.fp8:  # one fp32 head a rank: flattening it
-        attention -= 4 * q  # copies nothing, so out_proj keeps the merged output the ring keeps: counted once
+        attention = context_parallel.ring_saved_bytes(q, tokens * cfg.n_heads, e)
+    if attention and cfg.n_heads == tp and not train.fp8:  # one head a rank: flattening it copies
+        attention -= e * q  # nothing, so out_proj keeps the merged output the ring keeps: counted once
 
     def stage_bytes(stage: int, mode: str = train.recompute, layers: int | None = None) -> int:
         """03's activations of a stage's layers (or `layers` of them) for one microbatch; 08's casts kept."""
@@ -1394,11 +1410,12 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
                 n = zero_groups[kind]
                 padded = sum(zero.padded_size(x, n) for x in numels)
                 params += sum(numels)
+                precision = (train.mixed_precision, train.bf16_optimizer)
                 for key, value in zero.zero_memory_formula(padded, len(numels), n, train.zero_stage,
-                                                           train.mixed_precision).items():
+                                                           *precision).items():
                     memory[key] += value
                 one, step = zero.zero_transient_bytes(padded, zero.padded_size(max(numels), n), n,
-                                                      train.zero_stage, train.mixed_precision)
+                                                      train.zero_stage, *precision)
                 in_backward = max(in_backward, one)
                 at_step += step
                 ops = zero.zero_traffic_per_step(padded, n, train.zero_stage, e, e)
@@ -1683,7 +1700,8 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
             backward = zero.exposed(send("cp", hops["backward"] / (cp - 1)), attention[1] / cp, hide)
             forwards = 1 + (train.recompute != "none")
             parts["CP"] = m * p.layers * (cp - 1) * (forward * forwards + backward)
-        after = zero.zero_step_bytes(p.params, n, train.zero_stage, m, train.mixed_precision) / hbm
+        after = zero.zero_step_bytes(p.params, n, train.zero_stage, m, train.mixed_precision,
+                                     train.bf16_optimizer) / hbm
         if n > 1:  # 02's over dp x cp; units: each layer, the embedding, the norm and head
             unit = [sum(v[i] for v in layer.values()) for i in (0, 1)]
             units = p.layers + first + 2 * last
@@ -1852,7 +1870,8 @@ LOSS_CHUNKS = 8  # the loss's slices why_not_fitting tries
 def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
     """A given mesh that does not fit: its fullest GPU's largest term, and the fastest of the options that
     keep less (more recompute, a higher ZeRO stage, the loss in 8 slices: their fp32 temporaries below
-    the logits' and their gradient's bytes) with which it fits, or that none does."""
+    the logits' and their gradient's bytes) with which it fits, or that none does. Each computes the same
+    numbers; --bf16-optimizer, which does not, is the user's call."""
     most = r["memory_gib"][r["fullest"]]
     term = max((k for k in most if k != "total"), key=most.get)
     in_flight = in_flight_text(r["in_flight"][r["fullest"]], r["virtual"])
@@ -1915,7 +1934,7 @@ def plan_report(job: Job) -> str:
     header = (f"{job.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, "
               f"{foundation.counted(cfg.n_layers, 'layer')}, {foundation.counted(cfg.n_heads, 'head')} / "
               f"{cfg.n_kv_heads} K/V, {mlp}, vocabulary {cfg.vocab_size:,}"
-              f"{', tied' if cfg.tie_embeddings else ''}), bf16 + fp32 masters"
+              f"{', tied' if cfg.tie_embeddings else ''}), {precision_name(train)}"
               f"{' + FP8 GEMMs' if train.fp8 else ''}; batch {train.global_batch:,} x {train.seq_len:,} "
               f"tokens; {on} of {memory:g} GiB ({cluster.gpu}), {cluster.gpus_per_node} per node.\n"
               f"Priced: GEMMs and attention ({train.attention}) at the course's H100 rates x "
@@ -2062,6 +2081,8 @@ def check_before_launch(job: Job, world: int) -> None:
     broken = [message for wrong, message in (
         (cfg.tie_embeddings, f"--model {job.model} ties its LM head to the embedding: 09 trains them apart "
                              f"(01's GPT ties; plan prices it)"),
+        (train.bf16_optimizer and not train.mixed_precision,
+         "--bf16-optimizer keeps AdamW's state in the bf16 of mixed precision: add --bf16"),
         (train.attention == "cudnn", "--attention cudnn is plan's price of SDPA's cuDNN backend: train and "
                                      "check run sdpa or flash"),
         (train.attention == "unfused", "--attention unfused is plan's price of PyTorch's eager attention: "

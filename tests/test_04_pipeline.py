@@ -209,6 +209,22 @@ def test_stage_cut_is_balanced_and_covers_every_layer(n_layers, n_stages):
     assert sizes == sorted(sizes, reverse=True), "the first stages take the remainder (the last has the head)"
 
 
+@given(n_layers=st.integers(1, 40), n_stages=st.integers(1, 16))
+def test_ends_as_layers_balances_the_embedding_and_the_head_as_a_layer_each(n_layers, n_stages):
+    """Megatron's account_for_embedding/loss_in_pipeline_split: the stages' layers, with one more place on
+    the first (the embedding) and the last (the head), are stage_layers' cut of n_layers + 2; refused
+    where the first or last stage would hold no layer."""
+    try:
+        pipeline.validate_pipeline(n_layers, n_stages, 1, 1, "1f1b", 1, ends_as_layers=True)
+    except ValueError as error:
+        assert n_layers + 2 < 2 * n_stages or n_layers < n_stages, error
+        return
+    cut = pipeline.stage_layers(n_layers, n_stages, ends_as_layers=True)
+    assert [i for r in cut for i in r] == list(range(n_layers)) and min(map(len, cut)) >= 1
+    places = [len(r) + (s == 0) + (s == n_stages - 1) for s, r in enumerate(cut)]
+    assert places == [len(r) for r in pipeline.stage_layers(n_layers + 2, n_stages)]
+
+
 # --- every schedule trains like one device ----------------------------------------------------
 
 def assert_matches_reference(runs, reference) -> None:

@@ -180,11 +180,11 @@ def test_the_ring_sends_the_kv_heads_only(rank_pool):
     assert bf16 == sum(in_bf16.values())
 
 
-def ring_saves(zigzag: bool) -> tuple[int, int]:
+def ring_saves(zigzag: bool, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     """(bytes ring attention saves for backward, measured by a saved-tensors hook; q, k and v's bytes plus
     ring_saved_bytes) on this rank's shard: 6 query heads reading 3 K/V heads."""
     layout = context_parallel.SequenceLayout(8 * dist.get_world_size(), dist.get_world_size(), zigzag)
-    inputs = context_parallel.attention_inputs(2, 6, layout.seq_len, 4, seed=7, kv_heads=3)
+    inputs = context_parallel.attention_inputs(2, 6, layout.seq_len, 4, seed=7, kv_heads=3, dtype=dtype)
     q, k, v = (layout.shard(t, dist.get_rank(), dim=2).requires_grad_() for t in inputs[:3])
     saved = []
 
@@ -195,7 +195,7 @@ def ring_saves(zigzag: bool) -> tuple[int, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         _, lse = context_parallel.ring_attention(q, k, v, zigzag=zigzag)
     inputs_bytes = q.nbytes + k.nbytes + v.nbytes
-    return sum(saved), inputs_bytes + context_parallel.ring_saved_bytes(q.numel(), lse.numel())
+    return sum(saved), inputs_bytes + context_parallel.ring_saved_bytes(q.numel(), lse.numel(), q.element_size())
 
 
 @pytest.mark.parametrize("zigzag", [False, True])
@@ -203,6 +203,17 @@ def test_ring_saved_bytes_is_what_ring_attention_keeps_for_backward(rank_pool, z
     """The formula lesson 09's plan (and 03's activation formula) takes for the ring, measured."""
     for measured, formula in rank_pool.run(2, ring_saves, zigzag):
         assert measured == formula
+
+
+def test_in_bf16_the_ring_keeps_flash_attentions_tensors(rank_pool):
+    """bf16: the output as returned (2 B an element, not an fp32 copy) and an fp32 lse, as FlashAttention
+    and Transformer Engine keep: 4 B an element of q and 4 B an lse fewer than an fp32 output and a float64
+    lse would be."""
+    q_elems = 2 * 6 * 8 * 4  # this rank's shard, as ring_saves makes it
+    lse_elems = 2 * 6 * 8
+    for measured, formula in rank_pool.run(2, ring_saves, True, torch.bfloat16):
+        inputs = 2 * q_elems + 2 * 2 * q_elems // 2  # q; k and v of 3 K/V heads
+        assert measured == formula == inputs + 2 * q_elems + 4 * lse_elems, (measured, formula)
 
 
 def large_logit_errors(method: str, zigzag: bool) -> list[float]:
