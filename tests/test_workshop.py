@@ -329,7 +329,7 @@ RULES = [
      [("            unit.release()  # every use", "            pass  # every use")]),
     ("02.1", "nothing under no_sync()", "test_no_sync_accumulates_microbatches[2]",
      [("if self.sync_gradients:\n            self._reduce(unit)", "self._reduce(unit)")]),
-    ("02.1", "flattened in self.dtype", "test_mixed_precision_equals_its_one_device_twin[2-2]",
+    ("02.1", "flattened in self.dtype", "test_mixed_precision_equals_its_one_device_twin[2-2-False]",
      [("unit.flatten([p.grad for p in unit.params], self.dtype)",
        "unit.flatten([p.grad for p in unit.params], torch.float32)")]),
     ("02.1", "review: the full gradients are freed", "test_zero_equals_single_device",
