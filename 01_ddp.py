@@ -261,6 +261,9 @@ def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len
     bf16_optimizer: AdamW updates the bf16 parameters themselves, its moments bf16. `transform` rewrites
     the model first (08: FP8 linears, 09: MoE MLPs; frozen parameters get no update, as in AdamW);
     `progress` labels a tqdm bar."""
+    if bf16_optimizer and not mixed_precision:  # as lesson 02's ZeRO refuses it
+        raise ValueError("bf16_optimizer keeps AdamW's state in the bf16 of mixed precision's parameters: "
+                         "it needs mixed_precision=True")
     model = (transform(GPT(cfg)) if transform else GPT(cfg)).to(device)
     fp32_masters = mixed_precision and not bf16_optimizer
     masters = [nn.Parameter(p.detach().clone()) if fp32_masters else p for p in model.parameters()]

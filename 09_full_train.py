@@ -238,15 +238,17 @@ class TrainConfig:
     microbatches: int = option(1, "microbatches per step", ">= 1")
     virtual: int = option(1, "pipeline stages per rank (interleaved 1F1B)", ">= 1")
     ends_as_layers: bool = option(False, "04's cut counts the embedding and the head as a layer each: the "
-                                  "first and last stages hold a layer less (Megatron's account_for_embedding_"
-                                  "in_pipeline_split and account_for_loss_in_pipeline_split)")
+                                  "first and last stages hold a layer less than the others (Megatron's "
+                                  "account_for_embedding_in_pipeline_split and account_for_loss_in_"
+                                  "pipeline_split)")
     sequence_parallel: bool = option(False, "lesson 03's SP in the tp groups")
     fp8: bool = option(False, "lesson 08's Float8Linear layers")
     lr: float = option(1e-3, "peak learning rate", "> 0", STEPPING)
     adam_eps: float = 1e-8
     max_grad_norm: float = option(math.inf, "clip the mesh's gradient norm (inf: none)", "> 0", STEPPING)
     moe: "expert_parallel.MoEConfig | None" = None  # every MLP an MoE layer (lesson 06)
-    mixed_precision: bool = option(False, "bf16 compute, fp32 masters", commands=STEPPING, option="--bf16")
+    mixed_precision: bool = option(False, "bf16 compute, fp32 masters (but --bf16-optimizer)",
+                                   commands=STEPPING, option="--bf16")
     bf16_optimizer: bool = option(False, "02's BF16 AdamW: the bf16 parameters are their own master, the "
                                   "moments bf16 (4 B a parameter, not 12; an update under 2^-8 of a weight "
                                   "is lost)")

@@ -374,6 +374,7 @@ RAN = {
     'test_09_full_train.py::test_rows_of_the_wrong_shape_are_refused': ('03.3', '04.1', '05.2', '09.1', '09.2'),
     'test_09_full_train.py::test_sixteen_ranks_every_dimension_two': ('02.1', '02.2', '03.1', '03.2', '03.3', '04.1', '05.1', '05.2', '05.3', '06.1', '09.1', '09.2'),
     'test_09_full_train.py::test_the_1b_run_measured_on_one_h100_is_predicted_within_15_percent': ('04.2', '09.3', '09.4'),
+    'test_09_full_train.py::test_the_headers_name_what_adamw_updates': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_the_held_out_runs_are_predicted_within_their_pinned_errors': ('04.1', '04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_the_pipeline_span_idles_the_slowest_rank_the_bubble_plus_the_fill_and_drain': ('09.4',),
     'test_09_full_train.py::test_the_planned_memory_is_within_10_percent_of_published_peaks_where_it_models_the_run': ('04.1', '04.2', '09.3', '09.4'),

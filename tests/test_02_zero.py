@@ -738,10 +738,13 @@ def test_bad_input_fails_on_every_rank_without_hanging(rank_pool, stage, wrap_fi
 
 
 def test_bf16_adamw_without_mixed_precision_fails_on_every_rank(rank_pool):
+    """And its one-device twin refuses it alike."""
     cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
-    rank_pool.expect_invalid(2, zero.train_zero, cfg, 1, 2, 4, stage=1, bf16_optimizer=True,
-                             match=r"bf16_optimizer keeps AdamW's state in the bf16 of mixed precision's "
-                                   r"parameters: it needs mixed_precision=True")
+    message = r"bf16_optimizer keeps AdamW's state in the bf16 of mixed precision's parameters: it needs " \
+              r"mixed_precision=True"
+    rank_pool.expect_invalid(2, zero.train_zero, cfg, 1, 2, 4, stage=1, bf16_optimizer=True, match=message)
+    with pytest.raises(ValueError, match=message):
+        foundation.train_single_device(cfg, 1, 2, 4, bf16_optimizer=True)
 
 
 def test_batch_not_divisible_by_the_group_fails_on_every_rank(rank_pool):
@@ -788,21 +791,29 @@ def test_zero_hides_its_traffic_behind_compute_where_it_can(stage):
     assert exposed(1e9, 1e9, hide=False) == exposed(0.0, 0.0)
 
 
-@pytest.mark.parametrize("mixed_precision", [False, True])
-def test_the_steps_memory_traffic_counts_each_pass_of_this_zero(mixed_precision):
+# the step's passes on a shard element beyond / n: (the norm, the clip, AdamW, the bf16 copy of the master)
+STEP_PASSES = {"fp32": (4, 8, 28, 0),  # clip in place; fused AdamW reads master, moments, gradient, writes 3
+               "mixed": (2, 2 + 12, 28, 6),  # the fp32 copy of the gradient, then clip it
+               "bf16 AdamW": (2, 4, 14, 0)}  # clip in place; AdamW's 7 tensors of 2 B
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_steps_memory_traffic_counts_each_pass_of_this_zero(precision):
     """Bytes per element of ZeRO's passes outside its collectives, as step() runs them: on the full
     gradients the microbatches' accumulation (3 G each; stages 2-3 keep the first) and the zeroing
-    (0-1: G) or flattening (2-3: 2 G); on the shard / n, the norm (G), fp32 copy and clip (mixed:
-    G + 12; fp32: 8), fused AdamW (28), the bf16 copy (mixed: 6), stages 1-2's send copy (2 G)."""
-    g, psi, n, m = (2 if mixed_precision else 4), 1000, 4, 3
-    per_shard = 3 * g + (g + 12 if mixed_precision else 8) + 28 + 6 * mixed_precision
+    (0-1: G) or flattening (2-3: 2 G); on the shard / n (2 G), then STEP_PASSES, and stages 1-2's
+    send copy (2 G)."""
+    (mixed_precision, bf16_optimizer), (g, _) = PRECISIONS[precision]
+    psi, n, m = 1000, 4, 3
+    per_shard = 2 * g + sum(STEP_PASSES[precision])
     full = {0: 3 * g * m + g, 1: 3 * g * m + g, 2: 3 * g * (m - 1) + 2 * g, 3: 3 * g * (m - 1) + 2 * g}
     for stage in zero.STAGES:
         shard = psi if stage == 0 else psi // n
         send_copy = 2 * g * (stage in (1, 2))
-        assert zero.zero_step_bytes(psi, n, stage, m, mixed_precision) == (
+        assert zero.zero_step_bytes(psi, n, stage, m, mixed_precision, bf16_optimizer) == (
             full[stage] * psi + (per_shard + send_copy) * shard)
-    assert zero.zero_step_bytes(psi, 1, 1, m, mixed_precision) == (full[1] + per_shard) * psi  # no send copy
+    assert zero.zero_step_bytes(psi, 1, 1, m, mixed_precision, bf16_optimizer) == (
+        (full[1] + per_shard) * psi)  # no send copy
 
 
 # --- sharded checkpoints: pieces, each element once, slice reads, integrity ----------------------

@@ -225,6 +225,15 @@ def test_ends_as_layers_balances_the_embedding_and_the_head_as_a_layer_each(n_la
     assert places == [len(r) for r in pipeline.stage_layers(n_layers + 2, n_stages)]
 
 
+def test_cut_stage_keeps_the_layers_of_the_cut_it_is_given():
+    """6 layers on 4 stages: 2 2 1 1 by default, 1 2 2 1 with the embedding and the head as layers."""
+    cfg = foundation.ModelConfig(vocab_size=30, dim=8, n_heads=2, ffn_dim=16, n_layers=6)
+    for ends_as_layers, expected in ((False, [[0, 1], [2, 3], [4], [5]]), (True, [[0], [1, 2], [3, 4], [5]])):
+        kept = [sorted(int(i) for i in pipeline.cut_stage(foundation.GPT(cfg), s, 4, ends_as_layers).layers)
+                for s in range(4)]
+        assert kept == expected, (ends_as_layers, kept)
+
+
 # --- every schedule trains like one device ----------------------------------------------------
 
 def assert_matches_reference(runs, reference) -> None:

@@ -244,7 +244,7 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
 @example(configuration=pinned((2, 1, 1, 2), 1, "1f1b", 2, True, loss_chunks=3))  # 03's loss in 3 slices
 @example(configuration=pinned((1, 2, 1, 1), 0, "gpipe", 3, False, loss_chunks=64))  # 64 slices of 4 tokens
 @example(configuration=pinned((2, 2, 1, 1), 1, "interleaved", 2, False, n_layers=4, reduce_in_backward=False))
-@example(configuration=pinned((1, 2, 1, 1), 0, "interleaved", 2, False, n_layers=6, ends_as_layers=True))  # 1 2 2 1
+@example(configuration=pinned((1, 4, 1, 1), 0, "1f1b", 4, False, n_layers=6, ends_as_layers=True))  # 1 2 2 1, not 2 2 1 1
 @example(configuration=(foundation.ModelConfig(vocab_size=30, dim=16, n_layers=1, n_heads=4, ffn_dim=24),
                         full_train.MeshSizes(cp=2, tp=4), full_train.TrainConfig(  # one head a rank: the
                             global_batch=1, seq_len=16, zero_stage=0, lr=LR,  # ring's output is out_proj's
@@ -2759,6 +2759,9 @@ def test_the_loss_reads_a_padded_vocabulary_shard():
     (["train", "--model", "tiny", "--heads", "3"], "dim=128 is not divisible by n_heads=3"),
     (["train", "--resume", "--no-save"], "--resume reads the checkpoint folder that --no-save turns off: drop --no-save"),
     (["check", "--ep", "2"], "--ep 2 is an option of an MoE model: add --moe"),  # it once made the model an MoE
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--pp", "8", "--virtual", "4", "--schedule", "interleaved",
+      "--ends-as-layers"], "ends_as_layers: the embedding and the head take a layer's place, and n_layers + 2 = 34 "
+                           "places cannot give the first and last of 32 stages a layer"),
     (["check", "--bf16-optimizer"], "--bf16-optimizer keeps AdamW's state in the bf16 of mixed precision: add "
                                     "--bf16"),  # check runs fp32 unless told
     (["plan", "--model", "llama3-8b", "--experts", "8"], "--experts 8 is an option of an MoE model: add --moe"),
@@ -2785,6 +2788,15 @@ def test_a_tied_config_plans_and_train_refuses_it_in_one_line(monkeypatch, capsy
     for command in ("train", "check"):
         code, err, launched, _ = run_main(monkeypatch, capsys, command, "--model", str(path))
         assert code == 2 and not launched and "ties its LM head to the embedding: 09 trains them apart" in err
+
+
+def test_the_headers_name_what_adamw_updates(monkeypatch, capsys):
+    """check's, train's and plan's headers share precision_name: fp32 (check and train on a CPU), bf16 with
+    fp32 masters, or with --bf16-optimizer 02's BF16 AdamW."""
+    assert full_train.precision_name(full_train.TrainConfig()) == "fp32"
+    for extra, name in (((), "bf16 + fp32 masters"), (("--bf16-optimizer",), "bf16 + BF16 AdamW")):
+        code, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "8", *extra)
+        assert code == 0 and f"), {name}; batch 512 x 8,192 tokens" in out.splitlines()[0], out
 
 
 def test_json_is_one_object_with_the_text_reports_numbers(monkeypatch, capsys):
