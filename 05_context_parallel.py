@@ -152,7 +152,7 @@ def torch_block_forward(q, k, v, q_offset: int, k_offset: int, causal: bool):
 
 def torch_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
     """dq, dk, dv of one block from the *global* out and lse (THE BACKWARD RING; 07's backward in
-    torch). s - lse in float64 (the ring's lse is: see torch_block_forward); dK, dV sum each group."""
+    torch). s - lse in float64 (the ring's, beside fp32: torch_block_forward); dK, dV sum each group."""
     kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
     scores = grouped_scores(q, k, q_offset, k_offset, causal)
     q, out, dout = (t.float().unflatten(1, (kv_heads, group)) for t in (q, out, dout))

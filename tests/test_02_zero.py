@@ -499,6 +499,20 @@ def test_bf16_adamw_resumes_from_a_checkpoint_bit_for_bit(rank_pool, tmp_path, s
         assert result.held == result.formula
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bf16_adamw_leaves_frozen_parameters_and_equals_its_twin(rank_pool, stage):
+    """On one rank the same bf16 gradients: fp32's tolerances; a frozen parameter keeps its bf16 rounding."""
+    cfg = foundation.ModelConfig(vocab_size=37, dim=12, n_heads=2, ffn_dim=14, seed=5)
+    kwargs = dict(adam_eps=ADAM_EPS, max_grad_norm=1.0, transform=freeze_some, mixed_precision=True,
+                  bf16_optimizer=True)
+    result = rank_pool.run(1, zero.train_zero, cfg, 3, 2, 4, stage=stage, **kwargs)[0][0]
+    assert_matches_reference(result, foundation.train_single_device(cfg, 3, 2, 4, **kwargs))
+    initial = freeze_some(foundation.GPT(cfg))
+    for name in FROZEN:
+        assert torch.equal(result.params[name], initial.get_parameter(name).detach().bfloat16().float()), name
+    assert result.held == result.formula
+
+
 def bf16_parameters_after_a_step(cfg, stage):
     model = foundation.GPT(cfg)
     optimizer = zero.ZeRO(model, stage, mixed_precision=True)
