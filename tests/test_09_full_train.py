@@ -61,17 +61,12 @@ full_train = importlib.import_module("09_full_train")
 LOSS_ATOL, GRAD_ATOL, GRAD_RTOL, PARAM_ATOL, ADAM_EPS, LR, STEPS = 2e-5, 2e-6, 1e-4, 2e-5, 1e-6, 1e-3, 3
 NORM_RTOL = 2e-6
 
-_meshes: dict = {}  # per worker process: new_group is slow, so each mesh's groups are built once
-
-
 def train_on_mesh(cfg, sizes, train, steps: int):
     """On every rank: train `steps` steps on lesson 01's synthetic batches; return the losses, the
     step-0 gradient shards, the final parameter shards, the summary (with step 0's activations: the
     most bytes the layers held for backward at once) and the clipping norm per step."""
     full_train.validate(cfg, sizes, train, torch.distributed.get_world_size())  # before any collective
-    if sizes not in _meshes:
-        _meshes[sizes] = full_train.build_mesh(sizes)
-    mesh = _meshes[sizes]
+    mesh = full_train.build_mesh(sizes)
     trainer = full_train.Trainer(cfg, mesh, train, torch.device("cpu"))
     models = trainer.stages.values()
     layers = [block for model in models for block in model.layers.values()]
@@ -668,16 +663,15 @@ def compiled_against_eager(tp: int, sequence_parallel: bool, fp8: bool = False) 
     train = full_train.TrainConfig(global_batch=2, seq_len=8, attention="flash",
                                    sequence_parallel=sequence_parallel, fp8=fp8)
     sizes = full_train.MeshSizes(tp=tp)
-    if sizes not in _meshes:
-        _meshes[sizes] = full_train.build_mesh(sizes)
+    mesh = full_train.build_mesh(sizes)
     batch = foundation.synthetic_batch(cfg, 2, 8, step=0)
     with foundation.comm_meter():
-        stage = full_train.build_stage_model(cfg, _meshes[sizes], train, 0, 1, torch.device("cpu"))
+        stage = full_train.build_stage_model(cfg, mesh, train, 0, 1, torch.device("cpu"))
         explained = torch._dynamo.explain(stage)(*batch)
     runs, aot_eager = [], functools.partialmethod(torch.nn.Module.compile, backend="aot_eager")
     for compile in (False, True):
         with unittest.mock.patch.object(torch.nn.Module, "compile", aot_eager):
-            stage = full_train.build_stage_model(cfg, _meshes[sizes], dataclasses.replace(
+            stage = full_train.build_stage_model(cfg, mesh, dataclasses.replace(
                 train, compile=compile), stage=0, n_stages=1, device=torch.device("cpu"))
         assert all((block._compiled_call_impl is not None) == compile for block in stage.layers.values())
         with foundation.comm_meter() as meter:
@@ -735,10 +729,9 @@ def name_of(fn) -> str:
 
 def loss_of_the_last_stage(sizes: "full_train.MeshSizes", chunks: int) -> tuple:
     """What 09's Trainer made its last stage's loss_fn: (its name, its slices, the loss it slices)."""
-    if sizes not in _meshes:
-        _meshes[sizes] = full_train.build_mesh(sizes)
+    mesh = full_train.build_mesh(sizes)
     train = full_train.TrainConfig(loss_chunks=chunks)
-    trainer = full_train.Trainer(small_model(), _meshes[sizes], train, torch.device("cpu"))
+    trainer = full_train.Trainer(small_model(), mesh, train, torch.device("cpu"))
     loss_fn = trainer.stages[max(trainer.stages)].loss_fn
     return name_of(loss_fn), getattr(loss_fn, "chunks", None), name_of(getattr(loss_fn, "loss_fn", None))
 
@@ -757,10 +750,9 @@ def test_loss_chunks_slices_the_loss_tensor_parallelism_made(rank_pool, tp, whol
 def reductions_in_flight_when_the_schedule_ends(sizes: "full_train.MeshSizes", train) -> list[bool]:
     """For each unit of each of this rank's ZeROs: whether its gradient's reduction was already launched
     when forward_backward reached finish_gradient_sync (launched during the last backward: in flight)."""
-    if sizes not in _meshes:
-        _meshes[sizes] = full_train.build_mesh(sizes)
+    mesh = full_train.build_mesh(sizes)
     cfg = small_model(n_layers=4)
-    trainer = full_train.Trainer(cfg, _meshes[sizes], train, torch.device("cpu"))
+    trainer = full_train.Trainer(cfg, mesh, train, torch.device("cpu"))
     launched = []
     for part in trainer.zeros:
         def finish(zero=part.zero, finish=part.zero.finish_gradient_sync):
@@ -990,9 +982,8 @@ def train_run(sizes, train, run, stop_at=None, poison_at=None, poison="params"):
     element of rank 1's gradient shard is inf (an overflow). Returns the losses, the validation
     losses, the bytes read on resume and the bytes of this rank's slices (its ZeRO shards' real
     elements, by global_indices), or the error's text."""
-    if sizes not in _meshes:
-        _meshes[sizes] = full_train.build_mesh(sizes)
-    trainer = full_train.Trainer(BYTES, _meshes[sizes], train, torch.device("cpu"))
+    mesh = full_train.build_mesh(sizes)
+    trainer = full_train.Trainer(BYTES, mesh, train, torch.device("cpu"))
     train_tokens, val_tokens = full_train.split_tokens(TEXT, train.seq_len, train.global_batch)
     loader = full_train.ShardedLoader(train_tokens, train.seq_len, train.global_batch,
                                       trainer.mesh.coords["dp"], sizes.dp, run.seed)

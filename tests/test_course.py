@@ -253,6 +253,27 @@ def test_harness_lists_the_failed_ranks_in_the_order_they_failed(rank_pool):
     assert report.index("--- rank 1 ---") < report.index("KeyError") < report.index("--- rank 0 ---")
 
 
+def groups_after_making(make: int) -> int:
+    """Make `make` groups and use each; return how many groups this rank is in."""
+    for _ in range(make):
+        foundation.all_reduce(torch.ones(1), group=dist.new_group([0, 1]))
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def test_after_a_call_every_rank_leaves_the_groups_it_made(rank_pool):
+    """Each gloo group keeps a thread polling its sockets every millisecond: the groups the suite's calls
+    left behind kept idle workers busy (a core in all), and the suite ran 2-8x slower than its tests
+    alone. After a call every rank finished, only the default group is left; a failed call's rejoin
+    (through the store each worker keeps) leaves the pool usable, time after time."""
+    assert rank_pool.run(2, groups_after_making, 3) == [4, 4]
+    assert rank_pool.run(2, groups_after_making, 0) == [1, 1]
+    for _ in range(2):
+        with pytest.raises(RankFailure):
+            rank_pool.run(2, rank_one_fails_then_rank_zero, timeout=60)
+        assert rank_pool.run(2, groups_after_making, 1) == [2, 2]
+    assert rank_pool.run(2, groups_after_making, 0) == [1, 1]
+
+
 def test_a_script_test_runs_as_from_a_readers_shell_whatever_torchrun_left_exported(monkeypatch):
     """A shell left by a torchrun job (RANK=1 ...): run_script starts the lesson without those, so a
     script test neither waits for a world that is gone nor runs as a silent rank 1."""
