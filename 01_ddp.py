@@ -3,6 +3,7 @@
 The lesson first (data parallelism, its training loop, its demo), then THE FOUNDATION that lessons
 02-09 import, in the order they need it. The parts, in order:
   Data parallelism: broadcast_parameters; (a) all_reduce_gradients; (b, c) GradBucket, BucketedDataParallel
+    and its hooks' weak_hook (which 02 reuses)
   Training: TrainResult; train_single_device (the reference every lesson equals), train_data_parallel;
     accumulate_microbatches and mean_over_ranks, the loop's two pieces every lesson reuses
   RUN IT: demo (every version beside one device), bench (against torch's DDP)
@@ -62,6 +63,7 @@ import statistics
 import sys
 import threading
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -134,6 +136,24 @@ def claim_gradient_sync(model: nn.Module, owner: str) -> None:
     model.gradient_sync_owner = owner
 
 
+def weak_hook(method: Callable, *args) -> Callable:
+    """A hook that calls method(*args, *what torch passes it) while method's object lives. torch keeps
+    a parameter's post-accumulate-grad hooks, and a tensor's hooks (on its grad_fn), in C++, where
+    Python's garbage collector cannot see them. A hook holding its wrapper closes a cycle it cannot
+    break (parameter, hook, wrapper, model, parameter; or model, a graph the model keeps such as 06's
+    aux loss, hook, wrapper) and keeps the wrapper, its model and its process group alive until the
+    process exits. So it holds the wrapper weakly, and args are plain values (indices, not units of
+    parameters, which would close the cycle again)."""
+    weak_method = weakref.WeakMethod(method)
+
+    def hook(*passed):
+        bound = weak_method()
+        if bound is not None:  # None: the wrapper is gone, and with it what the hook would do
+            return bound(*args, *passed)
+
+    return hook
+
+
 class BucketedDataParallel:
     """(b) + (c): bucketed, overlapped gradient all-reduce, with no_sync() for accumulation.
 
@@ -168,7 +188,7 @@ class BucketedDataParallel:
         self.next_to_launch = 0
         self.max_in_flight = self.finished_before_wait = 0  # statistics for the demo
         for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -339,7 +339,8 @@ class ZeRO:
         self.prefetched_gathers = 0
         for index, (unit, (module, _)) in enumerate(zip(self.units, units)):
             for i, p in enumerate(unit.params):
-                p.register_post_accumulate_grad_hook(lambda p, unit=unit, i=i: self._on_grad_ready(unit, i))
+                on_grad_ready = foundation.weak_hook(self._on_grad_ready, index, i)
+                p.register_post_accumulate_grad_hook(on_grad_ready)
             if stage == 3:
                 module.register_forward_pre_hook(lambda m, args, i=index: self._gather(i, i + 1))
                 module.register_forward_hook(lambda m, args, out, i=index: self._after_forward(i, out))
@@ -369,10 +370,16 @@ class ZeRO:
     def _after_forward(self, index: int, output: torch.Tensor) -> None:
         self.units[index].release()
         if output.requires_grad:  # backward reaches this module when output's gradient is ready
-            output.register_hook(lambda grad: self._gather(index, index - 1))
+            output.register_hook(foundation.weak_hook(self._gather_for_backward, index))
+
+    def _gather_for_backward(self, index: int, grad: torch.Tensor) -> None:
+        """Unit index's output hook: backward reaches its module, which needs its parameters again."""
+        self._gather(index, index - 1)
 
     # --- every stage: reduce each unit's gradient as soon as backward completes it ---------------
-    def _on_grad_ready(self, unit: FlatUnit, i: int) -> None:
+    def _on_grad_ready(self, index: int, i: int, param: nn.Parameter) -> None:
+        """The hook of unit index's parameter i (param): its gradient is complete."""
+        unit = self.units[index]
         if unit.reduction is not None:
             raise RuntimeError("a second backward before step(): ZeRO here reduces every backward's "
                                "gradients; call step() after each backward, or run the earlier "

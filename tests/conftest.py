@@ -355,18 +355,28 @@ class RankPool:
         silent = self._silent(answers)
         failed = {r: tb for r, (status, tb) in answers.items() if status != "ok"}
         if silent or failed:
-            # Reusable if every failing rank raised a validation error before any collective, or if
-            # every rank answered and all rejoined a fresh group; a silent rank (a timeout, a rank
-            # stuck in a collective) may never answer: the pool is replaced.
-            self.healthy = not silent and (all(status != "error" for status, _ in answers.values())
-                                           or self._rejoin())
+            # Reusable if every failing rank raised a validation error before any collective (and all
+            # then left the groups the call made), or if every rank answered and all rejoined a fresh
+            # group; a silent rank (a timeout, a rank stuck in a collective) may never answer: the
+            # pool is replaced.
+            if silent:
+                self.healthy = False
+            elif all(status != "error" for status, _ in answers.values()):
+                self.healthy = not self._leave_subgroups()
+            else:
+                self.healthy = self._rejoin()
             # In the order the ranks failed (answers arrive in that order), then the silent ones: the
             # first is the cause, the others often its consequence (a peer's collective broke).
             errors = {**failed, **silent}
             detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors.items())
             raise RankFailure(f"{fn.__name__} failed on ranks {sorted(errors)} of {self.world_size}"
                               f" (timeout {timeout}s):\n{detail}", errors)
-        self._leave_subgroups()
+        not_left = self._leave_subgroups()
+        if not_left:
+            self.healthy = False
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in not_left.items())
+            raise RankFailure(f"ranks {sorted(not_left)} of {self.world_size} did not leave the call's groups:\n"
+                              f"{detail}", not_left)
         return [pickle.loads(answers[r][1]) for r in range(self.world_size)]
 
     def _ask_every_rank(self, what: str, payload: bytes | None) -> dict[int, tuple[str, Any]]:
@@ -377,15 +387,11 @@ class RankPool:
             q.put((call_id, payload))
         return self._collect(call_id, REJOIN_TIMEOUT_S)
 
-    def _leave_subgroups(self) -> None:
-        """After a call every rank finished: every rank destroys the groups it made (_leave_subgroups)."""
+    def _leave_subgroups(self) -> dict[int, str]:
+        """After a call every rank finished: every rank destroys the groups it made (_leave_subgroups).
+        Returns the ranks that did not: rank -> traceback, or why it was silent."""
         answers = self._ask_every_rank("leave", LEAVE_SUBGROUPS)
-        errors = {**{r: tb for r, (status, tb) in answers.items() if status != "ok"}, **self._silent(answers)}
-        if errors:
-            self.healthy = False
-            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors.items())
-            raise RankFailure(f"ranks {sorted(errors)} of {self.world_size} did not leave the call's groups:\n"
-                              f"{detail}", errors)
+        return {**{r: tb for r, (status, tb) in answers.items() if status != "ok"}, **self._silent(answers)}
 
     def _rejoin(self) -> bool:
         """Every rank leaves its groups and joins a fresh one (_rejoin): True if all did in time."""

@@ -79,10 +79,10 @@ EXERCISES = (
     Exercise(
         "02.1", "02_zero.py", ("ZeRO._on_grad_ready", "ZeRO._reduce"),
         "ZeRO: reduce each unit from the backward hook",
-        task="_on_grad_ready(unit, i) runs when parameter i of a unit has its gradient: raise "
-             "RuntimeError('a second backward before step() ...') if the unit's reduction is still "
-             "pending (unit.reduction); once all of the unit's parameters are ready, clear unit.ready, "
-             "release the unit's parameters in stage 3, and reduce it unless under no_sync(). "
+        task="_on_grad_ready(index, i, param) runs when parameter i of unit self.units[index] has its "
+             "gradient: raise RuntimeError('a second backward before step() ...') if the unit's reduction "
+             "is still pending (unit.reduction); once all of the unit's parameters are ready, clear "
+             "unit.ready, release the unit's parameters in stage 3, and reduce it unless under no_sync(). "
              "_reduce(unit), async, keeping (work, its input) in unit.reduction: stage 0 all-reduces "
              "unit.flat_grad in place (it is also grad_shard); stage 1 reduce-scatters flat_grad into a "
              "new grad_shard; stages 2-3 first self._release_send_buffer() (one send buffer at a time), "
@@ -102,15 +102,17 @@ EXERCISES = (
              "own norm is the classic bug.",
         minutes=20),
     Exercise(
-        "02.3", "02_zero.py", ("ZeRO._gather", "ZeRO._after_forward"),
+        "02.3", "02_zero.py", ("ZeRO._gather", "ZeRO._after_forward", "ZeRO._gather_for_backward"),
         "ZeRO-3: gather before use, free after, prefetch the next",
         task="_gather(index, next_index), a module's forward pre-hook (and, in backward, a hook on its "
              "output's gradient): count a gather that was already in flight in self.prefetched_gathers, "
              "launch unit index's all-gather if none is (_launch_gather), wait for it, bind the gathered "
              "vector to the parameters (unit.bind), and, with self.prefetch, launch next_index's gather "
              "if that unit exists. _after_forward(index, output): release the unit's parameters, and if "
-             "output requires grad, register a hook on it that gathers them again for backward, "
-             "prefetching index - 1. Docstring: THE IDEA (stage 3), COST (1.5x DDP).",
+             "output requires grad, register on it foundation.weak_hook(self._gather_for_backward, index), "
+             "a hook that holds the ZeRO weakly (weak_hook says why); _gather_for_backward(index, grad) "
+             "gathers them again for backward, prefetching index - 1. Docstring: THE IDEA (stage 3), COST "
+             "(1.5x DDP).",
         hint="A unit still gathered from an earlier use has gather_work None: nothing to wait for. "
              "Backward visits the units in reverse: its next one is index - 1.",
         minutes=25),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import importlib
 import math
 import os
@@ -26,6 +27,7 @@ import re
 import socket
 import sys
 import time
+import weakref
 from fractions import Fraction
 
 import pytest
@@ -858,6 +860,37 @@ def test_data_parallel_on_a_subgroup(rank_pool):
         assert_matches_reference(result, reference)
         group = (0, 2) if rank % 2 == 0 else (1, 3)
         assert {ranks for _, ranks in meter.stats} == {group}
+
+
+def bucketed_step(model, group, batch):
+    ddp = foundation.BucketedDataParallel(model, group, bucket_bytes=2048)
+    loss = model(*batch)
+    loss.backward()
+    ddp.finish_gradient_sync()
+    return ddp, loss
+
+
+def left_alive_after_a_step(cfg, wrap_and_step) -> list[str]:
+    """Which of a wrapper and its model, after a step on a group of their own, outlive the last
+    reference to them and a garbage collection. The model keeps the step's loss, its graph with it,
+    as 06's MoE layer keeps its aux loss."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    model = foundation.GPT(cfg)
+    batch = foundation.synthetic_batch(cfg, 4, 6, 0, dist.get_rank(), dist.get_world_size())
+    wrapper, model.last_loss = wrap_and_step(model, group, batch)
+    references = {"wrapper": weakref.ref(wrapper), "model": weakref.ref(model)}
+    del wrapper, model
+    gc.collect()
+    return sorted(name for name, reference in references.items() if reference() is not None)
+
+
+def test_a_dropped_wrapper_frees_its_model_and_group(rank_pool):
+    """A notebook's second model, a job that evaluates many checkpoints, a worker that trains again:
+    each needs the first wrapper freed, with its model and its process group (an idle gloo group
+    keeps a thread that wakes every millisecond). torch keeps post-accumulate-grad hooks where the
+    garbage collector cannot see them: with hooks that held the wrapper both stayed alive."""
+    cfg = foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32)
+    assert rank_pool.run(2, left_alive_after_a_step, cfg, bucketed_step) == [[], []]
 
 
 @pytest.mark.parametrize("kwargs, message", [

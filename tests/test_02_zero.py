@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import importlib
 import itertools
 import math
@@ -42,7 +43,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from conftest import ROOT, run_script
-from test_01_ddp import LandingWork, model_configs
+from test_01_ddp import LandingWork, left_alive_after_a_step, model_configs
 
 foundation = importlib.import_module("01_ddp")
 zero = importlib.import_module("02_zero")
@@ -133,6 +134,24 @@ def test_zero_on_a_subgroup(rank_pool):
     for rank, (result, meter) in enumerate(runs):
         assert_matches_reference(result, references[rank % 2])
         assert {ranks for _, ranks in meter.stats} == {(0, 2) if rank % 2 == 0 else (1, 3)}
+
+
+def zero_step(model, group, batch, stage):
+    optimizer = zero.ZeRO(model, stage, group)
+    loss = model(*batch)
+    loss.backward()
+    optimizer.step()
+    return optimizer, loss
+
+
+@pytest.mark.parametrize("stage", zero.STAGES)
+def test_a_dropped_zero_frees_its_model_and_group(rank_pool, stage):
+    """As lesson 01's wrapper (its test_a_dropped_wrapper_frees_its_model_and_group says why): ZeRO's
+    gradient hooks hold it weakly, and each unit by its index; so do stage 3's hooks on its modules'
+    outputs, which a graph kept by the model (here the loss) keeps."""
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
+    step = functools.partial(zero_step, stage=stage)
+    assert rank_pool.run(2, left_alive_after_a_step, cfg, step) == [[], []]
 
 
 # (mixed_precision, bf16_optimizer) -> the docstring's COST: (P = G, K) bytes an element

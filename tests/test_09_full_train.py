@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import functools
+import gc
 import importlib
 import itertools
 import math
@@ -40,6 +41,7 @@ import tempfile
 import threading
 import time
 import unittest.mock
+import weakref
 from fractions import Fraction
 from pathlib import Path
 
@@ -485,6 +487,33 @@ def test_bf16_mixed_precision_follows_its_one_device_twin(rank_pool):
     assert results[0][0] == pytest.approx(ref.losses, abs=5e-4)
     gradients = normwise_differences(results, ref.first_grads)
     assert max(gradients.values()) < 8 * torch.finfo(torch.bfloat16).eps / 2, gradients
+
+
+def trainer_left_alive(cfg, sizes, train) -> list[str]:
+    """Which of a Trainer and its stage models outlive two steps, the last reference to them and a
+    garbage collection."""
+    trainer = full_train.check_steps(cfg, full_train.build_mesh(sizes), train, 2, torch.device("cpu"))[-1]
+    references = {"trainer": weakref.ref(trainer),
+                  **{f"stage {stage}": weakref.ref(model) for stage, model in trainer.stages.items()}}
+    del trainer
+    gc.collect()
+    return sorted(name for name, reference in references.items() if reference() is not None)
+
+
+FP8_ZERO3 = pinned((2, 1, 1, 2), 3, "1f1b", 2, True)
+
+
+@pytest.mark.parametrize("configuration", [
+    pinned((2, 1, 2, 1), 3, "1f1b", 2, False, ep=2),  # 06's MoE keeps its aux loss, and so that loss's graph
+    pinned((1, 2, 1, 2), 3, "interleaved", 2, True, n_layers=4),
+    (*FP8_ZERO3[:2], dataclasses.replace(FP8_ZERO3[2], fp8=True, mixed_precision=True)),  # 08's Float8ZeRO
+])
+def test_a_dropped_trainer_frees_its_models_and_groups(rank_pool, configuration):
+    """As lesson 01's wrapper (test_01's test_a_dropped_wrapper_frees_its_model_and_group says why).
+    Here ZeRO-3's hooks on its modules' outputs matter too: a graph kept after backward (06's aux loss,
+    held by its layer) keeps their hooks, and with hooks that held the ZeRO, a Trainer with MoE stayed
+    alive (measured), its 4 groups with it."""
+    assert rank_pool.run(4, trainer_left_alive, *configuration) == [[]] * 4
 
 
 def test_mesh_coordinates_and_groups():

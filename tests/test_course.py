@@ -260,12 +260,20 @@ def groups_after_making(make: int) -> int:
     return len(dist.distributed_c10d._world.pg_map)
 
 
+def groups_then_refused(make: int) -> None:
+    groups_after_making(make)
+    raise ValueError("refused after making groups")
+
+
 def test_after_a_call_every_rank_leaves_the_groups_it_made(rank_pool):
     """Each gloo group keeps a thread polling its sockets every millisecond: the groups the suite's calls
     left behind kept idle workers busy (a core in all), and the suite ran 2-8x slower than its tests
-    alone. After a call every rank finished, only the default group is left; a failed call's rejoin
-    (through the store each worker keeps) leaves the pool usable, time after time."""
+    alone. After a call every rank finished, only the default group is left, whether it returned or
+    every rank refused it (a ValueError); a failed call's rejoin (through the store each worker keeps)
+    leaves the pool usable, time after time."""
     assert rank_pool.run(2, groups_after_making, 3) == [4, 4]
+    assert rank_pool.run(2, groups_after_making, 0) == [1, 1]
+    rank_pool.expect_invalid(2, groups_then_refused, 2, match="refused after making groups")
     assert rank_pool.run(2, groups_after_making, 0) == [1, 1]
     for _ in range(2):
         with pytest.raises(RankFailure):
