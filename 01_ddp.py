@@ -137,12 +137,13 @@ def claim_gradient_sync(model: nn.Module, owner: str) -> None:
 
 
 def weak_hook(method: Callable, *args) -> Callable:
-    """A hook that calls method(*args, *what torch passes it) while method's object lives. torch keeps
-    a parameter's post-accumulate-grad hooks, and a tensor's hooks (on its grad_fn), in C++, where
-    Python's garbage collector cannot see them. A hook holding its wrapper closes a cycle it cannot
-    break (parameter, hook, wrapper, model, parameter; or model, a graph the model keeps such as 06's
-    aux loss, hook, wrapper) and keeps the wrapper, its model and its process group alive until the
-    process exits. So it holds the wrapper weakly, and args are plain values (indices, not units of
+    """A hook that calls method(*args, *what torch passes it) while method's object lives (and does
+    nothing once it is gone). torch keeps a parameter's post-accumulate-grad hooks, and a tensor's hooks
+    (on its grad_fn), in C++: to Python's garbage collector that reference comes from outside, so a
+    cycle through it is never collected. A hook holding its wrapper closes one (parameter, hook,
+    wrapper, model, parameter; or model, a graph the model keeps such as 06's aux loss, hook, wrapper)
+    and keeps the wrapper and its model alive until the process exits, its process group too, even once
+    destroyed. So it holds the wrapper weakly, and args are plain values (indices, not units of
     parameters, which would close the cycle again)."""
     weak_method = weakref.WeakMethod(method)
 

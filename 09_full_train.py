@@ -438,7 +438,9 @@ def build_stage_model(cfg, mesh: Mesh, train: TrainConfig, stage: int, n_stages:
     if blocker and mesh.rank == 0 and stage == 0:
         print(f"--compile: {blocker}", flush=True)
     for block in model.layers.values() if train.compile and mesh.sizes.ep == 1 else ():
-        block.compile(fullgraph=blocker is None)  # in place: parameter names stay
+        # Its forward, in place (parameter names stay): the block's own hooks, 02's ZeRO-3 gathers that
+        # wait for their all-gather, run eagerly around the graph (the tracer cannot follow Work.wait)
+        block.forward = torch.compile(block.forward, fullgraph=blocker is None)
     return model
 
 

@@ -4,7 +4,7 @@ python -m pytest tests --update-ran (the ci profile); the audit at every session
 test that passed ran other exercises than its entry says."""
 
 RAN = {
-    'test_01_ddp.py::test_a_dropped_wrapper_frees_its_model_and_group': ('01.2',),
+    'test_01_ddp.py::test_a_dropped_wrapper_frees_its_model': ('01.2',),
     'test_01_ddp.py::test_accumulation_skips_frozen_parameters_and_refuses_a_backward_out_of_place': ('01.2',),
     'test_01_ddp.py::test_buckets_fill_in_reverse_order_and_launch_during_backward': ('01.2',),
     'test_01_ddp.py::test_buckets_launch_in_order_even_if_a_later_one_fills_first': ('01.2',),
@@ -20,10 +20,10 @@ RAN = {
     'test_02_zero.py::test_a_checkpoint_of_another_shape_is_refused_before_changing_anything[a_scalar-3]': ('02.1', '02.2', '02.3'),
     'test_02_zero.py::test_a_checkpoint_of_another_shape_is_refused_before_changing_anything[transposed-1]': ('02.1', '02.2'),
     'test_02_zero.py::test_a_checkpoint_of_another_shape_is_refused_before_changing_anything[transposed-3]': ('02.1', '02.2', '02.3'),
-    'test_02_zero.py::test_a_dropped_zero_frees_its_model_and_group[0]': ('02.1', '02.2'),
-    'test_02_zero.py::test_a_dropped_zero_frees_its_model_and_group[1]': ('02.1', '02.2'),
-    'test_02_zero.py::test_a_dropped_zero_frees_its_model_and_group[2]': ('02.1', '02.2'),
-    'test_02_zero.py::test_a_dropped_zero_frees_its_model_and_group[3]': ('02.1', '02.2', '02.3'),
+    'test_02_zero.py::test_a_dropped_zero_frees_its_model[0]': ('02.1', '02.2'),
+    'test_02_zero.py::test_a_dropped_zero_frees_its_model[1]': ('02.1', '02.2'),
+    'test_02_zero.py::test_a_dropped_zero_frees_its_model[2]': ('02.1', '02.2'),
+    'test_02_zero.py::test_a_dropped_zero_frees_its_model[3]': ('02.1', '02.2', '02.3'),
     'test_02_zero.py::test_a_problem_one_rank_finds_stops_every_rank_before_any_loads': ('02.1', '02.2'),
     'test_02_zero.py::test_a_tied_models_full_state_dict_is_torchs[1]': ('02.1', '02.2'),
     'test_02_zero.py::test_a_tied_models_full_state_dict_is_torchs[3]': ('02.1', '02.2', '02.3'),
@@ -333,9 +333,9 @@ RAN = {
     'test_08_fp8.py::test_weights_cast_once_per_step_changes_no_bit': ('08.1', '08.2'),
     'test_09_full_train.py::test_a_config_json_plans_as_its_preset_and_sizes_override_a_preset_or_a_file': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_a_damaged_checkpoint_is_one_line_on_every_rank_naming_the_file_and_the_last_good': ('02.1', '02.2', '03.3', '04.1', '05.2', '09.1', '09.2'),
-    'test_09_full_train.py::test_a_dropped_trainer_frees_its_models_and_groups[configuration0]': ('02.1', '02.2', '02.3', '03.3', '04.1', '05.1', '05.2', '05.3', '06.1', '09.1', '09.2'),
-    'test_09_full_train.py::test_a_dropped_trainer_frees_its_models_and_groups[configuration1]': ('02.1', '02.2', '02.3', '03.1', '03.2', '03.3', '04.1', '05.2', '09.1', '09.2'),
-    'test_09_full_train.py::test_a_dropped_trainer_frees_its_models_and_groups[configuration2]': ('02.1', '02.2', '02.3', '03.1', '03.2', '03.3', '04.1', '05.2', '08.1', '08.2', '09.1', '09.2'),
+    'test_09_full_train.py::test_a_dropped_trainer_frees_its_models[configuration0]': ('02.1', '02.2', '02.3', '03.3', '04.1', '05.1', '05.2', '05.3', '06.1', '09.1', '09.2'),
+    'test_09_full_train.py::test_a_dropped_trainer_frees_its_models[configuration1]': ('02.1', '02.2', '02.3', '03.1', '03.2', '03.3', '04.1', '05.2', '09.1', '09.2'),
+    'test_09_full_train.py::test_a_dropped_trainer_frees_its_models[configuration2]': ('02.1', '02.2', '02.3', '03.1', '03.2', '03.3', '04.1', '05.2', '08.1', '08.2', '09.1', '09.2'),
     'test_09_full_train.py::test_a_gpu_just_too_small_never_reads_as_fitting': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_a_gpu_without_fp8_says_so_in_the_plans_header': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_a_mixtral_config_plans_its_experts_and_a_tied_one_counts_the_embedding_once': ('04.2', '09.3', '09.4'),
@@ -398,4 +398,5 @@ RAN = {
     "test_09_full_train.py::test_under_torchrun_the_plan_and_an_error_are_printed_once[a shell's stray RANK=1]": ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_under_torchrun_the_plan_and_an_error_are_printed_once[torchrun rank 0]': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_under_torchrun_the_plan_and_an_error_are_printed_once[torchrun rank 1]': ('04.2', '09.3', '09.4'),
+    'test_09_full_train.py::test_zero3_gathers_around_compiled_blocks': ('02.1', '02.2', '02.3', '03.1', '03.2', '03.3', '04.1', '05.2', '09.1', '09.2'),
 }

@@ -884,11 +884,12 @@ def left_alive_after_a_step(cfg, wrap_and_step) -> list[str]:
     return sorted(name for name, reference in references.items() if reference() is not None)
 
 
-def test_a_dropped_wrapper_frees_its_model_and_group(rank_pool):
+def test_a_dropped_wrapper_frees_its_model(rank_pool):
     """A notebook's second model, a job that evaluates many checkpoints, a worker that trains again:
-    each needs the first wrapper freed, with its model and its process group (an idle gloo group
-    keeps a thread that wakes every millisecond). torch keeps post-accumulate-grad hooks where the
-    garbage collector cannot see them: with hooks that held the wrapper both stayed alive."""
+    each needs the first wrapper freed, with its model and, once destroyed, its process group (an idle
+    gloo group keeps a thread that wakes every millisecond). torch keeps post-accumulate-grad hooks
+    where the garbage collector cannot look (weak_hook): with hooks that held the wrapper, the
+    wrapper and the model stayed alive (measured), and the group's threads with them."""
     cfg = foundation.ModelConfig(dim=16, n_heads=2, ffn_dim=32)
     assert rank_pool.run(2, left_alive_after_a_step, cfg, bucketed_step) == [[], []]
 

@@ -145,8 +145,8 @@ def zero_step(model, group, batch, stage):
 
 
 @pytest.mark.parametrize("stage", zero.STAGES)
-def test_a_dropped_zero_frees_its_model_and_group(rank_pool, stage):
-    """As lesson 01's wrapper (its test_a_dropped_wrapper_frees_its_model_and_group says why): ZeRO's
+def test_a_dropped_zero_frees_its_model(rank_pool, stage):
+    """As lesson 01's wrapper (its test_a_dropped_wrapper_frees_its_model says why): ZeRO's
     gradient hooks hold it weakly, and each unit by its index; so do stage 3's hooks on its modules'
     outputs, which a graph kept by the model (here the loss) keeps."""
     cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
