@@ -31,7 +31,6 @@ session fails, the findings listed in its summary. `--no-proof-audit`: plain imp
 from __future__ import annotations
 
 import datetime
-import gc
 import importlib
 import importlib.abc
 import importlib.util
@@ -261,11 +260,8 @@ def _leave_subgroups(call_id: str, rank: int) -> tuple:
     import torch.distributed as dist
 
     try:
-        subgroups = [g for g in dist.distributed_c10d._world.pg_map if g is not dist.group.WORLD]
-        for group in subgroups:
+        for group in [g for g in dist.distributed_c10d._world.pg_map if g is not dist.group.WORLD]:
             dist.destroy_process_group(group)
-        if subgroups:  # a destroyed group lives on (its thread too) while a reference cycle holds it
-            gc.collect()
         return call_id, rank, "ok", b"", ()
     except BaseException:  # noqa: BLE001 - then the pool is replaced
         return call_id, rank, "error", traceback.format_exc(), ()
@@ -279,7 +275,6 @@ def _rejoin(call_id: str, rank: int, world_size: int, pool_store) -> tuple:
 
     try:
         dist.destroy_process_group()
-        gc.collect()  # what the failed call left in reference cycles, its groups with it
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         store = dist.PrefixStore(call_id, pool_store)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)

@@ -398,5 +398,5 @@ RAN = {
     "test_09_full_train.py::test_under_torchrun_the_plan_and_an_error_are_printed_once[a shell's stray RANK=1]": ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_under_torchrun_the_plan_and_an_error_are_printed_once[torchrun rank 0]': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_under_torchrun_the_plan_and_an_error_are_printed_once[torchrun rank 1]': ('04.2', '09.3', '09.4'),
-    'test_09_full_train.py::test_zero3_gathers_around_compiled_blocks': ('02.1', '02.2', '02.3', '03.1', '03.2', '03.3', '04.1', '05.2', '09.1', '09.2'),
+    'test_09_full_train.py::test_zero3_gathers_around_compiled_blocks': ('02.1', '02.2', '02.3', '03.3', '04.1', '05.2', '09.1', '09.2'),
 }
