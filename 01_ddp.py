@@ -7,7 +7,7 @@ The lesson first (data parallelism, its training loop, its demo), then THE FOUND
   Training: TrainResult; train_single_device (the reference every lesson equals), train_data_parallel;
     accumulate_microbatches and mean_over_ranks, the loop's two pieces every lesson reuses
   RUN IT: demo (every version beside one device), bench (against torch's DDP)
-THE FOUNDATION (line ~440 on: read it once the lesson is clear, or from 02 on)
+THE FOUNDATION (line ~465 on: read it once the lesson is clear, or from 02 on)
   Devices and launch: init_distributed, launch (plain python starts its ranks as torchrun would),
     exit_distributed, counted, check_memory; median_of, interleaved_medians and ratio_line (--bench's timing)
   The comm meter: ring_traffic (the textbook formula), CommMeter, comm_meter; the wrappers all_reduce ...
@@ -137,14 +137,12 @@ def claim_gradient_sync(model: nn.Module, owner: str) -> None:
 
 
 def weak_hook(method: Callable, *args) -> Callable:
-    """A hook that calls method(*args, *what torch passes it) while method's object lives (and does
-    nothing once it is gone). torch keeps a parameter's post-accumulate-grad hooks, and a tensor's hooks
-    (on its grad_fn), in C++: to Python's garbage collector that reference comes from outside, so a
-    cycle through it is never collected. A hook holding its wrapper closes one (parameter, hook,
-    wrapper, model, parameter; or model, a graph the model keeps such as 06's aux loss, hook, wrapper)
-    and keeps the wrapper and its model alive until the process exits, its process group too, even once
-    destroyed. So it holds the wrapper weakly, and args are plain values (indices, not units of
-    parameters, which would close the cycle again)."""
+    """A hook that calls method(*args, *what torch passes it) while method's object lives, and does
+    nothing once it is gone. torch keeps hooks in C++, out of the garbage collector's sight, so a cycle
+    through one is never collected: a hook holding its wrapper (parameter, hook, wrapper, model,
+    parameter) would keep the wrapper, its model and its process group alive until the process exits.
+    So it holds the wrapper weakly, and args are plain values (indices, not units of parameters, which
+    would close the cycle again)."""
     weak_method = weakref.WeakMethod(method)
 
     def hook(*passed):
@@ -168,7 +166,6 @@ class BucketedDataParallel:
     def __init__(self, model: nn.Module, group=None, bucket_bytes: int = 25 << 20) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
-        # Reverse registration order is roughly backward's: the first bucket fills, and sends, earliest.
         params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameter (requires_grad=True) to synchronise")
@@ -280,8 +277,7 @@ def train_single_device(cfg: ModelConfig, steps: int, global_batch: int, seq_len
     it scales by exactly 1) and AdamW. mixed_precision: a bf16 model computes, AdamW updates fp32
     masters of the initial values, rounded back into the model after each step (as lesson 02's ZeRO);
     bf16_optimizer: AdamW updates the bf16 parameters themselves, its moments bf16. `transform` rewrites
-    the model first (08: FP8 linears, 09: MoE MLPs; frozen parameters get no update, as in AdamW);
-    `progress` labels a tqdm bar."""
+    the model first (08: FP8 linears, 09: MoE MLPs; frozen parameters get no update, as in AdamW)."""
     if bf16_optimizer and not mixed_precision:  # as lesson 02's ZeRO refuses it
         raise ValueError("bf16_optimizer keeps AdamW's state in the bf16 of mixed precision's parameters: "
                          "it needs mixed_precision=True")
@@ -525,9 +521,8 @@ def counted(number: int, noun: str, plural: str | None = None) -> str:
 def check_memory(cfg: "ModelConfig | None", batch: int, seq_len: int, ranks: int,
                  more: dict[str, int] | None = None, what: str | None = None) -> None:
     """A rule of launch_lesson: refuse sizes whose largest tensors alone exceed this machine's memory. A
-    lower bound: every rank draws the whole batch (synthetic_batch: 17 bytes a token) and holds the
-    fp32 embedding and LM head; the fp32 logits exist once (cfg None: no model). more: the lesson's
-    other tensors' bytes."""
+    lower bound: every rank draws the whole batch (synthetic_batch: 17 bytes a token) and holds the fp32
+    embedding and LM head; the fp32 logits exist once (cfg None: no model); more: other tensors' bytes."""
     what = what or f"--global-batch {batch} x --seq-len {seq_len}"
     parts = {}
     if cfg is not None:
@@ -619,18 +614,15 @@ def ratio_line(medians: dict[str, float]) -> str:
 
 
 # --- The comm meter: every collective in the course goes through these wrappers -----------------------------
-# A meter counts, per (operation, group), the calls, the payload (the tensor handed to the collective)
-# and the traffic: what one rank sends under the textbook algorithm (ring for all-reduce / all-gather /
-# reduce-scatter, direct for all-to-all and point-to-point), a Fraction so that "measured == formula"
-# holds exactly. Scoped, not global: `with comm_meter() as meter: step()`, then meter.traffic(op).
-RING_PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
-
-
+# A meter counts, per (operation, group), the calls, the payload (the tensor handed to the collective) and
+# the traffic: what one rank sends under the textbook algorithm (each wrapper says which), a Fraction so
+# that "measured == formula" holds exactly. Scoped, not global: `with comm_meter() as meter: step()`.
 def ring_traffic(op: str, nbytes: int | Fraction, n: int) -> Fraction:
     """The bytes one of n ranks sends in a ring `op` of nbytes (all-reduce, reduce-scatter: the input's
     size; all-gather: the output's): a rank passes on n - 1 of the n chunks per pass, and an all-reduce
     makes two (COST). The course's one ring formula: the wrappers meter with it, lessons predict with it."""
-    return RING_PASSES[op] * Fraction(n - 1, n) * nbytes
+    passes = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[op]
+    return passes * Fraction(n - 1, n) * nbytes
 
 
 ANY_GROUP = object()
@@ -818,10 +810,9 @@ class ModelConfig:
     def from_hf(cls, config: dict, seq_len: int) -> tuple["ModelConfig", tuple[int, int] | None]:
         """A Hugging Face config.json (a dict) as a ModelConfig, and (experts, top-k) of a Mixtral MoE, or
         None, read as transformers reads it: a key missing is its config class's default (HF_DEFAULTS); null
-        K/V heads are the heads, a null tie or window none. Refused, naming the field: a model_type not
-        llama/mistral/mixtral, what GPT lacks (biases, a non-SiLU MLP, head_dim != dim / heads, a sliding
-        window shorter than the run's seq_len: one as long is full attention), a size not positive or past
-        its bound (MAX_LAYERS, MAX_WIDTH); rope_scaling unread."""
+        K/V heads are the heads, a null tie or window none. Refused, naming the field: another model_type,
+        what GPT lacks (a window as long as the run's seq_len is full attention), a size not positive or
+        past its bound (MAX_LAYERS, MAX_WIDTH); rope_scaling unread."""
         defaults = HF_DEFAULTS.get(config.get("model_type"))
         if defaults is None:
             raise ValueError(f"model_type={config.get('model_type')!r} is not llama, mistral or mixtral")
@@ -893,8 +884,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def linears_of(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
-    """Each linear applied to x: the projections of one input (q, k, v; gate, up), made in one call so
-    that a later lesson can keep x once for all of them (Attention.project, SwiGLU.project: lesson 03)."""
+    """Each linear applied to x: the projections of one input (q, k, v; gate, up) in one call, a GPT hook."""
     return tuple(linear(x) for linear in linears)
 
 
@@ -1180,12 +1170,11 @@ class BenchRounds:
 
 def launch_lesson(parser: argparse.ArgumentParser, args, fn: Callable, *, divisible: dict | None = None,
                   rules: Iterable[Callable[[int], None]] = ()) -> None:
-    """The end of every lesson's main(): its size rules against the world that will run (1 for a
-    lesson without --nproc), then fn(args) on every rank (here, for a lesson of one process); args: the
-    options, or what a lesson made of them (09's Job), with nproc where the lesson starts ranks. The rules
-    are data: divisible, each size (by its option) that the world must divide; rules, functions of the
-    world (a lesson's validate_* and check_memory, their other arguments bound) that raise ValueError.
-    A broken rule is one line (once under torchrun), exit 2, before any rank starts."""
+    """The end of every lesson's main(): its size rules against the world that will run (1 for a lesson
+    without --nproc), then fn(args) on every rank (here, for a lesson of one process); args: the options,
+    or what a lesson made of them (09's Job). divisible: each size (by its option) the world must divide;
+    rules: functions of the world (a lesson's validate_* and check_memory, their other arguments bound)
+    that raise ValueError. A broken rule is one line (once under torchrun), exit 2, before any rank starts."""
     try:
         world = launch_world_size(getattr(args, "nproc", 1))  # torchrun's, where RANK is set
         if not hasattr(args, "nproc") and world > 1:
