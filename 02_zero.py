@@ -9,8 +9,7 @@ The parts, in order:
     claim_folder; slice reads: CheckpointReader, load_model; ZeRO's shards as pieces: zero_pieces,
     load_checkpoint
   RUN IT: demo (every stage; then ZeRO-3's checkpoint loaded on half the ranks and on one device), bench
-  Last, for lesson 09's plan only (a GPU's seconds, which no demo here measures): zero_step_bytes,
-    zero_exposed_seconds. Every lesson keeps such pricing in its last part, after its command line.
+  Last, for lesson 09's plan only (a GPU's seconds, not measured here): zero_step_bytes, zero_exposed_seconds
 
 ZERO: THE IDEA
 Data parallelism (lesson 01) keeps N copies of the parameters, gradients and optimizer state. But
@@ -148,8 +147,7 @@ def padded_size(numel: int, n: int) -> int:
 def zero_memory_formula(padded: int, units: int, n: int, stage: int, mixed_precision: bool,
                         bf16_optimizer: bool = False) -> dict[str, Fraction]:
     """What a ZeRO below holds per rank for `units` flat vectors of `padded` elements in all: COST's
-    formula (fp32, mixed precision with its fp32 masters, or BF16 AdamW) plus AdamW's step counter per
-    unit."""
+    formula plus AdamW's step counter per unit."""
     size = 2 if mixed_precision else 4
     if bf16_optimizer:  # two bf16 moments; the bf16 parameters are their own master
         state = 2 * 2
@@ -329,8 +327,6 @@ class ZeRO:
         master_dtype = self.dtype if bf16_optimizer else torch.float32
         self.units = [self.unit_type(named, self.world, rank, stage, self.dtype, master_dtype)
                       for _, named in units]
-        # AdamW is elementwise: torch's own, run on the shards, is the unsharded update restricted
-        # to this rank's elements (lesson 01's settings: one place to change them).
         masters = nn.ParameterList(u.master for u in self.units)
         self.optimizer = foundation.make_optimizer(masters, lr, adam_eps)
         self.sync_gradients = True
@@ -413,11 +409,10 @@ class ZeRO:
         unit.reduction = (work, send)
 
     def _release_send_buffer(self) -> None:
-        """Wait for the reduction still reading the previous unit's send buffer, and drop the buffer: it
-        ran while backward computed this unit, and with this unit's gradient and its send buffer
-        backward holds two units' at most (zero_transient_bytes), not the whole gradient. The price: a
-        reduction longer than the next unit's backward stalls it (the head's, behind the final norm's).
-        FSDP2 does the same by default (one reduce-scatter input kept; a larger cap buys overlap)."""
+        """Wait for the reduction still reading the previous unit's send buffer, and drop the buffer:
+        backward holds two units' gradients at most (zero_transient_bytes), not the whole gradient. The
+        price, FSDP2's by default (one reduce-scatter input kept; a larger cap buys overlap): a reduction
+        longer than the next unit's backward stalls it (the head's, behind the final norm's)."""
         if self.sending is None:
             return
         work, _ = self.sending.reduction
@@ -425,8 +420,7 @@ class ZeRO:
         self.sending.reduction = (work, None)
         self.sending = None
 
-    # Microbatches, a pipeline's schedule: lesson 01's no_sync(). Backward passes inside only add to the
-    # full gradients (in .grad); the next backward outside, or finish_gradient_sync(), reduces them once.
+    # Microbatches: lesson 01's no_sync(); backward passes inside only add to the full gradients (.grad).
     no_sync = foundation.BucketedDataParallel.no_sync
 
     # --- the step ---------------------------------------------------------------------------
@@ -811,10 +805,9 @@ def checkpoint_problem(target: Path, rank: int = 0, world: int = 1,
 def open_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | None = None,
                     step: int | None = None, rank: int = 0, world: int = 1, checksums: bool = True,
                     resume_command: Callable[[int], str] | None = None) -> tuple[Path, dict]:
-    """The checkpoint of `step` (None: the one LATEST names) and its metadata, checked: every file at
-    its recorded size, this rank's share of them hashed (checksums), saved by cfg's configuration. A
-    damaged one is a CheckpointError naming the step, the file, the previous complete checkpoint (its
-    files at their sizes, not hashed) and resume_command(that step)."""
+    """The checkpoint of `step` (None: the one LATEST names) and its metadata, checked (checkpoint_problem)
+    and saved by cfg's configuration. A damaged one is a CheckpointError naming the step, the file, the
+    previous complete checkpoint (its files at their sizes, not hashed) and resume_command(that step)."""
     root = Path(folder)
     config = checkpoint_config(cfg)
     target = root / f"step_{step:08d}" if step is not None else latest_checkpoint(folder)
@@ -891,9 +884,8 @@ def foreign_entries(root: Path) -> list[str]:
 
 def lock_checkpoints(folder: str | os.PathLike) -> IO:
     """Hold folder/LOCK while the returned file stays open (the kernel releases an flock when its
-    process ends, killed too: no stale lock). A folder that is a file, that cannot be written, that a
-    running run holds, or that holds what no run of the course wrote (the user's: it is left as it is) is
-    refused in one line."""
+    process ends, killed too: no stale lock). Refused in one line: a folder that is a file, cannot be
+    written, is held by a running run, or holds what no run wrote (foreign_entries; left as it is)."""
     root = Path(folder)
     handle = None
     if root.exists() and not root.is_dir():
@@ -954,9 +946,8 @@ def first_problem(problem: str | None, group: dist.ProcessGroup | None = None) -
 
 
 def claim_folder(folder: str | os.PathLike) -> IO | None:
-    """A run's start (on every rank, or in one process before a launch): rank 0 locks folder (held while
-    the returned file stays open, or until its process ends) and removes what a killed save left, saying
-    so. A problem stops every rank with the same CheckpointError (the ranks agree by a collective)."""
+    """A run's start (every rank, or one process before a launch): rank 0 locks folder (lock_checkpoints)
+    and removes what a killed save left, saying so; a problem is one CheckpointError on every rank."""
     lock = problem = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
@@ -1146,8 +1137,7 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
 
 def print_checkpoint(cfg: foundation.ModelConfig, folder: str, saved: dict, reports: list,
                      world: int) -> None:
-    """What ZeRO-1 on half the ranks (reports: bytes read, its shard's bytes, equal) and one device's
-    model read of the checkpoint that ZeRO-3 on every rank saved (the state `saved`)."""
+    """The demo's checkpoint lines (see demo); reports: (bytes read, shard bytes, state equal) a rank."""
     target = latest_checkpoint(folder)
     one = foundation.GPT(cfg)
     one_read = load_model(one, folder)["bytes_read"]
@@ -1206,8 +1196,7 @@ def demo(args: argparse.Namespace) -> None:
         references = {precision: foundation.train_single_device(*shape, **settings, **kwargs)
                       for precision, settings in PRECISIONS.items()}
         print(f"ZeRO on {foundation.counted(world, 'rank')} ({dist.get_backend()}, {device.type}); "
-              f"global batch "
-              f"{args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")
+              f"global batch {args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")
         print_tables(runs, references, world, args.steps)
         print_checkpoint(cfg, folder, saved, reports[:half], world)
         shutil.rmtree(folder)
@@ -1249,12 +1238,11 @@ def bench(args: argparse.Namespace) -> None:
                            set())
     ours = sum(zero.held_bytes().values())
     if rank == 0:
-        print(f"ZeRO-3 vs FSDP2 fully_shard on {foundation.counted(world, 'rank')} "
-              f"({dist.get_backend()}, {device.type}), "
-              f"{n_params / 1e6:.1f}M parameters, fp32, clipping, "
+        print(f"ZeRO-3 vs FSDP2 fully_shard on {foundation.counted(world, 'rank')} ({dist.get_backend()}, "
+              f"{device.type}), {n_params / 1e6:.1f}M parameters, fp32, clipping, "
               f"{foundation.median_of(args)}:\n  {foundation.ratio_line(med)}\n"
-              f"  bytes held per rank after a step: ZeRO-3 {ours:,}, FSDP2 {theirs:,}, ratio "
-              f"{ours / theirs:.3f}")
+              f"  bytes held per rank after a step: ZeRO-3 {ours:,}, FSDP2 {theirs:,}, "
+              f"ratio {ours / theirs:.3f}")
     foundation.exit_distributed()
 
 
