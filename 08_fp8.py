@@ -74,10 +74,9 @@ RUN IT
     python 08_fp8.py distributed  # CPU: 4 local ranks (--nproc): ZeRO-3 of the FP8 GPT with fp32 vs
                                   # FP8 all-gathers, then FP8 under TP (torchrun works too)
 Look at: cast SQNR ~30 dB (e4m3) / ~25 dB (e5m2); delayed scaling collapsing on the spike, current
-scaling not; the fp32 and FP8 losses within a few thousandths. distributed: the weights' all-gather
-bytes at a quarter, beside the formula, no bit changed; under TP, the amaxes' bytes beside the
-formula, the distance from one device's FP8 run with whole-tensor scales and without them, and one
-layer's activations, measured = formula, before (autograd's) and after (lean, re-gathered, FP8).
+scaling not; the fp32 and FP8 losses within a few thousandths. distributed: every measured byte count
+beside its formula, the weights' all-gather bytes at a quarter, no bit changed; under TP, the distance
+from one device's FP8 run with whole-tensor scales and without them, and one layer's activations.
 """
 from __future__ import annotations
 
@@ -152,7 +151,6 @@ def check_matrix(x: torch.Tensor) -> None:
         raise ValueError(f"x must be a non-empty 2-D (rows, cols) tensor, got shape {tuple(x.shape)}")
 
 
-# Tensorwise, rowwise and blockwise current scaling are one operation at three tile shapes.
 def quantize_tiles(x: torch.Tensor, tile: tuple[int | None, int | None], dtype: torch.dtype = E4M3,
                    group=None) -> Quantized:
     """Current scaling with one scale per (tile_rows x tile_cols) tile of a 2-D x (None: the whole
@@ -376,8 +374,7 @@ class Float8Math:
         x_bytes, x_scale = kept
         w_q, w_scale = self.weight_cast(weight, operands)
         g_q, g_scale = quantize_tensorwise(grad.reshape(-1, grad.shape[-1]), E5M2, self.grad_group)
-        # Tensorwise scales survive transposition, so the casts are reused, only re-laid out; each GEMM
-        # only if its gradient is asked for (grad_x = g W, grad_w = g^T x):
+        # Tensorwise scales survive transposition: the casts are reused, only re-laid out.
         grad_x = None
         if needs_input:
             grad_x = scaled_mm(g_q, g_scale, w_q.t().contiguous(), w_scale, self.dtype)
@@ -388,8 +385,7 @@ class Float8Math:
         return grad_x, grad_w
 
 
-# What a Float8Linear keeps of its input for backward: 1 B an element and an fp32 scale a tensor (03's
-# layer_activation_formula and comm_formula, kept_input).
+# What a Float8Linear keeps of its input for backward (03's kept_input): 1 B an element, an fp32 scale.
 KEPT_INPUT = (1, AMAX_BYTES)
 
 
@@ -418,7 +414,6 @@ class Float8Linear(nn.Linear):
         return tensor_parallel.project(x, self)[0]
 
     def math(self, x: torch.Tensor) -> Float8Math:
-        """Its GEMMs, for 03's Projections."""
         return Float8Math(x.dtype, *self.amax_groups)
 
 
@@ -683,8 +678,7 @@ def train_float8_tensor_parallel(cfg: foundation.ModelConfig, steps: int, global
                                  sequence_parallel: bool = False, whole_tensor_scales: bool = True,
                                  group=None, **kwargs):
     """03's train_tensor_parallel (kwargs: microbatches, lr, adam_eps, device) for the FP8 GPT, each weight
-    cast once per step. whole_tensor_scales=False: each rank scales by its own pieces (what
-    tensor_parallel_scales prevents)."""
+    cast once per step. whole_tensor_scales=False: each rank scales by its own pieces instead."""
     scales = functools.partial(tensor_parallel_scales, group=group, sequence_parallel=sequence_parallel)
     return tensor_parallel.train_tensor_parallel(
         cfg, steps, global_batch, seq_len, sequence_parallel=sequence_parallel, group=group,
@@ -793,7 +787,6 @@ def demo(args: argparse.Namespace) -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
-    """FP8 vs bf16 GEMMs and a Float8Linear SwiGLU MLP forward+backward on the GPU."""
     dev = torch.device("cuda")
     bf16 = torch.bfloat16
     compile_fn = functools.partial(torch.compile, disable=args.eager)
@@ -847,8 +840,6 @@ DEMO_MICROBATCHES = 2  # ZeRO-3's, in the distributed demo
 
 
 def distributed_demo(args: argparse.Namespace) -> None:
-    """On each rank: train_float8_zero's three modes, then train_float8_tensor_parallel with and without
-    SP and with each rank's own scales; rank 0 prints the bytes beside the formulas and the differences."""
     device = foundation.init_distributed()
     steps = 3
     world = dist.get_world_size()
