@@ -939,7 +939,7 @@ class Options:
 
 def validate_bench(world: int) -> None:
     """--bench's rule for launch_lesson, whatever the world: FP8 tensor cores."""
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+    if training_device().type != "cuda":
         raise ValueError("--bench needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
 
 
