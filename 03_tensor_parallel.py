@@ -149,8 +149,8 @@ def _identity(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def conjugate(forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
-    """A base autograd function: forward(x, group) on the input, backward(grad, group) on the
-    gradient. The four operators below differ only in this pair."""
+    """An autograd function: forward(x, group) on the input, backward(grad, group) on the gradient.
+    The four operators below differ only in this pair."""
     class Conjugate(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
@@ -164,20 +164,10 @@ def conjugate(forward: Callable, backward: Callable) -> type[torch.autograd.Func
     return Conjugate
 
 
-class CopyToRegion(conjugate(_identity, _all_reduced)):
-    """f: identity forward; all-reduce backward. Cost (backward): 2(t-1)/t x size per rank."""
-
-
-class ReduceFromRegion(conjugate(_all_reduced, _identity)):
-    """g: all-reduce forward; identity backward. Cost (forward): 2(t-1)/t x size per rank."""
-
-
-class GatherSequence(conjugate(_gathered, _reduce_scattered)):
-    """SP's f: all-gather along the sequence forward; reduce-scatter backward. Cost: (t-1)/t x size."""
-
-
-class ReduceScatterSequence(conjugate(_reduce_scattered, _gathered)):
-    """SP's g: reduce-scatter along the sequence forward; all-gather backward. Same cost."""
+CopyToRegion = conjugate(_identity, _all_reduced)  # f
+ReduceFromRegion = conjugate(_all_reduced, _identity)  # g
+GatherSequence = conjugate(_gathered, _reduce_scattered)  # SP's f
+ReduceScatterSequence = conjugate(_reduce_scattered, _gathered)  # SP's g
 
 
 # --- Vocab-parallel embedding and cross-entropy ------------------------------------------------------------
@@ -188,8 +178,6 @@ def vocab_shard(vocab_size: int, tp: int, rank: int) -> tuple[int, int]:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r's rows of the (padded) table; ids outside them look up zeros (exit_region sums them)."""
-
     def __init__(self, weight_shard: nn.Parameter, first_id: int) -> None:
         super().__init__()
         self.weight = weight_shard
@@ -334,14 +322,12 @@ def _shard(weight: torch.Tensor, dim: int, ctx: Context) -> nn.Parameter:
 
 # A style is a function (module, ctx) -> module; the plan lists the styles of each module name.
 def column_parallel(linear: nn.Linear, ctx: Context) -> nn.Module:
-    """Split by output features (weight rows): needs the whole input, gives a slice."""
     linear.weight = _shard(linear.weight, 0, ctx)
     linear.out_features = linear.weight.shape[0]
     return linear
 
 
 def row_parallel(linear: nn.Linear, ctx: Context) -> nn.Module:
-    """Split by input features (weight columns): a sliced input gives partial sums."""
     linear.weight = _shard(linear.weight, 1, ctx)
     linear.in_features = linear.weight.shape[1]
     return linear
@@ -779,11 +765,10 @@ def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Ten
 def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool, device: torch.device | str = "cpu",
                   lean: bool = False, regather: bool = True, context: Callable = contextlib.nullcontext,
                   recompute: str = "none") -> tuple[int, "foundation.CommMeter"]:
-    """Layer 0 of the tensor-parallel GPT (lean saves or not, a recompute mode), forward and backward on
-    this rank's (b, s, h) (SP: (b, s/t, h)) activations: the bytes autograd saves for backward
-    (activation_bytes: on a CPU, not the outputs "op"'s policy keeps outside autograd) and its
-    collectives. context(split model) yields the model to run (lesson 08's: its FP8 linears, each
-    weight cast once, as a training step does)."""
+    """Layer 0 of the tensor-parallel GPT (lean saves or not, a recompute mode), forward and backward on this
+    rank's (b, s, h) (SP: (b, s/t, h)) activations: the bytes autograd saves for backward (activation_bytes:
+    on a CPU, not the outputs "op"'s policy keeps outside autograd) and its collectives. context(split model)
+    yields the model to run (lesson 08's: its FP8 linears, each weight cast once, as a training step does)."""
     model = foundation.GPT(cfg).to(device)
     model = apply_tensor_parallel(apply_lean_saves(model) if lean else model, None, sequence_parallel,
                                   regather=regather)
@@ -873,9 +858,8 @@ def demo(args: argparse.Namespace) -> None:
     reference = foundation.train_single_device(cfg, args.steps, b, s, device=device)
     print(f"Tensor parallelism over tp={foundation.counted(tp, 'rank')} ({dist.get_backend()}, "
           f"{device.type}): {foundation.counted(cfg.n_layers, 'layer')}, dim {cfg.dim}, {cfg.n_heads} "
-          f"query / {foundation.counted(cfg.n_kv_heads, 'key-value head')}, ffn {cfg.ffn_dim}, "
-          f"vocab {cfg.vocab_size} (padded to "
-          f"{math.ceil(cfg.vocab_size / tp) * tp}); batch {b} x {s} tokens, "
+          f"query / {foundation.counted(cfg.n_kv_heads, 'key-value head')}, ffn {cfg.ffn_dim}, vocab "
+          f"{cfg.vocab_size} (padded to {math.ceil(cfg.vocab_size / tp) * tp}); batch {b} x {s} tokens, "
           f"{foundation.counted(args.steps, 'AdamW step')}.\n")
     print(f"{'step':<6}{'TP':>12}{'TP + SP':>12}{'single device':>16}")
     for step in range(args.steps):
