@@ -23,11 +23,10 @@ them (ep divides dp x cp); each expert is data-parallel over the other dp x cp /
 
 ONE MODEL, TRANSFORMED IN ONE ORDER (each step an earlier lesson's own function)
   01 GPT(cfg) -> 06 convert_to_moe + apply_expert_parallel (--moe, --ep) -> 08 convert_to_float8 (--fp8) -> 03
-  apply_lean_saves (unless --autograd-saves) -> 03 apply_tensor_parallel (+ SP, whose linears keep their
-  input's sequence shard; --loss-chunks: 03's ChunkedLoss) -> 05 ContextParallelAttention as attention
-  (zigzag ring; 07's kernel on a GPU) -> 04 cut_stage (v stages a rank: interleaved 1F1B) -> 02 ZeRO 0-3
-  over dp x cp (experts: over the ranks holding the same ones; --fp8 --zero 3's Float8Linear weights: 08's
-  Float8ZeRO, gathered in FP8).
+  apply_lean_saves (unless --autograd-saves) -> 03 apply_tensor_parallel (+ SP; --loss-chunks: 03's
+  ChunkedLoss) -> 05 ContextParallelAttention as attention (zigzag ring; 07's kernel on a GPU) -> 04 cut_stage
+  (v stages a rank: interleaved 1F1B) -> 02 ZeRO 0-3 over dp x cp (experts: over the ranks holding the same
+  ones; --fp8 --zero 3's Float8Linear weights: 08's Float8ZeRO, gathered in FP8).
 TP rewrites modules and needs the whole model, CP only swaps a function, a stage cut deletes modules, ZeRO
 flattens the final parameters. EP comes before TP: it slices the experts into new parameters, and SP's hook
 goes on those. MoE layers are not split over tp: each tp rank runs them on its tokens (with SP, its shard).
@@ -43,21 +42,18 @@ GRADIENTS EQUAL ONE DEVICE'S, because each reduction happens exactly once:
   gradient arrives summed over ep (06's backward all-to-all): / ep, then its own ZeRO / (dp cp / ep).
 - clipping: ||g||^2 sums ZeRO's shards, then the ep (experts), tp and pp ranks; a parameter replicated over tp
   counts 1/tp on each. Every rank then scales alike.
-MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's load depend on
-which tokens share a forward, which microbatches and sequence chunks change.
+MoE here is dropless and unbalanced: drops, the aux loss and the bias's load change with the mesh (validate).
 
 COST: plan() composes the lessons' formulas for what each rank holds and sends, building nothing: `check`
 prints them beside each rank's measurements (tests prove them equal); `plan` sets them against GPU memory for
 models and clusters not here, and prices a step. `train` adds 02's checkpoints, a NaN guard, MFU, a sample.
 
 THE STEP TIME, from the operations (step_time): each one priced by the lesson that owns it, no MFU assumed.
-GEMMs at their TP-local shapes by 08's roofline (the rate measured on an H100, or the bytes at the HBM's
-bandwidth); attention at 07's measured rate (--attention unfused, a kernel the course does not run: its GEMMs
-by 08's roofline, its scores at the HBM's bandwidth); elementwise work (elementwise_bytes, split as 03 splits
-the layer) and the optimizer (02) at the HBM's bandwidth; recompute's forward again. On a GPU other than the
-H100 SXM, 07's and 08's rates are the H100's scaled by its datasheet peak (Cluster): no course kernel ran
-there. Messages go at their link's speed (NVLink inside a node, the NIC across: ranks are numbered tp
-fastest, so inside_node knows which groups stay in one, a ring's too) plus a latency, exposed where nothing
+GEMMs at their TP-local shapes by 08's roofline; attention at 07's measured rate (--attention unfused:
+unfused_attention_seconds); elementwise work (elementwise_bytes, split as 03 splits the layer) and the
+optimizer (02) at the HBM's bandwidth; recompute's forward again. On a GPU other than the H100 SXM, 07's and
+08's rates are the H100's scaled by its datasheet peak (Cluster): no course kernel ran there. Messages go at
+their link's speed (NVLink inside a node, the NIC across: inside_node) plus a latency, exposed where nothing
 hides them: TP's all, the ring's hops beyond a block's attention, the gradient reduction beyond the last
 microbatch's backward (--reduce-after-backward: all of it), ZeRO-1/2's gather after the step, ZeRO-3's
 beyond the previous layer, the pipeline's sends in its fill and drain. The slowest pipeline rank's
@@ -189,7 +185,6 @@ class Mesh(NamedTuple):
 
 
 def build_mesh(sizes: MeshSizes) -> Mesh:
-    """Create every group of every kind, in the same order on every rank; keep this rank's."""
     rank = dist.get_rank()
     mine = {}
     every = {kind: sizes.groups(dims) for kind, dims in GROUP_DIMS.items()}
@@ -389,7 +384,6 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
 
 # --- The composed model and its step ---------------------------------------------------------------
 def tensor_parallel_styles(moe) -> dict:
-    """03's style of each module (TENSOR_PARALLEL_PLAN) but an MoE layer's: not split over tp."""
     styles = tensor_parallel.TENSOR_PARALLEL_PLAN
     return styles if moe is None else {name: style for name, style in styles.items() if ".mlp" not in name}
 
@@ -451,12 +445,8 @@ class StageZeRO(NamedTuple):  # a stage's ZeRO over dp x cp, or over the ranks h
 
 class Trainer:
     """One rank's part of the 4D-parallel training step: its pipeline stages, each TP- and CP-parallel, each
-    with a ZeRO over dp x cp. Its slices: shard_values(trainer); its measurements beside the plan: summary.
-
-        trainer = Trainer(cfg, mesh, train, device)
-        loss = trainer.forward_backward(rows)  # this dp rank's rows, (global_batch / dp, seq_len + 1)
-        trainer.update()
-    """
+    with a ZeRO over dp x cp; forward_backward(rows), then update(). Its slices: shard_values(trainer); its
+    measurements beside the plan: summary."""
 
     def __init__(self, cfg, mesh: Mesh, train: TrainConfig, device: torch.device) -> None:
         validate(cfg, mesh.sizes, train, mesh.sizes.world)  # its ranks: the caller checked them (build_mesh)
@@ -531,8 +521,7 @@ class Trainer:
         return loss.item() / (sizes.dp * sizes.cp)
 
     def reduce_during(self, stage: int) -> None:
-        """Before a stage's last backward of the step: its ZeROs leave no_sync, so each unit's gradient is
-        reduced the moment that backward completes it (02's hooks), behind the units still computing."""
+        """Before a stage's last backward of the step its ZeROs leave no_sync (GRADIENTS: 02's hooks)."""
         for part in self.zeros:
             if part.zero.model is self.stages[stage]:
                 part.zero.sync_gradients = True
@@ -731,8 +720,7 @@ def resume_command(step: int) -> str:
 
 
 def resumed_validation(meta: dict, again: float, sizes: MeshSizes) -> str:
-    """The resumed weights' validation loss beside the one recorded at the save: the same weights,
-    so they differ by rounding only, whose sums change order when the mesh changes."""
+    """The resumed weights' validation loss beside the one recorded at the save, and why they differ."""
     saved = MeshSizes(**meta["mesh"])
     line = (f"validation loss of the loaded weights {again:.6f}, when saved {meta['val']:.6f}: "
             f"difference {abs(again - meta['val']):.1e}")
@@ -745,10 +733,9 @@ def resumed_validation(meta: dict, again: float, sizes: MeshSizes) -> str:
 
 # --- The training run (train): the loop, the program, what it prints -----------------------------
 def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor, run: RunConfig,
-               progress=None) -> dict:
-    """Steps from 0 or the checkpoint (run.resume) to run.steps: the learning rate, the NaN guard (a loss
-    that is not finite stops before the update, a gradient norm before any later save or validation),
-    validation and checkpoints (never a non-finite one). Returns its figures, `out`."""
+               progress) -> dict:
+    """Steps from 0 or the checkpoint (run.resume) to run.steps: the learning rate, the NaN guard, validation,
+    checkpoints (never a non-finite one), progress(step, loss, seconds, val). Returns its figures, `out`."""
     train = trainer.train
     rank = trainer.mesh.rank
     sizes = trainer.mesh.sizes
@@ -838,10 +825,8 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
             out["profile"] = step_profile(json.loads(trace.read_text()), len(profiled), step_s)
             if trace != Path(run.trace or ""):
                 trace.unlink()
-            profiler = None
             out["profiled"] = list(profiled)
-        if progress is not None:  # with the latest validation loss
-            progress(step, loss, out["times"][step], out["val"][max(out["val"])] if out["val"] else None)
+        progress(step, loss, out["times"][step], out["val"][max(out["val"])] if out["val"] else None)
         done = step + 1
         evaluate = done % run.eval_every == 0 or done == run.steps
         save = run.folder is not None and (done == run.steps or run.save_every and done % run.save_every == 0)
@@ -1065,8 +1050,7 @@ def flops_per_token(cfg, seq_len: int) -> int:
     return 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
-# torch.cuda.get_device_name's words -> the --gpu preset (GPUS, plan's table) whose dense bf16 peak MFU
-# divides by; the first match wins (an "H100 PCIe" is not an SXM H100).
+# get_device_name's words -> the --gpu preset (GPUS); the first match wins (an "H100 PCIe" is not an SXM H100)
 DEVICE_GPUS = (("H100 PCIe", "h100-pcie"), ("H100 NVL", "h100-nvl"), ("H200 NVL", "h200-nvl"),
                ("H100", "h100-sxm"), ("H200", "h200"), ("A100", "a100-80gb"), ("B200", "b200"))
 
@@ -1112,7 +1096,6 @@ def sample(model: nn.Module, prompt: bytes, n_new: int, temperature: float = 0.8
 
 # --- The equivalence check (check): the mesh against one device -----------------------------------
 def reference_transform(train: TrainConfig):
-    """What the one-device reference converts its GPT with (an MoE model, or none)."""
     return None if train.moe is None else functools.partial(expert_parallel.convert_to_moe, cfg=train.moe)
 
 
@@ -1245,7 +1228,6 @@ def check_run(job: Job) -> None:
 
 
 def summary_line(measured: dict) -> str:
-    """One rank's summary: parameters, ZeRO shard, bytes held | formula, bytes sent | formula by group."""
     memory = " ".join(f"{k} {measured['held'][k]:,}|{int(measured['memory_formula'][k]):,}"
                       for k in measured["held"])
     sent = []
@@ -1351,10 +1333,8 @@ def mlp_backward_bytes(tokens: int, dim: int, ffn_dim: int, elem_bytes: int) -> 
 
 
 def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
-    """Every pipeline rank's RankPlan by the earlier lessons' formulas (COST); call validate first. FP8 is
-    priced at its compute precision but for --zero 3's Float8Linear weights (08's Float8ZeRO: 1 B gathers,
-    e4m3 shards and scales held) and the linears' inputs they keep (08's KEPT_INPUT); MoE activations and
-    ep's all-to-alls depend on the routing: None."""
+    """Every pipeline rank's RankPlan by the earlier lessons' formulas (COST); call validate first. --fp8:
+    its compute precision but 08's Float8ZeRO and KEPT_INPUT; MoE activations, ep's all-to-alls: None."""
     e = 2 if train.mixed_precision else 4  # bytes of a compute parameter, gradient, activation
     tp = sizes.tp
     cp = sizes.cp
@@ -1391,7 +1371,6 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     rebuilt = {"full": stage_bytes(0, "none", 1), "op": stage_bytes(0, "none", 1) - stage_bytes(0, "op", 1)}
     kernel = "flash" if cp > 1 and train.attention == "sdpa" else train.attention  # 09's ring: 07's kernel
     mb = b // m * s  # a microbatch's tokens on a rank
-    # a layer's backward: what recompute rebuilds, + attention's or the MLP's temporaries
     backward = rebuilt.get(train.recompute, 0) + max(
         flash.attention_backward_bytes(mb, cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.head_dim, e, kernel),
         mlp_backward_bytes(mb, cfg.dim, cfg.ffn_dim // tp, e))
@@ -1649,7 +1628,6 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
     shapes = local_shapes(cfg, tp, moe, sizes.ep)
 
     def link(kind: str) -> float:
-        """Bytes per second each way in a group of this kind: NVLink inside a node, else the NIC."""
         inside = inside_node(sizes, kind, cluster.gpus_per_node)
         return 1e9 * (cluster.nvlink_gbps if inside else cluster.network_gbps)
 
@@ -1749,14 +1727,12 @@ def planned(cfg, sizes: MeshSizes, train: TrainConfig, cluster: Cluster) -> tupl
 
 
 def fullest(plans: list[RankPlan]) -> Fraction:
-    """The bytes the fullest pipeline rank holds."""
     return max(p.total for p in plans)
 
 
 def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | None], ep: int,
                   cluster: Cluster) -> tuple[list, list, str]:
-    """THE SEARCH: planned() of every mesh of gpus GPUs (the sizes given kept); those that fit, fastest
-    first; the first refusal."""
+    """THE SEARCH: planned() of every mesh of gpus GPUs, the sizes given kept: (valid, fitting, a refusal)."""
     valid = []
     refusals = []
     across_nodes = set()  # the tp of each mesh of the sizes given whose tp groups would span two nodes
@@ -1986,8 +1962,7 @@ class ModelOptions:  # the model: a preset or a config.json, each size overridab
     vocab: int | None = option(None, "vocabulary size", WIDTH, type=int)
     moe: bool = option(False, "every MLP a mixture of experts (dropless; top 2 of --experts, each --ffn-dim "
                               "wide, default 64)")
-    experts: int | None = option(None, "experts per MoE layer (default: the file's, else 4)", WIDTH,
-                                 type=int)
+    experts: int | None = option(None, "experts per MoE layer (default: the file's, else 4)", WIDTH, type=int)
 
 
 @dataclass(frozen=True)
