@@ -874,11 +874,10 @@ def train_run(job: Job) -> None:
         saves = (f"checkpoints to {run.folder} every {every} and at the end, the last {run.keep} kept"
                  if run.folder else "no checkpoints")
         print(f"Training {foundation.counted(cfg.n_layers, 'layer')} x dim {cfg.dim} "
-              f"({flops_per_token(cfg, 0) // 6:,} matmul "
-              f"params) on {len(train_tokens):,} bytes of {run.data or 'the standard library'}: "
-              f"{mesh_name(sizes)} on {foundation.counted(sizes.world, 'rank')} ({device.type}, "
-              f"{precision_name(train)}), ZeRO-{train.zero_stage}, "
-              f"attention {train.attention}, recompute {train.recompute}"
+              f"({flops_per_token(cfg, 0) // 6:,} matmul params) on {len(train_tokens):,} bytes of "
+              f"{run.data or 'the standard library'}: {mesh_name(sizes)} on "
+              f"{foundation.counted(sizes.world, 'rank')} ({device.type}, {precision_name(train)}), "
+              f"ZeRO-{train.zero_stage}, attention {train.attention}, recompute {train.recompute}"
               f"{', compiled' if train.compile else ''}; batch {train.global_batch} x {train.seq_len} bytes, "
               f"AdamW lr {train.lr:g} warmup {run.warmup} + cosine; {saves}")
         if train.attention == "flash" and device.type == "cpu":
@@ -943,10 +942,9 @@ def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
         what += " (not the outputs op's policy keeps)"
     formula = ("no formula for MoE layers" if train.moe else
                f"the plan of rank 0's {foundation.counted(rank0.layers, 'layer')}, "
-               f"{in_flight_text(rank0.in_flight, train.virtual)} in flight: "
-               f"{rank0.memory['activations']:,} (03's formula of the layers alone, not the head's and the "
-               f"loss's; recompute {train.recompute}, "
-               f"{'lean saves' if train.lean_saves else 'autograd saves'})")
+               f"{in_flight_text(rank0.in_flight, train.virtual)} in flight: {rank0.memory['activations']:,} "
+               f"(03's formula of the layers alone, not the head's and the loss's; recompute "
+               f"{train.recompute}, {'lean saves' if train.lean_saves else 'autograd saves'})")
     if saved[0] is not None:
         print(f"activations in step {result['measured']}, {what} per rank: "
               + ", ".join(f"{x:,}" for x in saved) + f"; {formula}")
@@ -1017,8 +1015,7 @@ def step_profile(trace: dict, steps: int, step_s: float, top: int = 8) -> str:
         if part is not None:
             spent[part] += kernel["dur"]
     lines = [f"profile of {foundation.counted(steps, 'step')}, {step_s * 1e3:,.1f} ms each (with the "
-             f"profiler's overhead); "
-             f"{'GPU' if kernels else 'CPU'} time per step of each part:"]
+             f"profiler's overhead); {'GPU' if kernels else 'CPU'} time per step of each part:"]
     lines += [f"  {name:<14}{ms(us):10.1f} ms {ms(us) / (step_s * 1e3):6.1%}" for name, us in spent.items()]
     if kernels:  # the union of the kernels' intervals, against the span from the first to the last
         busy = 0.0
@@ -1193,9 +1190,8 @@ def check_run(job: Job) -> None:
         print(f"4D parallelism: {mesh_name(sizes)} on {foundation.counted(sizes.world, 'rank')} "
               f"({dist.get_backend()}, {device.type}); ZeRO-{train.zero_stage}, {train.schedule} with "
               f"{foundation.counted(train.microbatches, 'microbatch', 'microbatches')}, "
-              f"SP {'on' if train.sequence_parallel else 'off'}"
-              f"{', FP8' if train.fp8 else ''}, {precision_name(train)}; {moe or ''}"
-              f"global batch {train.global_batch} x {train.seq_len}.\n"
+              f"SP {'on' if train.sequence_parallel else 'off'}{', FP8' if train.fp8 else ''}, "
+              f"{precision_name(train)}; {moe or ''}global batch {train.global_batch} x {train.seq_len}.\n"
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
         print(f"{'step':<6}{'4D loss':>12}{'one device':>12}\n" + "\n".join(
             f"{step:<6}{a:>12.6f}{b:>12.6f}" for step, (a, b) in enumerate(zip(losses, ref.losses))))
@@ -1806,8 +1802,7 @@ def in_flight_text(held: int, virtual: int) -> str:
 
 def describe(r: dict, table: bool) -> str:
     """A record as text (table: GiB of the first two, the fullest and the last two pipeline ranks)."""
-    lines = [mesh_name(MeshSizes(**r["mesh"]))
-             + f", ZeRO-{r['zero']}, {r['schedule']} x "
+    lines = [mesh_name(MeshSizes(**r["mesh"])) + f", ZeRO-{r['zero']}, {r['schedule']} x "
              f"{foundation.counted(r['microbatches'], 'microbatch', 'microbatches')} of {r['sequences']}, "
              f"recompute {r['recompute']}, SP {'on' if r['sequence_parallel'] else 'off'}"]
     memory = r["memory_gib"]
