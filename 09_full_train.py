@@ -212,7 +212,6 @@ def mesh_name(sizes: MeshSizes) -> str:
 
 
 def precision_name(train: "TrainConfig") -> str:
-    """What the run computes in, and what AdamW updates."""
     if not train.mixed_precision:
         return "fp32"
     return "bf16 + BF16 AdamW" if train.bf16_optimizer else "bf16 + fp32 masters"
