@@ -42,7 +42,8 @@ GRADIENTS EQUAL ONE DEVICE'S, because each reduction happens exactly once:
   gradient arrives summed over ep (06's backward all-to-all): / ep, then its own ZeRO / (dp cp / ep).
 - clipping: ||g||^2 sums ZeRO's shards, then the ep (experts), tp and pp ranks; a parameter replicated over tp
   counts 1/tp on each. Every rank then scales alike.
-MoE here is dropless and unbalanced: drops, the aux loss and the bias's load change with the mesh (validate).
+MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's load depend on
+which tokens share a forward, which microbatches and sequence chunks change.
 
 COST: plan() composes the lessons' formulas for what each rank holds and sends, building nothing: `check`
 prints them beside each rank's measurements (tests prove them equal); `plan` sets them against GPU memory for
@@ -444,8 +445,12 @@ class StageZeRO(NamedTuple):  # a stage's ZeRO over dp x cp, or over the ranks h
 
 class Trainer:
     """One rank's part of the 4D-parallel training step: its pipeline stages, each TP- and CP-parallel, each
-    with a ZeRO over dp x cp; forward_backward(rows), then update(). Its slices: shard_values(trainer); its
-    measurements beside the plan: summary."""
+    with a ZeRO over dp x cp. Its slices: shard_values(trainer); its measurements beside the plan: summary.
+
+        trainer = Trainer(cfg, mesh, train, device)
+        loss = trainer.forward_backward(rows)  # this dp rank's rows, (global_batch / dp, seq_len + 1)
+        trainer.update()
+    """
 
     def __init__(self, cfg, mesh: Mesh, train: TrainConfig, device: torch.device) -> None:
         validate(cfg, mesh.sizes, train, mesh.sizes.world)  # its ranks: the caller checked them (build_mesh)
