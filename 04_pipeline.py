@@ -122,12 +122,10 @@ def stage_layers(n_layers: int, n_stages: int, ends_as_layers: bool = False) -> 
 
 
 def cut_stage(model: nn.Module, stage: int, n_stages: int, ends_as_layers: bool = False) -> nn.Module:
-    """In place: keep this stage's modules of a whole GPT, however transformed before (lesson 09
-    cuts a tensor- and context-parallel model); the rest are set to None or deleted, so its
-    parameters keep the reference names and values (initialisation ran on the whole model). A
-    parameter that two stages would hold (a tied embedding and LM head) or that no stage owns (one
-    on the model itself) would train apart on each copy, silently: refused, on every rank alike,
-    before any collective."""
+    """In place: keep this stage's modules of a whole GPT, however transformed before; the rest are set
+    to None or deleted, so its parameters keep the reference names and values (initialisation ran on the
+    whole model). A parameter that two stages would hold (a tied embedding and LM head) or that no stage
+    owns would train apart on each copy, silently: refused, on every rank alike, before any collective."""
     layers = stage_layers(model.cfg.n_layers, n_stages, ends_as_layers)
     if n_stages > 1:  # embed on the first stage, a layer on its own, norm and lm_head on the last
         home = {"embed": 0, "norm": n_stages - 1, "lm_head": n_stages - 1,
@@ -203,9 +201,8 @@ def in_flight_bound(schedule: str, rank: int, pp: int, m: int, virtual: int = 1)
 
 
 def held_at_peak(schedule: str, rank: int, pp: int, m: int, virtual: int, held: Callable[[int], int]) -> int:
-    """The most a rank holds at once when each of its microbatch-stage pairs holds held(stage)
-    (its activations) from its F to its B (ZB-H1: to its W): in_flight_bound, weighted. Where the
-    rank's stages hold different amounts (interleaved, uneven layers) it walks the compute order."""
+    """in_flight_bound weighted by held(stage), what each microbatch-stage pair holds until freed; where
+    the rank's stages hold different amounts (interleaved, uneven layers), by walking the compute order."""
     if len({held(stage) for stage in range(rank, pp * virtual, pp)}) == 1:
         return in_flight_bound(schedule, rank, pp, m, virtual) * held(rank)
     frees = "W" if schedule == "zb-h1" else "B"
@@ -248,8 +245,7 @@ def simulate(orders: list[list[Action]], n_stages: int,
 def place_communication(orders: list[list[Action]], times: dict, n_stages: int,
                         trains: tuple[bool, ...]) -> list[list[Action]]:
     """Insert each transfer on both ends at the instant its data is produced: the sender right after
-    the producing action, the receiver before its first action that starts at or after then. A
-    stage's input gradient is sent only if some stage before it trains."""
+    the producing action, the receiver before its first action that starts at or after then."""
     pp = len(orders)
     # Per rank: (instant, order within one instant: 0 send, 1 receive, 2 compute, action).
     events = [[(times[a][0], 2, a) for a in order] for order in orders]
@@ -294,8 +290,7 @@ class Schedule:
 
 def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
                   trains: tuple[bool, ...] | None = None) -> Schedule:
-    """Each rank's ordered actions. A pure function: every rank computes every rank's list.
-    trains: per stage, whether it has a trainable parameter (default: all; see stage_trains)."""
+    """Every rank's ordered actions, computed alike on every rank. trains: see stage_trains (default: all)."""
     trains = (True,) * (pp * virtual) if trains is None else tuple(trains)
     if len(trains) != pp * virtual:
         raise ValueError(f"trains has {len(trains)} entries for pp x virtual = {pp * virtual} stages")
@@ -306,9 +301,8 @@ def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
 
 
 def stage_trains(stages: dict[int, nn.Module], n_stages: int, group=None) -> tuple[bool, ...]:
-    """Per stage, whether any of its parameters trains: each rank knows its own stages, one
-    all-reduce of a flag per stage tells every rank all of them (make_schedule needs them before
-    training; run_schedule checks them at every step). One rank holds every stage: nothing to send."""
+    """Per stage, whether any of its parameters trains (FROZEN STAGES): each rank knows its own stages,
+    one all-reduce of a flag per stage tells every rank all of them (one rank: nothing to send)."""
     flags = torch.zeros(n_stages, device=next(next(iter(stages.values())).parameters()).device)
     for stage, module in stages.items():
         flags[stage] = any(p.requires_grad for p in module.parameters())
@@ -336,16 +330,14 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                  boundary_shape: tuple[int, ...] | None = None,
                  before_last_backward: Callable[[int], None] | None = None) -> StepLog:
     """Run this rank's actions on its stages (stage index -> module). Gradients accumulate in .grad.
-    work_s pads every compute action to a fixed duration (balanced synthetic work). boundary_shape:
-    one microbatch's activations between stages, (b/m, seq, dim) unless a stage keeps them split
-    (sequence parallelism: (b/m, seq/t, dim)). before_last_backward(stage): called before the last
-    action of the step that makes a stage's weight gradients (its last B; ZB-H1: W), where lesson 09
-    lets ZeRO reduce them while that backward runs."""
+    work_s pads every compute action to a fixed duration (balanced synthetic work). boundary_shape: one
+    microbatch's activations between stages, (b/m, seq, dim) unless split (03's SP: (b/m, seq/t, dim)).
+    before_last_backward(stage): called before a stage's last action that makes weight gradients (its
+    last B; ZB-H1: W), where lesson 09 lets ZeRO reduce them while that backward runs."""
     rank = dist.get_rank(group)
     m = schedule.microbatches
     last = schedule.n_stages - 1
-    # Every rank checks every stage, so all of them raise alike: a rank that checked only its own
-    # would go on to wait for a peer that raised. The all-reduce also starts the timelines together.
+    # Every rank checks every stage (FROZEN STAGES); the all-reduce also starts the timelines together.
     trains = stage_trains(stages, schedule.n_stages, group)
     wrong = [stage for stage, flag in enumerate(trains) if flag != schedule.trains[stage]]
     if wrong:
@@ -482,8 +474,7 @@ def measured_bubble(records: list[list[tuple]]) -> float:
 
 
 def draw_measured(records: list[list[tuple]], pp: int, width: int = 96) -> str:
-    """One row per rank; each character a 1/width slice of the step: F, B, W (lower case: a later
-    chunk of the interleaved schedule) or '.' idle."""
+    """One row per rank, each character a 1/width slice of the step, lettered as a Schedule's; '.' idle."""
     step = max(end for rec in records for *_, end in rec)
     rows = []
     for rank, rec in enumerate(records):
@@ -520,14 +511,13 @@ def demo(args: argparse.Namespace) -> None:
     # The timelines pad every action to its unit time, on a model whose real compute fits well inside
     small = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=cfg.n_layers)
     m = args.microbatches
-    steps = args.steps
-    ref = foundation.train_single_device(cfg, steps, args.global_batch, args.seq_len, device=device)
+    ref = foundation.train_single_device(cfg, args.steps, args.global_batch, args.seq_len, device=device)
     boundary = args.global_batch * args.seq_len * cfg.dim * 4 * (pp > 1)  # a step's; pp = 1: handed over
     report = []
     for name, v in schedule_runs(args):
-        result, meter, _ = train_pipeline(cfg, steps, args.global_batch, args.seq_len, schedule=name,
+        result, meter, _ = train_pipeline(cfg, args.steps, args.global_batch, args.seq_len, schedule=name,
                                           microbatches=m, virtual=v, device=device)
-        stats = [*result.max_differences(ref), float(meter.traffic("send")) / steps,
+        stats = [*result.max_differences(ref), float(meter.traffic("send")) / args.steps,
                  sum((s < pp * v - 1) + (s > 0) for s in range(rank, pp * v, pp)) * boundary]
         unit = args.unit_ms / 1e3 / v
         work = {"F": unit, "B": unit if name == "zb-h1" else 2 * unit, "W": unit} if unit else None
@@ -623,8 +613,7 @@ def bench(args: argparse.Namespace) -> None:
     if rank == 0:
         n_params = sum(p.numel() for p in foundation.GPT(cfg).parameters())
         print(f"Pipeline step time on {foundation.counted(pp, 'rank')} ({dist.get_backend()}, "
-              f"{device.type}), "
-              f"{n_params / 1e6:.1f}M parameters, batch {batch} x {seq} in "
+              f"{device.type}), {n_params / 1e6:.1f}M parameters, batch {batch} x {seq} in "
               f"{foundation.counted(m, 'microbatch', 'microbatches')}, "
               f"{foundation.median_of(args)}:")
         for name, diff, med in rows:
@@ -633,8 +622,7 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def check_writable(option: str, path: str) -> None:
-    """Refuse, before the run, an output file that could not be written at its end, or that is there
-    already: a run writes a new file, never over one it did not make."""
+    """Refuse, before the run, an output file that is there already or could not be written at its end."""
     if os.path.isdir(path):
         raise ValueError(f"{option} {path} is a folder: name a file in it")
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
