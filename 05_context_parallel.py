@@ -294,8 +294,7 @@ def _wait(works: list) -> None:
 
 
 def _kv_ring(k: torch.Tensor, v: torch.Tensor, group, me: int, cp: int):
-    """Yield (owner, its K and V stacked) for the P blocks in ring order; while the caller computes on
-    one block, the next is already travelling (one message per hop)."""
+    """Yield (owner, its K and V stacked) for the P blocks in ring order, the next already in flight."""
     kv = torch.stack([k, v])
     for step in range(cp - 1):
         next_kv, works = _pass_right(kv, group, me, cp)
@@ -383,8 +382,6 @@ def relayout(x: torch.Tensor, group, layout: SequenceLayout, to_heads: bool) -> 
 
 
 class _Relayout(torch.autograd.Function):
-    """relayout, whose gradient goes back the other way."""
-
     @staticmethod
     def forward(ctx, x, group, layout: SequenceLayout, to_heads: bool):
         ctx.args = (group, layout, to_heads)
@@ -439,9 +436,9 @@ def attention_bytes(method: str, q_elems: int, kv_elems: int, cp: int, elem_byte
 
 
 def ring_saved_bytes(q_elems: int, lse_elems: int, elem_bytes: int = 4) -> int:
-    """What RingAttention keeps for backward beyond q, k, v: the merged output as returned (q's elements,
-    elem_bytes each) and the lse (one per query head and token) in float64 beside fp32, fp32 beside
-    bf16; 03's activation formula takes it (attention_saves)."""
+    """What RingAttention keeps for backward beyond q, k, v (03's attention_saves takes it): the output
+    (q's elements, elem_bytes each) and the lse (one a query head and token), float64 beside fp32, fp32
+    beside bf16."""
     lse_bytes = 8 if elem_bytes == 4 else 4
     return elem_bytes * q_elems + lse_bytes * lse_elems
 
@@ -457,8 +454,7 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
     rank = dist.get_rank(group)
     layout = validate_context_parallel(seq_len, cfg.n_heads, cp, method, zigzag, cfg.n_kv_heads)
 
-    def share(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the global mean loss (THE MODEL above): local mean / cp."""
+    def share(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # this rank's share: THE MODEL
         return foundation.cross_entropy_loss(logits, targets) / cp
 
     model = foundation.GPT(cfg, attn_fn=ContextParallelAttention(group, method, zigzag, block),
@@ -521,8 +517,7 @@ def attention_inputs(batch: int, heads: int, seq_len: int, head_dim: int, seed: 
 def sharded_attention(batch: int, heads: int, seq_len: int, head_dim: int, *, method: str, zigzag: bool,
                       causal: bool, block: BlockAttention = TORCH_BLOCK, seed: int = 0, dtype=torch.float32,
                       group=None, device=None, kv_heads: int | None = None):
-    """On every rank: [out, lse, dq, dk, dv] of this rank's shard under the loss
-    sum(out dout) + sum(lse dlse), the meter of that forward + backward, and the ring's work."""
+    """On every rank: outputs_and_grads of its shard, the meter of its forward + backward, the ring's work."""
     cp = foundation.group_size(group)
     rank = dist.get_rank(group)
     layout = validate_context_parallel(seq_len, heads, cp, method, zigzag, kv_heads)
@@ -636,8 +631,7 @@ class Options:
 
 
 def demo_memory(args: argparse.Namespace, cp: int) -> None:
-    """The demo's largest tensors against this machine's memory: the GPT runs' and the attention scores (a
-    ring block's, of S/P x S/P, on each of the cp ranks)."""
+    """The demo's largest tensors (the GPT runs', the attention scores) against this machine's memory."""
     cfg = foundation.ModelConfig(n_heads=args.heads, n_kv_heads=args.kv_heads)
     scores = {"the float64 reference attention's scores": 8 * 2 * args.heads * args.seq_len ** 2,
               "the work comparison's block scores": 8 * args.heads * args.work_seq_len ** 2 // cp}
