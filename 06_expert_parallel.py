@@ -239,8 +239,7 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def update_selection_bias(self) -> None:
-        """After the optimizer step: nudge under-loaded experts up, over-loaded ones down. The load
-        is the group's, so every rank of the group makes the same update."""
+        """BALANCE's bias update, after the optimizer step; the load is the group's, so every rank agrees."""
         load = self.load_since_update.float()
         self.selection_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
         self.load_since_update.zero_()
