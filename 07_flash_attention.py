@@ -85,13 +85,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 # Kernels. One program per (block of rows, batch x head). A head's rows lie ROW x head_dim elements
 # apart from its first, which the batch and head strides find (LAYOUT above). head_dim is padded to a
 # power of two, BLOCK_D, for tl.arange; the padding lanes load zeros and are never stored. ----------
-
-
 @triton.jit
 def _tile(rows, seq, ROW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Offsets of rows x BLOCK_D elements within one head, rows ROW x HEAD_DIM elements apart, and the
-    mask of those that exist: the head-dim lanes are masked only when there are padding lanes (fewer
-    live registers)."""
+    """Offsets of rows x BLOCK_D elements within one head (the banner above), and the mask of those that
+    exist: the head-dim lanes are masked only when there are padding lanes (fewer live registers)."""
     offs_d = tl.arange(0, BLOCK_D)
     ok = (rows < seq)[:, None]
     if HEAD_DIM != BLOCK_D:
@@ -182,8 +179,7 @@ def kept_configs(gpu: dict, head_dim: int, element_bytes: int) -> list[tuple[int
 
 
 def _prune(gpu: dict):
-    """The autotuner's early_config_prune (called only with several configs: not in the interpreter):
-    of all the configs, time only the table's for this launch's head dim and dtype."""
+    """early_config_prune: of all the configs, time only the table's for this launch's head dim and dtype."""
     def prune(configs: list[triton.Config], named_args: dict, **meta) -> list[triton.Config]:
         kept = kept_configs(gpu, meta["HEAD_DIM"], named_args["Q"].element_size())
         return [c for c in configs
@@ -229,7 +225,6 @@ def _fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shi
     m_i, l_i = tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full_end, hi = _key_range(start_m, seq_k, shift, BLOCK_M, BLOCK_N, CAUSAL)
-    # The recurrence over [0, full_end) without a mask, then over [full_end, hi) with one.
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, rows, 0, full_end, seq_k, shift, qk_scale, KV_ROW,
                             HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, PRECISION, MASKED=False)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, rows, full_end, hi, seq_k, shift, qk_scale, KV_ROW,
@@ -244,8 +239,7 @@ def _fwd_kernel(Q, K, V, OUT, LSE, seq_q, seq_k, seq_q_bucket, seq_k_bucket, shi
 def _bwd_delta_kernel(OUT, DO, DLSE, DELTA, seq_q, heads, q_batch, q_head, HAS_DLSE: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, Q_ROW: tl.constexpr,
                       BLOCK_M: tl.constexpr):
-    """The backward's preprocessing: delta = rowsum(O * dO) - dlse, one fp32 number per row, read
-    by both backward kernels instead of each recomputing it from O and dO."""
+    """delta (THE BACKWARD), one fp32 number per row, read by both backward kernels, not recomputed."""
     bh = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     q_at = bh // heads * q_batch + bh % heads * q_head
@@ -379,9 +373,7 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
-    """t if the kernels can address it: (batch, heads, seq, head_dim) contiguous, or (batch, seq, heads,
-    head_dim) contiguous seen through .transpose(1, 2), as lesson 01's Attention passes it (its
-    projections' layout: no copy); else a contiguous copy."""
+    """t if the kernels can address it (LAYOUT: contiguous, or 01's projections transposed); else a copy."""
     return t if t.is_contiguous() or t.transpose(1, 2).is_contiguous() else t.contiguous()
 
 
@@ -419,7 +411,6 @@ def _grid(seq: int, block: str, x: torch.Tensor):  # block: "BLOCK_M" or "BLOCK_
 
 
 def _outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty out and lse for q as the kernels read it: out in q's layout, lse in _row_stats'."""
     q = _dense(q)
     return torch.empty_like(q), _row_stats(q)
 
@@ -504,8 +495,7 @@ def _save_for_backward(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dout, dlse):
-    # Grad mode is on here only under create_graph=True: refuse, rather than return a dq that silently
-    # does not require grad.
+    # Grad mode is on here only under create_graph=True: refuse, rather than return a dq without grad.
     if torch.is_grad_enabled():
         raise RuntimeError("flash_attention is once differentiable: create_graph=True (a second "
                            "derivative) is not supported; use lesson 05's naive_attention or SDPA for that")
@@ -520,8 +510,7 @@ flash_attention_forward.register_autograd(_backward, setup_context=_save_for_bac
 def flash_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int,
                           k_offset: int, causal: bool, sm_scale: float | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one query block to one key block at absolute positions (causal mask
-    q_offset + i >= k_offset + j) -> (out, lse); differentiable through both, for ring attention."""
+    """(out, lse) of a query block against a key block at absolute positions (CAUSAL): for 05's ring."""
     q, k = _dense(q), _dense(k)  # here, so that autograd saves them as the kernels read them
     return flash_attention_forward(q, k, _as_layout(v, k), causal, sm_scale, q_offset, k_offset)
 
@@ -561,8 +550,7 @@ HOPPER_FWD_GPU = {(64, 2): [(128, 64, 8, 3), (128, 64, 8, 5), (128, 128, 8, 3), 
 @triton.jit
 def _descriptor(X, batch, heads, seq, x_batch, x_head, ROW: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """X as a (batch, head, row, dim) tensor in its LAYOUT, for the TMA unit to copy BLOCK rows of a head
-    at a time: loads zero-fill the rows past seq and the lanes past HEAD_DIM, stores drop them."""
+    """X in its LAYOUT as (batch, head, row, dim), BLOCK rows a TMA copy: past the ends, 0 in, nothing out."""
     return tl.make_tensor_descriptor(X, [batch, heads, seq, HEAD_DIM], [x_batch * HEAD_DIM, x_head * HEAD_DIM,
                                      ROW * HEAD_DIM, 1], [1, 1, BLOCK, BLOCK_D])
 
@@ -650,8 +638,7 @@ def demo(args: argparse.Namespace) -> None:
           + " " * 24 + "".join(f"{name:>9}" for name in ("out", "lse", "dq", "dk", "dv")))
     flash = partial(flash_block_attention, q_offset=0, k_offset=0)
     exact = context_parallel.naive_attention
-    # 16-bit: fp16 in the interpreter (its bf16 dots are wrong), bf16 on a GPU, where each dtype and
-    # mask compiles and times every config once (the timings then come from Triton's cache).
+    # 16-bit: fp16 in the interpreter (PRECISION), bf16 on a GPU (each dtype and mask tunes once: _autotuned).
     for dtype in (torch.float32, torch.float16 if INTERPRETED else torch.bfloat16):
         q, k, v, dout = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(4))
         for causal, (name, attn) in itertools.product((False, True), (("ours", flash), ("torch", _sdpa))):
@@ -664,8 +651,7 @@ def demo(args: argparse.Namespace) -> None:
     for name, attn in (("ours", flash), ("torch", _sdpa)):
         compare(f"float32 causal {name}", partial(attn, causal=True), partial(exact, causal=True),
                 q, k, v, dout)
-    # One ring step: queries at positions 64.. attend to keys at 96..: in each (batch, head) the first
-    # 32 query rows see no key.
+    # One ring step: in each (batch, head) the first 32 query rows see no key (64 + 31 < 96).
     q, k, v, dout = (torch.randn(shape, generator=gen).to(device) for _ in range(4))
     dlse = torch.randn(shape[:3], generator=gen).to(device)
     where = dict(q_offset=64, k_offset=96, causal=True)
@@ -764,8 +750,7 @@ def validate_bench(world: int) -> None:
 
 
 def demo_memory(args: argparse.Namespace, world: int) -> None:
-    """The demo's largest tensors against this machine's memory: the float64 reference's scores and
-    probabilities, batch x heads x seq^2 each, on the CPU."""
+    """The demo's largest tensors (the float64 reference's, on the CPU) against this machine's memory."""
     scores = {"the float64 reference's scores and probabilities":
               2 * 8 * args.batch * args.heads * args.seq ** 2}
     foundation.check_memory(None, args.batch, args.seq, world, scores,
@@ -799,11 +784,10 @@ ATTENTION_TFLOPS_H100 = {
 
 def attention_seconds(batch: int, heads: int, seq: int, head_dim: int, kernel: str, cp: int = 1,
                       speed: float = 1.0) -> tuple[float, float]:
-    """(forward, backward) of causal attention of `batch` sequences of `seq` tokens over `heads`
-    query heads, at the measured rate of `kernel` nearest in head dim and length (x speed: another
-    GPU's peak over the H100's), FLOPs as the papers count them: forward 4 N^2 d a head, halved by
-    the mask; backward 2.5x. cp > 1: seq is a rank's share of 05's zigzag ring, which computes 1/cp
-    of the causal attention over cp x seq tokens: cp / 2 unmasked blocks of seq x seq."""
+    """(forward, backward) of causal attention of `batch` sequences of `seq` tokens over `heads` query heads,
+    at the measured rate of `kernel` nearest in head dim and length (x speed: another GPU's peak over the
+    H100's), FLOPs counted as bench's. cp > 1: seq is a rank's share of 05's zigzag ring, which computes
+    1/cp of the causal attention over cp x seq tokens: cp / 2 unmasked blocks of seq x seq."""
     forward = 4 * batch * heads * seq ** 2 * head_dim * cp / 2
     rates = ATTENTION_TFLOPS_H100[min((64, 128), key=lambda d: abs(d - head_dim)), cp == 1][kernel]
     rate = rates[min(range(len(BENCH_SEQS)), key=lambda i: max(BENCH_SEQS[i] / seq, seq / BENCH_SEQS[i]))]
