@@ -30,8 +30,8 @@ receives. One executor runs any list. With unit times F = 1, B = 2 (or B = W = 1
 - ZB-H1 (zero bubble, Qi et al. 2023): backward split into B (input gradient: what the previous
   stage waits for) and W (weight gradient: nobody waits for it). Rank r postpones its first r W's
   to fill the pipeline's tail: for m >= p the bubble is (p-1)/(3m+p-1), a third of 1F1B's, with at
-  most p microbatches held (W needs the activations too). Our W is a second autograd.grad, towards
-  the weights, which re-runs the backward chain: simple, not free.
+  most p microbatches held (W needs the activations too). Our W is a second backward towards the
+  weights (autograd.backward, inputs=them), which re-runs the backward chain: simple, not free.
 Transfers are placed by simulating the compute orders in unit times: each is posted on both ends at
 the instant its data is produced, those of one instant as one batched isend/irecv (01's batch_p2p).
 Ranks reach their instants in time order, so none waits on a peer that waits on it (the tests check
