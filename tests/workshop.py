@@ -169,7 +169,7 @@ def copy(dest: Path, exercises: list[Exercise]) -> None:
 def list_exercises(exercises: list[Exercise], detailed: bool) -> None:
     todo = set(blanked_in(COURSE))
     for e in exercises:
-        needs = f"  (after {', '.join(e.needs)})" if e.needs else ""
+        needs = f"  (its proofs also run {', '.join(e.needs)})" if e.needs else ""  # not an order: both ways
         mark = "  [to do in this copy]" if e.id in todo else ""
         print(f"{e.id}  {e.minutes:>3} min  {e.title}{needs}{mark}")
         if detailed:
