@@ -59,6 +59,7 @@ import functools
 import math
 import operator
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -536,6 +537,11 @@ def check_memory(cfg: "ModelConfig | None", batch: int, seq_len: int, ranks: int
                          f"this machine has {memory:,}")
 
 
+def stop_on_signal(signum: int, frame) -> None:
+    """launch's SIGTERM handler: the signal as a KeyboardInterrupt carrying its number."""
+    raise KeyboardInterrupt(signum)
+
+
 def launch(fn: Callable, *args, nproc: int) -> None:
     """fn(*args) on every rank: here under torchrun, else in nproc fresh local processes given the
     environment torchrun would set (fn is pickled by name: module-level)."""
@@ -548,10 +554,13 @@ def launch(fn: Callable, *args, nproc: int) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ranks = mp.start_processes(_launched_rank, args=(fn, args, nproc, store.port), nprocs=nproc,
                                start_method="spawn", join=False)
+    # `kill` sends SIGTERM, whose default would end this process alone and leave the ranks running on:
+    # stop them as Ctrl-C does (launch runs in the main thread, where a signal handler may be set).
+    sigterm = signal.signal(signal.SIGTERM, stop_on_signal)
     try:
         while not ranks.join(grace_period=10):  # a rank fails: the others get 10 s to stop themselves
             pass
-    except KeyboardInterrupt:  # Ctrl-C (the whole process group), or a signal to this process alone
+    except KeyboardInterrupt as interrupt:  # Ctrl-C (the whole process group), or a signal to this one
         for process in ranks.processes:  # SIGTERM stops a rank where it is (checkpoints are atomic)
             process.terminate()
         for process in ranks.processes:
@@ -560,11 +569,14 @@ def launch(fn: Callable, *args, nproc: int) -> None:
                 process.kill()
                 process.join()
         print(f"interrupted: the {counted(nproc, 'local rank')} stopped", file=sys.stderr)
-        raise SystemExit(130) from None
+        signum = interrupt.args[0] if interrupt.args else signal.SIGINT  # Ctrl-C's carries none
+        raise SystemExit(128 + signum) from None  # as a shell reports a process a signal stopped
     except mp.ProcessExitedException as error:
         if error.exit_code > 0:  # it left through exit_distributed(error): its line says why
             raise SystemExit(error.exit_code) from None
         raise
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 def exit_distributed(error: str | None = None, code: int = 2) -> None:
@@ -1147,8 +1159,10 @@ def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Comma
     if unknown:  # perhaps another sub-command's option: say whose
         given = unknown[0].split("=")[0]
         owners = [name for name, (p, _) in parsers.items() if name and given in p._option_string_actions]
-        chosen.error(f"unrecognized arguments: {' '.join(unknown)}"
-                     + (f" ({given} is an option of {' and '.join(owners)})" if owners else ""))
+        hint = f" ({given} is an option of {' and '.join(owners)})" if owners else ""
+        if commands and not given.startswith("-"):  # a mistyped sub-command, taken for the first's argument
+            hint = f" (the sub-commands: {', '.join(commands)})"
+        chosen.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if problems := broken_rules(args, fields, flagged=True):
         chosen.exit(2, f"{chosen.prog}: error: {problems[0]}\n")
     return chosen, args
@@ -1191,7 +1205,8 @@ def launch_lesson(parser: argparse.ArgumentParser, args, fn: Callable, *, divisi
             local = counted(world, "local process", "local processes")
             processes = {f"{local} of Python and torch, {LOCAL_PROCESS_BYTES >> 20} MiB each":
                          world * LOCAL_PROCESS_BYTES}
-            check_memory(None, 0, 0, world, processes, what=f"--nproc {world}")
+            named = f"--nproc {world}" if isinstance(args, argparse.Namespace) else local  # 09: its mesh's
+            check_memory(None, 0, 0, world, processes, what=named)
         for name, size in (divisible or {}).items():
             if size % world:
                 raise ValueError(f"{name} {size} is not divisible by the {counted(world, 'rank')}")

@@ -937,7 +937,7 @@ def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
     first = min(losses)
     last = max(losses)
     print(f"train loss {losses[first]:.3f} at step {first} -> {losses[last]:.3f} at step {last} "
-          f"(ln 256 = {math.log(256):.3f}: a uniform guess); validation: "
+          f"(ln {cfg.vocab_size} = {math.log(cfg.vocab_size):.3f}: a uniform guess); validation: "
           + ", ".join(f"{v:.3f} after {s}" for s, v in result["val"].items()))
     print(f"The losses ('.' training, 'o' validation):\n{loss_curve(losses, result['val'])}")
     rank0 = plan(cfg, trainer.mesh.sizes, train)[0]
@@ -1755,6 +1755,8 @@ def search_meshes(cfg, train: TrainConfig, gpus: int, fixed: dict[str, int | Non
     fitting.sort(key=lambda v: v[3]["step"])
     given = math.prod(size for size in fixed.values() if size)
     none = f"the sizes given multiply to {given}: no mesh of them has {gpus} GPUs"
+    if gpus % given:
+        none = f"the sizes given multiply to {given}, which does not divide --gpus {gpus}"
     if across_nodes:
         none = (f"tp={', '.join(map(str, sorted(across_nodes)))} does not divide --gpus-per-node "
                 f"{cluster.gpus_per_node}: a tp group stays in one node")
@@ -2099,6 +2101,14 @@ def check_before_launch(job: Job, world: int) -> None:
     if run.resume and not os.path.isdir(run.folder):  # refused before claim_folder would make it
         raise ValueError(f"--resume: checkpoint folder {run.folder} does not exist "
                          f"(a new run: drop --resume)")
+    if run.folder is not None and not run.resume and os.path.isdir(run.folder):  # a new run saves over none
+        earlier = sorted(p.name for p in Path(run.folder).glob("step_*")
+                         if zero.step_of(p) is not None and (p / "meta.json").is_file())
+        if earlier:
+            more = f" and {len(earlier) - 3} more" if len(earlier) > 3 else ""
+            raise ValueError(f"checkpoint folder {run.folder} holds an earlier run's checkpoints "
+                             f"({', '.join(earlier[-3:])}{more}): --resume continues that run; a new run "
+                             f"needs a new or empty folder (it removes no save it did not write)")
     if run.folder is not None and "RANK" not in os.environ:  # under torchrun, rank 0 locks (train_run)
         zero.claim_folder(run.folder).close()  # refused: a file, unwritable, held, holding a user's files
     if run.resume:  # damaged, another model, other data: refused before any rank starts
@@ -2107,10 +2117,6 @@ def check_before_launch(job: Job, world: int) -> None:
         loader = ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=run.seed)
         loader.load_state_dict(meta["loader"])
         return
-    earlier = zero.latest_checkpoint(run.folder) if run.folder is not None else None
-    if earlier and os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks, rank 0 says so
-        print(f"note: {earlier} is from an earlier run; this run replaces it at its first save "
-              f"(--resume continues it instead)")
 
 
 def main() -> None:

@@ -1161,13 +1161,15 @@ class RuledOptions:
     (["b", "--only-b", "-1"], "--only-b must be >= 0, not -1"),
     (["a", "--only-b", "1"], "unrecognized arguments: --only-b 1 (--only-b is an option of b)"),
     (["a", "--only-b=1"], "unrecognized arguments: --only-b=1 (--only-b is an option of b)"),  # the name
+    (["bb", "--count", "2"], "unrecognized arguments: bb (the sub-commands: a, b)"),  # said a's, and no more
     (["--count", "2", "--sizes", "32", "64"], None),
 ])
 def test_an_option_is_a_field_with_its_rule_beside_it(capsys, argv, message):
     """option(): the field's rule (several, a list's every element, NaN refused by each) is checked as
     the command line is parsed, in one line naming the option and the value, exit 2; a field without a
     help is no option; a sub-command's own fields are options of it only (given to another, the error
-    names whose it is); none given: the first."""
+    names whose it is); none given: the first (a mistyped one is taken for its argument: the error lists
+    the sub-commands)."""
     commands = {"a": foundation.Command("the first"), "b": foundation.Command("the second")}
     if message is None:
         _, args = foundation.parse_options("doc", (RuledOptions,), commands, argv=argv)

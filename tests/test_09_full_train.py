@@ -1476,6 +1476,38 @@ def test_a_checkpoint_dir_holding_a_users_files_is_refused_before_launch_untouch
     assert snapshot(folder) == before
 
 
+def test_a_new_run_into_an_earlier_runs_checkpoints_is_refused_before_launch_untouched(monkeypatch, capsys, tmp_path):
+    """Before: a new run into checkpoints/09 after the main job printed "note: ... step_00000600 is from an
+    earlier run; this run replaces it at its first save", and that save removed step_00000500 and
+    step_00000600, though the README said a run removes only what it wrote. Now a new run into a folder
+    holding an earlier run's complete checkpoints is refused in one line before any rank starts, and not a
+    byte changes; --resume continues that run (test_resume_reads_only_its_slices_*)."""
+    monkeypatch.delenv("RANK", raising=False)
+    folder = tmp_path / "run"
+    zero.lock_checkpoints(folder).close()
+    for step, keep in ((500, ()), (600, (500,))):  # the main job's last two, as --keep 2 leaves them
+        zero.save_checkpoint(folder, step, [(zero.Piece.whole("w", (6,)), {"params": torch.zeros(6)})], keep=keep)
+    before = snapshot(folder)
+    code, err, launched, _ = run_main(monkeypatch, capsys, "--checkpoint-dir", str(folder))
+    assert code == 2 and not launched and err.count("\n") == 1, err
+    assert err.endswith(f"checkpoint folder {folder} holds an earlier run's checkpoints (step_00000500, "
+                        f"step_00000600): --resume continues that run; a new run needs a new or empty folder "
+                        f"(it removes no save it did not write)\n"), err
+    assert snapshot(folder) == before
+
+
+def test_too_many_ranks_for_this_machine_are_named_by_count_not_by_an_option_09_lacks(monkeypatch, capsys):
+    """09's mesh sets its ranks (it has no --nproc); launch_lesson's memory rule said "--nproc 128 would
+    need at least ...". Now it counts the local processes."""
+    monkeypatch.delenv("RANK", raising=False)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    too_many = memory // foundation.LOCAL_PROCESS_BYTES + 1
+    code, err, launched, _ = run_main(monkeypatch, capsys, "--dp", str(too_many), "--tp", "1",
+                                       "--global-batch", str(too_many))
+    assert code == 2 and not launched and err.count("\n") == 1, err
+    assert f"{too_many} local processes would need at least" in err and "--nproc" not in err, err
+
+
 def test_the_command_line_refuses_a_users_folder_with_exit_2(tmp_path):
     """The review's folder, through `python 09_full_train.py --checkpoint-dir DIR`: one line, exit 2."""
     for mine in ("step_by_step/notes.md", "step_plots/a.txt", "draft.tmp"):
@@ -1600,9 +1632,12 @@ def rank_processes(pid: int) -> list[int]:
     return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
-def test_sigint_to_the_launcher_alone_stops_its_ranks_before_it_says_so():
-    """`kill -INT <launcher pid>` (a scheduler; Ctrl-C signals the whole group): the launcher stops
-    its ranks, then prints its one line, last; no rank is left; no resource-tracker warning."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_launcher_alone_stops_its_ranks_before_it_says_so(signum):
+    """`kill -INT <launcher pid>` (a scheduler; Ctrl-C signals the whole group), or plain `kill` (SIGTERM,
+    which before ended the launcher alone: its ranks trained on to the last step, saving and holding the
+    folder's LOCK): the launcher stops its ranks, then prints its one line, last, and exits 128 + the
+    signal's number, as a shell reports it; no rank is left; no resource-tracker warning."""
     args = "--dp 2 --tp 1 --seq-len 16 --global-batch 2 --steps 100000 --eval-every 100000 --no-save".split()
     # A shell's `pytest &` starts pytest with SIGINT ignored, and an ignored signal stays ignored
     # across exec: the launcher would never see our SIGINT (three suite runs hung so). A handled one
@@ -1624,11 +1659,11 @@ def test_sigint_to_the_launcher_alone_stops_its_ranks_before_it_says_so():
             time.sleep(0.2)  # until rank 0's bar shows a finished step
         ranks = rank_processes(proc.pid)
         assert len(ranks) == 2, err.decode()
-        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, signum)
         proc.wait(timeout=120)  # a hang guard: it stops in seconds
         reader.join(timeout=10)
         text = err.decode(errors="replace")
-        assert proc.returncode == 130, text
+        assert proc.returncode == 128 + signum, text
         assert text.rstrip().endswith("interrupted: the 2 local ranks stopped"), text
         for rank in ranks:
             with pytest.raises(ProcessLookupError):
@@ -2810,8 +2845,10 @@ def test_the_loss_reads_a_padded_vocabulary_shard():
     (["check", "--bf16-optimizer"], "--bf16-optimizer keeps AdamW's state in the bf16 of mixed precision: add "
                                     "--bf16"),  # check runs fp32 unless told
     (["plan", "--model", "llama3-8b", "--experts", "8"], "--experts 8 is an option of an MoE model: add --moe"),
-    (["plan", "--model", "llama3-8b", "--gpus", "32", "--pp", "64"], "the sizes given multiply to 64: no mesh of them "
-                                                                     "has 32 GPUs"),
+    (["plan", "--model", "llama3-8b", "--gpus", "32", "--pp", "64"], "the sizes given multiply to 64, which does not "
+                                                                     "divide --gpus 32"),
+    (["plan", "--model", "llama3-8b", "--gpus", "64", "--dp", "3"], "the sizes given multiply to 3, which does not "
+                                                                    "divide --gpus 64"),  # said: "no mesh of them"
     (["plan", "--model", "llama3-8b", "--gpus", "16", "--tp", "16"],
      "tp=16 does not divide --gpus-per-node 8: a tp group stays in one node"),
     (["plan", "--model", "llama3-8b", "--gpus", "16", "--dp", "1", "--pp", "1", "--cp", "1"],  # tp left: 16
