@@ -729,7 +729,8 @@ def resumed_validation(meta: dict, again: float, sizes: MeshSizes) -> str:
     line = (f"validation loss of the loaded weights {again:.6f}, when saved {meta['val']:.6f}: "
             f"difference {abs(again - meta['val']):.1e}")
     if saved == sizes:
-        return line + " (the same mesh: the same sums, so a resumed run repeats the uninterrupted one)"
+        return line + (" (the same mesh: the same sums, so with the same options a resumed run repeats the "
+                       "uninterrupted one)")  # --lr, --steps or --warmup changed change what follows
     return (line + f" (saved on {mesh_name(saved)}, resumed on {mesh_name(sizes)}: the same sums in another "
             f"order; training amplifies such rounding, so the losses follow the uninterrupted run's closely "
             f"at first, then drift: it ends near, not on, that run's loss)")

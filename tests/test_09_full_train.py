@@ -1710,7 +1710,7 @@ def test_the_loss_curve_is_drawn_where_the_losses_are():
 def test_a_resume_says_how_close_its_validation_is_and_why_on_another_mesh():
     meta = {"mesh": dataclasses.asdict(full_train.MeshSizes(dp=2, tp=2)), "val": 1.5}
     same = full_train.resumed_validation(meta, 1.5, full_train.MeshSizes(dp=2, tp=2))
-    assert "difference 0.0e+00 (the same mesh: the same sums" in same
+    assert "difference 0.0e+00 (the same mesh: the same sums, so with the same options a resumed run" in same
     other = full_train.resumed_validation(meta, 1.5 + 2 ** -20, full_train.MeshSizes(dp=4))
     assert "difference 9.5e-07 (saved on dp=2 pp=1 cp=1 tp=2, resumed on dp=4 pp=1 cp=1 tp=1" in other
     assert "then drift" in other
