@@ -730,7 +730,7 @@ def resumed_validation(meta: dict, again: float, sizes: MeshSizes) -> str:
             f"difference {abs(again - meta['val']):.1e}")
     if saved == sizes:
         return line + (" (the same mesh: the same sums, so with the same options a resumed run repeats the "
-                       "uninterrupted one)")  # --lr, --steps or --warmup changed change what follows
+                       "uninterrupted one)")  # a changed --lr, --steps or --warmup changes what follows
     return (line + f" (saved on {mesh_name(saved)}, resumed on {mesh_name(sizes)}: the same sums in another "
             f"order; training amplifies such rounding, so the losses follow the uninterrupted run's closely "
             f"at first, then drift: it ends near, not on, that run's loss)")
