@@ -2103,8 +2103,9 @@ def check_before_launch(job: Job, world: int) -> None:
         raise ValueError(f"--resume: checkpoint folder {run.folder} does not exist "
                          f"(a new run: drop --resume)")
     if run.folder is not None and not run.resume and os.path.isdir(run.folder):  # a new run saves over none
+        latest = zero.latest_checkpoint(run.folder)  # a save LATEST names, even damaged, was finished
         earlier = sorted(p.name for p in Path(run.folder).glob("step_*")
-                         if zero.step_of(p) is not None and (p / "meta.json").is_file())
+                         if zero.step_of(p) is not None and ((p / "meta.json").is_file() or p == latest))
         if earlier:
             more = f" and {len(earlier) - 3} more" if len(earlier) > 3 else ""
             raise ValueError(f"checkpoint folder {run.folder} holds an earlier run's checkpoints "

@@ -1494,6 +1494,12 @@ def test_a_new_run_into_an_earlier_runs_checkpoints_is_refused_before_launch_unt
                         f"step_00000600): --resume continues that run; a new run needs a new or empty folder "
                         f"(it removes no save it did not write)\n"), err
     assert snapshot(folder) == before
+    (folder / "step_00000600" / "meta.json").unlink()  # damaged since: LATEST still names it
+    (folder / "step_00000500" / "meta.json").unlink()  # and one no file names
+    before = snapshot(folder)
+    code, err, launched, _ = run_main(monkeypatch, capsys, "--checkpoint-dir", str(folder))
+    assert code == 2 and not launched and "holds an earlier run's checkpoints (step_00000600)" in err, err
+    assert snapshot(folder) == before
 
 
 def test_too_many_ranks_for_this_machine_are_named_by_count_not_by_an_option_09_lacks(monkeypatch, capsys):
