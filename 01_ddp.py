@@ -55,6 +55,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import difflib
 import functools
 import math
 import operator
@@ -788,6 +789,10 @@ HF_DEFAULTS = {  # transformers' LlamaConfig, MistralConfig, MixtralConfig: a ke
     "mixtral": dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6, num_local_experts=8,
                     num_experts_per_tok=2),
 }
+HF_KEYS = frozenset({"model_type", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                     "num_hidden_layers", "intermediate_size", "vocab_size", "rope_theta", "rms_norm_eps",
+                     "tie_word_embeddings", "hidden_act", "attention_bias", "mlp_bias", "head_dim",
+                     "sliding_window", "num_local_experts", "num_experts_per_tok"})  # what from_hf reads
 
 
 @dataclass(frozen=True)
@@ -823,11 +828,17 @@ class ModelConfig:
         """A Hugging Face config.json (a dict) as a ModelConfig, and (experts, top-k) of a Mixtral MoE, or
         None, read as transformers reads it: a key missing is its config class's default (HF_DEFAULTS); null
         K/V heads are the heads, a null tie or window none. Refused, naming the field: another model_type,
-        what GPT lacks (a window as long as the run's seq_len is full attention), a size not positive or
-        past its bound (MAX_LAYERS, MAX_WIDTH); rope_scaling unread."""
+        a key unread but close to one missing (a misspelling: transformers would ignore it and take a
+        default), what GPT lacks (a window as long as the run's seq_len is full attention), a size not
+        positive or past its bound (MAX_LAYERS, MAX_WIDTH); rope_scaling unread."""
         defaults = HF_DEFAULTS.get(config.get("model_type"))
         if defaults is None:
             raise ValueError(f"model_type={config.get('model_type')!r} is not llama, mistral or mixtral")
+        for key in sorted(config.keys() - HF_KEYS):
+            near = difflib.get_close_matches(key, HF_KEYS - config.keys(), n=1, cutoff=0.8)
+            if near:
+                raise ValueError(f"{key}: transformers reads no such key; is it {near[0]}, which the file "
+                                 f"lacks?")
 
         def read(key: str, kind: type | tuple = int, default=None, most: float = MAX_WIDTH):
             value = config[key] if key in config else defaults.get(key, default)

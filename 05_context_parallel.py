@@ -639,11 +639,19 @@ def demo_memory(args: argparse.Namespace, cp: int) -> None:
                             what=f"--seq-len {args.seq_len}, --work-seq-len {args.work_seq_len}")
 
 
+def validate_sequences(args: argparse.Namespace, cp: int) -> None:
+    """Both lengths the demo splits over the cp ranks in zigzag, an error naming its option."""
+    for option, seq_len in (("--seq-len", args.seq_len), ("--work-seq-len", args.work_seq_len)):
+        try:
+            validate_context_parallel(seq_len, args.heads, cp, "ring", True, args.kv_heads)
+        except ValueError as error:
+            raise ValueError(str(error).replace(f"seq_len={seq_len}", f"{option} {seq_len}")) from None
+
+
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks))
-    sequences = [functools.partial(validate_context_parallel, seq_len, args.heads, method="ring", zigzag=True,
-                                   n_kv_heads=args.kv_heads) for seq_len in (args.seq_len, args.work_seq_len)]
-    foundation.launch_lesson(parser, args, demo, rules=[*sequences, functools.partial(demo_memory, args)])
+    rules = [functools.partial(validate_sequences, args), functools.partial(demo_memory, args)]
+    foundation.launch_lesson(parser, args, demo, rules=rules)
 
 
 if __name__ == "__main__":

@@ -1516,7 +1516,8 @@ class Cluster:
     (beyond any chip or cluster of today): a typo (0, 1e-300, inf, 1e308) priced a step at 0 s, then divided
     by it; NaN breaks every rule. --gpus at most a million: the search tries each divisor."""
     gpus: int | None = option(None, "GPUs (default: the mesh sizes' product)", (">= 1", "<= 1e6"), type=int)
-    gpus_per_node: int = option(8, "GPUs per node (tp stays in one)", (">= 1", "<= 1e4"))
+    gpus_per_node: int = option(8, "GPUs per node (tp stays in one; more GPUs fill whole nodes)",
+                                (">= 1", "<= 1e4"))
     gpu: str = option("h100-sxm", "the GPU: memory, peaks, bandwidths, power (each option below overrides)",
                       choices=GPUS)
     gpu_memory: float = option(H100["gpu_memory"], "GiB per GPU", (">= 1", "<= 1e5"), type=float)
@@ -1891,6 +1892,11 @@ def plan_report(job: Job) -> str:
         options = [f"--{d} {v}" for d, v in {"gpus": job.gpus, **fixed}.items() if v is not None]
         raise ValueError(f"plan needs --gpus N or every mesh size (--dp --pp --cp --tp), sizes that multiply "
                          f"to N; given: {' '.join(options) or 'neither'}")
+    per_node = cluster.gpus_per_node
+    if gpus > per_node and gpus % per_node:
+        raise ValueError(f"{gpus:,} GPUs are not whole nodes of --gpus-per-node {per_node} "
+                         f"({foundation.counted(gpus // per_node, 'node')} and "
+                         f"{foundation.counted(gpus % per_node, 'GPU')})")
     if train.fp8 and cluster.fp8_tflops is None:
         raise ValueError(f"--fp8: the {cluster.gpu} has no FP8 tensor cores (--fp8-tflops prices one)")
     valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, job.ep, cluster)

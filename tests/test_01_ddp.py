@@ -399,6 +399,13 @@ def test_a_config_json_is_read_as_hugging_face_reads_it(config, seq_len, read):
     (dict(vocab_size=10 ** 30), "vocab_size=~10^30 is past the bound of 1,000,000"),
     (dict(hidden_size=10 ** 30), "hidden_size=~10^30 is past the bound of 1,000,000"),
     (dict(intermediate_size=1_000_001), "intermediate_size=1,000,001 is past the bound of 1,000,000"),
+    # a misspelled key: transformers ignores it, and its size would be a default (here, 32 K/V heads)
+    (dict(num_key_value_heads=None, num_key_value_head=8), "num_key_value_head: transformers reads no such key; is "
+                                                           "it num_key_value_heads, which the file lacks?"),
+    (dict(intermediate_size=None, intermediate_sizes=14336), "intermediate_sizes: transformers reads no such key; is "
+                                                             "it intermediate_size, which the file lacks?"),
+    (dict(rms_norm_eps=None, rms_norm_epsilon=1e-5), "rms_norm_epsilon: transformers reads no such key; is it "
+                                                     "rms_norm_eps, which the file lacks?"),
 ])
 def test_a_config_that_is_not_llama_shaped_or_nonsensical_is_one_line_naming_the_field(change, message):
     """Each size within a stated bound (01's MAX_LAYERS, MAX_WIDTH: far past any published model), so that a

@@ -2855,6 +2855,10 @@ def test_the_loss_reads_a_padded_vocabulary_shard():
                                                                      "divide --gpus 32"),
     (["plan", "--model", "llama3-8b", "--gpus", "64", "--dp", "3"], "the sizes given multiply to 3, which does not "
                                                                     "divide --gpus 64"),  # said: "no mesh of them"
+    (["plan", "--model", "llama3-8b", "--gpus", "64", "--gpus-per-node", "3"],  # it planned 21 1/3 nodes
+     "64 GPUs are not whole nodes of --gpus-per-node 3 (21 nodes and 1 GPU)"),
+    (["plan", "--model", "llama3-8b", "--dp", "3", "--pp", "1", "--cp", "1", "--tp", "4"],
+     "12 GPUs are not whole nodes of --gpus-per-node 8 (1 node and 4 GPUs)"),
     (["plan", "--model", "llama3-8b", "--gpus", "16", "--tp", "16"],
      "tp=16 does not divide --gpus-per-node 8: a tp group stays in one node"),
     (["plan", "--model", "llama3-8b", "--gpus", "16", "--dp", "1", "--pp", "1", "--cp", "1"],  # tp left: 16

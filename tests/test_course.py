@@ -41,7 +41,9 @@ def test_the_course_is_its_nine_scripts():
     ("02_zero", [], "--global-batch 16 is not divisible by the 3 ranks"),
     ("03_tensor_parallel", [], "--seq-len 32 is not divisible by the 3 ranks"),
     ("04_pipeline", [], "microbatches=8 is not a multiple of pp=3"),
-    ("05_context_parallel", [], "seq_len=64 is not divisible by 2 x cp = 6"),
+    ("05_context_parallel", [], "--seq-len 64 is not divisible by 2 x cp = 6"),
+    ("05_context_parallel", ["--seq-len", "66", "--work-seq-len", "100"],  # it named seq_len, not the option
+     "--work-seq-len 100 is not divisible by 2 x cp = 6"),
     ("06_expert_parallel", [], "--experts 8 is not divisible by the 3 ranks"),
     ("08_fp8", ["distributed"], "--seq-len 64 is not divisible by the 3 ranks"),
 ])
