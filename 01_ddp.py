@@ -5,7 +5,7 @@ The lesson first (data parallelism, its training loop, its demo), then THE FOUND
   Data parallelism: broadcast_parameters; (a) all_reduce_gradients; (b, c) GradBucket, BucketedDataParallel
     and its hooks' weak_hook (which 02 reuses)
   Training: TrainResult; train_single_device (the reference every lesson equals), train_data_parallel;
-    accumulate_microbatches and mean_over_ranks, the loop's two pieces every lesson reuses
+    accumulate_microbatches and mean_over_ranks, the loop's two pieces later lessons reuse
   RUN IT: demo (every version beside one device), bench (against torch's DDP)
 THE FOUNDATION (line ~465 on: read it once the lesson is clear, or from 02 on)
   Devices and launch: init_distributed, launch (plain python starts its ranks as torchrun would),
@@ -1181,7 +1181,7 @@ def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Comma
 
 @dataclass
 class Ranks:
-    """The option of every lesson that runs on several ranks."""
+    """The option of every lesson that runs on several ranks, but 09 (its mesh sets them)."""
     nproc: int = option(torch.cuda.device_count() if torch.cuda.is_available() else 4,
                         "ranks when not under torchrun", ">= 1")
 
@@ -1199,7 +1199,8 @@ def launch_lesson(parser: argparse.ArgumentParser, args, fn: Callable, *, divisi
     without --nproc), then fn(args) on every rank (here, for a lesson of one process); args: the options,
     or what a lesson made of them (09's Job). divisible: each size (by its option) the world must divide;
     rules: functions of the world (a lesson's validate_* and check_memory, their other arguments bound)
-    that raise ValueError. A broken rule is one line (once under torchrun), exit 2, before any rank starts."""
+    that raise ValueError. A broken rule is its message (once under torchrun), exit 2, before any rank
+    starts."""
     try:
         world = launch_world_size(getattr(args, "nproc", 1))  # torchrun's, where RANK is set
         if not hasattr(args, "nproc") and world > 1:

@@ -253,7 +253,8 @@ class TrainConfig:
                               "input's sequence shard", off=(
                                   "--autograd-saves", False, "every tensor autograd saves; SP's linears keep "
                                   "the gathered input"))
-    attention: str = option("sdpa", "flash: 07's kernel (cp > 1: the ring); plan only, kernels the course "
+    attention: str = option("sdpa", "flash: 07's kernel (cp > 1, either: 05's ring, of 07's kernel on a GPU, "
+                            "of torch blocks on a CPU); plan only, kernels the course "
                             "does not run: cudnn, SDPA's cuDNN backend (Transformer Engine's fused "
                             "attention); unfused, two GEMMs around a softmax that writes the scores to "
                             "memory (Megatron before FlashAttention; PyTorch's eager attention)",
@@ -885,7 +886,7 @@ def train_run(job: Job) -> None:
               f"ZeRO-{train.zero_stage}, attention {train.attention}, recompute {train.recompute}"
               f"{', compiled' if train.compile else ''}; batch {train.global_batch} x {train.seq_len} bytes, "
               f"AdamW lr {train.lr:g} warmup {run.warmup} + cosine; {saves}")
-        if train.attention == "flash" and device.type == "cpu":
+        if train.attention == "flash" and device.type == "cpu" and sizes.cp == 1:  # cp > 1: 05's ring
             print("note: --attention flash on a CPU runs 07's kernel in Triton's interpreter, minutes a "
                   "step: it is for a GPU (sdpa trains here)", flush=True)
     bars = []  # made at the first step: a resume that fails prints its line alone
@@ -1523,8 +1524,8 @@ class Cluster:
     gpu_memory: float = option(H100["gpu_memory"], "GiB per GPU", (">= 1", "<= 1e5"), type=float)
     peak_tflops: float = option(H100["peak_tflops"], "dense bf16 TFLOP/s per GPU", (">= 1", "<= 1e6"),
                                 type=float)
-    fp8_tflops: float | None = option(H100["fp8_tflops"], "dense FP8 TFLOP/s per GPU (none: --fp8 is "
-                                      "refused)", (">= 1", "<= 1e6"), type=float)
+    fp8_tflops: float | None = option(H100["fp8_tflops"], "dense FP8 TFLOP/s per GPU (an A100 has none: "
+                                      "--fp8 is refused)", (">= 1", "<= 1e6"), type=float)
     hbm_tbps: float = option(H100["hbm_tbps"], "TB/s of GPU memory (elementwise work, the optimizer, thin "
                              "GEMMs)", (">= 0.01", "<= 1e3"))
     nvlink_gbps: float = option(H100["nvlink_gbps"], "GB/s per GPU each way in a node", (">= 1", "<= 1e5"),
@@ -2061,7 +2062,7 @@ def configure(args: argparse.Namespace) -> Job:
 
 def check_before_launch(job: Job, world: int) -> None:
     """The rules between options, then validate against the world that will run; for train also the text, the
-    checkpoint folder and the checkpoint to resume: a ValueError (one line, exit 2) before any rank starts."""
+    checkpoint folder and the checkpoint to resume: a ValueError (exit 2) before any rank starts."""
     cfg = job.cfg
     train = job.train
     run = job.run

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import json
 import re
 from collections import defaultdict
@@ -24,7 +25,7 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import assume, example, given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from conftest import run_script
@@ -171,16 +172,19 @@ def test_the_rendezvous_model_catches_mismatches_and_deadlocks():
         run_with_rendezvous(plan)
 
 
-@given(spec=schedule_specs())
-@example(spec=("zb-h1", 4, 2, 1))  # m < p: the last rank's F, B chain sets the length
-@example(spec=("zb-h1", 3, 1, 1))
-@example(spec=("interleaved", 2, 4, 2))  # v stages a rank: (p-1) / (v m + p - 1)
-def test_planned_bubble_equals_the_formula(spec):
-    plan = pipeline.make_schedule(*spec)
-    step = max(end for _, end in plan.nominal.values())
-    busy = sum(end - start for start, end in plan.nominal.values())
-    bubble = pipeline.bubble_formula(plan.name, plan.pp, plan.microbatches, plan.virtual)
-    assert 1 - busy / (plan.pp * step) == pytest.approx(bubble, abs=1e-12)
+def test_planned_bubble_equals_the_formula():
+    """Every schedule schedule_specs draws from (195, made in a tenth of a second), not a sample: a formula
+    goes wrong at a boundary (ZB-H1's changes at m = p - 1), which 5 draws missed in a workshop review."""
+    for name, pp in itertools.product(pipeline.SCHEDULES, range(1, 6)):
+        sizes = [(m, 1) for m in range(1, 11)]
+        if name == "interleaved":  # v stages a rank: (p-1) / (v m + p - 1)
+            sizes = [(pp * k, v) for k in (1, 2, 3) for v in (1, 2, 3)]
+        for m, v in sizes:
+            plan = pipeline.make_schedule(name, pp, m, v)
+            step = max(end for _, end in plan.nominal.values())
+            busy = sum(end - start for start, end in plan.nominal.values())
+            bubble = pipeline.bubble_formula(name, pp, m, v)
+            assert 1 - busy / (pp * step) == pytest.approx(bubble, abs=1e-12), (name, pp, m, v)
 
 
 def test_schedule_shapes_on_a_known_case():
