@@ -47,7 +47,7 @@ from ran import RAN
 
 TESTS = Path(workshop.__file__).resolve().parent
 COURSE = TESTS.parent
-PROOF_LINE = re.compile(r"^(?P<owners>\d\d\.\d(?:,\d\d\.\d)*)  (?P<status>passed|FAILED|skipped|not run) +"
+PROOF_LINE = re.compile(r"^(?P<owners>\d\d\.\d(?:,\d\d\.\d)*)  (?P<status>passed|FAILED|BLOCKED|skipped|not run) +"
                         r"(?P<rest>.*)$")
 # Hang guards only (conftest's rule: 10x a loaded machine's time): list and copy take a second, each check
 # session below a few minutes on 2 idle cores, over 20 on a machine shared by several test runs.
@@ -785,6 +785,20 @@ def test_every_proof_fails_on_its_exercises_blank_naming_it(graded, exercise_id)
                             rf"{re.escape(exercise.title)}", detail), lines[node]
     n = len(exercise.proofs)
     assert f"{exercise.id} {exercise.title}: 0 of {n} proofs passed, {n} did not" in result.stdout
+
+
+def test_a_solved_exercise_whose_proof_runs_a_blank_one_is_blocked_by_it_not_failed(tmp_path):
+    """In a copy where 04.1 is blank, 04.2's body (the course's) is right, but its proof builds each
+    schedule with 04.1's order: a participant who does 04.2 first reads BLOCKED by 04.1, not a failure
+    of their own (the review's --all copy said FAILED, naming 04.1's NotImplementedError)."""
+    copy = tmp_path / "copy"
+    assert run_workshop("copy", copy, "--exercises", "04.1").returncode == 0
+    result = run_workshop("check", "04.2", "--copy", copy, timeout=CHECK_TIMEOUT)
+    [node] = workshop.BY_ID["04.2"].node_ids
+    owners, status, detail = proof_lines(result.stdout, [node])[node]
+    assert (result.returncode, owners, status) == (1, "04.2", "BLOCKED"), result.stdout
+    assert detail.endswith("NotImplementedError: Exercise 04.1: the order of forwards and backwards on a rank")
+    assert "0 of 1 proofs passed, 1 did not (1 blocked by 04.1, still blank here: write it first)" in result.stdout
 
 
 @pytest.mark.parametrize("change", CHANGES[len(EXERCISES):], ids=[f"{c.exercise} {c.rule}" for c in CHANGES[len(EXERCISES):]])

@@ -14,7 +14,8 @@ this tests/ folder belongs to, so a participant runs it inside their copy, and a
 copy with the course's own tests (--copy DIR). One pytest session in this process: conftest's
 --lessons DIR, the `grade` hypothesis profile (few examples, no shrinking), and a plugin that prints
 one line per proof as it finishes: passed, or the first line of its error (with the greatest
-difference when tensors differ). Run from the course itself, check grades the solutions: all pass.
+difference when tensors differ); BLOCKED where the error is another exercise's blank, whose code the
+proof runs too (write that one first). Run from the course itself, check grades the solutions: all pass.
 
 Exit status: 0 every proof passed, 1 some did not, 2 bad usage (one line on stderr, nothing written).
 """
@@ -200,6 +201,12 @@ CALL_TIMEOUT = re.compile(r"\(timeout ([\d.]+)s\)")
 GRADE_CALL_TIMEOUT_S, PROOF_TIMEOUT_S = 60, 300
 
 
+def blank_of(error: str | None) -> str | None:
+    """The exercise whose blank raised a proof's error (first_error_line's), or None."""
+    found = re.match(r"NotImplementedError: Exercise (\d\d\.\d):", error or "")
+    return found and found.group(1)
+
+
 def first_error_line(text: str, width: int = 200) -> str:
     """The line of a failure's report that says what went wrong: a blank exercise, else the first
     error message (on the rank pool: of the rank that failed first; every rank silent: a timeout),
@@ -314,7 +321,8 @@ class Grader:
                 return f"{owners}  FAILED   {nodeid}  (not collected)  {error}"
             return f"{owners}  not run  {nodeid}  not run (not collected)"
         if result.error:
-            return f"{owners}  FAILED   {nodeid}  ({result.seconds:.1f} s)  {result.error}"
+            status = "BLOCKED" if blank_of(result.error) not in (None, *owners.split(",")) else "FAILED "
+            return f"{owners}  {status}  {nodeid}  ({result.seconds:.1f} s)  {result.error}"
         if result.skipped:
             return f"{owners}  skipped  {nodeid}  {result.skipped}"
         return f"{owners}  passed   {nodeid}  ({result.seconds:.1f} s)"
@@ -329,9 +337,14 @@ def verdict(exercise: Exercise, results: list[ProofResult | None]) -> tuple[bool
     passed = sum(bool(r and r.passed and not r.error) for r in results)
     skipped = sum(bool(r and r.skipped and not r.passed and not r.error) for r in results)
     failed = len(results) - passed - skipped
+    blockers = [blank_of(r.error) for r in results if r and blank_of(r.error) not in (None, exercise.id)]
+    blocked = ""
+    if blockers:
+        blanks = ", ".join(sorted(set(blockers)))
+        blocked = f" ({len(blockers)} blocked by {blanks}, still blank here: write it first)"
     return failed == 0 and passed > 0, (
         f"{exercise.id} {exercise.title}: {passed} of {len(results)} proofs passed"
-        + (f", {failed} did not" if failed else "") + (f", {skipped} skipped" if skipped else "")
+        + (f", {failed} did not{blocked}" if failed else "") + (f", {skipped} skipped" if skipped else "")
         + ("" if passed or failed else ": it cannot be graded on this machine"))
 
 
