@@ -681,19 +681,22 @@ def misuse(cfg, case):
 def accumulated_gradients(cfg, stage: int, global_batch: int, seq_len: int, micro: int,
                           all_under_no_sync: bool):
     """micro microbatches of this rank's rows, each loss / micro, accumulated under no_sync() (the
-    last one outside it, or all inside and then finish_gradient_sync): the full gradients, and whether
-    every unit's reduction had launched from backward's hooks before finish_gradient_sync."""
+    last one outside it, or all inside and then finish_gradient_sync): the full gradients, whether
+    every unit's reduction had launched from backward's hooks before finish_gradient_sync, and how many
+    units were still gathered when a backward under no_sync() returned (ZeRO-3 frees each as before)."""
     model = foundation.GPT(cfg)
     optimizer = zero.ZeRO(model, stage)
     world, rank = dist.get_world_size(), dist.get_rank()
     tokens, targets = foundation.synthetic_batch(cfg, global_batch, seq_len, 0, rank, world)
+    held = 0
     for i, (x, y) in enumerate(zip(tokens.chunk(micro), targets.chunk(micro))):
         last = i == micro - 1 and not all_under_no_sync
         with optimizer.no_sync() if not last else contextlib.nullcontext():
             (model(x, y) / micro).backward()
+            held += sum(unit.gathered is not None for unit in optimizer.units)
     launched_in_backward = all(unit.reduction is not None for unit in optimizer.units)
     optimizer.finish_gradient_sync()
-    return optimizer.unshard([u.grad_shard for u in optimizer.units]), launched_in_backward
+    return optimizer.unshard([u.grad_shard for u in optimizer.units]), launched_in_backward, held
 
 
 @pytest.mark.parametrize("stage", zero.STAGES)
@@ -704,11 +707,12 @@ def test_no_sync_accumulates_microbatches(rank_pool, stage):
     cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
     reference = foundation.train_single_device(cfg, 1, 8, 6)
     for all_inside in (False, True):
-        for grads, launched_in_backward in rank_pool.run(2, accumulated_gradients, cfg, stage, 8, 6, 2,
-                                                         all_inside):
+        for grads, launched_in_backward, held in rank_pool.run(2, accumulated_gradients, cfg, stage, 8, 6, 2,
+                                                               all_inside):
             assert_close_by_name(grads, reference.first_grads, "accumulated gradient",
                                  atol=GRAD_ATOL, rtol=GRAD_RTOL)
             assert launched_in_backward == (not all_inside)
+            assert held == 0, "ZeRO-3 kept units gathered between microbatches: the whole model, not a unit"
 
 
 def reductions_in_flight_during_backward(cfg, stage: int) -> tuple[bool, bool]:

@@ -100,6 +100,7 @@ def test_layout_shards_tile_the_sequence(cp, chunk, zigzag):
     x = torch.arange(seq * 2).view(2, seq)
     shards = [layout.shard(x, r, dim=1) for r in range(cp)]
     assert torch.equal(layout.unshard(shards, dim=1), x)
+    assert layout.unshard([s.bfloat16() for s in shards], dim=1).dtype == torch.bfloat16, "the shards' dtype"
     assert sorted(torch.cat([layout.positions(r) for r in range(cp)]).tolist()) == list(range(seq))
     for r in range(cp):
         assert torch.equal(shards[r][0], layout.positions(r)), "positions are the tokens' global indices"
@@ -180,9 +181,9 @@ def test_the_ring_sends_the_kv_heads_only(rank_pool):
     assert bf16 == sum(in_bf16.values())
 
 
-def ring_saves(zigzag: bool, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+def ring_saves(zigzag: bool, dtype: torch.dtype = torch.float32) -> tuple[int, int, torch.dtype]:
     """(bytes ring attention saves for backward, measured by a saved-tensors hook; q, k and v's bytes plus
-    ring_saved_bytes) on this rank's shard: 6 query heads reading 3 K/V heads."""
+    ring_saved_bytes; the output's dtype) on this rank's shard: 6 query heads reading 3 K/V heads."""
     layout = context_parallel.SequenceLayout(8 * dist.get_world_size(), dist.get_world_size(), zigzag)
     inputs = context_parallel.attention_inputs(2, 6, layout.seq_len, 4, seed=7, kv_heads=3, dtype=dtype)
     q, k, v = (layout.shard(t, dist.get_rank(), dim=2).requires_grad_() for t in inputs[:3])
@@ -193,15 +194,16 @@ def ring_saves(zigzag: bool, dtype: torch.dtype = torch.float32) -> tuple[int, i
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        _, lse = context_parallel.ring_attention(q, k, v, zigzag=zigzag)
+        out, lse = context_parallel.ring_attention(q, k, v, zigzag=zigzag)
     inputs_bytes = q.nbytes + k.nbytes + v.nbytes
-    return sum(saved), inputs_bytes + context_parallel.ring_saved_bytes(q.numel(), lse.numel(), q.element_size())
+    formula = inputs_bytes + context_parallel.ring_saved_bytes(q.numel(), lse.numel(), q.element_size())
+    return sum(saved), formula, out.dtype
 
 
 @pytest.mark.parametrize("zigzag", [False, True])
 def test_ring_saved_bytes_is_what_ring_attention_keeps_for_backward(rank_pool, zigzag):
     """The formula lesson 09's plan (and 03's activation formula) takes for the ring, measured."""
-    for measured, formula in rank_pool.run(2, ring_saves, zigzag):
+    for measured, formula, _ in rank_pool.run(2, ring_saves, zigzag):
         assert measured == formula
 
 
@@ -211,9 +213,10 @@ def test_in_bf16_the_ring_keeps_flash_attentions_tensors(rank_pool):
     lse would be."""
     q_elems = 2 * 6 * 8 * 4  # this rank's shard, as ring_saves makes it
     lse_elems = 2 * 6 * 8
-    for measured, formula in rank_pool.run(2, ring_saves, True, torch.bfloat16):
+    for measured, formula, out_dtype in rank_pool.run(2, ring_saves, True, torch.bfloat16):
         inputs = 2 * q_elems + 2 * 2 * q_elems // 2  # q; k and v of 3 K/V heads
         assert measured == formula == inputs + 2 * q_elems + 4 * lse_elems, (measured, formula)
+        assert out_dtype == torch.bfloat16, "the output as the inputs' dtype: the next linear is bf16's"
 
 
 def large_logit_errors(method: str, zigzag: bool) -> list[float]:

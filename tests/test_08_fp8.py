@@ -120,14 +120,26 @@ def test_scale_is_finite_and_maps_amax_to_fp8_max(amax, dtype):
     assert abs((scale.double() * floored).item() / fp8.fp8_max(dtype) - 1) < 1e-6
 
 
-@pytest.mark.parametrize("amax_dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("amax_dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_a_bf16_or_float64_amax_gives_an_fp32_scale(amax_dtype):
     """A bf16 model's amax is bf16: its scale is still fp32 (the GEMMs take fp32 scales), and exactly
-    fp8_max / amax in fp32; in bf16 448 / 3 would be off by ~2e-3 relative (8 bits of mantissa)."""
-    amax = torch.tensor([3.0, 0.1, 7.0], dtype=amax_dtype)
+    fp8_max / amax in fp32; in bf16 448 / 3 would be off by ~2e-3 relative (8 bits of mantissa). A zero
+    amax floors at AMAX_EPS in fp32: in fp16 the floor would underflow to 0 (a scale of inf, NaN casts)."""
+    amax = torch.tensor([3.0, 0.1, 7.0, 0.0], dtype=amax_dtype)
     scale = fp8.amax_to_scale(amax, E4M3)
     assert scale.dtype == torch.float32
-    assert torch.equal(scale, torch.full((3,), fp8.fp8_max(E4M3)) / amax.float())
+    assert torch.equal(scale, torch.full((4,), fp8.fp8_max(E4M3)) / amax.float().clamp(min=fp8.AMAX_EPS))
+
+
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float16])
+def test_cast_to_fp8_rounds_once_whatever_the_scales_shape(source):
+    """x * scale in fp32, then one rounding to FP8: a 0-dim scale (08's ZeRO casts a shard with one) does
+    not promote a bf16 x, so a product in x's dtype would round twice (3.4% of e4m3 bytes differed)."""
+    x = sample((64, 64), 0, 0.0, 0.0, source)
+    scale = fp8.amax_to_scale(x.float().abs().amax(), E4M3)
+    assert scale.dim() == 0
+    once = (x.float() * scale).clamp(-fp8.fp8_max(E4M3), fp8.fp8_max(E4M3)).to(E4M3)
+    assert torch.equal(fp8.cast_to_fp8(x, scale, E4M3).view(torch.uint8), once.view(torch.uint8))
 
 
 def test_sqnr():
