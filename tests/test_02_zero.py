@@ -215,10 +215,10 @@ def test_backward_makes_stage_1s_reduce_scatter_output_as_zero_transient_bytes_s
         assert made == in_backward == 4 * sum(padded) // 2 * stage, (made, in_backward)
 
 
-def send_buffers_in_backward(cfg, stage: int) -> tuple[list[int], int, dict[str, int]]:
+def send_buffers_in_backward(cfg, stage: int) -> tuple[list[int], int, dict[str, int], list[int]]:
     """On each rank: the bytes of the reductions' send buffers alive when backward reaches the first
     layer, and when it returns (the reductions still in flight); each unit's padded size by its first
-    parameter's module."""
+    parameter's module; those alive whenever a unit's gradient is flattened into a new send buffer."""
     model = foundation.GPT(cfg)
     zero_opt = zero.ZeRO(model, stage)
 
@@ -226,6 +226,16 @@ def send_buffers_in_backward(cfg, stage: int) -> tuple[list[int], int, dict[str,
         buffers = {unit.flat_grad.data_ptr() for unit in zero_opt.units if stage < 2}
         return zero.storage_bytes([unit.reduction[1] for unit in zero_opt.units if unit.reduction], buffers)
 
+    at_each_flatten = []
+
+    def recorded(flatten):
+        def flatten_recorded(*args):
+            at_each_flatten.append(sending())
+            return flatten(*args)
+        return flatten_recorded
+
+    for unit in zero_opt.units:
+        unit.flatten = recorded(unit.flatten)
     at_the_first_layer = []
     model.layers["0"].attn_norm.weight.register_hook(lambda grad: at_the_first_layer.append(sending()))
     model(*foundation.synthetic_batch(cfg, 4, 6, 0, dist.get_rank(), 2)).backward()
@@ -234,7 +244,7 @@ def send_buffers_in_backward(cfg, stage: int) -> tuple[list[int], int, dict[str,
     module = {unit: next(name for name, _ in zero.zero_units(model) if unit.names[0].startswith(name + "."))
               for unit in zero_opt.units}
     padded = {module[unit]: unit.padded for unit in zero_opt.units}
-    return at_the_first_layer, at_the_end, padded
+    return at_the_first_layer, at_the_end, padded, at_each_flatten
 
 
 @pytest.mark.parametrize("stage", zero.STAGES)
@@ -245,8 +255,10 @@ def test_backward_keeps_one_send_buffer_at_a_time(rank_pool, stage):
     embedding's, reduced last, when it returns), never the whole gradient (which a buffer kept until
     finish_gradient_sync's wait would hold by the end)."""
     cfg = foundation.ModelConfig(vocab_size=30, dim=32, n_heads=2, ffn_dim=40, n_layers=3)
-    for at_the_first_layer, at_the_end, padded in rank_pool.run(2, send_buffers_in_backward, cfg, stage):
+    for at_the_first_layer, at_the_end, padded, at_each_flatten in rank_pool.run(2, send_buffers_in_backward,
+                                                                                cfg, stage):
         one_unit = 4 * (stage >= 2)  # bytes an element of a send buffer
+        assert at_each_flatten == [0] * len(at_each_flatten), "a unit's buffer made before the last one left"
         assert at_the_first_layer == [one_unit * padded["layers.1"]], (at_the_first_layer, padded)
         assert at_the_end == one_unit * padded["embed"], (at_the_end, padded)
         sizes = list(padded.values())
