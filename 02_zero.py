@@ -47,6 +47,10 @@ The paper's example, Psi = 7.5B, N = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.88 
 Traffic per step (ring): DDP's all-reduce moves 2 (N-1)/N G Psi. Stages 1 and 2 move a reduce-scatter
 plus an all-gather, (N-1)/N (G + P) Psi: the same. Stage 3 gathers the parameters twice (forward
 and backward): (N-1)/N (G + 2P) Psi = 1.5x DDP.
+FP32 GRADIENTS (fp32_grads, stages 0-1 of mixed precision): each backward's bf16 gradient is added
+into an fp32 buffer and dropped, and the buffer is reduced in fp32, as Megatron's main_grad and FSDP2's
+reduce_dtype under a pipeline do: G = 4, the reduction's bytes twice bf16's, and a sum of many
+microbatches and ranks rounded once, not once an addition.
 
 SHARDED CHECKPOINTS
 No rank holds the whole state to write it, so each writes what it holds, as pieces: (name, the whole
@@ -145,31 +149,32 @@ def padded_size(numel: int, n: int) -> int:
 
 
 def zero_memory_formula(padded: int, units: int, n: int, stage: int, mixed_precision: bool,
-                        bf16_optimizer: bool = False) -> dict[str, Fraction]:
+                        bf16_optimizer: bool = False, fp32_grads: bool = False) -> dict[str, Fraction]:
     """What a ZeRO below holds per rank for `units` flat vectors of `padded` elements in all: COST's
     formula plus AdamW's step counter per unit."""
     size = 2 if mixed_precision else 4
+    grad_size = 4 if fp32_grads else size
     if bf16_optimizer:  # two bf16 moments; the bf16 parameters are their own master
         state = 2 * 2
     else:  # two fp32 moments, and beside bf16 parameters an fp32 master
         state = ADAM_MOMENT_BYTES + 4 * mixed_precision
-    formula = zero_memory_per_rank(padded, n, stage, size, size, state)
+    formula = zero_memory_per_rank(padded, n, stage, size, grad_size, state)
     formula["optimizer"] += STEP_COUNTER_BYTES * units
     return formula
 
 
 def zero_transient_bytes(psi: int, unit: int, n: int, stage: int, mixed_precision: bool,
-                         bf16_optimizer: bool = False) -> tuple[int, int]:
+                         bf16_optimizer: bool = False, fp32_grads: bool = False) -> tuple[int, int]:
     """The most one ZeRO holds beyond zero_memory_formula: (in backward, at the step). Backward: stage 3's
     gathered unit and the one prefetched, a unit's full gradient and the one before it in its send buffer
     (stage 2: those two), `unit` elements each; stage 1's reduce-scatter output, made as backward
     completes each unit (the head's first, while the activations are still held). The step: the shard's
-    gradient as fp32 (mixed precision with fp32 masters), stage 1's output. Fused AdamW (on a GPU) makes no
-    temporaries (foreach: 4 B an element)."""
-    g = 2 if mixed_precision else 4
+    gradient as fp32 (mixed precision with fp32 masters, unless fp32_grads made it so), stage 1's output.
+    Fused AdamW (on a GPU) makes no temporaries (foreach: 4 B an element)."""
+    g = 2 if mixed_precision and not fp32_grads else 4  # the gradient buffer's bytes an element
     shard = psi if stage == 0 else -(-psi // n)
     output = g * shard * (stage == 1)
-    fp32_copy = 4 * shard * (mixed_precision and not bf16_optimizer)
+    fp32_copy = 4 * shard * (mixed_precision and not bf16_optimizer and not fp32_grads)
     return 2 * g * unit * ((stage >= 2) + (stage == 3)) + output, fp32_copy + output
 
 
@@ -212,7 +217,8 @@ class FlatUnit:
     """A unit's parameters as one flat vector (see UNITS), by stage full or sharded (see COST)."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], world: int, rank: int, stage: int,
-                 dtype: torch.dtype, master_dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype, master_dtype: torch.dtype = torch.float32,
+                 grad_dtype: torch.dtype | None = None) -> None:
         self.names, self.params = map(list, zip(*named))
         self.shapes = [p.shape for p in self.params]
         self.offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
@@ -221,7 +227,7 @@ class FlatUnit:
         self.owned = slice(0, self.padded) if stage == 0 else slice(rank * s, (rank + 1) * s)
         full = self.flatten([p.detach() for p in self.params], torch.float32)
         self.released = full.new_empty(0, dtype=dtype)  # what the parameters point at while freed
-        self.flat_param = self.gathered = self.flat_grad = self.grad_shard = None
+        self.flat_param = self.gathered = self.flat_grad = self.grad_shard = self.grad_views = None
         if stage < 3:  # the full parameters persist; the module's parameters are views of them
             self.flat_param = full.to(dtype, copy=True)
             self.bind(self.flat_param)
@@ -233,9 +239,12 @@ class FlatUnit:
         # an fp32 copy of the shard, taken from the fp32 initial values, never from their bf16 rounding.
         self.master = nn.Parameter(self.shard if dtype == master_dtype else full[self.owned].clone())
         if stage < 2:  # gradients accumulate in place into views of one full flat buffer
-            self.flat_grad = torch.zeros(self.padded, dtype=dtype, device=full.device)
-            for p, view in zip(self.params, self.views(self.flat_grad), strict=True):
-                p.grad = view
+            self.flat_grad = torch.zeros(self.padded, dtype=grad_dtype or dtype, device=full.device)
+            if self.flat_grad.dtype == dtype:
+                for p, view in zip(self.params, self.views(self.flat_grad), strict=True):
+                    p.grad = view
+            else:  # a .grad has its parameter's dtype: ZeRO's hook adds each one into its fp32 view
+                self.grad_views = self.views(self.flat_grad)
         else:  # only this rank's averaged gradient persists
             self.grad_shard = torch.zeros_like(self.shard)
         # In flight: stage 3's all-gather, the gradients' (reduction, its input until released); `ready`: the
@@ -291,8 +300,8 @@ class ZeRO:
 
     def __init__(self, model: nn.Module, stage: int, group=None, *, lr: float = 1e-3,
                  adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
-                 mixed_precision: bool = False, bf16_optimizer: bool = False, prefetch: bool = True,
-                 owns: Callable[[nn.Parameter], bool] | None = None) -> None:
+                 mixed_precision: bool = False, bf16_optimizer: bool = False, fp32_grads: bool = False,
+                 prefetch: bool = True, owns: Callable[[nn.Parameter], bool] | None = None) -> None:
         """owns: shard only the parameters it accepts (lesson 09 gives an MoE's experts, which
         differ between the ranks of `group`, a ZeRO of their own over another group); the caller
         then answers for the others, so the model is not claimed."""
@@ -302,6 +311,12 @@ class ZeRO:
         if bf16_optimizer and not mixed_precision:
             raise ValueError("bf16_optimizer keeps AdamW's state in the bf16 of mixed precision's "
                              "parameters: it needs mixed_precision=True")
+        if fp32_grads and not mixed_precision:
+            raise ValueError("fp32_grads adds mixed precision's bf16 gradients into fp32: it needs "
+                             "mixed_precision=True (fp32 parameters have fp32 gradients)")
+        if fp32_grads and stage >= 2:
+            raise ValueError(f"fp32_grads keeps stages 0-1's whole gradient buffer in fp32; stage {stage} "
+                             f"frees each unit's gradient once sent: use stage 0 or 1")
         owned = owns or (lambda p: True)
         units = unit_parameters(model, owned)
         if not units:
@@ -325,7 +340,8 @@ class ZeRO:
         for _, p in self.frozen:
             p.data = p.data.to(self.dtype)
         master_dtype = self.dtype if bf16_optimizer else torch.float32
-        self.units = [self.unit_type(named, self.world, rank, stage, self.dtype, master_dtype)
+        grad_dtype = torch.float32 if fp32_grads else self.dtype
+        self.units = [self.unit_type(named, self.world, rank, stage, self.dtype, master_dtype, grad_dtype)
                       for _, named in units]
         masters = nn.ParameterList(u.master for u in self.units)
         self.optimizer = foundation.make_optimizer(masters, lr, adam_eps)
@@ -380,6 +396,9 @@ class ZeRO:
             raise RuntimeError("a second backward before step(): ZeRO here reduces every backward's "
                                "gradients; call step() after each backward, or run the earlier "
                                "backwards under no_sync()")
+        if unit.grad_views is not None:  # fp32_grads: this backward's bf16 gradient, added in fp32
+            unit.grad_views[i].add_(param.grad)
+            param.grad = None
         unit.ready.add(i)
         if len(unit.ready) < len(unit.params):
             return
@@ -397,7 +416,7 @@ class ZeRO:
             unit.reduction = (work, unit.flat_grad)
             return
         if self.stage == 1:  # the full buffer stays: the next step accumulates into it
-            unit.grad_shard = torch.empty_like(unit.shard)
+            unit.grad_shard = unit.flat_grad.new_empty(unit.shard.numel())
             send = unit.flat_grad
         else:
             self._release_send_buffer()
@@ -428,7 +447,8 @@ class ZeRO:
         """Leave every unit's grad_shard holding the gradient of the global mean loss."""
         for unit in self.units:
             if unit.reduction is None:  # accumulated under no_sync(), or by autograd.grad
-                if missing := [n for n, p in zip(unit.names, unit.params) if p.grad is None]:
+                if unit.flat_grad is None and (  # stages 0-1: a gradient never given stays 0 in flat_grad
+                        missing := [n for n, p in zip(unit.names, unit.params) if p.grad is None]):
                     raise RuntimeError(f"parameters got no gradient this step (unused "
                                        f"parameters are not supported): {missing[:5]}")
                 if self.stage == 3:
@@ -510,7 +530,8 @@ class ZeRO:
         """The paper's formula on the padded parameter count, plus AdamW's step counters."""
         formula = zero_memory_formula(sum(u.padded for u in self.units), len(self.units), self.world,
                                       self.stage, self.dtype != torch.float32,
-                                      self.units[0].master.dtype != torch.float32)
+                                      self.units[0].master.dtype != torch.float32,
+                                      self.units[0].grad_views is not None)
         formula["params"] += sum(p.nbytes for _, p in self.frozen)  # whole on every rank
         return formula
 
@@ -562,8 +583,8 @@ class ZeroResult(foundation.TrainResult):
 
 def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq_len: int, *, stage: int,
                lr: float = 1e-3, adam_eps: float = 1e-8, max_grad_norm: float = math.inf,
-               mixed_precision: bool = False, bf16_optimizer: bool = False, prefetch: bool = True,
-               folder: str | None = None, resume_after: int | None = None, group=None,
+               mixed_precision: bool = False, bf16_optimizer: bool = False, fp32_grads: bool = False,
+               prefetch: bool = True, folder: str | None = None, resume_after: int | None = None, group=None,
                device: torch.device | str = "cpu",
                transform: Callable | None = None) -> tuple[ZeroResult, "foundation.CommMeter"]:
     """Train on this rank's slice of the global batches 01's train_single_device sees (transform: as
@@ -582,7 +603,8 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
         model = foundation.GPT(cfg)
         model = (transform(model) if transform else model).to(device)
         return model, ZeRO(model, stage, group, lr=lr, adam_eps=adam_eps, max_grad_norm=max_grad_norm,
-                           mixed_precision=mixed_precision, bf16_optimizer=bf16_optimizer, prefetch=prefetch)
+                           mixed_precision=mixed_precision, bf16_optimizer=bf16_optimizer,
+                           fp32_grads=fp32_grads, prefetch=prefetch)
 
     model, zero = build()
     result = ZeroResult([], {}, {})
@@ -1090,15 +1112,16 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
     columns = ("loss", "grads", "params", "exp_avg", "exp_avg_sq")
     print(f"max |difference| from one device (AdamW + clip_grad_norm_), "
           f"{foundation.counted(steps, 'step')}:\n"
-          f"  {'run':<16}" + "".join(f"{c:>11}" for c in columns))
+          f"  {'run':<17}" + "".join(f"{c:>11}" for c in columns))
     for (precision, stage), (result, _) in runs.items():
         ref = references[precision]  # result.params is result.state["params"], and ref's the same
         diffs = [*result.max_differences(ref), *(foundation.max_abs_diff(result.state[k], ref.state[k])
                                                   for k in ADAM_KEYS)]
-        print(f"  {precision:<9} ZeRO-{stage}" + "".join(f"{d:>11.1e}" for d in diffs))
+        print(f"  {precision:<10} ZeRO-{stage}" + "".join(f"{d:>11.1e}" for d in diffs))
     print("  (fp32: the same sums in another order. bf16: gradients rounded to 8 bits after sums in\n"
           "   another order; Adam turns that into lr-sized moves of the few elements whose gradient is ~0.\n"
-          "   bf16+bf16, BF16 AdamW: an update under a weight's last bit, 2^-8 of it, is lost on both)")
+          "   bf16+bf16, BF16 AdamW: an update under a weight's last bit, 2^-8 of it, is lost on both;\n"
+          "   fp32 grads: bf16+fp32 whose gradients are summed and reduced in fp32, 4 B an element)")
     print("\nThe paper's table, GB per rank: Psi = 7.5B, N = 64, P = G = 2 (fp16), K = 12:")
     for stage in STAGES:
         mem = zero_memory_per_rank(7_500_000_000, 64, stage)
@@ -1113,7 +1136,7 @@ def print_tables(runs: dict, references: dict, world: int, steps: int) -> None:
     for (precision, stage), (result, _) in runs.items():
         cells = "  ".join(f"{k} {result.held[k]:>9,}|{int(result.formula[k]):<9,}" for k in result.held)
         same = "equal" if result.held == result.formula else "DIFFERENT"
-        print(f"  {precision:<9} ZeRO-{stage}  {cells} {same}")
+        print(f"  {precision:<10} ZeRO-{stage}  {cells} {same}")
     ddp_bytes = foundation.ring_traffic("all_reduce", 4 * padded, world)  # DDP over the same padded buffers
     print(f"\nTraffic per rank per step, fp32, ring (DDP: 2(N-1)/N x 4 B x padded Psi = "
           f"{float(ddp_bytes):,.0f} B):")
@@ -1165,6 +1188,7 @@ DEMO_MODEL = dict(vocab_size=125, dim=66, n_heads=3, ffn_dim=177)
 # The demo's precisions: compute + AdamW's master weights and moments
 PRECISIONS = {"fp32": {}, "bf16+fp32": dict(mixed_precision=True),
               "bf16+bf16": dict(mixed_precision=True, bf16_optimizer=True)}
+FP32_GRADS = dict(mixed_precision=True, fp32_grads=True)  # stages 0-1; its twin is bf16+fp32's
 
 
 def demo(args: argparse.Namespace) -> None:
@@ -1180,6 +1204,8 @@ def demo(args: argparse.Namespace) -> None:
     runs = {(precision, stage): train_zero(*shape, stage=stage, **settings, **kwargs,
                                            folder=folder if (precision, stage) == ("fp32", 3) else None)
             for precision, settings in PRECISIONS.items() for stage in STAGES}
+    runs |= {("fp32 grads", stage): train_zero(*shape, stage=stage, **FP32_GRADS, **kwargs)
+             for stage in (0, 1)}
     saved = runs["fp32", 3][0].state
     half = max(1, world // 2)
     group = dist.new_group(list(range(half)))
@@ -1195,6 +1221,7 @@ def demo(args: argparse.Namespace) -> None:
     if rank == 0:
         references = {precision: foundation.train_single_device(*shape, **settings, **kwargs)
                       for precision, settings in PRECISIONS.items()}
+        references["fp32 grads"] = references["bf16+fp32"]
         print(f"ZeRO on {foundation.counted(world, 'rank')} ({dist.get_backend()}, {device.type}); "
               f"global batch {args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")
         print_tables(runs, references, world, args.steps)
@@ -1269,35 +1296,40 @@ def main() -> None:
 
 # --- For lesson 09's plan: ZeRO's own memory passes and its exposed seconds (no demo here reads them) -------
 def zero_step_bytes(psi: int, n: int, stage: int, microbatches: int, mixed_precision: bool,
-                    bf16_optimizer: bool = False) -> int:
+                    bf16_optimizer: bool = False, fp32_grads: bool = False) -> int:
     """Memory traffic of ZeRO's own passes on one rank per step, outside the collectives, each pass
-    reading and writing its tensors once (lesson 09 prices it at the HBM's bandwidth); G = 2 mixed,
-    4 fp32. On the psi full gradients: each microbatch's added into .grad (3 G; stages 2-3 keep the
-    first one), then zeroed (stages 0-1: G) or flattened to send (2-3: 2 G). On the shard (psi / n;
-    stage 0: psi): / n (2 G), the norm (G), the fp32 copy and clip (mixed: G + 4 + 8; in place: 2 G),
-    fused AdamW (reads the fp32 master, moments and gradient, writes three: 28; BF16 AdamW: 14), the
-    bf16 copy of the fp32 master (mixed: 4 + 2), and stages 1-2's copy of the shard sent to the
-    all-gather (2 G)."""
-    g = 2 if mixed_precision else 4
+    reading and writing its tensors once (lesson 09 prices it at the HBM's bandwidth); P = 2 mixed, 4
+    fp32; G = P, or 4 with fp32_grads. On the psi full gradients: each microbatch's added into .grad (3
+    G; fp32_grads: its bf16 gradient into the fp32 buffer, P + 2 G; stages 2-3 keep the first one),
+    then zeroed (stages 0-1: G) or flattened to send (2-3: 2 G). On the shard (psi / n; stage 0: psi):
+    / n (2 G), the norm (G), the fp32 copy and clip (a bf16 gradient beside fp32 masters: G + 4 + 8;
+    in place: 2 G), fused AdamW (reads the fp32 master, moments and gradient, writes three: 28; BF16
+    AdamW: 14), the bf16 copy of the fp32 master (mixed: 4 + 2), and stages 1-2's copy of the shard
+    sent to the all-gather (2 P)."""
+    p = 2 if mixed_precision else 4
+    g = 4 if fp32_grads else p
     fp32_master = mixed_precision and not bf16_optimizer  # beside the bf16 parameters
     shard = psi if stage == 0 else -(-psi // n)
-    full = 3 * g * (microbatches - (stage >= 2)) + g * (1 + (stage >= 2))
-    clip = g + 12 if fp32_master else 2 * g
+    add = p + 2 * g if fp32_grads else 3 * g
+    full = add * (microbatches - (stage >= 2)) + g * (1 + (stage >= 2))
+    clip = g + 12 if fp32_master and not fp32_grads else 2 * g
     adam = 14 if bf16_optimizer else 28
-    step = 3 * g + clip + adam + 6 * fp32_master + 2 * g * (stage in (1, 2) and n > 1)
+    step = 3 * g + clip + adam + 6 * fp32_master + 2 * p * (stage in (1, 2) and n > 1)
     return full * psi + step * shard
 
 
 def zero_exposed_seconds(psi: int, n: int, stage: int, units: int, microbatches: int, elem_bytes: int,
                          send: Callable[[float, int], float], last_backward: float,
-                         unit_compute: tuple[float, float], hide: bool = True) -> float:
+                         unit_compute: tuple[float, float], hide: bool = True,
+                         grad_bytes: int | None = None) -> float:
     """Seconds of a step's ZeRO traffic (zero_traffic_per_step, priced by send(bytes, calls)) that
     compute does not hide: the gradients' reduction overlaps the last microbatch's backward but for
     its last unit's (last_backward = 0: reduced after it, all exposed); stages 1-2's all-gather (after
     the step, before the next forward) is exposed; stage 3's gather of each unit, before its forward and
     its backward, hides behind the previous unit's compute (unit_compute: one unit's forward, backward)
-    but for the first. hide=False: none."""
-    ops = zero_traffic_per_step(psi, n, stage, elem_bytes, elem_bytes)
+    but for the first. hide=False: none. grad_bytes: the reduction's bytes an element (default elem_bytes,
+    the parameters')."""
+    ops = zero_traffic_per_step(psi, n, stage, elem_bytes, grad_bytes or elem_bytes)
     reduce = send(ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0), units)
     gather = send(ops["all_gather"], units) if "all_gather" in ops else 0.0  # stage 0: none, not even a call
     if stage == 3:

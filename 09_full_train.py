@@ -215,7 +215,8 @@ def mesh_name(sizes: MeshSizes) -> str:
 def precision_name(train: "TrainConfig") -> str:
     if not train.mixed_precision:
         return "fp32"
-    return "bf16 + BF16 AdamW" if train.bf16_optimizer else "bf16 + fp32 masters"
+    name = "bf16 + BF16 AdamW" if train.bf16_optimizer else "bf16 + fp32 masters"
+    return name + " + fp32 gradients" * train.fp32_grads
 
 
 # --- The configuration: the training, the run, and the Job a command makes of its options ---------
@@ -247,6 +248,9 @@ class TrainConfig:
     bf16_optimizer: bool = option(False, "02's BF16 AdamW: the bf16 parameters are their own master, the "
                                   "moments bf16 (4 B a parameter, not 12; an update under 2^-8 of a weight "
                                   "is lost)")
+    fp32_grads: bool = option(False, "02's fp32 gradients: each backward's bf16 gradient added into an fp32 "
+                              "buffer, reduced in fp32 (Megatron's main_grad; FSDP2's reduce_dtype under a "
+                              "pipeline); --zero 0 or 1")
     recompute: str = option("none", "activation recompute (03): selective = attention's inside, full = each "
                             "block", choices=tensor_parallel.RECOMPUTE_MODES)
     lean_saves: bool = option(True, "03's lean saves: norms and SwiGLU keep their inputs, SP's linears their "
@@ -363,6 +367,9 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     if train.sequence_parallel and (train.seq_len // cp) % tp:
         problems.append(f"sequence parallelism splits each rank's seq_len / cp = {train.seq_len} / "
                         f"{cp} tokens over tp={tp}: not divisible")
+    if train.fp32_grads and train.zero_stage >= 2:
+        problems.append(f"--fp32-grads keeps ZeRO's whole gradient buffer in fp32, which --zero "
+                        f"{train.zero_stage} does not keep: use --zero 0 or 1")
     if train.recompute == "op" and max(sizes.tp, sizes.cp) > 1:
         problems.append(f"recompute op reruns a block but its matmuls' and attention's outputs: at "
                         f"tp={sizes.tp}, cp={sizes.cp} that reruns 03's collectives or 05's ring, whose "
@@ -481,11 +488,12 @@ class Trainer:
             fp8_weights = set(fp8.float8_weights(model)) if train.fp8 and train.zero_stage == 3 else set()
             others = experts | fp8_weights  # each kind with a ZeRO of its own; the dense ZeRO owns the rest
             self.zeros.append(StageZeRO("dp_cp", zero.ZeRO(
-                model, train.zero_stage, mesh.groups["dp_cp"], **settings,
+                model, train.zero_stage, mesh.groups["dp_cp"], **settings, fp32_grads=train.fp32_grads,
                 owns=(lambda p, others=others: p not in others) if others else None)))
             if experts:
                 self.zeros.append(StageZeRO("ep_dp", zero.ZeRO(model, train.zero_stage, mesh.groups["ep_dp"],
-                                                               **settings, owns=experts.__contains__)))
+                                                               **settings, fp32_grads=train.fp32_grads,
+                                                               owns=experts.__contains__)))
             if fp8_weights:
                 self.zeros.append(StageZeRO("dp_cp", fp8.Float8ZeRO(model, mesh.groups["dp_cp"], **settings)))
         rows = train.global_batch // sizes.dp // train.microbatches
@@ -1395,7 +1403,7 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
                 n = zero_groups[kind]
                 padded = sum(zero.padded_size(x, n) for x in numels)
                 params += sum(numels)
-                precision = (train.mixed_precision, train.bf16_optimizer)
+                precision = (train.mixed_precision, train.bf16_optimizer, train.fp32_grads)
                 for key, value in zero.zero_memory_formula(padded, len(numels), n, train.zero_stage,
                                                            *precision).items():
                     memory[key] += value
@@ -1403,7 +1411,7 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
                                                       train.zero_stage, *precision)
                 in_backward = max(in_backward, one)
                 at_step += step
-                ops = zero.zero_traffic_per_step(padded, n, train.zero_stage, e, e)
+                ops = zero.zero_traffic_per_step(padded, n, train.zero_stage, e, 4 if train.fp32_grads else e)
                 if part == "float8":  # + each rank's e4m3 shard and every weight's scale; 1 B gathers, amaxes
                     weights = sum(u.float8_weights for u in held)
                     memory["params"] += Fraction(padded, n) + fp8.AMAX_BYTES * weights
@@ -1686,7 +1694,7 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
             forwards = 1 + (train.recompute != "none")
             parts["CP"] = m * p.layers * (cp - 1) * (forward * forwards + backward)
         after = zero.zero_step_bytes(p.params, n, train.zero_stage, m, train.mixed_precision,
-                                     train.bf16_optimizer) / hbm
+                                     train.bf16_optimizer, train.fp32_grads) / hbm
         if n > 1:  # 02's over dp x cp; units: each layer, the embedding, the norm and head
             unit = [sum(v[i] for v in layer.values()) for i in (0, 1)]
             units = p.layers + first + 2 * last
@@ -1694,7 +1702,7 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
             send_dp = functools.partial(send, "dp_cp")
             behind = last_backward if train.reduce_in_backward else 0.0
             parts["DP"] = zero.zero_exposed_seconds(p.params, n, train.zero_stage, units, m, e, send_dp,
-                                                    behind, unit, hide)
+                                                    behind, unit, hide, 4 if train.fp32_grads else e)
         ranks.append((parts, after))
     bubble = pipeline.bubble_formula(train.schedule, pp, m, train.virtual)
     busy = [sum(parts.values()) - parts["DP"] for parts, _ in ranks]
@@ -2071,6 +2079,8 @@ def check_before_launch(job: Job, world: int) -> None:
                              f"(01's GPT ties; plan prices it)"),
         (train.bf16_optimizer and not train.mixed_precision,
          "--bf16-optimizer keeps AdamW's state in the bf16 of mixed precision: add --bf16"),
+        (train.fp32_grads and not train.mixed_precision,
+         "--fp32-grads adds mixed precision's bf16 gradients into fp32: add --bf16"),
         (train.attention == "cudnn", "--attention cudnn is plan's price of SDPA's cuDNN backend: train and "
                                      "check run sdpa or flash"),
         (train.attention == "unfused", "--attention unfused is plan's price of PyTorch's eager attention: "

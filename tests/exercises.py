@@ -81,13 +81,15 @@ EXERCISES = (
         "ZeRO: reduce each unit from the backward hook",
         task="_on_grad_ready(index, i, param) runs when parameter i of unit self.units[index] has its "
              "gradient: raise RuntimeError('a second backward before step() ...') if the unit's reduction "
-             "is still pending (unit.reduction); once all of the unit's parameters are ready, clear "
-             "unit.ready, release the unit's parameters in stage 3, and reduce it unless under no_sync(). "
-             "_reduce(unit), async, keeping (work, its input) in unit.reduction: stage 0 all-reduces "
-             "unit.flat_grad in place (it is also grad_shard); stage 1 reduce-scatters flat_grad into a "
-             "new grad_shard; stages 2-3 first self._release_send_buffer() (one send buffer at a time), "
-             "flatten the gradients (unit.flatten, in self.dtype), free them (p.grad = None), "
-             "reduce-scatter that into unit.grad_shard and set self.sending = unit. Docstring: THE IDEA, COST.",
+             "is still pending (unit.reduction); with fp32 gradients (unit.grad_views is not None) add "
+             "param.grad into unit.grad_views[i] and drop it (param.grad = None); once all of the unit's "
+             "parameters are ready, clear unit.ready, release the unit's parameters in stage 3, and reduce "
+             "it unless under no_sync(). _reduce(unit), async, keeping (work, its input) in unit.reduction: "
+             "stage 0 all-reduces unit.flat_grad in place (it is also grad_shard); stage 1 reduce-scatters "
+             "flat_grad into a new grad_shard of flat_grad's dtype; stages 2-3 first "
+             "self._release_send_buffer() (one send buffer at a time), flatten the gradients "
+             "(unit.flatten, in self.dtype), free them (p.grad = None), reduce-scatter that into "
+             "unit.grad_shard and set self.sending = unit. Docstring: THE IDEA, COST, FP32 GRADIENTS.",
         hint="finish_gradient_sync waits on unit.reduction[0] and divides by the group size: the hook only "
              "launches. The send buffer must outlive the call until the wait.",
         minutes=20),

@@ -178,12 +178,14 @@ def test_memory_formula_counts_adamw_step_counter_of_every_unit(rank_pool, stage
     assert result.held == result.formula
 
 
-def step_transient(cfg, stage: int, mixed_precision: bool, bf16_optimizer: bool) -> tuple:
+def step_transient(cfg, stage: int, mixed_precision: bool, bf16_optimizer: bool, fp32_grads: bool = False
+                   ) -> tuple:
     """On each rank: the most bytes zero.step() makes alive at once (LiveStorages), at the second step
     (the first makes AdamW's moments, which memory_formula counts); its units' padded sizes."""
     from test_03_tensor_parallel import LiveStorages
     model = foundation.GPT(cfg)
-    zero_opt = zero.ZeRO(model, stage, mixed_precision=mixed_precision, bf16_optimizer=bf16_optimizer)
+    zero_opt = zero.ZeRO(model, stage, mixed_precision=mixed_precision, bf16_optimizer=bf16_optimizer,
+                         fp32_grads=fp32_grads)
     for step in range(2):
         with zero_opt.no_sync():  # the reduction at the step, not in backward: its output in the peak
             model(*foundation.synthetic_batch(cfg, 4, 6, step, dist.get_rank(), 2)).backward()
@@ -281,6 +283,18 @@ def test_the_step_makes_the_temporaries_zero_transient_bytes_says(rank_pool, sta
         _, step = zero.zero_transient_bytes(sum(padded), max(padded), 2, stage, mixed_precision,
                                             bf16_optimizer)
         assert 0 <= peak - (step + 3 * master_bytes * shard) <= 16, (peak, step)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_step_with_fp32_gradients_makes_no_fp32_copy(rank_pool, stage):
+    """fp32_grads: the shard's gradient is fp32 already; the step makes stage 1's reduce-scatter output
+    (4 B an element) and AdamW's temporaries, as above."""
+    cfg = foundation.ModelConfig(vocab_size=30, dim=32, n_heads=2, ffn_dim=40, n_layers=3)
+    for peak, padded in rank_pool.run(2, step_transient, cfg, stage, True, False, True):
+        shard = max(padded) // (1 if stage == 0 else 2)
+        _, step = zero.zero_transient_bytes(sum(padded), max(padded), 2, stage, True, False, True)
+        assert step == 4 * sum(padded) // 2 * stage
+        assert 0 <= peak - (step + 3 * 4 * shard) <= 16, (peak, step)
 
 
 def test_uneven_sizes_clipping_and_traffic_ratios(rank_pool):
@@ -479,11 +493,77 @@ def relative_error(ours: dict, reference: dict) -> float:
 @pytest.mark.parametrize("world, stage", [(1, 3), (1, 1), (2, 2), (3, 3), (4, 1)])
 def test_mixed_precision_equals_its_one_device_twin(rank_pool, world, stage, bf16_optimizer):
     """bf16_optimizer: the twin's AdamW updates its bf16 parameters with bf16 moments too."""
+    assert_mixed_precision_equals_its_twin(rank_pool, world, stage, bf16_optimizer=bf16_optimizer)
+
+
+@pytest.mark.parametrize("world, stage", [(1, 1), (2, 0), (3, 1)])
+def test_fp32_gradients_equal_the_one_device_twin(rank_pool, world, stage):
+    """fp32_grads: the ranks' bf16 gradients summed in fp32; the twin's one backward has no sum to
+    round, so mixed precision's tolerances hold (on one rank, fp32's)."""
+    assert_mixed_precision_equals_its_twin(rank_pool, world, stage, fp32_grads=True)
+
+
+def microbatch_gradient_sums(cfg, microbatches: int, fp32_grads: bool) -> dict:
+    """On each rank, by parameter name: ZeRO-1's gradient after the microbatches' backwards under
+    no_sync(), and each microbatch's own bf16 gradient (autograd.grad on a bf16 copy of the model)."""
+    model = foundation.GPT(cfg)
+    copy = foundation.GPT(cfg).to(torch.bfloat16)
+    zero_opt = zero.ZeRO(model, 1, mixed_precision=True, fp32_grads=fp32_grads)
+    tokens, targets = foundation.synthetic_batch(cfg, 2 * microbatches, 6, 0, dist.get_rank(),
+                                                 dist.get_world_size())
+    parts = []
+    with zero_opt.no_sync():
+        for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True):
+            (model(x, y) / microbatches).backward()
+            parts.append(torch.autograd.grad(copy(x, y) / microbatches, list(copy.parameters())))
+    accumulated = {name: view for unit in zero_opt.units
+                   for name, view in zip(unit.names, unit.views(unit.flat_grad), strict=True)}
+    return {name: (accumulated[name], [part[i] for part in parts])
+            for i, (name, _) in enumerate(copy.named_parameters())}
+
+
+def test_fp32_gradients_round_a_sum_of_microbatches_once(rank_pool):
+    """The spec of fp32_grads: the buffer holds the fp32 sum of the microbatches' bf16 gradients, bit
+    for bit, where bf16 gradients hold the same sum rounded to bf16 after every addition; against the
+    exact (fp64) sum, fp32's error is the smaller."""
+    cfg = foundation.ModelConfig(vocab_size=30, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
+    microbatches = 8
+    errors = {}
+    for fp32_grads, dtype in ((True, torch.float32), (False, torch.bfloat16)):
+        gradients = rank_pool.run(2, microbatch_gradient_sums, cfg, microbatches, fp32_grads)[0]
+        errors[dtype] = 0.0
+        for name, (accumulated, parts) in gradients.items():
+            assert accumulated.dtype == dtype, name
+            expected = torch.zeros_like(accumulated)
+            for part in parts:
+                expected += part
+            assert torch.equal(accumulated, expected), name
+            exact = sum(part.double() for part in parts)
+            errors[dtype] = max(errors[dtype], (accumulated.double() - exact).abs().max().item())
+    assert errors[torch.float32] < errors[torch.bfloat16], errors
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_fp32_gradients_hold_and_reduce_4_bytes_an_element(rank_pool, stage):
+    """G = 4 beside bf16 parameters: the bytes held equal memory_formula's, its gradients 4 B x the
+    padded count (stage 1 keeps them whole, as stage 0), and the reduction sends 4 B an element."""
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20, n_layers=3)
+    for result, meter in rank_pool.run(2, zero.train_zero, cfg, 1, 2, 4, stage=stage, mixed_precision=True,
+                                       fp32_grads=True):
+        padded = result.stats["padded_params"]
+        assert result.held == result.formula and result.formula["grads"] == 4 * padded
+        formula = zero.zero_traffic_per_step(padded, 2, stage, 2, 4)
+        sent = {op: meter.traffic(op) for op in formula}  # stage 1's norm all-reduce aside
+        assert sent == formula, (sent, formula)
+
+
+def assert_mixed_precision_equals_its_twin(rank_pool, world: int, stage: int, bf16_optimizer: bool = False,
+                                           fp32_grads: bool = False) -> None:
     cfg = foundation.ModelConfig(vocab_size=50, dim=24, n_heads=3, ffn_dim=20, seed=world)
     steps, global_batch, seq_len = 3, 2 * world, 8
     kwargs = dict(adam_eps=ADAM_EPS, max_grad_norm=1.0, mixed_precision=True, bf16_optimizer=bf16_optimizer)
     result = rank_pool.run(world, zero.train_zero, cfg, steps, global_batch, seq_len, stage=stage,
-                           **kwargs)[0][0]
+                           fp32_grads=fp32_grads, **kwargs)[0][0]
     twin = foundation.train_single_device(cfg, steps, global_batch, seq_len, **kwargs)
     initial = foundation.cpu_copy(foundation.GPT(cfg).named_parameters())
     if world == 1:  # the same bf16 gradients: only the fp32 norm's summation order differs
@@ -786,6 +866,18 @@ def test_bad_input_fails_on_every_rank_without_hanging(rank_pool, stage, wrap_fi
     rank_pool.expect_invalid(2, build_zero, cfg, stage, wrap_first, freeze, match=message)
 
 
+@pytest.mark.parametrize("stage, mixed_precision, message", [
+    (1, False, r"fp32_grads adds mixed precision's bf16 gradients into fp32: it needs mixed_precision=True"),
+    (2, True, r"fp32_grads keeps stages 0-1's whole gradient buffer in fp32; stage 2 frees each unit's "
+              r"gradient once sent: use stage 0 or 1"),
+    (3, True, r"stage 3 frees each unit's gradient once sent"),
+])
+def test_fp32_gradients_where_none_can_be_kept_fail_on_every_rank(rank_pool, stage, mixed_precision, message):
+    cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
+    rank_pool.expect_invalid(2, zero.train_zero, cfg, 1, 2, 4, stage=stage, mixed_precision=mixed_precision,
+                             fp32_grads=True, match=message)
+
+
 def test_bf16_adamw_without_mixed_precision_fails_on_every_rank(rank_pool):
     """And its one-device twin refuses it alike."""
     cfg = foundation.ModelConfig(vocab_size=30, dim=12, n_heads=2, ffn_dim=20)
@@ -794,6 +886,18 @@ def test_bf16_adamw_without_mixed_precision_fails_on_every_rank(rank_pool):
     rank_pool.expect_invalid(2, zero.train_zero, cfg, 1, 2, 4, stage=1, bf16_optimizer=True, match=message)
     with pytest.raises(ValueError, match=message):
         foundation.train_single_device(cfg, 1, 2, 4, bf16_optimizer=True)
+
+
+def test_the_steps_memory_traffic_with_fp32_gradients():
+    """fp32_grads: each microbatch's bf16 gradient read and added into the fp32 buffer (2 + 2 x 4), the
+    buffer zeroed (4); on the shard / n (2 x 4), the norm (4), the clip in place (2 x 4), AdamW (28), the
+    bf16 copy of the master (6), stage 1's send copy of the bf16 shard (2 x 2)."""
+    psi, n, m = 1000, 4, 3
+    for stage in (0, 1):
+        shard = psi if stage == 0 else psi // n
+        per_shard = 8 + 4 + 8 + 28 + 6 + 4 * stage
+        full = 10 * m + 4
+        assert zero.zero_step_bytes(psi, n, stage, m, True, False, True) == full * psi + per_shard * shard
 
 
 def test_batch_not_divisible_by_the_group_fails_on_every_rank(rank_pool):
@@ -1496,7 +1600,8 @@ def test_script_runs_as_plain_python():
     parameters alone): every printed figure equals its formula."""
     stdout = run_script("02_zero.py", "--nproc", "2", "--steps", "2", "--global-batch", "4",
                         "--seq-len", "8", timeout=900)
-    assert len(re.findall(r"ZeRO-\d .* equal$", stdout, re.M)) == 12 and "DIFFERENT" not in stdout, stdout
+    assert len(re.findall(r"ZeRO-\d .* equal$", stdout, re.M)) == 14 and "DIFFERENT" not in stdout, stdout
+    assert len(re.findall(r"^  fp32 grads ZeRO-[01] .* equal$", stdout, re.M)) == 2, stdout  # 02's FP32_GRADS
     assert stdout.count("= formula") == 4 and "1.500 x DDP" in stdout, stdout
     assert "120.00 GB" in stdout and "1.88 GB" in stdout, stdout
     assert "\nNotice: every stage takes the one-device step" in stdout, stdout
