@@ -169,13 +169,15 @@ def zero_transient_bytes(psi: int, unit: int, n: int, stage: int, mixed_precisio
     gathered unit and the one prefetched, a unit's full gradient and the one before it in its send buffer
     (stage 2: those two), `unit` elements each; stage 1's reduce-scatter output, made as backward
     completes each unit (the head's first, while the activations are still held). The step: the shard's
-    gradient as fp32 (mixed precision with fp32 masters, unless fp32_grads made it so), stage 1's output.
-    Fused AdamW (on a GPU) makes no temporaries (foreach: 4 B an element)."""
+    gradient copied into the master's dtype where the two differ (a bf16 gradient beside fp32 masters,
+    an fp32 one beside BF16 AdamW's), stage 1's output. Fused AdamW (on a GPU) makes no temporaries
+    (foreach: 4 B an element)."""
     g = 2 if mixed_precision and not fp32_grads else 4  # the gradient buffer's bytes an element
+    master = 2 if bf16_optimizer else 4
     shard = psi if stage == 0 else -(-psi // n)
     output = g * shard * (stage == 1)
-    fp32_copy = 4 * shard * (mixed_precision and not bf16_optimizer and not fp32_grads)
-    return 2 * g * unit * ((stage >= 2) + (stage == 3)) + output, fp32_copy + output
+    copy = master * shard * (g != master)
+    return 2 * g * unit * ((stage >= 2) + (stage == 3)) + output, copy + output
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
@@ -1299,20 +1301,21 @@ def zero_step_bytes(psi: int, n: int, stage: int, microbatches: int, mixed_preci
                     bf16_optimizer: bool = False, fp32_grads: bool = False) -> int:
     """Memory traffic of ZeRO's own passes on one rank per step, outside the collectives, each pass
     reading and writing its tensors once (lesson 09 prices it at the HBM's bandwidth); P = 2 mixed, 4
-    fp32; G = P, or 4 with fp32_grads. On the psi full gradients: each microbatch's added into .grad (3
-    G; fp32_grads: its bf16 gradient into the fp32 buffer, P + 2 G; stages 2-3 keep the first one),
-    then zeroed (stages 0-1: G) or flattened to send (2-3: 2 G). On the shard (psi / n; stage 0: psi):
-    / n (2 G), the norm (G), the fp32 copy and clip (a bf16 gradient beside fp32 masters: G + 4 + 8;
-    in place: 2 G), fused AdamW (reads the fp32 master, moments and gradient, writes three: 28; BF16
-    AdamW: 14), the bf16 copy of the fp32 master (mixed: 4 + 2), and stages 1-2's copy of the shard
-    sent to the all-gather (2 P)."""
+    fp32; G = P, or 4 with fp32_grads; M, the master's: 2 with BF16 AdamW, else 4. On the psi full
+    gradients: each microbatch's added into .grad (3 G; fp32_grads: its bf16 gradient into the fp32
+    buffer, P + 2 G; stages 2-3 keep the first one), then zeroed (stages 0-1: G) or flattened to send
+    (2-3: 2 G). On the shard (psi / n; stage 0: psi): / n (2 G), the norm (G), the copy into the
+    master's dtype and the clip (G + 3 M where M differs from G; in place: 2 G), fused AdamW (reads the
+    fp32 master, moments and gradient, writes three: 28; BF16 AdamW: 14), the bf16 copy of the fp32
+    master (mixed: 4 + 2), and stages 1-2's copy of the shard sent to the all-gather (2 P)."""
     p = 2 if mixed_precision else 4
     g = 4 if fp32_grads else p
+    master = 2 if bf16_optimizer else 4
     fp32_master = mixed_precision and not bf16_optimizer  # beside the bf16 parameters
     shard = psi if stage == 0 else -(-psi // n)
     add = p + 2 * g if fp32_grads else 3 * g
     full = add * (microbatches - (stage >= 2)) + g * (1 + (stage >= 2))
-    clip = g + 12 if fp32_master and not fp32_grads else 2 * g
+    clip = g + 3 * master if g != master else 2 * g
     adam = 14 if bf16_optimizer else 28
     step = 3 * g + clip + adam + 6 * fp32_master + 2 * p * (stage in (1, 2) and n > 1)
     return full * psi + step * shard

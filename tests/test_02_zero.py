@@ -285,16 +285,20 @@ def test_the_step_makes_the_temporaries_zero_transient_bytes_says(rank_pool, sta
         assert 0 <= peak - (step + 3 * master_bytes * shard) <= 16, (peak, step)
 
 
+@pytest.mark.parametrize("bf16_optimizer", [False, True])
 @pytest.mark.parametrize("stage", [0, 1])
-def test_the_step_with_fp32_gradients_makes_no_fp32_copy(rank_pool, stage):
-    """fp32_grads: the shard's gradient is fp32 already; the step makes stage 1's reduce-scatter output
-    (4 B an element) and AdamW's temporaries, as above."""
+def test_the_step_with_fp32_gradients_copies_them_only_for_bf16_adamw(rank_pool, stage, bf16_optimizer):
+    """fp32_grads: the shard's gradient is fp32 already, as fp32 masters are (BF16 AdamW's bf16 ones take a
+    2 B copy); the step makes that, stage 1's reduce-scatter output (4 B an element) and AdamW's
+    temporaries, as above."""
     cfg = foundation.ModelConfig(vocab_size=30, dim=32, n_heads=2, ffn_dim=40, n_layers=3)
-    for peak, padded in rank_pool.run(2, step_transient, cfg, stage, True, False, True):
-        shard = max(padded) // (1 if stage == 0 else 2)
-        _, step = zero.zero_transient_bytes(sum(padded), max(padded), 2, stage, True, False, True)
-        assert step == 4 * sum(padded) // 2 * stage
-        assert 0 <= peak - (step + 3 * 4 * shard) <= 16, (peak, step)
+    master_bytes = 2 if bf16_optimizer else 4
+    for peak, padded in rank_pool.run(2, step_transient, cfg, stage, True, bf16_optimizer, True):
+        shards = sum(padded) // (1 if stage == 0 else 2)
+        _, step = zero.zero_transient_bytes(sum(padded), max(padded), 2, stage, True, bf16_optimizer, True)
+        assert step == 4 * shards * stage + 2 * shards * bf16_optimizer
+        largest = max(padded) // (1 if stage == 0 else 2)
+        assert 0 <= peak - (step + 3 * master_bytes * largest) <= 16, (peak, step)
 
 
 def test_uneven_sizes_clipping_and_traffic_ratios(rank_pool):
@@ -891,13 +895,16 @@ def test_bf16_adamw_without_mixed_precision_fails_on_every_rank(rank_pool):
 def test_the_steps_memory_traffic_with_fp32_gradients():
     """fp32_grads: each microbatch's bf16 gradient read and added into the fp32 buffer (2 + 2 x 4), the
     buffer zeroed (4); on the shard / n (2 x 4), the norm (4), the clip in place (2 x 4), AdamW (28), the
-    bf16 copy of the master (6), stage 1's send copy of the bf16 shard (2 x 2)."""
+    bf16 copy of the master (6), stage 1's send copy of the bf16 shard (2 x 2). BF16 AdamW: the copy into
+    bf16 and the clip (4 + 3 x 2), AdamW on bf16 (14), no master to copy."""
     psi, n, m = 1000, 4, 3
+    full = 10 * m + 4
     for stage in (0, 1):
         shard = psi if stage == 0 else psi // n
         per_shard = 8 + 4 + 8 + 28 + 6 + 4 * stage
-        full = 10 * m + 4
         assert zero.zero_step_bytes(psi, n, stage, m, True, False, True) == full * psi + per_shard * shard
+        per_shard = 8 + 4 + 10 + 14 + 4 * stage
+        assert zero.zero_step_bytes(psi, n, stage, m, True, True, True) == full * psi + per_shard * shard
 
 
 def test_batch_not_divisible_by_the_group_fails_on_every_rank(rank_pool):
