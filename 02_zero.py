@@ -48,9 +48,10 @@ Traffic per step (ring): DDP's all-reduce moves 2 (N-1)/N G Psi. Stages 1 and 2 
 plus an all-gather, (N-1)/N (G + P) Psi: the same. Stage 3 gathers the parameters twice (forward
 and backward): (N-1)/N (G + 2P) Psi = 1.5x DDP.
 FP32 GRADIENTS (fp32_grads, stages 0-1 of mixed precision): each backward's bf16 gradient is added
-into an fp32 buffer and dropped, and the buffer is reduced in fp32, as Megatron's main_grad and FSDP2's
-reduce_dtype under a pipeline do: G = 4, the reduction's bytes twice bf16's, and a sum of many
-microbatches and ranks rounded once, not once an addition.
+into an fp32 buffer and dropped (a parameter's .grad stays None: read flat_grad, grad_shard), and the
+buffer is reduced in fp32, as Megatron's main_grad and FSDP2's reduce_dtype under a pipeline do: G = 4,
+the reduction's bytes twice bf16's, and each addition of the microbatches' and ranks' sum rounded at
+fp32's 2^-24, not bf16's 2^-8.
 
 SHARDED CHECKPOINTS
 No rank holds the whole state to write it, so each writes what it holds, as pieces: (name, the whole

@@ -1863,7 +1863,7 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
     """A given mesh that does not fit: its fullest GPU's largest term, and the fastest of the options that
     keep less (more recompute, a higher ZeRO stage, the loss in 8 slices: their fp32 temporaries below
     the logits' and their gradient's bytes) with which it fits, or that none does. Each computes the same
-    numbers; --bf16-optimizer, which does not, is the user's call."""
+    numbers; --bf16-optimizer, and ZeRO 2-3 where --fp32-grads would have to go, do not: the user's call."""
     most = r["memory_gib"][r["fullest"]]
     term = max((k for k in most if k != "total"), key=most.get)
     in_flight = in_flight_text(r["in_flight"][r["fullest"]], r["virtual"])
@@ -1871,7 +1871,8 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
     modes = tensor_parallel.RECOMPUTE_MODES
     changes = {f"--recompute {mode}": dict(recompute=mode) for mode in ("selective", "full")
                if modes.index(mode) > modes.index(job.train.recompute)}
-    changes |= {f"--zero {stage}": dict(zero_stage=stage) for stage in range(job.train.zero_stage + 1, 4)}
+    if not job.train.fp32_grads:  # stages 2-3 free the fp32 gradient buffer it keeps
+        changes |= {f"--zero {stage}": dict(zero_stage=stage) for stage in range(job.train.zero_stage + 1, 4)}
     if job.train.loss_chunks < LOSS_CHUNKS:
         changes[f"--loss-chunks {LOSS_CHUNKS}"] = dict(loss_chunks=LOSS_CHUNKS)
     fits = {}  # option -> (step, GiB) of the mesh with it
@@ -1882,7 +1883,8 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
             fits[option] = (timing["step"], gib(fullest(plans)))
     text = f"its largest part: {term}, {gib_text(most[term])} GiB{held}; "
     if not fits:
-        return text + "no more recompute, ZeRO or loss slices make it fit"
+        kept = " (--fp32-grads keeps ZeRO at 0-1)" if job.train.fp32_grads else ""
+        return text + "no more recompute, ZeRO or loss slices make it fit" + kept
     option = min(fits, key=fits.get)
     step, held_gib = fits[option]
     return text + f"it fits with {option}: {held_gib:,.1f} GiB, step {seconds_text(step)} s"

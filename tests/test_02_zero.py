@@ -500,19 +500,21 @@ def test_mixed_precision_equals_its_one_device_twin(rank_pool, world, stage, bf1
     assert_mixed_precision_equals_its_twin(rank_pool, world, stage, bf16_optimizer=bf16_optimizer)
 
 
-@pytest.mark.parametrize("world, stage", [(1, 1), (2, 0), (3, 1)])
-def test_fp32_gradients_equal_the_one_device_twin(rank_pool, world, stage):
+@pytest.mark.parametrize("world, stage, bf16_optimizer", [(1, 1, False), (2, 0, False), (3, 1, False),
+                                                          (2, 1, True)])
+def test_fp32_gradients_equal_the_one_device_twin(rank_pool, world, stage, bf16_optimizer):
     """fp32_grads: the ranks' bf16 gradients summed in fp32; the twin's one backward has no sum to
-    round, so mixed precision's tolerances hold (on one rank, fp32's)."""
-    assert_mixed_precision_equals_its_twin(rank_pool, world, stage, fp32_grads=True)
+    round, so mixed precision's tolerances hold (on one rank, fp32's); with BF16 AdamW, clipped in fp32
+    before the copy into bf16, its twin's."""
+    assert_mixed_precision_equals_its_twin(rank_pool, world, stage, bf16_optimizer, fp32_grads=True)
 
 
-def microbatch_gradient_sums(cfg, microbatches: int, fp32_grads: bool) -> dict:
-    """On each rank, by parameter name: ZeRO-1's gradient after the microbatches' backwards under
+def microbatch_gradient_sums(cfg, stage: int, microbatches: int, fp32_grads: bool) -> dict:
+    """On each rank, by parameter name: ZeRO's gradient after the microbatches' backwards under
     no_sync(), and each microbatch's own bf16 gradient (autograd.grad on a bf16 copy of the model)."""
     model = foundation.GPT(cfg)
     copy = foundation.GPT(cfg).to(torch.bfloat16)
-    zero_opt = zero.ZeRO(model, 1, mixed_precision=True, fp32_grads=fp32_grads)
+    zero_opt = zero.ZeRO(model, stage, mixed_precision=True, fp32_grads=fp32_grads)
     tokens, targets = foundation.synthetic_batch(cfg, 2 * microbatches, 6, 0, dist.get_rank(),
                                                  dist.get_world_size())
     parts = []
@@ -526,7 +528,8 @@ def microbatch_gradient_sums(cfg, microbatches: int, fp32_grads: bool) -> dict:
             for i, (name, _) in enumerate(copy.named_parameters())}
 
 
-def test_fp32_gradients_round_a_sum_of_microbatches_once(rank_pool):
+@pytest.mark.parametrize("stage", [0, 1])
+def test_fp32_gradients_sum_the_microbatches_in_fp32(rank_pool, stage):
     """The spec of fp32_grads: the buffer holds the fp32 sum of the microbatches' bf16 gradients, bit
     for bit, where bf16 gradients hold the same sum rounded to bf16 after every addition; against the
     exact (fp64) sum, fp32's error is the smaller."""
@@ -534,7 +537,7 @@ def test_fp32_gradients_round_a_sum_of_microbatches_once(rank_pool):
     microbatches = 8
     errors = {}
     for fp32_grads, dtype in ((True, torch.float32), (False, torch.bfloat16)):
-        gradients = rank_pool.run(2, microbatch_gradient_sums, cfg, microbatches, fp32_grads)[0]
+        gradients = rank_pool.run(2, microbatch_gradient_sums, cfg, stage, microbatches, fp32_grads)[0]
         errors[dtype] = 0.0
         for name, (accumulated, parts) in gradients.items():
             assert accumulated.dtype == dtype, name

@@ -1567,7 +1567,7 @@ MODEL_OPTIONS = {"--dp", "--pp", "--cp", "--tp", "--ep", "--moe", "--experts", "
                  "--global-batch", "--seq-len", "--model", "--dim", "--layers", "--heads", "--ffn-dim", "--vocab",
                  "--attention", "--compile", "--eager", "--lean-saves", "--autograd-saves", "--loss-chunks",
                  "--reduce-in-backward", "--reduce-after-backward", "--ends-as-layers", "--bf16-optimizer",
-                "--fp32-grads"}
+                 "--fp32-grads"}
 STEP_OPTIONS = {"--steps", "--lr", "--max-grad-norm", "--bf16"}
 OWN_OPTIONS = {  # what each sub-command offers, and nothing else
     "check": MODEL_OPTIONS | STEP_OPTIONS,
@@ -2430,6 +2430,39 @@ def test_fp32_gradients_double_the_gradients_bytes_held_and_reduced():
     assert fp32[2][0].memory["grads"] == 2 * bf16[2][0].memory["grads"]
     latency = (cfg.n_layers + 3) * cluster.latency
     assert fp32[3]["parts"]["DP"] - latency == pytest.approx(2 * (bf16[3]["parts"]["DP"] - latency), rel=1e-9)
+
+
+def test_fp32_gradients_price_zero_1s_step_and_reduction_at_4_bytes():
+    """At ZeRO-1 with 4 microbatches (Nemotron-4 15B on 16 GPUs, tp 2: dp crosses the nodes), nothing
+    hidden: the fp32 gradients add zero_step_bytes' own difference to the elementwise part, and to DP the
+    reduce-scatter's 2 more bytes an element at the network's rate; the all-gather still sends bf16."""
+    cfg, sizes, run, cluster = published_run("DGX Cloud Nemotron-4 15B, 16 GPUs")
+    sizes, run, plans, _ = full_train.planned(cfg, sizes, dataclasses.replace(run, microbatches=4), cluster)
+    assert run.zero_stage == 1 and run.microbatches == 4 and not full_train.inside_node(sizes, "dp_cp", 8)
+    fp32_run = dataclasses.replace(run, fp32_grads=True)
+    bf16 = full_train.step_time(cfg, sizes, run, plans, cluster, hide=False)["parts"]
+    fp32_plans = full_train.plan(cfg, sizes, fp32_run)
+    fp32 = full_train.step_time(cfg, sizes, fp32_run, fp32_plans, cluster, hide=False)["parts"]
+    [rank] = plans
+    n = sizes.dp * sizes.cp
+    step_bytes = [zero.zero_step_bytes(rank.params, n, 1, 4, True, False, fp32_grads) for fp32_grads in (False, True)]
+    hbm = cluster.hbm_tbps * 1e12
+    assert fp32["elementwise"] - bf16["elementwise"] == pytest.approx((step_bytes[1] - step_bytes[0]) / hbm)
+    more = foundation.ring_traffic("reduce_scatter", 2 * rank.params, n)
+    assert fp32["DP"] - bf16["DP"] == pytest.approx(float(more) / (cluster.network_gbps * 1e9))
+
+
+def test_fp32_gradients_rule_out_zero_2_and_3_in_what_would_fit(monkeypatch, capsys):
+    """A mesh that fits only at ZeRO-3: the plan offers --zero 3, and with --fp32-grads (whose buffer
+    stages 2-3 free) says why it offers nothing (it tried ZeRO 2-3 with the flag on, which validate
+    refused, and said no option fits)."""
+    options = ("--model llama3-8b --dp 8 --pp 1 --cp 1 --tp 1 --global-batch 8 --seq-len 8192 --recompute full "
+               "--loss-chunks 8 --gpu a100-40gb").split()
+    _, out, _ = plan_main(monkeypatch, capsys, *options)
+    assert re.search(r"; it fits with --zero 3: [\d.]+ GiB, step [\d.]+ s$", out.splitlines()[-1]), out
+    _, out, _ = plan_main(monkeypatch, capsys, *options, "--fp32-grads")
+    assert out.splitlines()[-1].endswith("no more recompute, ZeRO or loss slices make it fit (--fp32-grads keeps "
+                                         "ZeRO at 0-1)"), out
 
 
 def test_unfused_attention_is_priced_kernel_by_kernel_as_pytorchs_eager_attention_runs():
