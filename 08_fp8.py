@@ -999,23 +999,28 @@ def gemm_seconds(m: int, k: int, n: int, hbm_bytes_per_s: float, float8: bool = 
     return max(flops / (GEMM_TFLOPS_H100[size][float8] * 1e12 * speed), moved / hbm_bytes_per_s)
 
 
-def float8_cast_bytes(tokens: int, in_features: int, out_features: int, weight_casts: float = 1) -> tuple:
+def float8_cast_bytes(tokens: int, in_features: int, out_features: int, weight_casts: float = 1,
+                      input_cast: bool = True) -> tuple:
     """Memory traffic (forward, backward) of Float8Linear's casts from bf16: tensorwise current scaling
     reads an operand twice (its amax, then the cast) and writes a byte, 5 B an element, measured CAST_BYTES
     (x, and the weight weight_casts times: 09 casts it once a step), then backward's output gradient too,
-    and the column-major copies _scaled_mm wants of the gradient, x and W (1 B read, 1 written)."""
+    and the column-major copies _scaled_mm wants of the gradient, x and W (1 B read, 1 written).
+    input_cast False: another linear reading the same x made its cast (03's Projections: one for q, k, v)."""
     x = tokens * in_features
     w = in_features * out_features
     g = tokens * out_features
-    return CAST_BYTES * (x + weight_casts * w), CAST_BYTES * g + 2 * (g + x + w)
+    return CAST_BYTES * (input_cast * x + weight_casts * w), CAST_BYTES * g + 2 * (g + x + w)
 
 
 def linear_seconds(tokens: int, in_features: int, out_features: int, hbm_bytes_per_s: float,
-                   float8: bool = False, speed: float = 1.0, weight_casts: float = 1) -> tuple[float, float]:
+                   float8: bool = False, speed: float = 1.0, weight_casts: float = 1,
+                   input_cast: bool = True) -> tuple[float, float]:
     """A linear layer's (forward, backward): y = x W^T, then dx = dy W and dW = dy^T x, three GEMMs
     of the same FLOPs in other shapes (Float8Linear: all three in FP8, after its casts)."""
     gemm = functools.partial(gemm_seconds, hbm_bytes_per_s=hbm_bytes_per_s, float8=float8, speed=speed)
-    casts = float8_cast_bytes(tokens, in_features, out_features, weight_casts) if float8 else (0, 0)
+    casts = (0, 0)
+    if float8:
+        casts = float8_cast_bytes(tokens, in_features, out_features, weight_casts, input_cast)
     forward = gemm(tokens, in_features, out_features) + casts[0] / hbm_bytes_per_s
     backward = gemm(tokens, out_features, in_features) + gemm(out_features, tokens, in_features)
     return forward, backward + casts[1] / hbm_bytes_per_s

@@ -1515,6 +1515,9 @@ GPUS = {  # A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): 40 (HBM
 GPU_FIELDS = ("gpu_memory", "peak_tflops", "fp8_tflops", "hbm_tbps", "nvlink_gbps", "network_gbps", "tdp",
               "power_limit")
 H100 = dict(zip(GPU_FIELDS, GPUS["h100-sxm"]))  # Cluster's defaults: the GPU of the course's measured rates
+# 03's Projections casts an input to FP8 once for the linears that read it (q, k, v; gate, up): these
+# take the cast their first sibling made
+CAST_BY_A_SIBLING = ("k_proj", "v_proj", "up_proj")
 PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble")  # step_time's, as printed
 
 
@@ -1654,8 +1657,9 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
             count = experts[0] if experts else 1
             float8 = train.fp8 and not experts and prefix == "layers."
             rows_in = tokens * (moe.top_k if experts else 1) // count
+            input_cast = name.split(".")[-2] not in CAST_BY_A_SIBLING
             f, b = fp8.linear_seconds(rows_in, n_in, n_out, hbm, float8, speed8 if float8 else speed,
-                                      1 / m)  # 08: a weight cast once a step
+                                      1 / m, input_cast)  # 08: a weight cast once a step
             out = [out[0] + count * f, out[1] + count * b]
         return out
 

@@ -706,10 +706,12 @@ def test_a_float8_linear_is_its_three_fp8_gemms_and_its_casts_bytes():
     """Float8Linear from bf16 (tensorwise current scaling): x cast in forward, CAST_BYTES an element (its
     amax read, then read and written as one byte: 5 B, measured ~10), the weight's too, weight_casts times
     (09: once a step over m microbatches, 1/m a call); backward casts the output gradient and copies the
-    gradient, x and W column-major (2 B an element): on top of the three FP8 GEMMs at their rate or bytes."""
+    gradient, x and W column-major (2 B an element): on top of the three FP8 GEMMs at their rate or bytes.
+    A linear reading the cast another made (03's Projections: k and v of q's) casts only its weight."""
     t, k, n, hbm, c = 8192, 4096, 14336, 3.35e12, fp8.CAST_BYTES
     forward, backward = fp8.float8_cast_bytes(t, k, n, weight_casts=0.25)
     assert (forward, backward) == (c * (t * k + 0.25 * k * n), c * t * n + 2 * (t * n + t * k + k * n))
+    assert fp8.float8_cast_bytes(t, k, n, 0.25, input_cast=False) == (c * 0.25 * k * n, backward)
     f, b = fp8.linear_seconds(t, k, n, hbm, float8=True, speed=2.0, weight_casts=0.25)
     gemm = lambda *mkn: fp8.gemm_seconds(*mkn, hbm, True, 2.0)  # noqa: E731
     assert f == pytest.approx(gemm(t, k, n) + forward / hbm, rel=1e-12)
