@@ -2610,6 +2610,13 @@ COMPILED_LOSS = FUSED_LOSS
 # FSDP2 adds each microbatch's bf16 gradients into whole fp32 ones: 02's ZeRO-1 with fp32 gradients
 TITAN_PP = dict(TITAN, zero_stage=1, microbatches=8, recompute="full", sequence_parallel=True, fp8=True, compile=True,
                 fp32_grads=True)
+# Megatron-Bridge's skill reports peaks of *allocated* bytes (its baseline's 58.8 GB ran out of 80 GB GPUs to
+# fragmentation; report_memory divides torch's memory_stats() by 1e9): compared, as 09's check prints
+# max_memory_allocated, with plan's total less its fragmentation and cuda_nccl
+ALLOCATED_PEAKS = ("MB-S1", "MB-S2", "MB-S3")
+MB_S_TP4 = ("+: at tp 4 (tp 8: -0%), 03's lean FP8 layer keeping what Transformer Engine keeps; 3% of it where 02's "
+            "ZeRO-1 holds its reduce-scatter output in backward (Megatron reduces in place into its gradient "
+            "buffer); the rest is not found")
 MEMORY = {  # id: (model, mesh, options, published GiB, tolerance, why it misses)
     "TT-1a": ("llama3-8b", (8, 1, 1, 1), dict(TITAN, global_batch=16), 82.4, 0.10, ""),
     "TT-1b": ("llama3-8b", (8, 1, 1, 1), dict(TITAN, global_batch=16, compile=True), 77.0, 0.10, ""),
@@ -2648,20 +2655,20 @@ MEMORY = {  # id: (model, mesh, options, published GiB, tolerance, why it misses
              "+: its configuration and the metric's meaning are not stated (published_runs.md: low confidence)"),
     **{f"MB-S{x}": ("llama3-70b", mesh, dict(NVIDIA, global_batch=32, seq_len=4096, microbatches=32 // mesh[0],
                                              schedule="interleaved", virtual=5, sequence_parallel=True, fp8=True),
-                    gb * 1e9 / 2 ** 30, 0.35, "+: 27% above with 03's lean FP8 layer, which keeps what Transformer "
-                                               "Engine keeps (80% before); +3% more where 02's ZeRO-1 holds its "
-                                               "reduce-scatter output in backward (Megatron reduces in place into "
-                                               "its gradient buffer); the rest is not found")
-       for x, mesh, gb in (("1", (2, 4, 1, 4), 58.8), ("2", (1, 8, 1, 4), 53.2), ("3", (1, 4, 1, 8), 50.2))},
+                    gb * 1e9 / 2 ** 30, tolerance, why)
+       for x, mesh, gb, tolerance, why in (("1", (2, 4, 1, 4), 58.8, 0.20, MB_S_TP4),
+                                           ("2", (1, 8, 1, 4), 53.2, 0.20, MB_S_TP4),
+                                           ("3", (1, 4, 1, 8), 50.2, 0.10, ""))},
 }
 
 
 def test_the_planned_memory_is_within_10_percent_of_published_peaks_where_it_models_the_run():
     """36 published peaks; the plan's reserved bytes (its tensors, temporaries and the allocator's
-    segments) within each row's tolerance: 10% on the 19 runs it models (torchtitan's and torchao's 8B
-    on 8 and 128 GPUs, with and without FP8, context parallelism to 256k tokens; torchtitan's 405B on
-    512 GPUs, pipelined with 02's fp32 gradients), each miss bounded and said why; README's counts."""
-    assert len(MEMORY) == 36 and sum(row[4] == 0.10 for row in MEMORY.values()) == 19
+    segments; allocated where the source reports them) within each row's tolerance: 10% on the 20 runs it
+    models (torchtitan's and torchao's 8B on 8 and 128 GPUs, with and without FP8, context parallelism to
+    256k tokens; torchtitan's 405B on 512 GPUs, pipelined with 02's fp32 gradients; Megatron-Bridge's 70B
+    at tp 8), each miss bounded and said why; README's counts."""
+    assert len(MEMORY) == 36 and sum(row[4] == 0.10 for row in MEMORY.values()) == 20
     errors = []
     for label, (model, mesh, options, published, tolerance, why) in MEMORY.items():
         if model is None:
@@ -2674,10 +2681,11 @@ def test_the_planned_memory_is_within_10_percent_of_published_peaks_where_it_mod
         finally:
             del PUBLISHED[label]
         fullest = max(plans, key=lambda p: p.total)
-        reserved = float(fullest.total - fullest.memory["cuda_nccl"]) / 2 ** 30
-        assert abs(reserved / published - 1) <= tolerance, (label, reserved, published, why)
-        assert (tolerance == 0.10) == (not why) and why[:1] in ("", "+" if reserved > published else "-")
-        errors.append(abs(reserved / published - 1))
+        left_out = ("cuda_nccl", "fragmentation") if label in ALLOCATED_PEAKS else ("cuda_nccl",)
+        planned = float(fullest.total - sum(fullest.memory[part] for part in left_out)) / 2 ** 30
+        assert abs(planned / published - 1) <= tolerance, (label, planned, published, why)
+        assert (tolerance == 0.10) == (not why) and why[:1] in ("", "+" if planned > published else "-")
+        errors.append(abs(planned / published - 1))
     within = [sum(error <= bound for error in errors) for bound in (0.10, 0.15)]
     assert (f"Memory against 36 published peaks (torchtitan, torchao, DGX Cloud, Megatron-Bridge): {within[0]} "
             f"within 10%, {within[1]} within 15%") in " ".join(readme_planning_table().split()), within
