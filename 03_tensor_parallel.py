@@ -626,11 +626,11 @@ def recomputed(fn: Callable, policy: Callable = torch.utils.checkpoint.noop_cont
 
 
 def odd_matmuls_and_attention():  # "op": keep odd matmuls' and attention's outputs (forward, rerun alike)
-    mm = torch.ops.aten.mm.default
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default)  # 08's FP8 GEMMs on a GPU
     calls = collections.Counter()  # matmuls so far: in the forward, in its rerun
     def policy(ctx, op, *args, **kwargs):  # noqa: E306
-        calls[ctx.is_recompute] += op == mm
-        keep = "attention" in str(op) or op == mm and calls[ctx.is_recompute] % 2
+        calls[ctx.is_recompute] += op in matmuls
+        keep = "attention" in str(op) or op in matmuls and calls[ctx.is_recompute] % 2
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
     return create_selective_checkpoint_contexts(policy)
 

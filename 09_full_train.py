@@ -1648,7 +1648,9 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
     def send(kind: str, nbytes: float, calls: int = 1) -> float:
         return float(nbytes) / link(kind) + calls * cluster.latency
 
-    def linears(prefix: str, names=()) -> list[float]:  # (forward, backward); 06's experts: top_k x tokens
+    def linears(prefix: str, names=(), rerun: bool = False) -> list[float]:
+        """(forward, backward) of the linears named (or all) under prefix; 06's experts on top_k x tokens.
+        rerun: a recompute's, which casts no weight (once a step) nor input (input_casts)."""
         out = [0.0, 0.0]
         for name, shape in shapes.items():
             if not name.startswith(prefix) or len(shape) < 2 or names and name.split(".")[-2] not in names:
@@ -1657,11 +1659,18 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
             count = experts[0] if experts else 1
             float8 = train.fp8 and not experts and prefix == "layers."
             rows_in = tokens * (moe.top_k if experts else 1) // count
-            input_cast = name.split(".")[-2] not in CAST_BY_A_SIBLING
-            f, b = fp8.linear_seconds(rows_in, n_in, n_out, hbm, float8, speed8 if float8 else speed,
-                                      1 / m, input_cast)  # 08: a weight cast once a step
+            casts = (0, False) if rerun else (1 / m, name.split(".")[-2] not in CAST_BY_A_SIBLING)
+            f, b = fp8.linear_seconds(rows_in, n_in, n_out, hbm, float8, speed8 if float8 else speed, *casts)
             out = [out[0] + count * f, out[1] + count * b]
         return out
+
+    def input_casts() -> float:
+        """FP8: a layer's casts of its linears' inputs (4 of them), made again by a recompute."""
+        if not train.fp8:
+            return 0.0
+        inputs = [shape[-1] for name, shape in shapes.items()
+                  if name.startswith("layers.") and len(shape) == 2 and name.split(".")[-2] not in CAST_BY_A_SIBLING]
+        return sum(fp8.float8_cast_bytes(tokens, n_in, 0, 0)[0] for n_in in inputs) / hbm
 
     def elementwise(**where) -> list[float]:  # (forward, backward) at the HBM's bandwidth
         nbytes = elementwise_bytes(cfg, tokens, tp, train.sequence_parallel, mlp=moe is None, elem_bytes=e,
@@ -1675,10 +1684,22 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
         attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, kernel, cp, speed)
     layer = {"GEMMs": linears("layers."), "attention": list(attention),
              "elementwise": elementwise(layers=1, embed=False, head=False)}
-    rerun = dict(none=(), selective=("attention",), op=("elementwise",), full=tuple(layer))[train.recompute]
-    layer = {k: [f, b + f * (k in rerun)] for k, (f, b) in layer.items()}  # recompute: the forward again
-    if train.recompute == "op":  # and the 2nd, 4th, 6th matmul (03's policy keeps the others' outputs)
-        layer["GEMMs"][1] += linears("layers.", ("k_proj", "out_proj", "up_proj"))[0]
+    # Recompute: what backward runs again before its own work (03's modes; test_09 counts their GEMMs and casts)
+    again = dict.fromkeys(layer, 0.0)
+    if train.recompute == "selective":
+        again["attention"] = layer["attention"][0]
+    if train.recompute == "op":  # the elementwise work, the 2nd, 4th and 6th matmul (the policy keeps the others')
+        again["elementwise"] = layer["elementwise"][0]
+        again["GEMMs"] = linears("layers.", ("k_proj", "out_proj", "up_proj"), rerun=True)[0] + input_casts()
+    if train.recompute == "full":  # the block up to down_proj's input, which its backward keeps; FP8's down_proj
+        dense = moe is None  # runs its GEMM before Projections keeps its input's cast; 06's MoE: priced whole
+        names = [name.split(".")[-2] for name, shape in shapes.items() if name.startswith("layers.")
+                 and len(shape) >= 2 and (train.fp8 or not dense or not name.endswith("down_proj.weight"))]
+        last_add = 3 * e * cfg.dim * tokens // (tp if train.sequence_parallel else 1) * dense / hbm
+        again["GEMMs"] = linears("layers.", names, rerun=True)[0] + input_casts()
+        again["attention"] = layer["attention"][0]
+        again["elementwise"] = layer["elementwise"][0] - last_add  # not the second residual add
+    layer = {k: [f, b + again[k]] for k, (f, b) in layer.items()}
     ranks = []
     for p in plans:
         first = 0 in p.stages

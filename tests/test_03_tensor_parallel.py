@@ -20,6 +20,7 @@ examples of the main test:
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import gc
@@ -919,6 +920,41 @@ def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, 
         assert abs(runs["none"][0] - loss) <= 1e-5
         for name, grad in grads.items():
             torch.testing.assert_close(runs["none"][1][name], grad, atol=GRAD_ATOL, rtol=1e-4, msg=name)
+
+
+def test_op_recompute_keeps_odd_fp8_gemms_as_it_keeps_odd_matmuls():
+    """Lesson 08's FP8 GEMMs on a GPU are torch._scaled_mm, not mm: "op" counts both (torchtitan's save
+    list holds both), so an FP8 layer keeps the outputs a bf16 one keeps. Two FP8 GEMMs in a checkpoint
+    (_scaled_mm runs on the CPU too), each output kept by a product for p's gradient: backward runs the
+    second again, not the first (before: both, as any op the policy does not keep)."""
+    one = torch.tensor(1.0)
+    x = torch.randn(16, 16).to(torch.float8_e4m3fn)
+
+    def gemm() -> torch.Tensor:
+        return torch._scaled_mm(x, x.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+
+    def products(p: torch.Tensor) -> torch.Tensor:
+        return (gemm() * p + gemm() * p).sum()
+
+    p = torch.ones(16, 16, requires_grad=True)
+    policy = tensor_parallel.odd_matmuls_and_attention
+    out = torch.utils.checkpoint.checkpoint(products, p, use_reentrant=False, context_fn=policy)
+    with OperatorCount() as counted:
+        out.backward()
+    assert counted.calls[torch.ops.aten._scaled_mm.default] == 1
+    assert torch.equal(p.grad, 2 * gemm())
+
+
+class OperatorCount(TorchDispatchMode):
+    """How many times each operator runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def test_recompute_and_lean_saves_refuse_bad_modes_and_a_second_application():

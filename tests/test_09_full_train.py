@@ -2065,6 +2065,83 @@ def test_plan_casts_an_input_to_fp8_once_for_the_linears_that_read_it(monkeypatc
     assert each - once == pytest.approx(extra, rel=1e-9)
 
 
+class RecomputeCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """In a backward: its matmuls, the linears whose forward runs again (x @ W^T: by the weight W read,
+    named in `weights`) and the amaxes (FP8 casts)."""
+
+    def __init__(self, weights: dict) -> None:
+        super().__init__()
+        self.weights = weights
+        self.linears = []
+        self.mm = 0
+        self.amax = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            self.mm += 1
+            if args[1].data_ptr() in self.weights and args[1].stride(0) == 1:  # W^T: the forward's form
+                self.linears.append(self.weights[args[1].data_ptr()])
+        self.amax += func is torch.ops.aten.amax.default
+        return func(*args, **(kwargs or {}))
+
+
+def recompute_counts(recompute: str, float8: bool) -> RecomputeCount:
+    """One layer of 01's GPT with 03's lean saves and recompute (and 08's FP8 linears): its backward counted."""
+    cfg = foundation.ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=96)
+    model = full_train.tensor_parallel.apply_lean_saves(foundation.GPT(cfg))
+    model = full_train.tensor_parallel.apply_recompute(fp8.convert_to_float8(model) if float8 else model, recompute)
+    block = model.layers["0"]
+    weights = {module.weight.data_ptr(): name.split(".")[-1] for name, module in block.named_modules()
+               if isinstance(module, torch.nn.Linear)}
+    cos, sin = foundation.rope_angles(torch.arange(16), cfg.head_dim, cfg.rope_theta)
+    with fp8.weights_cast_once(model):
+        y = block(torch.randn(2, 16, cfg.dim, requires_grad=True), cos, sin)
+        with RecomputeCount(weights) as counted:
+            y.sum().backward()
+    return counted
+
+
+@pytest.mark.parametrize("recompute", ["op", "full"])
+def test_the_plans_recompute_runs_again_the_gemms_and_casts_03_runs_again(recompute):
+    """03's recompute counted over one layer's backward, beyond backward's own (14 matmuls, 7 casts of
+    output gradients): in fp32 the linears whose forward runs again, by the weight their matmul reads; in
+    FP8 how many matmuls and input casts. "full" stops at down_proj's input, which its backward keeps (an
+    FP8 down_proj runs its GEMM before Projections keeps its input's cast); "op" runs k, out and up again,
+    and the four input casts. The plan's GEMMs on NeMo's Llama 2 7B run (16 microbatches, 32 layers) grow
+    by just those linears' forward GEMMs (no weight cast: once a step) and input casts; "full"'s elementwise
+    work by the forward's less the residual add after down_proj."""
+    own = recompute_counts("none", True)
+    assert (own.mm, own.amax, own.linears) == (14, 7, [])
+    course = recompute_counts(recompute, False)
+    float8 = recompute_counts(recompute, True)
+    names = {"op": ["k_proj", "out_proj", "up_proj"],
+             "full": ["q_proj", "k_proj", "v_proj", "out_proj", "gate_proj", "up_proj"]}[recompute]
+    assert course.linears == names and course.mm == 14 + len(names) and course.amax == 0
+    names8 = names + ["down_proj"] * (recompute == "full")
+    assert (float8.mm, float8.amax) == (14 + len(names8), 7 + 4)
+    cfg, sizes, run, cluster = published_run("NeMo Llama 2 7B, FP8")
+    hbm = cluster.hbm_tbps * 1e12
+    layer = {name.split(".")[-2]: shape for name, shape in full_train.local_shapes(cfg, 1, None, 1).items()
+             if name.startswith("layers.") and len(shape) == 2}
+    for rerun, fp8_run in ((names, False), (names8, True)):
+        run = dataclasses.replace(run, microbatches=16, recompute="none", fp8=fp8_run)
+        base = full_train.planned(cfg, sizes, run, cluster)[3]["parts"]["GEMMs"]
+        run = dataclasses.replace(run, recompute=recompute)
+        grown = full_train.planned(cfg, sizes, run, cluster)[3]["parts"]["GEMMs"] - base
+        speed = cluster.speed[fp8_run]
+        gemms = sum(fp8.linear_seconds(4096, layer[name][1], layer[name][0], hbm, fp8_run, speed, 0, False)[0]
+                    for name in rerun)
+        inputs = [n_in for name, (_, n_in) in layer.items() if name not in full_train.CAST_BY_A_SIBLING]
+        casts = fp8_run * sum(fp8.float8_cast_bytes(4096, n_in, 0, 0)[0] for n_in in inputs) / hbm
+        assert len(inputs) == 4 and grown == pytest.approx(16 * 32 * (gemms + casts), rel=1e-9), fp8_run
+    if recompute == "full":  # and the elementwise work before down_proj: not the second residual add after it
+        forward = full_train.elementwise_bytes(cfg, 4096, 1, False, layers=1, embed=False, head=False)[0]
+        parts = [full_train.planned(cfg, sizes, dataclasses.replace(run, recompute=mode), cluster)[3]["parts"]
+                 for mode in ("none", "full")]
+        grown = parts[1]["elementwise"] - parts[0]["elementwise"]
+        assert grown == pytest.approx(16 * 32 * (forward - 3 * 2 * cfg.dim * 4096) / hbm, rel=1e-9)
+
+
 def test_attention_between_measured_lengths_takes_the_rate_nearest_by_ratio():
     """07 measured its rates at 1,024 to 16,384 tokens, doubling; between two, the nearer on a log
     scale: 3,000 tokens is 1.37x below 4,096 and 1.46x above 2,048, so 4,096's rate (by difference it
