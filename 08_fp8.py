@@ -9,7 +9,8 @@ Two sub-commands: `single` (the default) runs in one process, `distributed` on r
   FP8 under tensor parallelism: tensor_parallel_scales, train_float8_tensor_parallel             distributed
   RUN IT: sqnr_table, spike_demo, demo, bench; distributed_demo; Options, the size rules, main          both
   Last, for lesson 09's plan only (an H100's measured GEMM rates, which no demo here reads):
-    GEMM_TFLOPS_H100, CAST_BYTES, gemm_seconds, float8_cast_bytes, linear_seconds
+    GEMM_TFLOPS_H100, CAST_BYTES, WEIGHT_CAST_BYTES, gemm_seconds, float8_cast_bytes, weight_casts_bytes,
+    linear_seconds
 
 THE FORMATS (8 bits: sign, exponent, mantissa)
   e4m3fn  4 exponent + 3 mantissa bits: max 448, smallest normal 2^-6, smallest subnormal 2^-9;
@@ -986,6 +987,11 @@ def main() -> None:
 # their bytes (float8_cast_bytes) at CAST_BYTES an element: the third column's extra time at 3.35 TB/s.
 GEMM_TFLOPS_H100 = {4096: (770, 1210, 713), 8192: (709, 1230, 808), 16384: (746, 1286, 1028)}
 CAST_BYTES = sum(n * (1 / cast - 1 / f8) * 3.35 for n, (_, f8, cast) in GEMM_TFLOPS_H100.items()) / 3  # ~10
+# The weights' casts, once a step, run eager (outside the compiled blocks, each operation a kernel): bytes an
+# element of a weight (by its bytes, bf16 or fp32) that weights_cast_once casts, or of a shard Float8ZeRO
+# does (cast_shards), as a dispatch mode counts them (test_08)
+WEIGHT_CAST_BYTES = {2: 77, 4: 67}
+SHARD_CAST_BYTES = {2: 83, 4: 75}
 
 
 def gemm_seconds(m: int, k: int, n: int, hbm_bytes_per_s: float, float8: bool = False,
@@ -999,28 +1005,34 @@ def gemm_seconds(m: int, k: int, n: int, hbm_bytes_per_s: float, float8: bool = 
     return max(flops / (GEMM_TFLOPS_H100[size][float8] * 1e12 * speed), moved / hbm_bytes_per_s)
 
 
-def float8_cast_bytes(tokens: int, in_features: int, out_features: int, weight_casts: float = 1,
-                      input_cast: bool = True) -> tuple:
-    """Memory traffic (forward, backward) of Float8Linear's casts from bf16: tensorwise current scaling
-    reads an operand twice (its amax, then the cast) and writes a byte, 5 B an element, measured CAST_BYTES
-    (x, and the weight weight_casts times: 09 casts it once a step), then backward's output gradient too,
-    and the column-major copies _scaled_mm wants of the gradient, x and W (1 B read, 1 written).
-    input_cast False: another linear reading the same x made its cast (03's Projections: one for q, k, v)."""
+def float8_cast_bytes(tokens: int, in_features: int, out_features: int, input_cast: bool = True) -> tuple:
+    """Memory traffic (forward, backward) of Float8Linear's casts from bf16 in a compiled block: tensorwise
+    current scaling reads an operand twice (its amax, then the cast) and writes a byte, 5 B an element,
+    measured CAST_BYTES (x), then backward's output gradient too, and the column-major copies _scaled_mm
+    wants of the gradient, x and W (1 B read, 1 written). input_cast False: another linear reading the
+    same x made its cast (03's Projections: one for q, k, v). The weight's cast: weight_casts_bytes."""
     x = tokens * in_features
     w = in_features * out_features
     g = tokens * out_features
-    return CAST_BYTES * (input_cast * x + weight_casts * w), CAST_BYTES * g + 2 * (g + x + w)
+    return CAST_BYTES * input_cast * x, CAST_BYTES * g + 2 * (g + x + w)
+
+
+def weight_casts_bytes(elements: int, elem_bytes: int, shards: int = 0) -> float:
+    """Memory traffic of a step's casts of `elements` FP8 weights of elem_bytes: weights_cast_once's, or
+    with shards > 0 Float8ZeRO's, each rank casting its 1/shards of them."""
+    if shards:
+        return SHARD_CAST_BYTES[elem_bytes] * elements / shards
+    return WEIGHT_CAST_BYTES[elem_bytes] * elements
 
 
 def linear_seconds(tokens: int, in_features: int, out_features: int, hbm_bytes_per_s: float,
-                   float8: bool = False, speed: float = 1.0, weight_casts: float = 1,
-                   input_cast: bool = True) -> tuple[float, float]:
+                   float8: bool = False, speed: float = 1.0, input_cast: bool = True) -> tuple[float, float]:
     """A linear layer's (forward, backward): y = x W^T, then dx = dy W and dW = dy^T x, three GEMMs
     of the same FLOPs in other shapes (Float8Linear: all three in FP8, after its casts)."""
     gemm = functools.partial(gemm_seconds, hbm_bytes_per_s=hbm_bytes_per_s, float8=float8, speed=speed)
     casts = (0, 0)
     if float8:
-        casts = float8_cast_bytes(tokens, in_features, out_features, weight_casts, input_cast)
+        casts = float8_cast_bytes(tokens, in_features, out_features, input_cast)
     forward = gemm(tokens, in_features, out_features) + casts[0] / hbm_bytes_per_s
     backward = gemm(tokens, out_features, in_features) + gemm(out_features, tokens, in_features)
     return forward, backward + casts[1] / hbm_bytes_per_s

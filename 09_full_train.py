@@ -1309,14 +1309,32 @@ class RankPlan:
         return sum(v for v in self.memory.values() if v is not None)
 
 
-def tp_messages(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: bool, head: bool) -> list:
-    """03's collectives in a step of a pipeline rank's stages as (calls, bytes a rank sends in the ring)."""
-    ops = tensor_parallel.comm_formula(
+def tp_collectives(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: bool, head: bool) -> dict:
+    """03's collectives in a step of a pipeline rank's stages: {operation: (calls, their tensors' bytes)}."""
+    return tensor_parallel.comm_formula(
         cfg, train.global_batch // sizes.dp, train.seq_len // sizes.cp, train.sequence_parallel,
         layers=layers, embed=embed, head=head, microbatches=train.microbatches, mlp=train.moe is None,
         elem_bytes=2 if train.mixed_precision else 4, recompute=train.recompute, regather=train.lean_saves,
         kept_input=fp8.KEPT_INPUT if train.fp8 else None, loss_chunks=train.loss_chunks)
+
+
+def tp_messages(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: bool, head: bool) -> list:
+    """tp_collectives as (calls, bytes a rank sends in the ring)."""
+    ops = tp_collectives(cfg, sizes, train, layers, embed, head)
     return [(calls, foundation.ring_traffic(op, payload, sizes.tp)) for op, (calls, payload) in ops.items()]
+
+
+def tp_copy_bytes(cfg, sizes: MeshSizes, train: TrainConfig, layers: int, embed: bool, head: bool
+                  ) -> Fraction:
+    """Memory traffic of the copies 03's collectives make in a step (test_09 counts them): an all-reduce
+    reads its input and writes it into a new tensor (an operator never reduces a tensor it was given);
+    SP's gathers and scatters move the sequence to the front and back, a copy of their input and of their
+    output, when a microbatch has more than one sequence (of one, the moves are views)."""
+    ops = tp_collectives(cfg, sizes, train, layers, embed, head)
+    reduced = ops.get("all_reduce", (0, 0))[1]
+    moved = sum(ops.get(op, (0, 0))[1] for op in ("all_gather", "reduce_scatter"))
+    rows = train.global_batch // sizes.dp // train.microbatches
+    return 2 * reduced + (rows > 1) * 2 * (1 + Fraction(1, sizes.tp)) * moved
 
 
 def norm_traffic(n: int) -> Fraction:
@@ -1650,7 +1668,7 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
 
     def linears(prefix: str, names=(), rerun: bool = False) -> list[float]:
         """(forward, backward) of the linears named (or all) under prefix; 06's experts on top_k x tokens.
-        rerun: a recompute's, which casts no weight (once a step) nor input (input_casts)."""
+        rerun: a recompute's, which casts no input (input_casts); the weights' casts: once a step."""
         out = [0.0, 0.0]
         for name, shape in shapes.items():
             if not name.startswith(prefix) or len(shape) < 2 or names and name.split(".")[-2] not in names:
@@ -1659,8 +1677,9 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
             count = experts[0] if experts else 1
             float8 = train.fp8 and not experts and prefix == "layers."
             rows_in = tokens * (moe.top_k if experts else 1) // count
-            casts = (0, False) if rerun else (1 / m, name.split(".")[-2] not in CAST_BY_A_SIBLING)
-            f, b = fp8.linear_seconds(rows_in, n_in, n_out, hbm, float8, speed8 if float8 else speed, *casts)
+            input_cast = not rerun and name.split(".")[-2] not in CAST_BY_A_SIBLING
+            rate = speed8 if float8 else speed
+            f, b = fp8.linear_seconds(rows_in, n_in, n_out, hbm, float8, rate, input_cast)
             out = [out[0] + count * f, out[1] + count * b]
         return out
 
@@ -1668,9 +1687,9 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
         """FP8: a layer's casts of its linears' inputs (4 of them), made again by a recompute."""
         if not train.fp8:
             return 0.0
-        inputs = [shape[-1] for name, shape in shapes.items()
-                  if name.startswith("layers.") and len(shape) == 2 and name.split(".")[-2] not in CAST_BY_A_SIBLING]
-        return sum(fp8.float8_cast_bytes(tokens, n_in, 0, 0)[0] for n_in in inputs) / hbm
+        inputs = [shape[-1] for name, shape in shapes.items() if name.startswith("layers.")
+                  and len(shape) == 2 and name.split(".")[-2] not in CAST_BY_A_SIBLING]
+        return sum(fp8.float8_cast_bytes(tokens, n_in, 0)[0] for n_in in inputs) / hbm
 
     def elementwise(**where) -> list[float]:  # (forward, backward) at the HBM's bandwidth
         nbytes = elementwise_bytes(cfg, tokens, tp, train.sequence_parallel, mlp=moe is None, elem_bytes=e,
@@ -1684,15 +1703,16 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
         attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, kernel, cp, speed)
     layer = {"GEMMs": linears("layers."), "attention": list(attention),
              "elementwise": elementwise(layers=1, embed=False, head=False)}
-    # Recompute: what backward runs again before its own work (03's modes; test_09 counts their GEMMs and casts)
+    # Recompute: what backward runs again before its own work (03's modes; test_09 counts GEMMs and casts)
     again = dict.fromkeys(layer, 0.0)
     if train.recompute == "selective":
         again["attention"] = layer["attention"][0]
-    if train.recompute == "op":  # the elementwise work, the 2nd, 4th and 6th matmul (the policy keeps the others')
+    if train.recompute == "op":  # elementwise work, the 2nd, 4th and 6th matmul (its policy keeps the rest)
         again["elementwise"] = layer["elementwise"][0]
         again["GEMMs"] = linears("layers.", ("k_proj", "out_proj", "up_proj"), rerun=True)[0] + input_casts()
-    if train.recompute == "full":  # the block up to down_proj's input, which its backward keeps; FP8's down_proj
-        dense = moe is None  # runs its GEMM before Projections keeps its input's cast; 06's MoE: priced whole
+    if train.recompute == "full":  # the block up to down_proj's input, which its backward keeps (FP8's
+        # down_proj runs its GEMM before Projections keeps its input's cast; 06's MoE: priced whole)
+        dense = moe is None
         names = [name.split(".")[-2] for name, shape in shapes.items() if name.startswith("layers.")
                  and len(shape) >= 2 and (train.fp8 or not dense or not name.endswith("down_proj.weight"))]
         last_add = 3 * e * cfg.dim * tokens // (tp if train.sequence_parallel else 1) * dense / hbm
@@ -1708,9 +1728,14 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
                 "elementwise": elementwise(layers=0, embed=first, head=last)}
         work = {k: [p.layers * layer[k][i] + ends[k][i] for i in (0, 1)] for k in layer}
         parts = {k: m * sum(v) for k, v in work.items()} | dict.fromkeys(("TP", "CP", "DP"), 0.0)
+        if train.fp8:  # 08's casts of the stage's FP8 weights, once a step (ZeRO-3: each rank its shard's)
+            weights = p.layers * sum(math.prod(shape) for name, shape in shapes.items()
+                                     if name.startswith("layers.") and len(shape) == 2)
+            parts["GEMMs"] += fp8.weight_casts_bytes(weights, e, n if train.zero_stage == 3 else 0) / hbm
         if tp > 1:  # (ZB-H1's W re-runs part of the backward's: priced as 1F1B's)
             messages = tp_messages(cfg, sizes, train, p.layers, first, last)
             parts["TP"] = sum(send("tp", sent, calls) for calls, sent in messages)
+            parts["elementwise"] += float(tp_copy_bytes(cfg, sizes, train, p.layers, first, last)) / hbm
         if cp > 1:  # each of the cp - 1 hops behind one block's attention; recompute: the forward's twice
             hops = context_parallel.attention_bytes("ring", tokens * cfg.dim // tp,
                                                     tokens * cfg.n_kv_heads * cfg.head_dim // tp, cp, e)

@@ -703,19 +703,65 @@ def test_a_gemm_is_priced_by_its_flops_or_its_bytes_whichever_is_longer():
 
 
 def test_a_float8_linear_is_its_three_fp8_gemms_and_its_casts_bytes():
-    """Float8Linear from bf16 (tensorwise current scaling): x cast in forward, CAST_BYTES an element (its
-    amax read, then read and written as one byte: 5 B, measured ~10), the weight's too, weight_casts times
-    (09: once a step over m microbatches, 1/m a call); backward casts the output gradient and copies the
-    gradient, x and W column-major (2 B an element): on top of the three FP8 GEMMs at their rate or bytes.
-    A linear reading the cast another made (03's Projections: k and v of q's) casts only its weight."""
+    """Float8Linear from bf16 (tensorwise current scaling) in a compiled block: x cast in forward,
+    CAST_BYTES an element (its amax read, then read and written as one byte: 5 B, measured ~10); backward
+    casts the output gradient and copies the gradient, x and W column-major (2 B an element): on top of
+    the three FP8 GEMMs at their rate or bytes. A linear reading the cast another made (03's Projections:
+    k and v of q's) casts nothing in forward. The weight's cast is a step's (weight_casts_bytes)."""
     t, k, n, hbm, c = 8192, 4096, 14336, 3.35e12, fp8.CAST_BYTES
-    forward, backward = fp8.float8_cast_bytes(t, k, n, weight_casts=0.25)
-    assert (forward, backward) == (c * (t * k + 0.25 * k * n), c * t * n + 2 * (t * n + t * k + k * n))
-    assert fp8.float8_cast_bytes(t, k, n, 0.25, input_cast=False) == (c * 0.25 * k * n, backward)
-    f, b = fp8.linear_seconds(t, k, n, hbm, float8=True, speed=2.0, weight_casts=0.25)
+    forward, backward = fp8.float8_cast_bytes(t, k, n)
+    assert (forward, backward) == (c * t * k, c * t * n + 2 * (t * n + t * k + k * n))
+    assert fp8.float8_cast_bytes(t, k, n, input_cast=False) == (0, backward)
+    f, b = fp8.linear_seconds(t, k, n, hbm, float8=True, speed=2.0)
     gemm = lambda *mkn: fp8.gemm_seconds(*mkn, hbm, True, 2.0)  # noqa: E731
     assert f == pytest.approx(gemm(t, k, n) + forward / hbm, rel=1e-12)
     assert b == pytest.approx(gemm(t, n, k) + gemm(n, t, k) + backward / hbm, rel=1e-12)
+
+
+class ElementwiseBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes each operator reads and writes (its tensor inputs and outputs, views excepted), matmuls and
+    attention aside: an eager step's elementwise memory traffic, one kernel an operator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name.split("::")[1]
+        views = ("view", "_unsafe_view", "t", "transpose", "unsqueeze", "slice", "split", "expand", "permute",
+                 "detach", "alias", "select", "as_strided", "squeeze", "split_with_sizes", "_reshape_alias")
+        if "mm" not in name and "attention" not in name and name not in views:
+            tensors = torch.utils._pytree.tree_flatten(((args, kwargs), out))[0]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)
+                              and t.numel() > 1000)  # 1/rms, the mean: per-token scalars, not counted
+        return out
+
+
+def cast_weights_counted(elem_bytes: int) -> list[float]:
+    """Bytes a weight element the two eager casts of a step move: weights_cast_once's (whole weights)
+    and, on this one rank, Float8ZeRO.cast_shards' (of its shard: here the whole), as ElementwiseBytes counts."""
+    dtype = {2: torch.bfloat16, 4: torch.float32}[elem_bytes]
+    cfg = foundation.ModelConfig(vocab_size=64, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=512)
+    model = fp8.convert_to_float8(foundation.GPT(cfg)).to(dtype)
+    elements = sum(w.numel() for w in fp8.float8_weights(model))
+    with ElementwiseBytes() as whole:
+        with fp8.weights_cast_once(model):
+            pass
+    sharded = fp8.Float8ZeRO(fp8.convert_to_float8(foundation.GPT(cfg)), None, mixed_precision=elem_bytes == 2)
+    with ElementwiseBytes() as shard:
+        sharded.cast_shards()
+    return [whole.bytes / elements, shard.bytes / sum(unit.shard.numel() for unit in sharded.units)]
+
+
+def test_a_steps_weight_casts_move_the_bytes_a_dispatch_mode_counts(rank_pool):
+    """weight_casts_bytes: the weights' casts, once a step, run eager (each operation a kernel, reading
+    and writing fp32 inside): WEIGHT_CAST_BYTES an element of a bf16 or fp32 weight (about 8x a compiled
+    cast's CAST_BYTES), SHARD_CAST_BYTES of a Float8ZeRO shard (also zeros and fills its byte buffer)."""
+    for elem_bytes in (2, 4):
+        counted = rank_pool.run(1, cast_weights_counted, elem_bytes)[0]
+        assert counted == [fp8.WEIGHT_CAST_BYTES[elem_bytes], fp8.SHARD_CAST_BYTES[elem_bytes]]
+    assert fp8.weight_casts_bytes(1000, 2) == 77_000 and fp8.weight_casts_bytes(1000, 4, shards=8) == 75_000 / 8
 
 
 # ----------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from hypothesis import strategies as st
 
 from conftest import ROOT, SCRIPT_TIMEOUT_S, run_script
 from test_02_zero import snapshot
-from test_08_fp8 import reassembled, record_fp8_operands
+from test_08_fp8 import ElementwiseBytes, reassembled, record_fp8_operands
 
 foundation = importlib.import_module("01_ddp")
 zero = importlib.import_module("02_zero")
@@ -2065,6 +2065,79 @@ def test_plan_casts_an_input_to_fp8_once_for_the_linears_that_read_it(monkeypatc
     assert each - once == pytest.approx(extra, rel=1e-9)
 
 
+def test_plan_casts_each_fp8_weight_once_a_step_at_the_eager_casts_bytes(monkeypatch):
+    """08's weights_cast_once, or with --zero 3 Float8ZeRO's cast of each rank's shard, once a step and
+    eager (08's WEIGHT_CAST_BYTES, SHARD_CAST_BYTES): NeMo's Llama 2 7B FP8 run (dp 8, 32 layers of 7
+    FP8 weights) spends that many bytes a rank at the HBM's bandwidth, in its GEMMs part."""
+    cfg, sizes, run, cluster = published_run("NeMo Llama 2 7B, FP8")
+    run = dataclasses.replace(run, microbatches=16)
+    weights = 32 * sum(math.prod(shape) for name, shape in full_train.local_shapes(cfg, 1, None, 1).items()
+                       if name.startswith("layers.") and len(shape) == 2)
+    hbm = cluster.hbm_tbps * 1e12
+    for zero_stage, rate, shards in ((1, fp8.WEIGHT_CAST_BYTES, 1), (3, fp8.SHARD_CAST_BYTES, 8)):
+        run = dataclasses.replace(run, zero_stage=zero_stage)
+        cast = full_train.planned(cfg, sizes, run, cluster)[3]["parts"]["GEMMs"]
+        monkeypatch.setitem(rate, 2, 0)
+        free = full_train.planned(cfg, sizes, run, cluster)[3]["parts"]["GEMMs"]
+        monkeypatch.undo()
+        assert weights == 32 * 202_375_168 and cast - free == pytest.approx(rate[2] * weights / shards / hbm)
+
+
+class CopyBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes the copies (clone, copy_) a dispatch mode sees read and write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default):
+            self.bytes += 2 * out.numel() * out.element_size()
+        return out
+
+
+def collective_copies(rows: int) -> dict:
+    """On one rank: the bytes 03's gather and scatter copy around their collective, of a (rows, 32, 64)
+    bf16 x; whether the all-reduce (its copy inside the operator) leaves x and returns a new tensor."""
+    group = torch.distributed.group.WORLD
+    x = torch.randn(rows, 32, 64, dtype=torch.bfloat16)
+    copies = {}
+    for kind, collective in (("gather", full_train.tensor_parallel._gathered),
+                             ("scatter", full_train.tensor_parallel._reduce_scattered)):
+        with CopyBytes() as counted:
+            collective(x, group)
+        copies[kind] = counted.bytes
+    before = x.clone()
+    out = full_train.tensor_parallel._all_reduced(x, group)
+    copies["all_reduce"] = out.data_ptr() != x.data_ptr() and torch.equal(x, before)
+    return copies
+
+
+def test_plan_prices_the_copies_03s_collectives_make(rank_pool, monkeypatch):
+    """tp_copy_bytes: 03's all-reduce copies its input into a new tensor (2 B moved a byte); SP's gathers
+    and scatters copy their input and output (one rank: 2 x 2 x x's bytes) where a microbatch holds more
+    than one sequence, none for one. The plan adds that much a step at the HBM's bandwidth: DGX Cloud's
+    Nemotron-4 15B (tp 2, SP) with 2 sequences a microbatch, and with one."""
+    for rows in (1, 2):
+        copies = rank_pool.run(1, collective_copies, rows)[0]
+        moved = 4 * (rows > 1) * rows * 32 * 64 * 2
+        assert copies == {"gather": moved, "scatter": moved, "all_reduce": True}
+    cfg, sizes, run, cluster = published_run("DGX Cloud Nemotron-4 15B, 16 GPUs")
+    for microbatches, sequences in ((4, 2), (8, 1)):
+        run = dataclasses.replace(run, microbatches=microbatches)
+        assert (sizes.tp, sizes.pp, run.global_batch // sizes.dp // microbatches) == (2, 1, sequences)
+        ops = full_train.tp_collectives(cfg, sizes, run, 32, True, True)  # one stage: 32 layers and the ends
+        moved = ops["all_gather"][1] + ops["reduce_scatter"][1]
+        expected = 2 * ops["all_reduce"][1] + (sequences > 1) * 2 * (1 + Fraction(1, 2)) * moved
+        assert full_train.tp_copy_bytes(cfg, sizes, run, 32, True, True) == expected and run.sequence_parallel
+        copied = full_train.planned(cfg, sizes, run, cluster)[3]["parts"]["elementwise"]
+        monkeypatch.setattr(full_train, "tp_copy_bytes", lambda *args: 0)
+        free = full_train.planned(cfg, sizes, run, cluster)[3]["parts"]["elementwise"]
+        monkeypatch.undo()
+        assert copied - free == pytest.approx(float(expected) / (cluster.hbm_tbps * 1e12), rel=1e-9)
+
+
 class RecomputeCount(torch.utils._python_dispatch.TorchDispatchMode):
     """In a backward: its matmuls, the linears whose forward runs again (x @ W^T: by the weight W read,
     named in `weights`) and the amaxes (FP8 casts)."""
@@ -2129,10 +2202,10 @@ def test_the_plans_recompute_runs_again_the_gemms_and_casts_03_runs_again(recomp
         run = dataclasses.replace(run, recompute=recompute)
         grown = full_train.planned(cfg, sizes, run, cluster)[3]["parts"]["GEMMs"] - base
         speed = cluster.speed[fp8_run]
-        gemms = sum(fp8.linear_seconds(4096, layer[name][1], layer[name][0], hbm, fp8_run, speed, 0, False)[0]
+        gemms = sum(fp8.linear_seconds(4096, layer[name][1], layer[name][0], hbm, fp8_run, speed, False)[0]
                     for name in rerun)
         inputs = [n_in for name, (_, n_in) in layer.items() if name not in full_train.CAST_BY_A_SIBLING]
-        casts = fp8_run * sum(fp8.float8_cast_bytes(4096, n_in, 0, 0)[0] for n_in in inputs) / hbm
+        casts = fp8_run * sum(fp8.float8_cast_bytes(4096, n_in, 0)[0] for n_in in inputs) / hbm
         assert len(inputs) == 4 and grown == pytest.approx(16 * 32 * (gemms + casts), rel=1e-9), fp8_run
     if recompute == "full":  # and the elementwise work before down_proj: not the second residual add after it
         forward = full_train.elementwise_bytes(cfg, 4096, 1, False, layers=1, embed=False, head=False)[0]
@@ -3119,26 +3192,6 @@ def test_a_gpu_without_fp8_says_so_in_the_plans_header(monkeypatch, capsys):
     assert "not measured on it" in out.splitlines()[1]
     code, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "8")
     assert code == 0 and "H100 rates x 1 (FP8 x 1), the rest" in out.splitlines()[1]
-
-
-class ElementwiseBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Bytes each operator reads and writes (its tensor inputs and outputs, views excepted), matmuls and
-    attention aside: an eager step's elementwise memory traffic, one kernel an operator."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func._schema.name.split("::")[1]
-        views = ("view", "_unsafe_view", "t", "transpose", "unsqueeze", "slice", "split", "expand", "permute",
-                 "detach", "alias", "select", "as_strided", "squeeze", "split_with_sizes", "_reshape_alias")
-        if "mm" not in name and "attention" not in name and name not in views:
-            tensors = torch.utils._pytree.tree_flatten(((args, kwargs), out))[0]
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)
-                              and t.numel() > 1000)  # 1/rms, the mean: per-token scalars, not counted
-        return out
 
 
 @pytest.mark.parametrize("dims", [(256, 4, 2, 512), (512, 8, 8, 768), (384, 6, 3, 256), (512, 4, 1, 512)])
