@@ -51,8 +51,9 @@ models and clusters not here, and prices a step. `train` adds 02's checkpoints, 
 
 THE STEP TIME, from the operations (step_time): each one priced by the lesson that owns it, no MFU assumed.
 GEMMs at their TP-local shapes by 08's roofline; attention at 07's measured rate (--attention unfused:
-unfused_attention_seconds); elementwise work (elementwise_bytes, split as 03 splits the layer) and the
-optimizer (02) at the HBM's bandwidth; recompute's forward again. On a GPU other than the H100 SXM, 07's and
+unfused_attention_seconds); elementwise work (elementwise_bytes, split as 03 splits the layer; the eager
+loss, FP8 weight casts and collectives' copies by the bytes a dispatch mode counts) and the optimizer (02)
+at the HBM's bandwidth; what recompute runs again. On a GPU other than the H100 SXM, 07's and
 08's rates are the H100's scaled by its datasheet peak (Cluster): no course kernel ran there. Messages go at
 their link's speed (NVLink inside a node, the NIC across: inside_node) plus a latency, exposed where nothing
 hides them: TP's all, the ring's hops beyond a block's attention, the gradient reduction beyond the last
@@ -1599,30 +1600,46 @@ def pipeline_span(busy: list[float], bubble: float, boundary: float, pp: int, mi
     return max(busy) / (1 - bubble) + fill, fill
 
 
+# The loss runs eager (outside the compiled blocks): bytes its operations move a logit (forward, backward),
+# by the logits' bytes, as a dispatch mode counts them (test_09): 01's cross-entropy (tp 1) or 03's vocab-
+# parallel one (tp > 1, and VOCAB_SLICE_BYTES an id of the rank's slice a call), whole or in 03's LossInChunks
+# (whose forward makes the gradient, its backward scales it)
+LOSS_BYTES = {  # (vocab-parallel, in chunks): {bytes a logit: (forward, backward)}
+    (False, False): {2: (18, 26), 4: (12, 20)},
+    (True, False): {2: (50, 22), 4: (44, 16)},
+    (False, True): {2: (54, 4), 4: (52, 8)},
+    (True, True): {2: (82, 4), 4: (80, 8)},
+}
+VOCAB_SLICE_BYTES = 34
+
+
 def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, layers: int, embed: bool,
-                      head: bool, mlp: bool = True, elem_bytes: int = 2, fused: bool = True
-                      ) -> tuple[int, int]:
+                      head: bool, mlp: bool = True, elem_bytes: int = 2, fused: bool = True,
+                      loss_chunks: int = 1) -> tuple[int, int]:
     """Memory traffic (forward, backward) of one rank's elementwise work on a microbatch of `tokens`
     tokens through a stage (03's comm_formula keywords). fused (torch.compile): each operation reads its
     inputs and writes its output once. Per layer, between the regions (/ t with SP): two RMSNorms (h in,
     h out), two residual adds (2h, h); on the rank's heads and ffn / t: RoPE on q and k, silu(gate) x up
-    (2f, f). Plus the embedding's lookup, the final norm, and the loss's two fp32 passes over the V / t
-    logits. Backward reads what forward read and the output's gradient, writes the inputs' gradients: a
-    norm or an add 3h, SwiGLU 5f, the embedding 3h, the loss two passes. Eager (bf16), each of 01's
-    operations a kernel of its own, reading and writing fp32 inside a norm and RoPE, bytes a token and
-    layer as a dispatch mode counts them (test_09): forward 84h between the regions, RoPE 48 (q + kv)
-    + 16 head_dim (its tables), SwiGLU 10f; backward 214h, 52 (q + kv) + 16 head_dim, 18f."""
+    (2f, f). Plus the embedding's lookup, the final norm, and the loss on the V / t logits (LOSS_BYTES).
+    Backward reads what forward read and the output's gradient, writes the inputs' gradients: a norm or an
+    add 3h, SwiGLU 5f, the embedding 3h. Eager (bf16), each of 01's operations a kernel of its own, reading
+    and writing fp32 inside a norm and RoPE, bytes a token and layer as a dispatch mode counts them
+    (test_09): forward 84h between the regions, RoPE 48 (q + kv) + 16 head_dim (its tables), SwiGLU 10f;
+    backward 214h, 52 (q + kv) + 16 head_dim, 18f."""
     h = cfg.dim
     e = elem_bytes
     mid = tokens // (tp if sequence_parallel else 1)  # a rank's tokens between the regions
     qk = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // tp
     f = cfg.ffn_dim // tp * mlp
-    loss = head * 2 * 4 * -(-cfg.vocab_size // tp) * tokens
+    vocab = -(-cfg.vocab_size // tp)
+    calls = min(loss_chunks, tokens)  # LossInChunks' slices, none empty
+    loss = [head * per_logit * vocab * tokens for per_logit in LOSS_BYTES[tp > 1, loss_chunks > 1][e]]
+    loss[0] += head * (tp > 1) * VOCAB_SLICE_BYTES * vocab * calls
     ends = (2 * h * (embed * tokens + head * mid), 3 * h * (embed * tokens + head * mid))
     per_layer = ([(10 * e, 2 * e, 0, 3 * e), (12 * e, 2 * e, 0, 5 * e)] if fused  # elements x e
                  else [(84, 48, 16, 10), (214, 52, 16, 18)])  # bytes: x h, q + kv, head_dim, f, as counted
-    return tuple(layers * (a * h * mid + (b * qk + c * cfg.head_dim + d * f) * tokens) + end * e + loss
-                 for (a, b, c, d), end in zip(per_layer, ends))
+    return tuple(layers * (a * h * mid + (b * qk + c * cfg.head_dim + d * f) * tokens) + end * e + loss_part
+                 for (a, b, c, d), end, loss_part in zip(per_layer, ends, loss))
 
 
 def unfused_attention_seconds(batch: int, heads: int, seq: int, head_dim: int, cp: int, hbm: float,
@@ -1693,7 +1710,7 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
 
     def elementwise(**where) -> list[float]:  # (forward, backward) at the HBM's bandwidth
         nbytes = elementwise_bytes(cfg, tokens, tp, train.sequence_parallel, mlp=moe is None, elem_bytes=e,
-                                   fused=train.compile, **where)
+                                   fused=train.compile, loss_chunks=train.loss_chunks, **where)
         return [x / hbm for x in nbytes]
 
     kernel = "flash" if cp > 1 and train.attention == "sdpa" else train.attention  # 09's ring: 07's kernel
@@ -1856,7 +1873,7 @@ def gib_text(x: float | None) -> str:
     return "n/a" if x is None else f"{x:,.1f}" if x >= 1 else f"{x:.2g}"
 
 
-def seconds_text(x: float) -> str:
+def number_text(x: float) -> str:  # 3 significant digits, or 1 decimal from 10 on: never 1e+03
     return f"{x:,.1f}" if x >= 10 else f"{x:.3g}"
 
 
@@ -1889,18 +1906,18 @@ def describe(r: dict, table: bool) -> str:
         most = memory[r["fullest"]]
         lines.append(f"fullest GPU {gib_text(most['total'])} GiB (pp {r['fullest']}: " + ", ".join(
             f"{k} {gib_text(v)}" for k, v in most.items() if k != "total") + ")")
-    sent = [f"{k} n/a (no formula)" if v is None else f"{k} {v['gb']:,.3g} GB ({v['link']})"
+    sent = [f"{k} n/a (no formula)" if v is None else f"{k} {number_text(v['gb'])} GB ({v['link']})"
             for k, v in r["sent_gb"].items()]
     lines.append("sent per GPU per step (its busiest pipeline rank): " + (", ".join(sent) or "nothing"))
     parts = r["parts_s"]
     useful = ("MFU n/a (flops_per_token counts dense MLPs)" if r["mfu"] is None else
               f"{r['tflops_per_gpu']:,.0f} TFLOP/s per GPU, MFU {r['mfu']:.0%}")
-    compute = " + ".join(f"{k} {seconds_text(parts[k])}" for k in ("GEMMs", "attention", "elementwise"))
-    exposed = ", ".join(f"{k} {seconds_text(parts[k])}" for k in ("TP", "DP", "PP", "CP"))
+    compute = " + ".join(f"{k} {number_text(parts[k])}" for k in ("GEMMs", "attention", "elementwise"))
+    exposed = ", ".join(f"{k} {number_text(parts[k])}" for k in ("TP", "DP", "PP", "CP"))
     best, worst = r["bounds_s"]
-    lines += [f"step {seconds_text(r['step_s'])} s predicted: {useful}; bounds {seconds_text(best)} s "
-              f"(perfect overlap) to {seconds_text(worst)} s (none)",
-              f"  {compute} + exposed {exposed} + bubble {seconds_text(parts['bubble'])} s "
+    lines += [f"step {number_text(r['step_s'])} s predicted: {useful}; bounds {number_text(best)} s "
+              f"(perfect overlap) to {number_text(worst)} s (none)",
+              f"  {compute} + exposed {exposed} + bubble {number_text(parts['bubble'])} s "
               f"({parts['bubble'] / r['step_s']:.0%} of the step: 04's idle fraction {r['bubble']:.0%}, "
               f"and the stages' imbalance)"]
     return "\n".join(lines)
@@ -1937,7 +1954,7 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
         return text + "no more recompute, ZeRO or loss slices make it fit" + kept
     option = min(fits, key=fits.get)
     step, held_gib = fits[option]
-    return text + f"it fits with {option}: {held_gib:,.1f} GiB, step {seconds_text(step)} s"
+    return text + f"it fits with {option}: {held_gib:,.1f} GiB, step {number_text(step)} s"
 
 
 def plan_report(job: Job) -> str:
@@ -1951,8 +1968,9 @@ def plan_report(job: Job) -> str:
     gpus = job.gpus or (math.prod(fixed.values()) if given else 0)
     if gpus < 1 or given and math.prod(fixed.values()) != gpus:
         options = [f"--{d} {v}" for d, v in {"gpus": job.gpus, **fixed}.items() if v is not None]
+        product = f" (the sizes multiply to {math.prod(fixed.values())})" if given else ""
         raise ValueError(f"plan needs --gpus N or every mesh size (--dp --pp --cp --tp), sizes that multiply "
-                         f"to N; given: {' '.join(options) or 'neither'}")
+                         f"to N; given: {' '.join(options) or 'neither'}{product}")
     per_node = cluster.gpus_per_node
     if gpus > per_node and gpus % per_node:
         raise ValueError(f"{gpus:,} GPUs are not whole nodes of --gpus-per-node {per_node} "
