@@ -1927,10 +1927,12 @@ LOSS_CHUNKS = 8  # the loss's slices why_not_fitting tries
 
 
 def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
-    """A given mesh that does not fit: its fullest GPU's largest term, and the fastest of the options that
-    keep less (more recompute, a higher ZeRO stage, the loss in 8 slices: their fp32 temporaries below
-    the logits' and their gradient's bytes) with which it fits, or that none does. Each computes the same
-    numbers; --bf16-optimizer, and ZeRO 2-3 where --fp32-grads would have to go, do not: the user's call."""
+    """A mesh that does not fit (r: the given one, or the search's leanest): its fullest GPU's largest
+    term, and the fastest of the options that keep less (more recompute, a higher ZeRO stage, one sequence
+    a microbatch, the loss in 8 slices: their fp32 temporaries below the logits' and their gradient's
+    bytes) with which it fits (the sizes given kept), or that none does. Each computes the same numbers;
+    --bf16-optimizer does not (AdamW's state in bf16), so it is named only where nothing else fits, and
+    ZeRO 2-3 not where --fp32-grads would have to go: the user's calls."""
     most = r["memory_gib"][r["fullest"]]
     term = max((k for k in most if k != "total"), key=most.get)
     in_flight = in_flight_text(r["in_flight"][r["fullest"]], r["virtual"])
@@ -1940,21 +1942,40 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
                if modes.index(mode) > modes.index(job.train.recompute)}
     if not job.train.fp32_grads:  # stages 2-3 free the fp32 gradient buffer it keeps
         changes |= {f"--zero {stage}": dict(zero_stage=stage) for stage in range(job.train.zero_stage + 1, 4)}
+    if job.train.microbatches and job.mesh["dp"]:  # the sequences of a replica, one a microbatch
+        sequences = job.train.global_batch // job.mesh["dp"]
+        if job.train.microbatches < sequences:
+            changes[f"--microbatches {sequences}"] = dict(microbatches=sequences)
     if job.train.loss_chunks < LOSS_CHUNKS:
         changes[f"--loss-chunks {LOSS_CHUNKS}"] = dict(loss_chunks=LOSS_CHUNKS)
-    fits = {}  # option -> (step, GiB) of the mesh with it
-    for option, change in changes.items():
-        train = dataclasses.replace(job.train, **change)
-        fitting = search_meshes(job.cfg, train, gpus, job.mesh, job.ep, job.cluster)[1]
-        for _, _, plans, timing in fitting:
-            fits[option] = (timing["step"], gib(fullest(plans)))
+    fits = fitting_options(job, gpus, changes)
     text = f"its largest part: {term}, {gib_text(most[term])} GiB{held}; "
     if not fits:
         kept = " (--fp32-grads keeps ZeRO at 0-1)" if job.train.fp32_grads else ""
-        return text + "no more recompute, ZeRO or loss slices make it fit" + kept
+        text += "no more recompute, ZeRO, microbatches or loss slices make it fit" + kept
+        if job.train.bf16_optimizer or not job.train.mixed_precision:
+            return text
+        leaner = {f"--bf16-optimizer{' ' * bool(option)}{option}": dict(change, bf16_optimizer=True)
+                  for option, change in {"": {}, **changes}.items()}
+        fits = fitting_options(job, gpus, leaner)
+        if not fits:
+            return text
+        text += "; with AdamW's state in bf16 (other numbers), "
     option = min(fits, key=fits.get)
     step, held_gib = fits[option]
     return text + f"it fits with {option}: {held_gib:,.1f} GiB, step {number_text(step)} s"
+
+
+def fitting_options(job: Job, gpus: int, changes: dict) -> dict:
+    """{option: (step, GiB) of the fastest mesh fitting with it, the sizes given kept}, of those that fit."""
+    fits = {}
+    for option, change in changes.items():
+        train = dataclasses.replace(job.train, **change)
+        fitting = search_meshes(job.cfg, train, gpus, job.mesh, job.ep, job.cluster)[1]
+        if fitting:
+            _, _, plans, timing = fitting[0]
+            fits[option] = (timing["step"], gib(fullest(plans)))
+    return fits
 
 
 def plan_report(job: Job) -> str:
@@ -2025,7 +2046,8 @@ def plan_report(job: Job) -> str:
     if not fitting:
         return (f"{job.model} does not fit on {on} of {memory:g} GiB: the leanest of {len(valid)} "
                 f"valid mesh{'es' * (len(valid) != 1)} ({describe(shown[0], False).splitlines()[0]}) needs "
-                f"{need:,.1f} GiB on its fullest GPU, {over / 100:.2f}x the memory")
+                f"{need:,.1f} GiB on its fullest GPU, {over / 100:.2f}x the memory; "
+                + why_not_fitting(job, gpus, shown[0]))
     one = len(fitting) == 1
     fit = f"{len(fitting)} fit{'s' * one}" + f" without {'its' if one else 'their'} activations" * bool(moe)
     passing = f"{len(valid)} mesh{'es pass' if len(valid) != 1 else ' passes'} validate"

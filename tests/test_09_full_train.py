@@ -1795,7 +1795,8 @@ def test_a_model_that_cannot_fit_is_one_line_saying_by_how_much(monkeypatch, cap
     _, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-405b", "--gpus", "8")
     needs, ratio = re.fullmatch(r"llama3-405b does not fit on 8 GPUs of 80 GiB: the leanest of \d+ valid "
                                 r"meshes \(dp=\d+ pp=\d+ cp=1 tp=\d+, .*\) needs ([\d,.]+) GiB on its fullest "
-                                r"GPU, ([\d.]+)x the memory\n", out).groups()
+                                r"GPU, ([\d.]+)x the memory; its largest part: optimizer, [\d,.]+ GiB; no more "
+                                r"recompute, ZeRO, microbatches or loss slices make it fit\n", out).groups()
     assert float(needs.replace(",", "")) / 80 == pytest.approx(float(ratio), abs=0.05)
     _, out, _ = plan_main(monkeypatch, capsys, *"--model llama3-70b --dp 4 --pp 1 --cp 1 --tp 8 --zero 2".split())
     assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GiB, [\d,.]+ GiB \(\d+%\) more than its "
@@ -2642,6 +2643,25 @@ def test_fp32_gradients_price_zero_1s_step_and_reduction_at_4_bytes():
     assert fp32["DP"] - bf16["DP"] == pytest.approx(float(more) / (cluster.network_gbps * 1e9))
 
 
+@pytest.mark.parametrize("options, fits", [
+    ("--model llama3-8b --dp 8 --pp 8 --cp 1 --tp 1 --microbatches 4", "it fits with --microbatches 64: "),
+    ("--model llama3-70b --dp 2 --pp 1 --cp 1 --tp 8 --zero 3 --recompute full",
+     "no more recompute, ZeRO, microbatches or loss slices make it fit; with AdamW's state in bf16 (other "
+     "numbers), it fits with --bf16-optimizer: "),
+    ("--model llama3-8b --gpus 8 --seq-len 131072 --global-batch 8", "it fits with --recompute full: "),
+], ids=["microbatches", "bf16-optimizer", "search"])
+def test_a_mesh_that_does_not_fit_names_what_would_fit_it(monkeypatch, capsys, options, fits):
+    """A new user's three dead ends (issue 55's review): 4 microbatches of 16 sequences on pp 8 (one
+    sequence each fits); a 70B whose AdamW state alone overflows (only --bf16-optimizer, which computes
+    other numbers, fits: named last); a search where no mesh fits as asked (it said by how much, not
+    what fits). Each suggestion fits when taken."""
+    code, out, _ = plan_main(monkeypatch, capsys, *options.split())
+    assert code == 0 and re.search(re.escape(fits) + r"[\d,.]+ GiB, step [\d,.]+ s$", out.splitlines()[-1]), out
+    taken = fits.rpartition("it fits with ")[2].removesuffix(": ").split()
+    _, out, _ = plan_main(monkeypatch, capsys, *options.split(), *taken)
+    assert not out.splitlines()[-1].startswith("does not fit") and "does not fit on" not in out, out
+
+
 def test_fp32_gradients_rule_out_zero_2_and_3_in_what_would_fit(monkeypatch, capsys):
     """A mesh that fits only at ZeRO-3: the plan offers --zero 3, and with --fp32-grads (whose buffer
     stages 2-3 free) says why it offers nothing (it tried ZeRO 2-3 with the flag on, which validate
@@ -2651,8 +2671,8 @@ def test_fp32_gradients_rule_out_zero_2_and_3_in_what_would_fit(monkeypatch, cap
     _, out, _ = plan_main(monkeypatch, capsys, *options)
     assert re.search(r"; it fits with --zero 3: [\d.]+ GiB, step [\d.]+ s$", out.splitlines()[-1]), out
     _, out, _ = plan_main(monkeypatch, capsys, *options, "--fp32-grads")
-    assert out.splitlines()[-1].endswith("no more recompute, ZeRO or loss slices make it fit (--fp32-grads keeps "
-                                         "ZeRO at 0-1)"), out
+    assert out.splitlines()[-1].endswith("no more recompute, ZeRO, microbatches or loss slices make it fit "
+                                         "(--fp32-grads keeps ZeRO at 0-1)"), out
 
 
 def test_unfused_attention_is_priced_kernel_by_kernel_as_pytorchs_eager_attention_runs():
