@@ -3214,15 +3214,18 @@ def test_the_headers_name_what_adamw_updates(monkeypatch, capsys):
 
 
 def test_json_is_one_object_with_the_text_reports_numbers(monkeypatch, capsys):
-    """--json: the mesh, each part of the step, memory per part and pipeline rank, bytes per group, as the
-    text report prints them (rounded there); the search: the fastest meshes that fit, in order."""
+    """--json: the run's settings that plan prices, the mesh, each part of the step, memory per part and
+    pipeline rank, bytes per group, as the text report prints them (rounded there); the search: the
+    fastest meshes that fit, in order."""
     options = "--model llama3-70b --dp 4 --pp 4 --cp 1 --tp 8 --sequence-parallel --recompute full".split()
     _, text, _ = plan_main(monkeypatch, capsys, *options)
     code, out, err = plan_main(monkeypatch, capsys, *options, "--json")
     plan = json.loads(out)
     assert code == 0 and not err and out.count("\n") == 1 and len(plan["meshes"]) == 1
     mesh = plan["meshes"][0]
-    assert plan.keys() >= {"model", "config", "gpus", "cluster", "valid", "fitting", "fits", "meshes"}
+    assert plan.keys() >= {"model", "config", "train", "gpus", "cluster", "valid", "fitting", "fits", "meshes"}
+    assert (plan["train"]["seq_len"], plan["train"]["recompute"], plan["train"]["fp8"]) == (8192, "full", False)
+    assert "lr" not in plan["train"] and "Infinity" not in out and "NaN" not in out  # strict JSON
     assert mesh["mesh"] == dict(dp=4, pp=4, cp=1, tp=8, ep=1) and set(mesh["parts_s"]) == set(full_train.PARTS)
     assert list(mesh["memory_gib"][0]) == ["params", "grads", "optimizer", "activations", "temporaries",
                                            "fragmentation", "cuda_nccl", "total"]
@@ -3233,7 +3236,7 @@ def test_json_is_one_object_with_the_text_reports_numbers(monkeypatch, capsys):
         row = re.search(rf"\n  pp {rank} (.*)", text)[1].split()[:len(memory)]
         assert row == [f"{x:,.1f}" if x >= 1 else f"{x:.2g}" for x in memory.values()], (rank, row)
     for group, sent in mesh["sent_gb"].items():
-        assert f"{group} {sent['gb']:,.3g} GB ({sent['link']})" in text
+        assert f"{group} {full_train.number_text(sent['gb'])} GB ({sent['link']})" in text
     assert plan["fits"] == ("\nfits: " in text)
     searched = json.loads(plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "64", "--json")[1])
     steps = [m["step_s"] for m in searched["meshes"]]
