@@ -9,8 +9,8 @@ Two sub-commands: `single` (the default) runs in one process, `distributed` on r
   FP8 under tensor parallelism: tensor_parallel_scales, train_float8_tensor_parallel             distributed
   RUN IT: sqnr_table, spike_demo, demo, bench; distributed_demo; Options, the size rules, main          both
   Last, for lesson 09's plan only (an H100's measured GEMM rates, which no demo here reads):
-    GEMM_TFLOPS_H100, CAST_BYTES, WEIGHT_CAST_BYTES, gemm_seconds, float8_cast_bytes, weight_casts_bytes,
-    linear_seconds
+    GEMM_TFLOPS_H100, CAST_BYTES, WEIGHT_CAST_BYTES, SHARD_CAST_BYTES, gemm_seconds, float8_cast_bytes,
+    weight_casts_bytes, linear_seconds
 
 THE FORMATS (8 bits: sign, exponent, mantissa)
   e4m3fn  4 exponent + 3 mantissa bits: max 448, smallest normal 2^-6, smallest subnormal 2^-9;

@@ -2008,7 +2008,8 @@ def plan_report(job: Job) -> str:
     need = shown[0]["memory_gib"][shown[0]["fullest"]]["total"]
     moe = train.moe
     if job.json:
-        priced = {k: v for k, v in dataclasses.asdict(train).items() if k not in OPTIMIZER[:3]}  # not lr...
+        # what plan prices: not the optimizer's lr, eps and clip (whose inf is no strict JSON)
+        priced = {k: v for k, v in dataclasses.asdict(train).items() if k not in OPTIMIZER[:3]}
         return json.dumps(dict(model=job.model, config=dataclasses.asdict(cfg), train=priced, gpus=gpus,
                                cluster=dataclasses.asdict(cluster) | {"gpus": gpus}, valid=len(valid),
                                fitting=len(fitting),
