@@ -1322,7 +1322,7 @@ def zero_step_bytes(psi: int, n: int, stage: int, microbatches: int, mixed_preci
     return full * psi + step * shard
 
 
-def zero_exposed_seconds(psi: int, n: int, stage: int, units: int, microbatches: int, elem_bytes: int,
+def zero_exposed_seconds(psi: int, n: int, stage: int, units: int, microbatches: int, elem_bytes: float,
                          send: Callable[[float, int], float], last_backward: float,
                          unit_compute: tuple[float, float], hide: bool = True,
                          grad_bytes: int | None = None) -> float:
@@ -1331,8 +1331,8 @@ def zero_exposed_seconds(psi: int, n: int, stage: int, units: int, microbatches:
     its last unit's (last_backward = 0: reduced after it, all exposed); stages 1-2's all-gather (after
     the step, before the next forward) is exposed; stage 3's gather of each unit, before its forward and
     its backward, hides behind the previous unit's compute (unit_compute: one unit's forward, backward)
-    but for the first. hide=False: none. grad_bytes: the reduction's bytes an element (default elem_bytes,
-    the parameters')."""
+    but for the first. hide=False: none. elem_bytes: a gathered parameter's (a mean where 08's FP8 weights
+    gather 1 B); grad_bytes: the reduction's bytes an element (default elem_bytes)."""
     ops = zero_traffic_per_step(psi, n, stage, elem_bytes, grad_bytes or elem_bytes)
     reduce = send(ops.get("reduce_scatter", 0) + ops.get("all_reduce", 0), units)
     gather = send(ops["all_gather"], units) if "all_gather" in ops else 0.0  # stage 0: none, not even a call

@@ -1745,10 +1745,13 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
                 "elementwise": elementwise(layers=0, embed=first, head=last)}
         work = {k: [p.layers * layer[k][i] + ends[k][i] for i in (0, 1)] for k in layer}
         parts = {k: m * sum(v) for k, v in work.items()} | dict.fromkeys(("TP", "CP", "DP"), 0.0)
+        gather_bytes = e  # a gathered parameter's (ZeRO)
         if train.fp8:  # 08's casts of the stage's FP8 weights, once a step (ZeRO-3: each rank its shard's)
             weights = p.layers * sum(math.prod(shape) for name, shape in shapes.items()
                                      if name.startswith("layers.") and len(shape) == 2)
             parts["GEMMs"] += fp8.weight_casts_bytes(weights, e, n if train.zero_stage == 3 else 0) / hbm
+            if train.zero_stage == 3:  # Float8ZeRO gathers their e4m3 bytes: 1 B an element
+                gather_bytes = Fraction(e * p.params - (e - 1) * weights, p.params)
         if tp > 1:  # (ZB-H1's W re-runs part of the backward's: priced as 1F1B's)
             messages = tp_messages(cfg, sizes, train, p.layers, first, last)
             parts["TP"] = sum(send("tp", sent, calls) for calls, sent in messages)
@@ -1768,8 +1771,8 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
             last_backward = sum(v[1] for v in work.values())
             send_dp = functools.partial(send, "dp_cp")
             behind = last_backward if train.reduce_in_backward else 0.0
-            parts["DP"] = zero.zero_exposed_seconds(p.params, n, train.zero_stage, units, m, e, send_dp,
-                                                    behind, unit, hide, 4 if train.fp32_grads else e)
+            parts["DP"] = zero.zero_exposed_seconds(p.params, n, train.zero_stage, units, m, gather_bytes,
+                                                    send_dp, behind, unit, hide, 4 if train.fp32_grads else e)
         ranks.append((parts, after))
     bubble = pipeline.bubble_formula(train.schedule, pp, m, train.virtual)
     busy = [sum(parts.values()) - parts["DP"] for parts, _ in ranks]
@@ -1934,7 +1937,7 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
     --bf16-optimizer does not (AdamW's state in bf16), so it is named only where nothing else fits, and
     ZeRO 2-3 not where --fp32-grads would have to go: the user's calls."""
     most = r["memory_gib"][r["fullest"]]
-    term = max((k for k in most if k != "total"), key=most.get)
+    term = max((k for k in most if k != "total" and most[k] is not None), key=most.get)  # None: MoE's
     in_flight = in_flight_text(r["in_flight"][r["fullest"]], r["virtual"])
     held = f" ({in_flight} in flight)" if term == "activations" else ""
     modes = tensor_parallel.RECOMPUTE_MODES
@@ -1963,7 +1966,8 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
         text += "; with AdamW's state in bf16 (other numbers), "
     option = min(fits, key=fits.get)
     step, held_gib = fits[option]
-    return text + f"it fits with {option}: {held_gib:,.1f} GiB, step {number_text(step)} s"
+    uncounted = " without its activations" * (job.train.moe is not None)
+    return text + f"it fits{uncounted} with {option}: {held_gib:,.1f} GiB, step {number_text(step)} s"
 
 
 def fitting_options(job: Job, gpus: int, changes: dict) -> dict:
@@ -2071,8 +2075,8 @@ class ModelOptions:  # the model: a preset or a config.json, each size overridab
     kv_heads: int | None = option(None, "key/value heads, grouped-query attention", WIDTH, type=int)
     ffn_dim: int | None = option(None, "the MLP's hidden size (MoE: an expert's)", WIDTH, type=int)
     vocab: int | None = option(None, "vocabulary size", WIDTH, type=int)
-    moe: bool = option(False, "every MLP a mixture of experts (dropless; top 2 of --experts, each --ffn-dim "
-                              "wide, default 64)")
+    moe: bool = option(False, "every MLP a mixture of experts (dropless; top 2 of --experts, each as wide "
+                              "as the dense MLP, --ffn-dim: Mixtral's rule)")
     experts: int | None = option(None, "experts per MoE layer (default: the file's, else 4)", WIDTH, type=int)
 
 
@@ -2145,8 +2149,8 @@ def configure(args: argparse.Namespace) -> Job:
         moe = expert_parallel.MoEConfig(n_experts=args.experts or n_experts, top_k=top_k,
                                         expert_ffn_dim=cfg.ffn_dim, aux_loss_coef=0)
     elif args.moe:
-        moe = expert_parallel.MoEConfig(n_experts=args.experts or 4, top_k=2,
-                                        expert_ffn_dim=args.ffn_dim or 64, aux_loss_coef=0)
+        moe = expert_parallel.MoEConfig(n_experts=args.experts or 4, top_k=2, expert_ffn_dim=cfg.ffn_dim,
+                                        aux_loss_coef=0)
     elif args.ep > 1 or args.experts:  # a dense model has no experts to split or count
         given = f"--ep {args.ep}" if args.ep > 1 else f"--experts {args.experts}"
         raise ValueError(f"{given} is an option of an MoE model: add --moe (or a config.json with experts)")

@@ -401,6 +401,7 @@ RAN = {
     'test_09_full_train.py::test_no_checkpoint_holds_a_non_finite_number[params]': ('02.1', '02.2', '03.3', '04.1', '05.2', '09.1', '09.2'),
     'test_09_full_train.py::test_plan_casts_an_input_to_fp8_once_for_the_linears_that_read_it': ('04.2', '08.1', '08.2', '09.3', '09.4'),
     'test_09_full_train.py::test_plan_casts_each_fp8_weight_once_a_step_at_the_eager_casts_bytes': ('04.2', '09.3', '09.4'),
+    'test_09_full_train.py::test_plan_gathers_fp8_weights_under_zero_3_at_a_byte_an_element': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_plan_of_llama3_70b_on_256_gpus_prints_the_fastest_meshes_that_fit': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_plan_prices_a_step_at_each_end_of_the_rates_ranges[--peak-tflops 1 --hbm-tbps 0.01 --nvlink-gbps 1 --network-gbps 0.1]': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_plan_prices_a_step_at_each_end_of_the_rates_ranges[--peak-tflops 1e6 --hbm-tbps 1e3 --nvlink-gbps 1e5 --network-gbps 1e5]': ('04.2', '09.3', '09.4'),

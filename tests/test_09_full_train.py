@@ -2089,6 +2089,26 @@ def test_plan_casts_each_fp8_weight_once_a_step_at_the_eager_casts_bytes(monkeyp
         assert weights == 32 * (4 * 4096 ** 2 + 3 * 4096 * 11008) and cast - free == pytest.approx(rate[2] * weights / shards / hbm)
 
 
+def test_plan_gathers_fp8_weights_under_zero_3_at_a_byte_an_element():
+    """Float8ZeRO (08) all-gathers its weights' e4m3 bytes: with --zero 3 an FP8 run's gathers move 1 B an
+    element of the layers' FP8 weights where its bf16 twin's move 2 (the plan's traffic counted 1 B, its
+    step 2 B: a review found it). NeMo's Llama 2 7B on dp 8, nothing hidden: the DP parts differ by the
+    bytes saved (two gathers, each (n - 1) / n of them, on NVLink) as 02 prices ZeRO-3's: a unit's share,
+    the first unit's gathered once, the others' before each microbatch's forward and its backward."""
+    cfg, sizes, run, cluster = published_run("NeMo Llama 2 7B, FP8")
+    run = dataclasses.replace(run, microbatches=16, zero_stage=3)
+    dp = {}
+    for float8 in (True, False):
+        twin = dataclasses.replace(run, fp8=float8)
+        twin_sizes, twin, plans, _ = full_train.planned(cfg, sizes, twin, cluster)
+        dp[float8] = full_train.step_time(cfg, twin_sizes, twin, plans, cluster, hide=False)["parts"]["DP"]
+    weights = 32 * (4 * 4096 ** 2 + 3 * 4096 * 11008)
+    units = 32 + 3  # the layers, the embedding, the norm, the head
+    saved = 2 * 7 / 8 * weights / (cluster.nvlink_gbps * 1e9)
+    assert sizes.dp == 8 and dp[False] - dp[True] == pytest.approx(saved * (1 + 2 * 16 * (units - 1)) / (2 * units),
+                                                                   rel=1e-6)
+
+
 class CopyBytes(torch.utils._python_dispatch.TorchDispatchMode):
     """Bytes the copies (clone, copy_) a dispatch mode sees read and write."""
 
@@ -3013,20 +3033,24 @@ def test_an_moe_plan_never_says_fits_of_memory_it_does_not_count(monkeypatch, ca
     """MoE activations have no formula (None): a plan that fits without them says so, and --json's fits is
     null, not true (a review found "fits: 15.5 of 80 GiB" where the dense twin needed 82.3). The header
     counts every expert (Mixtral 8x7B: 46.7B, not the dense 7.2B) and names them; --moe's experts are
-    --ffn-dim wide (its help says so), 64 by default."""
+    as wide as the preset's MLP (Mixtral's rule; a review found Llama 3 8B's made 64 wide), or --ffn-dim."""
     mixtral = dict(LLAMA3_8B_CONFIG, model_type="mixtral", vocab_size=32000, num_local_experts=8,
                    num_experts_per_tok=2)
     (tmp_path / "mixtral.json").write_text(json.dumps(mixtral))
     code, out, _ = plan_main(monkeypatch, capsys, "--model", str(tmp_path / "mixtral.json"), "--gpus", "64")
     assert code == 0 and "46.7B parameters" in out and "8 experts of 14336, top 2" in out
     assert "fit without their activations; the fastest:" in out and "'fit' is a lower bound" in out
-    mesh = ["--model", "llama3-8b", "--moe", "--dp", "4", "--pp", "1", "--cp", "1", "--tp", "2"]
+    mesh = ["--model", "llama3-8b", "--moe", "--dp", "2", "--pp", "4", "--cp", "1", "--tp", "2"]
     code, out, _ = plan_main(monkeypatch, capsys, *mesh)
     assert code == 0 and out.splitlines()[-1].startswith("fits without its activations: ")
-    assert "4 experts of 64, top 2" in out
+    assert "4 experts of 14336, top 2" in out
+    # 22B of experts on 8 GPUs do not fit: the verdict names a counted part (it once crashed on the None)
+    code, out, _ = plan_main(monkeypatch, capsys, *mesh[:3], "--dp", "4", "--pp", "1", "--cp", "1", "--tp", "2")
+    assert code == 0 and re.search(r"^does not fit: .*; its largest part: optimizer, .* it fits without its "
+                                   r"activations with --bf16-optimizer --zero 3: ", out.splitlines()[-1]), out
     code, out, _ = plan_main(monkeypatch, capsys, *mesh, "--json")
     plan = json.loads(out)
-    assert code == 0 and plan["fits"] is None and plan["cluster"]["gpus"] == plan["gpus"] == 8
+    assert code == 0 and plan["fits"] is None and plan["cluster"]["gpus"] == plan["gpus"] == 16
     assert full_train.configure(parse_options("plan", *mesh, "--ffn-dim", "1024")).train.moe.expert_ffn_dim == 1024
 
 
