@@ -1615,17 +1615,20 @@ VOCAB_SLICE_BYTES = 34
 
 def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, layers: int, embed: bool,
                       head: bool, mlp: bool = True, elem_bytes: int = 2, fused: bool = True,
-                      loss_chunks: int = 1) -> tuple[int, int]:
+                      loss_chunks: int = 1, lean_saves: bool = True) -> tuple[int, int]:
     """Memory traffic (forward, backward) of one rank's elementwise work on a microbatch of `tokens`
     tokens through a stage (03's comm_formula keywords). fused (torch.compile): each operation reads its
     inputs and writes its output once. Per layer, between the regions (/ t with SP): two RMSNorms (h in,
     h out), two residual adds (2h, h); on the rank's heads and ffn / t: RoPE on q and k, silu(gate) x up
     (2f, f). Plus the embedding's lookup, the final norm, and the loss on the V / t logits (LOSS_BYTES).
     Backward reads what forward read and the output's gradient, writes the inputs' gradients: a norm or an
-    add 3h, SwiGLU 5f, the embedding 3h. Eager (bf16), each of 01's operations a kernel of its own, reading
-    and writing fp32 inside a norm and RoPE, bytes a token and layer as a dispatch mode counts them
-    (test_09): forward 84h between the regions, RoPE 48 (q + kv) + 16 head_dim (its tables), SwiGLU 10f;
-    backward 214h, 52 (q + kv) + 16 head_dim, 18f."""
+    add 3h, SwiGLU 5f, the embedding 3h; and sums the input gradients of the linears that read one input
+    (q, k, v; gate, up): at tp 1 the norm reads them (3h more), else a kernel sums them on every token
+    before 03's collective (reads and a write, 7h). Eager (bf16), each of 01's operations a kernel of its
+    own, reading and writing fp32 inside a norm and RoPE, bytes a token and layer as a dispatch mode
+    counts them (test_09): forward 84h between the regions, RoPE 48 (q + kv) + 16 head_dim (its tables),
+    SwiGLU 10f; backward 230h, 52 (q + kv) + 16 head_dim, 18f; with 03's lean saves 214h and 22f (silu
+    recomputed)."""
     h = cfg.dim
     e = elem_bytes
     mid = tokens // (tp if sequence_parallel else 1)  # a rank's tokens between the regions
@@ -1636,10 +1639,16 @@ def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, lay
     loss = [head * per_logit * vocab * tokens for per_logit in LOSS_BYTES[tp > 1, loss_chunks > 1][e]]
     loss[0] += head * (tp > 1) * VOCAB_SLICE_BYTES * vocab * calls
     ends = (2 * h * (embed * tokens + head * mid), 3 * h * (embed * tokens + head * mid))
-    per_layer = ([(10 * e, 2 * e, 0, 3 * e), (12 * e, 2 * e, 0, 5 * e)] if fused  # elements x e
-                 else [(84, 48, 16, 10), (214, 52, 16, 18)])  # bytes: x h, q + kv, head_dim, f, as counted
-    return tuple(layers * (a * h * mid + (b * qk + c * cfg.head_dim + d * f) * tokens) + end * e + loss_part
-                 for (a, b, c, d), end, loss_part in zip(per_layer, ends, loss))
+    grad_sums = (0, 0)  # eager: counted in the layer's bytes
+    if fused:  # elements x e: x h, q + kv, head_dim, f
+        per_layer = [(10 * e, 2 * e, 0, 3 * e), (12 * e, 2 * e, 0, 5 * e)]
+        summed = (2 + mlp) if tp == 1 else (4 + 3 * mlp)
+        grad_sums = (0, summed * h * tokens * e)
+    else:  # bytes as counted
+        per_layer = [(84, 48, 16, 10), (230 - 16 * lean_saves, 52, 16, 18 + 4 * lean_saves)]
+    per_token = [b * qk + c * cfg.head_dim + d * f for _, b, c, d in per_layer]  # a rank's heads and ffn
+    return tuple(layers * (a * h * mid + rest * tokens + sums) + end * e + loss_part
+                 for (a, *_), rest, sums, end, loss_part in zip(per_layer, per_token, grad_sums, ends, loss))
 
 
 def unfused_attention_seconds(batch: int, heads: int, seq: int, head_dim: int, cp: int, hbm: float,
@@ -1710,7 +1719,8 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
 
     def elementwise(**where) -> list[float]:  # (forward, backward) at the HBM's bandwidth
         nbytes = elementwise_bytes(cfg, tokens, tp, train.sequence_parallel, mlp=moe is None, elem_bytes=e,
-                                   fused=train.compile, loss_chunks=train.loss_chunks, **where)
+                                   fused=train.compile, loss_chunks=train.loss_chunks,
+                                   lean_saves=train.lean_saves, **where)
         return [x / hbm for x in nbytes]
 
     kernel = "flash" if cp > 1 and train.attention == "sdpa" else train.attention  # 09's ring: 07's kernel
