@@ -365,6 +365,7 @@ RAN = {
     'test_09_full_train.py::test_a_run_keeps_only_its_last_keep_checkpoints': ('02.1', '02.2', '03.3', '04.1', '05.2', '09.1', '09.2'),
     'test_09_full_train.py::test_a_size_at_its_bound_is_planned_in_closed_form': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_a_tied_config_plans_and_train_refuses_it_in_one_line': ('04.2', '09.3', '09.4'),
+    'test_09_full_train.py::test_an_eager_plan_prices_the_layer_its_saves_make': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_an_inf_loss_or_gradient_stops_the_run_like_a_nan[inf gradient-the gradient norm is inf, so its update left weights that are not finite; stopping without saving]': ('02.1', '02.2', '03.3', '04.1', '05.2', '09.1', '09.2'),
     'test_09_full_train.py::test_an_inf_loss_or_gradient_stops_the_run_like_a_nan[inf loss-the loss is inf; stopping without saving]': ('02.1', '02.2', '03.3', '04.1', '05.2', '09.1', '09.2'),
     'test_09_full_train.py::test_an_moe_plan_never_says_fits_of_memory_it_does_not_count': ('04.2', '09.3', '09.4'),

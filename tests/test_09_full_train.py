@@ -3325,6 +3325,22 @@ def test_an_eager_layers_elementwise_bytes_are_what_a_dispatch_mode_counts(dims,
     assert [c.bytes for c in counted] == list(formula)
 
 
+def test_an_eager_plan_prices_the_layer_its_saves_make():
+    """--eager prices the bytes its layer moves (the test above): with 03's lean saves (the default) or
+    --autograd-saves. torchtitan's eager 8B (one microbatch of 2 x 8,192 tokens a rank, 32 layers): its
+    backward's elementwise bytes differ by 16h - 4f a token and layer (the norms' weight gradients, less
+    SwiGLU's silu recomputed), at the HBM's bandwidth; nothing else in the part moves."""
+    cfg, sizes, run, cluster = published_run("torchtitan 8B, eager")
+    elementwise = {}
+    for lean_saves in (True, False):
+        saves = dataclasses.replace(run, lean_saves=lean_saves, microbatches=1)
+        elementwise[lean_saves] = full_train.planned(cfg, sizes, saves, cluster)[3]["parts"]["elementwise"]
+    tokens = 16 // 8 * 8192
+    per_token = 16 * 4096 - 4 * 14336
+    assert not run.compile and elementwise[False] - elementwise[True] == pytest.approx(
+        32 * tokens * per_token / (cluster.hbm_tbps * 1e12), rel=1e-9)
+
+
 def test_the_mlps_backward_holds_what_mlp_backward_bytes_says():
     from test_03_tensor_parallel import LiveStorages
     for dim, ffn in ((64, 96), (64, 200), (64, 64)):
