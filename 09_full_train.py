@@ -258,11 +258,12 @@ class TrainConfig:
                               "input's sequence shard", off=(
                                   "--autograd-saves", False, "every tensor autograd saves; SP's linears keep "
                                   "the gathered input"))
-    attention: str = option("sdpa", "flash: 07's kernel (cp > 1, either: 05's ring, of 07's kernel on a GPU, "
+    attention: str = option("sdpa", "flash: 07's kernel (cp > 1, any: 05's ring, of 07's kernel on a GPU, "
                             "of torch blocks on a CPU); plan only, kernels the course "
-                            "does not run: cudnn, SDPA's cuDNN backend (Transformer Engine's fused "
-                            "attention); unfused, two GEMMs around a softmax that writes the scores to "
-                            "memory (Megatron before FlashAttention; PyTorch's eager attention)",
+                            "does not run (priced where cp = 1): cudnn, SDPA's cuDNN backend (Transformer "
+                            "Engine's fused attention); unfused, two GEMMs around a softmax that writes "
+                            "the scores to memory (Megatron before FlashAttention; PyTorch's eager "
+                            "attention)",
                             choices=("sdpa", "flash", "cudnn", "unfused"))
     compile: bool = option(False, "torch.compile each block: one graph, its elementwise work fused", off=(
         "--eager", False, "eager blocks: each elementwise operation a kernel of its own"))
@@ -1355,6 +1356,12 @@ NCCL_GIB = Fraction(3, 10)
 GIB = 2 ** 30
 
 
+def priced_kernel(attention: str, cp: int) -> str:
+    """The attention kernel plan prices: --attention's, but with cp > 1 the one 09 runs in 05's ring,
+    07's, whatever --attention says (a ring block returns its rows' log-sum-exp, which SDPA does not)."""
+    return "flash" if cp > 1 else attention
+
+
 def mlp_backward_bytes(tokens: int, dim: int, ffn_dim: int, elem_bytes: int) -> int:
     """The most 01's SwiGLU's backward holds beyond its saved tensors (test_09 counts it): the gradients of
     down_proj's input, of silu(gate) and of up (3 f a token), and its input's (h)."""
@@ -1398,7 +1405,7 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
             kept_input=fp8.KEPT_INPUT if train.fp8 else None)
 
     rebuilt = {"full": stage_bytes(0, "none", 1), "op": stage_bytes(0, "none", 1) - stage_bytes(0, "op", 1)}
-    kernel = "flash" if cp > 1 and train.attention == "sdpa" else train.attention  # 09's ring: 07's kernel
+    kernel = priced_kernel(train.attention, cp)
     mb = b // m * s  # a microbatch's tokens on a rank
     backward = rebuilt.get(train.recompute, 0) + max(
         flash.attention_backward_bytes(mb, cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.head_dim, e, kernel),
@@ -1723,7 +1730,7 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
                                    lean_saves=train.lean_saves, **where)
         return [x / hbm for x in nbytes]
 
-    kernel = "flash" if cp > 1 and train.attention == "sdpa" else train.attention  # 09's ring: 07's kernel
+    kernel = priced_kernel(train.attention, cp)
     if kernel == "unfused":
         attention = unfused_attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, cp, hbm, e, speed)
     else:
@@ -2041,7 +2048,8 @@ def plan_report(job: Job) -> str:
               f"{', tied' if cfg.tie_embeddings else ''}), {precision_name(train)}"
               f"{' + FP8 GEMMs' if train.fp8 else ''}; batch {train.global_batch:,} x {train.seq_len:,} "
               f"tokens; {on} of {memory:g} GiB ({cluster.gpu}), {cluster.gpus_per_node} per node.\n"
-              f"Priced: GEMMs and attention ({train.attention}) at the course's H100 rates x "
+              f"Priced: GEMMs and attention ({train.attention}; cp > 1: 07's in 05's ring) at the course's "
+              f"H100 rates x "
               f"{cluster.speed[0]:.3g} ({fp8_rate}{scaled}), the rest at {cluster.hbm_tbps:g} TB/s"
               f"{'' if train.compile else ', eager'}; {cluster.nvlink_gbps:g} GB/s per GPU each way in a "
               f"node, {cluster.network_gbps:g} across nodes, {cluster.latency * 1e6:g} us a message.\n"

@@ -362,6 +362,7 @@ RAN = {
     'test_09_full_train.py::test_a_model_that_cannot_fit_is_one_line_saying_by_how_much': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint': ('02.1', '02.2', '03.3', '04.1', '05.2', '09.1', '09.2'),
     'test_09_full_train.py::test_a_nan_propagates_to_every_rank': ('02.1', '02.2', '03.3', '04.1', '05.2', '09.1', '09.2'),
+    'test_09_full_train.py::test_a_rings_attention_is_priced_at_the_kernel_09_runs_in_it': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_a_run_keeps_only_its_last_keep_checkpoints': ('02.1', '02.2', '03.3', '04.1', '05.2', '09.1', '09.2'),
     'test_09_full_train.py::test_a_size_at_its_bound_is_planned_in_closed_form': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_a_tied_config_plans_and_train_refuses_it_in_one_line': ('04.2', '09.3', '09.4'),
