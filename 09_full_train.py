@@ -1620,6 +1620,20 @@ LOSS_BYTES = {  # (vocab-parallel, in chunks): {bytes a logit: (forward, backwar
 VOCAB_SLICE_BYTES = 34
 
 
+def ring_merge_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, cp: int) -> tuple[int, int]:
+    """Memory traffic (forward, backward) of 05's ring outside its blocks, eager, on a rank's `tokens`: the
+    merges of each block's partial output into an fp32 sum and a float64 log-sum-exp, the K/V stacked and
+    passed on, backward's fp32 dQ and dK/dV accumulated and passed on; bytes a query element, a key or
+    value element and a query head's token, as a dispatch mode counts them in bf16 (test_09; an fp32 run
+    priced the same). At 8k tokens and cp 2 they add half the time of 07's kernel."""
+    q = tokens * heads * head_dim
+    kv = tokens * kv_heads * head_dim
+    lse = tokens * heads
+    forward = (30 + 40 * cp) * q + (16 * cp - 8) * kv + (163 + 262 * cp) * lse
+    backward = (26 + 24 * cp) * q + (152 * cp - 28) * kv
+    return forward, backward
+
+
 def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, layers: int, embed: bool,
                       head: bool, mlp: bool = True, elem_bytes: int = 2, fused: bool = True,
                       loss_chunks: int = 1, lean_saves: bool = True) -> tuple[int, int]:
@@ -1735,6 +1749,9 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
         attention = unfused_attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, cp, hbm, e, speed)
     else:
         attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, kernel, cp, speed)
+    if cp > 1:  # 05's ring merges each block's partial output, eager
+        merges = ring_merge_bytes(rows * s, cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.head_dim, cp)
+        attention = [seconds + nbytes / hbm for seconds, nbytes in zip(attention, merges)]
     layer = {"GEMMs": linears("layers."), "attention": list(attention),
              "elementwise": elementwise(layers=1, embed=False, head=False)}
     # Recompute: what backward runs again before its own work (03's modes; test_09 counts GEMMs and casts)
