@@ -51,14 +51,15 @@ models and clusters not here, and prices a step. `train` adds 02's checkpoints, 
 
 THE STEP TIME, from the operations (step_time): each one priced by the lesson that owns it, no MFU assumed.
 GEMMs at their TP-local shapes by 08's roofline; attention at 07's measured rate (--attention unfused:
-unfused_attention_seconds); elementwise work (elementwise_bytes, split as 03 splits the layer; the eager
+unfused_attention_seconds; cp > 1: 07's kernel in 05's ring, whose eager merges move ring_merge_bytes,
+priced_kernel); elementwise work (elementwise_bytes, split as 03 splits the layer; the eager
 loss, FP8 weight casts and collectives' copies by the bytes a dispatch mode counts) and the optimizer (02)
 at the HBM's bandwidth; what recompute runs again. On a GPU other than the H100 SXM, 07's and
 08's rates are the H100's scaled by its datasheet peak (Cluster): no course kernel ran there. Messages go at
 their link's speed (NVLink inside a node, the NIC across: inside_node) plus a latency, exposed where nothing
-hides them: TP's all, the ring's hops beyond a block's attention, the gradient reduction beyond the last
-microbatch's backward (--reduce-after-backward: all of it), ZeRO-1/2's gather after the step, ZeRO-3's
-beyond the previous layer, the pipeline's sends in its fill and drain. The slowest pipeline rank's
+hides them: TP's all, the ring's hops beyond a block's attention and merge, the gradient reduction beyond
+the last microbatch's backward (--reduce-after-backward: all of it), ZeRO-1/2's gather after the step,
+ZeRO-3's beyond the previous layer, the pipeline's sends in its fill and drain. The slowest pipeline rank's
 microbatches / (1 - 04's bubble) span the pipeline (pipeline_span). Two bounds frame it: full overlap, none.
 
 THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that validate accepts; those
