@@ -922,6 +922,18 @@ def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, 
             torch.testing.assert_close(runs["none"][1][name], grad, atol=GRAD_ATOL, rtol=1e-4, msg=name)
 
 
+class OperatorCount(TorchDispatchMode):
+    """How many times each operator runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def test_op_recompute_keeps_odd_fp8_gemms_as_it_keeps_odd_matmuls():
     """Lesson 08's FP8 GEMMs on a GPU are torch._scaled_mm, not mm: "op" counts both (torchtitan's save
     list holds both), so an FP8 layer keeps the outputs a bf16 one keeps. Two FP8 GEMMs in a checkpoint
@@ -943,18 +955,6 @@ def test_op_recompute_keeps_odd_fp8_gemms_as_it_keeps_odd_matmuls():
         out.backward()
     assert counted.calls[torch.ops.aten._scaled_mm.default] == 1
     assert torch.equal(p.grad, 2 * gemm())
-
-
-class OperatorCount(TorchDispatchMode):
-    """How many times each operator runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[func] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_recompute_and_lean_saves_refuse_bad_modes_and_a_second_application():

@@ -2570,7 +2570,8 @@ A100_2021 = ("-: 135-163 TFLOP/s a GPU with recompute (43-52% of the A100's peak
              "too); llm-foundry's MPT-70B on A100s is +5%: not the GPU's rate")
 TP_OVERLAP = "which its tp_comm_overlap hides (userbuffers: each all-gather and reduce-scatter split over a GEMM)"
 QKV_SUMS = "the sums of q, k and v's (gate and up's) input gradients, which its fused linears do not make:"
-RING_MERGES = "05's ring merging its blocks' outputs eager in fp32 (ring_merge_bytes), where Transformer Engine fuses:"
+RING_MERGES = ("05's ring merging its blocks' outputs eager in fp32 (ring_merge_bytes; Transformer Engine's merges "
+               "not read):")
 HELD_OUT_MISSES = {
     **dict.fromkeys(("BLOOM 176B", "BLOOM 176B, 02-28", "BLOOM 178B"), (0.25, A100_2021)),
     "BLOOM 176B, batch 16": (0.55, "-: a ramp-up step (one microbatch a replica): twice 12 stages' compute and ZeRO's "
