@@ -60,6 +60,7 @@ import functools
 import math
 import operator
 import os
+import re
 import signal
 import statistics
 import sys
@@ -1109,10 +1110,19 @@ class LessonParser(argparse.ArgumentParser):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(allow_abbrev=False, **kwargs)
+        self.flags: dict[str, str] = {}  # a field's name -> its option (parse_options fills it)
 
     def _print_message(self, message: str, file=None) -> None:
         if prints_here():
             super()._print_message(message, file)
+
+    def refuse(self, error: Exception) -> None:
+        """Exit 2 with a broken rule in one line. A rule names a field as Python does (global_batch=3);
+        the reader typed its option, so each field=value of an option is said as --field-name 3."""
+        message = str(error)
+        for name, option_flag in self.flags.items():
+            message = re.sub(rf"(?<![\w.-]){name}='?([^\s,;:()']+)'?", rf"{option_flag} \1", message)
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def add_options(parser: argparse.ArgumentParser, fields: list, defaults: dict, decided: dict) -> None:
@@ -1167,6 +1177,7 @@ def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Comma
             argv = [first, *argv]
     args, unknown = parser.parse_known_args(argv)
     chosen, fields = parsers[getattr(args, "command", None)]
+    chosen.flags = {f.name: flag(f) for f in fields}
     if unknown:  # perhaps another sub-command's option: say whose
         given = unknown[0].split("=")[0]
         owners = [name for name, (p, _) in parsers.items() if name and given in p._option_string_actions]
@@ -1225,7 +1236,7 @@ def launch_lesson(parser: argparse.ArgumentParser, args, fn: Callable, *, divisi
         for rule in rules:
             rule(world)
     except ValueError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
+        parser.refuse(error)
     if hasattr(args, "nproc"):
         launch(fn, args, nproc=args.nproc)
     else:

@@ -2274,11 +2274,13 @@ def check_before_launch(job: Job, world: int) -> None:
 
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, OPTIONS, COMMANDS)  # each option's rule: exit 2
+    for size in SIZES:  # the model's sizes keep ModelConfig's names: a preset or a config.json gives them
+        parser.flags.pop(size, None)
     try:
         job = configure(args)
         report = plan_report(job) if job.command == "plan" else None  # plan builds nothing, starts no rank
     except ValueError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
+        parser.refuse(error)
     if job.command == "plan":
         if foundation.prints_here():  # under torchrun, rank 0 alone prints
             print(report)

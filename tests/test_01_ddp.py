@@ -1188,6 +1188,20 @@ def test_an_option_is_a_field_with_its_rule_beside_it(capsys, argv, message):
     assert exit_.value.code == 2 and message in err.splitlines()[-1], err
 
 
+def test_a_refused_rule_names_the_options_the_reader_typed(capsys):
+    """LessonParser.refuse: a rule raised in Python's words (count=3, kind='b') exits 2 in the command
+    line's (--count 3, --kind b), for the chosen command's options only: a name that merely ends like
+    one (account=2, recount=1), a field that is no option (internal=3) and another command's option
+    (only_b=1, of b) are left as they are."""
+    commands = {"a": foundation.Command("the first"), "b": foundation.Command("the second")}
+    parser, _ = foundation.parse_options("doc", (RuledOptions,), commands, argv=["a"])
+    with pytest.raises(SystemExit) as exit_:
+        parser.refuse(ValueError("count=3 is odd, kind='b': account=2 recount=1 internal=3 only_b=1"))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.endswith(" a: error: --count 3 is odd, --kind b: account=2 recount=1 internal=3 only_b=1\n"), err
+
+
 def test_a_config_names_the_field_that_breaks_its_rule():
     """broken_rules on a config (09's validate): the field's name and value, not an option."""
     assert foundation.broken_rules(RuledOptions(count=0, rate=2.0), dataclasses.fields(RuledOptions)) == [

@@ -1698,6 +1698,14 @@ def test_bad_data_is_one_clear_error_before_any_process_starts(tmp_path, text, m
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_a_mesh_that_cannot_split_the_batch_is_refused_in_its_options_words(monkeypatch, capsys):
+    """validate names TrainConfig's and MeshSizes' fields (global_batch=8); the reader typed --dp 3:
+    the refusal says the options (the model's sizes keep ModelConfig's names: the next test)."""
+    code, err, launched, out = run_main(monkeypatch, capsys, "check", "--dp", "3", "--tp", "2")
+    assert (code, launched, out) == (2, [], ""), err
+    assert "  - --global-batch 8 is not divisible by --dp 3\n" in err and "global_batch=" not in err, err
+
+
 def test_kv_heads_option_is_checked_before_any_process_starts():
     proc = subprocess.run([sys.executable, "09_full_train.py", "check", "--kv-heads", "3"], cwd=ROOT,
                           capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
@@ -3284,7 +3292,7 @@ def test_the_losses_eager_bytes_are_what_a_dispatch_mode_counts(rank_pool):
     (["plan", "--model", "nothing.json", "--gpus", "8"], "--model nothing.json: [Errno 2] No such file"),
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb", "--fp8"], "--fp8: the a100-80gb has no FP8"),
     (["plan", "--model", "llama3-8b", "--dp", "4", "--pp", "1", "--cp", "1", "--tp", "2", "--recompute", "op"],
-     "recompute op reruns a block but its matmuls' and attention's outputs: at tp=2, cp=1"),
+     "recompute op reruns a block but its matmuls' and attention's outputs: at --tp 2, --cp 1"),
     (["check", "--attention", "cudnn"], "--attention cudnn is plan's price of SDPA's cuDNN backend"),
     (["train", "--attention", "unfused"], "--attention unfused is plan's price of PyTorch's eager attention"),
     (["train", "--model", "llama3-8b", "--no-save", "--vocab", "200"], "train reads bytes: a vocabulary of 200"),
@@ -3311,12 +3319,12 @@ def test_the_losses_eager_bytes_are_what_a_dispatch_mode_counts(rank_pool):
     (["plan", "--model", "llama3-8b", "--dp", "3", "--pp", "1", "--cp", "1", "--tp", "4"],
      "12 GPUs are not whole nodes of --gpus-per-node 8 (1 node and 4 GPUs)"),
     (["plan", "--model", "llama3-8b", "--gpus", "16", "--tp", "16"],
-     "tp=16 does not divide --gpus-per-node 8: a tp group stays in one node"),
+     "--tp 16 does not divide --gpus-per-node 8: a tp group stays in one node"),
     (["plan", "--model", "llama3-8b", "--gpus", "16", "--dp", "1", "--pp", "1", "--cp", "1"],  # tp left: 16
-     "tp=16 does not divide --gpus-per-node 8: a tp group stays in one node"),
+     "--tp 16 does not divide --gpus-per-node 8: a tp group stays in one node"),
     (["plan", "--model", "llama3-8b", "--gpus", "128", "--pp", "64", "--tp", "2", "--seq-len", "4095",
       "--sequence-parallel"],  # validate's list, one line
-     "dp=1 pp=64 cp=1 tp=2: invalid configuration: n_layers=32 cannot fill pp x virtual = 64 x 1 = 64 stages: "
+     "--dp 1 --pp 64 --cp 1 --tp 2: invalid configuration: n_layers=32 cannot fill pp x virtual = 64 x 1 = 64 stages: "
      "every stage needs at least one layer; "),
 ])
 def test_model_and_gpu_refusals_are_one_line_exit_2(monkeypatch, capsys, argv, message):
