@@ -539,9 +539,17 @@ def check_memory(cfg: "ModelConfig | None", batch: int, seq_len: int, ranks: int
                          f"this machine has {memory:,}")
 
 
-def stop_on_signal(signum: int, frame) -> None:
-    """launch's SIGTERM handler: the signal as a KeyboardInterrupt carrying its number."""
-    raise KeyboardInterrupt(signum)
+class StopOnce:
+    """launch's SIGINT and SIGTERM handler: the first signal as a KeyboardInterrupt carrying its number;
+    the next ones (a second Ctrl-C, `timeout` passing one on) arrive while the ranks stop: ignored."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+
+    def __call__(self, signum: int, frame) -> None:
+        if not self.stopping:
+            self.stopping = True
+            raise KeyboardInterrupt(signum)
 
 
 def launch(fn: Callable, *args, nproc: int) -> None:
@@ -558,7 +566,9 @@ def launch(fn: Callable, *args, nproc: int) -> None:
                                start_method="spawn", join=False)
     # `kill` sends SIGTERM, whose default would end this process alone and leave the ranks running on:
     # stop them as Ctrl-C does (launch runs in the main thread, where a signal handler may be set).
-    sigterm = signal.signal(signal.SIGTERM, stop_on_signal)
+    stop = StopOnce()
+    handlers = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(signum) is not signal.SIG_IGN}  # `cmd &` ignores Ctrl-C: it still does
     try:
         while not ranks.join(grace_period=10):  # a rank fails: the others get 10 s to stop themselves
             pass
@@ -571,14 +581,17 @@ def launch(fn: Callable, *args, nproc: int) -> None:
                 process.kill()
                 process.join()
         print(f"interrupted: the {counted(nproc, 'local rank')} stopped", file=sys.stderr)
-        signum = interrupt.args[0] if interrupt.args else signal.SIGINT  # Ctrl-C's carries none
-        raise SystemExit(128 + signum) from None  # as a shell reports a process a signal stopped
+        for signum in handlers:  # a signal arriving while this process ends: ignored, not its death
+            signal.signal(signum, signal.SIG_IGN)
+        raise SystemExit(128 + interrupt.args[0]) from None  # as a shell reports a process a signal stopped
     except mp.ProcessExitedException as error:
         if error.exit_code > 0:  # it left through exit_distributed(error): its line says why
             raise SystemExit(error.exit_code) from None
         raise
     finally:
-        signal.signal(signal.SIGTERM, sigterm)
+        if not stop.stopping:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
 
 
 def exit_distributed(error: str | None = None, code: int = 2) -> None:
@@ -1156,11 +1169,13 @@ class Command(NamedTuple):
 
 
 def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Command] | None = None,
-                  defaults: dict = {}, argv: list[str] | None = None
+                  defaults: dict = {}, argv: list[str] | None = None, aliases: dict[str, str] = {}
                   ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     """The lesson's options, one per field of classes, each checked against its rule (one line, exit
     2). commands: sub-commands, each with the fields that name it; argv starting with none of them
-    (nor --help) runs the first. Returns the parser that errors should exit through, and the options."""
+    (nor --help) runs the first. aliases: a name the lesson's rules use -> the option field that sets
+    it (n_heads -> heads), for LessonParser.refuse. Returns the parser that errors should exit through,
+    and the options."""
     argv = sys.argv[1:] if argv is None else argv
     parser = LessonParser(description=" ".join(doc.split("\n\n")[0].split()))
     parsers = {None: (parser, option_fields(classes))}
@@ -1178,6 +1193,7 @@ def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Comma
     args, unknown = parser.parse_known_args(argv)
     chosen, fields = parsers[getattr(args, "command", None)]
     chosen.flags = {f.name: flag(f) for f in fields}
+    chosen.flags |= {name: chosen.flags[field] for name, field in aliases.items() if field in chosen.flags}
     if unknown:  # perhaps another sub-command's option: say whose
         given = unknown[0].split("=")[0]
         owners = [name for name, (p, _) in parsers.items() if name and given in p._option_string_actions]

@@ -878,6 +878,8 @@ def disk_bytes(target: Path, parameters: int) -> str:
 # --- the folder lock: one run writes a folder, and only what it writes ---------------------------------
 OWN = re.compile(r"LOCK|LATEST(\.tmp)?|LOCK\.\w+\.tmp|step_\d{8,}")  # a run's names in its folder
 SAVED = re.compile(r"(rank\d{5,}\.pt|meta\.json)(\.tmp)?")  # and in a step's folder
+LOCK_LINE = "pid {pid} on {host} since {since}: {command}"  # what a run writes in its LOCK, and only a run
+RUNS_LOCK = re.compile(r"pid \d+ on \S+ since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d: .*")  # one line
 
 
 def remove_save(target: Path) -> None:
@@ -888,13 +890,20 @@ def remove_save(target: Path) -> None:
     target.rmdir()
 
 
-def foreign_entries(root: Path) -> list[str]:
-    """What in the folder root no run of the course wrote: all of it, unless a run has claimed root (its LOCK
-    file); else all but a run's names (LOCK, LATEST, step_NNNNNNNN/ holding rankNNNNN.pt and meta.json,
-    each also written aside as .tmp), as files or step folders, not links."""
-    entries = sorted(root.iterdir()) if root.is_dir() else []
+def claimed_by_a_run(root: Path) -> bool:
+    """root holds a LOCK that a run wrote: its line (LOCK_LINE), nothing else (a user's LOCK stays theirs)."""
     lock = root / "LOCK"
-    if not lock.is_file() or lock.is_symlink() or lock.read_bytes()[:4] not in (b"", b"pid "):
+    if not lock.is_file() or lock.is_symlink() or lock.stat().st_size > 1 << 16:
+        return False
+    return RUNS_LOCK.fullmatch(lock.read_text(errors="replace").removesuffix("\n")) is not None  # echo's \n
+
+
+def foreign_entries(root: Path, claimed: bool | None = None) -> list[str]:
+    """What in the folder root no run of the course wrote: all of it, unless a run has claimed root (its LOCK
+    file; claimed: as if it had, or not); else all but a run's names (LOCK, LATEST, step_NNNNNNNN/ holding
+    rankNNNNN.pt and meta.json, each also written aside as .tmp), as files or step folders, not links."""
+    entries = sorted(root.iterdir()) if root.is_dir() else []
+    if not (claimed_by_a_run(root) if claimed is None else claimed):
         return [p.name for p in entries]
     out = []
     for path in entries:
@@ -918,6 +927,13 @@ def lock_checkpoints(folder: str | os.PathLike) -> IO:
     try:
         if foreign := foreign_entries(root):
             more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+            saved = any(step_of(path) is not None and (path / "meta.json").is_file() for path in root.iterdir())
+            if saved and not foreign_entries(root, claimed=True):  # a run's checkpoints, its LOCK deleted
+                mark = LOCK_LINE.format(pid=0, host="restored", since="2000-01-01 00:00:00", command="by hand")
+                raise CheckpointError(f"checkpoint folder {folder} holds a run's names ({', '.join(foreign[:5])}"
+                                      f"{more}) but no LOCK a run wrote, the mark of a run's folder: left as it "
+                                      f"is; if a run of this course wrote it, put the mark back: echo "
+                                      f"'{mark}' > {shlex.quote(str(root / 'LOCK'))}")
             raise CheckpointError(f"checkpoint folder {folder} holds what no run of this course wrote "
                                   f"({', '.join(foreign[:5])}{more}): left as it is; choose a new or empty "
                                   f"folder (a run writes only LOCK, LATEST and step_NNNNNNNN/ in it)")
@@ -928,8 +944,9 @@ def lock_checkpoints(folder: str | os.PathLike) -> IO:
         os.close(fd)                                              # where the folder is not (read-only since)
         os.unlink(probe)
         handle.truncate(0)
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {shlex.join(sys.argv)}")
+        handle.write(LOCK_LINE.format(pid=os.getpid(), host=socket.gethostname() or "localhost",
+                                      since=time.strftime("%Y-%m-%d %H:%M:%S"),
+                                      command=shlex.join(sys.argv).replace("\n", "\\n")))
         handle.flush()
         return handle
     except BlockingIOError:  # flock: another process holds it

@@ -649,7 +649,8 @@ def validate_sequences(args: argparse.Namespace, cp: int) -> None:
 
 
 def main() -> None:
-    parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks))
+    parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks),
+                                            aliases={"n_heads": "heads", "n_kv_heads": "kv_heads"})
     rules = [functools.partial(validate_sequences, args), functools.partial(demo_memory, args)]
     foundation.launch_lesson(parser, args, demo, rules=rules)
 

@@ -964,7 +964,8 @@ def main() -> None:
         "single": foundation.Command("one process: FP8 formats and scaling, the fused cast, FP8 training "
                                      "(--bench: on a GPU)"),
         "distributed": foundation.Command("on --nproc ranks: ZeRO-3 with FP8 all-gathers, FP8 under tensor "
-                                          "parallelism", classes=(foundation.Ranks,))})
+                                          "parallelism", classes=(foundation.Ranks,))},
+        aliases={"global_batch": "batch"})
     if getattr(args, "bench", False):
         foundation.launch_lesson(parser, args, bench, rules=[validate_bench])
         return

@@ -389,6 +389,8 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
             problems.append("MoE here is dropless and unbalanced (capacity_factor=None, aux_loss_coef=0, "
                             "bias_update_rate=0): drops, the aux loss and the bias's load depend on which "
                             "tokens share a forward, which microbatches, sequence chunks and shards change")
+    if len(problems) == 1:  # one line; several, a list
+        raise ValueError(f"invalid configuration: {problems[0]}")
     if problems:
         raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
@@ -1929,7 +1931,8 @@ def describe(r: dict, table: bool) -> str:
              f"recompute {r['recompute']}, SP {'on' if r['sequence_parallel'] else 'off'}"]
     memory = r["memory_gib"]
     if table:
-        lines.append("GiB per GPU    params  grads  optim  activ  temps   frag  cuda+  total")
+        columns = ("params", "grads", "optim", "activ", "temps", "frag", "cuda+", "total")
+        lines.append(f"{'GiB per GPU':<14}" + "".join(f" {column:>7}" for column in columns))  # a space: 1,313.0
         last = len(memory) - 1
         shown = sorted({0, 1, r["fullest"], last - 1, last} if last > 5 else range(last + 1))
         for rank in shown:
@@ -1938,7 +1941,7 @@ def describe(r: dict, table: bool) -> str:
                     + " + head" * head + f", in flight: {in_flight_text(r['in_flight'][rank], r['virtual'])}")
             if rank > 0 and rank - 1 not in shown:
                 lines.append("  ...")
-            lines.append(f"  pp {rank:<10}" + "".join(f"{gib_text(v):>7}" for v in memory[rank].values())
+            lines.append(f"  pp {rank:<9}" + "".join(f" {gib_text(v):>7}" for v in memory[rank].values())
                          + f"  {what}")
     else:
         most = memory[r["fullest"]]
@@ -2127,6 +2130,8 @@ GPU = "the --gpu preset's"
 DEMO = dict(dp=2, tp=2, max_grad_norm=1.0)  # where check and train depart from the fields' defaults
 RUN = dict.fromkeys(("global_batch", "seq_len"), PRESET)
 SIZES = dict.fromkeys(("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab"), PRESET)
+# ModelConfig's names in a rule's words, by the option that overrides them (vocab_size: also config.json's key)
+MODEL_ALIASES = {"n_layers": "layers", "n_heads": "heads", "n_kv_heads": "kv_heads", "n_experts": "experts"}
 COMMANDS = {  # the first runs when argv names none
     "train": foundation.Command(
         "train on text (the default): checkpoints, --resume, MFU, a sample", DEMO,
@@ -2272,10 +2277,16 @@ def check_before_launch(job: Job, world: int) -> None:
         return
 
 
+def print_report(report: str) -> None:
+    """The plan on stdout; a reader that stops early (`plan | head`) closes the pipe: not an error."""
+    try:
+        print(report, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flushes nothing more
+
+
 def main() -> None:
-    parser, args = foundation.parse_options(__doc__, OPTIONS, COMMANDS)  # each option's rule: exit 2
-    for size in SIZES:  # the model's sizes keep ModelConfig's names: a preset or a config.json gives them
-        parser.flags.pop(size, None)
+    parser, args = foundation.parse_options(__doc__, OPTIONS, COMMANDS, aliases=MODEL_ALIASES)  # a rule: exit 2
     try:
         job = configure(args)
         report = plan_report(job) if job.command == "plan" else None  # plan builds nothing, starts no rank
@@ -2283,7 +2294,7 @@ def main() -> None:
         parser.refuse(error)
     if job.command == "plan":
         if foundation.prints_here():  # under torchrun, rank 0 alone prints
-            print(report)
+            print_report(report)
         return
     program = check_run if job.command == "check" else train_run
     foundation.launch_lesson(parser, job, program, rules=[functools.partial(check_before_launch, job)])

@@ -1508,6 +1508,42 @@ def test_a_folder_holding_what_no_run_wrote_is_refused_untouched(tmp_path, posit
     assert snapshot(folder) == before and snapshot(tmp_path / "mine") in ({}, {"notes.md": b"the user's"})
 
 
+@pytest.mark.parametrize("text", ["", "pid 1 on x since y: z", "pid 7 on box since 2026-12-01 02:00:00: mine\n"
+                                  "and more of the user's"])
+def test_a_lock_no_run_wrote_is_the_users(tmp_path, text):
+    """A run's LOCK is LOCK_LINE, whole. Before, any LOCK empty or starting with "pid " was taken for a
+    run's, and the next run wrote over the user's file (helper-42's review)."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "LOCK").write_text(text)
+    before = snapshot(folder)
+    with pytest.raises(zero.CheckpointError, match=r"holds what no run of this course wrote \(LOCK\): left"):
+        zero.claim_folder(folder)
+    assert snapshot(folder) == before
+
+
+def test_a_runs_folder_without_its_lock_says_how_to_mark_it_again(tmp_path):
+    """A reader deletes a finished run's LOCK (it looks stale): --resume was refused as "holds what no
+    run of this course wrote (LATEST, step_00000001, ...)", which was untrue and gave no way back. Now
+    the refusal says what is missing and the line that marks the folder again; after it, the folder is
+    the run's (its unfinished save removed, as for any earlier run's folder)."""
+    folder = tmp_path / "run"
+    earlier_runs_folder(folder)
+    (folder / "LOCK").unlink()
+    before = snapshot(folder)
+    with pytest.raises(zero.CheckpointError) as error:
+        zero.claim_folder(folder)
+    message = str(error.value)
+    assert message.startswith(f"checkpoint folder {folder} holds a run's names (LATEST, LATEST.tmp, step_00000001, "
+                              f"step_00000002) but no LOCK a run wrote, the mark of a run's folder: left as it is; "
+                              f"if a run of this course wrote it, put the mark back: echo '"), message
+    assert snapshot(folder) == before
+    command = message.split("put the mark back: ")[1]
+    subprocess.run(command, shell=True, check=True)
+    zero.claim_folder(folder).close()
+    assert (folder / "step_00000001" / "meta.json").exists() and not (folder / "step_00000002").exists()
+
+
 def test_an_earlier_runs_folder_loses_only_its_unfinished_saves(tmp_path, capsys):
     folder = tmp_path / "run"
     earlier_runs_folder(folder)

@@ -1226,7 +1226,7 @@ def test_main_refuses_a_batch_the_ranks_cannot_split_with_train_float8_zeros_own
                                                                                          rank_pool):
     """One message for one rule: main gives launch_lesson validate_float8_zero as data, so `distributed
     --batch 6` on 2 ranks (2 microbatches each) is refused before any rank starts with the words the
-    ranks' train_float8_zero would raise."""
+    ranks' train_float8_zero would raise, its global_batch said as the option the reader typed."""
     message = "global_batch=6 is not divisible by the group size x microbatches = 2 x 2"
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -1235,7 +1235,8 @@ def test_main_refuses_a_batch_the_ranks_cannot_split_with_train_float8_zeros_own
     with pytest.raises(SystemExit) as exit_:
         fp8.main()
     assert exit_.value.code == 2
-    assert capsys.readouterr().err == f"08_fp8.py distributed: error: {message}\n"
+    said = message.replace("global_batch=6", "--batch 6")
+    assert capsys.readouterr().err == f"08_fp8.py distributed: error: {said}\n"
     cfg = foundation.ModelConfig(vocab_size=11, dim=10, n_heads=1, ffn_dim=7)
     rank_pool.expect_invalid(2, fp8.train_float8_zero, cfg, 1, 6, 4, mode="zero3", microbatches=2,
                              match=re.escape(message))
