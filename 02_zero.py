@@ -916,6 +916,19 @@ def foreign_entries(root: Path, claimed: bool | None = None) -> list[str]:
     return out
 
 
+def lost_its_lock(root: Path) -> bool:
+    """root holds a run's complete saves and only a run's names, but no LOCK a run wrote (a reader deleted
+    it)."""
+    saved = any(step_of(path) is not None and (path / "meta.json").is_file() for path in root.iterdir())
+    return saved and not foreign_entries(root, claimed=True)
+
+
+def mark_command(root: Path) -> str:
+    """The shell line that writes a run's LOCK (LOCK_LINE) into root again, by hand."""
+    mark = LOCK_LINE.format(pid=0, host="restored", since="2000-01-01 00:00:00", command="by hand")
+    return f"echo '{mark}' > {shlex.quote(str(root / 'LOCK'))}"
+
+
 def lock_checkpoints(folder: str | os.PathLike) -> IO:
     """Hold folder/LOCK while the returned file stays open (the kernel releases an flock when its
     process ends, killed too: no stale lock). Refused in one line: a folder that is a file, cannot be
@@ -926,17 +939,14 @@ def lock_checkpoints(folder: str | os.PathLike) -> IO:
         raise CheckpointError(f"checkpoint folder {folder} is a file, not a folder")
     try:
         if foreign := foreign_entries(root):
-            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-            saved = any(step_of(path) is not None and (path / "meta.json").is_file() for path in root.iterdir())
-            if saved and not foreign_entries(root, claimed=True):  # a run's checkpoints, its LOCK deleted
-                mark = LOCK_LINE.format(pid=0, host="restored", since="2000-01-01 00:00:00", command="by hand")
-                raise CheckpointError(f"checkpoint folder {folder} holds a run's names ({', '.join(foreign[:5])}"
-                                      f"{more}) but no LOCK a run wrote, the mark of a run's folder: left as it "
-                                      f"is; if a run of this course wrote it, put the mark back: echo "
-                                      f"'{mark}' > {shlex.quote(str(root / 'LOCK'))}")
+            named = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            if lost_its_lock(root):
+                raise CheckpointError(f"checkpoint folder {folder} holds a run's names ({named}) but no "
+                                      f"LOCK a run wrote, the mark of a run's folder: left as it is; if a "
+                                      f"run of this course wrote it, put the mark back: {mark_command(root)}")
             raise CheckpointError(f"checkpoint folder {folder} holds what no run of this course wrote "
-                                  f"({', '.join(foreign[:5])}{more}): left as it is; choose a new or empty "
-                                  f"folder (a run writes only LOCK, LATEST and step_NNNNNNNN/ in it)")
+                                  f"({named}): left as it is; choose a new or empty folder (a run writes "
+                                  f"only LOCK, LATEST and step_NNNNNNNN/ in it)")
         root.mkdir(parents=True, exist_ok=True)
         handle = open(root / "LOCK", "a+")
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1932,7 +1932,8 @@ def describe(r: dict, table: bool) -> str:
     memory = r["memory_gib"]
     if table:
         columns = ("params", "grads", "optim", "activ", "temps", "frag", "cuda+", "total")
-        lines.append(f"{'GiB per GPU':<14}" + "".join(f" {column:>7}" for column in columns))  # a space: 1,313.0
+        # a space before each column: a total of 1,313.0 GiB stays apart from its neighbour
+        lines.append(f"{'GiB per GPU':<14}" + "".join(f" {column:>7}" for column in columns))
         last = len(memory) - 1
         shown = sorted({0, 1, r["fullest"], last - 1, last} if last > 5 else range(last + 1))
         for rank in shown:
@@ -2130,7 +2131,7 @@ GPU = "the --gpu preset's"
 DEMO = dict(dp=2, tp=2, max_grad_norm=1.0)  # where check and train depart from the fields' defaults
 RUN = dict.fromkeys(("global_batch", "seq_len"), PRESET)
 SIZES = dict.fromkeys(("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab"), PRESET)
-# ModelConfig's names in a rule's words, by the option that overrides them (vocab_size: also config.json's key)
+# ModelConfig's names in a rule's words, by the option that overrides each (vocab_size: config.json's key too)
 MODEL_ALIASES = {"n_layers": "layers", "n_heads": "heads", "n_kv_heads": "kv_heads", "n_experts": "experts"}
 COMMANDS = {  # the first runs when argv names none
     "train": foundation.Command(
@@ -2286,7 +2287,8 @@ def print_report(report: str) -> None:
 
 
 def main() -> None:
-    parser, args = foundation.parse_options(__doc__, OPTIONS, COMMANDS, aliases=MODEL_ALIASES)  # a rule: exit 2
+    # each option's rule: one line, exit 2
+    parser, args = foundation.parse_options(__doc__, OPTIONS, COMMANDS, aliases=MODEL_ALIASES)
     try:
         job = configure(args)
         report = plan_report(job) if job.command == "plan" else None  # plan builds nothing, starts no rank
