@@ -24,6 +24,7 @@ import importlib
 import math
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -1057,6 +1058,37 @@ def test_launcher_checks_the_world_that_will_run_in_one_line(monkeypatch, capsys
         foundation.main()
     assert exit_.value.code == 2
     assert capsys.readouterr().err == f"01_ddp.py: error: {message}\n"
+
+
+@pytest.mark.parametrize("ctrl_c", [signal.default_int_handler, signal.SIG_IGN], ids=["Ctrl-C", "`cmd &`"])
+def test_launch_handles_its_signals_while_the_ranks_run_and_gives_the_handlers_back(monkeypatch, ctrl_c):
+    """While the ranks run, launch's StopOnce takes SIGTERM, and SIGINT unless it was ignored (a shell's
+    `cmd &`: Ctrl-C at the terminal is not for it); on a normal return both handlers are as before.
+    The ranks here are a stand-in whose join reports the handlers it meets."""
+    met = []
+
+    class Ranks:
+        processes = []
+
+        def join(self, grace_period):
+            met.append({signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)})
+            return True
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(foundation.mp, "start_processes", lambda *args, **kwargs: Ranks())
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, ctrl_c)
+    try:
+        foundation.launch(print, nproc=2)
+        after = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    finally:
+        signal.signal(signal.SIGINT, before[signal.SIGINT])
+    [during] = met
+    assert isinstance(during[signal.SIGTERM], foundation.StopOnce)
+    assert during[signal.SIGINT] is signal.SIG_IGN if ctrl_c is signal.SIG_IGN else isinstance(
+        during[signal.SIGINT], foundation.StopOnce)
+    assert after == {signal.SIGINT: ctrl_c, signal.SIGTERM: before[signal.SIGTERM]}
 
 
 def test_launch_world_size(monkeypatch):

@@ -1544,6 +1544,53 @@ def test_a_runs_folder_without_its_lock_says_how_to_mark_it_again(tmp_path):
     assert (folder / "step_00000001" / "meta.json").exists() and not (folder / "step_00000002").exists()
 
 
+def test_a_folder_of_a_runs_names_without_a_complete_save_is_no_runs(tmp_path):
+    """lost_its_lock wants a complete save (step_NNNNNNNN/meta.json) beside the names: a user's LATEST and
+    an empty step folder, without a LOCK, are not a run's folder that lost its mark."""
+    folder = tmp_path / "run"
+    (folder / "step_00000002").mkdir(parents=True)
+    (folder / "LATEST").write_text("step_00000002")
+    with pytest.raises(zero.CheckpointError, match=r"holds what no run of this course wrote \(LATEST, "
+                                                   r"step_00000002\): left"):
+        zero.claim_folder(folder)
+
+
+def test_a_runs_lock_is_one_line_even_for_a_command_line_of_several(tmp_path, monkeypatch):
+    """An argument holding a newline (--data 'a<newline>b') is written escaped: the LOCK stays the one line
+    that marks the folder a run's, and the next run claims it."""
+    monkeypatch.setattr(sys, "argv", ["09_full_train.py", "--data", "a\nb"])
+    folder = tmp_path / "run"
+    zero.lock_checkpoints(folder).close()
+    assert (folder / "LOCK").read_text().count("\n") == 0 and zero.claimed_by_a_run(folder)
+    zero.lock_checkpoints(folder).close()
+
+
+def test_a_refusal_names_the_first_five_entries_and_counts_the_rest(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name in "abcdef":
+        (folder / f"{name}.txt").write_text("the user's")
+    with pytest.raises(zero.CheckpointError, match=r"\(a\.txt, b\.txt, c\.txt, d\.txt, e\.txt and 1 more\)"):
+        zero.claim_folder(folder)
+    (folder / "f.txt").unlink()
+    with pytest.raises(zero.CheckpointError, match=r"\(a\.txt, b\.txt, c\.txt, d\.txt, e\.txt\): left"):
+        zero.claim_folder(folder)
+
+
+def test_a_linked_lock_marks_no_folder_a_runs(tmp_path):
+    """A LOCK that is a link (to a run-shaped line elsewhere) is no run's: refused, the link's target kept."""
+    target = tmp_path / "elsewhere"
+    target.write_text(zero.LOCK_LINE.format(pid=1, host="h", since="2026-12-01 00:00:00", command="x"))
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "LOCK").symlink_to(target)
+    (folder / "notes.md").write_text("the user's")
+    before = target.read_bytes()
+    with pytest.raises(zero.CheckpointError, match=r"holds what no run of this course wrote \(LOCK, notes\.md\)"):
+        zero.claim_folder(folder)
+    assert target.read_bytes() == before
+
+
 def test_an_earlier_runs_folder_loses_only_its_unfinished_saves(tmp_path, capsys):
     folder = tmp_path / "run"
     earlier_runs_folder(folder)

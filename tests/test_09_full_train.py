@@ -1717,11 +1717,29 @@ def test_a_plan_read_through_a_pipe_that_closes_early_ends_quietly():
     read, write = os.pipe()
     os.close(read)
     try:
+        buffered = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
         proc = subprocess.run([sys.executable, "09_full_train.py", "plan", "--model", "llama3-8b", "--gpus", "8"],
-                              cwd=ROOT, stdout=write, stderr=subprocess.PIPE, text=True, timeout=SCRIPT_TIMEOUT_S)
+                              cwd=ROOT, stdout=write, stderr=subprocess.PIPE, text=True, timeout=SCRIPT_TIMEOUT_S,
+                              env=buffered)  # stdout buffered, as in a terminal's pipe: the error comes at flush
     finally:
         os.close(write)
     assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+
+
+def test_the_plans_memory_table_keeps_its_columns_apart_past_a_thousand_gib(monkeypatch, capsys):
+    """Llama 3 405B on 8 GPUs does not fit: its totals pass 1,000 GiB, where the columns ran together
+    ("1.41,313.0"). Each row of the table is its stage, 8 numbers, and what the stage holds."""
+    code, err, launched, out = run_main(monkeypatch, capsys, "plan", "--model", "llama3-405b", "--dp", "1", "--pp",
+                                        "4", "--cp", "1", "--tp", "2")
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if line.startswith("GiB per GPU"))
+    rows = [line for line in out.splitlines() if line.startswith("  pp ")]
+    assert header.split()[3:] == ["params", "grads", "optim", "activ", "temps", "frag", "cuda+", "total"]
+    assert len(rows) == 4 and any(float(row.split()[9].replace(",", "")) >= 1000 for row in rows), out
+    for row in rows:
+        numbers = row.split()[2:10]
+        assert all(re.fullmatch(r"\d{1,3}(,\d{3})*\.\d|[\d.e-]+", n) for n in numbers), row
+        assert row[:len(header)].rstrip().endswith(numbers[-1]) and len(row[:len(header)]) == len(header), row
 
 
 def test_kv_heads_option_is_checked_before_any_process_starts():
@@ -3357,6 +3375,7 @@ def test_the_losses_eager_bytes_are_what_a_dispatch_mode_counts(rank_pool):
      "64 GPUs are not whole nodes of --gpus-per-node 3 (21 nodes and 1 GPU)"),
     (["plan", "--model", "llama3-8b", "--dp", "3", "--pp", "1", "--cp", "1", "--tp", "4"],
      "12 GPUs are not whole nodes of --gpus-per-node 8 (1 node and 4 GPUs)"),
+    (["check", "--moe", "--experts", "3", "--ep", "2"], "invalid configuration: --experts 3 is not divisible by --ep 2"),
     (["plan", "--model", "llama3-8b", "--gpus", "16", "--tp", "16"],
      "--tp 16 does not divide --gpus-per-node 8: a tp group stays in one node"),
     (["plan", "--model", "llama3-8b", "--gpus", "16", "--dp", "1", "--pp", "1", "--cp", "1"],  # tp left: 16

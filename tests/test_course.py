@@ -44,6 +44,8 @@ def test_the_course_is_its_nine_scripts():
     ("05_context_parallel", [], "--seq-len 64 is not divisible by 2 x cp = 6"),
     ("05_context_parallel", ["--seq-len", "66", "--work-seq-len", "100"],  # it named seq_len, not the option
      "--work-seq-len 100 is not divisible by 2 x cp = 6"),
+    ("05_context_parallel", ["--seq-len", "66", "--work-seq-len", "66", "--heads", "4", "--kv-heads", "3"],
+     "--heads 4 is not divisible by --kv-heads 3"),  # its rule's n_heads, said as the option (aliases)
     ("06_expert_parallel", [], "--experts 8 is not divisible by the 3 ranks"),
     ("08_fp8", ["distributed"], "--seq-len 64 is not divisible by the 3 ranks"),
 ])
