@@ -567,8 +567,9 @@ def launch(fn: Callable, *args, nproc: int) -> None:
     # `kill` sends SIGTERM, whose default would end this process alone and leave the ranks running on:
     # stop them as Ctrl-C does (launch runs in the main thread, where a signal handler may be set).
     stop = StopOnce()
+    # A shell's `cmd &` starts this process with Ctrl-C ignored: it stays ignored.
     handlers = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)
-                if signal.getsignal(signum) is not signal.SIG_IGN}  # `cmd &` ignores Ctrl-C: it still does
+                if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         while not ranks.join(grace_period=10):  # a rank fails: the others get 10 s to stop themselves
             pass
@@ -583,7 +584,8 @@ def launch(fn: Callable, *args, nproc: int) -> None:
         print(f"interrupted: the {counted(nproc, 'local rank')} stopped", file=sys.stderr)
         for signum in handlers:  # a signal arriving while this process ends: ignored, not its death
             signal.signal(signum, signal.SIG_IGN)
-        raise SystemExit(128 + interrupt.args[0]) from None  # as a shell reports a process a signal stopped
+        signum = interrupt.args[0] if interrupt.args else signal.SIGINT  # one raised by no handler of ours
+        raise SystemExit(128 + signum) from None  # as a shell reports a process a signal stopped
     except mp.ProcessExitedException as error:
         if error.exit_code > 0:  # it left through exit_distributed(error): its line says why
             raise SystemExit(error.exit_code) from None
