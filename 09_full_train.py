@@ -51,16 +51,17 @@ models and clusters not here, and prices a step. `train` adds 02's checkpoints, 
 
 THE STEP TIME, from the operations (step_time): each one priced by the lesson that owns it, no MFU assumed.
 GEMMs at their TP-local shapes by 08's roofline; attention at 07's measured rate (--attention unfused:
-unfused_attention_seconds; cp > 1: 07's kernel in 05's ring, whose eager merges move ring_merge_bytes,
-priced_kernel); elementwise work (elementwise_bytes, split as 03 splits the layer; the eager
-loss, FP8 weight casts and collectives' copies by the bytes a dispatch mode counts) and the optimizer (02)
-at the HBM's bandwidth; what recompute runs again. On a GPU other than the H100 SXM, 07's and
-08's rates are the H100's scaled by its datasheet peak (Cluster): no course kernel ran there. Messages go at
-their link's speed (NVLink inside a node, the NIC across: inside_node) plus a latency, exposed where nothing
-hides them: TP's all, the ring's hops beyond a block's attention and merge, the gradient reduction beyond
-the last microbatch's backward (--reduce-after-backward: all of it), ZeRO-1/2's gather after the step,
-ZeRO-3's beyond the previous layer, the pipeline's sends in its fill and drain. The slowest pipeline rank's
-microbatches / (1 - 04's bubble) span the pipeline (pipeline_span). Two bounds frame it: full overlap, none.
+unfused_attention_seconds, with Megatron's dropout of the probabilities; cp > 1: 07's kernel in 05's ring,
+whose eager merges move ring_merge_bytes, priced_kernel); elementwise work (elementwise_bytes, split as 03
+splits the layer; the eager loss, FP8 weight casts and collectives' copies by the bytes a dispatch mode
+counts) and the optimizer (02) at the HBM's bandwidth; what recompute runs again. On a GPU other than the
+H100 SXM, 07's and 08's rates are the H100's scaled by its datasheet peak (Cluster): no course kernel ran
+there. Messages go at their link's speed (NVLink inside a node, the NIC across: inside_node) plus a latency,
+exposed where nothing hides them: TP's all, the ring's hops beyond a block's attention and merge, the
+gradient reduction beyond the last microbatch's backward (--reduce-after-backward: all of it), ZeRO-1/2's
+gather after the step, ZeRO-3's beyond the previous layer, the pipeline's sends in its fill and drain. The
+slowest pipeline rank's microbatches / (1 - 04's bubble) span the pipeline (pipeline_span). Two bounds frame
+it: full overlap, none.
 
 THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that validate accepts; those
 that fit in memory, fastest first; a given mesh that does not fit names its largest part and the fastest
@@ -266,6 +267,10 @@ class TrainConfig:
                             "the scores to memory (Megatron before FlashAttention; PyTorch's eager "
                             "attention)",
                             choices=("sdpa", "flash", "cudnn", "unfused"))
+    attention_dropout: float = option(0.0, "plan only, with --attention unfused: the probabilities' dropout "
+                                      "(Megatron's --attention-dropout, 0.1 unless set), a kernel that "
+                                      "writes them dropped and a byte's mask, read again in backward; 01's "
+                                      "model has none", (">= 0", "<= 1"), metavar="P")
     compile: bool = option(False, "torch.compile each block: one graph, its elementwise work fused", off=(
         "--eager", False, "eager blocks: each elementwise operation a kernel of its own"))
     loss_chunks: int = option(1, "03's LossInChunks: the loss and its gradient in forward, this many slices "
@@ -377,6 +382,10 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
         problems.append(f"recompute op reruns a block but its matmuls' and attention's outputs: at "
                         f"tp={sizes.tp}, cp={sizes.cp} that reruns 03's collectives or 05's ring, whose "
                         f"traffic has no formula")
+    if train.attention_dropout and priced_kernel(train.attention, cp) != "unfused":
+        problems.append(f"attention_dropout={train.attention_dropout} is priced where the probabilities are "
+                        f"written to memory (attention=unfused, cp=1): a fused kernel draws its mask inside, "
+                        f"which plan does not price")
     if sizes.ep > 1 and train.moe is None:
         problems.append(f"ep={sizes.ep} needs an MoE model (--moe)")
     if sizes.ep >= 1 and (sizes.dp * sizes.cp) % sizes.ep:
@@ -1676,19 +1685,24 @@ def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, lay
 
 
 def unfused_attention_seconds(batch: int, heads: int, seq: int, head_dim: int, cp: int, hbm: float,
-                              elem_bytes: int, speed: float) -> tuple[float, float]:
+                              elem_bytes: int, speed: float, dropout: bool = False) -> tuple[float, float]:
     """(forward, backward) of attention without a fused kernel (--attention unfused), as Megatron ran it
     before FlashAttention: each head's seq x seq scores computed whole (the causal mask applied inside the
     softmax, after the product; cp > 1: each of the ring's cp blocks whole) by GEMMs at 08's roofline,
     around a softmax kernel that reads the scores and writes the probabilities (2 passes over the scores
     at the HBM's bandwidth). Backward: dP = dO V^T, then the softmax's backward reads P and dP and writes
-    dS (3 passes), and dV = P^T dO, dQ = dS K, dK = dS^T Q, each with a seq x seq operand. Time only:
-    plan's memory does not hold the probabilities it saves (seq^2 a head)."""
+    dS (3 passes), and dV = P^T dO, dQ = dS K, dK = dS^T Q, each with a seq x seq operand. dropout (as
+    PyTorch's CUDA dropout runs it): a kernel reads P and writes the dropped P and a mask of a byte an
+    element; its backward reads the gradient and the mask and writes dP (2 passes and a byte each way).
+    Time only: plan's memory does not hold the probabilities it saves (seq^2 a head)."""
     count = batch * heads * cp
     passes = count * seq ** 2 * elem_bytes / hbm
+    mask = count * seq ** 2 / hbm if dropout else 0.0  # a byte an element, written, then read
+    dropped = 2 * passes + mask if dropout else 0.0
     scores = fp8.gemm_seconds(seq, head_dim, seq, hbm, speed=speed)  # Q K^T, and dO V^T
     reads = fp8.gemm_seconds(seq, seq, head_dim, hbm, speed=speed)  # P V, and the three that read P or dS
-    return count * (scores + reads) + 2 * passes, count * (scores + 3 * reads) + 3 * passes
+    return (count * (scores + reads) + 2 * passes + dropped,
+            count * (scores + 3 * reads) + 3 * passes + dropped)
 
 
 def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster,
@@ -1749,7 +1763,8 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
 
     kernel = priced_kernel(train.attention, cp)
     if kernel == "unfused":
-        attention = unfused_attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, cp, hbm, e, speed)
+        attention = unfused_attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, cp, hbm, e, speed,
+                                              dropout=train.attention_dropout > 0)
     else:
         attention = flash.attention_seconds(rows, cfg.n_heads // tp, s, cfg.head_dim, kernel, cp, speed)
     if cp > 1:  # 05's ring merges each block's partial output, eager
@@ -2224,7 +2239,9 @@ def check_before_launch(job: Job, world: int) -> None:
         (train.attention == "cudnn", "--attention cudnn is plan's price of SDPA's cuDNN backend: train and "
                                      "check run sdpa or flash"),
         (train.attention == "unfused", "--attention unfused is plan's price of PyTorch's eager attention: "
-                                       "train and check run sdpa or flash")) if wrong]
+                                       "train and check run sdpa or flash"),
+        (train.attention_dropout, "--attention-dropout is plan's price of Megatron's dropout of the "
+                                  "attention probabilities: 01's model has no dropout")) if wrong]
     broken += () if job.command != "train" else [message for wrong, message in (
         (cfg.vocab_size < 256,
          f"train reads bytes: a vocabulary of {cfg.vocab_size} cannot hold them (--vocab)"),
