@@ -325,8 +325,8 @@ def validate_data_parallel(global_batch: int, world: int, accum_steps: int, mode
     if accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps} must be >= 1")
     if global_batch % (world * accum_steps):
-        raise ValueError(f"global_batch={global_batch} is not divisible by world_size x accum_steps "
-                         f"= {world} x {accum_steps} = {world * accum_steps}")
+        raise ValueError(f"global_batch={global_batch} is not divisible by {world} ranks x "
+                         f"accum_steps={accum_steps} = {world * accum_steps}")
 
 
 def accumulate_microbatches(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, n: int,
@@ -1274,7 +1274,7 @@ class Options:
 
 
 def main() -> None:
-    parser, args = parse_options(__doc__, (Options, Ranks, BenchRounds))
+    parser, args = parse_options(__doc__, (Options, Ranks, BenchRounds), aliases={"accum_steps": "accum"})
     if args.bench:
         launch_lesson(parser, args, bench)
         return

@@ -903,8 +903,8 @@ def test_a_dropped_wrapper_frees_its_model(rank_pool):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(global_batch=10, accum_steps=2), r"global_batch=10 is not divisible by world_size x "
-                                           r"accum_steps = 2 x 2 = 4"),
+    (dict(global_batch=10, accum_steps=2), r"global_batch=10 is not divisible by 2 ranks x "
+                                           r"accum_steps=2 = 4"),
     (dict(global_batch=4, accum_steps=0), r"accum_steps=0 must be >= 1"),
     (dict(global_batch=4, mode="ring"), r"mode='ring' must be one of"),
     (dict(global_batch=4, bucket_bytes=0), r"bucket_bytes=0 must be positive"),
@@ -1024,7 +1024,7 @@ TOO_MANY = MEMORY // foundation.LOCAL_PROCESS_BYTES + 1  # local processes: one 
 
 
 @pytest.mark.parametrize("env, nproc, gpus, message", [
-    ({"WORLD_SIZE": "1"}, 3, 0, "--global-batch 16 is not divisible by world_size x accum_steps = 3 x 2 = 6"),
+    ({"WORLD_SIZE": "1"}, 3, 0, "--global-batch 16 is not divisible by 3 ranks x --accum 2 = 6"),
     ({"RANK": "0"}, 2, 0, "RANK is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT not: a partial torchrun "
                           "environment (run under torchrun, or unset RANK to launch 2 local processes)"),
     ({}, 2, 1, "2 ranks on this node need a GPU each, but 1 is visible: run at most 1 per node, or "
@@ -1032,12 +1032,12 @@ TOO_MANY = MEMORY // foundation.LOCAL_PROCESS_BYTES + 1  # local processes: one 
     (TORCHRUN_8_RANKS_4_PER_NODE, 1, 2, "4 ranks on this node need a GPU each, but 2 are visible: run at "
                                         "most 2 per node, or CUDA_VISIBLE_DEVICES= to run on the CPU"),
     ({"RANK": "0", "WORLD_SIZE": "16", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, 1, 8,
-     "--global-batch 16 is not divisible by world_size x accum_steps = 16 x 2 = 32"),
+     "--global-batch 16 is not divisible by 16 ranks x --accum 2 = 32"),
     ({}, TOO_MANY, 0, f"--nproc {TOO_MANY} would need at least {TOO_MANY * foundation.LOCAL_PROCESS_BYTES:,} "
                       f"bytes ({TOO_MANY} local processes of Python and torch, 220 MiB each); this machine has "
                       f"{MEMORY:,}"),
     ({"RANK": "0", "WORLD_SIZE": str(TOO_MANY), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, 1, 0,
-     f"--global-batch 16 is not divisible by world_size x accum_steps = {TOO_MANY} x 2 = {2 * TOO_MANY}"),
+     f"--global-batch 16 is not divisible by {TOO_MANY} ranks x --accum 2 = {2 * TOO_MANY}"),
 ], ids=["stray WORLD_SIZE", "partial torchrun environment", "more local ranks than GPUs",
         "torchrun: more ranks per node than GPUs", "ranks per node unknown: no GPU check",
         "more local processes than this machine holds", "torchrun's ranks, on many nodes: no local bound"])
