@@ -325,7 +325,7 @@ def validate_data_parallel(global_batch: int, world: int, accum_steps: int, mode
     if accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps} must be >= 1")
     if global_batch % (world * accum_steps):
-        raise ValueError(f"global_batch={global_batch} is not divisible by {world} ranks x "
+        raise ValueError(f"global_batch={global_batch} is not divisible by {counted(world, 'rank')} x "
                          f"accum_steps={accum_steps} = {world * accum_steps}")
 
 
