@@ -1404,9 +1404,12 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     q = tokens * cfg.dim
     kv = tokens * cfg.n_kv_heads * cfg.head_dim
     attention = None  # what the attention function saves beyond q, k, v: None, SDPA's
+    kernel = priced_kernel(train.attention, cp)
+    if kernel == "unfused":
+        attention = unfused_attention_saves(b // m, cfg.n_heads // tp, s, e, train.attention_dropout > 0)
     if cp > 1:
         attention = context_parallel.ring_saved_bytes(q, tokens * cfg.n_heads, e)
-    if attention and cfg.n_heads == tp and not train.fp8:  # one head a rank: flattening it copies
+    if cp > 1 and cfg.n_heads == tp and not train.fp8:  # one head a rank: flattening it copies
         attention -= e * q  # nothing, so out_proj keeps the merged output the ring keeps: counted once
 
     def stage_bytes(stage: int, mode: str = train.recompute, layers: int | None = None) -> int:
@@ -1416,12 +1419,16 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
             lean=train.lean_saves, regather=train.lean_saves,
             kept_input=fp8.KEPT_INPUT if train.fp8 else None)
 
-    rebuilt = {"full": stage_bytes(0, "none", 1), "op": stage_bytes(0, "none", 1) - stage_bytes(0, "op", 1)}
-    kernel = priced_kernel(train.attention, cp)
+    whole = stage_bytes(0, "none", 1)  # a layer's saves, which a recompute rebuilds in its backward
+    rebuilt = {mode: whole - stage_bytes(0, mode, 1) for mode in ("op", "selective")} | {"full": whole}
     mb = b // m * s  # a microbatch's tokens on a rank
-    backward = rebuilt.get(train.recompute, 0) + max(
-        flash.attention_backward_bytes(mb, cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.head_dim, e, kernel),
-        mlp_backward_bytes(mb, cfg.dim, cfg.ffn_dim // tp, e))
+    heads = cfg.n_heads // tp
+    kv_heads = cfg.n_kv_heads // tp
+    attention_backward = flash.attention_backward_bytes(mb, heads, kv_heads, cfg.head_dim, e, kernel)
+    if kernel == "unfused":
+        attention_backward = unfused_attention_backward_bytes(b // m, heads, kv_heads, s, cfg.head_dim, e)
+    backward = rebuilt.get(train.recompute, 0) + max(attention_backward,
+                                                     mlp_backward_bytes(mb, cfg.dim, cfg.ffn_dim // tp, e))
     out = []
     for rank in range(pp):
         stages = list(range(rank, n_stages, pp))
@@ -1694,7 +1701,7 @@ def unfused_attention_seconds(batch: int, heads: int, seq: int, head_dim: int, c
     dS (3 passes), and dV = P^T dO, dQ = dS K, dK = dS^T Q, each with a seq x seq operand. dropout (as
     PyTorch's CUDA dropout runs it): a kernel reads P and writes the dropped P and a mask of a byte an
     element; its backward reads the gradient and the mask and writes dP (2 passes and a byte each way).
-    Time only: plan's memory does not hold the probabilities it saves (seq^2 a head)."""
+    What it holds: unfused_attention_saves, unfused_attention_backward_bytes."""
     count = batch * heads * cp
     passes = count * seq ** 2 * elem_bytes / hbm
     mask = count * seq ** 2 / hbm if dropout else 0.0  # a byte an element, written, then read
@@ -1703,6 +1710,22 @@ def unfused_attention_seconds(batch: int, heads: int, seq: int, head_dim: int, c
     reads = fp8.gemm_seconds(seq, seq, head_dim, hbm, speed=speed)  # P V, and the three that read P or dS
     return (count * (scores + reads) + 2 * passes + dropped,
             count * (scores + 3 * reads) + 3 * passes + dropped)
+
+
+def unfused_attention_saves(batch: int, heads: int, seq: int, elem_bytes: int, dropout: bool) -> int:
+    """What attention without a fused kernel keeps for backward beyond q, k and v, seq x seq a head
+    (Korthikanti's 5 a s / h bytes a token in 16 bits with dropout, 2 a s / h without): the softmax's
+    output P, which P V keeps too, and with dropout its mask (a byte an element) and the dropped P, which
+    P V keeps instead (test_09 counts them)."""
+    return batch * heads * seq ** 2 * (elem_bytes + dropout * (1 + elem_bytes))
+
+
+def unfused_attention_backward_bytes(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int,
+                                     elem_bytes: int) -> int:
+    """The most its backward holds beyond the saves, a bound: two seq x seq gradients (an eager kernel's
+    input and output: dropout's, the softmax's) beside 07's dq, dk and dv (test_09 measures it)."""
+    gradients = flash.attention_backward_bytes(batch * seq, heads, kv_heads, head_dim, elem_bytes, "flash")
+    return 2 * batch * heads * seq ** 2 * elem_bytes + gradients
 
 
 def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], cluster: Cluster,
