@@ -2102,13 +2102,16 @@ def plan_report(job: Job) -> str:
     fp8_rate = f"FP8 x {cluster.speed[1]:.3g}" if cluster.fp8_tflops else "no FP8"
     scaled = "" if cluster.gpu == "h100-sxm" and cluster.speed[0] == 1 else (
         f"; the {cluster.gpu}'s datasheet peaks and power limit over the H100's: not measured on it")
+    kernel = train.attention
+    if train.attention_dropout:
+        kernel += f", dropout {train.attention_dropout:g}"
     header = (f"{job.model}: {n_params / 1e9:,.3g}B parameters (dim {cfg.dim}, "
               f"{foundation.counted(cfg.n_layers, 'layer')}, {foundation.counted(cfg.n_heads, 'head')} / "
               f"{cfg.n_kv_heads} K/V, {mlp}, vocabulary {cfg.vocab_size:,}"
               f"{', tied' if cfg.tie_embeddings else ''}), {precision_name(train)}"
               f"{' + FP8 GEMMs' if train.fp8 else ''}; batch {train.global_batch:,} x {train.seq_len:,} "
               f"tokens; {on} of {memory:g} GiB ({cluster.gpu}), {cluster.gpus_per_node} per node.\n"
-              f"Priced: GEMMs and attention ({train.attention}; cp > 1: 07's in 05's ring) at the course's "
+              f"Priced: GEMMs and attention ({kernel}; cp > 1: 07's in 05's ring) at the course's "
               f"H100 rates x "
               f"{cluster.speed[0]:.3g} ({fp8_rate}{scaled}), the rest at {cluster.hbm_tbps:g} TB/s"
               f"{'' if train.compile else ', eager'}; {cluster.nvlink_gbps:g} GB/s per GPU each way in a "

@@ -2875,6 +2875,30 @@ def test_unfused_attention_is_priced_kernel_by_kernel_as_pytorchs_eager_attentio
     assert [a - b for a, b in zip(with_dropout, formula)] == pytest.approx([n / hbm for n in moved], rel=1e-12)
 
 
+def test_the_plan_says_and_prices_the_attention_dropout(monkeypatch, capsys):
+    """--attention-dropout 0.1 with --attention unfused: the header names it; the step grows by the dropout
+    kernels' seconds and the fullest GPU by the dropped probabilities and mask a layer keeps (one layer's
+    under full recompute, rebuilt in its backward): their formulas' own tests count them."""
+    options = ("--model llama3-8b --vocab 32000 --dp 8 --pp 1 --cp 1 --tp 1 --gpu a100-80gb --attention unfused "
+               "--seq-len 4096 --global-batch 8 --recompute full").split()  # a layer's backward above the loss
+    plans = []
+    for dropout in ("0", "0.1"):
+        code, out, _ = plan_main(monkeypatch, capsys, *options, "--attention-dropout", dropout, "--json")
+        assert code == 0
+        mesh = json.loads(out)["meshes"][0]
+        plans.append(dict(step_s=mesh["step_s"], **mesh["memory_gib"][mesh["fullest"]]))
+    _, text, _ = plan_main(monkeypatch, capsys, *options, "--attention-dropout", "0.1")
+    assert "Priced: GEMMs and attention (unfused, dropout 0.1; cp > 1" in text, text
+    layers = heads = 32
+    scores = heads * 4096 ** 2  # a layer's, one sequence a microbatch
+    hbm = full_train.GPUS["a100-80gb"][3] * 1e12
+    dropout_kernels = 3 * scores * (2 * 2 + 1) / hbm  # in bf16: forward, its recompute, backward
+    assert plans[1]["step_s"] - plans[0]["step_s"] == pytest.approx(layers * dropout_kernels, rel=1e-6)
+    grew = (plans[1]["activations"] + plans[1]["temporaries"] - plans[0]["activations"]
+            - plans[0]["temporaries"]) * 2 ** 30
+    assert grew == pytest.approx(scores * (1 + 2), rel=1e-3)  # the mask and the dropped P
+
+
 def megatron_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: bool) -> torch.Tensor:
     """Megatron's attention before FlashAttention (2021, one K/V head a query head): baddbmm's scaled
     scores, the softmax (Megatron's fused kernel applies the causal mask inside: none here), CUDA's
