@@ -2873,20 +2873,26 @@ def test_unfused_attention_is_priced_kernel_by_kernel_as_pytorchs_eager_attentio
     assert len(moved) == 2
     with_dropout = full_train.unfused_attention_seconds(batch, heads, seq, head_dim, 1, hbm, 4, speed, dropout=True)
     assert [a - b for a, b in zip(with_dropout, formula)] == pytest.approx([n / hbm for n in moved], rel=1e-12)
+    ring = full_train.unfused_attention_seconds(batch, heads, seq, head_dim, 4, hbm, 4, speed, dropout=True)
+    assert ring == pytest.approx(tuple(4 * x for x in with_dropout), rel=1e-12)
 
 
 def test_the_plan_says_and_prices_the_attention_dropout(monkeypatch, capsys):
-    """--attention-dropout 0.1 with --attention unfused: the header names it; the step grows by the dropout
-    kernels' seconds and the fullest GPU by the dropped probabilities and mask a layer keeps (one layer's
-    under full recompute, rebuilt in its backward): their formulas' own tests count them."""
+    """--attention-dropout P with --attention unfused: the header names it; at any P > 0 (0.05, 0.1, 1: the
+    kernels' bytes do not depend on P) the step grows by the dropout kernels' seconds and the fullest GPU
+    by the dropped probabilities and mask a layer keeps (one layer's under full recompute, rebuilt in its
+    backward), and at 0 by nothing: their formulas' own tests count them."""
     options = ("--model llama3-8b --vocab 32000 --dp 8 --pp 1 --cp 1 --tp 1 --gpu a100-80gb --attention unfused "
                "--seq-len 4096 --global-batch 8 --recompute full").split()  # a layer's backward above the loss
     plans = []
-    for dropout in ("0", "0.1"):
+    for dropout in ("0", "0.05", "0.1", "1"):
         code, out, _ = plan_main(monkeypatch, capsys, *options, "--attention-dropout", dropout, "--json")
         assert code == 0
         mesh = json.loads(out)["meshes"][0]
         plans.append(dict(step_s=mesh["step_s"], **mesh["memory_gib"][mesh["fullest"]]))
+    _, without, _ = plan_main(monkeypatch, capsys, *options, "--json")  # no --attention-dropout: 0
+    assert json.loads(without)["meshes"][0]["step_s"] == plans[0]["step_s"]
+    assert plans[1] == plans[2] == plans[3]
     _, text, _ = plan_main(monkeypatch, capsys, *options, "--attention-dropout", "0.1")
     assert "Priced: GEMMs and attention (unfused, dropout 0.1; cp > 1" in text, text
     layers = heads = 32
