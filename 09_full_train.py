@@ -267,10 +267,10 @@ class TrainConfig:
                             "the scores to memory (Megatron before FlashAttention; PyTorch's eager "
                             "attention)",
                             choices=("sdpa", "flash", "cudnn", "unfused"))
-    attention_dropout: float = option(0.0, "plan only, with --attention unfused: the probabilities' dropout "
-                                      "(Megatron's --attention-dropout, 0.1 unless set), a kernel that "
-                                      "writes them dropped and a byte's mask, read again in backward; 01's "
-                                      "model has none", (">= 0", "<= 1"), metavar="P")
+    attention_dropout: float = option(0.0, "plan only, with --attention unfused at cp 1: the probabilities' "
+                                      "dropout (Megatron's --attention-dropout, which defaults to 0.1), a "
+                                      "kernel that writes them dropped and a byte's mask, read again in "
+                                      "backward; 01's model has none", (">= 0", "<= 1"), metavar="P")
     compile: bool = option(False, "torch.compile each block: one graph, its elementwise work fused", off=(
         "--eager", False, "eager blocks: each elementwise operation a kernel of its own"))
     loss_chunks: int = option(1, "03's LossInChunks: the loss and its gradient in forward, this many slices "
@@ -346,6 +346,12 @@ class Job:
         return self.sizes.world
 
 
+def unpriced_dropout(train: TrainConfig) -> str:
+    return (f"attention_dropout={train.attention_dropout} is priced for attention=unfused, whose kernels "
+            f"write the probabilities: attention={train.attention} draws its mask inside, which plan does "
+            f"not price")
+
+
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     """Every violation, each lesson's rule in its own words, in one ValueError."""
     problems = [*foundation.broken_rules(sizes, dataclasses.fields(sizes)),
@@ -382,10 +388,11 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
         problems.append(f"recompute op reruns a block but its matmuls' and attention's outputs: at "
                         f"tp={sizes.tp}, cp={sizes.cp} that reruns 03's collectives or 05's ring, whose "
                         f"traffic has no formula")
-    if train.attention_dropout and priced_kernel(train.attention, cp) != "unfused":
-        problems.append(f"attention_dropout={train.attention_dropout} is priced where the probabilities are "
-                        f"written to memory (attention=unfused, cp=1): a fused kernel draws its mask inside, "
-                        f"which plan does not price")
+    if train.attention_dropout and train.attention != "unfused":
+        problems.append(unpriced_dropout(train))
+    elif train.attention_dropout and cp > 1:
+        problems.append(f"attention_dropout={train.attention_dropout} is priced for unfused attention at "
+                        f"cp=1: at cp={cp} 09 runs 07's kernel in 05's ring, which draws its mask inside")
     if sizes.ep > 1 and train.moe is None:
         problems.append(f"ep={sizes.ep} needs an MoE model (--moe)")
     if sizes.ep >= 1 and (sizes.dp * sizes.cp) % sizes.ep:
@@ -1934,7 +1941,8 @@ def record(sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], timing: 
     return dict(mesh={d: getattr(sizes, d) for d in (*DIMS, "ep")}, zero=train.zero_stage,
                 schedule=train.schedule, virtual=train.virtual, microbatches=train.microbatches,
                 recompute=train.recompute, sequences=train.global_batch // sizes.dp // train.microbatches,
-                sequence_parallel=train.sequence_parallel, step_s=timing["step"], parts_s=timing["parts"],
+                sequence_parallel=train.sequence_parallel, attention=priced_kernel(train.attention, sizes.cp),
+                step_s=timing["step"], parts_s=timing["parts"],
                 bounds_s=[timing["overlap"], timing["no_overlap"]], bubble=float(timing["bubble"]),
                 mfu=None if train.moe else timing["mfu"],
                 tflops_per_gpu=None if train.moe else timing["flops"] / sizes.world / timing["step"] / 1e12,
@@ -1966,7 +1974,8 @@ def describe(r: dict, table: bool) -> str:
     """A record as text (table: GiB of the first two, the fullest and the last two pipeline ranks)."""
     lines = [mesh_name(MeshSizes(**r["mesh"])) + f", ZeRO-{r['zero']}, {r['schedule']} x "
              f"{foundation.counted(r['microbatches'], 'microbatch', 'microbatches')} of {r['sequences']}, "
-             f"recompute {r['recompute']}, SP {'on' if r['sequence_parallel'] else 'off'}"]
+             f"recompute {r['recompute']}, SP {'on' if r['sequence_parallel'] else 'off'}, attention "
+             f"{r['attention']}"]
     memory = r["memory_gib"]
     if table:
         columns = ("params", "grads", "optim", "activ", "temps", "frag", "cuda+", "total")
@@ -2010,7 +2019,8 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
     """A mesh that does not fit (r: the given one, or the search's leanest): its fullest GPU's largest
     term, and the fastest of the options that keep less (more recompute, a higher ZeRO stage, one sequence
     a microbatch, the loss in 8 slices: their fp32 temporaries below the logits' and their gradient's
-    bytes) with which it fits (the sizes given kept), or that none does. Each computes the same numbers;
+    bytes, SP where tp may be > 1) with which it fits (the sizes given kept; searched: on which mesh), or
+    that none does. Each computes the same numbers;
     --bf16-optimizer does not (AdamW's state in bf16), so it is named only where nothing else fits, and
     ZeRO 2-3 not where --fp32-grads would have to go: the user's calls."""
     most = r["memory_gib"][r["fullest"]]
@@ -2028,11 +2038,13 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
             changes[f"--microbatches {sequences}"] = dict(microbatches=sequences)
     if job.train.loss_chunks < LOSS_CHUNKS:
         changes[f"--loss-chunks {LOSS_CHUNKS}"] = dict(loss_chunks=LOSS_CHUNKS)
+    if not job.train.sequence_parallel and job.mesh["tp"] != 1:  # SP: what the regions share, split by tp
+        changes["--sequence-parallel"] = dict(sequence_parallel=True)
     fits = fitting_options(job, gpus, changes)
     text = f"its largest part: {term}, {gib_text(most[term])} GiB{held}; "
     if not fits:
         kept = " (--fp32-grads keeps ZeRO at 0-1)" if job.train.fp32_grads else ""
-        text += "no more recompute, ZeRO, microbatches or loss slices make it fit" + kept
+        text += "no more recompute, ZeRO, microbatches, loss slices or SP make it fit" + kept
         if job.train.bf16_optimizer or not job.train.mixed_precision:
             return text
         leaner = {f"--bf16-optimizer{' ' * bool(option)}{option}": dict(change, bf16_optimizer=True)
@@ -2041,21 +2053,24 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
         if not fits:
             return text
         text += "; with AdamW's state in bf16 (other numbers), "
-    option = min(fits, key=fits.get)
-    step, held_gib = fits[option]
+    option = min(fits, key=lambda change: fits[change][:2])
+    step, held_gib, sizes = fits[option]
     uncounted = " without its activations" * (job.train.moe is not None)
-    return text + f"it fits{uncounted} with {option}: {held_gib:,.1f} GiB, step {number_text(step)} s"
+    searched = "" if None not in job.mesh.values() else f" on {mesh_name(sizes)}"  # the fastest that fits
+    said = f"{held_gib:,.1f} GiB, step {number_text(step)} s"
+    return text + f"it fits{uncounted} with {option}{searched}: {said}"
 
 
 def fitting_options(job: Job, gpus: int, changes: dict) -> dict:
-    """{option: (step, GiB) of the fastest mesh fitting with it, the sizes given kept}, of those that fit."""
+    """{option: (step, GiB, sizes) of the fastest mesh fitting with it, the sizes given kept}, of those that
+    fit."""
     fits = {}
     for option, change in changes.items():
         train = dataclasses.replace(job.train, **change)
         fitting = search_meshes(job.cfg, train, gpus, job.mesh, job.ep, job.cluster)[1]
         if fitting:
-            _, _, plans, timing = fitting[0]
-            fits[option] = (timing["step"], gib(fullest(plans)))
+            sizes, _, plans, timing = fitting[0]
+            fits[option] = (timing["step"], gib(fullest(plans)), sizes)
     return fits
 
 
@@ -2080,6 +2095,8 @@ def plan_report(job: Job) -> str:
                          f"{foundation.counted(gpus % per_node, 'GPU')})")
     if train.fp8 and cluster.fp8_tflops is None:
         raise ValueError(f"--fp8: the {cluster.gpu} has no FP8 tensor cores (--fp8-tflops prices one)")
+    if train.attention_dropout and train.attention != "unfused":  # every mesh's: said once, before the search
+        raise ValueError(unpriced_dropout(train))
     valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, job.ep, cluster)
     on = f"{gpus:,} GPU" + "s" * (gpus != 1)
     if not valid:  # a refusal, like any other: exit 2

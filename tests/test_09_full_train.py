@@ -1840,12 +1840,12 @@ def test_a_model_that_cannot_fit_is_one_line_saying_by_how_much(monkeypatch, cap
     needs, ratio = re.fullmatch(r"llama3-405b does not fit on 8 GPUs of 80 GiB: the leanest of \d+ valid "
                                 r"meshes \(dp=\d+ pp=\d+ cp=1 tp=\d+, .*\) needs ([\d,.]+) GiB on its fullest "
                                 r"GPU, ([\d.]+)x the memory; its largest part: optimizer, [\d,.]+ GiB; no more "
-                                r"recompute, ZeRO, microbatches or loss slices make it fit\n", out).groups()
+                                r"recompute, ZeRO, microbatches, loss slices or SP make it fit\n", out).groups()
     assert float(needs.replace(",", "")) / 80 == pytest.approx(float(ratio), abs=0.05)
     _, out, _ = plan_main(monkeypatch, capsys, *"--model llama3-70b --dp 4 --pp 1 --cp 1 --tp 8 --zero 2".split())
     assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GiB, [\d,.]+ GiB \(\d+%\) more than its "
                      r"80 GiB; its largest part: activations, [\d,.]+ GiB \(1 microbatch in flight\); it fits with "
-                     r"--recompute full: [\d,.]+ GiB, step [\d,.]+ s\n$", out), out
+                     r"--sequence-parallel: [\d,.]+ GiB, step [\d,.]+ s\n$", out), out  # faster than recompute
     deep = "--model llama3-70b --dp 1 --pp 4 --cp 1 --tp 8 --gpus 32 --microbatches 8"
     _, out, _ = plan_main(monkeypatch, capsys, *deep.split())  # 1F1B's first rank holds min(m, pp)
     held = pipeline.in_flight_bound("1f1b", 0, pp=4, m=8)
@@ -2784,20 +2784,28 @@ def test_fp32_gradients_price_zero_1s_step_and_reduction_at_4_bytes():
 @pytest.mark.parametrize("options, fits", [
     ("--model llama3-8b --dp 8 --pp 8 --cp 1 --tp 1 --microbatches 4", "it fits with --microbatches 64: "),
     ("--model llama3-70b --dp 2 --pp 1 --cp 1 --tp 8 --zero 3 --recompute full",
-     "no more recompute, ZeRO, microbatches or loss slices make it fit; with AdamW's state in bf16 (other "
-     "numbers), it fits with --bf16-optimizer: "),
-    ("--model llama3-8b --gpus 8 --seq-len 131072 --global-batch 8", "it fits with --recompute full: "),
-], ids=["microbatches", "bf16-optimizer", "search"])
+     "no more recompute, ZeRO, microbatches, loss slices or SP make it fit; with AdamW's state in bf16 (other "
+     "numbers), it fits with --bf16-optimizer --sequence-parallel: "),
+    ("--model llama3-8b --gpus 8 --seq-len 131072 --global-batch 8", "it fits with --recompute full on "),
+    ("--model llama3-70b --gpus 32 --pp 1 --cp 1 --zero 2", "it fits with --sequence-parallel on "),
+], ids=["microbatches", "bf16-optimizer", "search", "sequence parallel"])
 def test_a_mesh_that_does_not_fit_names_what_would_fit_it(monkeypatch, capsys, options, fits):
-    """A new user's three dead ends (issue 55's review): 4 microbatches of 16 sequences on pp 8 (one
-    sequence each fits); a 70B whose AdamW state alone overflows (only --bf16-optimizer, which computes
-    other numbers, fits: named last); a search where no mesh fits as asked (it said by how much, not
-    what fits). Each suggestion fits when taken."""
+    """A new user's dead ends (issue 55's reviews): 4 microbatches of 16 sequences on pp 8 (one sequence
+    each fits); a 70B whose AdamW state alone overflows (only --bf16-optimizer, which computes other
+    numbers, fits: named last); a search where no mesh fits as asked (it said by how much, not what fits;
+    then it named the fastest fitting mesh's numbers as the leanest's: now it names that mesh); a 70B at
+    tp 8 whose activations SP fits, faster than a full recompute (SP was not offered). Each suggestion fits
+    when taken, on the mesh it names, with the GiB and step said."""
     code, out, _ = plan_main(monkeypatch, capsys, *options.split())
-    assert code == 0 and re.search(re.escape(fits) + r"[\d,.]+ GiB, step [\d,.]+ s$", out.splitlines()[-1]), out
-    taken = fits.rpartition("it fits with ")[2].removesuffix(": ").split()
-    _, out, _ = plan_main(monkeypatch, capsys, *options.split(), *taken)
+    said = re.search(re.escape(fits) + r"(dp=\d+ pp=\d+ cp=\d+ tp=\d+: )?([\d,.]+) GiB, step ([\d,.]+) s$",
+                     out.splitlines()[-1])
+    assert code == 0 and said, out
+    taken = fits.rpartition("it fits with ")[2].removesuffix(": ").removesuffix(" on ").split()
+    mesh = [f"--{size.replace('=', ' ')}" for size in (said[1] or "").removesuffix(": ").split()]
+    _, out, _ = plan_main(monkeypatch, capsys, *options.split(), *taken, *" ".join(mesh).split())
     assert not out.splitlines()[-1].startswith("does not fit") and "does not fit on" not in out, out
+    if mesh:  # that mesh alone: its fullest GPU and step as said
+        assert f"fits: {said[2]} of " in out and f"step {said[3]} s predicted" in out, out
 
 
 def test_fp32_gradients_rule_out_zero_2_and_3_in_what_would_fit(monkeypatch, capsys):
@@ -2809,7 +2817,7 @@ def test_fp32_gradients_rule_out_zero_2_and_3_in_what_would_fit(monkeypatch, cap
     _, out, _ = plan_main(monkeypatch, capsys, *options)
     assert re.search(r"; it fits with --zero 3: [\d.]+ GiB, step [\d.]+ s$", out.splitlines()[-1]), out
     _, out, _ = plan_main(monkeypatch, capsys, *options, "--fp32-grads")
-    assert out.splitlines()[-1].endswith("no more recompute, ZeRO, microbatches or loss slices make it fit "
+    assert out.splitlines()[-1].endswith("no more recompute, ZeRO, microbatches, loss slices or SP make it fit "
                                          "(--fp32-grads keeps ZeRO at 0-1)"), out
 
 
@@ -3452,10 +3460,13 @@ def test_the_losses_eager_bytes_are_what_a_dispatch_mode_counts(rank_pool):
     (["check", "--attention-dropout", "0.1"], "--attention-dropout is plan's price of Megatron's dropout of the "
                                               "attention probabilities: 01's model has no dropout"),
     (["plan", "--model", "llama3-8b", "--dp", "8", "--pp", "1", "--cp", "1", "--tp", "1", "--attention-dropout",
-      "0.1"], "--attention-dropout 0.1 is priced where the probabilities are written to memory (--attention "
-              "unfused, --cp 1): a fused kernel draws its mask inside"),
+      "0.1"], "--attention-dropout 0.1 is priced for --attention unfused, whose kernels write the probabilities: "
+              "--attention sdpa draws its mask inside"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--attention", "flash", "--attention-dropout", "0.1"],
+     "error: --attention-dropout 0.1 is priced for --attention unfused"),  # before the search: no mesh named
     (["plan", "--model", "llama3-8b", "--dp", "4", "--pp", "1", "--cp", "2", "--tp", "1", "--attention", "unfused",
-      "--seq-len", "8192", "--attention-dropout", "0.1"], "(--attention unfused, --cp 1)"),
+      "--seq-len", "8192", "--attention-dropout", "0.1"], "is priced for unfused attention at --cp 1: at --cp 2 09 "
+                                                         "runs 07's kernel in 05's ring"),
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--attention", "unfused", "--attention-dropout", "1.5"],
      "--attention-dropout must be <= 1, not 1.5"),
     (["train", "--model", "llama3-8b", "--no-save", "--vocab", "200"], "train reads bytes: a vocabulary of 200"),
