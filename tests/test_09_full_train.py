@@ -3469,6 +3469,10 @@ def test_the_losses_eager_bytes_are_what_a_dispatch_mode_counts(rank_pool):
                                                          "runs 07's kernel in 05's ring"),
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--attention", "unfused", "--attention-dropout", "1.5"],
      "--attention-dropout must be <= 1, not 1.5"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--attention", "unfused", "--attention-dropout", "nan"],
+     "--attention-dropout must be >= 0, not nan"),  # NaN breaks every rule
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--attention", "unfused", "--attention-dropout", "-0.1"],
+     "--attention-dropout must be >= 0, not -0.1"),
     (["train", "--model", "llama3-8b", "--no-save", "--vocab", "200"], "train reads bytes: a vocabulary of 200"),
     (["train", "--model", "llama3-8b"], "the sample decodes bytes: a vocabulary of 128256 is not 256"),
     (["train", "--model", "tiny", "--heads", "3"], "--dim 128 is not divisible by --heads 3"),
