@@ -61,6 +61,7 @@ import math
 import operator
 import os
 import re
+import shlex
 import signal
 import statistics
 import sys
@@ -1119,6 +1120,12 @@ def prints_here() -> bool:
     return os.environ.get("RANK", "0") == "0" or "TORCHELASTIC_RUN_ID" not in os.environ
 
 
+def as_typed(option_flag: str, field_value: re.Match) -> str:
+    """A rule's field=value as the reader would type it: --option value, quoted where the shell needs it."""
+    quoted, bare = field_value.groups()
+    return f"{option_flag} {shlex.quote(bare if quoted is None else quoted)}"
+
+
 class LessonParser(argparse.ArgumentParser):
     """Every rank parses alike and exits alike (2 on an error), printing only where prints_here(); no
     abbreviations (a misspelt option is an error, not a guess)."""
@@ -1133,10 +1140,12 @@ class LessonParser(argparse.ArgumentParser):
 
     def refuse(self, error: Exception) -> None:
         """Exit 2 with a broken rule in one line. A rule names a field as Python does (global_batch=3);
-        the reader typed its option, so each field=value of an option is said as --field-name 3."""
+        the reader typed its option, so each field=value of an option is said as --field-name 3 (a quoted
+        value as the shell would need it: --path 'my runs')."""
         message = str(error)
         for name, option_flag in self.flags.items():
-            message = re.sub(rf"(?<![\w.-]){name}='?([^\s,;:()']+)'?", rf"{option_flag} \1", message)
+            field_value = rf"(?<![\w.-]){name}=(?:'([^']*)'|([^\s,;:()']+))"  # quoted, or up to a space
+            message = re.sub(field_value, functools.partial(as_typed, option_flag), message)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

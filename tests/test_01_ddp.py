@@ -1232,6 +1232,10 @@ def test_a_refused_rule_names_the_options_the_reader_typed(capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2
     assert err.endswith(" a: error: --count 3 is odd, --kind b: account=2 recount=1 internal=3 only_b=1\n"), err
+    with pytest.raises(SystemExit):  # a value with a space (a path): whole, quoted as the shell needs it
+        parser.refuse(ValueError("kind='my runs, old' is not a kind; kind='' is empty"))
+    err = capsys.readouterr().err
+    assert err.endswith(" a: error: --kind 'my runs, old' is not a kind; --kind '' is empty\n"), err
 
 
 def test_a_config_names_the_field_that_breaks_its_rule():
