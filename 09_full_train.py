@@ -65,9 +65,9 @@ it: full overlap, none.
 
 THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that validate accepts; those
 that fit in memory, fastest first; a given mesh that does not fit names its largest part and the fastest
-option that keeps less with which it fits (why_not_fitting). The README's planning table checks the
-predictions against published runs: those the model was calibrated on, and runs it was only checked on
-(A100s, long context, B200s): PRESETS.
+option that keeps less with which it fits (why_not_fitting); where none fits, plan exits 1. The README's
+planning table checks the predictions against published runs: those the model was calibrated on, and
+runs it was only checked on (A100s, long context, B200s): PRESETS.
 
 RUN IT
     python 09_full_train.py                      # train: dp=2 x tp=2, 4 CPU processes, a few minutes
@@ -2019,8 +2019,8 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
     """A mesh that does not fit (r: the given one, or the search's leanest): its fullest GPU's largest
     term, and the fastest of the options that keep less (more recompute, a higher ZeRO stage, one sequence
     a microbatch, the loss in 8 slices: their fp32 temporaries below the logits' and their gradient's
-    bytes, SP where tp may be > 1) with which it fits (the sizes given kept; searched: on which mesh), or
-    that none does. Each computes the same numbers;
+    bytes, SP where tp may be > 1) with which it fits (the sizes given kept; searched: on which mesh), else
+    the fewest of them together, or that none does. Each computes the same numbers;
     --bf16-optimizer does not (AdamW's state in bf16), so it is named only where nothing else fits, and
     ZeRO 2-3 not where --fp32-grads would have to go: the user's calls."""
     most = r["memory_gib"][r["fullest"]]
@@ -2040,7 +2040,7 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
         changes[f"--loss-chunks {LOSS_CHUNKS}"] = dict(loss_chunks=LOSS_CHUNKS)
     if not job.train.sequence_parallel and job.mesh["tp"] != 1:  # SP: what the regions share, split by tp
         changes["--sequence-parallel"] = dict(sequence_parallel=True)
-    fits = fitting_options(job, gpus, changes)
+    fits = fitting_options(job, gpus, changes) or fewest_together(job, gpus, changes)
     text = f"its largest part: {term}, {gib_text(most[term])} GiB{held}; "
     if not fits:
         kept = " (--fp32-grads keeps ZeRO at 0-1)" if job.train.fp32_grads else ""
@@ -2061,6 +2061,30 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
     return text + f"it fits{uncounted} with {option}{searched}: {said}"
 
 
+def fewest_together(job: Job, gpus: int, changes: dict) -> dict:
+    """Where no one option fits: the strongest of each kind at once (full recompute, ZeRO-3, ...), then
+    each dropped that is not needed, in turn: {"--a --b": (step, GiB, sizes)}, or {} if all together do
+    not fit."""
+    strongest = {}  # a field -> its last (strongest) option: selective then full, ZeRO 1 then 3
+    for option, change in changes.items():
+        strongest[tuple(change)] = option
+    kept = list(strongest.values())
+
+    def together(options: list[str]) -> dict:
+        merged = {field: value for option in options for field, value in changes[option].items()}
+        return fitting_options(job, gpus, {" ".join(options): merged})
+
+    fits = together(kept)
+    if len(kept) < 2 or not fits:
+        return {}
+    for option in list(kept):
+        fewer = together([other for other in kept if other != option])
+        if fewer:
+            kept.remove(option)
+            fits = fewer
+    return fits
+
+
 def fitting_options(job: Job, gpus: int, changes: dict) -> dict:
     """{option: (step, GiB, sizes) of the fastest mesh fitting with it, the sizes given kept}, of those that
     fit."""
@@ -2074,8 +2098,9 @@ def fitting_options(job: Job, gpus: int, changes: dict) -> dict:
     return fits
 
 
-def plan_report(job: Job) -> str:
-    """The given mesh's breakdown, or the fastest that fit (one line if none does); --json: one object."""
+def plan_report(job: Job) -> tuple[str, bool]:
+    """The given mesh's breakdown, or the fastest that fit (one line if none does); --json: one object.
+    With whether a mesh fits (main's exit status: 1 where none does, for a script's `if`)."""
     cfg = job.cfg
     cluster = job.cluster
     train = job.train
@@ -2105,13 +2130,16 @@ def plan_report(job: Job) -> str:
     shown = [record(*v) for v in (valid[:1] if given else fitting[:TOP_MESHES] or [leanest])]
     need = shown[0]["memory_gib"][shown[0]["fullest"]]["total"]
     moe = train.moe
+    fits = need <= memory
     if job.json:
         # what plan prices: not the optimizer's lr, eps and clip (whose inf is no strict JSON)
         priced = {k: v for k, v in dataclasses.asdict(train).items() if k not in OPTIMIZER[:3]}
-        return json.dumps(dict(model=job.model, config=dataclasses.asdict(cfg), train=priced, gpus=gpus,
-                               cluster=dataclasses.asdict(cluster) | {"gpus": gpus}, valid=len(valid),
-                               fitting=len(fitting),
-                               fits=None if moe and need <= memory else need <= memory, meshes=shown))
+        why_not = None if fits else why_not_fitting(job, gpus, shown[0])
+        report = json.dumps(dict(model=job.model, config=dataclasses.asdict(cfg), train=priced, gpus=gpus,
+                                 cluster=dataclasses.asdict(cluster) | {"gpus": gpus}, valid=len(valid),
+                                 fitting=len(fitting), fits=None if moe and fits else fits,
+                                 why_not_fitting=why_not, meshes=shown))
+        return report, fits
     n_params = parameter_count(cfg, moe, skip=("lm_head.weight",) if cfg.tie_embeddings else ())
     mlp = f"ffn {cfg.ffn_dim}"
     if moe:
@@ -2146,17 +2174,18 @@ def plan_report(job: Job) -> str:
         else:
             verdict = (f"fits{' without its activations' * bool(moe)}: {need:,.1f} of {memory:g} GiB on the "
                        f"fullest GPU")
-        return "\n".join([header, describe(shown[0], table=True), verdict])
+        return "\n".join([header, describe(shown[0], table=True), verdict]), fits
     if not fitting:
         return (f"{job.model} does not fit on {on} of {memory:g} GiB: the leanest of {len(valid)} "
                 f"valid mesh{'es' * (len(valid) != 1)} ({describe(shown[0], False).splitlines()[0]}) needs "
                 f"{need:,.1f} GiB on its fullest GPU, {over / 100:.2f}x the memory; "
-                + why_not_fitting(job, gpus, shown[0]))
+                + why_not_fitting(job, gpus, shown[0])), fits
     one = len(fitting) == 1
     fit = f"{len(fitting)} fit{'s' * one}" + f" without {'its' if one else 'their'} activations" * bool(moe)
     passing = f"{len(valid)} mesh{'es pass' if len(valid) != 1 else ' passes'} validate"
-    return "\n".join([header, f"{passing}, {fit}; the fastest:"] + [
-        f"{rank}. " + describe(r, table=False).replace("\n", "\n   ") for rank, r in enumerate(shown, 1)])
+    fastest = [f"{rank}. " + describe(r, table=False).replace("\n", "\n   ")
+               for rank, r in enumerate(shown, 1)]
+    return "\n".join([header, f"{passing}, {fit}; the fastest:", *fastest]), fits
 
 
 # --- The command line: check | train | plan, made from the option fields -----------------------------
@@ -2351,13 +2380,14 @@ def main() -> None:
     parser, args = foundation.parse_options(__doc__, OPTIONS, COMMANDS, aliases=MODEL_ALIASES)
     try:
         job = configure(args)
-        report = plan_report(job) if job.command == "plan" else None  # plan builds nothing, starts no rank
+        if job.command == "plan":  # plan builds nothing, starts no rank
+            report, fits = plan_report(job)
     except ValueError as error:
         parser.refuse(error)
     if job.command == "plan":
         if foundation.prints_here():  # under torchrun, rank 0 alone prints
             print_report(report)
-        return
+        sys.exit(0 if fits else 1)  # a plan that does not fit: exit 1, as grep's "not found"
     program = check_run if job.command == "check" else train_run
     foundation.launch_lesson(parser, job, program, rules=[functools.partial(check_before_launch, job)])
 

@@ -358,6 +358,8 @@ RAN = {
     'test_09_full_train.py::test_a_mesh_that_does_not_fit_names_what_would_fit_it[microbatches]': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_a_mesh_that_does_not_fit_names_what_would_fit_it[search]': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_a_mesh_that_does_not_fit_names_what_would_fit_it[sequence parallel]': ('04.2', '09.3', '09.4'),
+    'test_09_full_train.py::test_a_mesh_that_does_not_fit_names_what_would_fit_it[three together]': ('04.2', '09.3', '09.4'),
+    'test_09_full_train.py::test_a_mesh_that_does_not_fit_names_what_would_fit_it[three, searched]': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_a_mixtral_config_plans_its_experts_and_a_tied_one_counts_the_embedding_once': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_a_model_or_mesh_of_one_is_said_in_the_singular': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_a_model_that_cannot_fit_is_one_line_saying_by_how_much': ('04.2', '09.3', '09.4'),

@@ -1731,7 +1731,7 @@ def test_the_plans_memory_table_keeps_its_columns_apart_past_a_thousand_gib(monk
     ("1.41,313.0"). Each row of the table is its stage, 8 numbers, and what the stage holds."""
     code, err, launched, out = run_main(monkeypatch, capsys, "plan", "--model", "llama3-405b", "--dp", "1", "--pp",
                                         "4", "--cp", "1", "--tp", "2")
-    assert code == 0, err
+    assert code == 1 and not err, err  # exit 1: it does not fit
     header = next(line for line in out.splitlines() if line.startswith("GiB per GPU"))
     rows = [line for line in out.splitlines() if line.startswith("  pp ")]
     assert header.split()[3:] == ["params", "grads", "optim", "activ", "temps", "frag", "cuda+", "total"]
@@ -1836,13 +1836,22 @@ def test_the_search_returns_valid_meshes_that_fit_and_more_memory_never_slows_it
 
 
 def test_a_model_that_cannot_fit_is_one_line_saying_by_how_much(monkeypatch, capsys):
-    _, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-405b", "--gpus", "8")
+    """The one line, and exit 1 (a script's `if plan ...` reads the answer; 2 is a refused option). --json
+    carries the same line as why_not_fitting (null where a mesh fits)."""
+    code, out, err = plan_main(monkeypatch, capsys, "--model", "llama3-405b", "--gpus", "8")
+    assert code == 1 and not err, err
     needs, ratio = re.fullmatch(r"llama3-405b does not fit on 8 GPUs of 80 GiB: the leanest of \d+ valid "
                                 r"meshes \(dp=\d+ pp=\d+ cp=1 tp=\d+, .*\) needs ([\d,.]+) GiB on its fullest "
                                 r"GPU, ([\d.]+)x the memory; its largest part: optimizer, [\d,.]+ GiB; no more "
                                 r"recompute, ZeRO, microbatches, loss slices or SP make it fit\n", out).groups()
     assert float(needs.replace(",", "")) / 80 == pytest.approx(float(ratio), abs=0.05)
-    _, out, _ = plan_main(monkeypatch, capsys, *"--model llama3-70b --dp 4 --pp 1 --cp 1 --tp 8 --zero 2".split())
+    code, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-405b", "--gpus", "8", "--json")
+    plan = json.loads(out)
+    assert code == 1 and plan["fits"] is False and plan["fitting"] == 0 and len(plan["meshes"]) == 1
+    assert plan["why_not_fitting"].startswith("its largest part: optimizer, ") and plan["why_not_fitting"].endswith(
+        "no more recompute, ZeRO, microbatches, loss slices or SP make it fit")
+    code, out, _ = plan_main(monkeypatch, capsys, *"--model llama3-70b --dp 4 --pp 1 --cp 1 --tp 8 --zero 2".split())
+    assert code == 1
     assert re.search(r"\ndoes not fit: the fullest GPU needs [\d,.]+ GiB, [\d,.]+ GiB \(\d+%\) more than its "
                      r"80 GiB; its largest part: activations, [\d,.]+ GiB \(1 microbatch in flight\); it fits with "
                      r"--sequence-parallel: [\d,.]+ GiB, step [\d,.]+ s\n$", out), out  # faster than recompute
@@ -2788,24 +2797,36 @@ def test_fp32_gradients_price_zero_1s_step_and_reduction_at_4_bytes():
      "numbers), it fits with --bf16-optimizer --sequence-parallel: "),
     ("--model llama3-8b --gpus 8 --seq-len 131072 --global-batch 8", "it fits with --recompute full on "),
     ("--model llama3-70b --gpus 32 --pp 1 --cp 1 --zero 2", "it fits with --sequence-parallel on "),
-], ids=["microbatches", "bf16-optimizer", "search", "sequence parallel"])
+    ("--model llama3-8b --dp 8 --pp 1 --cp 1 --tp 1 --seq-len 32768 --global-batch 64",
+     "it fits with --recompute full --zero 3 --loss-chunks 8: "),
+    ("--model llama3-8b --gpus 8 --seq-len 131072 --global-batch 8 --gpu a100-40gb",
+     "it fits with --recompute full --loss-chunks 8 --sequence-parallel on "),
+], ids=["microbatches", "bf16-optimizer", "search", "sequence parallel", "three together", "three, searched"])
 def test_a_mesh_that_does_not_fit_names_what_would_fit_it(monkeypatch, capsys, options, fits):
     """A new user's dead ends (issue 55's reviews): 4 microbatches of 16 sequences on pp 8 (one sequence
     each fits); a 70B whose AdamW state alone overflows (only --bf16-optimizer, which computes other
     numbers, fits: named last); a search where no mesh fits as asked (it said by how much, not what fits;
     then it named the fastest fitting mesh's numbers as the leanest's: now it names that mesh); a 70B at
-    tp 8 whose activations SP fits, faster than a full recompute (SP was not offered). Each suggestion fits
-    when taken, on the mesh it names, with the GiB and step said."""
+    tp 8 whose activations SP fits, faster than a full recompute (SP was not offered); an 8B at 32k tokens
+    that no one option fits (it said none fits: now the fewest together). Each suggestion fits when taken,
+    on the mesh it names, with the GiB and step said; of several, none can be left out."""
     code, out, _ = plan_main(monkeypatch, capsys, *options.split())
     said = re.search(re.escape(fits) + r"(dp=\d+ pp=\d+ cp=\d+ tp=\d+: )?([\d,.]+) GiB, step ([\d,.]+) s$",
                      out.splitlines()[-1])
-    assert code == 0 and said, out
+    assert code == 1 and said, out
     taken = fits.rpartition("it fits with ")[2].removesuffix(": ").removesuffix(" on ").split()
     mesh = [f"--{size.replace('=', ' ')}" for size in (said[1] or "").removesuffix(": ").split()]
-    _, out, _ = plan_main(monkeypatch, capsys, *options.split(), *taken, *" ".join(mesh).split())
-    assert not out.splitlines()[-1].startswith("does not fit") and "does not fit on" not in out, out
+    code, out, _ = plan_main(monkeypatch, capsys, *options.split(), *taken, *" ".join(mesh).split())
+    assert code == 0 and not out.splitlines()[-1].startswith("does not fit") and "does not fit on" not in out, out
     if mesh:  # that mesh alone: its fullest GPU and step as said
         assert f"fits: {said[2]} of " in out and f"step {said[3]} s predicted" in out, out
+    starts = [i for i, word in enumerate(taken) if word.startswith("--")] + [len(taken)]
+    if len(starts) > 2 and "--bf16-optimizer" not in taken:  # the fewest: without any one, nothing fits
+        # (--bf16-optimizer's suggestion is its fastest pairing, not the fewest options)
+        for left_out in zip(starts, starts[1:]):
+            others = [word for i, word in enumerate(taken) if not left_out[0] <= i < left_out[1]]
+            code, out, _ = plan_main(monkeypatch, capsys, *options.split(), *others)
+            assert code == 1 and "does not fit" in out, (others, out)
 
 
 def test_fp32_gradients_rule_out_zero_2_and_3_in_what_would_fit(monkeypatch, capsys):
@@ -3005,9 +3026,10 @@ def test_every_published_mesh_fits_or_names_the_term_and_an_option_that_fits_it(
         run = dataclasses.replace(run, microbatches=published_row(label)[2].get("microbatches"))
         mesh = {d: getattr(sizes, d) for d in full_train.DIMS}
         job = full_train.Job("plan", label, cfg, mesh, sizes.ep, run, full_train.RunConfig(), cluster, sizes.world)
-        verdict = full_train.plan_report(job).splitlines()[-1]
+        report, fits = full_train.plan_report(job)
+        verdict = report.splitlines()[-1]
         if label not in DOES_NOT_FIT_AS_PUBLISHED:
-            assert verdict.startswith("fits: "), (label, verdict)
+            assert fits and verdict.startswith("fits: "), (label, verdict)
             continue
         term, option = DOES_NOT_FIT_AS_PUBLISHED[label]
         assert re.fullmatch(rf"does not fit: .*; its largest part: {term}, [\d,.]+ GiB( \(.*\))?; it fits with {option}: "
@@ -3016,7 +3038,7 @@ def test_every_published_mesh_fits_or_names_the_term_and_an_option_that_fits_it(
         field = {"recompute": "recompute", "zero": "zero_stage", "loss-chunks": "loss_chunks"}[name]
         change = {field: value if name == "recompute" else int(value)}
         job = dataclasses.replace(job, train=dataclasses.replace(run, **change))
-        assert full_train.plan_report(job).splitlines()[-1].startswith("fits: "), (label, option)
+        assert not fits and full_train.plan_report(job)[0].splitlines()[-1].startswith("fits: "), (label, option)
 
 
 # Published peak memory per GPU (GiB; torchtitan and torchao log torch's peak *reserved* bytes, which leave out
@@ -3267,7 +3289,7 @@ def test_an_moe_plan_never_says_fits_of_memory_it_does_not_count(monkeypatch, ca
     assert "4 experts of 14336, top 2" in out
     # 22B of experts on 8 GPUs do not fit: the verdict names a counted part (it once crashed on the None)
     code, out, _ = plan_main(monkeypatch, capsys, *mesh[:3], "--dp", "4", "--pp", "1", "--cp", "1", "--tp", "2")
-    assert code == 0 and re.search(r"^does not fit: .*; its largest part: optimizer, .* it fits without its "
+    assert code == 1 and re.search(r"^does not fit: .*; its largest part: optimizer, .* it fits without its "
                                    r"activations with --bf16-optimizer --zero 3: ", out.splitlines()[-1]), out
     code, out, _ = plan_main(monkeypatch, capsys, *mesh, "--json")
     plan = json.loads(out)
@@ -3302,7 +3324,7 @@ def test_a_size_at_its_bound_is_planned_in_closed_form(monkeypatch, capsys):
     """10,000 layers (MAX_LAYERS): 20,000 took 34 s, flops_per_token listing every layer's parameters; now a
     layer's parameters x layers (test_flops_per_token_count_the_model_but_its_embedding: the same count)."""
     code, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "8", "--layers", "10000")
-    assert code == 0 and out.startswith("llama3-8b does not fit on 8 GPUs of 80 GiB: the leanest of "), out
+    assert code == 1 and out.startswith("llama3-8b does not fit on 8 GPUs of 80 GiB: the leanest of "), out
 
 
 def test_a_model_or_mesh_of_one_is_said_in_the_singular(monkeypatch, capsys):
@@ -3312,7 +3334,7 @@ def test_a_model_or_mesh_of_one_is_said_in_the_singular(monkeypatch, capsys):
     code, out, _ = plan_main(monkeypatch, capsys, "--model", "tiny", "--gpus", "1", "--moe")
     assert code == 0 and "\n1 mesh passes validate, 1 fits without its activations; the fastest:" in out
     code, out, _ = plan_main(monkeypatch, capsys, "--model", "llama3-405b", "--gpus", "1")
-    assert out.startswith("llama3-405b does not fit on 1 GPU of 80 GiB: the leanest of 1 valid mesh (")
+    assert code == 1 and out.startswith("llama3-405b does not fit on 1 GPU of 80 GiB: the leanest of 1 valid mesh (")
     code, _, err = plan_main(monkeypatch, capsys, "--model", "tiny", "--gpus", "1", "--microbatches", "7")
     assert code == 2 and err.startswith("09_full_train.py plan: error: no mesh of 1 GPU passes validate: "), err
 
@@ -3554,7 +3576,7 @@ def test_json_is_one_object_with_the_text_reports_numbers(monkeypatch, capsys):
         assert row == [f"{x:,.1f}" if x >= 1 else f"{x:.2g}" for x in memory.values()], (rank, row)
     for group, sent in mesh["sent_gb"].items():
         assert f"{group} {full_train.number_text(sent['gb'])} GB ({sent['link']})" in text
-    assert plan["fits"] == ("\nfits: " in text)
+    assert plan["fits"] == ("\nfits: " in text) and (plan["why_not_fitting"] is None) == plan["fits"]
     searched = json.loads(plan_main(monkeypatch, capsys, "--model", "llama3-8b", "--gpus", "64", "--json")[1])
     steps = [m["step_s"] for m in searched["meshes"]]
     assert len(steps) == full_train.TOP_MESHES and steps == sorted(steps) and searched["fits"]
