@@ -589,7 +589,8 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
                  kept_input: tuple[int, int] | None = None) -> dict[str, tuple[int, int]]:
     """op -> (calls, payload bytes) in one training step, any t > 1: the module docstring's collectives
     of activations of elem_bytes. recompute="full" reruns attention's g (SP: also both regions' f), not
-    the MLP's g: each block reruns up to down_proj's input. SP with regather: each region's kept shard
+    the MLP's g: each block reruns up to down_proj's input; "whole" (09's plan: a reentrant checkpoint,
+    Megatron's) reruns the block to its end, the MLP's g too. SP with regather: each region's kept shard
     gathered again in backward, at kept_input's bytes an element (layer_activation_formula); LossInChunks:
     the loss's 3 on each of its loss_chunks slices that is not empty (at most one a token). The other
     keywords are lesson 09's, for a pipeline stage: `layers` layers, each collective once per microbatch,
@@ -602,12 +603,13 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
     loss = (3 * head * m * slices, 3 * head * batch * seq_len * 4)  # (calls, bytes): 3 fp32 numbers a token
     activations = (2 + 2 * mlp) * layers + embed + head
     norms = 2 * layers + head
-    again = layers if recompute == "full" else 0
+    again = layers if recompute in ("full", "whole") else 0
+    mlp_again = layers * mlp if recompute == "whole" else 0  # the MLP's g, after down_proj
     if not sequence_parallel:
-        calls = activations + again
+        calls = activations + again + mlp_again
         return {"all_reduce": (m * calls + loss[0], calls * bsh + loss[1])}
     gathers = activations + again * (1 + mlp)
-    scatters = activations + again
+    scatters = activations + again + mlp_again
     regathers = (1 + mlp) * layers * regather
     gathered = gathers * bsh + regathers * batch * seq_len * cfg.dim * kept
     return {"all_gather": (m * (gathers + regathers), gathered),

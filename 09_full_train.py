@@ -255,7 +255,10 @@ class TrainConfig:
                               "buffer, reduced in fp32 (Megatron's main_grad; FSDP2's reduce_dtype under a "
                               "pipeline); --zero 0 or 1")
     recompute: str = option("none", "activation recompute (03): selective = attention's inside, full = each "
-                            "block", choices=tensor_parallel.RECOMPUTE_MODES)
+                            "block (torch's checkpoint: its rerun stops at down_proj's input, the last "
+                            "tensor backward reads); plan only, whole = each block rerun to its end, "
+                            "down_proj and its all-reduce too, as a reentrant checkpoint reruns it "
+                            "(Megatron's, DeepSpeed's)", choices=(*tensor_parallel.RECOMPUTE_MODES, "whole"))
     lean_saves: bool = option(True, "03's lean saves: norms and SwiGLU keep their inputs, SP's linears their "
                               "input's sequence shard", off=(
                                   "--autograd-saves", False, "every tensor autograd saves; SP's linears keep "
@@ -352,6 +355,11 @@ def unpriced_dropout(train: TrainConfig) -> str:
             f"not price")
 
 
+def unpriced_whole(train: TrainConfig) -> str:
+    return (f"recompute='whole' is priced for dense layers without FP8: its rerun's "
+            f"{'FP8 amaxes' if train.fp8 else 'MoE all-to-alls'} have no formula (full's have)")
+
+
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     """Every violation, each lesson's rule in its own words, in one ValueError."""
     problems = [*foundation.broken_rules(sizes, dataclasses.fields(sizes)),
@@ -388,6 +396,8 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
         problems.append(f"recompute op reruns a block but its matmuls' and attention's outputs: at "
                         f"tp={sizes.tp}, cp={sizes.cp} that reruns 03's collectives or 05's ring, whose "
                         f"traffic has no formula")
+    if train.recompute == "whole" and (train.fp8 or train.moe):
+        problems.append(unpriced_whole(train))
     if train.attention_dropout and train.attention != "unfused":
         problems.append(unpriced_dropout(train))
     elif train.attention_dropout and cp > 1:
@@ -1419,7 +1429,9 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     if cp > 1 and cfg.n_heads == tp and not train.fp8:  # one head a rank: flattening it copies
         attention -= e * q  # nothing, so out_proj keeps the merged output the ring keeps: counted once
 
-    def stage_bytes(stage: int, mode: str = train.recompute, layers: int | None = None) -> int:
+    saving = "full" if train.recompute == "whole" else train.recompute  # whole keeps what full keeps
+
+    def stage_bytes(stage: int, mode: str = saving, layers: int | None = None) -> int:
         """03's activations of a stage's layers (or `layers` of them) for one microbatch; 08's casts kept."""
         return tensor_parallel.layer_activation_formula(
             cfg, b // m, s, tp, train.sequence_parallel, mode, e, attention, layers or len(spans[stage]),
@@ -1427,7 +1439,8 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
             kept_input=fp8.KEPT_INPUT if train.fp8 else None)
 
     whole = stage_bytes(0, "none", 1)  # a layer's saves, which a recompute rebuilds in its backward
-    rebuilt = {mode: whole - stage_bytes(0, mode, 1) for mode in ("op", "selective")} | {"full": whole}
+    rebuilt = {mode: whole - stage_bytes(0, mode, 1) for mode in ("op", "selective")}
+    rebuilt |= dict.fromkeys(("full", "whole"), whole)
     mb = b // m * s  # a microbatch's tokens on a rank
     heads = cfg.n_heads // tp
     kv_heads = cfg.n_kv_heads // tp
@@ -1809,9 +1822,10 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
     if train.recompute == "op":  # elementwise work, the 2nd, 4th and 6th matmul (its policy keeps the rest)
         again["elementwise"] = layer["elementwise"][0]
         again["GEMMs"] = linears("layers.", ("k_proj", "out_proj", "up_proj"), rerun=True)[0] + input_casts()
-    if train.recompute == "full":  # the block up to down_proj's input, which its backward keeps (FP8's
-        # down_proj runs its GEMM before Projections keeps its input's cast; 06's MoE: priced whole)
-        dense = moe is None
+    if train.recompute in ("full", "whole"):  # full: the block up to down_proj's input, which its backward
+        # keeps (FP8's down_proj runs its GEMM before Projections keeps its input's cast; 06's MoE: priced
+        # whole); whole: to the block's end
+        dense = moe is None and train.recompute == "full"
         names = [name.split(".")[-2] for name, shape in shapes.items() if name.startswith("layers.")
                  and len(shape) >= 2 and (train.fp8 or not dense or not name.endswith("down_proj.weight"))]
         last_add = 3 * e * cfg.dim * tokens // (tp if train.sequence_parallel else 1) * dense / hbm
@@ -2028,8 +2042,9 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
     in_flight = in_flight_text(r["in_flight"][r["fullest"]], r["virtual"])
     held = f" ({in_flight} in flight)" if term == "activations" else ""
     modes = tensor_parallel.RECOMPUTE_MODES
+    saving = "full" if job.train.recompute == "whole" else job.train.recompute  # whole saves what full does
     changes = {f"--recompute {mode}": dict(recompute=mode) for mode in ("selective", "full")
-               if modes.index(mode) > modes.index(job.train.recompute)}
+               if modes.index(mode) > modes.index(saving)}
     if not job.train.fp32_grads:  # stages 2-3 free the fp32 gradient buffer it keeps
         changes |= {f"--zero {stage}": dict(zero_stage=stage) for stage in range(job.train.zero_stage + 1, 4)}
     if job.train.microbatches and job.mesh["dp"]:  # the sequences of a replica, one a microbatch
@@ -2122,6 +2137,8 @@ def plan_report(job: Job) -> tuple[str, bool]:
         raise ValueError(f"--fp8: the {cluster.gpu} has no FP8 tensor cores (--fp8-tflops prices one)")
     if train.attention_dropout and train.attention != "unfused":  # every mesh's: said once, before the search
         raise ValueError(unpriced_dropout(train))
+    if train.recompute == "whole" and (train.fp8 or train.moe):
+        raise ValueError(unpriced_whole(train))
     valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, job.ep, cluster)
     on = f"{gpus:,} GPU" + "s" * (gpus != 1)
     if not valid:  # a refusal, like any other: exit 2
@@ -2313,7 +2330,10 @@ def check_before_launch(job: Job, world: int) -> None:
         (train.attention == "unfused", "--attention unfused is plan's price of PyTorch's eager attention: "
                                        "train and check run sdpa or flash"),
         (train.attention_dropout, "--attention-dropout is plan's price of Megatron's dropout of the "
-                                  "attention probabilities: 01's model has no dropout")) if wrong]
+                                  "attention probabilities: 01's model has no dropout"),
+        (train.recompute == "whole",
+         "--recompute whole is plan's price of a reentrant checkpoint (Megatron's): train and check run "
+         "full, which keeps the same tensors and stops its rerun at down_proj's input")) if wrong]
     broken += () if job.command != "train" else [message for wrong, message in (
         (cfg.vocab_size < 256,
          f"train reads bytes: a vocabulary of {cfg.vocab_size} cannot hold them (--vocab)"),

@@ -425,6 +425,7 @@ RAN = {
     'test_09_full_train.py::test_the_plans_memory_table_keeps_its_columns_apart_past_a_thousand_gib': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_the_plans_recompute_runs_again_the_gemms_and_casts_03_runs_again[full]': ('04.2', '08.1', '08.2', '09.3', '09.4'),
     'test_09_full_train.py::test_the_plans_recompute_runs_again_the_gemms_and_casts_03_runs_again[op]': ('04.2', '08.1', '08.2', '09.3', '09.4'),
+    'test_09_full_train.py::test_the_plans_recompute_runs_again_the_gemms_and_casts_03_runs_again[whole]': ('04.2', '08.1', '08.2', '09.3', '09.4'),
     'test_09_full_train.py::test_the_prediction_moves_the_right_way_when_one_input_changes': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_the_readmes_tables_of_published_runs_are_what_plan_predicts': ('04.1', '04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_the_rings_merges_move_the_bytes_a_dispatch_mode_counts[2]': ('05.1', '05.2', '05.3'),

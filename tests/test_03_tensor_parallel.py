@@ -970,13 +970,24 @@ def test_recompute_and_lean_saves_refuse_bad_modes_and_a_second_application():
         tensor_parallel.apply_lean_saves(model)
 
 
+def rerun_whole(model):
+    """09's plan-only --recompute whole, as Megatron's CheckpointFunction runs it: each block in a
+    reentrant checkpoint, whose backward runs the block's forward again to its end."""
+    for block in model.layers.values():
+        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=True)
+    return model
+
+
 def recompute_tensor_parallel(cfg, batch: int, seq_len: int, sequence_parallel: bool) -> tuple:
-    """On each rank: loss and local gradients under each mode, layer 0's saved bytes, the meter of
-    the step (forward + backward), and the TP-local parameter shapes."""
+    """On each rank: loss and local gradients under each mode (and a reentrant "whole"), layer 0's saved
+    bytes, the meter of the step (forward + backward), and the TP-local parameter shapes."""
     runs, saved, meters = {}, {}, {}
-    for mode in set(tensor_parallel.RECOMPUTE_MODES) - {"op"}:  # op reruns collectives (09 refuses it)
+    for mode in [*set(tensor_parallel.RECOMPUTE_MODES) - {"op"}, "whole"]:  # op reruns collectives (09 refuses)
         model = tensor_parallel.apply_tensor_parallel(foundation.GPT(cfg), None, sequence_parallel)
-        tensor_parallel.apply_recompute(model, mode)
+        if mode == "whole":
+            rerun_whole(model)
+        else:
+            tensor_parallel.apply_recompute(model, mode)
         with foundation.comm_meter() as meters[mode]:
             runs[mode] = loss_and_grads(model, *foundation.synthetic_batch(cfg, batch, seq_len, step=0))
         shards = dist.get_world_size() if sequence_parallel else 1
@@ -998,15 +1009,19 @@ def recompute_context_parallel(cfg, batch: int, seq_len: int) -> dict:
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_recompute_after_tensor_parallelism(rank_pool, sequence_parallel):
-    """Also: full recompute re-runs each block's collectives up to down_proj's input (comm_formula),
-    and tp_local_shape gives every parameter's shape on a rank (vocabulary 33 padded to 34)."""
+    """Also: full recompute re-runs each block's collectives up to down_proj's input (comm_formula), a
+    reentrant checkpoint ("whole", 09's plan for Megatron's) to the block's end, the MLP's g too, keeping
+    what full keeps; tp_local_shape gives every parameter's shape on a rank (vocabulary 33 padded to 34)."""
     cfg = foundation.ModelConfig(vocab_size=33, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=24, n_layers=2)
     share = {"all_reduce": 1, "all_gather": Fraction(1, 2), "reduce_scatter": Fraction(1, 2)}  # ring, t = 2
     results = rank_pool.run(2, recompute_tensor_parallel, cfg, 2, 6, sequence_parallel)
     for runs, saved, meters, shapes in results:
         assert_same_training(runs)
+        g = "reduce_scatter" if sequence_parallel else "all_reduce"
+        assert meters["whole"].traffic(g) > meters["full"].traffic(g)  # the MLP's g, again
         for mode, got in saved.items():
-            assert got == tensor_parallel.layer_activation_formula(cfg, 2, 6, 2, sequence_parallel, mode), mode
+            saving = "full" if mode == "whole" else mode
+            assert got == tensor_parallel.layer_activation_formula(cfg, 2, 6, 2, sequence_parallel, saving), mode
             formula = tensor_parallel.comm_formula(cfg, 2, 6, sequence_parallel, recompute=mode)
             assert {op: meters[mode].traffic(op) for op, _ in meters[mode].stats} == \
                 {op: share[op] * payload for op, (_, payload) in formula.items()}, mode
