@@ -356,8 +356,9 @@ def unpriced_dropout(train: TrainConfig) -> str:
 
 
 def unpriced_whole(train: TrainConfig) -> str:
-    return (f"recompute='whole' is priced for dense layers without FP8: its rerun's "
-            f"{'FP8 amaxes' if train.fp8 else 'MoE all-to-alls'} have no formula (full's have)")
+    unpriced = [part for part, used in (("FP8 amaxes", train.fp8), ("MoE all-to-alls", train.moe)) if used]
+    return (f"recompute='whole' is priced for dense layers without FP8: its rerun's {' and '.join(unpriced)} "
+            f"have no formula (full's have)")
 
 
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:

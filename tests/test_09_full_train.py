@@ -581,6 +581,9 @@ def test_invalid_configurations_list_every_violation(rank_pool):
     sequence_parallel = full_train.TrainConfig(global_batch=1, seq_len=12, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"seq_len / cp = 12 / 2 tokens over tp=4: not divisible"):
         full_train.validate(small_model(), full_train.MeshSizes(cp=2, tp=4), sequence_parallel, 8)
+    whole = dataclasses.replace(good, recompute="whole", fp8=True, moe=moe_train.moe)  # plan's, unpriced
+    with pytest.raises(ValueError, match="its rerun's FP8 amaxes and MoE all-to-alls have no formula"):
+        full_train.validate(small_model(), full_train.MeshSizes(), whole, 1)
 
 
 def nan_step(cfg, sizes, train):
@@ -2306,6 +2309,12 @@ def test_the_plans_recompute_runs_again_the_gemms_and_casts_03_runs_again(recomp
         inputs = [n_in for name, (_, n_in) in layer.items() if name not in full_train.CAST_BY_A_SIBLING]
         casts = fp8_run * sum(fp8.float8_cast_bytes(4096, n_in, 0)[0] for n_in in inputs) / hbm
         assert len(inputs) == 4 and grown == pytest.approx(16 * 32 * (gemms + casts), rel=1e-9), fp8_run
+    if recompute == "whole":  # what full keeps, and its rebuilt layer among backward's temporaries
+        cfg_bloom, sizes_bloom, run_bloom, _ = published_run("BLOOM 176B")
+        holds = [[r.memory for r in full_train.plan(cfg_bloom, sizes_bloom, dataclasses.replace(run_bloom,
+                                                                                                recompute=mode))]
+                 for mode in ("full", "whole")]
+        assert holds[0] == holds[1]
     if recompute != "op":  # and the elementwise work before down_proj: not the second residual add after it
         forward = full_train.elementwise_bytes(cfg, 4096, 1, False, layers=1, embed=False, head=False)[0]
         parts = [full_train.planned(cfg, sizes, dataclasses.replace(run, recompute=mode), cluster)[3]["parts"]
@@ -3306,6 +3315,10 @@ def test_an_moe_plan_never_says_fits_of_memory_it_does_not_count(monkeypatch, ca
     code, out, _ = plan_main(monkeypatch, capsys, *mesh[:3], "--dp", "4", "--pp", "1", "--cp", "1", "--tp", "2")
     assert code == 1 and re.search(r"^does not fit: .*; its largest part: optimizer, .* it fits without its "
                                    r"activations with --bf16-optimizer --zero 3: ", out.splitlines()[-1]), out
+    code, out, _ = plan_main(monkeypatch, capsys, *mesh[:3], "--dp", "4", "--pp", "1", "--cp", "1", "--tp", "2",
+                             "--json")
+    plan = json.loads(out)  # null: fits but for the activations; not fitting even without them: false
+    assert code == 1 and plan["fits"] is False and "--bf16-optimizer --zero 3" in plan["why_not_fitting"]
     code, out, _ = plan_main(monkeypatch, capsys, *mesh, "--json")
     plan = json.loads(out)
     assert code == 0 and plan["fits"] is None and plan["cluster"]["gpus"] == plan["gpus"] == 16
@@ -3512,6 +3525,7 @@ def test_the_losses_eager_bytes_are_what_a_dispatch_mode_counts(rank_pool):
      "--attention-dropout must be >= 0, not -0.1"),
     (["train", "--recompute", "whole"], "--recompute whole is plan's price of a reentrant checkpoint (Megatron's): "
                                         "train and check run full, which keeps the same tensors"),
+    (["check", "--recompute", "whole"], "--recompute whole is plan's price of a reentrant checkpoint"),
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--recompute", "whole", "--fp8"],
      "error: --recompute whole is priced for dense layers without FP8: its rerun's FP8 amaxes have no formula"),
     (["plan", "--model", "llama3-8b", "--dp", "8", "--pp", "1", "--cp", "1", "--tp", "1", "--recompute", "whole",
