@@ -2383,6 +2383,13 @@ def check_before_launch(job: Job, world: int) -> None:
     if run.resume:  # damaged, another model, other data: refused before any rank starts
         _, meta = zero.open_checkpoint(run.folder, cfg, run.resume_step, checksums=False,
                                        resume_command=resume_command)  # the ranks hash
+        step = meta["step"]
+        later = sorted(p.name for p in Path(run.folder).glob("step_*") if (zero.step_of(p) or 0) > step
+                       and zero.checkpoint_problem(p)[0] is None)  # a damaged one is no loss: replaced
+        if later:  # the run's saves would remove or overwrite them (02's save_checkpoint keeps its own)
+            raise ValueError(f"--resume {step}: {run.folder} holds later checkpoints ({', '.join(later)}), "
+                             f"which this run's saves would replace: to go back to step {step}, remove them "
+                             f"yourself or copy the folder and resume in the copy; else --resume the latest")
         loader = ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=run.seed)
         loader.load_state_dict(meta["loader"])
         return
