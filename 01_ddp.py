@@ -1180,13 +1180,15 @@ class Command(NamedTuple):
 
 
 def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Command] | None = None,
-                  defaults: dict = {}, argv: list[str] | None = None, aliases: dict[str, str] = {}
+                  defaults: dict = {}, argv: list[str] | None = None, aliases: dict[str, str] = {},
+                  bench_reads: tuple[str, ...] = (), bench_only: tuple[str, ...] = ()
                   ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     """The lesson's options, one per field of classes, each checked against its rule (one line, exit
     2). commands: sub-commands, each with the fields that name it; argv starting with none of them
     (nor --help) runs the first. aliases: a name the lesson's rules use -> the option field that sets
-    it (n_heads -> heads), for LessonParser.refuse. Returns the parser that errors should exit through,
-    and the options."""
+    it (n_heads -> heads), for LessonParser.refuse. A lesson with --bench: an option typed that the run
+    does not read is refused (unread_options). Returns the parser that errors should exit through, and
+    the options."""
     argv = sys.argv[1:] if argv is None else argv
     parser = LessonParser(description=" ".join(doc.split("\n\n")[0].split()))
     parsers = {None: (parser, option_fields(classes))}
@@ -1214,7 +1216,34 @@ def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Comma
         chosen.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if problems := broken_rules(args, fields, flagged=True):
         chosen.exit(2, f"{chosen.prog}: error: {problems[0]}\n")
+    if unread := unread_options(chosen, argv, args, fields, bench_reads, bench_only):
+        chosen.exit(2, f"{chosen.prog}: error: {unread}\n")
     return chosen, args
+
+
+def unread_options(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace, fields: list,
+                   bench_reads: tuple[str, ...], bench_only: tuple[str, ...]) -> str | None:
+    """--bench times a workload of its own: the demo's options typed beside it (but bench_reads), or
+    --bench's own (bench_*, bench_only) typed without it, would be silently ignored. What is wrong, or
+    None."""
+    names = {f.name for f in fields}
+    if "bench" not in names:
+        return None
+    typed = {}  # field -> the option typed for it (an off flag is its field's too: --dropless)
+    for word in argv:
+        if word.split("=")[0] in parser._option_string_actions:
+            typed[parser._option_string_actions[word.split("=")[0]].dest] = word.split("=")[0]
+    bench_own = {name for name in names if name.startswith("bench_")} | set(bench_only)
+    if args.bench:
+        demo_only = typed.keys() - bench_own - set(bench_reads) - {"bench", "nproc"}
+        unread = [typed[name] for name in sorted(demo_only)]
+        said = "--bench times a workload of its own and does not read"
+    else:
+        unread = [typed[name] for name in sorted(typed.keys() & bench_own)]
+        said = "only --bench reads"
+    if not unread:
+        return None
+    return f"{said} {', '.join(unread)}: drop {'it' if len(unread) == 1 else 'them'}"
 
 
 @dataclass

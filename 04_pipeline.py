@@ -659,7 +659,8 @@ class Options:
 
 
 def main() -> None:
-    parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks, foundation.BenchRounds))
+    parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks, foundation.BenchRounds),
+                                            bench_reads=("microbatches", "virtual"))
     rules = [functools.partial(validate_runs, args)]
     if args.trace:  # written at the end of the run: refused before it
         rules.insert(0, lambda pp: check_writable("--trace", args.trace))

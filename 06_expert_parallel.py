@@ -535,7 +535,8 @@ class Options:
 
 
 def main() -> None:
-    parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks, foundation.BenchRounds))
+    parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks, foundation.BenchRounds),
+                                            bench_reads=("experts", "top_k"))
     divisible = {"--experts": args.experts, "--global-batch": args.global_batch}
     moe_options = functools.partial(MoEConfig, args.experts, args.top_k, args.expert_ffn_dim,
                                     args.capacity_factor)

@@ -965,7 +965,7 @@ def main() -> None:
                                      "(--bench: on a GPU)"),
         "distributed": foundation.Command("on --nproc ranks: ZeRO-3 with FP8 all-gathers, FP8 under tensor "
                                           "parallelism", classes=(foundation.Ranks,))},
-        aliases={"global_batch": "batch"})
+        aliases={"global_batch": "batch"}, bench_only=("eager",))
     if getattr(args, "bench", False):
         foundation.launch_lesson(parser, args, bench, rules=[validate_bench])
         return

@@ -304,7 +304,9 @@ class RunConfig:
     keep: int = option(2, "the last checkpoints kept (a damaged one names the one before)", ">= 1", TRAIN)
     resume: str | None = option(None, "continue from the last checkpoint, or from step STEP (one of those "
                                 "kept)", commands=TRAIN, nargs="?", const="latest", metavar="STEP")
-    seed: int = option(0, "seeds the initial weights, the data order and the sample", commands=TRAIN)
+    # torch's seeds are 64-bit: the data order's seed x 1,000,003 + epoch stays inside one
+    seed: int = option(0, "seeds the initial weights, the data order and the sample",
+                       (">= 0", f"<= {2 ** 32 - 1}"), commands=TRAIN)
     profile: int = option(0, "profile STEPS steps after the second (torch.profiler): forward, backward, "
                           "gradient sync and optimizer, the top kernels, the GPU's idle time", ">= 0", TRAIN,
                           metavar="STEPS")
@@ -2313,6 +2315,30 @@ def configure(args: argparse.Namespace) -> Job:
                gpus=getattr(args, "gpus", None), json=getattr(args, "json", False))
 
 
+SAMPLE_OPTIONS = ("prompt", "temperature", "top_k")  # what only the sample reads
+SAVE_OPTIONS = ("save_every", "keep")  # what only the checkpoints read (and the sample, which loads one)
+
+
+def unread_run_options(run: RunConfig) -> str | None:
+    """An option set away from its default that this run does not read (--no-save: no checkpoint, so no
+    sample; --no-sample), said as one line, or None: silently ignored, it looked like it worked."""
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    if run.folder is None:
+        off = "--no-save"
+        unread = [*SAVE_OPTIONS, *SAMPLE_OPTIONS]
+        if run.sample_bytes:  # --no-sample beside it leaves nothing unread
+            unread.append("sample_bytes")
+    elif not run.sample_bytes:
+        off = "--no-sample"
+        unread = list(SAMPLE_OPTIONS)
+    else:
+        return None
+    changed = [foundation.flag(fields[name]) for name in unread if getattr(run, name) != fields[name].default]
+    if not changed:
+        return None
+    return f"{off} leaves {', '.join(changed)} unread: drop {'it' if len(changed) == 1 else 'them'} or {off}"
+
+
 def check_before_launch(job: Job, world: int) -> None:
     """The rules between options, then validate against the world that will run; for train also the text, the
     checkpoint folder and the checkpoint to resume: a ValueError (exit 2) before any rank starts."""
@@ -2349,6 +2375,8 @@ def check_before_launch(job: Job, world: int) -> None:
         (run.sample_bytes and run.prompt == "",
          "--prompt must not be empty: the sample continues it (--no-sample: no sample)"),
         (run.folder == "", "--checkpoint-dir must name a folder (--no-save: no checkpoints)")) if wrong]
+    if job.command == "train" and (unread := unread_run_options(run)):
+        broken.append(unread)
     if broken:
         raise ValueError(broken[0])
     sizes = job.sizes

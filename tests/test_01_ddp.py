@@ -1176,7 +1176,8 @@ def test_a_shortened_option_is_an_error_not_a_guess():
     classes = (foundation.Options, foundation.BenchRounds)
     with pytest.raises(SystemExit):
         foundation.parse_options(foundation.__doc__, classes, argv=["--bench-step", "3"])
-    assert foundation.parse_options(foundation.__doc__, classes, argv=["--bench-steps", "3"])[1].bench_steps == 3
+    argv = ["--bench", "--bench-steps", "3"]
+    assert foundation.parse_options(foundation.__doc__, classes, argv=argv)[1].bench_steps == 3
 
 
 @dataclasses.dataclass

@@ -3543,6 +3543,12 @@ def test_the_losses_eager_bytes_are_what_a_dispatch_mode_counts(rank_pool):
     (["train", "--recompute", "whole"], "--recompute whole is plan's price of a reentrant checkpoint (Megatron's): "
                                         "train and check run full, which keeps the same tensors"),
     (["check", "--recompute", "whole"], "--recompute whole is plan's price of a reentrant checkpoint"),
+    (["train", "--no-sample", "--prompt", "hi", "--temperature", "3"],  # accepted, then no sample (helper-48)
+     "--no-sample leaves --prompt, --temperature unread: drop them or --no-sample"),
+    (["train", "--no-save", "--keep", "5", "--sample-bytes", "50"], "--no-save leaves --keep, --sample-bytes unread"),
+    (["train", "--no-save", "--top-k", "1", "--no-sample"], "--no-save leaves --top-k unread: drop it or --no-save"),
+    (["train", "--seed", "100000000000000000000000"], "--seed must be <= 4294967295, not 1000000"),  # a rank's
+    (["train", "--seed", "-1"], "--seed must be >= 0, not -1"),  # traceback ("Overflow when unpacking long long")
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--recompute", "whole", "--fp8"],
      "error: --recompute whole is priced for dense layers without FP8: its rerun's FP8 amaxes have no formula"),
     (["plan", "--model", "llama3-8b", "--dp", "8", "--pp", "1", "--cp", "1", "--tp", "1", "--recompute", "whole",

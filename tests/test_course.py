@@ -65,6 +65,38 @@ def test_every_lesson_checks_the_world_that_will_run(monkeypatch, capsys, script
     assert re.match(rf"{script}\.py( distributed)?: error: .*{re.escape(message)}", err) and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("script, options, message", [
+    ("01_ddp", ["--bench", "--steps", "2", "--global-batch", "3"],
+     "--bench times a workload of its own and does not read --global-batch, --steps: drop them"),
+    ("01_ddp", ["--bench-steps", "2"], "only --bench reads --bench-steps: drop it"),
+    ("02_zero", ["--bench", "--max-grad-norm", "5"], "does not read --max-grad-norm: drop it"),  # it clips at 1
+    ("03_tensor_parallel", ["--bench", "--batch", "3", "--seq-len", "7"], "does not read --batch, --seq-len"),
+    ("04_pipeline", ["--bench", "--trace", "t.json"], "does not read --trace: drop it"),  # it wrote no file
+    ("06_expert_parallel", ["--bench", "--dropless"], "does not read --dropless: drop it"),  # always dropless
+    ("07_flash_attention", ["--bench-group", "2"], "only --bench reads --bench-group: drop it"),
+    ("08_fp8", ["--eager"], "only --bench reads --eager: drop it"),
+    ("04_pipeline", ["--bench", "--microbatches", "4", "--bench-rounds", "2", "--nproc", "2"], None),  # it reads
+    ("06_expert_parallel", ["--bench", "--experts", "4", "--top-k", "1", "--bench-tokens", "64"], None),
+])
+def test_an_option_the_run_does_not_read_is_refused_not_ignored(monkeypatch, capsys, script, options, message):
+    """--bench times a workload of its own (a review: 01 --bench --global-batch 3 ran its 4 x ranks
+    sequences; 04 --bench --trace wrote no trace; 06 --bench --dropless changed nothing); --bench's own
+    options typed without it did nothing either. Now one line, exit 2, before any rank; what --bench
+    does read (04's microbatches, 06's experts) is taken."""
+    lesson = LESSON_MODULES[script]
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *options])
+    launched = []
+    monkeypatch.setattr(foundation, "launch_lesson", lambda *args, **kwargs: launched.append(args))
+    if message is None:
+        lesson.main()
+        assert len(launched) == 1 and capsys.readouterr().err == ""
+        return
+    with pytest.raises(SystemExit) as exit_:
+        lesson.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and not launched and err.count("\n") == 1 and message in err, err
+
+
 @pytest.mark.parametrize("script", sorted(ONE_PROCESS))
 @pytest.mark.parametrize("env, options, message", [
     ({}, ["{option}", "0"], "{option} must be >= 1, not 0"),
