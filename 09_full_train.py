@@ -1221,6 +1221,7 @@ def check_run(job: Job) -> None:
     train = job.train
     steps = job.run.steps
     losses, grads, params, trainer = check_steps(cfg, build_mesh(sizes), train, steps, device)
+    diverged = [step for step, loss in enumerate(losses) if not math.isfinite(loss)]  # every rank's losses
     one = build_mesh(MeshSizes()) if train.fp8 else None  # rank 0 alone (every rank makes its groups)
     ranks = foundation.all_ranks((grads, params, summary(trainer)), dst=0)  # on rank 0
     if trainer.mesh.rank == 0:
@@ -1243,6 +1244,11 @@ def check_run(job: Job) -> None:
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
         print(f"{'step':<6}{'4D loss':>12}{'one device':>12}\n" + "\n".join(
             f"{step:<6}{a:>12.6f}{b:>12.6f}" for step, (a, b) in enumerate(zip(losses, ref.losses))))
+    if diverged:  # NaN differs from nothing and max() skips it: a "max |difference|" would prove nothing
+        foundation.exit_distributed(f"the mesh's loss at step {diverged[0]} is {losses[diverged[0]]}: its "
+                                    f"training diverged (a smaller --lr), and non-finite numbers prove no "
+                                    f"equality", code=1)
+    if trainer.mesh.rank == 0:
         grads_full = assemble([pair for rank in ranks for pair in rank[0]])
         params_full = assemble([pair for rank in ranks for pair in rank[1]])
         one_device = "one device (AdamW + clip_grad_norm_"

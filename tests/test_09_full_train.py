@@ -663,6 +663,18 @@ def test_main_runs_and_prints_the_check():
     assert "MoE 4 experts top-2 over ep=2" in out
 
 
+def test_check_of_a_diverged_run_fails_instead_of_printing_differences():
+    """--lr 1e6 turns the loss NaN at step 2 on the mesh and on one device alike: the check printed
+    "max |difference| ... loss 4.8e-07" (max() skips NaN) and exited 0 (helper-48). Now its losses, then
+    one line naming the step, exit 1."""
+    proc = subprocess.run([sys.executable, "09_full_train.py", "check", "--dp", "1", "--tp", "1", "--steps", "3",
+                           "--lr", "1e6"], cwd=ROOT, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
+    assert proc.returncode == 1 and "max |difference|" not in proc.stdout, (proc.stdout, proc.stderr)
+    step = re.search(r"error: the mesh's loss at step (\d) is nan: its training diverged \(a smaller --lr\), "
+                     r"and non-finite numbers prove no equality\n$", proc.stderr)
+    assert step and re.search(rf"\n{step[1]} +nan ", proc.stdout), (proc.stdout, proc.stderr)
+
+
 def test_check_fp8_prints_its_differences_from_one_devices_fp8_run():
     """check --fp8 beside one device's FP8 run on the same microbatches (dp x m of them, each cast
     with its own scales, as the mesh casts them): the same FP8 numbers, so a step within this file's
