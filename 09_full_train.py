@@ -824,6 +824,11 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
                 print(resumed_validation(meta, again, sizes), flush=True)
             if start >= run.steps:
                 print(f"already at step {start} of --steps {run.steps}: nothing to train")
+            later = sorted(p.name for p in Path(run.folder).glob("step_*") if (zero.step_of(p) or 0) > start)
+            if later and start < run.steps:  # back from them: the run's saves rotate them out, as its own
+                print(f"note: going back to step {start}, this run's saves replace the later checkpoints "
+                      f"{', '.join(later)} (to keep them, stop now and resume in a copy of {run.folder})",
+                      flush=True)
 
     def last_good() -> str:
         if not kept:
@@ -921,8 +926,12 @@ def train_run(job: Job) -> None:
         every = foundation.counted(run.save_every or run.steps, "step")
         saves = (f"checkpoints to {run.folder} every {every} and at the end, the last {run.keep} kept"
                  if run.folder else "no checkpoints")
-        print(f"Training {foundation.counted(cfg.n_layers, 'layer')} x dim {cfg.dim} "
-              f"({flops_per_token(cfg, 0) // 6:,} matmul params) on {len(train_tokens):,} bytes of "
+        model = f"({flops_per_token(cfg, 0) // 6:,} matmul params)"
+        if train.moe:  # every expert's parameters; a token's FLOPs are its top-k experts' (no MFU below)
+            model = (f"with MoE layers of {foundation.counted(train.moe.n_experts, 'expert')}, top "
+                     f"{train.moe.top_k} ({parameter_count(cfg, train.moe):,} parameters)")
+        print(f"Training {foundation.counted(cfg.n_layers, 'layer')} x dim {cfg.dim} {model} on "
+              f"{len(train_tokens):,} bytes of "
               f"{run.data or 'the standard library'}: {mesh_name(sizes)} on "
               f"{foundation.counted(sizes.world, 'rank')} ({device.type}, {precision_name(train)}), "
               f"ZeRO-{train.zero_stage}, attention {train.attention}, recompute {train.recompute}"
@@ -954,7 +963,7 @@ def train_run(job: Job) -> None:
         foundation.exit_distributed()
     activations = foundation.all_ranks(result["activation_bytes"])
     if rank0:
-        print_run(trainer, result, activations, mfu if peak else None)
+        print_run(trainer, result, activations, mfu if peak and not train.moe else None)  # MoE: as plan
         if result["saved"] is not None:
             on_disk = zero.disk_bytes(result["saved"], parameter_count(cfg, train.moe))
             print(f"checkpoint {result['saved']}: {on_disk}")
@@ -2417,13 +2426,6 @@ def check_before_launch(job: Job, world: int) -> None:
     if run.resume:  # damaged, another model, other data: refused before any rank starts
         _, meta = zero.open_checkpoint(run.folder, cfg, run.resume_step, checksums=False,
                                        resume_command=resume_command)  # the ranks hash
-        step = meta["step"]
-        later = sorted(p.name for p in Path(run.folder).glob("step_*") if (zero.step_of(p) or 0) > step
-                       and zero.checkpoint_problem(p)[0] is None)  # a damaged one is no loss: replaced
-        if later:  # the run's saves would remove or overwrite them (02's save_checkpoint keeps its own)
-            raise ValueError(f"--resume {step}: {run.folder} holds later checkpoints ({', '.join(later)}), "
-                             f"which this run's saves would replace: to go back to step {step}, remove them "
-                             f"yourself or copy the folder and resume in the copy; else --resume the latest")
         loader = ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=run.seed)
         loader.load_state_dict(meta["loader"])
         return
