@@ -926,12 +926,8 @@ def train_run(job: Job) -> None:
         every = foundation.counted(run.save_every or run.steps, "step")
         saves = (f"checkpoints to {run.folder} every {every} and at the end, the last {run.keep} kept"
                  if run.folder else "no checkpoints")
-        model = f"({flops_per_token(cfg, 0) // 6:,} matmul params)"
-        if train.moe:  # every expert's parameters; a token's FLOPs are its top-k experts' (no MFU below)
-            model = (f"with MoE layers of {foundation.counted(train.moe.n_experts, 'expert')}, top "
-                     f"{train.moe.top_k} ({parameter_count(cfg, train.moe):,} parameters)")
-        print(f"Training {foundation.counted(cfg.n_layers, 'layer')} x dim {cfg.dim} {model} on "
-              f"{len(train_tokens):,} bytes of "
+        print(f"Training {foundation.counted(cfg.n_layers, 'layer')} x dim {cfg.dim} "
+              f"{model_words(cfg, train.moe)} on {len(train_tokens):,} bytes of "
               f"{run.data or 'the standard library'}: {mesh_name(sizes)} on "
               f"{foundation.counted(sizes.world, 'rank')} ({device.type}, {precision_name(train)}), "
               f"ZeRO-{train.zero_stage}, attention {train.attention}, recompute {train.recompute}"
@@ -1093,6 +1089,15 @@ def step_profile(trace: dict, steps: int, step_s: float, top: int = 8) -> str:
     lines += [f"  {ms(us):10.2f} ({calls[name] // steps:>4})  {name[:80]}"
               for name, us in took.most_common(top)]
     return "\n".join(lines)
+
+
+def model_words(cfg, moe) -> str:
+    """train's header of the model: its matmul parameters; an MoE's experts and every parameter (a token's
+    FLOPs are its top-k experts': no MFU, as in plan)."""
+    if moe is None:
+        return f"({flops_per_token(cfg, 0) // 6:,} matmul params)"
+    return (f"with MoE layers of {foundation.counted(moe.n_experts, 'expert')}, top {moe.top_k} "
+            f"({parameter_count(cfg, moe):,} parameters)")
 
 
 def flops_per_token(cfg, seq_len: int) -> int:

@@ -784,6 +784,16 @@ def test_fullgraph_blocker_names_what_keeps_a_block_in_pieces():
     assert "left eager: ep > 1" in full_train.fullgraph_blocker(full_train.MeshSizes(dp=2, ep=2), moe)
 
 
+def test_trains_header_counts_an_moes_experts_not_the_dense_model():
+    """train --moe printed the dense model's "836,736 matmul params" (helper-48) and would price MFU by
+    them: now the experts, and every parameter the model holds; the dense header is 6N's N."""
+    dense = sum(p.numel() for name, p in foundation.GPT(BYTES).named_parameters() if name != "embed.weight")
+    assert full_train.model_words(BYTES, None) == f"({dense:,} matmul params)"
+    moe_model = full_train.reference_transform(full_train.TrainConfig(moe=MOE))(foundation.GPT(BYTES))
+    held = sum(p.numel() for p in moe_model.parameters())
+    assert full_train.model_words(BYTES, MOE) == f"with MoE layers of 4 experts, top 2 ({held:,} parameters)"
+
+
 # === Part 2: the training run ===================================================================
 # Tolerances: data, checkpoints and sampling are copies and integer work: exact. A run resumed on
 # the same mesh repeats the same operations on the restored state: bitwise equal losses. Resumed on
