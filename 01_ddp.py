@@ -491,7 +491,10 @@ def init_distributed(timeout_s: float = 120.0) -> torch.device:
     return device
 
 
-def _launched_rank(local_rank: int, fn: Callable, args: tuple, nproc: int, port: int) -> None:
+def _launched_rank(local_rank: int, fn: Callable, args: tuple, nproc: int, port: int,
+                   listening: bool) -> None:
+    if listening:  # spawned deaf to Ctrl-C (launch); now torch's spawn wrapper ends a rank on it quietly
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       TORCHELASTIC_USE_AGENT_STORE="True")  # rank 0 too joins launch()'s store
@@ -563,8 +566,15 @@ def launch(fn: Callable, *args, nproc: int) -> None:
     # The rendezvous store is served from here, as torchrun's agent serves it, on a port the system
     # picks and this process holds: a port chosen here and bound later by rank 0 could be taken between.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ranks = mp.start_processes(_launched_rank, args=(fn, args, nproc, store.port), nprocs=nproc,
-                               start_method="spawn", join=False)
+    # A Ctrl-C while a new rank imports torch printed its KeyboardInterrupt traceback (spawn's bootstrap
+    # catches none): the ranks start with SIGINT ignored, inherited across exec, and listen once running.
+    listening = signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ranks = mp.start_processes(_launched_rank, args=(fn, args, nproc, store.port, listening),
+                                   nprocs=nproc, start_method="spawn", join=False)
+    finally:
+        signal.signal(signal.SIGINT, before)
     # `kill` sends SIGTERM, whose default would end this process alone and leave the ranks running on:
     # stop them as Ctrl-C does (launch runs in the main thread, where a signal handler may be set).
     stop = StopOnce()

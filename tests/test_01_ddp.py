@@ -26,6 +26,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 import weakref
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import RankFailure, run_script
+from conftest import ROOT, SCRIPT_TIMEOUT_S, RankFailure, run_script
 
 foundation = importlib.import_module("01_ddp")
 
@@ -1089,6 +1090,38 @@ def test_launch_handles_its_signals_while_the_ranks_run_and_gives_the_handlers_b
     assert during[signal.SIGINT] is signal.SIG_IGN if ctrl_c is signal.SIG_IGN else isinstance(
         during[signal.SIGINT], foundation.StopOnce)
     assert after == {signal.SIGINT: ctrl_c, signal.SIGTERM: before[signal.SIGTERM]}
+
+
+def test_ctrl_c_while_the_ranks_start_is_one_line_not_their_tracebacks():
+    """Ctrl-C (SIGINT to the whole process group) while the spawned ranks still import torch: each printed
+    a KeyboardInterrupt traceback of ~60 lines (helper-48), spawn's bootstrap catching none. launch starts
+    them with SIGINT ignored; they listen once running (_launched_rank). The launcher stops them and says
+    so in its one line, exit 130."""
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal (test_09's)
+    try:
+        proc = subprocess.Popen([sys.executable, "01_ddp.py", "--nproc", "2", "--steps", "3"], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(spawned(proc.pid)) < 2:
+            time.sleep(0.02)
+        assert len(spawned(proc.pid)) == 2
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=SCRIPT_TIMEOUT_S)
+        assert proc.returncode == 130 and "Traceback" not in err, err
+        assert err.rstrip().endswith("interrupted: the 2 local ranks stopped"), err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def spawned(pid: int) -> list[str]:
+    """The ranks a launcher spawned (multiprocessing's spawn_main), by pid."""
+    children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    return [c for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
 
 
 def test_launch_world_size(monkeypatch):
