@@ -766,6 +766,24 @@ def resume_command(step: int) -> str:
     return shlex.join([*launcher, script, *words, "--resume", str(step)])
 
 
+def schedule_of(train: TrainConfig, run: RunConfig) -> dict:
+    """What the learning rate of every step depends on (learning_rate's arguments)."""
+    return {"--lr": train.lr, "--warmup": run.warmup, "--steps": run.steps}
+
+
+def changed_schedule(meta: dict, train: TrainConfig, run: RunConfig) -> str | None:
+    """A resume's note where its learning-rate schedule is not the saved run's (a run extended by a larger
+    --steps decays over the new length), or None."""
+    saved = meta.get("schedule")  # checkpoints of before this field: not known
+    now = schedule_of(train, run)
+    if saved is None or saved == now:
+        return None
+    changes = ", ".join(f"{option} {saved[option]:g} -> {now[option]:g}" for option in now
+                        if saved[option] != now[option])
+    return (f"note: the learning rate's schedule is not the saved run's ({changes}): from here the steps "
+            f"differ from the uninterrupted run's")
+
+
 def resumed_validation(meta: dict, again: float, sizes: MeshSizes) -> str:
     """The resumed weights' validation loss beside the one recorded at the save, and why they differ."""
     saved = MeshSizes(**meta["mesh"])
@@ -822,6 +840,8 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
                   + ", ".join(f"{a:,}|{b:,}" for a, b in report), flush=True)
             if again is not None:
                 print(resumed_validation(meta, again, sizes), flush=True)
+            if changed := changed_schedule(meta, train, run):
+                print(changed, flush=True)
             if start >= run.steps:
                 print(f"already at step {start} of --steps {run.steps}: nothing to train")
             later = sorted(p.name for p in Path(run.folder).glob("step_*") if (zero.step_of(p) or 0) > start)
@@ -894,7 +914,8 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
                 raise FloatingPointError(f"step {step}'s update left parameters or AdamW moments that are "
                                          f"not finite: step_{done:08d} is not written, {last_good()}")
             meta = {"loader": loader.state_dict(), "mesh": dataclasses.asdict(sizes),
-                    "val": out["val"].get(done)}  # what a resume compares its validation with
+                    "val": out["val"].get(done),  # what a resume compares its validation with
+                    "schedule": schedule_of(train, run)}  # and its learning rate's
             keep = kept[-(run.keep - 1):] if run.keep > 1 else ()
             out["saved"] = zero.save_checkpoint(run.folder, done, pieces, trainer.cfg, meta, keep)
             kept.append(done)

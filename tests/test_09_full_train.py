@@ -1325,6 +1325,8 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
     assert "Sample from the checkpoint" in out and "The losses ('.' training, 'o' validation):" in out
     assert "the most autograd held per rank: " in out and "'s 4 layers, 1 microbatch in flight: " in out
     assert zero.latest_checkpoint(a).name == "step_00000003"
+    meta = json.loads((a / "step_00000003" / "meta.json").read_text())
+    assert meta["schedule"] == {"--lr": 3e-3, "--warmup": 1, "--steps": 3}  # a resume compares its own
     n = sum(p.numel() for p in foundation.GPT(full_train.configure(parse_options("train")).cfg).parameters())
     assert f"B on disk = (params + 2 AdamW moments) x 4 B x {n:,} parameters, each element once " in out
     shutil.copytree(a, b)
@@ -1788,6 +1790,19 @@ def test_the_loss_curve_is_drawn_where_the_losses_are():
     assert rows == sorted(rows), "a falling loss is drawn falling"
     assert curve[1][9 + 19] == "o", "the validation after 200 steps: at step 199's column, 4.5's row"
     assert curve[12] == "        +" + "-" * 40 and "step 0" in curve[13] and curve[13].endswith("step 399")
+
+
+def test_a_resume_with_another_schedule_says_so():
+    """--resume --steps 1200 of a run saved with --steps 600 decays its learning rate over 1,200 steps
+    from there: no longer the uninterrupted run (helper-48: silently). A note names what changed; the same
+    schedule, or a checkpoint of before the field, says nothing."""
+    train, run = full_train.TrainConfig(lr=3e-4), full_train.RunConfig(steps=1200, warmup=20)
+    meta = {"schedule": {"--lr": 3e-4, "--warmup": 20, "--steps": 600}}
+    assert full_train.changed_schedule(meta, train, run) == (
+        "note: the learning rate's schedule is not the saved run's (--steps 600 -> 1200): from here the steps "
+        "differ from the uninterrupted run's")
+    assert full_train.changed_schedule({"schedule": full_train.schedule_of(train, run)}, train, run) is None
+    assert full_train.changed_schedule({}, train, run) is None
 
 
 def test_a_resume_says_how_close_its_validation_is_and_why_on_another_mesh():
