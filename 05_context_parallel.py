@@ -586,8 +586,9 @@ def demo(args: argparse.Namespace) -> None:
         imbalance = [max(col) / (sum(col) / cp) for col in list(zip(*rows))[1:]]
         say(f"  {'':<11}slowest / mean: scores {imbalance[0]:.2f}, seconds {imbalance[1]:.2f}")
 
-    say(f"\nbytes one rank sends per attention call, forward + backward (fp32, with the lse), {kv} K/V "
-        f"heads; last column: the same call with K/V repeated to all {foundation.counted(h, 'head')}:")
+    say(f"\nbytes one rank sends per attention call, forward + backward (fp32, with the lse), "
+        f"{foundation.counted(kv, 'K/V head')}; last column: the same call with K/V repeated to all "
+        f"{foundation.counted(h, 'head')}:")
     for name, measured, repeated, formula in byte_rows:
         say(f"  {name:<20}{measured:>12,.0f} B   formula {formula:>12,.0f} B   "
             f"repeated K/V {repeated:>12,.0f} B")
@@ -595,7 +596,7 @@ def demo(args: argparse.Namespace) -> None:
         f"pass;\n  A = one shard of q = {a * 4:,} B, A_kv of k = {a_kv * 4:,} B, "
         f"L of the lse = {lse * 4:,} B")
 
-    cfg = foundation.ModelConfig(n_heads=h, n_kv_heads=kv, seed=1)
+    cfg = gpt_config(args)
     say(f"\nthe whole GPT ({foundation.counted(cfg.n_layers, 'layer')}, {h} query / "
         f"{foundation.counted(kv, 'K/V head')}), batch {args.global_batch} x seq {s}, "
         f"{foundation.counted(args.steps, 'AdamW step')}, against one device:")
@@ -630,9 +631,15 @@ class Options:
     steps: int = foundation.option(3, "AdamW steps of the GPT runs and of the reference", ">= 1")
 
 
+def gpt_config(args: argparse.Namespace) -> foundation.ModelConfig:
+    """The GPT runs' model: the attention tables' heads, each --head-dim wide."""
+    return foundation.ModelConfig(dim=args.heads * args.head_dim, n_heads=args.heads,
+                                  n_kv_heads=args.kv_heads, seed=1)
+
+
 def demo_memory(args: argparse.Namespace, cp: int) -> None:
     """The demo's largest tensors (the GPT runs', the attention scores) against this machine's memory."""
-    cfg = foundation.ModelConfig(n_heads=args.heads, n_kv_heads=args.kv_heads)
+    cfg = gpt_config(args)
     scores = {"the float64 reference attention's scores": 8 * 2 * args.heads * args.seq_len ** 2,
               "the work comparison's block scores": 8 * args.heads * args.work_seq_len ** 2 // cp}
     foundation.check_memory(cfg, args.global_batch, args.seq_len, cp, scores,
