@@ -944,9 +944,13 @@ def lock_checkpoints(folder: str | os.PathLike) -> IO:
                 raise CheckpointError(f"checkpoint folder {folder} holds a run's names ({named}) but no "
                                       f"LOCK a run wrote, the mark of a run's folder: left as it is; if a "
                                       f"run of this course wrote it, put the mark back: {mark_command(root)}")
+            advice = "choose a new or empty folder"
+            if claimed_by_a_run(root):  # a run's folder with a stray file: --resume goes on once it is out
+                them = "it" if len(foreign) == 1 else "them"
+                advice = f"move {them} out to go on with its run, or {advice}"
             raise CheckpointError(f"checkpoint folder {folder} holds what no run of this course wrote "
-                                  f"({named}): left as it is; choose a new or empty folder (a run writes "
-                                  f"only LOCK, LATEST and step_NNNNNNNN/ in it)")
+                                  f"({named}): left as it is; {advice} (a run writes only LOCK, LATEST "
+                                  f"and step_NNNNNNNN/ in it)")
         root.mkdir(parents=True, exist_ok=True)
         handle = open(root / "LOCK", "a+")
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

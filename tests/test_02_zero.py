@@ -1522,6 +1522,24 @@ def test_a_lock_no_run_wrote_is_the_users(tmp_path, text):
     assert snapshot(folder) == before
 
 
+def test_a_runs_folder_with_a_users_file_says_to_move_it_out(tmp_path):
+    """--resume of a run's folder (its LOCK) where the user left a file: "choose a new or empty folder"
+    would abandon the run (helper-48); the file is what stops it. A folder no run claimed: as before."""
+    folder = tmp_path / "run"
+    earlier_runs_folder(folder)
+    (folder / "user.txt").write_text("the user's")
+    before = snapshot(folder)
+    with pytest.raises(zero.CheckpointError, match=r"holds what no run of this course wrote \(user\.txt\): left as "
+                                                   r"it is; move it out to go on with its run, or choose a new or "
+                                                   r"empty folder \(a run writes only"):
+        zero.claim_folder(folder)
+    assert snapshot(folder) == before
+    (folder / "LOCK").unlink()
+    (folder / "notes.md").write_text("the user's")
+    with pytest.raises(zero.CheckpointError, match=r"left as it is; choose a new or empty folder"):
+        zero.claim_folder(folder)
+
+
 def test_a_runs_folder_without_its_lock_says_how_to_mark_it_again(tmp_path):
     """A reader deletes a finished run's LOCK (it looks stale): --resume was refused as "holds what no
     run of this course wrote (LATEST, step_00000001, ...)", which was untrue and gave no way back. Now
