@@ -600,6 +600,12 @@ def launch(fn: Callable, *args, nproc: int) -> None:
     except mp.ProcessExitedException as error:
         if error.exit_code > 0:  # it left through exit_distributed(error): its line says why
             raise SystemExit(error.exit_code) from None
+        if error.exit_code < 0:  # a signal: SIGKILL is mostly the kernel's, out of memory (not a traceback)
+            name = signal.Signals(-error.exit_code).name
+            print(f"{os.path.basename(sys.argv[0])}: error: rank {error.error_index} was killed by {name}"
+                  + (" (the system out of memory, most likely: smaller sizes, or fewer ranks)"
+                     if -error.exit_code == signal.SIGKILL else ""), file=sys.stderr)
+            raise SystemExit(128 - error.exit_code) from None
         raise
     finally:
         if not stop.stopping:

@@ -606,8 +606,10 @@ def read_tokens(path: str | os.PathLike | None, max_bytes: int = 2 << 20) -> tor
         sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
         data = b"".join(source.read_bytes() for source in sources)[:max_bytes]
     elif not Path(path).is_file():
-        raise ValueError(f"--data {path}: " + ("a directory, not a file" if Path(path).is_dir() else
-                                               "no such file"))
+        kind = "no such file"
+        if Path(path).exists():  # /dev/null, a pipe: read whole, by size, so a regular file
+            kind = "a directory, not a file" if Path(path).is_dir() else "not a regular file"
+        raise ValueError(f"--data {path}: {kind}")
     else:
         data = Path(path).read_bytes()
     if not data:
@@ -2411,8 +2413,9 @@ def check_before_launch(job: Job, world: int) -> None:
         (run.resume not in (None, "latest") and not run.resume.isdigit(),
          f"--resume takes the step of a kept checkpoint (a number), not {run.resume!r}"),
         (run.trace and not run.profile, "--trace writes --profile's trace: give --profile STEPS too"),
-        (run.profile and run.steps < 3,
-         f"--profile needs --steps >= 3 (the first two compile and measure), not {run.steps}"),
+        (run.profile and run.steps < run.profile + 2,  # it profiled fewer, saying nothing
+         f"--profile {run.profile} needs --steps >= {run.profile + 2} (the first two compile and measure), "
+         f"not {run.steps}"),
         (run.sample_bytes and run.prompt == "",
          "--prompt must not be empty: the sample continues it (--no-sample: no sample)"),
         (run.folder == "", "--checkpoint-dir must name a folder (--no-save: no checkpoints)")) if wrong]

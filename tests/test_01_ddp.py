@@ -1092,6 +1092,28 @@ def test_launch_handles_its_signals_while_the_ranks_run_and_gives_the_handlers_b
     assert after == {signal.SIGINT: ctrl_c, signal.SIGTERM: before[signal.SIGTERM]}
 
 
+def test_a_rank_killed_by_a_signal_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """03 --batch 100000 passed the memory rule (it counts no activations) and the kernel killed a rank:
+    torch's ProcessExitedException ended the launcher in a traceback (helper-48). Now one line naming the
+    rank and the signal (SIGKILL: out of memory, most likely), exit 128 + its number, as a shell says."""
+    class Ranks:
+        processes = []
+
+        def join(self, grace_period):
+            raise foundation.mp.ProcessExitedException("process 1 terminated with signal SIGKILL", error_index=1,
+                                                       error_pid=99, exit_code=-signal.SIGKILL)
+
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(foundation.mp, "start_processes", lambda *args, **kwargs: Ranks())
+    monkeypatch.setattr(sys, "argv", ["03_tensor_parallel.py"])
+    with pytest.raises(SystemExit) as exit_:
+        foundation.launch(print, nproc=2)
+    assert exit_.value.code == 128 + signal.SIGKILL
+    assert capsys.readouterr().err == ("03_tensor_parallel.py: error: rank 1 was killed by SIGKILL (the system out "
+                                       "of memory, most likely: smaller sizes, or fewer ranks)\n")
+
+
 def test_ctrl_c_while_the_ranks_start_is_one_line_not_their_tracebacks():
     """Ctrl-C (SIGINT to the whole process group) while the spawned ranks still import torch: each printed
     a KeyboardInterrupt traceback of ~60 lines (helper-48), spawn's bootstrap catching none. launch starts

@@ -3570,7 +3570,10 @@ def test_the_losses_eager_bytes_are_what_a_dispatch_mode_counts(rank_pool):
     (["train", "--no-save", "--keep", "5", "--sample-bytes", "50"], "--no-save leaves --keep, --sample-bytes unread"),
     (["train", "--no-save", "--top-k", "1", "--no-sample"], "--no-save leaves --top-k unread: drop it or --no-save"),
     (["train", "--seed", "100000000000000000000000"], "--seed must be <= 4294967295, not 1000000"),  # a rank's
-    (["train", "--seed", "-1"], "--seed must be >= 0, not -1"),  # traceback ("Overflow when unpacking long long")
+    (["train", "--seed", "-1"], "--seed must be >= 0, not -1"),
+    (["train", "--data", "/dev/null"], "--data /dev/null: not a regular file"),  # it said "no such file"
+    (["train", "--profile", "5", "--steps", "4"], "--profile 5 needs --steps >= 7 (the first two compile and "
+                                                  "measure), not 4"),  # it profiled 2, saying nothing  # traceback ("Overflow when unpacking long long")
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--recompute", "whole", "--fp8"],
      "error: --recompute whole is priced for dense layers without FP8: its rerun's FP8 amaxes have no formula"),
     (["plan", "--model", "llama3-8b", "--dp", "8", "--pp", "1", "--cp", "1", "--tp", "1", "--recompute", "whole",
