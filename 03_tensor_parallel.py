@@ -987,7 +987,11 @@ def main() -> None:
         return
     cfg = foundation.ModelConfig(vocab_size=args.vocab, **DEMO_MODEL)
     heads = functools.partial(validate_tensor_parallel, cfg)
-    memory = functools.partial(foundation.check_memory, cfg, args.batch, args.seq_len,
+    # rank 0's one-device reference keeps every layer's activations (--batch 100000 passed a rule without
+    # them, and the kernel killed a rank 101 s in)
+    saved = {"the reference's activations": layer_activation_formula(cfg, args.batch, args.seq_len, 1, False,
+                                                                     layers=cfg.n_layers)}
+    memory = functools.partial(foundation.check_memory, cfg, args.batch, args.seq_len, more=saved,
                                what=f"--batch {args.batch} x --seq-len {args.seq_len}, --vocab {args.vocab}")
     foundation.launch_lesson(parser, args, demo, divisible={"--seq-len": args.seq_len},  # SP splits it
                              rules=[heads, memory])

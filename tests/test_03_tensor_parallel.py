@@ -26,6 +26,7 @@ import functools
 import gc
 import importlib
 import itertools
+import os
 import re
 import weakref
 from fractions import Fraction
@@ -818,6 +819,25 @@ def test_options_the_demo_cannot_run_are_refused_before_any_rank_starts(monkeypa
         tensor_parallel.main()
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_batch_whose_activations_pass_the_machine_is_refused_before_any_rank_starts(monkeypatch, capsys):
+    """--batch 100000 passed the memory rule (the batch, the embedding, the head and the logits), and the
+    kernel killed a rank 101 s in (helper-48). The rule now adds the activations rank 0's one-device
+    reference keeps, by layer_activation_formula: a batch whose activations alone pass this machine's
+    memory is refused in one line, before any rank starts."""
+    cfg = foundation.ModelConfig(vocab_size=127, **tensor_parallel.DEMO_MODEL)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    per_sequence = tensor_parallel.layer_activation_formula(cfg, 1, 32, 1, False, layers=cfg.n_layers)
+    batch = memory // per_sequence + 1
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("sys.argv", ["03_tensor_parallel.py", "--nproc", "2", "--batch", str(batch)])
+    monkeypatch.setattr(foundation, "launch", lambda *a, **kw: pytest.fail("launched ranks that must fail"))
+    with pytest.raises(SystemExit) as exit_:
+        tensor_parallel.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "the reference's activations); this machine" in err
 
 
 # --- activation recompute -----------------------------------------------------------------------
