@@ -2433,6 +2433,9 @@ def check_before_launch(job: Job, world: int) -> None:
             f"--model {job.model} with --global-batch {train.global_batch} x --seq-len {train.seq_len}")
     if job.command == "check":
         return
+    if run.data is not None and Path(run.data).is_file():  # read whole (its bytes, then a copy) by each rank
+        read = {"its bytes and their copy in each rank and here": 2 * (world + 1) * os.path.getsize(run.data)}
+        foundation.check_memory(None, 0, 0, world, read, f"--data {run.data}")
     train_tokens, _ = split_tokens(read_tokens(run.data), train.seq_len, train.global_batch)
     if run.trace:  # written by rank 0 after the profiled steps: a bad path would strand the others
         pipeline.check_writable("--trace", run.trace)

@@ -1732,6 +1732,20 @@ def test_bad_data_is_one_clear_error_before_any_process_starts(tmp_path, text, m
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_data_too_large_to_read_on_every_rank_is_refused_before_any_rank(monkeypatch, capsys, tmp_path):
+    """Every rank (and the launcher's check) reads --data whole, its bytes and a copy: a file larger than
+    this machine holds so was read until the kernel killed a rank (helper-48, by reading the code). A
+    sparse file of that size: one line, before any rank starts."""
+    monkeypatch.delenv("RANK", raising=False)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    data = tmp_path / "corpus.txt"
+    with open(data, "wb") as sparse:
+        sparse.truncate(memory // (2 * 5) + 1)  # 4 ranks (dp 2 x tp 2) and the launcher
+    code, err, launched, _ = run_main(monkeypatch, capsys, "--data", str(data), "--no-save")
+    assert code == 2 and not launched and err.count("\n") == 1, err
+    assert f"--data {data} would need at least " in err and "(its bytes and their copy in each rank and here)" in err
+
+
 def test_a_mesh_that_cannot_split_the_batch_is_refused_in_its_options_words(monkeypatch, capsys):
     """validate names TrainConfig's and MeshSizes' fields (global_batch=8); the reader typed --dp 3:
     the refusal says the options (the model's sizes too: the next test)."""
