@@ -2428,9 +2428,11 @@ def check_before_launch(job: Job, world: int) -> None:
     if not torch.cuda.is_available():  # the ranks share this machine: the plan's tensors of them all must fit
         need = sum(r.total - r.memory["fragmentation"] - r.memory["cuda_nccl"]
                    for r in plan(cfg, sizes, train))
+        experts = f" --moe --experts {train.moe.n_experts}" if train.moe else ""  # the parameters: theirs
+        batch = f"--global-batch {train.global_batch} x --seq-len {train.seq_len}"
         foundation.check_memory(cfg, train.global_batch, train.seq_len, world, {
             "09's plan of the tensors (a GPU's allowances aside)": int(need * world // sizes.pp)},
-            f"--model {job.model} with --global-batch {train.global_batch} x --seq-len {train.seq_len}")
+            f"--model {job.model}{experts} with {batch}")
     if job.command == "check":
         return
     if run.data is not None and Path(run.data).is_file():  # read whole (its bytes, then a copy) by each rank

@@ -3292,6 +3292,8 @@ def test_check_proves_any_model_on_its_own_small_run_and_a_run_beyond_this_machi
         assert code == 2 and not launched and f"this machine has {memory:,}" in err, err
         assert f"--model {argv[argv.index('--model') + 1]} with --global-batch" in err
         assert "09's plan of the tensors" in err
+    code, err, launched, _ = run_main(monkeypatch, capsys, "check", "--moe", "--experts", "100000")
+    assert code == 2 and not launched and "--model check --moe --experts 100000 with --global-batch 8" in err, err
 
 
 LLAMA3_8B_CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, num_hidden_layers=32,
