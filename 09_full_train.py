@@ -1021,9 +1021,8 @@ def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
                f"{in_flight_text(rank0.in_flight, train.virtual)} in flight: {rank0.memory['activations']:,} "
                f"(03's formula of the layers alone, not the head's and the loss's; recompute "
                f"{train.recompute}, {'lean saves' if train.lean_saves else 'autograd saves'})")
-    if saved[0] is not None:
-        print(f"activations in step {result['measured']}, {what} per rank: "
-              + ", ".join(f"{x:,}" for x in saved) + f"; {formula}")
+    print(f"activations in step {result['measured']}, {what} per rank: "
+          + ", ".join(f"{x:,}" for x in saved) + f"; {formula}")
     if trainer.device.type == "cuda":  # the run's peaks (rank 0) beside the plan's: a GPU checks the plan
         planned = [sum(v for k, v in rank0.memory.items() if v is not None and k not in parts) / GIB
                    for parts in (("fragmentation", "cuda_nccl"), ("cuda_nccl",))]
@@ -1320,11 +1319,9 @@ def summary_line(measured: dict) -> str:
     sent = []
     for kind, value in measured["traffic"].items():
         formula = measured["traffic_formula"][kind]
-        if formula is None:
-            beside = "n/a"
-        else:
-            differs = "" if value == formula else " (!=)"
-            beside = f"{float(formula):,.0f}{differs}"
+        beside = "n/a"
+        if formula is not None:
+            beside = f"{float(formula):,.0f}" + " (!=)" * (value != formula)
         sent.append(f"{kind} {float(value):,.0f}|{beside}")
     return (f"{measured['params']:>7,} params, ZeRO shard {measured['shard']:>7,} | {memory} | "
             + "  ".join(sent))
@@ -2123,9 +2120,8 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
 
 
 def fewest_together(job: Job, gpus: int, changes: dict) -> dict:
-    """Where no one option fits: the strongest of each kind at once (full recompute, ZeRO-3, ...), then
-    each dropped that is not needed, in turn: {"--a --b": (step, GiB, sizes)}, or {} if all together do
-    not fit."""
+    """Where no one option fits: the strongest of each kind at once (full recompute, ZeRO-3, ...), then each
+    dropped that is not needed, in turn: {"--a --b": (step, GiB, sizes)}, or {} if all together do not fit."""
     strongest = {}  # a field -> its last (strongest) option: selective then full, ZeRO 1 then 3
     for option, change in changes.items():
         strongest[tuple(change)] = option
@@ -2335,14 +2331,13 @@ def configure(args: argparse.Namespace) -> Job:
     """The Job of these options, made once: an option left None takes the default --help names (COMMANDS);
     a config.json's MoE (Mixtral's) brings its top-k and expert size."""
     cfg, experts, (seq_len, global_batch, lr) = model_spec(args)
+    if args.moe and not experts:  # --moe's own: 4 experts (or --experts), top 2
+        experts = (4, 2)
     moe = None
     if experts:
         n_experts, top_k = experts
         moe = expert_parallel.MoEConfig(n_experts=args.experts or n_experts, top_k=top_k,
                                         expert_ffn_dim=cfg.ffn_dim, aux_loss_coef=0)
-    elif args.moe:
-        moe = expert_parallel.MoEConfig(n_experts=args.experts or 4, top_k=2, expert_ffn_dim=cfg.ffn_dim,
-                                        aux_loss_coef=0)
     elif args.ep > 1 or args.experts:  # a dense model has no experts to split or count
         given = f"--ep {args.ep}" if args.ep > 1 else f"--experts {args.experts}"
         raise ValueError(f"{given} is an option of an MoE model: add --moe (or a config.json with experts)")
@@ -2462,7 +2457,6 @@ def check_before_launch(job: Job, world: int) -> None:
                                        resume_command=resume_command)  # the ranks hash
         loader = ShardedLoader(train_tokens, train.seq_len, train.global_batch, seed=run.seed)
         loader.load_state_dict(meta["loader"])
-        return
 
 
 def print_report(report: str) -> None:
