@@ -1711,8 +1711,8 @@ def ring_merge_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, cp: 
     q = tokens * heads * head_dim
     kv = tokens * kv_heads * head_dim
     lse = tokens * heads
-    forward = (30 + 40 * cp) * q + (16 * cp - 8) * kv + (163 + 262 * cp) * lse
-    backward = (26 + 24 * cp) * q + (152 * cp - 28) * kv
+    forward = (20 + 20 * cp) * q + (16 * cp - 8) * kv + (195 + 326 * cp) * lse
+    backward = (20 + 12 * cp) * q + (112 * cp - 48) * kv
     return forward, backward
 
 

@@ -195,7 +195,7 @@ EXERCISES = (
         task="Attention of this rank's queries over the whole sequence: for each K/V block the ring "
              "delivers (_kv_ring: owner, stacked k and v), compute each pair of chunks _block_pairs yields "
              "with block.forward (through `compute`, which times it when `work` is given) and merge it "
-             "into a running fp32 out and float64 lse (-inf at first) with merge_partials. Save q, k, v, "
+             "into a running fp32 out and float64 lse (-inf at first) with merge_into. Save q, k, v, "
              "out, lse and ctx.args = (group, layout, causal, block, compute) for the given backward, "
              "set_materialize_grads(False); return out in q's dtype and the lse in fp32. "
              "Docstring: RING ATTENTION.",

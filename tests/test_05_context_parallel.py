@@ -83,6 +83,28 @@ def test_the_merge_keeps_the_outputs_dtype_beside_a_float64_lse():
     assert merged_out.dtype == torch.float32 and merged_lse.dtype == torch.float64
 
 
+def test_merging_in_place_is_the_merge_rule_on_rows_of_the_rings_accumulators():
+    """merge_into (the ring's, in place on fp32 out and float64 lse rows) = merge_partials on the same
+    inputs: a bf16 block, rows where either side has no key (lse -inf) or a NaN, and the rows outside the
+    view untouched. Tolerance: fp32's rounding of out (2^-24 relative; the in-place order rounds a product
+    less), exact for the lse (the same float64 operations)."""
+    gen = torch.Generator().manual_seed(0)
+    out = torch.randn(2, 3, 8, 4, generator=gen)
+    lse = torch.randn(2, 3, 8, generator=gen, dtype=torch.float64)
+    part_out = torch.randn(2, 3, 4, 4, generator=gen).bfloat16()
+    part_lse = torch.randn(2, 3, 4, generator=gen)
+    lse[0, 0, 2], part_lse[0, 1, 0], part_lse[1, 2, 3] = float("-inf"), float("-inf"), float("nan")
+    lse[1, 1, 1] = part_lse[1, 1, 1] = float("-inf")
+    expected = context_parallel.merge_partials(out[:, :, :4], lse[:, :, :4], part_out.float(),
+                                               part_lse.double())
+    untouched = out[:, :, 4:].clone(), lse[:, :, 4:].clone()
+    context_parallel.merge_into(out[:, :, :4], lse[:, :, :4], part_out, part_lse)
+    torch.testing.assert_close(out[:, :, :4], expected[0], rtol=1e-6, atol=1e-7, equal_nan=True)
+    torch.testing.assert_close(lse[:, :, :4], expected[1], rtol=0, atol=0, equal_nan=True)
+    assert out[1, 2, 3].isnan().all() and lse[1, 1, 1] == float("-inf")
+    assert torch.equal(out[:, :, 4:], untouched[0]) and torch.equal(lse[:, :, 4:], untouched[1])
+
+
 def test_merge_propagates_nan():
     out, lse, nan = torch.zeros(1, 2), torch.zeros(1), float("nan")
     merged_out, merged_lse = context_parallel.merge_partials(out, lse, out, torch.tensor([nan]))

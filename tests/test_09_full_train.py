@@ -2132,8 +2132,8 @@ def test_each_ring_hop_hides_behind_one_blocks_attention_not_the_whole_call(reco
     """05's ring sends cp - 1 hops of K/V, each while the rank computes one block and merges it, 1/cp of
     its attention and merges: exposed, microbatches x layers x (cp - 1) x (hop - block), forward and
     backward, where a hop outlasts a block. On dp 4 x cp 8 x tp 8 (Llama 3 8B), tp fills each node, so
-    cp's hops cross the network and outlast a block: 0.93 s exposed (hidden behind the whole call, it was
-    0; 1.44 s before the merges were priced). Full
+    cp's hops cross the network and outlast a block: 1.12 s exposed (hidden behind the whole call, it was
+    0; 1.44 s before the merges were priced, 0.93 s while they were not in place). Full
     recompute reruns the forward's ring: its hops twice (a review's mutant that sent them once passed)."""
     sizes, run, plans, timing = timed("llama3-8b", (4, 1, 8, 8), recompute=recompute)
     cfg, cluster, cp, tp = preset("llama3-8b"), full_train.Cluster(), 8, 8
@@ -2150,7 +2150,7 @@ def test_each_ring_hop_hides_behind_one_blocks_attention_not_the_whole_call(reco
     forwards = 1 + (recompute == "full")
     exposed = run.microbatches * plans[0].layers * (cp - 1) * (forwards * (hop[0] - block[0]) + hop[1] - block[1])
     assert timing["parts"]["CP"] == pytest.approx(exposed, rel=1e-9)
-    assert recompute == "full" or round(exposed, 2) == 0.93
+    assert recompute == "full" or round(exposed, 2) == 1.12
 
 
 def test_a_thin_fp8_gemm_is_priced_at_its_bytes_a_bf16_output_at_two():
@@ -2510,7 +2510,7 @@ PUBLISHED = {
 # (03's lean layer: 0.04 s of 1.10), exposed where Megatron hides them (its README: --tp-comm-overlap), and
 # the sums of q, k and v's input gradients (0.02 s), which Megatron's fused QKV does not make
 # DGX Cloud 8B FP8 (cp 2): 05's ring merges its blocks eager in fp32 (1.4 s of 11.9), as its bf16 twin's (+6%)
-MISSES = {"09 `1b`, FP8", "Megatron 32B", "DGX Cloud 8B, FP8"}
+MISSES = {"09 `1b`, FP8", "Megatron 32B"}
 
 
 def published_row(label: str) -> tuple:
@@ -2721,8 +2721,8 @@ HELD_OUT = {
 # A100 rows' and the long-context rows' shortfalls are each the same across their runs (below).
 TP_OVERLAP = "which its tp_comm_overlap hides (userbuffers: each all-gather and reduce-scatter split over a GEMM)"
 QKV_SUMS = "the sums of q, k and v's (gate and up's) input gradients, which its fused linears do not make:"
-RING_MERGES = ("05's ring merging its blocks' outputs eager in fp32 (ring_merge_bytes; Transformer Engine's merges "
-               "not read):")
+RING_MERGES = ("05's ring merging its blocks' outputs eager, in place, in fp32 (ring_merge_bytes; Transformer Engine's "
+               "merges not read):")
 HELD_OUT_MISSES = {
     "BLOOM 176B, batch 16": (0.55, "-: a ramp-up step (one microbatch a replica): twice 12 stages' compute and ZeRO's "
                                    "sync"),
@@ -2738,10 +2738,8 @@ HELD_OUT_MISSES = {
                                              f"+0%: FP8 shortens the GEMMs, not the messages"),
     "DGX Cloud 405B, FP8": (0.35, f"+: tp 8's messages, 2.5 s exposed (SP's re-gathers 0.3 s), {TP_OVERLAP}; "
                                   f"{QKV_SUMS} 0.3 s; its cp 2 ring at 07's rate, 0.5 s more than cuDNN's, and "
-                                  f"{RING_MERGES} 0.5 s; the bf16 twin is +4%: FP8 halves the GEMMs, not the "
+                                  f"{RING_MERGES} 0.3 s; the bf16 twin is +4%: FP8 halves the GEMMs, not the "
                                   f"messages"),
-    "Megatron-Bridge 405B, 26.02": (0.25, f"+: {RING_MERGES} 1.6 s of 47.9 (its 25.11 twin, 4 x fewer microbatches, "
-                                          f"+17%)"),
     "DGX Cloud 70B, FP8, pp 8": (0.25, f"+: tp 4's messages, 1.4 s exposed (SP's re-gathers 0.2 s), {TP_OVERLAP}; "
                                        f"{QKV_SUMS} 0.2 s"),
     **dict.fromkeys(("MPT-13B, 32k", "MPT-7B, 65k"), (0.35, "-: attention-bound without CP: llm-foundry's flash "
@@ -2760,7 +2758,7 @@ def test_the_held_out_runs_are_predicted_within_their_pinned_errors():
     those MEMORY calibrates on (torchtitan's, torchao's). No constant comes from them, and from four
     of their sources (HELD_OUT_SOURCES) nothing at all. Each run's error is pinned: within 20%, or
     beyond it within HELD_OUT_MISSES' bound, with its sign and why. The target, 20% for 85% of them,
-    is not met: 37 of 47 (79%). 29 once the plan priced --reduce-after-backward for Megatron-LM 2021 and
+    is not met: 38 of 47 (81%). 29 once the plan priced --reduce-after-backward for Megatron-LM 2021 and
     DeepSpeed (their gradients reduced once the schedule ends; --attention unfused moved none), 35 once it
     priced an input's FP8 cast once for the linears reading it, as 03's Projections makes it; 27 once it
     priced what 03 runs and it had not (a review against the code, each counted by a dispatch mode): the
@@ -2782,7 +2780,9 @@ def test_the_held_out_runs_are_predicted_within_their_pinned_errors():
     default 0.1, which neither Narayanan's scripts nor BLOOM's set) with --attention unfused (Narayanan's
     1.7B to 18.4B, -27% to -22%, within 20%: -19% to -18%); 37 once it priced their reentrant checkpoints
     (--recompute whole: each layer rerun to its end, down_proj and its all-reduce too; Narayanan's 76.1B
-    -22% to -17%, his others -16% to -2%, BLOOM's 176B runs -12% to -5%). The misses are families:
+    -22% to -17%, his others -16% to -2%, BLOOM's 176B runs -12% to -5%); 38 once 05's ring merged and
+    accumulated in place (merge_into, add_: 20 B a query element a ring step, 40 before; Megatron-Bridge's 405B of
+    26.02 +21% to +20%, NeMo's long-context runs -10% to +0%). The misses are families:
     BLOOM's tests, llm-foundry's long context (2023, cp 1), NVIDIA's FP8 runs."""
     assert len(HELD_OUT) >= 12 and not set(HELD_OUT) & set(PUBLISHED) and set(HELD_OUT_MISSES) <= set(HELD_OUT)
     assert all(sum(label.startswith(source) for label in HELD_OUT) >= 3 for source in HELD_OUT_SOURCES)
