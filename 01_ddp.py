@@ -262,6 +262,15 @@ def make_optimizer(model: nn.Module, lr: float, eps: float = 1e-8) -> torch.opti
                              fused=fused or None)
 
 
+def lone_token_note(seq_len: int) -> str:
+    """Why a demo's last parameters part from one device's by ~lr at --seq-len 1 (empty otherwise)."""
+    if seq_len != 1:
+        return ""
+    return ("At --seq-len 1 a token attends to itself alone, and a softmax of one score is 1 whatever the "
+            "score: q_proj and\nk_proj get gradients of rounding noise (~1e-10), which AdamW scales to steps "
+            "of about lr, so their\nparameters part by that noise, not by the technique.\n")
+
+
 def cpu_copy(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {name: t.detach().float().cpu().clone() for name, t in named}
 
@@ -426,6 +435,7 @@ def demo(args: argparse.Namespace) -> None:
         print(f"\nbucketed: {counted(stats['buckets'], 'bucket')} of <= {args.bucket_kib} KiB, all launched "
               f"from backward hooks; up to {counted(stats['max_in_flight'], 'all-reduce')} in flight at once "
               f"during backward, {stats['finished_before_wait']} already finished when backward returned.")
+        print(lone_token_note(args.seq_len), end="")
         print("Notice: every version computes the single-device step, and the bytes moved per step "
               "depend on the parameter count only, not on batch size or accumulation.")
     exit_distributed()

@@ -1259,6 +1259,7 @@ def demo(args: argparse.Namespace) -> None:
         print(f"ZeRO on {foundation.counted(world, 'rank')} ({dist.get_backend()}, {device.type}); "
               f"global batch {args.global_batch} x {args.seq_len}; clipping at {args.max_grad_norm}.\n")
         print_tables(runs, references, world, args.steps)
+        print(foundation.lone_token_note(args.seq_len), end="")
         print_checkpoint(cfg, folder, saved, reports[:half], world)
         shutil.rmtree(folder)
     foundation.exit_distributed()

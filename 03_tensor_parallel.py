@@ -871,6 +871,7 @@ def demo(args: argparse.Namespace) -> None:
     for sp, (result, *_) in runs.items():
         _, grads, params = result.max_differences(reference)
         print(f"  {label[sp]:<40}{grads:>18.2e}{params:>16.2e}")
+    print(foundation.lone_token_note(args.seq_len), end="")
     megatron = 4 * foundation.ring_traffic("all_reduce", bsh, tp)  # 4 all-reduces of b s h per layer
     regathers = 2 * foundation.ring_traffic("all_gather", bsh, tp)  # SP: each region's input, in backward
     print(f"\ncommunication, b x s x h = {bsh:,} B{'calls':>16}{'payload':>12}{'traffic per rank':>19}"

@@ -460,6 +460,7 @@ def demo(args: argparse.Namespace) -> None:
                   f"{parallel.formula_traffic / args.steps:>12,.0f} B   (+ counts all-gather "
                   f"{float(meter.traffic('all_gather')) / args.steps:,.0f} B)")
         print(f"  uniform routing, no drops: 4 x layers x T_rank k (ep-1)/ep x D x 4 B = {uniform:,} B")
+        print(foundation.lone_token_note(args.seq_len), end="")
         print("Notice: EP computes the one-device model (same drops, same loads" + (
             ")." if not differ else f"; not in {', '.join(differ)}: over these steps a rounding "
             f"difference tipped a near-tie in the router, and from there the runs part as any two "

@@ -910,6 +910,7 @@ def distributed_demo(args: argparse.Namespace) -> None:
             loss, grads, params = result.max_differences(reference)
             print(f"  {label:<48}{loss:>7.1e}{grads:>17.1e}{params:>11.1e}   {float(measured):,.0f} B | "
                   f"{float(formula):,.0f} B{'' if measured == formula else ' (!=)'}")
+        print(foundation.lone_token_note(args.seq_len), end="")
         print("Notice: with the whole tensors' scales a split layer casts one device's FP8 numbers (the "
               "tests compare them byte for byte), but its split\nsums add in another order: where that tips "
               "a value across an e4m3 rounding (rare), AdamW makes it an lr-sized move, close to one\n"

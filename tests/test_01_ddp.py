@@ -520,6 +520,23 @@ def test_make_optimizer_is_adamw_with_the_documented_hyperparameters():
     assert hyperparameters == (3e-4, 1e-6, 0.1, (0.9, 0.999))
 
 
+def test_at_seq_len_1_queries_and_keys_get_rounding_noise_which_the_demos_say():
+    """A softmax over one score is 1 whatever the score: at seq_len 1 q_proj's and k_proj's gradients are
+    rounding noise (measured ~1e-10 against v_proj's ~0.1), which AdamW scales to lr-sized steps; at seq_len
+    2 they are real (~1e-3). The demos print lone_token_note, which says so, at seq_len 1 only."""
+    cfg = foundation.ModelConfig()
+    model = foundation.GPT(cfg)
+    for seq_len, bound in ((1, lambda q, v: q < 1e-6 * v), (2, lambda q, v: q > 1e-3 * v)):
+        model.zero_grad()
+        model(*foundation.synthetic_batch(cfg, 16, seq_len, 0, 0, 1)).backward()
+        for layer in model.layers.values():
+            v = layer.attn.v_proj.weight.grad.abs().max()
+            for noise in (layer.attn.q_proj.weight.grad, layer.attn.k_proj.weight.grad):
+                assert bound(noise.abs().max(), v), (seq_len, noise.abs().max(), v)
+    assert "q_proj and\nk_proj get gradients of rounding noise" in foundation.lone_token_note(1)
+    assert foundation.lone_token_note(2) == ""
+
+
 def test_training_steps_are_adamw_steps_with_the_given_lr_and_eps(rank_pool):
     """AdamW's first step, written out: bias-corrected m = g and v = g^2, so
     p <- p (1 - lr wd) - lr g / (|g| + eps). With eps = 1e-3, comparable to the gradients, an eps
