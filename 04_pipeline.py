@@ -50,6 +50,7 @@ its stages hand over in place), plus the check's all-reduce of p v fp32 flags, 2
 RUN IT
     python 04_pipeline.py                    # 4 local ranks; torchrun --nproc_per_node=4 works too
     python 04_pipeline.py --trace trace.json # open in https://ui.perfetto.dev or chrome://tracing
+    python 04_pipeline.py --microbatches 2   # m < p: GPipe's bubble grows (interleaved left out)
     python 04_pipeline.py --bench            # step time against torch.distributed.pipelining
 Look at: the max |difference| from one device (rounding only), the bytes each rank sent beside the
 formula, the timelines ('.' is the bubble), the measured bubble beside the formula, and the peak
@@ -499,8 +500,13 @@ def trace_events(name: int | str, pid: int, records: list[list[tuple]]) -> list[
     return events
 
 
-def schedule_runs(args: argparse.Namespace) -> list[tuple[str, int]]:
-    return [(name, args.virtual if name == "interleaved" else 1) for name in SCHEDULES]
+def schedule_runs(args: argparse.Namespace, pp: int) -> list[tuple[str, int]]:
+    """(schedule, virtual) of each run: the demo's interleaved only where m is a multiple of pp, so that
+    GPipe's and 1F1B's bubbles show with fewer microbatches than ranks; --bench runs all four."""
+    every = [(name, args.virtual if name == "interleaved" else 1) for name in SCHEDULES]
+    if args.bench:
+        return every
+    return [(name, v) for name, v in every if name != "interleaved" or args.microbatches % pp == 0]
 
 
 def demo(args: argparse.Namespace) -> None:
@@ -514,7 +520,7 @@ def demo(args: argparse.Namespace) -> None:
     ref = foundation.train_single_device(cfg, args.steps, args.global_batch, args.seq_len, device=device)
     boundary = args.global_batch * args.seq_len * cfg.dim * 4 * (pp > 1)  # a step's; pp = 1: handed over
     report = []
-    for name, v in schedule_runs(args):
+    for name, v in schedule_runs(args, pp):
         result, meter, _ = train_pipeline(cfg, args.steps, args.global_batch, args.seq_len, schedule=name,
                                           microbatches=m, virtual=v, device=device)
         stats = [*result.max_differences(ref), float(meter.traffic("send")) / args.steps,
@@ -540,6 +546,10 @@ def demo(args: argparse.Namespace) -> None:
                          for *_, s, f, _ in per_rank)
         print(f"{plan.name + (f' v={plan.virtual}' if plan.virtual > 1 else ''):<16}{diffs}   {sent}")
     print("(max |difference| from one device training on the whole batch: rounding only)")
+    if len(report) < len(SCHEDULES):
+        print(f"interleaved: not run, --microbatches {m} is not a multiple of pp={pp} (it sends microbatches "
+              f"round the ranks in groups of pp)")
+    print(foundation.lone_token_note(args.seq_len), end="")
     work = "real compute" if args.unit_ms == 0 else f"balanced synthetic work, F = {args.unit_ms} ms / v"
     print(f"\nTimelines ({work}): per rank, the plan, then what ran. The plan has two characters a "
           f"unit of time:\nF3 = forward of microbatch 3, B3-- = its backward (two units; ZB-H1's B is one, "
@@ -580,10 +590,12 @@ def bench(args: argparse.Namespace) -> None:
     batch = 2 * m
     seq = 64
     tokens, targets = (t.to(device) for t in foundation.synthetic_batch(cfg, batch, seq, 0))
-    torch_schedules = (torch_pp.ScheduleGPipe, torch_pp.Schedule1F1B,
-                       torch_pp.ScheduleInterleaved1F1B, torch_pp.ScheduleInterleavedZeroBubble)
+    torch_schedules = {"gpipe": torch_pp.ScheduleGPipe, "1f1b": torch_pp.Schedule1F1B,
+                       "interleaved": torch_pp.ScheduleInterleaved1F1B,
+                       "zb-h1": torch_pp.ScheduleInterleavedZeroBubble}
     rows = []
-    for (name, v), torch_schedule in zip(schedule_runs(args), torch_schedules):
+    for name, v in schedule_runs(args, pp):
+        torch_schedule = torch_schedules[name]
         plan = make_schedule(name, pp, m, v)
         ours, theirs = ({s: cut_stage(foundation.GPT(cfg), s, pp * v).to(device)
                          for s in range(rank, pp * v, pp)} for _ in range(2))
@@ -639,7 +651,7 @@ def check_writable(option: str, path: str) -> None:
 def validate_runs(args: argparse.Namespace, pp: int) -> None:
     """The sizes of each schedule main() runs on pp ranks (--bench: 2 rows a microbatch, m >= pp)."""
     rows = 2 * args.microbatches if args.bench else args.global_batch
-    for name, v in schedule_runs(args):
+    for name, v in schedule_runs(args, pp):
         validate_pipeline(pp * args.virtual, pp, rows, args.microbatches, name, v)
 
 

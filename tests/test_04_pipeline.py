@@ -509,6 +509,21 @@ def test_script_on_one_rank_sends_nothing_and_its_formula_says_so():
     assert "on 1 rank (" in stdout and len(re.findall(r"^rank 0 \|", stdout, re.M)) == 8, stdout
 
 
+def test_fewer_microbatches_than_ranks_show_gpipes_bubble_and_leave_interleaved_out():
+    """A new user's review: the demo refused --microbatches 1 on 2 ranks (interleaved needs a multiple of pp),
+    so GPipe's bubble with m < p could not be seen. Now the other three run, equal to one device, bubble by
+    its formula (p - 1) / (m + p - 1) = 1/2 for GPipe and 1F1B, and the demo says why interleaved did not."""
+    stdout = run_script("04_pipeline.py", "--nproc", "2", "--steps", "1", "--global-batch", "2",
+                        "--seq-len", "4", "--microbatches", "1", "--unit-ms", "5")
+    rows = re.findall(r"^(\S+)\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d.e+-]+)   ", stdout, re.M)
+    assert [r[0] for r in rows] == ["gpipe", "1f1b", "zb-h1"], stdout
+    assert all(float(loss) <= LOSS_ATOL and float(grad) <= GRAD_ATOL for _, loss, grad, _ in rows), stdout
+    assert "interleaved: not run, --microbatches 1 is not a multiple of pp=2" in stdout
+    formulas = re.findall(r"^(\S+), p=2, m=1, v=1: bubble measured [\d.]+, formula ([\d.]+)", stdout, re.M)
+    assert [name for name, _ in formulas] == ["gpipe", "1f1b", "zb-h1"], stdout
+    assert formulas[0][1] == formulas[1][1] == "0.500", stdout
+
+
 @pytest.mark.parametrize("options, message", [
     (["--trace", "{tmp}/missing/t.json"], "its folder does not exist"),
     (["--trace", "{tmp}"], "is a folder: name a file in it"),

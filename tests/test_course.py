@@ -40,7 +40,7 @@ def test_the_course_is_its_nine_scripts():
 @pytest.mark.parametrize("script, command, message", [
     ("02_zero", [], "--global-batch 16 is not divisible by the 3 ranks"),
     ("03_tensor_parallel", [], "--seq-len 32 is not divisible by the 3 ranks"),
-    ("04_pipeline", [], "--microbatches 8 is not a multiple of pp=3"),
+    ("04_pipeline", ["--bench"], "--microbatches 8 is not a multiple of pp=3"),  # the demo leaves interleaved out
     ("05_context_parallel", [], "--seq-len 64 is not divisible by 2 x cp = 6"),
     ("05_context_parallel", ["--seq-len", "66", "--work-seq-len", "100"],  # it named seq_len, not the option
      "--work-seq-len 100 is not divisible by 2 x cp = 6"),
