@@ -318,6 +318,31 @@ def stage_trains_traffic(pp: int, virtual: int = 1) -> Fraction:
 
 
 # --- The executor, one for every schedule, and training on lesson 01's batches -----------------------------
+def mailbox_key(transfer: Action) -> tuple[str, int, int]:
+    """A transfer's message as both ends name it: (F activations | B gradients, receiving stage,
+    microbatch)."""
+    kind = transfer.kind[-1]
+    if transfer.kind in SEND:
+        return kind, transfer.stage + (1 if kind == "F" else -1), transfer.microbatch
+    return kind, transfer.stage, transfer.microbatch
+
+
+def send_receipts(schedule: Schedule, rank: int) -> dict[tuple, list[tuple]]:
+    """For each message this rank receives, its own sends that the message proves received: the peer
+    sends it after computing with them. The executor lets a proved send's tensor go (waiting on it returns
+    at once); kept to the step's end, as before, a rank held every output it sent, m a stage, where 1F1B
+    promises p - r. A send no later message proves is waited for at the end."""
+    receipts = {}
+    for send in (a for a in schedule.actions[rank] if a.kind in SEND):
+        kind, stage, microbatch = mailbox_key(send)
+        peer_actions = schedule.actions[send.peer]
+        used = peer_actions.index(Action(kind, stage, microbatch))  # the peer's compute that reads it
+        reply = next((a for a in peer_actions[used:] if a.kind in SEND and a.peer == rank), None)
+        if reply is not None:
+            receipts.setdefault(mailbox_key(reply), []).append((kind, stage, microbatch))
+    return receipts
+
+
 @dataclass
 class StepLog:
     # (kind, stage, microbatch, start, end) of each compute action, seconds from the step's start
@@ -352,7 +377,8 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
     # Mailboxes are keyed by ("F" activations | "B" gradients, receiving stage, microbatch).
     inbox = {}  # what arrived, or a local stage handed over
     arriving = {}  # receives posted, not yet waited for
-    sent = []  # (work, tensor) of the sends in flight
+    sent = {}  # mailbox key -> (work, tensor) of the sends in flight
+    receipts = send_receipts(schedule, rank)
     saved = {}  # (stage, microbatch) -> (input, output) from F until B
     wait_for_w = {}  # ZB-H1: (stage, microbatch) -> (output, gradient) from B until W
     outbox = inbox if schedule.pp == 1 else {}  # one rank owns every stage: hand over directly
@@ -366,8 +392,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
             ops = []
             keys = []
             for a in run:
-                to = a.stage + {"SEND_F": 1, "SEND_B": -1}.get(a.kind, 0)  # the receiving stage
-                keys.append((a.kind[-1], to, a.microbatch))
+                keys.append(mailbox_key(a))
                 ops.append(("send", outbox.pop(keys[-1]), a.peer) if a.kind in SEND
                            else ("recv", torch.empty(shape, dtype=dtype, device=tokens.device), a.peer))
             works = foundation.batch_p2p(ops, group)
@@ -376,13 +401,15 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                     inbox[key] = tensor
                     arriving[key] = work
                 else:  # completes in the background; the tensor must live until then
-                    sent.append((work, tensor))
+                    sent[key] = (work, tensor)
             continue
         for a in run:
             key = (a.stage, a.microbatch)
             module = stages[a.stage]
             if (a.kind, *key) in arriving:  # wait only now: a late peer delays only what needs it
                 arriving.pop((a.kind, *key)).wait()
+                for proved in receipts.get((a.kind, *key), ()):
+                    sent.pop(proved)[0].wait()  # finished: the peer computed with it before sending this
             received = inbox.pop((a.kind, *key), None)  # from a peer or a local stage, if any
             start = time.perf_counter()  # after any wait for a peer: waiting is bubble, not work
             trains = schedule.trains[a.stage]
@@ -420,7 +447,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
             if work_s is not None:
                 time.sleep(max(0.0, start + work_s[a.kind] - time.perf_counter()))
             log.records.append((a.kind, *key, start - t0, time.perf_counter() - t0))
-    for work, _ in sent:
+    for work, _ in sent.values():
         work.wait()
     if losses:
         log.loss = torch.stack(losses).sum()

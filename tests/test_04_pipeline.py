@@ -19,6 +19,7 @@ import importlib
 import itertools
 import json
 import re
+import weakref
 from collections import defaultdict
 from fractions import Fraction
 
@@ -392,6 +393,45 @@ def test_before_last_backward_comes_once_a_stage_before_its_last_weight_gradient
     cfg = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=4)
     for rank, calls in enumerate(rank_pool.run(2, accumulations_before_the_last_backward, cfg, name, 4, virtual)):
         assert sorted(calls) == [(s, 3, 4) for s in range(rank, 2 * virtual, 2)], calls
+
+
+def sends_held_at_each_backward(cfg, name: str, m: int, virtual: int) -> list[int]:
+    """A schedule on 2 ranks, on this rank: how many of the tensors it sent were still alive (weakly
+    referenced) as each of its backwards made a weight gradient (a parameter's hook, once a microbatch)."""
+    rank = dist.get_rank()
+    stages = {s: pipeline.cut_stage(foundation.GPT(cfg), s, 2 * virtual) for s in range(rank, 2 * virtual, 2)}
+    sent = []
+    batch_p2p = foundation.batch_p2p
+
+    def recording(ops, group=None):
+        sent.extend(weakref.ref(tensor) for kind, tensor, _ in ops if kind == "send")
+        return batch_p2p(ops, group)
+
+    held = []
+    for stage in stages.values():
+        next(stage.parameters()).register_hook(lambda grad: held.append(sum(ref() is not None for ref in sent)))
+    foundation.batch_p2p = recording
+    try:
+        pipeline.run_schedule(pipeline.make_schedule(name, 2, m, virtual), stages,
+                              *foundation.synthetic_batch(cfg, m, 4, 0))
+    finally:
+        foundation.batch_p2p = batch_p2p
+    return held
+
+
+@pytest.mark.parametrize("name, virtual", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+def test_a_send_is_let_go_once_proved_received_so_memory_does_not_grow_with_m(rank_pool, name, virtual):
+    """1F1B's promise: rank r holds p - r microbatches, whatever m. The executor kept every sent tensor
+    until the step's end, so rank 0 held all the outputs it had sent (8 at its last backward, m = 8) and
+    rank 1 all its input gradients. Now a send goes once a later message of its peer proves it received
+    (send_receipts): the most held at a backward is the same at m = 8 and m = 16, and under 8."""
+    cfg = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=2 * virtual)
+    most = []
+    for m in (8, 16):
+        runs = rank_pool.run(2, sends_held_at_each_backward, cfg, name, m, virtual)
+        assert all(len(held) == m * virtual for held in runs), runs
+        most.append([max(held) for held in runs])
+    assert most[0] == most[1] and max(most[0]) < 8, most
 
 
 def run_a_schedule_that_says_every_stage_trains(cfg, name: str) -> None:
