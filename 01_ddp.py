@@ -809,16 +809,22 @@ def all_ranks(obj: object, group=None, dst: int | None = None) -> list | None:
 
 
 def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
-    """Point-to-point: ops are ("send" | "recv", tensor, peer rank within the group); returns the
-    works to wait on. Launched together, a ring exchange cannot deadlock as blocking send-then-recv
-    on each rank would. Traffic: what a rank sends."""
+    """Point-to-point: ops are ("send" | "recv", tensor, peer rank within the group); returns a work
+    to wait on for each op (NCCL coalesces a batch into one work: it stands for each). Launched together,
+    a ring exchange cannot deadlock as blocking send-then-recv on each rank would. Traffic: what a rank
+    sends."""
     group_size(group)
     p2p_ops = []
     for kind, tensor, peer in ops:
         fn = {"send": dist.isend, "recv": dist.irecv}[kind]  # any other kind: a KeyError naming it
         _record(kind, group, tensor.nbytes, Fraction(tensor.nbytes if kind == "send" else 0))
         p2p_ops.append(dist.P2POp(fn, tensor, group=group, group_peer=peer))
-    return dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
+    if not p2p_ops:
+        return []
+    works = dist.batch_isend_irecv(p2p_ops)
+    if len(works) == 1:
+        return works * len(p2p_ops)
+    return works
 
 
 # --- The reference model: a small Llama-style decoder that every later lesson transforms --------------------
