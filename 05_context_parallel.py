@@ -103,10 +103,11 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
 
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """merge_partials in place, on the ring's running fp32 out and float64 lse (rows of them): the running
-    result's weight is the merge of a 1 (it) with a 0 (the block), on lse-sized tensors; then out moves in
-    two passes, out x weight + part_out x (1 - weight): a ring step moves 20 B a query element, not 40 (09's
-    ring_merge_bytes, counted)."""
+    """merge_partials in place, on the ring's running fp32 out and float64 lse or views of their rows (a copy
+    would be updated and lost). The running result's weight, sigmoid(lse - part_lse) (1 where the block has
+    no key, 0 where the running result has none), is merge_partials' output for a 1 (the running result)
+    and a 0 (the block), on lse-sized tensors; then out moves in two passes, out x weight + part_out x
+    (1 - weight): a ring step moves 20 B a query element, not 40 (09's ring_merge_bytes, counted)."""
     one = torch.ones_like(lse, dtype=out.dtype)[..., None]
     weight, merged_lse = merge_partials(one, lse, torch.zeros_like(one), part_lse.to(lse.dtype))
     out.mul_(weight).addcmul_(part_out, 1 - weight)

@@ -14,6 +14,7 @@ Tolerances (fp32 on CPU), those of test_01_ddp.py, measured here again:
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib
 import itertools
@@ -395,6 +396,50 @@ def test_before_last_backward_comes_once_a_stage_before_its_last_weight_gradient
         assert sorted(calls) == [(s, 3, 4) for s in range(rank, 2 * virtual, 2)], calls
 
 
+def sends_held_at_most(schedule: "pipeline.Schedule", rank: int) -> int:
+    """The most sends run_schedule holds at once on rank, walking its actions: each send held from its
+    transfer until a compute reads a message send_receipts says proves it received."""
+    receipts = pipeline.send_receipts(schedule, rank)
+    held = set()
+    most = 0
+    for a in schedule.actions[rank]:
+        if a.kind in pipeline.SEND:
+            held.add(pipeline.mailbox_key(a))
+            most = max(most, len(held))
+        elif a.kind in pipeline.COMPUTE:
+            held -= set(receipts.get((a.kind, a.stage, a.microbatch), ()))
+    return most
+
+
+@pytest.mark.parametrize("name", pipeline.SCHEDULES)
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_a_sends_receipt_comes_from_its_peer_after_it_read_the_send(name, pp):
+    """send_receipts on every schedule, pp 2-4: each proving message comes from the send's peer, which
+    sends it after its compute that read ours (so waiting for the send then returns at once), and is one
+    this rank receives. With them the sends held at once do not grow with m (2pp and 4pp microbatches),
+    but in GPipe, whose m forwards all come first: m, its own in-flight bound. (A review's mutants that
+    took a reply from any peer, or searched from the peer's receive, passed the 2-rank run test.)"""
+    virtual = 2 if name == "interleaved" else 1
+    most = []
+    for m in (2 * pp, 4 * pp):
+        schedule = pipeline.make_schedule(name, pp, m, virtual)
+        for rank in range(pp):
+            received = {pipeline.mailbox_key(a): a.peer for a in schedule.actions[rank] if a.kind.startswith("RECV")}
+            sends = {pipeline.mailbox_key(a): a for a in schedule.actions[rank] if a.kind in pipeline.SEND}
+            for reply, proved in pipeline.send_receipts(schedule, rank).items():
+                peer_actions = schedule.actions[received[reply]]
+                sent_back = next(i for i, a in enumerate(peer_actions) if a.kind in pipeline.SEND
+                                 and pipeline.mailbox_key(a) == reply)
+                for key in proved:
+                    assert sends[key].peer == received[reply]
+                    assert peer_actions.index(pipeline.Action(*key)) < sent_back, (rank, reply, key)
+        most.append([sends_held_at_most(schedule, rank) for rank in range(pp)])
+    if name == "gpipe":
+        assert most == [[2 * pp] * pp, [4 * pp] * pp]
+    else:
+        assert most[0] == most[1], most
+
+
 def sends_held_at_each_backward(cfg, name: str, m: int, virtual: int) -> list[int]:
     """A schedule on 2 ranks, on this rank: how many of the tensors it sent were still alive (weakly
     referenced) as each of its backwards made a weight gradient (a parameter's hook, once a microbatch)."""
@@ -552,16 +597,28 @@ def test_script_on_one_rank_sends_nothing_and_its_formula_says_so():
 def test_fewer_microbatches_than_ranks_show_gpipes_bubble_and_leave_interleaved_out():
     """A new user's review: the demo refused --microbatches 1 on 2 ranks (interleaved needs a multiple of pp),
     so GPipe's bubble with m < p could not be seen. Now the other three run, equal to one device, bubble by
-    its formula (p - 1) / (m + p - 1) = 1/2 for GPipe and 1F1B, and the demo says why interleaved did not."""
+    its formula (p - 1) / (m + p - 1) = 1/2 for GPipe and 1F1B, and the demo says why interleaved did not.
+    At --seq-len 1 it also says why the parameters part more than at 4 (01's lone_token_note)."""
     stdout = run_script("04_pipeline.py", "--nproc", "2", "--steps", "1", "--global-batch", "2",
-                        "--seq-len", "4", "--microbatches", "1", "--unit-ms", "5")
+                        "--seq-len", "1", "--microbatches", "1", "--unit-ms", "5")
     rows = re.findall(r"^(\S+)\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d.e+-]+)   ", stdout, re.M)
     assert [r[0] for r in rows] == ["gpipe", "1f1b", "zb-h1"], stdout
     assert all(float(loss) <= LOSS_ATOL and float(grad) <= GRAD_ATOL for _, loss, grad, _ in rows), stdout
     assert "interleaved: not run, --microbatches 1 is not a multiple of pp=2" in stdout
+    assert foundation.lone_token_note(1) in stdout
     formulas = re.findall(r"^(\S+), p=2, m=1, v=1: bubble measured [\d.]+, formula ([\d.]+)", stdout, re.M)
     assert [name for name, _ in formulas] == ["gpipe", "1f1b", "zb-h1"], stdout
     assert formulas[0][1] == formulas[1][1] == "0.500", stdout
+
+
+def test_the_demo_runs_interleaved_where_m_is_a_multiple_of_pp_and_the_bench_always():
+    """m = 4 on 4 ranks at v = 2 runs interleaved (its rule is m a multiple of pp, not of pp x v); m = 2
+    leaves it out of the demo, not of --bench (torch's schedules beside ours, which keep the rule)."""
+    runs = functools.partial(pipeline.schedule_runs, pp=4)
+    assert ("interleaved", 2) in runs(argparse.Namespace(bench=False, microbatches=4, virtual=2))
+    assert [name for name, _ in runs(argparse.Namespace(bench=False, microbatches=2, virtual=2))] == [
+        "gpipe", "1f1b", "zb-h1"]
+    assert len(runs(argparse.Namespace(bench=True, microbatches=2, virtual=2))) == 4
 
 
 @pytest.mark.parametrize("options, message", [
