@@ -578,6 +578,8 @@ def launch(fn: Callable, *args, nproc: int) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     # A Ctrl-C while a new rank imports torch printed its KeyboardInterrupt traceback (spawn's bootstrap
     # catches none): the ranks start with SIGINT ignored, inherited across exec, and listen once running.
+    # (One in the instant of the forks is ignored here too: press again. Blocked instead, it would wait, but
+    # spawn clears a child's signal mask.)
     listening = signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
