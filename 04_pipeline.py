@@ -4,7 +4,8 @@ The parts, in order:
   Cutting the reference model into stages: validate_pipeline, stage_layers, cut_stage
   Schedules as data: compute_order (a rank's forwards and backwards: the technique), bubble_formula,
     in_flight_bound; simulate and place_communication (the transfers); make_schedule
-  The executor, one for every schedule: run_schedule; train_pipeline on lesson 01's batches
+  The executor, one for every schedule: mailbox_key, send_receipts (when a sent tensor can go), run_schedule;
+    train_pipeline on lesson 01's batches
   RUN IT: the measured timelines (draw_measured, trace_events), demo, bench; the command line: Options, main
   Lesson 09's plan reads only formulas that this demo and the tests measure: no pricing part here.
 
