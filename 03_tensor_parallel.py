@@ -4,7 +4,8 @@ parallelism, and grouped-query attention.
 The parts, in order (the technique starts at conjugate: Megatron's f and g):
   The conjugate communication operators: _collective (one operator a collective), conjugate
   Vocab-parallel embedding and cross-entropy: VocabParallelEmbedding, VocabParallelCrossEntropy, LossInChunks
-  The plan: column_parallel, row_parallel, enter_region, exit_region, SP's Projections; apply_tensor_parallel
+  The plan: column_parallel, row_parallel, enter_region, exit_region, SP's Projections and its overlapped
+    backward (_sequence_parallel_backward); apply_tensor_parallel
   Training, communication and memory: train_tensor_parallel, comm_formula
   Activation memory, lean saves and recompute: apply_lean_saves, apply_recompute, layer_activation_formula
   RUN IT: demo, bench (against DTensor: dtensor_plan); the command line: Options, main
@@ -54,6 +55,10 @@ rank's tokens: their gradients are summed over the group (an all-reduce of h num
 The linears of a region (q, k, v; gate, up) read its gathered input, which backward needs for their
 weight gradients: they keep this rank's sequence shard of it and all-gather it again in backward, once
 for all of them (Projections, Megatron's): 2 all-gathers of b x s x h more a layer, t x less kept.
+Their backward hides two collectives as Megatron's does: that all-gather travels while the input's
+gradient is made (GEMMs that do not read it), and the input gradient's reduce-scatter while the
+weights' gradients are (_sequence_parallel_backward, one operator, so a compiler keeps the order): of
+a layer's 10 collectives of b x s x h, 4 run beside GEMMs; the other 6 have every GEMM wait for them.
 
 ACTIVATION MEMORY (what a layer keeps for backward; Korthikanti's accounting)
 GPT-3 in 16 bits: s b h (34 + 5 a s / h) bytes without TP; s b h (10 + 24/t + 5 a s / (h t)) with
@@ -338,11 +343,17 @@ def vocab_parallel(embedding: nn.Embedding, ctx: Context) -> nn.Module:
     return VocabParallelEmbedding(_shard(embedding.weight, 0, ctx), first_id)
 
 
+def keeps_sequence_shard(module: nn.Module, ctx: Context) -> bool:
+    """SP with ctx.regather: a region's projections (01's project hook) take its input's sequence shard."""
+    return ctx.sequence_parallel and ctx.regather and ctx.tp > 1 and hasattr(module, "project")
+
+
 def enter_region(module: nn.Module, ctx: Context) -> nn.Module:
     """f on the module's input (with SP: all-gather along the sequence); other arguments pass.
-    At tp = 1 f and g have nothing to communicate: no hook, no autograd function."""
+    At tp = 1 f and g have nothing to communicate: no hook, no autograd function. Nor where the
+    module's linears gather their input themselves (keeps_sequence_shard: SP's Projections)."""
     f = GatherSequence if ctx.sequence_parallel else CopyToRegion
-    if ctx.tp > 1:
+    if ctx.tp > 1 and not keeps_sequence_shard(module, ctx):
         module.register_forward_pre_hook(lambda _, args: (f.apply(args[0], ctx.group), *args[1:]))
     return module
 
@@ -373,33 +384,104 @@ class LinearMath:
         return F.linear(kept[0], weight)
 
     @staticmethod
-    def backward(kept: tuple[torch.Tensor, ...], weight: torch.Tensor, operands: tuple[torch.Tensor, ...],
-                 grad: torch.Tensor, needs_input: bool,
-                 needs_weight: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        grad_input = grad @ weight if needs_input else None
-        grad_weight = grad.flatten(0, -2).t() @ kept[0].flatten(0, -2) if needs_weight else None
-        return grad_input, grad_weight
+    def grad_operand(grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # what both backward GEMMs read of it
+        return (grad.flatten(0, -2),)
+
+    @staticmethod
+    def weight_operand(weight: torch.Tensor, operands: tuple) -> tuple[torch.Tensor, ...]:  # what dx reads
+        return (weight,)
+
+    @staticmethod
+    def grad_input(grad: tuple, weight: tuple, dtype: torch.dtype) -> torch.Tensor:  # (tokens, in_features)
+        return grad[0] @ weight[0]
+
+    @staticmethod
+    def grad_weight(grad: tuple, kept: tuple, dtype: torch.dtype) -> torch.Tensor:
+        return grad[0].t() @ kept[0].flatten(0, -2)
+
+
+# The maths' backward GEMMs by name, for the operator below (which takes tensors, numbers and strings): a
+# lesson with its own math adds it (08: Float8Math)
+MATHS = {"LinearMath": LinearMath}
+
+
+@torch.library.custom_op("lesson03::sequence_parallel_backward", mutates_args=())
+def _sequence_parallel_backward(grads: list[torch.Tensor], weights: list[torch.Tensor],
+                                kept: list[torch.Tensor], math_name: str, group_name: str,
+                                dtype: torch.dtype, needs: list[bool]) -> list[torch.Tensor]:
+    """Projections' backward from SP's kept shard (kept[0], sequence first), as Megatron's overlaps it: the
+    shard's all-gather runs beside the GEMMs of the input's gradient, which do not read it, and that
+    gradient's reduce-scatter beside the weights' gradients. One operator, so that a compiler keeps this
+    order (Inductor, given each collective's start and wait as operators, moved a region's all-gather after
+    its GEMMs). grads, weights: math's operands, the same count a linear; needs: the input's, each weight's.
+    Returns their gradients, in dtype (an empty tensor where not needed)."""
+    math = MATHS[math_name]
+    group = _group_of(group_name)
+    tp = foundation.group_size(group)
+    linears = len(needs) - 1
+    grads = [tuple(grads[i::linears]) for i in range(linears)]
+    weights = [tuple(weights[i::linears]) for i in range(linears)]
+    shard = kept[0]
+    gathered = shard.new_empty((tp * shard.shape[0], *shard.shape[1:]))
+    regather = foundation.all_gather(gathered, shard, group, async_op=True)
+    seq, batch = gathered.shape[:2]
+    grad_input = None
+    if needs[0]:
+        for grad, weight in zip(grads, weights):
+            grad_x = math.grad_input(grad, weight, dtype)
+            grad_input = grad_x if grad_input is None else grad_input.add_(grad_x)
+    regather.wait()
+    kept = (gathered.movedim(0, 1).contiguous(), *kept[1:])
+    if needs[0]:
+        by_sequence = grad_input.view(batch, seq, -1).movedim(1, 0).contiguous()
+        grad_shard = by_sequence.new_empty((seq // tp, *by_sequence.shape[1:]))
+        scatter = foundation.reduce_scatter(grad_shard, by_sequence, group, async_op=True)
+    empty = shard.new_empty(0, dtype=dtype)
+    grad_weights = [math.grad_weight(grad, kept, dtype) if need else empty
+                    for grad, need in zip(grads, needs[1:])]
+    if needs[0]:
+        scatter.wait()
+        grad_input = grad_shard.movedim(0, 1).contiguous()
+    return [grad_input if needs[0] else empty, *grad_weights]
+
+
+@_sequence_parallel_backward.register_fake
+def _(grads, weights, kept, math_name, group_name, dtype, needs):
+    shard = kept[0]
+    empty = shard.new_empty(0, dtype=dtype)
+    grad_input = shard.new_empty((shard.shape[1], shard.shape[0], shard.shape[2]), dtype=dtype)
+    linears = len(needs) - 1
+    return [grad_input if needs[0] else empty,
+            *[weight.new_empty(weight.shape, dtype=dtype) if need else empty
+              for weight, need in zip(weights[:linears], needs[1:])]]
 
 
 class Projections(torch.autograd.Function):
     """The linears that read one input x (q, k, v; gate, up), as one autograd node that keeps x once for
     all of them, as `math` keeps it (LinearMath: x; lesson 08: its FP8 cast). shard = (group, rank, t):
-    keep only this rank's sequence shard of SP's gathered x, all-gathered again in backward."""
+    x is SP's sequence shard, gathered here (f); it keeps only its shard of what math keeps, and its
+    backward overlaps as Megatron's does: the all-gather of that shard runs beside the input's gradient
+    GEMMs, the reduce-scatter of the input's gradient beside the weights' gradient GEMMs."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, shard: tuple | None, math, *weights: torch.Tensor):
+        if shard is not None:
+            x = _gathered(x, shard[0])
         kept = math.keep(x)
         operands = [math.operands(weight) for weight in weights]
         outs = tuple(math.forward(kept, weight, operand) for weight, operand in zip(weights, operands))
-        if shard is not None:  # a copy of this rank's rows of the sequence (dim 1): the gathered x is freed
-            _, rank, tp = shard
+        if shard is not None:  # a copy of this rank's rows of the sequence (dim 1), sequence first for the
+            _, rank, tp = shard  # regather; the gathered x is freed
             rows = kept[0].shape[1] // tp
-            kept = (kept[0].narrow(1, rank * rows, rows).clone(), *kept[1:])
+            mine = kept[0].narrow(1, rank * rows, rows).movedim(1, 0)
+            kept = (mine.clone(memory_format=torch.contiguous_format), *kept[1:])
         ctx.save_for_backward(*kept, *itertools.chain(*operands))
         ctx.sizes = [len(kept), *map(len, operands)]
         ctx.weights = weights  # read at backward: ZeRO-3 gathers them again, a saved one loses its attributes
         ctx.shard = shard
         ctx.math = math
+        ctx.dtype = x.dtype
+        ctx.rows = x.shape[:-1]
         return outs
 
     @staticmethod
@@ -407,32 +489,42 @@ class Projections(torch.autograd.Function):
         saved = ctx.saved_tensors  # once: a checkpoint's recompute answers each unpack only once
         ends = list(itertools.accumulate(ctx.sizes))
         kept, *operands = [saved[end - n:end] for n, end in zip(ctx.sizes, ends)]
+        math = ctx.math
+        grads = [math.grad_operand(grad) for grad in grads]  # FP8: its cast, once for both GEMMs
+        weights = [math.weight_operand(weight, operand) for weight, operand in zip(ctx.weights, operands)]
+        needs = [ctx.needs_input_grad[0], *ctx.needs_input_grad[3:]]
         if ctx.shard is not None:
-            kept = (_gathered(kept[0], ctx.shard[0], kind="regather"), *kept[1:])
-        needs_input = ctx.needs_input_grad[0]
-        grad_input = None
-        grad_weights = []
-        for grad, weight, operand, needs_weight in zip(grads, ctx.weights, operands, ctx.needs_input_grad[3:],
-                                                       strict=True):
-            grad_x, grad_weight = ctx.math.backward(kept, weight, operand, grad, needs_input, needs_weight)
-            grad_input = grad_x if grad_input is None else grad_input + grad_x
-            grad_weights.append(grad_weight)
-        return grad_input, None, None, *grad_weights
+            group_name = (ctx.shard[0] or dist.group.WORLD).group_name  # operands: each linear's first, ...
+            grad_input, *grad_weights = _sequence_parallel_backward(
+                [*itertools.chain(*zip(*grads))], [*itertools.chain(*zip(*weights))], list(kept),
+                type(math).__name__, group_name, ctx.dtype, needs)
+        else:
+            grad_input = None
+            if needs[0]:
+                for grad, weight in zip(grads, weights):
+                    grad_x = math.grad_input(grad, weight, ctx.dtype)
+                    grad_input = grad_x if grad_input is None else grad_input + grad_x
+                grad_input = grad_input.view(*ctx.rows, -1)
+            grad_weights = [math.grad_weight(grad, kept, ctx.dtype) if need else None
+                            for grad, need in zip(grads, needs[1:])]
+        outputs = [grad if need else None for grad, need in zip([grad_input, *grad_weights], needs)]
+        return outputs[0], None, None, *outputs[1:]
 
 
 def project(x: torch.Tensor, *linears: nn.Module, shard: tuple | None = None) -> tuple[torch.Tensor, ...]:
     """01's project hook by Projections, with the linears' math (08's Float8Linear: its own); an empty x,
-    or linears of different kinds, go each to each linear, which handles it."""
+    or linears of different kinds, go each to each linear, which handles it (a shard gathered first)."""
     if x.numel() == 0 or len({type(linear) for linear in linears}) > 1:
-        return foundation.linears_of(x, *linears)
-    math = linears[0].math(x) if hasattr(linears[0], "math") else LinearMath
+        whole = x if shard is None else GatherSequence.apply(x, shard[0])
+        return foundation.linears_of(whole, *linears)
+    math = linears[0].math(x) if hasattr(linears[0], "math") else LinearMath()
     outs = Projections.apply(x, shard, math, *(linear.weight for linear in linears))
     return tuple(y if linear.bias is None else y + linear.bias for y, linear in zip(outs, linears))
 
 
 def keep_sequence_shard(module: nn.Module, ctx: Context) -> nn.Module:
-    """SP with ctx.regather: the region's projections (01's project hook) keep a shard (Projections)."""
-    if ctx.sequence_parallel and ctx.regather and ctx.tp > 1 and hasattr(module, "project"):
+    """Where keeps_sequence_shard: Projections gathers the region's input (f) and keeps its shard."""
+    if keeps_sequence_shard(module, ctx):
         module.project = functools.partial(project, shard=(ctx.group, ctx.rank, ctx.tp))
     return module
 

@@ -369,22 +369,29 @@ class Float8Math:
         out = scaled_mm(x_q, x_scale, *self.weight_cast(weight, operands), self.dtype)
         return out.view(*x_bytes.shape[:-1], -1)
 
-    def backward(self, kept: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
-                 operands: tuple[torch.Tensor, ...], grad: torch.Tensor, needs_input: bool,
-                 needs_weight: bool) -> tuple:
-        x_bytes, x_scale = kept
-        w_q, w_scale = self.weight_cast(weight, operands)
-        g_q, g_scale = quantize_tensorwise(grad.reshape(-1, grad.shape[-1]), E5M2, self.grad_group)
-        # Tensorwise scales survive transposition: the casts are reused, only re-laid out.
-        grad_x = None
-        if needs_input:
-            grad_x = scaled_mm(g_q, g_scale, w_q.t().contiguous(), w_scale, self.dtype)
-            grad_x = grad_x.view(*grad.shape[:-1], -1)
-        x_q = x_bytes.view(E4M3).reshape(-1, x_bytes.shape[-1])
-        grad_w = scaled_mm(g_q.t().contiguous(), g_scale, x_q.t().contiguous(), x_scale,
-                           weight.dtype) if needs_weight else None
-        return grad_x, grad_w
+    def grad_operand(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output gradient's e5m2 cast, read by both backward GEMMs."""
+        return quantize_tensorwise(grad.reshape(-1, grad.shape[-1]), E5M2, self.grad_group)
 
+    def weight_operand(self, weight: torch.Tensor, operands: tuple) -> Quantized:
+        return self.weight_cast(weight, operands)
+
+    @staticmethod
+    def grad_input(grad: tuple, weight: tuple, dtype: torch.dtype) -> torch.Tensor:
+        # Tensorwise scales survive transposition: the casts are reused, only re-laid out.
+        g_q, g_scale = grad
+        w_q, w_scale = weight
+        return scaled_mm(g_q, g_scale, w_q.t().contiguous(), w_scale, dtype)
+
+    @staticmethod
+    def grad_weight(grad: tuple, kept: tuple, dtype: torch.dtype) -> torch.Tensor:
+        g_q, g_scale = grad
+        x_bytes, x_scale = kept
+        x_q = x_bytes.view(E4M3).reshape(-1, x_bytes.shape[-1])
+        return scaled_mm(g_q.t().contiguous(), g_scale, x_q.t().contiguous(), x_scale, dtype)
+
+
+tensor_parallel.MATHS["Float8Math"] = Float8Math  # for 03's SP backward operator
 
 # What a Float8Linear keeps of its input for backward (03's kept_input): 1 B an element, an fp32 scale.
 KEPT_INPUT = (1, AMAX_BYTES)

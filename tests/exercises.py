@@ -147,7 +147,8 @@ EXERCISES = (
         task="enter_region registers a forward pre-hook that passes the module's first argument through f "
              "(CopyToRegion; with sequence parallelism GatherSequence) and leaves the others; exit_region "
              "a forward hook that passes the output through g (ReduceFromRegion; with SP "
-             "ReduceScatterSequence). At tp = 1 nothing is registered. Both return the module. "
+             "ReduceScatterSequence). At tp = 1 nothing is registered, nor by enter_region where the module's "
+             "linears gather their input themselves (keeps_sequence_shard(module, ctx)). Both return the module. "
              "Docstring: THE CONJUGATE OPERATORS, SEQUENCE PARALLELISM.",
         hint="A forward pre-hook returning a tuple replaces the arguments; a forward hook returning a "
              "tensor replaces the output. The operators take (x, ctx.group).",

@@ -28,6 +28,7 @@ import importlib
 import itertools
 import os
 import re
+import unittest.mock
 import weakref
 from fractions import Fraction
 
@@ -640,6 +641,62 @@ def test_one_layer_activation_memory_and_communication_equal_the_formulas(rank_p
             assert saved == formula, (sequence_parallel, lean, regather)
             assert {op: (meter.calls(op), meter.payload(op)) for op, _ in meter.stats} == comm
             assert sum(meter.traffic(op) for op in ops) == megatron + regathers
+
+
+def sequence_parallel_backward_events(cfg, batch: int, seq_len: int) -> list[str]:
+    """On this rank, a forward and backward of the SP GPT (lean saves, regather): in order, each collective
+    left running (its start and its wait) and each backward GEMM of Projections (LinearMath's)."""
+    events = []
+    collectives = {name: getattr(foundation, name) for name in ("all_gather", "reduce_scatter")}
+    gemms = {name: getattr(tensor_parallel.LinearMath, name) for name in ("grad_input", "grad_weight")}
+
+    class LoggedWork:
+        def __init__(self, work, name: str) -> None:
+            self.work = work
+            self.name = name
+
+        def wait(self):
+            events.append(f"wait {self.name}")
+            return self.work.wait()
+
+    def logged_collective(name: str):
+        def collective(*args, async_op: bool = False, **kwargs):
+            work = collectives[name](*args, async_op=async_op, **kwargs)
+            if not async_op:
+                return work
+            events.append(f"start {name}")
+            return LoggedWork(work, name)
+        return collective
+
+    def logged_gemm(name: str):
+        def gemm(*args):
+            events.append(name)
+            return gemms[name](*args)
+        return staticmethod(gemm)
+
+    model = tensor_parallel.apply_tensor_parallel(tensor_parallel.apply_lean_saves(foundation.GPT(cfg)), None, True)
+    tokens, targets = foundation.synthetic_batch(cfg, batch, seq_len, step=0)
+    with unittest.mock.patch.multiple(foundation, **{name: logged_collective(name) for name in collectives}), \
+            unittest.mock.patch.multiple(tensor_parallel.LinearMath, **{name: logged_gemm(name) for name in gemms}):
+        model(tokens, targets).backward()
+    return events
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallels_backward_runs_its_collectives_beside_the_gemms_that_do_not_need_them(rank_pool, tp):
+    """Megatron's overlap (03's Projections, one operator): a region's backward starts the all-gather of
+    its kept shard, makes the input's gradient (one GEMM a linear) while it travels, waits for it, starts
+    the input gradient's reduce-scatter, makes the weights' gradients (one GEMM each) and only then waits.
+    The MLP's region (gate, up) comes first in backward, then the attention's (q, k, v). A backward that
+    waited at once, or that started a collective after the GEMMs, logs another order."""
+    cfg = foundation.ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=8, n_kv_heads=4, ffn_dim=48)
+
+    def region(linears: int) -> list[str]:
+        return (["start all_gather", *["grad_input"] * linears, "wait all_gather",
+                 "start reduce_scatter", *["grad_weight"] * linears, "wait reduce_scatter"])
+
+    for events in rank_pool.run(tp, sequence_parallel_backward_events, cfg, 2, 8):
+        assert events == region(2) + region(3)
 
 
 def tensor_parallel_layer_bytes(cfg, batch: int, seq_len: int, sequence_parallel: bool, mode: str) -> int:

@@ -417,8 +417,11 @@ RULES = [
      "test_frozen_parameters_stay_frozen_and_the_rest_trains_as_on_one_device[False]",
      [("(f.apply(args[0], ctx.group), *args[1:])", "(f.apply(args[0], ctx.group),)")]),
     ("03.3", "nothing at tp = 1", "test_at_tp_1_nothing_is_inserted[False]",
-     [("if ctx.tp > 1:\n        module.register_forward_pre_hook",
-       "if True:\n        module.register_forward_pre_hook")]),
+     [("if ctx.tp > 1 and not keeps_sequence_shard(module, ctx):",
+       "if not keeps_sequence_shard(module, ctx):")]),
+    ("03.3", "no f where the linears gather their input",
+     "test_frozen_parameters_stay_frozen_and_the_rest_trains_as_on_one_device[True]",
+     [("if ctx.tp > 1 and not keeps_sequence_shard(module, ctx):", "if ctx.tp > 1:")]),
     ("03.3", "over ctx.group", "test_tensor_parallel_on_a_subgroup[False]",
      [("g.apply(out, ctx.group)", "g.apply(out, None)")]),
 
