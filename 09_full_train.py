@@ -57,11 +57,12 @@ splits the layer; the eager loss, FP8 weight casts and collectives' copies by th
 counts) and the optimizer (02) at the HBM's bandwidth; what recompute runs again. On a GPU other than the
 H100 SXM, 07's and 08's rates are the H100's scaled by its datasheet peak (Cluster): no course kernel ran
 there. Messages go at their link's speed (NVLink inside a node, the NIC across: inside_node) plus a latency,
-exposed where nothing hides them: TP's all, the ring's hops beyond a block's attention and merge, the
-gradient reduction beyond the last microbatch's backward (--reduce-after-backward: all of it), ZeRO-1/2's
-gather after the step, ZeRO-3's beyond the previous layer, the pipeline's sends in its fill and drain. The
-slowest pipeline rank's microbatches / (1 - 04's bubble) span the pipeline (pipeline_span). Two bounds frame
-it: full overlap, none.
+exposed where nothing hides them: TP's, but SP's regather and input-gradient reduce-scatter beyond the
+GEMMs 03's backward runs beside them (sequence_parallel_hidden), the ring's hops beyond a block's attention
+and merge, the gradient reduction beyond the last microbatch's backward (--reduce-after-backward: all of
+it), ZeRO-1/2's gather after the step, ZeRO-3's beyond the previous layer, the pipeline's sends in its fill
+and drain. The slowest pipeline rank's microbatches / (1 - 04's bubble) span the pipeline (pipeline_span).
+Two bounds frame it: full overlap, none.
 
 THE SEARCH (search_meshes): every dp x pp x cp x tp = N with tp inside a node that validate accepts; those
 that fit in memory, fastest first; a given mesh that does not fit names its largest part and the fastest
@@ -1727,7 +1728,8 @@ def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, lay
     Backward reads what forward read and the output's gradient, writes the inputs' gradients: a norm or an
     add 3h, SwiGLU 5f, the embedding 3h; and sums the input gradients of the linears that read one input
     (q, k, v; gate, up): at tp 1 the norm reads them (3h more), else a kernel sums them on every token
-    before 03's collective (reads and a write, 7h). Eager (bf16), each of 01's operations a kernel of its
+    before 03's collective (reads and a write, 7h; with SP and lean saves 03's backward operator adds
+    them in place, an add at a time, 9h). Eager (bf16), each of 01's operations a kernel of its
     own, reading and writing fp32 inside a norm and RoPE, bytes a token and layer as a dispatch mode
     counts them (test_09): forward 84h between the regions, RoPE 48 (q + kv) + 16 head_dim (its tables),
     SwiGLU 10f; backward 230h, 52 (q + kv) + 16 head_dim, 18f; with 03's lean saves 214h and 22f (silu
@@ -1746,6 +1748,8 @@ def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, lay
     if fused:  # elements x e: x h, q + kv, head_dim, f
         per_layer = [(10 * e, 2 * e, 0, 3 * e), (12 * e, 2 * e, 0, 5 * e)]
         summed = (2 + mlp) if tp == 1 else (4 + 3 * mlp)
+        if tp > 1 and sequence_parallel and lean_saves:  # summed in 03's operator, an add at a time
+            summed = 6 + 3 * mlp
         grad_sums = (0, summed * h * tokens * e)
     else:  # bytes as counted
         per_layer = [(84, 48, 16, 10), (230 - 16 * lean_saves, 52, 16, 18 + 4 * lean_saves)]
@@ -1841,6 +1845,29 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
                   and len(shape) == 2 and name.split(".")[-2] not in CAST_BY_A_SIBLING]
         return sum(fp8.float8_cast_bytes(tokens, n_in, 0)[0] for n_in in inputs) / hbm
 
+    def sequence_parallel_hidden() -> float:
+        """SP with its regather (03's Projections, Megatron's overlap): what a layer's backward hides of its
+        regions' collectives, each input's all-gather behind the GEMMs of its gradient, the gradient's
+        reduce-scatter behind the weights' gradients (seconds, both sides of a message)."""
+        if not (train.sequence_parallel and train.lean_saves):
+            return 0.0
+        bsh = tokens * cfg.dim
+        regather = send("tp", foundation.ring_traffic("all_gather", bsh * (1 if train.fp8 else e), tp))
+        scatter = send("tp", foundation.ring_traffic("reduce_scatter", bsh * e, tp))
+        hidden = 0.0
+        mlp = ("gate_proj", "up_proj") if moe is None else ()  # 06's experts keep their own
+        regions = {"attn": ("q_proj", "k_proj", "v_proj"), "mlp": mlp}
+        rate = speed8 if train.fp8 else speed
+        for region, names in regions.items():
+            grad_input = 0.0
+            grad_weight = 0.0
+            for name in names:
+                n_out, n_in = shapes[f"layers.0.{region}.{name}.weight"]
+                grad_input += fp8.gemm_seconds(tokens, n_out, n_in, hbm, train.fp8, rate)
+                grad_weight += fp8.gemm_seconds(n_out, tokens, n_in, hbm, train.fp8, rate)
+            hidden += min(regather, grad_input) + min(scatter, grad_weight)
+        return hidden
+
     def elementwise(**where) -> list[float]:  # (forward, backward) at the HBM's bandwidth
         nbytes = elementwise_bytes(cfg, tokens, tp, train.sequence_parallel, mlp=moe is None, elem_bytes=e,
                                    fused=train.compile, loss_chunks=train.loss_chunks,
@@ -1894,6 +1921,7 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
         if tp > 1:  # (ZB-H1's W re-runs part of the backward's: priced as 1F1B's)
             messages = tp_messages(cfg, sizes, train, p.layers, first, last)
             parts["TP"] = sum(send("tp", sent, calls) for calls, sent in messages)
+            parts["TP"] -= m * p.layers * sequence_parallel_hidden() if hide else 0.0
             parts["elementwise"] += float(tp_copy_bytes(cfg, sizes, train, p.layers, first, last)) / hbm
         if cp > 1:  # each of the cp - 1 hops behind one block's attention; recompute: the forward's twice
             hops = context_parallel.attention_bytes("ring", tokens * cfg.dim // tp,
