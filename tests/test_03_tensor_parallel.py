@@ -682,8 +682,7 @@ def sequence_parallel_backward_events(cfg, batch: int, seq_len: int) -> list[str
     return events
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_sequence_parallels_backward_runs_its_collectives_beside_the_gemms_that_do_not_need_them(rank_pool, tp):
+def test_sequence_parallels_backward_runs_its_collectives_beside_the_gemms_that_do_not_need_them(rank_pool):
     """Megatron's overlap (03's Projections, one operator): a region's backward starts the all-gather of
     its kept shard, makes the input's gradient (one GEMM a linear) while it travels, waits for it, starts
     the input gradient's reduce-scatter, makes the weights' gradients (one GEMM each) and only then waits.
@@ -695,7 +694,7 @@ def test_sequence_parallels_backward_runs_its_collectives_beside_the_gemms_that_
         return (["start all_gather", *["grad_input"] * linears, "wait all_gather",
                  "start reduce_scatter", *["grad_weight"] * linears, "wait reduce_scatter"])
 
-    for events in rank_pool.run(tp, sequence_parallel_backward_events, cfg, 2, 8):
+    for events in rank_pool.run(2, sequence_parallel_backward_events, cfg, 2, 8):  # the order is any tp's
         assert events == region(2) + region(3)
 
 
