@@ -436,24 +436,23 @@ def _sequence_parallel_backward(grads: list[torch.Tensor], weights: list[torch.T
         by_sequence = grad_input.view(batch, seq, -1).movedim(1, 0).contiguous()
         grad_shard = by_sequence.new_empty((seq // tp, *by_sequence.shape[1:]))
         scatter = foundation.reduce_scatter(grad_shard, by_sequence, group, async_op=True)
-    empty = shard.new_empty(0, dtype=dtype)
-    grad_weights = [math.grad_weight(grad, kept, dtype) if need else empty
+    # an empty tensor for each gradient not needed: an operator's outputs may not alias each other
+    grad_weights = [math.grad_weight(grad, kept, dtype) if need else shard.new_empty(0, dtype=dtype)
                     for grad, need in zip(grads, needs[1:])]
     if needs[0]:
         scatter.wait()
         grad_input = grad_shard.movedim(0, 1).contiguous()
-    return [grad_input if needs[0] else empty, *grad_weights]
+    return [grad_input if needs[0] else shard.new_empty(0, dtype=dtype), *grad_weights]
 
 
 @_sequence_parallel_backward.register_fake
 def _(grads, weights, kept, math_name, group_name, dtype, needs):
     shard = kept[0]
-    empty = shard.new_empty(0, dtype=dtype)
-    grad_input = shard.new_empty((shard.shape[1], shard.shape[0], shard.shape[2]), dtype=dtype)
+    seq, batch, dim = shard.shape
+    grad_input = shard.new_empty((batch, seq, dim) if needs[0] else 0, dtype=dtype)
     linears = len(needs) - 1
-    return [grad_input if needs[0] else empty,
-            *[weight.new_empty(weight.shape, dtype=dtype) if need else empty
-              for weight, need in zip(weights[:linears], needs[1:])]]
+    return [grad_input, *[weight.new_empty(weight.shape if need else 0, dtype=dtype)
+                          for weight, need in zip(weights[:linears], needs[1:])]]
 
 
 class Projections(torch.autograd.Function):
