@@ -701,6 +701,44 @@ def test_sequence_parallels_backward_runs_its_collectives_beside_the_gemms_that_
         assert events == region(2) + region(3)
 
 
+OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def sequence_parallel_backward_opcheck(cfg, batch: int, seq_len: int, dtype: torch.dtype, transform=None,
+                                       after=None, test_utils=OPCHECKS) -> int:
+    """On this rank, a forward and backward of the SP GPT in dtype (transform: the GPT before its lean
+    saves, as 09 orders them; after: the split model), each call of the SP backward operator recorded; then
+    torch.library.opcheck's test_utils on each call's arguments (by default all: the schema, inputs not
+    mutated nor aliased by outputs; the fake, what torch.compile traces, against the real output's shapes,
+    dtypes and strides). Returns how many calls were checked."""
+    calls = []
+    operator = tensor_parallel._sequence_parallel_backward
+
+    def recorded(*args):
+        calls.append(torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, args))  # as in backward
+        return operator(*args)
+
+    model = tensor_parallel.apply_lean_saves((transform or (lambda model: model))(foundation.GPT(cfg))).to(dtype)
+    model = tensor_parallel.apply_tensor_parallel(model, None, True)
+    model = (after or (lambda model: model))(model)
+    tokens, targets = foundation.synthetic_batch(cfg, batch, seq_len, step=0)
+    with unittest.mock.patch.object(tensor_parallel, "_sequence_parallel_backward", recorded):
+        model(tokens, targets).backward()
+    for args in calls:  # every rank checks the same calls in the same order: their collectives pair up
+        torch.library.opcheck(operator, args, test_utils=test_utils)
+    return len(calls)
+
+
+def test_sequence_parallels_backward_operator_traces_as_it_runs(rank_pool):
+    """torch.compile traces the operator by its fake: a fake that said another shape or dtype than the
+    real output would compile a wrong graph, which no eager test runs. opcheck compares them on a bf16
+    GPT's real calls (the attention's region and the MLP's, a layer), with some weights frozen (an empty
+    gradient where not needed) and not."""
+    cfg = foundation.ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=8, n_kv_heads=4, ffn_dim=48)
+    assert rank_pool.run(2, sequence_parallel_backward_opcheck, cfg, 2, 8, torch.bfloat16) == [2, 2]
+    assert rank_pool.run(2, sequence_parallel_backward_opcheck, cfg, 2, 8, torch.bfloat16, freeze_some) == [2, 2]
+
+
 def tensor_parallel_layer_bytes(cfg, batch: int, seq_len: int, sequence_parallel: bool, mode: str) -> int:
     """layer_bytes of layer 0 of the lean tensor-parallel GPT under a recompute mode ("op": kept_bytes)."""
     model = tensor_parallel.apply_tensor_parallel(tensor_parallel.apply_lean_saves(foundation.GPT(cfg)), None,

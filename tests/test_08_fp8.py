@@ -37,7 +37,7 @@ from hypothesis import example, given, settings, strategies as st
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from conftest import run_script  # noqa: E402
-from test_03_tensor_parallel import LLAMA3_LAYERS, bytes_a_token  # noqa: E402
+from test_03_tensor_parallel import LLAMA3_LAYERS, bytes_a_token, sequence_parallel_backward_opcheck  # noqa: E402
 from test_02_zero import (ADAM_EPS, GRAD_ATOL, GRAD_RTOL, LOSS_ATOL, PARAM_ATOL,  # noqa: E402
                          assert_close_by_name)
 
@@ -1189,6 +1189,19 @@ def test_a_gemm_of_no_rows_reads_its_weight():
     """An expert that no token reaches (more experts than routed tokens: 09's plan --moe --experts 10^6 was a
     ZeroDivisionError) multiplies nothing and still reads its weight: k x n bf16 elements at the bandwidth."""
     assert fp8.gemm_seconds(0, 64, 32, 1e12) == 64 * 32 * 2 / 1e12
+
+
+def test_float8s_sequence_parallel_backward_operator_traces_as_it_runs(rank_pool):
+    """03's SP backward operator with Float8Math: its operands are e5m2 and e4m3 bytes with their scales,
+    its gradients bf16; the fake (what torch.compile traces) must say the gradients' dtype, not the
+    operands'. opcheck compares fake and real on a bf16 FP8 GPT's calls, on 2 ranks."""
+    cfg = foundation.ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=8, n_kv_heads=4, ffn_dim=48)
+    scales = functools.partial(fp8.tensor_parallel_scales, sequence_parallel=True)
+    # not test_schema: it compares inputs bitwise with a multiply that CPU lacks for float8 (torch raises
+    # NotImplementedError); test_03 checks the schema of the same operator with LinearMath
+    checked = rank_pool.run(2, sequence_parallel_backward_opcheck, cfg, 2, 8, torch.bfloat16,
+                            fp8.convert_to_float8, scales, ("test_faketensor", "test_aot_dispatch_dynamic"))
+    assert checked == [2, 2]
 
 
 def float8_tensor_parallel_recomputing(cfg, steps: int, batch: int, seq_len: int, sequence_parallel: bool,

@@ -2127,6 +2127,38 @@ def test_the_prediction_moves_the_right_way_when_one_input_changes():
 
 
 
+@pytest.mark.parametrize("moe", [False, True])
+def test_sequence_parallels_tp_time_hides_a_regions_regather_and_reduce_scatter_behind_its_backward_gemms(moe):
+    """03's SP backward priced (Megatron's overlap), llama3-8b's layers at tp 4 with 2 microbatches a step:
+    hide=False hides nothing: the TP part is every message of tp_messages at NVLink's rate plus a latency a
+    call. Hidden, on a link fast enough that each message is shorter than the GEMMs it runs beside: each
+    region's all-gather of its kept shard and its input gradient's reduce-scatter (the ring's bytes of
+    b x s x h), a layer and microbatch; two regions a dense layer, the attention's alone where 06's experts
+    keep their own MLP. Without lean saves (no regather, autograd keeps the gathered input) none."""
+    cfg = dataclasses.replace(preset("llama3-8b"), n_layers=2)
+    sizes = full_train.MeshSizes(1, 1, 1, 4, 1)
+    run = full_train.TrainConfig(global_batch=4, seq_len=4096, microbatches=2, sequence_parallel=True,
+                                 mixed_precision=True, compile=True, moe=MOE if moe else None)
+    cluster = full_train.Cluster(nvlink_gbps=1e5)
+    plans = full_train.plan(cfg, sizes, run)
+
+    def tp_seconds(train, hide: bool) -> float:
+        return full_train.step_time(cfg, sizes, train, plans, cluster, hide=hide)["parts"]["TP"]
+
+    messages = full_train.tp_messages(cfg, sizes, run, cfg.n_layers, True, True)
+    plain = sum(float(sent) / (1e9 * cluster.nvlink_gbps) + calls * cluster.latency for calls, sent in messages)
+    assert tp_seconds(run, hide=False) == pytest.approx(plain, rel=1e-12)
+    tokens = run.global_batch // run.microbatches * run.seq_len
+    bsh = tokens * cfg.dim * 2  # bf16
+    each_way = sum(float(foundation.ring_traffic(op, bsh, sizes.tp)) / (1e9 * cluster.nvlink_gbps)
+                   for op in ("all_gather", "reduce_scatter")) + 2 * cluster.latency
+    regions = 1 if moe else 2
+    hidden = run.microbatches * cfg.n_layers * regions * each_way
+    assert tp_seconds(run, hide=False) - tp_seconds(run, hide=True) == pytest.approx(hidden, rel=1e-9)
+    autograd_saves = dataclasses.replace(run, lean_saves=False)
+    assert tp_seconds(autograd_saves, hide=True) == tp_seconds(autograd_saves, hide=False)
+
+
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_each_ring_hop_hides_behind_one_blocks_attention_not_the_whole_call(recompute):
     """05's ring sends cp - 1 hops of K/V, each while the rank computes one block and merges it, 1/cp of
