@@ -156,6 +156,75 @@ def test_frozen_parameters_stay_frozen_and_the_rest_trains_as_on_one_device(rank
         assert torch.equal(runs[0][0].params[name], initial.get_parameter(name)), name
 
 
+class AnotherLinear(torch.nn.Linear):
+    """A linear of another kind, the same maths (as a LoRA adapter, or one that 08's convert_to_float8
+    skips, would be among FP8 ones)."""
+
+
+def k_of_another_kind(model):
+    """Every block's k_proj an AnotherLinear, then lean saves: the attention region's linears are of two
+    kinds, which 03's project hands each to its own linear (SP's shard gathered first, by GatherSequence)."""
+    for block in model.layers.values():
+        block.attn.k_proj.__class__ = AnotherLinear
+    return tensor_parallel.apply_lean_saves(model)
+
+
+def train_counting_projections(*args, **kwargs) -> tuple:
+    """train_tensor_parallel's result and meter, and how many regions went through Projections."""
+    calls = []
+    apply = tensor_parallel.Projections.apply
+
+    def counted(*inputs):
+        calls.append(len(inputs))
+        return apply(*inputs)
+
+    with unittest.mock.patch.object(tensor_parallel.Projections, "apply", counted):
+        result, meter = tensor_parallel.train_tensor_parallel(*args, **kwargs)
+    return result, meter, len(calls)
+
+
+def test_a_region_of_two_linear_kinds_trains_as_on_one_device(rank_pool):
+    """project's other path, under SP (where the linears gather their input): q, k, v of two kinds go
+    each to its own linear, on the whole input (SP's shard gathered by GatherSequence, whose backward
+    reduce-scatters its gradient), and only the MLP's region goes through Projections, once a layer and
+    step."""
+    cfg = foundation.ModelConfig(vocab_size=19, dim=16, n_heads=2, ffn_dim=16)
+    steps = 2
+    runs = rank_pool.run(2, train_counting_projections, cfg, steps, 2, 4, adam_eps=ADAM_EPS,
+                         sequence_parallel=True, transform=k_of_another_kind)
+    reference = foundation.train_single_device(cfg, steps, 2, 4, adam_eps=ADAM_EPS)
+    for result, _, projections in runs:
+        assert projections == steps * cfg.n_layers
+        assert_matches_reference(result, reference)
+
+
+def empty_batch_step(cfg, sequence_parallel: bool, split: bool) -> tuple:
+    """A batch of no sequences through the lean GPT (split: over the group, SP or not): its logits' shape
+    (split, the vocabulary's shard), whether its loss is NaN (a mean of nothing), and after backward the
+    largest |gradient| of any parameter (None if one got no gradient)."""
+    tokens, targets = foundation.synthetic_batch(cfg, 2, 4, step=0)
+    model = tensor_parallel.apply_lean_saves(foundation.GPT(cfg))
+    if split:
+        model = tensor_parallel.apply_tensor_parallel(model, None, sequence_parallel)
+    shape = tuple(model(tokens[:0]).shape)
+    loss = model(tokens[:0], targets[:0])
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    largest = None if any(g is None for g in grads) else max(g.abs().max().item() for g in grads)
+    return shape, loss.isnan().item(), largest
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_batch_of_no_sequences_steps_as_on_one_device(rank_pool, sequence_parallel):
+    """A batch of no sequences (under SP, project's other path: Projections' backward would view its rows
+    as a matrix, which raised): one device's logits have no rows, its loss is NaN and every gradient is
+    zero; so on every rank, with the rank's shard of the vocabulary (19 padded to 2 x 10)."""
+    cfg = foundation.ModelConfig(vocab_size=19, dim=16, n_heads=2, ffn_dim=16)
+    assert empty_batch_step(cfg, sequence_parallel, split=False) == ((0, 4, cfg.vocab_size), True, 0.0)
+    for shape, nan, largest in rank_pool.run(2, empty_batch_step, cfg, sequence_parallel, True):
+        assert (shape, nan, largest) == ((0, 4, 10), True, 0.0)
+
+
 def tie_embedding(model):
     """GPT-2's and Llama 3.2's tie: the LM head is the embedding."""
     model.lm_head.weight = model.embed.weight
