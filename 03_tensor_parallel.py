@@ -70,9 +70,13 @@ norm's input in fp32 and x / rms, the SwiGLU's gate, silu(gate), up and their pr
 and 1/rms (backward recomputes x / rms), the SwiGLU gate and up (backward recomputes silu): 8h + 4ad +
 4kd + 4a + 6f + 8, with SP all of it / t. The gradients are autograd's up to rounding.
 RECOMPUTE (apply_recompute): "selective" keeps only each attention function's q, k, v and recomputes
-its inside (Megatron's: the 5 a s / h scores term; a fused kernel's log-sum-exp); "full" keeps only
-each block's input and reruns the block, ~1/3 more compute ("op", torchtitan's: and the outputs of its
-odd matmuls and attention). Gradients are bitwise the same.
+its inside (Megatron's: the 5 a s / h scores term; a fused kernel's log-sum-exp); "elementwise", on
+lean saves, drops what lean saves keep for the linears' weight gradients but can rebuild in one
+elementwise pass: each norm's output (x and 1/rms are kept) and SwiGLU's product (gate and up are):
+4h + 2f a token less, their storage emptied once the region has run, refilled when backward reaches it
+(Megatron-Core's recompute_modules "layernorm" and the activation's); "full" keeps only each block's
+input and reruns the block, ~1/3 more compute ("op", torchtitan's: and the outputs of its odd matmuls
+and attention). Gradients are bitwise the same.
 
 RUN IT
     python 03_tensor_parallel.py                       # 4 local CPU ranks, tp = 4
@@ -464,16 +468,17 @@ class Projections(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, shard: tuple | None, math, *weights: torch.Tensor):
+        shard_input = x
         if shard is not None:
             x = _gathered(x, shard[0])
         kept = math.keep(x)
         operands = [math.operands(weight) for weight in weights]
         outs = tuple(math.forward(kept, weight, operand) for weight, operand in zip(weights, operands))
-        if shard is not None:  # a copy of this rank's rows of the sequence (dim 1), sequence first for the
-            _, rank, tp = shard  # regather; the gathered x is freed
-            rows = kept[0].shape[1] // tp
-            mine = kept[0].narrow(1, rank * rows, rows).movedim(1, 0)
-            kept = (mine.clone(memory_format=torch.contiguous_format), *kept[1:])
+        if shard is not None:  # this rank's rows of the sequence (dim 1), for the regather; the gathered x
+            _, rank, tp = shard  # is freed. Where math keeps x, they are the shard it came as, kept as it
+            rows = kept[0].shape[1] // tp  # is (03's elementwise recompute empties and refills it)
+            mine = shard_input if kept[0] is x else kept[0].narrow(1, rank * rows, rows).contiguous()
+            kept = (mine, *kept[1:])
         ctx.save_for_backward(*kept, *itertools.chain(*operands))
         ctx.sizes = [len(kept), *map(len, operands)]
         ctx.weights = weights  # read at backward: ZeRO-3 gathers them again, a saved one loses its attributes
@@ -494,8 +499,9 @@ class Projections(torch.autograd.Function):
         needs = [ctx.needs_input_grad[0], *ctx.needs_input_grad[3:]]
         if ctx.shard is not None:
             group_name = (ctx.shard[0] or dist.group.WORLD).group_name  # operands: each linear's first, ...
+            sequence_first = [kept[0].movedim(1, 0).contiguous(), *kept[1:]]  # as the all-gather reads it
             grad_input, *grad_weights = _sequence_parallel_backward(
-                [*itertools.chain(*zip(*grads))], [*itertools.chain(*zip(*weights))], list(kept),
+                [*itertools.chain(*zip(*grads))], [*itertools.chain(*zip(*weights))], sequence_first,
                 type(math).__name__, group_name, ctx.dtype, needs)
         else:
             grad_input = None
@@ -709,7 +715,7 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
 
 
 # --- Activation memory, and recompute: a second forward instead of the activations backward would keep -----
-RECOMPUTE_MODES = ("none", "selective", "op", "full")
+RECOMPUTE_MODES = ("none", "selective", "elementwise", "op", "full")
 
 
 def recomputed(fn: Callable, policy: Callable = torch.utils.checkpoint.noop_context_fn) -> Callable:
@@ -735,10 +741,15 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"recompute mode {mode!r} must be one of {RECOMPUTE_MODES}")
     if getattr(model, "recompute", "none") != "none":
         raise ValueError(f"this model already recomputes ({model.recompute}): apply_recompute once")
+    if mode == "elementwise" and not getattr(model, "lean_saves", False):
+        raise ValueError("recompute elementwise rebuilds the norms' outputs and SwiGLU's product from what "
+                         "lean saves keep: apply_lean_saves first")
     model.recompute = mode
     for block in model.layers.values():
         if mode == "selective":
             block.attn.attn_fn = recomputed(block.attn.attn_fn)
+        elif mode == "elementwise":
+            recompute_elementwise(block)
         elif mode != "none":  # full, or op's policy
             block.forward = recomputed(block.forward, *[odd_matmuls_and_attention] * (mode == "op"))
     return model
@@ -789,6 +800,54 @@ def lean_rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return RMSNormKeepingInput.apply(x, norm.weight, norm.eps)
 
 
+def refill_in_backward(output: torch.Tensor, rebuild: Callable[[], torch.Tensor],
+                       region_output: torch.Tensor) -> None:
+    """Megatron's CheckpointWithoutOutput: the linears that read output keep it for their weight
+    gradients, but it costs one elementwise pass to rebuild. Its storage is emptied now (its region
+    has run) and refilled with rebuild()'s values, bitwise the same, when the gradient reaches
+    region_output, before the region's backward reads it."""
+    storage = output.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+
+    def refill(grad: torch.Tensor) -> None:
+        with torch.no_grad():
+            rebuilt = rebuild()
+        storage.resize_(nbytes)
+        storage.copy_(rebuilt.untyped_storage())  # the storage, not the tensor: its version stays
+
+    region_output.register_hook(refill)
+
+
+def recompute_elementwise(block: nn.Module) -> None:
+    """"elementwise" recompute of one block (lean saves): each norm's output, and the dense SwiGLU's
+    product, refilled in backward (06's MoE keeps its experts' own inputs; only its norm's is)."""
+    made = {}  # what this forward made: the norms' (input, output), SwiGLU's (gate, up, product)
+
+    def remember_norm(norm: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        made[norm] = (args[0], output)
+
+    def swiglu_remembered(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        made["swiglu"] = (gate, up, SwiGLUKeepingInputs.apply(gate, up))
+        return made["swiglu"][2]
+
+    def empty_after(norm: nn.Module, region: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        x, normed = made.pop(norm)
+        if not output.requires_grad:  # no backward will read them
+            made.pop("swiglu", None)
+            return
+        refill_in_backward(normed, functools.partial(lean_rms_norm, norm, x), output)
+        if "swiglu" in made:
+            gate, up, product = made.pop("swiglu")
+            refill_in_backward(product, functools.partial(foundation.swiglu, gate, up), output)
+
+    for norm, region in ((block.attn_norm, block.attn), (block.mlp_norm, block.mlp)):
+        norm.register_forward_hook(remember_norm)
+        region.register_forward_hook(functools.partial(empty_after, norm))
+    if isinstance(block.mlp, foundation.SwiGLU):
+        block.mlp.gated = swiglu_remembered
+
+
 def apply_lean_saves(model: nn.Module) -> nn.Module:
     """Every block's norms and SwiGLU keep only what their backward reads (the two functions above; 06's
     MoE keeps its own). Parameter names stay; the gradients are autograd's up to rounding."""
@@ -804,37 +863,44 @@ def apply_lean_saves(model: nn.Module) -> nn.Module:
 
 
 def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Tensor], device: torch.device,
-                     inside: Iterable[nn.Module] = ()) -> tuple[torch.Tensor, int]:
-    """run()'s result and the most activation bytes it held for backward at once. CPU: the tensors
-    autograd saves, each storage counted from its saving until backward frees it, parameters
-    excluded (inside: only those saved in these modules' forwards, e.g. lesson 09's layers). GPU:
-    the peak allocated above what was allocated before (activations and temporaries)."""
+                     inside: Iterable[nn.Module] = (), at_end: bool = False) -> tuple[torch.Tensor, int]:
+    """run()'s result and the most activation bytes it held for backward at once (at_end: those it
+    still held when it returned, without a region's input that "elementwise" empties at its end). CPU:
+    the tensors autograd saves, each storage counted from its saving until backward frees it, at its
+    size (0 while emptied), parameters excluded (inside: only those saved in these modules' forwards,
+    e.g. lesson 09's layers). GPU: the peak allocated above what was allocated before (activations and
+    temporaries), or what is allocated at the end."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         out = run()
         torch.cuda.synchronize(device)
-        return out, torch.cuda.max_memory_allocated(device) - before
+        held = torch.cuda.memory_allocated(device) if at_end else torch.cuda.max_memory_allocated(device)
+        return out, held - before
     params = list(params)
     inside = list(inside)
-    saved_on = collections.Counter()  # storage -> saved tensors on it: its bytes count while > 0
-    count = collections.Counter()  # bytes held now, their peak; depth: inside those modules' forwards
+    saved_on = collections.Counter()  # storage -> saved tensors on it: it counts while > 0
+    live = {}  # storage -> the storage, while it counts
+    count = collections.Counter()  # the peak of the bytes held; depth: inside those modules' forwards
+
+    def held() -> int:
+        return sum(storage.nbytes() for storage in live.values())
 
     class Saved:  # what autograd keeps instead of the tensor: dropped when backward frees it
         def __init__(self, t: torch.Tensor) -> None:
             # detached: a saved output kept as itself would hold its own grad_fn (a reference cycle)
             self.tensor = t.detach()
             storage = t.untyped_storage()
-            self.key = storage.data_ptr()
-            self.nbytes = storage.nbytes()
-            count["now"] += 0 if saved_on[self.key] else self.nbytes
+            self.key = storage._cdata  # the storage itself: an emptied one has no data pointer
+            live[self.key] = storage
             saved_on[self.key] += 1
-            count["peak"] = max(count["peak"], count["now"])
+            count["peak"] = max(count["peak"], held())
 
         def __del__(self) -> None:
             saved_on[self.key] -= 1
-            count["now"] -= 0 if saved_on[self.key] else self.nbytes
+            if not saved_on[self.key]:
+                del live[self.key]
 
     def pack(t: torch.Tensor):
         weights = {p.untyped_storage().data_ptr() for p in params}  # ZeRO-3 gathers them anew
@@ -852,7 +918,7 @@ def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Ten
     finally:
         for hook in hooks:
             hook.remove()
-    return out, count["peak"]
+    return out, held() if at_end else count["peak"]
 
 
 def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool, device: torch.device | str = "cpu",
@@ -871,7 +937,8 @@ def measure_layer(cfg, batch: int, seq_len: int, sequence_parallel: bool, device
     cos, sin = foundation.rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta)
     with context(model) as run_model, foundation.comm_meter() as meter:
         layer = run_model.layers["0"]
-        out, saved = activation_bytes(lambda: layer(x, cos, sin), layer.parameters(), torch.device("cpu"))
+        out, saved = activation_bytes(lambda: layer(x, cos, sin), layer.parameters(), torch.device("cpu"),
+                                      at_end=True)
         out.sum().backward()
     return saved, meter
 
@@ -894,6 +961,8 @@ def layer_activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_pa
     - attention_saves bytes the attention function keeps beyond q, k, v (default: SDPA's and
       lesson 07's fp32 log-sum-exp, one per query head and token, and its output where out_proj keeps
       a copy; "selective" recompute: none).
+    "elementwise" (lean saves) drops each norm's output where the linears keep it (not with SP's
+    gathered input, nor an FP8 cast) and down_proj's input (SwiGLU's product, not its FP8 cast).
     "full" recompute keeps only each block's input; "op" also q, v, gate, attention's output and its
     saves, and down_proj's (b s h partial sums). The layers share the RoPE tables (s x head_dim, fp32)."""
     sb = seq_len * batch  # the paper's letters: s b tokens of h = dim features, e bytes each
@@ -905,11 +974,15 @@ def layer_activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_pa
     attention = 4 * sb * cfg.n_heads // tp if attention_saves is None else attention_saves
     per_layer = e * sb * h // (tp if sequence_parallel else 1)  # "full"'s: the block's input
     per_layer += (mode == "op") * (e * sb * ((2 * h + kv + f) // tp + h) + attention)
-    if mode in ("none", "selective"):
+    if mode in ("none", "selective", "elementwise"):
         split = tp if sequence_parallel else 1
         norms = 2 * ((e if lean else 4 + e) * sb * h + 4 * sb)
         regions = 2 * kept * sb * h // (split if regather else 1)
-        sharded = sb * (e * (h + 2 * kv) + kept * (h + f) + (2 if lean else 3) * e * f) // tp
+        down_input = kept * f
+        if mode == "elementwise" and kept_input is None:  # rebuilt, but SP's gathered copy without regather
+            regions = regions if sequence_parallel and not regather else 0
+            down_input = 0  # SwiGLU's product
+        sharded = sb * (e * (h + 2 * kv) + kept * h + down_input + (2 if lean else 3) * e * f) // tp
         if kept_input is not None and attention_saves is None:  # SDPA's output, not out_proj's input
             attention += e * sb * h // tp
         scales = 4 * (0 if kept_input is None else kept_input[1])  # of the 4 linears' inputs
@@ -939,13 +1012,15 @@ def demo(args: argparse.Namespace) -> None:
     # with SP or not: (result, the steps' meter, layer 0's saved bytes, layer 0's meter)
     runs = {sp: (*train_tensor_parallel(cfg, args.steps, b, s, sequence_parallel=sp, device=device),
                  *measure_layer(cfg, b, s, sp, device)) for sp in (False, True)}
-    kept = {  # layer 0's saved bytes: (label, SP, lean, regather) -> measured
-        ("TP, autograd's saves", False, False, True): runs[False][2],
-        ("TP + SP, each region's input gathered", True, False, False):
+    kept = {  # layer 0's saved bytes: (label, SP, lean, regather, recompute) -> measured
+        ("TP, autograd's saves", False, False, True, "none"): runs[False][2],
+        ("TP + SP, each region's input gathered", True, False, False, "none"):
             measure_layer(cfg, b, s, True, device, regather=False)[0],
-        ("TP + SP, its shard, re-gathered", True, False, True): runs[True][2],
-        ("TP + SP, re-gathered, lean saves", True, True, True):
-            measure_layer(cfg, b, s, True, device, lean=True)[0]}
+        ("TP + SP, its shard, re-gathered", True, False, True, "none"): runs[True][2],
+        ("TP + SP, re-gathered, lean saves", True, True, True, "none"):
+            measure_layer(cfg, b, s, True, device, lean=True)[0],
+        ("... and elementwise recompute", True, True, True, "elementwise"):
+            measure_layer(cfg, b, s, True, device, lean=True, recompute="elementwise")[0]}
     if dist.get_rank() != 0:
         foundation.exit_distributed()
     reference = foundation.train_single_device(cfg, args.steps, b, s, device=device)
@@ -982,14 +1057,14 @@ def demo(args: argparse.Namespace) -> None:
               + f": {float(formula):,.0f} B" + ("  = formula" if measured == formula else "  MISMATCH"))
     print(f"\nactivations saved by one layer, per rank:{'measured (fp32)':>18}{'our formula':>14}"
           f"{'Korthikanti, GPT-3 16-bit layer':>34}")
-    for (name, sp, lean, regather), saved in kept.items():
-        formula = layer_activation_formula(cfg, b, s, tp, sp, lean=lean, regather=regather)
+    for (name, sp, lean, regather, recompute), saved in kept.items():
+        formula = layer_activation_formula(cfg, b, s, tp, sp, recompute, lean=lean, regather=regather)
         paper = korthikanti_bytes(cfg, b, s, tp, sp)
         print(f"  {name:<40}{saved:>16,} B{formula:>12,} B{paper:>32,.0f} B")
     whole = layer_activation_formula(cfg, b, s, 1, False)
     print(f"  tp = 1 for scale: {whole:,} B. Plain TP leaves the norms and the regions' inputs whole;\n  SP "
           f"splits the norms, the re-gather the regions' inputs; lean saves keep the norms' and SwiGLU's "
-          f"inputs.")
+          f"inputs;\n  elementwise recompute rebuilds the norms' outputs and SwiGLU's product in backward.")
     foundation.exit_distributed()
 
 

@@ -255,7 +255,8 @@ class TrainConfig:
     fp32_grads: bool = option(False, "02's fp32 gradients: each backward's bf16 gradient added into an fp32 "
                               "buffer, reduced in fp32 (Megatron's main_grad; FSDP2's reduce_dtype under a "
                               "pipeline); --zero 0 or 1")
-    recompute: str = option("none", "activation recompute (03): selective = attention's inside, full = each "
+    recompute: str = option("none", "activation recompute (03): selective = attention's inside, elementwise "
+                            "= the norms' outputs and SwiGLU's product (lean saves, eager), full = each "
                             "block (torch's checkpoint: its rerun stops at down_proj's input, the last "
                             "tensor backward reads); plan only, whole = each block rerun to its end, "
                             "down_proj and its all-reduce too, as a reentrant checkpoint reruns it "
@@ -364,6 +365,21 @@ def unpriced_whole(train: TrainConfig) -> str:
             f"have no formula (full's have)")
 
 
+def elementwise_refusals(train: TrainConfig) -> list[str]:
+    """Why 03's "elementwise" recompute cannot run or be priced with these options (none: it can)."""
+    refusals = []
+    if not train.lean_saves:
+        refusals.append("recompute='elementwise' rebuilds from what 03's lean saves keep: not with "
+                        "--autograd-saves")
+    if train.compile:
+        refusals.append("recompute='elementwise' empties and refills storages from autograd hooks, which "
+                        "torch.compile does not trace: use --eager")
+    if train.moe is not None:
+        refusals.append("recompute='elementwise' is priced for dense layers: 06's experts keep their own "
+                        "inputs")
+    return refusals
+
+
 def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
     """Every violation, each lesson's rule in its own words, in one ValueError."""
     problems = [*foundation.broken_rules(sizes, dataclasses.fields(sizes)),
@@ -402,6 +418,8 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
                         f"traffic has no formula")
     if train.recompute == "whole" and (train.fp8 or train.moe):
         problems.append(unpriced_whole(train))
+    if train.recompute == "elementwise":
+        problems += elementwise_refusals(train)
     if train.attention_dropout and train.attention != "unfused":
         problems.append(unpriced_dropout(train))
     elif train.attention_dropout and cp > 1:
@@ -1485,6 +1503,7 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
     whole = stage_bytes(0, "none", 1)  # a layer's saves, which a recompute rebuilds in its backward
     rebuilt = {mode: whole - stage_bytes(0, mode, 1) for mode in ("op", "selective")}
     rebuilt |= dict.fromkeys(("full", "whole"), whole)
+    rebuilt["elementwise"] = whole - stage_bytes(0, "elementwise", 1)  # also in forward, to its region's end
     mb = b // m * s  # a microbatch's tokens on a rank
     heads = cfg.n_heads // tp
     kv_heads = cfg.n_kv_heads // tp
@@ -1542,7 +1561,7 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
                     recompute=train.recompute)
         elif tp > 1:
             traffic["tp"] = None
-        forwards = 1 if train.recompute == "none" else 2  # recompute re-runs the ring's forward
+        forwards = 1 if train.recompute in ("none", "elementwise") else 2  # recompute reruns the ring's
         if cp > 1:  # 05: every attention call of every microbatch; ZB-H1's W re-runs the backward
             ring = context_parallel.attention_bytes("ring", q, kv, cp, e)
             backwards = {st: 2 if split and st > 0 else 1 for st in stages}  # stage 0's B: no input gradient
@@ -1701,6 +1720,10 @@ LOSS_BYTES = {  # (vocab-parallel, in chunks): {bytes a logit: (forward, backwar
     (True, True): {2: (82, 4), 4: (80, 8)},
 }
 VOCAB_SLICE_BYTES = 34
+# 03's "elementwise" recompute in backward, eager bf16, bytes an element as a dispatch mode counts them
+# (test_09): the lean norm again (36 a feature) or SwiGLU's product (10), and the refilling copy (4)
+NORM_REBUILD_BYTES = 36 + 4
+SWIGLU_REBUILD_BYTES = 10 + 4
 
 
 def ring_merge_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, cp: int) -> tuple[int, int]:
@@ -1892,6 +1915,10 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
     if train.recompute == "op":  # elementwise work, the 2nd, 4th and 6th matmul (its policy keeps the rest)
         again["elementwise"] = layer["elementwise"][0]
         again["GEMMs"] = linears("layers.", ("k_proj", "out_proj", "up_proj"), rerun=True)[0] + input_casts()
+    if train.recompute == "elementwise":  # eager, bf16: each norm again, SwiGLU's product, each copied in
+        mid = tokens // (tp if train.sequence_parallel else 1)  # (test_09 counts the bytes)
+        rebuild = 2 * NORM_REBUILD_BYTES * cfg.dim * mid + SWIGLU_REBUILD_BYTES * cfg.ffn_dim // tp * tokens
+        again["elementwise"] = rebuild / hbm
     if train.recompute in ("full", "whole"):  # full: the block up to down_proj's input, which its backward
         # keeps (FP8's down_proj runs its GEMM before Projections keeps its input's cast; 06's MoE: priced
         # whole); whole: to the block's end
@@ -1928,7 +1955,7 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
                                                     tokens * cfg.n_kv_heads * cfg.head_dim // tp, cp, e)
             forward = zero.exposed(send("cp", hops["forward"] / (cp - 1)), attention[0] / cp, hide)
             backward = zero.exposed(send("cp", hops["backward"] / (cp - 1)), attention[1] / cp, hide)
-            forwards = 1 + (train.recompute != "none")
+            forwards = 1 + (train.recompute not in ("none", "elementwise"))
             parts["CP"] = m * p.layers * (cp - 1) * (forward * forwards + backward)
         after = zero.zero_step_bytes(p.params, n, train.zero_stage, m, train.mixed_precision,
                                      train.bf16_optimizer, train.fp32_grads) / hbm
@@ -2114,8 +2141,13 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
     held = f" ({in_flight} in flight)" if term == "activations" else ""
     modes = tensor_parallel.RECOMPUTE_MODES
     saving = "full" if job.train.recompute == "whole" else job.train.recompute  # whole saves what full does
-    changes = {f"--recompute {mode}": dict(recompute=mode) for mode in ("selective", "full")
-               if modes.index(mode) > modes.index(saving)}
+    changes = {}
+    for mode in ("selective", "elementwise", "full"):  # keeping less, in turn
+        eager = mode == "elementwise" and job.train.compile  # 03's hooks, which torch.compile does not trace
+        change = dict(recompute=mode, **({"compile": False} if eager else {}))
+        if modes.index(mode) > modes.index(saving) and not (
+                mode == "elementwise" and elementwise_refusals(dataclasses.replace(job.train, **change))):
+            changes[f"--recompute {mode}" + " --eager" * eager] = change
     if not job.train.fp32_grads:  # stages 2-3 free the fp32 gradient buffer it keeps
         changes |= {f"--zero {stage}": dict(zero_stage=stage) for stage in range(job.train.zero_stage + 1, 4)}
     if job.train.microbatches and job.mesh["dp"]:  # the sequences of a replica, one a microbatch
@@ -2152,7 +2184,7 @@ def fewest_together(job: Job, gpus: int, changes: dict) -> dict:
     dropped that is not needed, in turn: {"--a --b": (step, GiB, sizes)}, or {} if all together do not fit."""
     strongest = {}  # a field -> its last (strongest) option: selective then full, ZeRO 1 then 3
     for option, change in changes.items():
-        strongest[tuple(change)] = option
+        strongest[next(iter(change))] = option
     kept = list(strongest.values())
 
     def together(options: list[str]) -> dict:
@@ -2209,6 +2241,8 @@ def plan_report(job: Job) -> tuple[str, bool]:
         raise ValueError(unpriced_dropout(train))
     if train.recompute == "whole" and (train.fp8 or train.moe):
         raise ValueError(unpriced_whole(train))
+    if train.recompute == "elementwise" and elementwise_refusals(train):
+        raise ValueError(elementwise_refusals(train)[0])
     valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, job.ep, cluster)
     on = f"{gpus:,} GPU" + "s" * (gpus != 1)
     if not valid:  # a refusal, like any other: exit 2

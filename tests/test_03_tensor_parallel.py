@@ -48,6 +48,7 @@ foundation = importlib.import_module("01_ddp")
 tensor_parallel = importlib.import_module("03_tensor_parallel")
 zero = importlib.import_module("02_zero")
 context_parallel = importlib.import_module("05_context_parallel")
+expert_parallel = importlib.import_module("06_expert_parallel")
 
 
 # --- the whole model equals one device ----------------------------------------------------------
@@ -1054,7 +1055,7 @@ def assert_same_training(runs: dict) -> None:
 
 def layer_bytes(blocks, cfg, batch: int, seq_len: int, shards: int = 1, dtype=torch.float32, mode: str = "") -> int:
     """Bytes a stack of blocks (one block, or a list) saves for backward, on its input (b, s / shards,
-    h) (lesson 03's setup), in dtype; mode "op": kept_bytes."""
+    h) (lesson 03's setup), in dtype, when the forward returns; mode "op": kept_bytes."""
     blocks = [blocks] if isinstance(blocks, torch.nn.Module) else blocks
     x = torch.randn(batch, seq_len // shards, cfg.dim, dtype=dtype, requires_grad=True)
     cos, sin = foundation.rope_angles(torch.arange(seq_len), cfg.head_dim, cfg.rope_theta)
@@ -1067,7 +1068,8 @@ def layer_bytes(blocks, cfg, batch: int, seq_len: int, shards: int = 1, dtype=to
 
     if mode == "op":
         return kept_bytes(forward, (x, cos, sin))
-    out, saved = tensor_parallel.activation_bytes(forward, [p for b in blocks for p in b.parameters()], x.device)
+    params = [p for b in blocks for p in b.parameters()]
+    out, saved = tensor_parallel.activation_bytes(forward, params, x.device, at_end=True)
     out.float().sum().backward()
     return saved
 
@@ -1081,7 +1083,7 @@ def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, 
                                  n_kv_heads=max(1, n_heads // groups), ffn_dim=12, seed=seed)
     batch_data = foundation.synthetic_batch(cfg, batch, seq_len, step=0)
     runs, saved = {}, {}
-    for mode in tensor_parallel.RECOMPUTE_MODES:
+    for mode in [m for m in tensor_parallel.RECOMPUTE_MODES if lean or m != "elementwise"]:  # on lean saves
         model = tensor_parallel.apply_recompute(lean_or_autograd(foundation.GPT(cfg), lean), mode)
         names = [n for n, _ in model.named_parameters()]
         assert names == [n for n, _ in foundation.GPT(cfg).named_parameters()], "names are kept"
@@ -1096,6 +1098,7 @@ def test_recompute_equals_no_recompute_and_saves_what_the_formula_says(n_heads, 
     assert_same_training(runs)
     assert saved["full"] < saved["op"] < saved["none"] and saved["full"] < saved["selective"] < saved["none"]
     if lean:
+        assert saved["elementwise"] < saved["none"]
         loss, grads = loss_and_grads(foundation.GPT(cfg), *batch_data)
         assert abs(runs["none"][0] - loss) <= 1e-5
         for name, grad in grads.items():
@@ -1139,8 +1142,11 @@ def test_op_recompute_keeps_odd_fp8_gemms_as_it_keeps_odd_matmuls():
 
 def test_recompute_and_lean_saves_refuse_bad_modes_and_a_second_application():
     refused = foundation.GPT(foundation.ModelConfig())
-    with pytest.raises(ValueError, match="mode 'some' must be one of \\('none', 'selective', 'op', 'full'\\)"):
+    with pytest.raises(ValueError, match="mode 'some' must be one of \\('none', 'selective', 'elementwise', 'op', "
+                                         "'full'\\)"):
         tensor_parallel.apply_recompute(refused, "some")
+    with pytest.raises(ValueError, match="recompute elementwise rebuilds .* from what lean saves keep: apply_lean_"):
+        tensor_parallel.apply_recompute(refused, "elementwise")
     assert tensor_parallel.apply_recompute(refused, "full").recompute == "full", "a refused mode leaves no mark"
     model = tensor_parallel.apply_recompute(foundation.GPT(foundation.ModelConfig()), "full")
     with pytest.raises(ValueError, match="already recomputes \\(full\\)"):
@@ -1162,7 +1168,8 @@ def recompute_tensor_parallel(cfg, batch: int, seq_len: int, sequence_parallel: 
     """On each rank: loss and local gradients under each mode (and a reentrant "whole"), layer 0's saved
     bytes, the meter of the step (forward + backward), and the TP-local parameter shapes."""
     runs, saved, meters = {}, {}, {}
-    for mode in [*set(tensor_parallel.RECOMPUTE_MODES) - {"op"}, "whole"]:  # op reruns collectives (09 refuses)
+    # op reruns collectives (09 refuses it); elementwise needs lean saves (test_elementwise_recompute_...)
+    for mode in [*set(tensor_parallel.RECOMPUTE_MODES) - {"op", "elementwise"}, "whole"]:
         model = tensor_parallel.apply_tensor_parallel(foundation.GPT(cfg), None, sequence_parallel)
         if mode == "whole":
             rerun_whole(model)
@@ -1182,6 +1189,7 @@ def recompute_context_parallel(cfg, batch: int, seq_len: int) -> dict:
     runs = {}
     for mode in set(tensor_parallel.RECOMPUTE_MODES) - {"op"}:  # op reruns the ring's sends (09 refuses it)
         model = foundation.GPT(cfg, attn_fn=context_parallel.ContextParallelAttention(None, "ring", True))
+        model = tensor_parallel.apply_lean_saves(model)  # elementwise recomputes from its saves
         runs[mode] = loss_and_grads(tensor_parallel.apply_recompute(model, mode), tokens, targets,
                                     positions=layout.positions(rank))
     return runs
@@ -1209,6 +1217,47 @@ def test_recompute_after_tensor_parallelism(rank_pool, sequence_parallel):
                           for name, shape in foundation.parameter_shapes(cfg).items()]
 
 
+def test_elementwise_recompute_of_an_moe_block_rebuilds_only_its_norms_outputs():
+    """06's MoE keeps its experts' own inputs (no SwiGLU product of 01's): "elementwise" rebuilds each
+    norm's output only, 2 x b s h elements a layer less, bitwise the same training."""
+    cfg = foundation.ModelConfig(vocab_size=40, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=24)
+    moe = expert_parallel.MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=8)
+    batch_data = foundation.synthetic_batch(cfg, 2, 6, step=0)
+    runs, saved = {}, {}
+    for mode in ("none", "elementwise"):
+        model = tensor_parallel.apply_lean_saves(expert_parallel.convert_to_moe(foundation.GPT(cfg), moe))
+        tensor_parallel.apply_recompute(model, mode)
+        runs[mode] = loss_and_grads(model, *batch_data)
+        saved[mode] = layer_bytes(model.layers["0"], cfg, 2, 6)
+    assert_same_training(runs)
+    assert saved["none"] - saved["elementwise"] == 2 * 4 * 2 * 6 * cfg.dim  # two norms' fp32 outputs
+
+
+def elementwise_recompute_on_ranks(cfg, batch: int, seq_len: int, sequence_parallel: bool) -> tuple:
+    """On each rank, lean saves with no recompute and with "elementwise": loss and local gradients, and
+    the step's collectives."""
+    runs, meters = {}, {}
+    for mode in ("none", "elementwise"):
+        model = tensor_parallel.apply_lean_saves(foundation.GPT(cfg))
+        model = tensor_parallel.apply_tensor_parallel(model, None, sequence_parallel)
+        tensor_parallel.apply_recompute(model, mode)
+        with foundation.comm_meter() as meters[mode]:
+            runs[mode] = loss_and_grads(model, *foundation.synthetic_batch(cfg, batch, seq_len, step=0))
+    traffic = {mode: {op: meter.traffic(op) for op, _ in meter.stats} for mode, meter in meters.items()}
+    return runs, traffic
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_elementwise_recompute_after_tensor_parallelism(rank_pool, sequence_parallel):
+    """The emptied storages are refilled before the regions' backward reads them: with SP, the shard
+    that Projections keeps and re-gathers; without, the input the linears keep. Bitwise, as every mode
+    (test_each_recompute_mode_... measures the bytes it drops); the rebuild sends nothing."""
+    cfg = foundation.ModelConfig(vocab_size=33, dim=16, n_heads=4, n_kv_heads=2, ffn_dim=24, n_layers=2)
+    for runs, traffic in rank_pool.run(2, elementwise_recompute_on_ranks, cfg, 2, 6, sequence_parallel):
+        assert_same_training(runs)
+        assert traffic["elementwise"] == traffic["none"]
+
+
 def test_recompute_with_ring_attention(rank_pool):
     cfg = foundation.ModelConfig(vocab_size=33, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
     for runs in rank_pool.run(2, recompute_context_parallel, cfg, 2, 8):
@@ -1220,7 +1269,7 @@ def recompute_zero3(cfg, batch: int, seq_len: int) -> dict:
     the block's output gradient arrives: before the recompute reads them."""
     runs = {}
     for mode in tensor_parallel.RECOMPUTE_MODES:
-        model = tensor_parallel.apply_recompute(foundation.GPT(cfg), mode)
+        model = tensor_parallel.apply_recompute(tensor_parallel.apply_lean_saves(foundation.GPT(cfg)), mode)
         zero_opt, losses = zero.ZeRO(model, stage=3), []
         for step in range(2):
             x, y = foundation.synthetic_batch(cfg, batch, seq_len, step, dist.get_rank(), 2)

@@ -204,7 +204,8 @@ def configurations(draw):
     places = cfg.n_layers + 2 >= 2 * sizes.pp * virtual  # for the embedding and the head beside a layer
     ends_as_layers = places and draw(st.booleans(), label="ends_as_layers")
     recompute = draw(st.sampled_from([m for m in full_train.tensor_parallel.RECOMPUTE_MODES  # op: 09 refuses it
-                                      if m != "op" or sizes.tp == sizes.cp == 1]), label="recompute")  # at tp, cp > 1
+                                      if (m != "op" or sizes.tp == sizes.cp == 1)  # at tp, cp > 1; elementwise
+                                      and (m != "elementwise" or not moe)]), label="recompute")  # dense only
     train = full_train.TrainConfig(global_batch=sizes.dp * microbatches * rows, seq_len=seq_len,
                                    zero_stage=zero_stage, schedule=schedule, microbatches=microbatches,
                                    virtual=virtual, sequence_parallel=sequence_parallel, lr=LR,
@@ -238,6 +239,7 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
 @example(configuration=pinned((2, 1, 2, 1), 3, "1f1b", 2, False, ep=2))
 @example(configuration=pinned((2, 1, 2, 2), 3, "1f1b", 2, True, recompute="full"))
 @example(configuration=pinned((1, 2, 1, 2), 1, "1f1b", 2, True, lean_saves=False))  # --autograd-saves
+@example(configuration=pinned((1, 2, 1, 2), 1, "1f1b", 2, True, recompute="elementwise"))
 @example(configuration=pinned((1, 2, 2, 1), 1, "gpipe", 2, False, recompute="selective"))
 @example(configuration=pinned((1, 2, 1, 1), 0, "zb-h1", 4, False))  # W frees the last stage's B path
 @example(configuration=pinned((2, 1, 1, 2), 1, "1f1b", 2, True, loss_chunks=3))  # 03's loss in 3 slices
@@ -274,13 +276,26 @@ def test_any_mesh_equals_one_device(rank_pool, configuration):
         assert summary["plan"] == mine and summary["params"] == mine.params
         assert summary["held"] == summary["memory_formula"]
         assert summary["in_flight"] == mine.in_flight
-        if train.moe is None and train.recompute != "op":  # MoE: what the experts keep depends on the routing
+        if train.moe is None and train.recompute == "elementwise":  # the peak is inside a region, before its
+            # end empties its norm's output and SwiGLU's product: at most a layer's rebuilt bytes above the plan
+            held = summary["activations"] - mine.memory["activations"]
+            assert 0 <= held <= rebuilt_bytes(cfg, sizes, train), (summary["activations"], mine)
+        elif train.moe is None and train.recompute != "op":  # MoE: what the experts keep depends on the routing
             # (no formula); op: its policy's kept outputs are out of activation_bytes' sight (test_03 counts them)
             assert summary["activations"] == mine.memory["activations"], (summary["activations"], mine)
         if train.schedule != "zb-h1" or train.zero_stage < 3:  # zb-h1's W may re-gather a unit
             assert all(summary["traffic"][k] == f for k, f in summary["traffic_formula"].items()
                        if f is not None), (summary["traffic"], summary["traffic_formula"])  # None: routing
         assert summary["traffic"].keys() == summary["traffic_formula"].keys()
+
+
+def rebuilt_bytes(cfg, sizes, train) -> int:
+    """A layer's saves that "elementwise" rebuilds, for one microbatch on a rank (03's formula)."""
+    args = (cfg, train.global_batch // sizes.dp // train.microbatches, train.seq_len // sizes.cp, sizes.tp,
+            train.sequence_parallel)
+    kept = {mode: full_train.tensor_parallel.layer_activation_formula(
+        *args, mode, 2 if train.mixed_precision else 4, lean=True) for mode in ("none", "elementwise")}
+    return kept["none"] - kept["elementwise"]
 
 
 def test_sixteen_ranks_every_dimension_two(rank_pool):
@@ -2356,6 +2371,34 @@ def recompute_counts(recompute: str, float8: bool) -> RecomputeCount:
     return counted
 
 
+def test_elementwise_recomputes_rebuild_costs_the_bytes_a_dispatch_mode_counts():
+    """NORM_REBUILD_BYTES and SWIGLU_REBUILD_BYTES, eager bf16: 03's lean norm and SwiGLU's product as its
+    refill runs them (no grad), counted, and the refill's storage copy, a read and a write (2 x 2 B)."""
+    cfg = foundation.ModelConfig(vocab_size=64, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=512)
+    block = full_train.tensor_parallel.apply_lean_saves(foundation.GPT(cfg)).to(torch.bfloat16).layers["0"]
+    x = torch.randn(2, 64, cfg.dim, dtype=torch.bfloat16)
+    gate, up = torch.randn(2, 2, 64, cfg.ffn_dim, dtype=torch.bfloat16)
+    with torch.no_grad(), ElementwiseBytes() as norm:
+        full_train.tensor_parallel.lean_rms_norm(block.attn_norm, x)
+    with torch.no_grad(), ElementwiseBytes() as product:
+        foundation.swiglu(gate, up)
+    assert norm.bytes + 2 * 2 * x.numel() == full_train.NORM_REBUILD_BYTES * x.numel()
+    assert product.bytes + 2 * 2 * gate.numel() == full_train.SWIGLU_REBUILD_BYTES * gate.numel()
+
+
+def test_elementwise_recompute_is_refused_where_it_cannot_run_or_be_priced(monkeypatch, capsys):
+    """Without lean saves (nothing to rebuild from), compiled (its hooks), or with MoE (unpriced): one line
+    each, before any mesh; plan's own default, compiled, names --eager."""
+    base = "--model llama3-8b --dp 8 --pp 1 --cp 1 --tp 1 --recompute elementwise".split()
+    for extra, refusal in ((["--eager", "--autograd-saves"], "lean saves keep: not with --autograd-saves"),
+                           ([], "torch.compile does not trace: use --eager"),
+                           (["--eager", "--moe"], "priced for dense layers")):
+        code, _, err = plan_main(monkeypatch, capsys, *base, *extra)
+        assert code == 2 and refusal in err, (extra, err)
+    code, out, _ = plan_main(monkeypatch, capsys, *base, "--eager")  # priced (8k tokens: 1 = does not fit)
+    assert code in (0, 1) and ", recompute elementwise, " in out, out
+
+
 @pytest.mark.parametrize("recompute", ["op", "full", "whole"])
 def test_the_plans_recompute_runs_again_the_gemms_and_casts_03_runs_again(recompute):
     """03's recompute counted over one layer's backward, beyond backward's own (14 matmuls, 7 casts of
@@ -3118,9 +3161,10 @@ def test_every_held_out_mesh_that_published_its_memory_fits_in_the_plan():
 # and the option that fits it, the fastest of those that keep less
 # (test_every_published_mesh_fits_or_names_the_term_and_an_option_that_fits_it).
 DOES_NOT_FIT_AS_PUBLISHED = {  # label: (the largest term, the option that fits)
-    "Llama 3 405B": ("activations", "--recompute full"),  # interleaved 1F1B's 47 microbatch-stages of 4 layers
-    "Llama 3 405B, 16,384 GPUs": ("activations", "--zero 3"),  # 1.5 GiB over: the parameters sharded
-    "Llama 3 405B, 131k tokens": ("activations", "--recompute full"),
+    # interleaved 1F1B's 47 microbatch-stages of 4 layers; eager, as 03's elementwise recompute runs
+    "Llama 3 405B": ("activations", "--recompute elementwise --eager"),
+    "Llama 3 405B, 16,384 GPUs": ("activations", "--recompute elementwise --eager"),  # was --zero 3, slower
+    "Llama 3 405B, 131k tokens": ("activations", "--recompute elementwise --eager"),
 }
 
 
@@ -3140,9 +3184,15 @@ def test_every_published_mesh_fits_or_names_the_term_and_an_option_that_fits_it(
         term, option = DOES_NOT_FIT_AS_PUBLISHED[label]
         assert re.fullmatch(rf"does not fit: .*; its largest part: {term}, [\d,.]+ GiB( \(.*\))?; it fits with {option}: "
                             rf"[\d,.]+ GiB, step [\d,.]+ s", verdict), (label, verdict)
-        name, value = option.removeprefix("--").split()
-        field = {"recompute": "recompute", "zero": "zero_stage", "loss-chunks": "loss_chunks"}[name]
-        change = {field: value if name == "recompute" else int(value)}
+        change = {}
+        for given in option.removeprefix("--").split(" --"):  # "recompute elementwise", "eager"
+            name, *value = given.split()
+            if name == "eager":
+                change["compile"] = False
+            elif name == "recompute":
+                change["recompute"] = value[0]
+            else:
+                change[{"zero": "zero_stage", "loss-chunks": "loss_chunks"}[name]] = int(value[0])
         job = dataclasses.replace(job, train=dataclasses.replace(run, **change))
         assert not fits and full_train.plan_report(job)[0].splitlines()[-1].startswith("fits: "), (label, option)
 
