@@ -72,7 +72,7 @@ and 1/rms (backward recomputes x / rms), the SwiGLU gate and up (backward recomp
 RECOMPUTE (apply_recompute): "selective" keeps only each attention function's q, k, v and recomputes
 its inside (Megatron's: the 5 a s / h scores term; a fused kernel's log-sum-exp); "elementwise", on
 lean saves, drops what lean saves keep for the linears' weight gradients but can rebuild in one
-elementwise pass: each norm's output (x and 1/rms are kept) and SwiGLU's product (gate and up are):
+elementwise pass: each norm's output (from x, which is kept) and SwiGLU's product (from gate and up):
 4h + 2f a token less, their storage emptied once the region has run, refilled when backward reaches it
 (Megatron-Core's recompute_modules "layernorm" and the activation's); "full" keeps only each block's
 input and reruns the block, ~1/3 more compute ("op", torchtitan's: and the outputs of its odd matmuls
@@ -477,7 +477,8 @@ class Projections(torch.autograd.Function):
         if shard is not None:  # this rank's rows of the sequence (dim 1), for the regather; the gathered x
             _, rank, tp = shard  # is freed. Where math keeps x, they are the shard it came as, kept as it
             rows = kept[0].shape[1] // tp  # is (03's elementwise recompute empties and refills it)
-            mine = shard_input if kept[0] is x else kept[0].narrow(1, rank * rows, rows).contiguous()
+            mine = shard_input if kept[0] is x else kept[0].narrow(1, rank * rows, rows).clone(
+                memory_format=torch.contiguous_format)  # a copy even where the rows are contiguous (b = 1)
             kept = (mine, *kept[1:])
         ctx.save_for_backward(*kept, *itertools.chain(*operands))
         ctx.sizes = [len(kept), *map(len, operands)]
@@ -805,12 +806,18 @@ def refill_in_backward(output: torch.Tensor, rebuild: Callable[[], torch.Tensor]
     """Megatron's CheckpointWithoutOutput: the linears that read output keep it for their weight
     gradients, but it costs one elementwise pass to rebuild. Its storage is emptied now (its region
     has run) and refilled with rebuild()'s values, bitwise the same, when the gradient reaches
-    region_output, before the region's backward reads it."""
+    region_output, before the region's backward reads it. Until then nothing may read output (an
+    empty storage: a forward hook that logs it would crash)."""
     storage = output.untyped_storage()
     nbytes = storage.nbytes()
     storage.resize_(0)
+    pending = [storage, rebuild]  # dropped once refilled: the graph keeps this hook past backward
 
     def refill(grad: torch.Tensor) -> None:
+        if not pending:  # a second backward of a kept graph (zb-h1's W pass): refilled already
+            return
+        storage, rebuild = pending
+        pending.clear()
         with torch.no_grad():
             rebuilt = rebuild()
         storage.resize_(nbytes)
@@ -820,8 +827,9 @@ def refill_in_backward(output: torch.Tensor, rebuild: Callable[[], torch.Tensor]
 
 
 def recompute_elementwise(block: nn.Module) -> None:
-    """"elementwise" recompute of one block (lean saves): each norm's output, and the dense SwiGLU's
-    product, refilled in backward (06's MoE keeps its experts' own inputs; only its norm's is)."""
+    """The "elementwise" mode on one block with lean saves: each norm's output and the dense SwiGLU's
+    product are refilled in backward. Under 06's MoE only the norms' outputs are (its experts keep their
+    own inputs). It hooks the block's modules as they are now: apply it after every transform."""
     made = {}  # what this forward made: the norms' (input, output), SwiGLU's (gate, up, product)
 
     def remember_norm(norm: nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -865,7 +873,7 @@ def apply_lean_saves(model: nn.Module) -> nn.Module:
 def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Tensor], device: torch.device,
                      inside: Iterable[nn.Module] = (), at_end: bool = False) -> tuple[torch.Tensor, int]:
     """run()'s result and the most activation bytes it held for backward at once (at_end: those it
-    still held when it returned, without a region's input that "elementwise" empties at its end). CPU:
+    still held when it returned, after "elementwise" emptied what it rebuilds in backward). CPU:
     the tensors autograd saves, each storage counted from its saving until backward frees it, at its
     size (0 while emptied), parameters excluded (inside: only those saved in these modules' forwards,
     e.g. lesson 09's layers). GPU: the peak allocated above what was allocated before (activations and
@@ -979,8 +987,9 @@ def layer_activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_pa
         norms = 2 * ((e if lean else 4 + e) * sb * h + 4 * sb)
         regions = 2 * kept * sb * h // (split if regather else 1)
         down_input = kept * f
-        if mode == "elementwise" and kept_input is None:  # rebuilt, but SP's gathered copy without regather
-            regions = regions if sequence_parallel and not regather else 0
+        if mode == "elementwise" and kept_input is None:  # the norms' outputs, where the linears kept them
+            gathered_copy = tp > 1 and sequence_parallel and not regather  # kept instead: not rebuilt
+            regions = regions if gathered_copy else 0
             down_input = 0  # SwiGLU's product
         sharded = sb * (e * (h + 2 * kv) + kept * h + down_input + (2 if lean else 3) * e * f) // tp
         if kept_input is not None and attention_saves is None:  # SDPA's output, not out_proj's input

@@ -377,6 +377,9 @@ def elementwise_refusals(train: TrainConfig) -> list[str]:
     if train.moe is not None:
         refusals.append("recompute='elementwise' is priced for dense layers: 06's experts keep their own "
                         "inputs")
+    if train.fp8:
+        refusals.append("recompute='elementwise' would save nothing with --fp8: 08's linears keep their "
+                        "inputs' FP8 casts, not the bf16 tensors it rebuilds")
     return refusals
 
 
@@ -416,6 +419,10 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
         problems.append(f"recompute op reruns a block but its matmuls' and attention's outputs: at "
                         f"tp={sizes.tp}, cp={sizes.cp} that reruns 03's collectives or 05's ring, whose "
                         f"traffic has no formula")
+    if train.recompute == "op" and train.schedule == "zb-h1" and sizes.pp > 1:
+        problems.append("recompute op keeps its matmuls' outputs for one backward (torch's selective "
+                        "checkpoint), and zb-h1's weight pass is a second one: use another schedule or "
+                        "recompute mode")
     if train.recompute == "whole" and (train.fp8 or train.moe):
         problems.append(unpriced_whole(train))
     if train.recompute == "elementwise":
@@ -1561,7 +1568,7 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
                     recompute=train.recompute)
         elif tp > 1:
             traffic["tp"] = None
-        forwards = 1 if train.recompute in ("none", "elementwise") else 2  # recompute reruns the ring's
+        forwards = 1 if train.recompute in ("none", "elementwise") else 2  # 2: a recompute reruns the ring
         if cp > 1:  # 05: every attention call of every microbatch; ZB-H1's W re-runs the backward
             ring = context_parallel.attention_bytes("ring", q, kv, cp, e)
             backwards = {st: 2 if split and st > 0 else 1 for st in stages}  # stage 0's B: no input gradient
@@ -1721,7 +1728,8 @@ LOSS_BYTES = {  # (vocab-parallel, in chunks): {bytes a logit: (forward, backwar
 }
 VOCAB_SLICE_BYTES = 34
 # 03's "elementwise" recompute in backward, eager bf16, bytes an element as a dispatch mode counts them
-# (test_09): the lean norm again (36 a feature) or SwiGLU's product (10), and the refilling copy (4)
+# (test_09): the lean norm again (36 a feature) or SwiGLU's product (10), and the refilling copy (4);
+# bf16's, whatever the element size (fp32 runs at scale are not what the plan is for)
 NORM_REBUILD_BYTES = 36 + 4
 SWIGLU_REBUILD_BYTES = 10 + 4
 
@@ -1915,9 +1923,10 @@ def step_time(cfg, sizes: MeshSizes, train: TrainConfig, plans: list[RankPlan], 
     if train.recompute == "op":  # elementwise work, the 2nd, 4th and 6th matmul (its policy keeps the rest)
         again["elementwise"] = layer["elementwise"][0]
         again["GEMMs"] = linears("layers.", ("k_proj", "out_proj", "up_proj"), rerun=True)[0] + input_casts()
-    if train.recompute == "elementwise":  # eager, bf16: each norm again, SwiGLU's product, each copied in
-        mid = tokens // (tp if train.sequence_parallel else 1)  # (test_09 counts the bytes)
-        rebuild = 2 * NORM_REBUILD_BYTES * cfg.dim * mid + SWIGLU_REBUILD_BYTES * cfg.ffn_dim // tp * tokens
+    if train.recompute == "elementwise":  # eager, bf16: each norm again, SwiGLU's product, each copied
+        between_regions = tokens // (tp if train.sequence_parallel else 1)  # the norms' tokens on a rank
+        rebuild = (2 * NORM_REBUILD_BYTES * cfg.dim * between_regions
+                   + SWIGLU_REBUILD_BYTES * cfg.ffn_dim // tp * tokens)
         again["elementwise"] = rebuild / hbm
     if train.recompute in ("full", "whole"):  # full: the block up to down_proj's input, which its backward
         # keeps (FP8's down_proj runs its GEMM before Projections keeps its input's cast; 06's MoE: priced

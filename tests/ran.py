@@ -448,6 +448,7 @@ RAN = {
     'test_09_full_train.py::test_the_held_out_runs_are_predicted_within_their_pinned_errors': ('04.1', '04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_the_losses_eager_bytes_are_what_a_dispatch_mode_counts': ('03.2',),
     'test_09_full_train.py::test_the_pipeline_span_idles_the_slowest_rank_the_bubble_plus_the_fill_and_drain': ('09.4',),
+    'test_09_full_train.py::test_the_plan_prices_elementwise_recompute_by_what_it_rebuilds': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_the_plan_says_and_prices_the_attention_dropout': ('04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_the_planned_memory_is_within_10_percent_of_published_peaks_where_it_models_the_run': ('04.1', '04.2', '09.3', '09.4'),
     'test_09_full_train.py::test_the_plans_memory_table_keeps_its_columns_apart_past_a_thousand_gib': ('04.2', '09.3', '09.4'),

@@ -1045,6 +1045,10 @@ def kept_bytes(forward, inputs) -> int:
     return held + sum(t.untyped_storage().nbytes() for t in inputs)
 
 
+RECOMPUTE_ON_AUTOGRAD_SAVES = [m for m in tensor_parallel.RECOMPUTE_MODES if m != "elementwise"]
+LEAN_PAIR = [(True, "none"), (True, "elementwise")]  # elementwise, against no recompute on lean saves
+
+
 def assert_same_training(runs: dict) -> None:
     """Bitwise: recompute reruns the same kernels on the same inputs (module docstring)."""
     loss, grads = runs["none"]
@@ -1187,11 +1191,11 @@ def recompute_context_parallel(cfg, batch: int, seq_len: int) -> dict:
     layout = context_parallel.validate_context_parallel(seq_len, cfg.n_heads, cp, "ring", True)
     tokens, targets = (layout.shard(t, rank, dim=1) for t in foundation.synthetic_batch(cfg, batch, seq_len, 0))
     runs = {}
-    for mode in set(tensor_parallel.RECOMPUTE_MODES) - {"op"}:  # op reruns the ring's sends (09 refuses it)
+    # op reruns the ring's sends (09 refuses it); elementwise recomputes from lean saves: against lean saves
+    for lean, mode in [*((False, m) for m in RECOMPUTE_ON_AUTOGRAD_SAVES if m != "op"), *LEAN_PAIR]:
         model = foundation.GPT(cfg, attn_fn=context_parallel.ContextParallelAttention(None, "ring", True))
-        model = tensor_parallel.apply_lean_saves(model)  # elementwise recomputes from its saves
-        runs[mode] = loss_and_grads(tensor_parallel.apply_recompute(model, mode), tokens, targets,
-                                    positions=layout.positions(rank))
+        model = tensor_parallel.apply_recompute(lean_or_autograd(model, lean), mode)
+        runs.setdefault(lean, {})[mode] = loss_and_grads(model, tokens, targets, positions=layout.positions(rank))
     return runs
 
 
@@ -1233,6 +1237,28 @@ def test_elementwise_recompute_of_an_moe_block_rebuilds_only_its_norms_outputs()
     assert saved["none"] - saved["elementwise"] == 2 * 4 * 2 * 6 * cfg.dim  # two norms' fp32 outputs
 
 
+def test_elementwise_recompute_holds_nothing_past_backward_and_leaves_other_forwards_alone():
+    """The refill hook stays on the graph after backward: once it has run it must drop the storage and
+    what it rebuilt from (x, gate, up), or they stay alive into the next step's forward. After a backward
+    with the loss still referenced, the storages made in the step are those of no recompute; a forward
+    under no_grad (validation), and one that is never backpropagated, run and change nothing."""
+    cfg = foundation.ModelConfig(vocab_size=40, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=24)
+    batch_data = foundation.synthetic_batch(cfg, 2, 6, step=0)
+    held, runs = {}, {}
+    for mode in ("none", "elementwise"):
+        model = tensor_parallel.apply_recompute(tensor_parallel.apply_lean_saves(foundation.GPT(cfg)), mode)
+        with torch.no_grad():
+            validation = model(*batch_data)
+        model(*batch_data)  # never backpropagated
+        with LiveStorages() as made:
+            loss = model(*batch_data)
+            loss.backward()
+        held[mode] = sum(made.live.values())
+        runs[mode] = (torch.stack([validation, loss.detach()]), {n: p.grad for n, p in model.named_parameters()})
+    assert_same_training(runs)
+    assert held["elementwise"] == held["none"]
+
+
 def elementwise_recompute_on_ranks(cfg, batch: int, seq_len: int, sequence_parallel: bool) -> tuple:
     """On each rank, lean saves with no recompute and with "elementwise": loss and local gradients, and
     the step's collectives."""
@@ -1261,15 +1287,16 @@ def test_elementwise_recompute_after_tensor_parallelism(rank_pool, sequence_para
 def test_recompute_with_ring_attention(rank_pool):
     cfg = foundation.ModelConfig(vocab_size=33, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
     for runs in rank_pool.run(2, recompute_context_parallel, cfg, 2, 8):
-        assert_same_training(runs)
+        assert_same_training(runs[False])  # autograd's saves
+        assert_same_training(runs[True])  # lean saves
 
 
 def recompute_zero3(cfg, batch: int, seq_len: int) -> dict:
     """ZeRO-3 gathers a block's parameters in hooks around Block.__call__ and, in backward, when
     the block's output gradient arrives: before the recompute reads them."""
     runs = {}
-    for mode in tensor_parallel.RECOMPUTE_MODES:
-        model = tensor_parallel.apply_recompute(tensor_parallel.apply_lean_saves(foundation.GPT(cfg)), mode)
+    for lean, mode in [*((False, m) for m in RECOMPUTE_ON_AUTOGRAD_SAVES), *LEAN_PAIR]:
+        model = tensor_parallel.apply_recompute(lean_or_autograd(foundation.GPT(cfg), lean), mode)
         zero_opt, losses = zero.ZeRO(model, stage=3), []
         for step in range(2):
             x, y = foundation.synthetic_batch(cfg, batch, seq_len, step, dist.get_rank(), 2)
@@ -1278,14 +1305,16 @@ def recompute_zero3(cfg, batch: int, seq_len: int) -> dict:
             losses.append(loss.detach())
             zero_opt.step()
             zero_opt.zero_grad()
-        runs[mode] = (torch.stack(losses), zero_opt.unshard([u.master for u in zero_opt.units]))
+        masters = zero_opt.unshard([u.master for u in zero_opt.units])
+        runs.setdefault(lean, {})[mode] = (torch.stack(losses), masters)
     return runs
 
 
 def test_recompute_under_zero3(rank_pool):
     cfg = foundation.ModelConfig(vocab_size=33, dim=16, n_heads=2, ffn_dim=24, n_layers=2)
     for runs in rank_pool.run(2, recompute_zero3, cfg, 4, 6):
-        assert_same_training(runs)
+        assert_same_training(runs[False])  # autograd's saves
+        assert_same_training(runs[True])  # lean saves
 
 
 

@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import assume, example, given, settings, strategies as st
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -1132,9 +1132,15 @@ def test_tensor_parallel_amax_all_reduces_move_what_the_formula_says(rank_pool, 
 
 @given(tp=st.sampled_from([1, 2, 4]), kv_per_rank=st.sampled_from([1, 2]), tokens_per_rank=st.integers(1, 3),
        batch=st.integers(1, 3), sequence_parallel=st.booleans(), lean=st.booleans(), regather=st.booleans(),
-       recompute=st.sampled_from(["none", "selective", "full"]), float8=st.booleans())
+       recompute=st.sampled_from(["none", "selective", "elementwise", "full"]), float8=st.booleans())
 @example(tp=2, kv_per_rank=1, tokens_per_rank=2, batch=3, sequence_parallel=True, lean=True, regather=True,
          recompute="none", float8=True)  # the lean FP8 layer, its regions' inputs re-gathered in FP8
+@example(tp=2, kv_per_rank=1, tokens_per_rank=2, batch=1, sequence_parallel=True, lean=True, regather=True,
+         recompute="none", float8=True)  # one sequence: its shard's rows, a copy of the gathered cast's
+@example(tp=2, kv_per_rank=1, tokens_per_rank=2, batch=1, sequence_parallel=True, lean=True, regather=True,
+         recompute="elementwise", float8=True)  # nothing dropped: the linears keep casts
+@example(tp=2, kv_per_rank=1, tokens_per_rank=2, batch=2, sequence_parallel=False, lean=True, regather=True,
+         recompute="elementwise", float8=False)
 @example(tp=2, kv_per_rank=1, tokens_per_rank=2, batch=3, sequence_parallel=True, lean=False, regather=False,
          recompute="none", float8=True)  # autograd's saves, each region's gathered input cast
 @example(tp=1, kv_per_rank=1, tokens_per_rank=3, batch=2, sequence_parallel=False, lean=True, regather=True,
@@ -1148,6 +1154,7 @@ def test_a_layers_saved_bytes_and_collectives_are_the_formulas(rank_pool, tp, kv
     shard, all-gathered again in backward at 1 B an element). Layer 0's saved bytes are 03's formula
     (FP8: with KEPT_INPUT), exactly; its collectives (calls, payloads) 03's comm_formula, but FP8's
     all-reduces, which add 08's amaxes (test_tensor_parallel_amax_all_reduces_move_what_the_formula_says)."""
+    assume(lean or recompute != "elementwise")  # it rebuilds from lean saves
     cfg = foundation.ModelConfig(vocab_size=32, dim=8 * tp, n_heads=2 * tp, n_kv_heads=kv_per_rank * tp,
                                  ffn_dim=6 * tp)
     seq_len = tokens_per_rank * tp

@@ -203,9 +203,10 @@ def configurations(draw):
     fp32_grads = bf16 and zero_stage <= 1 and draw(st.booleans(), label="fp32_grads")
     places = cfg.n_layers + 2 >= 2 * sizes.pp * virtual  # for the embedding and the head beside a layer
     ends_as_layers = places and draw(st.booleans(), label="ends_as_layers")
-    recompute = draw(st.sampled_from([m for m in full_train.tensor_parallel.RECOMPUTE_MODES  # op: 09 refuses it
-                                      if (m != "op" or sizes.tp == sizes.cp == 1)  # at tp, cp > 1; elementwise
-                                      and (m != "elementwise" or not moe)]), label="recompute")  # dense only
+    refused = {"op": max(sizes.tp, sizes.cp) > 1 or schedule == "zb-h1",  # 09: 03's collectives, 05's ring,
+               "elementwise": moe}  # zb-h1's weight pass; elementwise is priced for dense layers
+    recompute = draw(st.sampled_from([m for m in full_train.tensor_parallel.RECOMPUTE_MODES if not refused.get(m)]),
+                     label="recompute")
     train = full_train.TrainConfig(global_batch=sizes.dp * microbatches * rows, seq_len=seq_len,
                                    zero_stage=zero_stage, schedule=schedule, microbatches=microbatches,
                                    virtual=virtual, sequence_parallel=sequence_parallel, lr=LR,
@@ -239,7 +240,7 @@ def pinned(dims, zero_stage, schedule, microbatches, sp, ep=None, n_layers=2, re
 @example(configuration=pinned((2, 1, 2, 1), 3, "1f1b", 2, False, ep=2))
 @example(configuration=pinned((2, 1, 2, 2), 3, "1f1b", 2, True, recompute="full"))
 @example(configuration=pinned((1, 2, 1, 2), 1, "1f1b", 2, True, lean_saves=False))  # --autograd-saves
-@example(configuration=pinned((1, 2, 1, 2), 1, "1f1b", 2, True, recompute="elementwise"))
+@example(configuration=pinned((1, 2, 2, 2), 1, "1f1b", 2, True, recompute="elementwise"))
 @example(configuration=pinned((1, 2, 2, 1), 1, "gpipe", 2, False, recompute="selective"))
 @example(configuration=pinned((1, 2, 1, 1), 0, "zb-h1", 4, False))  # W frees the last stage's B path
 @example(configuration=pinned((2, 1, 1, 2), 1, "1f1b", 2, True, loss_chunks=3))  # 03's loss in 3 slices
@@ -444,7 +445,8 @@ def train_fp8_on_mesh(cfg, sizes, train, steps: int, fp8_gathers: bool = True):
 
 
 @settings(max_examples=max(2, settings.default.max_examples // 5))  # two meshes trained per example
-@given(configuration=configurations().filter(lambda c: c[2].moe is None))  # routing would flip under FP8
+@given(configuration=configurations().filter(lambda c: c[2].moe is None  # routing would flip under FP8
+                                             and c[2].recompute != "elementwise"))  # refused with FP8
 @example(configuration=pinned((1, 1, 1, 1), 0, "1f1b", 1, False))  # one rank: the twin's very casts
 @example(configuration=pinned((2, 1, 2, 1), 0, "1f1b", 2, False, recompute="full"))
 def test_fp8_zero3_gathers_a_byte_per_weight_element_and_follows_its_fp8_twin(rank_pool, configuration):
@@ -2386,13 +2388,45 @@ def test_elementwise_recomputes_rebuild_costs_the_bytes_a_dispatch_mode_counts()
     assert product.bytes + 2 * 2 * gate.numel() == full_train.SWIGLU_REBUILD_BYTES * gate.numel()
 
 
+def test_the_plan_prices_elementwise_recompute_by_what_it_rebuilds():
+    """Against no recompute (both eager; SP at tp 2, cp 2; Llama 3 8B's layer, 2 of them, a small
+    vocabulary so that a layer's backward, not the loss, holds the most temporaries): the elementwise work
+    grows by each layer's and microbatch's rebuild (2 norms, SwiGLU's product, each copied back); the
+    GEMMs, attention, TP and the ring run no more; the layers keep 03's formula's difference less
+    (activations), and one layer's backward holds it again (temporaries)."""
+    cfg = foundation.ModelConfig(vocab_size=512, dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim=14336)
+    sizes = full_train.MeshSizes(dp=1, pp=1, cp=2, tp=2)
+    runs = {}
+    for mode in ("none", "elementwise"):
+        train = full_train.TrainConfig(global_batch=2, seq_len=8192, microbatches=2, mixed_precision=True,
+                                       sequence_parallel=True, recompute=mode, compile=False)
+        runs[mode] = full_train.planned(cfg, sizes, train, full_train.Cluster())
+    _, run, plans, timing = runs["elementwise"]
+    _, _, none_plans, none_timing = runs["none"]
+    tokens = run.seq_len // sizes.cp  # a microbatch's (one sequence), on a rank
+    rebuild = (2 * full_train.NORM_REBUILD_BYTES * cfg.dim * tokens // sizes.tp
+               + full_train.SWIGLU_REBUILD_BYTES * cfg.ffn_dim // sizes.tp * tokens)
+    hbm = full_train.Cluster().hbm_tbps * 1e12
+    grown = timing["parts"]["elementwise"] - none_timing["parts"]["elementwise"]
+    assert grown == pytest.approx(cfg.n_layers * run.microbatches * rebuild / hbm, rel=1e-9)
+    for part in ("GEMMs", "attention", "CP", "TP"):
+        assert timing["parts"][part] == none_timing["parts"][part], part
+    kept = {mode: full_train.tensor_parallel.layer_activation_formula(cfg, 1, tokens, sizes.tp, True, mode, 2,
+                                                                      lean=True) for mode in runs}
+    layer_less = kept["none"] - kept["elementwise"]
+    mine, before = plans[0].memory, none_plans[0].memory
+    assert before["activations"] - mine["activations"] == cfg.n_layers * plans[0].in_flight * layer_less
+    assert mine["temporaries"] - before["temporaries"] == layer_less
+
+
 def test_elementwise_recompute_is_refused_where_it_cannot_run_or_be_priced(monkeypatch, capsys):
-    """Without lean saves (nothing to rebuild from), compiled (its hooks), or with MoE (unpriced): one line
-    each, before any mesh; plan's own default, compiled, names --eager."""
+    """Without lean saves (nothing to rebuild from), compiled (its hooks), with MoE (unpriced) or FP8 (its
+    linears keep casts: nothing rebuilt): one line each, before any mesh; plan's default compiles."""
     base = "--model llama3-8b --dp 8 --pp 1 --cp 1 --tp 1 --recompute elementwise".split()
     for extra, refusal in ((["--eager", "--autograd-saves"], "lean saves keep: not with --autograd-saves"),
                            ([], "torch.compile does not trace: use --eager"),
-                           (["--eager", "--moe"], "priced for dense layers")):
+                           (["--eager", "--moe"], "priced for dense layers"),
+                           (["--eager", "--fp8"], "would save nothing with --fp8")):
         code, _, err = plan_main(monkeypatch, capsys, *base, *extra)
         assert code == 2 and refusal in err, (extra, err)
     code, out, _ = plan_main(monkeypatch, capsys, *base, "--eager")  # priced (8k tokens: 1 = does not fit)
@@ -3639,6 +3673,8 @@ def test_the_losses_eager_bytes_are_what_a_dispatch_mode_counts(rank_pool):
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb", "--fp8"], "--fp8: the a100-80gb has no FP8"),
     (["plan", "--model", "llama3-8b", "--dp", "4", "--pp", "1", "--cp", "1", "--tp", "2", "--recompute", "op"],
      "recompute op reruns a block but its matmuls' and attention's outputs: at --tp 2, --cp 1"),
+    (["check", "--pp", "2", "--tp", "1", "--schedule", "zb-h1", "--recompute", "op"],  # torch raised at backward
+     "recompute op keeps its matmuls' outputs for one backward (torch's selective checkpoint), and zb-h1's"),
     (["check", "--attention", "cudnn"], "--attention cudnn is plan's price of SDPA's cuDNN backend"),
     (["train", "--attention", "unfused"], "--attention unfused is plan's price of PyTorch's eager attention"),
     (["check", "--attention-dropout", "0.1"], "--attention-dropout is plan's price of Megatron's dropout of the "
