@@ -3251,9 +3251,11 @@ TITAN_PP = dict(TITAN, zero_stage=1, microbatches=8, recompute="full", sequence_
 # fragmentation; report_memory divides torch's memory_stats() by 1e9): compared, as 09's check prints
 # max_memory_allocated, with plan's total less its fragmentation and cuda_nccl
 ALLOCATED_PEAKS = ("MB-S1", "MB-S2", "MB-S3")
-MB_S_TP4 = ("+: at tp 4 (tp 8: -0%), 03's lean FP8 layer keeping what Transformer Engine keeps; 3% of it where 02's "
-            "ZeRO-1 holds its reduce-scatter output in backward (Megatron reduces in place into its gradient "
-            "buffer); the rest is not found")
+# and of the *last* pipeline stage's GPU: Bridge's TensorBoard and W&B writers live on the last rank (where the
+# loss is), which logged its own memory until Megatron-Bridge#3645 (2026-05-08, "peak GPU memory typically lives
+# on the first PP stage": issue #3167) reduced it over the pipeline; the skill's table is from 2026-04-16 (its
+# commit e43a7468f). Compared with plan's last pipeline rank, which holds the fewest microbatches in flight
+LAST_STAGE_PEAKS = ("MB-S1", "MB-S2", "MB-S3")
 MEMORY = {  # id: (model, mesh, options, published GiB, tolerance, why it misses)
     "TT-1a": ("llama3-8b", (8, 1, 1, 1), dict(TITAN, global_batch=16), 82.4, 0.10, ""),
     "TT-1b": ("llama3-8b", (8, 1, 1, 1), dict(TITAN, global_batch=16, compile=True), 77.0, 0.10, ""),
@@ -3293,19 +3295,23 @@ MEMORY = {  # id: (model, mesh, options, published GiB, tolerance, why it misses
     **{f"MB-S{x}": ("llama3-70b", mesh, dict(NVIDIA, global_batch=32, seq_len=4096, microbatches=32 // mesh[0],
                                              schedule="interleaved", virtual=5, sequence_parallel=True, fp8=True),
                     gb * 1e9 / 2 ** 30, tolerance, why)
-       for x, mesh, gb, tolerance, why in (("1", (2, 4, 1, 4), 58.8, 0.20, MB_S_TP4),
-                                           ("2", (1, 8, 1, 4), 53.2, 0.20, MB_S_TP4),
+       for x, mesh, gb, tolerance, why in (("1", (2, 4, 1, 4), 58.8, 0.15,
+                                            "+: at dp 2 (dp 1, MB-S2: +9%), 02's ZeRO-1 holds its reduce-scatter "
+                                            "output in backward (Megatron reduces in place into its gradient "
+                                            "buffer); the rest is not found"),
+                                           ("2", (1, 8, 1, 4), 53.2, 0.10, ""),
                                            ("3", (1, 4, 1, 8), 50.2, 0.10, ""))},
 }
 
 
 def test_the_planned_memory_is_within_10_percent_of_published_peaks_where_it_models_the_run():
     """36 published peaks; the plan's reserved bytes (its tensors, temporaries and the allocator's
-    segments; allocated where the source reports them) within each row's tolerance: 10% on the 20 runs it
-    models (torchtitan's and torchao's 8B on 8 and 128 GPUs, with and without FP8, context parallelism to
-    256k tokens; torchtitan's 405B on 512 GPUs, pipelined with 02's fp32 gradients; Megatron-Bridge's 70B
-    at tp 8), each miss bounded and said why; README's counts."""
-    assert len(MEMORY) == 36 and sum(row[4] == 0.10 for row in MEMORY.values()) == 20
+    segments; allocated where the source reports them; the GPU the source read) within each row's tolerance:
+    10% on the 21 runs it models (torchtitan's and torchao's 8B on 8 and 128 GPUs, with and without FP8,
+    context parallelism to 256k tokens; torchtitan's 405B on 512 GPUs, pipelined with 02's fp32 gradients;
+    Megatron-Bridge's 70B at tp 8, and at tp 4 over 8 stages), each miss bounded and said why; README's
+    counts."""
+    assert len(MEMORY) == 36 and sum(row[4] == 0.10 for row in MEMORY.values()) == 21
     errors = []
     for label, (model, mesh, options, published, tolerance, why) in MEMORY.items():
         if model is None:
@@ -3317,9 +3323,9 @@ def test_the_planned_memory_is_within_10_percent_of_published_peaks_where_it_mod
             sizes, run, plans, _ = full_train.planned(cfg, sizes, run, cluster)
         finally:
             del PUBLISHED[label]
-        fullest = max(plans, key=lambda p: p.total)
+        read = plans[-1] if label in LAST_STAGE_PEAKS else max(plans, key=lambda p: p.total)  # the GPU it read
         left_out = ("cuda_nccl", "fragmentation") if label in ALLOCATED_PEAKS else ("cuda_nccl",)
-        planned = float(fullest.total - sum(fullest.memory[part] for part in left_out)) / 2 ** 30
+        planned = float(read.total - sum(read.memory[part] for part in left_out)) / 2 ** 30
         assert abs(planned / published - 1) <= tolerance, (label, planned, published, why)
         assert (tolerance == 0.10) == (not why) and why[:1] in ("", "+" if planned > published else "-")
         errors.append(abs(planned / published - 1))
