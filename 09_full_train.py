@@ -79,7 +79,7 @@ RUN IT
     python 09_full_train.py check --dp 2 --tp 2 --pp 2 --moe --ep 2  # MoE, experts over 2 dp ranks
     python 09_full_train.py plan --model llama3-70b --gpus 256   # the fastest meshes that fit
     python 09_full_train.py plan --model llama3-405b --dp 64 --pp 16 --cp 1 --tp 8 --sequence-parallel \
-        --zero 2 --schedule interleaved --virtual 2                # Meta's mesh, per pipeline rank
+        --zero 2 --schedule interleaved --virtual 2 --ends-as-layers  # Meta's mesh, per pipeline rank
 Look at: the loss falling from ln 256 = 5.5 and the sample; tokens/s and MFU; with check, the rank map, the
 max |difference| from one device (loss, every gradient reassembled from the shards, parameters after the
 steps) and bytes per mesh dimension beside the formulas; with plan, the fullest GPU's bytes beside its memory,
@@ -1047,6 +1047,9 @@ def print_run(trainer: Trainer, result: dict, saved: list[int], mfu) -> None:
                f"{in_flight_text(rank0.in_flight, train.virtual)} in flight: {rank0.memory['activations']:,} "
                f"(03's formula of the layers alone, not the head's and the loss's; recompute "
                f"{train.recompute}, {'lean saves' if train.lean_saves else 'autograd saves'})")
+    if train.recompute == "elementwise" and not train.moe:  # refilled storages are saved ones: counted
+        formula += (f", and up to a layer's {rank0.rebuilt:,} B it empties at its regions' ends and "
+                    f"refills in their backward")
     print(f"activations in step {result['measured']}, {what} per rank: "
           + ", ".join(f"{x:,}" for x in saved) + f"; {formula}")
     if trainer.device.type == "cuda":  # the run's peaks (rank 0) beside the plan's: a GPU checks the plan
@@ -1302,7 +1305,8 @@ def check_run(job: Job) -> None:
               f"({dist.get_backend()}, {device.type}); ZeRO-{train.zero_stage}, {train.schedule} with "
               f"{foundation.counted(train.microbatches, 'microbatch', 'microbatches')}, "
               f"SP {'on' if train.sequence_parallel else 'off'}{', FP8' if train.fp8 else ''}, "
-              f"{precision_name(train)}; {moe or ''}global batch {train.global_batch} x {train.seq_len}.\n"
+              f"recompute {train.recompute}, {precision_name(train)}; "
+              f"{moe or ''}global batch {train.global_batch} x {train.seq_len}.\n"
               f"Rank map (tp fastest):\n{rank_map(sizes)}\n")
         print(f"{'step':<6}{'4D loss':>12}{'one device':>12}\n" + "\n".join(
             f"{step:<6}{a:>12.6f}{b:>12.6f}" for step, (a, b) in enumerate(zip(losses, ref.losses))))
@@ -1402,6 +1406,7 @@ class RankPlan:
     memory: dict[str, Fraction | int | None]  # bytes: params, grads, optimizer (02), activations (03 x 04)
     traffic: dict[str, Fraction | None]  # bytes it sends in its group of each kind; None: no formula
     in_flight: int  # microbatch-stage pairs whose activations it holds at once (04)
+    rebuilt: int  # bytes of a layer's saves (one microbatch's) that its recompute rebuilds in backward (03)
 
     @property
     def total(self) -> Fraction:
@@ -1598,7 +1603,8 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
         communicators += (sizes.dp * cp > 1) + 2 * (sizes.ep > 1)
         memory["cuda_nccl"] = GIB * (CUDA_GIB + NCCL_GIB * communicators)
         out.append(RankPlan(stages, layers, params, memory, traffic,
-                            pipeline.in_flight_bound(train.schedule, rank, pp, m, train.virtual)))
+                            pipeline.in_flight_bound(train.schedule, rank, pp, m, train.virtual),
+                            rebuilt.get(train.recompute, 0)))
     return out
 
 
