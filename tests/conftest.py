@@ -207,6 +207,20 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(ProofAudit(config.getoption("--update-ran")), "proof-audit")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A test module may start slow work of its own as soon as the suite is collected, to run beside
+    the tests before it: its start_in_background(config, its tests that will run) (tests/test_workshop.py's
+    grading, subprocesses on the core that the suite's one-process tests leave idle)."""
+    if session.config.option.collectonly:
+        return
+    by_module: dict[Any, list[pytest.Item]] = {}
+    for item in session.items:
+        by_module.setdefault(getattr(item, "module", None), []).append(item)
+    for module, items in by_module.items():
+        if hasattr(module, "start_in_background"):
+            module.start_in_background(session.config, items)
+
+
 class RankFailure(AssertionError):
     """Raised in the test process when some rank raised or did not answer."""
 

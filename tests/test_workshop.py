@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -713,45 +714,98 @@ def plant(copy: Path, exercise_id: str, edits) -> None:
         (copy / file).write_text("".join(lines[:first - 1]) + body.replace(right, wrong) + "".join(lines[last:]))
 
 
-@pytest.fixture(scope="module")
-def graded() -> dict[int | str, subprocess.CompletedProcess]:
-    """Check sessions: copy k (COPIES[k]: its exercises blanked or planted) graded with the proofs
-    its changes run, and "solved": two exercises on the course itself. Two run at once, the next as
-    soon as either ends: three took as long on two cores (304 s for all, 291 s), and seven at once on
-    CI's two cores made a proof's call wait past the grader's minute (13x an idle machine's time)."""
-    with contextlib.ExitStack() as cleanup:
-        runs = {}
+class Grading:
+    """The check sessions the graded tests read: copy k (COPIES[k]: its exercises blanked or planted)
+    graded with the proofs its changes run, and "solved": two exercises on the course itself.
+
+    They start in the background as soon as the suite is collected (conftest's pytest_collection_finish
+    calls start_in_background): one at a time beside the rest of the suite, whose one-process tests
+    (the Triton interpreter, the planner) leave a core idle (32% of the two cores over the 720 s of
+    the suite without this file), then two at a time once a test waits for them. Measured on 2 idle
+    cores: the whole suite 1,055 s, against 720 s and then ~470 s of grading. Two at once is the most:
+    three took as long on two cores (304 s for all, 291 s), and seven at once on CI's two cores made a
+    proof's call wait past the grader's minute (13x an idle machine's time)."""
+
+    def __init__(self) -> None:
+        self.graded: dict[int | str, subprocess.CompletedProcess] = {}
+        self.at_once = 1
+        self.thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+        self.closing = False
+        self.cleanup = contextlib.ExitStack()
+
+    def start(self, config: pytest.Config) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._grade, name="workshop grading", daemon=True)
+            self.thread.start()
+            config.add_cleanup(self.close)
+
+    def results(self, config: pytest.Config) -> dict[int | str, subprocess.CompletedProcess]:
+        """Every session's result, waiting for those still to run, two at a time."""
+        self.at_once = 2
+        self.start(config)
+        self.thread.join()
+        if self.failure is not None:
+            raise self.failure
+        return self.graded
+
+    def close(self) -> None:
+        """At the session's end: the sessions still running are killed, then their copies deleted."""
+        self.closing = True
+        if self.thread is not None:
+            self.thread.join()
+        self.cleanup.close()
+
+    def _commands(self):
         for k, group in enumerate(COPIES):
             # Not tmp_path_factory's folders: another pytest run of this user may delete them meanwhile.
-            copy = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="workshop-"))) / "copy"
+            copy = Path(self.cleanup.enter_context(tempfile.TemporaryDirectory(prefix="workshop-"))) / "copy"
             blank = [change.exercise for change in group if change.rule is None]
             assert run_workshop("copy", copy, "--exercises", ",".join(blank)).returncode == 0
             for change in group:
                 if change.rule is not None:
                     plant(copy, change.exercise, change.edits)
             proofs = [f"--proof={node}" for change in group for node in change.node_ids]
-            runs[k] = ("check", *(change.exercise for change in group), "--copy", copy, *proofs)
-        runs["solved"] = ("check", *SOLVED)
-        graded, running = {}, {}
-        for name, command in runs.items():
-            if len(running) == 2:
-                collect_one(running, graded)
-            running[name] = WorkshopRun(*command)
-            cleanup.callback(running[name].stop)  # before its copy is deleted, if a session failed
-        while running:
-            collect_one(running, graded)
-        return graded
+            yield k, ("check", *(change.exercise for change in group), "--copy", copy, *proofs)
+        yield "solved", ("check", *SOLVED)
+
+    @staticmethod
+    def _ended(run: WorkshopRun) -> bool:
+        return run.proc.poll() is not None or time.monotonic() > run.started + CHECK_TIMEOUT
+
+    def _grade(self) -> None:
+        """The next session starts as soon as one ends (or overruns CHECK_TIMEOUT), whichever it is:
+        waiting for the one started first left a slot idle while a long session ran (339 s for all, 291 s)."""
+        try:
+            commands = self._commands()
+            running: dict[int | str, WorkshopRun] = {}
+            more = True
+            while (more or running) and not self.closing:
+                for name in [name for name, run in running.items() if self._ended(run)]:
+                    self.graded[name] = running.pop(name).result(CHECK_TIMEOUT)
+                while more and len(running) < self.at_once:
+                    name, command = next(commands, (None, None))
+                    more = name is not None
+                    if more:
+                        running[name] = WorkshopRun(*command)
+                        self.cleanup.callback(running[name].stop)  # before its copy is deleted
+                time.sleep(0.2)
+        except BaseException as failure:  # noqa: BLE001 - the waiting test raises it
+            self.failure = failure
 
 
-def collect_one(running: dict[int | str, WorkshopRun], graded: dict) -> None:
-    """Move the first run to end (or to overrun CHECK_TIMEOUT) from running to graded, whichever it is:
-    waiting for the one started first left a slot idle while a long session ran (339 s for all, 291 s)."""
-    while True:
-        for name, run in running.items():
-            if run.proc.poll() is not None or time.monotonic() > run.started + CHECK_TIMEOUT:
-                graded[name] = running.pop(name).result(CHECK_TIMEOUT)
-                return
-        time.sleep(0.2)
+GRADING = Grading()
+
+
+def start_in_background(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Called by conftest once the suite is collected, with this module's tests that will run."""
+    if any("graded" in item.fixturenames for item in items):
+        GRADING.start(config)
+
+
+@pytest.fixture(scope="module")
+def graded(pytestconfig) -> dict[int | str, subprocess.CompletedProcess]:
+    return GRADING.results(pytestconfig)
 
 
 def copy_of(change: Change) -> int:
