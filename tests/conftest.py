@@ -19,6 +19,9 @@ Hypothesis profiles: `ci` (the default; few examples, derandomized so CI is repr
 (many more examples): HYPOTHESIS_PROFILE=dev python -m pytest tests, and `grade` (tests/workshop.py's
 check: fewer examples, no shrinking, one failure reported: a verdict, not a diagnosis).
 
+A test module may start slow work in the background once the suite is collected
+(pytest_collection_finish): tests/test_workshop.py's grading runs beside the other files' tests.
+
 `--lessons DIR` runs the suite on the lessons of DIR (a workshop copy, tests/workshop.py) instead of
 this course's: in this process, in the rank pools' workers, and in the scripts run_script starts.
 
@@ -209,9 +212,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """A test module may start slow work of its own as soon as the suite is collected, to run beside
-    the tests before it: its start_in_background(config, its tests that will run) (tests/test_workshop.py's
-    grading, subprocesses on the core that the suite's one-process tests leave idle)."""
-    if session.config.option.collectonly:
+    the tests before it: conftest calls its start_in_background(config, items), items being its tests
+    that will run (tests/test_workshop.py's grading: subprocesses on the core that the suite's
+    one-process tests leave idle). Not when nothing runs (--collect-only, --setup-plan)."""
+    if session.config.option.collectonly or session.config.option.setupplan:
         return
     by_module: dict[Any, list[pytest.Item]] = {}
     for item in session.items:

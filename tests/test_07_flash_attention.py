@@ -49,8 +49,6 @@ NAMES = ("out", "lse", "dq", "dk", "dv")
 # numbers and stored in fp32, so it keeps the fp32 tolerance even for fp16 inputs.
 TOLERANCE = {torch.float32: dict(out=2e-5, lse=2e-5, grad=2e-5),
              torch.float16: dict(out=1e-2, lse=2e-5, grad=1e-2)}
-# The drawn tests take the profile's count of examples (15 under `ci`, 60 under `dev`), as every lesson's:
-# one costs 0.5-0.8 s in the interpreter (50 s for 64 measured), and their explicit examples hold the edges.
 
 cpu_only = pytest.mark.skipif(not flash.INTERPRETED, reason="interpreter tests: tiny drawn shapes would "
                               "make a GPU compile and autotune for every example; the GPU tests below apply")
@@ -81,6 +79,8 @@ def assert_close_to_reference(results, reference, dtype, tol: dict | None = None
         assert error <= tol.get(name, tol["grad"]), f"{name}: max |error| {error:.2e} > {tol}"
 
 
+# The drawn tests take the hypothesis profile's count of examples, as every lesson's: one costs 0.5-0.8 s
+# in the interpreter (50 s for 64 measured), and their explicit examples hold the edges.
 @cpu_only
 @given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2, 3, 4]),
        seq=st.integers(1, 40), head_dim=st.sampled_from([16, 24, 32]), causal=st.booleans(),

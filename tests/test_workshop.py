@@ -720,30 +720,31 @@ class Grading:
 
     They start in the background as soon as the suite is collected (conftest's pytest_collection_finish
     calls start_in_background): one at a time beside the rest of the suite, whose one-process tests
-    (the Triton interpreter, the planner) leave a core idle (32% of the two cores over the 720 s of
-    the suite without this file), then two at a time once a test waits for them. Measured on 2 idle
-    cores: the whole suite 1,055 s, against 720 s and then ~470 s of grading. Two at once is the most:
-    three took as long on two cores (304 s for all, 291 s), and seven at once on CI's two cores made a
-    proof's call wait past the grader's minute (13x an idle machine's time)."""
+    (the Triton interpreter, the planner) leave a core idle, then two at a time once a test waits for
+    them. Measured on 2 cores (2026-12-02): the suite without this file took 720 s with 32% of the two
+    cores idle; the whole suite 1,055 s, where .ci/run had taken 1,323 s waiting for the grading at its
+    end (c3c1dff).
+    Two at once is the most: three took as long on two cores (304 s for all, 291 s, with fewer copies),
+    and seven at once on CI's two cores made a proof's call wait past the grader's minute (13x an idle
+    machine's time)."""
 
     def __init__(self) -> None:
         self.graded: dict[int | str, subprocess.CompletedProcess] = {}
         self.at_once = 1
         self.thread: threading.Thread | None = None
         self.failure: BaseException | None = None
-        self.closing = False
+        self.closing = threading.Event()
         self.cleanup = contextlib.ExitStack()
 
-    def start(self, config: pytest.Config) -> None:
+    def start(self) -> None:
         if self.thread is None:
             self.thread = threading.Thread(target=self._grade, name="workshop grading", daemon=True)
             self.thread.start()
-            config.add_cleanup(self.close)
 
-    def results(self, config: pytest.Config) -> dict[int | str, subprocess.CompletedProcess]:
+    def results(self) -> dict[int | str, subprocess.CompletedProcess]:
         """Every session's result, waiting for those still to run, two at a time."""
         self.at_once = 2
-        self.start(config)
+        self.start()
         self.thread.join()
         if self.failure is not None:
             raise self.failure
@@ -751,61 +752,71 @@ class Grading:
 
     def close(self) -> None:
         """At the session's end: the sessions still running are killed, then their copies deleted."""
-        self.closing = True
+        self.closing.set()
         if self.thread is not None:
             self.thread.join()
         self.cleanup.close()
 
-    def _commands(self):
-        for k, group in enumerate(COPIES):
-            # Not tmp_path_factory's folders: another pytest run of this user may delete them meanwhile.
-            copy = Path(self.cleanup.enter_context(tempfile.TemporaryDirectory(prefix="workshop-"))) / "copy"
-            blank = [change.exercise for change in group if change.rule is None]
-            assert run_workshop("copy", copy, "--exercises", ",".join(blank)).returncode == 0
-            for change in group:
-                if change.rule is not None:
-                    plant(copy, change.exercise, change.edits)
-            proofs = [f"--proof={node}" for change in group for node in change.node_ids]
-            yield k, ("check", *(change.exercise for change in group), "--copy", copy, *proofs)
-        yield "solved", ("check", *SOLVED)
+    def _command(self, name: int | str) -> tuple:
+        if name == "solved":
+            return ("check", *SOLVED)
+        group = COPIES[name]
+        # Not tmp_path_factory's folders: another pytest run of this user may delete them meanwhile.
+        copy = Path(self.cleanup.enter_context(tempfile.TemporaryDirectory(prefix="workshop-"))) / "copy"
+        blank = [change.exercise for change in group if change.rule is None]
+        assert run_workshop("copy", copy, "--exercises", ",".join(blank)).returncode == 0
+        for change in group:
+            if change.rule is not None:
+                plant(copy, change.exercise, change.edits)
+        proofs = [f"--proof={node}" for change in group for node in change.node_ids]
+        return ("check", *(change.exercise for change in group), "--copy", copy, *proofs)
 
     @staticmethod
-    def _ended(run: WorkshopRun) -> bool:
+    def _finished_or_overdue(run: WorkshopRun) -> bool:
         return run.proc.poll() is not None or time.monotonic() > run.started + CHECK_TIMEOUT
 
     def _grade(self) -> None:
         """The next session starts as soon as one ends (or overruns CHECK_TIMEOUT), whichever it is:
-        waiting for the one started first left a slot idle while a long session ran (339 s for all, 291 s)."""
+        waiting for the one started first left a slot idle while a long session ran (339 s for all,
+        291 s). A failure (a copy not made, a session overdue) stops the grading and every session."""
+        pending: list[int | str] = [*range(len(COPIES)), "solved"]
+        running: dict[int | str, WorkshopRun] = {}
         try:
-            commands = self._commands()
-            running: dict[int | str, WorkshopRun] = {}
-            more = True
-            while (more or running) and not self.closing:
-                for name in [name for name, run in running.items() if self._ended(run)]:
+            while (pending or running) and not self.closing.is_set():
+                for name in [name for name, run in running.items() if self._finished_or_overdue(run)]:
                     self.graded[name] = running.pop(name).result(CHECK_TIMEOUT)
-                while more and len(running) < self.at_once:
-                    name, command = next(commands, (None, None))
-                    more = name is not None
-                    if more:
-                        running[name] = WorkshopRun(*command)
-                        self.cleanup.callback(running[name].stop)  # before its copy is deleted
-                time.sleep(0.2)
+                while pending and len(running) < self.at_once and not self.closing.is_set():
+                    name = pending.pop(0)
+                    running[name] = WorkshopRun(*self._command(name))
+                    self.cleanup.callback(running[name].stop)  # before its copy is deleted
+                self.closing.wait(0.2)
         except BaseException as failure:  # noqa: BLE001 - the waiting test raises it
             self.failure = failure
+        finally:
+            for run in running.values():
+                run.stop()
 
 
-GRADING = Grading()
+GRADING = pytest.StashKey[Grading]()
+
+
+def grading(config: pytest.Config) -> Grading:
+    """This pytest session's grading, made on first use and closed at the session's end."""
+    if GRADING not in config.stash:
+        config.stash[GRADING] = Grading()
+        config.add_cleanup(config.stash[GRADING].close)
+    return config.stash[GRADING]
 
 
 def start_in_background(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Called by conftest once the suite is collected, with this module's tests that will run."""
     if any("graded" in item.fixturenames for item in items):
-        GRADING.start(config)
+        grading(config).start()
 
 
 @pytest.fixture(scope="module")
 def graded(pytestconfig) -> dict[int | str, subprocess.CompletedProcess]:
-    return GRADING.results(pytestconfig)
+    return grading(pytestconfig).results()
 
 
 def copy_of(change: Change) -> int:
