@@ -732,19 +732,23 @@ class Grading:
         self.graded: dict[int | str, subprocess.CompletedProcess] = {}
         self.at_once = 1
         self.thread: threading.Thread | None = None
+        self.pending: list[int | str] = []
         self.failure: BaseException | None = None
         self.closing = threading.Event()
         self.cleanup = contextlib.ExitStack()
 
-    def start(self) -> None:
+    def start(self, sessions: set[int | str]) -> None:
+        """Grade these sessions (copy numbers, "solved"), in ALL_SESSIONS' order."""
         if self.thread is None:
+            self.pending = [name for name in ALL_SESSIONS if name in sessions]
             self.thread = threading.Thread(target=self._grade, name="workshop grading", daemon=True)
             self.thread.start()
 
     def results(self) -> dict[int | str, subprocess.CompletedProcess]:
-        """Every session's result, waiting for those still to run, two at a time."""
+        """The results of the sessions started (all of them if none was), waiting for those still to
+        run, two at a time."""
         self.at_once = 2
-        self.start()
+        self.start(set(ALL_SESSIONS))
         self.thread.join()
         if self.failure is not None:
             raise self.failure
@@ -779,14 +783,13 @@ class Grading:
         """The next session starts as soon as one ends (or overruns CHECK_TIMEOUT), whichever it is:
         waiting for the one started first left a slot idle while a long session ran (339 s for all,
         291 s). A failure (a copy not made, a session overdue) stops the grading and every session."""
-        pending: list[int | str] = [*range(len(COPIES)), "solved"]
         running: dict[int | str, WorkshopRun] = {}
         try:
-            while (pending or running) and not self.closing.is_set():
+            while (self.pending or running) and not self.closing.is_set():
                 for name in [name for name, run in running.items() if self._finished_or_overdue(run)]:
                     self.graded[name] = running.pop(name).result(CHECK_TIMEOUT)
-                while pending and len(running) < self.at_once and not self.closing.is_set():
-                    name = pending.pop(0)
+                while self.pending and len(running) < self.at_once and not self.closing.is_set():
+                    name = self.pending.pop(0)
                     running[name] = WorkshopRun(*self._command(name))
                     self.cleanup.callback(running[name].stop)  # before its copy is deleted
                 self.closing.wait(0.2)
@@ -797,6 +800,7 @@ class Grading:
                 run.stop()
 
 
+ALL_SESSIONS = (*range(len(COPIES)), "solved")
 GRADING = pytest.StashKey[Grading]()
 
 
@@ -809,9 +813,24 @@ def grading(config: pytest.Config) -> Grading:
 
 
 def start_in_background(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Called by conftest once the suite is collected, with this module's tests that will run."""
-    if any("graded" in item.fixturenames for item in items):
-        grading(config).start()
+    """Called by conftest once the suite is collected, with this module's tests that will run: the
+    sessions they read (-k 04.2: the 5 copies of its blank and its 4 rules, of 21)."""
+    sessions = set().union(*(sessions_read(item) for item in items if "graded" in item.fixturenames))
+    if sessions:
+        grading(config).start(sessions)
+
+
+def sessions_read(item: pytest.Item) -> set[int | str]:
+    """The check sessions a graded test reads: its blank's copy, its change's copy, or "solved"
+    (every session for a graded test not named here)."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    if item.originalname == "test_every_proof_fails_on_its_exercises_blank_naming_it":
+        return {copy_of(Change(params["exercise_id"], None))}
+    if item.originalname == "test_a_body_that_breaks_one_rule_fails_its_proof":
+        return {copy_of(params["change"])}
+    if item.originalname == "test_a_solved_exercise_passes_its_check":
+        return {"solved"}
+    return set(ALL_SESSIONS)
 
 
 @pytest.fixture(scope="module")
