@@ -737,9 +737,10 @@ def compiled_against_eager(tp: int, sequence_parallel: bool, fp8: bool = False) 
     """On every rank of a tp mesh, 07's attention (4 query heads reading 2 K/V heads): the graph
     breaks torch._dynamo.explain finds in a whole stage model under a comm meter (the Trainer's
     step runs under one); then the stage model eager and with --compile's blocks, a forward and
-    backward each: loss, this rank's gradients, the collectives it sent."""
+    backward each: loss, this rank's gradients, the collectives it sent. One layer: --compile
+    compiles each block on its own, and a second cost 35 s of tracing in all (81 s for the three, 46 s)."""
     torch._dynamo.reset()
-    cfg = foundation.ModelConfig(vocab_size=30, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=32)
+    cfg = foundation.ModelConfig(vocab_size=30, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=32)
     train = full_train.TrainConfig(global_batch=2, seq_len=8, attention="flash",
                                    sequence_parallel=sequence_parallel, fp8=fp8)
     sizes = full_train.MeshSizes(tp=tp)
@@ -765,8 +766,8 @@ def compiled_against_eager(tp: int, sequence_parallel: bool, fp8: bool = False) 
 @pytest.mark.parametrize("tp, sequence_parallel, fp8", [(1, False, False), (2, True, False), (2, True, True)])
 def test_compiled_blocks_are_one_graph_and_equal_eager(rank_pool, tp, sequence_parallel, fp8):
     """07's kernel and 03's collectives are operators, and at tp = 1 03 inserts nothing: a stage model
-    traces as one graph, without a break (before: 14 at tp = 1, 22 at tp = 2 with SP, at every
-    attention call and around every f and g, whose comm-meter Python the tracer cannot follow). So
+    traces as one graph, without a break (before, with two layers: 14 at tp = 1, 22 at tp = 2 with SP,
+    at every attention call and around every f and g, whose comm-meter Python the tracer cannot follow). So
     --compile takes every block whole (fullgraph=True), and the compiled step equals eager's on the
     loss, every gradient and every collective, at tp = 1 none. --fp8 too: 08's amax all-reduces over
     tp go through 03's collective operator."""
@@ -1348,17 +1349,18 @@ def test_the_training_run_on_one_process_end_to_end(tmp_path):
     altered bytes, a truncated file, LATEST deleted, a folder under a file, a folder holding a user's file:
     one line (from the rank, and before launch), exit code 2; a save that fails mid-run (files limited to
     1 MiB, as a full disk would stop them): one line, exit code 2."""
-    common = ("--dp 1 --tp 1 --seq-len 16 --global-batch 2 --warmup 1 --steps 3 --save-every 2 "
+    # One layer: 07's kernel runs in Triton's interpreter, 2.5 s a step with the tiny preset's 4 layers
+    common = ("--layers 1 --dp 1 --tp 1 --seq-len 16 --global-batch 2 --warmup 1 --steps 3 --save-every 2 "
               "--eval-every 2 --sample-bytes 4 --attention flash --recompute selective").split()
     a, b = tmp_path / "a", tmp_path / "b"
     out = run_script("09_full_train.py", *common, "--checkpoint-dir", str(a), timeout=900)
     assert "attention flash" in out and "recompute selective" in out and "final: 2 timed steps" in out
     assert "Sample from the checkpoint" in out and "The losses ('.' training, 'o' validation):" in out
-    assert "the most autograd held per rank: " in out and "'s 4 layers, 1 microbatch in flight: " in out
+    assert "the most autograd held per rank: " in out and "'s 1 layer, 1 microbatch in flight: " in out
     assert zero.latest_checkpoint(a).name == "step_00000003"
     meta = json.loads((a / "step_00000003" / "meta.json").read_text())
     assert meta["schedule"] == {"--lr": 3e-3, "--warmup": 1, "--steps": 3}  # a resume compares its own
-    n = sum(p.numel() for p in foundation.GPT(full_train.configure(parse_options("train")).cfg).parameters())
+    n = sum(p.numel() for p in foundation.GPT(full_train.configure(parse_options("train", *common)).cfg).parameters())
     assert f"B on disk = (params + 2 AdamW moments) x 4 B x {n:,} parameters, each element once " in out
     shutil.copytree(a, b)
     resumed = run_script("09_full_train.py", "train", *common, "--checkpoint-dir", str(b), "--resume", "2",
