@@ -901,6 +901,73 @@ def test_a_body_that_breaks_one_rule_fails_its_proof(graded, change):
     assert re.search(rf"^{re.escape(change.exercise)} .*: 0 of 1 proofs passed, 1 did not$", result.stdout, re.M)
 
 
+class SleepingRun(WorkshopRun):
+    """A session that never ends by itself (a process in its own session, as WorkshopRun's): the
+    grading's own machinery under test, without a check session's minutes."""
+
+    def __init__(self, *args) -> None:
+        self.command = [sys.executable, "-c", "import time; time.sleep(60)"]
+        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(self.command, stdout=self.out, stderr=self.err, start_new_session=True)
+        self.started = time.monotonic()
+
+
+def sleeping_grading(monkeypatch, failing: int | None = None) -> tuple[Grading, list[SleepingRun]]:
+    """A Grading whose sessions sleep (failing: the copy of that one cannot be made), two at a time,
+    and the runs it starts, as it starts them."""
+    runs = []
+
+    def start_run(*args) -> SleepingRun:
+        runs.append(SleepingRun(*args))
+        return runs[-1]
+
+    def command(self, name):
+        if name == failing:
+            raise OSError(f"copy {name} could not be made")
+        return ("check",)
+
+    monkeypatch.setattr(sys.modules[__name__], "WorkshopRun", start_run)
+    monkeypatch.setattr(Grading, "_command", command)
+    grading = Grading()
+    grading.at_once = 2
+    return grading, runs
+
+
+def test_a_failure_in_the_grading_is_raised_by_the_waiting_test_and_stops_its_sessions(monkeypatch):
+    """The second session's copy cannot be made: results() raises that error, and the first session,
+    started and still running, is stopped then, not at pytest's end."""
+    grading, runs = sleeping_grading(monkeypatch, failing=1)
+    grading.start({0, 1})
+    with pytest.raises(OSError, match="copy 1 could not be made"):
+        grading.results()
+    assert len(runs) == 1 and runs[0].proc.poll() is not None
+    grading.close()
+
+
+def test_a_session_past_its_timeout_fails_the_waiting_test_and_stops_the_others(monkeypatch):
+    grading, runs = sleeping_grading(monkeypatch)
+    monkeypatch.setattr(sys.modules[__name__], "CHECK_TIMEOUT", 1)
+    grading.start({0, 1})
+    with pytest.raises(pytest.fail.Exception, match="did not finish in 1 s"):
+        grading.results()
+    assert len(runs) == 2 and all(run.proc.poll() is not None for run in runs)
+    grading.close()
+
+
+def test_closing_the_grading_stops_its_sessions_at_once(monkeypatch):
+    """pytest's end (or Ctrl-C) while sessions run: close() kills them and starts no other."""
+    grading, runs = sleeping_grading(monkeypatch)
+    grading.at_once = 1
+    grading.start({0, 1, 2})
+    while not runs:
+        time.sleep(0.05)
+    closing = threading.Thread(target=grading.close, daemon=True)
+    closing.start()
+    closing.join(timeout=30)  # a hang guard: it takes well under a second
+    assert not closing.is_alive(), "close() is still waiting for its sessions"
+    assert len(runs) == 1 and runs[0].proc.poll() is not None and grading.pending == [1, 2]
+
+
 SOLVED = ("04.2", "09.3")  # pure functions: a quick session
 
 
