@@ -959,7 +959,8 @@ def test_closing_the_grading_stops_its_sessions_at_once(monkeypatch):
     grading, runs = sleeping_grading(monkeypatch)
     grading.at_once = 1
     grading.start({0, 1, 2})
-    while not runs:
+    deadline = time.monotonic() + 30  # a hang guard: the thread starts the first session at once
+    while not runs and time.monotonic() < deadline:
         time.sleep(0.05)
     closing = threading.Thread(target=grading.close, daemon=True)
     closing.start()
