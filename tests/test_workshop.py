@@ -736,6 +736,7 @@ class Grading:
         self.failure: BaseException | None = None
         self.closing = threading.Event()
         self.cleanup = contextlib.ExitStack()
+        self.check_timeout = CHECK_TIMEOUT
 
     def start(self, sessions: set[int | str]) -> None:
         """Grade these sessions (copy numbers, "solved"), in ALL_SESSIONS' order."""
@@ -776,8 +777,11 @@ class Grading:
         return ("check", *(change.exercise for change in group), "--copy", copy, *proofs)
 
     @staticmethod
-    def _finished_or_overdue(run: WorkshopRun) -> bool:
-        return run.proc.poll() is not None or time.monotonic() > run.started + CHECK_TIMEOUT
+    def _start(command: tuple) -> WorkshopRun:
+        return WorkshopRun(*command)
+
+    def _finished_or_overdue(self, run: WorkshopRun) -> bool:
+        return run.proc.poll() is not None or time.monotonic() > run.started + self.check_timeout
 
     def _grade(self) -> None:
         """The next session starts as soon as one ends (or overruns CHECK_TIMEOUT), whichever it is:
@@ -787,10 +791,10 @@ class Grading:
         try:
             while (self.pending or running) and not self.closing.is_set():
                 for name in [name for name, run in running.items() if self._finished_or_overdue(run)]:
-                    self.graded[name] = running.pop(name).result(CHECK_TIMEOUT)
+                    self.graded[name] = running.pop(name).result(self.check_timeout)
                 while self.pending and len(running) < self.at_once and not self.closing.is_set():
                     name = self.pending.pop(0)
-                    running[name] = WorkshopRun(*self._command(name))
+                    running[name] = self._start(self._command(name))
                     self.cleanup.callback(running[name].stop)  # before its copy is deleted
                 self.closing.wait(0.2)
         except BaseException as failure:  # noqa: BLE001 - the waiting test raises it
@@ -905,68 +909,68 @@ class SleepingRun(WorkshopRun):
     """A session that never ends by itself (a process in its own session, as WorkshopRun's): the
     grading's own machinery under test, without a check session's minutes."""
 
-    def __init__(self, *args) -> None:
+    def __init__(self) -> None:
         self.command = [sys.executable, "-c", "import time; time.sleep(60)"]
         self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(self.command, stdout=self.out, stderr=self.err, start_new_session=True)
         self.started = time.monotonic()
 
 
-def sleeping_grading(monkeypatch, failing: int | None = None) -> tuple[Grading, list[SleepingRun]]:
-    """A Grading whose sessions sleep (failing: the copy of that one cannot be made), two at a time,
-    and the runs it starts, as it starts them."""
-    runs = []
+class SleepingGrading(Grading):
+    """A Grading whose sessions sleep (failing: the copy of that one cannot be made), two at a time; runs:
+    the sessions it started. A subclass, not a patch of this module: the suite's own grading may still
+    be running beside these tests."""
 
-    def start_run(*args) -> SleepingRun:
-        runs.append(SleepingRun(*args))
-        return runs[-1]
+    def __init__(self, failing: int | None = None) -> None:
+        super().__init__()
+        self.failing = failing
+        self.runs: list[SleepingRun] = []
+        self.at_once = 2
 
-    def command(self, name):
-        if name == failing:
+    def _command(self, name: int | str) -> tuple:
+        if name == self.failing:
             raise OSError(f"copy {name} could not be made")
         return ("check",)
 
-    monkeypatch.setattr(sys.modules[__name__], "WorkshopRun", start_run)
-    monkeypatch.setattr(Grading, "_command", command)
-    grading = Grading()
-    grading.at_once = 2
-    return grading, runs
+    def _start(self, command: tuple) -> SleepingRun:
+        self.runs.append(SleepingRun())
+        return self.runs[-1]
 
 
-def test_a_failure_in_the_grading_is_raised_by_the_waiting_test_and_stops_its_sessions(monkeypatch):
+def test_a_failure_in_the_grading_is_raised_by_the_waiting_test_and_stops_its_sessions():
     """The second session's copy cannot be made: results() raises that error, and the first session,
     started and still running, is stopped then, not at pytest's end."""
-    grading, runs = sleeping_grading(monkeypatch, failing=1)
+    grading = SleepingGrading(failing=1)
     grading.start({0, 1})
     with pytest.raises(OSError, match="copy 1 could not be made"):
         grading.results()
-    assert len(runs) == 1 and runs[0].proc.poll() is not None
+    assert len(grading.runs) == 1 and grading.runs[0].proc.poll() is not None
     grading.close()
 
 
-def test_a_session_past_its_timeout_fails_the_waiting_test_and_stops_the_others(monkeypatch):
-    grading, runs = sleeping_grading(monkeypatch)
-    monkeypatch.setattr(sys.modules[__name__], "CHECK_TIMEOUT", 1)
+def test_a_session_past_its_timeout_fails_the_waiting_test_and_stops_the_others():
+    grading = SleepingGrading()
+    grading.check_timeout = 1
     grading.start({0, 1})
     with pytest.raises(pytest.fail.Exception, match="did not finish in 1 s"):
         grading.results()
-    assert len(runs) == 2 and all(run.proc.poll() is not None for run in runs)
+    assert len(grading.runs) == 2 and all(run.proc.poll() is not None for run in grading.runs)
     grading.close()
 
 
-def test_closing_the_grading_stops_its_sessions_at_once(monkeypatch):
+def test_closing_the_grading_stops_its_sessions_at_once():
     """pytest's end (or Ctrl-C) while sessions run: close() kills them and starts no other."""
-    grading, runs = sleeping_grading(monkeypatch)
+    grading = SleepingGrading()
     grading.at_once = 1
     grading.start({0, 1, 2})
     deadline = time.monotonic() + 30  # a hang guard: the thread starts the first session at once
-    while not runs and time.monotonic() < deadline:
+    while not grading.runs and time.monotonic() < deadline:
         time.sleep(0.05)
     closing = threading.Thread(target=grading.close, daemon=True)
     closing.start()
     closing.join(timeout=30)  # a hang guard: it takes well under a second
     assert not closing.is_alive(), "close() is still waiting for its sessions"
-    assert len(runs) == 1 and runs[0].proc.poll() is not None and grading.pending == [1, 2]
+    assert len(grading.runs) == 1 and grading.runs[0].proc.poll() is not None and grading.pending == [1, 2]
 
 
 SOLVED = ("04.2", "09.3")  # pure functions: a quick session
