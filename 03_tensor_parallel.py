@@ -9,7 +9,6 @@ The parts, in order (the technique starts at conjugate: Megatron's f and g):
   Training, communication and memory: train_tensor_parallel, comm_formula
   Activation memory, lean saves and recompute: apply_lean_saves, apply_recompute, layer_activation_formula
   RUN IT: demo, bench (against DTensor: dtensor_plan); the command line: Options, main
-  Lesson 09's plan reads only formulas that this demo and the tests measure: no pricing part here.
 
 THE IDEA
 Data parallelism copies the model; tensor parallelism (TP) splits every big matrix over the t ranks
@@ -115,19 +114,17 @@ _group_of = dist.distributed_c10d._resolve_process_group  # an operator takes a 
 
 def _collective_output(x: torch.Tensor, group_name: str, kind: str) -> torch.Tensor:
     n = foundation.group_size(_group_of(group_name))  # also: this rank is in the group
-    gathered = x.shape[0] * n
-    rows = {"gather": gathered, "regather": gathered, "scatter": x.shape[0] // n}.get(kind, x.shape[0])
+    rows = {"gather": x.shape[0] * n, "scatter": x.shape[0] // n}.get(kind, x.shape[0])
     return x.new_empty((rows, *x.shape[1:]))
 
 
 @torch.library.custom_op("lesson03::collective", mutates_args=())
 def _collective(x: torch.Tensor, group_name: str, kind: str) -> torch.Tensor:
     """A new tensor (x may be shared: never reduced in place): kind "sum" or "max", x all-reduced;
-    "gather", every rank's x concatenated along dim 0 ("regather": the same, in a backward, where a
-    compiler would merge an identical call with forward's); "scatter", this rank's dim-0 chunk of the sum."""
+    "gather", every rank's x concatenated along dim 0; "scatter", this rank's dim-0 chunk of the sum."""
     group = _group_of(group_name)
     out = _collective_output(x, group_name, kind)
-    if kind in ("gather", "regather"):
+    if kind == "gather":
         foundation.all_gather(out, x, group)
     elif kind == "scatter":
         foundation.reduce_scatter(out, x, group)
@@ -413,12 +410,11 @@ MATHS = {"LinearMath": LinearMath}
 def _sequence_parallel_backward(grads: list[torch.Tensor], weights: list[torch.Tensor],
                                 kept: list[torch.Tensor], math_name: str, group_name: str,
                                 dtype: torch.dtype, needs: list[bool]) -> list[torch.Tensor]:
-    """Projections' backward from SP's kept shard (kept[0], sequence first), as Megatron's overlaps it: the
-    shard's all-gather runs beside the GEMMs of the input's gradient, which do not read it, and that
-    gradient's reduce-scatter beside the weights' gradients. One operator, so that a compiler keeps this
-    order (Inductor, given each collective's start and wait as operators, moved a region's all-gather after
-    its GEMMs). grads, weights: math's operands, the same count a linear; needs: the input's, each weight's.
-    Returns their gradients, in dtype (an empty tensor where not needed)."""
+    """Projections' backward from SP's kept shard (kept[0], sequence first), overlapped as the module
+    docstring says. One operator, so that a compiler keeps this order (Inductor, given each collective's
+    start and wait as operators, moved a region's all-gather after its GEMMs). grads, weights: math's
+    operands, the same count a linear; needs: the input's, each weight's. Returns their gradients, in
+    dtype (an empty tensor where not needed)."""
     math = MATHS[math_name]
     group = _group_of(group_name)
     tp = foundation.group_size(group)
@@ -463,8 +459,7 @@ class Projections(torch.autograd.Function):
     """The linears that read one input x (q, k, v; gate, up), as one autograd node that keeps x once for
     all of them, as `math` keeps it (LinearMath: x; lesson 08: its FP8 cast). shard = (group, rank, t):
     x is SP's sequence shard, gathered here (f); it keeps only its shard of what math keeps, and its
-    backward overlaps as Megatron's does: the all-gather of that shard runs beside the input's gradient
-    GEMMs, the reduce-scatter of the input's gradient beside the weights' gradient GEMMs."""
+    backward is _sequence_parallel_backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, shard: tuple | None, math, *weights: torch.Tensor):
@@ -654,10 +649,9 @@ def train_tensor_parallel(cfg, steps: int, global_batch: int, seq_len: int, *,
                           lr: float = 1e-3, adam_eps: float = 1e-8, group=None,
                           device: torch.device | str = "cpu",
                           transform=None, after=None, around_step=lambda model: contextlib.nullcontext()):
-    """Every rank trains on the whole global batch with its shards, in microbatches whose gradients
-    add up. Returns the result (step-0 gradients and final parameters reassembled) and a meter of the
-    steps' communication. Hooks: transform (the GPT, before the split: apply_lean_saves, 08's FP8),
-    after (the split model), around_step(model) (a context around each step's forwards and backwards)."""
+    """Every rank trains on the whole global batch with its shards. Returns the result (step-0 gradients
+    and final parameters reassembled) and a meter of the steps' communication. Hooks: transform (the GPT,
+    before the split: apply_lean_saves, 08's FP8), after (the split model), around_step(model)."""
     if microbatches < 1 or global_batch % microbatches:
         raise ValueError(f"global_batch={global_batch} is not divisible by microbatches={microbatches}")
     model = (transform or (lambda model: model))(foundation.GPT(cfg)).to(device)
@@ -686,11 +680,10 @@ def comm_formula(cfg, batch: int, seq_len: int, sequence_parallel: bool, *, laye
                  elem_bytes: int = 4, recompute: str = "none", regather: bool = True, loss_chunks: int = 1,
                  kept_input: tuple[int, int] | None = None) -> dict[str, tuple[int, int]]:
     """op -> (calls, payload bytes) in one training step, any t > 1: the module docstring's collectives
-    of activations of elem_bytes. recompute="full" reruns attention's g (SP: also both regions' f), not
-    the MLP's g: each block reruns up to down_proj's input; "whole" (09's plan: a reentrant checkpoint,
-    Megatron's) reruns the block to its end, the MLP's g too. SP with regather: each region's kept shard
-    gathered again in backward, at kept_input's bytes an element (layer_activation_formula); LossInChunks:
-    the loss's 3 on each of its loss_chunks slices that is not empty (at most one a token). The other
+    of activations of elem_bytes, SP's re-gathers at kept_input's bytes an element. recompute="full"
+    reruns attention's g (SP: also both regions' f), not the MLP's g: each block reruns up to down_proj's
+    input; "whole" (09's plan: a reentrant checkpoint, Megatron's) reruns the block to its end, the MLP's
+    g too. LossInChunks: the loss's 3 on each of its loss_chunks slices that is not empty. The other
     keywords are lesson 09's, for a pipeline stage: `layers` layers, each collective once per microbatch,
     embedding and head or not, MoE layers (mlp=False: 2 a layer)."""
     layers = cfg.n_layers if layers is None else layers
@@ -757,9 +750,8 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
 
 
 class RMSNormKeepingInput(torch.autograd.Function):
-    """01's RMSNorm y = (x r) w, r = 1/rms(x) in fp32, keeping only x and r (4 B a token): backward
-    recomputes x r (Transformer Engine's, PyTorch's fused rms_norm), where autograd keeps x in fp32 and
-    x r as well. dL/dx = r (g - x r mean(g x r)) with g = dL/d(x r) = dL/dy w, one pass over the row."""
+    """01's RMSNorm y = (x r) w, r = 1/rms(x) in fp32, keeping only x and r (Transformer Engine's,
+    PyTorch's fused rms_norm). dL/dx = r (g - x r mean(g x r)) with g = dL/d(x r) = dL/dy w."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -803,11 +795,10 @@ def lean_rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def refill_in_backward(output: torch.Tensor, rebuild: Callable[[], torch.Tensor],
                        region_output: torch.Tensor) -> None:
-    """Megatron's CheckpointWithoutOutput: the linears that read output keep it for their weight
-    gradients, but it costs one elementwise pass to rebuild. Its storage is emptied now (its region
-    has run) and refilled with rebuild()'s values, bitwise the same, when the gradient reaches
-    region_output, before the region's backward reads it. Until then nothing may read output (an
-    empty storage: a forward hook that logs it would crash)."""
+    """Megatron's CheckpointWithoutOutput: output's storage is emptied now (its region has run) and
+    refilled with rebuild()'s values, bitwise the same, when the gradient reaches region_output, before
+    the region's backward reads it. Until then nothing may read output (a forward hook that logs it
+    would crash on the empty storage)."""
     storage = output.untyped_storage()
     nbytes = storage.nbytes()
     storage.resize_(0)
@@ -827,8 +818,7 @@ def refill_in_backward(output: torch.Tensor, rebuild: Callable[[], torch.Tensor]
 
 
 def recompute_elementwise(block: nn.Module) -> None:
-    """The "elementwise" mode on one block with lean saves: each norm's output and the dense SwiGLU's
-    product are refilled in backward. Under 06's MoE only the norms' outputs are (its experts keep their
+    """The "elementwise" mode on one block (under 06's MoE the norms' outputs only: its experts keep their
     own inputs). It hooks the block's modules as they are now: apply it after every transform."""
     made = {}  # what this forward made: the norms' (input, output), SwiGLU's (gate, up, product)
 
@@ -857,8 +847,7 @@ def recompute_elementwise(block: nn.Module) -> None:
 
 
 def apply_lean_saves(model: nn.Module) -> nn.Module:
-    """Every block's norms and SwiGLU keep only what their backward reads (the two functions above; 06's
-    MoE keeps its own). Parameter names stay; the gradients are autograd's up to rounding."""
+    """Every block's norms and SwiGLU keep only what their backward reads (06's MoE keeps its own)."""
     if getattr(model, "lean_saves", False):
         raise ValueError("this model already keeps lean saves: apply_lean_saves once")
     model.lean_saves = True
@@ -873,11 +862,10 @@ def apply_lean_saves(model: nn.Module) -> nn.Module:
 def activation_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Tensor], device: torch.device,
                      inside: Iterable[nn.Module] = (), at_end: bool = False) -> tuple[torch.Tensor, int]:
     """run()'s result and the most activation bytes it held for backward at once (at_end: those it
-    still held when it returned, after "elementwise" emptied what it rebuilds in backward). CPU:
-    the tensors autograd saves, each storage counted from its saving until backward frees it, at its
-    size (0 while emptied), parameters excluded (inside: only those saved in these modules' forwards,
-    e.g. lesson 09's layers). GPU: the peak allocated above what was allocated before (activations and
-    temporaries), or what is allocated at the end."""
+    still held when it returned, after "elementwise" emptied what it rebuilds in backward). CPU: the
+    tensors autograd saves, each storage counted from its saving until backward frees it, at its size
+    (0 while emptied), parameters excluded (inside: only those saved in these modules' forwards). GPU:
+    the peak allocated above what was allocated before (temporaries too), or what is allocated at the end."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -955,24 +943,19 @@ def layer_activation_formula(cfg, batch: int, seq_len: int, tp: int, sequence_pa
                              mode: str = "none", elem_bytes: int = 4, attention_saves: int | None = None,
                              layers: int = 1, *, lean: bool = False, regather: bool = True,
                              kept_input: tuple[int, int] | None = None) -> int:
-    """The bytes `layers` consecutive layers of one forward save per rank, in Korthikanti's accounting
-    for our layer (SwiGLU, RMSNorm, fused attention, no dropout; activations of elem_bytes, bf16: 2;
-    f = ffn_dim). A linear keeps its input (e bytes an element, the tensor itself) or, kept_input =
-    (bytes an element, bytes a tensor), a copy of it (08's Float8Linear: its FP8 cast and scale).
-    Without recompute, per layer:
-    - each norm: 1/rms (s b, fp32) and its input, in fp32 with x / rms too (lean: as it is): replicated
-      in plain TP, split by t along the sequence with SP;
+    """The bytes `layers` consecutive layers of one forward save per rank: the module docstring's
+    ACTIVATION MEMORY and RECOMPUTE for activations of elem_bytes (f = ffn_dim). Without recompute:
+    - each norm: 1/rms (s b, fp32) and its input, in fp32 with x / rms too (lean: as it is), split by t
+      along the sequence with SP;
     - each region's input, kept by its column-parallel linears: with SP the gathered one, or with
       regather this rank's sequence shard of it;
-    - sharded by t: q, k and v (grouped-query attention keeps K/V unrepeated); out_proj's input, the
-      attention's output; the MLP's gate, up (autograd: and silu(gate)) and down_proj's input;
-    - attention_saves bytes the attention function keeps beyond q, k, v (default: SDPA's and
-      lesson 07's fp32 log-sum-exp, one per query head and token, and its output where out_proj keeps
-      a copy; "selective" recompute: none).
-    "elementwise" (lean saves) drops each norm's output where the linears keep it (not with SP's
-    gathered input, nor an FP8 cast) and down_proj's input (SwiGLU's product, not its FP8 cast).
-    "full" recompute keeps only each block's input; "op" also q, v, gate, attention's output and its
-    saves, and down_proj's (b s h partial sums). The layers share the RoPE tables (s x head_dim, fp32)."""
+    - sharded by t: q, k and v (K/V unrepeated); out_proj's input, the attention's output; the MLP's
+      gate, up (autograd: and silu(gate)) and down_proj's input;
+    - attention_saves bytes the attention function keeps beyond q, k, v (default: SDPA's and lesson
+      07's fp32 log-sum-exp, one per query head and token, and its output where out_proj keeps a copy).
+    kept_input = (bytes an element, bytes a tensor): each linear keeps a copy of its input instead (08's
+    Float8Linear: its FP8 cast and scale), which "elementwise" does not rebuild. "op" keeps q, v, gate,
+    attention's output and saves, and down_proj's (b s h partial sums). The layers share the RoPE tables."""
     sb = seq_len * batch  # the paper's letters: s b tokens of h = dim features, e bytes each
     h = cfg.dim
     f = cfg.ffn_dim
@@ -1070,10 +1053,7 @@ def demo(args: argparse.Namespace) -> None:
         formula = layer_activation_formula(cfg, b, s, tp, sp, recompute, lean=lean, regather=regather)
         paper = korthikanti_bytes(cfg, b, s, tp, sp)
         print(f"  {name:<40}{saved:>16,} B{formula:>12,} B{paper:>32,.0f} B")
-    whole = layer_activation_formula(cfg, b, s, 1, False)
-    print(f"  tp = 1 for scale: {whole:,} B. Plain TP leaves the norms and the regions' inputs whole;\n  SP "
-          f"splits the norms, the re-gather the regions' inputs; lean saves keep the norms' and SwiGLU's "
-          f"inputs;\n  elementwise recompute rebuilds the norms' outputs and SwiGLU's product in backward.")
+    print(f"  tp = 1 for scale: {layer_activation_formula(cfg, b, s, 1, False):,} B")
     foundation.exit_distributed()
 
 
