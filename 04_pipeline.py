@@ -124,10 +124,9 @@ def stage_layers(n_layers: int, n_stages: int, ends_as_layers: bool = False) -> 
 
 
 def cut_stage(model: nn.Module, stage: int, n_stages: int, ends_as_layers: bool = False) -> nn.Module:
-    """In place: keep this stage's modules of a whole GPT, however transformed before; the rest are set
-    to None or deleted, so its parameters keep the reference names and values (initialisation ran on the
-    whole model). A parameter that two stages would hold (a tied embedding and LM head) or that no stage
-    owns would train apart on each copy, silently: refused, on every rank alike, before any collective."""
+    """In place: keep this stage's modules of a whole GPT, however transformed before; delete the rest or set
+    them to None, so its parameters keep the reference names and values (initialisation ran on the whole
+    model). A parameter no single stage owns would train apart on each copy: refused before any collective."""
     layers = stage_layers(model.cfg.n_layers, n_stages, ends_as_layers)
     if n_stages > 1:  # embed on the first stage, a layer on its own, norm and lm_head on the last
         home = {"embed": 0, "norm": n_stages - 1, "lm_head": n_stages - 1,
@@ -166,8 +165,7 @@ class Action:
 
 
 def compute_order(schedule: str, rank: int, pp: int, m: int, virtual: int) -> list[Action]:
-    """The order in which one rank computes: warm-up forwards, then one forward and one backward
-    at a time (GPipe: all m forwards are warm-up). place_communication adds the transfers."""
+    """The order in which one rank computes (SCHEDULES ARE DATA); place_communication adds the transfers."""
     if schedule == "interleaved":  # Megatron: microbatches in groups of pp, cycling the chunks
         def act(kind: str, k: int) -> Action:
             chunk = (k // pp) % virtual
@@ -246,8 +244,7 @@ def simulate(orders: list[list[Action]], n_stages: int,
 
 def place_communication(orders: list[list[Action]], times: dict, n_stages: int,
                         trains: tuple[bool, ...]) -> list[list[Action]]:
-    """Insert each transfer on both ends at the instant its data is produced: the sender right after
-    the producing action, the receiver before its first action that starts at or after then."""
+    """Insert each transfer on both ends at the instant its data is produced (SCHEDULES ARE DATA)."""
     pp = len(orders)
     # Per rank: (instant, order within one instant: 0 send, 1 receive, 2 compute, action).
     events = [[(times[a][0], 2, a) for a in order] for order in orders]
@@ -279,8 +276,6 @@ class Schedule:
         return self.name == "zb-h1"
 
     def __str__(self) -> str:
-        """One row per rank, two characters per unit of time: F3 is the forward of microbatch 3
-        (lower case: a later chunk of the interleaved schedule), -- the rest of a longer action."""
         end = int(max(stop for _, stop in self.nominal.values()))
         rows = [[". "] * end for _ in range(self.pp)]
         for a, (start, stop) in self.nominal.items():
@@ -303,8 +298,7 @@ def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
 
 
 def stage_trains(stages: dict[int, nn.Module], n_stages: int, group=None) -> tuple[bool, ...]:
-    """Per stage, whether any of its parameters trains (FROZEN STAGES): each rank knows its own stages,
-    one all-reduce of a flag per stage tells every rank all of them (one rank: nothing to send)."""
+    """Per stage, whether any of its parameters trains (FROZEN STAGES; one rank: nothing to send)."""
     flags = torch.zeros(n_stages, device=next(next(iter(stages.values())).parameters()).device)
     for stage, module in stages.items():
         flags[stage] = any(p.requires_grad for p in module.parameters())
@@ -314,14 +308,12 @@ def stage_trains(stages: dict[int, nn.Module], n_stages: int, group=None) -> tup
 
 
 def stage_trains_traffic(pp: int, virtual: int = 1) -> Fraction:
-    """Bytes one rank sends in stage_trains' all-reduce of pp x virtual fp32 flags (ring)."""
     return foundation.ring_traffic("all_reduce", 4 * pp * virtual, pp)
 
 
 # --- The executor, one for every schedule, and training on lesson 01's batches -----------------------------
 def mailbox_key(transfer: Action) -> tuple[str, int, int]:
-    """A transfer's message as both ends name it: (F activations | B gradients, receiving stage,
-    microbatch)."""
+    """Both ends' name for a transfer: ("F" activations | "B" gradients, receiving stage, microbatch)."""
     kind = transfer.kind[-1]
     if transfer.kind in SEND:
         return kind, transfer.stage + (1 if kind == "F" else -1), transfer.microbatch
@@ -329,10 +321,8 @@ def mailbox_key(transfer: Action) -> tuple[str, int, int]:
 
 
 def send_receipts(schedule: Schedule, rank: int) -> dict[tuple, list[tuple]]:
-    """For each message this rank receives, its own sends that the message proves received: the peer
-    sends it after computing with them. The executor lets a proved send's tensor go (waiting on it returns
-    at once); kept to the step's end, as before, a rank held every output it sent, m a stage, where 1F1B
-    promises p - r. A send no later message proves is waited for at the end."""
+    """For each message this rank receives, its own sends that the message proves received: their tensors
+    can go (kept to the step's end, a rank held every output it sent, m a stage; 1F1B promises p - r)."""
     receipts = {}
     for send in (a for a in schedule.actions[rank] if a.kind in SEND):
         kind, stage, microbatch = mailbox_key(send)
@@ -356,11 +346,10 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
                  targets: torch.Tensor, group=None, work_s: dict[str, float] | None = None,
                  boundary_shape: tuple[int, ...] | None = None,
                  before_last_backward: Callable[[int], None] | None = None) -> StepLog:
-    """Run this rank's actions on its stages (stage index -> module). Gradients accumulate in .grad.
-    work_s pads every compute action to a fixed duration (balanced synthetic work). boundary_shape: one
-    microbatch's activations between stages, (b/m, seq, dim) unless split (03's SP: (b/m, seq/t, dim)).
-    before_last_backward(stage): called before a stage's last action that makes weight gradients (its
-    last B; ZB-H1: W), where lesson 09 lets ZeRO reduce them while that backward runs."""
+    """Run this rank's actions on its stages (stage index -> module). Gradients accumulate in .grad. work_s
+    pads every compute action to a fixed duration. boundary_shape: one microbatch's activations between
+    stages, (b/m, seq, dim) unless split (03's SP: (b/m, seq/t, dim)). before_last_backward(stage): called
+    before a stage's last action that makes weight gradients, where 09's ZeRO reduces them while it runs."""
     rank = dist.get_rank(group)
     m = schedule.microbatches
     last = schedule.n_stages - 1
@@ -375,7 +364,6 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], tokens: torch
     x_mbs, y_mbs = tokens.chunk(m), targets.chunk(m)
     shape = boundary_shape or (*x_mbs[0].shape, next(iter(stages.values())).cfg.dim)
     dtype = next(next(iter(stages.values())).parameters()).dtype  # activations: the weights' (bf16...)
-    # Mailboxes are keyed by ("F" activations | "B" gradients, receiving stage, microbatch).
     inbox = {}  # what arrived, or a local stage handed over
     arriving = {}  # receives posted, not yet waited for
     sent = {}  # mailbox key -> (work, tensor) of the sends in flight
@@ -605,9 +593,8 @@ def demo(args: argparse.Namespace) -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
-    """Ours against torch.distributed.pipelining on the same stages, microbatches and batch, schedule
-    for schedule (for ZB-H1: their interleaved zero-bubble schedule, on one stage per rank).
-    Gradients of one step are compared, then step times, interleaved so both see the same load."""
+    """Ours against torch.distributed.pipelining on the same stages, microbatches and batch, schedule for
+    schedule (for ZB-H1: their interleaved zero-bubble schedule, on one stage per rank)."""
     from torch.distributed import pipelining as torch_pp
 
     device = foundation.init_distributed()

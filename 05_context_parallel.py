@@ -9,7 +9,6 @@ The parts, in order (the technique starts at merge_partials, the first function)
   COST: attention_bytes (sent), ring_saved_bytes (kept for backward)
   The whole model under context parallelism: train_context_parallel (THE MODEL)
   RUN IT: sharded_attention, demo; then the command line: Options, demo_memory, main
-No part is for lesson 09's plan only: it prices this lesson's bytes with the COST functions above.
 
 THE IDEA. A long sequence does not fit one device's activation memory, so each of the P ranks of a
 cp group holds S / P of its tokens. Everything but attention is per token (embedding, norms, MLP,
@@ -21,9 +20,8 @@ THE MERGE RULE. Split a query row's keys into blocks A and B: each alone gives a
 output o_A and its log-sum-exp l_A = log sum_j exp(s_j) (lesson 07's kernel returns both). The row is
     o = (e^l_A o_A + e^l_B o_B) / (e^l_A + e^l_B) = sigmoid(l_A - l_B) o_A + sigmoid(l_B - l_A) o_B
     l = log(e^l_A + e^l_B)                       = l_A - logsigmoid(l_A - l_B)
-which never overflows (sigmoid and logsigmoid are stable for any difference): lesson 07's
-online-softmax recurrence (rescale by exp(m - m_new)) one level up, over whole blocks. A block in a
-row's future has l = -inf and weight 0; a row whose first blocks are all masked must not become NaN
+which never overflows (sigmoid and logsigmoid are stable for any difference). A block in a row's
+future has l = -inf and weight 0; a row whose first blocks are all masked must not become NaN
 (-inf - -inf), so empty blocks are selected out before any difference is taken.
 
 RING ATTENTION. Rank r keeps its queries and starts with its own keys/values. In each of P steps it
@@ -52,13 +50,7 @@ each), A_kv = b x H_kv x S/P x d of k or of v:
     ring forward    (P-1) hops of K and V                          2 (P-1) A_kv
     ring backward   (P-1) hops of K, V and (P-1) of dK, dV (fp32)  2 (P-1) A_kv + 2 (P-1) A_kv_fp32
     Ulysses         q, k, v, out forward; dout, dq, dk, dv back    4 (P-1)/P (A + A_kv) (+ the lse if asked)
-The ring's traffic grows with P but hides behind block compute; Ulysses' stays flat but cannot hide
-and caps P at the K/V head count.
-
-A NaN (a key or value at position j) reaches every row i >= j that attends to it, on every path:
-the ring, Ulysses and one device alike; it never becomes a finite number. A row before j may turn
-NaN too, when it shares a block with j (its P = 0 for j, and 0 x NaN = NaN): which rows do depends
-on the blocks, so only the first half is a contract.
+The ring's traffic grows with P but hides behind block compute; Ulysses' stays flat but cannot hide.
 
 THE MODEL. Each rank's loss is its tokens' share of the global mean: (sum of its token losses) /
 (all tokens of the group) = local mean / P. The shares sum to the global mean; once the ring has
@@ -103,11 +95,8 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
 
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """merge_partials in place, on the ring's running fp32 out and float64 lse or views of their rows (a copy
-    would be updated and lost). The running result's weight, sigmoid(lse - part_lse) (1 where the block has
-    no key, 0 where the running result has none), is merge_partials' output for a 1 (the running result)
-    and a 0 (the block), on lse-sized tensors; then out moves in two passes, out x weight + part_out x
-    (1 - weight): a ring step moves 20 B a query element, not 40 (09's ring_merge_bytes, counted)."""
+    """merge_partials in place, on the ring's running out and lse or views of their rows (a copy would be
+    lost); the weight is lse-sized, so out moves in two passes: 20 B a query element, not 40."""
     one = torch.ones_like(lse, dtype=out.dtype)[..., None]
     weight, merged_lse = merge_partials(one, lse, torch.zeros_like(one), part_lse.to(lse.dtype))
     out.mul_(weight).addcmul_(part_out, 1 - weight)
@@ -117,9 +106,7 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, par
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     sm_scale: float | None = None, q_offset: int = 0, k_offset: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full attention the O(N^2)-memory way, with the blocks' contract: (out, lse), out = 0 and lse =
-    -inf (and finite gradients) for rows that see no key, positions at q_offset.. and k_offset.. What
-    the ring, Ulysses and 07's kernels must compute; autograd sums dK, dV over each grouped K/V head."""
+    """Full attention the O(N^2)-memory way; rows that see no key get out 0, lse -inf, finite gradients."""
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     rows = q_offset + torch.arange(q.shape[2], device=q.device)
@@ -134,9 +121,8 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 
 def grouped_scores(q, k, q_offset: int, k_offset: int, causal: bool) -> torch.Tensor:
-    """scale q k^T in fp32, -inf where masked, as (batch, kv_heads, g, seq_q, seq_k): a K/V head's g query
-    heads are one more dimension, K broadcast over it (no copy). Forward and backward both call this, so
-    their scores are the same bits: at scores of 1000, one rounding apart (1e-4) moves P by 1e-4 of itself."""
+    """scale q k^T in fp32, -inf where masked, as (batch, kv_heads, g, seq_q, seq_k), K broadcast over g (no
+    copy). Forward and backward share its bits: at scores of 1000, one rounding moves P by 1e-4 of itself."""
     kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
     q = q.float().unflatten(1, (kv_heads, group))
     k = k.float()[:, :, None]
@@ -150,8 +136,7 @@ def grouped_scores(q, k, q_offset: int, k_offset: int, causal: bool) -> torch.Te
 
 def torch_block_forward(q, k, v, q_offset: int, k_offset: int, causal: bool):
     """(out fp32, lse float64) of queries at q_offset.. against keys at k_offset.., differentiable. The
-    softmax subtracts each row's max (exp(s - max) / sum, as PyTorch's does), never a large lse: an fp32
-    lse of size L is known to ulp(L) (5e-4 at L = 5000), which P = exp(s - lse) would carry; so float64."""
+    softmax subtracts each row's max (exp(s - max) / sum, as PyTorch's does), never the large lse."""
     scores = grouped_scores(q, k, q_offset, k_offset, causal)
     top = scores.amax(-1, keepdim=True).detach()  # out and lse do not depend on it: no gradient
     top = torch.where(top == float("-inf"), 0.0, top)  # a row that sees no key: out 0, lse -inf
@@ -163,8 +148,7 @@ def torch_block_forward(q, k, v, q_offset: int, k_offset: int, causal: bool):
 
 
 def torch_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset: int, causal: bool):
-    """dq, dk, dv of one block from the *global* out and lse (THE BACKWARD RING; 07's backward in
-    torch). s - lse in float64 (the ring's, beside fp32: torch_block_forward); dK, dV sum each group."""
+    """dq, dk, dv of one block from the *global* out and lse (THE BACKWARD RING)."""
     kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
     scores = grouped_scores(q, k, q_offset, k_offset, causal)
     q, out, dout = (t.float().unflatten(1, (kv_heads, group)) for t in (q, out, dout))
@@ -184,8 +168,7 @@ def torch_block_backward(q, k, v, out, lse, dout, dlse, q_offset: int, k_offset:
 
 @dataclass(frozen=True)
 class BlockAttention:
-    """forward(q, k, v, q_offset, k_offset, causal) -> (out, lse), differentiable (Ulysses uses
-    autograd); backward(q, k, v, out, lse, dout, dlse, offsets, causal) -> dq, dk, dv (the ring)."""
+    """forward -> (out, lse), differentiable (Ulysses uses autograd); backward -> dq, dk, dv (the ring)."""
     name: str
     forward: Callable
     backward: Callable
@@ -196,9 +179,8 @@ TORCH_BLOCK = BlockAttention("torch", torch_block_forward, torch_block_backward)
 
 @dataclass
 class BlockWork:
-    """What one rank's ring computed: block calls, query x key score entries, seconds in them (on a CPU
-    the thread's CPU time, all the compute with one torch thread per rank: wall time would charge ranks
-    sharing cores for each other's work)."""
+    """What one rank's ring computed; seconds on a CPU are the thread's CPU time, all the compute with one
+    torch thread per rank: wall time would charge ranks sharing cores for each other's work."""
     blocks: int = 0
     scores: int = 0
     seconds: float = 0.0
@@ -218,8 +200,7 @@ class BlockWork:
 # --- Sharding the sequence: contiguous or zigzag -----------------------------------------------------------
 @dataclass(frozen=True)
 class SequenceLayout:
-    """The sequence cut into equal chunks; contiguous: rank r holds chunk r of P; zigzag: chunks r
-    and 2P-1-r of 2P. A rank's shard is its chunks concatenated, in this order."""
+    """The sequence cut into equal chunks (LOAD BALANCE); a rank's shard: its chunks, in order."""
     seq_len: int
     cp: int
     zigzag: bool
@@ -258,8 +239,7 @@ class SequenceLayout:
 
 def validate_context_parallel(seq_len: int, n_heads: int, cp: int, method: str, zigzag: bool,
                               n_kv_heads: int | None = None) -> SequenceLayout:
-    """Check the sizes (on every rank, before any collective, so none hangs); return the layout.
-    n_kv_heads: grouped-query attention's K/V heads (None: n_heads)."""
+    """Check the sizes (on every rank, before any collective, so none hangs); return the layout."""
     if method not in METHODS:
         raise ValueError(f"method={method!r} must be one of {METHODS}")
     layout = SequenceLayout(seq_len, cp, zigzag)
@@ -283,8 +263,7 @@ def local_layout(q: torch.Tensor, k: torch.Tensor, group, zigzag: bool,
 
 # --- Ring attention ----------------------------------------------------------------------------------------
 def _block_pairs(layout: SequenceLayout, me: int, owner: int, causal: bool):
-    """(my query chunk's rows, the owner's key chunk's columns, their offsets, masked) of each pair of
-    chunks to compute: the causal skip (RING ATTENTION above)."""
+    """(my query rows, the owner's key columns, their offsets, masked) of each chunk pair to compute."""
     n = layout.chunk_len
     for i, qc in enumerate(layout.chunks(me)):
         for j, kc in enumerate(layout.chunks(owner)):
@@ -294,7 +273,6 @@ def _block_pairs(layout: SequenceLayout, me: int, owner: int, causal: bool):
 
 
 def _pass_right(tensor: torch.Tensor, group, me: int, cp: int) -> tuple[torch.Tensor, list]:
-    """Send tensor to the next rank and receive the previous rank's into a new buffer (async)."""
     received = torch.empty_like(tensor)
     works = foundation.batch_p2p([("send", tensor, (me + 1) % cp), ("recv", received, (me - 1) % cp)], group)
     return received, works
@@ -374,8 +352,7 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, zigzag: bool = True,
                    causal: bool = True, block: BlockAttention = TORCH_BLOCK,
                    work: BlockWork | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of this rank's queries against the whole sequence; q, k, v are this rank's shard
-    (batch, heads, S / P, head_dim) of the layout (zigzag or contiguous)."""
+    """(out, lse) of this rank's queries against the whole sequence; q, k, v: its shard of the layout."""
     return RingAttention.apply(q, k, v, group, local_layout(q, k, group, zigzag), causal, block, work)
 
 
@@ -436,8 +413,7 @@ class ContextParallelAttention:
 # --- COST: the bytes one rank sends, and keeps for backward, per attention call ---------------------------
 def attention_bytes(method: str, q_elems: int, kv_elems: int, cp: int, elem_bytes: int = 4,
                     with_lse_elems: int = 0) -> dict[str, Fraction]:
-    """COST's formula: bytes one rank sends per attention call, forward and backward, for a shard of q_elems
-    elements of q (and of out) and kv_elems of each of k and v; with_lse_elems: Ulysses returns the lse."""
+    """COST's formula for q_elems elements of q (and out), kv_elems of k and v, with_lse_elems of the lse."""
     a = q_elems * elem_bytes
     a_kv = kv_elems * elem_bytes
     if method == "ring":
@@ -448,9 +424,7 @@ def attention_bytes(method: str, q_elems: int, kv_elems: int, cp: int, elem_byte
 
 
 def ring_saved_bytes(q_elems: int, lse_elems: int, elem_bytes: int = 4) -> int:
-    """What RingAttention keeps for backward beyond q, k, v (03's attention_saves takes it): the output
-    (q's elements, elem_bytes each) and the lse (one a query head and token), float64 beside fp32, fp32
-    beside bf16."""
+    """What RingAttention keeps for backward beyond q, k, v (03's attention_saves takes it): out and lse."""
     lse_bytes = 8 if elem_bytes == 4 else 4
     return elem_bytes * q_elems + lse_bytes * lse_elems
 
@@ -460,8 +434,7 @@ def train_context_parallel(cfg, steps: int, global_batch: int, seq_len: int, *, 
                            zigzag: bool = True, block: BlockAttention = TORCH_BLOCK, lr: float = 1e-3,
                            adam_eps: float = 1e-8, group=None, device: torch.device | str = "cpu"
                            ) -> tuple["foundation.TrainResult", "foundation.CommMeter"]:
-    """The same training as foundation.train_single_device, each rank holding seq_len / cp tokens of every
-    row. Returns the result (global losses, summed gradients) and a meter of the training loop."""
+    """The same training as foundation.train_single_device, each rank holding seq_len / cp tokens a row."""
     cp = foundation.group_size(group)
     rank = dist.get_rank(group)
     layout = validate_context_parallel(seq_len, cfg.n_heads, cp, method, zigzag, cfg.n_kv_heads)
@@ -516,8 +489,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def attention_inputs(batch: int, heads: int, seq_len: int, head_dim: int, seed: int,
                      dtype: torch.dtype = torch.float32, device=None,
                      kv_heads: int | None = None) -> list[torch.Tensor]:
-    """q, k, v, dout, dlse: the whole sequence, the same on every rank (drawn on the CPU from the seed);
-    k and v have kv_heads heads (None: heads), dlse is (batch, heads, seq)."""
+    """q, k, v, dout, dlse: the whole sequence, the same on every rank (drawn on the CPU from the seed)."""
     gen = torch.Generator().manual_seed(seed)
     q_shape = (batch, heads, seq_len, head_dim)
     kv_shape = (batch, heads if kv_heads is None else kv_heads, seq_len, head_dim)

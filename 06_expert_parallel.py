@@ -114,8 +114,7 @@ def exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
 
 
 def kept_per_source(counts: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
-    """counts (ep, E): assignments of each source rank to each expert -> how many of them are kept.
-    The queue of expert i is rank 0's assignments, then rank 1's, ...; the first C are kept."""
+    """counts (ep, E): assignments of each source rank to each expert -> how many are kept (CAPACITY)."""
     if cfg.capacity_factor is None:
         return counts
     capacity = math.ceil(cfg.capacity_factor * int(counts.sum()) / cfg.n_experts)  # T k = sum
@@ -303,8 +302,7 @@ def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
 
 
 def sync_gradients(model: nn.Module, group=None) -> None:
-    """Each rank's loss is the mean over its own tokens, the model's the mean over ranks. Replicated
-    weights: all-reduce, / ep. Experts: summed over the group's tokens by the backward all-to-all: / ep."""
+    """A rank's loss is the mean over its own tokens, the model's the mean over ranks (EXPERT PARALLELISM)."""
     ep = foundation.group_size(group)
     experts = {p for layer in moe_layers(model) for p in layer.expert_parameters()}
     for name, param in model.named_parameters():
@@ -472,8 +470,7 @@ def demo(args: argparse.Namespace) -> None:
 
 @torch.no_grad()
 def all_gather_moe_forward(layer: MoE, x: torch.Tensor) -> torch.Tensor:
-    """The alternative dispatcher (dropless): every rank gathers every token, routes all of them,
-    runs its own experts on its share, and a reduce-scatter sums the shares back to their ranks."""
+    """COST's all-gather dispatcher (dropless), the alternative to dispatch and combine."""
     everyone = x.new_empty(layer.ep * x.shape[0], x.shape[1])
     foundation.all_gather(everyone, x, group=layer.group)
     experts, weights, _ = layer.route(everyone)

@@ -109,8 +109,7 @@ FORMATS = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 E4M3, E5M2 = FORMATS.values()
 AMAX_EPS = 1e-12  # the smallest amax a scale divides by
 AMAX_BYTES = 4  # the bytes of an fp32 amax
-# Bit patterns the kernel writes for non-finite values: S.1111.111 (e4m3fn) and S.11111.11 (e5m2) are
-# NaN; S.11111.00 is e5m2's inf; e4m3fn has no inf, so an inf is written as NaN.
+# Bits the kernel writes: NaN is S.1111.111 (e4m3fn) or S.11111.11 (e5m2); e5m2's inf is S.11111.00.
 NAN_BITS = 0x7F
 INF_BITS = {E4M3: 0x7F, E5M2: 0x7C}
 Quantized = tuple[torch.Tensor, torch.Tensor]  # (FP8 values, their scales)
@@ -156,8 +155,7 @@ def quantize_tiles(x: torch.Tensor, tile: tuple[int | None, int | None], dtype: 
                    group=None) -> Quantized:
     """Current scaling with one scale per (tile_rows x tile_cols) tile of a 2-D x (None: the whole
     dimension). Returns (fp8 tensor, scales of shape (rows / tile_rows, cols / tile_cols)). group: x
-    is this rank's piece of a tensor split over the group (tensor parallelism), each tile's amax the
-    MAX over the pieces (all_reduce_amax), so its scale is the whole tensor's."""
+    is this rank's piece of a tensor split over the group, each tile's amax the MAX over it."""
     check_matrix(x)
     rows, cols = x.shape
     tile_rows, tile_cols = (whole if size is None else size for size, whole in zip(tile, x.shape))
@@ -280,10 +278,9 @@ def cast_launch_shape(tile_cols: int) -> tuple[int, int, int]:
 
 
 class DelayedScaling:
-    """s = fp8_max / (max of the last history_len amaxes x 2^margin); amax_history: newest first, on
-    x's device (the host never waits on a device-to-host copy). Guard (Transformer Engine's): while
-    that max is 0 (an all-zero history) or not finite (an inf or NaN amax in the window), s = 1, never
-    0, inf or NaN; a non-finite x still casts to non-finite values, and s returns once it has left."""
+    """The docstring's delayed recipe; amax_history: newest first, on x's device (the host never waits
+    on a device-to-host copy). Guard (Transformer Engine's): while the history's max is 0 or not finite
+    (an inf or NaN amax in the window), s = 1; a non-finite x still casts to non-finite values."""
 
     def __init__(self, dtype: torch.dtype = E4M3, history_len: int = 16, margin: int = 0) -> None:
         if history_len < 1:
@@ -337,10 +334,9 @@ def scaled_mm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sca
 
 @dataclass(frozen=True)
 class Float8Math:
-    """Float8Linear's three GEMMs (the docstring's FLOAT8LINEAR), for lesson 03's Projections. Kept for
-    backward: x's e4m3 cast, as bytes (gloo all-gathers no FP8 type), and its scale. The weight's cast:
-    weight.float8_cast if this step made one, else made here and kept. Each *_group: the group holding
-    the other pieces of that operand (its amax is their MAX), or None."""
+    """Float8Linear's three GEMMs (the docstring's FLOAT8LINEAR), for lesson 03's Projections; x's cast
+    is kept as bytes (gloo all-gathers no FP8 type). Each *_group: the group holding the other pieces
+    of that operand, or None."""
     dtype: torch.dtype  # of x, of the output and of x's gradient
     x_group: object = None
     weight_group: object = None
@@ -356,7 +352,7 @@ class Float8Math:
         return quantize_tensorwise(weight, E4M3, self.weight_group)
 
     @staticmethod
-    def weight_cast(weight: torch.Tensor, operands: tuple[torch.Tensor, ...]) -> Quantized:
+    def weight_operand(weight: torch.Tensor, operands: tuple[torch.Tensor, ...]) -> Quantized:
         if not operands and weight.float8_cast is None:
             raise RuntimeError("the weight's FP8 cast of this step is gone: run backward inside "
                                "weights_cast_once() (Float8ZeRO gathers it again)")
@@ -366,15 +362,11 @@ class Float8Math:
                 operands: tuple[torch.Tensor, ...]) -> torch.Tensor:
         x_bytes, x_scale = kept
         x_q = x_bytes.view(E4M3).reshape(-1, x_bytes.shape[-1])
-        out = scaled_mm(x_q, x_scale, *self.weight_cast(weight, operands), self.dtype)
+        out = scaled_mm(x_q, x_scale, *self.weight_operand(weight, operands), self.dtype)
         return out.view(*x_bytes.shape[:-1], -1)
 
     def grad_operand(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The output gradient's e5m2 cast, read by both backward GEMMs."""
         return quantize_tensorwise(grad.reshape(-1, grad.shape[-1]), E5M2, self.grad_group)
-
-    def weight_operand(self, weight: torch.Tensor, operands: tuple) -> Quantized:
-        return self.weight_cast(weight, operands)
 
     @staticmethod
     def grad_input(grad: tuple, weight: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -428,14 +420,13 @@ class Float8Linear(nn.Linear):
 def convert_to_float8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
     """Swap, in place, every nn.Linear of model not named in skip for a Float8Linear. lm_head stays
     high precision, as in FP8 recipes: a 6% error on a logit is that error in log-probability times
-    the logit, and its gradient (softmax - one-hot) starts all of backprop. The linears of one input
-    (01's project hook: q, k, v; gate, up) share one cast of it, kept once (03's Projections)."""
+    the logit, and its gradient (softmax - one-hot) starts all of backprop."""
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and f"{parent_name}.{name}".lstrip(".") not in skip:
                 setattr(parent, name, Float8Linear.from_linear(child))
         if getattr(parent, "project", None) is foundation.linears_of:
-            parent.project = tensor_parallel.project
+            parent.project = tensor_parallel.project  # one cast of a shared input (ACTIVATION MEMORY)
     return model
 
 
@@ -448,7 +439,7 @@ def float8_weights(model: nn.Module) -> list[nn.Parameter]:
 @contextlib.contextmanager
 def weights_cast_once(model: nn.Module) -> Iterator[None]:
     """Around one optimizer step's forward and backward passes: each Float8Linear weight is cast on
-    entry (under TP with the whole weight's scale), dropped on exit. Whole weights only (not ZeRO-3's)."""
+    entry (under TP with the whole weight's scale), dropped on exit."""
     weights = float8_weights(model)
     group = tensor_parallel_group(model)
     if any(w.numel() == 0 for w in weights):
@@ -861,7 +852,6 @@ def distributed_demo(args: argparse.Namespace) -> None:
                                                          sequence_parallel=sp, whole_tensor_scales=whole,
                                                          device=device)
                for sp, whole in ((False, True), (True, True), (False, False))}
-    # one layer's saved bytes under TP + SP: before (autograd's, fp32 linears), after (lean, re-gathered, FP8)
     before = tensor_parallel.measure_layer(cfg, args.batch, args.seq_len, True, device, regather=False)[0]
     fp8_layer = functools.partial(float8_split, sequence_parallel=True)
     after = tensor_parallel.measure_layer(cfg, args.batch, args.seq_len, True, device, lean=True,
@@ -953,8 +943,7 @@ def validate_bench(world: int) -> None:
 
 
 def validate_fp8_rows(batch: int, seq_len: int, distributed: bool, world: int) -> None:
-    """On a GPU, the FP8 GEMMs' rows in multiples of 16 (scaled_mm): a step's, or distributed, a rank's
-    ZeRO-3 microbatch and its sequence shard under SP (TP splits the heads, the MLP and the sequence)."""
+    """On a GPU, the FP8 GEMMs' rows in multiples of 16 (scaled_mm): a step's, or each rank's below."""
     if training_device().type != "cuda":
         return
     rows = {"a step's": batch * seq_len}
@@ -996,9 +985,8 @@ def main() -> None:
 # their bytes (float8_cast_bytes) at CAST_BYTES an element: the third column's extra time at 3.35 TB/s.
 GEMM_TFLOPS_H100 = {4096: (770, 1210, 713), 8192: (709, 1230, 808), 16384: (746, 1286, 1028)}
 CAST_BYTES = sum(n * (1 / cast - 1 / f8) * 3.35 for n, (_, f8, cast) in GEMM_TFLOPS_H100.items()) / 3  # ~10
-# The weights' casts, once a step, run eager (outside the compiled blocks, each operation a kernel): bytes an
-# element of a weight (by its bytes, bf16 or fp32) that weights_cast_once casts, or of a shard Float8ZeRO
-# does (cast_shards), as a dispatch mode counts them (test_08)
+# The weights' casts run eager (outside the compiled blocks, each operation a kernel): bytes an element, by
+# the weight's bytes (bf16 or fp32), as a dispatch mode counts them (test_08); weight_casts_bytes reads them
 WEIGHT_CAST_BYTES = {2: 77, 4: 67}
 SHARD_CAST_BYTES = {2: 83, 4: 75}
 
@@ -1015,11 +1003,10 @@ def gemm_seconds(m: int, k: int, n: int, hbm_bytes_per_s: float, float8: bool = 
 
 
 def float8_cast_bytes(tokens: int, in_features: int, out_features: int, input_cast: bool = True) -> tuple:
-    """Memory traffic (forward, backward) of Float8Linear's casts from bf16 in a compiled block: tensorwise
-    current scaling reads an operand twice (its amax, then the cast) and writes a byte, 5 B an element,
-    measured CAST_BYTES (x), then backward's output gradient too, and the column-major copies _scaled_mm
-    wants of the gradient, x and W (1 B read, 1 written). input_cast False: another linear reading the
-    same x made its cast (03's Projections: one for q, k, v). The weight's cast: weight_casts_bytes."""
+    """Memory traffic (forward, backward) of Float8Linear's casts from bf16 in a compiled block: x's, then
+    backward's output gradient's, at CAST_BYTES an element (measured; the amax's read, the cast's read and
+    write: 5 B at least), and the column-major copies _scaled_mm wants of the gradient, x and W (1 B read,
+    1 written). input_cast False: another linear made x's cast. The weight's cast: weight_casts_bytes."""
     x = tokens * in_features
     w = in_features * out_features
     g = tokens * out_features
@@ -1036,8 +1023,7 @@ def weight_casts_bytes(elements: int, elem_bytes: int, shards: int = 0) -> float
 
 def linear_seconds(tokens: int, in_features: int, out_features: int, hbm_bytes_per_s: float,
                    float8: bool = False, speed: float = 1.0, input_cast: bool = True) -> tuple[float, float]:
-    """A linear layer's (forward, backward): y = x W^T, then dx = dy W and dW = dy^T x, three GEMMs
-    of the same FLOPs in other shapes (Float8Linear: all three in FP8, after its casts)."""
+    """A linear layer's (forward, backward): its three GEMMs (the docstring's FLOAT8LINEAR), and casts."""
     gemm = functools.partial(gemm_seconds, hbm_bytes_per_s=hbm_bytes_per_s, float8=float8, speed=speed)
     casts = (0, 0)
     if float8:
