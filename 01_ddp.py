@@ -7,7 +7,7 @@ The lesson first (data parallelism, its training loop, its demo), then THE FOUND
   Training: TrainResult; train_single_device (the reference every lesson equals), train_data_parallel;
     accumulate_microbatches and mean_over_ranks, the loop's two pieces later lessons reuse
   RUN IT: demo (every version beside one device), bench (against torch's DDP)
-THE FOUNDATION (line ~465 on: read it once the lesson is clear, or from 02 on)
+THE FOUNDATION (line ~475 on: read it once the lesson is clear, or from 02 on)
   Devices and launch: init_distributed, launch (plain python starts its ranks as torchrun would),
     exit_distributed, counted, check_memory; median_of, interleaved_medians and ratio_line (--bench's timing)
   The comm meter: ring_traffic (the textbook formula), CommMeter, comm_meter; the wrappers all_reduce ...
@@ -83,8 +83,7 @@ from tqdm import tqdm
 
 # --- Data parallelism ---------------------------------------------------------------------------------------
 def broadcast_parameters(model: nn.Module, group=None) -> None:
-    """Start every rank from rank 0's weights and buffers (rank 0 of `group`, whatever its global
-    rank). GPT's seeded init already agrees everywhere; a checkpoint or a random init might not."""
+    """Start every rank from rank 0's weights and buffers: a checkpoint or a random init might differ."""
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             broadcast(tensor, src=0, group=group)
@@ -141,12 +140,11 @@ def claim_gradient_sync(model: nn.Module, owner: str) -> None:
 
 
 def weak_hook(method: Callable, *args) -> Callable:
-    """A hook that calls method(*args, *what torch passes it) while method's object lives, and does
-    nothing once it is gone. torch keeps hooks in C++, out of the garbage collector's sight, so a cycle
-    through one is never collected: a hook holding its wrapper (parameter, hook, wrapper, model,
-    parameter) would keep the wrapper, its model and its process group alive until the process exits.
-    So it holds the wrapper weakly, and args are plain values (indices, not units of parameters, which
-    would close the cycle again)."""
+    """A hook that calls method(*args, *what torch passes it) while method's object lives, and does nothing
+    once it is gone. torch keeps hooks in C++, out of the garbage collector's sight, so a cycle through one is
+    never collected: a hook holding its wrapper (parameter, hook, wrapper, model, parameter) would keep the
+    wrapper, its model and its process group alive until the process exits. So it holds the wrapper weakly,
+    and args are plain values (indices, not units of parameters, which would close the cycle again)."""
     weak_method = weakref.WeakMethod(method)
 
     def hook(*passed):
@@ -194,7 +192,6 @@ class BucketedDataParallel:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside only accumulate into .grad; the next one outside communicates."""
         self.sync_gradients = False
         try:
             yield
@@ -253,9 +250,8 @@ class TrainResult:
 
 
 def make_optimizer(model: nn.Module, lr: float, eps: float = 1e-8) -> torch.optim.Optimizer:
-    """AdamW, betas (0.9, 0.999), weight decay 0.1 on every parameter. Its update g / (sqrt(v) + eps)
-    magnifies a gradient's rounding error by up to 1/eps: the tests raise eps to keep it small. On a
-    GPU, torch's fused AdamW: one kernel reads and writes each tensor once (foreach: ~3x the bytes)."""
+    """AdamW's update g / (sqrt(v) + eps) magnifies a gradient's rounding error by up to 1/eps: the tests
+    raise eps. Fused on a GPU: one kernel reads and writes each tensor once (foreach: ~3x the bytes)."""
     params = list(model.parameters())
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.1,
@@ -487,9 +483,8 @@ if not torch.cuda.is_available():
 
 
 def init_distributed(timeout_s: float = 120.0) -> torch.device:
-    """Join torchrun's process group and return this rank's device: with CUDA, NCCL and one GPU per
-    local rank (launch_lesson checks there are enough), else gloo on CPU. The timeout makes a
-    collective some rank never joins an error."""
+    """Join torchrun's process group and return this rank's device: with CUDA, NCCL and one GPU per local
+    rank, else gloo on CPU. The timeout makes a collective some rank never joins an error."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -676,9 +671,8 @@ def ratio_line(medians: dict[str, float]) -> str:
 # the traffic: what one rank sends under the textbook algorithm (each wrapper says which), a Fraction so
 # that "measured == formula" holds exactly. Scoped, not global: `with comm_meter() as meter: step()`.
 def ring_traffic(op: str, nbytes: int | Fraction, n: int) -> Fraction:
-    """The bytes one of n ranks sends in a ring `op` of nbytes (all-reduce, reduce-scatter: the input's
-    size; all-gather: the output's): a rank passes on n - 1 of the n chunks per pass, and an all-reduce
-    makes two (COST). The course's one ring formula: the wrappers meter with it, lessons predict with it."""
+    """The bytes one of n ranks sends in a ring `op` of nbytes (which tensor's: each wrapper says): n - 1 of
+    the n chunks per pass (COST). The course's one ring formula: wrappers meter, lessons predict with it."""
     passes = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[op]
     return passes * Fraction(n - 1, n) * nbytes
 
@@ -811,10 +805,9 @@ def all_ranks(obj: object, group=None, dst: int | None = None) -> list | None:
 
 
 def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> list:
-    """Point-to-point: ops are ("send" | "recv", tensor, peer rank within the group); returns a work
-    to wait on for each op (NCCL coalesces a batch into one work: it stands for each). Launched together,
-    a ring exchange cannot deadlock as blocking send-then-recv on each rank would. Traffic: what a rank
-    sends."""
+    """Point-to-point: ops are ("send" | "recv", tensor, peer rank within the group); returns a work to wait
+    on for each op (NCCL coalesces a batch into one work: it stands for each). Launched together, a ring
+    exchange cannot deadlock as blocking send-then-recv on each rank would. Traffic: what a rank sends."""
     group_size(group)
     p2p_ops = []
     for kind, tensor, peer in ops:
@@ -877,11 +870,10 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, config: dict, seq_len: int) -> tuple["ModelConfig", tuple[int, int] | None]:
         """A Hugging Face config.json (a dict) as a ModelConfig, and (experts, top-k) of a Mixtral MoE, or
-        None, read as transformers reads it: a key missing is its config class's default (HF_DEFAULTS); null
-        K/V heads are the heads, a null tie or window none. Refused, naming the field: another model_type,
-        a key unread but close to one missing (a misspelling: transformers would ignore it and take a
-        default), what GPT lacks (a window as long as the run's seq_len is full attention), a size not
-        positive or past its bound (MAX_LAYERS, MAX_WIDTH); rope_scaling unread."""
+        None, read as transformers reads it (HF_DEFAULTS; null K/V heads are the heads, a null tie or window
+        none). Refused, naming the field: another model_type, a key unread but close to one missing (a
+        misspelling: transformers would ignore it and take a default), what GPT lacks (a window as long as the
+        run's seq_len is full attention), a size not positive or past its bound; rope_scaling unread."""
         defaults = HF_DEFAULTS.get(config.get("model_type"))
         if defaults is None:
             raise ValueError(f"model_type={config.get('model_type')!r} is not llama, mistral or mixtral")
@@ -958,12 +950,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def linears_of(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
-    """Each linear applied to x: the projections of one input (q, k, v; gate, up) in one call, a GPT hook."""
     return tuple(linear(x) for linear in linears)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's gated activation (SwiGLU.gated: lesson 03 swaps it for one that keeps less)."""
     return F.silu(gate) * up
 
 
@@ -1024,8 +1014,7 @@ class GPT(nn.Module):
     """embed -> n_layers x Block -> norm -> lm_head (untied unless cfg.tie_embeddings) -> loss_fn.
 
     Hooks for the transformations of later lessons, each a no-op on the reference model:
-    - layers is a ModuleDict keyed "0", "1", ... so a pipeline stage that keeps only some layers
-      keeps their names, and its parameters still line up with the reference model's by name;
+    - layers is a ModuleDict keyed "0", "1", ...: a pipeline stage's layers keep the reference's names;
     - a model whose embed is None starts from hidden states, one whose lm_head is None returns them
       (a pipeline stage sets the modules it does not own to None);
     - loss_fn(logits, targets) is an attribute: vocab-parallel cross-entropy replaces it;
@@ -1060,8 +1049,7 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (batch, seq) -> logits (batch, seq, vocab), or the loss if targets are given (hidden
-        states (batch, seq, dim) in or out where embed or lm_head is None); positions (seq,): 0..seq-1."""
+        """tokens (batch, seq) -> logits (batch, seq, vocab), or the loss given targets; positions: (seq,)."""
         h = self.embed(tokens) if self.embed is not None else tokens
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -1090,10 +1078,9 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def synthetic_batch(cfg: ModelConfig, global_batch: int, seq_len: int, step: int, rank: int = 0,
                     world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, targets) rows [rank*b, (rank+1)*b) of the global batch for this step, b = B / N.
-    Every rank draws the same global batch and keeps its slice, so a parallel run's data is the
-    single-device run's by construction. The text is learnable: each next token follows a fixed
-    random bigram table 3 times in 4, else it is uniform noise."""
+    """(tokens, targets): rows [rank*b, (rank+1)*b), b = B / N, of this step's global batch, which every rank
+    draws whole, so a parallel run's data is the single-device run's by construction. The text is learnable:
+    each next token follows a fixed random bigram table 3 times in 4, else it is uniform noise."""
     if global_batch < 1 or seq_len < 1:
         raise ValueError(f"global_batch={global_batch} and seq_len={seq_len} must be >= 1")
     if global_batch % world_size:
@@ -1173,9 +1160,8 @@ class LessonParser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
     def refuse(self, error: Exception) -> None:
-        """Exit 2 with a broken rule in one line. A rule names a field as Python does (global_batch=3);
-        the reader typed its option, so each field=value of an option is said as --field-name 3 (a quoted
-        value as the shell would need it: --path 'my runs')."""
+        """Exit 2 with a broken rule in one line. A rule names a field as Python does (global_batch=3); the
+        reader typed its option, so each field=value of an option is said as --field-name 3 (as_typed)."""
         message = str(error)
         for name, option_flag in self.flags.items():
             field_value = rf"(?<![\w.-]){name}=(?:'([^']*)'|([^\s,;:()']+))"  # quoted, or up to a space
@@ -1217,12 +1203,10 @@ def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Comma
                   defaults: dict = {}, argv: list[str] | None = None, aliases: dict[str, str] = {},
                   bench_reads: tuple[str, ...] = (), bench_only: tuple[str, ...] = ()
                   ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    """The lesson's options, one per field of classes, each checked against its rule (one line, exit
-    2). commands: sub-commands, each with the fields that name it; argv starting with none of them
-    (nor --help) runs the first. aliases: a name the lesson's rules use -> the option field that sets
-    it (n_heads -> heads), for LessonParser.refuse. A lesson with --bench: an option typed that the run
-    does not read is refused (unread_options). Returns the parser that errors should exit through, and
-    the options."""
+    """The lesson's options, one per field of classes, each checked against its rule. commands: sub-commands,
+    each with the fields that name it; argv starting with none of them (nor --help) runs the first. aliases: a
+    name the lesson's rules use -> the option field that sets it (n_heads -> heads), for LessonParser.refuse;
+    bench_reads, bench_only: see unread_options. Returns the parser errors exit through, and the options."""
     argv = sys.argv[1:] if argv is None else argv
     parser = LessonParser(description=" ".join(doc.split("\n\n")[0].split()))
     parsers = {None: (parser, option_fields(classes))}
@@ -1257,9 +1241,8 @@ def parse_options(doc: str, classes: tuple[type, ...], commands: dict[str, Comma
 
 def unread_options(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace, fields: list,
                    bench_reads: tuple[str, ...], bench_only: tuple[str, ...]) -> str | None:
-    """--bench times a workload of its own: the demo's options typed beside it (but bench_reads), or
-    --bench's own (bench_*, bench_only) typed without it, would be silently ignored. What is wrong, or
-    None."""
+    """--bench times a workload of its own: the demo's options typed beside it (but bench_reads), or --bench's
+    own (bench_*, bench_only) typed without it, would be silently ignored. What is wrong, or None."""
     names = {f.name for f in fields}
     if "bench" not in names:
         return None
@@ -1297,11 +1280,10 @@ class BenchRounds:
 def launch_lesson(parser: argparse.ArgumentParser, args, fn: Callable, *, divisible: dict | None = None,
                   rules: Iterable[Callable[[int], None]] = ()) -> None:
     """The end of every lesson's main(): its size rules against the world that will run (1 for a lesson
-    without --nproc), then fn(args) on every rank (here, for a lesson of one process); args: the options,
-    or what a lesson made of them (09's Job). divisible: each size (by its option) the world must divide;
-    rules: functions of the world (a lesson's validate_* and check_memory, their other arguments bound)
-    that raise ValueError. A broken rule is its message (once under torchrun), exit 2, before any rank
-    starts."""
+    without --nproc), then fn(args) on every rank (here, for a lesson of one process); args: the options, or
+    what a lesson made of them (09's Job). divisible: each size (by its option) the world must divide; rules:
+    functions of the world (a lesson's validate_* and check_memory, their other arguments bound) that raise
+    ValueError. A broken rule exits 2 (LessonParser.refuse) before any rank starts."""
     try:
         world = launch_world_size(getattr(args, "nproc", 1))  # torchrun's, where RANK is set
         if not hasattr(args, "nproc") and world > 1:
