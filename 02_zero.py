@@ -4,10 +4,9 @@ The parts, in order:
   The cost models: zero_memory_per_rank (the paper's table), zero_traffic_per_step, zero_transient_bytes
   The ZeRO optimizer: zero_units, FlatUnit (a unit as one flat vector), ZeRO (its stages' hooks, step)
   Training: train_zero, ZeRO on N ranks (its one-device twin: lesson 01's train_single_device)
-  Sharded checkpoints (lesson 09's run calls claim_folder, save_checkpoint, load_checkpoint, load_model):
-    Piece (runs of elements), overlaps; the files: save_checkpoint, open_checkpoint; the folder lock:
-    claim_folder; slice reads: CheckpointReader, load_model; ZeRO's shards as pieces: zero_pieces,
-    load_checkpoint
+  Sharded checkpoints (lesson 09's run calls them): Piece (runs of elements), overlaps; the files:
+    save_checkpoint, open_checkpoint; the folder lock: claim_folder; slice reads: CheckpointReader,
+    load_model; ZeRO's shards as pieces: zero_pieces, load_checkpoint
   RUN IT: demo (every stage; then ZeRO-3's checkpoint loaded on half the ranks and on one device), bench
   Last, for lesson 09's plan only (a GPU's seconds, not measured here): zero_step_bytes, zero_exposed_seconds
 
@@ -431,10 +430,9 @@ class ZeRO:
         unit.reduction = (work, send)
 
     def _release_send_buffer(self) -> None:
-        """Wait for the reduction still reading the previous unit's send buffer, and drop the buffer:
-        backward holds two units' gradients at most (zero_transient_bytes), not the whole gradient. The
-        price, FSDP2's by default (one reduce-scatter input kept; a larger cap buys overlap): a reduction
-        longer than the next unit's backward stalls it (the head's, behind the final norm's)."""
+        """Wait for the reduction still reading the previous unit's send buffer, and drop the buffer.
+        The price, FSDP2's by default (one reduce-scatter input kept; a larger cap buys overlap): a
+        reduction longer than the next unit's backward stalls it (the head's, behind the final norm's)."""
         if self.sending is None:
             return
         work, _ = self.sending.reduction
@@ -518,8 +516,7 @@ class ZeRO:
 
     # --- measurement and checkpoints ---------------------------------------------------------
     def held_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now, summed over live tensors' storages, each storage once (an
-        fp32 master that aliases the parameters counts as parameters)."""
+        """Bytes this rank holds now, by storage_bytes (a master aliasing the parameters counts as them)."""
         seen: set[int] = set()
         own = [p for u in self.units for p in u.params]
         params = [*own, *(p for _, p in self.frozen),
@@ -530,7 +527,6 @@ class ZeRO:
                 "optimizer": storage_bytes([*(u.master for u in self.units), *state], seen)}
 
     def memory_formula(self) -> dict[str, Fraction]:
-        """The paper's formula on the padded parameter count, plus AdamW's step counters."""
         formula = zero_memory_formula(sum(u.padded for u in self.units), len(self.units), self.world,
                                       self.stage, self.dtype != torch.float32,
                                       self.units[0].master.dtype != torch.float32,
@@ -540,7 +536,7 @@ class ZeRO:
 
     def unshard(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """One shard per unit (stage 0: the whole vector) -> the full CPU tensors by parameter name,
-        on every rank: the gradients (for tests), the parameters and AdamW state (checkpoints)."""
+        on every rank: the gradients (for tests), the parameters and AdamW state (full_state_dict)."""
         full = {}
         for unit, shard in zip(self.units, shards, strict=True):
             flat = shard.new_empty(unit.padded) if self.stage else shard
@@ -591,10 +587,9 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
                device: torch.device | str = "cpu",
                transform: Callable | None = None) -> tuple[ZeroResult, "foundation.CommMeter"]:
     """Train on this rank's slice of the global batches 01's train_single_device sees (transform: as
-    there; its clipping and mixed precision are ZeRO's one-device twin). folder: save a checkpoint
-    there after the last step and, with resume_after=k, after k steps, when a fresh model and ZeRO
-    load it (load_checkpoint) and go on. Returns the result and a meter of the training steps'
-    communication (not of the test probes: step-0 gradients, full states)."""
+    there). folder: save a checkpoint there after the last step and, with resume_after=k, after k
+    steps, when a fresh model and ZeRO load it (load_checkpoint) and go on. Returns the result and a
+    meter of the training steps' communication (not of the test probes: step-0 gradients, full states)."""
     world = foundation.group_size(group)
     rank = dist.get_rank(group)
     if global_batch % world:
@@ -633,7 +628,7 @@ def train_zero(cfg: "foundation.ModelConfig", steps: int, global_batch: int, seq
         zero.zero_grad()
     if folder is not None:
         save_checkpoint(folder, steps, zero_pieces(zero), cfg, group=group)
-    result.held = zero.held_bytes()  # after the last step
+    result.held = zero.held_bytes()
     result.formula = zero.memory_formula()
     result.losses = foundation.mean_over_ranks(local_losses, group)
     result.state = zero.full_state_dict()
@@ -743,8 +738,7 @@ def save_checkpoint(folder: str | os.PathLike, step: int, pieces: list[tuple[Pie
                     exchange: Callable[[object], list] | None = None) -> Path:
     """Every rank of group calls this with the pieces it writes (each element once across the ranks)
     and their values of each kind, on a filesystem every rank sees: rank files, meta.json (with record
-    and cfg), LATEST, then the step folders but this one and `keep` go. A write failing on any rank is a
-    CheckpointError on every rank naming it and the last complete step. exchange: all_ranks (tests)."""
+    and cfg), LATEST, then the step folders but this one and `keep` go. exchange: all_ranks (tests)."""
     root = Path(folder)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     exchange = exchange or (lambda x: foundation.all_ranks(x, group) if dist.is_initialized() else [x])
@@ -867,7 +861,6 @@ def open_checkpoint(folder: str | os.PathLike, cfg: foundation.ModelConfig | Non
 
 
 def disk_bytes(target: Path, parameters: int) -> str:
-    """A checkpoint's bytes on disk beside the formula: each element of the state once, + metadata."""
     disk = sum(f.stat().st_size for f in target.iterdir())
     formula = 4 * len(CHECKPOINT_KINDS) * parameters
     return (f"{disk:,} B on disk = (params + 2 AdamW moments) x 4 B x {parameters:,} parameters, each "
@@ -899,9 +892,8 @@ def claimed_by_a_run(root: Path) -> bool:
 
 
 def foreign_entries(root: Path, claimed: bool | None = None) -> list[str]:
-    """What in the folder root no run of the course wrote: all of it, unless a run has claimed root (its LOCK
-    file; claimed: as if it had, or not); else all but a run's names (LOCK, LATEST, step_NNNNNNNN/ holding
-    rankNNNNN.pt and meta.json, each also written aside as .tmp), as files or step folders, not links."""
+    """What in root no run of the course wrote: all of it, unless a run has claimed root (its LOCK; claimed:
+    as if it had, or not); else all but a run's names (OWN, SAVED) as files or step folders, not links."""
     entries = sorted(root.iterdir()) if root.is_dir() else []
     if not (claimed_by_a_run(root) if claimed is None else claimed):
         return [p.name for p in entries]
@@ -917,8 +909,7 @@ def foreign_entries(root: Path, claimed: bool | None = None) -> list[str]:
 
 
 def lost_its_lock(root: Path) -> bool:
-    """root holds a run's complete saves and only a run's names, but no LOCK a run wrote (a reader deleted
-    it)."""
+    """root holds a run's complete saves and only a run's names, but no LOCK a run wrote (deleted)."""
     saved = any(step_of(path) is not None and (path / "meta.json").is_file() for path in root.iterdir())
     return saved and not foreign_entries(root, claimed=True)
 
@@ -931,8 +922,7 @@ def mark_command(root: Path) -> str:
 
 def lock_checkpoints(folder: str | os.PathLike) -> IO:
     """Hold folder/LOCK while the returned file stays open (the kernel releases an flock when its
-    process ends, killed too: no stale lock). Refused in one line: a folder that is a file, cannot be
-    written, is held by a running run, or holds what no run wrote (foreign_entries; left as it is)."""
+    process ends, killed too: no stale lock). Each refusal below is one line, leaving the folder as it is."""
     root = Path(folder)
     handle = None
     if root.exists() and not root.is_dir():
@@ -1073,8 +1063,7 @@ PieceOf = Callable[[FlatUnit, int], Piece]  # parameter i of a unit as this rank
 
 def shard_pieces(unit: FlatUnit, piece_of: PieceOf = whole_tensor) -> Iterator[tuple[int, Piece, slice]]:
     """(i, piece, where its values lie in this rank's shard) for each parameter i with elements in the
-    shard. piece_of: the parameter before ZeRO flattens it (here the whole tensor; lesson 09: a rank's
-    tensor- or expert-parallel slice of the reference model's), narrowed to the shard's elements."""
+    shard: piece_of(unit, i) (lesson 09: a tensor- or expert-parallel slice), narrowed to the shard."""
     for i, start, stop in shard_parts(unit):
         at = unit.offsets[i] + start - unit.owned.start
         yield i, piece_of(unit, i).narrow(start, stop), slice(at, at + stop - start)
@@ -1226,8 +1215,7 @@ FP32_GRADS = dict(mixed_precision=True, fp32_grads=True)  # stages 0-1; its twin
 
 
 def demo(args: argparse.Namespace) -> None:
-    """Every stage in each of PRECISIONS beside one device; the fp32 ZeRO-3 run saves its last
-    step, which ZeRO-1 on half the ranks and one device's model load, each reading what it holds."""
+    """Every stage in each of PRECISIONS beside one device; the fp32 ZeRO-3 run saves its last step."""
     device = foundation.init_distributed()
     rank = dist.get_rank()
     world = dist.get_world_size()
@@ -1266,8 +1254,7 @@ def demo(args: argparse.Namespace) -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
-    """ZeRO-3 against FSDP2 fully_shard on the same modules, model, batch and clipping, in
-    interleaved rounds so that both see the same machine load."""
+    """ZeRO-3 against FSDP2 fully_shard on the same modules, model, batch and clipping."""
     from torch.distributed.fsdp import fully_shard
     device = foundation.init_distributed()
     rank = dist.get_rank()
