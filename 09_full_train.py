@@ -42,8 +42,7 @@ GRADIENTS EQUAL ONE DEVICE'S, because each reduction happens exactly once:
   gradient arrives summed over ep (06's backward all-to-all): / ep, then its own ZeRO / (dp cp / ep).
 - clipping: ||g||^2 sums ZeRO's shards, then the ep (experts), tp and pp ranks; a parameter replicated over tp
   counts 1/tp on each. Every rank then scales alike.
-MoE here is dropless without balancing: capacity drops, the aux loss and the selection bias's load depend on
-which tokens share a forward, which microbatches and sequence chunks change.
+MoE here is dropless without balancing, whose load would depend on which tokens share a forward (validate).
 
 COST: plan() composes the lessons' formulas for what each rank holds and sends, building nothing: `check`
 prints them beside each rank's measurements (tests prove them equal); `plan` sets them against GPU memory for
@@ -329,8 +328,7 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class Job:
-    """A command's options made into configurations once (configure, in the command line's part), read
-    alike by the checks before launch and by every rank."""
+    """What configure makes of a command's options, read alike by the checks before launch and every rank."""
     command: str
     model: str  # --model as given: a preset's name or a config.json's path
     cfg: "foundation.ModelConfig"
@@ -353,31 +351,29 @@ class Job:
         return self.sizes.world
 
 
-def unpriced_dropout(train: TrainConfig) -> str:
-    return (f"attention_dropout={train.attention_dropout} is priced for attention=unfused, whose kernels "
-            f"write the probabilities: attention={train.attention} draws its mask inside, which plan does "
-            f"not price")
-
-
-def unpriced_whole(train: TrainConfig) -> str:
-    unpriced = [part for part, used in (("FP8 amaxes", train.fp8), ("MoE all-to-alls", train.moe)) if used]
-    return (f"recompute='whole' is priced for dense layers without FP8: its rerun's {' and '.join(unpriced)} "
-            f"have no formula (full's have)")
-
-
-def elementwise_refusals(train: TrainConfig) -> list[str]:
-    """Why 03's "elementwise" recompute cannot run or be priced with these options (none: it can)."""
+def mesh_free_refusals(train: TrainConfig) -> list[str]:
+    """Why these options cannot run or be priced on any mesh: validate's rules that no mesh size changes
+    (plan says the first once, before its search)."""
     refusals = []
-    if not train.lean_saves:
+    if train.attention_dropout and train.attention != "unfused":
+        refusals.append(f"attention_dropout={train.attention_dropout} is priced for attention=unfused, whose "
+                        f"kernels write the probabilities: attention={train.attention} draws its mask "
+                        f"inside, which plan does not price")
+    if train.recompute == "whole" and (train.fp8 or train.moe):
+        parts = [part for part, used in (("FP8 amaxes", train.fp8), ("MoE all-to-alls", train.moe)) if used]
+        refusals.append(f"recompute='whole' is priced for dense layers without FP8: its rerun's "
+                        f"{' and '.join(parts)} have no formula (full's have)")
+    elementwise = train.recompute == "elementwise"
+    if elementwise and not train.lean_saves:
         refusals.append("recompute='elementwise' rebuilds from what 03's lean saves keep: not with "
                         "--autograd-saves")
-    if train.compile:
+    if elementwise and train.compile:
         refusals.append("recompute='elementwise' empties and refills storages from autograd hooks, which "
                         "torch.compile does not trace: use --eager")
-    if train.moe is not None:
+    if elementwise and train.moe is not None:
         refusals.append("recompute='elementwise' is priced for dense layers: 06's experts keep their own "
                         "inputs")
-    if train.fp8:
+    if elementwise and train.fp8:
         refusals.append("recompute='elementwise' would save nothing with --fp8: 08's linears keep their "
                         "inputs' FP8 casts, not the bf16 tensors it rebuilds")
     return refusals
@@ -423,13 +419,8 @@ def validate(cfg, sizes: MeshSizes, train: TrainConfig, world: int) -> None:
         problems.append("recompute op keeps its matmuls' outputs for one backward (torch's selective "
                         "checkpoint), and zb-h1's weight pass is a second one: use another schedule or "
                         "recompute mode")
-    if train.recompute == "whole" and (train.fp8 or train.moe):
-        problems.append(unpriced_whole(train))
-    if train.recompute == "elementwise":
-        problems += elementwise_refusals(train)
-    if train.attention_dropout and train.attention != "unfused":
-        problems.append(unpriced_dropout(train))
-    elif train.attention_dropout and cp > 1:
+    problems += mesh_free_refusals(train)
+    if train.attention_dropout and train.attention == "unfused" and cp > 1:
         problems.append(f"attention_dropout={train.attention_dropout} is priced for unfused attention at "
                         f"cp=1: at cp={cp} 09 runs 07's kernel in 05's ring, which draws its mask inside")
     if sizes.ep > 1 and train.moe is None:
@@ -1143,8 +1134,7 @@ def step_profile(trace: dict, steps: int, step_s: float, top: int = 8) -> str:
 
 
 def model_words(cfg, moe) -> str:
-    """train's header of the model: its matmul parameters; an MoE's experts and every parameter (a token's
-    FLOPs are its top-k experts': no MFU, as in plan)."""
+    """train's header of the model: its matmul parameters; an MoE's experts and every parameter."""
     if moe is None:
         return f"({flops_per_token(cfg, 0) // 6:,} matmul params)"
     return (f"with MoE layers of {foundation.counted(moe.n_experts, 'expert')}, top {moe.top_k} "
@@ -1472,8 +1462,7 @@ def mlp_backward_bytes(tokens: int, dim: int, ffn_dim: int, elem_bytes: int) -> 
 
 
 def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
-    """Every pipeline rank's RankPlan by the earlier lessons' formulas (COST); call validate first. --fp8:
-    its compute precision but 08's Float8ZeRO and KEPT_INPUT; MoE activations, ep's all-to-alls: None."""
+    """Every pipeline rank's RankPlan by the earlier lessons' formulas (COST); call validate first."""
     e = 2 if train.mixed_precision else 4  # bytes of a compute parameter, gradient, activation
     tp = sizes.tp
     cp = sizes.cp
@@ -1609,9 +1598,8 @@ def plan(cfg, sizes: MeshSizes, train: TrainConfig) -> list[RankPlan]:
 
 
 # ====== PLANNING AT SCALE (plan): a model and a cluster not here, priced by the lessons' formulas and rates =
-# 09's presets and published models (Meta's Llama 3 and Llama 2 7B): (model, seq_len, global_batch, lr). Peak
-# lr from the Llama 3 paper; batches of 4M, 8M and 16M tokens (405B: Meta's last). Any other Llama-shaped
-# model: its Hugging Face config.json (--model FILE.json), or sizes (--dim --layers --heads ...).
+# 09's presets and published models (Meta's Llama 3 and Llama 2 7B), as MODELS. Peak lr from the Llama 3
+# paper; batches of 4M, 8M and 16M tokens (405B: Meta's last).
 LLAMA3 = dict(vocab_size=128_256, n_kv_heads=8, rope_theta=500_000.0)
 PRESETS = MODELS | {
     "llama2-7b": (dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, vocab_size=32_000), 4096, 1024,
@@ -1664,8 +1652,7 @@ PARTS = ("GEMMs", "attention", "elementwise", "TP", "DP", "PP", "CP", "bubble") 
 
 @dataclass(frozen=True)
 class Cluster:
-    """The machines: a --gpu preset (datasheet figures), each rate overridable (defaults: h100-sxm's); 07's
-    and 08's H100 rates scale by speed (THE STEP TIME). Rates and sizes lie within ~1000x of an H100 node's
+    """The machines: a --gpu preset (datasheet figures). Rates and sizes lie within ~1000x of an H100 node's
     (beyond any chip or cluster of today): a typo (0, 1e-300, inf, 1e308) priced a step at 0 s, then divided
     by it; NaN breaks every rule. --gpus at most a million: the search tries each divisor."""
     gpus: int | None = option(None, "GPUs (default: the mesh sizes' product)", (">= 1", "<= 1e6"), type=int)
@@ -1766,11 +1753,9 @@ def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, lay
     add 3h, SwiGLU 5f, the embedding 3h; and sums the input gradients of the linears that read one input
     (q, k, v; gate, up): at tp 1 the norm reads them (3h more), else a kernel sums them on every token
     before 03's collective (reads and a write, 7h; with SP and lean saves 03's backward operator adds
-    them in place, an add at a time, 9h). Eager (bf16), each of 01's operations a kernel of its
-    own, reading and writing fp32 inside a norm and RoPE, bytes a token and layer as a dispatch mode
-    counts them (test_09): forward 84h between the regions, RoPE 48 (q + kv) + 16 head_dim (its tables),
-    SwiGLU 10f; backward 230h, 52 (q + kv) + 16 head_dim, 18f; with 03's lean saves 214h and 22f (silu
-    recomputed)."""
+    them in place, an add at a time, 9h). Eager (bf16), each of 01's operations a kernel of its own,
+    reading and writing fp32 inside a norm and RoPE: the bytes a dispatch mode counts (test_09; with 03's
+    lean saves backward computes silu again)."""
     h = cfg.dim
     e = elem_bytes
     mid = tokens // (tp if sequence_parallel else 1)  # a rank's tokens between the regions
@@ -1788,7 +1773,7 @@ def elementwise_bytes(cfg, tokens: int, tp: int, sequence_parallel: bool, *, lay
         if tp > 1 and sequence_parallel and lean_saves:  # summed in 03's operator, an add at a time
             summed = 6 + 3 * mlp
         grad_sums = (0, summed * h * tokens * e)
-    else:  # bytes as counted
+    else:  # bytes a token and layer as counted: x h, q + kv, head_dim (RoPE's tables), f
         per_layer = [(84, 48, 16, 10), (230 - 16 * lean_saves, 52, 16, 18 + 4 * lean_saves)]
     per_token = [b * qk + c * cfg.head_dim + d * f for _, b, c, d in per_layer]  # a rank's heads and ffn
     return tuple(layers * (a * h * mid + rest * tokens + sums) + end * e + loss_part
@@ -1804,8 +1789,7 @@ def unfused_attention_seconds(batch: int, heads: int, seq: int, head_dim: int, c
     at the HBM's bandwidth). Backward: dP = dO V^T, then the softmax's backward reads P and dP and writes
     dS (3 passes), and dV = P^T dO, dQ = dS K, dK = dS^T Q, each with a seq x seq operand. dropout (as
     PyTorch's CUDA dropout runs it): a kernel reads P and writes the dropped P and a mask of a byte an
-    element; its backward reads the gradient and the mask and writes dP (2 passes and a byte each way).
-    What it holds: unfused_attention_saves, unfused_attention_backward_bytes."""
+    element; its backward reads the gradient and the mask and writes dP (2 passes and a byte each way)."""
     count = batch * heads * cp
     passes = count * seq ** 2 * elem_bytes / hbm
     mask = count * seq ** 2 / hbm if dropout else 0.0  # a byte an element, written, then read
@@ -2144,12 +2128,10 @@ LOSS_CHUNKS = 8  # the loss's slices why_not_fitting tries
 
 def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
     """A mesh that does not fit (r: the given one, or the search's leanest): its fullest GPU's largest
-    term, and the fastest of the options that keep less (more recompute, a higher ZeRO stage, one sequence
-    a microbatch, the loss in 8 slices: their fp32 temporaries below the logits' and their gradient's
-    bytes, SP where tp may be > 1) with which it fits (the sizes given kept; searched: on which mesh), else
-    the fewest of them together, or that none does. Each computes the same numbers;
-    --bf16-optimizer does not (AdamW's state in bf16), so it is named only where nothing else fits, and
-    ZeRO 2-3 not where --fp32-grads would have to go: the user's calls."""
+    term, and the fastest of the options below that keep less with which it fits (the sizes given kept;
+    searched: on which mesh), else the fewest of them together, or that none does. Each computes the same
+    numbers; --bf16-optimizer does not (AdamW's state in bf16), so it is named only where nothing else
+    fits, and ZeRO 2-3 not where --fp32-grads would have to go: the user's calls."""
     most = r["memory_gib"][r["fullest"]]
     term = max((k for k in most if k != "total" and most[k] is not None), key=most.get)  # None: MoE's
     in_flight = in_flight_text(r["in_flight"][r["fullest"]], r["virtual"])
@@ -2161,7 +2143,7 @@ def why_not_fitting(job: Job, gpus: int, r: dict) -> str:
         eager = mode == "elementwise" and job.train.compile  # 03's hooks, which torch.compile does not trace
         change = dict(recompute=mode, **({"compile": False} if eager else {}))
         if modes.index(mode) > modes.index(saving) and not (
-                mode == "elementwise" and elementwise_refusals(dataclasses.replace(job.train, **change))):
+                mode == "elementwise" and mesh_free_refusals(dataclasses.replace(job.train, **change))):
             changes[f"--recompute {mode}" + " --eager" * eager] = change
     if not job.train.fp32_grads:  # stages 2-3 free the fp32 gradient buffer it keeps
         changes |= {f"--zero {stage}": dict(zero_stage=stage) for stage in range(job.train.zero_stage + 1, 4)}
@@ -2218,8 +2200,7 @@ def fewest_together(job: Job, gpus: int, changes: dict) -> dict:
 
 
 def fitting_options(job: Job, gpus: int, changes: dict) -> dict:
-    """{option: (step, GiB, sizes) of the fastest mesh fitting with it, the sizes given kept}, of those that
-    fit."""
+    """{option: (step, GiB, sizes) of the fastest mesh it fits on, the sizes given kept}: those that fit."""
     fits = {}
     for option, change in changes.items():
         train = dataclasses.replace(job.train, **change)
@@ -2252,12 +2233,8 @@ def plan_report(job: Job) -> tuple[str, bool]:
                          f"{foundation.counted(gpus % per_node, 'GPU')})")
     if train.fp8 and cluster.fp8_tflops is None:
         raise ValueError(f"--fp8: the {cluster.gpu} has no FP8 tensor cores (--fp8-tflops prices one)")
-    if train.attention_dropout and train.attention != "unfused":  # every mesh's: said once, before the search
-        raise ValueError(unpriced_dropout(train))
-    if train.recompute == "whole" and (train.fp8 or train.moe):
-        raise ValueError(unpriced_whole(train))
-    if train.recompute == "elementwise" and elementwise_refusals(train):
-        raise ValueError(elementwise_refusals(train)[0])
+    if refusals := mesh_free_refusals(train):  # every mesh's: said once, before the search
+        raise ValueError(refusals[0])
     valid, fitting, refusal = search_meshes(cfg, train, gpus, fixed, job.ep, cluster)
     on = f"{gpus:,} GPU" + "s" * (gpus != 1)
     if not valid:  # a refusal, like any other: exit 2
