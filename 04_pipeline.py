@@ -7,7 +7,6 @@ The parts, in order:
   The executor, one for every schedule: mailbox_key, send_receipts (when a sent tensor can go), run_schedule;
     train_pipeline on lesson 01's batches
   RUN IT: the measured timelines (draw_measured, trace_events), demo, bench; the command line: Options, main
-  Lesson 09's plan reads only formulas that this demo and the tests measure: no pricing part here.
 
 THE IDEA
 Cut the model by depth into stages: the first owns the embedding, the last the final norm, the head
