@@ -486,6 +486,10 @@ class Projections(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
+        # Grad mode is on here only under create_graph=True: its collectives and FP8 casts record no graph
+        if torch.is_grad_enabled():
+            raise RuntimeError("03's linears (tensor-parallel, lean saves, FP8) are once differentiable: "
+                               "create_graph=True (a second derivative) is not supported; use nn.Linear")
         saved = ctx.saved_tensors  # once: a checkpoint's recompute answers each unpack only once
         ends = list(itertools.accumulate(ctx.sizes))
         kept, *operands = [saved[end - n:end] for n, end in zip(ctx.sizes, ends)]

@@ -132,8 +132,14 @@ def all_reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
     return tensor_parallel._all_reduced(amax.view(torch.int32), group, "max").view(amax.dtype)
 
 
+def check_format(dtype: torch.dtype) -> None:
+    if dtype not in INF_BITS:  # torch's other 8-bit floats (e4m3fnuz: another NaN, no -0) are not taught
+        raise ValueError(f"dtype={dtype} is not one of the FP8 formats here: {tuple(FORMATS.values())}")
+
+
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Saturating cast of x * scale that keeps non-finite values (torch's e4m3fn cast saturates inf)."""
+    check_format(dtype)
     y = x.float() * scale
     is_inf = x.isinf() & y.isinf()  # an inf input; a finite one whose product overflows saturates
     inf = y if INF_BITS[dtype] != NAN_BITS else torch.full_like(y, torch.nan)  # e4m3fn: no inf
@@ -244,6 +250,7 @@ def fused_amax_cast(x: torch.Tensor, tile_cols: int | None = None, dtype: torch.
     once; given a one-element fp32 scale (delayed scaling), the twin of cast_to_fp8(x, scale, dtype).
     Returns (fp8 tensor, scales (rows, cols / tile_cols) or the given one, the whole tensor's amax)."""
     check_matrix(x)
+    check_format(dtype)
     rows, cols = x.shape
     tile_cols = cols if tile_cols is None else tile_cols
     if tile_cols < 1:

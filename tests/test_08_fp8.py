@@ -517,6 +517,27 @@ def test_float8_linear_backward_computes_only_the_gradients_asked_for(monkeypatc
     assert len(calls) == 2 and x.grad is not None
 
 
+@pytest.mark.parametrize("cast", ["quantize_tensorwise", "fused_amax_cast"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fnuz])
+def test_a_format_that_is_not_fp8_here_is_one_clear_error(cast, dtype):
+    """Before: a bare KeyError from the format's bit patterns (an edge hunt's calls)."""
+    with pytest.raises(ValueError, match=re.escape(f"dtype={dtype} is not one of the FP8 formats here")):
+        getattr(fp8, cast)(torch.randn(4, 8), dtype=dtype)
+
+
+def test_a_second_derivative_through_float8_linear_is_refused_not_wrong():
+    """An edge hunt's run: create_graph=True through Float8Linear returned a second derivative of x far
+    from nn.Linear's ([0.0035, -0.250, 0.389, 0.361] against [-0.108, -0.231, 0.466, 0.671]): the casts
+    record no graph. 03's backward refuses it in one line, as 07's kernel does; the first derivative
+    still works."""
+    layer = fp8.Float8Linear(4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="once differentiable: create_graph=True"):
+        torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)
+    (grad_x,) = torch.autograd.grad(layer(x).pow(2).sum(), x)
+    assert grad_x.shape == x.shape and grad_x.abs().sum() > 0
+
+
 @pytest.mark.parametrize("shape", [(0, 32), (3, 0, 32)])
 def test_float8_linear_takes_an_empty_batch_like_nn_linear(shape):
     linear = nn.Linear(32, 16)
