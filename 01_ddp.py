@@ -514,11 +514,21 @@ def _launched_rank(local_rank: int, fn: Callable, args: tuple, nproc: int, port:
 def launch_world_size(nproc: int) -> int:
     """The ranks launch() runs, to validate sizes against: torchrun's WORLD_SIZE if RANK is set, else
     nproc (local processes get their own environment: a stray WORLD_SIZE does not count)."""
+    if "RANK" not in os.environ:
+        return nproc
     missing = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if "RANK" in os.environ and missing:
+    if missing:
         raise ValueError(f"RANK is set but {', '.join(missing)} not: a partial torchrun environment "
-                         f"(run under torchrun, or unset RANK to launch {nproc} local processes)")
-    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else nproc
+                         f"(run under torchrun, or unset RANK to launch "
+                         f"{counted(nproc, 'local process', 'local processes')})")
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        if not os.environ[name].isdigit():
+            raise ValueError(f"{name}={os.environ[name]!r} is not a number: torchrun's environment, by hand?")
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    if rank >= world:  # its peers would never come: init_process_group would wait for them, silent
+        raise ValueError(f"RANK={rank} must be below WORLD_SIZE={world}: torchrun's environment, by hand?")
+    return world
 
 
 # A rank's memory before any tensor: Python with torch imported and gloo joined (the most resident, measured).
@@ -531,16 +541,21 @@ def counted(number: int, noun: str, plural: str | None = None) -> str:
 
 
 def check_memory(cfg: "ModelConfig | None", batch: int, seq_len: int, ranks: int,
-                 more: dict[str, int] | None = None, what: str | None = None) -> None:
+                 more: dict[str, int] | None = None, what: str | None = None, weights: bool = True) -> None:
     """A rule of launch_lesson: refuse sizes whose largest tensors alone exceed this machine's memory. A
     lower bound: every rank draws the whole batch (synthetic_batch: 17 bytes a token) and holds the fp32
-    embedding and LM head; the fp32 logits exist once (cfg None: no model); more: other tensors' bytes."""
+    embedding and LM head; the fp32 logits and (weights) the layers' fp32 weights exist once (cfg None: no
+    model); more: other tensors' bytes."""
     what = what or f"--global-batch {batch} x --seq-len {seq_len}"
     parts = {}
     if cfg is not None:
         parts[f"the batch, embedding, LM head and logits of {counted(ranks, 'rank')}"] = (
             ranks * (17 * batch * (seq_len + 1) + 2 * 4 * cfg.vocab_size * cfg.dim)
             + 4 * batch * seq_len * cfg.vocab_size)
+    if cfg is not None and weights:
+        kv_dim = cfg.n_kv_heads * cfg.head_dim
+        layer = cfg.dim * (2 * cfg.dim + 2 * kv_dim) + 3 * cfg.dim * cfg.ffn_dim  # attention's 4, SwiGLU's 3
+        parts[f"the fp32 weights of {counted(cfg.n_layers, 'layer')}"] = 4 * cfg.n_layers * layer
     parts.update(more or {})
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if sum(parts.values()) > memory:
@@ -1311,8 +1326,12 @@ def launch_lesson(parser: argparse.ArgumentParser, args, fn: Callable, *, divisi
         parser.refuse(error)
     if hasattr(args, "nproc"):
         launch(fn, args, nproc=args.nproc)
-    else:
+        return
+    try:
         fn(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, as launch says it, not the traceback of where it was
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
 
 
 # --- The command line of lesson 01 -------------------------------------------------------------------------

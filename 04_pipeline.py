@@ -64,6 +64,7 @@ import importlib
 import itertools
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -528,7 +529,7 @@ def demo(args: argparse.Namespace) -> None:
     device = foundation.init_distributed()
     pp = dist.get_world_size()
     rank = dist.get_rank()
-    cfg = foundation.ModelConfig(n_layers=pp * args.virtual)
+    cfg = run_sizes(args, pp)[0]
     # The timelines pad every action to its unit time, on a model whose real compute fits well inside
     small = foundation.ModelConfig(vocab_size=16, dim=8, n_heads=1, ffn_dim=8, n_layers=cfg.n_layers)
     m = args.microbatches
@@ -584,10 +585,10 @@ def demo(args: argparse.Namespace) -> None:
         trace += trace_events(f"{plan.name} (v={plan.virtual})", pid, records)
     print("\nNotice: 1F1B has GPipe's bubble but holds at most p - rank microbatches instead of m; "
           "interleaving divides the bubble by about v; ZB-H1 fills most of it with weight gradients.")
-    if args.trace:
-        with open(args.trace, "w") as f:
-            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
-        print(f"Wrote {args.trace}: open it in https://ui.perfetto.dev or chrome://tracing.")
+    if args.trace is not None:
+        text = json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"})
+        if write_new("--trace", args.trace, text):
+            print(f"Wrote {args.trace}: open it in https://ui.perfetto.dev or chrome://tracing.")
     foundation.exit_distributed()
 
 
@@ -599,10 +600,8 @@ def bench(args: argparse.Namespace) -> None:
     device = foundation.init_distributed()
     pp = dist.get_world_size()
     rank = dist.get_rank()
-    cfg = foundation.ModelConfig(vocab_size=1024, dim=128, n_layers=pp * args.virtual, n_heads=4, ffn_dim=344)
+    cfg, batch, seq = run_sizes(args, pp)
     m = args.microbatches
-    batch = 2 * m
-    seq = 64
     tokens, targets = (t.to(device) for t in foundation.synthetic_batch(cfg, batch, seq, 0))
     torch_schedules = {"gpipe": torch_pp.ScheduleGPipe, "1f1b": torch_pp.Schedule1F1B,
                        "interleaved": torch_pp.ScheduleInterleaved1F1B,
@@ -649,6 +648,8 @@ def bench(args: argparse.Namespace) -> None:
 
 def check_writable(option: str, path: str) -> None:
     """Refuse, before the run, an output file that is there already or could not be written at its end."""
+    if not path:
+        raise ValueError(f"{option} needs a file name, not an empty one")
     if os.path.isdir(path):
         raise ValueError(f"{option} {path} is a folder: name a file in it")
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
@@ -660,6 +661,37 @@ def check_writable(option: str, path: str) -> None:
     except OSError as error:
         raise ValueError(f"{option} {path} cannot be written: {error.strerror}") from None
     os.remove(path)
+
+
+def run_sizes(args: argparse.Namespace, pp: int) -> tuple[foundation.ModelConfig, int, int]:
+    """The model (pp x virtual layers), batch and sequence length that main() runs on pp ranks."""
+    if args.bench:
+        model = foundation.ModelConfig(vocab_size=1024, dim=128, n_layers=pp * args.virtual, n_heads=4,
+                                       ffn_dim=344)
+        return model, 2 * args.microbatches, 64
+    return foundation.ModelConfig(n_layers=pp * args.virtual), args.global_batch, args.seq_len
+
+
+def check_run_memory(args: argparse.Namespace, pp: int) -> None:
+    cfg, batch, seq_len = run_sizes(args, pp)
+    sizes = f"--global-batch {batch} x --seq-len {seq_len}"
+    if args.bench:
+        sizes = f"--bench's --microbatches {args.microbatches}"
+    ranks = foundation.counted(pp, "rank")
+    foundation.check_memory(cfg, batch, seq_len, pp, what=f"{ranks} x --virtual {args.virtual}, {sizes}")
+
+
+def write_new(option: str, path: str, text: str) -> bool:
+    """Write text to path, checked free before the run (check_writable): a file made there since is
+    someone else's and stays as it is (False, said on stderr)."""
+    try:
+        with open(path, "x") as f:
+            f.write(text)
+    except FileExistsError:
+        print(f"{option} {path} was made by something else during the run: left as it is, nothing written",
+              file=sys.stderr)
+        return False
+    return True
 
 
 def validate_runs(args: argparse.Namespace, pp: int) -> None:
@@ -687,12 +719,9 @@ class Options:
 def main() -> None:
     parser, args = foundation.parse_options(__doc__, (Options, foundation.Ranks, foundation.BenchRounds),
                                             bench_reads=("microbatches", "virtual"))
-    rules = [functools.partial(validate_runs, args)]
-    if args.trace:  # written at the end of the run: refused before it
+    rules = [functools.partial(validate_runs, args), functools.partial(check_run_memory, args)]
+    if args.trace is not None:  # written at the end of the run: refused before it
         rules.insert(0, lambda pp: check_writable("--trace", args.trace))
-    if not args.bench:
-        rules.append(functools.partial(foundation.check_memory, foundation.ModelConfig(), args.global_batch,
-                                       args.seq_len))
     foundation.launch_lesson(parser, args, bench if args.bench else demo, rules=rules)
 
 

@@ -515,12 +515,31 @@ def bench(args: argparse.Namespace) -> None:
     foundation.exit_distributed()
 
 
+def check_run_memory(args: argparse.Namespace, ep: int) -> None:
+    """The demo's GPT and its experts (each rank builds every expert, then keeps its own), or --bench's
+    layer (experts of 4 x --bench-dim) and each rank's tokens, against this machine's memory."""
+    if args.bench:
+        ranks = foundation.counted(ep, "rank")
+        tensors = {"the layer's fp32 experts": 4 * args.experts * 3 * args.bench_dim * 4 * args.bench_dim,
+                   f"the tokens of {ranks}": 4 * ep * args.bench_tokens * args.bench_dim}
+        sizes = f"--bench-tokens {args.bench_tokens} x --bench-dim {args.bench_dim}, --experts {args.experts}"
+        foundation.check_memory(None, 0, 0, ep, tensors, what=sizes)
+        return
+    cfg = foundation.ModelConfig()
+    layers = foundation.counted(cfg.n_layers, "layer")
+    expert_bytes = 4 * cfg.n_layers * args.experts * 3 * cfg.dim * args.expert_ffn_dim
+    experts = {f"the fp32 experts of {layers}": expert_bytes}
+    sizes = (f"--experts {args.experts} x --expert-ffn-dim {args.expert_ffn_dim}, --global-batch "
+             f"{args.global_batch} x --seq-len {args.seq_len}")
+    foundation.check_memory(cfg, args.global_batch, args.seq_len, ep, experts, what=sizes)
+
+
 @dataclass
 class Options:
     steps: int = foundation.option(60, "AdamW steps of each MoE run", ">= 1")
     global_batch: int = foundation.option(16, "sequences per step, split over the ranks", ">= 1")
     seq_len: int = foundation.option(32, "tokens per sequence", ">= 1")
-    lr: float = foundation.option(1e-2, "AdamW learning rate", "> 0")
+    lr: float = foundation.option(1e-2, "AdamW learning rate", ("> 0", "<= 1"))
     experts: int = foundation.option(8, "experts per MoE layer (divisible by the ranks)", ">= 1")
     top_k: int = foundation.option(2, "experts each token is routed to", ">= 1")
     expert_ffn_dim: int = foundation.option(64, "hidden size of each expert's SwiGLU", ">= 1")
@@ -538,10 +557,8 @@ def main() -> None:
     divisible = {"--experts": args.experts, "--global-batch": args.global_batch}
     moe_options = functools.partial(MoEConfig, args.experts, args.top_k, args.expert_ffn_dim,
                                     args.capacity_factor)
-    rules = [lambda ep: moe_options()]  # top_k <= experts, a finite capacity: no option's own rule sees them
-    if not args.bench:
-        rules.append(functools.partial(foundation.check_memory, foundation.ModelConfig(), args.global_batch,
-                                       args.seq_len))
+    # top_k <= experts, a finite capacity: no option's own rule sees them
+    rules = [lambda ep: moe_options(), functools.partial(check_run_memory, args)]
     foundation.launch_lesson(parser, args, bench if args.bench else demo, divisible=divisible, rules=rules)
 
 

@@ -912,11 +912,13 @@ def train_loop(trainer: Trainer, loader: ShardedLoader, val_tokens: torch.Tensor
         if profiler is not None and step == profiled[-1]:
             profiler.stop()
             step_s = sum(out["times"][s] for s in profiled) / len(profiled)
-            trace = Path(run.trace if run.trace and rank == 0 else tempfile.mkstemp(".json")[1])
-            profiler.export_chrome_trace(str(trace))
-            out["profile"] = step_profile(json.loads(trace.read_text()), len(profiled), step_s)
-            if trace != Path(run.trace or ""):
-                trace.unlink()
+            with tempfile.TemporaryDirectory() as folder:  # not at --trace: a file made there since stays
+                exported = Path(folder) / "trace.json"
+                profiler.export_chrome_trace(str(exported))
+                text = exported.read_text()
+            out["profile"] = step_profile(json.loads(text), len(profiled), step_s)
+            if run.trace is not None and rank == 0:
+                pipeline.write_new("--trace", run.trace, text)
             out["profiled"] = list(profiled)
         progress(step, loss, out["times"][step], out["val"][max(out["val"])] if out["val"] else None)
         done = step + 1
@@ -2461,7 +2463,8 @@ def check_before_launch(job: Job, world: int) -> None:
          f"(--vocab 256, or --no-sample)"),
         (run.resume not in (None, "latest") and not run.resume.isdigit(),
          f"--resume takes the step of a kept checkpoint (a number), not {run.resume!r}"),
-        (run.trace and not run.profile, "--trace writes --profile's trace: give --profile STEPS too"),
+        (run.trace is not None and not run.profile,
+         "--trace writes --profile's trace: give --profile STEPS too"),
         (run.profile and run.steps < run.profile + 2,  # it profiled fewer, saying nothing
          f"--profile {run.profile} needs --steps >= {run.profile + 2} (the first two compile and measure), "
          f"not {run.steps}"),
@@ -2481,14 +2484,14 @@ def check_before_launch(job: Job, world: int) -> None:
         batch = f"--global-batch {train.global_batch} x --seq-len {train.seq_len}"
         foundation.check_memory(cfg, train.global_batch, train.seq_len, world, {
             "09's plan of the tensors (a GPU's allowances aside)": int(need * world // sizes.pp)},
-            f"--model {job.model}{experts} with {batch}")
+            f"--model {job.model}{experts} with {batch}", weights=False)  # the plan's tensors hold them
     if job.command == "check":
         return
     if run.data is not None and Path(run.data).is_file():  # read whole (its bytes, then a copy) by each rank
         read = {"its bytes and their copy in each rank and here": 2 * (world + 1) * os.path.getsize(run.data)}
         foundation.check_memory(None, 0, 0, world, read, f"--data {run.data}")
     train_tokens, _ = split_tokens(read_tokens(run.data), train.seq_len, train.global_batch)
-    if run.trace:  # written by rank 0 after the profiled steps: a bad path would strand the others
+    if run.trace is not None:  # written by rank 0 after the profiled steps: a bad path strands the others
         pipeline.check_writable("--trace", run.trace)
     if run.resume and run.folder is None:
         raise ValueError("--resume reads the checkpoint folder that --no-save turns off: drop --no-save")

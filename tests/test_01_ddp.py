@@ -1218,6 +1218,30 @@ def test_launch_world_size(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert foundation.launch_world_size(3) == 1, "under torchrun, torchrun's world size"
+    # An edge hunt's environments typed by hand: a rank with no peer to come waited 120 s in silence, then
+    # a C++ stack; WORLD_SIZE=0 divided by zero; RANK=x was int()'s traceback. Now each is one line.
+    for name, value, message in (("RANK", "5", "RANK=5 must be below WORLD_SIZE=1"),
+                                 ("WORLD_SIZE", "0", "RANK=0 must be below WORLD_SIZE=0"),
+                                 ("RANK", "x", "RANK='x' is not a number"),
+                                 ("MASTER_PORT", "notaport", "MASTER_PORT='notaport' is not a number")):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            with pytest.raises(ValueError, match=re.escape(message)):
+                foundation.launch_world_size(3)
+
+
+def test_ctrl_c_in_a_lesson_of_one_process_is_one_line_and_exit_130(monkeypatch, capsys):
+    """07 and 08's single run a demo in this process: a Ctrl-C printed 40 lines of the Triton interpreter's
+    traceback (an edge hunt); launch's local ranks already said one line."""
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    parser = foundation.LessonParser()
+    with pytest.raises(SystemExit) as exit_:
+        foundation.launch_lesson(parser, argparse.Namespace(), interrupted)
+    assert exit_.value.code == 130 and capsys.readouterr().err == "interrupted\n"
 
 
 def _join_and_leave() -> None:

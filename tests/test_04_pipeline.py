@@ -626,6 +626,7 @@ def test_the_demo_runs_interleaved_where_m_is_a_multiple_of_pp_and_the_bench_alw
     (["--trace", "{tmp}"], "is a folder: name a file in it"),
     (["--trace", "/proc/self/t.json"], "cannot be written"),  # even by root
     (["--trace", "{tmp}/mine.json"], "mine.json exists: name a new file (a run overwrites none it did not make)"),
+    (["--trace", ""], "--trace needs a file name, not an empty one"),  # before: no trace, and not a word
     (["--unit-ms", "nan"], "--unit-ms must be >= 0, not nan"),  # the rules beside the option
     (["--unit-ms", "inf"], "--unit-ms must be <= 1000, not inf"),
     (["--unit-ms", "-1"], "--unit-ms must be >= 0, not -1.0"),
@@ -646,6 +647,21 @@ def test_options_that_would_fail_late_are_refused_before_any_rank_starts(monkeyp
     assert exit_.value.code == 2 and message in err and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == [tmp_path / "mine.json"], "the check leaves nothing behind"
     assert (tmp_path / "mine.json").read_text() == "a user's trace"
+
+
+def test_a_file_made_at_the_trace_path_during_the_run_is_left_as_it_is(tmp_path, capsys):
+    """--trace is checked free before the run (check_writable), written after it: a file someone made
+    there meanwhile was overwritten (an edge hunt's run: a user's file became the trace). 04 and 09 write
+    through write_new, which refuses to replace it and says so."""
+    path = tmp_path / "t.json"
+    pipeline.check_writable("--trace", str(path))
+    assert not path.exists()
+    path.write_text("a user's file")
+    assert not pipeline.write_new("--trace", str(path), "the trace")
+    assert path.read_text() == "a user's file"
+    assert f"--trace {path} was made by something else during the run" in capsys.readouterr().err
+    fresh = tmp_path / "fresh.json"
+    assert pipeline.write_new("--trace", str(fresh), "the trace") and fresh.read_text() == "the trace"
 
 
 @pytest.mark.parametrize("change, message", [

@@ -138,6 +138,14 @@ def test_a_lesson_of_one_process_refuses_bad_options_and_torchrun_before_its_dem
     ("03_tensor_parallel", ["--seq-len", "1000000000"], 4 * 1_000_000_000 * 127 * 4),
     ("04_pipeline", ["--global-batch", "4000000000"], 4_000_000_000 * 32 * 128 * 4),
     ("06_expert_parallel", ["--global-batch", "4000000000"], 4_000_000_000 * 32 * 128 * 4),
+    # the layers' fp32 weights (01's default layer: q, k, v, out of 64 x 64, SwiGLU's 3 of 64 x 176):
+    # before, 04's check counted 2 layers, not pp x virtual, and 05's none; the run went silent for minutes
+    ("04_pipeline", ["--virtual", "1000000"], 4 * 2 * 1_000_000 * (4 * 64 * 64 + 3 * 64 * 176)),
+    ("05_context_parallel", ["--heads", "2", "--kv-heads", "2", "--head-dim", "524288"], 4 * 2 * 4 * 1_048_576 ** 2),
+    # --bench had no check: an allocator's traceback after every rank started
+    ("04_pipeline", ["--bench", "--microbatches", "100000000"], 2 * 100_000_000 * 64 * 1024 * 4),  # the logits
+    ("06_expert_parallel", ["--bench", "--bench-dim", "1000000"], 4 * 8 * 3 * 4 * 1_000_000 ** 2),
+    ("06_expert_parallel", ["--experts", "100000000"], 4 * 2 * 100_000_000 * 3 * 64 * 64),  # the experts
     ("05_context_parallel", ["--seq-len", "1000000"], 8 * 2 * 8 * 1_000_000 ** 2),  # float64 scores
     pytest.param("07_flash_attention", ["--seq", "40000", "--heads", "8"], 2 * 8 * 2 * 8 * 40_000 ** 2,
                  marks=pytest.mark.skipif(not LESSON_MODULES["07_flash_attention"].INTERPRETED,
