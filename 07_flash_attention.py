@@ -360,10 +360,10 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, seq_q, seq_k, seq_q_bucket, seq_
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] \
             or q.shape[3] != k.shape[3] or q.shape[1] % max(k.shape[1], 1) \
-            or min(q.shape[2], k.shape[2], k.shape[1]) < 1 or not 16 <= q.shape[3] <= 128:
+            or min(q.shape[1], q.shape[2], k.shape[2], k.shape[1]) < 1 or not 16 <= q.shape[3] <= 128:
         raise ValueError(f"expected q (batch, heads, seq_q, head_dim), k and v (batch, kv_heads, seq_k, "
-                         f"head_dim) with kv_heads dividing heads, 16 <= head_dim <= 128; got {q.shape}, "
-                         f"{k.shape}, {v.shape}")
+                         f"head_dim) with kv_heads dividing heads, each size >= 1 but the batch, 16 <= "
+                         f"head_dim <= 128; got {q.shape}, {k.shape}, {v.shape}")
     if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q, k, v must share one of fp16, bf16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
     if INTERPRETED and q.dtype == torch.bfloat16:
@@ -660,7 +660,8 @@ def demo(args: argparse.Namespace) -> None:
                    q, k, v, dout, dlse)
     no_key = ours[1].isinf()
     heads = args.batch * args.heads
-    print(f"{int(no_key[0, 0].sum())} rows of each (batch, head) see no key ({int(no_key.sum())} over the "
+    rows = foundation.counted(int(no_key[0, 0].sum()), "row")
+    print(f"{rows} of each (batch, head) see no key ({int(no_key.sum())} over the "
           f"{heads}): out 0 and lse -inf there, no NaN anywhere: "
           f"{bool((ours[0][no_key] == 0).all()) and not any(t.isnan().any() for t in ours)}")
     scores = heads * args.seq ** 2 * 4

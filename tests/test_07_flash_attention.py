@@ -396,6 +396,9 @@ def test_rejects_bad_input():
         flash.flash_attention(q, q[:, :, :, :8], q[:, :, :, :8])
     with pytest.raises(ValueError, match="with kv_heads dividing heads"):  # 3 query heads, 2 K/V heads
         flash.flash_attention(torch.randn(1, 3, 8, 16, device=DEVICE), q, q)
+    for empty in (q[:, :, :0], q[:, :0]):  # no query, no head: the message named neither (an edge hunt)
+        with pytest.raises(ValueError, match="each size >= 1 but the batch"):
+            flash.flash_attention(empty, q, q)
     with pytest.raises(ValueError, match="must share one"):
         flash.flash_attention(q, q.half(), q)
     if flash.INTERPRETED:
