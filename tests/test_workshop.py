@@ -700,18 +700,34 @@ def copies(changes: list[Change]) -> list[list[Change]]:
 COPIES = copies(CHANGES)
 
 
-def plant(copy: Path, exercise_id: str, edits) -> None:
-    """Each right text, exactly once in the exercise's bodies, replaced by the wrong one."""
-    file = workshop.BY_ID[exercise_id].file
-    for right, wrong in edits:
-        source = (copy / file).read_text()
-        lines = source.splitlines(keepends=True)
-        spans = [workshop.body_span(source, workshop.function_node(ast.parse(source), name))[:2]
-                 for name in workshop.BY_ID[exercise_id].names]
-        bodies = ["".join(lines[first - 1:last]) for first, last in spans]
-        assert sum(body.count(right) for body in bodies) == 1, f"{exercise_id}: {right!r} is not in it once"
-        (first, last), body = next((span, body) for span, body in zip(spans, bodies) if right in body)
-        (copy / file).write_text("".join(lines[:first - 1]) + body.replace(right, wrong) + "".join(lines[last:]))
+def planted_bodies(change: Change) -> dict[str, str]:
+    """The exercise's bodies as the course has them -> as planted: each right text, exactly once in the
+    bodies, replaced by the wrong one. Parsed here, in the suite's thread, never in the grading's: two
+    threads in Python 3.11's ast at once corrupt its recursion count (a .ci/run's grading thread raised
+    "AST constructor recursion depth mismatch", and every graded test failed)."""
+    source = (COURSE / workshop.BY_ID[change.exercise].file).read_text()
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    spans = [workshop.body_span(source, workshop.function_node(tree, name))[:2]
+             for name in workshop.BY_ID[change.exercise].names]
+    planted = {body: body for body in ("".join(lines[first - 1:last]) for first, last in spans)}
+    for right, wrong in change.edits:
+        found = [body for body, now in planted.items() if right in now]
+        assert sum(now.count(right) for now in planted.values()) == 1, \
+            f"{change.exercise}: {right!r} is not in it once"
+        planted[found[0]] = planted[found[0]].replace(right, wrong)
+    return planted
+
+
+def plant(copy: Path, change: Change, planted: dict[str, str]) -> None:
+    """The planted bodies in the copy, in place of the course's (each there once: a copy blanks other
+    exercises only)."""
+    file = copy / workshop.BY_ID[change.exercise].file
+    source = file.read_text()
+    for body, now in planted.items():
+        assert source.count(body) == 1, f"{change.exercise}: a body is not in {file.name} once"
+        source = source.replace(body, now)
+    file.write_text(source)
 
 
 class Grading:
@@ -733,6 +749,7 @@ class Grading:
         self.at_once = 1
         self.thread: threading.Thread | None = None
         self.pending: list[int | str] = []
+        self.planted: dict[tuple[int, str], dict[str, str]] = {}  # (copy, exercise): planted_bodies
         self.failure: BaseException | None = None
         self.closing = threading.Event()
         self.cleanup = contextlib.ExitStack()
@@ -742,6 +759,8 @@ class Grading:
         """Grade these sessions (copy numbers, "solved"), in ALL_SESSIONS' order."""
         if self.thread is None:
             self.pending = [name for name in ALL_SESSIONS if name in sessions]
+            self.planted = {(name, change.exercise): planted_bodies(change) for name in self.pending
+                            if name != "solved" for change in COPIES[name] if change.rule is not None}
             self.thread = threading.Thread(target=self._grade, name="workshop grading", daemon=True)
             self.thread.start()
 
@@ -772,7 +791,7 @@ class Grading:
         assert run_workshop("copy", copy, "--exercises", ",".join(blank)).returncode == 0
         for change in group:
             if change.rule is not None:
-                plant(copy, change.exercise, change.edits)
+                plant(copy, change, self.planted[name, change.exercise])
         proofs = [f"--proof={node}" for change in group for node in change.node_ids]
         return ("check", *(change.exercise for change in group), "--copy", copy, *proofs)
 
