@@ -623,12 +623,11 @@ def gpt_config(args: argparse.Namespace) -> foundation.ModelConfig:
 
 def demo_memory(args: argparse.Namespace, cp: int) -> None:
     """The demo's largest tensors (the GPT runs', the attention scores) against this machine's memory."""
-    cfg = gpt_config(args)
     scores = {"the float64 reference attention's scores": 8 * 2 * args.heads * args.seq_len ** 2,
               "the work comparison's block scores": 8 * args.heads * args.work_seq_len ** 2 // cp}
     sizes = (f"--global-batch {args.global_batch}, --seq-len {args.seq_len}, --work-seq-len "
              f"{args.work_seq_len}, --heads {args.heads} x --head-dim {args.head_dim}")
-    foundation.check_memory(cfg, args.global_batch, args.seq_len, cp, scores, what=sizes)
+    foundation.check_memory(gpt_config(args), args.global_batch, args.seq_len, cp, scores, what=sizes)
 
 
 def validate_sequences(args: argparse.Namespace, cp: int) -> None:
